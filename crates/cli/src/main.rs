@@ -1,0 +1,638 @@
+//! The `tidemark` binary. Every command prints one JSON document on stdout. Protocol outcomes
+//! (including rejections such as `stale` or `conflict`) exit 0; invalid input exits 2 with a
+//! JSON error carrying a stable code; internal errors exit 1. Exit codes are mapped here only.
+
+mod bench;
+mod demo;
+mod experiment;
+mod pipeline;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::flow::AdvanceRequest;
+use tidemark_core::limits::{ENVELOPE_BYTES_MAX, PRUNE_BATCH_ROWS_MAX};
+use tidemark_core::policy::{RelayPolicy, RetentionPolicy};
+use tidemark_core::reservation::ReservationMachine;
+use tidemark_core::store::{
+    ApplyOutcome, ConsumerStore, DeliveryAction, DeliveryStatus, DrainScope, InboxStatus, ProducerStore, Subscription,
+};
+use tidemark_core::{Envelope, Error};
+use tidemark_engine::{relay_once, RelayOptions};
+use tidemark_store_sqlite::reservation::{self, ReservationHandler};
+use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
+
+#[derive(Parser)]
+#[command(name = "tidemark", version, about = "Ordered transactional outbox/inbox on embedded SQLite")]
+struct Cli {
+    /// `full` (default: every commit is fsynced) or `normal` (WAL without fsync per commit:
+    /// survives a process crash, may lose the last commits on power loss).
+    #[arg(long, global = true, value_enum, default_value_t = DurabilityArg::Full)]
+    durability: DurabilityArg,
+    /// Use this clock (milliseconds since the Unix epoch) instead of the system clock. For
+    /// replaying scenarios and testing retention; never needed in production.
+    #[arg(long, global = true)]
+    now_ms: Option<i64>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DurabilityArg {
+    Full,
+    Normal,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create (or reopen, never reset) a producer and/or a consumer database.
+    Init(InitArgs),
+    /// Move a reservation flow to its next state and commit the event to the outbox.
+    Advance(AdvanceArgs),
+    /// Subscribe a consumer (id + consumer database) to a producer's events.
+    Subscribe(SubscribeArgs),
+    /// Deliver due outbox events to their subscribers, in batches.
+    Relay(RelayArgs),
+    /// Store one event (JSON envelope from --file or stdin) in a consumer's inbox.
+    Receive(ReceiveArgs),
+    /// Apply the next event (high-water + 1) of one flow.
+    Apply(ApplyArgs),
+    /// Apply across flows, bounded by --limit, in one transaction.
+    Drain(DrainArgs),
+    /// Read both files (each in one read transaction; the two are not one atomic snapshot).
+    Snapshot(SnapshotArgs),
+    /// Outbox deliveries: list, resolve quarantined entries, rotate the producer generation.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// Inbox records: list, skip a blocked record, show high-water marks.
+    #[command(subcommand)]
+    Inbox(InboxCommand),
+    /// Compact applied records into receipts and drop receipts past the horizon.
+    Prune(PruneArgs),
+    /// Rename a consumer, carrying its dedup state and projections over.
+    RenameConsumer(RenameArgs),
+    /// Run the whole pipeline on fresh files and print what happened.
+    Demo(demo::DemoArgs),
+    /// Reproduce every scenario of docs/scenarios.md; --check compares with the expected state.
+    Experiment(experiment::ExperimentArgs),
+    /// Measure throughput (see docs/benchmarks.md).
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct InitArgs {
+    #[arg(long)]
+    producer: Option<PathBuf>,
+    /// The producer's namespace (required with --producer).
+    #[arg(long)]
+    source: Option<String>,
+    #[arg(long = "consumer-db")]
+    consumer_db: Option<PathBuf>,
+    /// Consumer retention horizon: older events are `expired`, older receipts deleted.
+    #[arg(long, default_value_t = RetentionPolicy::default().horizon_ms)]
+    horizon_ms: i64,
+}
+
+#[derive(Args)]
+struct AdvanceArgs {
+    #[arg(long)]
+    producer: PathBuf,
+    #[arg(long)]
+    flow: String,
+    /// The seq you last saw for this flow (0 for a new flow).
+    #[arg(long)]
+    expected_seq: i64,
+    /// Target state: reserved, confirmed or released.
+    #[arg(long)]
+    to: String,
+    /// Quantity 1..=1,000,000 (required to reserve; optional later, must match).
+    #[arg(long)]
+    quantity: Option<i64>,
+    /// Payload schema: 1 (`amount`) or 2 (`units`).
+    #[arg(long, default_value_t = 1)]
+    schema_version: u32,
+}
+
+#[derive(Args)]
+struct SubscribeArgs {
+    #[arg(long)]
+    producer: PathBuf,
+    #[arg(long)]
+    consumer_id: String,
+    /// The consumer database path.
+    #[arg(long)]
+    endpoint: PathBuf,
+    /// Also queue every event already in the outbox.
+    #[arg(long)]
+    from_start: bool,
+}
+
+#[derive(Args)]
+struct RelayArgs {
+    #[arg(long)]
+    producer: PathBuf,
+    /// Deliveries per batch (one consumer and one producer transaction).
+    #[arg(long, default_value_t = 1_000)]
+    limit: usize,
+    /// Deliver only this event (its pending or quarantined deliveries), due or not.
+    #[arg(long)]
+    event: Option<String>,
+    /// Repeat batches until nothing is due (bounded by --passes).
+    #[arg(long)]
+    until_idle: bool,
+    /// Upper bound of batches with --until-idle.
+    #[arg(long, default_value_t = 10_000)]
+    passes: u32,
+    #[arg(long, default_value_t = RelayPolicy::default().max_attempts)]
+    max_attempts: u32,
+    #[arg(long, default_value_t = RelayPolicy::default().backoff_base_ms)]
+    backoff_base_ms: i64,
+    #[arg(long, default_value_t = RelayPolicy::default().backoff_max_ms)]
+    backoff_max_ms: i64,
+    /// Include one answer per delivery in the output.
+    #[arg(long)]
+    verbose: bool,
+}
+
+#[derive(Args)]
+struct ReceiveArgs {
+    #[arg(long = "consumer-db")]
+    consumer_db: PathBuf,
+    #[arg(long)]
+    consumer_id: String,
+    /// Envelope JSON file; stdin when absent or `-`.
+    #[arg(long)]
+    file: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct HandlerArgs {
+    /// Enable the v2 payload decoders (`payload.units`).
+    #[arg(long)]
+    support_v2: bool,
+}
+
+#[derive(Args)]
+struct ApplyArgs {
+    #[arg(long = "consumer-db")]
+    consumer_db: PathBuf,
+    #[arg(long)]
+    consumer_id: String,
+    #[arg(long)]
+    source: String,
+    #[arg(long)]
+    flow: String,
+    #[command(flatten)]
+    handler: HandlerArgs,
+}
+
+#[derive(Args)]
+struct DrainArgs {
+    #[arg(long = "consumer-db")]
+    consumer_db: PathBuf,
+    #[arg(long)]
+    consumer_id: String,
+    #[arg(long, default_value_t = 1_000)]
+    limit: usize,
+    #[command(flatten)]
+    handler: HandlerArgs,
+}
+
+#[derive(Args)]
+struct SnapshotArgs {
+    #[arg(long)]
+    producer: Option<PathBuf>,
+    #[arg(long = "consumer-db")]
+    consumer_db: Option<PathBuf>,
+    /// Rows per table at most.
+    #[arg(long, default_value_t = 1_000)]
+    rows_max: usize,
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// List deliveries, optionally by status (pending, accepted, quarantined, dismissed).
+    List {
+        #[arg(long)]
+        producer: PathBuf,
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Requeue or dismiss a quarantined delivery, with a reason.
+    Resolve {
+        #[arg(long)]
+        producer: PathBuf,
+        #[arg(long)]
+        event: String,
+        #[arg(long)]
+        consumer_id: String,
+        #[arg(long, value_enum)]
+        action: ActionArg,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Give the producer a new generation id (after restoring it from a backup).
+    RotateGeneration {
+        #[arg(long)]
+        producer: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ActionArg {
+    Requeue,
+    Dismiss,
+}
+
+#[derive(Subcommand)]
+enum InboxCommand {
+    /// List inbox records, optionally by status (pending, applied, blocked, skipped).
+    List {
+        #[arg(long = "consumer-db")]
+        consumer_db: PathBuf,
+        #[arg(long)]
+        consumer_id: String,
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Skip a blocked record (its handler never runs) so its flow goes on. Recorded with the reason.
+    Skip {
+        #[arg(long = "consumer-db")]
+        consumer_db: PathBuf,
+        #[arg(long)]
+        consumer_id: String,
+        #[arg(long)]
+        event: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Per-flow high-water marks.
+    Cursors {
+        #[arg(long = "consumer-db")]
+        consumer_db: PathBuf,
+        #[arg(long)]
+        consumer_id: Option<String>,
+    },
+}
+
+#[derive(Args)]
+struct PruneArgs {
+    #[arg(long = "consumer-db")]
+    consumer_db: PathBuf,
+    /// Keep full bodies of applied records this long before compacting them into receipts.
+    #[arg(long, default_value_t = 7 * tidemark_core::policy::DAY_MS)]
+    applied_retention_ms: i64,
+    /// Rows per transaction.
+    #[arg(long, default_value_t = 1_000)]
+    batch_rows: usize,
+}
+
+#[derive(Args)]
+struct RenameArgs {
+    #[arg(long = "consumer-db")]
+    consumer_db: PathBuf,
+    #[arg(long)]
+    from: String,
+    #[arg(long)]
+    to: String,
+    /// Also rename the producer's subscription (second step, after the consumer database).
+    #[arg(long)]
+    producer: Option<PathBuf>,
+}
+
+/// Shared context of one invocation.
+pub struct Context {
+    pub durability: Durability,
+    pub fixed_now_ms: Option<i64>,
+}
+
+impl Context {
+    pub fn now_ms(&self) -> i64 {
+        self.fixed_now_ms.unwrap_or_else(tidemark_engine::now_ms)
+    }
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+fn to_json<T: serde::Serialize>(value: &T) -> Value {
+    serde_json::to_value(value).expect("outputs serialise")
+}
+
+/// Open a consumer database with the built-in reservation tables installed.
+pub fn open_consumer(path: &Path, durability: Durability) -> tidemark_core::Result<SqliteConsumer> {
+    let consumer = SqliteConsumer::open_with(path, durability)?;
+    reservation::install(&consumer)?;
+    Ok(consumer)
+}
+
+fn read_envelope(file: Option<&Path>) -> tidemark_core::Result<Envelope> {
+    let mut bytes = Vec::new();
+    let limit = ENVELOPE_BYTES_MAX as u64 + 1;
+    match file {
+        Some(path) if path != Path::new("-") => {
+            let handle =
+                std::fs::File::open(path).map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+            handle.take(limit).read_to_end(&mut bytes)
+        }
+        _ => std::io::stdin().take(limit).read_to_end(&mut bytes),
+    }
+    .map_err(|e| invalid(format!("cannot read the envelope: {e}")))?;
+    Envelope::parse(&bytes)
+}
+
+fn run(cli: Cli) -> tidemark_core::Result<Value> {
+    let ctx = Context {
+        durability: match cli.durability {
+            DurabilityArg::Full => Durability::Full,
+            DurabilityArg::Normal => Durability::Normal,
+        },
+        fixed_now_ms: cli.now_ms,
+    };
+    match cli.command {
+        Command::Init(args) => {
+            if args.producer.is_none() && args.consumer_db.is_none() {
+                return Err(invalid("give --producer PATH --source S and/or --consumer-db PATH"));
+            }
+            let mut out = json!({"outcome": "initialized"});
+            if let Some(path) = &args.producer {
+                let source = args.source.as_deref().ok_or_else(|| invalid("--producer needs --source"))?;
+                tidemark_core::id::validate_id("source", source)?;
+                let producer = SqliteProducer::init(path, source)?;
+                out["producer"] = to_json(producer.identity());
+            }
+            if let Some(path) = &args.consumer_db {
+                let consumer = SqliteConsumer::init(path, RetentionPolicy { horizon_ms: args.horizon_ms })?;
+                reservation::install(&consumer)?;
+                out["consumer"] = json!({"horizon_ms": consumer.retention().horizon_ms});
+            }
+            Ok(out)
+        }
+        Command::Advance(args) => {
+            let mut input = serde_json::Map::new();
+            if let Some(quantity) = args.quantity {
+                input.insert("quantity".into(), json!(quantity));
+            }
+            let request = AdvanceRequest {
+                flow_id: args.flow,
+                expected_seq: args.expected_seq,
+                to_state: args.to,
+                input: Value::Object(input),
+                schema_version: args.schema_version,
+            };
+            // Validate before opening so that bad input never touches the file.
+            tidemark_core::flow::validate_request(&ReservationMachine, &request)?;
+            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            let mut outcomes = producer.advance_batch(&ReservationMachine, &[request], ctx.now_ms())?;
+            Ok(to_json(&outcomes.pop().expect("one outcome per request")))
+        }
+        Command::Subscribe(args) => {
+            tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            // The endpoint must be an initialised consumer database.
+            SqliteConsumer::open(&args.endpoint)?;
+            let endpoint = std::fs::canonicalize(&args.endpoint)
+                .map_err(|e| invalid(format!("cannot resolve {}: {e}", args.endpoint.display())))?;
+            let subscription =
+                Subscription { consumer_id: args.consumer_id, endpoint: endpoint.to_string_lossy().into_owned() };
+            let queued = producer.subscribe(&subscription, args.from_start, ctx.now_ms())?;
+            Ok(json!({"outcome": "subscribed", "subscription": subscription, "queued": queued}))
+        }
+        Command::Relay(args) => {
+            let options = RelayOptions {
+                limit: args.limit,
+                event_id: args.event,
+                policy: RelayPolicy {
+                    max_attempts: args.max_attempts,
+                    backoff_base_ms: args.backoff_base_ms,
+                    backoff_max_ms: args.backoff_max_ms,
+                },
+                keep_answers: args.verbose,
+            };
+            tidemark_core::id::validate_limit("--limit", options.limit, tidemark_core::limits::RELAY_BATCH_EVENTS_MAX)?;
+            options.policy.validate()?;
+            if let Some(event) = &options.event_id {
+                tidemark_core::id::validate_id("event_id", event)?;
+            }
+            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            let mut endpoints = SqliteEndpoints::new(ctx.durability);
+            let mut total = tidemark_engine::RelayReport::default();
+            let mut passes = 0;
+            loop {
+                passes += 1;
+                let report =
+                    relay_once(&mut producer, &mut endpoints, &options, ctx.now_ms(), &mut rand::random::<f64>)?;
+                let done = report.attempted == 0;
+                pipeline::add_relay_report(&mut total, report);
+                if !args.until_idle || done || passes >= args.passes || options.event_id.is_some() {
+                    break;
+                }
+            }
+            let mut out = to_json(&total);
+            out["outcome"] = json!("relayed");
+            out["passes"] = json!(passes);
+            Ok(out)
+        }
+        Command::Receive(args) => {
+            tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+            let envelope = read_envelope(args.file.as_deref())?;
+            let mut consumer = SqliteConsumer::open_with(&args.consumer_db, ctx.durability)?;
+            let mut outcomes = consumer.receive_batch(&[(args.consumer_id.as_str(), &envelope)], ctx.now_ms())?;
+            Ok(to_json(&outcomes.pop().expect("one outcome per event")))
+        }
+        Command::Apply(args) => {
+            tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+            let scope = DrainScope::Flow { source: args.source.clone(), flow_id: args.flow.clone() };
+            tidemark_core::id::validate_id("source", &args.source)?;
+            tidemark_core::id::validate_id("flow_id", &args.flow)?;
+            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
+            let mut handler = ReservationHandler::new(args.handler.support_v2);
+            let report = consumer.drain(&args.consumer_id, &scope, 1, &mut handler, ctx.now_ms())?;
+            let outcome = match (report.last_applied, report.stuck.into_iter().next()) {
+                (Some(applied), _) => applied,
+                (None, Some(stuck)) => stuck,
+                (None, None) => {
+                    let high_water_seq = consumer
+                        .cursors(Some(&args.consumer_id))?
+                        .into_iter()
+                        .find(|c| c.source == args.source && c.flow_id == args.flow)
+                        .map_or(0, |c| c.high_water_seq);
+                    ApplyOutcome::Idle { source: args.source, flow_id: args.flow, high_water_seq }
+                }
+            };
+            Ok(to_json(&outcome))
+        }
+        Command::Drain(args) => {
+            tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+            tidemark_core::id::validate_limit("--limit", args.limit, tidemark_core::limits::DRAIN_BATCH_EVENTS_MAX)?;
+            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
+            let mut handler = ReservationHandler::new(args.handler.support_v2);
+            let report = consumer.drain(&args.consumer_id, &DrainScope::All, args.limit, &mut handler, ctx.now_ms())?;
+            Ok(to_json(&report))
+        }
+        Command::Snapshot(args) => {
+            if args.producer.is_none() && args.consumer_db.is_none() {
+                return Err(invalid("give --producer and/or --consumer-db"));
+            }
+            tidemark_core::id::validate_limit("--rows-max", args.rows_max, 100_000)?;
+            let mut out = json!({
+                "outcome": "snapshot",
+                "atomic_across_files": false,
+                "note": "each file was read in its own read transaction; the two are not one atomic snapshot",
+            });
+            if let Some(path) = &args.producer {
+                let producer = SqliteProducer::open_with(path, ctx.durability)?;
+                out["producer"] = to_json(&producer.snapshot(args.rows_max)?);
+            }
+            if let Some(path) = &args.consumer_db {
+                let consumer = open_consumer(path, ctx.durability)?;
+                let mut consumer_json = to_json(&consumer.snapshot(args.rows_max)?);
+                let (projections, effects) = reservation::read(consumer.connection(), args.rows_max)?;
+                consumer_json["reservation_projection"] = to_json(&projections);
+                consumer_json["reservation_effects"] = to_json(&effects);
+                out["consumer"] = consumer_json;
+            }
+            Ok(out)
+        }
+        Command::Outbox(command) => match command {
+            OutboxCommand::List { producer, status, limit } => {
+                let status = status
+                    .map(|s| DeliveryStatus::parse(&s).ok_or_else(|| invalid(format!("unknown delivery status {s:?}"))))
+                    .transpose()?;
+                tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
+                let producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let entries = producer.deliveries(status, limit)?;
+                Ok(json!({"outcome": "listed", "deliveries": entries}))
+            }
+            OutboxCommand::Resolve { producer, event, consumer_id, action, reason } => {
+                tidemark_core::id::validate_id("event_id", &event)?;
+                tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
+                tidemark_core::id::validate_reason(&reason)?;
+                let action = match action {
+                    ActionArg::Requeue => DeliveryAction::Requeue,
+                    ActionArg::Dismiss => DeliveryAction::Dismiss,
+                };
+                let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let entry = producer.resolve_delivery(&event, &consumer_id, action, &reason, ctx.now_ms())?;
+                Ok(json!({"outcome": "resolved", "delivery": entry}))
+            }
+            OutboxCommand::RotateGeneration { producer } => {
+                let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let identity = producer.rotate_generation()?;
+                Ok(json!({"outcome": "rotated", "producer": identity}))
+            }
+        },
+        Command::Inbox(command) => match command {
+            InboxCommand::List { consumer_db, consumer_id, status, limit } => {
+                tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
+                let status = status
+                    .map(|s| InboxStatus::parse(&s).ok_or_else(|| invalid(format!("unknown inbox status {s:?}"))))
+                    .transpose()?;
+                tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
+                let consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                Ok(json!({"outcome": "listed", "records": consumer.inbox(&consumer_id, status, limit)?}))
+            }
+            InboxCommand::Skip { consumer_db, consumer_id, event, reason } => {
+                tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
+                tidemark_core::id::validate_id("event_id", &event)?;
+                tidemark_core::id::validate_reason(&reason)?;
+                let mut consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                let entry = consumer.skip_blocked(&consumer_id, &event, &reason, ctx.now_ms())?;
+                Ok(json!({"outcome": "skipped", "record": entry}))
+            }
+            InboxCommand::Cursors { consumer_db, consumer_id } => {
+                if let Some(id) = &consumer_id {
+                    tidemark_core::id::validate_id("consumer_id", id)?;
+                }
+                let consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                Ok(json!({"outcome": "listed", "cursors": consumer.cursors(consumer_id.as_deref())?}))
+            }
+        },
+        Command::Prune(args) => {
+            tidemark_core::id::validate_limit("--batch-rows", args.batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+            if args.applied_retention_ms < 0 {
+                return Err(invalid("--applied-retention-ms must be >= 0"));
+            }
+            let mut consumer = SqliteConsumer::open_with(&args.consumer_db, ctx.durability)?;
+            let mut total = tidemark_core::store::PruneReport::default();
+            let mut batches = 0_u64;
+            // Bounded: each batch removes rows, so at most (rows / batch) + 1 batches run.
+            loop {
+                batches += 1;
+                let report = consumer.prune(args.applied_retention_ms, args.batch_rows, ctx.now_ms())?;
+                total.compacted += report.compacted;
+                total.receipts_deleted += report.receipts_deleted;
+                if !report.more {
+                    break;
+                }
+            }
+            let mut out = to_json(&total);
+            out["outcome"] = json!("pruned");
+            out["batches"] = json!(batches);
+            Ok(out)
+        }
+        Command::RenameConsumer(args) => {
+            tidemark_core::id::validate_id("from", &args.from)?;
+            tidemark_core::id::validate_id("to", &args.to)?;
+            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
+            let report = consumer.rename_consumer(&args.from, &args.to)?;
+            let mut out = json!({"outcome": "renamed", "from": args.from, "to": args.to, "consumer": report});
+            if let Some(path) = &args.producer {
+                let mut producer = SqliteProducer::open_with(path, ctx.durability)?;
+                out["producer_deliveries_moved"] = json!(producer.rename_subscription(&args.from, &args.to)?);
+            }
+            Ok(out)
+        }
+        Command::Demo(args) => demo::run(&ctx, args),
+        Command::Experiment(args) => experiment::run(&ctx, args),
+        Command::Bench(args) => bench::run(&ctx, args),
+    }
+}
+
+fn error_json(code: &str, message: &str) -> String {
+    json!({"outcome": "error", "error": {"code": code, "message": message}}).to_string()
+}
+
+fn main() {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                error.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                let _ = error.print();
+                std::process::exit(if error.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                    2
+                } else {
+                    0
+                });
+            }
+            let message = error.render().to_string();
+            println!("{}", error_json(codes::INVALID_ARGUMENT, message.trim()));
+            std::process::exit(2);
+        }
+    };
+    match run(cli) {
+        Ok(value) => {
+            println!("{}", serde_json::to_string_pretty(&value).expect("json"));
+            let failed_check = value.get("check").and_then(|c| c.get("passed")).and_then(Value::as_bool) == Some(false);
+            std::process::exit(if failed_check { 1 } else { 0 });
+        }
+        Err(error) => {
+            println!("{}", error_json(error.code(), &error.to_string()));
+            std::process::exit(if error.is_invalid_input() { 2 } else { 1 });
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! tidemark's integration tests: one test binary, one module per concern. They run the real
+//! `tidemark` binary on real SQLite files; crash tests need the `failpoints` feature
+//! (`cargo test --workspace --all-features`) and say so when it is missing.
+
+mod support;
+
+mod arrival_orders;
+mod cli_contract;
+mod concurrency;
+mod crash;
+mod experiment;
+mod model_check;

@@ -1,0 +1,67 @@
+//! Named crash points at commit boundaries, for crash tests.
+//!
+//! Compiled in only with the `failpoints` cargo feature. `TIDEMARK_CRASH_AT=<name>` makes the
+//! process exit with code 73 the first time it reaches `<name>`; `<name>@<n>` on the n-th time.
+//! Without the feature, [`hit`] is an empty inline function.
+
+/// Every crash point, in protocol order. Tests iterate this list; `hit` rejects unknown names.
+pub const CRASH_POINTS: &[&str] = &[
+    "advance.before_commit",
+    "advance.after_commit",
+    "relay.after_consumer_commit",
+    "relay.before_producer_commit",
+    "relay.after_producer_commit",
+    "receive.before_commit",
+    "receive.after_commit",
+    "apply.after_handler",
+    "apply.before_commit",
+    "apply.after_commit",
+    "prune.before_commit",
+    "prune.after_commit",
+    "resolve.before_commit",
+    "rename.before_commit",
+];
+
+/// The exit code of a process killed at a crash point.
+pub const CRASH_EXIT_CODE: i32 = 73;
+
+#[cfg(feature = "failpoints")]
+mod armed {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+
+    pub(super) struct Armed {
+        pub name: String,
+        pub on_hit: u64,
+        pub hits: AtomicU64,
+    }
+
+    pub(super) fn armed() -> &'static Option<Armed> {
+        static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
+        ARMED.get_or_init(|| {
+            let spec = std::env::var("TIDEMARK_CRASH_AT").ok()?;
+            let (name, on_hit) = match spec.split_once('@') {
+                Some((name, n)) => (name.to_string(), n.parse().unwrap_or(1)),
+                None => (spec, 1),
+            };
+            Some(Armed { name, on_hit, hits: AtomicU64::new(0) })
+        })
+    }
+
+    pub(super) fn hit(name: &str) {
+        if let Some(armed) = armed() {
+            if armed.name == name && armed.hits.fetch_add(1, Ordering::SeqCst) + 1 == armed.on_hit {
+                eprintln!("tidemark: crash point {name} reached; exiting with code {}", super::CRASH_EXIT_CODE);
+                std::process::exit(super::CRASH_EXIT_CODE);
+            }
+        }
+    }
+}
+
+/// Reach the crash point `name`.
+#[inline]
+pub fn hit(name: &'static str) {
+    debug_assert!(CRASH_POINTS.contains(&name), "unknown crash point {name}");
+    #[cfg(feature = "failpoints")]
+    armed::hit(name);
+}

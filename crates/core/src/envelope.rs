@@ -1,0 +1,174 @@
+//! The event envelope: what leaves a producer's outbox and lands in a consumer's inbox.
+//!
+//! Identity is two-fold: `event_id`, and `(source, flow_id, seq)`. Content is compared by a
+//! canonical SHA-256 hash over the whole envelope, on every path that finds an existing record.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::error::{codes, Error, Result};
+use crate::id::validate_id;
+use crate::limits::{ENVELOPE_BYTES_MAX, PAYLOAD_BYTES_MAX, SCHEMA_VERSION_MAX};
+
+/// One immutable event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Envelope {
+    pub event_id: String,
+    /// The producer namespace (one per producer database).
+    pub source: String,
+    /// The producer database incarnation; a re-created or rotated producer has a new one.
+    pub generation: String,
+    pub flow_id: String,
+    /// Position in the flow: exactly previous + 1, starting at 1.
+    pub seq: i64,
+    pub event_type: String,
+    pub schema_version: u32,
+    pub payload: serde_json::Value,
+    /// Producer clock at commit, milliseconds since the Unix epoch.
+    pub created_at_ms: i64,
+}
+
+impl Envelope {
+    /// Parse an envelope from external bytes (file, stdin, HTTP). Malformed input is an error.
+    pub fn parse(bytes: &[u8]) -> Result<Envelope> {
+        if bytes.len() > ENVELOPE_BYTES_MAX {
+            return Err(Error::invalid(
+                codes::PAYLOAD_TOO_LARGE,
+                format!("envelope is {} bytes, limit is {ENVELOPE_BYTES_MAX}", bytes.len()),
+            ));
+        }
+        let envelope: Envelope = serde_json::from_slice(bytes)
+            .map_err(|e| Error::invalid(codes::INVALID_ENVELOPE, format!("malformed envelope: {e}")))?;
+        envelope.validate()?;
+        Ok(envelope)
+    }
+
+    /// Check the transport-level shape: ids, seq, version, payload size. Semantic checks
+    /// (known version, valid payload, valid transition) happen at apply and become `blocked`.
+    pub fn validate(&self) -> Result<()> {
+        validate_id("event_id", &self.event_id)?;
+        validate_id("source", &self.source)?;
+        validate_id("generation", &self.generation)?;
+        validate_id("flow_id", &self.flow_id)?;
+        validate_id("event_type", &self.event_type)?;
+        validate_seq("seq", self.seq)?;
+        validate_schema_version(self.schema_version)?;
+        if self.created_at_ms < 0 {
+            return Err(Error::invalid(codes::INVALID_ENVELOPE, "created_at_ms must be >= 0"));
+        }
+        validate_payload(&self.payload)?;
+        Ok(())
+    }
+
+    /// The canonical encoding: fields in declaration order, object keys sorted, no whitespace.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        // serde_json's Value keeps object keys in a BTreeMap (the `preserve_order` feature is not
+        // enabled anywhere in the workspace; `canonical_encoding_sorts_keys` guards that).
+        serde_json::to_vec(self).expect("an envelope always serialises")
+    }
+
+    /// Hex SHA-256 of the canonical encoding.
+    pub fn content_hash(&self) -> String {
+        hash_hex(&self.canonical_bytes())
+    }
+}
+
+pub fn hash_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    let digest = Sha256::digest(bytes);
+    let mut out = String::with_capacity(64);
+    for byte in digest {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
+}
+
+pub fn validate_seq(field: &str, seq: i64) -> Result<()> {
+    if seq < 1 {
+        return Err(Error::invalid(
+            codes::INVALID_SEQ,
+            format!("{field} must be a positive 64-bit integer, got {seq}"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_schema_version(version: u32) -> Result<()> {
+    if version == 0 || version > SCHEMA_VERSION_MAX {
+        return Err(Error::invalid(
+            codes::INVALID_SCHEMA_VERSION,
+            format!("schema_version must be 1..={SCHEMA_VERSION_MAX}, got {version}"),
+        ));
+    }
+    Ok(())
+}
+
+pub fn validate_payload(payload: &serde_json::Value) -> Result<()> {
+    let size = serde_json::to_vec(payload).map(|v| v.len()).unwrap_or(usize::MAX);
+    if size > PAYLOAD_BYTES_MAX {
+        return Err(Error::invalid(
+            codes::PAYLOAD_TOO_LARGE,
+            format!("payload is {size} bytes (canonical JSON), limit is {PAYLOAD_BYTES_MAX}"),
+        ));
+    }
+    if !payload.is_object() {
+        return Err(Error::invalid(codes::INVALID_PAYLOAD, "payload must be a JSON object"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn sample() -> Envelope {
+        Envelope {
+            event_id: "e1".into(),
+            source: "shop".into(),
+            generation: "g1".into(),
+            flow_id: "r1".into(),
+            seq: 1,
+            event_type: "reservation.reserved".into(),
+            schema_version: 1,
+            payload: json!({"amount": 3}),
+            created_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn canonical_encoding_sorts_keys() {
+        let a = Envelope::parse(
+            br#"{"payload":{"b":1,"a":2},"event_id":"e1","source":"shop","generation":"g1","flow_id":"r1","seq":1,"event_type":"t","schema_version":1,"created_at_ms":1}"#,
+        )
+        .unwrap();
+        let b = Envelope::parse(
+            br#"{"event_id":"e1","source":"shop","generation":"g1","flow_id":"r1","seq":1,"event_type":"t","schema_version":1,"payload":{"a":2,"b":1},"created_at_ms":1}"#,
+        )
+        .unwrap();
+        assert_eq!(a.content_hash(), b.content_hash());
+        assert!(String::from_utf8(a.canonical_bytes()).unwrap().contains(r#"{"a":2,"b":1}"#));
+    }
+
+    #[test]
+    fn any_content_change_changes_the_hash() {
+        let base = sample();
+        let mut other = sample();
+        other.payload = json!({"amount": 4});
+        assert_ne!(base.content_hash(), other.content_hash());
+    }
+
+    #[test]
+    fn malformed_envelopes_are_errors() {
+        assert_eq!(Envelope::parse(b"{").unwrap_err().code(), codes::INVALID_ENVELOPE);
+        let mut e = sample();
+        e.seq = 0;
+        assert_eq!(e.validate().unwrap_err().code(), codes::INVALID_SEQ);
+        let mut e = sample();
+        e.payload = json!({"x": "y".repeat(PAYLOAD_BYTES_MAX)});
+        assert_eq!(e.validate().unwrap_err().code(), codes::PAYLOAD_TOO_LARGE);
+        let with_extra = br#"{"event_id":"e1","source":"s","generation":"g","flow_id":"f","seq":1,"event_type":"t","schema_version":1,"payload":{},"created_at_ms":1,"extra":1}"#;
+        assert_eq!(Envelope::parse(with_extra).unwrap_err().code(), codes::INVALID_ENVELOPE);
+    }
+}

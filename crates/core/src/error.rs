@@ -1,0 +1,96 @@
+//! Typed errors with stable machine codes.
+//!
+//! Every error a caller can cause by giving bad input is `Invalid` and carries a code from
+//! [`codes`]; the CLI maps it to exit code 2 and the HTTP layer to 400. Everything else is an
+//! internal failure (exit 1 / 500). The mapping lives in one place per front end.
+
+use std::fmt;
+
+/// Stable error codes. They are part of the public contract: never rename one.
+pub mod codes {
+    pub const INVALID_ID: &str = "invalid_id";
+    pub const INVALID_SEQ: &str = "invalid_seq";
+    pub const SEQ_OVERFLOW: &str = "seq_overflow";
+    pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    pub const INVALID_PAYLOAD: &str = "invalid_payload";
+    pub const INVALID_QUANTITY: &str = "invalid_quantity";
+    pub const UNKNOWN_STATE: &str = "unknown_state";
+    pub const INVALID_SCHEMA_VERSION: &str = "invalid_schema_version";
+    pub const INVALID_ENVELOPE: &str = "invalid_envelope";
+    pub const INVALID_ARGUMENT: &str = "invalid_argument";
+    pub const LIMIT_EXCEEDED: &str = "limit_exceeded";
+    pub const NOT_INITIALIZED: &str = "not_initialized";
+    pub const ALREADY_INITIALIZED: &str = "already_initialized";
+    pub const WRONG_ROLE: &str = "wrong_role";
+    pub const SCHEMA_TOO_NEW: &str = "schema_too_new";
+    pub const NOT_FOUND: &str = "not_found";
+    pub const INVALID_STATE_CHANGE: &str = "invalid_state_change";
+    pub const ALREADY_EXISTS: &str = "already_exists";
+    pub const STORE: &str = "store";
+    pub const IO: &str = "io";
+    pub const INVARIANT: &str = "invariant";
+}
+
+/// The one error type of tidemark's library crates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// The caller's input is wrong. Nothing was written.
+    Invalid { code: &'static str, message: String },
+    /// A storage or I/O failure. Propagated as is; the operation's transaction was rolled back.
+    Store { code: &'static str, message: String },
+    /// A broken internal invariant: a bug, surfaced loudly.
+    Invariant(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
+        Error::Invalid { code, message: message.into() }
+    }
+
+    pub fn store(message: impl Into<String>) -> Self {
+        Error::Store { code: codes::STORE, message: message.into() }
+    }
+
+    pub fn io(message: impl Into<String>) -> Self {
+        Error::Store { code: codes::IO, message: message.into() }
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Error::invalid(codes::NOT_FOUND, message)
+    }
+
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Invalid { code, .. } | Error::Store { code, .. } => code,
+            Error::Invariant(_) => codes::INVARIANT,
+        }
+    }
+
+    /// True when the caller caused the error (exit code 2, HTTP 4xx).
+    pub fn is_invalid_input(&self) -> bool {
+        matches!(self, Error::Invalid { .. })
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Invalid { message, .. } | Error::Store { message, .. } => f.write_str(message),
+            Error::Invariant(message) => write!(f, "invariant violated: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Assert an invariant: on failure return `Error::Invariant` from the enclosing function.
+#[macro_export]
+macro_rules! ensure_invariant {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err($crate::Error::Invariant(format!($($arg)+)));
+        }
+    };
+}

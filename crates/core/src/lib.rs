@@ -1,0 +1,17 @@
+//! tidemark-core: the pure heart of tidemark. Identifiers and limits, the event envelope and its
+//! canonical hash, flow state machines, decoders, policies, protocol outcomes and the storage
+//! traits. **Architecture invariant:** this crate performs no I/O.
+
+pub mod crash;
+pub mod decode;
+pub mod envelope;
+pub mod error;
+pub mod flow;
+pub mod id;
+pub mod limits;
+pub mod policy;
+pub mod reservation;
+pub mod store;
+
+pub use envelope::Envelope;
+pub use error::{codes, Error, Result};

@@ -1,0 +1,244 @@
+//! The relay: hands pending outbox events to every subscribed consumer, in batches.
+//!
+//! One relay pass = one candidate read, one consumer transaction per endpoint, one producer
+//! transaction recording every verdict (group commit). A delivery is marked accepted only after
+//! its consumer answered `accepted` or `duplicate`; a `conflict` or `expired` answer, or an
+//! unreachable consumer, is retried with exponential backoff and jitter and, after
+//! `max_attempts`, quarantined for an operator. Never acked.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use serde::Serialize;
+use tidemark_core::crash;
+use tidemark_core::id::validate_limit;
+use tidemark_core::limits::RELAY_BATCH_EVENTS_MAX;
+use tidemark_core::policy::RelayPolicy;
+use tidemark_core::store::{
+    ConsumerStore, Delivery, DeliveryResult, DeliveryVerdict, Endpoints, ProducerStore, ReceiveOutcome,
+};
+use tidemark_core::{Envelope, Result};
+
+/// Candidates read per relay pass, as a multiple of the batch limit: the window in which
+/// round-robin across flows happens.
+const RELAY_CANDIDATE_WINDOW_FACTOR: usize = 4;
+
+/// What one relay pass did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RelayReport {
+    /// Deliveries attempted in this pass.
+    pub attempted: u64,
+    pub accepted: u64,
+    pub duplicate: u64,
+    pub conflict: u64,
+    pub expired: u64,
+    /// The consumer could not be reached or failed; retried later.
+    pub failed: u64,
+    /// Deliveries that reached `max_attempts` in this pass.
+    pub quarantined: u64,
+    /// Per-delivery answers, in delivery order (only kept when asked for).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub answers: Vec<RelayAnswer>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RelayAnswer {
+    pub event_id: String,
+    pub flow_id: String,
+    pub seq: i64,
+    pub consumer_id: String,
+    /// The consumer's protocol word (`accepted`, `duplicate`, `conflict`, `expired`) or `failed`.
+    pub answer: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// `retry` or `quarantined` when the delivery was not accepted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verdict: Option<String>,
+}
+
+/// Options of one relay pass. Configuration is a struct, not a row of arguments.
+#[derive(Debug, Clone)]
+pub struct RelayOptions {
+    pub limit: usize,
+    /// Deliver only this event (its pending or quarantined deliveries), due or not.
+    pub event_id: Option<String>,
+    pub policy: RelayPolicy,
+    pub keep_answers: bool,
+}
+
+impl Default for RelayOptions {
+    fn default() -> Self {
+        RelayOptions { limit: 1_000, event_id: None, policy: RelayPolicy::default(), keep_answers: false }
+    }
+}
+
+/// Pick up to `limit` deliveries round-robin across flows, keeping each flow's own order.
+/// A pure function, so fairness is testable without a store.
+pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
+    let mut by_flow: BTreeMap<(String, String), VecDeque<Delivery>> = BTreeMap::new();
+    let mut flow_order: Vec<(String, String)> = Vec::new();
+    for delivery in candidates {
+        let key = (delivery.envelope.source.clone(), delivery.envelope.flow_id.clone());
+        let queue = by_flow.entry(key.clone()).or_default();
+        if queue.is_empty() && !flow_order.contains(&key) {
+            flow_order.push(key);
+        }
+        queue.push_back(delivery);
+    }
+    let mut picked = Vec::with_capacity(limit);
+    while picked.len() < limit {
+        let mut progressed = false;
+        for key in &flow_order {
+            if picked.len() == limit {
+                break;
+            }
+            if let Some(delivery) = by_flow.get_mut(key).and_then(VecDeque::pop_front) {
+                picked.push(delivery);
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    picked
+}
+
+/// Run one relay pass. `unit_random` yields uniform numbers in [0, 1) for backoff jitter.
+pub fn relay_once<P: ProducerStore, E: Endpoints>(
+    producer: &mut P,
+    endpoints: &mut E,
+    options: &RelayOptions,
+    now_ms: i64,
+    unit_random: &mut dyn FnMut() -> f64,
+) -> Result<RelayReport> {
+    validate_limit("relay limit", options.limit, RELAY_BATCH_EVENTS_MAX)?;
+    options.policy.validate()?;
+    let window = options.limit * if options.event_id.is_some() { 1 } else { RELAY_CANDIDATE_WINDOW_FACTOR };
+    let candidates = producer.due_deliveries(now_ms, window, options.event_id.as_deref())?;
+    let batch = round_robin(candidates, options.limit);
+    let mut report = RelayReport::default();
+    if batch.is_empty() {
+        return Ok(report);
+    }
+
+    // One consumer transaction per endpoint.
+    let mut by_endpoint: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (index, delivery) in batch.iter().enumerate() {
+        by_endpoint.entry(delivery.endpoint.as_str()).or_default().push(index);
+    }
+    let mut answers: Vec<Option<std::result::Result<ReceiveOutcome, String>>> = vec![None; batch.len()];
+    for (endpoint, indexes) in &by_endpoint {
+        let items: Vec<(&str, &Envelope)> =
+            indexes.iter().map(|&i| (batch[i].consumer_id.as_str(), &batch[i].envelope)).collect();
+        let outcome = endpoints.store(endpoint).and_then(|store| store.receive_batch(&items, now_ms));
+        match outcome {
+            Ok(outcomes) => {
+                for (&i, outcome) in indexes.iter().zip(outcomes) {
+                    answers[i] = Some(Ok(outcome));
+                }
+            }
+            Err(error) => {
+                for &i in indexes {
+                    answers[i] = Some(Err(format!("consumer endpoint {endpoint} failed: {error}")));
+                }
+            }
+        }
+    }
+    crash::hit("relay.after_consumer_commit");
+
+    let mut results = Vec::with_capacity(batch.len());
+    for (delivery, answer) in batch.iter().zip(answers) {
+        let answer = answer.expect("every delivery got an answer");
+        report.attempted += 1;
+        let (word, reason) = match &answer {
+            Ok(outcome) => {
+                match outcome {
+                    ReceiveOutcome::Accepted { .. } => report.accepted += 1,
+                    ReceiveOutcome::Duplicate { .. } => report.duplicate += 1,
+                    ReceiveOutcome::Conflict { .. } => report.conflict += 1,
+                    ReceiveOutcome::Expired { .. } => report.expired += 1,
+                }
+                let reason = match outcome {
+                    ReceiveOutcome::Conflict { reason, .. } => Some(format!("conflict: {reason}")),
+                    ReceiveOutcome::Expired { horizon_ms, .. } => {
+                        Some(format!("expired: older than the consumer's horizon of {horizon_ms} ms"))
+                    }
+                    _ => None,
+                };
+                (outcome.word().to_string(), reason)
+            }
+            Err(message) => {
+                report.failed += 1;
+                ("failed".to_string(), Some(message.clone()))
+            }
+        };
+        let verdict = match reason {
+            None => DeliveryVerdict::Accepted,
+            Some(reason) => {
+                let failed_attempts = delivery.attempts + 1;
+                if failed_attempts >= options.policy.max_attempts {
+                    report.quarantined += 1;
+                    DeliveryVerdict::Quarantine { reason: format!("{reason} (after {failed_attempts} attempts)") }
+                } else {
+                    let delay = options.policy.backoff_ms(failed_attempts, unit_random());
+                    DeliveryVerdict::Retry { reason, next_attempt_at_ms: now_ms.saturating_add(delay) }
+                }
+            }
+        };
+        if options.keep_answers {
+            let (reason, verdict_word) = match &verdict {
+                DeliveryVerdict::Accepted => (None, None),
+                DeliveryVerdict::Retry { reason, .. } => (Some(reason.clone()), Some("retry".to_string())),
+                DeliveryVerdict::Quarantine { reason } => (Some(reason.clone()), Some("quarantined".to_string())),
+            };
+            report.answers.push(RelayAnswer {
+                event_id: delivery.envelope.event_id.clone(),
+                flow_id: delivery.envelope.flow_id.clone(),
+                seq: delivery.envelope.seq,
+                consumer_id: delivery.consumer_id.clone(),
+                answer: word,
+                reason,
+                verdict: verdict_word,
+            });
+        }
+        results.push(DeliveryResult {
+            event_id: delivery.envelope.event_id.clone(),
+            consumer_id: delivery.consumer_id.clone(),
+            verdict,
+        });
+    }
+    producer.record_deliveries(&results, now_ms)?;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn delivery(flow: &str, seq: i64) -> Delivery {
+        Delivery {
+            envelope: Envelope {
+                event_id: format!("{flow}-{seq}"),
+                source: "s".into(),
+                generation: "g".into(),
+                flow_id: flow.into(),
+                seq,
+                event_type: "t".into(),
+                schema_version: 1,
+                payload: json!({}),
+                created_at_ms: 0,
+            },
+            consumer_id: "c".into(),
+            endpoint: "e".into(),
+            attempts: 0,
+        }
+    }
+
+    #[test]
+    fn round_robin_interleaves_flows_and_keeps_each_flows_order() {
+        let candidates = vec![delivery("a", 1), delivery("a", 2), delivery("a", 3), delivery("b", 1), delivery("c", 1)];
+        let picked: Vec<String> = round_robin(candidates, 4).into_iter().map(|d| d.envelope.event_id).collect();
+        assert_eq!(picked, ["a-1", "b-1", "c-1", "a-2"]);
+    }
+}

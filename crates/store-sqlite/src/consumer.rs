@@ -1,0 +1,815 @@
+//! The consumer store: inboxes scoped by consumer, cursors (high-water marks), compact receipts,
+//! and the apply loop that runs user handlers inside the transaction that marks events applied.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use tidemark_core::crash;
+use tidemark_core::error::codes;
+use tidemark_core::id::{validate_id, validate_limit, validate_reason};
+use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
+use tidemark_core::policy::RetentionPolicy;
+use tidemark_core::store::{
+    ApplyOutcome, ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, DrainStop, FlowCursor, HandleError,
+    Handler, InboxEntry, InboxStatus, PruneReport, Receipt, ReceiveOutcome, RenameReport,
+};
+use tidemark_core::{ensure_invariant, Envelope, Error, Result};
+
+use crate::schema::{self, meta_get, meta_set, Durability};
+use crate::SqlResult;
+
+/// Rows a drain may look at beyond its apply limit (gapped or blocked flows' waiting rows).
+const DRAIN_SCAN_ROWS_EXTRA: usize = 4_096;
+/// Rows read per page while scanning open inbox records.
+const DRAIN_PAGE_ROWS: usize = 1_024;
+/// Stuck flows reported by one drain.
+const DRAIN_STUCK_REPORTED_MAX: usize = 100;
+
+pub struct SqliteConsumer {
+    conn: Connection,
+    retention: RetentionPolicy,
+}
+
+fn read_retention(conn: &Connection) -> Result<Option<RetentionPolicy>> {
+    Ok(meta_get(conn, "consumer.horizon_ms")?
+        .and_then(|v| v.parse().ok())
+        .map(|horizon_ms| RetentionPolicy { horizon_ms }))
+}
+
+/// Tables of user projections keyed by `consumer_id`, carried over by `rename_consumer`.
+fn projection_tables(conn: &Connection) -> Result<Vec<String>> {
+    let raw = meta_get(conn, "consumer.projection_tables")?.unwrap_or_else(|| "[]".into());
+    serde_json::from_str(&raw).map_err(|e| Error::store(format!("corrupt consumer.projection_tables: {e}")))
+}
+
+/// Register a user projection table (it must have a `consumer_id` column) so that renaming a
+/// consumer carries its rows over in the same transaction as the dedup state.
+pub(crate) fn register_projection_table(conn: &Connection, table: &str) -> Result<()> {
+    validate_id("table", table)?;
+    let mut tables = projection_tables(conn)?;
+    if !tables.iter().any(|t| t == table) {
+        tables.push(table.to_string());
+        meta_set(conn, "consumer.projection_tables", &serde_json::to_string(&tables).expect("strings serialise"))?;
+    }
+    Ok(())
+}
+
+impl SqliteConsumer {
+    /// Create (or reopen) a consumer database. The retention horizon is set on first init and
+    /// kept afterwards (init never resets anything).
+    pub fn init(path: &Path, retention: RetentionPolicy) -> Result<SqliteConsumer> {
+        if retention.horizon_ms <= 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "horizon_ms must be positive"));
+        }
+        let mut conn = schema::open(path, true, Durability::Full)?;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let retention = match read_retention(&tx)? {
+            Some(existing) => existing,
+            None => {
+                meta_set(&tx, "consumer.horizon_ms", &retention.horizon_ms.to_string())?;
+                retention
+            }
+        };
+        tx.commit().db()?;
+        Ok(SqliteConsumer { conn, retention })
+    }
+
+    pub fn open(path: &Path) -> Result<SqliteConsumer> {
+        Self::open_with(path, Durability::Full)
+    }
+
+    pub fn open_with(path: &Path, durability: Durability) -> Result<SqliteConsumer> {
+        let conn = schema::open(path, false, durability)?;
+        let retention = read_retention(&conn)?.ok_or_else(|| {
+            Error::invalid(
+                codes::NOT_INITIALIZED,
+                format!("{} is not a consumer database; run `tidemark init --consumer`", path.display()),
+            )
+        })?;
+        Ok(SqliteConsumer { conn, retention })
+    }
+
+    pub fn retention(&self) -> RetentionPolicy {
+        self.retention
+    }
+
+    /// The connection, for reading projections and installing handler tables.
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+struct ExistingRecord {
+    event_id: String,
+    content_hash: String,
+    generation: Option<String>,
+}
+
+fn conflict_reason(existing: &ExistingRecord, event: &Envelope, hash: &str, place: &str) -> Option<String> {
+    if existing.event_id == event.event_id && existing.content_hash == hash {
+        return None;
+    }
+    let mut reason = if existing.event_id != event.event_id {
+        format!(
+            "{}/{}/{} is already held ({place}) as event {}; got event {}",
+            event.source, event.flow_id, event.seq, existing.event_id, event.event_id
+        )
+    } else {
+        format!("event {} is already held ({place}) with different content", event.event_id)
+    };
+    if let Some(generation) = &existing.generation {
+        if generation != &event.generation {
+            reason.push_str(&format!(
+                "; producer generation changed from {generation} to {} (restored or re-created producer?)",
+                event.generation
+            ));
+        }
+    }
+    Some(reason)
+}
+
+fn receive_one(
+    tx: &Connection,
+    consumer_id: &str,
+    event: &Envelope,
+    now_ms: i64,
+    retention: RetentionPolicy,
+) -> Result<ReceiveOutcome> {
+    let hash = event.content_hash();
+    let consumer = consumer_id.to_string();
+    let event_id = event.event_id.clone();
+    let duplicate = || ReceiveOutcome::Duplicate { consumer_id: consumer.clone(), event_id: event_id.clone() };
+    let conflict =
+        |reason: String| ReceiveOutcome::Conflict { consumer_id: consumer.clone(), event_id: event_id.clone(), reason };
+
+    // Every path that finds an existing record compares the content hash.
+    let at_position: Option<ExistingRecord> = tx
+        .prepare_cached(
+            "SELECT event_id, content_hash, generation FROM inbox
+             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+        )
+        .db()?
+        .query_row(params![consumer_id, event.source, event.flow_id, event.seq], |r| {
+            Ok(ExistingRecord { event_id: r.get(0)?, content_hash: r.get(1)?, generation: Some(r.get(2)?) })
+        })
+        .optional()
+        .db()?;
+    if let Some(existing) = at_position {
+        return Ok(match conflict_reason(&existing, event, &hash, "inbox") {
+            None => duplicate(),
+            Some(reason) => conflict(reason),
+        });
+    }
+    let receipt: Option<ExistingRecord> = tx
+        .prepare_cached(
+            "SELECT event_id, content_hash FROM receipts WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+        )
+        .db()?
+        .query_row(params![consumer_id, event.source, event.flow_id, event.seq], |r| {
+            Ok(ExistingRecord { event_id: r.get(0)?, content_hash: r.get(1)?, generation: None })
+        })
+        .optional()
+        .db()?;
+    if let Some(existing) = receipt {
+        return Ok(match conflict_reason(&existing, event, &hash, "receipt") {
+            None => duplicate(),
+            Some(reason) => conflict(reason),
+        });
+    }
+    let id_elsewhere: Option<(String, String, i64)> = tx
+        .prepare_cached(
+            "SELECT source, flow_id, seq FROM inbox WHERE consumer_id = ?1 AND event_id = ?2
+             UNION ALL SELECT source, flow_id, seq FROM receipts WHERE consumer_id = ?1 AND event_id = ?2 LIMIT 1",
+        )
+        .db()?
+        .query_row(params![consumer_id, event.event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .optional()
+        .db()?;
+    if let Some((source, flow, seq)) = id_elsewhere {
+        return Ok(conflict(format!(
+            "event id {} is already held for {source}/{flow}/{seq}; got it for {}/{}/{}",
+            event.event_id, event.source, event.flow_id, event.seq
+        )));
+    }
+    let expired = event.created_at_ms < now_ms.saturating_sub(retention.horizon_ms);
+    let high_water_seq: i64 = tx
+        .prepare_cached("SELECT high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3")
+        .db()?
+        .query_row(params![consumer_id, event.source, event.flow_id], |r| r.get(0))
+        .optional()
+        .db()?
+        .unwrap_or(0);
+    if expired {
+        return Ok(ReceiveOutcome::Expired { consumer_id: consumer, event_id, horizon_ms: retention.horizon_ms });
+    }
+    if event.seq <= high_water_seq {
+        // Applied and pruned, and its receipt is gone although the event claims to be younger
+        // than the horizon: it cannot be the same event. Never apply it.
+        return Ok(conflict(format!(
+            "seq {} is at or below the high-water mark {high_water_seq} of {}/{} but no record or receipt of it remains",
+            event.seq, event.source, event.flow_id
+        )));
+    }
+    tx.prepare_cached(
+        "INSERT INTO inbox (consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version,
+             payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 'pending', ?12)",
+    )
+    .db()?
+    .execute(params![
+        consumer_id,
+        event.source,
+        event.flow_id,
+        event.seq,
+        event.event_id,
+        event.generation,
+        event.event_type,
+        event.schema_version,
+        event.payload.to_string(),
+        hash,
+        event.created_at_ms,
+        now_ms
+    ])
+    .db()?;
+    Ok(ReceiveOutcome::Accepted { consumer_id: consumer, event_id })
+}
+
+/// One open (pending or blocked) inbox record with its flow's high-water mark.
+struct OpenRecord {
+    envelope: Envelope,
+    high_water_seq: i64,
+}
+
+const OPEN_COLUMNS: &str =
+    "i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+    i.created_at_ms, COALESCE(c.high_water_seq, 0)";
+
+fn open_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<OpenRecord> {
+    let payload: String = r.get(7)?;
+    Ok(OpenRecord {
+        envelope: Envelope {
+            source: r.get(0)?,
+            flow_id: r.get(1)?,
+            seq: r.get(2)?,
+            event_id: r.get(3)?,
+            generation: r.get(4)?,
+            event_type: r.get(5)?,
+            schema_version: r.get(6)?,
+            payload: serde_json::from_str(&payload)
+                .map_err(|e| rusqlite::Error::FromSqlConversionFailure(7, rusqlite::types::Type::Text, Box::new(e)))?,
+            created_at_ms: r.get(8)?,
+        },
+        high_water_seq: r.get(9)?,
+    })
+}
+
+fn open_page(
+    tx: &Connection,
+    consumer_id: &str,
+    scope: &DrainScope,
+    after: &(String, String, i64),
+) -> Result<Vec<OpenRecord>> {
+    let base = format!(
+        "SELECT {OPEN_COLUMNS} FROM inbox i
+         LEFT JOIN cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+         WHERE i.consumer_id = ?1 AND i.status IN ('pending', 'blocked')"
+    );
+    let rows = match scope {
+        DrainScope::All => {
+            let mut stmt = tx
+                .prepare_cached(&format!(
+                    "{base} AND (i.source, i.flow_id, i.seq) > (?2, ?3, ?4) ORDER BY i.source, i.flow_id, i.seq LIMIT ?5"
+                ))
+                .db()?;
+            let rows = stmt
+                .query_map(params![consumer_id, after.0, after.1, after.2, DRAIN_PAGE_ROWS as i64], open_record)
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        }
+        DrainScope::Flow { source, flow_id } => {
+            let mut stmt = tx
+                .prepare_cached(&format!(
+                    "{base} AND i.source = ?2 AND i.flow_id = ?3 AND i.seq > ?4 ORDER BY i.seq LIMIT ?5"
+                ))
+                .db()?;
+            let rows = stmt
+                .query_map(params![consumer_id, source, flow_id, after.2, DRAIN_PAGE_ROWS as i64], open_record)
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        }
+    };
+    Ok(rows)
+}
+
+fn set_cursor(tx: &Connection, consumer_id: &str, source: &str, flow_id: &str, high_water_seq: i64) -> Result<()> {
+    tx.prepare_cached(
+        "INSERT INTO cursors (consumer_id, source, flow_id, high_water_seq) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (consumer_id, source, flow_id) DO UPDATE SET high_water_seq = excluded.high_water_seq
+         WHERE excluded.high_water_seq > cursors.high_water_seq",
+    )
+    .db()?
+    .execute(params![consumer_id, source, flow_id, high_water_seq])
+    .db()?;
+    Ok(())
+}
+
+fn high_water(conn: &Connection, consumer_id: &str, source: &str, flow_id: &str) -> Result<i64> {
+    Ok(conn
+        .prepare_cached("SELECT high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3")
+        .db()?
+        .query_row(params![consumer_id, source, flow_id], |r| r.get(0))
+        .optional()
+        .db()?
+        .unwrap_or(0))
+}
+
+/// The walk of one flow during a drain.
+struct FlowWalk {
+    source: String,
+    flow_id: String,
+    start_high_water: i64,
+    next_seq: i64,
+    stuck: bool,
+}
+
+impl FlowWalk {
+    fn finish(&self, tx: &Connection, consumer_id: &str) -> Result<()> {
+        let high_water = self.next_seq - 1;
+        if high_water > self.start_high_water {
+            set_cursor(tx, consumer_id, &self.source, &self.flow_id, high_water)?;
+        }
+        Ok(())
+    }
+}
+
+const INBOX_COLUMNS: &str =
+    "consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version, payload,
+    content_hash, created_at_ms, received_at_ms, status, reason";
+
+fn inbox_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
+    let payload: String = r.get(8)?;
+    let status: String = r.get(12)?;
+    Ok(InboxEntry {
+        consumer_id: r.get(0)?,
+        envelope: Envelope {
+            source: r.get(1)?,
+            flow_id: r.get(2)?,
+            seq: r.get(3)?,
+            event_id: r.get(4)?,
+            generation: r.get(5)?,
+            event_type: r.get(6)?,
+            schema_version: r.get(7)?,
+            payload: serde_json::from_str(&payload)
+                .map_err(|e| rusqlite::Error::FromSqlConversionFailure(8, rusqlite::types::Type::Text, Box::new(e)))?,
+            created_at_ms: r.get(10)?,
+        },
+        content_hash: r.get(9)?,
+        status: InboxStatus::parse(&status).unwrap_or(InboxStatus::Pending),
+        reason: r.get(13)?,
+        received_at_ms: r.get(11)?,
+    })
+}
+
+impl ConsumerStore for SqliteConsumer {
+    type Target = Connection;
+
+    fn receive_batch(&mut self, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
+        validate_limit("receive batch", items.len(), RECEIVE_BATCH_EVENTS_MAX)?;
+        for (consumer_id, event) in items {
+            validate_id("consumer_id", consumer_id)?;
+            event.validate()?;
+        }
+        let retention = self.retention;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let mut retired: HashMap<&str, Option<String>> = HashMap::new();
+        let mut outcomes = Vec::with_capacity(items.len());
+        for (consumer_id, event) in items {
+            if !retired.contains_key(consumer_id) {
+                let renamed_to: Option<String> = tx
+                    .prepare_cached("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1")
+                    .db()?
+                    .query_row([consumer_id], |r| r.get(0))
+                    .optional()
+                    .db()?;
+                retired.insert(consumer_id, renamed_to);
+            }
+            if let Some(Some(renamed_to)) = retired.get(consumer_id) {
+                outcomes.push(ReceiveOutcome::Conflict {
+                    consumer_id: consumer_id.to_string(),
+                    event_id: event.event_id.clone(),
+                    reason: format!(
+                        "consumer {consumer_id} was renamed to {renamed_to}; rename the producer's subscription too"
+                    ),
+                });
+                continue;
+            }
+            outcomes.push(receive_one(&tx, consumer_id, event, now_ms, retention)?);
+        }
+        crash::hit("receive.before_commit");
+        tx.commit().db()?;
+        crash::hit("receive.after_commit");
+        Ok(outcomes)
+    }
+
+    fn drain(
+        &mut self,
+        consumer_id: &str,
+        scope: &DrainScope,
+        limit: usize,
+        handler: &mut dyn Handler<Connection>,
+        now_ms: i64,
+    ) -> Result<DrainReport> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_limit("drain limit", limit, DRAIN_BATCH_EVENTS_MAX)?;
+        if let DrainScope::Flow { source, flow_id } = scope {
+            validate_id("source", source)?;
+            validate_id("flow_id", flow_id)?;
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let mut applied = 0_u64;
+        let mut stuck: Vec<ApplyOutcome> = Vec::new();
+        let mut stuck_total = 0_usize;
+        let mut last_applied: Option<ApplyOutcome> = None;
+        let mut walk: Option<FlowWalk> = None;
+        let mut after = match scope {
+            DrainScope::All => (String::new(), String::new(), 0),
+            DrainScope::Flow { source, flow_id } => (source.clone(), flow_id.clone(), 0),
+        };
+        let scan_rows_max = limit + DRAIN_SCAN_ROWS_EXTRA;
+        let mut scanned = 0_usize;
+        let mut hit_limit = false;
+        'pages: loop {
+            let page = open_page(&tx, consumer_id, scope, &after)?;
+            let page_len = page.len();
+            for record in page {
+                scanned += 1;
+                let event = record.envelope;
+                after = (event.source.clone(), event.flow_id.clone(), event.seq);
+                let same_flow = walk.as_ref().is_some_and(|w| w.source == event.source && w.flow_id == event.flow_id);
+                if !same_flow {
+                    if let Some(previous) = walk.take() {
+                        previous.finish(&tx, consumer_id)?;
+                    }
+                    walk = Some(FlowWalk {
+                        source: event.source.clone(),
+                        flow_id: event.flow_id.clone(),
+                        start_high_water: record.high_water_seq,
+                        next_seq: record.high_water_seq + 1,
+                        stuck: false,
+                    });
+                }
+                let current = walk.as_mut().expect("walk was just set");
+                if current.stuck {
+                    continue;
+                }
+                ensure_invariant!(
+                    event.seq >= current.next_seq,
+                    "open inbox record {}/{}/{} is at or below the high-water mark {}",
+                    event.source,
+                    event.flow_id,
+                    event.seq,
+                    current.next_seq - 1
+                );
+                if event.seq > current.next_seq {
+                    current.stuck = true;
+                    stuck_total += 1;
+                    if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
+                        stuck.push(ApplyOutcome::Gap {
+                            source: event.source.clone(),
+                            flow_id: event.flow_id.clone(),
+                            missing_seq: current.next_seq,
+                        });
+                    }
+                    continue;
+                }
+                tx.prepare_cached("SAVEPOINT apply_one").db()?.execute([]).db()?;
+                match handler.handle(&tx, consumer_id, &event) {
+                    Ok(()) => {
+                        tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        let changed = tx
+                            .prepare_cached(
+                                "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?5
+                                 WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
+                                   AND status IN ('pending', 'blocked')",
+                            )
+                            .db()?
+                            .execute(params![consumer_id, event.source, event.flow_id, event.seq, now_ms])
+                            .db()?;
+                        ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
+                        current.next_seq += 1;
+                        applied += 1;
+                        if applied == 1 {
+                            crash::hit("apply.after_handler");
+                        }
+                        last_applied = Some(ApplyOutcome::Applied {
+                            source: event.source.clone(),
+                            flow_id: event.flow_id.clone(),
+                            seq: event.seq,
+                            event_id: event.event_id.clone(),
+                        });
+                        if applied as usize == limit {
+                            hit_limit = true;
+                            break 'pages;
+                        }
+                    }
+                    Err(HandleError::Blocked(reason)) => {
+                        tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
+                        tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        tx.prepare_cached(
+                            "UPDATE inbox SET status = 'blocked', reason = ?5, status_at_ms = ?6
+                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+                        )
+                        .db()?
+                        .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])
+                        .db()?;
+                        current.stuck = true;
+                        stuck_total += 1;
+                        if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
+                            stuck.push(ApplyOutcome::Blocked {
+                                source: event.source.clone(),
+                                flow_id: event.flow_id.clone(),
+                                seq: event.seq,
+                                event_id: event.event_id.clone(),
+                                reason,
+                            });
+                        }
+                    }
+                    Err(HandleError::Failed(error)) => return Err(error),
+                }
+                if scanned >= scan_rows_max {
+                    hit_limit = true;
+                    break 'pages;
+                }
+            }
+            if page_len < DRAIN_PAGE_ROWS {
+                break;
+            }
+        }
+        if let Some(current) = walk.take() {
+            current.finish(&tx, consumer_id)?;
+        }
+        crash::hit("apply.before_commit");
+        tx.commit().db()?;
+        crash::hit("apply.after_commit");
+        let outcome = if hit_limit {
+            DrainStop::Limit
+        } else {
+            match stuck.first() {
+                None => DrainStop::Idle,
+                Some(ApplyOutcome::Gap { .. }) => DrainStop::Gap,
+                Some(_) => DrainStop::Blocked,
+            }
+        };
+        let _ = stuck_total;
+        Ok(DrainReport { outcome, applied, stuck, last_applied })
+    }
+
+    fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_limit("page size", limit, PAGE_SIZE_MAX)?;
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer_id = ?1 AND (?2 IS NULL OR status = ?2)
+                 ORDER BY source, flow_id, seq LIMIT ?3"
+            ))
+            .db()?;
+        let rows =
+            stmt.query_map(params![consumer_id, status.map(InboxStatus::as_str), limit as i64], inbox_entry).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    }
+
+    fn skip_blocked(&mut self, consumer_id: &str, event_id: &str, reason: &str, now_ms: i64) -> Result<InboxEntry> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_id("event_id", event_id)?;
+        validate_reason(reason)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let entry = tx
+            .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer_id = ?1 AND event_id = ?2"))
+            .db()?
+            .query_row([consumer_id, event_id], inbox_entry)
+            .optional()
+            .db()?
+            .ok_or_else(|| Error::not_found(format!("consumer {consumer_id} holds no event {event_id}")))?;
+        if entry.status != InboxStatus::Blocked {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("only blocked records can be skipped; event {event_id} is {}", entry.status.as_str()),
+            ));
+        }
+        let event = &entry.envelope;
+        let high_water = high_water(&tx, consumer_id, &event.source, &event.flow_id)?;
+        ensure_invariant!(high_water + 1 == event.seq, "blocked seq {} is not high-water {high_water} + 1", event.seq);
+        tx.execute(
+            "UPDATE inbox SET status = 'skipped', reason = ?3, status_at_ms = ?4 WHERE consumer_id = ?1 AND event_id = ?2",
+            params![consumer_id, event_id, format!("skipped by operator: {reason}"), now_ms],
+        )
+        .db()?;
+        set_cursor(&tx, consumer_id, &event.source, &event.flow_id, event.seq)?;
+        let skipped = tx
+            .prepare_cached(&format!("SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer_id = ?1 AND event_id = ?2"))
+            .db()?
+            .query_row([consumer_id, event_id], inbox_entry)
+            .db()?;
+        crash::hit("resolve.before_commit");
+        tx.commit().db()?;
+        Ok(skipped)
+    }
+
+    fn prune(&mut self, applied_retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<PruneReport> {
+        validate_limit("prune batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+        if applied_retention_ms < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "applied retention must be >= 0"));
+        }
+        let horizon_ms = self.retention.horizon_ms;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        // Applied (or skipped) bodies become compact receipts; high-water marks are never pruned.
+        let done: Vec<(String, String, String, i64)> = {
+            let mut stmt = tx
+                .prepare_cached(
+                    "SELECT consumer_id, source, flow_id, seq FROM inbox
+                     WHERE status IN ('applied', 'skipped') AND status_at_ms <= ?1 ORDER BY status_at_ms LIMIT ?2",
+                )
+                .db()?;
+            let rows = stmt
+                .query_map(params![now_ms.saturating_sub(applied_retention_ms), batch_rows as i64], |r| {
+                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+                })
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        for (consumer_id, source, flow_id, seq) in &done {
+            let key = params![consumer_id, source, flow_id, seq];
+            let copied = tx
+                .prepare_cached(
+                    "INSERT INTO receipts (consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms)
+                     SELECT consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms FROM inbox
+                     WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+                )
+                .db()?
+                .execute(key)
+                .db()?;
+            let removed = tx
+                .prepare_cached(
+                    "DELETE FROM inbox WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+                )
+                .db()?
+                .execute(key)
+                .db()?;
+            ensure_invariant!(
+                copied == 1 && removed == 1,
+                "compacting {consumer_id}/{source}/{flow_id}/{seq} touched {copied}/{removed} rows"
+            );
+        }
+        let compacted = done.len();
+        // Receipts past the horizon go: an event that old is rejected as expired anyway.
+        let receipts_deleted = tx
+            .prepare_cached(
+                "DELETE FROM receipts WHERE (consumer_id, source, flow_id, seq) IN
+                    (SELECT consumer_id, source, flow_id, seq FROM receipts WHERE created_at_ms < ?1 LIMIT ?2)",
+            )
+            .db()?
+            .execute(params![now_ms.saturating_sub(horizon_ms), batch_rows as i64])
+            .db()?;
+        crash::hit("prune.before_commit");
+        tx.commit().db()?;
+        crash::hit("prune.after_commit");
+        Ok(PruneReport {
+            compacted: compacted as u64,
+            receipts_deleted: receipts_deleted as u64,
+            more: compacted == batch_rows || receipts_deleted == batch_rows,
+        })
+    }
+
+    fn rename_consumer(&mut self, from: &str, to: &str) -> Result<RenameReport> {
+        validate_id("from", from)?;
+        validate_id("to", to)?;
+        if from == to {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let used = |id: &str| -> Result<bool> {
+            tx.query_row(
+                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer_id = ?1)
+                     OR EXISTS (SELECT 1 FROM receipts WHERE consumer_id = ?1)
+                     OR EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1)",
+                [id],
+                |r| r.get(0),
+            )
+            .db()
+        };
+        if !used(from)? {
+            return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
+        }
+        if used(to)? {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("consumer {to:?} already has state; pick an unused id"),
+            ));
+        }
+        let inbox = tx.execute("UPDATE inbox SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        let receipts = tx.execute("UPDATE receipts SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        let cursors = tx.execute("UPDATE cursors SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        let mut projections = 0;
+        for table in projection_tables(&tx)? {
+            validate_id("table", &table)?;
+            projections += tx
+                .execute(&format!("UPDATE \"{table}\" SET consumer_id = ?2 WHERE consumer_id = ?1"), [from, to])
+                .db()?;
+        }
+        tx.execute("DELETE FROM retired_consumers WHERE consumer_id = ?1", [to]).db()?;
+        tx.execute(
+            "INSERT INTO retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES (?1, ?2, 0)
+             ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to",
+            [from, to],
+        )
+        .db()?;
+        crash::hit("rename.before_commit");
+        tx.commit().db()?;
+        Ok(RenameReport {
+            inbox: inbox as u64,
+            receipts: receipts as u64,
+            cursors: cursors as u64,
+            projections: projections as u64,
+        })
+    }
+
+    fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>> {
+        if let Some(id) = consumer_id {
+            validate_id("consumer_id", id)?;
+        }
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT consumer_id, source, flow_id, high_water_seq FROM cursors WHERE ?1 IS NULL OR consumer_id = ?1
+                 ORDER BY consumer_id, source, flow_id LIMIT ?2",
+            )
+            .db()?;
+        let rows = stmt
+            .query_map(params![consumer_id, PAGE_SIZE_MAX as i64], |r| {
+                Ok(FlowCursor {
+                    consumer_id: r.get(0)?,
+                    source: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    high_water_seq: r.get(3)?,
+                })
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    }
+
+    fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot> {
+        let tx = self.conn.unchecked_transaction().db()?;
+        let limit = rows_max as i64;
+        let inbox = {
+            let mut stmt = tx
+                .prepare(&format!(
+                    "SELECT {INBOX_COLUMNS} FROM inbox ORDER BY consumer_id, source, flow_id, seq LIMIT ?1"
+                ))
+                .db()?;
+            let rows = stmt.query_map([limit], inbox_entry).db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        let receipts = {
+            let mut stmt = tx
+                .prepare(
+                    "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms FROM receipts
+                     ORDER BY consumer_id, source, flow_id, seq LIMIT ?1",
+                )
+                .db()?;
+            let rows = stmt
+                .query_map([limit], |r| {
+                    Ok(Receipt {
+                        consumer_id: r.get(0)?,
+                        event_id: r.get(1)?,
+                        source: r.get(2)?,
+                        flow_id: r.get(3)?,
+                        seq: r.get(4)?,
+                        content_hash: r.get(5)?,
+                        created_at_ms: r.get(6)?,
+                    })
+                })
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        let cursors = {
+            let mut stmt = tx
+                .prepare("SELECT consumer_id, source, flow_id, high_water_seq FROM cursors ORDER BY consumer_id, source, flow_id LIMIT ?1")
+                .db()?;
+            let rows = stmt
+                .query_map([limit], |r| {
+                    Ok(FlowCursor {
+                        consumer_id: r.get(0)?,
+                        source: r.get(1)?,
+                        flow_id: r.get(2)?,
+                        high_water_seq: r.get(3)?,
+                    })
+                })
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        tx.finish().db()?;
+        Ok(ConsumerSnapshot { horizon_ms: self.retention.horizon_ms, inbox, receipts, cursors })
+    }
+}

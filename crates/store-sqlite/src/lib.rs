@@ -1,0 +1,33 @@
+//! tidemark-store-sqlite: the producer (outbox) and consumer (inbox) stores on SQLite.
+//!
+//! **Architecture invariant:** this crate (and the other store crates) is the only place that
+//! writes SQL. Every file is opened in WAL mode with `synchronous=FULL` and a busy timeout;
+//! opening never resets data; the schema is versioned and migrated forward in one transaction.
+
+mod consumer;
+mod endpoints;
+mod producer;
+pub mod reservation;
+mod schema;
+
+pub use consumer::SqliteConsumer;
+pub use endpoints::SqliteEndpoints;
+pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
+pub use schema::{open_existing, Durability, SCHEMA_VERSION};
+
+use tidemark_core::Error;
+
+/// Convert a rusqlite error into the library error (a store failure, never bad input).
+pub(crate) fn db_err(error: rusqlite::Error) -> Error {
+    Error::store(format!("sqlite: {error}"))
+}
+
+pub(crate) trait SqlResult<T> {
+    fn db(self) -> Result<T, Error>;
+}
+
+impl<T> SqlResult<T> for rusqlite::Result<T> {
+    fn db(self) -> Result<T, Error> {
+        self.map_err(db_err)
+    }
+}

@@ -1,0 +1,580 @@
+//! The producer store: flows, the immutable outbox and per-subscriber delivery records.
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use tidemark_core::crash;
+use tidemark_core::error::codes;
+use tidemark_core::flow::{decide_advance, validate_request, AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
+use tidemark_core::id::{validate_id, validate_limit, validate_reason};
+use tidemark_core::limits::{ADVANCE_BATCH_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, RELAY_BATCH_EVENTS_MAX};
+use tidemark_core::store::{
+    Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
+    ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
+};
+use tidemark_core::{ensure_invariant, Envelope, Error, Result};
+
+use crate::schema::{self, meta_get, meta_set, Durability};
+use crate::SqlResult;
+
+pub struct SqliteProducer {
+    conn: Connection,
+    identity: ProducerIdentity,
+}
+
+fn new_generation() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+fn read_identity(conn: &Connection) -> Result<Option<ProducerIdentity>> {
+    let source = meta_get(conn, "producer.source")?;
+    let generation = meta_get(conn, "producer.generation")?;
+    Ok(source.zip(generation).map(|(source, generation)| ProducerIdentity { source, generation }))
+}
+
+impl SqliteProducer {
+    /// Create (or reopen) a producer database with the namespace `source`. Re-running init on
+    /// an initialised file with the same source changes nothing; another source is an error.
+    pub fn init(path: &Path, source: &str) -> Result<SqliteProducer> {
+        validate_id("source", source)?;
+        let mut conn = schema::open(path, true, Durability::Full)?;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let identity = match read_identity(&tx)? {
+            Some(existing) if existing.source == source => existing,
+            Some(existing) => {
+                return Err(Error::invalid(
+                    codes::ALREADY_INITIALIZED,
+                    format!("{} is already the producer of source {:?}", path.display(), existing.source),
+                ))
+            }
+            None => {
+                let identity = ProducerIdentity { source: source.to_string(), generation: new_generation() };
+                meta_set(&tx, "producer.source", &identity.source)?;
+                meta_set(&tx, "producer.generation", &identity.generation)?;
+                identity
+            }
+        };
+        tx.commit().db()?;
+        Ok(SqliteProducer { conn, identity })
+    }
+
+    /// Open an initialised producer database. Never creates a file.
+    pub fn open(path: &Path) -> Result<SqliteProducer> {
+        Self::open_with(path, Durability::Full)
+    }
+
+    pub fn open_with(path: &Path, durability: Durability) -> Result<SqliteProducer> {
+        let conn = schema::open(path, false, durability)?;
+        let identity = read_identity(&conn)?.ok_or_else(|| {
+            Error::invalid(
+                codes::NOT_INITIALIZED,
+                format!("{} is not a producer database; run `tidemark init --producer`", path.display()),
+            )
+        })?;
+        Ok(SqliteProducer { conn, identity })
+    }
+
+    /// Give this producer a new generation id. Run it after restoring the file from a backup:
+    /// events it re-issues then carry the new generation, which consumers name in the conflict.
+    pub fn rotate_generation(&mut self) -> Result<ProducerIdentity> {
+        let generation = new_generation();
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        meta_set(&tx, "producer.generation", &generation)?;
+        tx.commit().db()?;
+        self.identity.generation = generation;
+        Ok(self.identity.clone())
+    }
+
+    /// The connection, for the caller's own reads and for opening its own transactions.
+    pub fn connection(&mut self) -> &mut Connection {
+        &mut self.conn
+    }
+
+    /// Begin a `BEGIN IMMEDIATE` transaction in which the caller writes its business rows and
+    /// advances flows; both commit or roll back together.
+    pub fn begin(&mut self) -> Result<OutboxTransaction<'_>> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        Ok(OutboxTransaction { tx, identity: &self.identity })
+    }
+}
+
+/// A transaction on the producer database that can write the caller's rows and outbox events.
+/// Dropping it without `commit` rolls everything back.
+pub struct OutboxTransaction<'a> {
+    tx: rusqlite::Transaction<'a>,
+    identity: &'a ProducerIdentity,
+}
+
+impl OutboxTransaction<'_> {
+    pub fn advance(&self, machine: &dyn FlowMachine, request: &AdvanceRequest, now_ms: i64) -> Result<AdvanceOutcome> {
+        validate_request(machine, request)?;
+        advance_validated(&self.tx, self.identity, machine, request, now_ms)
+    }
+
+    pub fn commit(self) -> Result<()> {
+        crash::hit("advance.before_commit");
+        self.tx.commit().db()?;
+        crash::hit("advance.after_commit");
+        Ok(())
+    }
+}
+
+impl std::ops::Deref for OutboxTransaction<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        &self.tx
+    }
+}
+
+/// Advance a flow inside a transaction the caller opened on the producer database (for
+/// example a `rusqlite::Transaction` that also writes business rows).
+pub fn advance_in(
+    tx: &Connection,
+    machine: &dyn FlowMachine,
+    request: &AdvanceRequest,
+    now_ms: i64,
+) -> Result<AdvanceOutcome> {
+    if tx.is_autocommit() {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, "advance_in needs an open transaction"));
+    }
+    validate_request(machine, request)?;
+    let identity = read_identity(tx)?
+        .ok_or_else(|| Error::invalid(codes::NOT_INITIALIZED, "this database is not a producer database"))?;
+    advance_validated(tx, &identity, machine, request, now_ms)
+}
+
+fn advance_validated(
+    tx: &Connection,
+    identity: &ProducerIdentity,
+    machine: &dyn FlowMachine,
+    request: &AdvanceRequest,
+    now_ms: i64,
+) -> Result<AdvanceOutcome> {
+    let existing: Option<(String, String, i64)> = tx
+        .prepare_cached("SELECT state, state_data, last_seq FROM flows WHERE flow_id = ?1")
+        .db()?
+        .query_row([&request.flow_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .optional()
+        .db()?;
+    let (current_seq, current) = match existing {
+        Some((state, data, seq)) => {
+            let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
+            (seq, FlowState { state, data })
+        }
+        None => (0, machine.initial()),
+    };
+    let (seq, decision) = match decide_advance(machine, current_seq, &current, request)? {
+        Ok(decided) => decided,
+        Err(rejection) => return Ok(rejection),
+    };
+    ensure_invariant!(seq == current_seq + 1, "allocated seq {seq} is not {current_seq} + 1");
+    let event = Envelope {
+        event_id: uuid::Uuid::now_v7().simple().to_string(),
+        source: identity.source.clone(),
+        generation: identity.generation.clone(),
+        flow_id: request.flow_id.clone(),
+        seq,
+        event_type: decision.event_type,
+        schema_version: request.schema_version,
+        payload: decision.payload,
+        created_at_ms: now_ms,
+    };
+    let state_data = decision.next.data.to_string();
+    tx.prepare_cached(
+        "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (flow_id) DO UPDATE SET state = excluded.state, state_data = excluded.state_data,
+             last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms",
+    )
+    .db()?
+    .execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms])
+    .db()?;
+    tx.prepare_cached(
+        "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    )
+    .db()?
+    .execute(params![
+        event.event_id,
+        event.flow_id,
+        event.seq,
+        event.event_type,
+        event.schema_version,
+        event.payload.to_string(),
+        event.content_hash(),
+        event.created_at_ms
+    ])
+    .db()?;
+    let position = tx.last_insert_rowid();
+    tx.prepare_cached(
+        "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, updated_at_ms)
+         SELECT ?1, consumer_id, 'pending', 0, ?2, ?2 FROM subscriptions",
+    )
+    .db()?
+    .execute(params![position, now_ms])
+    .db()?;
+    Ok(AdvanceOutcome::Committed { flow_id: event.flow_id, seq, event_id: event.event_id, state: decision.next.state })
+}
+
+fn event_from_row(identity: &ProducerIdentity, r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Envelope> {
+    let payload: String = r.get(at + 5)?;
+    Ok(Envelope {
+        event_id: r.get(at)?,
+        source: identity.source.clone(),
+        generation: identity.generation.clone(),
+        flow_id: r.get(at + 1)?,
+        seq: r.get(at + 2)?,
+        event_type: r.get(at + 3)?,
+        schema_version: r.get(at + 4)?,
+        payload: serde_json::from_str(&payload)
+            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(at + 5, rusqlite::types::Type::Text, Box::new(e)))?,
+        created_at_ms: r.get(at + 6)?,
+    })
+}
+
+const EVENT_COLUMNS: &str = "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms";
+
+fn delivery_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeliveryEntry> {
+    let status: String = r.get(4)?;
+    Ok(DeliveryEntry {
+        event_id: r.get(0)?,
+        flow_id: r.get(1)?,
+        seq: r.get(2)?,
+        consumer_id: r.get(3)?,
+        status: DeliveryStatus::parse(&status).unwrap_or(DeliveryStatus::Pending),
+        attempts: r.get(5)?,
+        next_attempt_at_ms: r.get(6)?,
+        last_error: r.get(7)?,
+        updated_at_ms: r.get(8)?,
+    })
+}
+
+const DELIVERY_COLUMNS: &str = "o.event_id, o.flow_id, o.seq, d.consumer_id, d.status, d.attempts, d.next_attempt_at_ms, d.last_error, d.updated_at_ms";
+
+fn delivery_on(conn: &Connection, event_id: &str, consumer_id: &str) -> Result<Option<DeliveryEntry>> {
+    conn.prepare_cached(&format!(
+        "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
+                 WHERE o.event_id = ?1 AND d.consumer_id = ?2"
+    ))
+    .db()?
+    .query_row([event_id, consumer_id], delivery_entry)
+    .optional()
+    .db()
+}
+
+impl SqliteProducer {
+    /// Rename a subscriber (the producer half of `rename-consumer`). Idempotent: renaming an id
+    /// that is already renamed is a no-op.
+    pub fn rename_subscription(&mut self, from: &str, to: &str) -> Result<u64> {
+        validate_id("from", from)?;
+        validate_id("to", to)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let exists_to: bool =
+            tx.query_row("SELECT count(*) FROM subscriptions WHERE consumer_id = ?1", [to], |r| r.get(0)).db()?;
+        let exists_from: bool =
+            tx.query_row("SELECT count(*) FROM subscriptions WHERE consumer_id = ?1", [from], |r| r.get(0)).db()?;
+        if !exists_from {
+            if exists_to {
+                return Ok(0);
+            }
+            return Err(Error::not_found(format!("no subscription for consumer {from:?}")));
+        }
+        if exists_to {
+            return Err(Error::invalid(codes::ALREADY_EXISTS, format!("a subscription for {to:?} already exists")));
+        }
+        tx.execute("UPDATE subscriptions SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        let moved = tx.execute("UPDATE deliveries SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        tx.commit().db()?;
+        Ok(moved as u64)
+    }
+
+    /// Counts of deliveries by status (for snapshots and metrics).
+    pub fn delivery_counts(&self) -> Result<Vec<(String, i64)>> {
+        let mut stmt =
+            self.conn.prepare("SELECT status, count(*) FROM deliveries GROUP BY status ORDER BY status").db()?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    }
+}
+
+impl ProducerStore for SqliteProducer {
+    fn identity(&self) -> &ProducerIdentity {
+        &self.identity
+    }
+
+    fn advance_batch(
+        &mut self,
+        machine: &dyn FlowMachine,
+        requests: &[AdvanceRequest],
+        now_ms: i64,
+    ) -> Result<Vec<AdvanceOutcome>> {
+        validate_limit("advance batch", requests.len(), ADVANCE_BATCH_MAX)?;
+        for request in requests {
+            validate_request(machine, request)?;
+        }
+        let tx = self.begin()?;
+        let mut outcomes = Vec::with_capacity(requests.len());
+        for request in requests {
+            outcomes.push(advance_validated(&tx.tx, tx.identity, machine, request, now_ms)?);
+        }
+        tx.commit()?;
+        Ok(outcomes)
+    }
+
+    fn subscribe(&mut self, subscription: &Subscription, from_start: bool, now_ms: i64) -> Result<u64> {
+        validate_id("consumer_id", &subscription.consumer_id)?;
+        if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("endpoint must be 1..={ENDPOINT_BYTES_MAX} bytes"),
+            ));
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let existing: Option<String> = tx
+            .query_row("SELECT endpoint FROM subscriptions WHERE consumer_id = ?1", [&subscription.consumer_id], |r| {
+                r.get(0)
+            })
+            .optional()
+            .db()?;
+        let queued = match existing {
+            Some(endpoint) if endpoint == subscription.endpoint => 0,
+            Some(_) => {
+                tx.execute(
+                    "UPDATE subscriptions SET endpoint = ?2 WHERE consumer_id = ?1",
+                    [&subscription.consumer_id, &subscription.endpoint],
+                )
+                .db()?;
+                0
+            }
+            None => {
+                tx.execute(
+                    "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms) VALUES (?1, ?2, ?3)",
+                    params![subscription.consumer_id, subscription.endpoint, now_ms],
+                )
+                .db()?;
+                if from_start {
+                    tx.execute(
+                        "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, updated_at_ms)
+                         SELECT position, ?1, 'pending', 0, ?2, ?2 FROM outbox",
+                        params![subscription.consumer_id, now_ms],
+                    )
+                    .db()? as u64
+                } else {
+                    0
+                }
+            }
+        };
+        tx.commit().db()?;
+        Ok(queued)
+    }
+
+    fn subscriptions(&self) -> Result<Vec<Subscription>> {
+        let mut stmt =
+            self.conn.prepare_cached("SELECT consumer_id, endpoint FROM subscriptions ORDER BY consumer_id").db()?;
+        let rows = stmt.query_map([], |r| Ok(Subscription { consumer_id: r.get(0)?, endpoint: r.get(1)? })).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    }
+
+    fn due_deliveries(&mut self, now_ms: i64, limit: usize, event_id: Option<&str>) -> Result<Vec<Delivery>> {
+        validate_limit("relay limit", limit, RELAY_BATCH_EVENTS_MAX * 4)?;
+        let identity = &self.identity;
+        let map = |r: &rusqlite::Row<'_>| -> rusqlite::Result<Delivery> {
+            Ok(Delivery {
+                envelope: event_from_row(identity, r, 0)?,
+                consumer_id: r.get(7)?,
+                attempts: r.get(8)?,
+                endpoint: r.get(9)?,
+            })
+        };
+        let rows = match event_id {
+            Some(event_id) => {
+                validate_id("event_id", event_id)?;
+                let mut stmt = self
+                    .conn
+                    .prepare_cached(&format!(
+                        "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint
+                         FROM outbox o JOIN deliveries d ON d.position = o.position
+                         JOIN subscriptions s ON s.consumer_id = d.consumer_id
+                         WHERE o.event_id = ?1 AND d.status IN ('pending', 'quarantined')
+                         ORDER BY d.consumer_id LIMIT ?2"
+                    ))
+                    .db()?;
+                let rows = stmt.query_map(params![event_id, limit as i64], map).db()?;
+                rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+            }
+            None => {
+                let mut stmt = self
+                    .conn
+                    .prepare_cached(&format!(
+                        "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint
+                         FROM deliveries d JOIN outbox o ON o.position = d.position
+                         JOIN subscriptions s ON s.consumer_id = d.consumer_id
+                         WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1
+                         ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2"
+                    ))
+                    .db()?;
+                let rows = stmt.query_map(params![now_ms, limit as i64], map).db()?;
+                rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+            }
+        };
+        Ok(rows)
+    }
+
+    fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        {
+            let mut accept = tx
+                .prepare_cached(
+                    "UPDATE deliveries SET status = 'accepted', last_error = NULL, updated_at_ms = ?3
+                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
+                       AND status IN ('pending', 'quarantined')",
+                )
+                .db()?;
+            let mut retry = tx
+                .prepare_cached(
+                    "UPDATE deliveries SET attempts = attempts + 1, next_attempt_at_ms = ?4, last_error = ?3, updated_at_ms = ?5,
+                         status = 'pending'
+                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
+                       AND status IN ('pending', 'quarantined')",
+                )
+                .db()?;
+            let mut quarantine = tx
+                .prepare_cached(
+                    "UPDATE deliveries SET attempts = attempts + 1, status = 'quarantined', last_error = ?3, updated_at_ms = ?4
+                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
+                       AND status IN ('pending', 'quarantined')",
+                )
+                .db()?;
+            for result in results {
+                let (event, consumer) = (&result.event_id, &result.consumer_id);
+                match &result.verdict {
+                    DeliveryVerdict::Accepted => accept.execute(params![event, consumer, now_ms]).db()?,
+                    DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
+                        retry.execute(params![event, consumer, reason, next_attempt_at_ms, now_ms]).db()?
+                    }
+                    DeliveryVerdict::Quarantine { reason } => {
+                        quarantine.execute(params![event, consumer, reason, now_ms]).db()?
+                    }
+                };
+            }
+        }
+        crash::hit("relay.before_producer_commit");
+        tx.commit().db()?;
+        crash::hit("relay.after_producer_commit");
+        Ok(())
+    }
+
+    fn deliveries(&self, status: Option<DeliveryStatus>, limit: usize) -> Result<Vec<DeliveryEntry>> {
+        validate_limit("page size", limit, PAGE_SIZE_MAX)?;
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!(
+                "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
+                 WHERE ?1 IS NULL OR d.status = ?1 ORDER BY d.position, d.consumer_id LIMIT ?2"
+            ))
+            .db()?;
+        let rows = stmt.query_map(params![status.map(DeliveryStatus::as_str), limit as i64], delivery_entry).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    }
+
+    fn resolve_delivery(
+        &mut self,
+        event_id: &str,
+        consumer_id: &str,
+        action: DeliveryAction,
+        reason: &str,
+        now_ms: i64,
+    ) -> Result<DeliveryEntry> {
+        validate_id("event_id", event_id)?;
+        validate_id("consumer_id", consumer_id)?;
+        validate_reason(reason)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let Some(current) = delivery_on(&tx, event_id, consumer_id)? else {
+            return Err(Error::not_found(format!("no delivery of event {event_id} to consumer {consumer_id}")));
+        };
+        let allowed = match action {
+            DeliveryAction::Requeue => {
+                matches!(current.status, DeliveryStatus::Quarantined | DeliveryStatus::Dismissed)
+            }
+            DeliveryAction::Dismiss => matches!(current.status, DeliveryStatus::Quarantined | DeliveryStatus::Pending),
+        };
+        if !allowed {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("cannot {action:?} a delivery that is {}", current.status.as_str()),
+            ));
+        }
+        let note =
+            format!("operator {}: {reason}", if action == DeliveryAction::Requeue { "requeued" } else { "dismissed" });
+        let sql = match action {
+            DeliveryAction::Requeue => {
+                "UPDATE deliveries SET status = 'pending', attempts = 0, next_attempt_at_ms = ?3, last_error = ?4, updated_at_ms = ?3
+                 WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2"
+            }
+            DeliveryAction::Dismiss => {
+                "UPDATE deliveries SET status = 'dismissed', last_error = ?4, updated_at_ms = ?3
+                 WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2"
+            }
+        };
+        let changed = tx.execute(sql, params![event_id, consumer_id, now_ms, note]).db()?;
+        ensure_invariant!(changed == 1, "resolve changed {changed} delivery rows");
+        crash::hit("resolve.before_commit");
+        let resolved = delivery_on(&tx, event_id, consumer_id)?;
+        tx.commit().db()?;
+        resolved.ok_or_else(|| Error::Invariant("resolved delivery vanished".into()))
+    }
+
+    fn flow(&self, flow_id: &str) -> Result<Option<FlowRecord>> {
+        validate_id("flow_id", flow_id)?;
+        let row: Option<(String, String, i64)> = self
+            .conn
+            .prepare_cached("SELECT state, state_data, last_seq FROM flows WHERE flow_id = ?1")
+            .db()?
+            .query_row([flow_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .optional()
+            .db()?;
+        row.map(|(state, data, last_seq)| {
+            let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
+            Ok(FlowRecord { flow_id: flow_id.to_string(), last_seq, state: FlowState { state, data } })
+        })
+        .transpose()
+    }
+
+    fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot> {
+        let tx = self.conn.unchecked_transaction().db()?;
+        let limit = rows_max as i64;
+        let subscriptions = self.subscriptions()?;
+        let flows = {
+            let mut stmt =
+                tx.prepare("SELECT flow_id, state, state_data, last_seq FROM flows ORDER BY flow_id LIMIT ?1").db()?;
+            let rows = stmt
+                .query_map([limit], |r| {
+                    let data: String = r.get(2)?;
+                    Ok(FlowRecord {
+                        flow_id: r.get(0)?,
+                        last_seq: r.get(3)?,
+                        state: FlowState { state: r.get(1)?, data: serde_json::from_str(&data).unwrap_or_default() },
+                    })
+                })
+                .db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        let outbox = {
+            let mut stmt =
+                tx.prepare(&format!("SELECT {EVENT_COLUMNS} FROM outbox o ORDER BY o.position LIMIT ?1")).db()?;
+            let rows = stmt.query_map([limit], |r| event_from_row(&self.identity, r, 0)).db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        let deliveries = {
+            let mut stmt = tx
+                .prepare(&format!(
+                    "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
+                     ORDER BY d.position, d.consumer_id LIMIT ?1"
+                ))
+                .db()?;
+            let rows = stmt.query_map([limit], delivery_entry).db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        tx.finish().db()?;
+        Ok(ProducerSnapshot { identity: self.identity.clone(), subscriptions, flows, outbox, deliveries })
+    }
+}

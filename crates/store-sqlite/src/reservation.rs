@@ -1,0 +1,197 @@
+//! The built-in reservation projection on SQLite: one projection row per (consumer, source,
+//! flow) and one effect row per applied event. The effects table deliberately has no unique
+//! constraint, so that an event applied twice would show as two rows.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::decode::DecoderRegistry;
+use tidemark_core::reservation::{decoders, project, ReservationEvent, ReservationProjection};
+use tidemark_core::store::{HandleError, Handler};
+use tidemark_core::{Envelope, Error, Result};
+
+use crate::{db_err, SqlResult, SqliteConsumer};
+
+/// Create the reservation tables (idempotent) and register them for `rename-consumer`.
+pub fn install(consumer: &SqliteConsumer) -> Result<()> {
+    let conn = consumer.connection();
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS reservation_projection (
+             consumer_id TEXT NOT NULL,
+             source      TEXT NOT NULL,
+             flow_id     TEXT NOT NULL,
+             state       TEXT NOT NULL,
+             quantity    INTEGER NOT NULL,
+             last_seq    INTEGER NOT NULL,
+             PRIMARY KEY (consumer_id, source, flow_id)
+         ) WITHOUT ROWID;
+         CREATE TABLE IF NOT EXISTS reservation_effects (
+             effect_id     INTEGER PRIMARY KEY,
+             consumer_id   TEXT NOT NULL,
+             source        TEXT NOT NULL,
+             flow_id       TEXT NOT NULL,
+             seq           INTEGER NOT NULL,
+             event_id      TEXT NOT NULL,
+             kind          TEXT NOT NULL,
+             quantity      INTEGER NOT NULL
+         );",
+    )
+    .db()?;
+    let registered: bool = conn
+        .query_row(
+            "SELECT count(*) FROM meta WHERE key = 'consumer.projection_tables' AND value LIKE '%reservation_effects%'",
+            [],
+            |r| r.get(0),
+        )
+        .db()?;
+    if !registered {
+        let tx = conn.unchecked_transaction().db()?;
+        crate::consumer::register_projection_table(&tx, "reservation_projection")?;
+        crate::consumer::register_projection_table(&tx, "reservation_effects")?;
+        tx.commit().db()?;
+    }
+    Ok(())
+}
+
+/// The reservation handler: decode by (event type, schema version), check the transition
+/// against the projection, then write the projection and one effect row.
+pub struct ReservationHandler {
+    decoders: DecoderRegistry<ReservationEvent>,
+}
+
+impl ReservationHandler {
+    pub fn new(support_v2: bool) -> Self {
+        ReservationHandler { decoders: decoders(support_v2) }
+    }
+}
+
+fn failed(error: rusqlite::Error) -> HandleError {
+    HandleError::Failed(db_err(error))
+}
+
+impl Handler<Connection> for ReservationHandler {
+    fn handle(&mut self, tx: &Connection, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
+        let decoded = self
+            .decoders
+            .decode(&event.event_type, event.schema_version, &event.payload)
+            .map_err(HandleError::Blocked)?;
+        let current: Option<ReservationProjection> = tx
+            .prepare_cached(
+                "SELECT state, quantity FROM reservation_projection WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3",
+            )
+            .map_err(failed)?
+            .query_row(params![consumer_id, event.source, event.flow_id], |r| {
+                Ok(ReservationProjection { state: r.get(0)?, quantity: r.get(1)? })
+            })
+            .optional()
+            .map_err(failed)?;
+        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
+        tx.prepare_cached(
+            "INSERT INTO reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+             ON CONFLICT (consumer_id, source, flow_id) DO UPDATE SET state = excluded.state,
+                 quantity = excluded.quantity, last_seq = excluded.last_seq",
+        )
+        .map_err(failed)?
+        .execute(params![consumer_id, event.source, event.flow_id, next.state, next.quantity, event.seq])
+        .map_err(failed)?;
+        tx.prepare_cached(
+            "INSERT INTO reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        )
+        .map_err(failed)?
+        .execute(params![
+            consumer_id,
+            event.source,
+            event.flow_id,
+            event.seq,
+            event.event_id,
+            next.state,
+            next.quantity
+        ])
+        .map_err(failed)?;
+        Ok(())
+    }
+}
+
+/// One effect row, as read back for snapshots and tests.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Effect {
+    pub consumer_id: String,
+    pub source: String,
+    pub flow_id: String,
+    pub seq: i64,
+    pub event_id: String,
+    pub kind: String,
+    pub quantity: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ProjectionRow {
+    pub consumer_id: String,
+    pub source: String,
+    pub flow_id: String,
+    pub state: String,
+    pub quantity: i64,
+    pub last_seq: i64,
+}
+
+/// Read the reservation projection and effects (in one read transaction), capped at `rows_max`.
+pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
+    let tx = conn.unchecked_transaction().db()?;
+    let projections = {
+        let mut stmt = tx
+            .prepare(
+                "SELECT consumer_id, source, flow_id, state, quantity, last_seq FROM reservation_projection
+                 ORDER BY consumer_id, source, flow_id LIMIT ?1",
+            )
+            .db()?;
+        let rows = stmt
+            .query_map([rows_max as i64], |r| {
+                Ok(ProjectionRow {
+                    consumer_id: r.get(0)?,
+                    source: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    state: r.get(3)?,
+                    quantity: r.get(4)?,
+                    last_seq: r.get(5)?,
+                })
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    let effects = {
+        let mut stmt = tx
+            .prepare(
+                "SELECT consumer_id, source, flow_id, seq, event_id, kind, quantity FROM reservation_effects
+                 ORDER BY effect_id LIMIT ?1",
+            )
+            .db()?;
+        let rows = stmt
+            .query_map([rows_max as i64], |r| {
+                Ok(Effect {
+                    consumer_id: r.get(0)?,
+                    source: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    seq: r.get(3)?,
+                    event_id: r.get(4)?,
+                    kind: r.get(5)?,
+                    quantity: r.get(6)?,
+                })
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    tx.finish().db()?;
+    Ok((projections, effects))
+}
+
+/// Count effects per (consumer, source, flow, seq) applied more than once: must always be empty.
+pub fn duplicate_effects(conn: &Connection) -> Result<Vec<(String, String, String, i64, i64)>> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT consumer_id, source, flow_id, seq, count(*) FROM reservation_effects
+             GROUP BY consumer_id, source, flow_id, seq HAVING count(*) > 1 ORDER BY 1, 2, 3, 4 LIMIT 1000",
+        )
+        .map_err(|e| Error::store(e.to_string()))?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
