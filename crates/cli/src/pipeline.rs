@@ -31,7 +31,6 @@ pub struct Pipeline {
     pub producer: SqliteProducer,
     pub consumer: SqliteConsumer,
     pub endpoints: SqliteEndpoints,
-    pub durability: Durability,
 }
 
 impl Pipeline {
@@ -59,14 +58,7 @@ impl Pipeline {
             )?;
         }
         let consumer = SqliteConsumer::open_with(&consumer_path, durability)?;
-        Ok(Pipeline {
-            producer_path,
-            consumer_path,
-            producer,
-            consumer,
-            endpoints: SqliteEndpoints::new(durability),
-            durability,
-        })
+        Ok(Pipeline { producer_path, consumer_path, producer, consumer, endpoints: SqliteEndpoints::new(durability) })
     }
 
     pub fn advance(

@@ -184,14 +184,34 @@ pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, V
     Ok((projections, effects))
 }
 
-/// Count effects per (consumer, source, flow, seq) applied more than once: must always be empty.
-pub fn duplicate_effects(conn: &Connection) -> Result<Vec<(String, String, String, i64, i64)>> {
+/// An effect written more than once: (consumer, source, flow, seq) and how many times.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct DuplicateEffect {
+    pub consumer_id: String,
+    pub source: String,
+    pub flow_id: String,
+    pub seq: i64,
+    pub count: i64,
+}
+
+/// Effects per (consumer, source, flow, seq) applied more than once: must always be empty.
+pub fn duplicate_effects(conn: &Connection) -> Result<Vec<DuplicateEffect>> {
     let mut stmt = conn
         .prepare(
             "SELECT consumer_id, source, flow_id, seq, count(*) FROM reservation_effects
              GROUP BY consumer_id, source, flow_id, seq HAVING count(*) > 1 ORDER BY 1, 2, 3, 4 LIMIT 1000",
         )
         .map_err(|e| Error::store(e.to_string()))?;
-    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))).db()?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok(DuplicateEffect {
+                consumer_id: r.get(0)?,
+                source: r.get(1)?,
+                flow_id: r.get(2)?,
+                seq: r.get(3)?,
+                count: r.get(4)?,
+            })
+        })
+        .db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
