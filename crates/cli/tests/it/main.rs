@@ -10,3 +10,4 @@ mod concurrency;
 mod crash;
 mod experiment;
 mod model_check;
+mod outbox_transaction;
