@@ -70,7 +70,8 @@ enum Command {
     /// Inbox records: list, skip a blocked record, show high-water marks.
     #[command(subcommand)]
     Inbox(InboxCommand),
-    /// Compact applied records into receipts and drop receipts past the horizon.
+    /// Retention: compact applied inbox records into receipts, drop receipts past the horizon,
+    /// delete settled outbox events.
     Prune(PruneArgs),
     /// Rename a consumer, carrying its dedup state and projections over.
     RenameConsumer(RenameArgs),
@@ -284,11 +285,18 @@ enum InboxCommand {
 
 #[derive(Args)]
 struct PruneArgs {
+    /// Prune this consumer database (applied bodies -> receipts; receipts past the horizon).
     #[arg(long = "consumer-db")]
-    consumer_db: PathBuf,
+    consumer_db: Option<PathBuf>,
     /// Keep full bodies of applied records this long before compacting them into receipts.
     #[arg(long, default_value_t = 7 * tidemark_core::policy::DAY_MS)]
     applied_retention_ms: i64,
+    /// Prune this producer database (settled outbox events and their deliveries).
+    #[arg(long)]
+    producer: Option<PathBuf>,
+    /// Keep outbox events this long after they were committed, even when every delivery is settled.
+    #[arg(long, default_value_t = 7 * tidemark_core::policy::DAY_MS)]
+    delivered_retention_ms: i64,
     /// Rows per transaction.
     #[arg(long, default_value_t = 1_000)]
     batch_rows: usize,
@@ -558,25 +566,47 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         },
         Command::Prune(args) => {
             tidemark_core::id::validate_limit("--batch-rows", args.batch_rows, PRUNE_BATCH_ROWS_MAX)?;
-            if args.applied_retention_ms < 0 {
-                return Err(invalid("--applied-retention-ms must be >= 0"));
+            if args.applied_retention_ms < 0 || args.delivered_retention_ms < 0 {
+                return Err(invalid("retention periods must be >= 0"));
             }
-            let mut consumer = SqliteConsumer::open_with(&args.consumer_db, ctx.durability)?;
-            let mut total = tidemark_core::store::PruneReport::default();
-            let mut batches = 0_u64;
-            // Bounded: each batch removes rows, so at most (rows / batch) + 1 batches run.
-            loop {
-                batches += 1;
-                let report = consumer.prune(args.applied_retention_ms, args.batch_rows, ctx.now_ms())?;
-                total.compacted += report.compacted;
-                total.receipts_deleted += report.receipts_deleted;
-                if !report.more {
-                    break;
+            if args.consumer_db.is_none() && args.producer.is_none() {
+                return Err(invalid("give --consumer-db and/or --producer"));
+            }
+            let mut out = json!({"outcome": "pruned"});
+            // Each loop is bounded: every batch deletes rows, so at most (rows / batch) + 1 run.
+            if let Some(path) = &args.consumer_db {
+                let mut consumer = SqliteConsumer::open_with(path, ctx.durability)?;
+                let mut total = tidemark_core::store::PruneReport::default();
+                let mut batches = 0_u64;
+                loop {
+                    batches += 1;
+                    let report = consumer.prune(args.applied_retention_ms, args.batch_rows, ctx.now_ms())?;
+                    total.compacted += report.compacted;
+                    total.receipts_deleted += report.receipts_deleted;
+                    if !report.more {
+                        break;
+                    }
                 }
+                out["consumer"] = to_json(&total);
+                out["consumer"]["batches"] = json!(batches);
             }
-            let mut out = to_json(&total);
-            out["outcome"] = json!("pruned");
-            out["batches"] = json!(batches);
+            if let Some(path) = &args.producer {
+                let mut producer = SqliteProducer::open_with(path, ctx.durability)?;
+                let mut total = tidemark_core::store::OutboxPruneReport::default();
+                let mut batches = 0_u64;
+                loop {
+                    batches += 1;
+                    let report =
+                        producer.prune_delivered(args.delivered_retention_ms, args.batch_rows, ctx.now_ms())?;
+                    total.events_deleted += report.events_deleted;
+                    total.deliveries_deleted += report.deliveries_deleted;
+                    if !report.more {
+                        break;
+                    }
+                }
+                out["producer"] = to_json(&total);
+                out["producer"]["batches"] = json!(batches);
+            }
             Ok(out)
         }
         Command::RenameConsumer(args) => {

@@ -113,6 +113,14 @@ pub enum DeliveryAction {
     Dismiss,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+pub struct OutboxPruneReport {
+    pub events_deleted: u64,
+    pub deliveries_deleted: u64,
+    /// True when the batch bound stopped the prune before it was done.
+    pub more: bool,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProducerSnapshot {
     pub identity: ProducerIdentity,
@@ -153,6 +161,10 @@ pub trait ProducerStore {
         now_ms: i64,
     ) -> Result<DeliveryEntry>;
     fn flow(&self, flow_id: &str) -> Result<Option<FlowRecord>>;
+    /// Delete outbox events created more than `retention_ms` ago whose every delivery is
+    /// settled (`accepted` or `dismissed`), with their delivery rows; at most `batch_rows`
+    /// events in one transaction. Flows keep their `last_seq`, so seqs are never reused.
+    fn prune_delivered(&mut self, retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<OutboxPruneReport>;
     /// Everything, read in one read transaction, each table capped at `rows_max` rows.
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot>;
 }

@@ -7,10 +7,12 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::flow::{decide_advance, validate_request, AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
 use tidemark_core::id::{validate_id, validate_limit, validate_reason};
-use tidemark_core::limits::{ADVANCE_BATCH_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, RELAY_BATCH_EVENTS_MAX};
+use tidemark_core::limits::{
+    ADVANCE_BATCH_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX,
+};
 use tidemark_core::store::{
     Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
-    ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
+    OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
@@ -537,6 +539,44 @@ impl ProducerStore for SqliteProducer {
             Ok(FlowRecord { flow_id: flow_id.to_string(), last_seq, state: FlowState { state, data } })
         })
         .transpose()
+    }
+
+    fn prune_delivered(&mut self, retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<OutboxPruneReport> {
+        validate_limit("prune batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+        if retention_ms < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "delivered retention must be >= 0"));
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        // Oldest first (position follows commit order); an event with any unsettled delivery
+        // stays, whatever its age.
+        let positions: Vec<i64> = {
+            let mut stmt = tx
+                .prepare_cached(
+                    "SELECT o.position FROM outbox o WHERE o.created_at_ms < ?1
+                       AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position
+                                       AND d.status IN ('pending', 'quarantined'))
+                     ORDER BY o.created_at_ms, o.position LIMIT ?2",
+                )
+                .db()?;
+            let rows =
+                stmt.query_map(params![now_ms.saturating_sub(retention_ms), batch_rows as i64], |r| r.get(0)).db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        let mut deliveries_deleted = 0;
+        for position in &positions {
+            deliveries_deleted +=
+                tx.prepare_cached("DELETE FROM deliveries WHERE position = ?1").db()?.execute([position]).db()?;
+            let deleted = tx.prepare_cached("DELETE FROM outbox WHERE position = ?1").db()?.execute([position]).db()?;
+            ensure_invariant!(deleted == 1, "pruning outbox position {position} deleted {deleted} rows");
+        }
+        crash::hit("prune.before_commit");
+        tx.commit().db()?;
+        crash::hit("prune.after_commit");
+        Ok(OutboxPruneReport {
+            events_deleted: positions.len() as u64,
+            deliveries_deleted: deliveries_deleted as u64,
+            more: positions.len() == batch_rows,
+        })
     }
 
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot> {

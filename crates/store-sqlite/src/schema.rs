@@ -35,6 +35,7 @@ const MIGRATIONS: &[&str] = &[
         created_at_ms  INTEGER NOT NULL,
         UNIQUE (flow_id, seq)
     );
+    CREATE INDEX outbox_age ON outbox (created_at_ms);
     CREATE TRIGGER outbox_immutable BEFORE UPDATE ON outbox
     BEGIN SELECT RAISE(ABORT, 'outbox events are immutable'); END;
 
