@@ -6,6 +6,8 @@ mod bench;
 mod demo;
 mod experiment;
 mod pipeline;
+#[cfg(feature = "failpoints")]
+mod unsafe_cmd;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -81,6 +83,10 @@ enum Command {
     Experiment(experiment::ExperimentArgs),
     /// Measure throughput (see docs/benchmarks.md).
     Bench(bench::BenchArgs),
+    /// Test-only: the deliberately wrong dual write (state and event in two commits).
+    #[cfg(feature = "failpoints")]
+    #[command(hide = true)]
+    UnsafeDualWriteAdvance(unsafe_cmd::UnsafeDualWriteArgs),
 }
 
 #[derive(Args)]
@@ -624,6 +630,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Demo(args) => demo::run(&ctx, args),
         Command::Experiment(args) => experiment::run(&ctx, args),
         Command::Bench(args) => bench::run(&ctx, args),
+        #[cfg(feature = "failpoints")]
+        Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }
 }
 

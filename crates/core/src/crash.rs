@@ -1,7 +1,8 @@
 //! Named crash points at commit boundaries, for crash tests.
 //!
 //! Compiled in only with the `failpoints` cargo feature. `TIDEMARK_CRASH_AT=<name>` makes the
-//! process exit with code 73 the first time it reaches `<name>`; `<name>@<n>` on the n-th time.
+//! process exit with code 73 (81 for the unsafe dual-write point) the first time it reaches
+//! `<name>`; `<name>@<n>` on the n-th time.
 //! Without the feature, [`hit`] is an empty inline function.
 
 /// Every crash point, in protocol order. Tests iterate this list; `hit` rejects unknown names.
@@ -20,10 +21,27 @@ pub const CRASH_POINTS: &[&str] = &[
     "prune.after_commit",
     "resolve.before_commit",
     "rename.before_commit",
+    "rename.after_commit",
+    // Only on the deliberately wrong dual-write path (`tidemark unsafe-dual-write-advance`,
+    // failpoints builds only): between its two separate commits. Exits with
+    // [`UNSAFE_DUAL_WRITE_EXIT_CODE`] so a test can tell it apart from the real points.
+    "unsafe_dual_write.between_commits",
 ];
 
 /// The exit code of a process killed at a crash point.
 pub const CRASH_EXIT_CODE: i32 = 73;
+
+/// The exit code of a process killed at `unsafe_dual_write.between_commits`.
+pub const UNSAFE_DUAL_WRITE_EXIT_CODE: i32 = 81;
+
+/// The exit code a process killed at crash point `name` exits with.
+pub fn exit_code(name: &str) -> i32 {
+    if name.starts_with("unsafe_dual_write.") {
+        UNSAFE_DUAL_WRITE_EXIT_CODE
+    } else {
+        CRASH_EXIT_CODE
+    }
+}
 
 #[cfg(feature = "failpoints")]
 mod armed {
@@ -51,8 +69,9 @@ mod armed {
     pub(super) fn hit(name: &str) {
         if let Some(armed) = armed() {
             if armed.name == name && armed.hits.fetch_add(1, Ordering::SeqCst) + 1 == armed.on_hit {
-                eprintln!("tidemark: crash point {name} reached; exiting with code {}", super::CRASH_EXIT_CODE);
-                std::process::exit(super::CRASH_EXIT_CODE);
+                let code = super::exit_code(name);
+                eprintln!("tidemark: crash point {name} reached; exiting with code {code}");
+                std::process::exit(code);
             }
         }
     }

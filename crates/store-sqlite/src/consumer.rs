@@ -700,6 +700,15 @@ impl ConsumerStore for SqliteConsumer {
             .db()
         };
         if !used(from)? {
+            // Idempotent: `from` was already renamed to `to` (a retry after a crash between this
+            // commit and the producer's half of `rename-consumer`). Nothing left to move.
+            let renamed_to: Option<String> = tx
+                .query_row("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1", [from], |r| r.get(0))
+                .optional()
+                .db()?;
+            if renamed_to.as_deref() == Some(to) {
+                return Ok(RenameReport { inbox: 0, receipts: 0, cursors: 0, projections: 0 });
+            }
             return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
         }
         if used(to)? {
@@ -727,6 +736,7 @@ impl ConsumerStore for SqliteConsumer {
         .db()?;
         crash::hit("rename.before_commit");
         tx.commit().db()?;
+        crash::hit("rename.after_commit");
         Ok(RenameReport {
             inbox: inbox as u64,
             receipts: receipts as u64,

@@ -9,11 +9,16 @@ mod endpoints;
 mod producer;
 pub mod reservation;
 mod schema;
+/// Deliberately wrong dual write, for the crash test that shows the loss. Failpoints builds only.
+#[cfg(feature = "failpoints")]
+pub mod unsafe_dual_write;
 
 pub use consumer::SqliteConsumer;
 pub use endpoints::SqliteEndpoints;
 pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
 pub use schema::{open_existing, Durability, SCHEMA_VERSION};
+#[cfg(feature = "failpoints")]
+pub use unsafe_dual_write::unsafe_dual_write_advance;
 
 use tidemark_core::Error;
 

@@ -1,1 +1,448 @@
-//! (to be written)
+//! The CLI contract: bad input exits 2 with `{"outcome":"error","error":{"code","message"}}`, a
+//! stable code, and changes nothing on disk (every file's bytes compared, and a missing database
+//! path is never created); protocol rejections exit 0 with their outcome word; init never resets.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde_json::{json, Value};
+use tidemark_core::limits::ENVELOPE_BYTES_MAX;
+
+use crate::crash::{advance, array, consumer_snapshot, producer_snapshot, relay, SOURCE};
+use crate::support::{ok, path_str, run, run_with, Setup};
+
+/// Every file of the folder (databases, WAL companions, envelopes) with its bytes.
+fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .expect("read dir")
+        .map(|entry| {
+            let entry = entry.expect("dir entry");
+            (entry.file_name().to_string_lossy().into_owned(), std::fs::read(entry.path()).expect("read file"))
+        })
+        .collect()
+}
+
+/// Both snapshots, read by the binary.
+fn snapshots(s: &Setup) -> (Value, Value) {
+    (producer_snapshot(s), consumer_snapshot(s))
+}
+
+/// Run bad input; require exit 2, the JSON error with `code`, and no change on disk.
+fn assert_rejected(s: &Setup, args: &[&str], code: &str) {
+    let before = files(s.dir.path());
+    let r = run(args);
+    assert_eq!(r.code, 2, "tidemark {args:?} must exit 2:\n{}\n{}", r.stdout, r.stderr);
+    assert_eq!(r.json["outcome"], "error", "{}", r.stdout);
+    assert_eq!(r.json["error"]["code"], code, "tidemark {args:?}: {}", r.stdout);
+    assert!(r.json["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{}", r.stdout);
+    assert_eq!(r.stdout.trim().lines().count(), 1, "one JSON document on one line: {}", r.stdout);
+    let after = files(s.dir.path());
+    assert_eq!(after.keys().collect::<Vec<_>>(), before.keys().collect::<Vec<_>>(), "files appeared or vanished");
+    for (name, bytes) in &before {
+        assert!(after[name] == *bytes, "tidemark {args:?} changed {name}");
+    }
+}
+
+/// audit and search subscribed; r1 reserved -> confirmed, relayed, applied by audit only;
+/// r2 reserved and not relayed (its deliveries pending).
+fn populated() -> (Setup, String, String) {
+    let s = Setup::new(&["audit", "search"]);
+    let r1 = advance(&s, "r1", 0, "reserved", Some(3))["event_id"].as_str().unwrap().to_string();
+    advance(&s, "r1", 1, "confirmed", None);
+    relay(&s);
+    ok(&["drain", "--consumer-db", s.c(), "--consumer-id", "audit"]);
+    let r2 = advance(&s, "r2", 0, "reserved", Some(4))["event_id"].as_str().unwrap().to_string();
+    (s, r1, r2)
+}
+
+fn advance_args<'a>(s: &'a Setup, flow: &'a str, expected: &'a str, to: &'a str, more: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["advance", "--producer", s.p(), "--flow", flow, "--expected-seq", expected, "--to", to];
+    args.extend_from_slice(more);
+    args
+}
+
+#[test]
+fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
+    let (s, r1, r2) = populated();
+    let (p, c) = (s.p(), s.c());
+    let long_id = "a".repeat(101);
+    let before = snapshots(&s);
+
+    // Identifiers: empty, 101 characters, spaces, non-ASCII; on every command that takes one.
+    for bad in ["", long_id.as_str(), "has space", "réservation", "a/b"] {
+        assert_rejected(&s, &advance_args(&s, bad, "2", "released", &[]), "invalid_id");
+        assert_rejected(&s, &["drain", "--consumer-db", c, "--consumer-id", bad], "invalid_id");
+        assert_rejected(
+            &s,
+            &["apply", "--consumer-db", c, "--consumer-id", "audit", "--source", SOURCE, "--flow", bad],
+            "invalid_id",
+        );
+        assert_rejected(&s, &["subscribe", "--producer", p, "--consumer-id", bad, "--endpoint", c], "invalid_id");
+        assert_rejected(&s, &["rename-consumer", "--consumer-db", c, "--from", "audit", "--to", bad], "invalid_id");
+        assert_rejected(&s, &["inbox", "list", "--consumer-db", c, "--consumer-id", bad], "invalid_id");
+        assert_rejected(&s, &["init", "--producer", p, "--source", bad], "invalid_id");
+    }
+    assert_eq!(long_id.len(), tidemark_core::limits::ID_BYTES_MAX + 1);
+    ok(&advance_args(&s, &long_id[..100], "0", "reserved", &["--quantity", "1"]));
+    let before_after_a_valid_100_char_id = snapshots(&s);
+
+    // Domain input.
+    for quantity in ["--quantity=0", "--quantity=1000001", "--quantity=-1"] {
+        assert_rejected(&s, &advance_args(&s, "r9", "0", "reserved", &[quantity]), "invalid_quantity");
+    }
+    assert_rejected(&s, &advance_args(&s, "r9", "0", "reserved", &[]), "invalid_quantity");
+    assert_rejected(&s, &advance_args(&s, "r1", "2", "cancelled", &[]), "unknown_state");
+    assert_rejected(&s, &advance_args(&s, "r1", "2", "released", &["--schema-version", "3"]), "invalid_schema_version");
+    assert_rejected(&s, &advance_args(&s, "r1", "2", "released", &["--schema-version", "0"]), "invalid_schema_version");
+    assert_rejected(&s, &advance_args(&s, "r1", "-1", "released", &[]), "invalid_argument");
+    assert_rejected(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq=-1", "--to", "released"],
+        "invalid_seq",
+    );
+
+    // Envelopes: malformed JSON, unknown fields, bad seq, oversized.
+    let envelope = array(&before.0, "outbox")[0].clone();
+    let mut cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("malformed", b"{\"event_id\": ".to_vec(), "invalid_envelope"),
+        ("not-json", b"hello".to_vec(), "invalid_envelope"),
+        ("empty", Vec::new(), "invalid_envelope"),
+    ];
+    let mut extra = envelope.clone();
+    extra["extra"] = json!(1);
+    cases.push(("extra-field", extra.to_string().into_bytes(), "invalid_envelope"));
+    let mut seq0 = envelope.clone();
+    seq0["seq"] = json!(0);
+    cases.push(("seq0", seq0.to_string().into_bytes(), "invalid_seq"));
+    let mut bad_id = envelope.clone();
+    bad_id["event_id"] = json!("has space");
+    cases.push(("bad-id", bad_id.to_string().into_bytes(), "invalid_id"));
+    let mut oversized = envelope.to_string().into_bytes();
+    oversized.resize(ENVELOPE_BYTES_MAX + 1, b' ');
+    cases.push(("oversized", oversized, "payload_too_large"));
+    let mut big_payload = envelope.clone();
+    big_payload["payload"] = json!({"amount": 3, "pad": "x".repeat(tidemark_core::limits::PAYLOAD_BYTES_MAX)});
+    cases.push(("big-payload", big_payload.to_string().into_bytes(), "payload_too_large"));
+    let inputs = tempfile::tempdir().expect("tempdir");
+    for (name, bytes, code) in &cases {
+        let file = inputs.path().join(format!("{name}.json"));
+        std::fs::write(&file, bytes).expect("write envelope");
+        assert_rejected(
+            &s,
+            &["receive", "--consumer-db", c, "--consumer-id", "audit", "--file", path_str(&file)],
+            code,
+        );
+        // The same bytes on stdin.
+        let before = files(s.dir.path());
+        let r = run_with(&["receive", "--consumer-db", c, "--consumer-id", "audit"], &[], Some(bytes));
+        assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some(*code)), "{name} on stdin: {}", r.stdout);
+        assert_eq!(files(s.dir.path()), before);
+    }
+
+    // Flags and filters.
+    assert_rejected(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq", "2", "--to", "released", "--bogus"],
+        "invalid_argument",
+    );
+    assert_rejected(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq", "two", "--to", "released"],
+        "invalid_argument",
+    );
+    assert_rejected(&s, &["advance", "--producer", p, "--flow", "r1", "--to", "released"], "invalid_argument");
+    assert_rejected(&s, &["no-such-command"], "invalid_argument");
+    assert_rejected(&s, &["--durability", "sometimes", "snapshot", "--producer", p], "invalid_argument");
+    assert_rejected(&s, &["outbox", "list", "--producer", p, "--status", "lost"], "invalid_argument");
+    assert_rejected(
+        &s,
+        &["inbox", "list", "--consumer-db", c, "--consumer-id", "audit", "--status", "lost"],
+        "invalid_argument",
+    );
+    assert_rejected(
+        &s,
+        &[
+            "outbox",
+            "resolve",
+            "--producer",
+            p,
+            "--event",
+            &r1,
+            "--consumer-id",
+            "audit",
+            "--action",
+            "forget",
+            "--reason",
+            "x",
+        ],
+        "invalid_argument",
+    );
+    assert_rejected(
+        &s,
+        &[
+            "outbox",
+            "resolve",
+            "--producer",
+            p,
+            "--event",
+            &r1,
+            "--consumer-id",
+            "audit",
+            "--action",
+            "requeue",
+            "--reason",
+            " ",
+        ],
+        "invalid_argument",
+    );
+    assert_rejected(&s, &["prune", "--consumer-db", c, "--applied-retention-ms", "-1"], "invalid_argument");
+    assert_rejected(&s, &["relay", "--producer", p, "--max-attempts", "0"], "invalid_argument");
+
+    // Limits: 0 and one over the maximum.
+    for (flag_args, max, read_only) in [
+        (vec!["relay", "--producer", p], 10_000, false),
+        (vec!["drain", "--consumer-db", c, "--consumer-id", "search"], 10_000, false),
+        (vec!["outbox", "list", "--producer", p], 1_000, true),
+        (vec!["inbox", "list", "--consumer-db", c, "--consumer-id", "audit"], 1_000, true),
+    ] {
+        for limit in ["0".to_string(), (max + 1).to_string()] {
+            assert_rejected(&s, &[&flag_args[..], &["--limit", &limit]].concat(), "limit_exceeded");
+        }
+        if read_only {
+            ok(&[&flag_args[..], &["--limit", &max.to_string()]].concat());
+        }
+    }
+    assert_rejected(&s, &["prune", "--consumer-db", c, "--batch-rows", "0"], "limit_exceeded");
+    assert_rejected(&s, &["snapshot", "--producer", p, "--rows-max", "0"], "limit_exceeded");
+
+    // Operator actions on records in the wrong state.
+    for (event, consumer, action) in [(&r1, "audit", "requeue"), (&r1, "audit", "dismiss"), (&r2, "audit", "requeue")] {
+        let args =
+            ["outbox", "resolve", "--producer", p, "--event", event, "--consumer-id", consumer, "--action", action];
+        assert_rejected(&s, &[&args[..], &["--reason", "operator"]].concat(), "invalid_state_change");
+    }
+    assert_rejected(
+        &s,
+        &[
+            "outbox",
+            "resolve",
+            "--producer",
+            p,
+            "--event",
+            "nope",
+            "--consumer-id",
+            "audit",
+            "--action",
+            "requeue",
+            "--reason",
+            "x",
+        ],
+        "not_found",
+    );
+    for consumer in ["audit", "search"] {
+        // audit applied r1's first event; search holds it pending. Neither is blocked.
+        assert_rejected(
+            &s,
+            &["inbox", "skip", "--consumer-db", c, "--consumer-id", consumer, "--event", &r1, "--reason", "x"],
+            "invalid_state_change",
+        );
+    }
+    assert_rejected(
+        &s,
+        &["inbox", "skip", "--consumer-db", c, "--consumer-id", "audit", "--event", &r2, "--reason", "x"],
+        "not_found",
+    );
+    assert_rejected(
+        &s,
+        &["rename-consumer", "--consumer-db", c, "--from", "audit", "--to", "search"],
+        "already_exists",
+    );
+    assert_rejected(
+        &s,
+        &["rename-consumer", "--consumer-db", c, "--from", "audit", "--to", "search", "--producer", p],
+        "already_exists",
+    );
+    assert_rejected(&s, &["rename-consumer", "--consumer-db", c, "--from", "nobody", "--to", "somebody"], "not_found");
+    assert_rejected(
+        &s,
+        &["rename-consumer", "--consumer-db", c, "--from", "audit", "--to", "audit"],
+        "invalid_argument",
+    );
+
+    // A file of the other role.
+    assert_rejected(
+        &s,
+        &["advance", "--producer", c, "--flow", "r1", "--expected-seq", "2", "--to", "released"],
+        "not_initialized",
+    );
+    assert_rejected(&s, &["drain", "--consumer-db", p, "--consumer-id", "audit"], "not_initialized");
+
+    assert_eq!(snapshots(&s), before_after_a_valid_100_char_id, "bad input changed the state");
+    assert_ne!(before, before_after_a_valid_100_char_id);
+}
+
+#[test]
+fn a_missing_database_is_never_created() {
+    let s = Setup::new(&["audit"]);
+    let missing = s.dir.path().join("missing.db");
+    let m = path_str(&missing);
+    let envelope = s.dir.path().join("envelope.json");
+    advance(&s, "r1", 0, "reserved", Some(1));
+    std::fs::write(&envelope, array(&producer_snapshot(&s), "outbox")[0].to_string()).unwrap();
+    let e = path_str(&envelope);
+    for args in [
+        vec!["advance", "--producer", m, "--flow", "r1", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"],
+        vec!["advance", "--producer", m, "--flow", "", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"],
+        vec!["subscribe", "--producer", m, "--consumer-id", "audit", "--endpoint", s.c()],
+        vec!["subscribe", "--producer", s.p(), "--consumer-id", "audit2", "--endpoint", m],
+        vec!["relay", "--producer", m],
+        vec!["receive", "--consumer-db", m, "--consumer-id", "audit", "--file", e],
+        vec!["apply", "--consumer-db", m, "--consumer-id", "audit", "--source", SOURCE, "--flow", "r1"],
+        vec!["drain", "--consumer-db", m, "--consumer-id", "audit"],
+        vec!["snapshot", "--producer", m],
+        vec!["snapshot", "--consumer-db", m],
+        vec!["outbox", "list", "--producer", m],
+        vec!["outbox", "rotate-generation", "--producer", m],
+        vec!["inbox", "list", "--consumer-db", m, "--consumer-id", "audit"],
+        vec!["inbox", "cursors", "--consumer-db", m],
+        vec!["prune", "--consumer-db", m],
+        vec!["rename-consumer", "--consumer-db", m, "--from", "audit", "--to", "audit2"],
+    ] {
+        let r = run(&args);
+        assert_eq!(r.code, 2, "tidemark {args:?}:\n{}\n{}", r.stdout, r.stderr);
+        let code = r.json["error"]["code"].as_str().unwrap_or_default().to_string();
+        assert!(["not_initialized", "invalid_id"].contains(&code.as_str()), "tidemark {args:?}: {}", r.stdout);
+        assert!(!missing.exists(), "tidemark {args:?} created {m}");
+        assert!(!Path::new(&format!("{m}-wal")).exists() && !Path::new(&format!("{m}-shm")).exists());
+    }
+}
+
+/// Run and require exit 0 with the given outcome word; the files' state must not change when
+/// `unchanged` (rejections are answers, not remembered state).
+fn assert_outcome(s: &Setup, args: &[&str], word: &str, unchanged: bool) -> Value {
+    let before = snapshots(s);
+    let out = ok(args);
+    assert_eq!(out["outcome"], word, "tidemark {args:?}: {out}");
+    if unchanged {
+        assert_eq!(snapshots(s), before, "tidemark {args:?} answered {word} but changed the state");
+    }
+    out
+}
+
+#[test]
+fn protocol_rejections_exit_0_with_their_outcome_word() {
+    let s = Setup::new(&["audit"]);
+    let (p, c) = (s.p(), s.c());
+    advance(&s, "r1", 0, "reserved", Some(3));
+    let stale = assert_outcome(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq", "0", "--to", "confirmed"],
+        "stale",
+        true,
+    );
+    assert_eq!((stale["expected_seq"].as_i64(), stale["current_seq"].as_i64()), (Some(0), Some(1)));
+    let skip = assert_outcome(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq", "1", "--to", "released"],
+        "invalid_transition",
+        true,
+    );
+    assert_eq!(skip["current_state"], "reserved");
+    assert_outcome(
+        &s,
+        &["advance", "--producer", p, "--flow", "r1", "--expected-seq", "1", "--to", "confirmed", "--quantity", "4"],
+        "invalid_transition",
+        true,
+    );
+    advance(&s, "r1", 1, "confirmed", None);
+
+    // Receive by hand: duplicate, conflict (same position, another id; same id, other content).
+    let outbox = array(&producer_snapshot(&s), "outbox").clone();
+    let write = |name: &str, value: &Value| {
+        let path = s.dir.path().join(name);
+        std::fs::write(&path, value.to_string()).unwrap();
+        path_str(&path).to_string()
+    };
+    let second = write("second.json", &outbox[1]);
+    let apply = ["apply", "--consumer-db", c, "--consumer-id", "audit", "--source", SOURCE, "--flow", "r1"];
+    let idle = assert_outcome(&s, &apply, "idle", true);
+    assert_eq!(idle["high_water_seq"], 0);
+    assert_outcome(
+        &s,
+        &["receive", "--consumer-db", c, "--consumer-id", "audit", "--file", &second],
+        "accepted",
+        false,
+    );
+    let gap = assert_outcome(&s, &apply, "gap", true);
+    assert_eq!(gap["missing_seq"], 1);
+    assert_outcome(
+        &s,
+        &["receive", "--consumer-db", c, "--consumer-id", "audit", "--file", &second],
+        "duplicate",
+        true,
+    );
+    let mut other_id = outbox[1].clone();
+    other_id["event_id"] = json!("forged-1");
+    let other_id = write("other-id.json", &other_id);
+    assert_outcome(
+        &s,
+        &["receive", "--consumer-db", c, "--consumer-id", "audit", "--file", &other_id],
+        "conflict",
+        true,
+    );
+    let mut other_content = outbox[1].clone();
+    other_content["payload"] = json!({"amount": 4});
+    let other_content = write("other-content.json", &other_content);
+    assert_outcome(
+        &s,
+        &["receive", "--consumer-db", c, "--consumer-id", "audit", "--file", &other_content],
+        "conflict",
+        true,
+    );
+    relay(&s);
+    assert_outcome(&s, &apply, "applied", false);
+    assert_outcome(&s, &apply, "applied", false);
+    assert_outcome(&s, &apply, "idle", true);
+
+    // A v2 event is blocked until the consumer enables v2.
+    ok(&[
+        "advance",
+        "--producer",
+        p,
+        "--flow",
+        "r2",
+        "--expected-seq",
+        "0",
+        "--to",
+        "reserved",
+        "--quantity",
+        "2",
+        "--schema-version",
+        "2",
+    ]);
+    relay(&s);
+    let apply_r2 = ["apply", "--consumer-db", c, "--consumer-id", "audit", "--source", SOURCE, "--flow", "r2"];
+    let blocked = assert_outcome(&s, &apply_r2, "blocked", false);
+    assert!(blocked["reason"].as_str().is_some_and(|r| r.contains("schema version 2")), "{blocked}");
+    assert_outcome(&s, &apply_r2, "blocked", true);
+    assert_eq!(ok(&["drain", "--consumer-db", c, "--consumer-id", "audit"])["outcome"], "blocked");
+    assert_outcome(&s, &[&apply_r2[..], &["--support-v2"]].concat(), "applied", false);
+}
+
+#[test]
+fn init_twice_keeps_data_and_another_source_is_an_error() {
+    let s = Setup::new(&["audit"]);
+    advance(&s, "r1", 0, "reserved", Some(3));
+    relay(&s);
+    ok(&["drain", "--consumer-db", s.c(), "--consumer-id", "audit"]);
+    let before = snapshots(&s);
+    let again = ok(&["init", "--producer", s.p(), "--source", SOURCE, "--consumer-db", s.c(), "--horizon-ms", "5"]);
+    assert_eq!(again["producer"], before.0["identity"], "re-init keeps the generation");
+    assert_eq!(again["consumer"]["horizon_ms"], before.1["horizon_ms"], "re-init keeps the horizon");
+    assert_eq!(snapshots(&s), before, "re-init changed data");
+    assert_rejected(&s, &["init", "--producer", s.p(), "--source", "other-shop"], "already_initialized");
+    assert_rejected(&s, &["init", "--producer", s.p()], "invalid_argument");
+    assert_rejected(&s, &["init"], "invalid_argument");
+    assert_rejected(&s, &["init", "--consumer-db", s.c(), "--horizon-ms", "0"], "invalid_argument");
+    assert_eq!(snapshots(&s), before);
+}
