@@ -644,18 +644,15 @@ fn main() {
         Ok(cli) => cli,
         Err(error) => {
             use clap::error::ErrorKind;
-            if matches!(
-                error.kind(),
-                ErrorKind::DisplayHelp
-                    | ErrorKind::DisplayVersion
-                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
-            ) {
+            if matches!(error.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 let _ = error.print();
-                std::process::exit(if error.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-                    2
-                } else {
-                    0
-                });
+                std::process::exit(0);
+            }
+            if error.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+                // The help goes to stderr for a person; stdout keeps its one JSON document.
+                eprintln!("{}", error.render());
+                println!("{}", error_json(codes::INVALID_ARGUMENT, "a subcommand is required; see --help"));
+                std::process::exit(2);
             }
             let message = error.render().to_string();
             println!("{}", error_json(codes::INVALID_ARGUMENT, message.trim()));
