@@ -12,6 +12,7 @@ pub mod limits;
 pub mod policy;
 pub mod reservation;
 pub mod store;
+pub mod workflow;
 
 pub use envelope::Envelope;
 pub use error::{codes, Error, Result};

@@ -1,0 +1,697 @@
+//! Durable execution: runs, their journal, statuses, step retry policy, and the
+//! [`WorkflowStore`] trait that SQLite (and later PostgreSQL and the model) implement.
+//!
+//! A *run* executes a registered workflow (a named, versioned async function). Every step the
+//! function takes is journaled under a position `seq` (0, 1, 2, ... in call order). After a crash
+//! the function runs again from the top; journaled steps return their recorded result without
+//! running again. See `docs/workflows.md`.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{codes, Error, Result};
+use crate::id::validate_id;
+
+/// Stable error codes of the workflow layer (in addition to [`crate::codes`]).
+pub mod workflow_codes {
+    /// Starting run id X again with a different workflow or input.
+    pub const RUN_CONFLICT: &str = "run_conflict";
+    /// The workflow name is not registered with this worker/CLI.
+    pub const UNKNOWN_WORKFLOW: &str = "unknown_workflow";
+    /// The input is not valid JSON or is too large.
+    pub const INVALID_INPUT: &str = "invalid_input";
+}
+
+/// Run id, workflow names and step names: identifiers (see [`crate::id`]). Step names may
+/// also be derived (`compensate:charge_payment`), still within the identifier alphabet.
+pub const WORKFLOW_INPUT_BYTES_MAX: usize = 256 * 1024;
+/// Output of one step or of a run, as canonical JSON.
+pub const STEP_OUTPUT_BYTES_MAX: usize = 256 * 1024;
+/// Steps (journal entries) of one run. A run that needs more should continue as a new run.
+pub const RUN_STEPS_MAX: u32 = 10_000;
+/// Runs started in one call.
+pub const START_BATCH_MAX: usize = 10_000;
+/// Journal writes committed in one transaction (group commit).
+pub const COMMIT_BATCH_MAX: usize = 4_096;
+/// Runs claimed by one claim call.
+pub const CLAIM_BATCH_MAX: usize = 4_096;
+/// Error messages kept per attempt.
+pub const ERROR_BYTES_MAX: usize = 4_096;
+/// Lease bounds.
+pub const LEASE_MS_MIN: i64 = 100;
+pub const LEASE_MS_MAX: i64 = 60 * 60 * 1000;
+/// Longest timer or wait.
+pub const TIMER_MS_MAX: i64 = 366 * 24 * 60 * 60 * 1000;
+
+/// The status of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunStatus {
+    /// Ready to run (new, or a step retry is due at `wake_at_ms`).
+    Pending,
+    /// Claimed by a worker under a lease.
+    Running,
+    /// Waiting for a durable timer (`wake_at_ms`).
+    Sleeping,
+    /// Waiting for an external event (`waiting_for`), until `wake_at_ms` (the timeout).
+    Waiting,
+    /// A saga step failed; completed steps are being compensated in reverse order.
+    Compensating,
+    Completed,
+    /// A saga failed and every completed step was compensated.
+    Compensated,
+    /// A step failed for good (not a saga, or compensation is not defined).
+    Failed,
+    Cancelled,
+    /// Dead letter: needs an operator (a compensation that kept failing, a non-deterministic
+    /// replay, an abandoned step). `error` says why.
+    Parked,
+}
+
+impl RunStatus {
+    pub const ALL: [RunStatus; 10] = [
+        RunStatus::Pending,
+        RunStatus::Running,
+        RunStatus::Sleeping,
+        RunStatus::Waiting,
+        RunStatus::Compensating,
+        RunStatus::Completed,
+        RunStatus::Compensated,
+        RunStatus::Failed,
+        RunStatus::Cancelled,
+        RunStatus::Parked,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunStatus::Pending => "pending",
+            RunStatus::Running => "running",
+            RunStatus::Sleeping => "sleeping",
+            RunStatus::Waiting => "waiting",
+            RunStatus::Compensating => "compensating",
+            RunStatus::Completed => "completed",
+            RunStatus::Compensated => "compensated",
+            RunStatus::Failed => "failed",
+            RunStatus::Cancelled => "cancelled",
+            RunStatus::Parked => "parked",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<RunStatus> {
+        RunStatus::ALL.into_iter().find(|s| s.as_str() == value)
+    }
+
+    /// Finished: no worker will touch the run again unless an operator retries or forks it.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RunStatus::Completed | RunStatus::Compensated | RunStatus::Failed | RunStatus::Cancelled | RunStatus::Parked
+        )
+    }
+
+    /// Can a worker claim a run in this status (when due and not leased)?
+    pub fn is_claimable(self) -> bool {
+        matches!(
+            self,
+            RunStatus::Pending | RunStatus::Running | RunStatus::Sleeping | RunStatus::Waiting | RunStatus::Compensating
+        )
+    }
+}
+
+/// The status a suspended run waits in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SuspendStatus {
+    /// A step retry is due at `wake_at_ms`.
+    Pending,
+    Sleeping,
+    Waiting,
+    /// A compensation retry is due at `wake_at_ms`.
+    Compensating,
+}
+
+impl SuspendStatus {
+    pub fn run_status(self) -> RunStatus {
+        match self {
+            SuspendStatus::Pending => RunStatus::Pending,
+            SuspendStatus::Sleeping => RunStatus::Sleeping,
+            SuspendStatus::Waiting => RunStatus::Waiting,
+            SuspendStatus::Compensating => RunStatus::Compensating,
+        }
+    }
+}
+
+/// How a run finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishStatus {
+    Completed,
+    Compensated,
+    Failed,
+    Cancelled,
+    Parked,
+}
+
+impl FinishStatus {
+    pub fn run_status(self) -> RunStatus {
+        match self {
+            FinishStatus::Completed => RunStatus::Completed,
+            FinishStatus::Compensated => RunStatus::Compensated,
+            FinishStatus::Failed => RunStatus::Failed,
+            FinishStatus::Cancelled => RunStatus::Cancelled,
+            FinishStatus::Parked => RunStatus::Parked,
+        }
+    }
+}
+
+/// The kind of a journal entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// Calls the outside world: at least once, with a stable idempotency key.
+    External,
+    /// Writes to the workflow's own database in the journal's transaction: exactly once.
+    Transactional,
+    /// A durable timer.
+    Sleep,
+    /// A wait for an external event.
+    Wait,
+    /// A saga compensation (external or transactional, recorded as its own step).
+    Compensation,
+}
+
+impl StepKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::External => "external",
+            StepKind::Transactional => "transactional",
+            StepKind::Sleep => "sleep",
+            StepKind::Wait => "wait",
+            StepKind::Compensation => "compensation",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<StepKind> {
+        [StepKind::External, StepKind::Transactional, StepKind::Sleep, StepKind::Wait, StepKind::Compensation]
+            .into_iter()
+            .find(|k| k.as_str() == value)
+    }
+}
+
+/// The status of a journal entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepStatus {
+    /// At least one attempt failed; the next is due at `next_attempt_at_ms`.
+    Retrying,
+    /// A timer or a wait that has not fired yet (`wake_at_ms`).
+    Waiting,
+    Completed,
+    /// Failed for good (non-retryable, or out of attempts). `error` says why.
+    Failed,
+    /// An operator skipped it; `output` is what the operator supplied.
+    Skipped,
+}
+
+impl StepStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepStatus::Retrying => "retrying",
+            StepStatus::Waiting => "waiting",
+            StepStatus::Completed => "completed",
+            StepStatus::Failed => "failed",
+            StepStatus::Skipped => "skipped",
+        }
+    }
+
+    pub fn parse(value: &str) -> Option<StepStatus> {
+        [StepStatus::Retrying, StepStatus::Waiting, StepStatus::Completed, StepStatus::Failed, StepStatus::Skipped]
+            .into_iter()
+            .find(|s| s.as_str() == value)
+    }
+
+    /// Replay returns this entry's recorded result without running the step.
+    pub fn is_settled(self) -> bool {
+        matches!(self, StepStatus::Completed | StepStatus::Failed | StepStatus::Skipped)
+    }
+}
+
+/// Backoff between attempts of one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Backoff {
+    /// `initial_ms * multiplier^(n-1)`, capped at `max_ms`, with equal jitter.
+    Exponential { initial_ms: i64, multiplier: f64, max_ms: i64 },
+    /// Explicit delays; the last one repeats. The seed's schedule is
+    /// `[1000, 5000, 30000, 300000, 3600000]`.
+    Schedule { delays_ms: Vec<i64> },
+}
+
+/// Retry policy of one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included (default 5).
+    pub max_attempts: u32,
+    pub backoff: Backoff,
+    /// Each attempt is cancelled after this long and counts as a failed attempt (default 30 s).
+    pub attempt_timeout_ms: i64,
+    /// Apply equal jitter (half fixed, half random) to each delay.
+    pub jitter: bool,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 5,
+            backoff: Backoff::Exponential { initial_ms: 1_000, multiplier: 5.0, max_ms: 3_600_000 },
+            attempt_timeout_ms: 30_000,
+            jitter: true,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The seed's schedule: 1 s, 5 s, 30 s, 5 min, 1 h between attempts, 5 attempts.
+    pub fn seed_schedule() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 5,
+            backoff: Backoff::Schedule { delays_ms: vec![1_000, 5_000, 30_000, 300_000, 3_600_000] },
+            attempt_timeout_ms: 30_000,
+            jitter: false,
+        }
+    }
+
+    /// Retry forever (compensations): effectively unbounded attempts, capped delays.
+    pub fn until_success(max_attempts: u32) -> RetryPolicy {
+        RetryPolicy { max_attempts, ..RetryPolicy::default() }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::invalid(codes::INVALID_ARGUMENT, format!("retry policy: {m}")));
+        if self.max_attempts == 0 || self.max_attempts > 1_000_000 {
+            return bad("max_attempts must be 1..=1000000");
+        }
+        if !(1..=LEASE_MS_MAX).contains(&self.attempt_timeout_ms) {
+            return bad("attempt_timeout_ms must be 1..=3600000");
+        }
+        match &self.backoff {
+            Backoff::Exponential { initial_ms, multiplier, max_ms } => {
+                if *initial_ms < 0 || *max_ms < *initial_ms || *max_ms > TIMER_MS_MAX || !(1.0..=100.0).contains(multiplier) {
+                    return bad("exponential backoff needs 0 <= initial_ms <= max_ms <= 1 year and multiplier 1..=100");
+                }
+            }
+            Backoff::Schedule { delays_ms } => {
+                if delays_ms.is_empty() || delays_ms.len() > 1_000 || delays_ms.iter().any(|d| !(0..=TIMER_MS_MAX).contains(d)) {
+                    return bad("a schedule needs 1..=1000 delays of 0..=1 year");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Delay before the attempt after the `failed_attempts`-th failure (1-based). `unit` is
+    /// uniform in [0, 1).
+    pub fn delay_ms(&self, failed_attempts: u32, unit: f64) -> i64 {
+        let n = failed_attempts.max(1);
+        let ceiling = match &self.backoff {
+            Backoff::Exponential { initial_ms, multiplier, max_ms } => {
+                let raw = *initial_ms as f64 * multiplier.powi((n - 1).min(60) as i32);
+                if raw.is_finite() {
+                    (raw as i64).min(*max_ms)
+                } else {
+                    *max_ms
+                }
+            }
+            Backoff::Schedule { delays_ms } => delays_ms[((n - 1) as usize).min(delays_ms.len() - 1)],
+        };
+        if self.jitter {
+            let half = ceiling / 2;
+            half + ((ceiling - half) as f64 * unit.clamp(0.0, 1.0)) as i64
+        } else {
+            ceiling
+        }
+    }
+}
+
+/// Why a step attempt failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepFailure {
+    pub message: String,
+    /// False for errors that retrying cannot fix (bad request, declined card).
+    pub retryable: bool,
+}
+
+impl StepFailure {
+    pub fn retryable(message: impl Into<String>) -> Self {
+        StepFailure { message: truncate(message.into()), retryable: true }
+    }
+
+    pub fn permanent(message: impl Into<String>) -> Self {
+        StepFailure { message: truncate(message.into()), retryable: false }
+    }
+}
+
+fn truncate(mut message: String) -> String {
+    if message.len() > ERROR_BYTES_MAX {
+        let mut end = ERROR_BYTES_MAX;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    message
+}
+
+/// A request to start a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StartRequest {
+    pub run_id: String,
+    pub workflow: String,
+    /// The workflow version the run is pinned to (the starter's registered version).
+    pub version: u32,
+    pub input: Value,
+    /// Optional serialization key: at most one active run per key.
+    pub key: Option<String>,
+    /// Do not run before this time (durable start-at timer).
+    pub start_at_ms: Option<i64>,
+}
+
+impl StartRequest {
+    pub fn validate(&self) -> Result<()> {
+        validate_id("run_id", &self.run_id)?;
+        validate_id("workflow", &self.workflow)?;
+        if let Some(key) = &self.key {
+            validate_id("key", key)?;
+        }
+        if self.version == 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "workflow version must be >= 1"));
+        }
+        validate_json_size("input", &self.input, WORKFLOW_INPUT_BYTES_MAX, workflow_codes::INVALID_INPUT)?;
+        Ok(())
+    }
+
+    /// The hash that decides whether a second start of the same run id is the same request.
+    pub fn input_hash(&self) -> String {
+        let canonical = serde_json::to_vec(&(&self.workflow, &self.input)).expect("json serialises");
+        crate::envelope::hash_hex(&canonical)
+    }
+}
+
+pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static str) -> Result<()> {
+    let size = serde_json::to_vec(value).map(|v| v.len()).unwrap_or(usize::MAX);
+    if size > max {
+        return Err(Error::invalid(code, format!("{field} is {size} bytes of JSON, limit is {max}")));
+    }
+    Ok(())
+}
+
+/// The answer to one start request.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum StartOutcome {
+    Started { run_id: String },
+    /// The same run id with the same workflow and input: the existing run.
+    Existing { run_id: String, status: RunStatus },
+    /// The same run id with another workflow or input.
+    Conflict { run_id: String, reason: String },
+}
+
+/// One run, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunRecord {
+    pub run_id: String,
+    pub workflow: String,
+    pub version: u32,
+    pub input: Value,
+    pub key: Option<String>,
+    pub status: RunStatus,
+    pub result: Option<Value>,
+    pub error: Option<String>,
+    /// When the run is next due (start-at, retry, timer, wait timeout).
+    pub wake_at_ms: i64,
+    /// The event name a `waiting` run waits for.
+    pub waiting_for: Option<String>,
+    pub cancel_requested: bool,
+    pub forked_from: Option<String>,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at_ms: Option<i64>,
+    /// Times a worker took the run over after another's lease expired.
+    pub recoveries: u32,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JournalEntry {
+    pub seq: u32,
+    pub name: String,
+    pub kind: StepKind,
+    pub status: StepStatus,
+    pub output: Option<Value>,
+    pub error: Option<String>,
+    /// Attempts made so far (failed ones included).
+    pub attempts: u32,
+    pub next_attempt_at_ms: Option<i64>,
+    /// Timer fire time, or wait deadline.
+    pub wake_at_ms: Option<i64>,
+    /// The event name of a wait.
+    pub event_name: Option<String>,
+    pub reason: Option<String>,
+    pub updated_at_ms: i64,
+}
+
+/// One attempt of one step (every attempt and its error is recorded).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AttemptRecord {
+    pub seq: u32,
+    pub attempt: u32,
+    pub ok: bool,
+    pub error: Option<String>,
+    pub finished_at_ms: i64,
+}
+
+/// An event sent to a run (by API, CLI or an inbox handler).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunEvent {
+    pub event_id: String,
+    pub name: String,
+    pub payload: Value,
+    pub received_at_ms: i64,
+    /// The journal seq of the wait that consumed it.
+    pub consumed_by_seq: Option<u32>,
+}
+
+/// A run with everything recorded about it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RunDetail {
+    pub run: RunRecord,
+    pub journal: Vec<JournalEntry>,
+    pub attempts: Vec<AttemptRecord>,
+    pub events: Vec<RunEvent>,
+}
+
+/// A workflow a worker can run, with an optional per-type concurrency limit (across all
+/// workers on the database).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkflowVersion {
+    pub workflow: String,
+    pub version: u32,
+    pub concurrency_max: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    pub worker_id: String,
+    pub workflows: Vec<WorkflowVersion>,
+    pub limit: usize,
+    pub lease_ms: i64,
+}
+
+/// A run handed to a worker: its record, journal and unconsumed events, and the lease token
+/// that fences every write the worker makes for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedRun {
+    pub run: RunRecord,
+    pub lease_token: String,
+    pub journal: Vec<JournalEntry>,
+    pub events: Vec<RunEvent>,
+    /// True when the previous lease holder's lease had expired (a recovery).
+    pub recovered: bool,
+}
+
+/// What a heartbeat learned about one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LeaseState {
+    /// Extended. `cancel_requested` tells the worker to stop at the next step boundary.
+    Held { cancel_requested: bool },
+    /// Another worker holds the run, or it was finished by an operator: stop working on it.
+    Lost,
+}
+
+/// The body of a transactional step: runs inside the journal's transaction on the store's
+/// handle `T` (`rusqlite::Connection` for SQLite).
+pub type TxBody<T> = Box<dyn FnOnce(&T) -> std::result::Result<Value, StepFailure> + Send>;
+
+/// One write of a worker, fenced by the run's lease token. A batch of them commits in one
+/// transaction (group commit); each gets its own [`WriteResult`].
+pub struct JournalWrite<T: ?Sized> {
+    pub run_id: String,
+    pub lease_token: String,
+    pub op: JournalOp<T>,
+}
+
+pub enum JournalOp<T: ?Sized> {
+    /// The run has started executing (`pending`/`sleeping`/... -> `running`), or is
+    /// compensating.
+    SetStatus { status: RunStatus },
+    /// An external step (or compensation) attempt finished. On failure, `retry_at_ms` says when
+    /// to try again (`None`: failed for good).
+    StepAttempt {
+        seq: u32,
+        name: String,
+        kind: StepKind,
+        attempt: u32,
+        result: std::result::Result<Value, StepFailure>,
+        retry_at_ms: Option<i64>,
+    },
+    /// A transactional step attempt: `body` runs in a savepoint of the commit's transaction. On
+    /// success its writes and the journal entry commit together; on failure its writes roll back
+    /// and the attempt is recorded like an external one.
+    TxStep { seq: u32, name: String, kind: StepKind, attempt: u32, body: TxBody<T>, retry_at_ms: Option<i64> },
+    /// Journal a timer (`Sleep`) or a wait (`Wait`) that has not fired yet.
+    TimerStarted { seq: u32, name: String, kind: StepKind, wake_at_ms: i64, event_name: Option<String> },
+    /// A timer fired, or a wait ended: with the consumed event, or by timeout (`event_id` None).
+    TimerFinished { seq: u32, event_id: Option<String>, output: Value },
+    /// Release the lease and wait in `status` until `wake_at_ms` (or an event for `waiting_for`).
+    Suspend { status: SuspendStatus, wake_at_ms: i64, waiting_for: Option<String> },
+    /// Release the lease and finish the run.
+    Finish { status: FinishStatus, result: Option<Value>, error: Option<String> },
+    /// Release the lease without changing the status (worker shutting down).
+    Release,
+}
+
+/// The result of one journal write.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WriteResult {
+    Done,
+    /// A transactional step's result (its body's output or failure).
+    TxResult(std::result::Result<Value, StepFailure>),
+    /// The lease token no longer matches: another worker owns the run, or an operator changed
+    /// it. Nothing was written; the worker must drop the run.
+    Fenced,
+}
+
+/// A filter for listing runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunFilter {
+    pub status: Option<RunStatus>,
+    pub workflow: Option<String>,
+    pub created_after_ms: Option<i64>,
+    pub created_before_ms: Option<i64>,
+    /// Keyset pagination: runs created after this (created_at_ms, run_id).
+    pub after: Option<(i64, String)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+pub struct PurgeReport {
+    pub runs_deleted: u64,
+    pub journal_deleted: u64,
+    pub more: bool,
+}
+
+/// Runs that no registered worker can execute (unknown workflow or version).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct UnclaimableRuns {
+    pub workflow: String,
+    pub version: u32,
+    pub runs: u64,
+}
+
+/// The workflow side of a store. Every method is one transaction.
+pub trait WorkflowStore {
+    /// The transactional handle given to transactional steps.
+    type Target: ?Sized;
+
+    /// Start runs (idempotent per run id), in one transaction.
+    fn start_runs(&mut self, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>>;
+    /// Lease up to `limit` due runs of the given workflows and versions, honouring per-type
+    /// limits and per-key serialization, oldest due first.
+    fn claim(&mut self, request: &ClaimRequest, now_ms: i64) -> Result<Vec<ClaimedRun>>;
+    /// Extend leases held by `worker_id`; report each as held (with cancel requests) or lost.
+    fn heartbeat(&mut self, worker_id: &str, leases: &[(String, String)], lease_ms: i64, now_ms: i64)
+        -> Result<Vec<LeaseState>>;
+    /// Apply a batch of journal writes in one transaction (group commit).
+    fn commit(&mut self, writes: Vec<JournalWrite<Self::Target>>, now_ms: i64) -> Result<Vec<WriteResult>>;
+    /// Deliver an event to a run (idempotent by `event_id`); wakes the run if it waits for
+    /// `name`. Returns false when the event was already there.
+    fn send_event(&mut self, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool>;
+    fn run(&self, run_id: &str) -> Result<Option<RunDetail>>;
+    fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>>;
+    /// Request cancellation: an unleased run is cancelled at once (a saga compensates first);
+    /// a leased one stops at its next step boundary.
+    fn cancel(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
+    /// Retry a failed or parked run from its failed step (attempts start over).
+    fn retry(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
+    /// Start `new_run_id` as a copy of `run_id` whose journal keeps the entries before `from_seq`.
+    fn fork(&mut self, run_id: &str, from_seq: u32, new_run_id: &str, now_ms: i64) -> Result<RunRecord>;
+    /// Mark step `seq` (failed, retrying or waiting) as skipped with `output`, and make the run
+    /// runnable again.
+    fn skip_step(&mut self, run_id: &str, seq: u32, output: &Value, reason: &str, now_ms: i64) -> Result<RunRecord>;
+    /// Give up on a run: it ends `cancelled` with the reason recorded; nothing is compensated.
+    fn abandon(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
+    /// Delete runs finished before `finished_before_ms` with their journals, at most
+    /// `batch_rows` runs per call; idempotency receipts stay.
+    fn purge(&mut self, finished_before_ms: i64, batch_rows: usize, now_ms: i64) -> Result<PurgeReport>;
+    /// Runs of workflows or versions not in `known`, which this worker leaves alone.
+    fn unclaimable(&self, known: &[WorkflowVersion]) -> Result<Vec<UnclaimableRuns>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exponential_default_maps_the_seed_schedule_shape() {
+        let p = RetryPolicy { jitter: false, ..RetryPolicy::default() };
+        let delays: Vec<i64> = (1..=5).map(|n| p.delay_ms(n, 0.0)).collect();
+        assert_eq!(delays, [1_000, 5_000, 25_000, 125_000, 625_000]);
+        assert_eq!(p.delay_ms(30, 0.0), 3_600_000);
+        let seed = RetryPolicy::seed_schedule();
+        let delays: Vec<i64> = (1..=7).map(|n| seed.delay_ms(n, 0.9)).collect();
+        assert_eq!(delays, [1_000, 5_000, 30_000, 300_000, 3_600_000, 3_600_000, 3_600_000]);
+    }
+
+    #[test]
+    fn jitter_stays_within_half_and_full() {
+        let p = RetryPolicy::default();
+        for unit in [0.0, 0.3, 0.99] {
+            let d = p.delay_ms(2, unit);
+            assert!((2_500..=5_000).contains(&d), "{d}");
+        }
+    }
+
+    #[test]
+    fn start_requests_are_validated() {
+        let mut r = StartRequest {
+            run_id: "order-1".into(),
+            workflow: "order_saga".into(),
+            version: 1,
+            input: serde_json::json!({}),
+            key: None,
+            start_at_ms: None,
+        };
+        r.validate().unwrap();
+        r.run_id = "bad id".into();
+        assert_eq!(r.validate().unwrap_err().code(), codes::INVALID_ID);
+    }
+
+    #[test]
+    fn terminal_and_claimable_partition_the_statuses() {
+        for s in RunStatus::ALL {
+            assert_ne!(s.is_terminal(), s.is_claimable(), "{s:?}");
+            assert_eq!(RunStatus::parse(s.as_str()), Some(s));
+        }
+    }
+}
