@@ -629,8 +629,9 @@ pub trait WorkflowStore {
     fn send_event(&mut self, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool>;
     fn run(&self, run_id: &str) -> Result<Option<RunDetail>>;
     fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>>;
-    /// Request cancellation: an unleased run is cancelled at once (a saga compensates first);
-    /// a leased one stops at its next step boundary.
+    /// Request cancellation: sets `cancel_requested` and makes the run due now. The runtime
+    /// acts on it at the run's next step boundary (or at claim): a saga compensates its completed
+    /// steps first, then the run ends `cancelled`. A terminal run cannot be cancelled.
     fn cancel(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
     /// Retry a failed or parked run from its failed step (attempts start over).
     fn retry(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
