@@ -6,6 +6,7 @@
 //! `tidemark_core::store`, so every backend gets the same behaviour.
 
 pub mod relay;
+pub mod workflow;
 
 pub use relay::{relay_once, round_robin, RelayAnswer, RelayOptions, RelayReport};
 

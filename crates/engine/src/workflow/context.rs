@@ -1,0 +1,651 @@
+//! The context a workflow function runs in: steps, timers, events, replay.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tidemark_core::id::validate_id;
+use tidemark_core::workflow::{
+    ClaimedRun, FinishStatus, JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent, RunStatus, StepFailure,
+    StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+};
+use tidemark_core::Error;
+
+use super::{WorkflowError, Writer};
+
+/// The step name of [`WorkflowContext::sleep`].
+pub const SLEEP_STEP: &str = "sleep";
+
+/// The context of one run, handed to the workflow function. Cheap to clone; every clone is the
+/// same run.
+///
+/// Every call takes the next journal position `seq` (0, 1, 2, ... in call order). A journaled,
+/// settled position returns its recorded result without running; a journaled position whose name
+/// or kind differs from the call parks the run (non-determinism).
+pub struct WorkflowContext<S: WorkflowStore> {
+    inner: Arc<RunShared<S>>,
+}
+
+impl<S: WorkflowStore> Clone for WorkflowContext<S> {
+    fn clone(&self) -> Self {
+        WorkflowContext { inner: self.inner.clone() }
+    }
+}
+
+struct RunShared<S: WorkflowStore> {
+    writer: Writer<S>,
+    run_id: String,
+    lease_token: String,
+    retry: RetryPolicy,
+    cancel: Arc<AtomicBool>,
+    state: Mutex<RunState>,
+}
+
+struct RunState {
+    next_seq: u32,
+    journal: BTreeMap<u32, JournalEntry>,
+    /// Events delivered to the run and not consumed yet (oldest first).
+    events: Vec<RunEvent>,
+    status: RunStatus,
+    suspension: Option<Suspension>,
+    parked: Option<String>,
+    lost: bool,
+    store_error: Option<Error>,
+}
+
+#[derive(Debug, Clone)]
+struct Suspension {
+    status: SuspendStatus,
+    wake_at_ms: i64,
+    waiting_for: Option<String>,
+}
+
+impl RunState {
+    /// Refuse further steps once the run is suspended, parked, fenced or broken.
+    fn usable(&self) -> Result<(), WorkflowError> {
+        if self.lost {
+            return Err(WorkflowError::LeaseLost);
+        }
+        if let Some(message) = &self.parked {
+            return Err(WorkflowError::Parked(message.clone()));
+        }
+        if let Some(error) = &self.store_error {
+            return Err(WorkflowError::Store(error.clone()));
+        }
+        if self.suspension.is_some() {
+            return Err(WorkflowError::suspended());
+        }
+        Ok(())
+    }
+}
+
+/// How one execution of a run ended (what the worker wrote for it).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum RunOutcome {
+    Finished(FinishStatus),
+    Suspended(SuspendStatus),
+    /// The lease was released without a status change (a store error).
+    Released,
+    /// Fenced: the run belongs to someone else now.
+    Lost,
+    /// The final write failed.
+    Error(String),
+}
+
+enum Slot {
+    New(u32),
+    Journaled(u32, JournalEntry),
+}
+
+fn truncate(mut message: String) -> String {
+    if message.len() > ERROR_BYTES_MAX {
+        let mut end = ERROR_BYTES_MAX;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+    }
+    message
+}
+
+fn duration_ms(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// A step's value as the journal keeps it, or why it cannot be kept.
+fn to_output<T: Serialize>(value: &T) -> Result<Value, StepFailure> {
+    let value = serde_json::to_value(value)
+        .map_err(|e| StepFailure::permanent(format!("the step output does not serialise: {e}")))?;
+    let size = serde_json::to_vec(&value).map(|v| v.len()).unwrap_or(usize::MAX);
+    if size > STEP_OUTPUT_BYTES_MAX {
+        return Err(StepFailure::permanent(format!(
+            "the step output is {size} bytes of JSON, limit is {STEP_OUTPUT_BYTES_MAX}"
+        )));
+    }
+    Ok(value)
+}
+
+impl<S> WorkflowContext<S>
+where
+    S: WorkflowStore + 'static,
+    S::Target: 'static,
+{
+    pub(crate) fn new(writer: Writer<S>, claimed: &ClaimedRun, retry: RetryPolicy, cancel: Arc<AtomicBool>) -> Self {
+        let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
+        events.sort_by_key(|e| e.received_at_ms);
+        let state = RunState {
+            next_seq: 0,
+            journal: claimed.journal.iter().map(|e| (e.seq, e.clone())).collect(),
+            events,
+            status: claimed.run.status,
+            suspension: None,
+            parked: None,
+            lost: false,
+            store_error: None,
+        };
+        WorkflowContext {
+            inner: Arc::new(RunShared {
+                writer,
+                run_id: claimed.run.run_id.clone(),
+                lease_token: claimed.lease_token.clone(),
+                retry,
+                cancel,
+                state: Mutex::new(state),
+            }),
+        }
+    }
+
+    /// The run's id (caller-chosen at start).
+    pub fn run_id(&self) -> &str {
+        &self.inner.run_id
+    }
+
+    /// Has cancellation been requested? (Steps observe it by themselves; this is for workflows
+    /// that want to look.)
+    pub fn cancel_requested(&self) -> bool {
+        self.inner.cancel.load(Ordering::SeqCst)
+    }
+
+    /// Is the run rolling back (a saga compensating)?
+    pub fn is_compensating(&self) -> bool {
+        self.lock().status == RunStatus::Compensating
+    }
+
+    /// The time of the run's clock.
+    pub fn now_ms(&self) -> i64 {
+        self.inner.writer.now_ms()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, RunState> {
+        self.inner.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// An external step: runs `f(idempotency_key)` at least once until it succeeds, fails for
+    /// good or runs out of attempts. The key is `"{run_id}:{seq}:{name}"` and is the same on
+    /// every attempt and after every crash: pass it on to the outside world. Each attempt is
+    /// bounded by the policy's `attempt_timeout_ms`; a failed attempt suspends the run until the
+    /// backoff is over (propagate the error with `?`).
+    pub async fn step<T, F, Fut>(&self, name: &str, policy: Option<RetryPolicy>, f: F) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, StepFailure>>,
+    {
+        self.external_as(StepKind::External, name, policy, f).await
+    }
+
+    /// An external compensation (journaled as kind `compensation`): like [`Self::step`], but it
+    /// still runs after cancellation was requested.
+    pub async fn compensation<T, F, Fut>(
+        &self,
+        name: &str,
+        policy: Option<RetryPolicy>,
+        f: F,
+    ) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, StepFailure>>,
+    {
+        self.external_as(StepKind::Compensation, name, policy, f).await
+    }
+
+    /// A transactional step: `f` runs on the writer thread inside the journal's transaction (in
+    /// a savepoint), so its writes and the journal entry commit together: exactly once. On
+    /// failure its writes roll back and the attempt is recorded; a retry runs again in a later
+    /// execution of the workflow (which builds the closure anew). `f` must not block for long:
+    /// it holds up every other run's commit. The attempt timeout does not apply to it. A panic in
+    /// `f` is a permanent failure of the step.
+    pub async fn tx_step<T, F>(&self, name: &str, policy: Option<RetryPolicy>, f: F) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned + 'static,
+        F: FnOnce(&S::Target) -> Result<T, StepFailure> + Send + 'static,
+    {
+        self.tx_as(StepKind::Transactional, name, policy, f).await
+    }
+
+    /// A transactional compensation (journaled as kind `compensation`).
+    pub async fn tx_compensation<T, F>(&self, name: &str, policy: Option<RetryPolicy>, f: F) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned + 'static,
+        F: FnOnce(&S::Target) -> Result<T, StepFailure> + Send + 'static,
+    {
+        self.tx_as(StepKind::Compensation, name, policy, f).await
+    }
+
+    /// Turn the run `compensating` (journaled at once). Retries of later steps then keep the
+    /// run in `compensating`.
+    pub async fn begin_compensation(&self) -> Result<(), WorkflowError> {
+        {
+            let state = self.lock();
+            state.usable()?;
+            if state.status == RunStatus::Compensating {
+                return Ok(());
+            }
+        }
+        self.write(JournalOp::SetStatus { status: RunStatus::Compensating }).await?;
+        self.lock().status = RunStatus::Compensating;
+        Ok(())
+    }
+
+    /// Journal that the run executes (`pending`/`sleeping`/`waiting` -> `running`).
+    pub(crate) async fn mark_running(&self) -> Result<(), WorkflowError> {
+        self.write(JournalOp::SetStatus { status: RunStatus::Running }).await?;
+        self.lock().status = RunStatus::Running;
+        Ok(())
+    }
+
+    /// A durable timer: the run suspends (`sleeping`, its lease released) and resumes after
+    /// `duration`, across restarts. Propagate the suspension with `?`.
+    pub async fn sleep(&self, duration: Duration) -> Result<(), WorkflowError> {
+        let now = self.now_ms();
+        match self.begin(SLEEP_STEP, StepKind::Sleep)? {
+            Slot::Journaled(seq, entry) => match entry.status {
+                StepStatus::Completed | StepStatus::Skipped => Ok(()),
+                StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                StepStatus::Waiting => {
+                    self.check_cancel(StepKind::Sleep)?;
+                    let wake_at = entry.wake_at_ms.unwrap_or(now);
+                    if now >= wake_at {
+                        self.write(JournalOp::TimerFinished { seq, event_id: None, output: Value::Null }).await?;
+                        Ok(())
+                    } else {
+                        Err(self.suspend(SuspendStatus::Sleeping, wake_at, None))
+                    }
+                }
+                StepStatus::Retrying => Err(self.park(format!("sleep at position {seq} is journaled as retrying"))),
+            },
+            Slot::New(seq) => {
+                self.check_cancel(StepKind::Sleep)?;
+                let ms = duration_ms(duration);
+                if ms > TIMER_MS_MAX {
+                    return Err(WorkflowError::Failed(format!("sleep of {ms} ms is longer than {TIMER_MS_MAX} ms")));
+                }
+                let wake_at = now.saturating_add(ms);
+                self.write(JournalOp::TimerStarted {
+                    seq,
+                    name: SLEEP_STEP.to_string(),
+                    kind: StepKind::Sleep,
+                    wake_at_ms: wake_at,
+                    event_name: None,
+                })
+                .await?;
+                Err(self.suspend(SuspendStatus::Sleeping, wake_at, None))
+            }
+        }
+    }
+
+    /// Wait for an event named `name` sent to this run (an event sent before the wait started
+    /// counts, oldest first; each event is consumed by one wait). Returns its payload, or `None`
+    /// when `timeout` passes first. While waiting the run is suspended (`waiting`, its lease
+    /// released): propagate the suspension with `?`. The wait is journaled under the step name
+    /// `name`.
+    pub async fn wait_for_event(&self, name: &str, timeout: Duration) -> Result<Option<Value>, WorkflowError> {
+        let now = self.now_ms();
+        let (seq, deadline) = match self.begin(name, StepKind::Wait)? {
+            Slot::Journaled(seq, entry) => match entry.status {
+                StepStatus::Completed | StepStatus::Skipped => {
+                    return Ok(decode_wait_output(entry.output.unwrap_or(Value::Null)))
+                }
+                StepStatus::Failed => return Err(self.recorded_failure(&entry)),
+                StepStatus::Waiting => {
+                    self.check_cancel(StepKind::Wait)?;
+                    (seq, entry.wake_at_ms.unwrap_or(now))
+                }
+                StepStatus::Retrying => {
+                    return Err(self.park(format!("wait at position {seq} is journaled as retrying")))
+                }
+            },
+            Slot::New(seq) => {
+                self.check_cancel(StepKind::Wait)?;
+                let ms = duration_ms(timeout);
+                if ms > TIMER_MS_MAX {
+                    return Err(WorkflowError::Failed(format!("wait of {ms} ms is longer than {TIMER_MS_MAX} ms")));
+                }
+                let deadline = now.saturating_add(ms);
+                self.write(JournalOp::TimerStarted {
+                    seq,
+                    name: name.to_string(),
+                    kind: StepKind::Wait,
+                    wake_at_ms: deadline,
+                    event_name: Some(name.to_string()),
+                })
+                .await?;
+                (seq, deadline)
+            }
+        };
+        let event = {
+            let mut state = self.lock();
+            let position = state.events.iter().position(|e| e.name == name);
+            position.map(|i| state.events.remove(i))
+        };
+        if let Some(event) = event {
+            let output = json!({"event_id": event.event_id, "payload": event.payload});
+            self.write(JournalOp::TimerFinished { seq, event_id: Some(event.event_id.clone()), output }).await?;
+            return Ok(Some(event.payload));
+        }
+        if self.now_ms() >= deadline {
+            self.write(JournalOp::TimerFinished { seq, event_id: None, output: json!({"timed_out": true}) }).await?;
+            return Ok(None);
+        }
+        Err(self.suspend(SuspendStatus::Waiting, deadline, Some(name.to_string())))
+    }
+
+    async fn external_as<T, F, Fut>(
+        &self,
+        kind: StepKind,
+        name: &str,
+        policy: Option<RetryPolicy>,
+        f: F,
+    ) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(String) -> Fut,
+        Fut: Future<Output = Result<T, StepFailure>>,
+    {
+        let policy = self.policy(policy)?;
+        let (seq, attempt) = self.prepare_attempt(kind, name)?;
+        let attempt = match attempt {
+            Attempt::Replayed(value) => return self.decode(name, value),
+            Attempt::Run(attempt) => attempt,
+        };
+        let key = format!("{}:{seq}:{name}", self.inner.run_id);
+        let timeout_ms = policy.attempt_timeout_ms.max(1);
+        let result = match tokio::time::timeout(Duration::from_millis(timeout_ms as u64), f(key)).await {
+            Ok(Ok(value)) => to_output(&value).map(|output| (value, output)),
+            Ok(Err(failure)) => Err(failure),
+            Err(_) => Err(StepFailure::retryable(format!("attempt {attempt} timed out after {timeout_ms} ms"))),
+        };
+        let retry_at_ms = match &result {
+            Err(failure) if failure.retryable => self.retry_at(&policy, attempt),
+            _ => None,
+        };
+        let journaled = result.as_ref().map(|(_, output)| output.clone()).map_err(Clone::clone);
+        self.write(JournalOp::StepAttempt {
+            seq,
+            name: name.to_string(),
+            kind,
+            attempt,
+            result: journaled,
+            retry_at_ms,
+        })
+        .await?;
+        match result {
+            Ok((value, _)) => Ok(value),
+            Err(failure) => Err(self.after_failure(name, failure, retry_at_ms)),
+        }
+    }
+
+    async fn tx_as<T, F>(
+        &self,
+        kind: StepKind,
+        name: &str,
+        policy: Option<RetryPolicy>,
+        f: F,
+    ) -> Result<T, WorkflowError>
+    where
+        T: Serialize + DeserializeOwned + 'static,
+        F: FnOnce(&S::Target) -> Result<T, StepFailure> + Send + 'static,
+    {
+        let policy = self.policy(policy)?;
+        let (seq, attempt) = self.prepare_attempt(kind, name)?;
+        let attempt = match attempt {
+            Attempt::Replayed(value) => return self.decode(name, value),
+            Attempt::Run(attempt) => attempt,
+        };
+        // Decided before the body runs; the store applies it only to a retryable failure.
+        let retry_at_ms = self.retry_at(&policy, attempt);
+        let body: TxBody<S::Target> =
+            Box::new(move |target: &S::Target| match catch_unwind(AssertUnwindSafe(|| f(target))) {
+                Ok(Ok(value)) => to_output(&value),
+                Ok(Err(failure)) => Err(failure),
+                Err(_) => Err(StepFailure::permanent("the transactional step panicked")),
+            });
+        let answer =
+            self.write(JournalOp::TxStep { seq, name: name.to_string(), kind, attempt, body, retry_at_ms }).await?;
+        match answer {
+            WriteResult::TxResult(Ok(output)) => self.decode(name, output),
+            WriteResult::TxResult(Err(failure)) => Err(self.after_failure(name, failure, retry_at_ms)),
+            other => {
+                let error = Error::Invariant(format!("a transactional step was answered {other:?}"));
+                self.lock().store_error = Some(error.clone());
+                Err(WorkflowError::Store(error))
+            }
+        }
+    }
+
+    fn policy(&self, policy: Option<RetryPolicy>) -> Result<RetryPolicy, WorkflowError> {
+        let policy = policy.unwrap_or_else(|| self.inner.retry.clone());
+        policy.validate().map_err(|e| WorkflowError::Failed(e.to_string()))?;
+        Ok(policy)
+    }
+
+    /// Take the next position for a step that can be retried: replay it when settled, else
+    /// observe cancellation and any backoff still running, and number the attempt.
+    fn prepare_attempt(&self, kind: StepKind, name: &str) -> Result<(u32, Attempt), WorkflowError> {
+        match self.begin(name, kind)? {
+            Slot::New(seq) => {
+                self.check_cancel(kind)?;
+                Ok((seq, Attempt::Run(1)))
+            }
+            Slot::Journaled(seq, entry) => match entry.status {
+                StepStatus::Completed | StepStatus::Skipped => {
+                    Ok((seq, Attempt::Replayed(entry.output.unwrap_or(Value::Null))))
+                }
+                StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                StepStatus::Retrying => {
+                    self.check_cancel(kind)?;
+                    if let Some(at) = entry.next_attempt_at_ms {
+                        if at > self.now_ms() {
+                            return Err(self.suspend(SuspendStatus::Pending, at, None));
+                        }
+                    }
+                    Ok((seq, Attempt::Run(entry.attempts + 1)))
+                }
+                StepStatus::Waiting => Err(self.park(format!("step {name} at position {seq} is journaled as waiting"))),
+            },
+        }
+    }
+
+    fn begin(&self, name: &str, kind: StepKind) -> Result<Slot, WorkflowError> {
+        validate_id("step name", name).map_err(|e| WorkflowError::Failed(e.to_string()))?;
+        let mut state = self.lock();
+        state.usable()?;
+        let seq = state.next_seq;
+        if seq >= RUN_STEPS_MAX {
+            return Err(WorkflowError::Failed(format!(
+                "a run takes at most {RUN_STEPS_MAX} steps; continue as a new run"
+            )));
+        }
+        state.next_seq += 1;
+        match state.journal.get(&seq) {
+            None => Ok(Slot::New(seq)),
+            Some(entry) if entry.name == name && entry.kind == kind => Ok(Slot::Journaled(seq, entry.clone())),
+            Some(entry) => {
+                let message = format!(
+                    "non-deterministic replay: position {seq} is journaled as {} step {:?}, the workflow now calls {} step {name:?}",
+                    entry.kind.as_str(),
+                    entry.name,
+                    kind.as_str()
+                );
+                state.parked = Some(message.clone());
+                Err(WorkflowError::Parked(message))
+            }
+        }
+    }
+
+    fn check_cancel(&self, kind: StepKind) -> Result<(), WorkflowError> {
+        if kind != StepKind::Compensation && self.inner.cancel.load(Ordering::SeqCst) {
+            return Err(WorkflowError::Cancelled);
+        }
+        Ok(())
+    }
+
+    fn retry_at(&self, policy: &RetryPolicy, attempt: u32) -> Option<i64> {
+        (attempt < policy.max_attempts)
+            .then(|| self.now_ms().saturating_add(policy.delay_ms(attempt, rand::random::<f64>())))
+    }
+
+    fn after_failure(&self, name: &str, failure: StepFailure, retry_at_ms: Option<i64>) -> WorkflowError {
+        match retry_at_ms {
+            Some(at) if failure.retryable => self.suspend(SuspendStatus::Pending, at, None),
+            _ => WorkflowError::StepFailed { step: name.to_string(), message: failure.message },
+        }
+    }
+
+    fn recorded_failure(&self, entry: &JournalEntry) -> WorkflowError {
+        WorkflowError::StepFailed { step: entry.name.clone(), message: entry.error.clone().unwrap_or_default() }
+    }
+
+    fn decode<T: DeserializeOwned>(&self, name: &str, output: Value) -> Result<T, WorkflowError> {
+        serde_json::from_value(output)
+            .map_err(|e| self.park(format!("the journaled output of step {name} does not decode: {e}")))
+    }
+
+    fn park(&self, message: String) -> WorkflowError {
+        let mut state = self.lock();
+        state.parked.get_or_insert(message.clone());
+        WorkflowError::Parked(message)
+    }
+
+    /// Remember that the run must wait; the worker writes the suspension when the function
+    /// returns (the earliest wake wins if several steps wait at once).
+    fn suspend(&self, status: SuspendStatus, wake_at_ms: i64, waiting_for: Option<String>) -> WorkflowError {
+        let mut state = self.lock();
+        let status = match status {
+            SuspendStatus::Pending if state.status == RunStatus::Compensating => SuspendStatus::Compensating,
+            other => other,
+        };
+        let replace = match &state.suspension {
+            Some(s) => wake_at_ms < s.wake_at_ms,
+            None => true,
+        };
+        if replace {
+            state.suspension = Some(Suspension { status, wake_at_ms, waiting_for });
+        }
+        WorkflowError::suspended()
+    }
+
+    async fn write(&self, op: JournalOp<S::Target>) -> Result<WriteResult, WorkflowError> {
+        let write = JournalWrite { run_id: self.inner.run_id.clone(), lease_token: self.inner.lease_token.clone(), op };
+        match self.inner.writer.write(write).await {
+            Ok(WriteResult::Fenced) => {
+                self.lock().lost = true;
+                Err(WorkflowError::LeaseLost)
+            }
+            Ok(result) => Ok(result),
+            Err(error) => {
+                self.lock().store_error = Some(error.clone());
+                Err(WorkflowError::Store(error))
+            }
+        }
+    }
+
+    /// Write what the execution ended in: a suspension, a finish, or a release.
+    pub(crate) async fn conclude(&self, result: Result<Value, WorkflowError>) -> RunOutcome {
+        let op = {
+            let state = self.lock();
+            if state.lost {
+                return RunOutcome::Lost;
+            }
+            if let Some(message) = &state.parked {
+                finish(FinishStatus::Parked, None, Some(message.clone()))
+            } else if let Some(s) = &state.suspension {
+                JournalOp::Suspend { status: s.status, wake_at_ms: s.wake_at_ms, waiting_for: s.waiting_for.clone() }
+            } else if state.store_error.is_some() {
+                JournalOp::Release
+            } else {
+                match result {
+                    Ok(value) => match state.journal.range(state.next_seq..).next() {
+                        Some((seq, entry)) => finish(
+                            FinishStatus::Parked,
+                            None,
+                            Some(format!(
+                                "non-deterministic replay: the workflow returned before reaching journaled step {:?} at position {seq}",
+                                entry.name
+                            )),
+                        ),
+                        None => match to_output(&value) {
+                            Ok(value) => finish(FinishStatus::Completed, Some(value), None),
+                            Err(failure) => finish(FinishStatus::Failed, None, Some(failure.message)),
+                        },
+                    },
+                    Err(WorkflowError::StepFailed { step, message }) => {
+                        finish(FinishStatus::Failed, None, Some(format!("step {step} failed: {message}")))
+                    }
+                    Err(WorkflowError::Failed(message)) => finish(FinishStatus::Failed, None, Some(message)),
+                    Err(WorkflowError::Cancelled) => {
+                        finish(FinishStatus::Cancelled, None, Some("cancellation requested".into()))
+                    }
+                    Err(WorkflowError::Parked(message)) => finish(FinishStatus::Parked, None, Some(message)),
+                    Err(WorkflowError::Compensated(message)) => finish(FinishStatus::Compensated, None, Some(message)),
+                    Err(WorkflowError::LeaseLost) => return RunOutcome::Lost,
+                    // Not this run's suspension, or a store error of a call outside the context.
+                    Err(WorkflowError::Suspended(_)) | Err(WorkflowError::Store(_)) => JournalOp::Release,
+                }
+            }
+        };
+        let outcome = match &op {
+            JournalOp::Finish { status, .. } => RunOutcome::Finished(*status),
+            JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
+            _ => RunOutcome::Released,
+        };
+        let write = JournalWrite { run_id: self.inner.run_id.clone(), lease_token: self.inner.lease_token.clone(), op };
+        match self.inner.writer.write(write).await {
+            Ok(WriteResult::Fenced) => RunOutcome::Lost,
+            Ok(_) => outcome,
+            Err(error) => RunOutcome::Error(error.to_string()),
+        }
+    }
+}
+
+enum Attempt {
+    Replayed(Value),
+    Run(u32),
+}
+
+fn finish<T: ?Sized>(status: FinishStatus, result: Option<Value>, error: Option<String>) -> JournalOp<T> {
+    JournalOp::Finish { status, result, error: error.map(truncate) }
+}
+
+/// The payload a journaled wait returns: the event's, `None` after a timeout, or an operator's
+/// skip output as is.
+fn decode_wait_output(output: Value) -> Option<Value> {
+    match output {
+        Value::Object(mut map) if map.get("timed_out") == Some(&Value::Bool(true)) && map.len() == 1 => {
+            map.clear();
+            None
+        }
+        Value::Object(mut map) if map.len() == 2 && map.contains_key("event_id") && map.contains_key("payload") => {
+            map.remove("payload")
+        }
+        other => Some(other),
+    }
+}

@@ -1,0 +1,430 @@
+//! The worker: claims due runs, runs each as a task, heartbeats their leases.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+use tidemark_core::error::codes;
+use tidemark_core::id::validate_id;
+use tidemark_core::workflow::{
+    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunStatus, UnclaimableRuns,
+    WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+};
+use tidemark_core::{Error, Result};
+use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
+use tokio::time::Instant;
+
+use super::context::RunOutcome;
+use super::registry::Registered;
+use super::{WorkflowContext, Workflows, Writer};
+
+/// Options of a worker. Configuration is a struct, not a row of arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerOptions {
+    /// Names the lease owner; unique among the workers of one database.
+    pub worker_id: String,
+    /// Runs in flight on this worker at once (the global limit).
+    pub concurrency: usize,
+    pub lease_ms: i64,
+    /// How long to wait before claiming again when nothing was due (or every slot is busy).
+    pub poll_interval_ms: u64,
+    /// Heartbeat period; `None`: `lease_ms / 3`.
+    pub heartbeat_ms: Option<u64>,
+}
+
+impl WorkerOptions {
+    pub fn new(worker_id: &str) -> Self {
+        WorkerOptions {
+            worker_id: worker_id.to_string(),
+            concurrency: 64,
+            lease_ms: 30_000,
+            poll_interval_ms: 200,
+            heartbeat_ms: None,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        validate_id("worker_id", &self.worker_id)?;
+        let bad = |m: String| Err(Error::invalid(codes::INVALID_ARGUMENT, m));
+        if self.concurrency == 0 || self.concurrency > CLAIM_BATCH_MAX {
+            return bad(format!("concurrency must be 1..={CLAIM_BATCH_MAX}"));
+        }
+        if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&self.lease_ms) {
+            return bad(format!("lease_ms must be {LEASE_MS_MIN}..={LEASE_MS_MAX}"));
+        }
+        if self.poll_interval_ms == 0 || self.poll_interval_ms > 3_600_000 {
+            return bad("poll_interval_ms must be 1..=3600000".into());
+        }
+        if let Some(h) = self.heartbeat_ms {
+            if h == 0 || h as i64 >= self.lease_ms {
+                return bad("heartbeat_ms must be 1..lease_ms".into());
+            }
+        }
+        Ok(())
+    }
+
+    fn heartbeat_every(&self) -> Duration {
+        Duration::from_millis(self.heartbeat_ms.unwrap_or((self.lease_ms / 3).max(1) as u64))
+    }
+}
+
+/// What a worker did until it stopped.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct WorkerReport {
+    /// Runs claimed (each execution counts).
+    pub claimed: u64,
+    /// Claims that took a run over from an expired lease.
+    pub recovered: u64,
+    pub completed: u64,
+    pub compensated: u64,
+    pub failed: u64,
+    pub cancelled: u64,
+    pub parked: u64,
+    /// Executions that ended suspended (retry backoff, timer, wait).
+    pub suspended: u64,
+    /// Executions whose lease was released without a status change (store errors, shutdown).
+    pub released: u64,
+    /// Runs dropped because their lease was lost or a write was fenced.
+    pub lost: u64,
+    /// Executions stopped mid-way (shutdown, failed heartbeat).
+    pub aborted: u64,
+    pub heartbeats: u64,
+    pub errors: u64,
+    pub last_error: Option<String>,
+    /// The most runs this worker had in flight at once.
+    pub max_in_flight: usize,
+    /// Runs of workflows or versions this worker does not have (never run; left for others).
+    pub unclaimable: Vec<UnclaimableRuns>,
+}
+
+impl WorkerReport {
+    fn record(&mut self, outcome: RunOutcome) {
+        match outcome {
+            RunOutcome::Finished(FinishStatus::Completed) => self.completed += 1,
+            RunOutcome::Finished(FinishStatus::Compensated) => self.compensated += 1,
+            RunOutcome::Finished(FinishStatus::Failed) => self.failed += 1,
+            RunOutcome::Finished(FinishStatus::Cancelled) => self.cancelled += 1,
+            RunOutcome::Finished(FinishStatus::Parked) => self.parked += 1,
+            RunOutcome::Suspended(_) => self.suspended += 1,
+            RunOutcome::Released => self.released += 1,
+            RunOutcome::Lost => self.lost += 1,
+            RunOutcome::Error(message) => self.error(message),
+        }
+    }
+
+    fn error(&mut self, message: String) {
+        self.errors += 1;
+        self.last_error = Some(message);
+    }
+}
+
+struct InFlight {
+    run_id: String,
+    lease_token: String,
+    cancel: Arc<AtomicBool>,
+    abort: AbortHandle,
+    lost: bool,
+}
+
+/// Runs registered workflows: claims due runs (up to its free slots) under a lease, runs each as
+/// a tokio task, heartbeats every `lease_ms / 3`, drops a run whose lease is lost or fenced,
+/// stops every in-flight run when a heartbeat fails, and releases its leases on shutdown.
+/// Must be driven from a tokio runtime with the time driver enabled.
+pub struct Worker<S: WorkflowStore> {
+    writer: Writer<S>,
+    workflows: Arc<Workflows<S>>,
+    options: WorkerOptions,
+}
+
+impl<S> Worker<S>
+where
+    S: WorkflowStore + 'static,
+    S::Target: 'static,
+{
+    pub fn new(writer: Writer<S>, workflows: Workflows<S>, options: WorkerOptions) -> Result<Self> {
+        options.validate()?;
+        if workflows.is_empty() {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "a worker needs at least one registered workflow"));
+        }
+        Ok(Worker { writer, workflows: Arc::new(workflows), options })
+    }
+
+    pub fn writer(&self) -> &Writer<S> {
+        &self.writer
+    }
+
+    pub fn workflows(&self) -> &Workflows<S> {
+        &self.workflows
+    }
+
+    pub fn options(&self) -> &WorkerOptions {
+        &self.options
+    }
+
+    /// Runs this worker cannot execute (unknown workflow or version): it never claims them.
+    pub async fn unclaimable(&self) -> Result<Vec<UnclaimableRuns>> {
+        let known = self.workflows.versions();
+        self.writer.call(move |store, _| store.unclaimable(&known)).await
+    }
+
+    /// Work until `shutdown` resolves; then stop the runs in flight and release their leases.
+    pub async fn run_until<F: Future<Output = ()>>(&self, shutdown: F) -> Result<WorkerReport> {
+        self.run_loop(false, shutdown).await
+    }
+
+    /// Work until nothing is due and nothing is in flight (runs waiting for a later time or an
+    /// event are not due). For tests and one-shot CLI commands.
+    pub async fn run_until_idle(&self) -> Result<WorkerReport> {
+        self.run_loop(true, std::future::pending()).await
+    }
+
+    async fn run_loop<F: Future<Output = ()>>(&self, idle_exit: bool, shutdown: F) -> Result<WorkerReport> {
+        tokio::pin!(shutdown);
+        let mut report = WorkerReport { unclaimable: self.unclaimable().await?, ..WorkerReport::default() };
+        let heartbeat_every = self.options.heartbeat_every();
+        let poll = Duration::from_millis(self.options.poll_interval_ms);
+        let mut set: JoinSet<RunOutcome> = JoinSet::new();
+        let mut in_flight: HashMap<TaskId, InFlight> = HashMap::new();
+        let mut next_heartbeat = Instant::now() + heartbeat_every;
+        let result = loop {
+            let mut claimed = 0;
+            let free = self.options.concurrency.saturating_sub(in_flight.len());
+            if free > 0 {
+                match self.claim(free).await {
+                    Ok(runs) => {
+                        claimed = runs.len();
+                        if in_flight.is_empty() && claimed > 0 {
+                            next_heartbeat = Instant::now() + heartbeat_every;
+                        }
+                        for run in runs {
+                            self.spawn(run, &mut set, &mut in_flight, &mut report).await;
+                        }
+                        report.max_in_flight = report.max_in_flight.max(in_flight.len());
+                    }
+                    Err(error) => {
+                        report.error(format!("claim: {error}"));
+                        if idle_exit {
+                            break Err(error);
+                        }
+                    }
+                }
+            }
+            if idle_exit && claimed == 0 && in_flight.is_empty() {
+                break Ok(());
+            }
+            let pause = if claimed > 0 && in_flight.len() < self.options.concurrency { Duration::ZERO } else { poll };
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => break Ok(()),
+                Some(joined) = set.join_next_with_id(), if !set.is_empty() => {
+                    self.joined(joined, &mut in_flight, &mut report).await;
+                }
+                _ = tokio::time::sleep_until(next_heartbeat), if !in_flight.is_empty() => {
+                    self.heartbeat(&mut in_flight, &mut report).await;
+                    next_heartbeat = Instant::now() + heartbeat_every;
+                }
+                _ = tokio::time::sleep(pause) => {}
+            }
+        };
+        self.stop_all(&mut set, &mut in_flight, &mut report).await;
+        match self.unclaimable().await {
+            Ok(unclaimable) => report.unclaimable = unclaimable,
+            Err(error) => report.error(format!("unclaimable: {error}")),
+        }
+        result.map(|()| report)
+    }
+
+    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedRun>> {
+        let request = ClaimRequest {
+            worker_id: self.options.worker_id.clone(),
+            workflows: self.workflows.versions(),
+            limit: limit.min(CLAIM_BATCH_MAX),
+            lease_ms: self.options.lease_ms,
+        };
+        self.writer.call(move |store, now| store.claim(&request, now)).await
+    }
+
+    async fn spawn(
+        &self,
+        claimed: ClaimedRun,
+        set: &mut JoinSet<RunOutcome>,
+        in_flight: &mut HashMap<TaskId, InFlight>,
+        report: &mut WorkerReport,
+    ) {
+        report.claimed += 1;
+        if claimed.recovered {
+            report.recovered += 1;
+        }
+        let run_id = claimed.run.run_id.clone();
+        let lease_token = claimed.lease_token.clone();
+        let Some(registered) = self.workflows.get(&claimed.run.workflow, claimed.run.version) else {
+            // The store handed out a version we did not ask for: give it back untouched.
+            let outcome = self.write_for(&run_id, &lease_token, JournalOp::Release).await;
+            report.record(outcome);
+            return;
+        };
+        let cancel = Arc::new(AtomicBool::new(claimed.run.cancel_requested));
+        let abort = set.spawn(execute(self.writer.clone(), registered, claimed, cancel.clone()));
+        in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, abort, lost: false });
+    }
+
+    async fn joined(
+        &self,
+        joined: std::result::Result<(TaskId, RunOutcome), JoinError>,
+        in_flight: &mut HashMap<TaskId, InFlight>,
+        report: &mut WorkerReport,
+    ) {
+        match joined {
+            Ok((id, outcome)) => {
+                in_flight.remove(&id);
+                report.record(outcome);
+            }
+            Err(error) => {
+                let Some(run) = in_flight.remove(&error.id()) else { return };
+                if error.is_panic() {
+                    // A panic replays into the same panic: park the run for an operator.
+                    let payload = error.into_panic();
+                    let message = payload
+                        .downcast_ref::<&str>()
+                        .map(|s| s.to_string())
+                        .or_else(|| payload.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "non-string panic payload".into());
+                    let op = JournalOp::Finish {
+                        status: FinishStatus::Parked,
+                        result: None,
+                        error: Some(format!("the workflow panicked: {message}").chars().take(1_000).collect()),
+                    };
+                    let outcome = self.write_for(&run.run_id, &run.lease_token, op).await;
+                    report.record(outcome);
+                } else if !run.lost {
+                    report.aborted += 1;
+                }
+            }
+        }
+    }
+
+    async fn heartbeat(&self, in_flight: &mut HashMap<TaskId, InFlight>, report: &mut WorkerReport) {
+        let ids: Vec<TaskId> = in_flight.iter().filter(|(_, r)| !r.lost).map(|(id, _)| *id).collect();
+        if ids.is_empty() {
+            return;
+        }
+        let leases: Vec<(String, String)> =
+            ids.iter().map(|id| (in_flight[id].run_id.clone(), in_flight[id].lease_token.clone())).collect();
+        let count = leases.len();
+        let (worker_id, lease_ms) = (self.options.worker_id.clone(), self.options.lease_ms);
+        let answer = self.writer.call(move |store, now| store.heartbeat(&worker_id, &leases, lease_ms, now)).await;
+        report.heartbeats += 1;
+        match answer {
+            Ok(states) if states.len() == count => {
+                for (id, state) in ids.iter().zip(states) {
+                    let run = in_flight.get_mut(id).expect("in flight");
+                    match state {
+                        LeaseState::Held { cancel_requested } => {
+                            if cancel_requested {
+                                run.cancel.store(true, Ordering::SeqCst);
+                            }
+                        }
+                        LeaseState::Lost => {
+                            run.lost = true;
+                            run.abort.abort();
+                            report.lost += 1;
+                        }
+                    }
+                }
+            }
+            other => {
+                // The leases can no longer be extended: stop every run before they expire, so
+                // no step of ours overlaps with the next owner's.
+                let message = match other {
+                    Ok(states) => format!("heartbeat answered {} states for {count} leases", states.len()),
+                    Err(error) => format!("heartbeat: {error}"),
+                };
+                report.error(message);
+                for run in in_flight.values_mut() {
+                    run.abort.abort();
+                }
+            }
+        }
+    }
+
+    /// Stop the runs in flight and release their leases (one batch).
+    async fn stop_all(
+        &self,
+        set: &mut JoinSet<RunOutcome>,
+        in_flight: &mut HashMap<TaskId, InFlight>,
+        report: &mut WorkerReport,
+    ) {
+        for run in in_flight.values() {
+            run.abort.abort();
+        }
+        while let Some(joined) = set.join_next_with_id().await {
+            match joined {
+                Ok((id, outcome)) => {
+                    in_flight.remove(&id);
+                    report.record(outcome);
+                }
+                Err(error) if error.is_panic() => {
+                    self.joined(Err(error), in_flight, report).await;
+                }
+                Err(_) => {}
+            }
+        }
+        let runs: Vec<InFlight> = in_flight.drain().map(|(_, run)| run).filter(|run| !run.lost).collect();
+        if runs.is_empty() {
+            return;
+        }
+        report.aborted += runs.len() as u64;
+        let writes = runs
+            .iter()
+            .map(|run| JournalWrite {
+                run_id: run.run_id.clone(),
+                lease_token: run.lease_token.clone(),
+                op: JournalOp::Release,
+            })
+            .collect();
+        for result in self.writer.write_all(writes).await {
+            match result {
+                Ok(_) => report.released += 1,
+                Err(error) => report.error(format!("release: {error}")),
+            }
+        }
+    }
+
+    async fn write_for(&self, run_id: &str, lease_token: &str, op: JournalOp<S::Target>) -> RunOutcome {
+        let outcome = match &op {
+            JournalOp::Finish { status, .. } => RunOutcome::Finished(*status),
+            JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
+            _ => RunOutcome::Released,
+        };
+        let write = JournalWrite { run_id: run_id.to_string(), lease_token: lease_token.to_string(), op };
+        match self.writer.write(write).await {
+            Ok(tidemark_core::workflow::WriteResult::Fenced) => RunOutcome::Lost,
+            Ok(_) => outcome,
+            Err(error) => RunOutcome::Error(error.to_string()),
+        }
+    }
+}
+
+/// One execution of a claimed run: mark it running, call the function, write how it ended.
+async fn execute<S>(
+    writer: Writer<S>,
+    registered: Arc<Registered<S>>,
+    claimed: ClaimedRun,
+    cancel: Arc<AtomicBool>,
+) -> RunOutcome
+where
+    S: WorkflowStore + 'static,
+    S::Target: 'static,
+{
+    let ctx = WorkflowContext::new(writer, &claimed, registered.options.retry.clone(), cancel);
+    if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
+        if let Err(error) = ctx.mark_running().await {
+            return ctx.conclude(Err(error)).await;
+        }
+    }
+    let result = (registered.function)(ctx.clone(), claimed.run.input).await;
+    ctx.conclude(result).await
+}

@@ -1,0 +1,239 @@
+//! The group committer: one thread owns the store; everything else sends it messages.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tidemark_core::workflow::{JournalWrite, WorkflowStore, WriteResult, COMMIT_BATCH_MAX};
+use tidemark_core::{Error, Result};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{system_clock, Clock};
+
+type Call<S> = Box<dyn FnOnce(&mut S, i64) + Send>;
+type Reply = oneshot::Sender<Result<WriteResult>>;
+
+enum Message<S: WorkflowStore> {
+    Write(JournalWrite<S::Target>, Reply),
+    Call(Call<S>),
+}
+
+/// Counters of the writer thread (for tests and metrics).
+#[derive(Debug, Default)]
+pub struct WriterStats {
+    /// `commit` calls (transactions).
+    pub commits: AtomicU64,
+    /// Journal writes committed (or refused) in them.
+    pub writes: AtomicU64,
+    /// Other calls (claims, heartbeats, starts, reads).
+    pub calls: AtomicU64,
+    /// The largest batch committed in one transaction.
+    pub largest_batch: AtomicU64,
+}
+
+struct Shared<S: WorkflowStore> {
+    sender: mpsc::UnboundedSender<Message<S>>,
+    clock: Clock,
+    stats: Arc<WriterStats>,
+}
+
+/// A handle to the thread that owns the store. Cheap to clone; the thread ends (and the store
+/// is dropped) when the last handle is dropped.
+///
+/// Journal writes ([`Writer::write`]) queued while the thread is busy are committed together in
+/// one `commit` call, up to `COMMIT_BATCH_MAX` per transaction. Calls ([`Writer::call`]) run
+/// between batches, in queue order.
+pub struct Writer<S: WorkflowStore> {
+    shared: Arc<Shared<S>>,
+}
+
+impl<S: WorkflowStore> Clone for Writer<S> {
+    fn clone(&self) -> Self {
+        Writer { shared: self.shared.clone() }
+    }
+}
+
+impl<S> Writer<S>
+where
+    S: WorkflowStore + 'static,
+    S::Target: 'static,
+{
+    /// Move `store` onto a new writer thread (system clock).
+    pub fn new(store: S) -> Writer<S>
+    where
+        S: Send,
+    {
+        Self::spawn_with_clock(move || Ok(store), system_clock()).expect("the store is already open")
+    }
+
+    /// Open the store on a new writer thread with `factory` (the store never crosses threads),
+    /// using the system clock.
+    pub fn spawn<F>(factory: F) -> Result<Writer<S>>
+    where
+        F: FnOnce() -> Result<S> + Send + 'static,
+    {
+        Self::spawn_with_clock(factory, system_clock())
+    }
+
+    /// Open the store on a new writer thread with `factory`; `clock` gives `now_ms` to every
+    /// store call and to the runtime.
+    pub fn spawn_with_clock<F>(factory: F, clock: Clock) -> Result<Writer<S>>
+    where
+        F: FnOnce() -> Result<S> + Send + 'static,
+    {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let stats = Arc::new(WriterStats::default());
+        let (thread_clock, thread_stats) = (clock.clone(), stats.clone());
+        std::thread::Builder::new()
+            .name("tidemark-writer".into())
+            .spawn(move || match factory() {
+                Ok(store) => {
+                    let _ = opened_tx.send(Ok(()));
+                    writer_loop(store, receiver, thread_clock, thread_stats);
+                }
+                Err(error) => {
+                    let _ = opened_tx.send(Err(error));
+                }
+            })
+            .map_err(|e| Error::io(format!("cannot start the writer thread: {e}")))?;
+        opened_rx.recv().map_err(|_| Error::Invariant("the writer thread died while opening the store".into()))??;
+        Ok(Writer { shared: Arc::new(Shared { sender, clock, stats }) })
+    }
+
+    pub fn now_ms(&self) -> i64 {
+        (self.shared.clock)()
+    }
+
+    pub fn clock(&self) -> Clock {
+        self.shared.clock.clone()
+    }
+
+    pub fn stats(&self) -> &WriterStats {
+        &self.shared.stats
+    }
+
+    /// Queue one journal write; resolves when its batch has committed.
+    pub async fn write(&self, write: JournalWrite<S::Target>) -> Result<WriteResult> {
+        let (reply, answer) = oneshot::channel();
+        self.shared.sender.send(Message::Write(write, reply)).map_err(|_| gone())?;
+        answer.await.map_err(|_| gone())?
+    }
+
+    /// Queue several journal writes at once (they share a batch); one result per write.
+    pub async fn write_all(&self, writes: Vec<JournalWrite<S::Target>>) -> Vec<Result<WriteResult>> {
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (reply, answer) = oneshot::channel();
+            let sent = self.shared.sender.send(Message::Write(write, reply)).is_ok();
+            answers.push(sent.then_some(answer));
+        }
+        let mut results = Vec::with_capacity(answers.len());
+        for answer in answers {
+            results.push(match answer {
+                Some(answer) => answer.await.map_err(|_| gone()).and_then(|r| r),
+                None => Err(gone()),
+            });
+        }
+        results
+    }
+
+    /// Run `f(store, now_ms)` on the writer thread (claims, heartbeats, starts, reads).
+    pub async fn call<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, i64) -> Result<R> + Send + 'static,
+    {
+        self.enqueue(f)?.await.map_err(|_| gone())?
+    }
+
+    /// [`Writer::call`] from synchronous code (not from inside an async task).
+    pub fn call_blocking<R, F>(&self, f: F) -> Result<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, i64) -> Result<R> + Send + 'static,
+    {
+        self.enqueue(f)?.blocking_recv().map_err(|_| gone())?
+    }
+
+    fn enqueue<R, F>(&self, f: F) -> Result<oneshot::Receiver<Result<R>>>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, i64) -> Result<R> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let call: Call<S> = Box::new(move |store, now| {
+            let _ = reply.send(f(store, now));
+        });
+        self.shared.sender.send(Message::Call(call)).map_err(|_| gone())?;
+        Ok(answer)
+    }
+}
+
+fn gone() -> Error {
+    Error::Invariant("the writer thread stopped (a store call panicked?)".into())
+}
+
+fn writer_loop<S: WorkflowStore>(
+    mut store: S,
+    mut receiver: mpsc::UnboundedReceiver<Message<S>>,
+    clock: Clock,
+    stats: Arc<WriterStats>,
+) {
+    let mut writes = Vec::new();
+    let mut replies: Vec<Reply> = Vec::new();
+    while let Some(first) = receiver.blocking_recv() {
+        let mut next = Some(first);
+        while let Some(message) = next.take() {
+            match message {
+                Message::Write(write, reply) => {
+                    writes.push(write);
+                    replies.push(reply);
+                    if writes.len() >= COMMIT_BATCH_MAX {
+                        flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+                    }
+                }
+                Message::Call(call) => {
+                    flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+                    stats.calls.fetch_add(1, Ordering::Relaxed);
+                    let now = clock();
+                    // A panicking call drops its reply: the caller gets an error, the thread lives.
+                    let _ = catch_unwind(AssertUnwindSafe(|| call(&mut store, now)));
+                }
+            }
+            next = receiver.try_recv().ok();
+        }
+        flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+    }
+}
+
+fn flush<S: WorkflowStore>(
+    store: &mut S,
+    writes: &mut Vec<JournalWrite<S::Target>>,
+    replies: &mut Vec<Reply>,
+    clock: &Clock,
+    stats: &WriterStats,
+) {
+    if writes.is_empty() {
+        return;
+    }
+    let batch = std::mem::take(writes);
+    let replies = std::mem::take(replies);
+    let count = batch.len();
+    stats.commits.fetch_add(1, Ordering::Relaxed);
+    stats.writes.fetch_add(count as u64, Ordering::Relaxed);
+    stats.largest_batch.fetch_max(count as u64, Ordering::Relaxed);
+    let now = clock();
+    let results = match catch_unwind(AssertUnwindSafe(|| store.commit(batch, now))) {
+        Ok(Ok(results)) if results.len() == count => results.into_iter().map(Ok).collect(),
+        Ok(Ok(results)) => {
+            let error = Error::Invariant(format!("commit answered {} results for {count} writes", results.len()));
+            vec![Err(error); count]
+        }
+        Ok(Err(error)) => vec![Err(error); count],
+        Err(_) => vec![Err(Error::Invariant("the store panicked in commit".into())); count],
+    };
+    for (reply, result) in replies.into_iter().zip(results) {
+        let _ = reply.send(result);
+    }
+}
