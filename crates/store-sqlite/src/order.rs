@@ -1,0 +1,271 @@
+//! The reference order saga's tables (stock, reservations, shipments, and an effects log with
+//! no unique constraint, so a step applied twice would show as two rows) and the call log of the
+//! fake payment service. The saga itself lives in `tidemark_engine::workflow::order`; its
+//! transactional steps call these functions inside the journal's transaction.
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::limits::BUSY_TIMEOUT_MS;
+use tidemark_core::Result;
+
+use crate::SqlResult;
+
+/// Create the order tables (idempotent).
+pub fn install(conn: &Connection) -> Result<()> {
+    conn.execute_batch(
+        "CREATE TABLE IF NOT EXISTS order_stock (
+             sku   TEXT PRIMARY KEY,
+             stock INTEGER NOT NULL CHECK (stock >= 0)
+         ) WITHOUT ROWID;
+         CREATE TABLE IF NOT EXISTS order_reservations (
+             order_id TEXT PRIMARY KEY,
+             sku      TEXT NOT NULL,
+             quantity INTEGER NOT NULL,
+             status   TEXT NOT NULL CHECK (status IN ('reserved', 'released', 'shipped'))
+         ) WITHOUT ROWID;
+         CREATE TABLE IF NOT EXISTS order_effects (
+             effect_id INTEGER PRIMARY KEY,
+             order_id  TEXT NOT NULL,
+             kind      TEXT NOT NULL,
+             sku       TEXT NOT NULL,
+             quantity  INTEGER NOT NULL
+         );",
+    )
+    .db()
+}
+
+pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
+    conn.execute(
+        "INSERT INTO order_stock (sku, stock) VALUES (?1, ?2) ON CONFLICT (sku) DO UPDATE SET stock = excluded.stock",
+        params![sku, stock],
+    )
+    .db()?;
+    Ok(())
+}
+
+pub fn stock(conn: &Connection, sku: &str) -> Result<Option<i64>> {
+    conn.query_row("SELECT stock FROM order_stock WHERE sku = ?1", [sku], |r| r.get(0)).optional().db()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReserveOutcome {
+    Reserved {
+        stock_left: i64,
+    },
+    UnknownSku,
+    Insufficient {
+        stock: i64,
+    },
+    /// The order already has a reservation (in any status).
+    AlreadyReserved {
+        status: String,
+    },
+}
+
+fn effect(conn: &Connection, order_id: &str, kind: &str, sku: &str, quantity: i64) -> Result<()> {
+    conn.prepare_cached("INSERT INTO order_effects (order_id, kind, sku, quantity) VALUES (?1, ?2, ?3, ?4)")
+        .db()?
+        .execute(params![order_id, kind, sku, quantity])
+        .db()?;
+    Ok(())
+}
+
+/// Take `quantity` of `sku` out of stock for `order_id`.
+pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> Result<ReserveOutcome> {
+    let existing: Option<String> = conn
+        .query_row("SELECT status FROM order_reservations WHERE order_id = ?1", [order_id], |r| r.get(0))
+        .optional()
+        .db()?;
+    if let Some(status) = existing {
+        return Ok(ReserveOutcome::AlreadyReserved { status });
+    }
+    let Some(stock) = stock(conn, sku)? else { return Ok(ReserveOutcome::UnknownSku) };
+    if stock < quantity {
+        return Ok(ReserveOutcome::Insufficient { stock });
+    }
+    conn.execute("UPDATE order_stock SET stock = stock - ?2 WHERE sku = ?1", params![sku, quantity]).db()?;
+    conn.execute(
+        "INSERT INTO order_reservations (order_id, sku, quantity, status) VALUES (?1, ?2, ?3, 'reserved')",
+        params![order_id, sku, quantity],
+    )
+    .db()?;
+    effect(conn, order_id, "reserve", sku, quantity)?;
+    Ok(ReserveOutcome::Reserved { stock_left: stock - quantity })
+}
+
+/// Put a `reserved` order's quantity back in stock. False when there was nothing to release
+/// (no reservation, already released or shipped).
+pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
+    let row: Option<(String, i64)> = conn
+        .query_row(
+            "SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'",
+            [order_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()
+        .db()?;
+    let Some((sku, quantity)) = row else { return Ok(false) };
+    conn.execute("UPDATE order_stock SET stock = stock + ?2 WHERE sku = ?1", params![sku, quantity]).db()?;
+    conn.execute("UPDATE order_reservations SET status = 'released' WHERE order_id = ?1", [order_id]).db()?;
+    effect(conn, order_id, "release", &sku, quantity)?;
+    Ok(true)
+}
+
+/// Ship a `reserved` order. False when it is not reserved.
+pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
+    let row: Option<(String, i64)> = conn
+        .query_row(
+            "SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'",
+            [order_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()
+        .db()?;
+    let Some((sku, quantity)) = row else { return Ok(false) };
+    conn.execute("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1", [order_id]).db()?;
+    effect(conn, order_id, "ship", &sku, quantity)?;
+    Ok(true)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct OrderEffect {
+    pub order_id: String,
+    pub kind: String,
+    pub sku: String,
+    pub quantity: i64,
+}
+
+/// Every effect the order steps applied, in order.
+pub fn effects(conn: &Connection) -> Result<Vec<OrderEffect>> {
+    let mut stmt =
+        conn.prepare("SELECT order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT 100000").db()?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok(OrderEffect { order_id: r.get(0)?, kind: r.get(1)?, sku: r.get(2)?, quantity: r.get(3)? })
+        })
+        .db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+/// The status of an order's reservation.
+pub fn reservation_status(conn: &Connection, order_id: &str) -> Result<Option<String>> {
+    conn.query_row("SELECT status FROM order_reservations WHERE order_id = ?1", [order_id], |r| r.get(0))
+        .optional()
+        .db()
+}
+
+/// Open (or create) the fake payment service's own database: one row per call it receives.
+pub fn open_payments(path: &Path) -> Result<Connection> {
+    let conn = Connection::open(path).db()?;
+    conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
+    conn.execute_batch(
+        "PRAGMA journal_mode = WAL;
+         CREATE TABLE IF NOT EXISTS payment_calls (
+             call_id         INTEGER PRIMARY KEY,
+             idempotency_key TEXT NOT NULL,
+             op              TEXT NOT NULL,
+             order_id        TEXT NOT NULL,
+             amount          INTEGER NOT NULL,
+             outcome         TEXT NOT NULL
+         );
+         CREATE INDEX IF NOT EXISTS payment_calls_key ON payment_calls (idempotency_key);",
+    )
+    .db()?;
+    Ok(conn)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PaymentCall {
+    pub idempotency_key: String,
+    pub op: String,
+    pub order_id: String,
+    pub amount: i64,
+    /// `charged`, `refunded`, `duplicate` (an earlier call with the key succeeded), `declined`,
+    /// `unavailable`.
+    pub outcome: String,
+}
+
+/// Calls received with `key` so far, and whether one of them succeeded.
+pub fn payment_history(conn: &Connection, key: &str) -> Result<(i64, bool)> {
+    conn.query_row(
+        "SELECT count(*), coalesce(max(outcome IN ('charged', 'refunded')), 0) FROM payment_calls
+         WHERE idempotency_key = ?1",
+        [key],
+        |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)),
+    )
+    .db()
+}
+
+pub fn record_payment_call(conn: &Connection, call: &PaymentCall) -> Result<()> {
+    conn.execute(
+        "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![call.idempotency_key, call.op, call.order_id, call.amount, call.outcome],
+    )
+    .db()?;
+    Ok(())
+}
+
+/// Every call the fake payment service received, in order.
+pub fn payment_calls(conn: &Connection) -> Result<Vec<PaymentCall>> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT idempotency_key, op, order_id, amount, outcome FROM payment_calls ORDER BY call_id LIMIT 100000",
+        )
+        .db()?;
+    let rows = stmt
+        .query_map([], |r| {
+            Ok(PaymentCall {
+                idempotency_key: r.get(0)?,
+                op: r.get(1)?,
+                order_id: r.get(2)?,
+                amount: r.get(3)?,
+                outcome: r.get(4)?,
+            })
+        })
+        .db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_release_ship_keep_stock_consistent() {
+        let conn = Connection::open_in_memory().unwrap();
+        install(&conn).unwrap();
+        set_stock(&conn, "sku-1", 5).unwrap();
+        assert_eq!(reserve(&conn, "o1", "sku-1", 3).unwrap(), ReserveOutcome::Reserved { stock_left: 2 });
+        assert_eq!(reserve(&conn, "o2", "sku-1", 3).unwrap(), ReserveOutcome::Insufficient { stock: 2 });
+        assert_eq!(reserve(&conn, "o3", "nope", 1).unwrap(), ReserveOutcome::UnknownSku);
+        assert!(matches!(reserve(&conn, "o1", "sku-1", 1).unwrap(), ReserveOutcome::AlreadyReserved { .. }));
+        assert!(release(&conn, "o1").unwrap());
+        assert!(!release(&conn, "o1").unwrap());
+        assert_eq!(stock(&conn, "sku-1").unwrap(), Some(5));
+        assert_eq!(reserve(&conn, "o4", "sku-1", 1).unwrap(), ReserveOutcome::Reserved { stock_left: 4 });
+        assert!(ship(&conn, "o4").unwrap());
+        assert!(!ship(&conn, "o4").unwrap());
+        let kinds: Vec<String> = effects(&conn).unwrap().into_iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, ["reserve", "release", "reserve", "ship"]);
+    }
+
+    #[test]
+    fn payment_calls_are_logged_by_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = open_payments(&dir.path().join("payments.db")).unwrap();
+        let call = |outcome: &str| PaymentCall {
+            idempotency_key: "r:1:charge_payment".into(),
+            op: "charge".into(),
+            order_id: "o1".into(),
+            amount: 10,
+            outcome: outcome.into(),
+        };
+        assert_eq!(payment_history(&conn, "r:1:charge_payment").unwrap(), (0, false));
+        record_payment_call(&conn, &call("unavailable")).unwrap();
+        assert_eq!(payment_history(&conn, "r:1:charge_payment").unwrap(), (1, false));
+        record_payment_call(&conn, &call("charged")).unwrap();
+        assert_eq!(payment_history(&conn, "r:1:charge_payment").unwrap(), (2, true));
+        assert_eq!(payment_calls(&conn).unwrap().len(), 2);
+    }
+}
