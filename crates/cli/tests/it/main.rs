@@ -11,4 +11,5 @@ mod crash;
 mod experiment;
 mod model_check;
 mod outbox_transaction;
+mod workflow_runtime;
 mod workflow_store;

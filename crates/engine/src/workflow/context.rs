@@ -45,6 +45,8 @@ struct RunShared<S: WorkflowStore> {
     lease_token: String,
     retry: RetryPolicy,
     cancel: Arc<AtomicBool>,
+    /// The reason an operator gave with the cancel request, when the claim saw it.
+    cancel_reason: Option<String>,
     state: Mutex<RunState>,
 }
 
@@ -157,6 +159,7 @@ where
                 lease_token: claimed.lease_token.clone(),
                 retry,
                 cancel,
+                cancel_reason: claimed.run.error.clone().filter(|_| claimed.run.cancel_requested),
                 state: Mutex::new(state),
             }),
         }
@@ -271,7 +274,6 @@ where
                 StepStatus::Completed | StepStatus::Skipped => Ok(()),
                 StepStatus::Failed => Err(self.recorded_failure(&entry)),
                 StepStatus::Waiting => {
-                    self.check_cancel(StepKind::Sleep)?;
                     let wake_at = entry.wake_at_ms.unwrap_or(now);
                     if now >= wake_at {
                         self.write(JournalOp::TimerFinished { seq, event_id: None, output: Value::Null }).await?;
@@ -283,7 +285,6 @@ where
                 StepStatus::Retrying => Err(self.park(format!("sleep at position {seq} is journaled as retrying"))),
             },
             Slot::New(seq) => {
-                self.check_cancel(StepKind::Sleep)?;
                 let ms = duration_ms(duration);
                 if ms > TIMER_MS_MAX {
                     return Err(WorkflowError::Failed(format!("sleep of {ms} ms is longer than {TIMER_MS_MAX} ms")));
@@ -315,16 +316,12 @@ where
                     return Ok(decode_wait_output(entry.output.unwrap_or(Value::Null)))
                 }
                 StepStatus::Failed => return Err(self.recorded_failure(&entry)),
-                StepStatus::Waiting => {
-                    self.check_cancel(StepKind::Wait)?;
-                    (seq, entry.wake_at_ms.unwrap_or(now))
-                }
+                StepStatus::Waiting => (seq, entry.wake_at_ms.unwrap_or(now)),
                 StepStatus::Retrying => {
                     return Err(self.park(format!("wait at position {seq} is journaled as retrying")))
                 }
             },
             Slot::New(seq) => {
-                self.check_cancel(StepKind::Wait)?;
                 let ms = duration_ms(timeout);
                 if ms > TIMER_MS_MAX {
                     return Err(WorkflowError::Failed(format!("wait of {ms} ms is longer than {TIMER_MS_MAX} ms")));
@@ -451,17 +448,13 @@ where
     /// observe cancellation and any backoff still running, and number the attempt.
     fn prepare_attempt(&self, kind: StepKind, name: &str) -> Result<(u32, Attempt), WorkflowError> {
         match self.begin(name, kind)? {
-            Slot::New(seq) => {
-                self.check_cancel(kind)?;
-                Ok((seq, Attempt::Run(1)))
-            }
+            Slot::New(seq) => Ok((seq, Attempt::Run(1))),
             Slot::Journaled(seq, entry) => match entry.status {
                 StepStatus::Completed | StepStatus::Skipped => {
                     Ok((seq, Attempt::Replayed(entry.output.unwrap_or(Value::Null))))
                 }
                 StepStatus::Failed => Err(self.recorded_failure(&entry)),
                 StepStatus::Retrying => {
-                    self.check_cancel(kind)?;
                     if let Some(at) = entry.next_attempt_at_ms {
                         if at > self.now_ms() {
                             return Err(self.suspend(SuspendStatus::Pending, at, None));
@@ -474,8 +467,14 @@ where
         }
     }
 
+    /// Take the next journal position for a call. This is the step boundary where cancellation
+    /// is observed: with a cancel request, a call that is not a compensation and whose position
+    /// is not a settled, matching entry returns `Cancelled`. The position is then consumed only
+    /// when an unsettled entry of this step occupies it, so the journal stays gapless (a saga's
+    /// compensations take the next free positions) and the replay after a cancel is the same.
     fn begin(&self, name: &str, kind: StepKind) -> Result<Slot, WorkflowError> {
         validate_id("step name", name).map_err(|e| WorkflowError::Failed(e.to_string()))?;
+        let cancelled = kind != StepKind::Compensation && self.inner.cancel.load(Ordering::SeqCst);
         let mut state = self.lock();
         state.usable()?;
         let seq = state.next_seq;
@@ -484,10 +483,22 @@ where
                 "a run takes at most {RUN_STEPS_MAX} steps; continue as a new run"
             )));
         }
-        state.next_seq += 1;
         match state.journal.get(&seq) {
-            None => Ok(Slot::New(seq)),
-            Some(entry) if entry.name == name && entry.kind == kind => Ok(Slot::Journaled(seq, entry.clone())),
+            None if cancelled => Err(WorkflowError::Cancelled),
+            None => {
+                state.next_seq += 1;
+                Ok(Slot::New(seq))
+            }
+            Some(entry) if entry.name == name && entry.kind == kind => {
+                let entry = entry.clone();
+                state.next_seq += 1;
+                if cancelled && !entry.status.is_settled() {
+                    return Err(WorkflowError::Cancelled);
+                }
+                Ok(Slot::Journaled(seq, entry))
+            }
+            // After a cancel, the position may hold the compensation that followed it.
+            Some(_) if cancelled => Err(WorkflowError::Cancelled),
             Some(entry) => {
                 let message = format!(
                     "non-deterministic replay: position {seq} is journaled as {} step {:?}, the workflow now calls {} step {name:?}",
@@ -499,13 +510,6 @@ where
                 Err(WorkflowError::Parked(message))
             }
         }
-    }
-
-    fn check_cancel(&self, kind: StepKind) -> Result<(), WorkflowError> {
-        if kind != StepKind::Compensation && self.inner.cancel.load(Ordering::SeqCst) {
-            return Err(WorkflowError::Cancelled);
-        }
-        Ok(())
     }
 
     fn retry_at(&self, policy: &RetryPolicy, attempt: u32) -> Option<i64> {
@@ -601,9 +605,11 @@ where
                         finish(FinishStatus::Failed, None, Some(format!("step {step} failed: {message}")))
                     }
                     Err(WorkflowError::Failed(message)) => finish(FinishStatus::Failed, None, Some(message)),
-                    Err(WorkflowError::Cancelled) => {
-                        finish(FinishStatus::Cancelled, None, Some("cancellation requested".into()))
-                    }
+                    Err(WorkflowError::Cancelled) => finish(
+                        FinishStatus::Cancelled,
+                        None,
+                        Some(self.inner.cancel_reason.clone().unwrap_or_else(|| "cancel requested".into())),
+                    ),
                     Err(WorkflowError::Parked(message)) => finish(FinishStatus::Parked, None, Some(message)),
                     Err(WorkflowError::Compensated(message)) => finish(FinishStatus::Compensated, None, Some(message)),
                     Err(WorkflowError::LeaseLost) => return RunOutcome::Lost,

@@ -101,6 +101,28 @@ pub struct WorkerReport {
 }
 
 impl WorkerReport {
+    /// Add another report's counts to this one (the later unclaimable list wins).
+    pub fn merge(&mut self, other: WorkerReport) {
+        self.claimed += other.claimed;
+        self.recovered += other.recovered;
+        self.completed += other.completed;
+        self.compensated += other.compensated;
+        self.failed += other.failed;
+        self.cancelled += other.cancelled;
+        self.parked += other.parked;
+        self.suspended += other.suspended;
+        self.released += other.released;
+        self.lost += other.lost;
+        self.aborted += other.aborted;
+        self.heartbeats += other.heartbeats;
+        self.errors += other.errors;
+        if other.last_error.is_some() {
+            self.last_error = other.last_error;
+        }
+        self.max_in_flight = self.max_in_flight.max(other.max_in_flight);
+        self.unclaimable = other.unclaimable;
+    }
+
     fn record(&mut self, outcome: RunOutcome) {
         match outcome {
             RunOutcome::Finished(FinishStatus::Completed) => self.completed += 1,
@@ -279,8 +301,10 @@ where
     ) {
         match joined {
             Ok((id, outcome)) => {
-                in_flight.remove(&id);
-                report.record(outcome);
+                let counted = in_flight.remove(&id).is_some_and(|run| run.lost);
+                if !(counted && outcome == RunOutcome::Lost) {
+                    report.record(outcome);
+                }
             }
             Err(error) => {
                 let Some(run) = in_flight.remove(&error.id()) else { return };

@@ -1,5 +1,6 @@
 //! The group committer: one thread owns the store; everything else sends it messages.
 
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -113,38 +114,39 @@ where
         &self.shared.stats
     }
 
-    /// Queue one journal write; resolves when its batch has committed.
-    pub async fn write(&self, write: JournalWrite<S::Target>) -> Result<WriteResult> {
+    /// Queue one journal write now; the returned future resolves when its batch has committed.
+    /// (Queued at the call, not at the first poll: writes made one after the other keep their
+    /// order and may share a batch.)
+    pub fn write(&self, write: JournalWrite<S::Target>) -> impl Future<Output = Result<WriteResult>> + Send + 'static {
         let (reply, answer) = oneshot::channel();
-        self.shared.sender.send(Message::Write(write, reply)).map_err(|_| gone())?;
-        answer.await.map_err(|_| gone())?
+        let sent = self.shared.sender.send(Message::Write(write, reply)).is_ok();
+        async move {
+            if !sent {
+                return Err(gone());
+            }
+            answer.await.map_err(|_| gone())?
+        }
     }
 
     /// Queue several journal writes at once (they share a batch); one result per write.
     pub async fn write_all(&self, writes: Vec<JournalWrite<S::Target>>) -> Vec<Result<WriteResult>> {
-        let mut answers = Vec::with_capacity(writes.len());
-        for write in writes {
-            let (reply, answer) = oneshot::channel();
-            let sent = self.shared.sender.send(Message::Write(write, reply)).is_ok();
-            answers.push(sent.then_some(answer));
-        }
+        let answers: Vec<_> = writes.into_iter().map(|write| self.write(write)).collect();
         let mut results = Vec::with_capacity(answers.len());
         for answer in answers {
-            results.push(match answer {
-                Some(answer) => answer.await.map_err(|_| gone()).and_then(|r| r),
-                None => Err(gone()),
-            });
+            results.push(answer.await);
         }
         results
     }
 
-    /// Run `f(store, now_ms)` on the writer thread (claims, heartbeats, starts, reads).
-    pub async fn call<R, F>(&self, f: F) -> Result<R>
+    /// Run `f(store, now_ms)` on the writer thread (claims, heartbeats, starts, reads), queued
+    /// at the call.
+    pub fn call<R, F>(&self, f: F) -> impl Future<Output = Result<R>> + Send + 'static
     where
         R: Send + 'static,
         F: FnOnce(&mut S, i64) -> Result<R> + Send + 'static,
     {
-        self.enqueue(f)?.await.map_err(|_| gone())?
+        let answer = self.enqueue(f);
+        async move { answer?.await.map_err(|_| gone())? }
     }
 
     /// [`Writer::call`] from synchronous code (not from inside an async task).
