@@ -901,3 +901,92 @@ fn saga_and_worker_configuration_is_validated() {
     assert_eq!(err.code(), "unknown_workflow");
     let _ = WorkflowError::failed("x").to_string();
 }
+
+#[test]
+fn an_attempt_that_runs_too_long_is_cut_and_retried() {
+    let (env, rt) = (Env::new(), runtime());
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let mut workflows = Workflows::new();
+    let counter = attempts.clone();
+    workflows
+        .register("slowpoke", 1, fast_options(), move |ctx, _| {
+            let counter = counter.clone();
+            async move {
+                let policy = RetryPolicy { attempt_timeout_ms: 50, ..fast_retry(3) };
+                let n: usize = ctx
+                    .step("slow", Some(policy), |_key| async move {
+                        let n = counter.fetch_add(1, Ordering::SeqCst) + 1;
+                        if n == 1 {
+                            tokio_sleep(600_000).await;
+                        }
+                        Ok(n)
+                    })
+                    .await?;
+                Ok(json!(n))
+            }
+        })
+        .unwrap();
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    env.start_new("slow-1", "slowpoke", 1, json!({}));
+    settle(&rt, &w, &env, &["slow-1"]);
+    let d = env.detail("slow-1");
+    assert_eq!(d.run.status, RunStatus::Completed, "{:?}", d.run.error);
+    assert_eq!(d.run.result, Some(json!(2)));
+    assert_eq!(d.journal[0].attempts, 2);
+    let first = &d.attempts[0];
+    assert!(!first.ok && first.error.as_deref().unwrap_or("").contains("timed out"), "{first:?}");
+}
+
+#[test]
+fn a_graceful_shutdown_releases_the_leases_at_once() {
+    let (env, rt) = (Env::new(), runtime());
+    let keys = Arc::new(Mutex::new(Vec::new()));
+    let (entered_tx, entered) = mpsc::sync_channel(1);
+    let workflows = |block: bool| {
+        let (keys, entered_tx) = (keys.clone(), entered_tx.clone());
+        let mut workflows = Workflows::new();
+        workflows
+            .register("held", 1, fast_options(), move |ctx, _| {
+                let (keys, entered_tx) = (keys.clone(), entered_tx.clone());
+                async move {
+                    ctx.step("long", None, |key| async move {
+                        keys.lock().unwrap().push(key);
+                        if block {
+                            let _ = entered_tx.send(());
+                            tokio_sleep(600_000).await;
+                        }
+                        Ok(())
+                    })
+                    .await?;
+                    Ok(Value::Null)
+                }
+            })
+            .unwrap();
+        workflows
+    };
+    env.start_new("held-1", "held", 1, json!({}));
+    let first = worker(&env.writer, workflows(true), worker_options("w1"));
+    let (stop_tx, stop) = tidemark_engine::workflow::tokio::sync::oneshot::channel::<()>();
+    let running = first.clone();
+    let handle = rt.spawn(async move {
+        running
+            .run_until(async move {
+                let _ = stop.await;
+            })
+            .await
+    });
+    entered.recv_timeout(SIGNAL_WAIT).expect("the run is in its step");
+    stop_tx.send(()).unwrap();
+    let report = rt.block_on(handle).unwrap().unwrap();
+    assert_eq!((report.aborted, report.released), (1, 1), "{report:?}");
+    let run = env.detail("held-1").run;
+    assert_eq!((run.lease_owner, run.status), (None, RunStatus::Running), "released, not finished");
+
+    // Another worker takes it at once: not a recovery (no lease had to expire).
+    let second = worker(&env.writer, workflows(false), worker_options("w2"));
+    let report = settle(&rt, &second, &env, &["held-1"]);
+    assert_eq!((report.recovered, report.completed), (0, 1), "{report:?}");
+    assert_eq!(env.detail("held-1").run.recoveries, 0);
+    let keys = keys.lock().unwrap().clone();
+    assert_eq!(keys, ["held-1:0:long", "held-1:0:long"]);
+}
