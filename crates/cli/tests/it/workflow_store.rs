@@ -1,13 +1,46 @@
-//! The SQLite workflow store (`SqliteWorkflows`), in process on real files.
+//! The SQLite workflow store (`SqliteWorkflows`), in process on real files: every method's
+//! happy path and its refusals (which change nothing), lease fencing, per-type limits, per-key
+//! serialization, idempotent starts across purges, transactional steps, group commit, and real
+//! crashes at the workflow crash points (a child process re-running this test binary).
+//!
+//! Time is always an explicit `now_ms`; nothing here reads the wall clock.
 
-use serde_json::json;
-use tidemark_core::workflow::{RunStatus, StartOutcome, StartRequest, WorkflowStore};
-use tidemark_store_sqlite::SqliteWorkflows;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
-fn start_request(run_id: &str) -> StartRequest {
+use rusqlite::Connection;
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::workflow::{
+    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunDetail, RunFilter, RunStatus,
+    StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, SuspendStatus, WorkflowStore, WorkflowVersion,
+    WriteResult, CLAIM_BATCH_MAX, RUN_STEPS_MAX,
+};
+use tidemark_core::Error;
+use tidemark_store_sqlite::{send_event_in, SqliteWorkflows};
+
+use crate::support;
+
+const WF: &str = "order_saga";
+const LEASE_MS: i64 = 1_000;
+
+struct Db {
+    _dir: tempfile::TempDir,
+    path: PathBuf,
+    store: SqliteWorkflows,
+}
+
+fn db() -> Db {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wf.db");
+    let store = SqliteWorkflows::open(&path).unwrap();
+    Db { _dir: dir, path, store }
+}
+
+fn req(run_id: &str) -> StartRequest {
     StartRequest {
         run_id: run_id.into(),
-        workflow: "order_saga".into(),
+        workflow: WF.into(),
         version: 1,
         input: json!({"order": run_id}),
         key: None,
@@ -15,12 +48,823 @@ fn start_request(run_id: &str) -> StartRequest {
     }
 }
 
+fn keyed(run_id: &str, key: &str) -> StartRequest {
+    StartRequest { key: Some(key.into()), ..req(run_id) }
+}
+
+fn version(workflow: &str, version: u32, concurrency_max: Option<u32>) -> WorkflowVersion {
+    WorkflowVersion { workflow: workflow.into(), version, concurrency_max }
+}
+
+fn claim_request(worker: &str, workflows: Vec<WorkflowVersion>, limit: usize) -> ClaimRequest {
+    ClaimRequest { worker_id: worker.into(), workflows, limit, lease_ms: LEASE_MS }
+}
+
+/// Claim up to 100 runs of `order_saga` v1 as `worker`.
+fn claim(store: &mut SqliteWorkflows, worker: &str, now_ms: i64) -> Vec<ClaimedRun> {
+    store.claim(&claim_request(worker, vec![version(WF, 1, None)], 100), now_ms).unwrap()
+}
+
+fn claim_ids(store: &mut SqliteWorkflows, worker: &str, now_ms: i64) -> Vec<String> {
+    claim(store, worker, now_ms).into_iter().map(|c| c.run.run_id).collect()
+}
+
+fn start(store: &mut SqliteWorkflows, requests: &[StartRequest], now_ms: i64) {
+    for outcome in store.start_runs(requests, now_ms).unwrap() {
+        assert!(matches!(outcome, StartOutcome::Started { .. }), "{outcome:?}");
+    }
+}
+
+/// Start one run and claim it; returns its lease token.
+fn started_and_claimed(store: &mut SqliteWorkflows, run_id: &str, now_ms: i64) -> String {
+    start(store, &[req(run_id)], now_ms);
+    let claimed = claim(store, "w1", now_ms);
+    let claimed = claimed.into_iter().find(|c| c.run.run_id == run_id).expect("claimed");
+    claimed.lease_token
+}
+
+fn write(run_id: &str, token: &str, op: JournalOp<Connection>) -> JournalWrite<Connection> {
+    JournalWrite { run_id: run_id.into(), lease_token: token.into(), op }
+}
+
+fn step_ok(seq: u32, name: &str, attempt: u32, output: Value) -> JournalOp<Connection> {
+    JournalOp::StepAttempt {
+        seq,
+        name: name.into(),
+        kind: StepKind::External,
+        attempt,
+        result: Ok(output),
+        retry_at_ms: None,
+    }
+}
+
+fn step_err(
+    seq: u32,
+    name: &str,
+    attempt: u32,
+    failure: StepFailure,
+    retry_at_ms: Option<i64>,
+) -> JournalOp<Connection> {
+    JournalOp::StepAttempt {
+        seq,
+        name: name.into(),
+        kind: StepKind::External,
+        attempt,
+        result: Err(failure),
+        retry_at_ms,
+    }
+}
+
+fn commit_one(
+    store: &mut SqliteWorkflows,
+    run_id: &str,
+    token: &str,
+    op: JournalOp<Connection>,
+    now_ms: i64,
+) -> WriteResult {
+    let mut results = store.commit(vec![write(run_id, token, op)], now_ms).unwrap();
+    assert_eq!(results.len(), 1);
+    results.remove(0)
+}
+
+fn detail(store: &SqliteWorkflows, run_id: &str) -> RunDetail {
+    store.run(run_id).unwrap().unwrap_or_else(|| panic!("no run {run_id}"))
+}
+
+fn code(error: Error) -> &'static str {
+    assert!(error.is_invalid_input(), "{error:?} is not invalid input");
+    error.code()
+}
+
+fn orders_table(store: &mut SqliteWorkflows) {
+    store.connection().execute_batch("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER NOT NULL)").unwrap();
+}
+
+fn orders(store: &mut SqliteWorkflows) -> i64 {
+    store.connection().query_row("SELECT count(*) FROM orders", [], |r| r.get(0)).unwrap()
+}
+
+fn insert_order(id: &'static str, fail_after: bool) -> tidemark_core::workflow::TxBody<Connection> {
+    Box::new(move |tx: &Connection| {
+        tx.execute("INSERT INTO orders (id, total) VALUES (?1, 300)", [id])
+            .map_err(|e| StepFailure::retryable(e.to_string()))?;
+        if fail_after {
+            return Err(StepFailure::retryable("payment service said no"));
+        }
+        Ok(json!({"order": id}))
+    })
+}
+
+fn tx_step(
+    seq: u32,
+    attempt: u32,
+    body: tidemark_core::workflow::TxBody<Connection>,
+    retry_at_ms: Option<i64>,
+) -> JournalOp<Connection> {
+    JournalOp::TxStep { seq, name: "save_order".into(), kind: StepKind::Transactional, attempt, body, retry_at_ms }
+}
+
+// ---------------------------------------------------------------------------------------------
+// start_runs
+
 #[test]
-fn a_started_run_can_be_read_back() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut store = SqliteWorkflows::open(&dir.path().join("wf.db")).unwrap();
-    let out = store.start_runs(&[start_request("r1")], 1_000).unwrap();
-    assert_eq!(out, [StartOutcome::Started { run_id: "r1".into() }]);
-    let run = store.run("r1").unwrap().unwrap().run;
-    assert_eq!(run.status, RunStatus::Pending);
+fn start_is_idempotent_per_run_id_and_detects_conflicts() {
+    let mut d = db();
+    let out = d.store.start_runs(&[req("r1"), req("r1")], 1_000).unwrap();
+    assert_eq!(
+        out,
+        [
+            StartOutcome::Started { run_id: "r1".into() },
+            StartOutcome::Existing { run_id: "r1".into(), status: RunStatus::Pending },
+        ]
+    );
+    let before = detail(&d.store, "r1");
+    assert_eq!(before.run.status, RunStatus::Pending);
+    assert_eq!(before.run.wake_at_ms, 1_000);
+    assert_eq!(before.run.created_at_ms, 1_000);
+    assert_eq!(before.run.input, json!({"order": "r1"}));
+
+    // Another input, or another workflow, under the same id: conflict, and nothing changes.
+    let other_input = StartRequest { input: json!({"order": "other"}), ..req("r1") };
+    let other_workflow = StartRequest { workflow: "refund".into(), ..req("r1") };
+    let out = d.store.start_runs(&[other_input, other_workflow, req("r1")], 2_000).unwrap();
+    assert!(matches!(&out[0], StartOutcome::Conflict { run_id, reason } if run_id == "r1" && reason.contains("input")));
+    assert!(matches!(&out[1], StartOutcome::Conflict { reason, .. } if reason.contains("order_saga")));
+    assert_eq!(out[2], StartOutcome::Existing { run_id: "r1".into(), status: RunStatus::Pending });
+    assert_eq!(detail(&d.store, "r1"), before);
+}
+
+#[test]
+fn start_at_delays_the_first_claim() {
+    let mut d = db();
+    start(&mut d.store, &[StartRequest { start_at_ms: Some(5_000), ..req("later") }], 1_000);
+    assert_eq!(detail(&d.store, "later").run.wake_at_ms, 5_000);
+    assert!(claim_ids(&mut d.store, "w1", 4_999).is_empty());
+    assert_eq!(claim_ids(&mut d.store, "w1", 5_000), ["later"]);
+}
+
+#[test]
+fn bad_start_requests_are_refused_and_write_nothing() {
+    let mut d = db();
+    let cases: Vec<(Vec<StartRequest>, &str)> = vec![
+        (vec![], codes::LIMIT_EXCEEDED),
+        (vec![req("ok"), req("bad id")], codes::INVALID_ID),
+        (vec![StartRequest { workflow: String::new(), ..req("r") }], codes::INVALID_ID),
+        (vec![StartRequest { key: Some("a/b".into()), ..req("r") }], codes::INVALID_ID),
+        (vec![StartRequest { version: 0, ..req("r") }], codes::INVALID_ARGUMENT),
+        (vec![StartRequest { input: json!("x".repeat(300 * 1024)), ..req("r") }], "invalid_input"),
+        (vec![StartRequest { start_at_ms: Some(i64::MAX), ..req("r") }], codes::INVALID_ARGUMENT),
+    ];
+    for (requests, expected) in cases {
+        assert_eq!(code(d.store.start_runs(&requests, 1_000).unwrap_err()), expected, "{requests:?}");
+    }
+    assert!(d.store.list_runs(&RunFilter::default(), 10).unwrap().is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// claim, heartbeat, fencing
+
+#[test]
+fn claim_leases_due_runs_with_their_journal_and_unconsumed_events() {
+    let mut d = db();
+    start(&mut d.store, &[req("r1"), req("r2")], 1_000);
+    assert!(d.store.send_event("r2", "ev-1", "approved", &json!({"by": "ops"}), 1_100).unwrap());
+    let claimed = claim(&mut d.store, "w1", 2_000);
+    assert_eq!(claimed.len(), 2);
+    for c in &claimed {
+        assert_eq!(c.run.lease_owner.as_deref(), Some("w1"));
+        assert_eq!(c.run.lease_expires_at_ms, Some(2_000 + LEASE_MS));
+        assert_eq!(c.run.status, RunStatus::Pending, "claim leaves the status to the runtime");
+        assert!(!c.recovered);
+        assert!(c.journal.is_empty());
+    }
+    assert_ne!(claimed[0].lease_token, claimed[1].lease_token);
+    let r2 = claimed.iter().find(|c| c.run.run_id == "r2").unwrap();
+    assert_eq!(r2.events.len(), 1);
+    assert_eq!(r2.events[0].payload, json!({"by": "ops"}));
+    // Leased: nobody else gets them until the lease expires.
+    assert!(claim_ids(&mut d.store, "w2", 2_500).is_empty());
+    // A journal entry shows up in the next claim.
+    let token = claimed[0].lease_token.clone();
+    let run_id = claimed[0].run.run_id.clone();
+    assert_eq!(commit_one(&mut d.store, &run_id, &token, step_ok(0, "reserve", 1, json!(1)), 2_100), WriteResult::Done);
+    assert_eq!(commit_one(&mut d.store, &run_id, &token, JournalOp::Release, 2_100), WriteResult::Done);
+    let again = claim(&mut d.store, "w2", 2_200);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].journal.len(), 1);
+    assert_eq!(again[0].journal[0].output, Some(json!(1)));
+    assert!(!again[0].recovered, "a released lease is not a recovery");
+}
+
+#[test]
+fn claim_takes_oldest_due_first_and_respects_the_limit() {
+    let mut d = db();
+    start(&mut d.store, &[StartRequest { start_at_ms: Some(3_000), ..req("c") }], 1_000);
+    start(&mut d.store, &[StartRequest { start_at_ms: Some(2_000), ..req("b") }], 1_000);
+    start(&mut d.store, &[req("a")], 1_500);
+    let got = d.store.claim(&claim_request("w1", vec![version(WF, 1, None)], 2), 5_000).unwrap();
+    let ids: Vec<_> = got.iter().map(|c| c.run.run_id.as_str()).collect();
+    assert_eq!(ids, ["a", "b"]);
+}
+
+#[test]
+fn an_expired_lease_is_recovered_and_the_old_holder_is_fenced() {
+    let mut d = db();
+    let old = started_and_claimed(&mut d.store, "r1", 1_000);
+    // Still leased at the last millisecond.
+    assert!(claim_ids(&mut d.store, "w2", 1_000 + LEASE_MS - 1).is_empty());
+    let taken = claim(&mut d.store, "w2", 1_000 + LEASE_MS);
+    assert_eq!(taken.len(), 1);
+    assert!(taken[0].recovered);
+    assert_eq!(taken[0].run.recoveries, 1);
+    assert_ne!(taken[0].lease_token, old);
+    let before = detail(&d.store, "r1");
+    // The first worker can neither write nor heartbeat.
+    assert_eq!(commit_one(&mut d.store, "r1", &old, step_ok(0, "reserve", 1, json!(1)), 2_100), WriteResult::Fenced);
+    assert_eq!(d.store.heartbeat("w1", &[("r1".into(), old.clone())], LEASE_MS, 2_100).unwrap(), [LeaseState::Lost]);
+    assert_eq!(detail(&d.store, "r1"), before);
+    // The new holder writes.
+    let new = taken[0].lease_token.clone();
+    assert_eq!(commit_one(&mut d.store, "r1", &new, step_ok(0, "reserve", 1, json!(1)), 2_100), WriteResult::Done);
+}
+
+#[test]
+fn an_expired_lease_nobody_took_over_still_fences_by_token_only() {
+    let mut d = db();
+    let token = started_and_claimed(&mut d.store, "r1", 1_000);
+    // Expired, not re-claimed: the heartbeat says lost, but the token is still the fence, so the
+    // write (made by the only worker that ever ran the step) is kept.
+    assert_eq!(d.store.heartbeat("w1", &[("r1".into(), token.clone())], LEASE_MS, 5_000).unwrap(), [LeaseState::Lost]);
+    assert_eq!(commit_one(&mut d.store, "r1", &token, step_ok(0, "reserve", 1, json!(1)), 5_000), WriteResult::Done);
+}
+
+#[test]
+fn heartbeat_extends_held_leases_and_reports_cancel_requests() {
+    let mut d = db();
+    start(&mut d.store, &[req("r1"), req("r2")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let leases: Vec<(String, String)> = claimed.iter().map(|c| (c.run.run_id.clone(), c.lease_token.clone())).collect();
+    d.store.cancel("r2", "customer called", 1_200).unwrap();
+    let states = d.store.heartbeat("w1", &leases, 5_000, 1_500).unwrap();
+    let by_run: Vec<(String, LeaseState)> = leases.iter().map(|l| l.0.clone()).zip(states).collect();
+    for (run_id, state) in &by_run {
+        let cancel = run_id == "r2";
+        assert_eq!(*state, LeaseState::Held { cancel_requested: cancel }, "{run_id}");
+        assert_eq!(detail(&d.store, run_id).run.lease_expires_at_ms, Some(6_500));
+    }
+    // Not claimable while the extended lease runs, although the first one would have expired.
+    assert!(claim_ids(&mut d.store, "w2", 3_000).is_empty());
+    // Another owner, a wrong token: lost; no leases: nothing to say.
+    let (run_id, token) = leases[0].clone();
+    assert_eq!(d.store.heartbeat("w2", &[(run_id.clone(), token)], 5_000, 1_600).unwrap(), [LeaseState::Lost]);
+    assert_eq!(d.store.heartbeat("w1", &[(run_id, "nottoken".into())], 5_000, 1_600).unwrap(), [LeaseState::Lost]);
+    assert!(d.store.heartbeat("w1", &[], 5_000, 1_600).unwrap().is_empty());
+}
+
+#[test]
+fn bad_claims_and_heartbeats_are_refused() {
+    let mut d = db();
+    start(&mut d.store, &[req("r1")], 1_000);
+    let before = detail(&d.store, "r1");
+    let good = claim_request("w1", vec![version(WF, 1, None)], 10);
+    let cases = [
+        (ClaimRequest { worker_id: "bad id".into(), ..good.clone() }, codes::INVALID_ID),
+        (ClaimRequest { limit: 0, ..good.clone() }, codes::LIMIT_EXCEEDED),
+        (ClaimRequest { limit: CLAIM_BATCH_MAX + 1, ..good.clone() }, codes::LIMIT_EXCEEDED),
+        (ClaimRequest { workflows: vec![], ..good.clone() }, codes::LIMIT_EXCEEDED),
+        (ClaimRequest { workflows: vec![version(WF, 0, None)], ..good.clone() }, codes::INVALID_ARGUMENT),
+        (ClaimRequest { workflows: vec![version(WF, 1, Some(0))], ..good.clone() }, codes::INVALID_ARGUMENT),
+        (ClaimRequest { lease_ms: 1, ..good.clone() }, codes::INVALID_ARGUMENT),
+        (ClaimRequest { lease_ms: i64::MAX, ..good.clone() }, codes::INVALID_ARGUMENT),
+    ];
+    for (request, expected) in cases {
+        assert_eq!(code(d.store.claim(&request, 1_000).unwrap_err()), expected, "{request:?}");
+    }
+    assert_eq!(
+        code(d.store.heartbeat("w1", &[("r1".into(), "t".into())], 0, 1_000).unwrap_err()),
+        codes::INVALID_ARGUMENT
+    );
+    assert_eq!(code(d.store.heartbeat("w 1", &[], 1_000, 1_000).unwrap_err()), codes::INVALID_ID);
+    assert_eq!(detail(&d.store, "r1"), before);
+}
+
+#[test]
+fn only_registered_versions_are_claimed_and_the_rest_is_reported() {
+    let mut d = db();
+    start(&mut d.store, &[req("v1-run"), StartRequest { version: 2, ..req("v2-run") }], 1_000);
+    start(&mut d.store, &[StartRequest { workflow: "refund".into(), ..req("refund-run") }], 1_000);
+    assert_eq!(claim_ids(&mut d.store, "w1", 2_000), ["v1-run"]);
+    let known = [version(WF, 1, None)];
+    let unclaimable = d.store.unclaimable(&known).unwrap();
+    let summary: Vec<(String, u32, u64)> = unclaimable.into_iter().map(|u| (u.workflow, u.version, u.runs)).collect();
+    assert_eq!(summary, [(WF.to_string(), 2, 1), ("refund".to_string(), 1, 1)]);
+    let got = d.store.claim(&claim_request("w2", vec![version(WF, 2, None), version("refund", 1, None)], 10), 2_000);
+    assert_eq!(got.unwrap().len(), 2);
+    assert!(d.store.unclaimable(&known).unwrap().len() == 2, "leased runs are still active runs of unknown versions");
+}
+
+#[test]
+fn the_per_type_limit_counts_live_leases_across_workers_and_versions() {
+    let mut d = db();
+    let runs: Vec<StartRequest> = (0..5).map(|i| req(&format!("r{i}"))).collect();
+    start(&mut d.store, &runs, 1_000);
+    start(&mut d.store, &[StartRequest { version: 2, ..req("v2") }], 1_000);
+    let limited = || vec![version(WF, 1, Some(2)), version(WF, 2, Some(2))];
+    let a = d.store.claim(&claim_request("wa", limited(), 10), 2_000).unwrap();
+    assert_eq!(a.len(), 2);
+    assert!(d.store.claim(&claim_request("wb", limited(), 10), 2_000).unwrap().is_empty());
+    // Without the limit another worker could take the rest: the limit is what held it back.
+    // One run finishes: one slot frees up.
+    let done = &a[0];
+    let finish = JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!("ok")), error: None };
+    assert_eq!(commit_one(&mut d.store, &done.run.run_id, &done.lease_token, finish, 2_100), WriteResult::Done);
+    assert_eq!(d.store.claim(&claim_request("wb", limited(), 10), 2_200).unwrap().len(), 1);
+    // Expired leases do not count.
+    let later = d.store.claim(&claim_request("wb", limited(), 10), 2_000 + 10 * LEASE_MS).unwrap();
+    assert_eq!(later.len(), 2);
+    // The limit given for another workflow does not apply here.
+    let unlimited = d
+        .store
+        .claim(&claim_request("wc", vec![version(WF, 1, None), version(WF, 2, None)], 10), 2_000 + 10 * LEASE_MS);
+    assert_eq!(unlimited.unwrap().len(), 3, "5 active runs, 2 of them leased");
+}
+
+#[test]
+fn a_key_runs_one_run_at_a_time_oldest_first() {
+    let mut d = db();
+    start(&mut d.store, &[keyed("k1-a", "cust-1")], 1_000);
+    start(&mut d.store, &[keyed("k1-b", "cust-1"), keyed("k2-a", "cust-2"), req("free")], 1_100);
+    assert_eq!(claim_ids(&mut d.store, "w1", 2_000), ["k1-a", "free", "k2-a"]);
+    // While k1-a is active, k1-b waits, even once k1-a's lease has expired: the expired run
+    // itself is what another worker takes over.
+    let taken = claim(&mut d.store, "w2", 2_000 + 2 * LEASE_MS);
+    let ids: Vec<&str> = taken.iter().map(|c| c.run.run_id.as_str()).collect();
+    assert_eq!(ids, ["k1-a", "free", "k2-a"]);
+    let k1a = taken[0].lease_token.clone();
+    // Sleeping is still active: k1-b still waits.
+    let sleep = JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 60_000, waiting_for: None };
+    assert_eq!(commit_one(&mut d.store, "k1-a", &k1a, sleep, 4_100), WriteResult::Done);
+    assert!(claim_ids(&mut d.store, "w3", 4_200).is_empty());
+    // k1-a finishes (claimed again when its timer fires): k1-b's turn.
+    let again = claim(&mut d.store, "w3", 60_000);
+    let ids: Vec<&str> = again.iter().map(|c| c.run.run_id.as_str()).collect();
+    assert_eq!(ids, ["free", "k2-a", "k1-a"], "oldest due first: the two expired leases, then the timer");
+    let finish = JournalOp::Finish { status: FinishStatus::Completed, result: None, error: None };
+    assert_eq!(commit_one(&mut d.store, "k1-a", &again[2].lease_token, finish, 60_001), WriteResult::Done);
+    assert_eq!(claim_ids(&mut d.store, "w3", 60_002), ["k1-b"]);
+}
+
+#[test]
+fn a_retried_older_run_of_a_key_waits_for_the_newer_ones_lease() {
+    let mut d = db();
+    start(&mut d.store, &[keyed("k-old", "k")], 1_000);
+    let old = claim(&mut d.store, "w1", 1_000).remove(0).lease_token;
+    let fail = JournalOp::Finish { status: FinishStatus::Failed, result: None, error: Some("boom".into()) };
+    assert_eq!(commit_one(&mut d.store, "k-old", &old, fail, 1_050), WriteResult::Done);
+    start(&mut d.store, &[keyed("k-new", "k")], 1_100);
+    assert_eq!(claim_ids(&mut d.store, "w1", 2_000), ["k-new"]);
+    let new = detail(&d.store, "k-new");
+    d.store.retry("k-old", "fixed the card", 2_100).unwrap();
+    // k-old is the oldest active run again, but k-new holds a live lease.
+    assert!(claim_ids(&mut d.store, "w2", 2_200).is_empty());
+    // k-new suspends (no lease): the older one goes first, and k-new waits for it.
+    let token = claim_token_of(&d, "k-new");
+    let sleep = JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 2_300, waiting_for: None };
+    assert_eq!(commit_one(&mut d.store, "k-new", &token, sleep, 2_250), WriteResult::Done);
+    assert_eq!(claim_ids(&mut d.store, "w2", 2_400), ["k-old"]);
+    assert!(claim_ids(&mut d.store, "w3", 2_500).is_empty());
+    assert_eq!(new.run.key.as_deref(), Some("k"));
+}
+
+/// The current lease token of a run (read from the file: tokens are not part of `RunRecord`).
+fn claim_token_of(d: &Db, run_id: &str) -> String {
+    let conn = tidemark_store_sqlite::open_existing(&d.path).unwrap();
+    conn.query_row("SELECT lease_token FROM runs WHERE run_id = ?1", [run_id], |r| r.get(0)).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// commit: journal writes
+
+#[test]
+fn step_attempts_retry_then_complete_with_every_attempt_recorded() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let running = JournalOp::SetStatus { status: RunStatus::Running };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, running, 1_001), WriteResult::Done);
+    assert_eq!(detail(&d.store, "r1").run.status, RunStatus::Running);
+    let fail = step_err(0, "charge", 1, StepFailure::retryable("timeout"), Some(2_000));
+    assert_eq!(commit_one(&mut d.store, "r1", &t, fail, 1_010), WriteResult::Done);
+    let entry = &detail(&d.store, "r1").journal[0];
+    assert_eq!((entry.status, entry.attempts, entry.next_attempt_at_ms), (StepStatus::Retrying, 1, Some(2_000)));
+    assert_eq!(entry.error.as_deref(), Some("timeout"));
+    // The runtime suspends for the backoff, and the lease goes.
+    let suspend = JournalOp::Suspend { status: SuspendStatus::Pending, wake_at_ms: 2_000, waiting_for: None };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, suspend, 1_011), WriteResult::Done);
+    let run = detail(&d.store, "r1").run;
+    assert_eq!((run.status, run.wake_at_ms, run.lease_owner), (RunStatus::Pending, 2_000, None));
+    assert!(claim_ids(&mut d.store, "w1", 1_999).is_empty());
+    let again = claim(&mut d.store, "w1", 2_000);
+    assert_eq!(again[0].journal[0].status, StepStatus::Retrying);
+    let t = again[0].lease_token.clone();
+    assert_eq!(
+        commit_one(&mut d.store, "r1", &t, step_ok(0, "charge", 2, json!({"paid": 300})), 2_010),
+        WriteResult::Done
+    );
+    let detail = detail(&d.store, "r1");
+    let entry = &detail.journal[0];
+    assert_eq!((entry.status, entry.attempts, entry.error.as_deref()), (StepStatus::Completed, 2, None));
+    assert_eq!(entry.output, Some(json!({"paid": 300})));
+    let attempts: Vec<(u32, bool, Option<&str>)> =
+        detail.attempts.iter().map(|a| (a.attempt, a.ok, a.error.as_deref())).collect();
+    assert_eq!(attempts, [(1, false, Some("timeout")), (2, true, None)]);
+}
+
+#[test]
+fn a_permanent_failure_or_no_retry_time_fails_the_step() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let declined = step_err(0, "charge", 1, StepFailure::permanent("card declined"), Some(9_000));
+    assert_eq!(commit_one(&mut d.store, "r1", &t, declined, 1_010), WriteResult::Done);
+    let out_of_attempts = step_err(1, "notify", 1, StepFailure::retryable("smtp down"), None);
+    assert_eq!(commit_one(&mut d.store, "r1", &t, out_of_attempts, 1_020), WriteResult::Done);
+    let journal = detail(&d.store, "r1").journal;
+    assert_eq!(journal[0].status, StepStatus::Failed);
+    assert_eq!(journal[0].next_attempt_at_ms, None);
+    assert_eq!(journal[1].status, StepStatus::Failed);
+}
+
+#[test]
+fn group_commit_applies_many_runs_writes_in_one_call_and_fences_each_alone() {
+    let mut d = db();
+    let runs: Vec<StartRequest> = (0..200).map(|i| req(&format!("r{i:03}"))).collect();
+    start(&mut d.store, &runs, 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    assert_eq!(claimed.len(), 100);
+    let mut writes = Vec::new();
+    for c in &claimed {
+        writes.push(write(&c.run.run_id, &c.lease_token, JournalOp::SetStatus { status: RunStatus::Running }));
+        writes.push(write(&c.run.run_id, &c.lease_token, step_ok(0, "reserve", 1, json!({"run": c.run.run_id}))));
+        writes.push(write(&c.run.run_id, &c.lease_token, step_ok(1, "charge", 1, json!(2))));
+    }
+    // A stale token in the middle is fenced; the writes around it go on.
+    writes.insert(150, write("r150", "staletoken", step_ok(0, "reserve", 1, json!("stale"))));
+    let results = d.store.commit(writes, 1_100).unwrap();
+    assert_eq!(results.len(), 301);
+    assert_eq!(results[150], WriteResult::Fenced);
+    assert_eq!(results.iter().filter(|r| **r == WriteResult::Done).count(), 300);
+    for c in &claimed {
+        let detail = detail(&d.store, &c.run.run_id);
+        assert_eq!(detail.run.status, RunStatus::Running);
+        assert_eq!(detail.journal.len(), 2, "{}", c.run.run_id);
+        assert_eq!(detail.journal[0].output, Some(json!({"run": c.run.run_id})));
+    }
+    assert!(detail(&d.store, "r150").journal.is_empty(), "r150 was not claimed in the first 100");
+}
+
+#[test]
+fn journal_invariants_refuse_the_whole_batch() {
+    let mut d = db();
+    start(&mut d.store, &[req("r1"), req("r2")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let (t1, t2) = (claimed[0].lease_token.clone(), claimed[1].lease_token.clone());
+    assert_eq!(commit_one(&mut d.store, "r1", &t1, step_ok(0, "reserve", 1, json!(1)), 1_010), WriteResult::Done);
+    let before = (detail(&d.store, "r1"), detail(&d.store, "r2"));
+    let broken: Vec<JournalOp<Connection>> = vec![
+        step_ok(0, "reserve", 2, json!("again")),        // a settled entry is rewritten
+        step_ok(2, "ship", 1, json!(1)),                 // a gap: the next position is 1
+        step_ok(1, "charge", 2, json!(1)),               // a first attempt numbered 2
+        tx_step(0, 1, Box::new(|_| Ok(json!(1))), None), // another step at a settled position
+        JournalOp::TimerFinished { seq: 1, event_id: None, output: json!(null) }, // no timer there
+    ];
+    for op in broken {
+        // A good write of another run in the same batch is rolled back with it.
+        let batch = vec![write("r2", &t2, step_ok(0, "reserve", 1, json!(2))), write("r1", &t1, op)];
+        let err = d.store.commit(batch, 1_020).unwrap_err();
+        assert!(matches!(err, Error::Invariant(_)), "{err:?}");
+        assert_eq!((detail(&d.store, "r1"), detail(&d.store, "r2")), before);
+    }
+    // A step with a different name at an unsettled position is caught too.
+    let retry = step_err(1, "charge", 1, StepFailure::retryable("x"), Some(2_000));
+    assert_eq!(commit_one(&mut d.store, "r1", &t1, retry, 1_030), WriteResult::Done);
+    let err = d.store.commit(vec![write("r1", &t1, step_ok(1, "refund", 2, json!(1)))], 1_040).unwrap_err();
+    assert!(matches!(err, Error::Invariant(ref m) if m.contains("refund")), "{err:?}");
+}
+
+#[test]
+fn bad_journal_writes_are_refused_before_anything_runs() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let before = detail(&d.store, "r1");
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    let body: tidemark_core::workflow::TxBody<Connection> = Box::new(move |_| {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(json!(1))
+    });
+    let big = json!("x".repeat(300 * 1024));
+    let cases: Vec<(JournalOp<Connection>, &str)> = vec![
+        (JournalOp::SetStatus { status: RunStatus::Completed }, codes::INVALID_ARGUMENT),
+        (JournalOp::SetStatus { status: RunStatus::Sleeping }, codes::INVALID_ARGUMENT),
+        (step_ok(RUN_STEPS_MAX, "s", 1, json!(1)), codes::LIMIT_EXCEEDED),
+        (step_ok(0, "bad name", 1, json!(1)), codes::INVALID_ID),
+        (step_ok(0, "s", 0, json!(1)), codes::INVALID_ARGUMENT),
+        (step_ok(0, "s", 1, big.clone()), codes::PAYLOAD_TOO_LARGE),
+        (step_err(0, "s", 1, StepFailure::retryable("x"), Some(i64::MAX)), codes::INVALID_ARGUMENT),
+        (
+            JournalOp::StepAttempt {
+                seq: 0,
+                name: "s".into(),
+                kind: StepKind::Sleep,
+                attempt: 1,
+                result: Ok(json!(1)),
+                retry_at_ms: None,
+            },
+            codes::INVALID_ARGUMENT,
+        ),
+        (
+            JournalOp::TimerStarted {
+                seq: 0,
+                name: "t".into(),
+                kind: StepKind::Wait,
+                wake_at_ms: 5_000,
+                event_name: None,
+            },
+            codes::INVALID_ARGUMENT,
+        ),
+        (
+            JournalOp::TimerStarted {
+                seq: 0,
+                name: "t".into(),
+                kind: StepKind::Sleep,
+                wake_at_ms: i64::MAX,
+                event_name: None,
+            },
+            codes::INVALID_ARGUMENT,
+        ),
+        (JournalOp::TimerFinished { seq: 0, event_id: Some("bad id".into()), output: json!(1) }, codes::INVALID_ID),
+        (
+            JournalOp::Suspend { status: SuspendStatus::Waiting, wake_at_ms: 5_000, waiting_for: None },
+            codes::INVALID_ARGUMENT,
+        ),
+        (
+            JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 5_000, waiting_for: Some("e".into()) },
+            codes::INVALID_ARGUMENT,
+        ),
+        (
+            JournalOp::Finish { status: FinishStatus::Completed, result: Some(big), error: None },
+            codes::PAYLOAD_TOO_LARGE,
+        ),
+    ];
+    for (op, expected) in cases {
+        // The valid transactional step first in the batch must not even run.
+        let batch = vec![write("r1", &t, tx_step(0, 1, body_clone(&ran), None)), write("r1", &t, op)];
+        assert_eq!(code(d.store.commit(batch, 1_010).unwrap_err()), expected);
+    }
+    let batch = vec![write("r1", &t, tx_step(0, 1, body, None)), write("bad id", &t, JournalOp::Release)];
+    assert_eq!(code(d.store.commit(batch, 1_010).unwrap_err()), codes::INVALID_ID);
+    assert!(!ran.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(detail(&d.store, "r1"), before);
+    assert!(d.store.commit(Vec::new(), 1_010).unwrap().is_empty());
+}
+
+/// A body that only records that it ran.
+fn body_clone(ran: &std::sync::Arc<std::sync::atomic::AtomicBool>) -> tidemark_core::workflow::TxBody<Connection> {
+    let flag = ran.clone();
+    Box::new(move |_| {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(json!(1))
+    })
+}
+
+#[test]
+fn a_transactional_step_commits_its_rows_with_its_journal_entry_or_neither() {
+    let mut d = db();
+    orders_table(&mut d.store);
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    // The body writes a row, then fails: the row is rolled back, the attempt is recorded.
+    let result = commit_one(&mut d.store, "r1", &t, tx_step(0, 1, insert_order("o-1", true), Some(2_000)), 1_010);
+    assert_eq!(result, WriteResult::TxResult(Err(StepFailure::retryable("payment service said no"))));
+    assert_eq!(orders(&mut d.store), 0);
+    let detail1 = detail(&d.store, "r1");
+    assert_eq!((detail1.journal[0].status, detail1.journal[0].attempts), (StepStatus::Retrying, 1));
+    assert_eq!(detail1.attempts.len(), 1);
+    // The next attempt succeeds: the row and the journal entry are there together.
+    let result = commit_one(&mut d.store, "r1", &t, tx_step(0, 2, insert_order("o-1", false), None), 2_010);
+    assert_eq!(result, WriteResult::TxResult(Ok(json!({"order": "o-1"}))));
+    assert_eq!(orders(&mut d.store), 1);
+    let entry = &detail(&d.store, "r1").journal[0];
+    assert_eq!((entry.status, entry.kind, entry.attempts), (StepStatus::Completed, StepKind::Transactional, 2));
+    assert_eq!(entry.output, Some(json!({"order": "o-1"})));
+    // A fenced transactional step does not run its body at all.
+    let result = commit_one(&mut d.store, "r1", "stale", tx_step(1, 1, insert_order("o-2", false), None), 2_020);
+    assert_eq!(result, WriteResult::Fenced);
+    assert_eq!(orders(&mut d.store), 1);
+}
+
+#[test]
+fn a_transactional_body_whose_output_is_too_large_fails_for_good_and_writes_nothing() {
+    let mut d = db();
+    orders_table(&mut d.store);
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let body: tidemark_core::workflow::TxBody<Connection> = Box::new(|tx| {
+        tx.execute("INSERT INTO orders (id, total) VALUES ('o-big', 1)", []).unwrap();
+        Ok(json!("x".repeat(300 * 1024)))
+    });
+    let WriteResult::TxResult(Err(failure)) =
+        commit_one(&mut d.store, "r1", &t, tx_step(0, 1, body, Some(2_000)), 1_010)
+    else {
+        panic!("expected a failed transactional step");
+    };
+    assert!(!failure.retryable);
+    assert_eq!(orders(&mut d.store), 0);
+    assert_eq!(detail(&d.store, "r1").journal[0].status, StepStatus::Failed);
+}
+
+#[test]
+fn a_panicking_body_drops_the_transaction_and_the_whole_batch_with_it() {
+    let mut d = db();
+    orders_table(&mut d.store);
+    start(&mut d.store, &[req("r1"), req("r2")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let before = (detail(&d.store, "r1"), detail(&d.store, "r2"));
+    let (t1, t2) = (claimed[0].lease_token.clone(), claimed[1].lease_token.clone());
+    let panicking: tidemark_core::workflow::TxBody<Connection> = Box::new(|tx| {
+        tx.execute("INSERT INTO orders (id, total) VALUES ('o-p', 1)", []).unwrap();
+        panic!("the body blew up mid-transaction");
+    });
+    let batch = vec![
+        write("r1", &t1, tx_step(0, 1, insert_order("o-1", false), None)),
+        write("r2", &t2, tx_step(0, 1, panicking, None)),
+    ];
+    let store = &mut d.store;
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || store.commit(batch, 1_010)));
+    assert!(outcome.is_err());
+    // Nothing of the batch survived, and the store still works.
+    assert_eq!(orders(&mut d.store), 0);
+    assert_eq!((detail(&d.store, "r1"), detail(&d.store, "r2")), before);
+    let result = commit_one(&mut d.store, "r1", &t1, tx_step(0, 1, insert_order("o-1", false), None), 1_020);
+    assert!(matches!(result, WriteResult::TxResult(Ok(_))));
+    assert_eq!(orders(&mut d.store), 1);
+}
+
+#[test]
+fn a_sleep_is_a_durable_timer() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let timer = JournalOp::TimerStarted {
+        seq: 0,
+        name: "cool_off".into(),
+        kind: StepKind::Sleep,
+        wake_at_ms: 9_000,
+        event_name: None,
+    };
+    let suspend = JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 9_000, waiting_for: None };
+    let results = d.store.commit(vec![write("r1", &t, timer), write("r1", &t, suspend)], 1_010).unwrap();
+    assert_eq!(results, [WriteResult::Done, WriteResult::Done]);
+    let detail1 = detail(&d.store, "r1");
+    assert_eq!((detail1.run.status, detail1.run.wake_at_ms), (RunStatus::Sleeping, 9_000));
+    assert_eq!((detail1.journal[0].status, detail1.journal[0].wake_at_ms), (StepStatus::Waiting, Some(9_000)));
+    // A reopened store (a restart) still has it; nothing is due before the timer.
+    drop(d.store);
+    d.store = SqliteWorkflows::open(&d.path).unwrap();
+    assert!(claim_ids(&mut d.store, "w2", 8_999).is_empty());
+    let c = claim(&mut d.store, "w2", 9_000);
+    assert_eq!(c[0].journal[0].status, StepStatus::Waiting);
+    let fired = JournalOp::TimerFinished { seq: 0, event_id: None, output: json!(null) };
+    assert_eq!(commit_one(&mut d.store, "r1", &c[0].lease_token, fired, 9_001), WriteResult::Done);
+    assert_eq!(detail(&d.store, "r1").journal[0].status, StepStatus::Completed);
+}
+
+fn wait_for_approval(d: &mut Db, token: &str, now_ms: i64) {
+    let timer = JournalOp::TimerStarted {
+        seq: 0,
+        name: "approval".into(),
+        kind: StepKind::Wait,
+        wake_at_ms: 100_000,
+        event_name: Some("approved".into()),
+    };
+    let suspend = JournalOp::Suspend {
+        status: SuspendStatus::Waiting,
+        wake_at_ms: 100_000,
+        waiting_for: Some("approved".into()),
+    };
+    let results = d.store.commit(vec![write("r1", token, timer), write("r1", token, suspend)], now_ms).unwrap();
+    assert_eq!(results, [WriteResult::Done, WriteResult::Done]);
+}
+
+#[test]
+fn an_event_wakes_a_waiting_run_and_is_consumed_once() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    wait_for_approval(&mut d, &t, 1_010);
+    let run = detail(&d.store, "r1").run;
+    assert_eq!(
+        (run.status, run.wake_at_ms, run.waiting_for.as_deref()),
+        (RunStatus::Waiting, 100_000, Some("approved"))
+    );
+    // Another event name does not wake it.
+    assert!(d.store.send_event("r1", "ev-0", "other", &json!(0), 2_000).unwrap());
+    assert_eq!(detail(&d.store, "r1").run.wake_at_ms, 100_000);
+    assert!(d.store.send_event("r1", "ev-1", "approved", &json!({"by": "ann"}), 3_000).unwrap());
+    assert_eq!(detail(&d.store, "r1").run.wake_at_ms, 3_000);
+    // Sending it again is a no-op; the same id with other content is refused.
+    assert!(!d.store.send_event("r1", "ev-1", "approved", &json!({"by": "ann"}), 3_100).unwrap());
+    assert_eq!(
+        code(d.store.send_event("r1", "ev-1", "approved", &json!({"by": "bob"}), 3_100).unwrap_err()),
+        codes::ALREADY_EXISTS
+    );
+    let c = claim(&mut d.store, "w1", 3_200);
+    let events: Vec<&str> = c[0].events.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(events, ["ev-0", "ev-1"]);
+    let t = c[0].lease_token.clone();
+    let done = JournalOp::TimerFinished { seq: 0, event_id: Some("ev-1".into()), output: json!({"by": "ann"}) };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, done, 3_300), WriteResult::Done);
+    let detail1 = detail(&d.store, "r1");
+    assert_eq!(detail1.journal[0].output, Some(json!({"by": "ann"})));
+    let consumed: Vec<(&str, Option<u32>)> =
+        detail1.events.iter().map(|e| (e.event_id.as_str(), e.consumed_by_seq)).collect();
+    assert_eq!(consumed, [("ev-0", None), ("ev-1", Some(0))]);
+    // Consuming it twice is a bug.
+    assert_eq!(commit_one(&mut d.store, "r1", &t, JournalOp::Release, 3_400), WriteResult::Done);
+    let c = claim(&mut d.store, "w1", 3_500);
+    assert_eq!(c[0].events.len(), 1, "only the unconsumed event is handed out");
+    let twice = JournalOp::TimerFinished { seq: 0, event_id: Some("ev-1".into()), output: json!(1) };
+    assert!(matches!(
+        d.store.commit(vec![write("r1", &c[0].lease_token, twice)], 3_600).unwrap_err(),
+        Error::Invariant(_)
+    ));
+}
+
+#[test]
+fn an_event_that_arrives_before_the_run_suspends_is_not_lost() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    // The run is running (not yet waiting) when the event arrives.
+    assert!(d.store.send_event("r1", "ev-1", "approved", &json!(true), 1_005).unwrap());
+    wait_for_approval(&mut d, &t, 1_010);
+    let run = detail(&d.store, "r1").run;
+    assert_eq!((run.status, run.wake_at_ms), (RunStatus::Waiting, 1_010), "due at once, not at the deadline");
+    assert_eq!(claim(&mut d.store, "w1", 1_020)[0].events.len(), 1);
+}
+
+#[test]
+fn a_wait_times_out_at_its_deadline() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    wait_for_approval(&mut d, &t, 1_010);
+    assert!(claim_ids(&mut d.store, "w1", 99_999).is_empty());
+    let c = claim(&mut d.store, "w1", 100_000);
+    let timeout = JournalOp::TimerFinished { seq: 0, event_id: None, output: json!({"timed_out": true}) };
+    assert_eq!(commit_one(&mut d.store, "r1", &c[0].lease_token, timeout, 100_001), WriteResult::Done);
+    assert_eq!(detail(&d.store, "r1").journal[0].status, StepStatus::Completed);
+}
+
+#[test]
+fn send_event_refuses_unknown_finished_runs_and_bad_input() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    assert_eq!(code(d.store.send_event("nope", "e", "n", &json!(1), 1_000).unwrap_err()), codes::NOT_FOUND);
+    assert_eq!(code(d.store.send_event("r1", "bad id", "n", &json!(1), 1_000).unwrap_err()), codes::INVALID_ID);
+    assert_eq!(code(d.store.send_event("r1", "e", "", &json!(1), 1_000).unwrap_err()), codes::INVALID_ID);
+    let big = json!("x".repeat(300 * 1024));
+    assert_eq!(code(d.store.send_event("r1", "e", "n", &big, 1_000).unwrap_err()), codes::PAYLOAD_TOO_LARGE);
+    let finish = JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!("ok")), error: None };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, finish, 1_010), WriteResult::Done);
+    let before = detail(&d.store, "r1");
+    assert_eq!(code(d.store.send_event("r1", "e", "n", &json!(1), 1_020).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(detail(&d.store, "r1"), before);
+    assert!(before.events.is_empty());
+}
+
+#[test]
+fn an_inbox_handler_can_send_an_event_inside_its_own_transaction() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    wait_for_approval(&mut d, &t, 1_010);
+    let conn = d.store.connection();
+    assert_eq!(
+        code(send_event_in(conn, "r1", "ev-1", "approved", &json!(1), 2_000).unwrap_err()),
+        codes::INVALID_ARGUMENT
+    );
+    let tx = conn.transaction().unwrap();
+    assert!(send_event_in(&tx, "r1", "ev-1", "approved", &json!(1), 2_000).unwrap());
+    drop(tx); // rolled back with the handler's transaction
+    assert!(detail(&d.store, "r1").events.is_empty());
+    let tx = d.store.connection().transaction().unwrap();
+    assert!(send_event_in(&tx, "r1", "ev-1", "approved", &json!(1), 2_000).unwrap());
+    tx.commit().unwrap();
+    assert_eq!(detail(&d.store, "r1").run.wake_at_ms, 2_000);
+}
+
+#[test]
+fn finish_ends_the_run_releases_the_lease_and_fences_later_writes() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let finish = JournalOp::Finish { status: FinishStatus::Failed, result: None, error: Some("e".repeat(10_000)) };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, finish, 1_010), WriteResult::Done);
+    let run = detail(&d.store, "r1").run;
+    assert_eq!((run.status, run.lease_owner, run.lease_expires_at_ms), (RunStatus::Failed, None, None));
+    assert_eq!(run.error.unwrap().len(), tidemark_core::workflow::ERROR_BYTES_MAX);
+    assert_eq!(commit_one(&mut d.store, "r1", &t, JournalOp::Release, 1_020), WriteResult::Fenced);
+    assert!(claim_ids(&mut d.store, "w1", 1_000_000).is_empty());
 }
