@@ -868,3 +868,353 @@ fn finish_ends_the_run_releases_the_lease_and_fences_later_writes() {
     assert_eq!(commit_one(&mut d.store, "r1", &t, JournalOp::Release, 1_020), WriteResult::Fenced);
     assert!(claim_ids(&mut d.store, "w1", 1_000_000).is_empty());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Operator controls
+
+/// r1: step 0 completed, step 1 failed on its second attempt, and the run failed.
+fn failed_run(d: &mut Db) -> String {
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let writes = vec![
+        write("r1", &t, step_ok(0, "reserve", 1, json!("reserved"))),
+        write("r1", &t, step_err(1, "charge", 1, StepFailure::retryable("timeout"), Some(1_100))),
+        write("r1", &t, step_err(1, "charge", 2, StepFailure::permanent("declined"), None)),
+        write(
+            "r1",
+            &t,
+            JournalOp::Finish { status: FinishStatus::Failed, result: None, error: Some("declined".into()) },
+        ),
+    ];
+    assert!(d.store.commit(writes, 1_050).unwrap().iter().all(|r| *r == WriteResult::Done));
+    t
+}
+
+#[test]
+fn cancel_is_a_request_that_makes_the_run_due_and_keeps_the_lease() {
+    let mut d = db();
+    start(&mut d.store, &[req("held"), req("asleep")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let token = |id: &str| claimed.iter().find(|c| c.run.run_id == id).unwrap().lease_token.clone();
+    let sleep = JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 50_000, waiting_for: None };
+    assert_eq!(commit_one(&mut d.store, "asleep", &token("asleep"), sleep, 1_010), WriteResult::Done);
+    let run = d.store.cancel("asleep", "customer called", 1_500).unwrap();
+    assert!(run.cancel_requested);
+    assert_eq!((run.status, run.wake_at_ms), (RunStatus::Sleeping, 1_500));
+    assert_eq!(run.error.as_deref(), Some("cancel requested: customer called"));
+    assert_eq!(claim_ids(&mut d.store, "w2", 1_500), ["asleep"]);
+    // The holder of a leased run keeps it and may go on writing (it compensates, then finishes).
+    let run = d.store.cancel("held", "customer called", 1_600).unwrap();
+    assert_eq!(run.lease_owner.as_deref(), Some("w1"));
+    let suspend = JournalOp::Suspend { status: SuspendStatus::Pending, wake_at_ms: 90_000, waiting_for: None };
+    assert_eq!(commit_one(&mut d.store, "held", &token("held"), suspend, 1_610), WriteResult::Done);
+    assert_eq!(detail(&d.store, "held").run.wake_at_ms, 1_610, "a cancel request keeps a suspended run due");
+}
+
+#[test]
+fn cancel_refuses_finished_unknown_runs_and_bad_reasons() {
+    let mut d = db();
+    failed_run(&mut d);
+    let before = detail(&d.store, "r1");
+    assert_eq!(code(d.store.cancel("r1", "too late", 2_000).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(code(d.store.cancel("nope", "x", 2_000).unwrap_err()), codes::NOT_FOUND);
+    assert_eq!(code(d.store.cancel("r1", " ", 2_000).unwrap_err()), codes::INVALID_ARGUMENT);
+    assert_eq!(code(d.store.cancel("bad id", "x", 2_000).unwrap_err()), codes::INVALID_ID);
+    assert_eq!(detail(&d.store, "r1"), before);
+}
+
+#[test]
+fn retry_reopens_the_failed_step_with_a_fresh_budget_and_keeps_its_history() {
+    let mut d = db();
+    let old = failed_run(&mut d);
+    let run = d.store.retry("r1", "card replaced", 2_000).unwrap();
+    assert_eq!((run.status, run.error, run.result, run.wake_at_ms), (RunStatus::Pending, None, None, 2_000));
+    let detail1 = detail(&d.store, "r1");
+    assert_eq!(detail1.journal[0].status, StepStatus::Completed, "settled steps before it stay");
+    let entry = &detail1.journal[1];
+    assert_eq!((entry.status, entry.attempts), (StepStatus::Retrying, 0));
+    assert_eq!(entry.reason.as_deref(), Some("operator retry: card replaced"));
+    assert_eq!(detail1.attempts.len(), 3);
+    assert_eq!(commit_one(&mut d.store, "r1", &old, JournalOp::Release, 2_001), WriteResult::Fenced);
+    // Attempt 1 of the new budget is the position's third attempt in the history.
+    let c = claim(&mut d.store, "w1", 2_000);
+    let t = c[0].lease_token.clone();
+    assert_eq!(commit_one(&mut d.store, "r1", &t, step_ok(1, "charge", 1, json!("paid")), 2_010), WriteResult::Done);
+    let detail2 = detail(&d.store, "r1");
+    assert_eq!((detail2.journal[1].status, detail2.journal[1].attempts), (StepStatus::Completed, 1));
+    let history: Vec<(u32, u32, bool)> = detail2.attempts.iter().map(|a| (a.seq, a.attempt, a.ok)).collect();
+    assert_eq!(history, [(0, 1, true), (1, 1, false), (1, 2, false), (1, 3, true)]);
+    // Only failed or parked runs can be retried.
+    let before = detail(&d.store, "r1");
+    assert_eq!(code(d.store.retry("r1", "again", 2_020).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    let finish = JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!(1)), error: None };
+    assert_eq!(commit_one(&mut d.store, "r1", &t, finish, 2_030), WriteResult::Done);
+    let completed = detail(&d.store, "r1");
+    assert_eq!(code(d.store.retry("r1", "again", 2_040).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(detail(&d.store, "r1"), completed);
+    assert_ne!(before, completed);
+    assert_eq!(code(d.store.retry("nope", "x", 2_040).unwrap_err()), codes::NOT_FOUND);
+}
+
+#[test]
+fn retrying_a_parked_saga_reopens_the_compensation_that_gave_up() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let compensate = JournalOp::StepAttempt {
+        seq: 2,
+        name: "compensate:reserve".into(),
+        kind: StepKind::Compensation,
+        attempt: 1,
+        result: Err(StepFailure::retryable("inventory down")),
+        retry_at_ms: None,
+    };
+    let writes = vec![
+        write("r1", &t, step_ok(0, "reserve", 1, json!(1))),
+        write("r1", &t, step_err(1, "charge", 1, StepFailure::permanent("declined"), None)),
+        write("r1", &t, JournalOp::SetStatus { status: RunStatus::Compensating }),
+        write("r1", &t, compensate),
+        write("r1", &t, JournalOp::Finish { status: FinishStatus::Parked, result: None, error: Some("stuck".into()) }),
+    ];
+    assert!(d.store.commit(writes, 1_010).unwrap().iter().all(|r| *r == WriteResult::Done));
+    d.store.retry("r1", "inventory is back", 2_000).unwrap();
+    let statuses: Vec<StepStatus> = detail(&d.store, "r1").journal.iter().map(|e| e.status).collect();
+    assert_eq!(statuses, [StepStatus::Completed, StepStatus::Failed, StepStatus::Retrying]);
+}
+
+#[test]
+fn fork_starts_a_new_run_reusing_the_journal_before_a_step() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    wait_for_approval(&mut d, &t, 1_010);
+    d.store.send_event("r1", "ev-1", "approved", &json!(true), 1_020).unwrap();
+    d.store.send_event("r1", "ev-2", "other", &json!(2), 1_020).unwrap();
+    let t = claim(&mut d.store, "w1", 1_030).remove(0).lease_token;
+    let writes = vec![
+        write("r1", &t, JournalOp::TimerFinished { seq: 0, event_id: Some("ev-1".into()), output: json!(true) }),
+        write("r1", &t, step_ok(1, "reserve", 1, json!("reserved"))),
+        write("r1", &t, step_err(2, "charge", 1, StepFailure::permanent("declined"), None)),
+        write(
+            "r1",
+            &t,
+            JournalOp::Finish { status: FinishStatus::Failed, result: None, error: Some("declined".into()) },
+        ),
+    ];
+    assert!(d.store.commit(writes, 1_040).unwrap().iter().all(|r| *r == WriteResult::Done));
+    let source = detail(&d.store, "r1");
+    let fork = d.store.fork("r1", 2, "r1-fork", 5_000).unwrap();
+    assert_eq!((fork.status, fork.forked_from.as_deref(), fork.wake_at_ms), (RunStatus::Pending, Some("r1"), 5_000));
+    assert_eq!((fork.workflow.as_str(), fork.version, &fork.input), (WF, 1, &json!({"order": "r1"})));
+    let forked = detail(&d.store, "r1-fork");
+    assert_eq!(forked.journal, source.journal[..2].to_vec());
+    assert_eq!(forked.attempts, source.attempts.iter().filter(|a| a.seq < 2).cloned().collect::<Vec<_>>());
+    let events: Vec<&str> = forked.events.iter().map(|e| e.event_id.as_str()).collect();
+    assert_eq!(events, ["ev-1"], "only the events its copied waits consumed");
+    assert_eq!(detail(&d.store, "r1"), source, "the source is unchanged");
+    assert_eq!(claim_ids(&mut d.store, "w1", 5_000), ["r1-fork"]);
+    // From the journal's end: a full copy. Beyond it, an existing id, an unknown source: refused.
+    assert_eq!(d.store.fork("r1", 3, "r1-fork-all", 5_000).unwrap().status, RunStatus::Pending);
+    assert_eq!(detail(&d.store, "r1-fork-all").journal.len(), 3);
+    assert_eq!(code(d.store.fork("r1", 4, "r1-fork-2", 5_000).unwrap_err()), codes::INVALID_SEQ);
+    assert_eq!(code(d.store.fork("r1", 0, "r1-fork", 5_000).unwrap_err()), codes::ALREADY_EXISTS);
+    assert_eq!(code(d.store.fork("r1", 0, "r1", 5_000).unwrap_err()), codes::ALREADY_EXISTS);
+    assert_eq!(code(d.store.fork("nope", 0, "x", 5_000).unwrap_err()), codes::NOT_FOUND);
+    assert_eq!(code(d.store.fork("r1", 0, "bad id", 5_000).unwrap_err()), codes::INVALID_ID);
+    assert!(d.store.run("r1-fork-2").unwrap().is_none());
+}
+
+#[test]
+fn skip_step_settles_a_stuck_step_with_the_operators_output_and_fences_the_holder() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let writes = vec![
+        write("r1", &t, step_ok(0, "reserve", 1, json!(1))),
+        write("r1", &t, step_err(1, "charge", 1, StepFailure::retryable("timeout"), Some(90_000))),
+    ];
+    d.store.commit(writes, 1_010).unwrap();
+    let run = d.store.skip_step("r1", 1, &json!({"paid": "by hand"}), "paid at the till", 2_000).unwrap();
+    assert_eq!((run.status, run.wake_at_ms, run.lease_owner), (RunStatus::Pending, 2_000, None));
+    let entry = &detail(&d.store, "r1").journal[1];
+    assert_eq!((entry.status, entry.output.clone()), (StepStatus::Skipped, Some(json!({"paid": "by hand"}))));
+    assert_eq!(entry.reason.as_deref(), Some("operator skip: paid at the till"));
+    assert_eq!(commit_one(&mut d.store, "r1", &t, step_ok(2, "ship", 1, json!(1)), 2_010), WriteResult::Fenced);
+    // A settled step, a missing one, a finished run: refused, nothing changes.
+    let before = detail(&d.store, "r1");
+    assert_eq!(code(d.store.skip_step("r1", 0, &json!(1), "x", 2_020).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(code(d.store.skip_step("r1", 1, &json!(1), "x", 2_020).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(code(d.store.skip_step("r1", 7, &json!(1), "x", 2_020).unwrap_err()), codes::NOT_FOUND);
+    assert_eq!(code(d.store.skip_step("r1", 0, &json!(1), "", 2_020).unwrap_err()), codes::INVALID_ARGUMENT);
+    let big = json!("x".repeat(300 * 1024));
+    assert_eq!(code(d.store.skip_step("r1", 0, &big, "x", 2_020).unwrap_err()), codes::PAYLOAD_TOO_LARGE);
+    assert_eq!(detail(&d.store, "r1"), before);
+}
+
+#[test]
+fn skip_step_resumes_a_failed_run_and_a_compensating_saga_goes_on_compensating() {
+    let mut d = db();
+    failed_run(&mut d);
+    let run = d.store.skip_step("r1", 1, &json!("waived"), "waived by finance", 2_000).unwrap();
+    assert_eq!((run.status, run.error), (RunStatus::Pending, None));
+    assert_eq!(claim_ids(&mut d.store, "w1", 2_000), ["r1"]);
+
+    let t = started_and_claimed(&mut d.store, "r2", 3_000);
+    let compensate = JournalOp::StepAttempt {
+        seq: 0,
+        name: "compensate:reserve".into(),
+        kind: StepKind::Compensation,
+        attempt: 1,
+        result: Err(StepFailure::retryable("down")),
+        retry_at_ms: Some(9_000),
+    };
+    let writes =
+        vec![write("r2", &t, JournalOp::SetStatus { status: RunStatus::Compensating }), write("r2", &t, compensate)];
+    d.store.commit(writes, 3_010).unwrap();
+    let run = d.store.skip_step("r2", 0, &json!(null), "released by hand", 3_100).unwrap();
+    assert_eq!(run.status, RunStatus::Compensating);
+}
+
+#[test]
+fn abandon_ends_a_run_cancelled_with_the_reason() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let run = d.store.abandon("r1", "duplicate order", 2_000).unwrap();
+    assert_eq!((run.status, run.lease_owner.as_deref()), (RunStatus::Cancelled, None));
+    assert_eq!(run.error.as_deref(), Some("abandoned: duplicate order"));
+    assert_eq!(commit_one(&mut d.store, "r1", &t, JournalOp::Release, 2_010), WriteResult::Fenced);
+    let before = detail(&d.store, "r1");
+    assert_eq!(code(d.store.abandon("r1", "again", 2_020).unwrap_err()), codes::INVALID_STATE_CHANGE);
+    assert_eq!(detail(&d.store, "r1"), before);
+    // A parked run (dead letter) can be given up on.
+    let t = started_and_claimed(&mut d.store, "r2", 3_000);
+    let park =
+        JournalOp::Finish { status: FinishStatus::Parked, result: None, error: Some("non-deterministic".into()) };
+    commit_one(&mut d.store, "r2", &t, park, 3_010);
+    assert_eq!(d.store.abandon("r2", "obsolete", 3_020).unwrap().status, RunStatus::Cancelled);
+    assert_eq!(code(d.store.abandon("nope", "x", 3_020).unwrap_err()), codes::NOT_FOUND);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Purge and receipts
+
+fn finished_at(d: &mut Db, run_id: &str, now_ms: i64) {
+    start(&mut d.store, &[req(run_id)], now_ms);
+    let c = claim(&mut d.store, "w1", now_ms);
+    let c = c.iter().find(|c| c.run.run_id == run_id).unwrap();
+    let writes = vec![
+        write(run_id, &c.lease_token, step_ok(0, "reserve", 1, json!(1))),
+        write(
+            run_id,
+            &c.lease_token,
+            JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!(1)), error: None },
+        ),
+    ];
+    d.store.commit(writes, now_ms).unwrap();
+}
+
+#[test]
+fn purge_deletes_finished_runs_in_bounded_batches_and_keeps_receipts() {
+    let mut d = db();
+    finished_at(&mut d, "a", 1_000);
+    finished_at(&mut d, "b", 2_000);
+    finished_at(&mut d, "c", 3_000);
+    start(&mut d.store, &[req("active")], 500);
+    let report = d.store.purge(2_500, 1, 10_000).unwrap();
+    assert_eq!((report.runs_deleted, report.journal_deleted, report.more), (1, 1, true));
+    assert!(d.store.run("a").unwrap().is_none());
+    assert!(d.store.run("b").unwrap().is_some());
+    let report = d.store.purge(2_500, 1, 10_000).unwrap();
+    assert_eq!((report.runs_deleted, report.more), (1, true));
+    let report = d.store.purge(2_500, 1, 10_000).unwrap();
+    assert_eq!((report.runs_deleted, report.more), (0, false));
+    assert!(d.store.run("c").unwrap().is_some());
+    assert!(d.store.run("active").unwrap().is_some());
+    // A late duplicate start is still recognised; another input under the id is a conflict.
+    let out = d.store.start_runs(&[req("a"), StartRequest { input: json!(2), ..req("b") }], 20_000).unwrap();
+    assert_eq!(out[0], StartOutcome::Existing { run_id: "a".into(), status: RunStatus::Completed });
+    assert!(matches!(out[1], StartOutcome::Conflict { .. }));
+    assert!(d.store.run("a").unwrap().is_none());
+    assert_eq!(code(d.store.fork("c", 0, "a", 20_000).unwrap_err()), codes::ALREADY_EXISTS);
+    assert_eq!(code(d.store.purge(2_500, 0, 10_000).unwrap_err()), codes::LIMIT_EXCEEDED);
+}
+
+#[test]
+fn receipts_expire_after_the_receipt_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wf.db");
+    let store = SqliteWorkflows::open(&path).unwrap();
+    assert_eq!(store.receipt_window_ms(), tidemark_store_sqlite::RECEIPT_WINDOW_MS_DEFAULT);
+    assert_eq!(
+        code(SqliteWorkflows::open(&path).unwrap().with_receipt_window_ms(0).err().unwrap()),
+        codes::INVALID_ARGUMENT
+    );
+    let mut d = Db { _dir: dir, path: path.clone(), store: store.with_receipt_window_ms(5_000).unwrap() };
+    finished_at(&mut d, "a", 1_000);
+    finished_at(&mut d, "b", 2_000);
+    // Purged at 3_000: receipts until 6_000 and 7_000.
+    assert_eq!(d.store.purge(10_000, 10, 3_000).unwrap().runs_deleted, 2);
+    let receipts = |d: &mut Db| -> i64 {
+        d.store.connection().query_row("SELECT count(*) FROM run_receipts", [], |r| r.get(0)).unwrap()
+    };
+    assert_eq!(receipts(&mut d), 2);
+    assert_eq!(
+        d.store.start_runs(&[req("a")], 5_999).unwrap()[0],
+        StartOutcome::Existing { run_id: "a".into(), status: RunStatus::Completed }
+    );
+    // Expired (even before a purge deleted it): the id starts a new run.
+    assert_eq!(d.store.start_runs(&[req("a")], 6_000).unwrap()[0], StartOutcome::Started { run_id: "a".into() });
+    assert_eq!(receipts(&mut d), 1);
+    // A purge deletes expired receipts in the same bounded way.
+    let report = d.store.purge(0, 10, 7_000).unwrap();
+    assert_eq!((report.runs_deleted, report.more), (0, false));
+    assert_eq!(receipts(&mut d), 0);
+    // A run purged after its window has passed leaves no receipt at all.
+    finished_at(&mut d, "c", 8_000);
+    assert_eq!(d.store.purge(10_000, 10, 20_000).unwrap().runs_deleted, 1);
+    assert_eq!(receipts(&mut d), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Listing
+
+#[test]
+fn list_runs_filters_and_pages_by_creation_time() {
+    let mut d = db();
+    for (i, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
+        let workflow = if i % 2 == 0 { WF } else { "refund" };
+        start(&mut d.store, &[StartRequest { workflow: workflow.into(), ..req(id) }], 1_000 + (i as i64 / 2) * 100);
+    }
+    let ids = |runs: Vec<tidemark_core::workflow::RunRecord>| runs.into_iter().map(|r| r.run_id).collect::<Vec<_>>();
+    let all = ids(d.store.list_runs(&RunFilter::default(), 100).unwrap());
+    assert_eq!(all, ["a", "b", "c", "d", "e"]);
+    // Keyset pages of 2 walk the same order, ties on created_at broken by run id.
+    let mut paged = Vec::new();
+    let mut filter = RunFilter::default();
+    for _ in 0..10 {
+        let page = d.store.list_runs(&filter, 2).unwrap();
+        let Some(last) = page.last() else { break };
+        filter.after = Some((last.created_at_ms, last.run_id.clone()));
+        paged.extend(ids(page));
+    }
+    assert_eq!(paged, all);
+    let by_workflow = RunFilter { workflow: Some("refund".into()), ..RunFilter::default() };
+    assert_eq!(ids(d.store.list_runs(&by_workflow, 100).unwrap()), ["b", "d"]);
+    let window = RunFilter { created_after_ms: Some(1_000), created_before_ms: Some(1_200), ..RunFilter::default() };
+    assert_eq!(ids(d.store.list_runs(&window, 100).unwrap()), ["c", "d"]);
+    let t = claim(&mut d.store, "w1", 2_000).into_iter().find(|c| c.run.run_id == "c").unwrap().lease_token;
+    commit_one(
+        &mut d.store,
+        "c",
+        &t,
+        JournalOp::Finish { status: FinishStatus::Failed, result: None, error: None },
+        2_010,
+    );
+    let failed = RunFilter { status: Some(RunStatus::Failed), ..RunFilter::default() };
+    assert_eq!(ids(d.store.list_runs(&failed, 100).unwrap()), ["c"]);
+    let both = RunFilter { status: Some(RunStatus::Pending), workflow: Some(WF.into()), ..RunFilter::default() };
+    assert_eq!(ids(d.store.list_runs(&both, 100).unwrap()), ["a", "e"]);
+    assert_eq!(code(d.store.list_runs(&RunFilter::default(), 0).unwrap_err()), codes::LIMIT_EXCEEDED);
+    let page_max = tidemark_core::limits::PAGE_SIZE_MAX;
+    assert_eq!(code(d.store.list_runs(&RunFilter::default(), page_max + 1).unwrap_err()), codes::LIMIT_EXCEEDED);
+    let bad = RunFilter { workflow: Some("bad id".into()), ..RunFilter::default() };
+    assert_eq!(code(d.store.list_runs(&bad, 10).unwrap_err()), codes::INVALID_ID);
+    assert!(d.store.run("nope").unwrap().is_none());
+    assert_eq!(code(d.store.run("bad id").unwrap_err()), codes::INVALID_ID);
+}
