@@ -1218,3 +1218,307 @@ fn list_runs_filters_and_pages_by_creation_time() {
     assert!(d.store.run("nope").unwrap().is_none());
     assert_eq!(code(d.store.run("bad id").unwrap_err()), codes::INVALID_ID);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Crashes at the workflow crash points. No CLI command reaches them yet, so a child process
+// (this test binary, running only `crash_child`) makes one store call with `TIDEMARK_CRASH_AT`
+// set and dies there; the parent then checks the file. Needs the `failpoints` feature.
+
+const CHILD_SCENARIO: &str = "TIDEMARK_WF_CRASH_SCENARIO";
+const CHILD_DB: &str = "TIDEMARK_WF_CRASH_DB";
+const CHILD_TOKEN: &str = "TIDEMARK_WF_CRASH_TOKEN";
+
+/// The store call of each crash scenario, made by the child at `now_ms` 2_000.
+fn child_call(scenario: &str, store: &mut SqliteWorkflows, token: &str) {
+    match scenario {
+        "start" => drop(store.start_runs(&[req("r2")], 2_000).unwrap()),
+        "claim" => drop(claim(store, "child", 2_000)),
+        "commit" => drop(store.commit(commit_scenario_writes(token), 2_000).unwrap()),
+        "operator" => drop(store.abandon("r1", "crash test", 2_000).unwrap()),
+        "purge" => drop(store.purge(i64::MAX, 10, 2_000).unwrap()),
+        other => panic!("unknown crash scenario {other}"),
+    }
+}
+
+fn commit_scenario_writes(token: &str) -> Vec<JournalWrite<Connection>> {
+    vec![
+        write("r1", token, step_ok(0, "reserve", 1, json!(1))),
+        write("r1", token, tx_step(1, 1, insert_order("o-1", false), None)),
+    ]
+}
+
+/// Runs only inside a child started by `crash_in_child`; in a normal test run it returns at once.
+#[test]
+fn crash_child() {
+    let Ok(scenario) = std::env::var(CHILD_SCENARIO) else { return };
+    let path = PathBuf::from(std::env::var(CHILD_DB).expect("db path"));
+    let token = std::env::var(CHILD_TOKEN).unwrap_or_default();
+    let mut store = SqliteWorkflows::open(&path).unwrap();
+    child_call(&scenario, &mut store, &token);
+    panic!("crash scenario {scenario} did not reach its crash point");
+}
+
+fn crash_in_child(point: &str, scenario: &str, path: &Path, token: &str) {
+    let out = Command::new(std::env::current_exe().expect("test binary"))
+        .args(["workflow_store::crash_child", "--exact", "--nocapture", "--test-threads", "1"])
+        .env(CHILD_SCENARIO, scenario)
+        .env(CHILD_DB, path)
+        .env(CHILD_TOKEN, token)
+        .env("TIDEMARK_CRASH_AT", point)
+        .output()
+        .expect("run the child");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(tidemark_core::crash::exit_code(point)),
+        "the {scenario} child did not die at {point}:\n{}\n{stderr}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(stderr.contains(&format!("crash point {point} reached")), "{stderr}");
+}
+
+fn crash_scenario(point: &str) {
+    let mut d = db();
+    orders_table(&mut d.store);
+    match point {
+        "workflow.start.before_commit" => {
+            start(&mut d.store, &[req("r1")], 1_000);
+            let before = detail(&d.store, "r1");
+            crash_in_child(point, "start", &d.path, "");
+            assert!(d.store.run("r2").unwrap().is_none(), "the interrupted start is absent");
+            assert_eq!(detail(&d.store, "r1"), before);
+            assert_eq!(
+                d.store.start_runs(&[req("r2")], 3_000).unwrap()[0],
+                StartOutcome::Started { run_id: "r2".into() }
+            );
+        }
+        "workflow.claim.after_commit" => {
+            start(&mut d.store, &[req("r1")], 1_000);
+            crash_in_child(point, "claim", &d.path, "");
+            // The dead worker's lease was committed: nobody takes the run before it expires,
+            // then the claim is the recovery.
+            let run = detail(&d.store, "r1").run;
+            assert_eq!((run.lease_owner.as_deref(), run.lease_expires_at_ms), (Some("child"), Some(2_000 + LEASE_MS)));
+            assert!(claim_ids(&mut d.store, "w1", 2_000 + LEASE_MS - 1).is_empty());
+            let taken = claim(&mut d.store, "w1", 2_000 + LEASE_MS);
+            assert!(taken[0].recovered);
+            assert_eq!(taken[0].run.recoveries, 1);
+        }
+        "workflow.commit.before_commit" => {
+            let token = started_and_claimed(&mut d.store, "r1", 1_500);
+            crash_in_child(point, "commit", &d.path, &token);
+            assert!(detail(&d.store, "r1").journal.is_empty());
+            assert_eq!(orders(&mut d.store), 0, "the transactional step's row went with its journal entry");
+            // The worker's retry of the same batch commits it, once.
+            let results = d.store.commit(commit_scenario_writes(&token), 2_100).unwrap();
+            assert_eq!(results[0], WriteResult::Done);
+            assert!(matches!(results[1], WriteResult::TxResult(Ok(_))));
+            assert_eq!(orders(&mut d.store), 1);
+        }
+        "workflow.commit.after_commit" => {
+            let token = started_and_claimed(&mut d.store, "r1", 1_500);
+            crash_in_child(point, "commit", &d.path, &token);
+            let journal = detail(&d.store, "r1").journal;
+            assert_eq!(journal.len(), 2);
+            assert!(journal.iter().all(|e| e.status == StepStatus::Completed));
+            assert_eq!(orders(&mut d.store), 1);
+            // Replaying the same writes cannot apply them twice: settled entries are never
+            // rewritten (the runtime replays from the journal instead).
+            let err = d.store.commit(commit_scenario_writes(&token), 2_100).unwrap_err();
+            assert!(matches!(err, Error::Invariant(_)), "{err:?}");
+            assert_eq!(orders(&mut d.store), 1);
+        }
+        "workflow.operator.before_commit" => {
+            let token = started_and_claimed(&mut d.store, "r1", 1_500);
+            let before = detail(&d.store, "r1");
+            crash_in_child(point, "operator", &d.path, "");
+            assert_eq!(detail(&d.store, "r1"), before, "the interrupted abandon changed nothing");
+            assert_eq!(commit_one(&mut d.store, "r1", &token, JournalOp::Release, 2_100), WriteResult::Done);
+        }
+        "workflow.purge.before_commit" => {
+            finished_at(&mut d, "r1", 1_000);
+            let before = detail(&d.store, "r1");
+            crash_in_child(point, "purge", &d.path, "");
+            assert_eq!(detail(&d.store, "r1"), before);
+            let receipts: i64 =
+                d.store.connection().query_row("SELECT count(*) FROM run_receipts", [], |r| r.get(0)).unwrap();
+            assert_eq!(receipts, 0);
+            assert_eq!(d.store.purge(i64::MAX, 10, 2_100).unwrap().runs_deleted, 1);
+            assert!(matches!(d.store.start_runs(&[req("r1")], 2_200).unwrap()[0], StartOutcome::Existing { .. }));
+        }
+        other => panic!("workflow crash point {other} has no scenario in workflow_store.rs"),
+    }
+}
+
+#[test]
+fn every_workflow_crash_point_is_covered_here() {
+    let workflow_points: Vec<&str> =
+        tidemark_core::crash::CRASH_POINTS.iter().copied().filter(|p| p.starts_with("workflow.")).collect();
+    assert_eq!(workflow_points, crate::crash::REACHED_BY_WORKFLOW_STORE_TESTS);
+}
+
+#[test]
+fn a_crash_at_every_workflow_crash_point_leaves_a_consistent_store() {
+    if !support::failpoints_enabled() {
+        support::skip("workflow crash tests need --features failpoints (cargo test --workspace --all-features)");
+        return;
+    }
+    for point in crate::crash::REACHED_BY_WORKFLOW_STORE_TESTS {
+        eprintln!("workflow crash scenario: {point}");
+        crash_scenario(point);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Property: random claims, heartbeats, writes, suspends, releases and finishes by three workers
+// against a model of who holds which run. After every step: a write is fenced exactly when its
+// token is not the run's current one; per-type limits and per-key serialization hold; journals
+// are contiguous; finished runs are never handed out again.
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        // xorshift64*: deterministic per seed, no wall clock.
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % n
+    }
+}
+
+/// What one simulation exercised: (fenced writes, recoveries, finished runs).
+fn simulate(seed: u64) -> (u32, u32, usize) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wf.db");
+    let mut store = SqliteWorkflows::open_with(&path, tidemark_store_sqlite::Durability::Normal).unwrap();
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let keys = [Some("k1"), Some("k2"), None];
+    let mut now = 1_000;
+    for i in 0..12 {
+        let workflow = if i % 2 == 0 { "alpha" } else { "beta" };
+        let key = keys[rng.below(3) as usize].map(String::from);
+        let request = StartRequest { workflow: workflow.into(), key, ..req(&format!("r{i:02}")) };
+        start(&mut store, &[request], now);
+        now += 1;
+    }
+    let workflows = || vec![version("alpha", 1, Some(2)), version("beta", 1, None)];
+    let workers = ["w0", "w1", "w2"];
+    // The model: each run's current token, and each worker's view of what it holds.
+    let mut current: BTreeMap<String, Option<String>> = BTreeMap::new();
+    let mut held: BTreeMap<&str, BTreeMap<String, String>> = workers.iter().map(|w| (*w, BTreeMap::new())).collect();
+    let mut finished: BTreeSet<String> = BTreeSet::new();
+    let (mut fenced, mut recoveries) = (0, 0);
+    for _ in 0..250 {
+        now += rng.below(400) as i64;
+        let worker = workers[rng.below(3) as usize];
+        let action = rng.below(6);
+        if action == 0 || held[worker].is_empty() {
+            let limit = 1 + rng.below(3) as usize;
+            let claimed = store
+                .claim(
+                    &ClaimRequest { worker_id: worker.into(), workflows: workflows(), limit, lease_ms: LEASE_MS },
+                    now,
+                )
+                .unwrap();
+            for c in claimed {
+                assert!(!finished.contains(&c.run.run_id), "seed {seed}: a finished run was claimed");
+                recoveries += u32::from(c.recovered);
+                let seqs: Vec<u32> = c.journal.iter().map(|e| e.seq).collect();
+                assert_eq!(seqs, (0..c.journal.len() as u32).collect::<Vec<_>>(), "seed {seed}: journal has gaps");
+                current.insert(c.run.run_id.clone(), Some(c.lease_token.clone()));
+                held.get_mut(worker).unwrap().insert(c.run.run_id, c.lease_token);
+            }
+        } else if action == 1 {
+            let leases: Vec<(String, String)> = held[worker].iter().map(|(r, t)| (r.clone(), t.clone())).collect();
+            let states = store.heartbeat(worker, &leases, LEASE_MS, now).unwrap();
+            for ((run_id, _), state) in leases.iter().zip(states) {
+                if state == LeaseState::Lost {
+                    held.get_mut(worker).unwrap().remove(run_id);
+                }
+            }
+        } else {
+            let pick = rng.below(held[worker].len() as u64) as usize;
+            let (run_id, token) = held[worker].iter().nth(pick).map(|(r, t)| (r.clone(), t.clone())).unwrap();
+            let before = detail(&store, &run_id);
+            let next = before.journal.len() as u32;
+            let op = match action {
+                2 => step_ok(next, &format!("step{next}"), 1, json!(next)),
+                3 => JournalOp::Suspend {
+                    status: SuspendStatus::Sleeping,
+                    wake_at_ms: now + rng.below(2_000) as i64,
+                    waiting_for: None,
+                },
+                4 => JournalOp::Release,
+                _ => JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!(run_id)), error: None },
+            };
+            let ends_lease = action != 2;
+            let finishes = action == 5;
+            let result = commit_one(&mut store, &run_id, &token, op, now);
+            let expected_fenced = current[&run_id].as_deref() != Some(token.as_str());
+            assert_eq!(result == WriteResult::Fenced, expected_fenced, "seed {seed}: fencing of {run_id}");
+            if expected_fenced {
+                fenced += 1;
+                assert_eq!(detail(&store, &run_id), before, "seed {seed}: a fenced write changed {run_id}");
+                held.get_mut(worker).unwrap().remove(&run_id);
+            } else if ends_lease {
+                current.insert(run_id.clone(), None);
+                held.get_mut(worker).unwrap().remove(&run_id);
+                if finishes {
+                    finished.insert(run_id.clone());
+                }
+            }
+        }
+        check_claim_invariants(&path, now, seed);
+    }
+    (fenced, recoveries, finished.len())
+}
+
+fn check_claim_invariants(path: &Path, now: i64, seed: u64) {
+    let conn = tidemark_store_sqlite::open_existing(path).unwrap();
+    let active = "status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+    let live_alpha: i64 = conn
+        .query_row(
+            &format!("SELECT count(*) FROM runs WHERE workflow = 'alpha' AND {active} AND lease_expires_at_ms > ?1"),
+            [now],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(live_alpha <= 2, "seed {seed}: {live_alpha} live leases of alpha (limit 2)");
+    let per_key: Vec<(String, i64)> = {
+        let mut stmt = conn
+            .prepare(&format!("SELECT key, count(*) FROM runs WHERE key IS NOT NULL AND {active} AND lease_expires_at_ms > ?1 GROUP BY key"))
+            .unwrap();
+        let rows = stmt.query_map([now], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.map(|r| r.unwrap()).collect()
+    };
+    for (key, leased) in per_key {
+        assert!(leased <= 1, "seed {seed}: {leased} live leases on key {key}");
+        let (oldest, holder): (String, String) = conn
+            .query_row(
+                &format!(
+                    "SELECT (SELECT run_id FROM runs WHERE key = ?1 AND {active} ORDER BY created_at_ms, run_id LIMIT 1),
+                            (SELECT run_id FROM runs WHERE key = ?1 AND {active} AND lease_expires_at_ms > ?2)"
+                ),
+                rusqlite::params![key, now],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(holder, oldest, "seed {seed}: key {key} is held by a run that is not its oldest active one");
+    }
+}
+
+#[test]
+fn random_workers_never_break_fencing_limits_or_key_order() {
+    let (mut fenced, mut recoveries, mut finished) = (0, 0, 0);
+    for seed in 1..=6 {
+        let (f, r, done) = simulate(seed);
+        (fenced, recoveries, finished) = (fenced + f, recoveries + r, finished + done);
+    }
+    eprintln!("simulated: {fenced} fenced writes, {recoveries} recoveries, {finished} finished runs");
+    assert!(
+        fenced > 0 && recoveries > 0 && finished > 0,
+        "the simulation must exercise fencing, recovery and finishing"
+    );
+}
