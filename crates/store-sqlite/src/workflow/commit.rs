@@ -166,10 +166,13 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Resul
             check_attempt(run_id, seq, attempt, existing.as_ref())?;
             tx.prepare_cached("SAVEPOINT wf_tx_step").db()?.execute([]).db()?;
             let outcome = body(tx);
-            ensure_invariant!(
-                !tx.is_autocommit(),
-                "the body of step {name} of run {run_id} ended the journal's transaction"
-            );
+            if tx.is_autocommit() {
+                // The body committed or rolled back (or SQLite rolled back after an I/O error):
+                // nothing of this batch can be trusted to commit together any more.
+                return Err(Error::store(format!(
+                    "the journal's transaction ended inside the body of step {name} of run {run_id}"
+                )));
+            }
             let outcome = match outcome {
                 Ok(output) => match validate_output(&output) {
                     Ok(()) => Ok(output),

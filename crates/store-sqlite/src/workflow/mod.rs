@@ -198,6 +198,63 @@ fn send_event_validated(
     Ok(true)
 }
 
+/// Due, unleased (or lease expired) runs of one (workflow, version), oldest due first. A keyed
+/// run qualifies only as the oldest active run of its key while no other run of the key holds a
+/// live lease. Parameters: workflow, version, now_ms, limit.
+fn claim_candidates_sql() -> String {
+    format!(
+        "SELECT r.run_id, r.workflow, r.wake_at_ms, r.created_at_ms, r.lease_token IS NOT NULL
+                     FROM runs r
+                     WHERE r.workflow = ?1 AND r.version = ?2 AND r.status IN {ACTIVE} AND r.wake_at_ms <= ?3
+                       AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= ?3)
+                       AND (r.key IS NULL OR (
+                             NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
+                                           AND (o.created_at_ms < r.created_at_ms
+                                                OR (o.created_at_ms = r.created_at_ms AND o.run_id < r.run_id)))
+                         AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
+                                           AND o.run_id <> r.run_id AND o.lease_token IS NOT NULL
+                                           AND o.lease_expires_at_ms > ?3)))
+                     ORDER BY r.wake_at_ms, r.created_at_ms, r.run_id
+                     LIMIT ?4"
+    )
+}
+
+/// Runs of a workflow type holding a live lease (parameters: workflow, now_ms).
+fn leased_count_sql() -> String {
+    format!(
+        "SELECT count(*) FROM runs WHERE workflow = ?1 AND status IN {ACTIVE}
+           AND lease_token IS NOT NULL AND lease_expires_at_ms > ?2"
+    )
+}
+
+/// The listing query of a filter and its parameters.
+fn list_sql(filter: &RunFilter, limit: usize) -> (String, Vec<rusqlite::types::Value>) {
+    let mut sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE 1 = 1");
+    let mut args: Vec<rusqlite::types::Value> = Vec::new();
+    let mut arg = |sql: &mut String, clause: &str, value: rusqlite::types::Value| {
+        args.push(value);
+        sql.push_str(&clause.replace('?', &format!("?{}", args.len())));
+    };
+    if let Some(status) = filter.status {
+        arg(&mut sql, " AND status = ?", status.as_str().to_string().into());
+    }
+    if let Some(workflow) = &filter.workflow {
+        arg(&mut sql, " AND workflow = ?", workflow.clone().into());
+    }
+    if let Some(after) = filter.created_after_ms {
+        arg(&mut sql, " AND created_at_ms > ?", after.into());
+    }
+    if let Some(before) = filter.created_before_ms {
+        arg(&mut sql, " AND created_at_ms < ?", before.into());
+    }
+    if let Some((created, run_id)) = &filter.after {
+        arg(&mut sql, " AND (created_at_ms, run_id) > (?", (*created).into());
+        arg(&mut sql, ", ?)", run_id.clone().into());
+    }
+    arg(&mut sql, " ORDER BY created_at_ms, run_id LIMIT ?", (limit as i64).into());
+    (sql, args)
+}
+
 /// One candidate of a claim.
 struct Candidate {
     run_id: String,
@@ -298,10 +355,7 @@ impl WorkflowStore for SqliteWorkflows {
                 None => request.limit,
                 Some(max) => {
                     let leased: i64 = tx
-                        .prepare_cached(&format!(
-                            "SELECT count(*) FROM runs WHERE workflow = ?1 AND status IN {ACTIVE}
-                               AND lease_token IS NOT NULL AND lease_expires_at_ms > ?2"
-                        ))
+                        .prepare_cached(&leased_count_sql())
                         .db()?
                         .query_row(params![workflow, now_ms], |r| r.get(0))
                         .db()?;
@@ -315,23 +369,7 @@ impl WorkflowStore for SqliteWorkflows {
         // key holds a live lease.
         let mut candidates = Vec::new();
         {
-            let mut stmt = tx
-                .prepare_cached(&format!(
-                    "SELECT r.run_id, r.workflow, r.wake_at_ms, r.created_at_ms, r.lease_token IS NOT NULL
-                     FROM runs r
-                     WHERE r.workflow = ?1 AND r.version = ?2 AND r.status IN {ACTIVE} AND r.wake_at_ms <= ?3
-                       AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= ?3)
-                       AND (r.key IS NULL OR (
-                             NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
-                                           AND (o.created_at_ms < r.created_at_ms
-                                                OR (o.created_at_ms = r.created_at_ms AND o.run_id < r.run_id)))
-                         AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
-                                           AND o.run_id <> r.run_id AND o.lease_token IS NOT NULL
-                                           AND o.lease_expires_at_ms > ?3)))
-                     ORDER BY r.wake_at_ms, r.created_at_ms, r.run_id
-                     LIMIT ?4"
-                ))
-                .db()?;
+            let mut stmt = tx.prepare_cached(&claim_candidates_sql()).db()?;
             let mut seen = std::collections::HashSet::new();
             for w in &request.workflows {
                 let free = slots[w.workflow.as_str()];
@@ -474,30 +512,7 @@ impl WorkflowStore for SqliteWorkflows {
         if let Some((_, run_id)) = &filter.after {
             validate_id("after run_id", run_id)?;
         }
-        let mut sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE 1 = 1");
-        let mut args: Vec<rusqlite::types::Value> = Vec::new();
-        let mut arg = |sql: &mut String, clause: &str, value: rusqlite::types::Value| {
-            args.push(value);
-            sql.push_str(&clause.replace('?', &format!("?{}", args.len())));
-        };
-        if let Some(status) = filter.status {
-            arg(&mut sql, " AND status = ?", status.as_str().to_string().into());
-        }
-        if let Some(workflow) = &filter.workflow {
-            arg(&mut sql, " AND workflow = ?", workflow.clone().into());
-        }
-        if let Some(after) = filter.created_after_ms {
-            arg(&mut sql, " AND created_at_ms > ?", after.into());
-        }
-        if let Some(before) = filter.created_before_ms {
-            arg(&mut sql, " AND created_at_ms < ?", before.into());
-        }
-        if let Some((created, run_id)) = &filter.after {
-            arg(&mut sql, " AND (created_at_ms > ?", (*created).into());
-            arg(&mut sql, " OR (created_at_ms = ?", (*created).into());
-            arg(&mut sql, " AND run_id > ?))", run_id.clone().into());
-        }
-        arg(&mut sql, " ORDER BY created_at_ms, run_id LIMIT ?", (limit as i64).into());
+        let (sql, args) = list_sql(filter, limit);
         let mut stmt = self.conn.prepare_cached(&sql).db()?;
         let rows = stmt.query_map(rusqlite::params_from_iter(args), rows::run_record).db()?;
         rows.collect::<rusqlite::Result<Vec<_>>>().db()
@@ -543,5 +558,51 @@ impl WorkflowStore for SqliteWorkflows {
             .into_iter()
             .filter(|u| !known.iter().any(|k| k.workflow == u.workflow && k.version == u.version))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The query plan of `sql` (parameters unbound), one step per line.
+    fn plan(conn: &Connection, sql: &str) -> String {
+        let mut stmt = conn.prepare(&format!("EXPLAIN QUERY PLAN {sql}")).unwrap();
+        let mut rows = stmt.raw_query();
+        let mut steps = Vec::new();
+        while let Some(row) = rows.next().unwrap() {
+            steps.push(row.get::<_, String>(3).unwrap());
+        }
+        steps.join("\n")
+    }
+
+    fn assert_uses(plan: &str, index: &str) {
+        assert!(plan.contains(index), "the plan does not use {index}:\n{plan}");
+        for step in plan.lines() {
+            assert!(!step.starts_with("SCAN") || step.contains("USING"), "the plan scans a table:\n{plan}");
+        }
+        assert!(!plan.contains("TEMP B-TREE"), "the plan sorts:\n{plan}");
+    }
+
+    #[test]
+    fn every_workflow_query_uses_its_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteWorkflows::open(&dir.path().join("wf.db")).unwrap();
+        let conn = &store.conn;
+        let claim = plan(conn, &claim_candidates_sql());
+        assert_uses(&claim, "INDEX runs_due");
+        assert_uses(&claim, "INDEX runs_key");
+        assert_uses(&plan(conn, &leased_count_sql()), "INDEX runs_due");
+        let by = |filter: RunFilter| plan(conn, &list_sql(&filter, 10).0);
+        assert_uses(&by(RunFilter::default()), "INDEX runs_created");
+        let after = Some((5, "r".to_string()));
+        assert_uses(&by(RunFilter { after: after.clone(), ..RunFilter::default() }), "INDEX runs_created");
+        assert_uses(
+            &by(RunFilter { status: Some(RunStatus::Failed), after, ..RunFilter::default() }),
+            "INDEX runs_status",
+        );
+        assert_uses(&by(RunFilter { workflow: Some("w".into()), ..RunFilter::default() }), "INDEX runs_workflow");
+        assert_uses(&plan(conn, operator::PURGE_SELECT_SQL), "INDEX runs_finished");
+        assert_uses(&plan(conn, operator::RECEIPTS_EXPIRED_DELETE_SQL), "INDEX run_receipts_expiry");
     }
 }

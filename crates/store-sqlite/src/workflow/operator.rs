@@ -12,7 +12,7 @@ use tidemark_core::workflow::{
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
-use super::rows::{self, json_text, ACTIVE};
+use super::rows::{self, json_text};
 use crate::SqlResult;
 
 fn state_change(run: &RunRecord, action: &str) -> Error {
@@ -209,6 +209,15 @@ pub(super) fn abandon(conn: &mut Connection, run_id: &str, reason: &str, now_ms:
     finish(tx, run_id)
 }
 
+/// Finished runs, oldest first (parameters: finished_before_ms, limit).
+pub(super) const PURGE_SELECT_SQL: &str = "SELECT run_id, workflow, input_hash, status, finished_at_ms FROM runs
+     WHERE finished_at_ms IS NOT NULL AND finished_at_ms < ?1
+     ORDER BY finished_at_ms, run_id LIMIT ?2";
+
+/// Expired receipts, a bounded batch (parameters: now_ms, limit).
+pub(super) const RECEIPTS_EXPIRED_DELETE_SQL: &str = "DELETE FROM run_receipts WHERE run_id IN
+     (SELECT run_id FROM run_receipts WHERE expires_at_ms <= ?1 ORDER BY expires_at_ms LIMIT ?2)";
+
 pub(super) fn purge(
     conn: &mut Connection,
     finished_before_ms: i64,
@@ -219,13 +228,7 @@ pub(super) fn purge(
     validate_limit("purge batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
     let finished: Vec<(String, String, String, String, i64)> = {
-        let mut stmt = tx
-            .prepare_cached(&format!(
-                "SELECT run_id, workflow, input_hash, status, finished_at_ms FROM runs
-                 WHERE finished_at_ms IS NOT NULL AND finished_at_ms < ?1 AND status NOT IN {ACTIVE}
-                 ORDER BY finished_at_ms, run_id LIMIT ?2"
-            ))
-            .db()?;
+        let mut stmt = tx.prepare_cached(PURGE_SELECT_SQL).db()?;
         let rows = stmt
             .query_map(params![finished_before_ms, batch_rows as i64], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
@@ -255,14 +258,8 @@ pub(super) fn purge(
         let deleted = tx.prepare_cached("DELETE FROM runs WHERE run_id = ?1").db()?.execute([run_id]).db()?;
         ensure_invariant!(deleted == 1, "purging run {run_id} deleted {deleted} rows");
     }
-    let receipts_deleted = tx
-        .prepare_cached(
-            "DELETE FROM run_receipts WHERE run_id IN
-                (SELECT run_id FROM run_receipts WHERE expires_at_ms <= ?1 ORDER BY expires_at_ms LIMIT ?2)",
-        )
-        .db()?
-        .execute(params![now_ms, batch_rows as i64])
-        .db()?;
+    let receipts_deleted =
+        tx.prepare_cached(RECEIPTS_EXPIRED_DELETE_SQL).db()?.execute(params![now_ms, batch_rows as i64]).db()?;
     crash::hit("workflow.purge.before_commit");
     tx.commit().db()?;
     Ok(PurgeReport {
