@@ -11,8 +11,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tidemark_core::workflow::{
-    Backoff, JournalOp, JournalWrite, RetryPolicy, RunDetail, RunRecord, RunStatus, StartOutcome, StartRequest,
-    StepFailure, StepKind, StepStatus, UnclaimableRuns, WorkflowStore, WriteResult,
+    Backoff, ClaimRequest, ClaimedRun, JournalOp, JournalWrite, LeaseState, PurgeReport, RetryPolicy, RunDetail,
+    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, UnclaimableRuns,
+    WorkflowStore, WorkflowVersion, WriteResult,
 };
 use tidemark_engine::workflow::order::{order_saga, FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use tidemark_engine::workflow::tokio::runtime::{Builder, Runtime};
@@ -366,7 +367,7 @@ fn a_crashed_worker_s_run_is_recovered_without_re_running_settled_steps() {
     let w1 = worker(
         &writer1,
         crashy_workflows(counters.clone(), Some(gate)),
-        WorkerOptions { lease_ms: 300, ..worker_options("w1") },
+        WorkerOptions { lease_ms: 500, ..worker_options("w1") },
     );
     let running = w1.clone();
     rt1.spawn(async move { running.run_until(std::future::pending()).await });
@@ -381,7 +382,7 @@ fn a_crashed_worker_s_run_is_recovered_without_re_running_settled_steps() {
     let w2 = worker(
         &env.writer,
         crashy_workflows(counters.clone(), None),
-        WorkerOptions { lease_ms: 300, ..worker_options("w2") },
+        WorkerOptions { lease_ms: 500, ..worker_options("w2") },
     );
     let report = settle(&rt2, &w2, &env, &["crashy-1"]);
     let d = env.detail("crashy-1");
@@ -667,7 +668,7 @@ fn a_cancel_seen_by_a_heartbeat_stops_the_run_at_the_next_step() {
             }
         })
         .unwrap();
-    let w = worker(&env.writer, workflows, WorkerOptions { lease_ms: 300, ..worker_options("w1") });
+    let w = worker(&env.writer, workflows, WorkerOptions { heartbeat_ms: Some(50), ..worker_options("w1") });
     env.start_new("patient-1", "patient", 1, json!({}));
     let running = w.clone();
     let handle = rt.spawn(async move { running.run_until_idle().await });
@@ -989,4 +990,121 @@ fn a_graceful_shutdown_releases_the_leases_at_once() {
     assert_eq!(env.detail("held-1").run.recoveries, 0);
     let keys = keys.lock().unwrap().clone();
     assert_eq!(keys, ["held-1:0:long", "held-1:0:long"]);
+}
+
+/// The SQLite store whose heartbeats fail on demand.
+struct FailingHeartbeats {
+    inner: SqliteWorkflows,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl WorkflowStore for FailingHeartbeats {
+    type Target = rusqlite::Connection;
+
+    fn start_runs(&mut self, r: &[StartRequest], now: i64) -> tidemark_core::Result<Vec<StartOutcome>> {
+        self.inner.start_runs(r, now)
+    }
+    fn claim(&mut self, r: &ClaimRequest, now: i64) -> tidemark_core::Result<Vec<ClaimedRun>> {
+        self.inner.claim(r, now)
+    }
+    fn heartbeat(
+        &mut self,
+        worker_id: &str,
+        leases: &[(String, String)],
+        lease_ms: i64,
+        now: i64,
+    ) -> tidemark_core::Result<Vec<LeaseState>> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(tidemark_core::Error::store("disk on fire"));
+        }
+        self.inner.heartbeat(worker_id, leases, lease_ms, now)
+    }
+    fn commit(
+        &mut self,
+        w: Vec<JournalWrite<rusqlite::Connection>>,
+        now: i64,
+    ) -> tidemark_core::Result<Vec<WriteResult>> {
+        self.inner.commit(w, now)
+    }
+    fn send_event(&mut self, run_id: &str, id: &str, name: &str, p: &Value, now: i64) -> tidemark_core::Result<bool> {
+        self.inner.send_event(run_id, id, name, p, now)
+    }
+    fn run(&self, run_id: &str) -> tidemark_core::Result<Option<RunDetail>> {
+        self.inner.run(run_id)
+    }
+    fn list_runs(&self, f: &RunFilter, limit: usize) -> tidemark_core::Result<Vec<RunRecord>> {
+        self.inner.list_runs(f, limit)
+    }
+    fn cancel(&mut self, run_id: &str, reason: &str, now: i64) -> tidemark_core::Result<RunRecord> {
+        self.inner.cancel(run_id, reason, now)
+    }
+    fn retry(&mut self, run_id: &str, reason: &str, now: i64) -> tidemark_core::Result<RunRecord> {
+        self.inner.retry(run_id, reason, now)
+    }
+    fn fork(&mut self, run_id: &str, from: u32, new_id: &str, now: i64) -> tidemark_core::Result<RunRecord> {
+        self.inner.fork(run_id, from, new_id, now)
+    }
+    fn skip_step(&mut self, run_id: &str, seq: u32, o: &Value, r: &str, now: i64) -> tidemark_core::Result<RunRecord> {
+        self.inner.skip_step(run_id, seq, o, r, now)
+    }
+    fn abandon(&mut self, run_id: &str, reason: &str, now: i64) -> tidemark_core::Result<RunRecord> {
+        self.inner.abandon(run_id, reason, now)
+    }
+    fn purge(&mut self, before: i64, rows: usize, now: i64) -> tidemark_core::Result<PurgeReport> {
+        self.inner.purge(before, rows, now)
+    }
+    fn unclaimable(&self, known: &[WorkflowVersion]) -> tidemark_core::Result<Vec<UnclaimableRuns>> {
+        self.inner.unclaimable(known)
+    }
+}
+
+#[test]
+fn a_failed_heartbeat_stops_the_runs_in_flight() {
+    let (env, rt) = (Env::new(), runtime());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let fail = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let path = env.path.clone();
+    let failing = fail.clone();
+    let writer = Writer::spawn(move || {
+        Ok(FailingHeartbeats { inner: SqliteWorkflows::open_with(&path, Durability::Normal)?, fail: failing })
+    })
+    .unwrap();
+    let counter = calls.clone();
+    let mut workflows = Workflows::new();
+    workflows
+        .register("beating", 1, fast_options(), move |ctx, _| {
+            let counter = counter.clone();
+            async move {
+                ctx.step("long", None, |_key| async move {
+                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                        tokio_sleep(600_000).await;
+                    }
+                    Ok(())
+                })
+                .await?;
+                Ok(Value::Null)
+            }
+        })
+        .unwrap();
+    let w = Arc::new(
+        Worker::new(writer.clone(), workflows, WorkerOptions { lease_ms: 500, ..worker_options("w1") }).unwrap(),
+    );
+    env.start_new("beating-1", "beating", 1, json!({}));
+    let report = rt.block_on(w.run_until_idle()).unwrap();
+    assert_eq!(report.aborted, 1, "{report:?}");
+    assert!(report.last_error.unwrap_or_default().contains("disk on fire"));
+    assert_eq!(env.detail("beating-1").run.lease_owner.as_deref(), Some("w1"), "the lease is left to expire");
+
+    // Once the lease has expired the run is recovered (here by the same worker, healthy again).
+    fail.store(false, Ordering::SeqCst);
+    let mut total = WorkerReport::default();
+    for _ in 0..ROUNDS_MAX {
+        total.merge(rt.block_on(w.run_until_idle()).unwrap());
+        if env.detail("beating-1").run.status.is_terminal() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(env.detail("beating-1").run.status, RunStatus::Completed);
+    assert_eq!((total.recovered, calls.load(Ordering::SeqCst)), (1, 2), "{total:?}");
 }
