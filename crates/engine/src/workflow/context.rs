@@ -655,3 +655,27 @@ fn decode_wait_output(output: Value) -> Option<Value> {
         other => Some(other),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_journaled_wait_decodes_to_its_payload_or_none() {
+        assert_eq!(decode_wait_output(json!({"event_id": "e1", "payload": {"a": 1}})), Some(json!({"a": 1})));
+        assert_eq!(decode_wait_output(json!({"event_id": "e1", "payload": null})), Some(Value::Null));
+        assert_eq!(decode_wait_output(json!({"timed_out": true})), None);
+        // An operator's skip output is returned as it is.
+        assert_eq!(decode_wait_output(json!({"approved": true})), Some(json!({"approved": true})));
+        assert_eq!(decode_wait_output(json!(3)), Some(json!(3)));
+    }
+
+    #[test]
+    fn outputs_over_the_limit_are_permanent_failures() {
+        assert_eq!(to_output(&json!({"a": 1})).unwrap(), json!({"a": 1}));
+        let big = "x".repeat(STEP_OUTPUT_BYTES_MAX + 1);
+        let failure = to_output(&big).unwrap_err();
+        assert!(!failure.retryable && failure.message.contains("limit"), "{failure:?}");
+        assert_eq!(truncate("é".repeat(ERROR_BYTES_MAX)).len(), ERROR_BYTES_MAX);
+    }
+}

@@ -351,6 +351,8 @@ where
                                 run.cancel.store(true, Ordering::SeqCst);
                             }
                         }
+                        // A task that just finished released its lease itself: not a loss.
+                        LeaseState::Lost if run.abort.is_finished() => {}
                         LeaseState::Lost => {
                             run.lost = true;
                             run.abort.abort();
