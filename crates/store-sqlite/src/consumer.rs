@@ -700,6 +700,15 @@ impl ConsumerStore for SqliteConsumer {
             .db()
         };
         if !used(from)? {
+            // Idempotent: rerunning a rename that already happened here is a no-op (so that
+            // `rename-consumer --producer` can complete a rename whose producer step is missing).
+            let renamed_to: Option<String> = tx
+                .query_row("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1", [from], |r| r.get(0))
+                .optional()
+                .db()?;
+            if renamed_to.as_deref() == Some(to) {
+                return Ok(RenameReport { inbox: 0, receipts: 0, cursors: 0, projections: 0 });
+            }
             return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
         }
         if used(to)? {
@@ -811,5 +820,33 @@ impl ConsumerStore for SqliteConsumer {
         };
         tx.finish().db()?;
         Ok(ConsumerSnapshot { horizon_ms: self.retention.horizon_ms, inbox, receipts, cursors })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rerunning_a_finished_rename_is_a_no_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let event = Envelope {
+            event_id: "e1".into(),
+            source: "shop".into(),
+            generation: "g1".into(),
+            flow_id: "f".into(),
+            seq: 1,
+            event_type: "t".into(),
+            schema_version: 1,
+            payload: serde_json::json!({}),
+            created_at_ms: 1,
+        };
+        consumer.receive_batch(&[("a", &event)], 1).unwrap();
+        assert_eq!(consumer.rename_consumer("a", "b").unwrap().inbox, 1);
+        let again = consumer.rename_consumer("a", "b").unwrap();
+        assert_eq!((again.inbox, again.receipts, again.cursors, again.projections), (0, 0, 0, 0));
+        assert_eq!(consumer.rename_consumer("a", "c").unwrap_err().code(), codes::NOT_FOUND);
+        assert_eq!(consumer.inbox("b", None, 10).unwrap().len(), 1);
     }
 }
