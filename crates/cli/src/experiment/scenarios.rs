@@ -1050,6 +1050,25 @@ fn retention_prune_replay(s: &mut Sc, _: &'static str) -> Result<()> {
     s.drain("drain search", "consumer", "search", 100, false, day31)?;
     let cursors = s.cursors("consumer")?.len();
     s.check("high_water_marks_kept", cursors == 2, format!("{cursors} cursors"));
+
+    // The seed's literal step: delete audit's dedup record of a young event by hand (keeping
+    // its effect), then replay the event. The high-water mark still refuses it.
+    s.advance("day 31: advance order-2 -> reserved (quantity 100)", "order-2", 0, "reserved", Some(100), 1, day31)?;
+    s.relay_until_idle("relay", &relay_default(), day31)?;
+    s.drain("drain audit", "consumer", "audit", 100, false, day31)?;
+    s.drain("drain search", "consumer", "search", 100, false, day31)?;
+    let deleted = s.delete_dedup_records_by_hand("consumer", "audit", "order-2", 1)?;
+    s.record(
+        "delete audit's inbox record (and any receipt) of order-2/1 by hand, keeping its effect (what the seed did)",
+        json!({"rows_deleted": deleted}),
+    );
+    let event = s.event("order-2", 1)?;
+    let outcome = s.receive("replay order-2/1 to audit", "consumer", "audit", &event, day31)?;
+    s.check("replay_after_manual_delete_is_refused", outcome.word() == "conflict", outcome.word());
+    s.drain("drain audit", "consumer", "audit", 100, false, day31)?;
+    let audit_order_2 =
+        s.effects("consumer")?.iter().filter(|e| e.consumer_id == "audit" && e.flow_id == "order-2").count();
+    s.check("still_one_audit_effect", audit_order_2 == 1, format!("{audit_order_2} audit effects for order-2"));
     s.check_exactly_once("consumer", "audit")?;
     s.check_exactly_once("consumer", "search")
 }

@@ -626,6 +626,28 @@ impl Sc {
         }
     }
 
+    /// Tamper on purpose, as the seed did: delete a consumer's inbox record and receipt of one
+    /// event with plain SQL (no tidemark operation does this), leaving its effect in place.
+    pub fn delete_dedup_records_by_hand(
+        &mut self,
+        consumer: &str,
+        consumer_id: &str,
+        flow_id: &str,
+        seq: i64,
+    ) -> Result<usize> {
+        let conn = self.consumer(consumer)?.connection();
+        let mut deleted = 0;
+        for table in ["inbox", "receipts"] {
+            deleted += conn
+                .execute(
+                    &format!("DELETE FROM {table} WHERE consumer_id = ?1 AND flow_id = ?2 AND seq = ?3"),
+                    rusqlite::params![consumer_id, flow_id, seq],
+                )
+                .map_err(sql)?;
+        }
+        Ok(deleted)
+    }
+
     pub fn inbox(&mut self, consumer: &str) -> Result<Vec<InboxEntry>> {
         Ok(self.consumer(consumer)?.snapshot(STATE_ROWS_MAX)?.inbox)
     }
