@@ -107,6 +107,12 @@ const MIGRATIONS: &[&str] = &[
         retired_at_ms INTEGER NOT NULL
     ) WITHOUT ROWID;
     "#,
+    // v2: each outbox event keeps the producer generation it was committed under, so that a
+    // producer restored from a backup (and rotated) redelivers its old events unchanged. Rows of
+    // v1 files stay NULL and are read with the current generation.
+    r#"
+    ALTER TABLE outbox ADD COLUMN generation TEXT;
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -240,6 +246,33 @@ mod tests {
         meta_set(&conn, "schema_version", "999").unwrap();
         drop(conn);
         assert_eq!(open(&path, false, Durability::Full).unwrap_err().code(), codes::SCHEMA_TOO_NEW);
+    }
+
+    #[test]
+    fn a_version_1_producer_file_is_migrated_and_its_events_take_the_current_generation() {
+        use tidemark_core::store::ProducerStore;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;").unwrap();
+            conn.execute_batch(MIGRATIONS[0]).unwrap();
+            meta_set(&conn, "schema_version", "1").unwrap();
+            meta_set(&conn, "producer.source", "shop").unwrap();
+            meta_set(&conn, "producer.generation", "g1").unwrap();
+            conn.execute(
+                "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
+                 VALUES ('e1', 'f', 1, 'reservation.reserved', 1, '{\"amount\":3}', 'h', 0)",
+                [],
+            )
+            .unwrap();
+        }
+        let producer = crate::SqliteProducer::open(&path).unwrap();
+        let outbox = producer.snapshot(10).unwrap().outbox;
+        assert_eq!((outbox[0].event_id.as_str(), outbox[0].generation.as_str()), ("e1", "g1"));
+        drop(producer);
+        let conn = open(&path, false, Durability::Full).unwrap();
+        assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
     }
 
     #[test]
