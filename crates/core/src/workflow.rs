@@ -105,7 +105,11 @@ impl RunStatus {
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
-            RunStatus::Completed | RunStatus::Compensated | RunStatus::Failed | RunStatus::Cancelled | RunStatus::Parked
+            RunStatus::Completed
+                | RunStatus::Compensated
+                | RunStatus::Failed
+                | RunStatus::Cancelled
+                | RunStatus::Parked
         )
     }
 
@@ -113,7 +117,11 @@ impl RunStatus {
     pub fn is_claimable(self) -> bool {
         matches!(
             self,
-            RunStatus::Pending | RunStatus::Running | RunStatus::Sleeping | RunStatus::Waiting | RunStatus::Compensating
+            RunStatus::Pending
+                | RunStatus::Running
+                | RunStatus::Sleeping
+                | RunStatus::Waiting
+                | RunStatus::Compensating
         )
     }
 }
@@ -296,12 +304,19 @@ impl RetryPolicy {
         }
         match &self.backoff {
             Backoff::Exponential { initial_ms, multiplier, max_ms } => {
-                if *initial_ms < 0 || *max_ms < *initial_ms || *max_ms > TIMER_MS_MAX || !(1.0..=100.0).contains(multiplier) {
+                if *initial_ms < 0
+                    || *max_ms < *initial_ms
+                    || *max_ms > TIMER_MS_MAX
+                    || !(1.0..=100.0).contains(multiplier)
+                {
                     return bad("exponential backoff needs 0 <= initial_ms <= max_ms <= 1 year and multiplier 1..=100");
                 }
             }
             Backoff::Schedule { delays_ms } => {
-                if delays_ms.is_empty() || delays_ms.len() > 1_000 || delays_ms.iter().any(|d| !(0..=TIMER_MS_MAX).contains(d)) {
+                if delays_ms.is_empty()
+                    || delays_ms.len() > 1_000
+                    || delays_ms.iter().any(|d| !(0..=TIMER_MS_MAX).contains(d))
+                {
                     return bad("a schedule needs 1..=1000 delays of 0..=1 year");
                 }
             }
@@ -409,11 +424,19 @@ pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum StartOutcome {
-    Started { run_id: String },
+    Started {
+        run_id: String,
+    },
     /// The same run id with the same workflow and input: the existing run.
-    Existing { run_id: String, status: RunStatus },
+    Existing {
+        run_id: String,
+        status: RunStatus,
+    },
     /// The same run id with another workflow or input.
-    Conflict { run_id: String, reason: String },
+    Conflict {
+        run_id: String,
+        reason: String,
+    },
 }
 
 /// One run, as stored.
@@ -620,8 +643,13 @@ pub trait WorkflowStore {
     /// limits and per-key serialization, oldest due first.
     fn claim(&mut self, request: &ClaimRequest, now_ms: i64) -> Result<Vec<ClaimedRun>>;
     /// Extend leases held by `worker_id`; report each as held (with cancel requests) or lost.
-    fn heartbeat(&mut self, worker_id: &str, leases: &[(String, String)], lease_ms: i64, now_ms: i64)
-        -> Result<Vec<LeaseState>>;
+    fn heartbeat(
+        &mut self,
+        worker_id: &str,
+        leases: &[(String, String)],
+        lease_ms: i64,
+        now_ms: i64,
+    ) -> Result<Vec<LeaseState>>;
     /// Apply a batch of journal writes in one transaction (group commit).
     fn commit(&mut self, writes: Vec<JournalWrite<Self::Target>>, now_ms: i64) -> Result<Vec<WriteResult>>;
     /// Deliver an event to a run (idempotent by `event_id`); wakes the run if it waits for

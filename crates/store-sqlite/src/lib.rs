@@ -6,6 +6,7 @@
 
 mod consumer;
 mod endpoints;
+pub mod example;
 mod producer;
 pub mod reservation;
 mod schema;

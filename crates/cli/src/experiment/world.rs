@@ -32,10 +32,6 @@ fn to_value<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("outputs serialise")
 }
 
-fn sql(error: rusqlite::Error) -> Error {
-    Error::store(format!("sqlite: {error}"))
-}
-
 fn io(what: &str, error: std::io::Error) -> Error {
     Error::io(format!("{what}: {error}"))
 }
@@ -446,10 +442,7 @@ impl Sc {
 
     /// The user's own business table on the producer file (for the dual-write scenarios).
     pub fn create_orders_table(&mut self) -> Result<()> {
-        self.producer()?
-            .connection()
-            .execute_batch("CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, quantity INTEGER NOT NULL)")
-            .map_err(sql)
+        tidemark_store_sqlite::example::install_orders(self.producer()?.connection())
     }
 
     /// Write a business row and reserve its flow in one producer transaction; commit or drop it.
@@ -457,8 +450,7 @@ impl Sc {
         let producer = self.producer.as_mut().ok_or_else(|| Error::Invariant("no producer".into()))?;
         let identity = producer.identity().clone();
         let tx = producer.begin()?;
-        tx.execute("INSERT INTO orders (order_id, quantity) VALUES (?1, ?2)", rusqlite::params![order_id, quantity])
-            .map_err(sql)?;
+        tidemark_store_sqlite::example::insert_order(&tx, order_id, quantity)?;
         let outcome = tx.advance(&ReservationMachine, &request(order_id, 0, "reserved", Some(quantity), 1), t)?;
         if let AdvanceOutcome::Committed { event_id, flow_id, seq, .. } = &outcome {
             if commit {
@@ -635,17 +627,12 @@ impl Sc {
         flow_id: &str,
         seq: i64,
     ) -> Result<usize> {
-        let conn = self.consumer(consumer)?.connection();
-        let mut deleted = 0;
-        for table in ["inbox", "receipts"] {
-            deleted += conn
-                .execute(
-                    &format!("DELETE FROM {table} WHERE consumer_id = ?1 AND flow_id = ?2 AND seq = ?3"),
-                    rusqlite::params![consumer_id, flow_id, seq],
-                )
-                .map_err(sql)?;
-        }
-        Ok(deleted)
+        tidemark_store_sqlite::example::forget_dedup_records(
+            self.consumer(consumer)?.connection(),
+            consumer_id,
+            flow_id,
+            seq,
+        )
     }
 
     pub fn inbox(&mut self, consumer: &str) -> Result<Vec<InboxEntry>> {
@@ -806,17 +793,10 @@ fn wal_path(path: &Path) -> PathBuf {
 }
 
 fn orders(conn: &Connection) -> Result<Vec<String>> {
-    let exists: bool = conn
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'orders'", [], |r| r.get(0))
-        .map_err(sql)?;
-    if !exists {
-        return Ok(Vec::new());
-    }
-    let mut stmt = conn.prepare("SELECT order_id, quantity FROM orders ORDER BY order_id").map_err(sql)?;
-    let rows = stmt
-        .query_map([], |r| Ok(format!("{} quantity {}", r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))
-        .map_err(sql)?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(sql)
+    Ok(tidemark_store_sqlite::example::orders(conn)?
+        .into_iter()
+        .map(|(order_id, quantity)| format!("{order_id} quantity {quantity}"))
+        .collect())
 }
 
 fn position(source: &str, flow_id: &str, seq: i64) -> String {
@@ -973,17 +953,14 @@ pub fn run_child(mode: &str, producer: Option<&Path>, durability: Durability, no
         "unsafe-dual-write" => {
             // WRONG on purpose: the business row commits in its own transaction, and the event
             // would be written by a second one. The process dies between the two.
-            producer
-                .connection()
-                .execute("INSERT INTO orders (order_id, quantity) VALUES ('order-1', 3)", [])
-                .map_err(sql)?;
+            tidemark_store_sqlite::example::insert_order(producer.connection(), "order-1", 3)?;
             std::process::exit(CHILD_EXIT_CODE);
         }
         "safe-exit-before-commit" => {
             // The tidemark way: the business row and the event in one transaction. The process
             // dies at the same point, before that transaction commits.
             let tx = producer.begin()?;
-            tx.execute("INSERT INTO orders (order_id, quantity) VALUES ('order-2', 5)", []).map_err(sql)?;
+            tidemark_store_sqlite::example::insert_order(&tx, "order-2", 5)?;
             tx.advance(&ReservationMachine, &request("order-2", 0, "reserved", Some(5), 1), now_ms)?;
             std::process::exit(CHILD_EXIT_CODE);
         }
