@@ -22,6 +22,13 @@ pub const CRASH_POINTS: &[&str] = &[
     "resolve.before_commit",
     "rename.before_commit",
     "rename.after_commit",
+    // Durable workflows (crates/store-sqlite/src/workflow/).
+    "workflow.start.before_commit",
+    "workflow.claim.after_commit",
+    "workflow.commit.before_commit",
+    "workflow.commit.after_commit",
+    "workflow.operator.before_commit",
+    "workflow.purge.before_commit",
     // Only on the deliberately wrong dual-write path (`tidemark unsafe-dual-write-advance`,
     // failpoints builds only): between its two separate commits. Exits with
     // [`UNSAFE_DUAL_WRITE_EXIT_CODE`] so a test can tell it apart from the real points.

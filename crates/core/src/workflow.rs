@@ -488,6 +488,8 @@ pub struct JournalEntry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct AttemptRecord {
     pub seq: u32,
+    /// Ordinal of the attempt at this position over the run's whole life: an operator `retry`
+    /// restarts the journal entry's `attempts` budget, not this history.
     pub attempt: u32,
     pub ok: bool,
     pub error: Option<String>,
@@ -570,7 +572,10 @@ pub enum JournalOp<T: ?Sized> {
     /// compensating.
     SetStatus { status: RunStatus },
     /// An external step (or compensation) attempt finished. On failure, `retry_at_ms` says when
-    /// to try again (`None`: failed for good).
+    /// to try again (`None`, or a non-retryable failure: failed for good). `attempt` is the
+    /// entry's recorded `attempts + 1` (1 for a new position); `seq` is the next free position
+    /// or the position of this step's unsettled entry. Anything else is a broken invariant and
+    /// refuses the whole batch.
     StepAttempt {
         seq: u32,
         name: String,
@@ -588,6 +593,8 @@ pub enum JournalOp<T: ?Sized> {
     /// A timer fired, or a wait ended: with the consumed event, or by timeout (`event_id` None).
     TimerFinished { seq: u32, event_id: Option<String>, output: Value },
     /// Release the lease and wait in `status` until `wake_at_ms` (or an event for `waiting_for`).
+    /// When an unconsumed event named `waiting_for` is already there, or a cancel was requested,
+    /// the run stays due now (no lost wake-up).
     Suspend { status: SuspendStatus, wake_at_ms: i64, waiting_for: Option<String> },
     /// Release the lease and finish the run.
     Finish { status: FinishStatus, result: Option<Value>, error: Option<String> },
@@ -611,7 +618,9 @@ pub enum WriteResult {
 pub struct RunFilter {
     pub status: Option<RunStatus>,
     pub workflow: Option<String>,
+    /// Runs created strictly after this.
     pub created_after_ms: Option<i64>,
+    /// Runs created strictly before this.
     pub created_before_ms: Option<i64>,
     /// Keyset pagination: runs created after this (created_at_ms, run_id).
     pub after: Option<(i64, String)>,
@@ -650,7 +659,11 @@ pub trait WorkflowStore {
         lease_ms: i64,
         now_ms: i64,
     ) -> Result<Vec<LeaseState>>;
-    /// Apply a batch of journal writes in one transaction (group commit).
+    /// Apply a batch of journal writes in one transaction (group commit). Each write is fenced
+    /// by its lease token alone (a write whose token is still the run's applies even if the lease
+    /// expired, as long as nobody re-claimed the run); a fenced write changes nothing and the
+    /// others go on. Bad input in any write, or a write that breaks a journal invariant, refuses
+    /// the whole batch.
     fn commit(&mut self, writes: Vec<JournalWrite<Self::Target>>, now_ms: i64) -> Result<Vec<WriteResult>>;
     /// Deliver an event to a run (idempotent by `event_id`); wakes the run if it waits for
     /// `name`. Returns false when the event was already there.
@@ -661,7 +674,9 @@ pub trait WorkflowStore {
     /// acts on it at the run's next step boundary (or at claim): a saga compensates its completed
     /// steps first, then the run ends `cancelled`. A terminal run cannot be cancelled.
     fn cancel(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
-    /// Retry a failed or parked run from its failed step (attempts start over).
+    /// Retry a failed or parked run from its failed step (attempts start over): the last failed
+    /// journal entry becomes unsettled again (a saga parked on a compensation retries that
+    /// compensation); entries after it stay.
     fn retry(&mut self, run_id: &str, reason: &str, now_ms: i64) -> Result<RunRecord>;
     /// Start `new_run_id` as a copy of `run_id` whose journal keeps the entries before `from_seq`.
     fn fork(&mut self, run_id: &str, from_seq: u32, new_run_id: &str, now_ms: i64) -> Result<RunRecord>;

@@ -1,4 +1,4 @@
-//! tidemark-store-sqlite: the producer (outbox) and consumer (inbox) stores on SQLite.
+//! tidemark-store-sqlite: the producer (outbox), consumer (inbox) and workflow stores on SQLite.
 //!
 //! **Architecture invariant:** this crate (and the other store crates) is the only place that
 //! writes SQL. Every file is opened in WAL mode with `synchronous=FULL` and a busy timeout;
@@ -13,6 +13,7 @@ mod schema;
 /// Deliberately wrong dual write, for the crash test that shows the loss. Failpoints builds only.
 #[cfg(feature = "failpoints")]
 pub mod unsafe_dual_write;
+mod workflow;
 
 pub use consumer::SqliteConsumer;
 pub use endpoints::SqliteEndpoints;
@@ -20,6 +21,7 @@ pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
 pub use schema::{open_existing, Durability, SCHEMA_VERSION};
 #[cfg(feature = "failpoints")]
 pub use unsafe_dual_write::unsafe_dual_write_advance;
+pub use workflow::{send_event_in, SqliteWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;
 

@@ -113,6 +113,138 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE outbox ADD COLUMN generation TEXT;
     "#,
+    // v3: durable workflows (docs/workflows.md, crates/store-sqlite/src/workflow/). The status
+    // list ('pending', 'running', 'sleeping', 'waiting', 'compensating') is written exactly like
+    // this in the partial indexes and in the queries that use them (SQLite matches the terms).
+    r#"
+    -- One row per run: what to execute, where it stands, and who holds it.
+    CREATE TABLE runs (
+        -- Caller-chosen id: starting the same id again is idempotent.
+        run_id              TEXT PRIMARY KEY,
+        -- The registered workflow and the version the run is pinned to: a worker claims only
+        -- the (workflow, version) pairs it has registered, so new code never replays old runs.
+        workflow            TEXT NOT NULL,
+        version             INTEGER NOT NULL CHECK (version >= 1),
+        -- The input (JSON), and the hash of (workflow, input) that tells a duplicate start
+        -- (`existing`) from a reuse of the id for something else (`conflict`).
+        input               TEXT NOT NULL,
+        input_hash          TEXT NOT NULL,
+        -- Optional serialization key: at most one active run per key, oldest first.
+        key                 TEXT,
+        status              TEXT NOT NULL CHECK (status IN ('pending', 'running', 'sleeping', 'waiting',
+                                'compensating', 'completed', 'compensated', 'failed', 'cancelled', 'parked')),
+        -- The function's output (JSON) once completed; why it failed, was cancelled or parked.
+        result              TEXT,
+        error               TEXT,
+        -- When the run is next due: start-at, retry backoff, timer, wait deadline; `now` after a
+        -- matching event, a cancel request or an operator change. The claim filters on it.
+        wake_at_ms          INTEGER NOT NULL,
+        -- The event name a `waiting` run waits for: an event of that name makes it due at once.
+        waiting_for         TEXT,
+        -- An operator asked to cancel: the worker stops (compensating first) at the next step
+        -- boundary. Heartbeats report it to the lease holder.
+        cancel_requested    INTEGER NOT NULL DEFAULT 0 CHECK (cancel_requested IN (0, 1)),
+        -- The run this one was forked from (audit trail of operator forks).
+        forked_from         TEXT,
+        -- The lease: the worker running it, the fencing token every journal write must carry
+        -- (new per claim, cleared on release and by every operator change) and its expiry, after
+        -- which another worker may take the run over (a recovery).
+        lease_owner         TEXT,
+        lease_token         TEXT,
+        lease_expires_at_ms INTEGER,
+        -- Takeovers after an expired lease: a health signal (crashing or stalling workers).
+        recoveries          INTEGER NOT NULL DEFAULT 0 CHECK (recoveries >= 0),
+        created_at_ms       INTEGER NOT NULL,
+        updated_at_ms       INTEGER NOT NULL,
+        -- When the run reached its terminal status; purge selects by it. Set exactly when the
+        -- status is terminal.
+        finished_at_ms      INTEGER,
+        CHECK ((lease_owner IS NULL) = (lease_token IS NULL)
+               AND (lease_token IS NULL) = (lease_expires_at_ms IS NULL)),
+        CHECK (lease_token IS NULL OR status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')),
+        CHECK ((finished_at_ms IS NULL) = (status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')))
+    );
+    -- The claim: due active runs of one (workflow, version), oldest due first.
+    CREATE INDEX runs_due ON runs (workflow, version, wake_at_ms, created_at_ms, run_id)
+        WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- Listing by status, by workflow, or all, in creation order (keyset pages).
+    CREATE INDEX runs_status ON runs (status, created_at_ms, run_id);
+    CREATE INDEX runs_workflow ON runs (workflow, created_at_ms, run_id);
+    CREATE INDEX runs_created ON runs (created_at_ms, run_id);
+    -- Per-key serialization: the oldest active run of a key, and whether one holds a lease.
+    CREATE INDEX runs_key ON runs (key, created_at_ms, run_id)
+        WHERE key IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- Purge: finished runs, oldest first.
+    CREATE INDEX runs_finished ON runs (finished_at_ms, run_id) WHERE finished_at_ms IS NOT NULL;
+
+    -- The journal: one entry per step position of a run. Replay returns settled entries'
+    -- recorded results without running their steps again.
+    CREATE TABLE journal (
+        run_id             TEXT NOT NULL REFERENCES runs (run_id),
+        -- The position of the call in the workflow function (0, 1, 2, ... in call order).
+        seq                INTEGER NOT NULL CHECK (seq >= 0),
+        -- The step name: replay compares it with the call at this position (non-determinism).
+        name               TEXT NOT NULL,
+        kind               TEXT NOT NULL CHECK (kind IN ('external', 'transactional', 'sleep', 'wait', 'compensation')),
+        -- retrying/waiting are unsettled (the step runs or waits again); the others are settled.
+        status             TEXT NOT NULL CHECK (status IN ('retrying', 'waiting', 'completed', 'failed', 'skipped')),
+        -- The recorded output (JSON) or the last error.
+        output             TEXT,
+        error              TEXT,
+        -- Attempts since the step started or an operator retried it: the retry budget.
+        attempts           INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+        -- When a retrying step's next attempt is due.
+        next_attempt_at_ms INTEGER,
+        -- A timer's fire time or a wait's deadline.
+        wake_at_ms         INTEGER,
+        -- The event name a wait waits for.
+        event_name         TEXT,
+        -- An operator's reason (skip, retry).
+        reason             TEXT,
+        updated_at_ms      INTEGER NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    );
+
+    -- Every attempt of every step with its error: the history an operator reads (kept when an
+    -- operator retry resets the journal entry's budget).
+    CREATE TABLE step_attempts (
+        run_id         TEXT NOT NULL REFERENCES runs (run_id),
+        seq            INTEGER NOT NULL,
+        -- Ordinal of the attempt at this position, over the run's whole life.
+        attempt        INTEGER NOT NULL CHECK (attempt >= 1),
+        ok             INTEGER NOT NULL CHECK (ok IN (0, 1)),
+        error          TEXT,
+        finished_at_ms INTEGER NOT NULL,
+        PRIMARY KEY (run_id, seq, attempt)
+    ) WITHOUT ROWID;
+
+    -- Events sent to runs (API, CLI, inbox handlers).
+    CREATE TABLE run_events (
+        run_id          TEXT NOT NULL REFERENCES runs (run_id),
+        -- The sender's id: sending it again is a no-op (at-least-once senders).
+        event_id        TEXT NOT NULL,
+        -- What a wait matches on.
+        name            TEXT NOT NULL,
+        payload         TEXT NOT NULL,
+        received_at_ms  INTEGER NOT NULL,
+        -- The wait (journal seq) that consumed it; NULL while it is still to be consumed.
+        consumed_by_seq INTEGER,
+        PRIMARY KEY (run_id, event_id)
+    );
+
+    -- What stays of a purged run, until expires_at_ms: a late duplicate start is still
+    -- recognised (`existing` with the final status, or `conflict`), not started again.
+    CREATE TABLE run_receipts (
+        run_id         TEXT PRIMARY KEY,
+        workflow       TEXT NOT NULL,
+        input_hash     TEXT NOT NULL,
+        status         TEXT NOT NULL,
+        finished_at_ms INTEGER NOT NULL,
+        -- finished_at_ms + the receipt window; purge deletes expired receipts.
+        expires_at_ms  INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX run_receipts_expiry ON run_receipts (expires_at_ms);
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -158,6 +290,11 @@ fn schema_version(conn: &Connection) -> Result<i64> {
 
 /// Bring the schema up to [`SCHEMA_VERSION`] in one immediate transaction.
 fn migrate(conn: &mut Connection) -> Result<()> {
+    migrate_to(conn, SCHEMA_VERSION)
+}
+
+/// Bring the schema up to `target` (tests create files of older versions with it).
+fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
     let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).db()?;
     let current = schema_version(&tx)?;
     if current > SCHEMA_VERSION {
@@ -170,7 +307,7 @@ fn migrate(conn: &mut Connection) -> Result<()> {
         tx.execute_batch("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;")
             .db()?;
     }
-    for (index, sql) in MIGRATIONS.iter().enumerate().skip(current as usize) {
+    for (index, sql) in MIGRATIONS.iter().enumerate().take(target as usize).skip(current as usize) {
         tx.execute_batch(sql).db()?;
         tx.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
@@ -246,6 +383,44 @@ mod tests {
         meta_set(&conn, "schema_version", "999").unwrap();
         drop(conn);
         assert_eq!(open(&path, false, Durability::Full).unwrap_err().code(), codes::SCHEMA_TOO_NEW);
+    }
+
+    fn table_exists(conn: &Connection, name: &str) -> bool {
+        conn.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1", [name], |r| r.get(0))
+            .unwrap()
+    }
+
+    #[test]
+    fn every_previous_version_migrates_to_the_current_one_keeping_its_data() {
+        for previous in 1..SCHEMA_VERSION {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join(format!("v{previous}.db"));
+            let mut conn = Connection::open(&path).unwrap();
+            configure(&conn, Durability::Full).unwrap();
+            migrate_to(&mut conn, previous).unwrap();
+            assert_eq!(schema_version(&conn).unwrap(), previous);
+            assert!(!table_exists(&conn, "runs"));
+            meta_set(&conn, "producer.source", "shop").unwrap();
+            conn.execute(
+            "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES ('r1', 'reserved', '{}', 1, 5)",
+            [],
+        )
+        .unwrap();
+            drop(conn);
+
+            let conn = open(&path, false, Durability::Full).unwrap();
+            assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
+            assert_eq!(meta_get(&conn, "producer.source").unwrap().as_deref(), Some("shop"));
+            let flow: (String, i64) = conn
+                .query_row("SELECT state, last_seq FROM flows WHERE flow_id = 'r1'", [], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap();
+            assert_eq!(flow, ("reserved".to_string(), 1));
+            for table in ["runs", "journal", "step_attempts", "run_events", "run_receipts"] {
+                assert!(table_exists(&conn, table), "{table} missing after migration");
+            }
+            let runs: i64 = conn.query_row("SELECT count(*) FROM runs", [], |r| r.get(0)).unwrap();
+            assert_eq!(runs, 0);
+        }
     }
 
     #[test]

@@ -11,3 +11,4 @@ mod crash;
 mod experiment;
 mod model_check;
 mod outbox_transaction;
+mod workflow_store;

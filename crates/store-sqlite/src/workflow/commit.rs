@@ -1,0 +1,394 @@
+//! Group commit of journal writes: one transaction for many writes of many runs, each fenced by
+//! its run's lease token; transactional step bodies run in a savepoint each.
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use serde_json::Value;
+use tidemark_core::crash;
+use tidemark_core::error::codes;
+use tidemark_core::id::validate_id;
+use tidemark_core::workflow::{
+    validate_json_size, JournalEntry, JournalOp, JournalWrite, RunStatus, StepFailure, StepKind, StepStatus,
+    SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+};
+use tidemark_core::{ensure_invariant, Error, Result};
+
+use super::rows::{self, json_text};
+use super::{clip_error, invalid_arg, validate_not_too_far};
+use crate::SqlResult;
+
+fn validate_seq(seq: u32) -> Result<()> {
+    if seq >= RUN_STEPS_MAX {
+        return Err(Error::invalid(
+            codes::LIMIT_EXCEEDED,
+            format!("step position {seq} is beyond the {RUN_STEPS_MAX} steps a run may take"),
+        ));
+    }
+    Ok(())
+}
+
+fn validate_output(value: &Value) -> Result<()> {
+    validate_json_size("step output", value, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+}
+
+fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
+    validate_seq(seq)?;
+    validate_id("step name", name)?;
+    if attempt == 0 {
+        return Err(invalid_arg("attempt numbers start at 1"));
+    }
+    if let Some(at) = retry_at_ms {
+        validate_not_too_far("retry_at_ms", at, now_ms)?;
+    }
+    Ok(())
+}
+
+/// Bad input in any write refuses the whole batch before anything runs.
+fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<()> {
+    validate_id("run_id", &write.run_id)?;
+    validate_id("lease_token", &write.lease_token)?;
+    match &write.op {
+        JournalOp::SetStatus { status } => {
+            if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
+                return Err(invalid_arg(format!(
+                    "SetStatus takes running or compensating, not {} (use Suspend or Finish)",
+                    status.as_str()
+                )));
+            }
+        }
+        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::External | StepKind::Compensation) {
+                return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
+            }
+            if let Ok(output) = result {
+                validate_output(output)?;
+            }
+        }
+        JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::Transactional | StepKind::Compensation) {
+                return Err(invalid_arg(format!("a transactional step cannot be of kind {}", kind.as_str())));
+            }
+        }
+        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (kind, event_name) {
+                (StepKind::Sleep, None) => {}
+                (StepKind::Wait, Some(event_name)) => validate_id("event name", event_name)?,
+                _ => return Err(invalid_arg("a timer is a sleep without an event name or a wait with one")),
+            }
+        }
+        JournalOp::TimerFinished { seq, event_id, output } => {
+            validate_seq(*seq)?;
+            if let Some(event_id) = event_id {
+                validate_id("event_id", event_id)?;
+            }
+            validate_output(output)?;
+        }
+        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (status, waiting_for) {
+                (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
+                (SuspendStatus::Waiting, None) => return Err(invalid_arg("a waiting run needs waiting_for")),
+                (_, Some(_)) => return Err(invalid_arg("only a waiting run waits for an event")),
+                (_, None) => {}
+            }
+        }
+        JournalOp::Finish { result, .. } => {
+            if let Some(result) = result {
+                validate_json_size("run result", result, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+            }
+        }
+        JournalOp::Release => {}
+    }
+    Ok(())
+}
+
+pub(super) fn commit(
+    conn: &mut Connection,
+    writes: Vec<JournalWrite<Connection>>,
+    now_ms: i64,
+) -> Result<Vec<WriteResult>> {
+    if writes.len() > COMMIT_BATCH_MAX {
+        return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("at most {COMMIT_BATCH_MAX} writes per commit")));
+    }
+    for write in &writes {
+        validate(write, now_ms)?;
+    }
+    if writes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+    let mut results = Vec::with_capacity(writes.len());
+    for write in writes {
+        results.push(apply(&tx, write, now_ms)?);
+    }
+    crash::hit("workflow.commit.before_commit");
+    tx.commit().db()?;
+    crash::hit("workflow.commit.after_commit");
+    Ok(results)
+}
+
+/// The run's (status, cancel_requested) when `token` is its lease token; `None`: fenced.
+fn fence(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus, bool)>> {
+    tx.prepare_cached("SELECT status, cancel_requested FROM runs WHERE run_id = ?1 AND lease_token = ?2")
+        .db()?
+        .query_row([run_id, token], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
+        .optional()
+        .db()
+}
+
+fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Result<WriteResult> {
+    let JournalWrite { run_id, lease_token, op } = write;
+    let Some((status, cancel_requested)) = fence(tx, &run_id, &lease_token)? else {
+        return Ok(WriteResult::Fenced);
+    };
+    ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
+    let run_id = run_id.as_str();
+    let result = match op {
+        JournalOp::SetStatus { status } => {
+            tx.prepare_cached("UPDATE runs SET status = ?2, waiting_for = NULL WHERE run_id = ?1")
+                .db()?
+                .execute(params![run_id, status.as_str()])
+                .db()?;
+            WriteResult::Done
+        }
+        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
+            let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
+            check_attempt(run_id, seq, attempt, existing.as_ref())?;
+            record_attempt(tx, run_id, seq, &name, kind, attempt, &result, retry_at_ms, now_ms)?;
+            WriteResult::Done
+        }
+        JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
+            let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
+            check_attempt(run_id, seq, attempt, existing.as_ref())?;
+            tx.prepare_cached("SAVEPOINT wf_tx_step").db()?.execute([]).db()?;
+            let outcome = body(tx);
+            if tx.is_autocommit() {
+                // The body committed or rolled back (or SQLite rolled back after an I/O error):
+                // nothing of this batch can be trusted to commit together any more.
+                return Err(Error::store(format!(
+                    "the journal's transaction ended inside the body of step {name} of run {run_id}"
+                )));
+            }
+            let outcome = match outcome {
+                Ok(output) => match validate_output(&output) {
+                    Ok(()) => Ok(output),
+                    Err(e) => Err(StepFailure::permanent(e.to_string())),
+                },
+                Err(failure) => Err(failure),
+            };
+            if outcome.is_err() {
+                tx.prepare_cached("ROLLBACK TO wf_tx_step").db()?.execute([]).db()?;
+            }
+            tx.prepare_cached("RELEASE wf_tx_step").db()?.execute([]).db()?;
+            record_attempt(tx, run_id, seq, &name, kind, attempt, &outcome, retry_at_ms, now_ms)?;
+            WriteResult::TxResult(outcome)
+        }
+        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
+            position(tx, run_id, seq, &name, kind, StepStatus::Waiting)?;
+            tx.prepare_cached(
+                "INSERT INTO journal (run_id, seq, name, kind, status, attempts, wake_at_ms, event_name, updated_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, 'waiting', 0, ?5, ?6, ?7)
+                 ON CONFLICT (run_id, seq) DO UPDATE SET wake_at_ms = excluded.wake_at_ms,
+                     event_name = excluded.event_name, updated_at_ms = excluded.updated_at_ms",
+            )
+            .db()?
+            .execute(params![run_id, seq, name, kind.as_str(), wake_at_ms, event_name, now_ms])
+            .db()?;
+            WriteResult::Done
+        }
+        JournalOp::TimerFinished { seq, event_id, output } => {
+            let entry = rows::journal_at(tx, run_id, seq)?;
+            let Some(entry) = entry else {
+                return Err(Error::Invariant(format!("run {run_id}: no timer at step {seq} to finish")));
+            };
+            ensure_invariant!(
+                entry.status == StepStatus::Waiting,
+                "run {run_id} step {seq} ({}) is {}, not a pending timer",
+                entry.name,
+                entry.status.as_str()
+            );
+            if let Some(event_id) = &event_id {
+                ensure_invariant!(entry.kind == StepKind::Wait, "run {run_id} step {seq} is a sleep, not a wait");
+                let event = rows::event(tx, run_id, event_id)?;
+                let Some(event) = event else {
+                    return Err(Error::Invariant(format!("run {run_id} has no event {event_id}")));
+                };
+                ensure_invariant!(
+                    event.consumed_by_seq.is_none(),
+                    "run {run_id} event {event_id} was already consumed by step {:?}",
+                    event.consumed_by_seq
+                );
+                ensure_invariant!(
+                    Some(&event.name) == entry.event_name.as_ref(),
+                    "run {run_id} event {event_id} is {:?}; step {seq} waits for {:?}",
+                    event.name,
+                    entry.event_name
+                );
+                tx.prepare_cached("UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2")
+                    .db()?
+                    .execute(params![run_id, event_id, seq])
+                    .db()?;
+            }
+            tx.prepare_cached(
+                "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2",
+            )
+            .db()?
+            .execute(params![run_id, seq, json_text(&output), now_ms])
+            .db()?;
+            WriteResult::Done
+        }
+        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
+            // No lost wake-up: an event that arrived while the run was running, or a cancel
+            // request, keeps it due now.
+            let event_waiting = match &waiting_for {
+                Some(name) => {
+                    tx.prepare_cached(
+                        "SELECT count(*) FROM run_events WHERE run_id = ?1 AND name = ?2 AND consumed_by_seq IS NULL",
+                    )
+                    .db()?
+                    .query_row([run_id, name], |r| r.get::<_, i64>(0))
+                    .db()?
+                        > 0
+                }
+                None => false,
+            };
+            let wake_at_ms = if event_waiting || cancel_requested { wake_at_ms.min(now_ms) } else { wake_at_ms };
+            tx.prepare_cached(
+                "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
+                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1",
+            )
+            .db()?
+            .execute(params![run_id, status.run_status().as_str(), wake_at_ms, waiting_for])
+            .db()?;
+            WriteResult::Done
+        }
+        JournalOp::Finish { status, result, error } => {
+            tx.prepare_cached(
+                "UPDATE runs SET status = ?2, result = ?3, error = ?4, finished_at_ms = ?5, waiting_for = NULL,
+                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1",
+            )
+            .db()?
+            .execute(params![
+                run_id,
+                status.run_status().as_str(),
+                result.as_ref().map(json_text),
+                error.as_deref().map(clip_error),
+                now_ms
+            ])
+            .db()?;
+            WriteResult::Done
+        }
+        JournalOp::Release => {
+            tx.prepare_cached(
+                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL WHERE run_id = ?1",
+            )
+            .db()?
+            .execute([run_id])
+            .db()?;
+            WriteResult::Done
+        }
+    };
+    tx.prepare_cached("UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1")
+        .db()?
+        .execute(params![run_id, now_ms])
+        .db()?;
+    Ok(result)
+}
+
+/// A write at `seq` either opens the next position or continues the unsettled entry there
+/// (which must be the same step, in `unsettled` status). A settled entry is never rewritten.
+fn position(
+    tx: &Connection,
+    run_id: &str,
+    seq: u32,
+    name: &str,
+    kind: StepKind,
+    unsettled: StepStatus,
+) -> Result<Option<JournalEntry>> {
+    match rows::journal_at(tx, run_id, seq)? {
+        Some(entry) => {
+            ensure_invariant!(
+                !entry.status.is_settled(),
+                "run {run_id} step {seq} ({}) is {}: a settled entry is never rewritten",
+                entry.name,
+                entry.status.as_str()
+            );
+            ensure_invariant!(
+                entry.name == name && entry.kind == kind,
+                "run {run_id} step {seq} is {} ({}), not {name} ({})",
+                entry.name,
+                entry.kind.as_str(),
+                kind.as_str()
+            );
+            ensure_invariant!(
+                entry.status == unsettled,
+                "run {run_id} step {seq} ({name}) is {}, expected {}",
+                entry.status.as_str(),
+                unsettled.as_str()
+            );
+            Ok(Some(entry))
+        }
+        None => {
+            let next = rows::next_seq(tx, run_id)?;
+            ensure_invariant!(
+                i64::from(seq) == next,
+                "run {run_id}: a new step at {seq}, but the next position is {next}"
+            );
+            Ok(None)
+        }
+    }
+}
+
+/// Attempts count from 1 and follow the entry's recorded attempts one by one.
+fn check_attempt(run_id: &str, seq: u32, attempt: u32, existing: Option<&JournalEntry>) -> Result<()> {
+    let expected = existing.map_or(0, |e| e.attempts) + 1;
+    ensure_invariant!(attempt == expected, "run {run_id} step {seq}: attempt {attempt}, expected attempt {expected}");
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn record_attempt(
+    tx: &Connection,
+    run_id: &str,
+    seq: u32,
+    name: &str,
+    kind: StepKind,
+    attempt: u32,
+    result: &std::result::Result<Value, StepFailure>,
+    retry_at_ms: Option<i64>,
+    now_ms: i64,
+) -> Result<()> {
+    let (status, output, error, next_attempt_at_ms) = match result {
+        Ok(output) => (StepStatus::Completed, Some(json_text(output)), None, None),
+        Err(failure) if failure.retryable && retry_at_ms.is_some() => {
+            (StepStatus::Retrying, None, Some(clip_error(&failure.message)), retry_at_ms)
+        }
+        Err(failure) => (StepStatus::Failed, None, Some(clip_error(&failure.message)), None),
+    };
+    tx.prepare_cached(
+        "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+         ON CONFLICT (run_id, seq) DO UPDATE SET status = excluded.status, output = excluded.output,
+             error = excluded.error, attempts = excluded.attempts, next_attempt_at_ms = excluded.next_attempt_at_ms,
+             updated_at_ms = excluded.updated_at_ms",
+    )
+    .db()?
+    .execute(params![run_id, seq, name, kind.as_str(), status.as_str(), output, error, attempt, next_attempt_at_ms, now_ms])
+    .db()?;
+    // The attempt history counts over the run's whole life (an operator retry resets only the
+    // entry's budget), so its ordinal is the next one at this position.
+    tx.prepare_cached(
+        "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
+         SELECT ?1, ?2, coalesce(max(attempt), 0) + 1, ?3, ?4, ?5 FROM step_attempts WHERE run_id = ?1 AND seq = ?2",
+    )
+    .db()?
+    .execute(params![run_id, seq, result.is_ok(), error, now_ms])
+    .db()?;
+    Ok(())
+}

@@ -1,0 +1,189 @@
+//! Row mapping and the small reads shared by the workflow operations.
+
+use rusqlite::types::Type;
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use serde_json::Value;
+use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus};
+use tidemark_core::{Error, Result};
+
+use crate::SqlResult;
+
+/// The active (non-terminal, claimable) statuses, written exactly as in the partial indexes of
+/// migration v2 so that SQLite can use them.
+pub(super) const ACTIVE: &str = "('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+
+pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
+     waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms, \
+     updated_at_ms";
+
+const JOURNAL_COLUMNS: &str =
+    "seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms, event_name, reason, updated_at_ms";
+
+const EVENT_COLUMNS: &str = "event_id, name, payload, received_at_ms, consumed_by_seq";
+
+fn bad_column(index: usize, message: String) -> rusqlite::Error {
+    rusqlite::Error::FromSqlConversionFailure(index, Type::Text, message.into())
+}
+
+fn json_at(r: &Row<'_>, index: usize) -> rusqlite::Result<Value> {
+    let text: String = r.get(index)?;
+    serde_json::from_str(&text).map_err(|e| bad_column(index, format!("corrupt JSON: {e}")))
+}
+
+fn opt_json_at(r: &Row<'_>, index: usize) -> rusqlite::Result<Option<Value>> {
+    let text: Option<String> = r.get(index)?;
+    text.map(|t| serde_json::from_str(&t).map_err(|e| bad_column(index, format!("corrupt JSON: {e}")))).transpose()
+}
+
+pub(super) fn run_status_at(r: &Row<'_>, index: usize) -> rusqlite::Result<RunStatus> {
+    let text: String = r.get(index)?;
+    RunStatus::parse(&text).ok_or_else(|| bad_column(index, format!("unknown run status {text:?}")))
+}
+
+/// Map a row selected with [`RUN_COLUMNS`].
+pub(super) fn run_record(r: &Row<'_>) -> rusqlite::Result<RunRecord> {
+    Ok(RunRecord {
+        run_id: r.get(0)?,
+        workflow: r.get(1)?,
+        version: r.get(2)?,
+        input: json_at(r, 3)?,
+        key: r.get(4)?,
+        status: run_status_at(r, 5)?,
+        result: opt_json_at(r, 6)?,
+        error: r.get(7)?,
+        wake_at_ms: r.get(8)?,
+        waiting_for: r.get(9)?,
+        cancel_requested: r.get(10)?,
+        forked_from: r.get(11)?,
+        lease_owner: r.get(12)?,
+        lease_expires_at_ms: r.get(13)?,
+        recoveries: r.get(14)?,
+        created_at_ms: r.get(15)?,
+        updated_at_ms: r.get(16)?,
+    })
+}
+
+fn journal_entry(r: &Row<'_>) -> rusqlite::Result<JournalEntry> {
+    let kind: String = r.get(2)?;
+    let status: String = r.get(3)?;
+    Ok(JournalEntry {
+        seq: r.get(0)?,
+        name: r.get(1)?,
+        kind: StepKind::parse(&kind).ok_or_else(|| bad_column(2, format!("unknown step kind {kind:?}")))?,
+        status: StepStatus::parse(&status).ok_or_else(|| bad_column(3, format!("unknown step status {status:?}")))?,
+        output: opt_json_at(r, 4)?,
+        error: r.get(5)?,
+        attempts: r.get(6)?,
+        next_attempt_at_ms: r.get(7)?,
+        wake_at_ms: r.get(8)?,
+        event_name: r.get(9)?,
+        reason: r.get(10)?,
+        updated_at_ms: r.get(11)?,
+    })
+}
+
+fn run_event(r: &Row<'_>) -> rusqlite::Result<RunEvent> {
+    Ok(RunEvent {
+        event_id: r.get(0)?,
+        name: r.get(1)?,
+        payload: json_at(r, 2)?,
+        received_at_ms: r.get(3)?,
+        consumed_by_seq: r.get(4)?,
+    })
+}
+
+pub(super) fn load_run(conn: &Connection, run_id: &str) -> Result<Option<RunRecord>> {
+    conn.prepare_cached(&format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?1"))
+        .db()?
+        .query_row([run_id], run_record)
+        .optional()
+        .db()
+}
+
+/// The run, or `not_found`.
+pub(super) fn existing_run(conn: &Connection, run_id: &str) -> Result<RunRecord> {
+    load_run(conn, run_id)?.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))
+}
+
+pub(super) fn journal(conn: &Connection, run_id: &str) -> Result<Vec<JournalEntry>> {
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT {JOURNAL_COLUMNS} FROM journal WHERE run_id = ?1 ORDER BY seq")).db()?;
+    let rows = stmt.query_map([run_id], journal_entry).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+pub(super) fn journal_at(conn: &Connection, run_id: &str, seq: u32) -> Result<Option<JournalEntry>> {
+    conn.prepare_cached(&format!("SELECT {JOURNAL_COLUMNS} FROM journal WHERE run_id = ?1 AND seq = ?2"))
+        .db()?
+        .query_row(params![run_id, seq], journal_entry)
+        .optional()
+        .db()
+}
+
+/// The position the next new journal entry of the run takes.
+pub(super) fn next_seq(conn: &Connection, run_id: &str) -> Result<i64> {
+    conn.prepare_cached("SELECT coalesce(max(seq) + 1, 0) FROM journal WHERE run_id = ?1")
+        .db()?
+        .query_row([run_id], |r| r.get(0))
+        .db()
+}
+
+pub(super) fn attempts(conn: &Connection, run_id: &str) -> Result<Vec<AttemptRecord>> {
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT seq, attempt, ok, error, finished_at_ms FROM step_attempts WHERE run_id = ?1 ORDER BY seq, attempt",
+        )
+        .db()?;
+    let rows = stmt
+        .query_map([run_id], |r| {
+            Ok(AttemptRecord {
+                seq: r.get(0)?,
+                attempt: r.get(1)?,
+                ok: r.get(2)?,
+                error: r.get(3)?,
+                finished_at_ms: r.get(4)?,
+            })
+        })
+        .db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+/// Events of a run in arrival order; `unconsumed_only` keeps those no wait consumed yet.
+pub(super) fn events(conn: &Connection, run_id: &str, unconsumed_only: bool) -> Result<Vec<RunEvent>> {
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = ?1 AND (?2 = 0 OR consumed_by_seq IS NULL)
+             ORDER BY received_at_ms, event_id"
+        ))
+        .db()?;
+    let rows = stmt.query_map(params![run_id, unconsumed_only], run_event).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+pub(super) fn event(conn: &Connection, run_id: &str, event_id: &str) -> Result<Option<RunEvent>> {
+    conn.prepare_cached(&format!("SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = ?1 AND event_id = ?2"))
+        .db()?
+        .query_row([run_id, event_id], run_event)
+        .optional()
+        .db()
+}
+
+/// A purged run's receipt that has not expired at `now_ms`: (workflow, input_hash, status).
+pub(super) fn live_receipt(
+    conn: &Connection,
+    run_id: &str,
+    now_ms: i64,
+) -> Result<Option<(String, String, RunStatus)>> {
+    conn.prepare_cached(
+        "SELECT workflow, input_hash, status FROM run_receipts WHERE run_id = ?1 AND expires_at_ms > ?2",
+    )
+    .db()?
+    .query_row(params![run_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?, run_status_at(r, 2)?)))
+    .optional()
+    .db()
+}
+
+/// Canonical JSON text of a value (serde_json writes object keys in sorted order).
+pub(super) fn json_text(value: &Value) -> String {
+    value.to_string()
+}
