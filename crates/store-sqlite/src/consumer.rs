@@ -823,3 +823,31 @@ impl ConsumerStore for SqliteConsumer {
         Ok(ConsumerSnapshot { horizon_ms: self.retention.horizon_ms, inbox, receipts, cursors })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rerunning_a_finished_rename_is_a_no_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let event = Envelope {
+            event_id: "e1".into(),
+            source: "shop".into(),
+            generation: "g1".into(),
+            flow_id: "f".into(),
+            seq: 1,
+            event_type: "t".into(),
+            schema_version: 1,
+            payload: serde_json::json!({}),
+            created_at_ms: 1,
+        };
+        consumer.receive_batch(&[("a", &event)], 1).unwrap();
+        assert_eq!(consumer.rename_consumer("a", "b").unwrap().inbox, 1);
+        let again = consumer.rename_consumer("a", "b").unwrap();
+        assert_eq!((again.inbox, again.receipts, again.cursors, again.projections), (0, 0, 0, 0));
+        assert_eq!(consumer.rename_consumer("a", "c").unwrap_err().code(), codes::NOT_FOUND);
+        assert_eq!(consumer.inbox("b", None, 10).unwrap().len(), 1);
+    }
+}

@@ -6,6 +6,7 @@
 
 mod consumer;
 mod endpoints;
+pub mod example;
 pub mod order;
 mod producer;
 pub mod reservation;

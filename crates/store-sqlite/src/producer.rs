@@ -191,8 +191,9 @@ fn advance_validated(
     .execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms])
     .db()?;
     tx.prepare_cached(
-        "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms,
+             generation)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
     )
     .db()?
     .execute(params![
@@ -203,7 +204,8 @@ fn advance_validated(
         event.schema_version,
         event.payload.to_string(),
         event.content_hash(),
-        event.created_at_ms
+        event.created_at_ms,
+        event.generation
     ])
     .db()?;
     let position = tx.last_insert_rowid();
@@ -219,10 +221,13 @@ fn advance_validated(
 
 fn event_from_row(identity: &ProducerIdentity, r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Envelope> {
     let payload: String = r.get(at + 5)?;
+    // An event keeps the generation it was committed under (a restored producer redelivers its
+    // old events unchanged); rows written before schema v2 have none and take the current one.
+    let generation: Option<String> = r.get(at + 7)?;
     Ok(Envelope {
         event_id: r.get(at)?,
         source: identity.source.clone(),
-        generation: identity.generation.clone(),
+        generation: generation.unwrap_or_else(|| identity.generation.clone()),
         flow_id: r.get(at + 1)?,
         seq: r.get(at + 2)?,
         event_type: r.get(at + 3)?,
@@ -233,7 +238,8 @@ fn event_from_row(identity: &ProducerIdentity, r: &rusqlite::Row<'_>, at: usize)
     })
 }
 
-const EVENT_COLUMNS: &str = "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms";
+const EVENT_COLUMNS: &str =
+    "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms, o.generation";
 
 fn delivery_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeliveryEntry> {
     let status: String = r.get(4)?;
@@ -382,9 +388,9 @@ impl ProducerStore for SqliteProducer {
         let map = |r: &rusqlite::Row<'_>| -> rusqlite::Result<Delivery> {
             Ok(Delivery {
                 envelope: event_from_row(identity, r, 0)?,
-                consumer_id: r.get(7)?,
-                attempts: r.get(8)?,
-                endpoint: r.get(9)?,
+                consumer_id: r.get(8)?,
+                attempts: r.get(9)?,
+                endpoint: r.get(10)?,
             })
         };
         let rows = match event_id {
@@ -616,5 +622,36 @@ impl ProducerStore for SqliteProducer {
         };
         tx.finish().db()?;
         Ok(ProducerSnapshot { identity: self.identity.clone(), subscriptions, flows, outbox, deliveries })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidemark_core::reservation::ReservationMachine;
+
+    fn reserve(flow: &str) -> AdvanceRequest {
+        AdvanceRequest {
+            flow_id: flow.into(),
+            expected_seq: 0,
+            to_state: "reserved".into(),
+            input: serde_json::json!({"quantity": 3}),
+            schema_version: 1,
+        }
+    }
+
+    #[test]
+    fn events_keep_the_generation_they_were_committed_under() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut producer = SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+        let first = producer.identity().generation.clone();
+        producer.advance_batch(&ReservationMachine, &[reserve("a")], 1).unwrap();
+        let second = producer.rotate_generation().unwrap().generation;
+        producer.advance_batch(&ReservationMachine, &[reserve("b")], 2).unwrap();
+        let outbox = producer.snapshot(10).unwrap().outbox;
+        assert_eq!(outbox[0].generation, first, "an old event is redelivered unchanged after a rotation");
+        assert_eq!(outbox[1].generation, second);
+        let due = producer.due_deliveries(10, 10, None).unwrap();
+        assert!(due.is_empty(), "no subscribers, nothing due");
     }
 }

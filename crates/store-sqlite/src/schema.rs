@@ -107,7 +107,13 @@ const MIGRATIONS: &[&str] = &[
         retired_at_ms INTEGER NOT NULL
     ) WITHOUT ROWID;
     "#,
-    // v2: durable workflows (docs/workflows.md, crates/store-sqlite/src/workflow/). The status
+    // v2: each outbox event keeps the producer generation it was committed under, so that a
+    // producer restored from a backup (and rotated) redelivers its old events unchanged. Rows of
+    // v1 files stay NULL and are read with the current generation.
+    r#"
+    ALTER TABLE outbox ADD COLUMN generation TEXT;
+    "#,
+    // v3: durable workflows (docs/workflows.md, crates/store-sqlite/src/workflow/). The status
     // list ('pending', 'running', 'sleeping', 'waiting', 'compensating') is written exactly like
     // this in the partial indexes and in the queries that use them (SQLite matches the terms).
     r#"
@@ -385,34 +391,63 @@ mod tests {
     }
 
     #[test]
-    fn a_v1_file_migrates_to_the_current_version_keeping_its_data() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("v1.db");
-        let mut conn = Connection::open(&path).unwrap();
-        configure(&conn, Durability::Full).unwrap();
-        migrate_to(&mut conn, 1).unwrap();
-        assert_eq!(schema_version(&conn).unwrap(), 1);
-        assert!(!table_exists(&conn, "runs"));
-        meta_set(&conn, "producer.source", "shop").unwrap();
-        conn.execute(
+    fn every_previous_version_migrates_to_the_current_one_keeping_its_data() {
+        for previous in 1..SCHEMA_VERSION {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join(format!("v{previous}.db"));
+            let mut conn = Connection::open(&path).unwrap();
+            configure(&conn, Durability::Full).unwrap();
+            migrate_to(&mut conn, previous).unwrap();
+            assert_eq!(schema_version(&conn).unwrap(), previous);
+            assert!(!table_exists(&conn, "runs"));
+            meta_set(&conn, "producer.source", "shop").unwrap();
+            conn.execute(
             "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES ('r1', 'reserved', '{}', 1, 5)",
             [],
         )
         .unwrap();
-        drop(conn);
+            drop(conn);
 
+            let conn = open(&path, false, Durability::Full).unwrap();
+            assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
+            assert_eq!(meta_get(&conn, "producer.source").unwrap().as_deref(), Some("shop"));
+            let flow: (String, i64) = conn
+                .query_row("SELECT state, last_seq FROM flows WHERE flow_id = 'r1'", [], |r| Ok((r.get(0)?, r.get(1)?)))
+                .unwrap();
+            assert_eq!(flow, ("reserved".to_string(), 1));
+            for table in ["runs", "journal", "step_attempts", "run_events", "run_receipts"] {
+                assert!(table_exists(&conn, table), "{table} missing after migration");
+            }
+            let runs: i64 = conn.query_row("SELECT count(*) FROM runs", [], |r| r.get(0)).unwrap();
+            assert_eq!(runs, 0);
+        }
+    }
+
+    #[test]
+    fn a_version_1_producer_file_is_migrated_and_its_events_take_the_current_generation() {
+        use tidemark_core::store::ProducerStore;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v1.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;").unwrap();
+            conn.execute_batch(MIGRATIONS[0]).unwrap();
+            meta_set(&conn, "schema_version", "1").unwrap();
+            meta_set(&conn, "producer.source", "shop").unwrap();
+            meta_set(&conn, "producer.generation", "g1").unwrap();
+            conn.execute(
+                "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
+                 VALUES ('e1', 'f', 1, 'reservation.reserved', 1, '{\"amount\":3}', 'h', 0)",
+                [],
+            )
+            .unwrap();
+        }
+        let producer = crate::SqliteProducer::open(&path).unwrap();
+        let outbox = producer.snapshot(10).unwrap().outbox;
+        assert_eq!((outbox[0].event_id.as_str(), outbox[0].generation.as_str()), ("e1", "g1"));
+        drop(producer);
         let conn = open(&path, false, Durability::Full).unwrap();
         assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
-        assert_eq!(meta_get(&conn, "producer.source").unwrap().as_deref(), Some("shop"));
-        let flow: (String, i64) = conn
-            .query_row("SELECT state, last_seq FROM flows WHERE flow_id = 'r1'", [], |r| Ok((r.get(0)?, r.get(1)?)))
-            .unwrap();
-        assert_eq!(flow, ("reserved".to_string(), 1));
-        for table in ["runs", "journal", "step_attempts", "run_events", "run_receipts"] {
-            assert!(table_exists(&conn, table), "{table} missing after migration");
-        }
-        let runs: i64 = conn.query_row("SELECT count(*) FROM runs", [], |r| r.get(0)).unwrap();
-        assert_eq!(runs, 0);
     }
 
     #[test]

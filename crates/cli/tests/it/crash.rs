@@ -394,7 +394,7 @@ fn prune_before_commit(point: &str) {
     crash_at(point, &prune_cmd(&s));
     assert_eq!(consumer_snapshot(&s), before, "a rolled-back prune left traces");
     replay_all(&s, "audit");
-    assert_eq!(ok(&prune_cmd(&s))["compacted"], 6);
+    assert_eq!(ok(&prune_cmd(&s))["consumer"]["compacted"], 6);
     let consumer = consumer_snapshot(&s);
     assert_eq!((array(&consumer, "inbox").len(), array(&consumer, "receipts").len()), (0, 6));
     replay_all(&s, "audit");
@@ -415,7 +415,7 @@ fn prune_after_commit(point: &str) {
     replay_all(&s, "audit");
     replay_all(&s, "search");
     assert_eq!(drain(&s, "search")["applied"], 0, "a pruned event was applied again");
-    assert_eq!(ok(&prune_cmd(&s))["compacted"], 0);
+    assert_eq!(ok(&prune_cmd(&s))["consumer"]["compacted"], 0);
     settle(&s);
     assert_converged(&s);
 }
@@ -659,7 +659,7 @@ fn crash_on_the_nth_hit_keeps_the_earlier_commits() {
     let consumer = consumer_snapshot(&s);
     assert_eq!((array(&consumer, "inbox").len(), array(&consumer, "receipts").len()), (1, 2));
     replay_all(&s, "audit");
-    assert_eq!(ok(&prune_one_by_one)["compacted"], 1);
+    assert_eq!(ok(&prune_one_by_one)["consumer"]["compacted"], 1);
     replay_all(&s, "audit");
     settle(&s);
     assert_converged(&s);
