@@ -6,6 +6,7 @@
 
 mod consumer;
 mod endpoints;
+pub mod probe;
 mod producer;
 pub mod reservation;
 mod schema;
