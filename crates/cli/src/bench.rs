@@ -567,6 +567,9 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     let commit_probe =
         probe::single_row_commits(&dir.join("probe.db"), Durability::Full, args.probe_commits, PROBE_TIME_MAX)?;
     let fdatasync = fdatasync_rate(&dir.join("fdatasync.bin"), args.probe_commits)?;
+    // The CPU side: bare inserts of inbox-shaped rows, `batch` per transaction.
+    let insert_rows = (flows * per_flow).min(30_000);
+    let insert_probe = probe::inbox_inserts(&dir.join("inserts.db"), durability, insert_rows, args.batch as u64)?;
 
     // Preload once (fast: synchronous=NORMAL, batches of 10,000), then reopen with `durability`.
     let mut preloaded_pipeline = None;
@@ -670,6 +673,13 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "sqlite_durability": "full",
             "fdatasync": fdatasync,
         },
+        "row_write_ceiling": {
+            "what": "bare INSERTs into the real inbox table (its primary key and 3 indexes), one prepared \
+                     statement, --batch rows per transaction, --durability: one of the ~17 row writes an event costs",
+            "rows": insert_probe.rows,
+            "rows_per_transaction": insert_probe.rows_per_transaction,
+            "rows_per_s": round1(insert_probe.rows_per_s),
+        },
         "group_commit": sequential.json(group, "one thread: each wave advanced, then relayed, then drained"),
         "pipelined": pipelined.json(group, "three threads (producer, relay, consumer), each with its own connections"),
         "one_per_op": (args.baseline_flows > 0).then(|| baseline.json(one, "one thread, one transaction per operation")),
@@ -687,6 +697,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "preloaded_events_per_s": preloaded_rate,
             "preloaded_ratio_to_empty": preloaded_ratio,
             "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
+            "inbox_row_inserts_per_s": round1(insert_probe.rows_per_s),
             "rates_are": "medians over --repeat runs, events per second of wall time (per_cpu_s: per second \
                           on a CPU, i.e. what an otherwise idle core would do, fsync waits excluded)",
             "targets": {
@@ -740,6 +751,7 @@ mod tests {
         // 3,000 preloaded events plus the measured 600, for each of the 2 consumers.
         assert_eq!(out["preloaded"]["runs"][0]["check"]["effects"], json!(7200));
         assert_eq!(out["preloaded"]["preload"]["events"], json!(3000));
+        assert_eq!(out["row_write_ceiling"]["rows"], json!(600));
         let summary = &out["summary"];
         for key in [
             "end_to_end_events_per_s",
@@ -749,6 +761,7 @@ mod tests {
             "group_commit_ratio",
             "preloaded_ratio_to_empty",
             "sqlite_single_row_commits_per_s",
+            "inbox_row_inserts_per_s",
         ] {
             assert!(summary[key].as_f64().is_some_and(|v| v > 0.0), "{key} is not positive: {out:#}");
         }

@@ -48,3 +48,58 @@ pub fn single_row_commits(
     let seconds = start.elapsed().as_secs_f64();
     Ok(CommitProbe { commits: done, seconds, commits_per_s: done as f64 / seconds.max(1e-9) })
 }
+
+/// What [`inbox_inserts`] measured.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct InsertProbe {
+    pub rows: u64,
+    pub rows_per_transaction: u64,
+    pub seconds: f64,
+    pub rows_per_s: f64,
+}
+
+/// Insert `rows` rows shaped like the relay's inbox rows (same table, same indexes, one
+/// prepared statement, `per_transaction` rows per transaction) into a fresh file at `path`:
+/// the cost of one bare SQLite row write with tidemark's keys, without any protocol logic.
+pub fn inbox_inserts(path: &Path, durability: Durability, rows: u64, per_transaction: u64) -> Result<InsertProbe> {
+    if path.exists() {
+        return Err(tidemark_core::Error::invalid(
+            tidemark_core::error::codes::ALREADY_EXISTS,
+            format!("{} already exists; the probe needs a fresh file", path.display()),
+        ));
+    }
+    let per_transaction = per_transaction.max(1);
+    let mut conn = schema::open(path, true, durability)?;
+    let payload = r#"{"amount":1}"#;
+    let hash = "0".repeat(64);
+    let generation = "1".repeat(32);
+    let start = Instant::now();
+    let mut done = 0_u64;
+    while done < rows {
+        let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).db()?;
+        {
+            let mut insert = tx
+                .prepare_cached(
+                    "INSERT INTO inbox (consumer_id, source, flow_id, seq, event_id, generation, event_type,
+                         schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
+                     VALUES ('c1', 'bench', ?1, 1, ?2, ?3, 'reservation.reserved', 1, ?4, ?5, 0, 0, 'pending', 0)",
+                )
+                .db()?;
+            let end = (done + per_transaction).min(rows);
+            for i in done..end {
+                insert
+                    .execute(rusqlite::params![format!("g-{i:08}"), format!("{i:032x}"), generation, payload, hash])
+                    .db()?;
+            }
+            done = end;
+        }
+        tx.commit().db()?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(InsertProbe {
+        rows: done,
+        rows_per_transaction: per_transaction,
+        seconds,
+        rows_per_s: done as f64 / seconds.max(1e-9),
+    })
+}
