@@ -8,6 +8,7 @@
 
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
@@ -291,89 +292,114 @@ fn run_pipelined(
     let total = flows * events_per_flow;
     let deliveries_due = total * consumer_ids.len() as u64;
     let started = Instant::now();
-    let timed_out = |what: &str| failed(format!("pipelined {what} did not finish within {deadline:?}"));
+    // Set by a thread that fails, so that the others stop instead of waiting for the deadline.
+    let failed_thread = AtomicBool::new(false);
+    let stop = |what: &str| -> Option<Error> {
+        if failed_thread.load(Ordering::SeqCst) {
+            Some(failed(format!("pipelined {what} stopped: another thread failed")))
+        } else if started.elapsed() > deadline {
+            Some(failed(format!("pipelined {what} did not finish within {deadline:?}")))
+        } else {
+            None
+        }
+    };
+    let flag = |result: Result<ThreadResult>| {
+        if result.is_err() {
+            failed_thread.store(true, Ordering::SeqCst);
+        }
+        result
+    };
     let idle = Duration::from_millis(1);
     let (producer, relay, drain) = std::thread::scope(|scope| {
-        let producer = scope.spawn(|| -> Result<ThreadResult> {
-            let sched = Sched::now();
-            let mut producer = SqliteProducer::open_with(producer_path, durability)?;
-            let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-            let mut next = 0_u64;
-            while next < total {
-                let wave_len = (total - next).min(mode.advance_batch as u64);
-                let requests: Vec<AdvanceRequest> =
-                    (next..next + wave_len).map(|i| request(prefix, i % flows, i / flows)).collect();
-                next += wave_len;
-                let t = Instant::now();
-                let outcomes = producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
-                result.busy += t.elapsed();
-                result.calls += 1;
-                if let Some(other) = outcomes.iter().find(|o| !matches!(o, AdvanceOutcome::Committed { .. })) {
-                    return Err(failed(format!("an advance was not committed: {other:?}")));
+        let producer = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                let mut next = 0_u64;
+                while next < total {
+                    if let Some(error) = stop("producer") {
+                        return Err(error);
+                    }
+                    let wave_len = (total - next).min(mode.advance_batch as u64);
+                    let requests: Vec<AdvanceRequest> =
+                        (next..next + wave_len).map(|i| request(prefix, i % flows, i / flows)).collect();
+                    next += wave_len;
+                    let t = Instant::now();
+                    let outcomes = producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
+                    result.busy += t.elapsed();
+                    result.calls += 1;
+                    if let Some(other) = outcomes.iter().find(|o| !matches!(o, AdvanceOutcome::Committed { .. })) {
+                        return Err(failed(format!("an advance was not committed: {other:?}")));
+                    }
+                    result.count += wave_len;
                 }
-                result.count += wave_len;
-            }
-            result.sched = sched_delta(sched);
-            Ok(result)
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
         });
-        let relay = scope.spawn(|| -> Result<ThreadResult> {
-            let sched = Sched::now();
-            let mut producer = SqliteProducer::open_with(producer_path, durability)?;
-            let mut endpoints = SqliteEndpoints::new(durability);
-            let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
-            let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-            while result.count < deliveries_due {
-                if started.elapsed() > deadline {
-                    return Err(timed_out("relay"));
-                }
-                let t = Instant::now();
-                let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
-                if report.attempted == 0 {
-                    std::thread::sleep(idle);
-                    continue;
-                }
-                result.busy += t.elapsed();
-                result.calls += 1;
-                if report.accepted != report.attempted {
-                    return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
-                }
-                result.count += report.attempted;
-            }
-            result.sched = sched_delta(sched);
-            Ok(result)
-        });
-        let drain = scope.spawn(|| -> Result<ThreadResult> {
-            let sched = Sched::now();
-            let mut consumer = crate::open_consumer(consumer_path, durability)?;
-            let mut handler = ReservationHandler::new(false);
-            let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-            let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
-            while result.count < deliveries_due {
-                if started.elapsed() > deadline {
-                    return Err(timed_out("drain"));
-                }
-                let mut progressed = false;
-                for (consumer_id, applied) in consumer_ids.iter().zip(applied.iter_mut()) {
-                    if *applied == total {
-                        continue;
+        let relay = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
+                let mut endpoints = SqliteEndpoints::new(durability);
+                let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                while result.count < deliveries_due {
+                    if let Some(error) = stop("relay") {
+                        return Err(error);
                     }
                     let t = Instant::now();
-                    let report =
-                        consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
-                    if report.applied > 0 {
-                        result.busy += t.elapsed();
-                        result.calls += 1;
-                        result.count += report.applied;
-                        *applied += report.applied;
-                        progressed = true;
+                    let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
+                    if report.attempted == 0 {
+                        std::thread::sleep(idle);
+                        continue;
+                    }
+                    result.busy += t.elapsed();
+                    result.calls += 1;
+                    if report.accepted != report.attempted {
+                        return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
+                    }
+                    result.count += report.attempted;
+                }
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
+        });
+        let drain = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut consumer = crate::open_consumer(consumer_path, durability)?;
+                let mut handler = ReservationHandler::new(false);
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
+                while result.count < deliveries_due {
+                    if let Some(error) = stop("drain") {
+                        return Err(error);
+                    }
+                    let mut progressed = false;
+                    for (consumer_id, applied) in consumer_ids.iter().zip(applied.iter_mut()) {
+                        if *applied == total {
+                            continue;
+                        }
+                        let t = Instant::now();
+                        let report =
+                            consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
+                        if report.applied > 0 {
+                            result.busy += t.elapsed();
+                            result.calls += 1;
+                            result.count += report.applied;
+                            *applied += report.applied;
+                            progressed = true;
+                        }
+                    }
+                    if !progressed {
+                        std::thread::sleep(idle);
                     }
                 }
-                if !progressed {
-                    std::thread::sleep(idle);
-                }
-            }
-            result.sched = sched_delta(sched);
-            Ok(result)
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
         });
         let join = |handle: std::thread::ScopedJoinHandle<'_, Result<ThreadResult>>| {
             handle.join().unwrap_or_else(|_| Err(failed("a pipelined thread panicked".into())))
