@@ -1,14 +1,832 @@
-//! `tidemark bench`: throughput measurements (filled in by the bench module).
+//! `tidemark bench`: throughput of the whole pipeline (advance, relay, apply) on real SQLite
+//! files, with group commit and with one transaction per operation, on empty files and on files
+//! that already hold many events, beside the disk's single-row commit ceiling.
+//!
+//! Rates are measured and printed, never asserted: `docs/benchmarks.md` explains each number.
+//! Every run ends with an exactly-once check (effects == events x consumers, no duplicate
+//! effect, every delivery accepted); a failed check makes the command exit 1.
+
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use clap::Args;
-use serde_json::Value;
-use tidemark_core::Result;
+use serde_json::{json, Value};
+use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
+use tidemark_core::limits::{ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX};
+use tidemark_core::reservation::{ReservationMachine, STATES};
+use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
+use tidemark_core::{Error, Result};
+use tidemark_engine::{relay_once, RelayOptions};
+use tidemark_store_sqlite::reservation::{self, ReservationHandler};
+use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 
+use crate::pipeline::Pipeline;
 use crate::Context;
 
-#[derive(Args)]
-pub struct BenchArgs {}
+/// Batch used to preload files quickly (the largest batch every stage allows).
+const PRELOAD_BATCH: usize = 10_000;
+/// Upper bound of the fsync probes' duration.
+const PROBE_TIME_MAX: Duration = Duration::from_secs(5);
 
-pub fn run(_ctx: &Context, _args: BenchArgs) -> Result<Value> {
-    Err(tidemark_core::Error::invalid(tidemark_core::codes::INVALID_ARGUMENT, "bench: not built yet"))
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Flows of each group-commit run; each flow gets --events-per-flow events.
+    #[arg(long, default_value_t = 10_000)]
+    flows: u64,
+    /// Events per flow, 1..=3 (reserved, confirmed, released).
+    #[arg(long, default_value_t = 3)]
+    events_per_flow: u64,
+    /// Group commit size: advance requests per producer transaction, relay limit (deliveries per
+    /// consumer + producer transaction pair) and drain limit (applies per consumer transaction).
+    #[arg(long, default_value_t = 5_000)]
+    batch: usize,
+    /// Events put in the tables before the preloaded run (0 skips it). The preload runs the same
+    /// pipeline with synchronous=NORMAL and batches of 10,000; the measured run uses --durability.
+    #[arg(long, default_value_t = 1_000_000)]
+    preload_events: u64,
+    /// Flows of the one-transaction-per-operation baseline (advance batch 1, relay limit 1, drain
+    /// limit 1); 0 skips it. Rates are compared, so it may be smaller than --flows.
+    #[arg(long, default_value_t = 300)]
+    baseline_flows: u64,
+    /// Subscribed consumers (all in the one consumer file); each applies every event.
+    #[arg(long, default_value_t = 1)]
+    consumers: usize,
+    /// Single-row commits of the fsync probe (stops after 5 s anyway).
+    #[arg(long, default_value_t = 2_000)]
+    probe_commits: u64,
+    /// Measure each kind of run this many times (interleaved) and report the medians.
+    #[arg(long, default_value_t = 1)]
+    repeat: u64,
+    /// Keep the files in this folder (created if missing; must be empty). Default: a
+    /// temporary folder, deleted afterwards.
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// A small, fast run (for tests): 200 flows, batch 100, baseline 20 flows, preload 3,000
+    /// events, 50 probe commits, 1 repeat (those six flags are overridden).
+    #[arg(long)]
+    quick: bool,
+}
+
+/// How many operations share one transaction in each stage.
+#[derive(Debug, Clone, Copy)]
+struct Mode {
+    advance_batch: usize,
+    relay_limit: usize,
+    drain_limit: usize,
+}
+
+impl Mode {
+    fn json(&self) -> Value {
+        json!({"advance_batch": self.advance_batch, "relay_limit": self.relay_limit, "drain_limit": self.drain_limit})
+    }
+}
+
+/// What one pipeline run did and how long each stage took.
+#[derive(Debug, Default, Clone)]
+struct RunStats {
+    events: u64,
+    deliveries: u64,
+    applied: u64,
+    advance_transactions: u64,
+    relay_passes: u64,
+    drain_transactions: u64,
+    advance: Duration,
+    relay: Duration,
+    drain: Duration,
+    total: Duration,
+    /// On-CPU and run-queue time of this thread over the run (Linux `schedstat`), when known.
+    sched: Option<Sched>,
+}
+
+/// This thread's scheduler counters (Linux `/proc/thread-self/schedstat`): nanoseconds on a CPU
+/// and nanoseconds runnable but waiting for one (time other processes took from us).
+#[derive(Debug, Default, Clone, Copy)]
+struct Sched {
+    on_cpu_ns: u64,
+    run_queue_ns: u64,
+}
+
+impl Sched {
+    fn now() -> Option<Sched> {
+        let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+        let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().ok());
+        Some(Sched { on_cpu_ns: fields.next()??, run_queue_ns: fields.next()?? })
+    }
+
+    fn since(self, start: Sched) -> Sched {
+        Sched {
+            on_cpu_ns: self.on_cpu_ns.saturating_sub(start.on_cpu_ns),
+            run_queue_ns: self.run_queue_ns.saturating_sub(start.run_queue_ns),
+        }
+    }
+}
+
+fn rate(count: u64, elapsed: Duration) -> f64 {
+    let seconds = elapsed.as_secs_f64();
+    if seconds <= 0.0 {
+        return 0.0;
+    }
+    round1(count as f64 / seconds)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl RunStats {
+    fn end_to_end_rate(&self) -> f64 {
+        rate(self.events, self.total)
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "events": self.events,
+            "deliveries": self.deliveries,
+            "applied": self.applied,
+            "transactions": {
+                "advance": self.advance_transactions,
+                "relay_passes": self.relay_passes,
+                "drain": self.drain_transactions,
+            },
+            "seconds": {
+                "advance": round3(self.advance.as_secs_f64()),
+                "relay": round3(self.relay.as_secs_f64()),
+                "drain": round3(self.drain.as_secs_f64()),
+                "total": round3(self.total.as_secs_f64()),
+            },
+            "cpu": self.sched.map(|s| json!({
+                "on_cpu_seconds": round3(s.on_cpu_ns as f64 / 1e9),
+                "run_queue_wait_seconds": round3(s.run_queue_ns as f64 / 1e9),
+                "end_to_end_events_per_cpu_s": rate(self.events, Duration::from_nanos(s.on_cpu_ns)),
+            })),
+            "rates_per_s": {
+                "advance_events": rate(self.events, self.advance),
+                "relay_deliveries": rate(self.deliveries, self.relay),
+                "drain_applies": rate(self.applied, self.drain),
+                "end_to_end_events": self.end_to_end_rate(),
+            },
+        })
+    }
+}
+
+fn failed(message: String) -> Error {
+    Error::Invariant(format!("bench: {message}"))
+}
+
+/// The `(round, flow)` advance requests of a run, in order: every flow's first event, then every
+/// flow's second event, and so on.
+fn request(prefix: &str, index: u64, round: u64) -> AdvanceRequest {
+    AdvanceRequest {
+        flow_id: format!("{prefix}-{index:08}"),
+        expected_seq: round as i64,
+        to_state: STATES[round as usize + 1].to_string(),
+        input: if round == 0 { json!({"quantity": 1 + (index % 1_000) as i64}) } else { json!({}) },
+        schema_version: 1,
+    }
+}
+
+/// Run `flows x events_per_flow` events through advance, relay and drain in waves of
+/// `mode.advance_batch` events: each wave is advanced, then relayed until every delivery of the
+/// wave is accepted, then drained by every consumer until every event of the wave is applied.
+fn run_pipeline(
+    p: &mut Pipeline,
+    consumer_ids: &[String],
+    prefix: &str,
+    flows: u64,
+    events_per_flow: u64,
+    mode: Mode,
+    now_ms: i64,
+) -> Result<RunStats> {
+    let mut stats = RunStats::default();
+    let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
+    let mut handler = ReservationHandler::new(false);
+    let total = flows * events_per_flow;
+    let started = Instant::now();
+    let sched_start = Sched::now();
+    let mut next = 0_u64;
+    while next < total {
+        let wave_len = (total - next).min(mode.advance_batch as u64);
+        let requests: Vec<AdvanceRequest> =
+            (next..next + wave_len).map(|i| request(prefix, i % flows, i / flows)).collect();
+        next += wave_len;
+
+        let t = Instant::now();
+        let outcomes = p.producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
+        stats.advance += t.elapsed();
+        stats.advance_transactions += 1;
+        if let Some(other) = outcomes.iter().find(|o| !matches!(o, AdvanceOutcome::Committed { .. })) {
+            return Err(failed(format!("an advance was not committed: {other:?}")));
+        }
+        stats.events += wave_len;
+
+        let due = wave_len * consumer_ids.len() as u64;
+        let mut relayed = 0_u64;
+        let t = Instant::now();
+        while relayed < due {
+            let report = relay_once(&mut p.producer, &mut p.endpoints, &options, now_ms, &mut || 0.5)?;
+            stats.relay_passes += 1;
+            if report.attempted == 0 || report.accepted != report.attempted {
+                return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
+            }
+            relayed += report.attempted;
+        }
+        stats.relay += t.elapsed();
+        stats.deliveries += relayed;
+
+        let t = Instant::now();
+        for consumer_id in consumer_ids {
+            let mut applied = 0_u64;
+            while applied < wave_len {
+                let report = p.consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
+                stats.drain_transactions += 1;
+                if report.applied == 0 {
+                    return Err(failed(format!("drain of {consumer_id} applied nothing: {report:?}")));
+                }
+                applied += report.applied;
+            }
+            stats.applied += applied;
+        }
+        stats.drain += t.elapsed();
+    }
+    stats.total = started.elapsed();
+    stats.sched = Sched::now().zip(sched_start).map(|(end, start)| end.since(start));
+    Ok(stats)
+}
+
+/// Per-thread results of a pipelined run.
+struct ThreadResult {
+    busy: Duration,
+    calls: u64,
+    count: u64,
+    sched: Option<Sched>,
+}
+
+fn sched_delta(start: Option<Sched>) -> Option<Sched> {
+    Sched::now().zip(start).map(|(end, start)| end.since(start))
+}
+
+/// Run the same events as [`run_pipeline`], but as three threads with their own connections, as
+/// three processes would run them: a producer advancing waves of `mode.advance_batch`, a relay
+/// passing `mode.relay_limit` deliveries at a time, and a consumer draining `mode.drain_limit`
+/// at a time. The relay and the consumer sleep 1 ms when they find nothing to do. Every loop is
+/// bounded by `deadline`.
+#[allow(clippy::too_many_arguments)]
+fn run_pipelined(
+    producer_path: &Path,
+    consumer_path: &Path,
+    consumer_ids: &[String],
+    prefix: &str,
+    flows: u64,
+    events_per_flow: u64,
+    mode: Mode,
+    durability: Durability,
+    now_ms: i64,
+    deadline: Duration,
+) -> Result<RunStats> {
+    let total = flows * events_per_flow;
+    let deliveries_due = total * consumer_ids.len() as u64;
+    let started = Instant::now();
+    // Set by a thread that fails, so that the others stop instead of waiting for the deadline.
+    let failed_thread = AtomicBool::new(false);
+    let stop = |what: &str| -> Option<Error> {
+        if failed_thread.load(Ordering::SeqCst) {
+            Some(failed(format!("pipelined {what} stopped: another thread failed")))
+        } else if started.elapsed() > deadline {
+            Some(failed(format!("pipelined {what} did not finish within {deadline:?}")))
+        } else {
+            None
+        }
+    };
+    let flag = |result: Result<ThreadResult>| {
+        if result.is_err() {
+            failed_thread.store(true, Ordering::SeqCst);
+        }
+        result
+    };
+    let idle = Duration::from_millis(1);
+    let (producer, relay, drain) = std::thread::scope(|scope| {
+        let producer = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                let mut next = 0_u64;
+                while next < total {
+                    if let Some(error) = stop("producer") {
+                        return Err(error);
+                    }
+                    let wave_len = (total - next).min(mode.advance_batch as u64);
+                    let requests: Vec<AdvanceRequest> =
+                        (next..next + wave_len).map(|i| request(prefix, i % flows, i / flows)).collect();
+                    next += wave_len;
+                    let t = Instant::now();
+                    let outcomes = producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
+                    result.busy += t.elapsed();
+                    result.calls += 1;
+                    if let Some(other) = outcomes.iter().find(|o| !matches!(o, AdvanceOutcome::Committed { .. })) {
+                        return Err(failed(format!("an advance was not committed: {other:?}")));
+                    }
+                    result.count += wave_len;
+                }
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
+        });
+        let relay = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
+                let mut endpoints = SqliteEndpoints::new(durability);
+                let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                while result.count < deliveries_due {
+                    if let Some(error) = stop("relay") {
+                        return Err(error);
+                    }
+                    let t = Instant::now();
+                    let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
+                    if report.attempted == 0 {
+                        std::thread::sleep(idle);
+                        continue;
+                    }
+                    result.busy += t.elapsed();
+                    result.calls += 1;
+                    if report.accepted != report.attempted {
+                        return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
+                    }
+                    result.count += report.attempted;
+                }
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
+        });
+        let drain = scope.spawn(|| {
+            flag((|| -> Result<ThreadResult> {
+                let sched = Sched::now();
+                let mut consumer = crate::open_consumer(consumer_path, durability)?;
+                let mut handler = ReservationHandler::new(false);
+                let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
+                while result.count < deliveries_due {
+                    if let Some(error) = stop("drain") {
+                        return Err(error);
+                    }
+                    let mut progressed = false;
+                    for (consumer_id, applied) in consumer_ids.iter().zip(applied.iter_mut()) {
+                        if *applied == total {
+                            continue;
+                        }
+                        let t = Instant::now();
+                        let report =
+                            consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
+                        if report.applied > 0 {
+                            result.busy += t.elapsed();
+                            result.calls += 1;
+                            result.count += report.applied;
+                            *applied += report.applied;
+                            progressed = true;
+                        }
+                    }
+                    if !progressed {
+                        std::thread::sleep(idle);
+                    }
+                }
+                result.sched = sched_delta(sched);
+                Ok(result)
+            })())
+        });
+        let join = |handle: std::thread::ScopedJoinHandle<'_, Result<ThreadResult>>| {
+            handle.join().unwrap_or_else(|_| Err(failed("a pipelined thread panicked".into())))
+        };
+        (join(producer), join(relay), join(drain))
+    });
+    let (producer, relay, drain) = (producer?, relay?, drain?);
+    let total_elapsed = started.elapsed();
+    let sched = [producer.sched, relay.sched, drain.sched].into_iter().try_fold(Sched::default(), |sum, s| {
+        s.map(|s| Sched { on_cpu_ns: sum.on_cpu_ns + s.on_cpu_ns, run_queue_ns: sum.run_queue_ns + s.run_queue_ns })
+    });
+    Ok(RunStats {
+        events: producer.count,
+        deliveries: relay.count,
+        applied: drain.count,
+        advance_transactions: producer.calls,
+        relay_passes: relay.calls,
+        drain_transactions: drain.calls,
+        advance: producer.busy,
+        relay: relay.busy,
+        drain: drain.busy,
+        total: total_elapsed,
+        sched,
+    })
+}
+
+/// The exactly-once check of a pipeline's files: one effect per applied event and consumer, no
+/// duplicate effect, every delivery accepted, nothing left open in the inbox.
+fn verify(p: &Pipeline, expected_effects: u64) -> Result<Value> {
+    let effects = reservation::effect_count(p.consumer.connection())?;
+    let duplicates = reservation::duplicate_effects(p.consumer.connection())?;
+    let deliveries = p.producer.delivery_counts()?;
+    let not_accepted: i64 = deliveries.iter().filter(|(status, _)| status != "accepted").map(|(_, n)| n).sum();
+    let passed = effects == expected_effects && duplicates.is_empty() && not_accepted == 0;
+    Ok(json!({
+        "passed": passed,
+        "effects": effects,
+        "expected_effects": expected_effects,
+        "duplicate_effects": duplicates.len(),
+        "deliveries_by_status": deliveries.into_iter().map(|(status, n)| (status, json!(n))).collect::<serde_json::Map<String, Value>>(),
+    }))
+}
+
+fn reopen(p: Pipeline, durability: Durability) -> Result<Pipeline> {
+    let Pipeline { producer_path, consumer_path, producer, consumer, endpoints } = p;
+    drop((producer, consumer, endpoints));
+    reopen_paths(&producer_path, &consumer_path, durability)
+}
+
+fn reopen_paths(producer_path: &Path, consumer_path: &Path, durability: Durability) -> Result<Pipeline> {
+    Ok(Pipeline {
+        producer: SqliteProducer::open_with(producer_path, durability)?,
+        consumer: crate::open_consumer(consumer_path, durability)?,
+        endpoints: SqliteEndpoints::new(durability),
+        producer_path: producer_path.to_path_buf(),
+        consumer_path: consumer_path.to_path_buf(),
+    })
+}
+
+/// Raw `fdatasync` rate of a small file rewritten in place (no SQLite at all).
+fn fdatasync_rate(path: &Path, syncs: u64) -> Result<Value> {
+    let io = |e: std::io::Error| Error::io(format!("{}: {e}", path.display()));
+    let mut file = std::fs::OpenOptions::new().create_new(true).write(true).open(path).map_err(io)?;
+    let start = Instant::now();
+    let mut done = 0_u64;
+    while done < syncs && start.elapsed() < PROBE_TIME_MAX {
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        file.write_all(&done.to_le_bytes()).map_err(io)?;
+        file.sync_data().map_err(io)?;
+        done += 1;
+    }
+    let elapsed = start.elapsed();
+    Ok(json!({"syncs": done, "seconds": round3(elapsed.as_secs_f64()), "per_s": rate(done, elapsed)}))
+}
+
+fn durability_word(durability: Durability) -> &'static str {
+    match durability {
+        Durability::Full => "full",
+        Durability::Normal => "normal",
+    }
+}
+
+fn check_range(name: &str, value: u64, min: u64, max: u64) -> Result<()> {
+    if value < min || value > max {
+        return Err(crate::invalid(format!("{name} must be {min}..={max}, got {value}")));
+    }
+    Ok(())
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    match sorted.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => sorted[n / 2],
+        n => round1((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+    }
+}
+
+/// Runs of one kind: each run's JSON, and the median end-to-end rate.
+#[derive(Default)]
+struct Series {
+    runs: Vec<Value>,
+    rates: Vec<f64>,
+    /// Events per second of on-CPU time of the measuring threads, when known.
+    cpu_rates: Vec<f64>,
+}
+
+impl Series {
+    fn push(&mut self, stats: &RunStats, check: Value) {
+        self.rates.push(stats.end_to_end_rate());
+        if let Some(sched) = stats.sched {
+            self.cpu_rates.push(rate(stats.events, Duration::from_nanos(sched.on_cpu_ns)));
+        }
+        let mut run = stats.json();
+        run["check"] = check;
+        self.runs.push(run);
+    }
+
+    fn median(&self) -> Option<f64> {
+        (!self.rates.is_empty()).then(|| median(&self.rates))
+    }
+
+    fn json(&self, mode: Mode, what: &str) -> Value {
+        json!({
+            "what": what,
+            "mode": mode.json(),
+            "end_to_end_events_per_s_median": self.median(),
+            "end_to_end_events_per_s_each": self.rates,
+            "end_to_end_events_per_cpu_s_median": (!self.cpu_rates.is_empty()).then(|| median(&self.cpu_rates)),
+            "runs": self.runs,
+        })
+    }
+}
+
+fn passed(check: &Value) -> bool {
+    check["passed"] == json!(true)
+}
+
+pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
+    if args.quick {
+        args.flows = 200;
+        args.batch = 100;
+        args.baseline_flows = 20;
+        args.preload_events = 3_000;
+        args.probe_commits = 50;
+        args.repeat = 1;
+    }
+    check_range("--flows", args.flows, 1, 10_000_000)?;
+    check_range("--events-per-flow", args.events_per_flow, 1, 3)?;
+    let batch_max = ADVANCE_BATCH_MAX.min(RELAY_BATCH_EVENTS_MAX).min(DRAIN_BATCH_EVENTS_MAX) as u64;
+    check_range("--batch", args.batch as u64, 1, batch_max)?;
+    check_range("--preload-events", args.preload_events, 0, 100_000_000)?;
+    check_range("--baseline-flows", args.baseline_flows, 0, 1_000_000)?;
+    check_range("--consumers", args.consumers as u64, 1, 16)?;
+    check_range("--probe-commits", args.probe_commits, 1, 1_000_000)?;
+    check_range("--repeat", args.repeat, 1, 20)?;
+
+    let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+    let dir = match &args.dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
+            let used = std::fs::read_dir(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?.next();
+            if used.is_some() {
+                return Err(Error::invalid(
+                    tidemark_core::codes::ALREADY_EXISTS,
+                    format!("{} is not empty; pick an empty folder", dir.display()),
+                ));
+            }
+            dir.clone()
+        }
+        None => temp.path().to_path_buf(),
+    };
+    let sub = |name: String| -> Result<PathBuf> {
+        let path = dir.join(name);
+        std::fs::create_dir_all(&path).map_err(|e| Error::io(format!("{}: {e}", path.display())))?;
+        Ok(path)
+    };
+    let durability = ctx.durability;
+    let now = ctx.now_ms();
+    let consumer_ids: Vec<String> = (1..=args.consumers).map(|i| format!("c{i}")).collect();
+    let id_refs: Vec<&str> = consumer_ids.iter().map(String::as_str).collect();
+    let group = Mode { advance_batch: args.batch, relay_limit: args.batch, drain_limit: args.batch };
+    let one = Mode { advance_batch: 1, relay_limit: 1, drain_limit: 1 };
+    let consumers = args.consumers as u64;
+    let (flows, per_flow) = (args.flows, args.events_per_flow);
+    let deadline = Duration::from_secs(3_600);
+    let mut all_passed = true;
+
+    // The disk: single-row commits with synchronous=FULL, and raw fdatasync.
+    let commit_probe =
+        probe::single_row_commits(&dir.join("probe.db"), Durability::Full, args.probe_commits, PROBE_TIME_MAX)?;
+    let fdatasync = fdatasync_rate(&dir.join("fdatasync.bin"), args.probe_commits)?;
+    // The CPU side: bare inserts of inbox-shaped rows, `batch` per transaction.
+    let insert_rows = (flows * per_flow).min(30_000);
+    let insert_probe = probe::inbox_inserts(&dir.join("inserts.db"), durability, insert_rows, args.batch as u64)?;
+
+    // Preload once (fast: synchronous=NORMAL, batches of 10,000), then reopen with `durability`.
+    let mut preloaded_pipeline = None;
+    let mut preload_json = Value::Null;
+    if args.preload_events > 0 {
+        let preload_flows = args.preload_events.div_ceil(per_flow);
+        let mut p = Pipeline::create(&sub("preloaded".into())?, "bench", &id_refs, Durability::Normal, now)?;
+        let preload_mode =
+            Mode { advance_batch: PRELOAD_BATCH, relay_limit: PRELOAD_BATCH, drain_limit: PRELOAD_BATCH };
+        let preload = run_pipeline(&mut p, &consumer_ids, "p", preload_flows, per_flow, preload_mode, now)?;
+        preload_json = json!({
+            "events": preload.events,
+            "flows": preload_flows,
+            "method": "the same pipeline (advance, relay, drain) on the same files with synchronous=NORMAL and \
+                       batches of 10000; the files are then closed and reopened with the measured durability",
+            "durability": "normal",
+            "seconds": round3(preload.total.as_secs_f64()),
+            "end_to_end_events_per_s": preload.end_to_end_rate(),
+        });
+        preloaded_pipeline = Some((reopen(p, durability)?, preload.events));
+    }
+
+    // The measured runs, interleaved so that a slow moment of a shared machine hits all kinds.
+    let mut sequential = Series::default();
+    let mut pipelined = Series::default();
+    let mut baseline = Series::default();
+    let mut preloaded = Series::default();
+    for r in 0..args.repeat {
+        let mut p = Pipeline::create(&sub(format!("empty-{r}"))?, "bench", &id_refs, durability, now)?;
+        let stats = run_pipeline(&mut p, &consumer_ids, "g", flows, per_flow, group, now)?;
+        let check = verify(&p, stats.events * consumers)?;
+        all_passed &= passed(&check);
+        sequential.push(&stats, check);
+        drop(p);
+
+        let p = Pipeline::create(&sub(format!("pipelined-{r}"))?, "bench", &id_refs, durability, now)?;
+        let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
+        drop(p);
+        let stats = run_pipelined(
+            &producer_path,
+            &consumer_path,
+            &consumer_ids,
+            "g",
+            flows,
+            per_flow,
+            group,
+            durability,
+            now,
+            deadline,
+        )?;
+        let p = reopen_paths(&producer_path, &consumer_path, durability)?;
+        let check = verify(&p, stats.events * consumers)?;
+        all_passed &= passed(&check);
+        pipelined.push(&stats, check);
+        drop(p);
+
+        if args.baseline_flows > 0 {
+            let mut p = Pipeline::create(&sub(format!("baseline-{r}"))?, "bench", &id_refs, durability, now)?;
+            let stats = run_pipeline(&mut p, &consumer_ids, "b", args.baseline_flows, per_flow, one, now)?;
+            let check = verify(&p, stats.events * consumers)?;
+            all_passed &= passed(&check);
+            baseline.push(&stats, check);
+        }
+
+        if let Some((p, preloaded_events)) = preloaded_pipeline.as_mut() {
+            let stats = run_pipeline(p, &consumer_ids, &format!("g{r}"), flows, per_flow, group, now)?;
+            *preloaded_events += stats.events;
+            let check = verify(p, *preloaded_events * consumers)?;
+            all_passed &= passed(&check);
+            preloaded.push(&stats, check);
+        }
+    }
+
+    let empty_rate = sequential.median().unwrap_or(0.0);
+    let pipelined_rate = pipelined.median().unwrap_or(0.0);
+    let baseline_rate = baseline.median();
+    let preloaded_rate = preloaded.median();
+    let ratio = |a: f64, b: Option<f64>| b.filter(|b| *b > 0.0).map(|b| round3(a / b));
+    let group_ratio = ratio(empty_rate, baseline_rate);
+    let preloaded_ratio = preloaded_rate.and_then(|rate| ratio(rate, Some(empty_rate)));
+    // The same ratios on on-CPU rates: steadier on a shared machine (the wall-clock rates move
+    // with other processes' CPU and disk use), but blind to fsync waits.
+    let cpu_median = |series: &Series| (!series.cpu_rates.is_empty()).then(|| median(&series.cpu_rates));
+    let empty_cpu_rate = cpu_median(&sequential);
+    let group_ratio_cpu = empty_cpu_rate.and_then(|rate| ratio(rate, cpu_median(&baseline)));
+    let preloaded_ratio_cpu = cpu_median(&preloaded).and_then(|rate| ratio(rate, empty_cpu_rate));
+    Ok(json!({
+        "outcome": "bench",
+        "durability": durability_word(durability),
+        "params": {
+            "flows": flows,
+            "events_per_flow": per_flow,
+            "batch": args.batch,
+            "preload_events": args.preload_events,
+            "baseline_flows": args.baseline_flows,
+            "consumers": args.consumers,
+            "probe_commits": args.probe_commits,
+            "repeat": args.repeat,
+            "quick": args.quick,
+            "dir": dir,
+            "files_kept": args.dir.is_some(),
+            "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        },
+        "fsync_ceiling": {
+            "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
+            "sqlite_single_row_commits": commit_probe.commits,
+            "sqlite_durability": "full",
+            "fdatasync": fdatasync,
+        },
+        "row_write_ceiling": {
+            "what": "bare INSERTs into the real inbox table (its primary key and 3 indexes), one prepared \
+                     statement, --batch rows per transaction, --durability: one of the ~17 row writes an event costs",
+            "rows": insert_probe.rows,
+            "rows_per_transaction": insert_probe.rows_per_transaction,
+            "rows_per_s": round1(insert_probe.rows_per_s),
+        },
+        "group_commit": sequential.json(group, "one thread: each wave advanced, then relayed, then drained"),
+        "pipelined": pipelined.json(group, "three threads (producer, relay, consumer), each with its own connections"),
+        "one_per_op": (args.baseline_flows > 0).then(|| baseline.json(one, "one thread, one transaction per operation")),
+        "preloaded": (args.preload_events > 0).then(|| {
+            let mut out = preloaded.json(group, "one thread, on the preloaded files");
+            out["preload"] = preload_json.clone();
+            out
+        }),
+        "summary": {
+            "end_to_end_events_per_s": empty_rate,
+            "end_to_end_events_per_cpu_s": empty_cpu_rate,
+            "pipelined_end_to_end_events_per_s": pipelined_rate,
+            "one_per_op_events_per_s": baseline_rate,
+            "group_commit_ratio": group_ratio,
+            "group_commit_ratio_on_cpu": group_ratio_cpu,
+            "preloaded_events_per_s": preloaded_rate,
+            "preloaded_ratio_to_empty": preloaded_ratio,
+            "preloaded_ratio_to_empty_on_cpu": preloaded_ratio_cpu,
+            "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
+            "inbox_row_inserts_per_s": round1(insert_probe.rows_per_s),
+            "rates_are": "medians over --repeat runs, events per second of wall time (per_cpu_s: per second \
+                          on a CPU, i.e. what an otherwise idle core would do, fsync waits excluded)",
+            "targets": {
+                "end_to_end_events_per_s_at_least_50000": empty_rate >= 50_000.0,
+                "pipelined_end_to_end_events_per_s_at_least_50000": pipelined_rate >= 50_000.0,
+                "group_commit_ratio_at_least_40": group_ratio.map(|r| r >= 40.0),
+                "preloaded_ratio_at_least_0_8": preloaded_ratio.map(|r| r >= 0.8),
+            },
+        },
+        "check": {
+            "passed": all_passed,
+            "what": "every run: effects == events x consumers, no duplicate effect, every delivery accepted",
+        },
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_quick_bench_applies_every_event_exactly_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let args = BenchArgs {
+            flows: 0,
+            events_per_flow: 3,
+            batch: 0,
+            preload_events: 0,
+            baseline_flows: 0,
+            consumers: 2,
+            probe_commits: 0,
+            repeat: 5,
+            dir: Some(dir.path().join("bench")),
+            quick: true,
+        };
+        let out = run(&ctx, args).unwrap();
+        assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
+        let counts = |run: &Value| (run["events"].as_u64(), run["deliveries"].as_u64(), run["applied"].as_u64());
+        // 200 flows x 3 events, 2 consumers, in one thread and in three threads.
+        for kind in ["group_commit", "pipelined", "preloaded"] {
+            let run = &out[kind]["runs"][0];
+            assert_eq!(counts(run), (Some(600), Some(1200), Some(1200)), "{kind}: {out:#}");
+            assert_eq!(run["check"]["duplicate_effects"], json!(0));
+        }
+        assert_eq!(out["group_commit"]["runs"][0]["check"]["effects"], json!(1200));
+        assert_eq!(out["pipelined"]["runs"][0]["check"]["effects"], json!(1200));
+        // 20 flows x 3 events, one transaction per operation.
+        assert_eq!(counts(&out["one_per_op"]["runs"][0]), (Some(60), Some(120), Some(120)));
+        assert_eq!(out["one_per_op"]["runs"][0]["check"]["effects"], json!(120));
+        // 3,000 preloaded events plus the measured 600, for each of the 2 consumers.
+        assert_eq!(out["preloaded"]["runs"][0]["check"]["effects"], json!(7200));
+        assert_eq!(out["preloaded"]["preload"]["events"], json!(3000));
+        assert_eq!(out["row_write_ceiling"]["rows"], json!(600));
+        let summary = &out["summary"];
+        for key in [
+            "end_to_end_events_per_s",
+            "pipelined_end_to_end_events_per_s",
+            "one_per_op_events_per_s",
+            "preloaded_events_per_s",
+            "group_commit_ratio",
+            "preloaded_ratio_to_empty",
+            "sqlite_single_row_commits_per_s",
+            "inbox_row_inserts_per_s",
+        ] {
+            assert!(summary[key].as_f64().is_some_and(|v| v > 0.0), "{key} is not positive: {out:#}");
+        }
+        let rates = &out["group_commit"]["runs"][0]["rates_per_s"];
+        for key in ["advance_events", "relay_deliveries", "drain_applies", "end_to_end_events"] {
+            assert!(rates[key].as_f64().is_some_and(|v| v > 0.0), "{key} is not positive: {out:#}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_invalid_input() {
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let args = |events_per_flow| BenchArgs {
+            flows: 10,
+            events_per_flow,
+            batch: 10,
+            preload_events: 0,
+            baseline_flows: 0,
+            consumers: 1,
+            probe_commits: 1,
+            repeat: 1,
+            dir: None,
+            quick: false,
+        };
+        assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
+        assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());
+    }
+
+    #[test]
+    fn median_of_odd_and_even_counts() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+    }
 }

@@ -6,7 +6,7 @@
 //! unreachable consumer, is retried with exponential backoff and jitter and, after
 //! `max_attempts`, quarantined for an operator. Never acked.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::Serialize;
 use tidemark_core::crash;
@@ -74,24 +74,30 @@ impl Default for RelayOptions {
 /// Pick up to `limit` deliveries round-robin across flows, keeping each flow's own order.
 /// A pure function, so fairness is testable without a store.
 pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
-    let mut by_flow: BTreeMap<(String, String), VecDeque<Delivery>> = BTreeMap::new();
-    let mut flow_order: Vec<(String, String)> = Vec::new();
-    for delivery in candidates {
-        let key = (delivery.envelope.source.clone(), delivery.envelope.flow_id.clone());
-        let queue = by_flow.entry(key.clone()).or_default();
-        if queue.is_empty() && !flow_order.contains(&key) {
-            flow_order.push(key);
-        }
-        queue.push_back(delivery);
+    // One queue per flow, in the order flows first appear (a hash map finds a flow's queue, so
+    // building is linear in the candidates).
+    let total = candidates.len();
+    let mut index: HashMap<(&str, &str), usize> = HashMap::new();
+    let mut slots: Vec<usize> = Vec::with_capacity(candidates.len());
+    for delivery in &candidates {
+        let next = index.len();
+        let slot =
+            *index.entry((delivery.envelope.source.as_str(), delivery.envelope.flow_id.as_str())).or_insert(next);
+        slots.push(slot);
     }
-    let mut picked = Vec::with_capacity(limit);
+    let mut queues: Vec<VecDeque<Delivery>> = (0..index.len()).map(|_| VecDeque::new()).collect();
+    drop(index);
+    for (delivery, slot) in candidates.into_iter().zip(slots) {
+        queues[slot].push_back(delivery);
+    }
+    let mut picked = Vec::with_capacity(limit.min(total));
     while picked.len() < limit {
         let mut progressed = false;
-        for key in &flow_order {
+        for queue in &mut queues {
             if picked.len() == limit {
                 break;
             }
-            if let Some(delivery) = by_flow.get_mut(key).and_then(VecDeque::pop_front) {
+            if let Some(delivery) = queue.pop_front() {
                 picked.push(delivery);
                 progressed = true;
             }

@@ -270,8 +270,11 @@ fn open_page(
     scope: &DrainScope,
     after: &(String, String, i64),
 ) -> Result<Vec<OpenRecord>> {
+    // `INDEXED BY inbox_open`: the partial index holds only open records. Without it SQLite
+    // walks the primary key, i.e. every applied record of the consumer that sorts after `after`,
+    // so each drain cost grew with the size of the inbox (0.25 s per page at 1M applied rows).
     let base = format!(
-        "SELECT {OPEN_COLUMNS} FROM inbox i
+        "SELECT {OPEN_COLUMNS} FROM inbox i INDEXED BY inbox_open
          LEFT JOIN cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
          WHERE i.consumer_id = ?1 AND i.status IN ('pending', 'blocked')"
     );

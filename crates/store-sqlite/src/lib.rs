@@ -8,6 +8,7 @@ mod consumer;
 mod endpoints;
 pub mod example;
 pub mod order;
+pub mod probe;
 mod producer;
 pub mod reservation;
 mod schema;

@@ -184,6 +184,13 @@ pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, V
     Ok((projections, effects))
 }
 
+/// How many effect rows there are (one per applied event and consumer, when nothing was applied
+/// twice).
+pub fn effect_count(conn: &Connection) -> Result<u64> {
+    let count: i64 = conn.query_row("SELECT count(*) FROM reservation_effects", [], |r| r.get(0)).db()?;
+    Ok(count as u64)
+}
+
 /// An effect written more than once: (consumer, source, flow, seq) and how many times.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct DuplicateEffect {
