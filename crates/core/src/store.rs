@@ -366,6 +366,13 @@ pub enum HandleError {
 /// `T` is the store's transactional handle (`rusqlite::Connection` for SQLite).
 pub trait Handler<T: ?Sized> {
     fn handle(&mut self, target: &T, consumer_id: &str, event: &Envelope) -> Result<(), HandleError>;
+
+    /// True when this handler only ever returns `Blocked` before its first write. Stores then
+    /// skip the per-event savepoint that would roll a refused event's writes back. The default
+    /// (false) is always safe.
+    fn refuses_before_writing(&self) -> bool {
+        false
+    }
 }
 
 /// The consumer side: inboxes, cursors, receipts, and the user's projections.

@@ -143,49 +143,61 @@ fn receive_one(
     let conflict =
         |reason: String| ReceiveOutcome::Conflict { consumer_id: consumer.clone(), event_id: event_id.clone(), reason };
 
-    // Every path that finds an existing record compares the content hash.
-    let at_position: Option<ExistingRecord> = tx
-        .prepare_cached(
-            "SELECT event_id, content_hash, generation FROM inbox
-             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
-        )
-        .db()?
-        .query_row(params![consumer_id, event.source, event.flow_id, event.seq], |r| {
-            Ok(ExistingRecord { event_id: r.get(0)?, content_hash: r.get(1)?, generation: Some(r.get(2)?) })
-        })
-        .optional()
-        .db()?;
-    if let Some(existing) = at_position {
-        return Ok(match conflict_reason(&existing, event, &hash, "inbox") {
-            None => duplicate(),
-            Some(reason) => conflict(reason),
-        });
+    // One statement looks everything up: the record at this position (inbox, then receipt), the
+    // same event id at another position, and the flow's high-water mark. Every path that finds
+    // an existing record compares the content hash.
+    let mut at_inbox: Option<ExistingRecord> = None;
+    let mut at_receipt: Option<ExistingRecord> = None;
+    let mut id_elsewhere: Option<(String, String, i64)> = None;
+    let mut high_water_seq = 0_i64;
+    {
+        let mut stmt = tx
+            .prepare_cached(
+                "SELECT 0, event_id, content_hash, generation, NULL, NULL, NULL FROM inbox
+                   WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
+                 UNION ALL SELECT 1, event_id, content_hash, NULL, NULL, NULL, NULL FROM receipts
+                   WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
+                 UNION ALL SELECT 2, NULL, NULL, NULL, source, flow_id, seq FROM inbox
+                   WHERE consumer_id = ?1 AND event_id = ?5
+                 UNION ALL SELECT 2, NULL, NULL, NULL, source, flow_id, seq FROM receipts
+                   WHERE consumer_id = ?1 AND event_id = ?5
+                 UNION ALL SELECT 3, NULL, NULL, NULL, NULL, NULL, high_water_seq FROM cursors
+                   WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3",
+            )
+            .db()?;
+        let mut rows = stmt.query(params![consumer_id, event.source, event.flow_id, event.seq, event.event_id]).db()?;
+        while let Some(r) = rows.next().db()? {
+            match r.get::<_, i64>(0).db()? {
+                0 => {
+                    at_inbox = Some(ExistingRecord {
+                        event_id: r.get(1).db()?,
+                        content_hash: r.get(2).db()?,
+                        generation: r.get(3).db()?,
+                    })
+                }
+                1 => {
+                    at_receipt =
+                        Some(ExistingRecord { event_id: r.get(1).db()?, content_hash: r.get(2).db()?, generation: None })
+                }
+                2 => {
+                    let place: (String, String, i64) = (r.get(4).db()?, r.get(5).db()?, r.get(6).db()?);
+                    let same_position = place.0 == event.source && place.1 == event.flow_id && place.2 == event.seq;
+                    if !same_position {
+                        id_elsewhere = Some(place);
+                    }
+                }
+                _ => high_water_seq = r.get(6).db()?,
+            }
+        }
     }
-    let receipt: Option<ExistingRecord> = tx
-        .prepare_cached(
-            "SELECT event_id, content_hash FROM receipts WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
-        )
-        .db()?
-        .query_row(params![consumer_id, event.source, event.flow_id, event.seq], |r| {
-            Ok(ExistingRecord { event_id: r.get(0)?, content_hash: r.get(1)?, generation: None })
-        })
-        .optional()
-        .db()?;
-    if let Some(existing) = receipt {
-        return Ok(match conflict_reason(&existing, event, &hash, "receipt") {
-            None => duplicate(),
-            Some(reason) => conflict(reason),
-        });
+    for (existing, place) in [(at_inbox, "inbox"), (at_receipt, "receipt")] {
+        if let Some(existing) = existing {
+            return Ok(match conflict_reason(&existing, event, &hash, place) {
+                None => duplicate(),
+                Some(reason) => conflict(reason),
+            });
+        }
     }
-    let id_elsewhere: Option<(String, String, i64)> = tx
-        .prepare_cached(
-            "SELECT source, flow_id, seq FROM inbox WHERE consumer_id = ?1 AND event_id = ?2
-             UNION ALL SELECT source, flow_id, seq FROM receipts WHERE consumer_id = ?1 AND event_id = ?2 LIMIT 1",
-        )
-        .db()?
-        .query_row(params![consumer_id, event.event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-        .optional()
-        .db()?;
     if let Some((source, flow, seq)) = id_elsewhere {
         return Ok(conflict(format!(
             "event id {} is already held for {source}/{flow}/{seq}; got it for {}/{}/{}",
@@ -193,13 +205,6 @@ fn receive_one(
         )));
     }
     let expired = event.created_at_ms < now_ms.saturating_sub(retention.horizon_ms);
-    let high_water_seq: i64 = tx
-        .prepare_cached("SELECT high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3")
-        .db()?
-        .query_row(params![consumer_id, event.source, event.flow_id], |r| r.get(0))
-        .optional()
-        .db()?
-        .unwrap_or(0);
     if expired {
         return Ok(ReceiveOutcome::Expired { consumer_id: consumer, event_id, horizon_ms: retention.horizon_ms });
     }
@@ -429,6 +434,8 @@ impl ConsumerStore for SqliteConsumer {
             validate_id("source", source)?;
             validate_id("flow_id", flow_id)?;
         }
+        // A handler that refuses before writing needs no savepoint per event.
+        let savepoints = !handler.refuses_before_writing();
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         let mut applied = 0_u64;
         let mut stuck: Vec<ApplyOutcome> = Vec::new();
@@ -486,10 +493,14 @@ impl ConsumerStore for SqliteConsumer {
                     }
                     continue;
                 }
-                tx.prepare_cached("SAVEPOINT apply_one").db()?.execute([]).db()?;
+                if savepoints {
+                    tx.prepare_cached("SAVEPOINT apply_one").db()?.execute([]).db()?;
+                }
                 match handler.handle(&tx, consumer_id, &event) {
                     Ok(()) => {
-                        tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        if savepoints {
+                            tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        }
                         let changed = tx
                             .prepare_cached(
                                 "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?5
@@ -517,8 +528,10 @@ impl ConsumerStore for SqliteConsumer {
                         }
                     }
                     Err(HandleError::Blocked(reason)) => {
-                        tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
-                        tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        if savepoints {
+                            tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
+                            tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
+                        }
                         tx.prepare_cached(
                             "UPDATE inbox SET status = 'blocked', reason = ?5, status_at_ms = ?6
                              WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
