@@ -625,6 +625,25 @@ impl Handler<RefCell<ModelProjection>> for ModelReservationHandler {
     }
 }
 
+/// The walk of one flow during a drain (as in the SQLite store).
+struct FlowWalk {
+    source: String,
+    flow_id: String,
+    start_high_water: i64,
+    next_seq: i64,
+    /// Gap or blocked: the rest of this flow waits.
+    stuck: bool,
+}
+
+impl FlowWalk {
+    /// Move the flow's cursor to the last seq this drain applied.
+    fn finish(self, state: &mut ConsumerState, consumer_id: &str) {
+        if self.next_seq - 1 > self.start_high_water {
+            state.set_cursor(consumer_id, &self.source, &self.flow_id, self.next_seq - 1);
+        }
+    }
+}
+
 /// The consumer store in memory.
 #[derive(Debug, Clone)]
 pub struct ModelConsumer {
@@ -772,36 +791,39 @@ impl ModelConsumer {
         let mut stuck: Vec<ApplyOutcome> = Vec::new();
         let mut last_applied = None;
         let mut hit_limit = false;
-        // The walk of the current flow: (source, flow_id, start high-water, next seq, stuck).
-        let mut walk: Option<(String, String, i64, i64, bool)> = None;
+        let mut walk: Option<FlowWalk> = None;
         for key in open {
             scanned += 1;
             let (_, source, flow_id, seq) = &key;
-            if walk.as_ref().is_none_or(|w| (&w.0, &w.1) != (source, flow_id)) {
-                if let Some((s, f, start, next, _)) = walk.take() {
-                    if next - 1 > start {
-                        self.state.set_cursor(consumer_id, &s, &f, next - 1);
-                    }
+            if walk.as_ref().is_none_or(|w| (&w.source, &w.flow_id) != (source, flow_id)) {
+                if let Some(previous) = walk.take() {
+                    previous.finish(&mut self.state, consumer_id);
                 }
                 let high_water = self.state.high_water(consumer_id, source, flow_id);
-                walk = Some((source.clone(), flow_id.clone(), high_water, high_water + 1, false));
+                walk = Some(FlowWalk {
+                    source: source.clone(),
+                    flow_id: flow_id.clone(),
+                    start_high_water: high_water,
+                    next_seq: high_water + 1,
+                    stuck: false,
+                });
             }
             let current = walk.as_mut().expect("walk was just set");
-            if current.4 {
+            if current.stuck {
                 continue;
             }
             ensure_invariant!(
-                *seq >= current.3,
+                *seq >= current.next_seq,
                 "open inbox record {source}/{flow_id}/{seq} is at or below the high-water mark {}",
-                current.3 - 1
+                current.next_seq - 1
             );
-            if *seq > current.3 {
-                current.4 = true;
+            if *seq > current.next_seq {
+                current.stuck = true;
                 if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
                     stuck.push(ApplyOutcome::Gap {
                         source: source.clone(),
                         flow_id: flow_id.clone(),
-                        missing_seq: current.3,
+                        missing_seq: current.next_seq,
                     });
                 }
                 continue;
@@ -814,7 +836,7 @@ impl ModelConsumer {
                     row.status = InboxStatus::Applied;
                     row.reason = None;
                     row.status_at_ms = now_ms;
-                    current.3 += 1;
+                    current.next_seq += 1;
                     applied += 1;
                     last_applied = Some(ApplyOutcome::Applied {
                         source: source.clone(),
@@ -833,7 +855,7 @@ impl ModelConsumer {
                     row.status = InboxStatus::Blocked;
                     row.reason = Some(reason.clone());
                     row.status_at_ms = now_ms;
-                    current.4 = true;
+                    current.stuck = true;
                     if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
                         stuck.push(ApplyOutcome::Blocked {
                             source: source.clone(),
@@ -851,10 +873,8 @@ impl ModelConsumer {
                 break;
             }
         }
-        if let Some((s, f, start, next, _)) = walk.take() {
-            if next - 1 > start {
-                self.state.set_cursor(consumer_id, &s, &f, next - 1);
-            }
+        if let Some(last) = walk.take() {
+            last.finish(&mut self.state, consumer_id);
         }
         let outcome = if hit_limit {
             DrainStop::Limit

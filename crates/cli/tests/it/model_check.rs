@@ -1,7 +1,7 @@
 //! Model check: random operation sequences run against the SQLite stores (real files in a
 //! tempdir: one producer, two consumer databases, three consumers; in-process through the
-//! library crates) and against the in-memory model
-//! (`tidemark_core::model`), with the same clock. After every operation the normalised outcome
+//! library crates) and against the in-memory model (`tidemark_core::model`), with the same
+//! clock and the same engine (`relay_once`). After every operation the normalised outcome
 //! and the full normalised state (flows, outbox, deliveries, inbox, cursors, receipts,
 //! projections, effects, retired ids) must be equal, and the protocol invariants must hold:
 //! no duplicate effects; per (consumer, flow) the effects plus the skipped seqs are exactly
@@ -269,6 +269,14 @@ impl<T: ?Sized> Handler<T> for FailAfter<'_, T> {
     }
 }
 
+/// The reservation handler a drain runs: with or without the v2 decoders, and optionally
+/// failing (an infrastructure error) after `fail_after` events.
+#[derive(Debug, Clone, Copy)]
+struct HandlerSpec {
+    support_v2: bool,
+    fail_after: Option<usize>,
+}
+
 /// What the test needs from one implementation of the stores.
 trait Backend {
     type P: ProducerStore;
@@ -282,8 +290,7 @@ trait Backend {
         consumer_id: &str,
         scope: &DrainScope,
         limit: usize,
-        support_v2: bool,
-        fail_after: Option<usize>,
+        handler: HandlerSpec,
         now_ms: i64,
     ) -> Result<DrainReport>;
     fn rename_subscription(&mut self, from: &str, to: &str) -> Result<u64>;
@@ -363,12 +370,11 @@ impl Backend for SqliteBackend {
         consumer_id: &str,
         scope: &DrainScope,
         limit: usize,
-        support_v2: bool,
-        fail_after: Option<usize>,
+        handler: HandlerSpec,
         now_ms: i64,
     ) -> Result<DrainReport> {
-        let mut inner = ReservationHandler::new(support_v2);
-        let mut handler = FailAfter { inner: &mut inner, left: fail_after };
+        let mut inner = ReservationHandler::new(handler.support_v2);
+        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after };
         self.consumer(db).drain(consumer_id, scope, limit, &mut handler, now_ms)
     }
 
@@ -483,12 +489,11 @@ impl Backend for ModelBackend {
         consumer_id: &str,
         scope: &DrainScope,
         limit: usize,
-        support_v2: bool,
-        fail_after: Option<usize>,
+        handler: HandlerSpec,
         now_ms: i64,
     ) -> Result<DrainReport> {
-        let mut inner = ModelReservationHandler::new(support_v2);
-        let mut handler = FailAfter { inner: &mut inner, left: fail_after };
+        let mut inner = ModelReservationHandler::new(handler.support_v2);
+        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after };
         self.consumer(db).drain(consumer_id, scope, limit, &mut handler, now_ms)
     }
 
@@ -725,11 +730,13 @@ impl<B: Backend> Run<B> {
             Op::Apply { slot, flow, v2 } => {
                 let scope = DrainScope::Flow { source: SOURCE.into(), flow_id: FLOWS[*flow].into() };
                 let consumer_id = self.ctx.consumer_names[*slot].clone();
-                out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &scope, 1, *v2, None, now))
+                let handler = HandlerSpec { support_v2: *v2, fail_after: None };
+                out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &scope, 1, handler, now))
             }
             Op::Drain { slot, limit, v2 } => {
                 let consumer_id = self.ctx.consumer_names[*slot].clone();
-                out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &DrainScope::All, *limit, *v2, None, now))
+                let handler = HandlerSpec { support_v2: *v2, fail_after: None };
+                out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &DrainScope::All, *limit, handler, now))
             }
             Op::Skip { slot, pick } => {
                 let consumer_id = self.ctx.consumer_names[*slot].clone();
@@ -807,7 +814,8 @@ impl<B: Backend> Run<B> {
                     Crash::DrainFails { slot, after, v2 } => {
                         let consumer_id = self.ctx.consumer_names[*slot].clone();
                         let db = DATABASE_OF[*slot];
-                        out(self.backend.drain(db, &consumer_id, &DrainScope::All, 10, *v2, Some(*after), now))
+                        let handler = HandlerSpec { support_v2: *v2, fail_after: Some(*after) };
+                        out(self.backend.drain(db, &consumer_id, &DrainScope::All, 10, handler, now))
                     }
                     _ => json!("crashed"),
                 };
