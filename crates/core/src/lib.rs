@@ -9,6 +9,7 @@ pub mod error;
 pub mod flow;
 pub mod id;
 pub mod limits;
+pub mod model;
 pub mod policy;
 pub mod reservation;
 pub mod store;
