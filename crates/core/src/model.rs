@@ -32,8 +32,8 @@ use crate::reservation::{decoders, project, ReservationEvent, ReservationProject
 use crate::store::{
     ApplyOutcome, ConsumerSnapshot, ConsumerStore, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult,
     DeliveryStatus, DeliveryVerdict, DrainReport, DrainScope, DrainStop, Endpoints, FlowCursor, FlowRecord,
-    HandleError, Handler, InboxEntry, InboxStatus, ProducerIdentity, ProducerSnapshot, ProducerStore, PruneReport,
-    Receipt, ReceiveOutcome, RenameReport, Subscription,
+    HandleError, Handler, InboxEntry, InboxStatus, OutboxPruneReport, ProducerIdentity, ProducerSnapshot,
+    ProducerStore, PruneReport, Receipt, ReceiveOutcome, RenameReport, Subscription,
 };
 use crate::{ensure_invariant, Envelope};
 
@@ -52,7 +52,8 @@ struct FlowRow {
     last_seq: i64,
 }
 
-/// One outbox row; its position is its index + 1. Source and generation come from the identity
+/// One outbox row, keyed by its position (1, 2, ... in commit order; pruned positions are gone).
+/// Source and generation come from the identity
 /// when the event is read, as in SQLite.
 #[derive(Debug, Clone, PartialEq)]
 struct OutboxRow {
@@ -77,7 +78,10 @@ struct DeliveryRow {
 #[derive(Debug, Clone, Default, PartialEq)]
 struct ProducerState {
     flows: BTreeMap<String, FlowRow>,
-    outbox: Vec<OutboxRow>,
+    outbox: BTreeMap<i64, OutboxRow>,
+    /// The last position handed out (positions are never reused, as SQLite's INTEGER PRIMARY KEY
+    /// after a delete of lower rows).
+    last_position: i64,
     /// consumer_id -> endpoint.
     subscriptions: BTreeMap<String, String>,
     /// (position, consumer_id) -> delivery.
@@ -123,11 +127,11 @@ impl ModelProducer {
     }
 
     fn position_of(&self, event_id: &str) -> Option<i64> {
-        self.state.outbox.iter().position(|row| row.event_id == event_id).map(|index| index as i64 + 1)
+        self.state.outbox.iter().find(|(_, row)| row.event_id == event_id).map(|(position, _)| *position)
     }
 
     fn entry(&self, position: i64, consumer_id: &str, row: &DeliveryRow) -> DeliveryEntry {
-        let event = &self.state.outbox[(position - 1) as usize];
+        let event = &self.state.outbox[&position];
         DeliveryEntry {
             event_id: event.event_id.clone(),
             flow_id: event.flow_id.clone(),
@@ -160,16 +164,20 @@ impl ModelProducer {
         state.events_issued += 1;
         let event_id = format!("e{:010}-{}", state.events_issued, self.id_tag);
         state.flows.insert(request.flow_id.clone(), FlowRow { state: decision.next.clone(), last_seq: seq });
-        state.outbox.push(OutboxRow {
-            event_id: event_id.clone(),
-            flow_id: request.flow_id.clone(),
-            seq,
-            event_type: decision.event_type,
-            schema_version: request.schema_version,
-            payload: decision.payload,
-            created_at_ms: now_ms,
-        });
-        let position = state.outbox.len() as i64;
+        state.last_position += 1;
+        let position = state.last_position;
+        state.outbox.insert(
+            position,
+            OutboxRow {
+                event_id: event_id.clone(),
+                flow_id: request.flow_id.clone(),
+                seq,
+                event_type: decision.event_type,
+                schema_version: request.schema_version,
+                payload: decision.payload,
+                created_at_ms: now_ms,
+            },
+        );
         for consumer_id in state.subscriptions.keys() {
             state.deliveries.insert(
                 (position, consumer_id.clone()),
@@ -255,7 +263,8 @@ impl ProducerStore for ModelProducer {
         state.subscriptions.insert(consumer_id.clone(), subscription.endpoint.clone());
         let mut queued = 0;
         if from_start {
-            for position in 1..=state.outbox.len() as i64 {
+            let positions: Vec<i64> = state.outbox.keys().copied().collect();
+            for position in positions {
                 let key = (position, consumer_id.clone());
                 ensure_invariant!(!state.deliveries.contains_key(&key), "delivery {key:?} already exists");
                 state.deliveries.insert(
@@ -320,7 +329,7 @@ impl ProducerStore for ModelProducer {
         Ok(picked
             .into_iter()
             .map(|(position, consumer_id, row)| Delivery {
-                envelope: self.envelope(&self.state.outbox[(position - 1) as usize]),
+                envelope: self.envelope(&self.state.outbox[&position]),
                 consumer_id: consumer_id.clone(),
                 endpoint: self.state.subscriptions[consumer_id].clone(),
                 attempts: row.attempts,
@@ -422,6 +431,44 @@ impl ProducerStore for ModelProducer {
         }))
     }
 
+    fn prune_delivered(&mut self, retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<OutboxPruneReport> {
+        validate_limit("prune batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+        if retention_ms < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "delivered retention must be >= 0"));
+        }
+        let cutoff = now_ms.saturating_sub(retention_ms);
+        let unsettled = |state: &ProducerState, position: i64| {
+            state.deliveries.iter().any(|((p, _), row)| {
+                *p == position && matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined)
+            })
+        };
+        let mut candidates: Vec<(i64, i64)> = self
+            .state
+            .outbox
+            .iter()
+            .filter(|(position, row)| row.created_at_ms < cutoff && !unsettled(&self.state, **position))
+            .map(|(position, row)| (row.created_at_ms, *position))
+            .collect();
+        candidates.sort();
+        candidates.truncate(batch_rows);
+        let mut state = self.state.clone();
+        let mut deliveries_deleted = 0;
+        for (_, position) in &candidates {
+            let keys: Vec<(i64, String)> = state.deliveries.keys().filter(|(p, _)| p == position).cloned().collect();
+            deliveries_deleted += keys.len();
+            for key in keys {
+                state.deliveries.remove(&key);
+            }
+            state.outbox.remove(position);
+        }
+        self.state = state;
+        Ok(OutboxPruneReport {
+            events_deleted: candidates.len() as u64,
+            deliveries_deleted: deliveries_deleted as u64,
+            more: candidates.len() == batch_rows,
+        })
+    }
+
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot> {
         Ok(ProducerSnapshot {
             identity: self.identity.clone(),
@@ -437,7 +484,7 @@ impl ProducerStore for ModelProducer {
                     state: flow.state.clone(),
                 })
                 .collect(),
-            outbox: self.state.outbox.iter().take(rows_max).map(|row| self.envelope(row)).collect(),
+            outbox: self.state.outbox.values().take(rows_max).map(|row| self.envelope(row)).collect(),
             deliveries: self
                 .state
                 .deliveries

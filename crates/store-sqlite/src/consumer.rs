@@ -176,8 +176,11 @@ fn receive_one(
                     })
                 }
                 1 => {
-                    at_receipt =
-                        Some(ExistingRecord { event_id: r.get(1).db()?, content_hash: r.get(2).db()?, generation: None })
+                    at_receipt = Some(ExistingRecord {
+                        event_id: r.get(1).db()?,
+                        content_hash: r.get(2).db()?,
+                        generation: None,
+                    })
                 }
                 2 => {
                     let place: (String, String, i64) = (r.get(4).db()?, r.get(5).db()?, r.get(6).db()?);

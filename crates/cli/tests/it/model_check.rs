@@ -166,6 +166,10 @@ enum Op {
         applied_retention_ms: i64,
         batch_rows: usize,
     },
+    PruneOutbox {
+        retention_ms: i64,
+        batch_rows: usize,
+    },
     Resolve {
         pick: usize,
         requeue: bool,
@@ -238,6 +242,8 @@ fn op() -> impl Strategy<Value = Op> {
             prop_oneof![1..=3_usize, Just(1_000)]
         )
             .prop_map(|(db, applied_retention_ms, batch_rows)| Op::Prune { db, applied_retention_ms, batch_rows }),
+        2 => (prop_oneof![Just(0_i64), Just(1_000), Just(10_000)], prop_oneof![1..=3_usize, Just(1_000)])
+            .prop_map(|(retention_ms, batch_rows)| Op::PruneOutbox { retention_ms, batch_rows }),
         2 => (pick.clone(), any::<bool>()).prop_map(|(pick, requeue)| Op::Resolve { pick, requeue }),
         2 => slot.clone().prop_map(|slot| Op::RenameConsumer { slot }),
         2 => slot.prop_map(|slot| Op::RenameSubscription { slot }),
@@ -555,8 +561,11 @@ struct Ctx {
     producer_names: [String; 3],
     renames: u32,
     forged: u32,
-    /// Hashes of tampered copies -> label.
+    /// Hashes of tampered copies and of every outbox event ever seen -> label (outbox events
+    /// can be pruned while consumers still hold them).
     hash_labels: HashMap<String, String>,
+    /// Event ids of every outbox event ever seen -> label.
+    id_labels: BTreeMap<String, String>,
     /// Successfully skipped (consumer, source, flow, seq).
     skipped: BTreeSet<(String, String, String, i64)>,
     /// Endpoint of each consumer database.
@@ -584,6 +593,7 @@ impl<B: Backend> Run<B> {
                 renames: 0,
                 forged: 0,
                 hash_labels: HashMap::new(),
+                id_labels: BTreeMap::new(),
                 skipped: BTreeSet::new(),
                 databases: databases.to_vec(),
             },
@@ -758,6 +768,9 @@ impl<B: Backend> Run<B> {
             Op::Prune { db, applied_retention_ms, batch_rows } => {
                 out(self.backend.consumer(*db).prune(*applied_retention_ms, *batch_rows, now))
             }
+            Op::PruneOutbox { retention_ms, batch_rows } => {
+                out(self.backend.producer().prune_delivered(*retention_ms, *batch_rows, now))
+            }
             Op::Resolve { pick, requeue } => {
                 let deliveries = self.backend.producer().deliveries(None, 1_000).expect("deliveries");
                 let quarantined: Vec<_> =
@@ -840,13 +853,12 @@ impl<B: Backend> Run<B> {
 
     fn normaliser(&mut self) -> Normaliser {
         let snapshot = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
-        let mut ids = Vec::new();
-        let mut hashes = self.ctx.hash_labels.clone();
         for event in &snapshot.outbox {
-            ids.push((event.event_id.clone(), format!("id({})", token(event))));
-            hashes.insert(event.content_hash(), format!("hash({})", token(event)));
+            self.ctx.id_labels.insert(event.event_id.clone(), format!("id({})", token(event)));
+            self.ctx.hash_labels.insert(event.content_hash(), format!("hash({})", token(event)));
         }
-        Normaliser { ids, hashes, generation: snapshot.identity.generation }
+        let ids = self.ctx.id_labels.iter().map(|(id, label)| (id.clone(), label.clone())).collect();
+        Normaliser { ids, hashes: self.ctx.hash_labels.clone(), generation: snapshot.identity.generation }
     }
 
     /// The protocol invariants, on this backend's raw state.
