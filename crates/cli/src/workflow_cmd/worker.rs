@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use rusqlite::Connection;
@@ -10,13 +10,15 @@ use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::order::{FakePayments, Payments};
-use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, Writer};
+use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, WorkerReport, Writer};
 use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use super::{builtin, ensure_exists, payments_path};
 use crate::Context;
 
+/// Upper bound of `--idle-wait-ms` (an hour).
+const IDLE_WAIT_MS_MAX: u64 = 3_600_000;
 /// Upper bound of `--max-seconds` (a year).
 const MAX_SECONDS_MAX: u64 = 366 * 24 * 60 * 60;
 
@@ -46,6 +48,10 @@ pub struct WorkerArgs {
     /// event are not due). Without it the worker runs until SIGINT/SIGTERM or --max-seconds.
     #[arg(long, conflicts_with = "max_seconds")]
     until_idle: bool,
+    /// With --until-idle: keep going until nothing was claimed for this long (a retry backoff,
+    /// a short timer or a dead worker's lease shorter than this does not end the worker).
+    #[arg(long, requires = "until_idle", default_value_t = 0)]
+    idle_wait_ms: u64,
     /// Stop after this many seconds (graceful: in-flight runs are stopped and released).
     #[arg(long)]
     max_seconds: Option<u64>,
@@ -69,6 +75,9 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
     };
     options.validate()?;
     let retry = builtin::retry_policy(args.max_attempts, args.retry_delay_ms)?;
+    if args.idle_wait_ms > IDLE_WAIT_MS_MAX {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("--idle-wait-ms must be 0..={IDLE_WAIT_MS_MAX}")));
+    }
     if let Some(seconds) = args.max_seconds {
         if seconds == 0 || seconds > MAX_SECONDS_MAX {
             return Err(Error::invalid(
@@ -99,7 +108,22 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
     let stopped_by = Arc::new(Mutex::new("idle"));
     let report = runtime.block_on(async {
         if args.until_idle {
-            return worker.run_until_idle().await;
+            // Bounded by the runs themselves: every round that claims something moves a run
+            // through its finite steps and attempts.
+            let idle_wait = Duration::from_millis(args.idle_wait_ms);
+            let mut total = WorkerReport::default();
+            let mut quiet_since = Instant::now();
+            loop {
+                let round = worker.run_until_idle().await?;
+                if round.claimed > 0 {
+                    quiet_since = Instant::now();
+                }
+                total.merge(round);
+                if quiet_since.elapsed() >= idle_wait {
+                    return Ok(total);
+                }
+                tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+            }
         }
         let stop = shutdown(args.max_seconds.map(Duration::from_secs), stopped_by.clone())?;
         worker.run_until(stop).await

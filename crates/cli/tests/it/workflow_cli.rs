@@ -115,8 +115,10 @@ impl Wf {
 
     /// Worker processes, one after the other (bounded), until every run is finished.
     pub(crate) fn drive(&self, run_ids: &[&str], extra: &[&str]) {
+        let mut args = vec!["--idle-wait-ms", "300"];
+        args.extend(extra);
         for _ in 0..ROUNDS_MAX {
-            self.worker(extra);
+            self.worker(&args);
             if run_ids.iter().all(|id| is_terminal(&self.show(id)["run"]["status"])) {
                 return;
             }
@@ -351,6 +353,8 @@ fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
         (w.worker_cmd(&["--until-idle", "--max-seconds", "5"]), "invalid_argument"),
         (w.worker_cmd(&["--max-seconds", "0"]), "invalid_argument"),
         (w.worker_cmd(&["--until-idle", "--max-attempts", "0"]), "invalid_argument"),
+        (w.worker_cmd(&["--idle-wait-ms", "10"]), "invalid_argument"),
+        (w.worker_cmd(&["--until-idle", "--idle-wait-ms", "3600001"]), "invalid_argument"),
     ];
     // A clean read first, so that the WAL of earlier writers is checkpointed away.
     w.wf("list", &[]);
