@@ -8,6 +8,7 @@ mod experiment;
 mod pipeline;
 #[cfg(feature = "failpoints")]
 mod unsafe_cmd;
+mod workflow_cmd;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -83,6 +84,11 @@ enum Command {
     Experiment(experiment::ExperimentArgs),
     /// Measure throughput (see docs/benchmarks.md).
     Bench(bench::BenchArgs),
+    /// Run the built-in workflows (order_saga, sleepy_order) until idle, stopped or signalled.
+    Worker(workflow_cmd::WorkerArgs),
+    /// Durable workflow runs: start, list, show, operator controls, purge (see docs/cli.md).
+    #[command(subcommand)]
+    Workflow(workflow_cmd::WorkflowCommand),
     /// Test-only: the deliberately wrong dual write (state and event in two commits).
     #[cfg(feature = "failpoints")]
     #[command(hide = true)]
@@ -630,6 +636,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Demo(args) => demo::run(&ctx, args),
         Command::Experiment(args) => experiment::run(&ctx, args),
         Command::Bench(args) => bench::run(&ctx, args),
+        Command::Worker(args) => workflow_cmd::worker::run(&ctx, args),
+        Command::Workflow(command) => workflow_cmd::run(&ctx, command),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }

@@ -9,10 +9,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use tidemark_core::crash::{exit_code, CRASH_POINTS};
 
 use crate::support::{self, ok, path_str, run_with, Setup};
+use crate::workflow_cli::{order as wf_order, refs, run_env, Wf};
 
 pub(crate) const SOURCE: &str = "shop";
 
@@ -579,9 +580,15 @@ fn unsafe_dual_write_between_commits(point: &str) {
     }
 }
 
-/// Crash points the CLI cannot reach yet (there is no workflow command): they are reached by
-/// real child processes in the workflow tests in workflow_store.rs, which re-run this test
-/// binary with `TIDEMARK_CRASH_AT` set. Move each to `scenario` once a CLI command reaches it.
+// ---------------------------------------------------------------------------------------------
+// Durable workflows: `tidemark workflow ...` and `tidemark worker` processes killed at the
+// workflow crash points, then fresh worker processes. Every run must end `completed` or
+// `compensated` (or as the operator asked), no transactional step applied twice, stock
+// consistent, and every external step's calls under one idempotency key.
+
+/// The workflow crash points are also reached one level down, by store calls in child
+/// processes (workflow_store.rs checks that list against `CRASH_POINTS`). Here each has a
+/// scenario through the real CLI.
 pub(crate) const REACHED_BY_WORKFLOW_STORE_TESTS: &[&str] = &[
     "workflow.start.before_commit",
     "workflow.claim.after_commit",
@@ -591,10 +598,216 @@ pub(crate) const REACHED_BY_WORKFLOW_STORE_TESTS: &[&str] = &[
     "workflow.purge.before_commit",
 ];
 
+/// Upper bound of the n in `<point>@<n>` a worker is killed at, for one world.
+const WORKFLOW_COMMITS_MAX: u32 = 200;
+
+fn days_from_now(days: i64) -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as i64;
+    (now + days * 86_400_000).to_string()
+}
+
+/// The start is rolled back whole; the same start then commits and the run completes.
+fn workflow_start_before_commit(point: &str) {
+    let w = Wf::new();
+    let input = wf_order("o1", 2, json!({"flaky_attempts": 1}));
+    crash_at(point, &refs(&w.start_cmd("order_saga", "o1", &input)));
+    let shown = support::run(&refs(&w.cmd("show", &["--run-id", "o1"])));
+    assert_eq!(shown.json["error"]["code"], "not_found", "the interrupted start is absent: {}", shown.stdout);
+    assert_eq!(w.wf("list", &[])["runs"], json!([]));
+    w.start("order_saga", "o1", &input);
+    w.drive(&["o1"], &[]);
+    assert_eq!(w.status("o1"), "completed");
+    w.assert_consistent();
+}
+
+/// The dead worker's lease was committed: nobody takes the run until it expires; then a fresh
+/// worker recovers it and finishes it.
+fn workflow_claim_after_commit(point: &str) {
+    let w = Wf::new();
+    w.start("order_saga", "o1", &wf_order("o1", 2, json!({"flaky_attempts": 1})));
+    crash_at(point, &refs(&w.worker_cmd(&["--until-idle", "--worker-id", "doomed"])));
+    let claimed = w.show("o1");
+    assert_eq!(claimed["run"]["lease_owner"], "doomed", "{claimed}");
+    assert_eq!(
+        (claimed["run"]["status"].as_str(), claimed["journal"].as_array().map(Vec::len)),
+        (Some("pending"), Some(0))
+    );
+    w.drive(&["o1"], &[]);
+    let done = w.show("o1");
+    assert_eq!(
+        (done["run"]["status"].as_str(), done["run"]["recoveries"].as_u64()),
+        (Some("completed"), Some(1)),
+        "{done}"
+    );
+    w.assert_consistent();
+}
+
+/// A worker killed at the n-th journal commit, for every n until one gets through: three runs
+/// (a saga through a flaky payment service, a saga that compensates in reverse order with a
+/// flaky refund, and sleepy_order through an event and a timer), then fresh workers. Before the
+/// commit, a killed external call is repeated with the same idempotency key (the payment
+/// service answers `duplicate`); a killed transactional step rolled back with its journal entry.
+fn workflow_commit(point: &str) {
+    let mut crashes = 0;
+    let mut duplicates = 0;
+    for n in 1..=WORKFLOW_COMMITS_MAX {
+        let w = Wf::new();
+        w.start("order_saga", "ok", &wf_order("ok", 2, json!({"flaky_attempts": 1})));
+        w.start("order_saga", "undo", &wf_order("undo", 3, json!({"flaky_attempts": 1, "fail": "ship_order"})));
+        w.start("sleepy_order", "nap", &wf_order("nap", 1, json!({"approval": "approve", "ship_after_ms": 1})));
+        w.wf(
+            "send-event",
+            &["--run-id", "nap", "--name", "approve", "--event-id", "e1", "--payload", "{\"approved\": true}"],
+        );
+        let spec = format!("{point}@{n}");
+        let doomed = w.worker_cmd(&["--until-idle", "--worker-id", "doomed", "--concurrency", "1"]);
+        let r = run_env(&doomed, &[("TIDEMARK_CRASH_AT", &spec)]);
+        if r.code == 0 {
+            // Fewer commits than n: the whole work went through; nothing more to kill.
+            assert!(n > 10, "only {n} commits for three runs? {}", r.stdout);
+            break;
+        }
+        assert_eq!(r.code, exit_code(point), "worker at {spec}:\n{}\n{}", r.stdout, r.stderr);
+        assert!(r.stderr.contains(&format!("crash point {point} reached")), "{}", r.stderr);
+        crashes += 1;
+        w.drive(&["ok", "undo", "nap"], &[]);
+        let statuses = [w.status("ok"), w.status("undo"), w.status("nap")];
+        assert_eq!(statuses, ["completed", "compensated", "completed"], "after a crash at {spec}");
+        let undo: Vec<String> = w.show("undo")["journal"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            undo,
+            [
+                "reserve_inventory",
+                "charge_payment",
+                "ship_order",
+                "compensate:charge_payment",
+                "compensate:reserve_inventory"
+            ]
+        );
+        assert_eq!(w.effects_of("ok"), ["reserve", "ship"], "after a crash at {spec}");
+        assert_eq!(w.effects_of("undo"), ["reserve", "release"], "after a crash at {spec}");
+        assert_eq!(w.effects_of("nap"), ["reserve", "ship"], "after a crash at {spec}");
+        w.assert_consistent();
+        duplicates += w.payment_calls().iter().filter(|c| c["outcome"] == "duplicate").count();
+    }
+    eprintln!("  {point}: killed at {crashes} commits, {duplicates} repeated payment calls");
+    assert!(crashes > 10, "the worker was killed at only {crashes} commits");
+    if point == "workflow.commit.before_commit" {
+        assert!(duplicates > 0, "no kill fell between a payment call and its journal entry");
+    } else {
+        assert_eq!(duplicates, 0, "a committed external step was called again");
+    }
+}
+
+/// Each operator command killed before its commit changes nothing; run again, it takes effect,
+/// and the runs finish as the operator asked.
+fn workflow_operator_before_commit(point: &str) {
+    let w = Wf::new();
+    w.start("sleepy_order", "retry", &wf_order("retry", 1, json!({"flaky_attempts": 3})));
+    w.start("sleepy_order", "skip", &wf_order("skip", 1, json!({"fail": "charge_payment"})));
+    w.start("sleepy_order", "src", &wf_order("src", 1, json!({"flaky_attempts": 3})));
+    w.start("order_saga", "cancel", &wf_order("cancel", 2, json!({"ship_after_ms": 86_400_000})));
+    w.start("sleepy_order", "abandon", &wf_order("abandon", 1, json!({"approval": "approve"})));
+    w.drive(&["retry", "skip", "src"], &["--max-attempts", "2"]);
+    let commands = [
+        w.cmd("retry", &["--run-id", "retry", "--reason", "service back"]),
+        w.cmd(
+            "skip",
+            &["--run-id", "skip", "--step", "2", "--output", "{\"charge_id\": \"manual\"}", "--reason", "paid"],
+        ),
+        w.cmd("fork", &["--run-id", "src", "--from-step", "2", "--new-run-id", "forked"]),
+        w.cmd("cancel", &["--run-id", "cancel", "--reason", "customer"]),
+        w.cmd("abandon", &["--run-id", "abandon", "--reason", "approver gone"]),
+    ];
+    for command in &commands {
+        let before = w.wf("list", &[]);
+        let details: Vec<Value> = ["retry", "skip", "src", "cancel", "abandon"].iter().map(|id| w.show(id)).collect();
+        crash_at(point, &refs(command));
+        assert_eq!(w.wf("list", &[]), before, "tidemark {command:?} killed before its commit changed runs");
+        let after: Vec<Value> = ["retry", "skip", "src", "cancel", "abandon"].iter().map(|id| w.show(id)).collect();
+        assert_eq!(after, details);
+        ok(&refs(command));
+    }
+    w.drive(&["retry", "skip", "src", "forked", "cancel", "abandon"], &["--max-attempts", "5"]);
+    let statuses: Vec<String> =
+        ["retry", "skip", "src", "forked", "cancel", "abandon"].iter().map(|id| w.status(id)).collect();
+    assert_eq!(statuses, ["completed", "completed", "failed", "completed", "cancelled", "cancelled"]);
+    assert_eq!(w.effects_of("cancel"), ["reserve", "release"], "the cancelled saga compensated");
+    assert_eq!(w.effects_of("src"), ["reserve", "ship"], "the fork reused the reservation and shipped it");
+    w.assert_consistent();
+}
+
+/// A purge killed before its commit deletes nothing; killed in its second batch, the first
+/// batch stays deleted; the retry finishes; receipts still recognise a late duplicate start.
+fn workflow_purge_before_commit(point: &str) {
+    let w = Wf::new();
+    let ids = ["p1", "p2", "p3"];
+    for id in ids {
+        w.start("order_saga", id, &wf_order(id, 1, json!({})));
+    }
+    w.drive(&ids, &[]);
+    let later = days_from_now(8);
+    let purge = ["--now-ms", later.as_str(), "workflow", "purge", "--db", w.d(), "--batch-rows", "2"];
+    let before = w.wf("list", &[]);
+    crash_at(point, &purge);
+    assert_eq!(w.wf("list", &[]), before, "a purge killed before its commit deleted runs");
+    crash_at(&format!("{point}@2"), &purge);
+    assert_eq!(w.wf("list", &[])["runs"].as_array().map(Vec::len), Some(1), "the first batch was committed");
+    let out = ok(&purge);
+    assert_eq!(out["runs_deleted"], 1, "{out}");
+    for id in ids {
+        let again = ok(&refs(&w.start_cmd("order_saga", id, &wf_order(id, 1, json!({})))));
+        assert_eq!((again["outcome"].as_str(), again["status"].as_str()), (Some("existing"), Some("completed")));
+    }
+    w.assert_consistent();
+}
+
+/// A worker process killed with SIGKILL while a step holds its lease (after the first step was
+/// journaled): another process takes the run over once the lease has expired, replays the
+/// journaled step without running it again, and finishes the run.
+#[test]
+fn a_worker_killed_mid_run_is_resumed_by_another_process() {
+    let w = Wf::new();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    // The hold step lasts until then: the kill comes while it runs, even on a loaded machine.
+    w.start("sleepy_order", "k1", &wf_order("k1", 2, json!({"hold_until_ms": now + 3_000})));
+    let mut child = std::process::Command::new(support::BIN)
+        .args(w.worker_cmd(&["--until-idle", "--worker-id", "doomed"]))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn the worker");
+    w.wait_journaled("k1", 1, &mut child);
+    child.kill().expect("SIGKILL the worker");
+    child.wait().expect("reap the worker");
+    let at_kill = w.show("k1");
+    assert_eq!(at_kill["run"]["lease_owner"], "doomed", "{at_kill}");
+    assert_eq!(at_kill["journal"].as_array().map(Vec::len), Some(1), "killed inside the hold step: {at_kill}");
+    w.drive(&["k1"], &[]);
+    let done = w.show("k1");
+    assert_eq!(
+        (done["run"]["status"].as_str(), done["run"]["recoveries"].as_u64()),
+        (Some("completed"), Some(1)),
+        "{done}"
+    );
+    let reserve_attempts = done["attempts"].as_array().unwrap().iter().filter(|a| a["seq"] == 0).count();
+    assert_eq!((done["journal"][0]["attempts"].as_u64(), reserve_attempts), (Some(1), 1), "reserve ran once");
+    assert_eq!(w.effects_of("k1"), ["reserve", "ship"]);
+    w.assert_consistent();
+}
+
 fn scenario(point: &str) -> fn(&str) {
     match point {
-        // Reached by workflow tests in workflow_store.rs (see REACHED_BY_WORKFLOW_STORE_TESTS).
-        p if REACHED_BY_WORKFLOW_STORE_TESTS.contains(&p) => |_| {},
+        "workflow.start.before_commit" => workflow_start_before_commit,
+        "workflow.claim.after_commit" => workflow_claim_after_commit,
+        "workflow.commit.before_commit" | "workflow.commit.after_commit" => workflow_commit,
+        "workflow.operator.before_commit" => workflow_operator_before_commit,
+        "workflow.purge.before_commit" => workflow_purge_before_commit,
         "advance.before_commit" => advance_before_commit,
         "advance.after_commit" => advance_after_commit,
         "relay.after_consumer_commit" | "relay.before_producer_commit" => relay_consumer_committed_only,

@@ -11,5 +11,6 @@ mod crash;
 mod experiment;
 mod model_check;
 mod outbox_transaction;
+mod workflow_cli;
 mod workflow_runtime;
 mod workflow_store;

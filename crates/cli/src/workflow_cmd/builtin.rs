@@ -1,0 +1,213 @@
+//! The workflows built into the `tidemark` binary: the reference order saga
+//! (`tidemark_engine::workflow::order`) and `sleepy_order`, a plain code workflow over the same
+//! order tables that can hold its lease in a slow external step, wait for an approval event and
+//! sleep on a durable timer (for demos, operators and crash tests).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tidemark_core::id::validate_id;
+use tidemark_core::workflow::{workflow_codes, Backoff, RetryPolicy, StepFailure, WorkflowVersion};
+use tidemark_core::{Error, Result};
+use tidemark_engine::workflow::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
+use tidemark_engine::workflow::{SagaData, WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
+use tidemark_store_sqlite::SqliteWorkflows;
+
+pub const SLEEPY_ORDER: &str = "sleepy_order";
+pub const SLEEPY_ORDER_VERSION: u32 = 1;
+
+/// How long `sleepy_order` waits for its approval event by default (one day).
+const APPROVAL_TIMEOUT_MS_DEFAULT: u64 = 24 * 60 * 60 * 1000;
+
+/// A compensation's attempt budget (the saga's default, `tidemark_engine`'s
+/// `COMPENSATION_ATTEMPTS`).
+const COMPENSATION_ATTEMPTS: u32 = 10_000;
+
+/// The built-in workflows and their versions (what `start` pins a run to).
+pub const BUILTINS: &[(&str, u32)] = &[(ORDER_SAGA, ORDER_SAGA_VERSION), (SLEEPY_ORDER, SLEEPY_ORDER_VERSION)];
+
+/// The registered version of a built-in workflow.
+pub fn version(workflow: &str) -> Option<u32> {
+    BUILTINS.iter().find(|(name, _)| *name == workflow).map(|(_, v)| *v)
+}
+
+/// The built-in `(workflow, version)` pairs, as `unclaimable` wants them.
+pub fn versions() -> Vec<WorkflowVersion> {
+    BUILTINS
+        .iter()
+        .map(|(workflow, version)| WorkflowVersion {
+            workflow: workflow.to_string(),
+            version: *version,
+            concurrency_max: None,
+        })
+        .collect()
+}
+
+/// `sleepy_order`'s input: an order (the order saga's fields) and its extra knobs.
+#[derive(Debug, Clone, Deserialize)]
+struct SleepyInput {
+    #[serde(flatten)]
+    order: OrderInput,
+    /// The `hold` step (an external call) lasts until this time (ms since the epoch): the worker
+    /// holds the run's lease meanwhile. Absent or past: the step returns at once.
+    #[serde(default)]
+    hold_until_ms: Option<i64>,
+    /// Wait for an event of this name before charging; its payload `{"approved": true}` goes on,
+    /// anything else (or the timeout) releases the inventory and ends the run `completed` with
+    /// `"approved": false`.
+    #[serde(default)]
+    approval: Option<String>,
+    #[serde(default = "approval_timeout_default")]
+    approval_timeout_ms: u64,
+}
+
+fn approval_timeout_default() -> u64 {
+    APPROVAL_TIMEOUT_MS_DEFAULT
+}
+
+fn invalid_input(message: impl Into<String>) -> Error {
+    Error::invalid(workflow_codes::INVALID_INPUT, message)
+}
+
+fn order_of(input: &Value) -> std::result::Result<OrderInput, StepFailure> {
+    OrderInput::from_data(&SagaData { input: input.clone(), outputs: Map::new() })
+}
+
+fn sleepy_of(input: &Value) -> std::result::Result<SleepyInput, String> {
+    let sleepy: SleepyInput = serde_json::from_value(input.clone()).map_err(|e| format!("invalid input: {e}"))?;
+    order_of(input).map_err(|f| f.message)?;
+    if let Some(name) = &sleepy.approval {
+        validate_id("approval", name).map_err(|e| e.to_string())?;
+    }
+    if sleepy.approval_timeout_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
+        return Err(format!("approval_timeout_ms must be at most {}", tidemark_core::workflow::TIMER_MS_MAX));
+    }
+    if sleepy.order.ship_after_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
+        return Err(format!("ship_after_ms must be at most {}", tidemark_core::workflow::TIMER_MS_MAX));
+    }
+    Ok(sleepy)
+}
+
+/// Refuse, before anything is written, an input the workflow could never run.
+pub fn validate_input(workflow: &str, input: &Value) -> Result<()> {
+    match workflow {
+        ORDER_SAGA => {
+            let order = order_of(input).map_err(|f| invalid_input(f.message))?;
+            if order.ship_after_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
+                return Err(invalid_input(format!(
+                    "ship_after_ms must be at most {}",
+                    tidemark_core::workflow::TIMER_MS_MAX
+                )));
+            }
+            Ok(())
+        }
+        SLEEPY_ORDER => sleepy_of(input).map(drop).map_err(invalid_input),
+        other => Err(Error::invalid(
+            workflow_codes::UNKNOWN_WORKFLOW,
+            format!("workflow {other:?} is not built in; known: {}", names()),
+        )),
+    }
+}
+
+pub fn names() -> String {
+    BUILTINS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+}
+
+/// Step retry policy of the built-in workflows: `max_attempts`, and either a fixed delay between
+/// attempts or the default exponential backoff (1 s x 5^(n-1), jittered).
+pub fn retry_policy(max_attempts: u32, retry_delay_ms: Option<i64>) -> Result<RetryPolicy> {
+    let mut policy = RetryPolicy { max_attempts, ..RetryPolicy::default() };
+    if let Some(delay) = retry_delay_ms {
+        policy.backoff = Backoff::Schedule { delays_ms: vec![delay] };
+        policy.jitter = false;
+    }
+    policy.validate()?;
+    Ok(policy)
+}
+
+/// The compensation policy that goes with a step policy: the saga's large attempt budget, with
+/// the same backoff.
+pub fn compensation_policy(step: &RetryPolicy) -> RetryPolicy {
+    RetryPolicy { max_attempts: COMPENSATION_ATTEMPTS, ..step.clone() }
+}
+
+/// Register every built-in workflow with `payments` as the payment service.
+pub fn workflows(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Workflows<SqliteWorkflows>> {
+    let mut workflows = Workflows::new();
+    let options = WorkflowOptions { concurrency_max: None, retry: retry.clone() };
+    order_saga::<SqliteWorkflows>(payments.clone())
+        .compensation_policy(compensation_policy(retry))
+        .register(&mut workflows, options.clone())?;
+    workflows.register(SLEEPY_ORDER, SLEEPY_ORDER_VERSION, options, move |ctx, input| {
+        sleepy_order(ctx, input, payments.clone())
+    })?;
+    Ok(workflows)
+}
+
+/// `sleepy_order`: `reserve_inventory` (transactional) -> `hold` (external, lasts until
+/// `hold_until_ms`) -> optional wait for the `approval` event -> `charge_payment` (external)
+/// -> optional durable sleep (`ship_after_ms`) -> `ship_order` (transactional).
+///
+/// A plain workflow, not a saga: a step that fails for good fails the run (`failed`), and its
+/// reservation stays for an operator to `retry`, `skip` or `abandon`. A rejected or timed-out
+/// approval releases the reservation itself and completes with `"approved": false`.
+async fn sleepy_order(
+    ctx: WorkflowContext<SqliteWorkflows>,
+    input: Value,
+    payments: Arc<dyn Payments>,
+) -> std::result::Result<Value, WorkflowError> {
+    let sleepy = sleepy_of(&input).map_err(WorkflowError::Failed)?;
+    let order = sleepy.order.clone();
+
+    let o = order.clone();
+    let reserved: Value =
+        ctx.tx_step("reserve_inventory", None, move |tx: &rusqlite::Connection| tx.reserve_inventory(&o)).await?;
+
+    let until = sleepy.hold_until_ms;
+    let held: Value = ctx
+        .step("hold", None, move |_key| async move {
+            if let Some(until) = until {
+                let left = until.saturating_sub(tidemark_engine::now_ms());
+                if left > 0 {
+                    tokio::time::sleep(Duration::from_millis(left as u64)).await;
+                }
+            }
+            Ok(json!({"held_until_ms": until}))
+        })
+        .await?;
+
+    if let Some(name) = &sleepy.approval {
+        let decision = ctx.wait_for_event(name, Duration::from_millis(sleepy.approval_timeout_ms)).await?;
+        let approved = decision.as_ref().and_then(|p| p.get("approved")).and_then(Value::as_bool) == Some(true);
+        if !approved {
+            let o = order.clone();
+            let released: Value = ctx
+                .tx_step("release_inventory", None, move |tx: &rusqlite::Connection| tx.release_inventory(&o))
+                .await?;
+            return Ok(json!({
+                "approved": false,
+                "timed_out": decision.is_none(),
+                "reserve_inventory": reserved,
+                "release_inventory": released,
+            }));
+        }
+    }
+
+    let (p, o) = (payments.clone(), order.clone());
+    let charged: Value = ctx.step("charge_payment", None, move |key| async move { p.charge(&key, &o) }).await?;
+
+    if order.ship_after_ms > 0 {
+        ctx.sleep(Duration::from_millis(order.ship_after_ms)).await?;
+    }
+
+    let o = order.clone();
+    let shipped: Value = ctx.tx_step("ship_order", None, move |tx: &rusqlite::Connection| tx.ship_order(&o)).await?;
+    Ok(json!({
+        "reserve_inventory": reserved,
+        "hold": held,
+        "charge_payment": charged,
+        "ship_order": shipped,
+    }))
+}

@@ -1,0 +1,520 @@
+//! `tidemark workflow ...` (runs: start, list, show, operator controls, purge; the order tables
+//! and the fake payment service's log) and `tidemark worker` (see `worker.rs`).
+//!
+//! Like every command: one JSON document on stdout; bad input exits 2 with a stable code and
+//! nothing written. Arguments are validated before the database is opened, and only
+//! `workflow init` creates a missing database file (every other command answers
+//! `not_initialized`).
+
+pub mod builtin;
+pub mod worker;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use clap::{ArgGroup, Subcommand};
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::id::{validate_id, validate_limit, validate_reason};
+use tidemark_core::limits::{PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX};
+use tidemark_core::policy::DAY_MS;
+use tidemark_core::workflow::{
+    validate_json_size, workflow_codes, RunFilter, RunStatus, StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
+};
+use tidemark_core::{Error, Result};
+use tidemark_store_sqlite::order as order_sql;
+use tidemark_store_sqlite::SqliteWorkflows;
+
+use crate::Context;
+use worker::sql;
+
+pub use worker::WorkerArgs;
+
+/// Rows per table `workflow orders` and `workflow payments` print at most.
+const ROWS_MAX: usize = 100_000;
+/// Largest stock a SKU may be given.
+const STOCK_MAX: i64 = 1_000_000_000_000;
+
+#[derive(Subcommand)]
+pub enum WorkflowCommand {
+    /// Create (or reopen, never reset) a workflow database with the order tables; optionally
+    /// stock one SKU.
+    Init {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long, requires = "quantity")]
+        sku: Option<String>,
+        #[arg(long, requires = "sku")]
+        quantity: Option<i64>,
+    },
+    /// Set the stock of a SKU in the order tables.
+    SeedStock {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        sku: String,
+        #[arg(long)]
+        quantity: i64,
+    },
+    /// Start a run (idempotent per run id: `started` or `existing`).
+    #[command(group(ArgGroup::new("input_source").required(true).args(["input", "input_file"])))]
+    Start {
+        #[arg(long)]
+        db: PathBuf,
+        /// A built-in workflow: order_saga or sleepy_order.
+        #[arg(long)]
+        workflow: String,
+        #[arg(long)]
+        run_id: String,
+        /// The input as JSON text.
+        #[arg(long)]
+        input: Option<String>,
+        /// The input as a JSON file.
+        #[arg(long)]
+        input_file: Option<PathBuf>,
+        /// Serialization key: at most one active run per key, oldest first.
+        #[arg(long)]
+        key: Option<String>,
+        /// Do not run before this time (ms since the epoch).
+        #[arg(long)]
+        start_at_ms: Option<i64>,
+    },
+    /// List runs, oldest first, a page at a time (`next_after` is the next page's cursor).
+    List {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        status: Option<String>,
+        #[arg(long)]
+        workflow: Option<String>,
+        /// Runs created strictly after this time.
+        #[arg(long)]
+        created_after_ms: Option<i64>,
+        /// Runs created strictly before this time.
+        #[arg(long)]
+        created_before_ms: Option<i64>,
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+        /// The cursor (`next_after`) of the previous page.
+        #[arg(long)]
+        after: Option<String>,
+    },
+    /// One run with its journal, every attempt with its error, and its events.
+    Show {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+    },
+    /// Request cancellation: a saga compensates first, then the run ends `cancelled`.
+    Cancel {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Retry a failed or parked run from its failed step (fresh attempt budget).
+    Retry {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Give up on a run: it ends `cancelled`, nothing compensated.
+    Abandon {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Start a new run as a copy of a run whose journal keeps the steps before --from-step.
+    Fork {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        /// The journal position (seq) from which the new run executes again.
+        #[arg(long)]
+        from_step: u32,
+        #[arg(long)]
+        new_run_id: String,
+    },
+    /// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
+    Skip {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        /// The journal position (seq) of the step.
+        #[arg(long)]
+        step: u32,
+        /// The step's output as JSON (default null).
+        #[arg(long)]
+        output: Option<String>,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Send an event to a run (idempotent by --event-id; a fresh id when absent).
+    SendEvent {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long)]
+        run_id: String,
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        event_id: Option<String>,
+        /// The payload as JSON.
+        #[arg(long)]
+        payload: String,
+    },
+    /// Delete finished runs older than --older-than-ms with their journals (receipts stay).
+    Purge {
+        #[arg(long)]
+        db: PathBuf,
+        #[arg(long, default_value_t = 7 * DAY_MS)]
+        older_than_ms: i64,
+        #[arg(long, default_value_t = 1_000)]
+        batch_rows: usize,
+    },
+    /// Active runs of workflows or versions this binary does not have.
+    Unclaimable {
+        #[arg(long)]
+        db: PathBuf,
+    },
+    /// The order tables: stock, reservations, and every applied effect.
+    Orders {
+        #[arg(long)]
+        db: PathBuf,
+    },
+    /// Every call the fake payment service received, with its idempotency key.
+    Payments {
+        #[arg(long)]
+        db: PathBuf,
+        /// Default: `<db stem>.payments.db` beside the database.
+        #[arg(long)]
+        payments_db: Option<PathBuf>,
+    },
+}
+
+/// The fake payment service's log beside a workflow database: `wf.db` -> `wf.payments.db`.
+pub fn payments_path(db: &Path) -> PathBuf {
+    db.with_extension("payments.db")
+}
+
+/// Only `workflow init` creates a database; everything else needs it to exist.
+pub(crate) fn ensure_exists(db: &Path) -> Result<()> {
+    if !db.exists() {
+        return Err(Error::invalid(
+            codes::NOT_INITIALIZED,
+            format!("{} does not exist; run `tidemark workflow init --db {}` first", db.display(), db.display()),
+        ));
+    }
+    Ok(())
+}
+
+fn open(ctx: &Context, db: &Path) -> Result<SqliteWorkflows> {
+    ensure_exists(db)?;
+    SqliteWorkflows::open_with(db, ctx.durability)
+}
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+/// A JSON argument, or `invalid_input`.
+fn parse_json(field: &str, text: &str) -> Result<Value> {
+    serde_json::from_str(text)
+        .map_err(|e| Error::invalid(workflow_codes::INVALID_INPUT, format!("{field} is not valid JSON: {e}")))
+}
+
+fn read_input(text: Option<&str>, file: Option<&Path>) -> Result<Value> {
+    match (text, file) {
+        (Some(text), None) => parse_json("--input", text),
+        (None, Some(path)) => {
+            let handle =
+                std::fs::File::open(path).map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+            let mut bytes = Vec::new();
+            handle
+                .take(WORKFLOW_INPUT_BYTES_MAX as u64 + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| invalid(format!("cannot read {}: {e}", path.display())))?;
+            if bytes.len() > WORKFLOW_INPUT_BYTES_MAX {
+                return Err(Error::invalid(
+                    workflow_codes::INVALID_INPUT,
+                    format!("{} is larger than {WORKFLOW_INPUT_BYTES_MAX} bytes", path.display()),
+                ));
+            }
+            serde_json::from_slice(&bytes).map_err(|e| {
+                Error::invalid(workflow_codes::INVALID_INPUT, format!("{} is not valid JSON: {e}", path.display()))
+            })
+        }
+        _ => Err(invalid("give exactly one of --input and --input-file")),
+    }
+}
+
+fn validate_stock(sku: &str, quantity: i64) -> Result<()> {
+    validate_id("sku", sku)?;
+    if !(0..=STOCK_MAX).contains(&quantity) {
+        return Err(invalid(format!("--quantity must be 0..={STOCK_MAX}")));
+    }
+    Ok(())
+}
+
+fn seed(store: &mut SqliteWorkflows, sku: &str, quantity: i64) -> Result<Value> {
+    let conn = store.connection();
+    order_sql::install(conn)?;
+    order_sql::set_stock(conn, sku, quantity)?;
+    Ok(json!({"sku": sku, "stock": order_sql::stock(conn, sku)?}))
+}
+
+/// A page cursor: `<created_at_ms>:<run_id>`.
+fn cursor(created_at_ms: i64, run_id: &str) -> String {
+    format!("{created_at_ms}:{run_id}")
+}
+
+fn parse_cursor(text: &str) -> Result<(i64, String)> {
+    let bad =
+        || invalid(format!("--after {text:?} is not a cursor printed by `workflow list` (<created_at_ms>:<run_id>)"));
+    let (created, run_id) = text.split_once(':').ok_or_else(bad)?;
+    let created: i64 = created.parse().map_err(|_| bad())?;
+    validate_id("run_id of --after", run_id)?;
+    Ok((created, run_id.to_string()))
+}
+
+fn run_out(outcome: &str, run: impl serde::Serialize) -> Value {
+    json!({"outcome": outcome, "run": run})
+}
+
+pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
+    let now = ctx.now_ms();
+    match command {
+        WorkflowCommand::Init { db, sku, quantity } => {
+            if let (Some(sku), Some(quantity)) = (&sku, quantity) {
+                validate_stock(sku, quantity)?;
+            }
+            let mut store = SqliteWorkflows::open_with(&db, ctx.durability)?;
+            order_sql::install(store.connection())?;
+            let mut out = json!({"outcome": "initialized", "db": db, "payments_db": payments_path(&db)});
+            if let (Some(sku), Some(quantity)) = (sku, quantity) {
+                out["stock"] = seed(&mut store, &sku, quantity)?;
+            }
+            Ok(out)
+        }
+        WorkflowCommand::SeedStock { db, sku, quantity } => {
+            validate_stock(&sku, quantity)?;
+            let mut store = open(ctx, &db)?;
+            let stock = seed(&mut store, &sku, quantity)?;
+            Ok(json!({"outcome": "stocked", "stock": stock}))
+        }
+        WorkflowCommand::Start { db, workflow, run_id, input, input_file, key, start_at_ms } => {
+            validate_id("run_id", &run_id)?;
+            validate_id("workflow", &workflow)?;
+            let version = builtin::version(&workflow).ok_or_else(|| {
+                Error::invalid(
+                    workflow_codes::UNKNOWN_WORKFLOW,
+                    format!("workflow {workflow:?} is not built in; known: {}", builtin::names()),
+                )
+            })?;
+            let input = read_input(input.as_deref(), input_file.as_deref())?;
+            let request = StartRequest { run_id, workflow, version, input, key, start_at_ms };
+            request.validate()?;
+            builtin::validate_input(&request.workflow, &request.input)?;
+            if let Some(at) = request.start_at_ms {
+                if at.saturating_sub(now) > TIMER_MS_MAX {
+                    return Err(invalid(format!("--start-at-ms is more than {TIMER_MS_MAX} ms ahead")));
+                }
+            }
+            let mut store = open(ctx, &db)?;
+            match store.start_runs(&[request], now)?.remove(0) {
+                StartOutcome::Conflict { run_id, reason } => {
+                    Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")))
+                }
+                outcome => Ok(serde_json::to_value(&outcome).expect("outcomes serialise")),
+            }
+        }
+        WorkflowCommand::List { db, status, workflow, created_after_ms, created_before_ms, limit, after } => {
+            let status = status
+                .map(|s| {
+                    RunStatus::parse(&s).ok_or_else(|| {
+                        let known: Vec<&str> = RunStatus::ALL.iter().map(|s| s.as_str()).collect();
+                        invalid(format!("unknown run status {s:?}; known: {}", known.join(", ")))
+                    })
+                })
+                .transpose()?;
+            if let Some(workflow) = &workflow {
+                validate_id("workflow", workflow)?;
+            }
+            validate_limit("--limit", limit, PAGE_SIZE_MAX)?;
+            let after = after.as_deref().map(parse_cursor).transpose()?;
+            let filter = RunFilter { status, workflow, created_after_ms, created_before_ms, after };
+            let store = open(ctx, &db)?;
+            let runs = store.list_runs(&filter, limit)?;
+            let next_after = match runs.last() {
+                Some(last) if runs.len() == limit => Some(cursor(last.created_at_ms, &last.run_id)),
+                _ => None,
+            };
+            Ok(json!({"outcome": "listed", "runs": runs, "next_after": next_after}))
+        }
+        WorkflowCommand::Show { db, run_id } => {
+            validate_id("run_id", &run_id)?;
+            let store = open(ctx, &db)?;
+            let detail = store.run(&run_id)?.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
+            let mut out = serde_json::to_value(&detail).expect("runs serialise");
+            out["outcome"] = json!("found");
+            Ok(out)
+        }
+        WorkflowCommand::Cancel { db, run_id, reason } => {
+            validate_id("run_id", &run_id)?;
+            validate_reason(&reason)?;
+            let mut store = open(ctx, &db)?;
+            Ok(run_out("cancel_requested", store.cancel(&run_id, &reason, now)?))
+        }
+        WorkflowCommand::Retry { db, run_id, reason } => {
+            validate_id("run_id", &run_id)?;
+            validate_reason(&reason)?;
+            let mut store = open(ctx, &db)?;
+            Ok(run_out("retried", store.retry(&run_id, &reason, now)?))
+        }
+        WorkflowCommand::Abandon { db, run_id, reason } => {
+            validate_id("run_id", &run_id)?;
+            validate_reason(&reason)?;
+            let mut store = open(ctx, &db)?;
+            Ok(run_out("abandoned", store.abandon(&run_id, &reason, now)?))
+        }
+        WorkflowCommand::Fork { db, run_id, from_step, new_run_id } => {
+            validate_id("run_id", &run_id)?;
+            validate_id("new_run_id", &new_run_id)?;
+            if from_step > RUN_STEPS_MAX {
+                return Err(Error::invalid(codes::INVALID_SEQ, format!("--from-step must be 0..={RUN_STEPS_MAX}")));
+            }
+            let mut store = open(ctx, &db)?;
+            Ok(run_out("forked", store.fork(&run_id, from_step, &new_run_id, now)?))
+        }
+        WorkflowCommand::Skip { db, run_id, step, output, reason } => {
+            validate_id("run_id", &run_id)?;
+            validate_reason(&reason)?;
+            if step >= RUN_STEPS_MAX {
+                return Err(Error::invalid(codes::INVALID_SEQ, format!("--step must be 0..{RUN_STEPS_MAX}")));
+            }
+            let output = match output {
+                Some(text) => parse_json("--output", &text)?,
+                None => Value::Null,
+            };
+            validate_json_size("--output", &output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+            let mut store = open(ctx, &db)?;
+            Ok(run_out("skipped", store.skip_step(&run_id, step, &output, &reason, now)?))
+        }
+        WorkflowCommand::SendEvent { db, run_id, name, event_id, payload } => {
+            validate_id("run_id", &run_id)?;
+            validate_id("event name", &name)?;
+            let event_id = event_id.unwrap_or_else(|| uuid::Uuid::now_v7().to_string());
+            validate_id("event_id", &event_id)?;
+            let payload = parse_json("--payload", &payload)?;
+            validate_json_size("--payload", &payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+            let mut store = open(ctx, &db)?;
+            let new = store.send_event(&run_id, &event_id, &name, &payload, now)?;
+            Ok(json!({
+                "outcome": if new { "sent" } else { "duplicate" },
+                "run_id": run_id,
+                "event_id": event_id,
+                "name": name,
+            }))
+        }
+        WorkflowCommand::Purge { db, older_than_ms, batch_rows } => {
+            validate_limit("--batch-rows", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+            if older_than_ms < 0 {
+                return Err(invalid("--older-than-ms must be >= 0"));
+            }
+            let mut store = open(ctx, &db)?;
+            let finished_before_ms = now.saturating_sub(older_than_ms);
+            let (mut runs_deleted, mut journal_deleted, mut batches) = (0_u64, 0_u64, 0_u64);
+            // Bounded: every batch that reports `more` deleted rows.
+            loop {
+                batches += 1;
+                let report = store.purge(finished_before_ms, batch_rows, now)?;
+                runs_deleted += report.runs_deleted;
+                journal_deleted += report.journal_deleted;
+                if !report.more {
+                    break;
+                }
+            }
+            Ok(json!({
+                "outcome": "purged",
+                "finished_before_ms": finished_before_ms,
+                "runs_deleted": runs_deleted,
+                "journal_deleted": journal_deleted,
+                "batches": batches,
+            }))
+        }
+        WorkflowCommand::Unclaimable { db } => {
+            let store = open(ctx, &db)?;
+            Ok(
+                json!({"outcome": "listed", "known": builtin::versions(), "unclaimable": store.unclaimable(&builtin::versions())?}),
+            )
+        }
+        WorkflowCommand::Orders { db } => {
+            let mut store = open(ctx, &db)?;
+            let mut out = orders(store.connection())?;
+            out["outcome"] = json!("listed");
+            Ok(out)
+        }
+        WorkflowCommand::Payments { db, payments_db } => {
+            ensure_exists(&db)?;
+            let path = payments_db.unwrap_or_else(|| payments_path(&db));
+            // A missing log means no call yet; it is not created here.
+            let calls =
+                if path.exists() { order_sql::payment_calls(&order_sql::open_payments(&path)?)? } else { Vec::new() };
+            Ok(json!({"outcome": "listed", "payments_db": path, "calls": calls}))
+        }
+    }
+}
+
+/// The order tables as JSON (empty when they are not installed).
+pub fn orders(conn: &rusqlite::Connection) -> Result<Value> {
+    let installed: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'order_stock'", [], |r| r.get(0))
+        .map_err(sql)?;
+    if installed == 0 {
+        return Ok(json!({"stock": [], "reservations": [], "effects": []}));
+    }
+    let rows = |query: &str, columns: &[&str]| -> Result<Vec<Value>> {
+        let mut stmt = conn.prepare(query).map_err(sql)?;
+        let rows = stmt
+            .query_map([ROWS_MAX as i64], |r| {
+                let mut row = serde_json::Map::new();
+                for (i, column) in columns.iter().enumerate() {
+                    let value: rusqlite::types::Value = r.get(i)?;
+                    row.insert(
+                        column.to_string(),
+                        match value {
+                            rusqlite::types::Value::Integer(n) => json!(n),
+                            rusqlite::types::Value::Text(t) => json!(t),
+                            _ => Value::Null,
+                        },
+                    );
+                }
+                Ok(Value::Object(row))
+            })
+            .map_err(sql)?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(sql)
+    };
+    Ok(json!({
+        "stock": rows("SELECT sku, stock FROM order_stock ORDER BY sku LIMIT ?1", &["sku", "stock"])?,
+        "reservations": rows(
+            "SELECT order_id, sku, quantity, status FROM order_reservations ORDER BY order_id LIMIT ?1",
+            &["order_id", "sku", "quantity", "status"],
+        )?,
+        "effects": rows(
+            "SELECT effect_id, order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT ?1",
+            &["effect_id", "order_id", "kind", "sku", "quantity"],
+        )?,
+    }))
+}

@@ -1,0 +1,209 @@
+//! `tidemark worker`: runs the built-in workflows on a workflow database.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use rusqlite::Connection;
+use serde_json::{json, Map, Value};
+use tidemark_core::error::codes;
+use tidemark_core::{Error, Result};
+use tidemark_engine::workflow::order::{FakePayments, Payments};
+use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, WorkerReport, Writer};
+use tidemark_store_sqlite::order as order_sql;
+use tidemark_store_sqlite::SqliteWorkflows;
+
+use super::{builtin, ensure_exists, payments_path};
+use crate::Context;
+
+/// Upper bound of `--idle-wait-ms` (an hour).
+const IDLE_WAIT_MS_MAX: u64 = 3_600_000;
+/// Upper bound of `--max-seconds` (a year).
+const MAX_SECONDS_MAX: u64 = 366 * 24 * 60 * 60;
+
+#[derive(Args)]
+pub struct WorkerArgs {
+    /// The workflow database (created by `tidemark workflow init`).
+    #[arg(long)]
+    db: PathBuf,
+    /// The fake payment service's call log (created if missing); default: `<db stem>.payments.db`
+    /// beside the database.
+    #[arg(long)]
+    payments_db: Option<PathBuf>,
+    /// The lease owner's name; default `worker-<pid>`.
+    #[arg(long)]
+    worker_id: Option<String>,
+    /// Runs in flight at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Lease length; heartbeats every third of it. A killed worker's runs are taken over once
+    /// its leases expire.
+    #[arg(long, default_value_t = 30_000)]
+    lease_ms: i64,
+    /// Pause between claims when nothing is due.
+    #[arg(long, default_value_t = 200)]
+    poll_ms: u64,
+    /// Stop when nothing is due and nothing is in flight (runs waiting for a later time or an
+    /// event are not due). Without it the worker runs until SIGINT/SIGTERM or --max-seconds.
+    #[arg(long, conflicts_with = "max_seconds")]
+    until_idle: bool,
+    /// With --until-idle: keep going until nothing was claimed for this long (a retry backoff,
+    /// a short timer or a dead worker's lease shorter than this does not end the worker).
+    #[arg(long, requires = "until_idle", default_value_t = 0)]
+    idle_wait_ms: u64,
+    /// Stop after this many seconds (graceful: in-flight runs are stopped and released).
+    #[arg(long)]
+    max_seconds: Option<u64>,
+    /// Attempts per step, the first included.
+    #[arg(long, default_value_t = 5)]
+    max_attempts: u32,
+    /// A fixed delay between attempts of a step (default: exponential 1 s x 5^(n-1), jittered).
+    #[arg(long)]
+    retry_delay_ms: Option<i64>,
+}
+
+pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
+    // Everything is validated before a file is touched.
+    let worker_id = args.worker_id.clone().unwrap_or_else(|| format!("worker-{}", std::process::id()));
+    let options = WorkerOptions {
+        worker_id,
+        concurrency: args.concurrency,
+        lease_ms: args.lease_ms,
+        poll_interval_ms: args.poll_ms,
+        heartbeat_ms: None,
+    };
+    options.validate()?;
+    let retry = builtin::retry_policy(args.max_attempts, args.retry_delay_ms)?;
+    if args.idle_wait_ms > IDLE_WAIT_MS_MAX {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("--idle-wait-ms must be 0..={IDLE_WAIT_MS_MAX}")));
+    }
+    if let Some(seconds) = args.max_seconds {
+        if seconds == 0 || seconds > MAX_SECONDS_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("--max-seconds must be 1..={MAX_SECONDS_MAX}"),
+            ));
+        }
+    }
+    ensure_exists(&args.db)?;
+    let payments_db = args.payments_db.clone().unwrap_or_else(|| payments_path(&args.db));
+
+    let payments: Arc<dyn Payments> = Arc::new(FakePayments::open(&payments_db)?);
+    let workflows = builtin::workflows(payments, &retry)?;
+    let clock: Clock = match ctx.fixed_now_ms {
+        Some(now) => Arc::new(move || now),
+        None => system_clock(),
+    };
+    let (path, durability) = (args.db.clone(), ctx.durability);
+    let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&path, durability), clock)?;
+    writer.call_blocking(|store, _| order_sql::install(store.connection()))?;
+    let worker = Worker::new(writer.clone(), workflows, options.clone())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
+
+    let stopped_by = Arc::new(Mutex::new("idle"));
+    let report = runtime.block_on(async {
+        if args.until_idle {
+            // Bounded by the runs themselves: every round that claims something moves a run
+            // through its finite steps and attempts.
+            let idle_wait = Duration::from_millis(args.idle_wait_ms);
+            let mut total = WorkerReport::default();
+            let mut quiet_since = Instant::now();
+            loop {
+                let round = worker.run_until_idle().await?;
+                if round.claimed > 0 {
+                    quiet_since = Instant::now();
+                }
+                total.merge(round);
+                if quiet_since.elapsed() >= idle_wait {
+                    return Ok(total);
+                }
+                tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+            }
+        }
+        let stop = shutdown(args.max_seconds.map(Duration::from_secs), stopped_by.clone())?;
+        worker.run_until(stop).await
+    })?;
+    drop(worker);
+    let left = writer.call_blocking(|store, _| left(store.connection()))?;
+    drop(writer);
+    drop(runtime);
+
+    let mut out = serde_json::to_value(&report).expect("the report serialises");
+    out["outcome"] = json!("worked");
+    out["worker_id"] = json!(options.worker_id);
+    out["stopped_by"] = json!(*stopped_by.lock().unwrap_or_else(|p| p.into_inner()));
+    out["left"] = left;
+    out["files"] = json!({"db": args.db, "payments_db": payments_db});
+    Ok(out)
+}
+
+/// Resolves on SIGINT, SIGTERM or after `max`. The signal handlers are installed here, before
+/// the worker claims anything, so a signal at any point stops it gracefully.
+fn shutdown(
+    max: Option<Duration>,
+    stopped_by: Arc<Mutex<&'static str>>,
+) -> Result<impl std::future::Future<Output = ()>> {
+    #[cfg(unix)]
+    let signals = {
+        use tokio::signal::unix::{signal, SignalKind};
+        let install = |kind| signal(kind).map_err(|e| Error::io(format!("cannot install a signal handler: {e}")));
+        (install(SignalKind::interrupt())?, install(SignalKind::terminate())?)
+    };
+    Ok(async move {
+        #[cfg(unix)]
+        let signal = async move {
+            let (mut interrupt, mut terminate) = signals;
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+        };
+        #[cfg(not(unix))]
+        let signal = async {
+            let _ = tokio::signal::ctrl_c().await;
+        };
+        let deadline = async move {
+            match max {
+                Some(max) => tokio::time::sleep(max).await,
+                None => std::future::pending().await,
+            }
+        };
+        let why = tokio::select! {
+            _ = signal => "signal",
+            _ = deadline => "max_seconds",
+        };
+        *stopped_by.lock().unwrap_or_else(|p| p.into_inner()) = why;
+    })
+}
+
+/// Runs still active, by status, and the earliest time one of them is due.
+fn left(conn: &mut Connection) -> Result<Value> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT status, count(*), min(wake_at_ms) FROM runs
+             WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+             GROUP BY status ORDER BY status",
+        )
+        .map_err(sql)?;
+    let rows = stmt
+        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))
+        .map_err(sql)?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .map_err(sql)?;
+    let mut active = Map::new();
+    let mut next_wake_at_ms: Option<i64> = None;
+    for (status, count, wake) in rows {
+        active.insert(status, json!(count));
+        next_wake_at_ms = Some(next_wake_at_ms.map_or(wake, |w| w.min(wake)));
+    }
+    Ok(json!({"active": active, "next_wake_at_ms": next_wake_at_ms}))
+}
+
+pub(super) fn sql(error: rusqlite::Error) -> Error {
+    Error::store(error.to_string())
+}
