@@ -11,5 +11,7 @@ mod crash;
 mod experiment;
 mod model_check;
 mod outbox_transaction;
+mod workflow_inbox;
+mod workflow_model;
 mod workflow_runtime;
 mod workflow_store;
