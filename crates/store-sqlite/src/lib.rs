@@ -16,6 +16,7 @@ mod schema;
 #[cfg(feature = "failpoints")]
 pub mod unsafe_dual_write;
 mod workflow;
+pub mod workflow_events;
 
 pub use consumer::SqliteConsumer;
 pub use endpoints::SqliteEndpoints;

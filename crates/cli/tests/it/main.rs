@@ -12,5 +12,7 @@ mod experiment;
 mod model_check;
 mod outbox_transaction;
 mod workflow_cli;
+mod workflow_inbox;
+mod workflow_model;
 mod workflow_runtime;
 mod workflow_store;

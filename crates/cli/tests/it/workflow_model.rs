@@ -1,0 +1,857 @@
+//! The workflow runtime against a model: random workflows (external and transactional steps that
+//! fail a few times, then succeed or fail for good; durable sleeps; sagas whose compensations may
+//! fail too), started in a random order, on workers that crash at random points (a step's body
+//! blocks and the worker's runtime is torn down; a transactional step's body runs and its
+//! transaction never commits; a worker killed at a random moment). A new worker (another id)
+//! takes the runs over once the leases have expired. A pure model says what each run must end
+//! as: `completed` with its outputs, `failed`, `compensated` with exactly the compensations of
+//! the completed steps in reverse order, or `parked` (a compensation out of attempts). The real
+//! SQLite store must agree: status, journal (names, kinds, statuses, attempts, in order), the
+//! attempt history, each transactional step's row written exactly once, every external attempt
+//! of a step with the same idempotency key, nothing left leased.
+//!
+//! Up to two workers run at once (each with its own connection), and a transactional body may
+//! stall the writer thread past a lease, so live workers lose leases and are fenced too.
+//!
+//! Bounded: `PROPTEST_CASES` cases (default 32), each a few runs; every wait is a bounded loop.
+//! `MODEL_VERBOSE=1` prints one line per case (crashes, stalls, final statuses).
+//!
+//! How a crash is made: an external body blocks for ever and the driver shuts the incarnation's
+//! tokio runtime down (its leases stay and expire); a transactional body blocks on the writer
+//! thread inside the journal's transaction, the driver shuts the runtime down and lets the body
+//! go, and the body ends the transaction with `ROLLBACK` (the store then refuses the batch): on
+//! disk, exactly what a crash before the commit leaves. Attempt numbers come from the journal
+//! (an attempt cut short by a crash is not counted), so the model needs no knowledge of timing.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use rusqlite::{params, Connection};
+use serde_json::{json, Map, Value};
+use tidemark_core::workflow::{
+    Backoff, RetryPolicy, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind,
+    StepStatus, WorkflowStore,
+};
+use tidemark_engine::now_ms;
+use tidemark_engine::workflow::tokio::runtime::{Builder, Runtime};
+use tidemark_engine::workflow::tokio::sync::oneshot;
+use tidemark_engine::workflow::{
+    Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkflowOptions, Workflows, Writer,
+};
+use tidemark_store_sqlite::{Durability, SqliteWorkflows};
+
+type Store = SqliteWorkflows;
+
+/// Attempts of a forward step, and of a compensation.
+const STEP_ATTEMPTS: u32 = 3;
+const COMPENSATION_ATTEMPTS: u32 = 3;
+/// Short leases, so that a crashed worker's runs are taken over quickly; heartbeats often, so
+/// that a live worker keeps its leases through a long scheduling stall.
+const LEASE_MS: i64 = 400;
+const HEARTBEAT_MS: u64 = 40;
+/// How long a stalling transactional body holds the writer thread.
+const STALL: Duration = Duration::from_millis(LEASE_MS as u64 + 300);
+/// Worker incarnations per case (each crash starts a new one), and polls of ~1 ms per incarnation.
+const INCARNATIONS_MAX: u32 = 20;
+const TICKS_MAX: u64 = 30_000;
+/// How long a blocked transactional body waits to be let go before it goes on by itself.
+const SIGNAL_WAIT: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------------------------------------
+// The generated cases.
+
+/// How an action ends after its retryable failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    Ok,
+    Permanent,
+}
+
+/// A step's action or a compensation: `fails` retryable failures, then `end`.
+#[derive(Debug, Clone)]
+struct Action {
+    tx: bool,
+    fails: u32,
+    end: End,
+    /// (Transactional only.) The first time it runs, the body holds the writer thread longer
+    /// than a lease: heartbeats stall, leases expire, other workers take runs over, the stalled
+    /// worker's later writes are fenced.
+    stall: bool,
+}
+
+#[derive(Debug, Clone)]
+enum Elem {
+    /// A step `s{i}` with an optional compensation (used by sagas only).
+    Step {
+        action: Action,
+        undo: Option<Action>,
+    },
+    Sleep {
+        ms: u64,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct RunSpec {
+    saga: bool,
+    elems: Vec<Elem>,
+    /// Crash the worker the first time the body of element `.0` (its compensation when `.1`)
+    /// runs.
+    crash: Option<(usize, bool)>,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    runs: Vec<RunSpec>,
+    /// The order runs are started in; the first `first_batch` before any worker runs, the rest
+    /// while the first one works.
+    order: Vec<usize>,
+    first_batch: usize,
+    /// Kill the n-th incarnation of the workers after about this many ms, whatever it does.
+    kills: Vec<u64>,
+    /// Workers per incarnation (each with its own connection), and runs in flight per worker.
+    workers: usize,
+    concurrency: usize,
+}
+
+fn action(undo: bool) -> impl Strategy<Value = Action> {
+    let out_of_attempts = if undo { COMPENSATION_ATTEMPTS } else { STEP_ATTEMPTS };
+    let fails = prop_oneof![4 => Just(0_u32), 2 => Just(1), 1 => Just(2), 1 => Just(out_of_attempts)];
+    let permanent = if undo { 1 } else { 2 };
+    let end = prop_oneof![12 => Just(End::Ok), permanent => Just(End::Permanent)];
+    let stall = proptest::bool::weighted(0.04);
+    (any::<bool>(), fails, end, stall).prop_map(|(tx, fails, end, stall)| Action { tx, fails, end, stall: tx && stall })
+}
+
+fn elem() -> impl Strategy<Value = Elem> {
+    prop_oneof![
+        4 => (action(false), proptest::option::weighted(0.7, action(true)))
+            .prop_map(|(action, undo)| Elem::Step { action, undo }),
+        1 => (0_u64..=3).prop_map(|ms| Elem::Sleep { ms }),
+    ]
+}
+
+fn run_spec() -> impl Strategy<Value = RunSpec> {
+    (
+        any::<bool>(),
+        proptest::collection::vec(elem(), 1..=4),
+        proptest::option::weighted(0.6, (0_usize..4, any::<bool>())),
+    )
+        .prop_map(|(saga, elems, crash)| {
+            // A saga needs at least one step.
+            let saga = saga && elems.iter().any(|e| matches!(e, Elem::Step { .. }));
+            RunSpec { saga, elems, crash }
+        })
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    proptest::collection::vec(run_spec(), 1..=4).prop_flat_map(|runs| {
+        let n = runs.len();
+        (
+            Just(runs),
+            Just((0..n).collect::<Vec<usize>>()).prop_shuffle(),
+            1..=n,
+            proptest::collection::vec(1_u64..40, 0..=2),
+            1_usize..=2,
+            prop_oneof![Just(1_usize), Just(2), Just(8)],
+        )
+            .prop_map(|(runs, order, first_batch, kills, workers, concurrency)| Case {
+                runs,
+                order,
+                first_batch,
+                kills,
+                workers,
+                concurrency,
+            })
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model.
+
+fn run_id(run: usize) -> String {
+    format!("run-{run}")
+}
+
+fn workflow_name(run: usize) -> String {
+    format!("wf-{run}")
+}
+
+fn step_name(elem: usize) -> String {
+    format!("s{elem}")
+}
+
+fn compensation_name(elem: usize) -> String {
+    format!("compensate:s{elem}")
+}
+
+/// What a successful attempt returns.
+fn output(run_id: &str, name: &str, attempt: u32) -> Value {
+    json!({"run": run_id, "step": name, "attempt": attempt})
+}
+
+/// Attempts made with a budget of `budget`, and whether the last one succeeded.
+fn attempts_of(action: &Action, budget: u32) -> (u32, bool) {
+    if action.fails >= budget {
+        (budget, false)
+    } else {
+        (action.fails + 1, action.end == End::Ok)
+    }
+}
+
+/// The behaviour of attempt `attempt` of an action (1-based).
+fn behave(run_id: &str, name: &str, action: &Action, attempt: u32) -> Result<Value, StepFailure> {
+    if attempt <= action.fails {
+        Err(StepFailure::retryable(format!("{name}: transient failure {attempt}")))
+    } else if action.end == End::Permanent {
+        Err(StepFailure::permanent(format!("{name}: refused for good")))
+    } else {
+        Ok(output(run_id, name, attempt))
+    }
+}
+
+/// One expected journal entry: name, kind, status, attempts.
+type Entry = (String, StepKind, StepStatus, u32);
+
+#[derive(Debug)]
+struct Expected {
+    status: RunStatus,
+    journal: Vec<Entry>,
+    result: Option<Value>,
+    /// A part of the run's error.
+    error: Option<String>,
+}
+
+fn status_of(ok: bool) -> StepStatus {
+    if ok {
+        StepStatus::Completed
+    } else {
+        StepStatus::Failed
+    }
+}
+
+/// What a run of `spec` must end as, whatever crashed on the way.
+fn expect(run_id: &str, spec: &RunSpec) -> Expected {
+    let mut journal: Vec<Entry> = Vec::new();
+    let mut outputs = Map::new();
+    let mut completed = Vec::new();
+    let mut failed = None;
+    for (i, elem) in spec.elems.iter().enumerate() {
+        match elem {
+            // A saga's zero-length sleep takes no position; a workflow's does.
+            Elem::Sleep { ms: 0 } if spec.saga => {}
+            Elem::Sleep { .. } => journal.push(("sleep".into(), StepKind::Sleep, StepStatus::Completed, 0)),
+            Elem::Step { action, .. } => {
+                let name = step_name(i);
+                let kind = if action.tx { StepKind::Transactional } else { StepKind::External };
+                let (attempts, ok) = attempts_of(action, STEP_ATTEMPTS);
+                journal.push((name.clone(), kind, status_of(ok), attempts));
+                if !ok {
+                    failed = Some(name);
+                    break;
+                }
+                outputs.insert(name.clone(), output(run_id, &name, attempts));
+                completed.push(i);
+            }
+        }
+    }
+    let Some(failed) = failed else {
+        return Expected { status: RunStatus::Completed, journal, result: Some(Value::Object(outputs)), error: None };
+    };
+    let error = Some(format!("step {failed} failed"));
+    if !spec.saga {
+        return Expected { status: RunStatus::Failed, journal, result: None, error };
+    }
+    for i in completed.into_iter().rev() {
+        let Elem::Step { undo: Some(undo), .. } = &spec.elems[i] else { continue };
+        let name = compensation_name(i);
+        let (attempts, ok) = attempts_of(undo, COMPENSATION_ATTEMPTS);
+        journal.push((name.clone(), StepKind::Compensation, status_of(ok), attempts));
+        if !ok {
+            let error = Some(format!("compensation {name} failed for good"));
+            return Expected { status: RunStatus::Parked, journal, result: None, error };
+        }
+    }
+    Expected { status: RunStatus::Compensated, journal, result: None, error }
+}
+
+/// The action behind a journal name of a run.
+fn action_named<'a>(spec: &'a RunSpec, name: &str) -> Option<&'a Action> {
+    spec.elems.iter().enumerate().find_map(|(i, elem)| match elem {
+        Elem::Step { action, .. } if step_name(i) == name => Some(action),
+        Elem::Step { undo: Some(undo), .. } if compensation_name(i) == name => Some(undo),
+        _ => None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The real thing: steps that log what they do and crash on demand.
+
+/// What a crashing body tells the driver.
+enum Signal {
+    /// An external step's body blocks for ever.
+    External,
+    /// A transactional body waits inside the journal's transaction; send to let it end the
+    /// transaction without committing.
+    Tx(mpsc::SyncSender<()>),
+}
+
+struct Gate {
+    /// The worker incarnation whose bodies may crash (0: none).
+    alive: u32,
+    /// Runs whose crash has happened.
+    fired: HashSet<usize>,
+    signals: mpsc::Sender<Signal>,
+}
+
+/// One call of an external action.
+#[derive(Debug, Clone)]
+struct Call {
+    run_id: String,
+    name: String,
+    key: String,
+    attempt: u32,
+    returned: bool,
+}
+
+/// What the steps of one case share.
+struct Shared {
+    case: Case,
+    calls: Mutex<Vec<Call>>,
+    gate: Mutex<Gate>,
+    /// Transactional bodies that have stalled: (run, step name).
+    stalled: Mutex<HashSet<(usize, String)>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Does the body of element `elem` of `run` crash now? (Once per run, only in the live
+    /// incarnation; the signal is sent under the gate's lock, so after the driver closed the
+    /// gate no body crashes any more.)
+    fn crash_here(
+        &self,
+        incarnation: u32,
+        run: usize,
+        elem: usize,
+        undo: bool,
+        signal: impl FnOnce() -> Signal,
+    ) -> bool {
+        let mut gate = lock(&self.gate);
+        if gate.alive != incarnation || self.case.runs[run].crash != Some((elem, undo)) || !gate.fired.insert(run) {
+            return false;
+        }
+        let _ = gate.signals.send(signal());
+        true
+    }
+}
+
+/// Where a body is: which incarnation runs it, for which run, element and step.
+#[derive(Clone)]
+struct Site {
+    shared: Arc<Shared>,
+    writer: Writer<Store>,
+    incarnation: u32,
+    run: usize,
+    elem: usize,
+    undo: bool,
+    name: String,
+    action: Action,
+}
+
+impl Site {
+    /// An external attempt: its number is the journal's attempts + 1 (read through the writer,
+    /// so a crash that cut an attempt short does not count it).
+    async fn external(self, key: String) -> Result<Value, StepFailure> {
+        let run_id = run_id(self.run);
+        let (id, name) = (run_id.clone(), self.name.clone());
+        let detail = self.writer.call(move |store, _| store.run(&id)).await.expect("read the run");
+        let journaled = detail.and_then(|d| d.journal.into_iter().find(|e| e.name == name)).map_or(0, |e| e.attempts);
+        let attempt = journaled + 1;
+        let index = {
+            let mut calls = lock(&self.shared.calls);
+            calls.push(Call { run_id: run_id.clone(), name: self.name.clone(), key, attempt, returned: false });
+            calls.len() - 1
+        };
+        if self.shared.crash_here(self.incarnation, self.run, self.elem, self.undo, || Signal::External) {
+            std::future::pending::<()>().await;
+        }
+        let result = behave(&run_id, &self.name, &self.action, attempt);
+        lock(&self.shared.calls)[index].returned = true;
+        result
+    }
+
+    /// A transactional attempt, inside the journal's transaction: one `model_rows` row per
+    /// attempt, which rolls back with a failed one.
+    fn tx(&self, conn: &Connection) -> Result<Value, StepFailure> {
+        let run_id = run_id(self.run);
+        let journaled: u32 = conn
+            .query_row(
+                "SELECT coalesce(max(attempts), 0) FROM journal WHERE run_id = ?1 AND name = ?2",
+                params![run_id, self.name],
+                |r| r.get(0),
+            )
+            .expect("read the journal");
+        let attempt = journaled + 1;
+        if self.action.stall && lock(&self.shared.stalled).insert((self.run, self.name.clone())) {
+            std::thread::sleep(STALL);
+        }
+        let (release, released) = mpsc::sync_channel(1);
+        if self.shared.crash_here(self.incarnation, self.run, self.elem, self.undo, move || Signal::Tx(release)) {
+            // The worker dies now; its transaction never commits (what a crash between the
+            // body and the commit leaves: nothing of the batch).
+            let _ = released.recv_timeout(SIGNAL_WAIT);
+            conn.execute_batch("ROLLBACK").expect("end the transaction");
+            return Err(StepFailure::retryable("the worker died before the commit"));
+        }
+        conn.execute(
+            "INSERT INTO model_rows (run_id, name, attempt) VALUES (?1, ?2, ?3)",
+            params![run_id, self.name, attempt],
+        )
+        .map_err(|e| StepFailure::retryable(e.to_string()))?;
+        behave(&run_id, &self.name, &self.action, attempt)
+    }
+}
+
+fn fast_retry(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts,
+        backoff: Backoff::Schedule { delays_ms: vec![5] },
+        attempt_timeout_ms: 30_000,
+        jitter: false,
+    }
+}
+
+fn options() -> WorkflowOptions {
+    WorkflowOptions { concurrency_max: None, retry: fast_retry(STEP_ATTEMPTS) }
+}
+
+/// The workflows of a case, as incarnation `incarnation` runs them: one workflow per run.
+fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> Workflows<Store> {
+    let mut workflows = Workflows::new();
+    for (run, spec) in shared.case.runs.iter().enumerate() {
+        let site = |elem: usize, undo: bool, action: &Action| Site {
+            shared: shared.clone(),
+            writer: writer.clone(),
+            incarnation,
+            run,
+            elem,
+            undo,
+            name: if undo { compensation_name(elem) } else { step_name(elem) },
+            action: action.clone(),
+        };
+        if spec.saga {
+            let mut saga =
+                Saga::<Store>::new(&workflow_name(run), 1).compensation_policy(fast_retry(COMPENSATION_ATTEMPTS));
+            for (i, elem) in spec.elems.iter().enumerate() {
+                match elem {
+                    Elem::Sleep { ms } => {
+                        let ms = *ms;
+                        saga = saga.sleep(move |_| Duration::from_millis(ms));
+                    }
+                    Elem::Step { action, undo } => {
+                        let forward = saga_action(site(i, false, action));
+                        let compensation = undo.as_ref().map(|undo| saga_action(site(i, true, undo)));
+                        saga = saga.step(&step_name(i), forward, compensation);
+                    }
+                }
+            }
+            saga.register(&mut workflows, options()).expect("register the saga");
+        } else {
+            let sites: Vec<Option<Site>> = spec
+                .elems
+                .iter()
+                .enumerate()
+                .map(|(i, elem)| match elem {
+                    Elem::Step { action, .. } => Some(site(i, false, action)),
+                    Elem::Sleep { .. } => None,
+                })
+                .collect();
+            let elems = spec.elems.clone();
+            workflows
+                .register(&workflow_name(run), 1, options(), move |ctx, _input| {
+                    let (elems, sites) = (elems.clone(), sites.clone());
+                    async move {
+                        let mut outputs = Map::new();
+                        for (elem, site) in elems.iter().zip(sites) {
+                            match (elem, site) {
+                                (Elem::Sleep { ms }, _) => ctx.sleep(Duration::from_millis(*ms)).await?,
+                                (Elem::Step { action, .. }, Some(site)) => {
+                                    let name = site.name.clone();
+                                    let value: Value = if action.tx {
+                                        ctx.tx_step(&name, None, move |conn| site.tx(conn)).await?
+                                    } else {
+                                        ctx.step(&name, None, move |key| site.external(key)).await?
+                                    };
+                                    outputs.insert(name, value);
+                                }
+                                (Elem::Step { .. }, None) => unreachable!("every step has its site"),
+                            }
+                        }
+                        Ok(Value::Object(outputs))
+                    }
+                })
+                .expect("register the workflow");
+        }
+    }
+    workflows
+}
+
+fn saga_action(site: Site) -> SagaAction<Connection> {
+    if site.action.tx {
+        SagaAction::tx(move |conn: &Connection, _data: &SagaData| site.tx(conn))
+    } else {
+        SagaAction::external(move |key, _data| site.clone().external(key))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The driver.
+
+fn runtime() -> Runtime {
+    Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
+}
+
+fn open_writer(path: &Path) -> Writer<Store> {
+    let path = path.to_path_buf();
+    Writer::spawn(move || SqliteWorkflows::open_with(&path, Durability::Normal)).expect("open the workflow store")
+}
+
+fn worker_options(worker_id: &str, concurrency: usize) -> WorkerOptions {
+    WorkerOptions {
+        worker_id: worker_id.to_string(),
+        concurrency,
+        lease_ms: LEASE_MS,
+        poll_interval_ms: 5,
+        heartbeat_ms: Some(HEARTBEAT_MS),
+    }
+}
+
+fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
+    runs.iter()
+        .map(|&run| StartRequest {
+            run_id: run_id(run),
+            workflow: workflow_name(run),
+            version: 1,
+            input: json!({"run": run}),
+            key: None,
+            start_at_ms: None,
+        })
+        .collect()
+}
+
+fn start(store: &mut SqliteWorkflows, runs: &[usize]) {
+    for outcome in store.start_runs(&start_requests(runs), now_ms()).expect("start") {
+        assert!(matches!(outcome, StartOutcome::Started { .. }), "{outcome:?}");
+    }
+}
+
+fn all_finished(store: &SqliteWorkflows, runs: usize) -> bool {
+    let listed = store.list_runs(&RunFilter::default(), 100).expect("list runs");
+    listed.len() == runs && listed.iter().all(|r| r.status.is_terminal())
+}
+
+enum Ending {
+    Finished,
+    /// Crashed at a body (with its signal) or killed at a random moment.
+    Crashed(Option<Signal>),
+}
+
+/// Run the case to the end through crashing workers; return how many times a worker stopped
+/// working on a run abruptly (incarnations that died, leases lost).
+fn drive(
+    case: &Case,
+    path: &Path,
+    store: &mut SqliteWorkflows,
+    shared: &Arc<Shared>,
+    signals: &mpsc::Receiver<Signal>,
+) -> u32 {
+    let n = case.runs.len();
+    start(store, &case.order[..case.first_batch]);
+    let mut started = case.first_batch;
+    let mut kills = case.kills.iter().copied();
+    let mut deaths = 0;
+    for incarnation in 1..=INCARNATIONS_MAX {
+        // An incarnation: `case.workers` workers, each with its own writer (connection) and id.
+        let rt = runtime();
+        let mut writers = Vec::new();
+        let mut workers = Vec::new();
+        let mut stops = Vec::new();
+        let mut handles = Vec::new();
+        lock(&shared.gate).alive = incarnation;
+        for k in 0..case.workers {
+            let writer = open_writer(path);
+            let options = worker_options(&format!("worker-{incarnation}-{k}"), case.concurrency);
+            let worker = Arc::new(
+                Worker::new(writer.clone(), workflows(shared, &writer, incarnation), options).expect("worker"),
+            );
+            let (stop, stopped) = oneshot::channel::<()>();
+            let running = worker.clone();
+            handles.push(rt.spawn(async move {
+                running
+                    .run_until(async move {
+                        let _ = stopped.await;
+                    })
+                    .await
+            }));
+            writers.push(writer);
+            workers.push(worker);
+            stops.push(stop);
+        }
+        let kill_at = kills.next();
+        let mut ending = None;
+        for tick in 0..TICKS_MAX {
+            if started < n && tick == 3 {
+                // Through the worker's writer: queued behind whatever it is doing (a body may be
+                // blocked in the journal's transaction), committed even if the worker dies.
+                let requests = start_requests(&case.order[started..]);
+                drop(writers[0].call(move |store, now| store.start_runs(&requests, now)));
+                started = n;
+            }
+            if let Ok(signal) = signals.try_recv() {
+                ending = Some(Ending::Crashed(Some(signal)));
+                break;
+            }
+            if kill_at == Some(tick) {
+                ending = Some(Ending::Crashed(None));
+                break;
+            }
+            if started == n && tick % 5 == 0 && all_finished(store, n) {
+                ending = Some(Ending::Finished);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        match ending {
+            Some(Ending::Finished) => {
+                for stop in stops {
+                    let _ = stop.send(());
+                }
+                let mut interruptions = deaths;
+                for handle in handles {
+                    let report = rt.block_on(handle).expect("worker task").expect("worker");
+                    assert_eq!(report.errors, 0, "{report:?}");
+                    if std::env::var_os("MODEL_VERBOSE").is_some() && (report.lost > 0 || report.recovered > 0) {
+                        eprintln!("worker: lost {}, recovered {}", report.lost, report.recovered);
+                    }
+                    // A live worker that lost a lease (a scheduling stall longer than the lease)
+                    // stopped that run mid-way, like a crash.
+                    interruptions += report.lost as u32;
+                }
+                return interruptions;
+            }
+            Some(Ending::Crashed(signal)) => {
+                // Close the gate first: no body crashes after this, and every one that did has
+                // already sent its signal.
+                lock(&shared.gate).alive = 0;
+                rt.shutdown_background();
+                drop((workers, writers, stops, handles));
+                for signal in signal.into_iter().chain(signals.try_iter()) {
+                    if let Signal::Tx(release) = signal {
+                        let _ = release.send(());
+                    }
+                }
+                deaths += 1;
+            }
+            None => {
+                let runs = store.list_runs(&RunFilter::default(), 100).expect("list");
+                panic!("incarnation {incarnation} did not finish in {TICKS_MAX} polls: {runs:#?}");
+            }
+        }
+    }
+    panic!("more than {INCARNATIONS_MAX} workers died");
+}
+
+/// Every `model_rows` row: (run_id, name, attempt).
+fn rows(store: &mut SqliteWorkflows) -> Vec<(String, String, u32)> {
+    let conn = store.connection();
+    let mut stmt = conn.prepare("SELECT run_id, name, attempt FROM model_rows ORDER BY rowid").unwrap();
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap();
+    rows.collect::<rusqlite::Result<Vec<_>>>().unwrap()
+}
+
+/// Compare the real run with the model.
+fn check_run(
+    spec: &RunSpec,
+    run: usize,
+    d: &RunDetail,
+    rows: &[(String, String, u32)],
+    calls: &[Call],
+    interruptions: u32,
+) {
+    let run_id = run_id(run);
+    let expected = expect(&run_id, spec);
+    let context = format!("run {run_id}: {spec:?}\nexpected {expected:#?}\ngot {d:#?}");
+    assert_eq!(d.run.status, expected.status, "{context}");
+    let journal: Vec<Entry> = d.journal.iter().map(|e| (e.name.clone(), e.kind, e.status, e.attempts)).collect();
+    assert_eq!(journal, expected.journal, "{context}");
+    let seqs: Vec<u32> = d.journal.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (0..d.journal.len() as u32).collect::<Vec<_>>(), "a gapless journal: {context}");
+    if expected.status == RunStatus::Completed {
+        assert_eq!(d.run.result, expected.result, "{context}");
+    }
+    if let Some(part) = &expected.error {
+        assert!(d.run.error.as_deref().unwrap_or("").contains(part.as_str()), "error should say {part:?}: {context}");
+    }
+    assert!(d.run.lease_owner.is_none() && d.run.lease_expires_at_ms.is_none(), "left leased: {context}");
+
+    for entry in &d.journal {
+        // The attempt history: every attempt recorded, failures first.
+        let history: Vec<(u32, bool)> =
+            d.attempts.iter().filter(|a| a.seq == entry.seq).map(|a| (a.attempt, a.ok)).collect();
+        let expected_history: Vec<(u32, bool)> =
+            (1..=entry.attempts).map(|a| (a, a == entry.attempts && entry.status == StepStatus::Completed)).collect();
+        assert_eq!(history, expected_history, "attempts of {}: {context}", entry.name);
+        let Some(action) = action_named(spec, &entry.name) else { continue };
+        let mine = |name: &str, run: &str| name == entry.name && run == run_id;
+        let written: Vec<u32> = rows.iter().filter(|(r, n, _)| mine(n, r)).map(|(_, _, a)| *a).collect();
+        let called: Vec<&Call> = calls.iter().filter(|c| mine(&c.name, &c.run_id)).collect();
+        if action.tx {
+            // Exactly once: the row of the attempt that committed, none of the failed ones.
+            let expected_rows = if entry.status == StepStatus::Completed { vec![entry.attempts] } else { vec![] };
+            assert_eq!(written, expected_rows, "rows of {}: {context}", entry.name);
+            assert!(called.is_empty(), "{context}");
+        } else {
+            assert!(written.is_empty(), "{context}");
+            let key = format!("{run_id}:{}:{}", entry.seq, entry.name);
+            assert!(called.iter().all(|c| c.key == key), "every attempt of {} uses {key}: {called:?}", entry.name);
+            let returned: Vec<u32> = called.iter().filter(|c| c.returned).map(|c| c.attempt).collect();
+            for attempt in 1..=entry.attempts {
+                assert!(returned.contains(&attempt), "attempt {attempt} of {} ran: {called:?}\n{context}", entry.name);
+            }
+            assert!(returned.windows(2).all(|w| w[0] <= w[1]), "attempts in order: {called:?}");
+            if interruptions == 0 {
+                assert_eq!(returned, (1..=entry.attempts).collect::<Vec<_>>(), "{called:?}\n{context}");
+                assert_eq!(called.len(), returned.len(), "{called:?}");
+            } else {
+                // A dying worker cuts at most one call of each run short (or loses its answer).
+                assert!(called.len() as u32 <= entry.attempts + interruptions, "{called:?}\n{context}");
+            }
+        }
+    }
+    // Steps the run never reached did nothing.
+    let journaled: HashSet<&str> = d.journal.iter().map(|e| e.name.as_str()).collect();
+    assert!(rows.iter().filter(|(r, _, _)| *r == run_id).all(|(_, n, _)| journaled.contains(n.as_str())), "{context}");
+    assert!(calls.iter().filter(|c| c.run_id == run_id).all(|c| journaled.contains(c.name.as_str())), "{context}");
+}
+
+fn run_case(case: Case) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("workflows.db");
+    let mut store = SqliteWorkflows::open_with(&path, Durability::Normal).expect("open");
+    store
+        .connection()
+        .execute_batch("CREATE TABLE model_rows (run_id TEXT NOT NULL, name TEXT NOT NULL, attempt INTEGER NOT NULL)")
+        .unwrap();
+    let (signals_tx, signals) = mpsc::channel();
+    let shared = Arc::new(Shared {
+        case: case.clone(),
+        calls: Mutex::new(Vec::new()),
+        gate: Mutex::new(Gate { alive: 0, fired: HashSet::new(), signals: signals_tx }),
+        stalled: Mutex::new(HashSet::new()),
+    });
+    // A stall may make the stalled worker lose its leases: count it like a crash.
+    let interruptions = drive(&case, &path, &mut store, &shared, &signals) + lock(&shared.stalled).len() as u32;
+    if std::env::var_os("MODEL_VERBOSE").is_some() {
+        let fired: Vec<String> = lock(&shared.gate)
+            .fired
+            .iter()
+            .map(|&r| {
+                let (elem, undo) = case.runs[r].crash.unwrap();
+                let tx = match &case.runs[r].elems[elem] {
+                    Elem::Step { action, undo: u } => {
+                        if undo {
+                            u.as_ref().unwrap().tx
+                        } else {
+                            action.tx
+                        }
+                    }
+                    Elem::Sleep { .. } => unreachable!(),
+                };
+                format!("{}{}", if tx { "tx" } else { "ext" }, if undo { "-undo" } else { "" })
+            })
+            .collect();
+        let statuses: Vec<String> = (0..case.runs.len())
+            .map(|r| store.run(&run_id(r)).unwrap().unwrap().run.status.as_str().to_string())
+            .collect();
+        let stalls = lock(&shared.stalled).len();
+        eprintln!(
+            "case: {} runs, {} workers x {}, interruptions {interruptions}, stalls {stalls}, crashes fired {fired:?}, kills {:?}, {statuses:?}",
+            case.runs.len(),
+            case.workers,
+            case.concurrency,
+            case.kills
+        );
+    }
+
+    let rows = rows(&mut store);
+    let calls = lock(&shared.calls).clone();
+    let mut tx_completed = 0;
+    for (run, spec) in case.runs.iter().enumerate() {
+        let d = store.run(&run_id(run)).expect("read").expect("the run exists");
+        check_run(spec, run, &d, &rows, &calls, interruptions);
+        tx_completed += d
+            .journal
+            .iter()
+            .filter(|e| e.status == StepStatus::Completed && action_named(spec, &e.name).is_some_and(|a| a.tx))
+            .count();
+    }
+    assert_eq!(rows.len(), tx_completed, "no stray rows: {rows:?}");
+}
+
+fn config() -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
+    ProptestConfig { cases, max_shrink_iters: 16, failure_persistence: None, ..ProptestConfig::default() }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn runs_end_as_the_model_says_through_crashing_workers(case in case()) {
+        run_case(case);
+    }
+}
+
+#[test]
+fn the_model_expects_reverse_compensations_and_parks_on_a_failed_one() {
+    let ok = |tx| Action { tx, fails: 0, end: End::Ok, stall: false };
+    let spec = RunSpec {
+        saga: true,
+        elems: vec![
+            Elem::Step { action: ok(true), undo: Some(ok(false)) },
+            Elem::Sleep { ms: 0 },
+            Elem::Step { action: Action { tx: false, fails: 1, end: End::Ok, stall: false }, undo: None },
+            Elem::Step { action: ok(false), undo: Some(Action { tx: true, fails: 2, end: End::Ok, stall: false }) },
+            Elem::Step { action: Action { tx: false, fails: 1, end: End::Permanent, stall: false }, undo: None },
+        ],
+        crash: None,
+    };
+    let e = expect("r", &spec);
+    assert_eq!(e.status, RunStatus::Compensated);
+    let names: Vec<&str> = e.journal.iter().map(|j| j.0.as_str()).collect();
+    assert_eq!(names, ["s0", "s2", "s3", "s4", "compensate:s3", "compensate:s0"]);
+    assert_eq!(e.journal[1].3, 2);
+    assert_eq!((e.journal[3].2, e.journal[3].3), (StepStatus::Failed, 2));
+    assert_eq!(e.journal[4].3, 3);
+
+    let mut parked = spec.clone();
+    parked.elems[3] = Elem::Step {
+        action: ok(false),
+        undo: Some(Action { tx: true, fails: COMPENSATION_ATTEMPTS, end: End::Ok, stall: false }),
+    };
+    let e = expect("r", &parked);
+    assert_eq!(e.status, RunStatus::Parked);
+    assert_eq!(e.journal.last().unwrap().0, "compensate:s3");
+
+    let plain = RunSpec { saga: false, ..spec };
+    let e = expect("r", &plain);
+    assert_eq!(e.status, RunStatus::Failed);
+    let names: Vec<&str> = e.journal.iter().map(|j| j.0.as_str()).collect();
+    assert_eq!(names, ["s0", "sleep", "s2", "s3", "s4"]);
+}
