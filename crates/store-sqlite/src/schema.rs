@@ -261,6 +261,20 @@ pub enum Durability {
     Normal,
 }
 
+/// Process-wide SQLite settings, applied once before the first connection opens.
+fn configure_library() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `sqlite3_config` is only legal before SQLite initialises; if something else in
+        // the process already initialised it, the call returns SQLITE_MISUSE and changes nothing.
+        // MEMSTATUS off: SQLite otherwise takes a global mutex on every allocation to keep
+        // memory statistics that tidemark never reads.
+        unsafe {
+            let _ = rusqlite::ffi::sqlite3_config(rusqlite::ffi::SQLITE_CONFIG_MEMSTATUS, 0 as std::os::raw::c_int);
+        }
+    });
+}
+
 fn configure(conn: &Connection, durability: Durability) -> Result<()> {
     conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
     let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).db()?;
@@ -330,6 +344,7 @@ pub(crate) fn open(path: &Path, create: bool, durability: Durability) -> Result<
             format!("{} does not exist; run `tidemark init` first", path.display()),
         ));
     }
+    configure_library();
     let mut conn = Connection::open_with_flags(path, flags)
         .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
     configure(&conn, durability)?;
