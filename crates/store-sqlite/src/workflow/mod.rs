@@ -1,9 +1,9 @@
 //! The SQLite [`WorkflowStore`]: runs, their journal, step attempts, events and idempotency
-//! receipts (schema v2, see `schema.rs` for every column's reason), for the durable workflow
+//! receipts (schema v3, see `schema.rs` for every column's reason), for the durable workflow
 //! runtime (`docs/workflows.md`).
 //!
 //! **Opening.** [`SqliteWorkflows::open`] opens any tidemark file, creating it if needed: the
-//! workflow tables come with the schema (migration v2), so there is no init step and no identity
+//! workflow tables come with the schema (migration v3), so there is no init step and no identity
 //! to set. The same file may be a producer database: a transactional step's body then writes
 //! business rows and outbox events (`advance_in(tx, ...)`) in the journal's transaction.
 //!

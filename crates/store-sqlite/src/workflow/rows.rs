@@ -9,7 +9,7 @@ use tidemark_core::{Error, Result};
 use crate::SqlResult;
 
 /// The active (non-terminal, claimable) statuses, written exactly as in the partial indexes of
-/// migration v2 so that SQLite can use them.
+/// migration v3 so that SQLite can use them.
 pub(super) const ACTIVE: &str = "('pending', 'running', 'sleeping', 'waiting', 'compensating')";
 
 pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
