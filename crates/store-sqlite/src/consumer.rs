@@ -508,7 +508,7 @@ impl ConsumerStore for SqliteConsumer {
                             .prepare_cached(
                                 "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?5
                                  WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
-                                   AND status IN ('pending', 'blocked')",
+                                   AND (status = 'pending' OR status = 'blocked')",
                             )
                             .db()?
                             .execute(params![consumer_id, event.source, event.flow_id, event.seq, now_ms])

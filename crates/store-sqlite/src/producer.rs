@@ -434,7 +434,7 @@ impl ProducerStore for SqliteProducer {
                 .prepare_cached(
                     "UPDATE deliveries SET status = 'accepted', last_error = NULL, updated_at_ms = ?3
                      WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND status IN ('pending', 'quarantined')",
+                       AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
             let mut retry = tx
@@ -442,14 +442,14 @@ impl ProducerStore for SqliteProducer {
                     "UPDATE deliveries SET attempts = attempts + 1, next_attempt_at_ms = ?4, last_error = ?3, updated_at_ms = ?5,
                          status = 'pending'
                      WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND status IN ('pending', 'quarantined')",
+                       AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
             let mut quarantine = tx
                 .prepare_cached(
                     "UPDATE deliveries SET attempts = attempts + 1, status = 'quarantined', last_error = ?3, updated_at_ms = ?4
                      WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND status IN ('pending', 'quarantined')",
+                       AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
             for result in results {
