@@ -341,7 +341,6 @@ struct FlowWalk {
     flow_id: String,
     start_high_water: i64,
     next_seq: i64,
-    stuck: bool,
 }
 
 impl FlowWalk {
@@ -456,6 +455,12 @@ impl ConsumerStore for SqliteConsumer {
             let page = open_page(&tx, consumer_id, scope, &after)?;
             let page_len = page.len();
             for record in page {
+                // Bounded: every row read counts, and a stuck flow costs one row (the scan then
+                // jumps past the rest of that flow).
+                if scanned == scan_rows_max {
+                    hit_limit = true;
+                    break 'pages;
+                }
                 scanned += 1;
                 let event = record.envelope;
                 after = (event.source.clone(), event.flow_id.clone(), event.seq);
@@ -469,13 +474,9 @@ impl ConsumerStore for SqliteConsumer {
                         flow_id: event.flow_id.clone(),
                         start_high_water: record.high_water_seq,
                         next_seq: record.high_water_seq + 1,
-                        stuck: false,
                     });
                 }
                 let current = walk.as_mut().expect("walk was just set");
-                if current.stuck {
-                    continue;
-                }
                 ensure_invariant!(
                     event.seq >= current.next_seq,
                     "open inbox record {}/{}/{} is at or below the high-water mark {}",
@@ -485,7 +486,6 @@ impl ConsumerStore for SqliteConsumer {
                     current.next_seq - 1
                 );
                 if event.seq > current.next_seq {
-                    current.stuck = true;
                     stuck_total += 1;
                     if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
                         stuck.push(ApplyOutcome::Gap {
@@ -494,7 +494,8 @@ impl ConsumerStore for SqliteConsumer {
                             missing_seq: current.next_seq,
                         });
                     }
-                    continue;
+                    after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
+                    continue 'pages;
                 }
                 if savepoints {
                     tx.prepare_cached("SAVEPOINT apply_one").db()?.execute([]).db()?;
@@ -542,8 +543,7 @@ impl ConsumerStore for SqliteConsumer {
                         .db()?
                         .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])
                         .db()?;
-                        current.stuck = true;
-                        stuck_total += 1;
+                            stuck_total += 1;
                         if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
                             stuck.push(ApplyOutcome::Blocked {
                                 source: event.source.clone(),
@@ -553,12 +553,10 @@ impl ConsumerStore for SqliteConsumer {
                                 reason,
                             });
                         }
+                        after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
+                        continue 'pages;
                     }
                     Err(HandleError::Failed(error)) => return Err(error),
-                }
-                if scanned >= scan_rows_max {
-                    hit_limit = true;
-                    break 'pages;
                 }
             }
             if page_len < DRAIN_PAGE_ROWS {
