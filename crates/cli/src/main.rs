@@ -625,7 +625,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             tidemark_core::id::validate_id("from", &args.from)?;
             tidemark_core::id::validate_id("to", &args.to)?;
             let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
-            let report = consumer.rename_consumer(&args.from, &args.to)?;
+            let report = consumer.rename_consumer(&args.from, &args.to, ctx.now_ms())?;
             let mut out = json!({"outcome": "renamed", "from": args.from, "to": args.to, "consumer": report});
             if let Some(path) = &args.producer {
                 let mut producer = SqliteProducer::open_with(path, ctx.durability)?;

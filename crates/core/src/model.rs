@@ -1075,7 +1075,7 @@ impl ConsumerStore for ModelConsumer {
         })
     }
 
-    fn rename_consumer(&mut self, from: &str, to: &str) -> Result<RenameReport> {
+    fn rename_consumer(&mut self, from: &str, to: &str, _now_ms: i64) -> Result<RenameReport> {
         validate_id("from", from)?;
         validate_id("to", to)?;
         if from == to {
@@ -1291,12 +1291,12 @@ mod tests {
         let event = producer.snapshot(10).unwrap().outbox.remove(0);
         let mut consumer = ModelConsumer::new(RetentionPolicy::default()).unwrap();
         consumer.receive_batch(&[("a", &event)], 2).unwrap();
-        let report = consumer.rename_consumer("a", "b").unwrap();
+        let report = consumer.rename_consumer("a", "b", 1).unwrap();
         assert_eq!((report.inbox, report.receipts, report.cursors), (1, 0, 0));
         assert_eq!(
             words(&consumer.receive_batch(&[("a", &event), ("b", &event)], 3).unwrap()),
             ["conflict", "duplicate"]
         );
-        assert_eq!(consumer.rename_consumer("a", "c").unwrap_err().code(), codes::NOT_FOUND);
+        assert_eq!(consumer.rename_consumer("a", "c", 1).unwrap_err().code(), codes::NOT_FOUND);
     }
 }

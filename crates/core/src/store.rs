@@ -400,7 +400,7 @@ pub trait ConsumerStore {
     /// delete receipts past the horizon; at most `batch_rows` rows per kind in one transaction.
     fn prune(&mut self, applied_retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<PruneReport>;
     /// Carry all dedup state and projections of `from` over to `to` (which must be unused).
-    fn rename_consumer(&mut self, from: &str, to: &str) -> Result<RenameReport>;
+    fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport>;
     fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>>;
     fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot>;
 }

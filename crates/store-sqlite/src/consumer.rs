@@ -543,7 +543,7 @@ impl ConsumerStore for SqliteConsumer {
                         .db()?
                         .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])
                         .db()?;
-                            stuck_total += 1;
+                        stuck_total += 1;
                         if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
                             stuck.push(ApplyOutcome::Blocked {
                                 source: event.source.clone(),
@@ -699,7 +699,7 @@ impl ConsumerStore for SqliteConsumer {
         })
     }
 
-    fn rename_consumer(&mut self, from: &str, to: &str) -> Result<RenameReport> {
+    fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport> {
         validate_id("from", from)?;
         validate_id("to", to)?;
         if from == to {
@@ -746,9 +746,9 @@ impl ConsumerStore for SqliteConsumer {
         }
         tx.execute("DELETE FROM retired_consumers WHERE consumer_id = ?1", [to]).db()?;
         tx.execute(
-            "INSERT INTO retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES (?1, ?2, 0)
-             ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to",
-            [from, to],
+            "INSERT INTO retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES (?1, ?2, ?3)
+             ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to, retired_at_ms = excluded.retired_at_ms",
+            params![from, to, now_ms],
         )
         .db()?;
         crash::hit("rename.before_commit");
@@ -861,10 +861,10 @@ mod tests {
             created_at_ms: 1,
         };
         consumer.receive_batch(&[("a", &event)], 1).unwrap();
-        assert_eq!(consumer.rename_consumer("a", "b").unwrap().inbox, 1);
-        let again = consumer.rename_consumer("a", "b").unwrap();
+        assert_eq!(consumer.rename_consumer("a", "b", 1).unwrap().inbox, 1);
+        let again = consumer.rename_consumer("a", "b", 1).unwrap();
         assert_eq!((again.inbox, again.receipts, again.cursors, again.projections), (0, 0, 0, 0));
-        assert_eq!(consumer.rename_consumer("a", "c").unwrap_err().code(), codes::NOT_FOUND);
+        assert_eq!(consumer.rename_consumer("a", "c", 1).unwrap_err().code(), codes::NOT_FOUND);
         assert_eq!(consumer.inbox("b", None, 10).unwrap().len(), 1);
     }
 }

@@ -599,7 +599,8 @@ impl Sc {
         to: &str,
         with_producer: bool,
     ) -> Result<std::result::Result<(RenameReport, Option<u64>), Error>> {
-        let consumer_result = self.consumer(consumer)?.rename_consumer(from, to);
+        let t0 = self.t0;
+        let consumer_result = self.consumer(consumer)?.rename_consumer(from, to, t0);
         let result = match consumer_result {
             Ok(report) if with_producer => {
                 self.producer()?.rename_subscription(from, to).map(|moved| (report, Some(moved)))

@@ -788,7 +788,7 @@ impl<B: Backend> Run<B> {
                 self.ctx.renames += 1;
                 let from = self.ctx.consumer_names[*slot].clone();
                 let to = format!("{}-{}", SLOTS[*slot], self.ctx.renames);
-                let result = self.backend.consumer(DATABASE_OF[*slot]).rename_consumer(&from, &to);
+                let result = self.backend.consumer(DATABASE_OF[*slot]).rename_consumer(&from, &to, now);
                 if result.is_ok() {
                     self.ctx.consumer_names[*slot] = to.clone();
                     self.ctx.skipped = std::mem::take(&mut self.ctx.skipped)
