@@ -293,13 +293,26 @@ where
                 }
             }
         };
+        // Claims are batched: while the last claim filled every slot it asked for (a backlog),
+        // the next one waits until a quarter of the slots are free, so that a busy worker does
+        // not claim (and cut the writer's group commit) after every finished run. Without a
+        // backlog, the next claim comes after the poll interval.
+        let claim_at_free = (self.options.concurrency / 4).max(1);
+        let mut backlog = true;
+        let mut last_claim: Option<Instant> = None;
         let result = loop {
             let mut claimed = 0;
+            let mut attempted = false;
             let free = self.options.concurrency.saturating_sub(in_flight.len());
-            if free > 0 {
+            let poll_due = last_claim.map_or(true, |at| at.elapsed() >= poll);
+            let wanted = poll_due || (backlog && free >= claim_at_free) || (idle_exit && in_flight.is_empty());
+            if free > 0 && wanted {
+                attempted = true;
+                last_claim = Some(Instant::now());
                 match self.claim(free).await {
                     Ok(runs) => {
                         claimed = runs.len();
+                        backlog = claimed >= free.min(CLAIM_BATCH_MAX);
                         if in_flight.is_empty() && claimed > 0 {
                             next_heartbeat = Instant::now() + heartbeat_every;
                         }
@@ -309,6 +322,7 @@ where
                         report.max_in_flight = report.max_in_flight.max(in_flight.len());
                     }
                     Err(error) => {
+                        backlog = false;
                         report.error(format!("claim: {error}"));
                         if idle_exit {
                             break Err(error);
@@ -316,10 +330,15 @@ where
                     }
                 }
             }
-            if idle_exit && claimed == 0 && in_flight.is_empty() {
+            if idle_exit && attempted && claimed == 0 && in_flight.is_empty() {
                 break Ok(());
             }
-            let pause = if claimed > 0 && in_flight.len() < self.options.concurrency { Duration::ZERO } else { poll };
+            let free = self.options.concurrency.saturating_sub(in_flight.len());
+            let pause = if backlog && free >= claim_at_free {
+                Duration::ZERO
+            } else {
+                poll.saturating_sub(last_claim.map_or(Duration::ZERO, |at| at.elapsed()))
+            };
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break Ok(()),
