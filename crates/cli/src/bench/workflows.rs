@@ -277,6 +277,21 @@ fn process_cpu_seconds() -> Option<f64> {
     Some(ticks as f64 / 100.0)
 }
 
+/// On-CPU nanoseconds of this process's threads named `name` (Linux `/proc/self/task`).
+fn threads_on_cpu_ns(name: &str) -> Option<u64> {
+    let mut total = None;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if comm.trim_end() == name {
+            let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
+            let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
+            total = Some(total.unwrap_or(0) + ns);
+        }
+    }
+    total
+}
+
 fn load_average() -> Option<String> {
     std::fs::read_to_string("/proc/loadavg").ok().map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
@@ -310,10 +325,12 @@ fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Du
     let rt = runtime()?;
     let counts = WriterCounts::of(&world.writer);
     let cpu = process_cpu_seconds();
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer");
     let t = Instant::now();
     let report = rt.block_on(worker.run_until_idle())?;
     let elapsed = t.elapsed();
     let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
     let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.sagas);
     drop(worker);
     drop(rt);
@@ -337,6 +354,12 @@ fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Du
         "sagas_per_s_including_start": round1(p.sagas as f64 / (seconds + start_seconds).max(1e-9)),
         "cpu_seconds": cpu.map(round3),
         "sagas_per_cpu_s": cpu.map(|c| round1(p.sagas as f64 / c.max(1e-9))),
+        "writer_thread": writer_cpu.map(|ns| json!({
+            "on_cpu_seconds": round3(ns as f64 / 1e9),
+            "busy_share": round3(ns as f64 / 1e9 / seconds.max(1e-9)),
+            "us_per_saga": round1(ns as f64 / 1e3 / p.sagas.max(1) as f64),
+            "what": "on-CPU time of the writer thread (it owns the connection; every SQLite statement runs on it)",
+        })),
         "writer": writer,
         "worker": report_json(&report),
         "check": check,
