@@ -646,9 +646,7 @@ where
 {
     let ctx = WorkflowContext::new(writer, &claimed, registered.options.retry.clone(), cancel);
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
-        if let Err(error) = ctx.mark_running().await {
-            return ctx.conclude(Err(error)).await;
-        }
+        ctx.mark_running();
     }
     let result = (registered.function)(ctx.clone(), claimed.run.input).await;
     ctx.conclude(result).await
