@@ -419,20 +419,20 @@ where
         }
         let free = self.options.concurrency.saturating_sub(in_flight.len());
         let claim = self.claim_request(free.max(1));
+        // One commit for the starts and the claim (where the store can).
         let answer = self
             .writer
             .call(move |store, now| {
-                let outcomes = store.start_runs(&requests, now);
-                let claimed = match &outcomes {
-                    Ok(_) if free > 0 => store.claim(&claim, now),
-                    _ => Ok(Vec::new()),
-                };
-                Ok((outcomes, claimed))
+                if free > 0 {
+                    store.start_and_claim(&requests, &claim, now)
+                } else {
+                    Ok((store.start_runs(&requests, now)?, Ok(Vec::new())))
+                }
             })
             .await;
         let (outcomes, claimed) = match answer {
-            Ok(answer) => answer,
-            Err(error) => (Err(error.clone()), Err(error)),
+            Ok((outcomes, claimed)) => (Ok(outcomes), claimed),
+            Err(error) => (Err(error), Ok(Vec::new())),
         };
         match outcomes {
             Ok(mut outcomes) => {
