@@ -22,7 +22,9 @@ pub fn install(conn: &Connection) -> Result<()> {
              order_id TEXT PRIMARY KEY,
              sku      TEXT NOT NULL,
              quantity INTEGER NOT NULL,
-             status   TEXT NOT NULL CHECK (status IN ('reserved', 'released', 'shipped'))
+             -- An OR chain, not IN (...): SQLite evaluates a CHECK with an IN list of more than
+             -- two constants through a temporary table on every row write.
+             status   TEXT NOT NULL CHECK (status = 'reserved' OR status = 'released' OR status = 'shipped')
          ) WITHOUT ROWID;
          CREATE TABLE IF NOT EXISTS order_effects (
              effect_id INTEGER PRIMARY KEY,

@@ -154,19 +154,15 @@ fn fence(tx: &Connection, run_id: &str, token: &str, now_ms: i64) -> Result<Opti
 
 fn apply(tx: &Connection, write: JournalWrite<Connection>, text: Option<String>, now_ms: i64) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
+    if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
+        return apply_to_run(tx, &run_id, &lease_token, op, text, now_ms);
+    }
     let Some((status, cancel_requested)) = fence(tx, &run_id, &lease_token, now_ms)? else {
         return Ok(WriteResult::Fenced);
     };
     ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
     let run_id = run_id.as_str();
     let result = match op {
-        JournalOp::SetStatus { status } => {
-            tx.prepare_cached("UPDATE runs SET status = ?2, waiting_for = NULL WHERE run_id = ?1")
-                .db()?
-                .execute(params![run_id, status.as_str()])
-                .db()?;
-            WriteResult::Done
-        }
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
             let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
             check_attempt(run_id, seq, attempt, existing)?;
@@ -284,28 +280,59 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, text: Option<String>,
             .db()?;
             WriteResult::Done
         }
-        JournalOp::Finish { status, result: _, error } => {
-            tx.prepare_cached(
-                "UPDATE runs SET status = ?2, result = ?3, error = ?4, finished_at_ms = ?5, waiting_for = NULL,
-                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
-                 WHERE run_id = ?1",
-            )
-            .db()?
-            .execute(params![run_id, status.run_status().as_str(), text, error.as_deref().map(clip_error), now_ms])
-            .db()?;
-            WriteResult::Done
-        }
-        JournalOp::Release => {
-            tx.prepare_cached(
-                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL WHERE run_id = ?1",
-            )
-            .db()?
-            .execute([run_id])
-            .db()?;
-            WriteResult::Done
+        JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release => {
+            unreachable!("applied by apply_to_run")
         }
     };
     Ok(result)
+}
+
+/// A write that changes only the run's row: one UPDATE, fenced by its own `WHERE` (no row
+/// changed: fenced). A run holding a lease is always active (a CHECK of the table says so).
+fn apply_to_run(
+    tx: &Connection,
+    run_id: &str,
+    token: &str,
+    op: JournalOp<Connection>,
+    text: Option<String>,
+    now_ms: i64,
+) -> Result<WriteResult> {
+    let changed = match op {
+        JournalOp::SetStatus { status } => tx
+            .prepare_cached(
+                "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
+                 WHERE run_id = ?1 AND lease_token = ?2",
+            )
+            .db()?
+            .execute(params![run_id, token, status.as_str(), now_ms])
+            .db()?,
+        JournalOp::Finish { status, result: _, error } => tx
+            .prepare_cached(
+                "UPDATE runs SET status = ?3, result = ?4, error = ?5, finished_at_ms = ?6, updated_at_ms = ?6,
+                     waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1 AND lease_token = ?2",
+            )
+            .db()?
+            .execute(params![
+                run_id,
+                token,
+                status.run_status().as_str(),
+                text,
+                error.as_deref().map(clip_error),
+                now_ms
+            ])
+            .db()?,
+        JournalOp::Release => tx
+            .prepare_cached(
+                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL, updated_at_ms = ?3
+                 WHERE run_id = ?1 AND lease_token = ?2",
+            )
+            .db()?
+            .execute(params![run_id, token, now_ms])
+            .db()?,
+        _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
+    };
+    Ok(if changed == 0 { WriteResult::Fenced } else { WriteResult::Done })
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
