@@ -51,9 +51,9 @@ struct RunShared<S: WorkflowStore> {
 }
 
 struct RunState<T: ?Sized> {
-    /// Writes not sent yet (a status change to `running` or `compensating`): they go with the
-    /// run's next write, in the same batch and transaction (no commit or round trip of their
-    /// own), and are sent (and awaited) before an external step runs.
+    /// Writes not sent yet (a status change to `running` or `compensating`, an external step's
+    /// attempt): they go with the run's next write, in the same batch and transaction (no commit
+    /// or round trip of their own), and are sent (and awaited) before an external step runs.
     pending: Vec<JournalOp<T>>,
     next_seq: u32,
     journal: BTreeMap<u32, JournalEntry>,
@@ -199,7 +199,9 @@ where
     /// good or runs out of attempts. The key is `"{run_id}:{seq}:{name}"` and is the same on
     /// every attempt and after every crash: pass it on to the outside world. Each attempt is
     /// bounded by the policy's `attempt_timeout_ms`; a failed attempt suspends the run until the
-    /// backoff is over (propagate the error with `?`).
+    /// backoff is over (propagate the error with `?`). The attempt is journaled with the run's
+    /// next write, in the same transaction (the next step, a timer, the suspension or the end of
+    /// the run; before the next external step at the latest): a crash before that runs it again.
     pub async fn step<T, F, Fut>(&self, name: &str, policy: Option<RetryPolicy>, f: F) -> Result<T, WorkflowError>
     where
         T: Serialize + DeserializeOwned,
@@ -424,16 +426,18 @@ where
             Err(failure) if failure.retryable => self.retry_at(&policy, attempt),
             _ => None,
         };
+        // Journaled with the run's next write, in the same transaction (the next step's entry, a
+        // timer, the suspension or the end of the run), or before the next external step runs:
+        // no round trip of its own. Until then a crash repeats this attempt, with the same key.
         let journaled = result.as_ref().map(|(_, output)| output.clone()).map_err(Clone::clone);
-        self.write(JournalOp::StepAttempt {
+        self.lock().pending.push(JournalOp::StepAttempt {
             seq,
             name: name.to_string(),
             kind,
             attempt,
             result: journaled,
             retry_at_ms,
-        })
-        .await?;
+        });
         match result {
             Ok((value, _)) => Ok(value),
             Err(failure) => Err(self.after_failure(name, failure, retry_at_ms)),
