@@ -130,8 +130,9 @@ pub(super) fn commit(
     }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
     let mut results = Vec::with_capacity(writes.len());
+    let mut lease_seen = None;
     for (write, text) in writes.into_iter().zip(texts) {
-        results.push(apply(&tx, write, text, now_ms)?);
+        results.push(apply(&tx, write, text, now_ms, &mut lease_seen)?);
     }
     crash::hit("workflow.commit.before_commit");
     tx.commit().db()?;
@@ -152,15 +153,44 @@ fn fence(tx: &Connection, run_id: &str, token: &str, now_ms: i64) -> Result<Opti
     .db()
 }
 
-fn apply(tx: &Connection, write: JournalWrite<Connection>, text: Option<String>, now_ms: i64) -> Result<WriteResult> {
+/// What the previous write of a batch found out about its run's lease, when nothing in the
+/// transaction can have changed it since: the next write of the same run and token needs no
+/// fence of its own (`updated_at_ms` was already touched with the batch's `now_ms`).
+struct LeaseSeen {
+    run_id: String,
+    token: String,
+    status: RunStatus,
+    cancel_requested: bool,
+}
+
+fn apply(
+    tx: &Connection,
+    write: JournalWrite<Connection>,
+    text: Option<String>,
+    now_ms: i64,
+    last: &mut Option<LeaseSeen>,
+) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
+    let known = last.take().filter(|f| f.run_id == run_id && f.token == lease_token);
     if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
-        return apply_to_run(tx, &run_id, &lease_token, op, text, now_ms);
+        let (result, after) = apply_to_run(tx, &run_id, &lease_token, op, text, now_ms)?;
+        *last =
+            after.map(|(status, cancel_requested)| LeaseSeen { run_id, token: lease_token, status, cancel_requested });
+        return Ok(result);
     }
-    let Some((status, cancel_requested)) = fence(tx, &run_id, &lease_token, now_ms)? else {
-        return Ok(WriteResult::Fenced);
+    let (status, cancel_requested) = match known {
+        Some(known) => (known.status, known.cancel_requested),
+        None => match fence(tx, &run_id, &lease_token, now_ms)? {
+            Some(found) => found,
+            None => return Ok(WriteResult::Fenced),
+        },
     };
     ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
+    // The lease stays as it is after these writes (a transactional step's body could change
+    // anything, so the next write fences itself again).
+    if matches!(op, JournalOp::StepAttempt { .. } | JournalOp::TimerStarted { .. } | JournalOp::TimerFinished { .. }) {
+        *last = Some(LeaseSeen { run_id: run_id.clone(), token: lease_token.clone(), status, cancel_requested });
+    }
     let run_id = run_id.as_str();
     let result = match op {
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
@@ -289,6 +319,7 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, text: Option<String>,
 
 /// A write that changes only the run's row: one UPDATE, fenced by its own `WHERE` (no row
 /// changed: fenced). A run holding a lease is always active (a CHECK of the table says so).
+/// After a status change the lease is still held: its new (status, cancel_requested) come back.
 fn apply_to_run(
     tx: &Connection,
     run_id: &str,
@@ -296,16 +327,26 @@ fn apply_to_run(
     op: JournalOp<Connection>,
     text: Option<String>,
     now_ms: i64,
-) -> Result<WriteResult> {
+) -> Result<(WriteResult, Option<(RunStatus, bool)>)> {
     let changed = match op {
-        JournalOp::SetStatus { status } => tx
-            .prepare_cached(
-                "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
-                 WHERE run_id = ?1 AND lease_token = ?2",
-            )
-            .db()?
-            .execute(params![run_id, token, status.as_str(), now_ms])
-            .db()?,
+        JournalOp::SetStatus { status } => {
+            let after = tx
+                .prepare_cached(
+                    "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
+                     WHERE run_id = ?1 AND lease_token = ?2
+                     RETURNING status, cancel_requested",
+                )
+                .db()?
+                .query_row(params![run_id, token, status.as_str(), now_ms], |r| {
+                    Ok((rows::run_status_at(r, 0)?, r.get(1)?))
+                })
+                .optional()
+                .db()?;
+            return Ok(match after {
+                Some(after) => (WriteResult::Done, Some(after)),
+                None => (WriteResult::Fenced, None),
+            });
+        }
         JournalOp::Finish { status, result: _, error } => tx
             .prepare_cached(
                 "UPDATE runs SET status = ?3, result = ?4, error = ?5, finished_at_ms = ?6, updated_at_ms = ?6,
@@ -332,7 +373,7 @@ fn apply_to_run(
             .db()?,
         _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
     };
-    Ok(if changed == 0 { WriteResult::Fenced } else { WriteResult::Done })
+    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, None))
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
