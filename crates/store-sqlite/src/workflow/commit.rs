@@ -141,16 +141,27 @@ pub(super) fn commit(
 }
 
 /// The run's (status, cancel_requested) when `token` is its lease token, touching its
-/// `updated_at_ms` (one statement for the fence and the touch); `None`: fenced, nothing changed.
+/// `updated_at_ms`; `None`: fenced, nothing changed. (A SELECT and an UPDATE: one UPDATE ...
+/// RETURNING would buffer its row in a temporary B-tree, which costs more than the second
+/// statement.)
 fn fence(tx: &Connection, run_id: &str, token: &str, now_ms: i64) -> Result<Option<(RunStatus, bool)>> {
-    tx.prepare_cached(
-        "UPDATE runs SET updated_at_ms = ?3 WHERE run_id = ?1 AND lease_token = ?2
-         RETURNING status, cancel_requested",
-    )
-    .db()?
-    .query_row(params![run_id, token, now_ms], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
-    .optional()
-    .db()
+    let found = lease_state(tx, run_id, token)?;
+    if found.is_some() {
+        tx.prepare_cached("UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1")
+            .db()?
+            .execute(params![run_id, now_ms])
+            .db()?;
+    }
+    Ok(found)
+}
+
+/// The run's (status, cancel_requested) when `token` is its lease token.
+fn lease_state(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus, bool)>> {
+    tx.prepare_cached("SELECT status, cancel_requested FROM runs WHERE run_id = ?1 AND lease_token = ?2")
+        .db()?
+        .query_row([run_id, token], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
+        .optional()
+        .db()
 }
 
 /// What the previous write of a batch found out about its run's lease, when nothing in the
@@ -330,22 +341,18 @@ fn apply_to_run(
 ) -> Result<(WriteResult, Option<(RunStatus, bool)>)> {
     let changed = match op {
         JournalOp::SetStatus { status } => {
-            let after = tx
+            let changed = tx
                 .prepare_cached(
                     "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
-                     WHERE run_id = ?1 AND lease_token = ?2
-                     RETURNING status, cancel_requested",
+                     WHERE run_id = ?1 AND lease_token = ?2",
                 )
                 .db()?
-                .query_row(params![run_id, token, status.as_str(), now_ms], |r| {
-                    Ok((rows::run_status_at(r, 0)?, r.get(1)?))
-                })
-                .optional()
+                .execute(params![run_id, token, status.as_str(), now_ms])
                 .db()?;
-            return Ok(match after {
-                Some(after) => (WriteResult::Done, Some(after)),
-                None => (WriteResult::Fenced, None),
-            });
+            if changed == 0 {
+                return Ok((WriteResult::Fenced, None));
+            }
+            return Ok((WriteResult::Done, lease_state(tx, run_id, token)?));
         }
         JournalOp::Finish { status, result: _, error } => tx
             .prepare_cached(

@@ -410,24 +410,19 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
         }
         *free -= 1;
         let token = new_token();
-        // The lease, and the run as it is now, in one statement.
-        let run = tx
-            .prepare_cached(&format!(
+        let changed = tx
+            .prepare_cached(
                 "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4,
                      recoveries = recoveries + ?5, updated_at_ms = ?6
-                 WHERE run_id = ?1
-                 RETURNING {RUN_COLUMNS}"
-            ))
-            .db()?
-            .query_row(
-                params![candidate.run_id, request.worker_id, token, expires, candidate.had_lease, now_ms],
-                rows::run_record,
+                 WHERE run_id = ?1",
             )
-            .optional()
+            .db()?
+            .execute(params![candidate.run_id, request.worker_id, token, expires, candidate.had_lease, now_ms])
             .db()?;
-        let Some(run) = run else {
-            return Err(tidemark_core::Error::Invariant(format!("claiming {} changed no row", candidate.run_id)));
-        };
+        tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", candidate.run_id);
+        // (Not UPDATE ... RETURNING: SQLite buffers returned rows in a temporary B-tree, which
+        // costs more than this second statement.)
+        let run = rows::existing_run(tx, &candidate.run_id)?;
         claimed.push(ClaimedRun {
             run,
             lease_token: token,
