@@ -304,7 +304,10 @@ where
             let mut claimed = 0;
             let mut attempted = false;
             let free = self.options.concurrency.saturating_sub(in_flight.len());
-            let poll_due = last_claim.map_or(true, |at| at.elapsed() >= poll);
+            let poll_due = match last_claim {
+                Some(at) => at.elapsed() >= poll,
+                None => true,
+            };
             let wanted = poll_due || (backlog && free >= claim_at_free) || (idle_exit && in_flight.is_empty());
             if free > 0 && wanted {
                 attempted = true;

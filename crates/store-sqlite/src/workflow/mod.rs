@@ -289,7 +289,7 @@ fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<V
             .db()?;
         let earlier = match existing {
             Some(existing) => Some(existing),
-            None => rows::live_receipt(&tx, &request.run_id, now_ms)?,
+            None => rows::live_receipt(tx, &request.run_id, now_ms)?,
         };
         if let Some((workflow, input_hash, status)) = earlier {
             outcomes.push(if workflow == request.workflow && input_hash == hash {
@@ -426,8 +426,8 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
         claimed.push(ClaimedRun {
             run,
             lease_token: token,
-            journal: rows::journal(&tx, &candidate.run_id)?,
-            events: rows::events(&tx, &candidate.run_id, true)?,
+            journal: rows::journal(tx, &candidate.run_id)?,
+            events: rows::events(tx, &candidate.run_id, true)?,
             recovered: candidate.had_lease,
         });
     }
