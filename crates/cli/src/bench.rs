@@ -2,6 +2,8 @@
 //! files, with group commit and with one transaction per operation, on empty files and on files
 //! that already hold many events, beside the disk's single-row commit ceiling.
 //!
+//! `tidemark bench --workflows` measures durable workflows instead (see `bench/workflows.rs`).
+//!
 //! Rates are measured and printed, never asserted: `docs/benchmarks.md` explains each number.
 //! Every run ends with an exactly-once check (effects == events x consumers, no duplicate
 //! effect, every delivery accepted); a failed check makes the command exit 1.
@@ -24,6 +26,8 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 
 use crate::pipeline::Pipeline;
 use crate::Context;
+
+mod workflows;
 
 /// Batch used to preload files quickly (the largest batch every stage allows).
 const PRELOAD_BATCH: usize = 10_000;
@@ -64,9 +68,35 @@ pub struct BenchArgs {
     #[arg(long)]
     dir: Option<PathBuf>,
     /// A small, fast run (for tests): 200 flows, batch 100, baseline 20 flows, preload 3,000
-    /// events, 50 probe commits, 1 repeat (those six flags are overridden).
+    /// events, 50 probe commits, 1 repeat (those six flags are overridden); with --workflows:
+    /// 300 sagas, 50 in flight, 10 latency sagas, 1 ms external latency, 5 resumed runs, lease
+    /// 300 ms.
     #[arg(long)]
     quick: bool,
+    /// Measure durable workflows (the order saga: throughput, single-saga latency, resumption
+    /// after a killed worker) instead of the outbox/inbox pipeline. Uses --repeat, --dir,
+    /// --probe-commits, --quick, --durability and the flags below; the others are ignored.
+    #[arg(long)]
+    workflows: bool,
+    /// --workflows: sagas of each throughput run (all started first, then run by one worker).
+    #[arg(long, default_value_t = 20_000)]
+    sagas: u64,
+    /// --workflows: runs the worker has in flight at once in the throughput runs.
+    #[arg(long, default_value_t = 1_000)]
+    in_flight: usize,
+    /// --workflows: sagas run one at a time for the latency percentiles (0 skips).
+    #[arg(long, default_value_t = 200)]
+    latency_sagas: u64,
+    /// --workflows: simulated latency of the external step (the charge) in a second throughput
+    /// run (0 skips it).
+    #[arg(long, default_value_t = 20)]
+    external_latency_ms: u64,
+    /// --workflows: runs of the killed worker that another worker resumes (0 skips).
+    #[arg(long, default_value_t = 100)]
+    resume_sagas: u64,
+    /// --workflows: the lease of the resumption measurement's workers.
+    #[arg(long, default_value_t = 1_000)]
+    lease_ms: i64,
 }
 
 /// How many operations share one transaction in each stage.
@@ -539,7 +569,63 @@ fn passed(check: &Value) -> bool {
     check["passed"] == json!(true)
 }
 
+fn run_workflows(ctx: &Context, args: &BenchArgs, dir: &Path) -> Result<Value> {
+    let mut params = workflows::Params {
+        sagas: args.sagas,
+        in_flight: args.in_flight,
+        latency_sagas: args.latency_sagas,
+        external_latency_ms: args.external_latency_ms,
+        resume_sagas: args.resume_sagas,
+        lease_ms: args.lease_ms,
+        repeat: args.repeat,
+        probe_commits: args.probe_commits,
+    };
+    if args.quick {
+        workflows::quick(&mut params);
+    }
+    check_range("--sagas", params.sagas, 1, 10_000_000)?;
+    check_range("--in-flight", params.in_flight as u64, 1, tidemark_core::workflow::CLAIM_BATCH_MAX as u64)?;
+    check_range("--latency-sagas", params.latency_sagas, 0, 1_000_000)?;
+    check_range("--external-latency-ms", params.external_latency_ms, 0, 60_000)?;
+    check_range("--resume-sagas", params.resume_sagas, 0, tidemark_core::workflow::CLAIM_BATCH_MAX as u64)?;
+    let lease = params.lease_ms.max(0) as u64;
+    check_range(
+        "--lease-ms",
+        lease,
+        tidemark_core::workflow::LEASE_MS_MIN as u64,
+        tidemark_core::workflow::LEASE_MS_MAX as u64,
+    )?;
+    check_range("--repeat", params.repeat, 1, 20)?;
+    check_range("--probe-commits", params.probe_commits, 1, 1_000_000)?;
+    workflows::run(dir, ctx.durability, &params)
+}
+
+/// The folder of the bench's files: `--dir` (created if missing, must be empty) or `temp`.
+fn bench_dir(args: &BenchArgs, temp: &Path) -> Result<PathBuf> {
+    Ok(match &args.dir {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
+            let used = std::fs::read_dir(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?.next();
+            if used.is_some() {
+                return Err(Error::invalid(
+                    tidemark_core::codes::ALREADY_EXISTS,
+                    format!("{} is not empty; pick an empty folder", dir.display()),
+                ));
+            }
+            dir.clone()
+        }
+        None => temp.to_path_buf(),
+    })
+}
+
 pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
+    if args.workflows {
+        let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+        let dir = bench_dir(&args, temp.path())?;
+        let mut out = run_workflows(ctx, &args, &dir)?;
+        out["params"]["files_kept"] = json!(args.dir.is_some());
+        return Ok(out);
+    }
     if args.quick {
         args.flows = 200;
         args.batch = 100;
@@ -559,20 +645,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     check_range("--repeat", args.repeat, 1, 20)?;
 
     let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
-    let dir = match &args.dir {
-        Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
-            let used = std::fs::read_dir(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?.next();
-            if used.is_some() {
-                return Err(Error::invalid(
-                    tidemark_core::codes::ALREADY_EXISTS,
-                    format!("{} is not empty; pick an empty folder", dir.display()),
-                ));
-            }
-            dir.clone()
-        }
-        None => temp.path().to_path_buf(),
-    };
+    let dir = bench_dir(&args, temp.path())?;
     let sub = |name: String| -> Result<PathBuf> {
         let path = dir.join(name);
         std::fs::create_dir_all(&path).map_err(|e| Error::io(format!("{}: {e}", path.display())))?;
@@ -767,6 +840,13 @@ mod tests {
             repeat: 5,
             dir: Some(dir.path().join("bench")),
             quick: true,
+            workflows: false,
+            sagas: 1,
+            in_flight: 1,
+            latency_sagas: 0,
+            external_latency_ms: 0,
+            resume_sagas: 0,
+            lease_ms: 1_000,
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -819,9 +899,62 @@ mod tests {
             repeat: 1,
             dir: None,
             quick: false,
+            workflows: false,
+            sagas: 1,
+            in_flight: 1,
+            latency_sagas: 0,
+            external_latency_ms: 0,
+            resume_sagas: 0,
+            lease_ms: 1_000,
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());
+    }
+
+    /// The workflow bench's parameters as the command line gives them.
+    fn workflow_args(flags: &[&str]) -> BenchArgs {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let argv = ["bench", "--workflows"].iter().chain(flags).copied();
+        Command::try_parse_from(argv).expect("valid flags").args
+    }
+
+    #[test]
+    fn the_quick_workflow_bench_completes_every_saga_exactly_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let bench_dir = dir.path().join("wf").display().to_string();
+        let out = run(&ctx, workflow_args(&["--quick", "--dir", &bench_dir])).unwrap();
+        assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
+        let throughput = &out["throughput"]["runs"][0];
+        assert_eq!(throughput["check"]["completed"], json!(300), "{out:#}");
+        assert_eq!(throughput["check"]["ship_effects"], json!(300));
+        assert_eq!(out["throughput_with_external_latency"]["check"]["charges"], json!(300));
+        assert_eq!(out["latency"]["check"]["completed"], json!(20), "10 warm-up and 10 measured: {out:#}");
+        let resumed = &out["resumption"];
+        assert_eq!(resumed["check"]["completed"], json!(5), "{out:#}");
+        assert_eq!(resumed["worker"]["recovered"], json!(5), "the killed worker's runs were recovered: {out:#}");
+        assert_eq!(resumed["leases_held_at_kill"], json!(5));
+        for key in ["sagas_per_s_median", "sagas_per_s_each"] {
+            assert!(!out["throughput"][key].is_null(), "{key}: {out:#}");
+        }
+        for q in ["p50", "p90", "p99"] {
+            assert!(out["latency"]["ms"][q].as_f64().is_some_and(|ms| ms > 0.0), "{q}: {out:#}");
+        }
+        assert!(throughput["writer"]["per_saga"]["journal_writes"].as_f64().is_some_and(|w| w > 0.0));
+    }
+
+    #[test]
+    fn bad_workflow_parameters_are_invalid_input() {
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        for flags in [&["--sagas", "0"][..], &["--in-flight", "0"], &["--lease-ms", "50"], &["--repeat", "0"]] {
+            let error = run(&ctx, workflow_args(flags)).unwrap_err();
+            assert!(error.is_invalid_input(), "{flags:?}: {error}");
+        }
     }
 
     #[test]

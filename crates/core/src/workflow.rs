@@ -651,6 +651,18 @@ pub trait WorkflowStore {
     /// Lease up to `limit` due runs of the given workflows and versions, honouring per-type
     /// limits and per-key serialization, oldest due first.
     fn claim(&mut self, request: &ClaimRequest, now_ms: i64) -> Result<Vec<ClaimedRun>>;
+    /// [`Self::start_runs`], then [`Self::claim`] (a worker starting runs it will execute). A
+    /// store may do both in one transaction (one commit); this default does them one after the
+    /// other, so the claim's own error comes second, after the starts committed.
+    fn start_and_claim(
+        &mut self,
+        requests: &[StartRequest],
+        claim: &ClaimRequest,
+        now_ms: i64,
+    ) -> Result<(Vec<StartOutcome>, Result<Vec<ClaimedRun>>)> {
+        let outcomes = self.start_runs(requests, now_ms)?;
+        Ok((outcomes, self.claim(claim, now_ms)))
+    }
     /// Extend leases held by `worker_id`; report each as held (with cancel requests) or lost.
     fn heartbeat(
         &mut self,

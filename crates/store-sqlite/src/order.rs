@@ -22,7 +22,9 @@ pub fn install(conn: &Connection) -> Result<()> {
              order_id TEXT PRIMARY KEY,
              sku      TEXT NOT NULL,
              quantity INTEGER NOT NULL,
-             status   TEXT NOT NULL CHECK (status IN ('reserved', 'released', 'shipped'))
+             -- An OR chain, not IN (...): SQLite evaluates a CHECK with an IN list of more than
+             -- two constants through a temporary table on every row write.
+             status   TEXT NOT NULL CHECK (status = 'reserved' OR status = 'released' OR status = 'shipped')
          ) WITHOUT ROWID;
          CREATE TABLE IF NOT EXISTS order_effects (
              effect_id INTEGER PRIMARY KEY,
@@ -35,6 +37,12 @@ pub fn install(conn: &Connection) -> Result<()> {
     .db()
 }
 
+/// Are the order tables there? Cheap enough for every transactional step: once the probe is
+/// prepared (the table exists), the connection's statement cache answers without running it.
+pub fn is_installed(conn: &Connection) -> bool {
+    conn.prepare_cached("SELECT 1 FROM order_effects LIMIT 0").is_ok()
+}
+
 pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
     conn.execute(
         "INSERT INTO order_stock (sku, stock) VALUES (?1, ?2) ON CONFLICT (sku) DO UPDATE SET stock = excluded.stock",
@@ -45,7 +53,11 @@ pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
 }
 
 pub fn stock(conn: &Connection, sku: &str) -> Result<Option<i64>> {
-    conn.query_row("SELECT stock FROM order_stock WHERE sku = ?1", [sku], |r| r.get(0)).optional().db()
+    conn.prepare_cached("SELECT stock FROM order_stock WHERE sku = ?1")
+        .db()?
+        .query_row([sku], |r| r.get(0))
+        .optional()
+        .db()
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,7 +86,9 @@ fn effect(conn: &Connection, order_id: &str, kind: &str, sku: &str, quantity: i6
 /// Take `quantity` of `sku` out of stock for `order_id`.
 pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> Result<ReserveOutcome> {
     let existing: Option<String> = conn
-        .query_row("SELECT status FROM order_reservations WHERE order_id = ?1", [order_id], |r| r.get(0))
+        .prepare_cached("SELECT status FROM order_reservations WHERE order_id = ?1")
+        .db()?
+        .query_row([order_id], |r| r.get(0))
         .optional()
         .db()?;
     if let Some(status) = existing {
@@ -84,11 +98,15 @@ pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> R
     if stock < quantity {
         return Ok(ReserveOutcome::Insufficient { stock });
     }
-    conn.execute("UPDATE order_stock SET stock = stock - ?2 WHERE sku = ?1", params![sku, quantity]).db()?;
-    conn.execute(
+    conn.prepare_cached("UPDATE order_stock SET stock = stock - ?2 WHERE sku = ?1")
+        .db()?
+        .execute(params![sku, quantity])
+        .db()?;
+    conn.prepare_cached(
         "INSERT INTO order_reservations (order_id, sku, quantity, status) VALUES (?1, ?2, ?3, 'reserved')",
-        params![order_id, sku, quantity],
     )
+    .db()?
+    .execute(params![order_id, sku, quantity])
     .db()?;
     effect(conn, order_id, "reserve", sku, quantity)?;
     Ok(ReserveOutcome::Reserved { stock_left: stock - quantity })
@@ -98,16 +116,20 @@ pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> R
 /// (no reservation, already released or shipped).
 pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
     let row: Option<(String, i64)> = conn
-        .query_row(
-            "SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'",
-            [order_id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
+        .prepare_cached("SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'")
+        .db()?
+        .query_row([order_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .db()?;
     let Some((sku, quantity)) = row else { return Ok(false) };
-    conn.execute("UPDATE order_stock SET stock = stock + ?2 WHERE sku = ?1", params![sku, quantity]).db()?;
-    conn.execute("UPDATE order_reservations SET status = 'released' WHERE order_id = ?1", [order_id]).db()?;
+    conn.prepare_cached("UPDATE order_stock SET stock = stock + ?2 WHERE sku = ?1")
+        .db()?
+        .execute(params![sku, quantity])
+        .db()?;
+    conn.prepare_cached("UPDATE order_reservations SET status = 'released' WHERE order_id = ?1")
+        .db()?
+        .execute([order_id])
+        .db()?;
     effect(conn, order_id, "release", &sku, quantity)?;
     Ok(true)
 }
@@ -115,15 +137,16 @@ pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
 /// Ship a `reserved` order. False when it is not reserved.
 pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
     let row: Option<(String, i64)> = conn
-        .query_row(
-            "SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'",
-            [order_id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
+        .prepare_cached("SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'")
+        .db()?
+        .query_row([order_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .db()?;
     let Some((sku, quantity)) = row else { return Ok(false) };
-    conn.execute("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1", [order_id]).db()?;
+    conn.prepare_cached("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1")
+        .db()?
+        .execute([order_id])
+        .db()?;
     effect(conn, order_id, "ship", &sku, quantity)?;
     Ok(true)
 }
@@ -188,20 +211,21 @@ pub struct PaymentCall {
 
 /// Calls received with `key` so far, and whether one of them succeeded.
 pub fn payment_history(conn: &Connection, key: &str) -> Result<(i64, bool)> {
-    conn.query_row(
+    conn.prepare_cached(
         "SELECT count(*), coalesce(max(outcome IN ('charged', 'refunded')), 0) FROM payment_calls
          WHERE idempotency_key = ?1",
-        [key],
-        |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)),
     )
+    .db()?
+    .query_row([key], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)))
     .db()
 }
 
 pub fn record_payment_call(conn: &Connection, call: &PaymentCall) -> Result<()> {
-    conn.execute(
+    conn.prepare_cached(
         "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![call.idempotency_key, call.op, call.order_id, call.amount, call.outcome],
     )
+    .db()?
+    .execute(params![call.idempotency_key, call.op, call.order_id, call.amount, call.outcome])
     .db()?;
     Ok(())
 }

@@ -47,10 +47,14 @@ struct RunShared<S: WorkflowStore> {
     cancel: Arc<AtomicBool>,
     /// The reason an operator gave with the cancel request, when the claim saw it.
     cancel_reason: Option<String>,
-    state: Mutex<RunState>,
+    state: Mutex<RunState<S::Target>>,
 }
 
-struct RunState {
+struct RunState<T: ?Sized> {
+    /// Writes not sent yet (a status change to `running` or `compensating`, an external step's
+    /// attempt): they go with the run's next write, in the same batch and transaction (no commit
+    /// or round trip of their own), and are sent (and awaited) before an external step runs.
+    pending: Vec<JournalOp<T>>,
     next_seq: u32,
     journal: BTreeMap<u32, JournalEntry>,
     /// Events delivered to the run and not consumed yet (oldest first).
@@ -69,7 +73,7 @@ struct Suspension {
     waiting_for: Option<String>,
 }
 
-impl RunState {
+impl<T: ?Sized> RunState<T> {
     /// Refuse further steps once the run is suspended, parked, fenced or broken.
     fn usable(&self) -> Result<(), WorkflowError> {
         if self.lost {
@@ -143,6 +147,7 @@ where
         let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
         events.sort_by_key(|e| e.received_at_ms);
         let state = RunState {
+            pending: Vec::new(),
             next_seq: 0,
             journal: claimed.journal.iter().map(|e| (e.seq, e.clone())).collect(),
             events,
@@ -186,7 +191,7 @@ where
         self.inner.writer.now_ms()
     }
 
-    fn lock(&self) -> MutexGuard<'_, RunState> {
+    fn lock(&self) -> MutexGuard<'_, RunState<S::Target>> {
         self.inner.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
@@ -194,7 +199,9 @@ where
     /// good or runs out of attempts. The key is `"{run_id}:{seq}:{name}"` and is the same on
     /// every attempt and after every crash: pass it on to the outside world. Each attempt is
     /// bounded by the policy's `attempt_timeout_ms`; a failed attempt suspends the run until the
-    /// backoff is over (propagate the error with `?`).
+    /// backoff is over (propagate the error with `?`). The attempt is journaled with the run's
+    /// next write, in the same transaction (the next step, a timer, the suspension or the end of
+    /// the run; before the next external step at the latest): a crash before that runs it again.
     pub async fn step<T, F, Fut>(&self, name: &str, policy: Option<RetryPolicy>, f: F) -> Result<T, WorkflowError>
     where
         T: Serialize + DeserializeOwned,
@@ -243,26 +250,59 @@ where
         self.tx_as(StepKind::Compensation, name, policy, f).await
     }
 
-    /// Turn the run `compensating` (journaled at once). Retries of later steps then keep the
-    /// run in `compensating`.
+    /// Turn the run `compensating`: journaled with the run's next write (in the same
+    /// transaction). Retries of later steps then keep the run in `compensating`.
     pub async fn begin_compensation(&self) -> Result<(), WorkflowError> {
-        {
-            let state = self.lock();
-            state.usable()?;
-            if state.status == RunStatus::Compensating {
-                return Ok(());
-            }
+        let mut state = self.lock();
+        state.usable()?;
+        if state.status != RunStatus::Compensating {
+            state.status = RunStatus::Compensating;
+            state.pending.push(JournalOp::SetStatus { status: RunStatus::Compensating });
         }
-        self.write(JournalOp::SetStatus { status: RunStatus::Compensating }).await?;
-        self.lock().status = RunStatus::Compensating;
         Ok(())
     }
 
-    /// Journal that the run executes (`pending`/`sleeping`/`waiting` -> `running`).
-    pub(crate) async fn mark_running(&self) -> Result<(), WorkflowError> {
-        self.write(JournalOp::SetStatus { status: RunStatus::Running }).await?;
-        self.lock().status = RunStatus::Running;
-        Ok(())
+    /// The run executes (`pending`/`sleeping`/`waiting` -> `running`): journaled with the run's
+    /// first write of this execution, in the same transaction.
+    pub(crate) fn mark_running(&self) {
+        let mut state = self.lock();
+        state.status = RunStatus::Running;
+        state.pending.push(JournalOp::SetStatus { status: RunStatus::Running });
+    }
+
+    fn journal_write(&self, op: JournalOp<S::Target>) -> JournalWrite<S::Target> {
+        JournalWrite { run_id: self.inner.run_id.clone(), lease_token: self.inner.lease_token.clone(), op }
+    }
+
+    /// Send the pending writes and then `ops` in one batch; the answer of the first write that
+    /// was fenced or failed (the rest of the batch is then fenced or failed too), else the last
+    /// write's answer.
+    async fn send(&self, ops: Vec<JournalOp<S::Target>>) -> tidemark_core::Result<WriteResult> {
+        let mut writes: Vec<JournalWrite<S::Target>> =
+            std::mem::take(&mut self.lock().pending).into_iter().map(|op| self.journal_write(op)).collect();
+        writes.extend(ops.into_iter().map(|op| self.journal_write(op)));
+        let results = match writes.len() {
+            0 => return Ok(WriteResult::Done),
+            1 => vec![self.inner.writer.write(writes.pop().expect("one write")).await],
+            _ => self.inner.writer.write_together(writes).await,
+        };
+        let mut last = Ok(WriteResult::Done);
+        for result in results {
+            match result {
+                Ok(WriteResult::Fenced) | Err(_) => return result,
+                other => last = other,
+            }
+        }
+        last
+    }
+
+    /// Journal the pending writes now (before an external step runs, so that no commit of this
+    /// run happens while it runs).
+    async fn flush(&self) -> Result<(), WorkflowError> {
+        if self.lock().pending.is_empty() {
+            return Ok(());
+        }
+        self.write_ops(Vec::new()).await.map(drop)
     }
 
     /// A durable timer: the run suspends (`sleeping`, its lease released) and resumes after
@@ -373,6 +413,8 @@ where
             Attempt::Replayed(value) => return self.decode(name, value),
             Attempt::Run(attempt) => attempt,
         };
+        // A status change still to journal commits before the step runs.
+        self.flush().await?;
         let key = format!("{}:{seq}:{name}", self.inner.run_id);
         let timeout_ms = policy.attempt_timeout_ms.max(1);
         let result = match tokio::time::timeout(Duration::from_millis(timeout_ms as u64), f(key)).await {
@@ -384,16 +426,18 @@ where
             Err(failure) if failure.retryable => self.retry_at(&policy, attempt),
             _ => None,
         };
+        // Journaled with the run's next write, in the same transaction (the next step's entry, a
+        // timer, the suspension or the end of the run), or before the next external step runs:
+        // no round trip of its own. Until then a crash repeats this attempt, with the same key.
         let journaled = result.as_ref().map(|(_, output)| output.clone()).map_err(Clone::clone);
-        self.write(JournalOp::StepAttempt {
+        self.lock().pending.push(JournalOp::StepAttempt {
             seq,
             name: name.to_string(),
             kind,
             attempt,
             result: journaled,
             retry_at_ms,
-        })
-        .await?;
+        });
         match result {
             Ok((value, _)) => Ok(value),
             Err(failure) => Err(self.after_failure(name, failure, retry_at_ms)),
@@ -558,8 +602,12 @@ where
     }
 
     async fn write(&self, op: JournalOp<S::Target>) -> Result<WriteResult, WorkflowError> {
-        let write = JournalWrite { run_id: self.inner.run_id.clone(), lease_token: self.inner.lease_token.clone(), op };
-        match self.inner.writer.write(write).await {
+        self.write_ops(vec![op]).await
+    }
+
+    /// Send the pending writes and `ops` together; a fenced or failed write stops the run.
+    async fn write_ops(&self, ops: Vec<JournalOp<S::Target>>) -> Result<WriteResult, WorkflowError> {
+        match self.send(ops).await {
             Ok(WriteResult::Fenced) => {
                 self.lock().lost = true;
                 Err(WorkflowError::LeaseLost)
@@ -623,8 +671,7 @@ where
             JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
             _ => RunOutcome::Released,
         };
-        let write = JournalWrite { run_id: self.inner.run_id.clone(), lease_token: self.inner.lease_token.clone(), op };
-        match self.inner.writer.write(write).await {
+        match self.send(vec![op]).await {
             Ok(WriteResult::Fenced) => RunOutcome::Lost,
             Ok(_) => outcome,
             Err(error) => RunOutcome::Error(error.to_string()),

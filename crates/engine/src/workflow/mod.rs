@@ -46,7 +46,7 @@ use std::sync::Arc;
 pub use context::WorkflowContext;
 pub use registry::{WorkflowOptions, Workflows};
 pub use saga::{Saga, SagaAction, SagaData};
-pub use worker::{Worker, WorkerOptions, WorkerReport};
+pub use worker::{FinishedRun, Worker, WorkerOptions, WorkerReport};
 pub use writer::{Writer, WriterStats};
 
 /// The tokio this runtime is built on, for callers that build their own runtime.

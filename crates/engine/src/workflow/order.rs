@@ -78,7 +78,9 @@ impl OrderTx for rusqlite::Connection {
         if order.fails("reserve_inventory") {
             return Err(StepFailure::permanent("inventory refused (requested by the input)"));
         }
-        sql::install(self).map_err(db_failure)?;
+        if !sql::is_installed(self) {
+            sql::install(self).map_err(db_failure)?;
+        }
         match sql::reserve(self, &order.order_id, &order.sku, order.quantity).map_err(db_failure)? {
             ReserveOutcome::Reserved { stock_left } => {
                 Ok(json!({"reserved": order.quantity, "stock_left": stock_left}))

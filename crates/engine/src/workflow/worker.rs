@@ -3,17 +3,18 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use serde::Serialize;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunStatus, UnclaimableRuns,
-    WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunStatus, StartOutcome, StartRequest,
+    UnclaimableRuns, WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX,
 };
 use tidemark_core::{Error, Result};
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
 use tokio::time::Instant;
 
@@ -143,6 +144,31 @@ impl WorkerReport {
     }
 }
 
+/// A run this worker finished, as told to [`Worker::subscribe_finished`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FinishedRun {
+    pub run_id: String,
+    pub status: FinishStatus,
+}
+
+/// A start handed to the worker's loop by [`Worker::start`].
+struct LocalStart {
+    requests: Vec<StartRequest>,
+    reply: oneshot::Sender<Result<Vec<StartOutcome>>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The next local start, or never when this loop takes none.
+async fn next_local(local: &mut Option<mpsc::UnboundedReceiver<LocalStart>>) -> Option<LocalStart> {
+    match local {
+        Some(receiver) => receiver.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 struct InFlight {
     run_id: String,
     lease_token: String,
@@ -159,6 +185,10 @@ pub struct Worker<S: WorkflowStore> {
     writer: Writer<S>,
     workflows: Arc<Workflows<S>>,
     options: WorkerOptions,
+    /// The running loop's inbox of local starts (`None` while no loop runs).
+    local: Mutex<Option<mpsc::UnboundedSender<LocalStart>>>,
+    /// Where finished runs are reported, when someone subscribed.
+    finished: Mutex<Option<mpsc::UnboundedSender<FinishedRun>>>,
 }
 
 impl<S> Worker<S>
@@ -171,7 +201,47 @@ where
         if workflows.is_empty() {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "a worker needs at least one registered workflow"));
         }
-        Ok(Worker { writer, workflows: Arc::new(workflows), options })
+        Ok(Worker {
+            writer,
+            workflows: Arc::new(workflows),
+            options,
+            local: Mutex::new(None),
+            finished: Mutex::new(None),
+        })
+    }
+
+    /// Start runs (idempotent per run id, one transaction, like [`WorkflowStore::start_runs`]).
+    /// While this worker's loop runs, the start goes through it: the loop claims due runs at
+    /// once (no poll wait) and runs them on this worker. Starts queued together share one
+    /// transaction.
+    pub async fn start(&self, requests: Vec<StartRequest>) -> Result<Vec<StartOutcome>> {
+        let (reply, answer) = oneshot::channel();
+        let direct = {
+            let local = lock(&self.local);
+            match local.as_ref() {
+                Some(sender) => sender.send(LocalStart { requests, reply }).err().map(|e| e.0.requests),
+                None => Some(requests),
+            }
+        };
+        match direct {
+            None => answer.await.map_err(|_| Error::Invariant("the worker loop dropped a start".into()))?,
+            Some(requests) => self.writer.call(move |store, now| store.start_runs(&requests, now)).await,
+        }
+    }
+
+    /// Report every run this worker finishes from now on (replaces an earlier subscription).
+    pub fn subscribe_finished(&self) -> mpsc::UnboundedReceiver<FinishedRun> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        *lock(&self.finished) = Some(sender);
+        receiver
+    }
+
+    fn tell_finished(&self, run_id: &str, outcome: &RunOutcome) {
+        if let RunOutcome::Finished(status) = outcome {
+            if let Some(sender) = lock(&self.finished).as_ref() {
+                let _ = sender.send(FinishedRun { run_id: run_id.to_string(), status: *status });
+            }
+        }
     }
 
     pub fn writer(&self) -> &Writer<S> {
@@ -211,13 +281,41 @@ where
         let mut set: JoinSet<RunOutcome> = JoinSet::new();
         let mut in_flight: HashMap<TaskId, InFlight> = HashMap::new();
         let mut next_heartbeat = Instant::now() + heartbeat_every;
+        // Local starts come to this loop (unless another loop of this worker takes them).
+        let mut local = {
+            let mut slot = lock(&self.local);
+            match slot.as_ref() {
+                Some(_) => None,
+                None => {
+                    let (sender, receiver) = mpsc::unbounded_channel();
+                    *slot = Some(sender);
+                    Some(receiver)
+                }
+            }
+        };
+        // Claims are batched: while the last claim filled every slot it asked for (a backlog),
+        // the next one waits until a quarter of the slots are free, so that a busy worker does
+        // not claim (and cut the writer's group commit) after every finished run. Without a
+        // backlog, the next claim comes after the poll interval.
+        let claim_at_free = (self.options.concurrency / 4).max(1);
+        let mut backlog = true;
+        let mut last_claim: Option<Instant> = None;
         let result = loop {
             let mut claimed = 0;
+            let mut attempted = false;
             let free = self.options.concurrency.saturating_sub(in_flight.len());
-            if free > 0 {
+            let poll_due = match last_claim {
+                Some(at) => at.elapsed() >= poll,
+                None => true,
+            };
+            let wanted = poll_due || (backlog && free >= claim_at_free) || (idle_exit && in_flight.is_empty());
+            if free > 0 && wanted {
+                attempted = true;
+                last_claim = Some(Instant::now());
                 match self.claim(free).await {
                     Ok(runs) => {
                         claimed = runs.len();
+                        backlog = claimed >= free.min(CLAIM_BATCH_MAX);
                         if in_flight.is_empty() && claimed > 0 {
                             next_heartbeat = Instant::now() + heartbeat_every;
                         }
@@ -227,6 +325,7 @@ where
                         report.max_in_flight = report.max_in_flight.max(in_flight.len());
                     }
                     Err(error) => {
+                        backlog = false;
                         report.error(format!("claim: {error}"));
                         if idle_exit {
                             break Err(error);
@@ -234,10 +333,15 @@ where
                     }
                 }
             }
-            if idle_exit && claimed == 0 && in_flight.is_empty() {
+            if idle_exit && attempted && claimed == 0 && in_flight.is_empty() {
                 break Ok(());
             }
-            let pause = if claimed > 0 && in_flight.len() < self.options.concurrency { Duration::ZERO } else { poll };
+            let free = self.options.concurrency.saturating_sub(in_flight.len());
+            let pause = if backlog && free >= claim_at_free {
+                Duration::ZERO
+            } else {
+                poll.saturating_sub(last_claim.map_or(Duration::ZERO, |at| at.elapsed()))
+            };
             tokio::select! {
                 biased;
                 _ = &mut shutdown => break Ok(()),
@@ -248,9 +352,24 @@ where
                     self.heartbeat(&mut in_flight, &mut report).await;
                     next_heartbeat = Instant::now() + heartbeat_every;
                 }
+                Some(first) = next_local(&mut local) => {
+                    if in_flight.is_empty() {
+                        next_heartbeat = Instant::now() + heartbeat_every;
+                    }
+                    self.local_starts(first, &mut local, &mut set, &mut in_flight, &mut report).await;
+                }
                 _ = tokio::time::sleep(pause) => {}
             }
         };
+        if let Some(mut receiver) = local {
+            // No more local starts for this loop; those already queued start without a claim.
+            *lock(&self.local) = None;
+            receiver.close();
+            while let Ok(start) = receiver.try_recv() {
+                let requests = start.requests;
+                let _ = start.reply.send(self.writer.call(move |store, now| store.start_runs(&requests, now)).await);
+            }
+        }
         self.stop_all(&mut set, &mut in_flight, &mut report).await;
         match self.unclaimable().await {
             Ok(unclaimable) => report.unclaimable = unclaimable,
@@ -259,14 +378,91 @@ where
         result.map(|()| report)
     }
 
-    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedRun>> {
-        let request = ClaimRequest {
+    fn claim_request(&self, limit: usize) -> ClaimRequest {
+        ClaimRequest {
             worker_id: self.options.worker_id.clone(),
             workflows: self.workflows.versions(),
             limit: limit.min(CLAIM_BATCH_MAX),
             lease_ms: self.options.lease_ms,
-        };
+        }
+    }
+
+    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedRun>> {
+        let request = self.claim_request(limit);
         self.writer.call(move |store, now| store.claim(&request, now)).await
+    }
+
+    /// Start the queued local starts together (one transaction), claim due runs into the free
+    /// slots right after, and answer each starter. A start whose input is invalid is answered
+    /// alone, so it cannot refuse the others.
+    async fn local_starts(
+        &self,
+        first: LocalStart,
+        local: &mut Option<mpsc::UnboundedReceiver<LocalStart>>,
+        set: &mut JoinSet<RunOutcome>,
+        in_flight: &mut HashMap<TaskId, InFlight>,
+        report: &mut WorkerReport,
+    ) {
+        let mut batch = Vec::new();
+        let mut requests = Vec::new();
+        let mut next = Some(first);
+        while let Some(start) = next.take() {
+            if let Err(error) = start.requests.iter().try_for_each(StartRequest::validate) {
+                let _ = start.reply.send(Err(error));
+            } else if !batch.is_empty() && requests.len() + start.requests.len() > START_BATCH_MAX {
+                next = Some(start);
+                break;
+            } else {
+                requests.extend(start.requests.iter().cloned());
+                batch.push(start);
+            }
+            if let Some(receiver) = local.as_mut() {
+                next = receiver.try_recv().ok();
+            }
+        }
+        let free = self.options.concurrency.saturating_sub(in_flight.len());
+        let claim = self.claim_request(free.max(1));
+        // One commit for the starts and the claim (where the store can).
+        let answer = self
+            .writer
+            .call(move |store, now| {
+                if free > 0 {
+                    store.start_and_claim(&requests, &claim, now)
+                } else {
+                    Ok((store.start_runs(&requests, now)?, Ok(Vec::new())))
+                }
+            })
+            .await;
+        let (outcomes, claimed) = match answer {
+            Ok((outcomes, claimed)) => (Ok(outcomes), claimed),
+            Err(error) => (Err(error), Ok(Vec::new())),
+        };
+        match outcomes {
+            Ok(mut outcomes) => {
+                for start in batch {
+                    let rest = outcomes.split_off(start.requests.len().min(outcomes.len()));
+                    let _ = start.reply.send(Ok(std::mem::replace(&mut outcomes, rest)));
+                }
+            }
+            Err(error) => {
+                for start in batch {
+                    let _ = start.reply.send(Err(error.clone()));
+                }
+            }
+        }
+        match claimed {
+            Ok(runs) => {
+                for run in runs {
+                    self.spawn(run, set, in_flight, report).await;
+                }
+                report.max_in_flight = report.max_in_flight.max(in_flight.len());
+            }
+            Err(error) => report.error(format!("claim: {error}")),
+        }
+        if let Some(start) = next {
+            // Over the batch limit: the rest goes in the next round.
+            Box::pin(self.local_starts(start, local, set, in_flight, report)).await;
+        }
     }
 
     async fn spawn(
@@ -301,7 +497,11 @@ where
     ) {
         match joined {
             Ok((id, outcome)) => {
-                let counted = in_flight.remove(&id).is_some_and(|run| run.lost);
+                let run = in_flight.remove(&id);
+                if let Some(run) = &run {
+                    self.tell_finished(&run.run_id, &outcome);
+                }
+                let counted = run.is_some_and(|run| run.lost);
                 if !(counted && outcome == RunOutcome::Lost) {
                     report.record(outcome);
                 }
@@ -389,7 +589,9 @@ where
         while let Some(joined) = set.join_next_with_id().await {
             match joined {
                 Ok((id, outcome)) => {
-                    in_flight.remove(&id);
+                    if let Some(run) = in_flight.remove(&id) {
+                        self.tell_finished(&run.run_id, &outcome);
+                    }
                     report.record(outcome);
                 }
                 Err(error) if error.is_panic() => {
@@ -447,9 +649,7 @@ where
 {
     let ctx = WorkflowContext::new(writer, &claimed, registered.options.retry.clone(), cancel);
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
-        if let Err(error) = ctx.mark_running().await {
-            return ctx.conclude(Err(error)).await;
-        }
+        ctx.mark_running();
     }
     let result = (registered.function)(ctx.clone(), claimed.run.input).await;
     ctx.conclude(result).await

@@ -16,6 +16,8 @@ type Reply = oneshot::Sender<Result<WriteResult>>;
 
 enum Message<S: WorkflowStore> {
     Write(JournalWrite<S::Target>, Reply),
+    /// Writes that go into the same batch (unless they are more than a batch holds).
+    Writes(Vec<(JournalWrite<S::Target>, Reply)>),
     Call(Call<S>),
 }
 
@@ -128,14 +130,32 @@ where
         }
     }
 
-    /// Queue several journal writes at once (they share a batch); one result per write.
+    /// Queue several journal writes at once: they share a batch (when they fit in one), in this
+    /// order. One result per write.
     pub async fn write_all(&self, writes: Vec<JournalWrite<S::Target>>) -> Vec<Result<WriteResult>> {
-        let answers: Vec<_> = writes.into_iter().map(|write| self.write(write)).collect();
-        let mut results = Vec::with_capacity(answers.len());
-        for answer in answers {
-            results.push(answer.await);
+        self.write_together(writes).await
+    }
+
+    /// [`Writer::write_all`], queued at the call (not at the first poll).
+    pub fn write_together(
+        &self,
+        writes: Vec<JournalWrite<S::Target>>,
+    ) -> impl Future<Output = Vec<Result<WriteResult>>> + Send + 'static {
+        let mut group = Vec::with_capacity(writes.len());
+        let mut answers = Vec::with_capacity(writes.len());
+        for write in writes {
+            let (reply, answer) = oneshot::channel();
+            group.push((write, reply));
+            answers.push(answer);
         }
-        results
+        let sent = self.shared.sender.send(Message::Writes(group)).is_ok();
+        async move {
+            let mut results = Vec::with_capacity(answers.len());
+            for answer in answers {
+                results.push(if sent { answer.await.map_err(|_| gone()).and_then(|r| r) } else { Err(gone()) });
+            }
+            results
+        }
     }
 
     /// Run `f(store, now_ms)` on the writer thread (claims, heartbeats, starts, reads), queued
@@ -193,6 +213,18 @@ fn writer_loop<S: WorkflowStore>(
                     replies.push(reply);
                     if writes.len() >= COMMIT_BATCH_MAX {
                         flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+                    }
+                }
+                Message::Writes(group) => {
+                    if writes.len() + group.len() > COMMIT_BATCH_MAX {
+                        flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+                    }
+                    for (write, reply) in group {
+                        writes.push(write);
+                        replies.push(reply);
+                        if writes.len() >= COMMIT_BATCH_MAX {
+                            flush(&mut store, &mut writes, &mut replies, &clock, &stats);
+                        }
                     }
                 }
                 Message::Call(call) => {

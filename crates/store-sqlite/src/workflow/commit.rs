@@ -7,8 +7,8 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    validate_json_size, JournalEntry, JournalOp, JournalWrite, RunStatus, StepFailure, StepKind, StepStatus,
-    SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+    JournalOp, JournalWrite, RunStatus, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult,
+    COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -26,8 +26,17 @@ fn validate_seq(seq: u32) -> Result<()> {
     Ok(())
 }
 
-fn validate_output(value: &Value) -> Result<()> {
-    validate_json_size("step output", value, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+/// The JSON text of `value` as stored, refused (like `validate_json_size`) when over `max` bytes.
+/// Serialised once: validation and the write share the text.
+fn json_within(field: &str, value: &Value, max: usize) -> Result<String> {
+    let text = json_text(value);
+    if text.len() > max {
+        return Err(Error::invalid(
+            codes::PAYLOAD_TOO_LARGE,
+            format!("{field} is {} bytes of JSON, limit is {max}", text.len()),
+        ));
+    }
+    Ok(text)
 }
 
 fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
@@ -42,8 +51,9 @@ fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, n
     Ok(())
 }
 
-/// Bad input in any write refuses the whole batch before anything runs.
-fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<()> {
+/// Bad input in any write refuses the whole batch before anything runs. Returns the JSON text the
+/// write stores (a step's output, a timer's output, a run's result), serialised once here.
+fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<Option<String>> {
     validate_id("run_id", &write.run_id)?;
     validate_id("lease_token", &write.lease_token)?;
     match &write.op {
@@ -61,7 +71,7 @@ fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<()> {
                 return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
             }
             if let Ok(output) = result {
-                validate_output(output)?;
+                return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
             }
         }
         JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
@@ -85,7 +95,7 @@ fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<()> {
             if let Some(event_id) = event_id {
                 validate_id("event_id", event_id)?;
             }
-            validate_output(output)?;
+            return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
         }
         JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
             validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
@@ -98,12 +108,12 @@ fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<()> {
         }
         JournalOp::Finish { result, .. } => {
             if let Some(result) = result {
-                validate_json_size("run result", result, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
             }
         }
         JournalOp::Release => {}
     }
-    Ok(())
+    Ok(None)
 }
 
 pub(super) fn commit(
@@ -114,16 +124,15 @@ pub(super) fn commit(
     if writes.len() > COMMIT_BATCH_MAX {
         return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("at most {COMMIT_BATCH_MAX} writes per commit")));
     }
-    for write in &writes {
-        validate(write, now_ms)?;
-    }
+    let texts = writes.iter().map(|write| validate(write, now_ms)).collect::<Result<Vec<_>>>()?;
     if writes.is_empty() {
         return Ok(Vec::new());
     }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
     let mut results = Vec::with_capacity(writes.len());
-    for write in writes {
-        results.push(apply(&tx, write, now_ms)?);
+    let mut lease_seen = None;
+    for (write, text) in writes.into_iter().zip(texts) {
+        results.push(apply(&tx, write, text, now_ms, &mut lease_seen)?);
     }
     crash::hit("workflow.commit.before_commit");
     tx.commit().db()?;
@@ -131,8 +140,23 @@ pub(super) fn commit(
     Ok(results)
 }
 
-/// The run's (status, cancel_requested) when `token` is its lease token; `None`: fenced.
-fn fence(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus, bool)>> {
+/// The run's (status, cancel_requested) when `token` is its lease token, touching its
+/// `updated_at_ms`; `None`: fenced, nothing changed. (A SELECT and an UPDATE: one UPDATE ...
+/// RETURNING would buffer its row in a temporary B-tree, which costs more than the second
+/// statement.)
+fn fence(tx: &Connection, run_id: &str, token: &str, now_ms: i64) -> Result<Option<(RunStatus, bool)>> {
+    let found = lease_state(tx, run_id, token)?;
+    if found.is_some() {
+        tx.prepare_cached("UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1")
+            .db()?
+            .execute(params![run_id, now_ms])
+            .db()?;
+    }
+    Ok(found)
+}
+
+/// The run's (status, cancel_requested) when `token` is its lease token.
+fn lease_state(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus, bool)>> {
     tx.prepare_cached("SELECT status, cancel_requested FROM runs WHERE run_id = ?1 AND lease_token = ?2")
         .db()?
         .query_row([run_id, token], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
@@ -140,30 +164,59 @@ fn fence(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus
         .db()
 }
 
-fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Result<WriteResult> {
+/// What the previous write of a batch found out about its run's lease, when nothing in the
+/// transaction can have changed it since: the next write of the same run and token needs no
+/// fence of its own (`updated_at_ms` was already touched with the batch's `now_ms`).
+struct LeaseSeen {
+    run_id: String,
+    token: String,
+    status: RunStatus,
+    cancel_requested: bool,
+}
+
+fn apply(
+    tx: &Connection,
+    write: JournalWrite<Connection>,
+    text: Option<String>,
+    now_ms: i64,
+    last: &mut Option<LeaseSeen>,
+) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
-    let Some((status, cancel_requested)) = fence(tx, &run_id, &lease_token)? else {
-        return Ok(WriteResult::Fenced);
+    let known = last.take().filter(|f| f.run_id == run_id && f.token == lease_token);
+    if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
+        let (result, after) = apply_to_run(tx, &run_id, &lease_token, op, text, now_ms)?;
+        *last =
+            after.map(|(status, cancel_requested)| LeaseSeen { run_id, token: lease_token, status, cancel_requested });
+        return Ok(result);
+    }
+    let (status, cancel_requested) = match known {
+        Some(known) => (known.status, known.cancel_requested),
+        None => match fence(tx, &run_id, &lease_token, now_ms)? {
+            Some(found) => found,
+            None => return Ok(WriteResult::Fenced),
+        },
     };
     ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
+    // The lease stays as it is after these writes (a transactional step's body could change
+    // anything, so the next write fences itself again).
+    if matches!(op, JournalOp::StepAttempt { .. } | JournalOp::TimerStarted { .. } | JournalOp::TimerFinished { .. }) {
+        *last = Some(LeaseSeen { run_id: run_id.clone(), token: lease_token.clone(), status, cancel_requested });
+    }
     let run_id = run_id.as_str();
     let result = match op {
-        JournalOp::SetStatus { status } => {
-            tx.prepare_cached("UPDATE runs SET status = ?2, waiting_for = NULL WHERE run_id = ?1")
-                .db()?
-                .execute(params![run_id, status.as_str()])
-                .db()?;
-            WriteResult::Done
-        }
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
             let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
-            check_attempt(run_id, seq, attempt, existing.as_ref())?;
-            record_attempt(tx, run_id, seq, &name, kind, attempt, &result, retry_at_ms, now_ms)?;
+            check_attempt(run_id, seq, attempt, existing)?;
+            let recorded = match &result {
+                Ok(_) => Ok(text.as_deref().unwrap_or("null")),
+                Err(failure) => Err(failure),
+            };
+            record_attempt(tx, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
             WriteResult::Done
         }
         JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
             let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
-            check_attempt(run_id, seq, attempt, existing.as_ref())?;
+            check_attempt(run_id, seq, attempt, existing)?;
             tx.prepare_cached("SAVEPOINT wf_tx_step").db()?.execute([]).db()?;
             let outcome = body(tx);
             if tx.is_autocommit() {
@@ -174,8 +227,8 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Resul
                 )));
             }
             let outcome = match outcome {
-                Ok(output) => match validate_output(&output) {
-                    Ok(()) => Ok(output),
+                Ok(output) => match json_within("step output", &output, STEP_OUTPUT_BYTES_MAX) {
+                    Ok(text) => Ok((output, text)),
                     Err(e) => Err(StepFailure::permanent(e.to_string())),
                 },
                 Err(failure) => Err(failure),
@@ -184,8 +237,9 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Resul
                 tx.prepare_cached("ROLLBACK TO wf_tx_step").db()?.execute([]).db()?;
             }
             tx.prepare_cached("RELEASE wf_tx_step").db()?.execute([]).db()?;
-            record_attempt(tx, run_id, seq, &name, kind, attempt, &outcome, retry_at_ms, now_ms)?;
-            WriteResult::TxResult(outcome)
+            let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
+            record_attempt(tx, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
+            WriteResult::TxResult(outcome.map(|(output, _)| output))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             position(tx, run_id, seq, &name, kind, StepStatus::Waiting)?;
@@ -237,7 +291,7 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Resul
                 "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2",
             )
             .db()?
-            .execute(params![run_id, seq, json_text(&output), now_ms])
+            .execute(params![run_id, seq, text.unwrap_or_else(|| json_text(&output)), now_ms])
             .db()?;
             WriteResult::Done
         }
@@ -267,42 +321,72 @@ fn apply(tx: &Connection, write: JournalWrite<Connection>, now_ms: i64) -> Resul
             .db()?;
             WriteResult::Done
         }
-        JournalOp::Finish { status, result, error } => {
-            tx.prepare_cached(
-                "UPDATE runs SET status = ?2, result = ?3, error = ?4, finished_at_ms = ?5, waiting_for = NULL,
-                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
-                 WHERE run_id = ?1",
+        JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release => {
+            unreachable!("applied by apply_to_run")
+        }
+    };
+    Ok(result)
+}
+
+/// A write that changes only the run's row: one UPDATE, fenced by its own `WHERE` (no row
+/// changed: fenced). A run holding a lease is always active (a CHECK of the table says so).
+/// After a status change the lease is still held: its new (status, cancel_requested) come back.
+fn apply_to_run(
+    tx: &Connection,
+    run_id: &str,
+    token: &str,
+    op: JournalOp<Connection>,
+    text: Option<String>,
+    now_ms: i64,
+) -> Result<(WriteResult, Option<(RunStatus, bool)>)> {
+    let changed = match op {
+        JournalOp::SetStatus { status } => {
+            let changed = tx
+                .prepare_cached(
+                    "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
+                     WHERE run_id = ?1 AND lease_token = ?2",
+                )
+                .db()?
+                .execute(params![run_id, token, status.as_str(), now_ms])
+                .db()?;
+            if changed == 0 {
+                return Ok((WriteResult::Fenced, None));
+            }
+            return Ok((WriteResult::Done, lease_state(tx, run_id, token)?));
+        }
+        JournalOp::Finish { status, result: _, error } => tx
+            .prepare_cached(
+                "UPDATE runs SET status = ?3, result = ?4, error = ?5, finished_at_ms = ?6, updated_at_ms = ?6,
+                     waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1 AND lease_token = ?2",
             )
             .db()?
             .execute(params![
                 run_id,
+                token,
                 status.run_status().as_str(),
-                result.as_ref().map(json_text),
+                text,
                 error.as_deref().map(clip_error),
                 now_ms
             ])
-            .db()?;
-            WriteResult::Done
-        }
-        JournalOp::Release => {
-            tx.prepare_cached(
-                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL WHERE run_id = ?1",
+            .db()?,
+        JournalOp::Release => tx
+            .prepare_cached(
+                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL, updated_at_ms = ?3
+                 WHERE run_id = ?1 AND lease_token = ?2",
             )
             .db()?
-            .execute([run_id])
-            .db()?;
-            WriteResult::Done
-        }
+            .execute(params![run_id, token, now_ms])
+            .db()?,
+        _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
     };
-    tx.prepare_cached("UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1")
-        .db()?
-        .execute(params![run_id, now_ms])
-        .db()?;
-    Ok(result)
+    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, None))
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
 /// (which must be the same step, in `unsettled` status). A settled entry is never rewritten.
+/// Returns the attempts recorded at the position (`None`: a new position). One statement: the
+/// entry at `seq`, if any, and the run's next free position.
 fn position(
     tx: &Connection,
     run_id: &str,
@@ -310,44 +394,47 @@ fn position(
     name: &str,
     kind: StepKind,
     unsettled: StepStatus,
-) -> Result<Option<JournalEntry>> {
-    match rows::journal_at(tx, run_id, seq)? {
-        Some(entry) => {
-            ensure_invariant!(
-                !entry.status.is_settled(),
-                "run {run_id} step {seq} ({}) is {}: a settled entry is never rewritten",
-                entry.name,
-                entry.status.as_str()
-            );
-            ensure_invariant!(
-                entry.name == name && entry.kind == kind,
-                "run {run_id} step {seq} is {} ({}), not {name} ({})",
-                entry.name,
-                entry.kind.as_str(),
-                kind.as_str()
-            );
-            ensure_invariant!(
-                entry.status == unsettled,
-                "run {run_id} step {seq} ({name}) is {}, expected {}",
-                entry.status.as_str(),
-                unsettled.as_str()
-            );
-            Ok(Some(entry))
-        }
-        None => {
-            let next = rows::next_seq(tx, run_id)?;
-            ensure_invariant!(
-                i64::from(seq) == next,
-                "run {run_id}: a new step at {seq}, but the next position is {next}"
-            );
-            Ok(None)
-        }
-    }
+) -> Result<Option<u32>> {
+    type Found = (Option<String>, Option<String>, Option<String>, Option<u32>, i64);
+    let (found_name, found_kind, found_status, attempts, next): Found = tx
+        .prepare_cached(
+            "SELECT j.name, j.kind, j.status, j.attempts,
+                    (SELECT coalesce(max(seq) + 1, 0) FROM journal WHERE run_id = ?1)
+             FROM (SELECT 1) LEFT JOIN journal j ON j.run_id = ?1 AND j.seq = ?2",
+        )
+        .db()?
+        .query_row(params![run_id, seq], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+        .db()?;
+    let (Some(found_name), Some(found_kind), Some(found_status), Some(attempts)) =
+        (found_name, found_kind, found_status, attempts)
+    else {
+        ensure_invariant!(i64::from(seq) == next, "run {run_id}: a new step at {seq}, but the next position is {next}");
+        return Ok(None);
+    };
+    let status = StepStatus::parse(&found_status)
+        .ok_or_else(|| Error::Invariant(format!("run {run_id} step {seq}: unknown step status {found_status:?}")))?;
+    ensure_invariant!(
+        !status.is_settled(),
+        "run {run_id} step {seq} ({found_name}) is {}: a settled entry is never rewritten",
+        status.as_str()
+    );
+    ensure_invariant!(
+        found_name == name && found_kind == kind.as_str(),
+        "run {run_id} step {seq} is {found_name} ({found_kind}), not {name} ({})",
+        kind.as_str()
+    );
+    ensure_invariant!(
+        status == unsettled,
+        "run {run_id} step {seq} ({name}) is {}, expected {}",
+        status.as_str(),
+        unsettled.as_str()
+    );
+    Ok(Some(attempts))
 }
 
 /// Attempts count from 1 and follow the entry's recorded attempts one by one.
-fn check_attempt(run_id: &str, seq: u32, attempt: u32, existing: Option<&JournalEntry>) -> Result<()> {
-    let expected = existing.map_or(0, |e| e.attempts) + 1;
+fn check_attempt(run_id: &str, seq: u32, attempt: u32, recorded: Option<u32>) -> Result<()> {
+    let expected = recorded.unwrap_or(0) + 1;
     ensure_invariant!(attempt == expected, "run {run_id} step {seq}: attempt {attempt}, expected attempt {expected}");
     Ok(())
 }
@@ -360,12 +447,13 @@ fn record_attempt(
     name: &str,
     kind: StepKind,
     attempt: u32,
-    result: &std::result::Result<Value, StepFailure>,
+    outcome: std::result::Result<&str, &StepFailure>,
     retry_at_ms: Option<i64>,
     now_ms: i64,
 ) -> Result<()> {
-    let (status, output, error, next_attempt_at_ms) = match result {
-        Ok(output) => (StepStatus::Completed, Some(json_text(output)), None, None),
+    let ok = outcome.is_ok();
+    let (status, output, error, next_attempt_at_ms) = match outcome {
+        Ok(text) => (StepStatus::Completed, Some(text), None, None),
         Err(failure) if failure.retryable && retry_at_ms.is_some() => {
             (StepStatus::Retrying, None, Some(clip_error(&failure.message)), retry_at_ms)
         }
@@ -382,13 +470,16 @@ fn record_attempt(
     .execute(params![run_id, seq, name, kind.as_str(), status.as_str(), output, error, attempt, next_attempt_at_ms, now_ms])
     .db()?;
     // The attempt history counts over the run's whole life (an operator retry resets only the
-    // entry's budget), so its ordinal is the next one at this position.
+    // entry's budget), so its ordinal is the next one at this position. (A scalar subquery in
+    // VALUES, not INSERT ... SELECT from the same table, which would go through a temporary
+    // table on every call.)
     tx.prepare_cached(
         "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
-         SELECT ?1, ?2, coalesce(max(attempt), 0) + 1, ?3, ?4, ?5 FROM step_attempts WHERE run_id = ?1 AND seq = ?2",
+         VALUES (?1, ?2, (SELECT coalesce(max(attempt), 0) + 1 FROM step_attempts WHERE run_id = ?1 AND seq = ?2),
+                 ?3, ?4, ?5)",
     )
     .db()?
-    .execute(params![run_id, seq, result.is_ok(), error, now_ms])
+    .execute(params![run_id, seq, ok, error, now_ms])
     .db()?;
     Ok(())
 }

@@ -264,170 +264,213 @@ struct Candidate {
     had_lease: bool,
 }
 
+/// Start requests are validated before any transaction begins.
+fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
+    validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
+    for request in requests {
+        request.validate()?;
+        if let Some(at) = request.start_at_ms {
+            validate_not_too_far("start_at_ms", at, now_ms)?;
+        }
+    }
+    Ok(())
+}
+
+/// Start validated requests in the caller's transaction.
+fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
+    let mut outcomes = Vec::with_capacity(requests.len());
+    for request in requests {
+        let hash = request.input_hash();
+        let existing: Option<(String, String, RunStatus)> = tx
+            .prepare_cached("SELECT workflow, input_hash, status FROM runs WHERE run_id = ?1")
+            .db()?
+            .query_row([&request.run_id], |r| Ok((r.get(0)?, r.get(1)?, run_status_at(r, 2)?)))
+            .optional()
+            .db()?;
+        let earlier = match existing {
+            Some(existing) => Some(existing),
+            None => rows::live_receipt(tx, &request.run_id, now_ms)?,
+        };
+        if let Some((workflow, input_hash, status)) = earlier {
+            outcomes.push(if workflow == request.workflow && input_hash == hash {
+                StartOutcome::Existing { run_id: request.run_id.clone(), status }
+            } else {
+                StartOutcome::Conflict {
+                    run_id: request.run_id.clone(),
+                    reason: if workflow != request.workflow {
+                        format!("run {:?} is a run of workflow {workflow:?}", request.run_id)
+                    } else {
+                        format!("run {:?} was started with another input", request.run_id)
+                    },
+                }
+            });
+            continue;
+        }
+        // An expired receipt no longer counts: the id may be used again.
+        tx.prepare_cached("DELETE FROM run_receipts WHERE run_id = ?1").db()?.execute([&request.run_id]).db()?;
+        tx.prepare_cached(
+            "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
+                               created_at_ms, updated_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8)",
+        )
+        .db()?
+        .execute(params![
+            request.run_id,
+            request.workflow,
+            request.version,
+            rows::json_text(&request.input),
+            hash,
+            request.key,
+            request.start_at_ms.unwrap_or(now_ms),
+            now_ms
+        ])
+        .db()?;
+        outcomes.push(StartOutcome::Started { run_id: request.run_id.clone() });
+    }
+    Ok(outcomes)
+}
+
+fn validate_claim(request: &ClaimRequest) -> Result<()> {
+    validate_id("worker_id", &request.worker_id)?;
+    validate_limit("claim limit", request.limit, CLAIM_BATCH_MAX)?;
+    validate_limit("claim workflows", request.workflows.len(), CLAIM_BATCH_MAX)?;
+    validate_versions(&request.workflows)?;
+    if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&request.lease_ms) {
+        return Err(invalid_arg(format!("lease_ms must be {LEASE_MS_MIN}..={LEASE_MS_MAX}")));
+    }
+    Ok(())
+}
+
+/// Claim for a validated request in the caller's transaction.
+fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<ClaimedRun>> {
+    // The per-type limit of a workflow is the smallest one given for any of its versions.
+    let mut type_max: BTreeMap<&str, Option<u32>> = BTreeMap::new();
+    for w in &request.workflows {
+        let entry = type_max.entry(w.workflow.as_str()).or_insert(w.concurrency_max);
+        *entry = match (*entry, w.concurrency_max) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+    }
+    // Slots left per workflow type (runs of it leased right now count, on any worker).
+    let mut slots: HashMap<&str, usize> = HashMap::new();
+    for (workflow, max) in &type_max {
+        let free = match max {
+            None => request.limit,
+            Some(max) => {
+                let leased: i64 = tx
+                    .prepare_cached(&leased_count_sql())
+                    .db()?
+                    .query_row(params![workflow, now_ms], |r| r.get(0))
+                    .db()?;
+                (*max as usize).saturating_sub(leased as usize).min(request.limit)
+            }
+        };
+        slots.insert(workflow, free);
+    }
+    // Due, unleased (or lease expired) runs of each (workflow, version), oldest due first. A
+    // keyed run qualifies only as the oldest active run of its key while no other run of the
+    // key holds a live lease.
+    let mut candidates = Vec::new();
+    {
+        let mut stmt = tx.prepare_cached(&claim_candidates_sql()).db()?;
+        let mut seen = std::collections::HashSet::new();
+        for w in &request.workflows {
+            let free = slots[w.workflow.as_str()];
+            if free == 0 || !seen.insert((w.workflow.as_str(), w.version)) {
+                continue;
+            }
+            let found = stmt
+                .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
+                    Ok(Candidate {
+                        run_id: r.get(0)?,
+                        workflow: r.get(1)?,
+                        wake_at_ms: r.get(2)?,
+                        created_at_ms: r.get(3)?,
+                        had_lease: r.get(4)?,
+                    })
+                })
+                .db()?;
+            for candidate in found {
+                candidates.push(candidate.db()?);
+            }
+        }
+    }
+    candidates
+        .sort_by(|a, b| (a.wake_at_ms, a.created_at_ms, &a.run_id).cmp(&(b.wake_at_ms, b.created_at_ms, &b.run_id)));
+    let expires = now_ms + request.lease_ms;
+    let mut claimed = Vec::new();
+    for candidate in candidates {
+        if claimed.len() == request.limit {
+            break;
+        }
+        let free = slots.get_mut(candidate.workflow.as_str()).expect("slots of every requested workflow");
+        if *free == 0 {
+            continue;
+        }
+        *free -= 1;
+        let token = new_token();
+        let changed = tx
+            .prepare_cached(
+                "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4,
+                     recoveries = recoveries + ?5, updated_at_ms = ?6
+                 WHERE run_id = ?1",
+            )
+            .db()?
+            .execute(params![candidate.run_id, request.worker_id, token, expires, candidate.had_lease, now_ms])
+            .db()?;
+        tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", candidate.run_id);
+        // (Not UPDATE ... RETURNING: SQLite buffers returned rows in a temporary B-tree, which
+        // costs more than this second statement.)
+        let run = rows::existing_run(tx, &candidate.run_id)?;
+        claimed.push(ClaimedRun {
+            run,
+            lease_token: token,
+            journal: rows::journal(tx, &candidate.run_id)?,
+            events: rows::events(tx, &candidate.run_id, true)?,
+            recovered: candidate.had_lease,
+        });
+    }
+    Ok(claimed)
+}
+
 impl WorkflowStore for SqliteWorkflows {
     type Target = Connection;
 
     fn start_runs(&mut self, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
-        validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
-        for request in requests {
-            request.validate()?;
-            if let Some(at) = request.start_at_ms {
-                validate_not_too_far("start_at_ms", at, now_ms)?;
-            }
-        }
+        validate_starts(requests, now_ms)?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        let mut outcomes = Vec::with_capacity(requests.len());
-        for request in requests {
-            let hash = request.input_hash();
-            let existing: Option<(String, String, RunStatus)> = tx
-                .prepare_cached("SELECT workflow, input_hash, status FROM runs WHERE run_id = ?1")
-                .db()?
-                .query_row([&request.run_id], |r| Ok((r.get(0)?, r.get(1)?, run_status_at(r, 2)?)))
-                .optional()
-                .db()?;
-            let earlier = match existing {
-                Some(existing) => Some(existing),
-                None => rows::live_receipt(&tx, &request.run_id, now_ms)?,
-            };
-            if let Some((workflow, input_hash, status)) = earlier {
-                outcomes.push(if workflow == request.workflow && input_hash == hash {
-                    StartOutcome::Existing { run_id: request.run_id.clone(), status }
-                } else {
-                    StartOutcome::Conflict {
-                        run_id: request.run_id.clone(),
-                        reason: if workflow != request.workflow {
-                            format!("run {:?} is a run of workflow {workflow:?}", request.run_id)
-                        } else {
-                            format!("run {:?} was started with another input", request.run_id)
-                        },
-                    }
-                });
-                continue;
-            }
-            // An expired receipt no longer counts: the id may be used again.
-            tx.prepare_cached("DELETE FROM run_receipts WHERE run_id = ?1").db()?.execute([&request.run_id]).db()?;
-            tx.prepare_cached(
-                "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
-                                   created_at_ms, updated_at_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8)",
-            )
-            .db()?
-            .execute(params![
-                request.run_id,
-                request.workflow,
-                request.version,
-                rows::json_text(&request.input),
-                hash,
-                request.key,
-                request.start_at_ms.unwrap_or(now_ms),
-                now_ms
-            ])
-            .db()?;
-            outcomes.push(StartOutcome::Started { run_id: request.run_id.clone() });
-        }
+        let outcomes = start_in(&tx, requests, now_ms)?;
         crash::hit("workflow.start.before_commit");
         tx.commit().db()?;
         Ok(outcomes)
     }
 
     fn claim(&mut self, request: &ClaimRequest, now_ms: i64) -> Result<Vec<ClaimedRun>> {
-        validate_id("worker_id", &request.worker_id)?;
-        validate_limit("claim limit", request.limit, CLAIM_BATCH_MAX)?;
-        validate_limit("claim workflows", request.workflows.len(), CLAIM_BATCH_MAX)?;
-        validate_versions(&request.workflows)?;
-        if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&request.lease_ms) {
-            return Err(invalid_arg(format!("lease_ms must be {LEASE_MS_MIN}..={LEASE_MS_MAX}")));
-        }
-        // The per-type limit of a workflow is the smallest one given for any of its versions.
-        let mut type_max: BTreeMap<&str, Option<u32>> = BTreeMap::new();
-        for w in &request.workflows {
-            let entry = type_max.entry(w.workflow.as_str()).or_insert(w.concurrency_max);
-            *entry = match (*entry, w.concurrency_max) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, b) => a.or(b),
-            };
-        }
+        validate_claim(request)?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        // Slots left per workflow type (runs of it leased right now count, on any worker).
-        let mut slots: HashMap<&str, usize> = HashMap::new();
-        for (workflow, max) in &type_max {
-            let free = match max {
-                None => request.limit,
-                Some(max) => {
-                    let leased: i64 = tx
-                        .prepare_cached(&leased_count_sql())
-                        .db()?
-                        .query_row(params![workflow, now_ms], |r| r.get(0))
-                        .db()?;
-                    (*max as usize).saturating_sub(leased as usize).min(request.limit)
-                }
-            };
-            slots.insert(workflow, free);
-        }
-        // Due, unleased (or lease expired) runs of each (workflow, version), oldest due first. A
-        // keyed run qualifies only as the oldest active run of its key while no other run of the
-        // key holds a live lease.
-        let mut candidates = Vec::new();
-        {
-            let mut stmt = tx.prepare_cached(&claim_candidates_sql()).db()?;
-            let mut seen = std::collections::HashSet::new();
-            for w in &request.workflows {
-                let free = slots[w.workflow.as_str()];
-                if free == 0 || !seen.insert((w.workflow.as_str(), w.version)) {
-                    continue;
-                }
-                let found = stmt
-                    .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
-                        Ok(Candidate {
-                            run_id: r.get(0)?,
-                            workflow: r.get(1)?,
-                            wake_at_ms: r.get(2)?,
-                            created_at_ms: r.get(3)?,
-                            had_lease: r.get(4)?,
-                        })
-                    })
-                    .db()?;
-                for candidate in found {
-                    candidates.push(candidate.db()?);
-                }
-            }
-        }
-        candidates.sort_by(|a, b| {
-            (a.wake_at_ms, a.created_at_ms, &a.run_id).cmp(&(b.wake_at_ms, b.created_at_ms, &b.run_id))
-        });
-        let expires = now_ms + request.lease_ms;
-        let mut claimed = Vec::new();
-        for candidate in candidates {
-            if claimed.len() == request.limit {
-                break;
-            }
-            let free = slots.get_mut(candidate.workflow.as_str()).expect("slots of every requested workflow");
-            if *free == 0 {
-                continue;
-            }
-            *free -= 1;
-            let token = new_token();
-            let changed = tx
-                .prepare_cached(
-                    "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4,
-                         recoveries = recoveries + ?5, updated_at_ms = ?6
-                     WHERE run_id = ?1",
-                )
-                .db()?
-                .execute(params![candidate.run_id, request.worker_id, token, expires, candidate.had_lease, now_ms])
-                .db()?;
-            tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", candidate.run_id);
-            claimed.push(ClaimedRun {
-                run: rows::existing_run(&tx, &candidate.run_id)?,
-                lease_token: token,
-                journal: rows::journal(&tx, &candidate.run_id)?,
-                events: rows::events(&tx, &candidate.run_id, true)?,
-                recovered: candidate.had_lease,
-            });
-        }
+        let claimed = claim_in(&tx, request, now_ms)?;
         tx.commit().db()?;
         crash::hit("workflow.claim.after_commit");
         Ok(claimed)
+    }
+
+    /// Both in one transaction: one commit for the start and the claim.
+    fn start_and_claim(
+        &mut self,
+        requests: &[StartRequest],
+        claim: &ClaimRequest,
+        now_ms: i64,
+    ) -> Result<(Vec<StartOutcome>, Result<Vec<ClaimedRun>>)> {
+        validate_starts(requests, now_ms)?;
+        validate_claim(claim)?;
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let outcomes = start_in(&tx, requests, now_ms)?;
+        let claimed = claim_in(&tx, claim, now_ms)?;
+        crash::hit("workflow.start.before_commit");
+        tx.commit().db()?;
+        crash::hit("workflow.claim.after_commit");
+        Ok((outcomes, Ok(claimed)))
     }
 
     fn heartbeat(

@@ -1,0 +1,692 @@
+//! `tidemark bench --workflows`: durable execution speed of the reference order saga
+//! (`reserve_inventory` transactional -> `charge_payment` external -> `ship_order`
+//! transactional) on a real SQLite file with the default durability (WAL, `synchronous=FULL`).
+//!
+//! - **throughput**: `--sagas` runs are started first (one transaction per 10,000), then one
+//!   worker runs them with `--in-flight` runs at once (group commit of every run's journal
+//!   writes). The external step is the fake payment service with its call log in memory: zero
+//!   latency. A second run gives the charge `--external-latency-ms` of simulated latency.
+//! - **latency**: `--latency-sagas` sagas one at a time at idle, each from `Worker::start` to the
+//!   worker's report that it finished (its final commit), after a few uncounted warm-up sagas.
+//! - **resumption**: a worker (its own connection and async runtime) is dropped abruptly while
+//!   `--resume-sagas` runs are inside their external step (as a killed process would leave them:
+//!   leases held, nothing released); a second worker takes them over once the leases expire.
+//!
+//! Every run is checked: every saga `completed`, exactly one `reserve` and one `ship` effect per
+//! order, one successful charge per idempotency key, stock consistent. Numbers are printed, never
+//! asserted. The workflow bench always runs on the system clock (leases need real time).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OpenFlags};
+use serde_json::{json, Value};
+use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
+use tidemark_core::{Error, Result};
+use tidemark_engine::workflow::order::{
+    order_saga, FakePayments, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION,
+};
+use tidemark_engine::workflow::{
+    FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowOptions, Workflows, Writer,
+};
+use tidemark_store_sqlite::order as order_sql;
+use tidemark_store_sqlite::{probe, Durability, SqliteWorkflows};
+use tokio::runtime::Runtime;
+use tokio::sync::mpsc;
+
+use super::{durability_word, failed, median, round1, round3, PROBE_TIME_MAX};
+
+type Store = SqliteWorkflows;
+
+const SKU: &str = "widget";
+/// Uncounted sagas before the latency samples (page cache, statement cache, WAL).
+const LATENCY_WARMUP: u64 = 10;
+/// Bound of every wait of the bench.
+const WAIT_MAX: Duration = Duration::from_secs(600);
+
+/// What `--workflows` measures.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub sagas: u64,
+    pub in_flight: usize,
+    pub latency_sagas: u64,
+    pub external_latency_ms: u64,
+    pub resume_sagas: u64,
+    pub lease_ms: i64,
+    pub repeat: u64,
+    pub probe_commits: u64,
+}
+
+fn runtime() -> Result<Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))
+}
+
+fn input(order_id: &str) -> Value {
+    json!({"order_id": order_id, "sku": SKU, "quantity": 1, "amount": 100})
+}
+
+fn request(run_id: &str) -> StartRequest {
+    StartRequest {
+        run_id: run_id.to_string(),
+        workflow: ORDER_SAGA.to_string(),
+        version: ORDER_SAGA_VERSION,
+        input: input(run_id),
+        key: None,
+        start_at_ms: None,
+    }
+}
+
+/// A workflow database with the order tables and `stock` units of the SKU, behind a writer,
+/// and a fake payment service whose call log lives in memory (a zero-latency external service).
+struct World {
+    db: PathBuf,
+    writer: Writer<Store>,
+    payments: Arc<FakePayments>,
+    stock: i64,
+}
+
+impl World {
+    fn new(dir: &Path, durability: Durability, stock: i64) -> Result<World> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
+        let db = dir.join("wf.db");
+        let path = db.clone();
+        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))?;
+        writer.call_blocking(move |store, _| {
+            let conn = store.connection();
+            order_sql::install(conn)?;
+            order_sql::set_stock(conn, SKU, stock)
+        })?;
+        let payments = Arc::new(FakePayments::open(Path::new(":memory:"))?);
+        Ok(World { db, writer, payments, stock })
+    }
+
+    fn open_writer(&self, durability: Durability) -> Result<Writer<Store>> {
+        let path = self.db.clone();
+        Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))
+    }
+
+    /// Start `ids` (one transaction per `START_BATCH_MAX`); every one must be new.
+    fn start_all(&self, ids: &[String]) -> Result<u64> {
+        let mut transactions = 0;
+        for chunk in ids.chunks(START_BATCH_MAX) {
+            let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id)).collect();
+            let outcomes = self.writer.call_blocking(move |store, now| store.start_runs(&requests, now))?;
+            transactions += 1;
+            if let Some(other) = outcomes.iter().find(|o| !matches!(o, StartOutcome::Started { .. })) {
+                return Err(failed(format!("a start was not new: {other:?}")));
+            }
+        }
+        Ok(transactions)
+    }
+
+    /// The end state of `sagas` order sagas that should all have completed.
+    fn check(&self, sagas: u64) -> Result<Value> {
+        let stock = self.stock;
+        let db = self.writer.call_blocking(move |store, _| {
+            let conn = store.connection();
+            let q = |sql: &str| -> Result<i64> {
+                conn.query_row(sql, [], |r| r.get(0)).map_err(|e| Error::store(e.to_string()))
+            };
+            Ok(json!({
+                "runs": q("SELECT count(*) FROM runs")?,
+                "completed": q("SELECT count(*) FROM runs WHERE status = 'completed'")?,
+                "reserve_effects": q("SELECT count(*) FROM order_effects WHERE kind = 'reserve'")?,
+                "ship_effects": q("SELECT count(*) FROM order_effects WHERE kind = 'ship'")?,
+                "other_effects": q("SELECT count(*) FROM order_effects WHERE kind NOT IN ('reserve', 'ship')")?,
+                "orders_with_duplicate_effects": q(
+                    "SELECT count(*) FROM (SELECT 1 FROM order_effects GROUP BY order_id, kind HAVING count(*) > 1)"
+                )?,
+                "stock_taken": stock - order_sql::stock(conn, SKU)?.unwrap_or(0),
+            }))
+        })?;
+        let calls = self.payments.calls()?;
+        let charged = calls.iter().filter(|c| c.outcome == "charged").count() as u64;
+        let mut keys: Vec<&str> =
+            calls.iter().filter(|c| c.outcome == "charged").map(|c| c.idempotency_key.as_str()).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let repeated = calls.iter().filter(|c| c.outcome == "duplicate").count() as u64;
+        let other = calls.iter().filter(|c| !matches!(c.outcome.as_str(), "charged" | "duplicate")).count() as u64;
+        let n = json!(sagas);
+        let passed = db["runs"] == n
+            && db["completed"] == n
+            && db["reserve_effects"] == n
+            && db["ship_effects"] == n
+            && db["other_effects"] == json!(0)
+            && db["orders_with_duplicate_effects"] == json!(0)
+            && db["stock_taken"] == n
+            && charged == sagas
+            && keys.len() as u64 == sagas
+            && other == 0;
+        let mut out = db;
+        out["passed"] = json!(passed);
+        out["charges"] = json!(charged);
+        out["charged_keys"] = json!(keys.len());
+        out["repeated_charge_calls_answered_duplicate"] = json!(repeated);
+        out["what"] = json!(
+            "every saga completed; one reserve and one ship effect per order, none twice; one successful \
+             charge per idempotency key; stock taken == sagas"
+        );
+        Ok(out)
+    }
+}
+
+/// The order saga with a simulated latency in the charge (a tokio sleep before the payment
+/// call) and, for the worker that is killed, a charge that never returns after the payment call.
+/// Same steps, names and version as [`order_saga`].
+fn order_saga_variant(payments: Arc<FakePayments>, charge_latency: Duration, hang: bool) -> Saga<Store> {
+    let refund = payments.clone();
+    Saga::new(ORDER_SAGA, ORDER_SAGA_VERSION)
+        .step(
+            "reserve_inventory",
+            SagaAction::tx(|tx: &Connection, data: &SagaData| tx.reserve_inventory(&OrderInput::from_data(data)?)),
+            Some(SagaAction::tx(|tx: &Connection, data: &SagaData| {
+                tx.release_inventory(&OrderInput::from_data(data)?)
+            })),
+        )
+        .step(
+            "charge_payment",
+            SagaAction::external(move |key, data| {
+                let payments = payments.clone();
+                async move {
+                    if !charge_latency.is_zero() {
+                        tokio::time::sleep(charge_latency).await;
+                    }
+                    let charged = payments.charge(&key, &OrderInput::from_data(&data)?);
+                    if hang {
+                        std::future::pending::<()>().await;
+                    }
+                    charged
+                }
+            }),
+            Some(SagaAction::external(move |key, data| {
+                let payments = refund.clone();
+                async move {
+                    let charge = data.outputs.get("charge_payment").cloned().unwrap_or(Value::Null);
+                    payments.refund(&key, &OrderInput::from_data(&data)?, &charge)
+                }
+            })),
+        )
+        .step(
+            "ship_order",
+            SagaAction::tx(|tx: &Connection, data: &SagaData| tx.ship_order(&OrderInput::from_data(data)?)),
+            None,
+        )
+}
+
+fn workflows(saga: Saga<Store>) -> Result<Workflows<Store>> {
+    let mut workflows = Workflows::new();
+    saga.register(&mut workflows, WorkflowOptions::default())?;
+    Ok(workflows)
+}
+
+fn real_saga(payments: &Arc<FakePayments>) -> Saga<Store> {
+    order_saga::<Store>(payments.clone() as Arc<dyn Payments>)
+}
+
+/// Counters of the writer thread at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+struct WriterCounts {
+    commits: u64,
+    writes: u64,
+    calls: u64,
+}
+
+impl WriterCounts {
+    fn of(writer: &Writer<Store>) -> WriterCounts {
+        use std::sync::atomic::Ordering::Relaxed;
+        let stats = writer.stats();
+        WriterCounts {
+            commits: stats.commits.load(Relaxed),
+            writes: stats.writes.load(Relaxed),
+            calls: stats.calls.load(Relaxed),
+        }
+    }
+
+    fn json_since(self, start: WriterCounts, writer: &Writer<Store>, sagas: u64) -> Value {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (commits, writes, calls) =
+            (self.commits - start.commits, self.writes - start.writes, self.calls - start.calls);
+        let per = |n: u64| round3(n as f64 / sagas.max(1) as f64);
+        json!({
+            "commits": commits,
+            "journal_writes": writes,
+            "calls": calls,
+            "largest_batch": writer.stats().largest_batch.load(Relaxed),
+            "writes_per_commit": round1(writes as f64 / commits.max(1) as f64),
+            "per_saga": {"commits": per(commits), "journal_writes": per(writes), "calls": per(calls)},
+            "what": "commits: journal group commits (transactions); journal_writes: journal writes in them; \
+                     calls: other writer calls (claims, starts, heartbeats, reads), one transaction each",
+        })
+    }
+}
+
+/// CPU time of this process (user + system, all threads, from `/proc/self/stat`), in seconds.
+fn process_cpu_seconds() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // The fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command name.
+    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(ticks as f64 / 100.0)
+}
+
+/// On-CPU nanoseconds of this process's threads named `name` (Linux `/proc/self/task`).
+fn threads_on_cpu_ns(name: &str) -> Option<u64> {
+    let mut total = None;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if comm.trim_end() == name {
+            let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
+            let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
+            total = Some(total.unwrap_or(0) + ns);
+        }
+    }
+    total
+}
+
+fn load_average() -> Option<String> {
+    std::fs::read_to_string("/proc/loadavg").ok().map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+}
+
+fn report_json(report: &WorkerReport) -> Value {
+    json!({
+        "claimed": report.claimed,
+        "recovered": report.recovered,
+        "completed": report.completed,
+        "suspended": report.suspended,
+        "errors": report.errors,
+        "last_error": report.last_error,
+        "max_in_flight": report.max_in_flight,
+    })
+}
+
+/// Start `sagas` runs, then run them with one worker, `in_flight` at once, until none is due.
+fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Duration) -> Result<Value> {
+    let world = World::new(dir, durability, p.sagas as i64)?;
+    let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
+    let t = Instant::now();
+    let start_transactions = world.start_all(&ids)?;
+    let start_seconds = t.elapsed().as_secs_f64();
+    let saga = if charge_latency.is_zero() {
+        real_saga(&world.payments)
+    } else {
+        order_saga_variant(world.payments.clone(), charge_latency, false)
+    };
+    let options = WorkerOptions { concurrency: p.in_flight, poll_interval_ms: 10, ..WorkerOptions::new("bench") };
+    let worker = Worker::new(world.writer.clone(), workflows(saga)?, options)?;
+    let rt = runtime()?;
+    let counts = WriterCounts::of(&world.writer);
+    let cpu = process_cpu_seconds();
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer");
+    let t = Instant::now();
+    let report = rt.block_on(worker.run_until_idle())?;
+    let elapsed = t.elapsed();
+    let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
+    let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.sagas);
+    drop(worker);
+    drop(rt);
+    let check = world.check(p.sagas)?;
+    let seconds = elapsed.as_secs_f64();
+    Ok(json!({
+        "sagas": p.sagas,
+        "in_flight": p.in_flight,
+        "external_step": if charge_latency.is_zero() {
+            "the fake payment service (order::FakePayments) with its call log in memory: zero latency".to_string()
+        } else {
+            format!("the fake payment service behind a simulated latency of {} ms per charge", charge_latency.as_millis())
+        },
+        "start": {
+            "transactions": start_transactions,
+            "seconds": round3(start_seconds),
+            "starts_per_s": round1(p.sagas as f64 / start_seconds.max(1e-9)),
+        },
+        "seconds": round3(seconds),
+        "sagas_per_s": round1(p.sagas as f64 / seconds.max(1e-9)),
+        "sagas_per_s_including_start": round1(p.sagas as f64 / (seconds + start_seconds).max(1e-9)),
+        "cpu_seconds": cpu.map(round3),
+        "sagas_per_cpu_s": cpu.map(|c| round1(p.sagas as f64 / c.max(1e-9))),
+        "writer_thread": writer_cpu.map(|ns| json!({
+            "on_cpu_seconds": round3(ns as f64 / 1e9),
+            "busy_share": round3(ns as f64 / 1e9 / seconds.max(1e-9)),
+            "us_per_saga": round1(ns as f64 / 1e3 / p.sagas.max(1) as f64),
+            "what": "on-CPU time of the writer thread (it owns the connection; every SQLite statement runs on it)",
+        })),
+        "writer": writer,
+        "worker": report_json(&report),
+        "check": check,
+    }))
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Wait for the worker to report `run_id` finished.
+async fn finished_run(finished: &mut mpsc::UnboundedReceiver<FinishedRun>, run_id: &str) -> Result<FinishedRun> {
+    let deadline = tokio::time::Instant::now() + WAIT_MAX;
+    loop {
+        match tokio::time::timeout_at(deadline, finished.recv()).await {
+            Ok(Some(run)) if run.run_id == run_id => return Ok(run),
+            Ok(Some(_)) => {}
+            Ok(None) => return Err(failed("the worker stopped reporting finished runs".into())),
+            Err(_) => return Err(failed(format!("run {run_id} did not finish within {WAIT_MAX:?}"))),
+        }
+    }
+}
+
+/// One saga at a time: `Worker::start` to the worker's report that the run finished.
+fn latency(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let total = LATENCY_WARMUP + p.latency_sagas;
+    let world = World::new(dir, durability, total as i64)?;
+    // A long poll interval: the saga must not depend on polling to start.
+    let options = WorkerOptions { poll_interval_ms: 1_000, ..WorkerOptions::new("bench-latency") };
+    let worker = Arc::new(Worker::new(world.writer.clone(), workflows(real_saga(&world.payments))?, options)?);
+    let rt = runtime()?;
+    let mut finished = worker.subscribe_finished();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let looping = worker.clone();
+    let handle = rt.spawn(async move {
+        looping
+            .run_until(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let mut counts = WriterCounts::default();
+    let mut samples_ms = Vec::with_capacity(p.latency_sagas as usize);
+    let sampled = rt.block_on(async {
+        for i in 0..total {
+            if i == LATENCY_WARMUP {
+                counts = WriterCounts::of(&world.writer);
+            }
+            let run_id = format!("order-{i:08}");
+            let t = Instant::now();
+            let outcome = worker.start(vec![request(&run_id)]).await?;
+            if outcome != [StartOutcome::Started { run_id: run_id.clone() }] {
+                return Err(failed(format!("start of {run_id}: {outcome:?}")));
+            }
+            let run = finished_run(&mut finished, &run_id).await?;
+            let elapsed = t.elapsed();
+            if run.status != tidemark_core::workflow::FinishStatus::Completed {
+                return Err(failed(format!("run {run_id} ended {:?}", run.status)));
+            }
+            if i >= LATENCY_WARMUP {
+                samples_ms.push(elapsed.as_secs_f64() * 1_000.0);
+            }
+        }
+        Ok(())
+    });
+    let _ = stop.send(());
+    let report = rt.block_on(handle).map_err(|e| failed(format!("the worker task failed: {e}")))?;
+    sampled?;
+    let report = report?;
+    let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.latency_sagas);
+    drop(rt);
+    let check = world.check(total)?;
+    let mean = samples_ms.iter().sum::<f64>() / samples_ms.len().max(1) as f64;
+    let mut sorted = samples_ms.clone();
+    sorted.sort_by(f64::total_cmp);
+    Ok(json!({
+        "sagas": p.latency_sagas,
+        "warmup_sagas": LATENCY_WARMUP,
+        "what": "one saga at a time on an otherwise idle worker: from Worker::start (the start's commit) to \
+                 the worker's report that the run finished (its final commit); the external step has zero latency",
+        "ms": {
+            "p50": round3(percentile(&sorted, 0.5)),
+            "p90": round3(percentile(&sorted, 0.9)),
+            "p99": round3(percentile(&sorted, 0.99)),
+            "min": round3(sorted.first().copied().unwrap_or(0.0)),
+            "max": round3(sorted.last().copied().unwrap_or(0.0)),
+            "mean": round3(mean),
+        },
+        "writer": writer,
+        "worker": report_json(&report),
+        "check": check,
+    }))
+}
+
+/// Count the runs another worker has taken over (a recovery bumps `recoveries`) and those that
+/// completed, through a read-only connection (WAL readers never wait for the writer).
+fn recovered_and_completed(reader: &Connection) -> Result<(i64, i64)> {
+    reader
+        .query_row(
+            "SELECT count(*) FILTER (WHERE recoveries > 0), count(*) FILTER (WHERE status = 'completed') FROM runs",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .map_err(|e| Error::store(e.to_string()))
+}
+
+/// A worker dropped abruptly while its runs are inside their external step; a second worker
+/// takes them over once the leases expire.
+fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let n = p.resume_sagas;
+    let world = World::new(dir, durability, n as i64)?;
+    let ids: Vec<String> = (0..n).map(|i| format!("order-{i:08}")).collect();
+    world.start_all(&ids)?;
+    let poll_ms = 10;
+    let options = |id: &str| WorkerOptions {
+        concurrency: (n as usize).max(1),
+        lease_ms: p.lease_ms,
+        poll_interval_ms: poll_ms,
+        ..WorkerOptions::new(id)
+    };
+
+    // The doomed worker: its own connection and runtime; its charge calls the payment service
+    // and then never returns.
+    let doomed_rt = runtime()?;
+    let doomed_writer = world.open_writer(durability)?;
+    let doomed = Worker::new(
+        doomed_writer,
+        workflows(order_saga_variant(world.payments.clone(), Duration::ZERO, true))?,
+        options("bench-doomed"),
+    )?;
+    doomed_rt.spawn(async move { doomed.run_until(std::future::pending()).await });
+    let t = Instant::now();
+    while (world.payments.calls()?.len() as u64) < n {
+        if t.elapsed() > WAIT_MAX {
+            return Err(failed("the doomed worker did not reach the charge of every run".into()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Kill: the runtime stops at once; nothing is released, the leases stay until they expire.
+    let killed_at = Instant::now();
+    let killed_at_ms = tidemark_engine::now_ms();
+    doomed_rt.shutdown_background();
+    let leases = world.writer.call_blocking(move |store, _| {
+        store
+            .connection()
+            .query_row(
+                "SELECT count(*), min(lease_expires_at_ms), max(lease_expires_at_ms) FROM runs
+                 WHERE lease_owner = 'bench-doomed'",
+                [],
+                |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, Option<i64>>(2)?)),
+            )
+            .map_err(|e| Error::store(e.to_string()))
+    })?;
+    let (held, min_expiry, max_expiry) = leases;
+
+    // The rescuer: the bench's own connection, the real order saga.
+    let rescuer_rt = runtime()?;
+    let rescuer =
+        Arc::new(Worker::new(world.writer.clone(), workflows(real_saga(&world.payments))?, options("bench-rescuer"))?);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let looping = rescuer.clone();
+    let handle = rescuer_rt.spawn(async move {
+        looping
+            .run_until(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let reader = Connection::open_with_flags(&world.db, OpenFlags::SQLITE_OPEN_READ_ONLY)
+        .map_err(|e| Error::store(e.to_string()))?;
+    reader.busy_timeout(Duration::from_secs(5)).map_err(|e| Error::store(e.to_string()))?;
+    let mut first_recovered = None;
+    let mut all_recovered = None;
+    let all_completed;
+    loop {
+        let (recovered, completed) = recovered_and_completed(&reader)?;
+        let now = killed_at.elapsed();
+        if recovered > 0 && first_recovered.is_none() {
+            first_recovered = Some(now);
+        }
+        if recovered as u64 >= n && all_recovered.is_none() {
+            all_recovered = Some(now);
+        }
+        if completed as u64 >= n {
+            all_completed = now;
+            break;
+        }
+        if now > WAIT_MAX {
+            return Err(failed("the rescuer did not complete the killed worker's runs".into()));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let _ = stop.send(());
+    let report = rescuer_rt.block_on(handle).map_err(|e| failed(format!("the worker task failed: {e}")))??;
+    drop(rescuer_rt);
+    let check = world.check(n)?;
+    let ms = |d: Option<Duration>| d.map(|d| round1(d.as_secs_f64() * 1_000.0));
+    let lease_left = |at: Option<i64>| at.map(|at| at - killed_at_ms);
+    let all_recovered_ms = ms(all_recovered);
+    Ok(json!({
+        "runs": n,
+        "what": "a worker (own connection and async runtime) is dropped abruptly while every run is inside its \
+                 external step (charge sent, result not journaled): its leases stay, nothing is released, as \
+                 after a SIGKILL. A second worker (claim poll every 10 ms) takes the runs over once the leases \
+                 expire, replays reserve_inventory from the journal and calls the charge again with the same \
+                 idempotency key (the payment service answers duplicate).",
+        "lease_ms": p.lease_ms,
+        "heartbeat_ms": p.lease_ms / 3,
+        "rescuer_poll_ms": poll_ms,
+        "leases_held_at_kill": held,
+        "lease_left_at_kill_ms": {"min": lease_left(min_expiry), "max": lease_left(max_expiry)},
+        "ms_from_kill": {
+            "first_recovered": ms(first_recovered),
+            "all_recovered": all_recovered_ms,
+            "all_completed": round1(all_completed.as_secs_f64() * 1_000.0),
+        },
+        "resumed_within_lease": all_recovered_ms.is_some_and(|ms| ms <= (p.lease_ms + poll_ms as i64) as f64),
+        "measured_by": "a read-only connection polled every 1 ms (recoveries > 0, status = completed)",
+        "worker": report_json(&report),
+        "check": check,
+    }))
+}
+
+pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let load = load_average();
+    let commit_probe =
+        probe::single_row_commits(&dir.join("probe.db"), Durability::Full, p.probe_commits, PROBE_TIME_MAX)?;
+    let mut all_passed = true;
+    let mut passed = |v: &Value| {
+        all_passed &= v["check"]["passed"] == json!(true);
+    };
+    let mut runs = Vec::new();
+    let mut rates = Vec::new();
+    let mut cpu_rates = Vec::new();
+    for r in 0..p.repeat {
+        let run = throughput(&dir.join(format!("throughput-{r}")), durability, p, Duration::ZERO)?;
+        passed(&run);
+        rates.push(run["sagas_per_s"].as_f64().unwrap_or(0.0));
+        if let Some(rate) = run["sagas_per_cpu_s"].as_f64() {
+            cpu_rates.push(rate);
+        }
+        runs.push(run);
+    }
+    let latent = if p.external_latency_ms > 0 {
+        let run =
+            throughput(&dir.join("throughput-latent"), durability, p, Duration::from_millis(p.external_latency_ms))?;
+        passed(&run);
+        Some(run)
+    } else {
+        None
+    };
+    let latency = if p.latency_sagas > 0 {
+        let run = latency(&dir.join("latency"), durability, p)?;
+        passed(&run);
+        Some(run)
+    } else {
+        None
+    };
+    let resumption = if p.resume_sagas > 0 {
+        let run = resumption(&dir.join("resumption"), durability, p)?;
+        passed(&run);
+        Some(run)
+    } else {
+        None
+    };
+    let rate = median(&rates);
+    let p50 = latency.as_ref().and_then(|l| l["ms"]["p50"].as_f64());
+    Ok(json!({
+        "outcome": "bench",
+        "kind": "workflows",
+        "durability": durability_word(durability),
+        "params": {
+            "sagas": p.sagas,
+            "in_flight": p.in_flight,
+            "latency_sagas": p.latency_sagas,
+            "external_latency_ms": p.external_latency_ms,
+            "resume_sagas": p.resume_sagas,
+            "lease_ms": p.lease_ms,
+            "repeat": p.repeat,
+            "dir": dir,
+            "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "load_average_at_start": load,
+        },
+        "fsync_ceiling": {
+            "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
+            "sqlite_single_row_commits": commit_probe.commits,
+        },
+        "throughput": {
+            "sagas_per_s_median": rate,
+            "sagas_per_s_each": rates,
+            "sagas_per_cpu_s_median": (!cpu_rates.is_empty()).then(|| median(&cpu_rates)),
+            "runs": runs,
+        },
+        "throughput_with_external_latency": latent,
+        "latency": latency,
+        "resumption": resumption,
+        "summary": {
+            "sagas_per_s": rate,
+            "sagas_per_s_with_external_latency": latent.as_ref().map(|l| l["sagas_per_s"].clone()),
+            "latency_ms": latency.as_ref().map(|l| l["ms"].clone()),
+            "resumption_ms_from_kill": resumption.as_ref().map(|r| r["ms_from_kill"].clone()),
+            "lease_ms": p.lease_ms,
+            "targets": {
+                "sagas_per_s_at_least_10000": rate >= 10_000.0,
+                "latency_p50_under_3_ms": p50.map(|ms| ms < 3.0),
+                "resumed_within_lease": resumption.as_ref().map(|r| r["resumed_within_lease"].clone()),
+            },
+        },
+        "check": {
+            "passed": all_passed,
+            "what": "every run: every saga completed, one reserve and one ship effect per order, one charge per key",
+        },
+    }))
+}
+
+/// `--quick` numbers for tests.
+pub fn quick(p: &mut Params) {
+    p.sagas = 300;
+    p.in_flight = 50;
+    p.latency_sagas = 10;
+    p.external_latency_ms = 1;
+    p.resume_sagas = 5;
+    p.lease_ms = 300;
+    p.repeat = 1;
+    p.probe_commits = 20;
+}
