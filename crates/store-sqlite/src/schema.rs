@@ -169,14 +169,14 @@ const MIGRATIONS: &[&str] = &[
     );
     -- The claim: due active runs of one (workflow, version), oldest due first.
     CREATE INDEX runs_due ON runs (workflow, version, wake_at_ms, created_at_ms, run_id)
-        WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+        WHERE (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     -- Listing by status, by workflow, or all, in creation order (keyset pages).
     CREATE INDEX runs_status ON runs (status, created_at_ms, run_id);
     CREATE INDEX runs_workflow ON runs (workflow, created_at_ms, run_id);
     CREATE INDEX runs_created ON runs (created_at_ms, run_id);
     -- Per-key serialization: the oldest active run of a key, and whether one holds a lease.
     CREATE INDEX runs_key ON runs (key, created_at_ms, run_id)
-        WHERE key IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+        WHERE key IS NOT NULL AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     -- Purge: finished runs, oldest first.
     CREATE INDEX runs_finished ON runs (finished_at_ms, run_id) WHERE finished_at_ms IS NOT NULL;
 

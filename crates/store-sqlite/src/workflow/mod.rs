@@ -52,7 +52,7 @@ use tidemark_core::{Error, Result};
 
 use crate::schema::{self, Durability};
 use crate::SqlResult;
-use rows::{run_status_at, ACTIVE, RUN_COLUMNS};
+use rows::{active, run_status_at, RUN_COLUMNS};
 
 /// How long a purged run's idempotency receipt is kept, counted from when the run finished.
 pub const RECEIPT_WINDOW_MS_DEFAULT: i64 = 30 * 24 * 60 * 60 * 1000;
@@ -202,16 +202,17 @@ fn send_event_validated(
 /// run qualifies only as the oldest active run of its key while no other run of the key holds a
 /// live lease. Parameters: workflow, version, now_ms, limit.
 fn claim_candidates_sql() -> String {
+    let (r_active, o_active) = (active("r.status"), active("o.status"));
     format!(
         "SELECT r.run_id, r.workflow, r.wake_at_ms, r.created_at_ms, r.lease_token IS NOT NULL
                      FROM runs r
-                     WHERE r.workflow = ?1 AND r.version = ?2 AND r.status IN {ACTIVE} AND r.wake_at_ms <= ?3
+                     WHERE r.workflow = ?1 AND r.version = ?2 AND {r_active} AND r.wake_at_ms <= ?3
                        AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= ?3)
                        AND (r.key IS NULL OR (
-                             NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
+                             NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND {o_active}
                                            AND (o.created_at_ms < r.created_at_ms
                                                 OR (o.created_at_ms = r.created_at_ms AND o.run_id < r.run_id)))
-                         AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND o.status IN {ACTIVE}
+                         AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND {o_active}
                                            AND o.run_id <> r.run_id AND o.lease_token IS NOT NULL
                                            AND o.lease_expires_at_ms > ?3)))
                      ORDER BY r.wake_at_ms, r.created_at_ms, r.run_id
@@ -221,8 +222,9 @@ fn claim_candidates_sql() -> String {
 
 /// Runs of a workflow type holding a live lease (parameters: workflow, now_ms).
 fn leased_count_sql() -> String {
+    let active = active("status");
     format!(
-        "SELECT count(*) FROM runs WHERE workflow = ?1 AND status IN {ACTIVE}
+        "SELECT count(*) FROM runs WHERE workflow = ?1 AND {active}
            AND lease_token IS NOT NULL AND lease_expires_at_ms > ?2"
     )
 }
@@ -586,10 +588,11 @@ impl WorkflowStore for SqliteWorkflows {
     }
 
     fn unclaimable(&self, known: &[WorkflowVersion]) -> Result<Vec<UnclaimableRuns>> {
+        let active = active("status");
         let mut stmt = self
             .conn
             .prepare_cached(&format!(
-                "SELECT workflow, version, count(*) FROM runs WHERE status IN {ACTIVE}
+                "SELECT workflow, version, count(*) FROM runs WHERE {active}
                  GROUP BY workflow, version ORDER BY workflow, version"
             ))
             .db()?;

@@ -8,9 +8,17 @@ use tidemark_core::{Error, Result};
 
 use crate::SqlResult;
 
-/// The active (non-terminal, claimable) statuses, written exactly as in the partial indexes of
-/// migration v3 so that SQLite can use them.
-pub(super) const ACTIVE: &str = "('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+/// "This run is active" (non-terminal, claimable) for the status column `column`, written
+/// exactly like the predicate of the partial indexes `runs_due` and `runs_key` (migration v3) so
+/// that SQLite can use them. An OR chain, not `IN (...)`: an IN list of more than two constants
+/// builds a temporary b-tree on every execution, and the index predicate runs on every write.
+pub(super) fn active(column: &str) -> String {
+    let terms: Vec<String> = ["pending", "running", "sleeping", "waiting", "compensating"]
+        .iter()
+        .map(|status| format!("{column} = '{status}'"))
+        .collect();
+    format!("({})", terms.join(" OR "))
+}
 
 pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms, \
