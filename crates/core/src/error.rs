@@ -4,8 +4,6 @@
 //! [`codes`]; the CLI maps it to exit code 2 and the HTTP layer to 400. Everything else is an
 //! internal failure (exit 1 / 500). The mapping lives in one place per front end.
 
-use std::fmt;
-
 /// Stable error codes. They are part of the public contract: never rename one.
 pub mod codes {
     pub const INVALID_ID: &str = "invalid_id";
@@ -32,13 +30,16 @@ pub mod codes {
 }
 
 /// The one error type of tidemark's library crates.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// The caller's input is wrong. Nothing was written.
+    #[error("{message}")]
     Invalid { code: &'static str, message: String },
     /// A storage or I/O failure. Propagated as is; the operation's transaction was rolled back.
+    #[error("{message}")]
     Store { code: &'static str, message: String },
     /// A broken internal invariant: a bug, surfaced loudly.
+    #[error("invariant violated: {0}")]
     Invariant(String),
 }
 
@@ -73,17 +74,6 @@ impl Error {
         matches!(self, Error::Invalid { .. })
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Error::Invalid { message, .. } | Error::Store { message, .. } => f.write_str(message),
-            Error::Invariant(message) => write!(f, "invariant violated: {message}"),
-        }
-    }
-}
-
-impl std::error::Error for Error {}
 
 /// Assert an invariant: on failure return `Error::Invariant` from the enclosing function.
 #[macro_export]
