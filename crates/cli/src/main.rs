@@ -24,7 +24,7 @@ use tidemark_core::store::{
     ApplyOutcome, ConsumerStore, DeliveryAction, DeliveryStatus, DrainScope, InboxStatus, ProducerStore, Subscription,
 };
 use tidemark_core::{Envelope, Error};
-use tidemark_engine::{relay_once, RelayOptions};
+use tidemark_engine::{relay_until_idle, RelayOptions};
 use tidemark_store_sqlite::reservation::{self, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
@@ -444,18 +444,16 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
             let mut endpoints = SqliteEndpoints::new(ctx.durability);
-            let mut total = tidemark_engine::RelayReport::default();
-            let mut passes = 0;
-            loop {
-                passes += 1;
-                let report =
-                    relay_once(&mut producer, &mut endpoints, &options, ctx.now_ms(), &mut rand::random::<f64>)?;
-                let done = report.attempted == 0;
-                pipeline::add_relay_report(&mut total, report);
-                if !args.until_idle || done || passes >= args.passes || options.event_id.is_some() {
-                    break;
-                }
-            }
+            // One pass unless --until-idle; an explicit --event is always one pass.
+            let passes_max = if args.until_idle && options.event_id.is_none() { args.passes.max(1) } else { 1 };
+            let (total, passes) = relay_until_idle(
+                &mut producer,
+                &mut endpoints,
+                &options,
+                passes_max,
+                &mut || ctx.now_ms(),
+                &mut rand::random::<f64>,
+            )?;
             let mut out = to_json(&total);
             out["outcome"] = json!("relayed");
             out["passes"] = json!(passes);

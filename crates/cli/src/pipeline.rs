@@ -9,20 +9,9 @@ use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, ProducerStore, Subscription};
 use tidemark_core::Result;
-use tidemark_engine::{relay_once, RelayOptions, RelayReport};
+use tidemark_engine::{relay_until_idle, RelayOptions, RelayReport};
 use tidemark_store_sqlite::reservation::{self, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
-
-pub fn add_relay_report(total: &mut RelayReport, report: RelayReport) {
-    total.attempted += report.attempted;
-    total.accepted += report.accepted;
-    total.duplicate += report.duplicate;
-    total.conflict += report.conflict;
-    total.expired += report.expired;
-    total.failed += report.failed;
-    total.quarantined += report.quarantined;
-    total.answers.extend(report.answers);
-}
 
 /// One producer file and one consumer file in a folder.
 pub struct Pipeline {
@@ -80,16 +69,8 @@ impl Pipeline {
 
     /// Relay until nothing is due (bounded by `passes_max`).
     pub fn relay_all(&mut self, options: &RelayOptions, now_ms: i64, passes_max: u32) -> Result<RelayReport> {
-        let mut total = RelayReport::default();
-        for _ in 0..passes_max {
-            let report = relay_once(&mut self.producer, &mut self.endpoints, options, now_ms, &mut || 0.5)?;
-            let done = report.attempted == 0;
-            add_relay_report(&mut total, report);
-            if done {
-                break;
-            }
-        }
-        Ok(total)
+        Ok(relay_until_idle(&mut self.producer, &mut self.endpoints, options, passes_max, &mut || now_ms, &mut || 0.5)?
+            .0)
     }
 
     pub fn drain(&mut self, consumer_id: &str, limit: usize, support_v2: bool, now_ms: i64) -> Result<DrainReport> {

@@ -8,7 +8,7 @@
 pub mod relay;
 pub mod workflow;
 
-pub use relay::{relay_once, round_robin, RelayAnswer, RelayOptions, RelayReport};
+pub use relay::{relay_once, relay_until_idle, round_robin, RelayAnswer, RelayOptions, RelayReport};
 
 /// Milliseconds since the Unix epoch, from the system clock.
 pub fn now_ms() -> i64 {

@@ -40,6 +40,20 @@ pub struct RelayReport {
     pub answers: Vec<RelayAnswer>,
 }
 
+impl RelayReport {
+    /// Add another pass's counts (and answers) to this one.
+    pub fn absorb(&mut self, other: RelayReport) {
+        self.attempted += other.attempted;
+        self.accepted += other.accepted;
+        self.duplicate += other.duplicate;
+        self.conflict += other.conflict;
+        self.expired += other.expired;
+        self.failed += other.failed;
+        self.quarantined += other.quarantined;
+        self.answers.extend(other.answers);
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RelayAnswer {
     pub event_id: String,
@@ -215,6 +229,30 @@ pub fn relay_once<P: ProducerStore, E: Endpoints>(
     }
     producer.record_deliveries(&results, now_ms)?;
     Ok(report)
+}
+
+/// Run relay passes until one attempts nothing, at most `passes_max` of them (bounded).
+/// `now_ms` is read before each pass. Returns the summed report and the passes run.
+pub fn relay_until_idle<P: ProducerStore, E: Endpoints>(
+    producer: &mut P,
+    endpoints: &mut E,
+    options: &RelayOptions,
+    passes_max: u32,
+    now_ms: &mut dyn FnMut() -> i64,
+    unit_random: &mut dyn FnMut() -> f64,
+) -> Result<(RelayReport, u32)> {
+    let mut total = RelayReport::default();
+    let mut passes = 0;
+    while passes < passes_max {
+        passes += 1;
+        let report = relay_once(producer, endpoints, options, now_ms(), unit_random)?;
+        let done = report.attempted == 0;
+        total.absorb(report);
+        if done {
+            break;
+        }
+    }
+    Ok((total, passes))
 }
 
 #[cfg(test)]

@@ -17,7 +17,7 @@ use tidemark_core::store::{
     InboxEntry, ProducerIdentity, ProducerStore, PruneReport, ReceiveOutcome, RenameReport, Subscription,
 };
 use tidemark_core::{Envelope, Error, Result};
-use tidemark_engine::{relay_once, RelayOptions, RelayReport};
+use tidemark_engine::{relay_once, relay_until_idle, RelayOptions, RelayReport};
 use tidemark_store_sqlite::reservation::{self, Effect, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
@@ -486,15 +486,8 @@ impl Sc {
         let mut options = options.clone();
         options.keep_answers = true;
         let producer = self.producer.as_mut().ok_or_else(|| Error::Invariant("no producer".into()))?;
-        let mut total = RelayReport::default();
-        for _ in 0..RELAY_PASSES_MAX {
-            let report = relay_once(producer, &mut self.endpoints, &options, t, &mut || 0.5)?;
-            let done = report.attempted == 0;
-            crate::pipeline::add_relay_report(&mut total, report);
-            if done {
-                break;
-            }
-        }
+        let (total, _) =
+            relay_until_idle(producer, &mut self.endpoints, &options, RELAY_PASSES_MAX, &mut || t, &mut || 0.5)?;
         self.record(what, to_value(&total));
         Ok(total)
     }
