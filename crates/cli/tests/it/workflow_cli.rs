@@ -750,8 +750,13 @@ fn sigterm_stops_a_worker_gracefully_and_releases_its_leases() {
     assert_eq!((report["stopped_by"].as_str(), report["released"].as_u64()), (Some("signal"), Some(1)), "{report}");
     let run = w.show("h1")["run"].clone();
     assert_eq!((run["lease_owner"].clone(), run["status"].as_str()), (Value::Null, Some("running")), "{run}");
-    // Released, not expired: the next worker takes it at once (no recovery).
-    let report = w.worker(&[]);
+    // Released, not expired: the next worker takes it at once (no recovery). It holds the run
+    // through the rest of the `hold` step, so it gets a lease a stalled machine cannot outlast
+    // (with the suite's 200 ms lease a scheduling stall made it lose and re-take its own run).
+    let mut args = w.worker_cmd(&["--until-idle", "--worker-id", "test-worker"]);
+    let lease = args.iter().position(|a| a == "--lease-ms").expect("worker_cmd sets a lease") + 1;
+    args[lease] = "10000".to_string();
+    let report = ok(&refs(&args));
     assert_eq!((report["recovered"].as_u64(), report["completed"].as_u64()), (Some(0), Some(1)), "{report}");
     assert_eq!(w.show("h1")["run"]["recoveries"], 0);
     w.assert_consistent();
