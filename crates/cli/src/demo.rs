@@ -111,9 +111,9 @@ mod workflow_demo {
     use tidemark_store_sqlite::order as order_sql;
     use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
-    use crate::workflow_cmd::builtin::{self, SLEEPY_ORDER, SLEEPY_ORDER_VERSION};
     use crate::workflow_cmd::{orders, payments_path};
     use crate::Context;
+    use tidemark_engine::workflow::builtin::{self, SLEEPY_ORDER, SLEEPY_ORDER_VERSION};
 
     const SKU: &str = "widget";
     const STOCK: i64 = 10;

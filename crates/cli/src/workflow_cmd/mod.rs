@@ -6,7 +6,6 @@
 //! `workflow init` creates a missing database file (every other command answers
 //! `not_initialized`).
 
-pub mod builtin;
 pub mod worker;
 
 use std::io::Read;
@@ -23,6 +22,7 @@ use tidemark_core::workflow::{
     STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
+use tidemark_engine::workflow::builtin;
 use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 

@@ -14,8 +14,9 @@ use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, Work
 use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 
-use super::{builtin, ensure_exists, payments_path};
+use super::{ensure_exists, payments_path};
 use crate::Context;
+use tidemark_engine::workflow::builtin;
 
 /// Upper bound of `--idle-wait-ms` (an hour).
 const IDLE_WAIT_MS_MAX: u64 = 3_600_000;

@@ -33,6 +33,7 @@
 //! does every later one, except compensations, which still run. A saga compensates, then ends
 //! `cancelled`; a plain workflow that propagates the error ends `cancelled`.
 
+pub mod builtin;
 mod context;
 pub mod order;
 mod registry;

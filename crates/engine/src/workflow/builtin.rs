@@ -6,13 +6,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::workflow::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
+use crate::workflow::{SagaData, WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{workflow_codes, Backoff, RetryPolicy, StepFailure, WorkflowVersion};
 use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
-use tidemark_engine::workflow::{SagaData, WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
 use tidemark_store_sqlite::SqliteWorkflows;
 
 pub const SLEEPY_ORDER: &str = "sleepy_order";
@@ -169,7 +169,7 @@ async fn sleepy_order(
     let held: Value = ctx
         .step("hold", None, move |_key| async move {
             if let Some(until) = until {
-                let left = until.saturating_sub(tidemark_engine::now_ms());
+                let left = until.saturating_sub(crate::now_ms());
                 if left > 0 {
                     tokio::time::sleep(Duration::from_millis(left as u64)).await;
                 }
