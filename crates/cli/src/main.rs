@@ -6,6 +6,7 @@ mod bench;
 mod demo;
 mod experiment;
 mod pipeline;
+mod server_cmd;
 #[cfg(feature = "failpoints")]
 mod unsafe_cmd;
 mod workflow_cmd;
@@ -89,6 +90,15 @@ enum Command {
     /// Durable workflow runs: start, list, show, operator controls, purge (see docs/cli.md).
     #[command(subcommand)]
     Workflow(workflow_cmd::WorkflowCommand),
+    /// Run the service: HTTP API, dashboard, metrics, and every tenant's relay, consumers,
+    /// workers and retention (see docs/operations.md).
+    Serve(server_cmd::ServeArgs),
+    /// Configuration files: `config check --config FILE` validates one and prints the result.
+    #[command(subcommand)]
+    Config(server_cmd::ConfigCommand),
+    /// Bearer tokens of `tidemark serve`: create (prints the token once), list, revoke.
+    #[command(subcommand)]
+    Token(server_cmd::TokenCommand),
     /// Test-only: the deliberately wrong dual write (state and event in two commits).
     #[cfg(feature = "failpoints")]
     #[command(hide = true)]
@@ -636,6 +646,9 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Bench(args) => bench::run(&ctx, args),
         Command::Worker(args) => workflow_cmd::worker::run(&ctx, args),
         Command::Workflow(command) => workflow_cmd::run(&ctx, command),
+        Command::Serve(args) => server_cmd::serve(&ctx, args),
+        Command::Config(command) => server_cmd::config(command),
+        Command::Token(command) => server_cmd::token(&ctx, command),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }

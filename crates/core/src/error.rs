@@ -24,6 +24,16 @@ pub mod codes {
     pub const NOT_FOUND: &str = "not_found";
     pub const INVALID_STATE_CHANGE: &str = "invalid_state_change";
     pub const ALREADY_EXISTS: &str = "already_exists";
+    /// No valid bearer token (HTTP 401).
+    pub const UNAUTHENTICATED: &str = "unauthenticated";
+    /// The token's scope does not allow the request (HTTP 403).
+    pub const FORBIDDEN: &str = "forbidden";
+    /// The token sent more requests than its rate allows (HTTP 429).
+    pub const RATE_LIMITED: &str = "rate_limited";
+    /// A configuration file or value is wrong; the message names the key.
+    pub const INVALID_CONFIG: &str = "invalid_config";
+    /// The server is shutting down or not ready (HTTP 503).
+    pub const UNAVAILABLE: &str = "unavailable";
     pub const STORE: &str = "store";
     pub const IO: &str = "io";
     pub const INVARIANT: &str = "invariant";

@@ -13,6 +13,7 @@ pub mod model;
 pub mod policy;
 pub mod reservation;
 pub mod store;
+pub mod tenancy;
 pub mod workflow;
 
 pub use envelope::Envelope;

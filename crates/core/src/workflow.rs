@@ -626,6 +626,30 @@ pub struct RunFilter {
     pub after: Option<(i64, String)>,
 }
 
+impl RunFilter {
+    /// The cursor of the page after `runs` when the page was full (`<created_at_ms>:<run_id>`).
+    pub fn next_page(runs: &[RunRecord], limit: usize) -> Option<String> {
+        match runs.last() {
+            Some(last) if runs.len() == limit => Some(format!("{}:{}", last.created_at_ms, last.run_id)),
+            _ => None,
+        }
+    }
+
+    /// Parse a cursor made by [`RunFilter::next_page`].
+    pub fn parse_page(text: &str) -> Result<(i64, String)> {
+        let bad = || {
+            Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("{text:?} is not a page cursor given by a run listing (<created_at_ms>:<run_id>)"),
+            )
+        };
+        let (created, run_id) = text.split_once(':').ok_or_else(bad)?;
+        let created: i64 = created.parse().map_err(|_| bad())?;
+        validate_id("run_id of the cursor", run_id)?;
+        Ok((created, run_id.to_string()))
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 pub struct PurgeReport {
     pub runs_deleted: u64,

@@ -5,6 +5,7 @@
 //! opening never resets data; the schema is versioned and migrated forward in one transaction.
 
 mod consumer;
+mod control;
 mod endpoints;
 pub mod example;
 pub mod order;
@@ -19,6 +20,7 @@ mod workflow;
 pub mod workflow_events;
 
 pub use consumer::SqliteConsumer;
+pub use control::{ConsumerRecord, SqliteControl, TokenRecord};
 pub use endpoints::SqliteEndpoints;
 pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
 pub use schema::{open_existing, Durability, SCHEMA_VERSION};

@@ -268,7 +268,7 @@ pub enum Durability {
 }
 
 /// Process-wide SQLite settings, applied once before the first connection opens.
-fn configure_library() {
+pub(crate) fn configure_library() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: `sqlite3_config` is only legal before SQLite initialises; if something else in
@@ -281,7 +281,7 @@ fn configure_library() {
     });
 }
 
-fn configure(conn: &Connection, durability: Durability) -> Result<()> {
+pub(crate) fn configure(conn: &Connection, durability: Durability) -> Result<()> {
     conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
     let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).db()?;
     if !mode.eq_ignore_ascii_case("wal") {

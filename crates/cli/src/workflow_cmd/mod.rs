@@ -275,20 +275,6 @@ fn seed(store: &mut SqliteWorkflows, sku: &str, quantity: i64) -> Result<Value> 
     Ok(json!({"sku": sku, "stock": order_sql::stock(conn, sku)?}))
 }
 
-/// A page cursor: `<created_at_ms>:<run_id>`.
-fn cursor(created_at_ms: i64, run_id: &str) -> String {
-    format!("{created_at_ms}:{run_id}")
-}
-
-fn parse_cursor(text: &str) -> Result<(i64, String)> {
-    let bad =
-        || invalid(format!("--after {text:?} is not a cursor printed by `workflow list` (<created_at_ms>:<run_id>)"));
-    let (created, run_id) = text.split_once(':').ok_or_else(bad)?;
-    let created: i64 = created.parse().map_err(|_| bad())?;
-    validate_id("run_id of --after", run_id)?;
-    Ok((created, run_id.to_string()))
-}
-
 fn run_out(outcome: &str, run: impl serde::Serialize) -> Value {
     json!({"outcome": outcome, "run": run})
 }
@@ -353,14 +339,11 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
                 validate_id("workflow", workflow)?;
             }
             validate_limit("--limit", limit, PAGE_SIZE_MAX)?;
-            let after = after.as_deref().map(parse_cursor).transpose()?;
+            let after = after.as_deref().map(RunFilter::parse_page).transpose()?;
             let filter = RunFilter { status, workflow, created_after_ms, created_before_ms, after };
             let store = open(ctx, &db)?;
             let runs = store.list_runs(&filter, limit)?;
-            let next_after = match runs.last() {
-                Some(last) if runs.len() == limit => Some(cursor(last.created_at_ms, &last.run_id)),
-                _ => None,
-            };
+            let next_after = RunFilter::next_page(&runs, limit);
             Ok(json!({"outcome": "listed", "runs": runs, "next_after": next_after}))
         }
         WorkflowCommand::Show { db, run_id } => {

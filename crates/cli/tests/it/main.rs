@@ -2,6 +2,7 @@
 //! `tidemark` binary on real SQLite files; crash tests need the `failpoints` feature
 //! (`cargo test --workspace --all-features`) and say so when it is missing.
 
+mod server_support;
 mod support;
 
 mod arrival_orders;
@@ -11,6 +12,7 @@ mod crash;
 mod experiment;
 mod model_check;
 mod outbox_transaction;
+mod server_api;
 mod workflow_cli;
 mod workflow_inbox;
 mod workflow_model;

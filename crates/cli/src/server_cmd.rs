@@ -1,0 +1,123 @@
+//! `tidemark serve`, `tidemark config check` and `tidemark token create|list|revoke`.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+use tidemark_core::tenancy::{Scope, TokenText};
+use tidemark_core::Result;
+use tidemark_server::{Config, Overrides, CONTROL_FILE};
+use tidemark_store_sqlite::SqliteControl;
+
+use crate::Context;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// A TOML configuration file (see docs/operations.md); `TIDEMARK_*` variables override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The data folder (created on first start, never reset). Overrides `data_dir`.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Address to listen on, e.g. 127.0.0.1:7400 (port 0 picks a free one). Overrides `listen`.
+    #[arg(long)]
+    listen: Option<String>,
+}
+
+#[derive(Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a configuration file (with the environment applied) and print the result.
+    Check {
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TokenCommand {
+    /// Create a token bound to a tenant (created if new) and a scope. The token is printed once;
+    /// only its hash is stored.
+    Create {
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        tenant: String,
+        /// read, operate or admin.
+        #[arg(long)]
+        scope: String,
+        #[arg(long, default_value = "")]
+        label: String,
+    },
+    /// List tokens (never their secrets).
+    List {
+        #[arg(long)]
+        data: PathBuf,
+    },
+    /// Revoke a token by id; a running server refuses it from its next request.
+    Revoke {
+        #[arg(long)]
+        data: PathBuf,
+        #[arg(long)]
+        token_id: String,
+    },
+}
+
+fn durability_word(ctx: &Context) -> String {
+    match ctx.durability {
+        tidemark_store_sqlite::Durability::Full => "full".into(),
+        tidemark_store_sqlite::Durability::Normal => "normal".into(),
+    }
+}
+
+pub fn serve(ctx: &Context, args: ServeArgs) -> Result<Value> {
+    let normal = ctx.durability == tidemark_store_sqlite::Durability::Normal;
+    let overrides = Overrides {
+        data_dir: args.data,
+        listen: args.listen,
+        // Only an explicit `--durability normal` overrides the file.
+        durability: normal.then(|| durability_word(ctx)),
+    };
+    let config = Config::load(args.config.as_deref(), &overrides)?;
+    tidemark_server::serve(config)
+}
+
+pub fn config(command: ConfigCommand) -> Result<Value> {
+    match command {
+        ConfigCommand::Check { config } => {
+            let loaded = Config::load(Some(&config), &Overrides::default())?;
+            Ok(json!({"outcome": "valid", "file": config, "config": loaded}))
+        }
+    }
+}
+
+fn open_control(data: &std::path::Path, ctx: &Context, create: bool) -> Result<SqliteControl> {
+    if create {
+        std::fs::create_dir_all(data)
+            .map_err(|e| tidemark_core::Error::io(format!("cannot create {}: {e}", data.display())))?;
+    }
+    SqliteControl::open(&data.join(CONTROL_FILE), create, ctx.durability)
+}
+
+pub fn token(ctx: &Context, command: TokenCommand) -> Result<Value> {
+    match command {
+        TokenCommand::Create { data, tenant, scope, label } => {
+            // Validate before touching the folder.
+            tidemark_core::tenancy::validate_tenant_id(&tenant)?;
+            let scope = Scope::parse(&scope)?;
+            tidemark_core::tenancy::validate_label(&label)?;
+            let token = TokenText::from_random(rand::random(), rand::random());
+            let mut control = open_control(&data, ctx, true)?;
+            let record = control.create_token(&token, &tenant, scope, &label, ctx.now_ms())?;
+            Ok(json!({"outcome": "created", "token": token.text(), "record": record}))
+        }
+        TokenCommand::List { data } => {
+            let control = open_control(&data, ctx, false)?;
+            Ok(json!({"outcome": "listed", "tokens": control.tokens()?}))
+        }
+        TokenCommand::Revoke { data, token_id } => {
+            tidemark_core::id::validate_id("token_id", &token_id)?;
+            let mut control = open_control(&data, ctx, false)?;
+            Ok(json!({"outcome": "revoked", "record": control.revoke_token(&token_id, ctx.now_ms())?}))
+        }
+    }
+}

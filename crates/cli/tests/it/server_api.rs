@@ -1,0 +1,238 @@
+//! `tidemark serve` over real HTTP: the pipeline end to end (advance -> relay -> drain), a
+//! workflow run, error answers with stable codes that write nothing, scopes, revocation, and a
+//! graceful SIGTERM. Every wait is a bounded poll.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::server_support::{token, Server};
+use crate::support::{ok, path_str};
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn order(run: &str, quantity: i64) -> Value {
+    json!({"workflow": "order_saga", "run_id": run, "input": {"order_id": run, "sku": "sku-1", "quantity": quantity, "amount": 500}})
+}
+
+#[test]
+fn advance_relay_drain_and_a_workflow_over_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+
+    let (status, body) = server.call("PUT", "/v1/consumers/shipping", t, Some(&json!({"handler": "reservation"})));
+    assert_eq!((status, body["outcome"].as_str()), (201, Some("declared")), "{body}");
+    let (status, body) = server.call(
+        "POST",
+        "/v1/flows/res-1/advance",
+        t,
+        Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
+    );
+    assert_eq!((status, body["outcome"].as_str(), body["seq"].as_i64()), (200, Some("committed"), Some(1)), "{body}");
+    // A stale advance is an answer (409 with the outcome), not an error, and writes nothing.
+    let (status, body) = server.call(
+        "POST",
+        "/v1/flows/res-1/advance",
+        t,
+        Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
+    );
+    assert_eq!((status, body["outcome"].as_str()), (409, Some("stale")), "{body}");
+
+    // The background relay and drain apply it: the consumer's high-water mark reaches 1.
+    let flow = server.wait_for(WAIT, |s| {
+        let (_, flow) = s.call("GET", "/v1/flows/res-1", t, None);
+        (flow["consumers"][0]["high_water_seq"] == 1).then_some(flow)
+    });
+    assert_eq!(flow["producer"]["state"], "reserved");
+
+    // A stream event to a `record` consumer.
+    server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+    let (status, body) = server.call(
+        "POST",
+        "/v1/streams/notes/events",
+        t,
+        Some(&json!({"event_type": "note.added", "payload": {"text": "hi"}})),
+    );
+    assert_eq!((status, body["outcome"].as_str()), (200, Some("committed")), "{body}");
+    server.wait_for(WAIT, |s| {
+        let (_, cursors) = s.call("GET", "/v1/consumers/audit/cursors", t, None);
+        cursors["cursors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["flow_id"] == "notes" && c["high_water_seq"] == 1)
+            .then_some(())
+    });
+
+    // A workflow: started once (201), the same run id again is the existing run (200), another
+    // input is a conflict (409).
+    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+    assert_eq!(status, 200);
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
+    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
+    assert_eq!((status, body["outcome"].as_str()), (200, Some("existing")), "{body}");
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 3)));
+    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("run_conflict")), "{body}");
+    let run = server.wait_for(WAIT, |s| {
+        let (_, run) = s.call("GET", "/v1/runs/order-1", t, None);
+        (run["run"]["status"] == "completed").then_some(run)
+    });
+    assert!(run["journal"].as_array().unwrap().len() >= 3, "{run}");
+    let (status, page) = server.call("GET", "/v1/runs?status=completed&limit=10", t, None);
+    assert_eq!((status, page["runs"].as_array().unwrap().len()), (200, 1), "{page}");
+
+    let (status, metrics) = server.text("/metrics");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("tidemark_relay_deliveries_total{tenant=\"acme\",outcome=\"accepted\"}"), "{metrics}");
+    assert!(metrics.ends_with("# EOF\n"));
+}
+
+#[test]
+fn bad_requests_get_stable_codes_and_write_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let reader = token(&data, "acme", "read");
+    let server =
+        Server::start(&data, &["--config", &write_config(dir.path(), "[limits]\nbody_bytes_max = 4096\n")], &[]);
+    let t = Some(admin.as_str());
+    server.call("PUT", "/v1/consumers/c1", t, Some(&json!({"handler": "reservation"})));
+    let before = snapshot(&data);
+
+    type Case<'a> = (&'a str, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);
+    let cases: Vec<Case> = vec![
+        ("POST", "/v1/flows/f1/advance", None, b"{}".to_vec(), 401, "unauthenticated"),
+        ("POST", "/v1/flows/f1/advance", Some("tmk_nope"), b"{}".to_vec(), 401, "unauthenticated"),
+        (
+            "POST",
+            "/v1/flows/f1/advance",
+            Some(&reader),
+            br#"{"expected_seq":0,"to":"reserved","quantity":1}"#.to_vec(),
+            403,
+            "forbidden",
+        ),
+        ("POST", "/v1/flows/f1/advance", t, b"{not json".to_vec(), 400, "invalid_argument"),
+        ("POST", "/v1/flows/f1/advance", t, br#"{"expected_seq":0,"to":"reserved"}"#.to_vec(), 400, "invalid_quantity"),
+        (
+            "POST",
+            "/v1/flows/f1/advance",
+            t,
+            br#"{"expected_seq":0,"to":"gone","quantity":1}"#.to_vec(),
+            400,
+            "unknown_state",
+        ),
+        (
+            "POST",
+            "/v1/flows/f1/advance",
+            t,
+            br#"{"expected_seq":-1,"to":"reserved","quantity":1}"#.to_vec(),
+            400,
+            "invalid_seq",
+        ),
+        (
+            "POST",
+            "/v1/flows/f1/advance",
+            t,
+            br#"{"expected_seq":0,"to":"reserved","quantity":1,"x":1}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "POST",
+            "/v1/flows/bad%20id/advance",
+            t,
+            br#"{"expected_seq":0,"to":"reserved","quantity":1}"#.to_vec(),
+            400,
+            "invalid_id",
+        ),
+        ("POST", "/v1/flows/f1/advance", t, vec![b' '; 8000], 413, "payload_too_large"),
+        ("POST", "/v1/streams/s1/events", t, br#"{"event_type":"a b","payload":{}}"#.to_vec(), 400, "invalid_id"),
+        ("POST", "/v1/consumers/c1/inbox", t, b"{}".to_vec(), 400, "invalid_envelope"),
+        ("POST", "/v1/consumers/nobody/inbox", t, b"{}".to_vec(), 404, "not_found"),
+        ("PUT", "/v1/consumers/c1", t, br#"{"handler":"record"}"#.to_vec(), 409, "already_exists"),
+        ("PUT", "/v1/consumers/c2", t, br#"{"handler":"magic"}"#.to_vec(), 400, "invalid_argument"),
+        ("POST", "/v1/runs", t, br#"{"workflow":"nope","run_id":"r1","input":{}}"#.to_vec(), 400, "unknown_workflow"),
+        (
+            "POST",
+            "/v1/runs",
+            t,
+            br#"{"workflow":"order_saga","run_id":"r1","input":{"order_id":"o"}}"#.to_vec(),
+            400,
+            "invalid_input",
+        ),
+        ("POST", "/v1/runs/nope/retry", t, br#"{"reason":"x"}"#.to_vec(), 404, "not_found"),
+        ("POST", "/v1/runs/r1/cancel", t, br#"{"reason":""}"#.to_vec(), 400, "invalid_argument"),
+        ("GET", "/v1/runs?limit=100000", t, vec![], 400, "limit_exceeded"),
+        ("GET", "/v1/runs?status=sleepy", t, vec![], 400, "invalid_argument"),
+        ("GET", "/v1/outbox?status=lost", t, vec![], 400, "invalid_argument"),
+        ("GET", "/v1/nowhere", t, vec![], 404, "not_found"),
+        ("DELETE", "/v1/runs", t, vec![], 405, "method_not_allowed"),
+    ];
+    for (method, path, token, body, status, code) in cases {
+        let (got, answer) = server.call_raw(method, path, token, body);
+        assert_eq!((got, answer["error"]["code"].as_str()), (status, Some(code)), "{method} {path}: {answer}");
+    }
+    assert_eq!(snapshot(&data), before, "a refused request changed the files");
+}
+
+#[test]
+fn revoked_tokens_are_refused_and_sigterm_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let mut server = Server::start(&data, &[], &[]);
+    let (status, _) = server.call("GET", "/v1/runs", Some(&admin), None);
+    assert_eq!(status, 200);
+    let listed = ok(&["token", "list", "--data", path_str(&data)]);
+    let id = listed["tokens"][0]["token_id"].as_str().unwrap().to_string();
+    assert!(!listed.to_string().contains(&admin), "token list must not print secrets");
+    ok(&["token", "revoke", "--data", path_str(&data), "--token-id", &id]);
+    let (status, body) = server.call("GET", "/v1/runs", Some(&admin), None);
+    assert_eq!((status, body["error"]["code"].as_str()), (401, Some("unauthenticated")), "{body}");
+    let (status, _) = server.call("GET", "/healthz", None, None);
+    assert_eq!(status, 200);
+    let (status, _) = server.call("GET", "/readyz", None, None);
+    assert_eq!(status, 200);
+    let (code, stderr) = server.terminate();
+    assert_eq!(code, 0, "{stderr}");
+}
+
+#[test]
+fn unauthenticated_mode_is_loud() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data, &[], &[("TIDEMARK_AUTH__MODE", "none")]);
+    let (status, _) = server.call("PUT", "/v1/stock/s", None, Some(&json!({"quantity": 1})));
+    assert_eq!(status, 200);
+    let (code, stderr) = server.terminate();
+    assert_eq!(code, 0);
+    assert!(stderr.contains("AUTHENTICATION IS DISABLED"), "{stderr}");
+}
+
+pub fn write_config(dir: &std::path::Path, text: &str) -> String {
+    let path = dir.join("tidemark.toml");
+    std::fs::write(&path, text).unwrap();
+    path.to_string_lossy().into_owned()
+}
+
+/// The bytes of every tenant file (WAL included, after the server's writes were committed).
+pub fn snapshot(data: &std::path::Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = Vec::new();
+    let mut stack = vec![data.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if !path.to_string_lossy().ends_with("-shm") && !path.to_string_lossy().contains("server.db") {
+                files.push((path.to_string_lossy().into_owned(), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
+}

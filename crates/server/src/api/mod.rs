@@ -1,0 +1,176 @@
+//! The HTTP API (JSON under `/v1`), health endpoints and `/metrics`, and the one place where
+//! errors become HTTP statuses.
+//!
+//! Every error answer is `{"error": {"code": "<stable code>", "message": "..."}}`. Bad input is
+//! validated before anything is queued for a store, so a 4xx answer never wrote anything.
+
+mod flows;
+mod inbox;
+mod runs;
+
+use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::workflow::workflow_codes;
+use tidemark_core::Error;
+
+use crate::AppState;
+
+/// An error answer.
+#[derive(Debug)]
+pub struct ApiError(pub Error);
+
+impl From<Error> for ApiError {
+    fn from(error: Error) -> Self {
+        ApiError(error)
+    }
+}
+
+/// The HTTP status of an error code.
+pub fn status_of(error: &Error) -> StatusCode {
+    if !error.is_invalid_input() {
+        return StatusCode::INTERNAL_SERVER_ERROR;
+    }
+    match error.code() {
+        codes::NOT_FOUND => StatusCode::NOT_FOUND,
+        codes::UNAUTHENTICATED => StatusCode::UNAUTHORIZED,
+        codes::FORBIDDEN => StatusCode::FORBIDDEN,
+        codes::RATE_LIMITED => StatusCode::TOO_MANY_REQUESTS,
+        codes::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
+        codes::UNAVAILABLE => StatusCode::SERVICE_UNAVAILABLE,
+        codes::ALREADY_EXISTS | codes::INVALID_STATE_CHANGE | workflow_codes::RUN_CONFLICT => StatusCode::CONFLICT,
+        _ => StatusCode::BAD_REQUEST,
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = status_of(&self.0);
+        if status.is_server_error() {
+            tracing::error!(code = self.0.code(), error = %self.0, "internal error");
+        }
+        let body = json!({"error": {"code": self.0.code(), "message": self.0.to_string()}});
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(rejection: JsonRejection) -> Self {
+        let code = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            codes::PAYLOAD_TOO_LARGE
+        } else {
+            codes::INVALID_ARGUMENT
+        };
+        ApiError(Error::invalid(code, format!("bad JSON body: {}", rejection.body_text())))
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(rejection: QueryRejection) -> Self {
+        ApiError(Error::invalid(codes::INVALID_ARGUMENT, format!("bad query string: {}", rejection.body_text())))
+    }
+}
+
+/// `axum::Json` whose rejections are JSON errors with stable codes.
+#[derive(FromRequest)]
+#[from_request(via(axum::Json), rejection(ApiError))]
+pub struct Json<T>(pub T);
+
+impl<T: serde::Serialize> IntoResponse for Json<T> {
+    fn into_response(self) -> Response {
+        axum::Json(self.0).into_response()
+    }
+}
+
+impl From<PathRejection> for ApiError {
+    fn from(rejection: PathRejection) -> Self {
+        ApiError(Error::invalid(codes::INVALID_ARGUMENT, format!("bad path: {}", rejection.body_text())))
+    }
+}
+
+/// `axum::extract::Path` whose rejections are JSON errors with stable codes.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Path), rejection(ApiError))]
+pub struct Path<T>(pub T);
+
+/// `axum::extract::Query` whose rejections are JSON errors with stable codes.
+#[derive(FromRequestParts)]
+#[from_request(via(axum::extract::Query), rejection(ApiError))]
+pub struct Query<T>(pub T);
+
+pub type ApiResult<T = Response> = Result<T, ApiError>;
+
+/// A JSON answer with a status.
+pub fn answer(status: StatusCode, body: Value) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
+/// Check a page size against the configured maximum.
+pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiError> {
+    let limit = limit.unwrap_or(100.min(state.config.limits.page_size_max));
+    tidemark_core::id::validate_limit("limit", limit, state.config.limits.page_size_max)?;
+    Ok(limit)
+}
+
+pub fn router(state: AppState) -> Router {
+    let body_max = state.config.limits.body_bytes_max;
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .merge(flows::routes())
+        .merge(inbox::routes())
+        .merge(runs::routes())
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(body_max))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
+        .with_state(state)
+}
+
+async fn count_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let method = request.method().clone();
+    let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
+    let response = next.run(request).await;
+    let labels = crate::metrics::RequestLabels {
+        method: method.as_str().to_string(),
+        route,
+        status: response.status().as_u16(),
+    };
+    state.metrics.requests.get_or_create(&labels).inc();
+    response
+}
+
+async fn healthz() -> Response {
+    answer(StatusCode::OK, json!({"status": "ok"}))
+}
+
+async fn readyz(State(state): State<AppState>) -> Response {
+    if state.is_ready() {
+        answer(StatusCode::OK, json!({"status": "ready"}))
+    } else {
+        let error = Error::invalid(codes::UNAVAILABLE, "starting or shutting down");
+        ApiError(error).into_response()
+    }
+}
+
+async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state.metrics.encode("");
+    ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
+        .into_response()
+}
+
+async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
+    ApiError(Error::not_found(format!("no route {method} {}", uri.path())))
+}
+
+async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
+    let body = json!({"error": {"code": "method_not_allowed", "message": format!("{method} is not allowed on {}", uri.path())}});
+    (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
+}

@@ -1,0 +1,116 @@
+//! Who is calling: bearer tokens (hashed at rest, compared in constant time), their tenant and
+//! scope, and a per-token rate limit. With `auth.mode = "none"` every request is an admin of the
+//! configured development tenant.
+
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
+use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
+use subtle::ConstantTimeEq;
+use tidemark_core::error::codes;
+use tidemark_core::tenancy::{Scope, TokenText};
+use tidemark_core::{Error, Result};
+use tidemark_store_sqlite::{SqliteControl, TokenRecord};
+
+use crate::api::ApiError;
+use crate::tenant::Tenant;
+use crate::AppState;
+
+/// The control database and the tokens read from it, reloaded whenever another process (for
+/// example `tidemark token revoke`) committed to the file: a revocation takes effect at the next
+/// request.
+pub struct TokenCache {
+    control: SqliteControl,
+    data_version: i64,
+    by_id: HashMap<String, TokenRecord>,
+}
+
+impl TokenCache {
+    pub fn new(control: SqliteControl) -> Result<TokenCache> {
+        let mut cache = TokenCache { control, data_version: i64::MIN, by_id: HashMap::new() };
+        cache.refresh()?;
+        Ok(cache)
+    }
+
+    pub fn control(&mut self) -> &mut SqliteControl {
+        // Anything written through here changes `data_version` only for other connections, so
+        // force a reload at the next check.
+        self.data_version = i64::MIN;
+        &mut self.control
+    }
+
+    fn refresh(&mut self) -> Result<()> {
+        let version = self.control.data_version()?;
+        if version != self.data_version {
+            self.by_id = self.control.tokens()?.into_iter().map(|t| (t.token_id.clone(), t)).collect();
+            self.data_version = version;
+        }
+        Ok(())
+    }
+
+    /// The live token this text proves, or `unauthenticated`.
+    pub fn verify(&mut self, text: &str) -> Result<TokenRecord> {
+        let presented = TokenText::parse(text)?;
+        self.refresh()?;
+        let unknown = || Error::invalid(codes::UNAUTHENTICATED, "unknown or revoked token");
+        let record = self.by_id.get(&presented.token_id).ok_or_else(unknown)?;
+        let matches: bool = record.secret_hash.as_bytes().ct_eq(presented.secret_hash().as_bytes()).into();
+        if !matches || record.revoked_at_ms.is_some() {
+            return Err(unknown());
+        }
+        Ok(record.clone())
+    }
+}
+
+pub fn rate_limiter(per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<String> {
+    let per_second = NonZeroU32::new(per_second.max(1)).expect("at least 1");
+    let burst = NonZeroU32::new(burst.max(1)).expect("at least 1");
+    RateLimiter::keyed(Quota::per_second(per_second).allow_burst(burst))
+}
+
+/// The caller of a request: its tenant (opened) and scope.
+pub struct Caller {
+    pub tenant: Arc<Tenant>,
+    pub scope: Scope,
+}
+
+impl Caller {
+    pub fn require(&self, needed: Scope) -> Result<(), ApiError> {
+        if self.scope.allows(needed) {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            codes::FORBIDDEN,
+            format!("this token's scope is {}; the request needs {}", self.scope.as_str(), needed.as_str()),
+        )
+        .into())
+    }
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Caller, ApiError> {
+        if state.config.auth_disabled() {
+            let tenant = state.tenant(&state.config.auth.dev_tenant).await?;
+            return Ok(Caller { tenant, scope: Scope::Admin });
+        }
+        let header = parts
+            .headers
+            .get(axum::http::header::AUTHORIZATION)
+            .ok_or_else(|| Error::invalid(codes::UNAUTHENTICATED, "missing Authorization: Bearer <token>"))?;
+        let text = header.to_str().ok().and_then(|h| h.strip_prefix("Bearer ")).ok_or_else(|| {
+            Error::invalid(codes::UNAUTHENTICATED, "the Authorization header must be `Bearer <token>`")
+        })?;
+        let record = state.tokens.lock().unwrap_or_else(|p| p.into_inner()).verify(text.trim())?;
+        if state.limiter.check_key(&record.token_id).is_err() {
+            state.metrics.rate_limited.inc();
+            return Err(Error::invalid(codes::RATE_LIMITED, "too many requests for this token; slow down").into());
+        }
+        let tenant = state.tenant(&record.tenant_id).await?;
+        Ok(Caller { tenant, scope: record.scope })
+    }
+}

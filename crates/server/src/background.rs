@@ -1,0 +1,240 @@
+//! The loops `tidemark serve` runs for every open tenant: delivery (relay, then each consumer's
+//! drain), the workflow worker, and retention. Each stops when shutdown begins: the delivery and
+//! retention loops finish their current step (each step is one or a few transactions), the
+//! worker stops claiming and releases the leases of the runs it holds.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
+use tidemark_core::workflow::WorkflowStore;
+use tidemark_core::Result;
+use tidemark_engine::{relay_until_idle, RelayOptions};
+use tidemark_store_sqlite::reservation::ReservationHandler;
+use tidemark_store_sqlite::workflow_events::RunEventHandler;
+
+use crate::tenant::{HandlerKind, RecordHandler, Tenant};
+use crate::{now_ms, AppState};
+
+/// Relay passes per delivery round (each pass is one batch).
+const RELAY_PASSES_PER_ROUND: u32 = 8;
+/// Prune batches per store per retention round.
+const PRUNE_BATCHES_PER_ROUND: u32 = 100;
+
+/// Start the loops of a newly opened tenant.
+pub fn start(state: AppState, tenant: Arc<Tenant>) {
+    let handles = vec![
+        ("delivery", tokio::spawn(delivery_loop(state.clone(), tenant.clone()))),
+        ("worker", tokio::spawn(worker_loop(state.clone(), tenant.clone()))),
+        ("retention", tokio::spawn(retention_loop(state.clone(), tenant.clone()))),
+    ];
+    let mut tasks = state.tasks.lock().unwrap_or_else(|p| p.into_inner());
+    for (name, handle) in handles {
+        tasks.push((format!("{}/{name}", tenant.id), handle));
+    }
+}
+
+/// After shutdown began: wait (at most `grace`) for every loop to finish; report each.
+pub async fn stop_all(state: &AppState, grace: Duration) -> Value {
+    state.shutdown.send_replace(true);
+    let tasks = std::mem::take(&mut *state.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+    let deadline = tokio::time::Instant::now() + grace;
+    let mut report = serde_json::Map::new();
+    for (name, handle) in tasks {
+        let abort = handle.abort_handle();
+        let outcome = match tokio::time::timeout_at(deadline, handle).await {
+            Ok(Ok(value)) => value,
+            Ok(Err(e)) => json!({"error": e.to_string()}),
+            Err(_) => {
+                abort.abort();
+                json!({"error": "did not finish within shutdown.grace_ms"})
+            }
+        };
+        report.insert(name, outcome);
+    }
+    Value::Object(report)
+}
+
+/// Sleep `ms`, or less if shutdown begins. Returns false once shutting down.
+async fn pause(state: &AppState, ms: u64) -> bool {
+    let mut signal = state.shutdown_signal();
+    if *signal.borrow() {
+        return false;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(Duration::from_millis(ms)) => !state.is_shutting_down(),
+        _ = signal.changed() => false,
+    }
+}
+
+async fn delivery_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+    let mut rounds = 0_u64;
+    let mut errors = 0_u64;
+    while !state.is_shutting_down() {
+        rounds += 1;
+        match delivery_round(&state, &tenant).await {
+            Ok(busy) if busy => continue,
+            Ok(_) => {}
+            Err(error) => {
+                errors += 1;
+                state.metrics.loop_errors.get_or_create(&crate::metrics::LoopLabels::new("delivery")).inc();
+                tracing::error!(tenant = %tenant.id, code = error.code(), %error, "delivery round failed");
+            }
+        }
+        if !pause(&state, state.config.relay.interval_ms.min(state.config.consumers.drain_interval_ms)).await {
+            break;
+        }
+    }
+    json!({"rounds": rounds, "errors": errors})
+}
+
+/// One relay (a few passes) and one drain per consumer. True when something moved.
+async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> {
+    let options = RelayOptions {
+        limit: state.config.relay.batch,
+        event_id: None,
+        policy: state.config.relay_policy(),
+        keep_answers: false,
+    };
+    let (relayed, _) = tenant
+        .producer
+        .call(move |p| {
+            relay_until_idle(
+                &mut p.store,
+                &mut p.endpoints,
+                &options,
+                RELAY_PASSES_PER_ROUND,
+                &mut now_ms,
+                &mut rand::random::<f64>,
+            )
+        })
+        .await?;
+    state.metrics.record_relay(&tenant.id, &relayed);
+    let mut moved = relayed.attempted > 0;
+
+    let tenant_id = tenant.id.clone();
+    let consumers = state.control(|c| c.consumers(Some(&tenant_id)))?;
+    for consumer in consumers {
+        let kind = HandlerKind::parse(&consumer.handler)?;
+        let batch = state.config.consumers.drain_batch;
+        let support_v2 = state.config.consumers.support_v2;
+        let consumer_id = consumer.consumer_id.clone();
+        let started = std::time::Instant::now();
+        let report = tenant
+            .inbox_of(kind.inbox())
+            .call(move |t| {
+                let now = now_ms();
+                match kind {
+                    HandlerKind::Reservation => t.store.drain(
+                        &consumer_id,
+                        &DrainScope::All,
+                        batch,
+                        &mut ReservationHandler::new(support_v2),
+                        now,
+                    ),
+                    HandlerKind::Record => {
+                        t.store.drain(&consumer_id, &DrainScope::All, batch, &mut RecordHandler, now)
+                    }
+                    HandlerKind::Workflows => {
+                        t.store.drain(&consumer_id, &DrainScope::All, batch, &mut RunEventHandler::new(), now)
+                    }
+                }
+            })
+            .await?;
+        state.metrics.record_drain(&tenant.id, &consumer.consumer_id, &report, started.elapsed());
+        moved |= report.applied > 0;
+    }
+    Ok(moved)
+}
+
+async fn worker_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+    let mut signal = state.shutdown_signal();
+    let stop = async move {
+        while !*signal.borrow() {
+            if signal.changed().await.is_err() {
+                return;
+            }
+        }
+    };
+    match tenant.worker.run_until(stop).await {
+        Ok(report) => serde_json::to_value(&report).unwrap_or(Value::Null),
+        Err(error) => {
+            tracing::error!(tenant = %tenant.id, code = error.code(), %error, "the workflow worker failed");
+            json!({"error": error.to_string()})
+        }
+    }
+}
+
+async fn retention_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+    let mut rounds = 0_u64;
+    let mut errors = 0_u64;
+    while pause(&state, state.config.retention.interval_ms).await {
+        rounds += 1;
+        if let Err(error) = retention_round(&state, &tenant).await {
+            errors += 1;
+            state.metrics.loop_errors.get_or_create(&crate::metrics::LoopLabels::new("retention")).inc();
+            tracing::error!(tenant = %tenant.id, code = error.code(), %error, "retention round failed");
+        }
+    }
+    json!({"rounds": rounds, "errors": errors})
+}
+
+/// Prune every store in bounded batches (each batch its own short transaction).
+pub async fn retention_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<Value> {
+    let r = state.config.retention.clone();
+    let mut out = serde_json::Map::new();
+    for (name, inbox) in [("inbox", &tenant.inbox), ("runs_inbox", &tenant.runs_inbox)] {
+        let (applied_ms, batch_rows) = (r.applied_ms, r.batch_rows);
+        let report = inbox
+            .call(move |t| {
+                let mut total = tidemark_core::store::PruneReport::default();
+                for _ in 0..PRUNE_BATCHES_PER_ROUND {
+                    let report = t.store.prune(applied_ms, batch_rows, now_ms())?;
+                    total.compacted += report.compacted;
+                    total.receipts_deleted += report.receipts_deleted;
+                    if !report.more {
+                        break;
+                    }
+                }
+                Ok(total)
+            })
+            .await?;
+        out.insert(name.into(), serde_json::to_value(report).unwrap_or(Value::Null));
+    }
+    let (delivered_ms, batch_rows) = (r.delivered_ms, r.batch_rows);
+    let outbox = tenant
+        .producer
+        .call(move |p| {
+            let mut total = tidemark_core::store::OutboxPruneReport::default();
+            for _ in 0..PRUNE_BATCHES_PER_ROUND {
+                let report = p.store.prune_delivered(delivered_ms, batch_rows, now_ms())?;
+                total.events_deleted += report.events_deleted;
+                total.deliveries_deleted += report.deliveries_deleted;
+                if !report.more {
+                    break;
+                }
+            }
+            Ok(total)
+        })
+        .await?;
+    out.insert("outbox".into(), serde_json::to_value(outbox).unwrap_or(Value::Null));
+    let (finished_ms, batch_rows) = (r.finished_runs_ms, r.batch_rows);
+    let runs = tenant
+        .writer
+        .call(move |store, now| {
+            let mut reports = Vec::new();
+            for _ in 0..PRUNE_BATCHES_PER_ROUND {
+                let report = store.purge(now - finished_ms, batch_rows, now)?;
+                let more = report.more;
+                reports.push(report);
+                if !more {
+                    break;
+                }
+            }
+            Ok(reports)
+        })
+        .await?;
+    out.insert("runs".into(), serde_json::to_value(runs).unwrap_or(Value::Null));
+    Ok(Value::Object(out))
+}

@@ -1,0 +1,369 @@
+//! `tidemark serve`'s configuration: defaults, then a TOML file, then `TIDEMARK_*` environment
+//! variables, then command-line flags (each layer overrides the one before). Every key is
+//! documented in docs/operations.md; an unknown key or a value out of range is an
+//! `invalid_config` error that names the key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+use tidemark_core::error::codes;
+use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
+use tidemark_core::policy::{RelayPolicy, DAY_MS};
+use tidemark_core::tenancy::validate_tenant_id;
+use tidemark_core::{Error, Result};
+
+/// Environment variables that start with `TIDEMARK_` but are not configuration.
+const ENV_NOT_CONFIG: &[&str] = &["crash_at"];
+
+/// Largest request body the server accepts at all (the configured limit is at most this).
+pub const BODY_BYTES_CEILING: usize = 4 * 1024 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The data folder: created on first start, never reset.
+    pub data_dir: PathBuf,
+    /// Address to listen on (`127.0.0.1:0` picks a free port; the bound address is printed).
+    pub listen: String,
+    /// `full` (every commit fsynced) or `normal` (see docs/operations.md).
+    pub durability: String,
+    pub auth: AuthConfig,
+    pub limits: LimitsConfig,
+    pub relay: RelayConfig,
+    pub consumers: ConsumersConfig,
+    pub workers: WorkersConfig,
+    pub retention: RetentionConfig,
+    pub shutdown: ShutdownConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// `tokens` (bearer tokens from `tidemark token create`) or `none` (local development only:
+    /// every request acts as an admin of `dev_tenant`; said loudly at start-up).
+    pub mode: String,
+    pub dev_tenant: String,
+    /// Requests per second per token (a token bucket), and the bucket's size.
+    pub rate_per_second: u32,
+    pub burst: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Largest request body (bytes); larger bodies get 413 `payload_too_large`.
+    pub body_bytes_max: usize,
+    /// Largest page a list endpoint returns (`limit` above it is 400 `limit_exceeded`).
+    pub page_size_max: usize,
+    /// Requests in one group commit of advances or receives.
+    pub group_commit_max: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    pub interval_ms: u64,
+    pub batch: usize,
+    pub max_attempts: u32,
+    pub backoff_base_ms: i64,
+    pub backoff_max_ms: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsumersConfig {
+    pub drain_interval_ms: u64,
+    pub drain_batch: usize,
+    /// Enable the reservation domain's v2 decoders.
+    pub support_v2: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkersConfig {
+    /// Runs in flight per tenant.
+    pub concurrency: usize,
+    pub lease_ms: i64,
+    pub poll_ms: u64,
+    /// Attempts per step, the first included.
+    pub max_attempts: u32,
+    /// A fixed delay between attempts (default: exponential, see docs/workflows.md).
+    pub retry_delay_ms: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionConfig {
+    pub interval_ms: u64,
+    /// Applied inbox bodies are compacted into receipts after this long.
+    pub applied_ms: i64,
+    /// Settled outbox events are deleted after this long.
+    pub delivered_ms: i64,
+    /// Finished runs' journals are purged after this long.
+    pub finished_runs_ms: i64,
+    pub batch_rows: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShutdownConfig {
+    /// How long in-flight work may take to finish after SIGTERM before it is released.
+    pub grace_ms: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// `json` or `text`, on stderr.
+    pub format: String,
+    /// A `tracing` filter, e.g. `info` or `tidemark_server=debug`.
+    pub level: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            data_dir: PathBuf::from("tidemark-data"),
+            listen: "127.0.0.1:7400".into(),
+            durability: "full".into(),
+            auth: AuthConfig::default(),
+            limits: LimitsConfig::default(),
+            relay: RelayConfig::default(),
+            consumers: ConsumersConfig::default(),
+            workers: WorkersConfig::default(),
+            retention: RetentionConfig::default(),
+            shutdown: ShutdownConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig { mode: "tokens".into(), dev_tenant: "dev".into(), rate_per_second: 1_000, burst: 2_000 }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig { body_bytes_max: 256 * 1024, page_size_max: PAGE_SIZE_MAX, group_commit_max: 1_000 }
+    }
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        let policy = RelayPolicy::default();
+        RelayConfig {
+            interval_ms: 50,
+            batch: 1_000,
+            max_attempts: policy.max_attempts,
+            backoff_base_ms: policy.backoff_base_ms,
+            backoff_max_ms: policy.backoff_max_ms,
+        }
+    }
+}
+
+impl Default for ConsumersConfig {
+    fn default() -> Self {
+        ConsumersConfig { drain_interval_ms: 50, drain_batch: 1_000, support_v2: false }
+    }
+}
+
+impl Default for WorkersConfig {
+    fn default() -> Self {
+        WorkersConfig { concurrency: 64, lease_ms: 30_000, poll_ms: 100, max_attempts: 5, retry_delay_ms: None }
+    }
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            interval_ms: 60_000,
+            applied_ms: 7 * DAY_MS,
+            delivered_ms: 7 * DAY_MS,
+            finished_runs_ms: 7 * DAY_MS,
+            batch_rows: 1_000,
+        }
+    }
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig { grace_ms: 10_000 }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { format: "json".into(), level: "info".into() }
+    }
+}
+
+/// Flags of `tidemark serve`, the last layer.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Overrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_dir: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub listen: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub durability: Option<String>,
+}
+
+fn config_error(message: impl Into<String>) -> Error {
+    Error::invalid(codes::INVALID_CONFIG, message)
+}
+
+impl Config {
+    /// Defaults < `file` < `TIDEMARK_*` environment < `overrides`; then [`Config::validate`].
+    /// Nested keys use `__` in the environment: `TIDEMARK_AUTH__MODE=none`.
+    pub fn load(file: Option<&Path>, overrides: &Overrides) -> Result<Config> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(config_error(format!("config file {} does not exist", path.display())));
+            }
+            figment = figment.merge(Toml::file(path));
+        }
+        figment = figment
+            .merge(Env::prefixed("TIDEMARK_").ignore(ENV_NOT_CONFIG).split("__"))
+            .merge(Serialized::defaults(overrides));
+        let config: Config = figment.extract().map_err(|e| {
+            let e = e.into_iter().next().map(|e| e.to_string()).unwrap_or_default();
+            config_error(format!("bad configuration: {e}"))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Ranges and words; each error names its key.
+    pub fn validate(&self) -> Result<()> {
+        let range = |key: &str, value: i128, min: i128, max: i128| {
+            if value < min || value > max {
+                return Err(config_error(format!("{key} must be {min}..={max}, got {value}")));
+            }
+            Ok(())
+        };
+        if self.data_dir.as_os_str().is_empty() {
+            return Err(config_error("data_dir must not be empty"));
+        }
+        self.listen_addr()?;
+        self.durability()?;
+        if !matches!(self.auth.mode.as_str(), "tokens" | "none") {
+            return Err(config_error(format!("auth.mode must be \"tokens\" or \"none\", got {:?}", self.auth.mode)));
+        }
+        validate_tenant_id(&self.auth.dev_tenant).map_err(|e| config_error(format!("auth.dev_tenant: {e}")))?;
+        range("auth.rate_per_second", self.auth.rate_per_second.into(), 1, 1_000_000)?;
+        range("auth.burst", self.auth.burst.into(), 1, 10_000_000)?;
+        range("limits.body_bytes_max", self.limits.body_bytes_max as i128, 1024, BODY_BYTES_CEILING as i128)?;
+        range("limits.page_size_max", self.limits.page_size_max as i128, 1, PAGE_SIZE_MAX as i128)?;
+        range("limits.group_commit_max", self.limits.group_commit_max as i128, 1, 10_000)?;
+        range("relay.interval_ms", self.relay.interval_ms.into(), 1, 3_600_000)?;
+        range("relay.batch", self.relay.batch as i128, 1, RELAY_BATCH_EVENTS_MAX as i128)?;
+        self.relay_policy().validate().map_err(|e| config_error(format!("relay: {e}")))?;
+        range("consumers.drain_interval_ms", self.consumers.drain_interval_ms.into(), 1, 3_600_000)?;
+        range("consumers.drain_batch", self.consumers.drain_batch as i128, 1, DRAIN_BATCH_EVENTS_MAX as i128)?;
+        range("workers.concurrency", self.workers.concurrency as i128, 1, 10_000)?;
+        range("workers.lease_ms", self.workers.lease_ms.into(), 100, DAY_MS.into())?;
+        range("workers.poll_ms", self.workers.poll_ms.into(), 1, 3_600_000)?;
+        range("workers.max_attempts", self.workers.max_attempts.into(), 1, 1_000)?;
+        if let Some(delay) = self.workers.retry_delay_ms {
+            range("workers.retry_delay_ms", delay.into(), 0, DAY_MS.into())?;
+        }
+        range("retention.interval_ms", self.retention.interval_ms.into(), 100, DAY_MS as i128)?;
+        for (key, value) in [
+            ("retention.applied_ms", self.retention.applied_ms),
+            ("retention.delivered_ms", self.retention.delivered_ms),
+            ("retention.finished_runs_ms", self.retention.finished_runs_ms),
+        ] {
+            range(key, value.into(), 0, 3_650 * DAY_MS as i128)?;
+        }
+        range("retention.batch_rows", self.retention.batch_rows as i128, 1, PRUNE_BATCH_ROWS_MAX as i128)?;
+        range("shutdown.grace_ms", self.shutdown.grace_ms.into(), 0, 3_600_000)?;
+        if !matches!(self.log.format.as_str(), "json" | "text") {
+            return Err(config_error(format!("log.format must be \"json\" or \"text\", got {:?}", self.log.format)));
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.log.level)
+            .map_err(|e| config_error(format!("log.level {:?}: {e}", self.log.level)))?;
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr> {
+        self.listen.parse().map_err(|e| config_error(format!("listen {:?}: {e}", self.listen)))
+    }
+
+    pub fn durability(&self) -> Result<tidemark_store_sqlite::Durability> {
+        match self.durability.as_str() {
+            "full" => Ok(tidemark_store_sqlite::Durability::Full),
+            "normal" => Ok(tidemark_store_sqlite::Durability::Normal),
+            other => Err(config_error(format!("durability must be \"full\" or \"normal\", got {other:?}"))),
+        }
+    }
+
+    pub fn relay_policy(&self) -> RelayPolicy {
+        RelayPolicy {
+            max_attempts: self.relay.max_attempts,
+            backoff_base_ms: self.relay.backoff_base_ms,
+            backoff_max_ms: self.relay.backoff_max_ms,
+        }
+    }
+
+    pub fn auth_disabled(&self) -> bool {
+        self.auth.mode == "none"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_text(text: &str) -> Result<Config> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tidemark.toml");
+        std::fs::write(&path, text).unwrap();
+        Config::load(Some(&path), &Overrides::default())
+    }
+
+    #[test]
+    fn defaults_are_valid_and_files_override_them() {
+        Config::default().validate().unwrap();
+        let config = load_text("listen = \"127.0.0.1:9000\"\n[relay]\nbatch = 10\n").unwrap();
+        assert_eq!(config.listen, "127.0.0.1:9000");
+        assert_eq!(config.relay.batch, 10);
+        assert_eq!(config.workers, WorkersConfig::default());
+    }
+
+    #[test]
+    fn bad_keys_and_values_are_named() {
+        for (text, key) in [
+            ("lsten = \"x\"", "lsten"),
+            ("[relay]\nbatchh = 3", "batchh"),
+            ("[relay]\nbatch = 0", "relay.batch"),
+            ("[auth]\nmode = \"open\"", "auth.mode"),
+            ("listen = \"nowhere\"", "listen"),
+            ("[workers]\nlease_ms = \"long\"", "lease_ms"),
+            ("durability = \"off\"", "durability"),
+        ] {
+            let error = load_text(text).unwrap_err();
+            assert_eq!(error.code(), codes::INVALID_CONFIG, "{text}");
+            assert!(error.to_string().contains(key), "{text}: {error}");
+        }
+        assert_eq!(
+            Config::load(Some(Path::new("/nonexistent/t.toml")), &Overrides::default()).unwrap_err().code(),
+            codes::INVALID_CONFIG
+        );
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tidemark.toml");
+        std::fs::write(&path, "listen = \"127.0.0.1:9000\"").unwrap();
+        let overrides = Overrides { listen: Some("127.0.0.1:9001".into()), ..Overrides::default() };
+        assert_eq!(Config::load(Some(&path), &overrides).unwrap().listen, "127.0.0.1:9001");
+    }
+}

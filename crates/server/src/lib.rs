@@ -1,0 +1,202 @@
+//! `tidemark serve`: one process that runs, for every tenant, the relay, the consumers' drains,
+//! the workflow worker and retention, and serves the HTTP API, the dashboard and `/metrics`.
+//!
+//! Code map: `config.rs` (layered configuration), `auth.rs` (tokens, scopes, rate limits),
+//! `tenant.rs` (a tenant's files and store threads), `actor.rs` (a store thread with group
+//! commit), `background.rs` (the loops), `api/` (HTTP routes and the error mapping),
+//! `metrics.rs` (Prometheus).
+
+mod actor;
+pub mod api;
+mod auth;
+mod background;
+pub mod config;
+pub mod metrics;
+pub mod tenant;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use governor::DefaultKeyedRateLimiter;
+use serde_json::json;
+use tidemark_core::{Error, Result};
+use tidemark_store_sqlite::SqliteControl;
+use tokio::sync::watch;
+
+pub use config::{Config, Overrides};
+use tenant::Tenant;
+
+/// The file of tokens, tenants and consumers, in the data folder.
+pub const CONTROL_FILE: &str = "server.db";
+
+pub fn now_ms() -> i64 {
+    tidemark_engine::now_ms()
+}
+
+/// Shared by every request handler and background loop.
+#[derive(Clone)]
+pub struct AppState(Arc<Inner>);
+
+pub struct Inner {
+    pub config: Config,
+    pub tokens: Mutex<auth::TokenCache>,
+    pub limiter: DefaultKeyedRateLimiter<String>,
+    pub metrics: metrics::Metrics,
+    tenants: tokio::sync::Mutex<HashMap<String, Arc<Tenant>>>,
+    /// `true` once shutdown began: stop claiming, finish, release.
+    shutdown: watch::Sender<bool>,
+    ready: std::sync::atomic::AtomicBool,
+    /// The background loops, joined at shutdown.
+    tasks: Mutex<Vec<(String, tokio::task::JoinHandle<serde_json::Value>)>>,
+    started_at_ms: i64,
+}
+
+impl std::ops::Deref for AppState {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        &self.0
+    }
+}
+
+impl AppState {
+    /// Open the data folder (created on first start, never reset) and its control database.
+    pub fn open(config: Config) -> Result<AppState> {
+        std::fs::create_dir_all(&config.data_dir)
+            .map_err(|e| Error::io(format!("cannot create {}: {e}", config.data_dir.display())))?;
+        let control = SqliteControl::open(&config.data_dir.join(CONTROL_FILE), true, config.durability()?)?;
+        let limiter = auth::rate_limiter(config.auth.rate_per_second, config.auth.burst);
+        let (shutdown, _) = watch::channel(false);
+        Ok(AppState(Arc::new(Inner {
+            tokens: Mutex::new(auth::TokenCache::new(control)?),
+            limiter,
+            metrics: metrics::Metrics::new(),
+            tenants: tokio::sync::Mutex::new(HashMap::new()),
+            shutdown,
+            ready: std::sync::atomic::AtomicBool::new(false),
+            tasks: Mutex::new(Vec::new()),
+            started_at_ms: now_ms(),
+            config,
+        })))
+    }
+
+    /// Run `f` with the control database.
+    pub fn control<R>(&self, f: impl FnOnce(&mut SqliteControl) -> Result<R>) -> Result<R> {
+        f(self.tokens.lock().unwrap_or_else(|p| p.into_inner()).control())
+    }
+
+    /// The tenant, opened (and its background loops started) on first use.
+    pub async fn tenant(&self, id: &str) -> Result<Arc<Tenant>> {
+        let mut tenants = self.tenants.lock().await;
+        if let Some(tenant) = tenants.get(id) {
+            return Ok(tenant.clone());
+        }
+        if *self.shutdown.borrow() {
+            return Err(Error::invalid(tidemark_core::error::codes::UNAVAILABLE, "the server is shutting down"));
+        }
+        let (config, id_owned) = (self.config.clone(), id.to_string());
+        let tenant = tokio::task::spawn_blocking(move || Tenant::open(&config, &id_owned, now_ms))
+            .await
+            .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
+        let tenant = Arc::new(tenant);
+        self.control(|c| c.ensure_tenant(id, now_ms()))?;
+        tenants.insert(id.to_string(), tenant.clone());
+        background::start(self.clone(), tenant.clone());
+        tracing::info!(tenant = id, dir = %tenant.dir.display(), "tenant opened");
+        Ok(tenant)
+    }
+
+    /// Every tenant opened so far.
+    pub async fn open_tenants(&self) -> Vec<Arc<Tenant>> {
+        self.tenants.lock().await.values().cloned().collect()
+    }
+
+    pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        *self.shutdown.borrow()
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(std::sync::atomic::Ordering::SeqCst) && !self.is_shutting_down()
+    }
+
+    pub fn started_at_ms(&self) -> i64 {
+        self.started_at_ms
+    }
+}
+
+/// Start logging to stderr as configured (once per process).
+pub fn init_logging(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_new(&config.log.level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = if config.log.format == "json" { builder.json().try_init() } else { builder.try_init() };
+}
+
+/// Run the server until SIGINT/SIGTERM. Prints one JSON line on stdout when it listens
+/// (`{"outcome":"listening","addr":...}`) and returns the shutdown report.
+pub fn serve(config: Config) -> Result<serde_json::Value> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
+    runtime.block_on(serve_async(config))
+}
+
+async fn serve_async(config: Config) -> Result<serde_json::Value> {
+    init_logging(&config);
+    let addr = config.listen_addr()?;
+    let grace = Duration::from_millis(config.shutdown.grace_ms);
+    if config.auth_disabled() {
+        let message = format!(
+            "AUTHENTICATION IS DISABLED (auth.mode = \"none\"): every request is an admin of tenant {:?}. \
+             Use this for local development only.",
+            config.auth.dev_tenant
+        );
+        tracing::warn!("{message}");
+        eprintln!("WARNING: {message}");
+    }
+    let state = AppState::open(config)?;
+    // Every known tenant's loops run from the start, not from its first request.
+    for id in state.control(|c| c.tenants())? {
+        state.tenant(&id).await?;
+    }
+    let signals = shutdown_signals()?;
+    let listener =
+        tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
+    let bound = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+    state.ready.store(true, std::sync::atomic::Ordering::SeqCst);
+    println!("{}", json!({"outcome": "listening", "addr": bound.to_string(), "data_dir": state.config.data_dir}));
+    tracing::info!(addr = %bound, "listening");
+
+    let app = api::router(state.clone());
+    let stop = state.clone();
+    let stopped_by = Arc::new(Mutex::new("signal"));
+    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        signals.await;
+        tracing::info!("shutting down: no new requests, no new claims");
+        stop.shutdown.send_replace(true);
+    });
+    server.await.map_err(|e| Error::io(format!("the HTTP server failed: {e}")))?;
+    // In-flight requests are answered; now the loops finish and release what they hold.
+    let released = background::stop_all(&state, grace).await;
+    let stopped_by = *stopped_by.lock().unwrap_or_else(|p| p.into_inner());
+    Ok(json!({"outcome": "stopped", "stopped_by": stopped_by, "workers": released}))
+}
+
+/// Resolves on SIGINT or SIGTERM. Installed before the server listens.
+fn shutdown_signals() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let install = |kind| signal(kind).map_err(|e| Error::io(format!("cannot install a signal handler: {e}")));
+    let (mut interrupt, mut terminate) = (install(SignalKind::interrupt())?, install(SignalKind::terminate())?);
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+    })
+}
