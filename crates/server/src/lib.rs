@@ -12,6 +12,7 @@ mod auth;
 mod background;
 pub mod config;
 pub mod metrics;
+pub mod stats;
 pub mod tenant;
 
 use std::collections::HashMap;

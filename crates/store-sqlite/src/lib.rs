@@ -13,6 +13,7 @@ pub mod probe;
 mod producer;
 pub mod reservation;
 mod schema;
+pub mod stats;
 /// Deliberately wrong dual write, for the crash test that shows the loss. Failpoints builds only.
 #[cfg(feature = "failpoints")]
 pub mod unsafe_dual_write;
