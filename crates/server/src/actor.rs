@@ -6,6 +6,7 @@
 //! An answer is sent only after the transaction that holds the request has committed, so an
 //! HTTP client that got a 2xx answer can rely on the row being on disk.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::thread;
 
@@ -97,22 +98,82 @@ fn run<S: GroupCommit>(mut store: S, receiver: mpsc::Receiver<Message<S>>, batch
         }
         if !items.is_empty() {
             let sent = items.len();
-            match store.commit(std::mem::take(&mut items)) {
-                Ok(answers) => {
-                    debug_assert_eq!(answers.len(), sent);
+            let batch = std::mem::take(&mut items);
+            // A panic rolls the transaction back (rusqlite rolls back on drop); the thread lives.
+            let error = match catch_unwind(AssertUnwindSafe(|| store.commit(batch))) {
+                Ok(Ok(answers)) if answers.len() == sent => {
                     for (reply, answer) in replies.drain(..).zip(answers) {
                         let _ = reply.send(Ok(answer));
                     }
+                    None
                 }
-                Err(error) => {
-                    for reply in replies.drain(..) {
-                        let _ = reply.send(Err(error.clone()));
-                    }
+                Ok(Ok(answers)) => Some(Error::Invariant(format!("commit answered {} of {sent} items", answers.len()))),
+                Ok(Err(error)) => Some(error),
+                Err(_) => Some(Error::Invariant("the store panicked in a group commit".into())),
+            };
+            if let Some(error) = error {
+                for reply in replies.drain(..) {
+                    let _ = reply.send(Err(error.clone()));
                 }
             }
         }
         for call in calls.drain(..) {
-            call(&mut store);
+            // A panicking call drops its reply: its caller gets an error, the thread lives.
+            let _ = catch_unwind(AssertUnwindSafe(|| call(&mut store)));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records the size of every group commit.
+    struct Batches(Vec<usize>);
+
+    impl GroupCommit for Batches {
+        type Item = u32;
+        type Answer = u32;
+        fn commit(&mut self, items: Vec<u32>) -> Result<Vec<u32>> {
+            self.0.push(items.len());
+            Ok(items.into_iter().map(|i| i * 2).collect())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn items_queued_while_busy_commit_together_and_panics_do_not_kill_the_thread() {
+        let actor = Actor::spawn("test".into(), Batches(Vec::new()), 100).unwrap();
+        // Hold the thread in a call while 50 items queue up behind it.
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let held = actor.clone();
+        let blocker = tokio::spawn(async move {
+            held.call(move |_| {
+                hold.recv().ok();
+                Ok(())
+            })
+            .await
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let submits: Vec<_> = (0..50)
+            .map(|i| {
+                tokio::spawn({
+                    let actor = actor.clone();
+                    async move { actor.submit(i).await }
+                })
+            })
+            .collect();
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        for (i, submit) in submits.into_iter().enumerate() {
+            assert_eq!(submit.await.unwrap().unwrap(), 2 * i as u32);
+        }
+        let batches = actor.call(|s| Ok(s.0.clone())).await.unwrap();
+        assert_eq!(batches.iter().sum::<usize>(), 50);
+        assert!(batches.len() < 50, "queued items must share commits: {batches:?}");
+
+        let panicked = actor.call(|_| -> Result<()> { panic!("boom") }).await;
+        assert!(panicked.is_err());
+        assert_eq!(actor.submit(4).await.unwrap(), 8, "the thread survives a panicking call");
     }
 }
