@@ -111,7 +111,7 @@ mod workflow_demo {
     use tidemark_store_sqlite::order as order_sql;
     use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
-    use crate::workflow_cmd::{orders, payments_path};
+    use crate::workflow_cmd::payments_path;
     use crate::Context;
     use tidemark_engine::workflow::builtin::{self, SLEEPY_ORDER, SLEEPY_ORDER_VERSION};
 
@@ -344,7 +344,7 @@ mod workflow_demo {
         });
         runs.push(killed);
 
-        let tables = writer.call_blocking(|store, _| orders(store.connection()))?;
+        let tables = writer.call_blocking(|store, _| order_sql::tables(store.connection(), 100_000))?;
         Ok(json!({
             "files": {"workflows": db, "payments": payments_db},
             "runs": {"runs": runs, "order_tables": tables},

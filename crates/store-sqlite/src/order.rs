@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
+use serde_json::{json, Value};
 use tidemark_core::limits::BUSY_TIMEOUT_MS;
 use tidemark_core::Result;
 
@@ -249,6 +250,48 @@ pub fn payment_calls(conn: &Connection) -> Result<Vec<PaymentCall>> {
         })
         .db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+/// The order tables as JSON, at most `rows_max` rows each (empty when they are not installed).
+pub fn tables(conn: &Connection, rows_max: usize) -> Result<Value> {
+    let installed: i64 = conn
+        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'order_stock'", [], |r| r.get(0))
+        .db()?;
+    if installed == 0 {
+        return Ok(json!({"stock": [], "reservations": [], "effects": []}));
+    }
+    let rows = |query: &str, columns: &[&str]| -> Result<Vec<Value>> {
+        let mut stmt = conn.prepare(query).db()?;
+        let rows = stmt
+            .query_map([rows_max as i64], |r| {
+                let mut row = serde_json::Map::new();
+                for (i, column) in columns.iter().enumerate() {
+                    let value: rusqlite::types::Value = r.get(i)?;
+                    row.insert(
+                        column.to_string(),
+                        match value {
+                            rusqlite::types::Value::Integer(n) => json!(n),
+                            rusqlite::types::Value::Text(t) => json!(t),
+                            _ => Value::Null,
+                        },
+                    );
+                }
+                Ok(Value::Object(row))
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    };
+    Ok(json!({
+        "stock": rows("SELECT sku, stock FROM order_stock ORDER BY sku LIMIT ?1", &["sku", "stock"])?,
+        "reservations": rows(
+            "SELECT order_id, sku, quantity, status FROM order_reservations ORDER BY order_id LIMIT ?1",
+            &["order_id", "sku", "quantity", "status"],
+        )?,
+        "effects": rows(
+            "SELECT effect_id, order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT ?1",
+            &["effect_id", "order_id", "kind", "sku", "quantity"],
+        )?,
+    }))
 }
 
 #[cfg(test)]

@@ -98,6 +98,26 @@ pub fn run_counts(conn: &Connection) -> Result<BTreeMap<String, u64>> {
     Ok(out)
 }
 
+/// Runs not yet finished, per status, and the earliest time one of them is due.
+pub fn active_runs(conn: &Connection) -> Result<(BTreeMap<String, u64>, Option<i64>)> {
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT status, count(*), min(wake_at_ms) FROM runs
+             WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+             GROUP BY status ORDER BY status",
+        )
+        .db()?;
+    let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))).db()?;
+    let mut active = BTreeMap::new();
+    let mut next_wake_at_ms: Option<i64> = None;
+    for row in rows {
+        let (status, count, wake) = row.db()?;
+        active.insert(status, count as u64);
+        next_wake_at_ms = Some(next_wake_at_ms.map_or(wake, |w| w.min(wake)));
+    }
+    Ok((active, next_wake_at_ms))
+}
+
 /// Bytes of a database file's write-ahead log (0 when there is none).
 pub fn wal_bytes(db_path: &Path) -> u64 {
     let mut wal = db_path.as_os_str().to_owned();

@@ -27,7 +27,6 @@ use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use crate::Context;
-use worker::sql;
 
 pub use worker::WorkerArgs;
 
@@ -445,7 +444,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
         }
         WorkflowCommand::Orders { db } => {
             let mut store = open(ctx, &db)?;
-            let mut out = orders(store.connection())?;
+            let mut out = order_sql::tables(store.connection(), ROWS_MAX)?;
             out["outcome"] = json!("listed");
             Ok(out)
         }
@@ -458,46 +457,4 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             Ok(json!({"outcome": "listed", "payments_db": path, "calls": calls}))
         }
     }
-}
-
-/// The order tables as JSON (empty when they are not installed).
-pub fn orders(conn: &rusqlite::Connection) -> Result<Value> {
-    let installed: i64 = conn
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'order_stock'", [], |r| r.get(0))
-        .map_err(sql)?;
-    if installed == 0 {
-        return Ok(json!({"stock": [], "reservations": [], "effects": []}));
-    }
-    let rows = |query: &str, columns: &[&str]| -> Result<Vec<Value>> {
-        let mut stmt = conn.prepare(query).map_err(sql)?;
-        let rows = stmt
-            .query_map([ROWS_MAX as i64], |r| {
-                let mut row = serde_json::Map::new();
-                for (i, column) in columns.iter().enumerate() {
-                    let value: rusqlite::types::Value = r.get(i)?;
-                    row.insert(
-                        column.to_string(),
-                        match value {
-                            rusqlite::types::Value::Integer(n) => json!(n),
-                            rusqlite::types::Value::Text(t) => json!(t),
-                            _ => Value::Null,
-                        },
-                    );
-                }
-                Ok(Value::Object(row))
-            })
-            .map_err(sql)?;
-        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(sql)
-    };
-    Ok(json!({
-        "stock": rows("SELECT sku, stock FROM order_stock ORDER BY sku LIMIT ?1", &["sku", "stock"])?,
-        "reservations": rows(
-            "SELECT order_id, sku, quantity, status FROM order_reservations ORDER BY order_id LIMIT ?1",
-            &["order_id", "sku", "quantity", "status"],
-        )?,
-        "effects": rows(
-            "SELECT effect_id, order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT ?1",
-            &["effect_id", "order_id", "kind", "sku", "quantity"],
-        )?,
-    }))
 }

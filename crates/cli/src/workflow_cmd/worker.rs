@@ -5,8 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use rusqlite::Connection;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::order::{FakePayments, Payments};
@@ -183,28 +182,7 @@ fn shutdown(
 }
 
 /// Runs still active, by status, and the earliest time one of them is due.
-fn left(conn: &mut Connection) -> Result<Value> {
-    let mut stmt = conn
-        .prepare(
-            "SELECT status, count(*), min(wake_at_ms) FROM runs
-             WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
-             GROUP BY status ORDER BY status",
-        )
-        .map_err(sql)?;
-    let rows = stmt
-        .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))
-        .map_err(sql)?
-        .collect::<rusqlite::Result<Vec<_>>>()
-        .map_err(sql)?;
-    let mut active = Map::new();
-    let mut next_wake_at_ms: Option<i64> = None;
-    for (status, count, wake) in rows {
-        active.insert(status, json!(count));
-        next_wake_at_ms = Some(next_wake_at_ms.map_or(wake, |w| w.min(wake)));
-    }
+fn left(conn: &mut rusqlite::Connection) -> Result<Value> {
+    let (active, next_wake_at_ms) = tidemark_store_sqlite::stats::active_runs(conn)?;
     Ok(json!({"active": active, "next_wake_at_ms": next_wake_at_ms}))
-}
-
-pub(super) fn sql(error: rusqlite::Error) -> Error {
-    Error::store(error.to_string())
 }
