@@ -236,3 +236,67 @@ pub fn snapshot(data: &std::path::Path) -> Vec<(String, Vec<u8>)> {
     files.sort();
     files
 }
+
+/// SIGTERM with a run in flight (its worker holds the lease inside a slow external step): the
+/// server exits 0 after releasing the lease, and the next start takes the run over at once (no
+/// lease expiry, no recovery) and finishes it.
+#[test]
+fn sigterm_releases_leases_and_a_restart_takes_the_runs_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let t = Some(admin.as_str());
+    // A lease far longer than the test's waits: only a released lease can be taken at once.
+    let env = [("TIDEMARK_WORKERS__LEASE_MS", "600000")];
+    let mut server = Server::start(&data, &[], &env);
+    server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 5})));
+    let hold_until_ms = tidemark_engine::now_ms() + 4_000;
+    let mut input = order("h1", 1)["input"].clone();
+    input["hold_until_ms"] = json!(hold_until_ms);
+    let (status, body) =
+        server.call("POST", "/v1/runs", t, Some(&json!({"workflow": "sleepy_order", "run_id": "h1", "input": input})));
+    assert_eq!(status, 201, "{body}");
+    server.wait_for(WAIT, |s| {
+        let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
+        (run["run"]["lease_owner"].is_string() && !run["journal"].as_array().unwrap().is_empty()).then_some(())
+    });
+    let (code, stderr) = server.terminate();
+    assert_eq!(code, 0, "{stderr}");
+    let db = data.join("tenants/acme/workflows.db");
+    let shown = ok(&["workflow", "show", "--db", path_str(&db), "--run-id", "h1"]);
+    assert_eq!(
+        (shown["run"]["lease_owner"].clone(), shown["run"]["status"].as_str()),
+        (Value::Null, Some("running")),
+        "{shown}"
+    );
+
+    let server = Server::start(&data, &[], &env);
+    let run = server.wait_for(WAIT, |s| {
+        let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
+        (run["run"]["status"] == "completed").then_some(run)
+    });
+    assert_eq!(run["run"]["recoveries"], 0, "released, not expired: {run}");
+}
+
+#[test]
+fn config_check_names_the_bad_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_config(dir.path(), "listen = \"127.0.0.1:9999\"\n[workers]\nconcurrency = 8\n");
+    let out = ok(&["config", "check", "--config", &good]);
+    assert_eq!((out["outcome"].as_str(), out["config"]["workers"]["concurrency"].as_u64()), (Some("valid"), Some(8)));
+    for (text, key) in [("[workers]\nconcurency = 8\n", "concurency"), ("[relay]\nbatch = 0\n", "relay.batch")] {
+        let bad = write_config(dir.path(), text);
+        let run = crate::support::run(&["config", "check", "--config", &bad]);
+        assert_eq!((run.code, run.json["error"]["code"].as_str()), (2, Some("invalid_config")), "{}", run.stdout);
+        assert!(run.json["error"]["message"].as_str().unwrap().contains(key), "{}", run.stdout);
+    }
+    // The environment overrides the file, and is validated too.
+    let good = write_config(dir.path(), "[workers]\nconcurrency = 8\n");
+    let run = crate::support::run_with(
+        &["config", "check", "--config", &good],
+        &[("TIDEMARK_WORKERS__CONCURRENCY", "0")],
+        None,
+    );
+    assert_eq!(run.code, 2, "{}", run.stdout);
+    assert!(run.stdout.contains("workers.concurrency"), "{}", run.stdout);
+}
