@@ -6,13 +6,13 @@
 
 use std::path::Path;
 
-use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior};
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
 use serde::Serialize;
 use tidemark_core::error::codes;
 use tidemark_core::tenancy::{validate_label, validate_tenant_id, Scope, TokenText};
 use tidemark_core::{Error, Result};
 
-use crate::schema::{configure, configure_library};
+use crate::schema::connect;
 use crate::{Durability, SqlResult};
 
 const CONTROL_MIGRATIONS: &[&str] = &[r#"
@@ -72,19 +72,7 @@ pub struct SqliteControl {
 impl SqliteControl {
     /// Open `path`, creating it (and its schema) when `create`.
     pub fn open(path: &Path, create: bool, durability: Durability) -> Result<SqliteControl> {
-        let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        if create {
-            flags |= OpenFlags::SQLITE_OPEN_CREATE;
-        } else if !path.exists() {
-            return Err(Error::invalid(
-                codes::NOT_INITIALIZED,
-                format!("{} does not exist; start `tidemark serve` or create a token first", path.display()),
-            ));
-        }
-        configure_library();
-        let mut conn = Connection::open_with_flags(path, flags)
-            .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
-        configure(&conn, durability)?;
+        let mut conn = connect(path, create, durability, "start `tidemark serve` or create a token first")?;
         migrate(&mut conn)?;
         Ok(SqliteControl { conn })
     }

@@ -268,7 +268,7 @@ pub enum Durability {
 }
 
 /// Process-wide SQLite settings, applied once before the first connection opens.
-pub(crate) fn configure_library() {
+fn configure_library() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: `sqlite3_config` is only legal before SQLite initialises; if something else in
@@ -281,7 +281,7 @@ pub(crate) fn configure_library() {
     });
 }
 
-pub(crate) fn configure(conn: &Connection, durability: Durability) -> Result<()> {
+fn configure(conn: &Connection, durability: Durability) -> Result<()> {
     conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
     let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).db()?;
     if !mode.eq_ignore_ascii_case("wal") {
@@ -346,22 +346,26 @@ fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
 
 /// Open (and create if `create`) a tidemark file and migrate it. Opening never resets data.
 pub(crate) fn open(path: &Path, create: bool, durability: Durability) -> Result<Connection> {
+    let mut conn = connect(path, create, durability, "run `tidemark init` first")?;
+    if schema_version(&conn)? != SCHEMA_VERSION {
+        migrate(&mut conn)?;
+    }
+    Ok(conn)
+}
+
+/// A configured connection (WAL, synchronous, busy timeout, cache) to `path`, created when
+/// `create`; a missing file is `not_initialized`, with `hint` saying how to create it.
+pub(crate) fn connect(path: &Path, create: bool, durability: Durability, hint: &str) -> Result<Connection> {
     let mut flags = OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX;
     if create {
         flags |= OpenFlags::SQLITE_OPEN_CREATE;
     } else if !path.exists() {
-        return Err(Error::invalid(
-            codes::NOT_INITIALIZED,
-            format!("{} does not exist; run `tidemark init` first", path.display()),
-        ));
+        return Err(Error::invalid(codes::NOT_INITIALIZED, format!("{} does not exist; {hint}", path.display())));
     }
     configure_library();
-    let mut conn = Connection::open_with_flags(path, flags)
+    let conn = Connection::open_with_flags(path, flags)
         .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
     configure(&conn, durability)?;
-    if schema_version(&conn)? != SCHEMA_VERSION {
-        migrate(&mut conn)?;
-    }
     Ok(conn)
 }
 
