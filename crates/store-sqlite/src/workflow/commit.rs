@@ -1,7 +1,7 @@
 //! Group commit of journal writes: one transaction for many writes of many runs, each fenced by
 //! its run's lease token; transactional step bodies run in a savepoint each.
 
-use rusqlite::{params, CachedStatement, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, CachedStatement, Connection, TransactionBehavior};
 use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
@@ -121,8 +121,7 @@ fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<Option<Stri
 /// twice on every call, which costs about as much as some of these statements themselves.
 #[derive(Clone, Copy)]
 enum Sql {
-    LeaseState,
-    Touch,
+    Fence,
     CancelRequested,
     SetStatus,
     Finish,
@@ -145,8 +144,7 @@ const SQL_COUNT: usize = Sql::ReleaseSavepoint as usize + 1;
 impl Sql {
     fn text(self) -> &'static str {
         match self {
-            Sql::LeaseState => "SELECT status, cancel_requested FROM runs WHERE run_id = ?1 AND lease_token = ?2",
-            Sql::Touch => "UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1",
+            Sql::Fence => "UPDATE runs SET updated_at_ms = ?3 WHERE run_id = ?1 AND lease_token = ?2",
             Sql::CancelRequested => "SELECT cancel_requested FROM runs WHERE run_id = ?1",
             Sql::SetStatus => {
                 "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
@@ -254,20 +252,12 @@ pub(super) fn commit(
     Ok(results)
 }
 
-/// The run's (status, cancel_requested) when `token` is its lease token, touching its
-/// `updated_at_ms`; `None`: fenced, nothing changed. (A SELECT and an UPDATE: one UPDATE ...
-/// RETURNING would buffer its row in a temporary B-tree, which costs more than the second
-/// statement.)
-fn fence(sql: &mut Statements<'_>, run_id: &str, token: &str, now_ms: i64) -> Result<Option<(RunStatus, bool)>> {
-    let found = sql
-        .get(Sql::LeaseState)?
-        .query_row([run_id, token], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
-        .optional()
-        .db()?;
-    if found.is_some() {
-        sql.get(Sql::Touch)?.execute(params![run_id, now_ms]).db()?;
-    }
-    Ok(found)
+/// Is `token` the run's lease token? Touches the run's `updated_at_ms` when it is; false:
+/// fenced, nothing changed. A run holding a lease is always active (a CHECK of the table says
+/// so), and nothing else of the row is needed here: one UPDATE, no read. (Not UPDATE ...
+/// RETURNING: SQLite buffers returned rows in a temporary B-tree.)
+fn fence(sql: &mut Statements<'_>, run_id: &str, token: &str, now_ms: i64) -> Result<bool> {
+    Ok(sql.get(Sql::Fence)?.execute(params![run_id, token, now_ms]).db()? == 1)
 }
 
 /// What the previous writes of a batch found out about their run, when nothing in the
@@ -277,8 +267,7 @@ fn fence(sql: &mut Statements<'_>, run_id: &str, token: &str, now_ms: i64) -> Re
 struct LeaseSeen {
     run_id: String,
     token: String,
-    status: RunStatus,
-    /// Not read yet in this batch (after a status change): only a suspension needs it.
+    /// Not read yet in this batch: only a suspension needs it.
     cancel_requested: Option<bool>,
     /// The run's next free journal position, when a write of this batch established it.
     next_seq: Option<u32>,
@@ -297,24 +286,20 @@ fn apply(
     if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
         let (result, after) = apply_to_run(sql, &run, &lease_token, op, text, now_ms)?;
         // A status change leaves the journal as it is: what was known of it still holds.
-        *last = after.map(|status| LeaseSeen {
+        *last = after.then(|| LeaseSeen {
             run_id: run,
             token: lease_token,
-            status,
             cancel_requested: known.as_ref().and_then(|k| k.cancel_requested),
             next_seq: known.and_then(|k| k.next_seq),
         });
         return Ok(result);
     }
-    let (status, cancel_requested, next_seq) = match known {
-        Some(known) => (known.status, known.cancel_requested, known.next_seq),
-        None => match fence(sql, &run, &lease_token, now_ms)? {
-            Some((status, cancel_requested)) => (status, Some(cancel_requested), None),
-            None => return Ok(WriteResult::Fenced),
-        },
+    let (cancel_requested, next_seq) = match known {
+        Some(known) => (known.cancel_requested, known.next_seq),
+        None if fence(sql, &run, &lease_token, now_ms)? => (None, None),
+        None => return Ok(WriteResult::Fenced),
     };
     let run_id = run.as_str();
-    ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
     // After these writes the lease stays as it is and the run's next position is known (a
     // transactional step's body could change anything, so the write after it looks again).
     let mut seen = None;
@@ -423,14 +408,14 @@ fn apply(
         }
     };
     if let Some(next_seq) = seen {
-        *last = Some(LeaseSeen { run_id: run, token: lease_token, status, cancel_requested, next_seq });
+        *last = Some(LeaseSeen { run_id: run, token: lease_token, cancel_requested, next_seq });
     }
     Ok(result)
 }
 
 /// A write that changes only the run's row: one UPDATE, fenced by its own `WHERE` (no row
 /// changed: fenced). A run holding a lease is always active (a CHECK of the table says so).
-/// After a status change the lease is still held, in the new status.
+/// True when the lease is still held after the write (a status change).
 fn apply_to_run(
     sql: &mut Statements<'_>,
     run_id: &str,
@@ -438,14 +423,14 @@ fn apply_to_run(
     op: JournalOp<Connection>,
     text: Option<String>,
     now_ms: i64,
-) -> Result<(WriteResult, Option<RunStatus>)> {
+) -> Result<(WriteResult, bool)> {
     let changed = match op {
         JournalOp::SetStatus { status } => {
             let changed = sql.get(Sql::SetStatus)?.execute(params![run_id, token, status.as_str(), now_ms]).db()?;
             if changed == 0 {
-                return Ok((WriteResult::Fenced, None));
+                return Ok((WriteResult::Fenced, false));
             }
-            return Ok((WriteResult::Done, Some(status)));
+            return Ok((WriteResult::Done, true));
         }
         JournalOp::Finish { status, result: _, error } => sql
             .get(Sql::Finish)?
@@ -461,7 +446,7 @@ fn apply_to_run(
         JournalOp::Release => sql.get(Sql::Release)?.execute(params![run_id, token, now_ms]).db()?,
         _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
     };
-    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, None))
+    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, false))
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
