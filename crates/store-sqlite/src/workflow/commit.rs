@@ -127,7 +127,9 @@ enum Sql {
     Finish,
     Release,
     Position,
+    NewEntry,
     Entry,
+    FirstAttempt,
     Attempt,
     TimerStarted,
     TimerFinished,
@@ -164,6 +166,10 @@ impl Sql {
                         (SELECT coalesce(max(seq) + 1, 0) FROM journal WHERE run_id = ?1)
                  FROM (SELECT 1) LEFT JOIN journal j ON j.run_id = ?1 AND j.seq = ?2"
             }
+            Sql::NewEntry => {
+                "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+            }
             Sql::Entry => {
                 "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
@@ -175,6 +181,11 @@ impl Sql {
             // the entry's budget), so its ordinal is the next one at this position. (A scalar
             // subquery in VALUES, not INSERT ... SELECT from the same table, which would go
             // through a temporary table on every call.)
+            // At a new position: no attempt is recorded there yet (attempts go with their journal
+            // entry: a fork copies both, a purge deletes both).
+            Sql::FirstAttempt => {
+                "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms) VALUES (?1, ?2, 1, ?3, ?4, ?5)"
+            }
             Sql::Attempt => {
                 "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
                  VALUES (?1, ?2, (SELECT coalesce(max(attempt), 0) + 1 FROM step_attempts WHERE run_id = ?1 AND seq = ?2),
@@ -311,7 +322,8 @@ fn apply(
                 Ok(_) => Ok(text.as_deref().unwrap_or("null")),
                 Err(failure) => Err(failure),
             };
-            record_attempt(sql, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
+            let step = Step { run_id, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(sql, &step, recorded, retry_at_ms, now_ms)?;
             seen = Some(Some(next));
             WriteResult::Done
         }
@@ -339,7 +351,8 @@ fn apply(
             }
             sql.get(Sql::ReleaseSavepoint)?.execute([]).db()?;
             let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
-            record_attempt(sql, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
+            let step = Step { run_id, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(sql, &step, recorded, retry_at_ms, now_ms)?;
             WriteResult::TxResult(outcome.map(|(output, _)| output))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
@@ -506,14 +519,20 @@ fn check_attempt(run_id: &str, seq: u32, attempt: u32, recorded: Option<u32>) ->
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn record_attempt(
-    sql: &mut Statements<'_>,
-    run_id: &str,
+/// The step an attempt is recorded for.
+struct Step<'a> {
+    run_id: &'a str,
     seq: u32,
-    name: &str,
+    name: &'a str,
     kind: StepKind,
     attempt: u32,
+    /// A new journal position (nothing recorded at `seq` yet).
+    new: bool,
+}
+
+fn record_attempt(
+    sql: &mut Statements<'_>,
+    step: &Step<'_>,
     outcome: std::result::Result<&str, &StepFailure>,
     retry_at_ms: Option<i64>,
     now_ms: i64,
@@ -526,7 +545,8 @@ fn record_attempt(
         }
         Err(failure) => (StepStatus::Failed, None, Some(clip_error(&failure.message)), None),
     };
-    sql.get(Sql::Entry)?
+    let Step { run_id, seq, name, kind, attempt, new } = *step;
+    sql.get(if new { Sql::NewEntry } else { Sql::Entry })?
         .execute(params![
             run_id,
             seq,
@@ -540,6 +560,8 @@ fn record_attempt(
             now_ms
         ])
         .db()?;
-    sql.get(Sql::Attempt)?.execute(params![run_id, seq, ok, error, now_ms]).db()?;
+    sql.get(if new { Sql::FirstAttempt } else { Sql::Attempt })?
+        .execute(params![run_id, seq, ok, error, now_ms])
+        .db()?;
     Ok(())
 }
