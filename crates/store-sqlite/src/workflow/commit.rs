@@ -53,9 +53,12 @@ fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, n
 
 /// Bad input in any write refuses the whole batch before anything runs. Returns the JSON text the
 /// write stores (a step's output, a timer's output, a run's result), serialised once here.
-fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<Option<String>> {
-    validate_id("run_id", &write.run_id)?;
-    validate_id("lease_token", &write.lease_token)?;
+/// `ids_checked`: the previous write of the batch had the same run id and token (checked then).
+fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
+    if !ids_checked {
+        validate_id("run_id", &write.run_id)?;
+        validate_id("lease_token", &write.lease_token)?;
+    }
     match &write.op {
         JournalOp::SetStatus { status } => {
             if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
@@ -244,7 +247,14 @@ pub(super) fn commit(
     if writes.len() > COMMIT_BATCH_MAX {
         return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("at most {COMMIT_BATCH_MAX} writes per commit")));
     }
-    let texts = writes.iter().map(|write| validate(write, now_ms)).collect::<Result<Vec<_>>>()?;
+    let mut previous: Option<(&str, &str)> = None;
+    let texts = writes
+        .iter()
+        .map(|write| {
+            let ids = (write.run_id.as_str(), write.lease_token.as_str());
+            validate(write, previous.replace(ids) == Some(ids), now_ms)
+        })
+        .collect::<Result<Vec<_>>>()?;
     if writes.is_empty() {
         return Ok(Vec::new());
     }
