@@ -2,6 +2,13 @@
 //! (including rejections such as `stale` or `conflict`) exit 0; invalid input exits 2 with a
 //! JSON error carrying a stable code; internal errors exit 1. Exit codes are mapped here only.
 
+/// mimalloc instead of the system allocator: the workflow writer thread and the async workers
+/// allocate and free small objects (journal writes, JSON values, statement parameters) on every
+/// step, many of them freed on another thread than the one that allocated them; glibc malloc spent
+/// ~10% of the writer thread there (`docs/benchmarks.md`, "Durable workflows").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench;
 mod demo;
 mod experiment;

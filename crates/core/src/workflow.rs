@@ -586,7 +586,8 @@ pub enum JournalOp<T: ?Sized> {
     },
     /// A transactional step attempt: `body` runs in a savepoint of the commit's transaction. On
     /// success its writes and the journal entry commit together; on failure its writes roll back
-    /// and the attempt is recorded like an external one.
+    /// and the attempt is recorded like an external one. The store checks the output's size
+    /// (`STEP_OUTPUT_BYTES_MAX` of JSON): a larger one fails the step for good.
     TxStep { seq: u32, name: String, kind: StepKind, attempt: u32, body: TxBody<T>, retry_at_ms: Option<i64> },
     /// Journal a timer (`Sleep`) or a wait (`Wait`) that has not fired yet.
     TimerStarted { seq: u32, name: String, kind: StepKind, wake_at_ms: i64, event_name: Option<String> },

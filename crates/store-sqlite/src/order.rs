@@ -86,16 +86,19 @@ fn effect(conn: &Connection, order_id: &str, kind: &str, sku: &str, quantity: i6
 
 /// Take `quantity` of `sku` out of stock for `order_id`.
 pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> Result<ReserveOutcome> {
-    let existing: Option<String> = conn
-        .prepare_cached("SELECT status FROM order_reservations WHERE order_id = ?1")
+    // One read: the order's reservation (if any) and the SKU's stock (if the SKU is known).
+    let (existing, stock): (Option<String>, Option<i64>) = conn
+        .prepare_cached(
+            "SELECT (SELECT status FROM order_reservations WHERE order_id = ?1),
+                    (SELECT stock FROM order_stock WHERE sku = ?2)",
+        )
         .db()?
-        .query_row([order_id], |r| r.get(0))
-        .optional()
+        .query_row([order_id, sku], |r| Ok((r.get(0)?, r.get(1)?)))
         .db()?;
     if let Some(status) = existing {
         return Ok(ReserveOutcome::AlreadyReserved { status });
     }
-    let Some(stock) = stock(conn, sku)? else { return Ok(ReserveOutcome::UnknownSku) };
+    let Some(stock) = stock else { return Ok(ReserveOutcome::UnknownSku) };
     if stock < quantity {
         return Ok(ReserveOutcome::Insufficient { stock });
     }
@@ -137,18 +140,22 @@ pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
 
 /// Ship a `reserved` order. False when it is not reserved.
 pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
-    let row: Option<(String, i64)> = conn
-        .prepare_cached("SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'")
-        .db()?
-        .query_row([order_id], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()
-        .db()?;
-    let Some((sku, quantity)) = row else { return Ok(false) };
-    conn.prepare_cached("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1")
+    let shipped = conn
+        .prepare_cached("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1 AND status = 'reserved'")
         .db()?
         .execute([order_id])
         .db()?;
-    effect(conn, order_id, "ship", &sku, quantity)?;
+    if shipped == 0 {
+        return Ok(false);
+    }
+    // The effect row straight from the reservation (another table: no temporary copy).
+    conn.prepare_cached(
+        "INSERT INTO order_effects (order_id, kind, sku, quantity)
+         SELECT order_id, 'ship', sku, quantity FROM order_reservations WHERE order_id = ?1",
+    )
+    .db()?
+    .execute([order_id])
+    .db()?;
     Ok(true)
 }
 

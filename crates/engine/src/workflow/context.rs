@@ -463,9 +463,12 @@ where
         };
         // Decided before the body runs; the store applies it only to a retryable failure.
         let retry_at_ms = self.retry_at(&policy, attempt);
+        // The body runs on the writer thread: its output is converted to JSON there once; the
+        // store checks its size on the text it writes (over the limit: a permanent failure).
         let body: TxBody<S::Target> =
             Box::new(move |target: &S::Target| match catch_unwind(AssertUnwindSafe(|| f(target))) {
-                Ok(Ok(value)) => to_output(&value),
+                Ok(Ok(value)) => serde_json::to_value(&value)
+                    .map_err(|e| StepFailure::permanent(format!("the step output does not serialise: {e}"))),
                 Ok(Err(failure)) => Err(failure),
                 Err(_) => Err(StepFailure::permanent("the transactional step panicked")),
             });

@@ -47,7 +47,7 @@ pub struct OrderInput {
 
 impl OrderInput {
     pub fn from_data(data: &SagaData) -> std::result::Result<OrderInput, StepFailure> {
-        let order: OrderInput = serde_json::from_value(data.input.clone())
+        let order = OrderInput::deserialize(&data.input)
             .map_err(|e| StepFailure::permanent(format!("invalid order input: {e}")))?;
         validate_id("order_id", &order.order_id).map_err(|e| StepFailure::permanent(e.to_string()))?;
         validate_id("sku", &order.sku).map_err(|e| StepFailure::permanent(e.to_string()))?;

@@ -167,7 +167,7 @@ async fn run_action<S>(
     compensation: bool,
     policy: Option<RetryPolicy>,
     action: &SagaAction<S::Target>,
-    data: &SagaData,
+    data: &Arc<SagaData>,
 ) -> std::result::Result<Value, WorkflowError>
 where
     S: WorkflowStore + 'static,
@@ -175,7 +175,7 @@ where
 {
     match action {
         SagaAction::External(f) => {
-            let (f, data) = (f.clone(), data.clone());
+            let (f, data) = (f.clone(), SagaData::clone(data));
             let call = move |key: String| f(key, data);
             if compensation {
                 ctx.compensation(name, policy, call).await
@@ -184,7 +184,9 @@ where
             }
         }
         SagaAction::Transactional(f) => {
-            let (f, data) = (f.clone(), data.clone());
+            // Shared, not copied: the body is dropped on the writer thread once it ran, before
+            // the step's answer comes back (so the next output goes in without a copy).
+            let (f, data) = (f.clone(), Arc::clone(data));
             let body = move |target: &S::Target| f(target, &data);
             if compensation {
                 ctx.tx_compensation(name, policy, body).await
@@ -204,14 +206,14 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
-    let mut data = SagaData { input, outputs: Map::new() };
+    let mut data = Arc::new(SagaData { input, outputs: Map::new() });
     let mut completed: Vec<usize> = Vec::new();
     let mut failure = None;
     for (index, element) in saga.elements.iter().enumerate() {
         let result = match element {
             Element::Step { name, action, policy, .. } => {
                 run_action(&ctx, name, false, policy.clone(), action, &data).await.map(|output| {
-                    data.outputs.insert(name.clone(), output);
+                    Arc::make_mut(&mut data).outputs.insert(name.clone(), output);
                     completed.push(index);
                 })
             }
@@ -234,6 +236,7 @@ where
         }
     }
     let Some(failure) = failure else {
+        let data = Arc::try_unwrap(data).unwrap_or_else(|shared| SagaData::clone(&shared));
         return Ok(Value::Object(data.outputs));
     };
     let to_compensate: Vec<(&String, &SagaAction<S::Target>)> = completed
@@ -251,7 +254,7 @@ where
         let step = compensation_name(name);
         match run_action(&ctx, &step, true, Some(saga.compensation_policy.clone()), compensation, &data).await {
             Ok(output) => {
-                data.outputs.insert(step, output);
+                Arc::make_mut(&mut data).outputs.insert(step, output);
             }
             Err(WorkflowError::StepFailed { step, message }) => {
                 return Err(WorkflowError::Parked(format!(

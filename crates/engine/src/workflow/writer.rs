@@ -12,12 +12,20 @@ use tokio::sync::{mpsc, oneshot};
 use super::{system_clock, Clock};
 
 type Call<S> = Box<dyn FnOnce(&mut S, i64) + Send>;
-type Reply = oneshot::Sender<Result<WriteResult>>;
+type Answer = Result<WriteResult>;
+
+/// Who waits for the results of queued writes, in queue order.
+enum Reply {
+    /// One write.
+    One(oneshot::Sender<Answer>),
+    /// A group of this many writes, answered together (one hand-off back, not one per write).
+    Group(oneshot::Sender<Vec<Answer>>, usize),
+}
 
 enum Message<S: WorkflowStore> {
-    Write(JournalWrite<S::Target>, Reply),
+    Write(JournalWrite<S::Target>, oneshot::Sender<Answer>),
     /// Writes that go into the same batch (unless they are more than a batch holds).
-    Writes(Vec<(JournalWrite<S::Target>, Reply)>),
+    Writes(Vec<JournalWrite<S::Target>>, oneshot::Sender<Vec<Answer>>),
     Call(Call<S>),
 }
 
@@ -136,25 +144,21 @@ where
         self.write_together(writes).await
     }
 
-    /// [`Writer::write_all`], queued at the call (not at the first poll).
+    /// [`Writer::write_all`], queued at the call (not at the first poll). The group is answered
+    /// once, when its last write has committed.
     pub fn write_together(
         &self,
         writes: Vec<JournalWrite<S::Target>>,
     ) -> impl Future<Output = Vec<Result<WriteResult>>> + Send + 'static {
-        let mut group = Vec::with_capacity(writes.len());
-        let mut answers = Vec::with_capacity(writes.len());
-        for write in writes {
-            let (reply, answer) = oneshot::channel();
-            group.push((write, reply));
-            answers.push(answer);
-        }
-        let sent = self.shared.sender.send(Message::Writes(group)).is_ok();
+        let count = writes.len();
+        let (reply, answer) = oneshot::channel();
+        let sent = self.shared.sender.send(Message::Writes(writes, reply)).is_ok();
         async move {
-            let mut results = Vec::with_capacity(answers.len());
-            for answer in answers {
-                results.push(if sent { answer.await.map_err(|_| gone()).and_then(|r| r) } else { Err(gone()) });
+            let answers = if sent { answer.await.ok() } else { None };
+            match answers {
+                Some(answers) if answers.len() == count => answers,
+                _ => (0..count).map(|_| Err(gone())).collect(),
             }
-            results
         }
     }
 
@@ -210,18 +214,28 @@ fn writer_loop<S: WorkflowStore>(
             match message {
                 Message::Write(write, reply) => {
                     writes.push(write);
-                    replies.push(reply);
+                    replies.push(Reply::One(reply));
                     if writes.len() >= COMMIT_BATCH_MAX {
                         flush(&mut store, &mut writes, &mut replies, &clock, &stats);
                     }
                 }
-                Message::Writes(group) => {
+                Message::Writes(group, reply) => {
                     if writes.len() + group.len() > COMMIT_BATCH_MAX {
                         flush(&mut store, &mut writes, &mut replies, &clock, &stats);
                     }
-                    for (write, reply) in group {
-                        writes.push(write);
-                        replies.push(reply);
+                    if group.len() > COMMIT_BATCH_MAX {
+                        // More than a batch holds: committed in several, answered once at the end.
+                        let mut answers = Vec::with_capacity(group.len());
+                        let mut rest = group;
+                        while !rest.is_empty() {
+                            let tail = rest.split_off(COMMIT_BATCH_MAX.min(rest.len()));
+                            answers.extend(commit_batch(&mut store, rest, &clock, &stats));
+                            rest = tail;
+                        }
+                        let _ = reply.send(answers);
+                    } else {
+                        replies.push(Reply::Group(reply, group.len()));
+                        writes.extend(group);
                         if writes.len() >= COMMIT_BATCH_MAX {
                             flush(&mut store, &mut writes, &mut replies, &clock, &stats);
                         }
@@ -241,6 +255,7 @@ fn writer_loop<S: WorkflowStore>(
     }
 }
 
+/// Commit the queued writes and answer their replies.
 fn flush<S: WorkflowStore>(
     store: &mut S,
     writes: &mut Vec<JournalWrite<S::Target>>,
@@ -251,14 +266,32 @@ fn flush<S: WorkflowStore>(
     if writes.is_empty() {
         return;
     }
-    let batch = std::mem::take(writes);
-    let replies = std::mem::take(replies);
+    let mut answers = commit_batch(store, std::mem::take(writes), clock, stats).into_iter();
+    for reply in replies.drain(..) {
+        match reply {
+            Reply::One(reply) => {
+                let _ = reply.send(answers.next().unwrap_or_else(|| Err(gone())));
+            }
+            Reply::Group(reply, count) => {
+                let _ = reply.send(answers.by_ref().take(count).collect());
+            }
+        }
+    }
+}
+
+/// One `commit` call (one transaction): one answer per write.
+fn commit_batch<S: WorkflowStore>(
+    store: &mut S,
+    batch: Vec<JournalWrite<S::Target>>,
+    clock: &Clock,
+    stats: &WriterStats,
+) -> Vec<Answer> {
     let count = batch.len();
     stats.commits.fetch_add(1, Ordering::Relaxed);
     stats.writes.fetch_add(count as u64, Ordering::Relaxed);
     stats.largest_batch.fetch_max(count as u64, Ordering::Relaxed);
     let now = clock();
-    let results = match catch_unwind(AssertUnwindSafe(|| store.commit(batch, now))) {
+    match catch_unwind(AssertUnwindSafe(|| store.commit(batch, now))) {
         Ok(Ok(results)) if results.len() == count => results.into_iter().map(Ok).collect(),
         Ok(Ok(results)) => {
             let error = Error::Invariant(format!("commit answered {} results for {count} writes", results.len()));
@@ -266,8 +299,5 @@ fn flush<S: WorkflowStore>(
         }
         Ok(Err(error)) => vec![Err(error); count],
         Err(_) => vec![Err(Error::Invariant("the store panicked in commit".into())); count],
-    };
-    for (reply, result) in replies.into_iter().zip(results) {
-        let _ = reply.send(result);
     }
 }

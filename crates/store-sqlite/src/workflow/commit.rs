@@ -1,7 +1,7 @@
 //! Group commit of journal writes: one transaction for many writes of many runs, each fenced by
 //! its run's lease token; transactional step bodies run in a savepoint each.
 
-use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+use rusqlite::{params, CachedStatement, Connection, TransactionBehavior};
 use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
@@ -53,9 +53,12 @@ fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, n
 
 /// Bad input in any write refuses the whole batch before anything runs. Returns the JSON text the
 /// write stores (a step's output, a timer's output, a run's result), serialised once here.
-fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<Option<String>> {
-    validate_id("run_id", &write.run_id)?;
-    validate_id("lease_token", &write.lease_token)?;
+/// `ids_checked`: the previous write of the batch had the same run id and token (checked then).
+fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
+    if !ids_checked {
+        validate_id("run_id", &write.run_id)?;
+        validate_id("lease_token", &write.lease_token)?;
+    }
     match &write.op {
         JournalOp::SetStatus { status } => {
             if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
@@ -116,6 +119,126 @@ fn validate(write: &JournalWrite<Connection>, now_ms: i64) -> Result<Option<Stri
     Ok(None)
 }
 
+/// The statements of a commit. Each is taken from the connection's statement cache once per
+/// batch and kept until the batch ends: `prepare_cached` trims, copies and hashes the SQL text
+/// twice on every call, which costs about as much as some of these statements themselves.
+#[derive(Clone, Copy)]
+enum Sql {
+    Fence,
+    CancelRequested,
+    SetStatus,
+    Finish,
+    Release,
+    Position,
+    NewEntry,
+    Entry,
+    FirstAttempt,
+    Attempt,
+    TimerStarted,
+    TimerFinished,
+    ConsumeEvent,
+    EventWaiting,
+    Suspend,
+    Savepoint,
+    RollbackToSavepoint,
+    ReleaseSavepoint,
+}
+
+const SQL_COUNT: usize = Sql::ReleaseSavepoint as usize + 1;
+
+impl Sql {
+    fn text(self) -> &'static str {
+        match self {
+            Sql::Fence => "UPDATE runs SET updated_at_ms = ?3 WHERE run_id = ?1 AND lease_token = ?2",
+            Sql::CancelRequested => "SELECT cancel_requested FROM runs WHERE run_id = ?1",
+            Sql::SetStatus => {
+                "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
+                 WHERE run_id = ?1 AND lease_token = ?2"
+            }
+            Sql::Finish => {
+                "UPDATE runs SET status = ?3, result = ?4, error = ?5, finished_at_ms = ?6, updated_at_ms = ?6,
+                     waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1 AND lease_token = ?2"
+            }
+            Sql::Release => {
+                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL, updated_at_ms = ?3
+                 WHERE run_id = ?1 AND lease_token = ?2"
+            }
+            Sql::Position => {
+                "SELECT j.name, j.kind, j.status, j.attempts,
+                        (SELECT coalesce(max(seq) + 1, 0) FROM journal WHERE run_id = ?1)
+                 FROM (SELECT 1) LEFT JOIN journal j ON j.run_id = ?1 AND j.seq = ?2"
+            }
+            Sql::NewEntry => {
+                "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+            }
+            Sql::Entry => {
+                "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+                 ON CONFLICT (run_id, seq) DO UPDATE SET status = excluded.status, output = excluded.output,
+                     error = excluded.error, attempts = excluded.attempts, next_attempt_at_ms = excluded.next_attempt_at_ms,
+                     updated_at_ms = excluded.updated_at_ms"
+            }
+            // The attempt history counts over the run's whole life (an operator retry resets only
+            // the entry's budget), so its ordinal is the next one at this position. (A scalar
+            // subquery in VALUES, not INSERT ... SELECT from the same table, which would go
+            // through a temporary table on every call.)
+            // At a new position: no attempt is recorded there yet (attempts go with their journal
+            // entry: a fork copies both, a purge deletes both).
+            Sql::FirstAttempt => {
+                "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms) VALUES (?1, ?2, 1, ?3, ?4, ?5)"
+            }
+            Sql::Attempt => {
+                "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
+                 VALUES (?1, ?2, (SELECT coalesce(max(attempt), 0) + 1 FROM step_attempts WHERE run_id = ?1 AND seq = ?2),
+                         ?3, ?4, ?5)"
+            }
+            Sql::TimerStarted => {
+                "INSERT INTO journal (run_id, seq, name, kind, status, attempts, wake_at_ms, event_name, updated_at_ms)
+                 VALUES (?1, ?2, ?3, ?4, 'waiting', 0, ?5, ?6, ?7)
+                 ON CONFLICT (run_id, seq) DO UPDATE SET wake_at_ms = excluded.wake_at_ms,
+                     event_name = excluded.event_name, updated_at_ms = excluded.updated_at_ms"
+            }
+            Sql::TimerFinished => {
+                "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2"
+            }
+            Sql::ConsumeEvent => "UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2",
+            Sql::EventWaiting => {
+                "SELECT count(*) FROM run_events WHERE run_id = ?1 AND name = ?2 AND consumed_by_seq IS NULL"
+            }
+            Sql::Suspend => {
+                "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
+                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+                 WHERE run_id = ?1"
+            }
+            Sql::Savepoint => "SAVEPOINT wf_tx_step",
+            Sql::RollbackToSavepoint => "ROLLBACK TO wf_tx_step",
+            Sql::ReleaseSavepoint => "RELEASE wf_tx_step",
+        }
+    }
+}
+
+/// The prepared statements of one commit, taken from the cache at first use.
+struct Statements<'c> {
+    conn: &'c Connection,
+    prepared: [Option<CachedStatement<'c>>; SQL_COUNT],
+}
+
+impl<'c> Statements<'c> {
+    fn new(conn: &'c Connection) -> Self {
+        Statements { conn, prepared: std::array::from_fn(|_| None) }
+    }
+
+    fn get(&mut self, sql: Sql) -> Result<&mut CachedStatement<'c>> {
+        let slot = &mut self.prepared[sql as usize];
+        if slot.is_none() {
+            *slot = Some(self.conn.prepare_cached(sql.text()).db()?);
+        }
+        Ok(slot.as_mut().expect("prepared above"))
+    }
+}
+
 pub(super) fn commit(
     conn: &mut Connection,
     writes: Vec<JournalWrite<Connection>>,
@@ -124,15 +247,25 @@ pub(super) fn commit(
     if writes.len() > COMMIT_BATCH_MAX {
         return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("at most {COMMIT_BATCH_MAX} writes per commit")));
     }
-    let texts = writes.iter().map(|write| validate(write, now_ms)).collect::<Result<Vec<_>>>()?;
+    let mut previous: Option<(&str, &str)> = None;
+    let texts = writes
+        .iter()
+        .map(|write| {
+            let ids = (write.run_id.as_str(), write.lease_token.as_str());
+            validate(write, previous.replace(ids) == Some(ids), now_ms)
+        })
+        .collect::<Result<Vec<_>>>()?;
     if writes.is_empty() {
         return Ok(Vec::new());
     }
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
     let mut results = Vec::with_capacity(writes.len());
-    let mut lease_seen = None;
-    for (write, text) in writes.into_iter().zip(texts) {
-        results.push(apply(&tx, write, text, now_ms, &mut lease_seen)?);
+    {
+        let mut sql = Statements::new(&tx);
+        let mut lease_seen = None;
+        for (write, text) in writes.into_iter().zip(texts) {
+            results.push(apply(&tx, &mut sql, write, text, now_ms, &mut lease_seen)?);
+        }
     }
     crash::hit("workflow.commit.before_commit");
     tx.commit().db()?;
@@ -140,84 +273,74 @@ pub(super) fn commit(
     Ok(results)
 }
 
-/// The run's (status, cancel_requested) when `token` is its lease token, touching its
-/// `updated_at_ms`; `None`: fenced, nothing changed. (A SELECT and an UPDATE: one UPDATE ...
-/// RETURNING would buffer its row in a temporary B-tree, which costs more than the second
-/// statement.)
-fn fence(tx: &Connection, run_id: &str, token: &str, now_ms: i64) -> Result<Option<(RunStatus, bool)>> {
-    let found = lease_state(tx, run_id, token)?;
-    if found.is_some() {
-        tx.prepare_cached("UPDATE runs SET updated_at_ms = ?2 WHERE run_id = ?1")
-            .db()?
-            .execute(params![run_id, now_ms])
-            .db()?;
-    }
-    Ok(found)
+/// Is `token` the run's lease token? Touches the run's `updated_at_ms` when it is; false:
+/// fenced, nothing changed. A run holding a lease is always active (a CHECK of the table says
+/// so), and nothing else of the row is needed here: one UPDATE, no read. (Not UPDATE ...
+/// RETURNING: SQLite buffers returned rows in a temporary B-tree.)
+fn fence(sql: &mut Statements<'_>, run_id: &str, token: &str, now_ms: i64) -> Result<bool> {
+    Ok(sql.get(Sql::Fence)?.execute(params![run_id, token, now_ms]).db()? == 1)
 }
 
-/// The run's (status, cancel_requested) when `token` is its lease token.
-fn lease_state(tx: &Connection, run_id: &str, token: &str) -> Result<Option<(RunStatus, bool)>> {
-    tx.prepare_cached("SELECT status, cancel_requested FROM runs WHERE run_id = ?1 AND lease_token = ?2")
-        .db()?
-        .query_row([run_id, token], |r| Ok((rows::run_status_at(r, 0)?, r.get(1)?)))
-        .optional()
-        .db()
-}
-
-/// What the previous write of a batch found out about its run's lease, when nothing in the
-/// transaction can have changed it since: the next write of the same run and token needs no
-/// fence of its own (`updated_at_ms` was already touched with the batch's `now_ms`).
+/// What the previous writes of a batch found out about their run, when nothing in the
+/// transaction can have changed it since (no transactional step's body ran): the next write of
+/// the same run and token needs no fence of its own (`updated_at_ms` was already touched with the
+/// batch's `now_ms`), and a new journal position right after the last one written needs no look-up.
 struct LeaseSeen {
     run_id: String,
     token: String,
-    status: RunStatus,
-    cancel_requested: bool,
+    /// Not read yet in this batch: only a suspension needs it.
+    cancel_requested: Option<bool>,
+    /// The run's next free journal position, when a write of this batch established it.
+    next_seq: Option<u32>,
 }
 
 fn apply(
     tx: &Connection,
+    sql: &mut Statements<'_>,
     write: JournalWrite<Connection>,
     text: Option<String>,
     now_ms: i64,
     last: &mut Option<LeaseSeen>,
 ) -> Result<WriteResult> {
-    let JournalWrite { run_id, lease_token, op } = write;
-    let known = last.take().filter(|f| f.run_id == run_id && f.token == lease_token);
+    let JournalWrite { run_id: run, lease_token, op } = write;
+    let known = last.take().filter(|f| f.run_id == run && f.token == lease_token);
     if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
-        let (result, after) = apply_to_run(tx, &run_id, &lease_token, op, text, now_ms)?;
-        *last =
-            after.map(|(status, cancel_requested)| LeaseSeen { run_id, token: lease_token, status, cancel_requested });
+        let (result, after) = apply_to_run(sql, &run, &lease_token, op, text, now_ms)?;
+        // A status change leaves the journal as it is: what was known of it still holds.
+        *last = after.then(|| LeaseSeen {
+            run_id: run,
+            token: lease_token,
+            cancel_requested: known.as_ref().and_then(|k| k.cancel_requested),
+            next_seq: known.and_then(|k| k.next_seq),
+        });
         return Ok(result);
     }
-    let (status, cancel_requested) = match known {
-        Some(known) => (known.status, known.cancel_requested),
-        None => match fence(tx, &run_id, &lease_token, now_ms)? {
-            Some(found) => found,
-            None => return Ok(WriteResult::Fenced),
-        },
+    let (cancel_requested, next_seq) = match known {
+        Some(known) => (known.cancel_requested, known.next_seq),
+        None if fence(sql, &run, &lease_token, now_ms)? => (None, None),
+        None => return Ok(WriteResult::Fenced),
     };
-    ensure_invariant!(status.is_claimable(), "run {run_id} is {} but holds a lease", status.as_str());
-    // The lease stays as it is after these writes (a transactional step's body could change
-    // anything, so the next write fences itself again).
-    if matches!(op, JournalOp::StepAttempt { .. } | JournalOp::TimerStarted { .. } | JournalOp::TimerFinished { .. }) {
-        *last = Some(LeaseSeen { run_id: run_id.clone(), token: lease_token.clone(), status, cancel_requested });
-    }
-    let run_id = run_id.as_str();
+    let run_id = run.as_str();
+    // After these writes the lease stays as it is and the run's next position is known (a
+    // transactional step's body could change anything, so the write after it looks again).
+    let mut seen = None;
     let result = match op {
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
-            let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
+            let (existing, next) = position(sql, run_id, seq, &name, kind, StepStatus::Retrying, next_seq)?;
             check_attempt(run_id, seq, attempt, existing)?;
             let recorded = match &result {
                 Ok(_) => Ok(text.as_deref().unwrap_or("null")),
                 Err(failure) => Err(failure),
             };
-            record_attempt(tx, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
+            let step = Step { run_id, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(sql, &step, recorded, retry_at_ms, now_ms)?;
+            seen = Some(Some(next));
             WriteResult::Done
         }
         JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
-            let existing = position(tx, run_id, seq, &name, kind, StepStatus::Retrying)?;
+            let (existing, _) = position(sql, run_id, seq, &name, kind, StepStatus::Retrying, next_seq)?;
             check_attempt(run_id, seq, attempt, existing)?;
-            tx.prepare_cached("SAVEPOINT wf_tx_step").db()?.execute([]).db()?;
+            sql.get(Sql::Savepoint)?.execute([]).db()?;
             let outcome = body(tx);
             if tx.is_autocommit() {
                 // The body committed or rolled back (or SQLite rolled back after an I/O error):
@@ -234,24 +357,20 @@ fn apply(
                 Err(failure) => Err(failure),
             };
             if outcome.is_err() {
-                tx.prepare_cached("ROLLBACK TO wf_tx_step").db()?.execute([]).db()?;
+                sql.get(Sql::RollbackToSavepoint)?.execute([]).db()?;
             }
-            tx.prepare_cached("RELEASE wf_tx_step").db()?.execute([]).db()?;
+            sql.get(Sql::ReleaseSavepoint)?.execute([]).db()?;
             let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
-            record_attempt(tx, run_id, seq, &name, kind, attempt, recorded, retry_at_ms, now_ms)?;
+            let step = Step { run_id, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(sql, &step, recorded, retry_at_ms, now_ms)?;
             WriteResult::TxResult(outcome.map(|(output, _)| output))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
-            position(tx, run_id, seq, &name, kind, StepStatus::Waiting)?;
-            tx.prepare_cached(
-                "INSERT INTO journal (run_id, seq, name, kind, status, attempts, wake_at_ms, event_name, updated_at_ms)
-                 VALUES (?1, ?2, ?3, ?4, 'waiting', 0, ?5, ?6, ?7)
-                 ON CONFLICT (run_id, seq) DO UPDATE SET wake_at_ms = excluded.wake_at_ms,
-                     event_name = excluded.event_name, updated_at_ms = excluded.updated_at_ms",
-            )
-            .db()?
-            .execute(params![run_id, seq, name, kind.as_str(), wake_at_ms, event_name, now_ms])
-            .db()?;
+            let (_, next) = position(sql, run_id, seq, &name, kind, StepStatus::Waiting, next_seq)?;
+            sql.get(Sql::TimerStarted)?
+                .execute(params![run_id, seq, name, kind.as_str(), wake_at_ms, event_name, now_ms])
+                .db()?;
+            seen = Some(Some(next));
             WriteResult::Done
         }
         JournalOp::TimerFinished { seq, event_id, output } => {
@@ -282,85 +401,62 @@ fn apply(
                     event.name,
                     entry.event_name
                 );
-                tx.prepare_cached("UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2")
-                    .db()?
-                    .execute(params![run_id, event_id, seq])
-                    .db()?;
+                sql.get(Sql::ConsumeEvent)?.execute(params![run_id, event_id, seq]).db()?;
             }
-            tx.prepare_cached(
-                "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2",
-            )
-            .db()?
-            .execute(params![run_id, seq, text.unwrap_or_else(|| json_text(&output)), now_ms])
-            .db()?;
+            sql.get(Sql::TimerFinished)?
+                .execute(params![run_id, seq, text.unwrap_or_else(|| json_text(&output)), now_ms])
+                .db()?;
+            seen = Some(next_seq);
             WriteResult::Done
         }
         JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
             // No lost wake-up: an event that arrived while the run was running, or a cancel
             // request, keeps it due now.
             let event_waiting = match &waiting_for {
-                Some(name) => {
-                    tx.prepare_cached(
-                        "SELECT count(*) FROM run_events WHERE run_id = ?1 AND name = ?2 AND consumed_by_seq IS NULL",
-                    )
-                    .db()?
-                    .query_row([run_id, name], |r| r.get::<_, i64>(0))
-                    .db()?
-                        > 0
-                }
+                Some(name) => sql.get(Sql::EventWaiting)?.query_row([run_id, name], |r| r.get::<_, i64>(0)).db()? > 0,
                 None => false,
             };
+            let cancel_requested = match cancel_requested {
+                Some(cancel_requested) => cancel_requested,
+                None => sql.get(Sql::CancelRequested)?.query_row([run_id], |r| r.get(0)).db()?,
+            };
             let wake_at_ms = if event_waiting || cancel_requested { wake_at_ms.min(now_ms) } else { wake_at_ms };
-            tx.prepare_cached(
-                "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
-                     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
-                 WHERE run_id = ?1",
-            )
-            .db()?
-            .execute(params![run_id, status.run_status().as_str(), wake_at_ms, waiting_for])
-            .db()?;
+            sql.get(Sql::Suspend)?
+                .execute(params![run_id, status.run_status().as_str(), wake_at_ms, waiting_for])
+                .db()?;
             WriteResult::Done
         }
         JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release => {
             unreachable!("applied by apply_to_run")
         }
     };
+    if let Some(next_seq) = seen {
+        *last = Some(LeaseSeen { run_id: run, token: lease_token, cancel_requested, next_seq });
+    }
     Ok(result)
 }
 
 /// A write that changes only the run's row: one UPDATE, fenced by its own `WHERE` (no row
 /// changed: fenced). A run holding a lease is always active (a CHECK of the table says so).
-/// After a status change the lease is still held: its new (status, cancel_requested) come back.
+/// True when the lease is still held after the write (a status change).
 fn apply_to_run(
-    tx: &Connection,
+    sql: &mut Statements<'_>,
     run_id: &str,
     token: &str,
     op: JournalOp<Connection>,
     text: Option<String>,
     now_ms: i64,
-) -> Result<(WriteResult, Option<(RunStatus, bool)>)> {
+) -> Result<(WriteResult, bool)> {
     let changed = match op {
         JournalOp::SetStatus { status } => {
-            let changed = tx
-                .prepare_cached(
-                    "UPDATE runs SET status = ?3, waiting_for = NULL, updated_at_ms = ?4
-                     WHERE run_id = ?1 AND lease_token = ?2",
-                )
-                .db()?
-                .execute(params![run_id, token, status.as_str(), now_ms])
-                .db()?;
+            let changed = sql.get(Sql::SetStatus)?.execute(params![run_id, token, status.as_str(), now_ms]).db()?;
             if changed == 0 {
-                return Ok((WriteResult::Fenced, None));
+                return Ok((WriteResult::Fenced, false));
             }
-            return Ok((WriteResult::Done, lease_state(tx, run_id, token)?));
+            return Ok((WriteResult::Done, true));
         }
-        JournalOp::Finish { status, result: _, error } => tx
-            .prepare_cached(
-                "UPDATE runs SET status = ?3, result = ?4, error = ?5, finished_at_ms = ?6, updated_at_ms = ?6,
-                     waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
-                 WHERE run_id = ?1 AND lease_token = ?2",
-            )
-            .db()?
+        JournalOp::Finish { status, result: _, error } => sql
+            .get(Sql::Finish)?
             .execute(params![
                 run_id,
                 token,
@@ -370,46 +466,39 @@ fn apply_to_run(
                 now_ms
             ])
             .db()?,
-        JournalOp::Release => tx
-            .prepare_cached(
-                "UPDATE runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL, updated_at_ms = ?3
-                 WHERE run_id = ?1 AND lease_token = ?2",
-            )
-            .db()?
-            .execute(params![run_id, token, now_ms])
-            .db()?,
+        JournalOp::Release => sql.get(Sql::Release)?.execute(params![run_id, token, now_ms]).db()?,
         _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
     };
-    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, None))
+    Ok((if changed == 0 { WriteResult::Fenced } else { WriteResult::Done }, false))
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
 /// (which must be the same step, in `unsettled` status). A settled entry is never rewritten.
-/// Returns the attempts recorded at the position (`None`: a new position). One statement: the
-/// entry at `seq`, if any, and the run's next free position.
+/// Returns the attempts recorded at the position (`None`: a new position) and the run's next
+/// free position after the write. One statement (the entry at `seq`, if any, and the run's next
+/// free position), or none when `known_next` (established by this batch) is `seq`.
 fn position(
-    tx: &Connection,
+    sql: &mut Statements<'_>,
     run_id: &str,
     seq: u32,
     name: &str,
     kind: StepKind,
     unsettled: StepStatus,
-) -> Result<Option<u32>> {
+    known_next: Option<u32>,
+) -> Result<(Option<u32>, u32)> {
+    if known_next == Some(seq) {
+        return Ok((None, seq + 1));
+    }
     type Found = (Option<String>, Option<String>, Option<String>, Option<u32>, i64);
-    let (found_name, found_kind, found_status, attempts, next): Found = tx
-        .prepare_cached(
-            "SELECT j.name, j.kind, j.status, j.attempts,
-                    (SELECT coalesce(max(seq) + 1, 0) FROM journal WHERE run_id = ?1)
-             FROM (SELECT 1) LEFT JOIN journal j ON j.run_id = ?1 AND j.seq = ?2",
-        )
-        .db()?
+    let (found_name, found_kind, found_status, attempts, next): Found = sql
+        .get(Sql::Position)?
         .query_row(params![run_id, seq], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
         .db()?;
     let (Some(found_name), Some(found_kind), Some(found_status), Some(attempts)) =
         (found_name, found_kind, found_status, attempts)
     else {
         ensure_invariant!(i64::from(seq) == next, "run {run_id}: a new step at {seq}, but the next position is {next}");
-        return Ok(None);
+        return Ok((None, seq + 1));
     };
     let status = StepStatus::parse(&found_status)
         .ok_or_else(|| Error::Invariant(format!("run {run_id} step {seq}: unknown step status {found_status:?}")))?;
@@ -429,7 +518,8 @@ fn position(
         status.as_str(),
         unsettled.as_str()
     );
-    Ok(Some(attempts))
+    let next = u32::try_from(next).map_err(|_| Error::Invariant(format!("run {run_id}: next position {next}")))?;
+    Ok((Some(attempts), next))
 }
 
 /// Attempts count from 1 and follow the entry's recorded attempts one by one.
@@ -439,14 +529,20 @@ fn check_attempt(run_id: &str, seq: u32, attempt: u32, recorded: Option<u32>) ->
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn record_attempt(
-    tx: &Connection,
-    run_id: &str,
+/// The step an attempt is recorded for.
+struct Step<'a> {
+    run_id: &'a str,
     seq: u32,
-    name: &str,
+    name: &'a str,
     kind: StepKind,
     attempt: u32,
+    /// A new journal position (nothing recorded at `seq` yet).
+    new: bool,
+}
+
+fn record_attempt(
+    sql: &mut Statements<'_>,
+    step: &Step<'_>,
     outcome: std::result::Result<&str, &StepFailure>,
     retry_at_ms: Option<i64>,
     now_ms: i64,
@@ -459,27 +555,23 @@ fn record_attempt(
         }
         Err(failure) => (StepStatus::Failed, None, Some(clip_error(&failure.message)), None),
     };
-    tx.prepare_cached(
-        "INSERT INTO journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms, updated_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
-         ON CONFLICT (run_id, seq) DO UPDATE SET status = excluded.status, output = excluded.output,
-             error = excluded.error, attempts = excluded.attempts, next_attempt_at_ms = excluded.next_attempt_at_ms,
-             updated_at_ms = excluded.updated_at_ms",
-    )
-    .db()?
-    .execute(params![run_id, seq, name, kind.as_str(), status.as_str(), output, error, attempt, next_attempt_at_ms, now_ms])
-    .db()?;
-    // The attempt history counts over the run's whole life (an operator retry resets only the
-    // entry's budget), so its ordinal is the next one at this position. (A scalar subquery in
-    // VALUES, not INSERT ... SELECT from the same table, which would go through a temporary
-    // table on every call.)
-    tx.prepare_cached(
-        "INSERT INTO step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
-         VALUES (?1, ?2, (SELECT coalesce(max(attempt), 0) + 1 FROM step_attempts WHERE run_id = ?1 AND seq = ?2),
-                 ?3, ?4, ?5)",
-    )
-    .db()?
-    .execute(params![run_id, seq, ok, error, now_ms])
-    .db()?;
+    let Step { run_id, seq, name, kind, attempt, new } = *step;
+    sql.get(if new { Sql::NewEntry } else { Sql::Entry })?
+        .execute(params![
+            run_id,
+            seq,
+            name,
+            kind.as_str(),
+            status.as_str(),
+            output,
+            error,
+            attempt,
+            next_attempt_at_ms,
+            now_ms
+        ])
+        .db()?;
+    sql.get(if new { Sql::FirstAttempt } else { Sql::Attempt })?
+        .execute(params![run_id, seq, ok, error, now_ms])
+        .db()?;
     Ok(())
 }

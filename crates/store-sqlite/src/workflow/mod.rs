@@ -204,7 +204,7 @@ fn send_event_validated(
 fn claim_candidates_sql() -> String {
     let (r_active, o_active) = (active("r.status"), active("o.status"));
     format!(
-        "SELECT r.run_id, r.workflow, r.wake_at_ms, r.created_at_ms, r.lease_token IS NOT NULL
+        "SELECT {RUN_COLUMNS}, r.lease_token IS NOT NULL
                      FROM runs r
                      WHERE r.workflow = ?1 AND r.version = ?2 AND {r_active} AND r.wake_at_ms <= ?3
                        AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= ?3)
@@ -257,12 +257,11 @@ fn list_sql(filter: &RunFilter, limit: usize) -> (String, Vec<rusqlite::types::V
     (sql, args)
 }
 
-/// One candidate of a claim.
+/// One candidate of a claim: its row as read (the input still JSON text, parsed only when the
+/// run is claimed).
 struct Candidate {
-    run_id: String,
-    workflow: String,
-    wake_at_ms: i64,
-    created_at_ms: i64,
+    run: RunRecord,
+    input: String,
     had_lease: bool,
 }
 
@@ -384,13 +383,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
             }
             let found = stmt
                 .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
-                    Ok(Candidate {
-                        run_id: r.get(0)?,
-                        workflow: r.get(1)?,
-                        wake_at_ms: r.get(2)?,
-                        created_at_ms: r.get(3)?,
-                        had_lease: r.get(4)?,
-                    })
+                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(17)? })
                 })
                 .db()?;
             for candidate in found {
@@ -398,40 +391,50 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
             }
         }
     }
-    candidates
-        .sort_by(|a, b| (a.wake_at_ms, a.created_at_ms, &a.run_id).cmp(&(b.wake_at_ms, b.created_at_ms, &b.run_id)));
+    candidates.sort_by(|a, b| {
+        (a.run.wake_at_ms, a.run.created_at_ms, &a.run.run_id).cmp(&(
+            b.run.wake_at_ms,
+            b.run.created_at_ms,
+            &b.run.run_id,
+        ))
+    });
     let expires = now_ms + request.lease_ms;
     let mut claimed = Vec::new();
+    // Each statement is taken from the cache once for the whole claim.
+    let mut lease = tx
+        .prepare_cached(
+            "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4,
+                 recoveries = recoveries + ?5, updated_at_ms = ?6
+             WHERE run_id = ?1",
+        )
+        .db()?;
+    let mut journal = rows::journal_statement(tx)?;
+    let mut events = rows::events_statement(tx)?;
     for candidate in candidates {
         if claimed.len() == request.limit {
             break;
         }
-        let free = slots.get_mut(candidate.workflow.as_str()).expect("slots of every requested workflow");
+        let free = slots.get_mut(candidate.run.workflow.as_str()).expect("slots of every requested workflow");
         if *free == 0 {
             continue;
         }
         *free -= 1;
+        let Candidate { mut run, input, had_lease } = candidate;
         let token = new_token();
-        let changed = tx
-            .prepare_cached(
-                "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4,
-                     recoveries = recoveries + ?5, updated_at_ms = ?6
-                 WHERE run_id = ?1",
-            )
-            .db()?
-            .execute(params![candidate.run_id, request.worker_id, token, expires, candidate.had_lease, now_ms])
-            .db()?;
-        tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", candidate.run_id);
-        // (Not UPDATE ... RETURNING: SQLite buffers returned rows in a temporary B-tree, which
-        // costs more than this second statement.)
-        let run = rows::existing_run(tx, &candidate.run_id)?;
-        claimed.push(ClaimedRun {
-            run,
-            lease_token: token,
-            journal: rows::journal(tx, &candidate.run_id)?,
-            events: rows::events(tx, &candidate.run_id, true)?,
-            recovered: candidate.had_lease,
-        });
+        let changed = lease.execute(params![run.run_id, request.worker_id, token, expires, had_lease, now_ms]).db()?;
+        tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", run.run_id);
+        // The row as the candidate query read it, with what this UPDATE changed (the same
+        // transaction: nothing else can have written it in between). Not UPDATE ... RETURNING:
+        // SQLite buffers returned rows in a temporary B-tree.
+        run.input = serde_json::from_str(&input)
+            .map_err(|e| Error::store(format!("run {:?} has a corrupt input: {e}", run.run_id)))?;
+        run.lease_owner = Some(request.worker_id.clone());
+        run.lease_expires_at_ms = Some(expires);
+        run.recoveries += u32::from(had_lease);
+        run.updated_at_ms = now_ms;
+        let journal = rows::journal_with(&mut journal, &run.run_id)?;
+        let events = rows::events_with(&mut events, &run.run_id, true)?;
+        claimed.push(ClaimedRun { run, lease_token: token, journal, events, recovered: had_lease });
     }
     Ok(claimed)
 }

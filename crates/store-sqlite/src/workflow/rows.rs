@@ -1,7 +1,7 @@
 //! Row mapping and the small reads shared by the workflow operations.
 
 use rusqlite::types::Type;
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Row};
 use serde_json::Value;
 use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus};
 use tidemark_core::{Error, Result};
@@ -50,11 +50,18 @@ pub(super) fn run_status_at(r: &Row<'_>, index: usize) -> rusqlite::Result<RunSt
 
 /// Map a row selected with [`RUN_COLUMNS`].
 pub(super) fn run_record(r: &Row<'_>) -> rusqlite::Result<RunRecord> {
+    let input = json_at(r, 3)?;
+    Ok(RunRecord { input, ..run_record_without_input(r)? })
+}
+
+/// Map a row selected with [`RUN_COLUMNS`] but its input (left `null`), for a reader that parses
+/// the input text (column 3) only when it needs it.
+pub(super) fn run_record_without_input(r: &Row<'_>) -> rusqlite::Result<RunRecord> {
     Ok(RunRecord {
         run_id: r.get(0)?,
         workflow: r.get(1)?,
         version: r.get(2)?,
-        input: json_at(r, 3)?,
+        input: Value::Null,
         key: r.get(4)?,
         status: run_status_at(r, 5)?,
         result: opt_json_at(r, 6)?,
@@ -114,8 +121,16 @@ pub(super) fn existing_run(conn: &Connection, run_id: &str) -> Result<RunRecord>
 }
 
 pub(super) fn journal(conn: &Connection, run_id: &str) -> Result<Vec<JournalEntry>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT {JOURNAL_COLUMNS} FROM journal WHERE run_id = ?1 ORDER BY seq")).db()?;
+    journal_with(&mut journal_statement(conn)?, run_id)
+}
+
+/// The statement of [`journal_with`] (to run it for many runs).
+pub(super) fn journal_statement(conn: &Connection) -> Result<CachedStatement<'_>> {
+    conn.prepare_cached(&format!("SELECT {JOURNAL_COLUMNS} FROM journal WHERE run_id = ?1 ORDER BY seq")).db()
+}
+
+/// A run's journal in position order, with [`journal_statement`].
+pub(super) fn journal_with(stmt: &mut CachedStatement<'_>, run_id: &str) -> Result<Vec<JournalEntry>> {
     let rows = stmt.query_map([run_id], journal_entry).db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
@@ -158,12 +173,24 @@ pub(super) fn attempts(conn: &Connection, run_id: &str) -> Result<Vec<AttemptRec
 
 /// Events of a run in arrival order; `unconsumed_only` keeps those no wait consumed yet.
 pub(super) fn events(conn: &Connection, run_id: &str, unconsumed_only: bool) -> Result<Vec<RunEvent>> {
-    let mut stmt = conn
-        .prepare_cached(&format!(
-            "SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = ?1 AND (?2 = 0 OR consumed_by_seq IS NULL)
-             ORDER BY received_at_ms, event_id"
-        ))
-        .db()?;
+    events_with(&mut events_statement(conn)?, run_id, unconsumed_only)
+}
+
+/// The statement of [`events_with`] (to run it for many runs).
+pub(super) fn events_statement(conn: &Connection) -> Result<CachedStatement<'_>> {
+    conn.prepare_cached(&format!(
+        "SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = ?1 AND (?2 = 0 OR consumed_by_seq IS NULL)
+         ORDER BY received_at_ms, event_id"
+    ))
+    .db()
+}
+
+/// [`events`] with [`events_statement`].
+pub(super) fn events_with(
+    stmt: &mut CachedStatement<'_>,
+    run_id: &str,
+    unconsumed_only: bool,
+) -> Result<Vec<RunEvent>> {
     let rows = stmt.query_map(params![run_id, unconsumed_only], run_event).db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
@@ -191,7 +218,9 @@ pub(super) fn live_receipt(
     .db()
 }
 
-/// Canonical JSON text of a value (serde_json writes object keys in sorted order).
+/// Canonical JSON text of a value (serde_json writes object keys in sorted order). The same
+/// text as `value.to_string()`, written straight into a buffer rather than through
+/// `fmt::Display` (which costs about twice as much).
 pub(super) fn json_text(value: &Value) -> String {
-    value.to_string()
+    serde_json::to_string(value).expect("a JSON value always serialises")
 }
