@@ -60,6 +60,7 @@ try {
   const parked = Number((await parkedTile.locator(".value").innerText()).replace(/,/g, ""));
   check(parked >= 1, `the overview counts ${parked} parked runs`);
   check((await page.locator("figure.chart svg").count()) === 4, "the overview has four charts");
+  check((await page.evaluate(() => typeof window.htmx)) === "object", "the vendored htmx loaded");
   // Let the sampler (one sample every 2 s) draw a few points before the screenshot: reload,
   // at most 30 times, until the charts have 6 samples.
   for (let i = 0; i < 30; i++) {

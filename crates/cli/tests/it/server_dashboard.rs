@@ -434,3 +434,60 @@ fn headless_chromium_logs_in_screenshots_and_retries_a_parked_run() {
     assert_eq!(release["reason"], "operator retry: retried from the dashboard", "{run}");
     assert!(run["run"]["updated_at_ms"].as_i64() > parked["run"]["updated_at_ms"].as_i64());
 }
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64
+}
+
+#[test]
+fn a_quarantined_delivery_is_dismissed_from_the_dashboard() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let reader = token(&data, "acme", "read");
+    let config = write_config(dir.path(), "[relay]\nmax_attempts = 1\n");
+    let server = Server::start(&data, &["--config", &config], &[]);
+    let t = Some(admin.as_str());
+    // The consumer already holds another event at (acme, q-1, 1): the relay's delivery of the
+    // real one is a `conflict`, never acknowledged, and with one attempt it is quarantined.
+    server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+    let impostor = json!({"event_id": "impostor-1", "source": "acme", "generation": "g-other", "flow_id": "q-1",
+        "seq": 1, "event_type": "note.added", "schema_version": 1, "payload": {"text": SCRIPT}, "created_at_ms": now_ms()});
+    let (status, body) = server.call("POST", "/v1/consumers/audit/inbox", t, Some(&impostor));
+    assert_eq!(status, 200, "{body}");
+    let event = json!({"event_type": "note.added", "payload": {"text": "the real one"}});
+    assert_eq!(server.call("POST", "/v1/streams/q-1/events", t, Some(&event)).0, 200);
+    let delivery = server.wait_for(WAIT, |s| {
+        let (_, page) = s.call("GET", "/v1/outbox?status=quarantined", t, None);
+        page["deliveries"].as_array().and_then(|d| d.first().cloned())
+    });
+    let event_id = delivery["event_id"].as_str().unwrap();
+    let resolve = format!("/ui/outbox/{event_id}/audit/resolve");
+
+    // A reader sees it, without buttons; the overview counts it.
+    let read_cookie = login(&server, &reader);
+    let page_text = page(&server, "/ui/quarantine", &read_cookie);
+    assert!(page_text.contains(event_id) && !page_text.contains(&resolve), "{page_text}");
+    let (status, _) =
+        post(&server, &resolve, Some(&read_cookie), Some(&server.base), &[("action", "dismiss"), ("reason", "x")]);
+    assert_eq!(status, 403);
+
+    let cookie = login(&server, &admin);
+    assert!(page(&server, "/ui/quarantine", &cookie).contains(&format!("action=\"{resolve}\"")));
+    let flow = page(&server, "/ui/flows/q-1", &cookie);
+    assert!(flow.contains("Missing seqs") || flow.contains("High-water seq"), "{flow}");
+    let (status, text) =
+        post(&server, &resolve, Some(&cookie), Some(&server.base), &[("action", "drop"), ("reason", "x")]);
+    assert!(status == 400 && text.contains("invalid_argument"), "an unknown action: {status} {text}");
+    let (status, location) = post(
+        &server,
+        &resolve,
+        Some(&cookie),
+        Some(&server.base),
+        &[("action", "dismiss"), ("reason", "the consumer holds an impostor")],
+    );
+    assert_eq!((status, location.as_str()), (303, "/ui/quarantine?done=dismiss"));
+    assert!(page(&server, &location, &cookie).contains("Nothing is quarantined"));
+    let (_, dismissed) = server.call("GET", "/v1/outbox?status=dismissed", t, None);
+    assert_eq!(dismissed["deliveries"][0]["event_id"], event_id, "{dismissed}");
+}

@@ -113,7 +113,7 @@ pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Qu
         @if runs.is_empty() {
             p.muted { "No runs match." }
         } @else {
-            (runs_table(&runs))
+            section.card { (runs_table(&runs)) }
         }
         nav.pager {
             @if form.after.is_some() { a href=(format!("/ui/runs{}", query_string(&filters))) { "« First page" } }
@@ -258,12 +258,16 @@ fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
                             b { (entry.name) }
                             span.kind { (step_kind(entry.kind)) }
                             (badge(entry.status.as_str()))
-                            span.muted { (entry.attempts) " attempt" @if entry.attempts != 1 { "s" } }
+                            @if !matches!(entry.kind, StepKind::Sleep | StepKind::Wait) {
+                                span.muted { (entry.attempts) " attempt" @if entry.attempts != 1 { "s" } }
+                            }
                         }
                         @if let Some(error) = &entry.error { p.error { (error) } }
                         @if let Some(reason) = &entry.reason { p.reason { "Operator: " (reason) } }
                         @if let Some(at) = entry.next_attempt_at_ms { @if entry.status == StepStatus::Retrying { p.muted { "Next attempt " (when(at)) } } }
-                        @if let Some(at) = entry.wake_at_ms { p.muted { "Timer: wakes " (when(at)) } }
+                        @if let Some(at) = entry.wake_at_ms {
+                            p.muted { @if entry.kind == StepKind::Wait { "Times out " } @else { "Timer: wakes " } (when(at)) }
+                        }
                         @if let Some(name) = &entry.event_name { p.muted { "Waits for event " code { (name) } } }
                         @if let Some(list) = attempts.get(&entry.seq) {
                             details {
