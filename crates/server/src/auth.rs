@@ -1,6 +1,7 @@
 //! Who is calling: bearer tokens (hashed at rest, compared in constant time), their tenant and
-//! scope, and a per-token rate limit. With `auth.mode = "none"` every request is an admin of the
-//! configured development tenant.
+//! scope, and a per-token rate limit. A token comes in the `Authorization: Bearer` header, or
+//! (for the dashboard in a browser) in the `tidemark_token` cookie. With `auth.mode = "none"`
+//! every request is an admin of the configured development tenant.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -65,6 +66,34 @@ impl TokenCache {
     }
 }
 
+/// The cookie the dashboard keeps a token in (set by `POST /ui/login`, `Path=/ui`, HttpOnly,
+/// SameSite=Strict; see docs/dashboard.md).
+pub const TOKEN_COOKIE: &str = "tidemark_token";
+
+/// The token a request presents: the `Authorization: Bearer` header, else the dashboard's cookie.
+fn presented_token(headers: &axum::http::HeaderMap) -> Result<&str> {
+    if let Some(header) = headers.get(axum::http::header::AUTHORIZATION) {
+        return header.to_str().ok().and_then(|h| h.strip_prefix("Bearer ")).map(str::trim).ok_or_else(|| {
+            Error::invalid(codes::UNAUTHENTICATED, "the Authorization header must be `Bearer <token>`")
+        });
+    }
+    cookie(headers, TOKEN_COOKIE)
+        .ok_or_else(|| Error::invalid(codes::UNAUTHENTICATED, "missing Authorization: Bearer <token>"))
+}
+
+/// The value of a cookie in the request's `Cookie` headers.
+pub fn cookie<'h>(headers: &'h axum::http::HeaderMap, name: &str) -> Option<&'h str> {
+    headers
+        .get_all(axum::http::header::COOKIE)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(key, _)| *key == name)
+        .map(|(_, value)| value.trim())
+        .filter(|value| !value.is_empty())
+}
+
 pub fn rate_limiter(per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<String> {
     let per_second = NonZeroU32::new(per_second.max(1)).expect("at least 1");
     let burst = NonZeroU32::new(burst.max(1)).expect("at least 1");
@@ -98,14 +127,8 @@ impl FromRequestParts<AppState> for Caller {
             let tenant = state.tenant(&state.config.auth.dev_tenant).await?;
             return Ok(Caller { tenant, scope: Scope::Admin });
         }
-        let header = parts
-            .headers
-            .get(axum::http::header::AUTHORIZATION)
-            .ok_or_else(|| Error::invalid(codes::UNAUTHENTICATED, "missing Authorization: Bearer <token>"))?;
-        let text = header.to_str().ok().and_then(|h| h.strip_prefix("Bearer ")).ok_or_else(|| {
-            Error::invalid(codes::UNAUTHENTICATED, "the Authorization header must be `Bearer <token>`")
-        })?;
-        let record = state.tokens.lock().unwrap_or_else(|p| p.into_inner()).verify(text.trim())?;
+        let text = presented_token(&parts.headers)?;
+        let record = state.tokens.lock().unwrap_or_else(|p| p.into_inner()).verify(text)?;
         if state.limiter.check_key(&record.token_id).is_err() {
             state.metrics.rate_limited.inc();
             return Err(Error::invalid(codes::RATE_LIMITED, "too many requests for this token; slow down").into());

@@ -4,13 +4,14 @@
 //! Code map: `config.rs` (layered configuration), `auth.rs` (tokens, scopes, rate limits),
 //! `tenant.rs` (a tenant's files and store threads), `actor.rs` (a store thread with group
 //! commit), `background.rs` (the loops), `api/` (HTTP routes and the error mapping),
-//! `metrics.rs` (Prometheus).
+//! `metrics.rs` (Prometheus), `dashboard/` (the HTML pages under `/ui` and their sampler).
 
 mod actor;
 pub mod api;
 mod auth;
 mod background;
 pub mod config;
+mod dashboard;
 pub mod metrics;
 pub mod stats;
 pub mod tenant;
@@ -44,6 +45,8 @@ pub struct Inner {
     pub tokens: Mutex<auth::TokenCache>,
     pub limiter: DefaultKeyedRateLimiter<String>,
     pub metrics: metrics::Metrics,
+    /// The dashboard's recent samples per tenant.
+    pub samples: dashboard::Samples,
     tenants: tokio::sync::Mutex<HashMap<String, Arc<Tenant>>>,
     /// `true` once shutdown began: stop claiming, finish, release.
     shutdown: watch::Sender<bool>,
@@ -72,6 +75,7 @@ impl AppState {
             tokens: Mutex::new(auth::TokenCache::new(control)?),
             limiter,
             metrics: metrics::Metrics::new(),
+            samples: dashboard::Samples::default(),
             tenants: tokio::sync::Mutex::new(HashMap::new()),
             shutdown,
             ready: std::sync::atomic::AtomicBool::new(false),
@@ -166,6 +170,7 @@ async fn serve_async(config: Config) -> Result<serde_json::Value> {
     for id in state.control(|c| c.tenants())? {
         state.tenant(&id).await?;
     }
+    dashboard::start_sampler(state.clone());
     let signals = shutdown_signals()?;
     let listener =
         tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;

@@ -6,16 +6,18 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{validate_request, AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
-use tidemark_core::store::{ConsumerStore, DeliveryAction, DeliveryStatus, ProducerStore};
+use tidemark_core::store::{
+    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, ProducerStore,
+};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::Error;
 
-use super::{answer, page_size, ApiResult, Json, Path, Query};
+use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
 use crate::auth::Caller;
 use crate::tenant::{HandlerKind, TenantMachine};
 use crate::{now_ms, AppState};
@@ -111,6 +113,30 @@ async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<Ap
 
 /// A flow: its producer state and seq, and each consumer's high-water mark and open records.
 async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path<String>) -> ApiResult {
+    let view = flow_view(&state, &caller, flow_id).await?;
+    Ok(answer(StatusCode::OK, serde_json::to_value(&view).expect("flows serialise")))
+}
+
+/// What `GET /v1/flows/{flow_id}` answers (shared with the dashboard).
+#[derive(Debug, Serialize)]
+pub(crate) struct FlowView {
+    pub flow_id: String,
+    pub source: String,
+    pub producer: Option<FlowRecord>,
+    pub consumers: Vec<ConsumerPosition>,
+}
+
+/// A consumer's position in one flow: everything up to `high_water_seq` is applied (or
+/// skipped); `open` are its records above it (pending or blocked).
+#[derive(Debug, Serialize)]
+pub(crate) struct ConsumerPosition {
+    pub consumer_id: String,
+    pub handler: String,
+    pub high_water_seq: i64,
+    pub open: Vec<InboxEntry>,
+}
+
+pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String) -> Result<FlowView, ApiError> {
     caller.require(Scope::Read)?;
     validate_id("flow_id", &flow_id)?;
     let tenant = caller.tenant.clone();
@@ -139,22 +165,17 @@ async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path
                 Ok((high, open))
             })
             .await?;
-        consumers.push(json!({
-            "consumer_id": consumer.consumer_id,
-            "handler": consumer.handler,
-            "high_water_seq": high_water_seq,
-            "open": open,
-        }));
+        consumers.push(ConsumerPosition {
+            consumer_id: consumer.consumer_id,
+            handler: consumer.handler,
+            high_water_seq,
+            open,
+        });
     }
-    match record {
-        None if consumers.iter().all(|c| c["high_water_seq"] == 0) => {
-            Err(Error::not_found(format!("no flow {flow_id:?}")).into())
-        }
-        record => Ok(answer(
-            StatusCode::OK,
-            json!({"flow_id": flow_id, "source": source, "producer": record, "consumers": consumers}),
-        )),
+    if record.is_none() && consumers.iter().all(|c| c.high_water_seq == 0) {
+        return Err(Error::not_found(format!("no flow {flow_id:?}")).into());
     }
+    Ok(FlowView { flow_id, source, producer: record, consumers })
 }
 
 #[derive(Deserialize)]
@@ -166,6 +187,16 @@ pub struct OutboxQuery {
 }
 
 async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Query<OutboxQuery>) -> ApiResult {
+    let deliveries = deliveries(&state, &caller, query).await?;
+    Ok(answer(StatusCode::OK, json!({"deliveries": deliveries})))
+}
+
+/// The outbox's deliveries, by status (shared with the dashboard).
+pub(crate) async fn deliveries(
+    state: &AppState,
+    caller: &Caller,
+    query: OutboxQuery,
+) -> Result<Vec<DeliveryEntry>, ApiError> {
     caller.require(Scope::Read)?;
     let status = query
         .status
@@ -174,9 +205,8 @@ async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Que
                 .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown delivery status {s:?}")))
         })
         .transpose()?;
-    let limit = page_size(&state, query.limit)?;
-    let deliveries = caller.tenant.producer.call(move |p| p.store.deliveries(status, limit)).await?;
-    Ok(answer(StatusCode::OK, json!({"deliveries": deliveries})))
+    let limit = page_size(state, query.limit)?;
+    Ok(caller.tenant.producer.call(move |p| p.store.deliveries(status, limit)).await?)
 }
 
 #[derive(Deserialize)]
@@ -192,14 +222,24 @@ async fn resolve(
     Path((event_id, consumer_id)): Path<(String, String)>,
     Json(body): Json<ResolveBody>,
 ) -> ApiResult {
+    let entry = resolve_delivery(&caller, event_id, consumer_id, body).await?;
+    Ok(answer(StatusCode::OK, json!({"outcome": "resolved", "delivery": entry})))
+}
+
+/// Requeue or dismiss a delivery (shared with the dashboard).
+pub(crate) async fn resolve_delivery(
+    caller: &Caller,
+    event_id: String,
+    consumer_id: String,
+    body: ResolveBody,
+) -> Result<DeliveryEntry, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("event_id", &event_id)?;
     validate_id("consumer_id", &consumer_id)?;
     validate_reason(&body.reason)?;
-    let entry = caller
+    Ok(caller
         .tenant
         .producer
         .call(move |p| p.store.resolve_delivery(&event_id, &consumer_id, body.action, &body.reason, now_ms()))
-        .await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "resolved", "delivery": entry})))
+        .await?)
 }

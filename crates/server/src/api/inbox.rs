@@ -12,12 +12,12 @@ use serde_json::json;
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::limits::ENVELOPE_BYTES_MAX;
-use tidemark_core::store::{ConsumerStore, InboxStatus, ProducerStore, ReceiveOutcome, Subscription};
+use tidemark_core::store::{ConsumerStore, InboxEntry, InboxStatus, ProducerStore, ReceiveOutcome, Subscription};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::{Envelope, Error};
 use tidemark_store_sqlite::ConsumerRecord;
 
-use super::{answer, page_size, ApiResult, Json, Path, Query};
+use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
 use crate::auth::Caller;
 use crate::tenant::HandlerKind;
 use crate::{now_ms, AppState};
@@ -149,8 +149,19 @@ async fn records(
     Path(consumer_id): Path<String>,
     Query(query): Query<RecordsQuery>,
 ) -> ApiResult {
+    let records = inbox_records(&state, &caller, consumer_id, query).await?;
+    Ok(answer(StatusCode::OK, json!({"records": records})))
+}
+
+/// A consumer's inbox records, by status (shared with the dashboard).
+pub(crate) async fn inbox_records(
+    state: &AppState,
+    caller: &Caller,
+    consumer_id: String,
+    query: RecordsQuery,
+) -> Result<Vec<InboxEntry>, ApiError> {
     caller.require(Scope::Read)?;
-    let (_, kind) = consumer(&state, &caller, &consumer_id)?;
+    let (_, kind) = consumer(state, caller, &consumer_id)?;
     let status = query
         .status
         .map(|s| {
@@ -158,10 +169,8 @@ async fn records(
                 .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown inbox status {s:?}")))
         })
         .transpose()?;
-    let limit = page_size(&state, query.limit)?;
-    let records =
-        caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.inbox(&consumer_id, status, limit)).await?;
-    Ok(answer(StatusCode::OK, json!({"records": records})))
+    let limit = page_size(state, query.limit)?;
+    Ok(caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
 }
 
 #[derive(Deserialize)]
@@ -176,14 +185,25 @@ async fn skip(
     Path((consumer_id, event_id)): Path<(String, String)>,
     Json(body): Json<SkipBody>,
 ) -> ApiResult {
+    let record = skip_record(&state, &caller, consumer_id, event_id, body).await?;
+    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "record": record})))
+}
+
+/// Skip a blocked inbox record (shared with the dashboard).
+pub(crate) async fn skip_record(
+    state: &AppState,
+    caller: &Caller,
+    consumer_id: String,
+    event_id: String,
+    body: SkipBody,
+) -> Result<InboxEntry, ApiError> {
     caller.require(Scope::Operate)?;
-    let (_, kind) = consumer(&state, &caller, &consumer_id)?;
+    let (_, kind) = consumer(state, caller, &consumer_id)?;
     validate_id("event_id", &event_id)?;
     validate_reason(&body.reason)?;
-    let record = caller
+    Ok(caller
         .tenant
         .inbox_of(kind.inbox())
         .call(move |t| t.store.skip_blocked(&consumer_id, &event_id, &body.reason, now_ms()))
-        .await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "record": record})))
+        .await?)
 }

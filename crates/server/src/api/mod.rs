@@ -4,9 +4,9 @@
 //! Every error answer is `{"error": {"code": "<stable code>", "message": "..."}}`. Bad input is
 //! validated before anything is queued for a store, so a 4xx answer never wrote anything.
 
-mod flows;
-mod inbox;
-mod runs;
+pub(crate) mod flows;
+pub(crate) mod inbox;
+pub(crate) mod runs;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
@@ -121,12 +121,14 @@ pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiErr
 pub fn router(state: AppState) -> Router {
     let body_max = state.config.limits.body_bytes_max;
     Router::new()
+        .route("/", get(|| async { axum::response::Redirect::to("/ui") }))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(flows::routes())
         .merge(inbox::routes())
         .merge(runs::routes())
+        .merge(crate::dashboard::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_max))

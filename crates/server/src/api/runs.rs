@@ -12,14 +12,14 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{
-    validate_json_size, workflow_codes, RunFilter, RunStatus, StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    validate_json_size, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest,
+    WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::Error;
 use tidemark_engine::workflow::builtin;
 use tidemark_store_sqlite::order as order_sql;
 
-use super::{answer, page_size, ApiResult, Json, Path, Query};
+use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
 use crate::auth::Caller;
 use crate::{now_ms, AppState};
 
@@ -106,6 +106,16 @@ pub struct ListQuery {
 }
 
 async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query<ListQuery>) -> ApiResult {
+    let (runs, next_after) = list_runs(&state, &caller, query).await?;
+    Ok(answer(StatusCode::OK, json!({"runs": runs, "next_after": next_after})))
+}
+
+/// A page of runs and the `next_after` of the next page (shared with the dashboard).
+pub(crate) async fn list_runs(
+    state: &AppState,
+    caller: &Caller,
+    query: ListQuery,
+) -> Result<(Vec<RunRecord>, Option<String>), ApiError> {
     caller.require(Scope::Read)?;
     let status = query
         .status
@@ -122,7 +132,7 @@ async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query
     if let Some(workflow) = &query.workflow {
         validate_id("workflow", workflow)?;
     }
-    let limit = page_size(&state, query.limit)?;
+    let limit = page_size(state, query.limit)?;
     let after = query.after.as_deref().map(RunFilter::parse_page).transpose()?;
     let filter = RunFilter {
         status,
@@ -133,16 +143,21 @@ async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query
     };
     let runs = caller.tenant.writer.call(move |store, _| store.list_runs(&filter, limit)).await?;
     let next_after = RunFilter::next_page(&runs, limit);
-    Ok(answer(StatusCode::OK, json!({"runs": runs, "next_after": next_after})))
+    Ok((runs, next_after))
 }
 
 async fn show(caller: Caller, Path(run_id): Path<String>) -> ApiResult {
+    let detail = run_detail(&caller, run_id).await?;
+    Ok(answer(StatusCode::OK, serde_json::to_value(&detail).expect("runs serialise")))
+}
+
+/// A run with its journal, attempts and events (shared with the dashboard).
+pub(crate) async fn run_detail(caller: &Caller, run_id: String) -> Result<RunDetail, ApiError> {
     caller.require(Scope::Read)?;
     validate_id("run_id", &run_id)?;
     let id = run_id.clone();
     let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
-    let detail = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
-    Ok(answer(StatusCode::OK, serde_json::to_value(&detail).expect("runs serialise")))
+    Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
 }
 
 #[derive(Deserialize)]
@@ -151,36 +166,62 @@ pub struct ReasonBody {
     pub reason: String,
 }
 
-/// The shared shape of cancel, retry and abandon.
-async fn control(
-    caller: Caller,
+/// The operator controls that take only a reason.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Control {
+    Cancel,
+    Retry,
+    Abandon,
+}
+
+impl Control {
+    /// The `outcome` word of the answer.
+    pub(crate) fn outcome(self) -> &'static str {
+        match self {
+            Control::Cancel => "cancel_requested",
+            Control::Retry => "retried",
+            Control::Abandon => "abandoned",
+        }
+    }
+}
+
+/// The shared shape of cancel, retry and abandon (shared with the dashboard).
+pub(crate) async fn control(
+    caller: &Caller,
     run_id: String,
     reason: String,
-    outcome: &'static str,
-    op: fn(
-        &mut tidemark_store_sqlite::SqliteWorkflows,
-        &str,
-        &str,
-        i64,
-    ) -> tidemark_core::Result<tidemark_core::workflow::RunRecord>,
-) -> ApiResult {
+    control: Control,
+) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
     validate_reason(&reason)?;
-    let run = caller.tenant.writer.call(move |store, now| op(store, &run_id, &reason, now)).await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": outcome, "run": run})))
+    let run = caller
+        .tenant
+        .writer
+        .call(move |store, now| match control {
+            Control::Cancel => store.cancel(&run_id, &reason, now),
+            Control::Retry => store.retry(&run_id, &reason, now),
+            Control::Abandon => store.abandon(&run_id, &reason, now),
+        })
+        .await?;
+    Ok(run)
+}
+
+async fn controlled(caller: Caller, run_id: String, reason: String, which: Control) -> ApiResult {
+    let run = control(&caller, run_id, reason, which).await?;
+    Ok(answer(StatusCode::OK, json!({"outcome": which.outcome(), "run": run})))
 }
 
 async fn cancel(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
-    control(caller, run_id, body.reason, "cancel_requested", |s, r, why, now| s.cancel(r, why, now)).await
+    controlled(caller, run_id, body.reason, Control::Cancel).await
 }
 
 async fn retry(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
-    control(caller, run_id, body.reason, "retried", |s, r, why, now| s.retry(r, why, now)).await
+    controlled(caller, run_id, body.reason, Control::Retry).await
 }
 
 async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
-    control(caller, run_id, body.reason, "abandoned", |s, r, why, now| s.abandon(r, why, now)).await
+    controlled(caller, run_id, body.reason, Control::Abandon).await
 }
 
 #[derive(Deserialize)]
@@ -192,6 +233,12 @@ pub struct ForkBody {
 }
 
 async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkBody>) -> ApiResult {
+    let run = fork_run(&caller, run_id, body).await?;
+    Ok(answer(StatusCode::CREATED, json!({"outcome": "forked", "run": run})))
+}
+
+/// Fork a run (shared with the dashboard).
+pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
     validate_id("new_run_id", &body.new_run_id)?;
@@ -200,7 +247,7 @@ async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkB
     }
     let run =
         caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?;
-    Ok(answer(StatusCode::CREATED, json!({"outcome": "forked", "run": run})))
+    Ok(run)
 }
 
 #[derive(Deserialize)]
@@ -215,6 +262,12 @@ pub struct SkipBody {
 }
 
 async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipBody>) -> ApiResult {
+    let run = skip_step(&caller, run_id, body).await?;
+    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "run": run})))
+}
+
+/// Skip a step of a run (shared with the dashboard).
+pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
     validate_reason(&body.reason)?;
@@ -227,7 +280,7 @@ async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipB
         .writer
         .call(move |store, now| store.skip_step(&run_id, body.step, &body.output, &body.reason, now))
         .await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "run": run})))
+    Ok(run)
 }
 
 #[derive(Deserialize)]

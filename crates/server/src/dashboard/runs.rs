@@ -1,0 +1,432 @@
+//! Runs: the filtered, paginated list; a run's timeline (steps with their attempts, errors,
+//! compensations, timers and waits, and the events it received) with the operator buttons;
+//! and the dead letters (parked and failed runs, blocked inbox records). Every read and action
+//! calls the JSON API's shared function, so it is checked exactly like the API.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::response::IntoResponse;
+use maud::{html, Markup};
+use serde::Deserialize;
+use serde_json::Value;
+use tidemark_core::error::codes;
+use tidemark_core::tenancy::Scope;
+use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunDetail, RunRecord, RunStatus, StepKind, StepStatus};
+use tidemark_core::Error;
+use tidemark_engine::workflow::builtin;
+
+use super::layout::{badge, done_banner, json_block, page, reason_input, when};
+use super::time::parse_utc;
+use super::{see_other, Form, Path, Query, Ui, UiResult, Viewer};
+use crate::api::inbox::RecordsQuery;
+use crate::api::runs::{self as api, Control, ForkBody, ListQuery, SkipBody};
+use crate::auth::Caller;
+use crate::AppState;
+
+/// Rows per page of the runs list.
+const RUNS_PAGE_ROWS: usize = 50;
+/// Rows per section of the dead letters page.
+const DEAD_LETTER_ROWS: usize = 100;
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RunsForm {
+    pub status: Option<String>,
+    pub workflow: Option<String>,
+    /// `datetime-local` values, read as UTC.
+    pub created_after: Option<String>,
+    pub created_before: Option<String>,
+    pub after: Option<String>,
+}
+
+/// An empty form field is no filter.
+fn given(value: &Option<String>) -> Option<String> {
+    value.as_deref().map(str::trim).filter(|v| !v.is_empty()).map(str::to_string)
+}
+
+fn query_string(pairs: &[(&str, Option<String>)]) -> String {
+    let mut out = String::new();
+    for (key, value) in pairs {
+        if let Some(value) = value {
+            out.push(if out.is_empty() { '?' } else { '&' });
+            out.push_str(key);
+            out.push('=');
+            out.push_str(&encode(value));
+        }
+    }
+    out
+}
+
+/// Percent-encode a query value.
+fn encode(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Query<RunsForm>) -> UiResult {
+    let created_after_ms = given(&form.created_after).map(|t| parse_utc("created after", &t)).transpose()?;
+    let created_before_ms = given(&form.created_before).map(|t| parse_utc("created before", &t)).transpose()?;
+    let query = ListQuery {
+        status: given(&form.status),
+        workflow: given(&form.workflow),
+        created_after_ms,
+        created_before_ms,
+        limit: Some(RUNS_PAGE_ROWS.min(state.config.limits.page_size_max)),
+        after: given(&form.after),
+    };
+    let (runs, next_after) = api::list_runs(&state, &caller, query).await?;
+    let filters = [
+        ("status", given(&form.status)),
+        ("workflow", given(&form.workflow)),
+        ("created_after", given(&form.created_after)),
+        ("created_before", given(&form.created_before)),
+    ];
+    let mut next = filters.to_vec();
+    next.push(("after", next_after.clone()));
+    let selected = given(&form.status).unwrap_or_default();
+    let workflow = given(&form.workflow).unwrap_or_default();
+    let body = html! {
+        h1 { "Runs" }
+        form.filters method="get" action="/ui/runs" {
+            label { "Status "
+                select name="status" {
+                    option value="" selected[selected.is_empty()] { "any" }
+                    @for status in RunStatus::ALL {
+                        option value=(status.as_str()) selected[selected == status.as_str()] { (status.as_str()) }
+                    }
+                }
+            }
+            label { "Workflow "
+                input type="text" name="workflow" value=(workflow) list="workflows" placeholder="any";
+                datalist #workflows { @for (name, _) in builtin::BUILTINS { option value=(name) {} } }
+            }
+            label { "Created after (UTC) " input type="datetime-local" name="created_after" value=[given(&form.created_after)]; }
+            label { "Created before (UTC) " input type="datetime-local" name="created_before" value=[given(&form.created_before)]; }
+            button type="submit" { "Filter" }
+            a.button.secondary href="/ui/runs" { "Clear" }
+        }
+        @if runs.is_empty() {
+            p.muted { "No runs match." }
+        } @else {
+            section.card { (runs_table(&runs)) }
+        }
+        nav.pager {
+            @if form.after.is_some() { a href=(format!("/ui/runs{}", query_string(&filters))) { "« First page" } }
+            @if next_after.is_some() { a href=(format!("/ui/runs{}", query_string(&next))) { "Next page »" } }
+        }
+    };
+    Ok(page("Runs", Some(&Viewer::from(&caller)), body).into_response())
+}
+
+fn runs_table(runs: &[RunRecord]) -> Markup {
+    html! {
+        table.runs {
+            thead { tr { th { "Run" } th { "Workflow" } th { "Status" } th { "Created" } th { "Updated" } th { "Error" } } }
+            tbody {
+                @for run in runs {
+                    tr {
+                        td { a href=(format!("/ui/runs/{}", run.run_id)) { code { (run.run_id) } } }
+                        td { (run.workflow) " v" (run.version) }
+                        td { (badge(run.status.as_str())) }
+                        td { (when(run.created_at_ms)) }
+                        td { (when(run.updated_at_ms)) }
+                        td.error { @if let Some(error) = &run.error { (error) } }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct DoneQuery {
+    pub done: Option<String>,
+}
+
+pub async fn show(Ui(caller): Ui, Path(run_id): Path<String>, Query(q): Query<DoneQuery>) -> UiResult {
+    let detail = api::run_detail(&caller, run_id).await?;
+    let body = timeline(&caller, &detail, q.done.as_deref());
+    Ok(page(&format!("Run {}", detail.run.run_id), Some(&Viewer::from(&caller)), body).into_response())
+}
+
+fn step_kind(kind: StepKind) -> &'static str {
+    match kind {
+        StepKind::External => "external step",
+        StepKind::Transactional => "transactional step",
+        StepKind::Sleep => "timer",
+        StepKind::Wait => "wait for event",
+        StepKind::Compensation => "compensation",
+    }
+}
+
+fn step_class(entry: &JournalEntry) -> String {
+    let compensation = if entry.kind == StepKind::Compensation { " compensation" } else { "" };
+    format!("step {}{compensation}", entry.status.as_str())
+}
+
+fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
+    let run = &detail.run;
+    let mut attempts: BTreeMap<u32, Vec<&AttemptRecord>> = BTreeMap::new();
+    for attempt in &detail.attempts {
+        attempts.entry(attempt.seq).or_default().push(attempt);
+    }
+    let can_operate = caller.scope.allows(Scope::Operate);
+    let base = format!("/ui/runs/{}", run.run_id);
+    let open_steps: Vec<&JournalEntry> = detail.journal.iter().filter(|e| !e.status.is_settled()).collect();
+    html! {
+        (done_banner(done))
+        div.run-head {
+            h1 { "Run " code { (run.run_id) } }
+            (badge(run.status.as_str()))
+            @if run.cancel_requested { " " (badge("cancel requested")) }
+        }
+        section.card {
+            dl.facts {
+                dt { "Workflow" } dd { (run.workflow) " v" (run.version) }
+                dt { "Created" } dd { (when(run.created_at_ms)) }
+                dt { "Updated" } dd { (when(run.updated_at_ms)) }
+                @if let Some(key) = &run.key { dt { "Key" } dd { code { (key) } } }
+                @if let Some(from) = &run.forked_from { dt { "Forked from" } dd { a href=(format!("/ui/runs/{from}")) { code { (from) } } } }
+                @if let Some(waiting) = &run.waiting_for { dt { "Waiting for event" } dd { code { (waiting) } " until " (when(run.wake_at_ms)) } }
+                @if matches!(run.status, RunStatus::Sleeping | RunStatus::Pending) { dt { "Wakes" } dd { (when(run.wake_at_ms)) } }
+                @if let Some(owner) = &run.lease_owner {
+                    dt { "Lease" } dd { (owner) @if let Some(until) = run.lease_expires_at_ms { " until " (when(until)) } }
+                }
+                @if run.recoveries > 0 { dt { "Recoveries" } dd { (run.recoveries) } }
+                @if let Some(error) = &run.error { dt { "Error" } dd.error { (error) } }
+            }
+            details { summary { "Input" } (json_block(&run.input)) }
+            @if let Some(result) = &run.result { details open { summary { "Result" } (json_block(result)) } }
+        }
+        @if can_operate {
+            section.card.actions {
+                h2 { "Actions" }
+                div.action-row {
+                    @if matches!(run.status, RunStatus::Failed | RunStatus::Parked) {
+                        form method="post" action=(format!("{base}/retry")) {
+                            (reason_input("retried from the dashboard"))
+                            button.primary type="submit" { "Retry" }
+                        }
+                    }
+                    @if !run.status.is_terminal() {
+                        form method="post" action=(format!("{base}/cancel")) {
+                            (reason_input("cancelled from the dashboard"))
+                            button.danger type="submit" { "Cancel" }
+                        }
+                    }
+                    @if !run.status.is_terminal() || run.status == RunStatus::Parked {
+                        form method="post" action=(format!("{base}/abandon")) {
+                            (reason_input("abandoned from the dashboard"))
+                            button.danger type="submit" { "Abandon" }
+                        }
+                    }
+                    form method="post" action=(format!("{base}/fork")) {
+                        label { "from step " input type="number" name="from_step" min="0" value=(detail.journal.len()) required; }
+                        input type="text" name="new_run_id" value=(format!("{}-fork", run.run_id)) required aria-label="new run id";
+                        button type="submit" { "Fork" }
+                    }
+                    @if !open_steps.is_empty() {
+                        form method="post" action=(format!("{base}/skip")) {
+                            label { "step "
+                                select name="step" {
+                                    @for entry in &open_steps { option value=(entry.seq) { (entry.seq) ": " (entry.name) } }
+                                }
+                            }
+                            input type="text" name="output" placeholder="output JSON (default null)" aria-label="output";
+                            (reason_input("skipped from the dashboard"))
+                            button type="submit" { "Skip" }
+                        }
+                    }
+                }
+            }
+        }
+        section.card {
+            h2 { "Timeline" }
+            @if detail.journal.is_empty() {
+                p.muted { "No step journaled yet." }
+            }
+            ol.timeline {
+                @for entry in &detail.journal {
+                    li class=(step_class(entry)) {
+                        div.step-head {
+                            span.seq { (entry.seq) }
+                            b { (entry.name) }
+                            span.kind { (step_kind(entry.kind)) }
+                            (badge(entry.status.as_str()))
+                            @if !matches!(entry.kind, StepKind::Sleep | StepKind::Wait) {
+                                span.muted { (entry.attempts) " attempt" @if entry.attempts != 1 { "s" } }
+                            }
+                        }
+                        @if let Some(error) = &entry.error { p.error { (error) } }
+                        @if let Some(reason) = &entry.reason { p.reason { "Operator: " (reason) } }
+                        @if let Some(at) = entry.next_attempt_at_ms { @if entry.status == StepStatus::Retrying { p.muted { "Next attempt " (when(at)) } } }
+                        @if let Some(at) = entry.wake_at_ms {
+                            p.muted { @if entry.kind == StepKind::Wait { "Times out " } @else { "Timer: wakes " } (when(at)) }
+                        }
+                        @if let Some(name) = &entry.event_name { p.muted { "Waits for event " code { (name) } } }
+                        @if let Some(list) = attempts.get(&entry.seq) {
+                            details {
+                                summary { (list.len()) " recorded attempt" @if list.len() != 1 { "s" } }
+                                table.attempts {
+                                    @for a in list {
+                                        tr {
+                                            td { "#" (a.attempt) }
+                                            td { @if a.ok { (badge("completed")) } @else { (badge("failed")) } }
+                                            td { (when(a.finished_at_ms)) }
+                                            td.error { @if let Some(e) = &a.error { (e) } }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        @if let Some(output) = &entry.output { details { summary { "Output" } (json_block(output)) } }
+                    }
+                }
+            }
+        }
+        @if !detail.events.is_empty() {
+            section.card {
+                h2 { "Events received" }
+                table {
+                    thead { tr { th { "Event" } th { "Name" } th { "Received" } th { "Consumed by step" } th { "Payload" } } }
+                    tbody {
+                        @for event in &detail.events {
+                            tr {
+                                td { code { (event.event_id) } }
+                                td { (event.name) }
+                                td { (when(event.received_at_ms)) }
+                                td { @if let Some(seq) = event.consumed_by_seq { (seq) } @else { "—" } }
+                                td { (json_block(&event.payload)) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[derive(Deserialize)]
+pub struct ReasonForm {
+    pub reason: String,
+}
+
+async fn control(caller: Caller, run_id: String, reason: String, which: Control) -> UiResult {
+    let run = api::control(&caller, run_id, reason, which).await?;
+    Ok(see_other(&format!("/ui/runs/{}?done={}", run.run_id, which.outcome())))
+}
+
+pub async fn cancel(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<ReasonForm>) -> UiResult {
+    control(caller, run_id, form.reason, Control::Cancel).await
+}
+
+pub async fn retry(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<ReasonForm>) -> UiResult {
+    control(caller, run_id, form.reason, Control::Retry).await
+}
+
+pub async fn abandon(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<ReasonForm>) -> UiResult {
+    control(caller, run_id, form.reason, Control::Abandon).await
+}
+
+#[derive(Deserialize)]
+pub struct ForkForm {
+    pub from_step: u32,
+    pub new_run_id: String,
+}
+
+pub async fn fork(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<ForkForm>) -> UiResult {
+    let body = ForkBody { from_step: form.from_step, new_run_id: form.new_run_id.trim().to_string() };
+    let run = api::fork_run(&caller, run_id, body).await?;
+    Ok(see_other(&format!("/ui/runs/{}?done=forked", run.run_id)))
+}
+
+#[derive(Deserialize)]
+pub struct SkipForm {
+    pub step: u32,
+    #[serde(default)]
+    pub output: String,
+    pub reason: String,
+}
+
+pub async fn skip(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<SkipForm>) -> UiResult {
+    let output = if form.output.trim().is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_str(&form.output)
+            .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("output is not JSON: {e}")))?
+    };
+    let body = SkipBody { step: form.step, output, reason: form.reason };
+    let run = api::skip_step(&caller, run_id, body).await?;
+    Ok(see_other(&format!("/ui/runs/{}?done=skipped", run.run_id)))
+}
+
+/// Parked and failed runs (retry them) and blocked inbox records (skip them).
+pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q): Query<DoneQuery>) -> UiResult {
+    let rows = Some(DEAD_LETTER_ROWS.min(state.config.limits.page_size_max));
+    let mut runs = Vec::new();
+    for status in [RunStatus::Parked, RunStatus::Failed] {
+        let query = ListQuery {
+            status: Some(status.as_str().into()),
+            workflow: None,
+            created_after_ms: None,
+            created_before_ms: None,
+            limit: rows,
+            after: None,
+        };
+        runs.extend(api::list_runs(&state, &caller, query).await?.0);
+    }
+    let tenant_id = caller.tenant.id.clone();
+    let mut blocked = Vec::new();
+    for consumer in state.control(|c| c.consumers(Some(&tenant_id)))? {
+        let query = RecordsQuery { status: Some("blocked".into()), limit: rows };
+        blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?);
+    }
+    let can_operate = caller.scope.allows(Scope::Operate);
+    let body = html! {
+        (done_banner(q.done.as_deref()))
+        h1 { "Dead letters" }
+        section.card {
+            h2 { "Parked and failed runs" }
+            @if runs.is_empty() {
+                p.muted { "None: no run waits for an operator." }
+            } @else {
+                table.runs {
+                    thead { tr { th { "Run" } th { "Workflow" } th { "Status" } th { "Updated" } th { "Error" } @if can_operate { th { "Action" } } } }
+                    tbody {
+                        @for run in &runs {
+                            tr {
+                                td { a href=(format!("/ui/runs/{}", run.run_id)) { code { (run.run_id) } } }
+                                td { (run.workflow) }
+                                td { (badge(run.status.as_str())) }
+                                td { (when(run.updated_at_ms)) }
+                                td.error { @if let Some(error) = &run.error { (error) } }
+                                @if can_operate {
+                                    td {
+                                        form.inline method="post" action=(format!("/ui/runs/{}/retry", run.run_id)) {
+                                            (reason_input("retried from the dashboard"))
+                                            button.primary type="submit" { "Retry" }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        section.card {
+            h2 { "Blocked inbox records" }
+            @if blocked.is_empty() {
+                p.muted { "None: no flow is stopped by an event its consumer cannot apply." }
+            } @else {
+                (super::flows::records_table(&blocked, can_operate, None))
+            }
+        }
+    };
+    Ok(page("Dead letters", Some(&Viewer::from(&caller)), body).into_response())
+}
