@@ -639,6 +639,40 @@ fn cancelling_a_sleeping_saga_compensates_then_ends_cancelled() {
     assert_eq!(report.cancelled, 1, "{report:?}");
 }
 
+/// A cancelled saga whose compensation ran out of attempts parks; an operator's retry resumes
+/// the compensation and the run still ends `cancelled` (the retry does not withdraw the cancel
+/// request: the journal after the cancel holds compensations, and the replay must see them so).
+#[test]
+fn retrying_a_cancelled_saga_parked_in_its_compensation_finishes_the_cancel() {
+    let (env, rt) = (Env::new(), runtime());
+    let mut workflows = Workflows::new();
+    // The payment service fails the first 2 calls of each key: the charge succeeds on its 3rd
+    // attempt; the refund, with 2 attempts, gives up and parks the run.
+    order_saga::<Store>(env.payments.clone())
+        .compensation_policy(fast_retry(2))
+        .register(&mut workflows, fast_options())
+        .expect("register the order saga");
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    let input = order_input("o-c", json!({"ship_after_ms": 3_600_000, "flaky_attempts": 2}));
+    env.start_new("c1", ORDER_SAGA, 1, input);
+    drive(&rt, &w, &env, &["c1"], |run| run.status == RunStatus::Sleeping);
+    env.cancel("c1", "customer changed their mind");
+    settle(&rt, &w, &env, &["c1"]);
+    assert_eq!(env.detail("c1").run.status, RunStatus::Parked);
+    let retried = env.writer.call_blocking(|store, now| store.retry("c1", "refunds are back", now)).expect("retry");
+    assert!(retried.cancel_requested, "a retry keeps the cancel request");
+    settle(&rt, &w, &env, &["c1"]);
+    let d = env.detail("c1");
+    assert_eq!(d.run.status, RunStatus::Cancelled, "{:?}", d.run.error);
+    assert_eq!(
+        names(&d),
+        ["reserve_inventory", "charge_payment", "sleep", "compensate:charge_payment", "compensate:reserve_inventory"]
+    );
+    assert_eq!(env.stock(), 10);
+    assert_eq!(env.effects(), ["reserve:o-c", "release:o-c"]);
+    assert_eq!(d.run.error.as_deref(), Some("cancel requested"), "the park's error is gone with the retry");
+}
+
 #[test]
 fn a_cancel_seen_by_a_heartbeat_stops_the_run_at_the_next_step() {
     let (env, rt) = (Env::new(), runtime());

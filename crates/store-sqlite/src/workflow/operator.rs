@@ -61,6 +61,8 @@ pub(super) fn retry(conn: &mut Connection, run_id: &str, reason: &str, now_ms: i
     }
     // The last failed entry runs again with a fresh attempt budget; its attempt history stays.
     // (A saga parked on a compensation retries that compensation, not the step that failed.)
+    // A cancel request stays: after a cancel the journal holds compensations, and the replay
+    // must take the cancelled path again to meet them (then the run ends `cancelled`).
     tx.prepare_cached(
         "UPDATE journal SET status = 'retrying', attempts = 0, next_attempt_at_ms = ?2, reason = ?3, updated_at_ms = ?2
          WHERE run_id = ?1 AND seq = (SELECT max(seq) FROM journal WHERE run_id = ?1 AND status = 'failed')",
@@ -69,8 +71,8 @@ pub(super) fn retry(conn: &mut Connection, run_id: &str, reason: &str, now_ms: i
     .execute(params![run_id, now_ms, format!("operator retry: {reason}")])
     .db()?;
     tx.prepare_cached(&format!(
-        "UPDATE runs SET status = 'pending', result = NULL, error = NULL, finished_at_ms = NULL, waiting_for = NULL,
-             cancel_requested = 0, wake_at_ms = ?2, updated_at_ms = ?2, {CLEAR_LEASE}
+        "UPDATE runs SET status = 'pending', result = NULL, finished_at_ms = NULL, waiting_for = NULL,
+             error = NULL, wake_at_ms = ?2, updated_at_ms = ?2, {CLEAR_LEASE}
          WHERE run_id = ?1"
     ))
     .db()?
