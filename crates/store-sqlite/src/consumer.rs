@@ -536,9 +536,12 @@ impl ConsumerStore for SqliteConsumer {
                             tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
                             tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
                         }
+                        // Blocked again for the same reason: nothing to write (a drain loop retries
+                        // blocked records; without this every pass rewrote the row and fsynced).
                         tx.prepare_cached(
                             "UPDATE inbox SET status = 'blocked', reason = ?5, status_at_ms = ?6
-                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
+                               AND NOT (status = 'blocked' AND reason IS ?5)",
                         )
                         .db()?
                         .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])

@@ -4,40 +4,47 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::{get, post};
-use axum::Router;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{validate_request, AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
-use tidemark_core::store::{ConsumerStore, DeliveryAction, DeliveryStatus, ProducerStore};
+use tidemark_core::store::{
+    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, ProducerStore,
+};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::Error;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{answer, page_size, ApiResult, Json, Path, Query};
+use super::{answer, page_size, typed, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::tenant::{HandlerKind, TenantMachine};
 use crate::{now_ms, AppState};
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/flows/{flow_id}", get(flow))
-        .route("/v1/flows/{flow_id}/advance", post(advance))
-        .route("/v1/streams/{flow_id}/events", post(append))
-        .route("/v1/outbox", get(outbox))
-        .route("/v1/outbox/{event_id}/{consumer_id}/resolve", post(resolve))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(flow))
+        .routes(routes!(advance))
+        .routes(routes!(append))
+        .routes(routes!(outbox))
+        .routes(routes!(resolve))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"expected_seq": 0, "to": "reserved", "quantity": 3}))]
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
     pub expected_seq: i64,
     /// reserved, confirmed or released.
     pub to: String,
+    /// 1..=1,000,000; required to reserve, optional later (must match).
     pub quantity: Option<i64>,
+    /// Payload schema of the event: 1 (`amount`) or 2 (`units`). Default 1.
     #[serde(default = "one")]
+    #[schema(default = 1)]
     pub schema_version: u32,
 }
 
@@ -45,10 +52,12 @@ fn one() -> u32 {
     1
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"event_type": "note.added", "payload": {"text": "hello"}}))]
 pub struct AppendBody {
     pub event_type: String,
+    /// Any JSON (at most the payload limit, see docs/api.md).
     pub payload: Value,
     /// Optimistic concurrency: the seq last seen. Absent: append at whatever seq is next.
     pub expected_seq: Option<i64>,
@@ -69,6 +78,20 @@ async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
     Ok(advanced(outcome))
 }
 
+/// Move a reservation flow to its next state and commit the event to the outbox, in one
+/// transaction (group-committed with concurrent requests).
+#[utoipa::path(
+    post,
+    path = "/v1/flows/{flow_id}/advance",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The flow (an id: 1..=100 of A-Z a-z 0-9 _ - . :)")),
+    request_body = AdvanceBody,
+    responses(
+        (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 409, description = "`stale` or `invalid_transition`: an answer, nothing written", body = AdvanceOutcome),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AdvanceBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     let mut input = Map::new();
@@ -90,6 +113,19 @@ async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<A
     submit(&caller, request).await
 }
 
+/// Append an event to a plain event stream (a flow whose state is `stream`).
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{flow_id}/events",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The stream")),
+    request_body = AppendBody,
+    responses(
+        (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 409, description = "`stale` (with `expected_seq`) or `invalid_transition` (the flow is a reservation)", body = AdvanceOutcome),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AppendBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     let expected_seq = match body.expected_seq {
@@ -109,7 +145,42 @@ async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<Ap
     submit(&caller, request).await
 }
 
+/// A flow as one consumer sees it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlowConsumer {
+    pub consumer_id: String,
+    pub handler: String,
+    /// Every seq up to this one is applied (or skipped).
+    pub high_water_seq: i64,
+    /// Its records of this flow above the high-water mark (pending or blocked).
+    pub open: Vec<InboxEntry>,
+}
+
+/// A flow: the producer's record and each consumer's position.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlowView {
+    pub flow_id: String,
+    /// The tenant's producer namespace (the tenant id).
+    pub source: String,
+    /// Absent (null) when the producer has no such flow but a consumer has seen it.
+    pub producer: Option<FlowRecord>,
+    pub consumers: Vec<FlowConsumer>,
+}
+
 /// A flow: its producer state and seq, and each consumer's high-water mark and open records.
+#[utoipa::path(
+    get,
+    path = "/v1/flows/{flow_id}",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The flow")),
+    responses(
+        (status = 200, body = FlowView),
+        (status = 404, description = "`not_found`: neither the producer nor a consumer knows the flow", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
 async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path<String>) -> ApiResult {
     caller.require(Scope::Read)?;
     validate_id("flow_id", &flow_id)?;
@@ -139,32 +210,48 @@ async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path
                 Ok((high, open))
             })
             .await?;
-        consumers.push(json!({
-            "consumer_id": consumer.consumer_id,
-            "handler": consumer.handler,
-            "high_water_seq": high_water_seq,
-            "open": open,
-        }));
+        consumers.push(FlowConsumer {
+            consumer_id: consumer.consumer_id,
+            handler: consumer.handler,
+            high_water_seq,
+            open,
+        });
     }
     match record {
-        None if consumers.iter().all(|c| c["high_water_seq"] == 0) => {
+        None if consumers.iter().all(|c| c.high_water_seq == 0) => {
             Err(Error::not_found(format!("no flow {flow_id:?}")).into())
         }
-        record => Ok(answer(
-            StatusCode::OK,
-            json!({"flow_id": flow_id, "source": source, "producer": record, "consumers": consumers}),
-        )),
+        producer => Ok(typed(StatusCode::OK, FlowView { flow_id, source, producer, consumers })),
     }
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct OutboxQuery {
-    /// pending (the backlog), accepted, quarantined or dismissed.
+    /// pending (the backlog), accepted, quarantined or dismissed. Default: every status.
+    #[param(value_type = Option<DeliveryStatus>)]
     pub status: Option<String>,
+    /// Page size, 1..=page_size_max (default 100).
+    #[param(minimum = 1)]
     pub limit: Option<usize>,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveriesPage {
+    pub deliveries: Vec<DeliveryEntry>,
+}
+
+/// Outbox deliveries (one per event and subscribed consumer), optionally by status.
+#[utoipa::path(
+    get,
+    path = "/v1/outbox",
+    tag = "flows",
+    params(OutboxQuery),
+    responses((status = 200, body = DeliveriesPage)),
+    security(("bearer" = ["read"]))
+)]
 async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Query<OutboxQuery>) -> ApiResult {
     caller.require(Scope::Read)?;
     let status = query
@@ -176,17 +263,45 @@ async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Que
         .transpose()?;
     let limit = page_size(&state, query.limit)?;
     let deliveries = caller.tenant.producer.call(move |p| p.store.deliveries(status, limit)).await?;
-    Ok(answer(StatusCode::OK, json!({"deliveries": deliveries})))
+    Ok(typed(StatusCode::OK, DeliveriesPage { deliveries }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"action": "requeue", "reason": "consumer fixed"}))]
 pub struct ResolveBody {
-    /// requeue or dismiss.
+    /// requeue (deliver again now, attempts reset) or dismiss (stop delivering; never an ack).
     pub action: DeliveryAction,
+    /// Recorded with the decision (1..=1000 bytes).
     pub reason: String,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Resolved {
+    /// `resolved`.
+    #[schema(example = "resolved")]
+    pub outcome: String,
+    pub delivery: DeliveryEntry,
+}
+
+/// Requeue or dismiss a quarantined (or pending) delivery, with a reason.
+#[utoipa::path(
+    post,
+    path = "/v1/outbox/{event_id}/{consumer_id}/resolve",
+    tag = "flows",
+    params(
+        ("event_id" = String, Path, description = "The event"),
+        ("consumer_id" = String, Path, description = "The subscriber"),
+    ),
+    request_body = ResolveBody,
+    responses(
+        (status = 200, body = Resolved),
+        (status = 404, description = "`not_found`: no such delivery", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the delivery is already accepted or dismissed", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn resolve(
     caller: Caller,
     Path((event_id, consumer_id)): Path<(String, String)>,
@@ -201,5 +316,5 @@ async fn resolve(
         .producer
         .call(move |p| p.store.resolve_delivery(&event_id, &consumer_id, body.action, &body.reason, now_ms()))
         .await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "resolved", "delivery": entry})))
+    Ok(typed(StatusCode::OK, Resolved { outcome: "resolved".into(), delivery: entry }))
 }
