@@ -37,14 +37,17 @@ pub fn routes() -> OpenApiRouter<AppState> {
 #[schema(example = json!({"expected_seq": 0, "to": "reserved", "quantity": 3}))]
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
+    #[schema(minimum = 0)]
     pub expected_seq: i64,
-    /// reserved, confirmed or released.
+    /// The state to move to.
+    #[schema(value_type = ReservationState)]
     pub to: String,
     /// 1..=1,000,000; required to reserve, optional later (must match).
+    #[schema(minimum = 1, maximum = 1_000_000)]
     pub quantity: Option<i64>,
     /// Payload schema of the event: 1 (`amount`) or 2 (`units`). Default 1.
     #[serde(default = "one")]
-    #[schema(default = 1)]
+    #[schema(default = 1, minimum = 1, maximum = 2)]
     pub schema_version: u32,
 }
 
@@ -52,14 +55,27 @@ fn one() -> u32 {
     1
 }
 
+/// The states of a reservation flow (documentation of `AdvanceBody::to`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum ReservationState {
+    Reserved,
+    Confirmed,
+    Released,
+}
+
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"event_type": "note.added", "payload": {"text": "hello"}}))]
 pub struct AppendBody {
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub event_type: String,
-    /// Any JSON (at most the payload limit, see docs/api.md).
+    /// A JSON object (at most 64 KiB, see docs/api.md).
+    #[schema(value_type = Object)]
     pub payload: Value,
     /// Optimistic concurrency: the seq last seen. Absent: append at whatever seq is next.
+    #[schema(minimum = 0)]
     pub expected_seq: Option<i64>,
 }
 
@@ -273,6 +289,7 @@ pub struct ResolveBody {
     /// requeue (deliver again now, attempts reset) or dismiss (stop delivering; never an ack).
     pub action: DeliveryAction,
     /// Recorded with the decision (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 

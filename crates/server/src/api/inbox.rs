@@ -52,8 +52,8 @@ fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(Con
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"handler": "record"}))]
 pub struct DeclareBody {
-    /// reservation, record or workflows.
-    #[schema(example = "record")]
+    /// The built-in handler.
+    #[schema(value_type = Handler, example = "record")]
     pub handler: String,
     /// Subscribe it to this tenant's producer (default true).
     #[serde(default = "yes")]
@@ -99,6 +99,16 @@ pub struct Declared {
 
 fn yes() -> bool {
     true
+}
+
+/// The built-in handlers (documentation of `DeclareBody::handler`, see `HandlerKind`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum Handler {
+    Reservation,
+    Record,
+    Workflows,
 }
 
 /// Declare a consumer with a built-in handler and (by default) subscribe it to the tenant's
@@ -315,6 +325,7 @@ async fn records(
 #[schema(example = json!({"reason": "bad payload, compensated by hand"}))]
 pub struct SkipRecordBody {
     /// Recorded with the record (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 

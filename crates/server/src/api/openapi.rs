@@ -4,7 +4,8 @@
 //! declarations of the handlers (mounted with `routes!`, so the router and the document cannot
 //! disagree). What every `/v1` route shares is added here once: the bearer security scheme, the
 //! error answers every route can give (`400`, `401`, `403`, `413` with a body, `429`, `500`,
-//! `503`, all with the `ErrorBody` shape), and the configured limits in the description.
+//! `503`, all with the `ErrorBody` shape), the id pattern of path parameters, and the configured
+//! limits (the description, the largest `limit`).
 
 use axum::body::Bytes;
 use axum::http::header::CONTENT_TYPE;
@@ -47,6 +48,9 @@ pub struct Document(pub Bytes);
 /// The name of the security scheme in the document.
 pub const BEARER: &str = "bearer";
 
+/// What `tidemark_core::id::validate_id` accepts: every path parameter is such an id.
+pub const ID_PATTERN: &str = "^[A-Za-z0-9_.:-]{1,100}$";
+
 fn error_answer(description: &str) -> Value {
     json!({
         "description": description,
@@ -88,6 +92,15 @@ pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config) -> Document {
             let Some(operation) = operation.as_object_mut() else { continue };
             if !path.starts_with("/v1/") {
                 continue;
+            }
+            // Every path parameter is an id; every `limit` is a page size.
+            for parameter in operation.get_mut("parameters").and_then(Value::as_array_mut).into_iter().flatten() {
+                if parameter["in"] == "path" {
+                    parameter["schema"]["pattern"] = json!(ID_PATTERN);
+                } else if parameter["name"] == "limit" {
+                    parameter["schema"]["minimum"] = json!(1);
+                    parameter["schema"]["maximum"] = json!(limits.page_size_max);
+                }
             }
             let has_body = operation.contains_key("requestBody");
             let responses = operation.entry("responses").or_insert_with(|| Value::Object(Map::new()));

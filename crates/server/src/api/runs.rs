@@ -44,16 +44,28 @@ pub fn routes() -> OpenApiRouter<AppState> {
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"workflow": "order_saga", "run_id": "order-1", "input": {"order_id": "order-1", "sku": "sku-1", "quantity": 2, "amount": 500}}))]
 pub struct StartBody {
-    /// A built-in workflow: order_saga or sleepy_order.
+    /// A built-in workflow.
+    #[schema(value_type = BuiltinWorkflow)]
     pub workflow: String,
     /// The idempotency key: the same run id with the same input answers the existing run.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub run_id: String,
     /// The workflow's input (see docs/workflows.md; at most 256 KiB of JSON).
     pub input: Value,
     /// At most one active run per key, oldest first.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub key: Option<String>,
-    /// Do not run before this time (ms since the epoch).
+    /// Do not run before this time (ms since the epoch; at most 366 days ahead).
     pub start_at_ms: Option<i64>,
+}
+
+/// The built-in workflows (documentation of `StartBody::workflow`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum BuiltinWorkflow {
+    OrderSaga,
+    SleepyOrder,
 }
 
 /// Start a run. 201 `started`, 200 `existing` (same run id and input), 409 `run_conflict`.
@@ -116,6 +128,7 @@ pub struct ListQuery {
     #[param(value_type = Option<RunStatus>)]
     pub status: Option<String>,
     /// Only runs of this workflow.
+    #[param(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub workflow: Option<String>,
     /// Runs created strictly after this time (ms since the epoch).
     pub created_after_ms: Option<i64>,
@@ -203,6 +216,7 @@ async fn show(caller: Caller, Path(run_id): Path<String>) -> ApiResult {
 #[schema(example = json!({"reason": "customer asked"}))]
 pub struct ReasonBody {
     /// Recorded in the run's history (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 
@@ -295,7 +309,9 @@ async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<Re
 #[schema(example = json!({"from_step": 1, "new_run_id": "order-1-again"}))]
 pub struct ForkBody {
     /// The new run keeps the journal entries before this step.
+    #[schema(maximum = 10_000)]
     pub from_step: u32,
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub new_run_id: String,
 }
 
@@ -330,10 +346,12 @@ async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkB
 #[schema(example = json!({"step": 3, "output": {"charged": "by hand"}, "reason": "charged by phone"}))]
 pub struct SkipStepBody {
     /// The journal seq of the step to skip.
+    #[schema(maximum = 9_999)]
     pub step: u32,
     /// The output the step is recorded with (default null).
     #[serde(default)]
     pub output: Value,
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 
@@ -372,8 +390,10 @@ async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipS
 #[schema(example = json!({"name": "approval", "event_id": "approval-order-1", "payload": {"approved": true}}))]
 pub struct EventBody {
     /// The event name a waiting run waits for.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub name: String,
     /// Idempotency: the same event id twice is one event.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub event_id: String,
     #[serde(default)]
     pub payload: Value,
@@ -421,7 +441,7 @@ async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"quantity": 10}))]
 pub struct StockBody {
-    /// 0..=1,000,000,000,000.
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64)]
     pub quantity: i64,
 }
 
