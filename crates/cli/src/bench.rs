@@ -662,6 +662,9 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     let deadline = Duration::from_secs(3_600);
     let mut all_passed = true;
 
+    // Steps: the probes, the preload, then each repeat.
+    let steps = 1 + u64::from(args.preload_events > 0) + args.repeat;
+    let mut progress = crate::progress::Progress::start("bench", steps);
     // The disk: single-row commits with synchronous=FULL, and raw fdatasync.
     let commit_probe =
         probe::single_row_commits(&dir.join("probe.db"), Durability::Full, args.probe_commits, PROBE_TIME_MAX)?;
@@ -669,6 +672,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     // The CPU side: bare inserts of inbox-shaped rows, `batch` per transaction.
     let insert_rows = (flows * per_flow).min(30_000);
     let insert_probe = probe::inbox_inserts(&dir.join("inserts.db"), durability, insert_rows, args.batch as u64)?;
+    progress.advance(1, "probes");
 
     // Preload once (fast: synchronous=NORMAL, batches of 10,000), then reopen with `durability`.
     let mut preloaded_pipeline = None;
@@ -689,6 +693,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "end_to_end_events_per_s": preload.end_to_end_rate(),
         });
         preloaded_pipeline = Some((reopen(p, durability)?, preload.events));
+        progress.advance(1, "preload");
     }
 
     // The measured runs, interleaved so that a slow moment of a shared machine hits all kinds.
@@ -740,7 +745,9 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             all_passed &= passed(&check);
             preloaded.push(&stats, check);
         }
+        progress.advance(1, &format!("run {} of {}", r + 1, args.repeat));
     }
+    progress.finish(if all_passed { "every check passed" } else { "a check failed" });
 
     let empty_rate = sequential.median().unwrap_or(0.0);
     let pipelined_rate = pipelined.median().unwrap_or(0.0);

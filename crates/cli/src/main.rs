@@ -13,6 +13,8 @@ mod bench;
 mod demo;
 mod experiment;
 mod pipeline;
+mod progress;
+mod remote;
 mod server_cmd;
 #[cfg(feature = "failpoints")]
 mod unsafe_cmd;
@@ -47,6 +49,15 @@ struct Cli {
     /// replaying scenarios and testing retention; never needed in production.
     #[arg(long, global = true)]
     now_ms: Option<i64>,
+    /// Send the command to a running `tidemark serve` at this URL instead of opening files
+    /// (advance, receive, outbox list/resolve, inbox list/skip/cursors, workflow
+    /// seed-stock/start/list/show/cancel/retry/abandon/fork/skip/send-event; see docs/cli.md).
+    /// The file flags (--producer, --consumer-db, --db) are then not needed.
+    #[arg(long, global = true, env = "TIDEMARK_SERVER")]
+    server: Option<String>,
+    /// The bearer token for --server (from `tidemark token create`).
+    #[arg(long, global = true, env = "TIDEMARK_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -128,8 +139,9 @@ struct InitArgs {
 
 #[derive(Args)]
 struct AdvanceArgs {
+    /// The producer database (not with --server).
     #[arg(long)]
-    producer: PathBuf,
+    producer: Option<PathBuf>,
     #[arg(long)]
     flow: String,
     /// The seq you last saw for this flow (0 for a new flow).
@@ -189,8 +201,9 @@ struct RelayArgs {
 
 #[derive(Args)]
 struct ReceiveArgs {
+    /// The consumer database (not with --server).
     #[arg(long = "consumer-db")]
-    consumer_db: PathBuf,
+    consumer_db: Option<PathBuf>,
     #[arg(long)]
     consumer_id: String,
     /// Envelope JSON file; stdin when absent or `-`.
@@ -247,7 +260,7 @@ enum OutboxCommand {
     /// List deliveries, optionally by status (pending, accepted, quarantined, dismissed).
     List {
         #[arg(long)]
-        producer: PathBuf,
+        producer: Option<PathBuf>,
         #[arg(long)]
         status: Option<String>,
         #[arg(long, default_value_t = 100)]
@@ -256,7 +269,7 @@ enum OutboxCommand {
     /// Requeue or dismiss a quarantined delivery, with a reason.
     Resolve {
         #[arg(long)]
-        producer: PathBuf,
+        producer: Option<PathBuf>,
         #[arg(long)]
         event: String,
         #[arg(long)]
@@ -284,7 +297,7 @@ enum InboxCommand {
     /// List inbox records, optionally by status (pending, applied, blocked, skipped).
     List {
         #[arg(long = "consumer-db")]
-        consumer_db: PathBuf,
+        consumer_db: Option<PathBuf>,
         #[arg(long)]
         consumer_id: String,
         #[arg(long)]
@@ -295,7 +308,7 @@ enum InboxCommand {
     /// Skip a blocked record (its handler never runs) so its flow goes on. Recorded with the reason.
     Skip {
         #[arg(long = "consumer-db")]
-        consumer_db: PathBuf,
+        consumer_db: Option<PathBuf>,
         #[arg(long)]
         consumer_id: String,
         #[arg(long)]
@@ -306,7 +319,7 @@ enum InboxCommand {
     /// Per-flow high-water marks.
     Cursors {
         #[arg(long = "consumer-db")]
-        consumer_db: PathBuf,
+        consumer_db: Option<PathBuf>,
         #[arg(long)]
         consumer_id: Option<String>,
     },
@@ -360,6 +373,11 @@ fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
 
+/// A file flag that is optional only because `--server` does without it.
+pub fn file_arg(value: Option<PathBuf>, flag: &str) -> tidemark_core::Result<PathBuf> {
+    value.ok_or_else(|| invalid(format!("{flag} is required (or give --server URL to use a running server)")))
+}
+
 fn to_json<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("outputs serialise")
 }
@@ -387,6 +405,10 @@ fn read_envelope(file: Option<&Path>) -> tidemark_core::Result<Envelope> {
 }
 
 fn run(cli: Cli) -> tidemark_core::Result<Value> {
+    if let Some(server) = &cli.server {
+        let remote = remote::Remote::new(server, cli.token.clone())?;
+        return remote::run(&remote, cli.command);
+    }
     let ctx = Context {
         durability: match cli.durability {
             DurabilityArg::Full => Durability::Full,
@@ -427,7 +449,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             };
             // Validate before opening so that bad input never touches the file.
             tidemark_core::flow::validate_request(&ReservationMachine, &request)?;
-            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            let path = file_arg(args.producer, "--producer")?;
+            let mut producer = SqliteProducer::open_with(&path, ctx.durability)?;
             let mut outcomes = producer.advance_batch(&ReservationMachine, &[request], ctx.now_ms())?;
             Ok(to_json(&outcomes.pop().expect("one outcome per request")))
         }
@@ -478,8 +501,9 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         }
         Command::Receive(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+            let path = file_arg(args.consumer_db, "--consumer-db")?;
             let envelope = read_envelope(args.file.as_deref())?;
-            let mut consumer = SqliteConsumer::open_with(&args.consumer_db, ctx.durability)?;
+            let mut consumer = SqliteConsumer::open_with(&path, ctx.durability)?;
             let mut outcomes = consumer.receive_batch(&[(args.consumer_id.as_str(), &envelope)], ctx.now_ms())?;
             Ok(to_json(&outcomes.pop().expect("one outcome per event")))
         }
@@ -510,7 +534,10 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             tidemark_core::id::validate_limit("--limit", args.limit, tidemark_core::limits::DRAIN_BATCH_EVENTS_MAX)?;
             let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
             let mut handler = ReservationHandler::new(args.handler.support_v2);
+            // One transaction: the bar shows that it runs and for how long.
+            let progress = progress::Progress::start("drain", 0);
             let report = consumer.drain(&args.consumer_id, &DrainScope::All, args.limit, &mut handler, ctx.now_ms())?;
+            progress.finish(&format!("{} applied, {} stuck", report.applied, report.stuck.len()));
             Ok(to_json(&report))
         }
         Command::Snapshot(args) => {
@@ -543,7 +570,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     .map(|s| DeliveryStatus::parse(&s).ok_or_else(|| invalid(format!("unknown delivery status {s:?}"))))
                     .transpose()?;
                 tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
-                let producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
                 let entries = producer.deliveries(status, limit)?;
                 Ok(json!({"outcome": "listed", "deliveries": entries}))
             }
@@ -555,7 +582,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     ActionArg::Requeue => DeliveryAction::Requeue,
                     ActionArg::Dismiss => DeliveryAction::Dismiss,
                 };
-                let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
                 let entry = producer.resolve_delivery(&event, &consumer_id, action, &reason, ctx.now_ms())?;
                 Ok(json!({"outcome": "resolved", "delivery": entry}))
             }
@@ -572,14 +599,14 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     .map(|s| InboxStatus::parse(&s).ok_or_else(|| invalid(format!("unknown inbox status {s:?}"))))
                     .transpose()?;
                 tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
-                let consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                let consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
                 Ok(json!({"outcome": "listed", "records": consumer.inbox(&consumer_id, status, limit)?}))
             }
             InboxCommand::Skip { consumer_db, consumer_id, event, reason } => {
                 tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
                 tidemark_core::id::validate_id("event_id", &event)?;
                 tidemark_core::id::validate_reason(&reason)?;
-                let mut consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                let mut consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
                 let entry = consumer.skip_blocked(&consumer_id, &event, &reason, ctx.now_ms())?;
                 Ok(json!({"outcome": "skipped", "record": entry}))
             }
@@ -587,7 +614,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 if let Some(id) = &consumer_id {
                     tidemark_core::id::validate_id("consumer_id", id)?;
                 }
-                let consumer = SqliteConsumer::open_with(&consumer_db, ctx.durability)?;
+                let consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
                 Ok(json!({"outcome": "listed", "cursors": consumer.cursors(consumer_id.as_deref())?}))
             }
         },
@@ -600,6 +627,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 return Err(invalid("give --consumer-db and/or --producer"));
             }
             let mut out = json!({"outcome": "pruned"});
+            let mut progress = progress::Progress::start("prune", 0);
             // Each loop is bounded: every batch deletes rows, so at most (rows / batch) + 1 run.
             if let Some(path) = &args.consumer_db {
                 let mut consumer = SqliteConsumer::open_with(path, ctx.durability)?;
@@ -610,6 +638,13 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     let report = consumer.prune(args.applied_retention_ms, args.batch_rows, ctx.now_ms())?;
                     total.compacted += report.compacted;
                     total.receipts_deleted += report.receipts_deleted;
+                    progress.advance(
+                        1,
+                        &format!(
+                            "consumer: {} compacted, {} receipts deleted",
+                            total.compacted, total.receipts_deleted
+                        ),
+                    );
                     if !report.more {
                         break;
                     }
@@ -627,6 +662,13 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                         producer.prune_delivered(args.delivered_retention_ms, args.batch_rows, ctx.now_ms())?;
                     total.events_deleted += report.events_deleted;
                     total.deliveries_deleted += report.deliveries_deleted;
+                    progress.advance(
+                        1,
+                        &format!(
+                            "producer: {} events, {} deliveries deleted",
+                            total.events_deleted, total.deliveries_deleted
+                        ),
+                    );
                     if !report.more {
                         break;
                     }
@@ -634,6 +676,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 out["producer"] = to_json(&total);
                 out["producer"]["batches"] = json!(batches);
             }
+            progress.finish("pruned");
             Ok(out)
         }
         Command::RenameConsumer(args) => {

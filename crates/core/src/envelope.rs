@@ -12,6 +12,7 @@ use crate::limits::{ENVELOPE_BYTES_MAX, PAYLOAD_BYTES_MAX, SCHEMA_VERSION_MAX};
 
 /// One immutable event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Envelope {
     pub event_id: String,

@@ -12,6 +12,7 @@ use crate::id::validate_id;
 
 /// The stored state of one flow (producer side).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowState {
     pub state: String,
     /// Domain data carried by the state (e.g. the reserved quantity), as JSON.
@@ -61,6 +62,7 @@ pub const APPEND_AT_ANY_SEQ: i64 = -1;
 
 /// Outcome of one advance. Rejections are answers, not remembered state.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum AdvanceOutcome {
     Committed { flow_id: String, seq: i64, event_id: String, state: String },

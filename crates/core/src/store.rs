@@ -18,6 +18,7 @@ pub struct ProducerIdentity {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowRecord {
     pub flow_id: String,
     pub last_seq: i64,
@@ -27,6 +28,7 @@ pub struct FlowRecord {
 
 /// A subscriber of a producer: a logical consumer id and where its inbox is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Subscription {
     pub consumer_id: String,
     /// Where the consumer's inbox lives: a consumer database path today.
@@ -34,6 +36,7 @@ pub struct Subscription {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DeliveryStatus {
     /// Not yet accepted by the consumer; due at `next_attempt_at_ms`.
@@ -91,6 +94,7 @@ pub struct DeliveryResult {
 
 /// A delivery row as listed to operators.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeliveryEntry {
     pub event_id: String,
     pub flow_id: String,
@@ -105,6 +109,7 @@ pub struct DeliveryEntry {
 
 /// An operator's decision on a quarantined (or pending) delivery.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum DeliveryAction {
     /// Deliver again now, with the attempt counter reset.
@@ -171,6 +176,7 @@ pub trait ProducerStore {
 
 /// Outcome of receiving one event into one consumer's inbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ReceiveOutcome {
     Accepted { consumer_id: String, event_id: String },
@@ -270,6 +276,7 @@ pub enum DrainScope {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum InboxStatus {
     Pending,
@@ -295,6 +302,7 @@ impl InboxStatus {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct InboxEntry {
     pub consumer_id: String,
     pub envelope: Envelope,
@@ -306,6 +314,7 @@ pub struct InboxEntry {
 
 /// A consumer's position in one flow: every seq up to `high_water_seq` is applied (or skipped).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowCursor {
     pub consumer_id: String,
     pub source: String,

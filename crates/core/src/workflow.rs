@@ -45,6 +45,7 @@ pub const TIMER_MS_MAX: i64 = 366 * 24 * 60 * 60 * 1000;
 
 /// The status of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum RunStatus {
     /// Ready to run (new, or a step retry is due at `wake_at_ms`).
@@ -174,6 +175,7 @@ impl FinishStatus {
 
 /// The kind of a journal entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum StepKind {
     /// Calls the outside world: at least once, with a stable idempotency key.
@@ -208,6 +210,7 @@ impl StepKind {
 
 /// The status of a journal entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum StepStatus {
     /// At least one attempt failed; the next is due at `next_attempt_at_ms`.
@@ -422,6 +425,7 @@ pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static
 
 /// The answer to one start request.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum StartOutcome {
     Started {
@@ -441,6 +445,7 @@ pub enum StartOutcome {
 
 /// One run, as stored.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunRecord {
     pub run_id: String,
     pub workflow: String,
@@ -466,6 +471,7 @@ pub struct RunRecord {
 
 /// One journal entry.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JournalEntry {
     pub seq: u32,
     pub name: String,
@@ -486,6 +492,7 @@ pub struct JournalEntry {
 
 /// One attempt of one step (every attempt and its error is recorded).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AttemptRecord {
     pub seq: u32,
     /// Ordinal of the attempt at this position over the run's whole life: an operator `retry`
@@ -498,6 +505,7 @@ pub struct AttemptRecord {
 
 /// An event sent to a run (by API, CLI or an inbox handler).
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunEvent {
     pub event_id: String,
     pub name: String,
@@ -509,6 +517,7 @@ pub struct RunEvent {
 
 /// A run with everything recorded about it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunDetail {
     pub run: RunRecord,
     pub journal: Vec<JournalEntry>,

@@ -536,9 +536,12 @@ impl ConsumerStore for SqliteConsumer {
                             tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
                             tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
                         }
+                        // Blocked again for the same reason: nothing to write (a drain loop retries
+                        // blocked records; without this every pass rewrote the row and fsynced).
                         tx.prepare_cached(
                             "UPDATE inbox SET status = 'blocked', reason = ?5, status_at_ms = ?6
-                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
+                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
+                               AND NOT (status = 'blocked' AND reason IS ?5)",
                         )
                         .db()?
                         .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])
@@ -866,5 +869,44 @@ mod tests {
         assert_eq!((again.inbox, again.receipts, again.cursors, again.projections), (0, 0, 0, 0));
         assert_eq!(consumer.rename_consumer("a", "c", 1).unwrap_err().code(), codes::NOT_FOUND);
         assert_eq!(consumer.inbox("b", None, 10).unwrap().len(), 1);
+    }
+
+    struct Refuse;
+
+    impl Handler<Connection> for Refuse {
+        fn handle(&mut self, _tx: &Connection, _consumer: &str, _event: &Envelope) -> Result<(), HandleError> {
+            Err(HandleError::Blocked("never".into()))
+        }
+    }
+
+    // A blocked record was rewritten (and fsynced) by every drain pass of `tidemark serve`.
+    #[test]
+    fn a_record_blocked_again_for_the_same_reason_is_not_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let mut consumer = SqliteConsumer::init(&path, RetentionPolicy::default()).unwrap();
+        let event = Envelope {
+            event_id: "e1".into(),
+            source: "shop".into(),
+            generation: "g1".into(),
+            flow_id: "f".into(),
+            seq: 1,
+            event_type: "t".into(),
+            schema_version: 1,
+            payload: serde_json::json!({}),
+            created_at_ms: 1,
+        };
+        consumer.receive_batch(&[("a", &event)], 1).unwrap();
+        let first = consumer.drain("a", &DrainScope::All, 10, &mut Refuse, 2).unwrap();
+        assert_eq!(first.outcome, DrainStop::Blocked);
+        let wal = path.with_extension("db-wal");
+        let size = std::fs::metadata(&wal).unwrap().len();
+        for now in 3..10 {
+            let again = consumer.drain("a", &DrainScope::All, 10, &mut Refuse, now).unwrap();
+            assert_eq!(again.outcome, DrainStop::Blocked);
+        }
+        assert_eq!(std::fs::metadata(&wal).unwrap().len(), size, "a repeated block wrote to the WAL");
+        let record = consumer.inbox("a", Some(InboxStatus::Blocked), 10).unwrap().remove(0);
+        assert_eq!(record.reason.as_deref(), Some("never"));
     }
 }

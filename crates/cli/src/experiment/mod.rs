@@ -332,7 +332,14 @@ pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
     let write_expected =
         args.write_expected.as_ref().map(|p| create_file(p, "--write-expected").map(|f| (f, p.clone()))).transpose()?;
 
-    let outcomes: Vec<Outcome> = defs.into_iter().map(|def| run_scenario(ctx, def, t0)).collect();
+    let mut progress = crate::progress::Progress::start("experiment", defs.len() as u64);
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(defs.len());
+    for def in defs {
+        let name = def.name;
+        outcomes.push(run_scenario(ctx, def, t0));
+        progress.advance(1, name);
+    }
+    progress.finish(&format!("{} scenarios", outcomes.len()));
 
     let count = |status: &str| outcomes.iter().filter(|o| o.status == status).count();
     let assertions: usize = outcomes.iter().map(|o| o.assertions.len()).sum();

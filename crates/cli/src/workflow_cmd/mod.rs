@@ -50,7 +50,7 @@ pub enum WorkflowCommand {
     /// Set the stock of a SKU in the order tables.
     SeedStock {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         sku: String,
         #[arg(long)]
@@ -60,7 +60,7 @@ pub enum WorkflowCommand {
     #[command(group(ArgGroup::new("input_source").required(true).args(["input", "input_file"])))]
     Start {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         /// A built-in workflow: order_saga or sleepy_order.
         #[arg(long)]
         workflow: String,
@@ -82,7 +82,7 @@ pub enum WorkflowCommand {
     /// List runs, oldest first, a page at a time (`next_after` is the next page's cursor).
     List {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         status: Option<String>,
         #[arg(long)]
@@ -102,14 +102,14 @@ pub enum WorkflowCommand {
     /// One run with its journal, every attempt with its error, and its events.
     Show {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
     },
     /// Request cancellation: a saga compensates first, then the run ends `cancelled`.
     Cancel {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         #[arg(long)]
@@ -118,7 +118,7 @@ pub enum WorkflowCommand {
     /// Retry a failed or parked run from its failed step (fresh attempt budget).
     Retry {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         #[arg(long)]
@@ -127,7 +127,7 @@ pub enum WorkflowCommand {
     /// Give up on a run: it ends `cancelled`, nothing compensated.
     Abandon {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         #[arg(long)]
@@ -136,7 +136,7 @@ pub enum WorkflowCommand {
     /// Start a new run as a copy of a run whose journal keeps the steps before --from-step.
     Fork {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         /// The journal position (seq) from which the new run executes again.
@@ -148,7 +148,7 @@ pub enum WorkflowCommand {
     /// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
     Skip {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         /// The journal position (seq) of the step.
@@ -163,7 +163,7 @@ pub enum WorkflowCommand {
     /// Send an event to a run (idempotent by --event-id; a fresh id when absent).
     SendEvent {
         #[arg(long)]
-        db: PathBuf,
+        db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
         #[arg(long)]
@@ -224,17 +224,22 @@ fn open(ctx: &Context, db: &Path) -> Result<SqliteWorkflows> {
     SqliteWorkflows::open_with(db, ctx.durability)
 }
 
+/// `--db`, which only `--server` does without.
+fn open_db(ctx: &Context, db: Option<PathBuf>) -> Result<SqliteWorkflows> {
+    open(ctx, &crate::file_arg(db, "--db")?)
+}
+
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
 
 /// A JSON argument, or `invalid_input`.
-fn parse_json(field: &str, text: &str) -> Result<Value> {
+pub(crate) fn parse_json(field: &str, text: &str) -> Result<Value> {
     serde_json::from_str(text)
         .map_err(|e| Error::invalid(workflow_codes::INVALID_INPUT, format!("{field} is not valid JSON: {e}")))
 }
 
-fn read_input(text: Option<&str>, file: Option<&Path>) -> Result<Value> {
+pub(crate) fn read_input(text: Option<&str>, file: Option<&Path>) -> Result<Value> {
     match (text, file) {
         (Some(text), None) => parse_json("--input", text),
         (None, Some(path)) => {
@@ -295,7 +300,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
         }
         WorkflowCommand::SeedStock { db, sku, quantity } => {
             validate_stock(&sku, quantity)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             let stock = seed(&mut store, &sku, quantity)?;
             Ok(json!({"outcome": "stocked", "stock": stock}))
         }
@@ -317,7 +322,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
                     return Err(invalid(format!("--start-at-ms is more than {TIMER_MS_MAX} ms ahead")));
                 }
             }
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             match store.start_runs(&[request], now)?.remove(0) {
                 StartOutcome::Conflict { run_id, reason } => {
                     Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")))
@@ -340,14 +345,14 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             validate_limit("--limit", limit, PAGE_SIZE_MAX)?;
             let after = after.as_deref().map(RunFilter::parse_page).transpose()?;
             let filter = RunFilter { status, workflow, created_after_ms, created_before_ms, after };
-            let store = open(ctx, &db)?;
+            let store = open_db(ctx, db)?;
             let runs = store.list_runs(&filter, limit)?;
             let next_after = RunFilter::next_page(&runs, limit);
             Ok(json!({"outcome": "listed", "runs": runs, "next_after": next_after}))
         }
         WorkflowCommand::Show { db, run_id } => {
             validate_id("run_id", &run_id)?;
-            let store = open(ctx, &db)?;
+            let store = open_db(ctx, db)?;
             let detail = store.run(&run_id)?.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
             let mut out = serde_json::to_value(&detail).expect("runs serialise");
             out["outcome"] = json!("found");
@@ -356,19 +361,19 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
         WorkflowCommand::Cancel { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             Ok(run_out("cancel_requested", store.cancel(&run_id, &reason, now)?))
         }
         WorkflowCommand::Retry { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             Ok(run_out("retried", store.retry(&run_id, &reason, now)?))
         }
         WorkflowCommand::Abandon { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             Ok(run_out("abandoned", store.abandon(&run_id, &reason, now)?))
         }
         WorkflowCommand::Fork { db, run_id, from_step, new_run_id } => {
@@ -377,7 +382,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             if from_step > RUN_STEPS_MAX {
                 return Err(Error::invalid(codes::INVALID_SEQ, format!("--from-step must be 0..={RUN_STEPS_MAX}")));
             }
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             Ok(run_out("forked", store.fork(&run_id, from_step, &new_run_id, now)?))
         }
         WorkflowCommand::Skip { db, run_id, step, output, reason } => {
@@ -391,7 +396,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
                 None => Value::Null,
             };
             validate_json_size("--output", &output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             Ok(run_out("skipped", store.skip_step(&run_id, step, &output, &reason, now)?))
         }
         WorkflowCommand::SendEvent { db, run_id, name, event_id, payload } => {
@@ -401,7 +406,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             validate_id("event_id", &event_id)?;
             let payload = parse_json("--payload", &payload)?;
             validate_json_size("--payload", &payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-            let mut store = open(ctx, &db)?;
+            let mut store = open_db(ctx, db)?;
             let new = store.send_event(&run_id, &event_id, &name, &payload, now)?;
             Ok(json!({
                 "outcome": if new { "sent" } else { "duplicate" },

@@ -2,6 +2,7 @@
 //! `tidemark` binary on real SQLite files; crash tests need the `failpoints` feature
 //! (`cargo test --workspace --all-features`) and say so when it is missing.
 
+mod server_fixture;
 mod server_support;
 mod support;
 
@@ -13,7 +14,10 @@ mod experiment;
 mod model_check;
 mod outbox_transaction;
 mod server_api;
+mod server_cli;
 mod server_dashboard;
+mod server_openapi;
+mod server_tenancy;
 mod workflow_cli;
 mod workflow_inbox;
 mod workflow_model;

@@ -4,8 +4,6 @@
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
-use axum::routing::{get, post};
-use axum::Router;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
@@ -16,30 +14,40 @@ use tidemark_core::store::{
 };
 use tidemark_core::tenancy::Scope;
 use tidemark_core::Error;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
+use super::{answer, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::tenant::{HandlerKind, TenantMachine};
 use crate::{now_ms, AppState};
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/flows/{flow_id}", get(flow))
-        .route("/v1/flows/{flow_id}/advance", post(advance))
-        .route("/v1/streams/{flow_id}/events", post(append))
-        .route("/v1/outbox", get(outbox))
-        .route("/v1/outbox/{event_id}/{consumer_id}/resolve", post(resolve))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(flow))
+        .routes(routes!(advance))
+        .routes(routes!(append))
+        .routes(routes!(outbox))
+        .routes(routes!(resolve))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"expected_seq": 0, "to": "reserved", "quantity": 3}))]
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
+    #[schema(minimum = 0)]
     pub expected_seq: i64,
-    /// reserved, confirmed or released.
+    /// The state to move to.
+    #[schema(value_type = ReservationState)]
     pub to: String,
+    /// 1..=1,000,000; required to reserve, optional later (must match).
+    #[schema(minimum = 1, maximum = 1_000_000)]
     pub quantity: Option<i64>,
+    /// Payload schema of the event: 1 (`amount`) or 2 (`units`). Default 1.
     #[serde(default = "one")]
+    #[schema(default = 1, minimum = 1, maximum = 2)]
     pub schema_version: u32,
 }
 
@@ -47,12 +55,27 @@ fn one() -> u32 {
     1
 }
 
-#[derive(Deserialize)]
+/// The states of a reservation flow (documentation of `AdvanceBody::to`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum ReservationState {
+    Reserved,
+    Confirmed,
+    Released,
+}
+
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"event_type": "note.added", "payload": {"text": "hello"}}))]
 pub struct AppendBody {
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub event_type: String,
+    /// A JSON object (at most 64 KiB, see docs/api.md).
+    #[schema(value_type = Object)]
     pub payload: Value,
     /// Optimistic concurrency: the seq last seen. Absent: append at whatever seq is next.
+    #[schema(minimum = 0)]
     pub expected_seq: Option<i64>,
 }
 
@@ -71,6 +94,20 @@ async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
     Ok(advanced(outcome))
 }
 
+/// Move a reservation flow to its next state and commit the event to the outbox, in one
+/// transaction (group-committed with concurrent requests).
+#[utoipa::path(
+    post,
+    path = "/v1/flows/{flow_id}/advance",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The flow (an id: 1..=100 of A-Z a-z 0-9 _ - . :)")),
+    request_body = AdvanceBody,
+    responses(
+        (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 409, description = "`stale` or `invalid_transition`: an answer, nothing written", body = AdvanceOutcome),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AdvanceBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     let mut input = Map::new();
@@ -92,6 +129,19 @@ async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<A
     submit(&caller, request).await
 }
 
+/// Append an event to a plain event stream (a flow whose state is `stream`).
+#[utoipa::path(
+    post,
+    path = "/v1/streams/{flow_id}/events",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The stream")),
+    request_body = AppendBody,
+    responses(
+        (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 409, description = "`stale` (with `expected_seq`) or `invalid_transition` (the flow is a reservation)", body = AdvanceOutcome),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AppendBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     let expected_seq = match body.expected_seq {
@@ -111,31 +161,48 @@ async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<Ap
     submit(&caller, request).await
 }
 
-/// A flow: its producer state and seq, and each consumer's high-water mark and open records.
-async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path<String>) -> ApiResult {
-    let view = flow_view(&state, &caller, flow_id).await?;
-    Ok(answer(StatusCode::OK, serde_json::to_value(&view).expect("flows serialise")))
-}
-
-/// What `GET /v1/flows/{flow_id}` answers (shared with the dashboard).
-#[derive(Debug, Serialize)]
-pub(crate) struct FlowView {
-    pub flow_id: String,
-    pub source: String,
-    pub producer: Option<FlowRecord>,
-    pub consumers: Vec<ConsumerPosition>,
-}
-
-/// A consumer's position in one flow: everything up to `high_water_seq` is applied (or
-/// skipped); `open` are its records above it (pending or blocked).
-#[derive(Debug, Serialize)]
-pub(crate) struct ConsumerPosition {
+/// A flow as one consumer sees it.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlowConsumer {
     pub consumer_id: String,
     pub handler: String,
+    /// Every seq up to this one is applied (or skipped).
     pub high_water_seq: i64,
+    /// Its records of this flow above the high-water mark (pending or blocked).
     pub open: Vec<InboxEntry>,
 }
 
+/// A flow: the producer's record and each consumer's position.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FlowView {
+    pub flow_id: String,
+    /// The tenant's producer namespace (the tenant id).
+    pub source: String,
+    /// Absent (null) when the producer has no such flow but a consumer has seen it.
+    pub producer: Option<FlowRecord>,
+    pub consumers: Vec<FlowConsumer>,
+}
+
+/// A flow: its producer state and seq, and each consumer's high-water mark and open records.
+#[utoipa::path(
+    get,
+    path = "/v1/flows/{flow_id}",
+    tag = "flows",
+    params(("flow_id" = String, Path, description = "The flow")),
+    responses(
+        (status = 200, body = FlowView),
+        (status = 404, description = "`not_found`: neither the producer nor a consumer knows the flow", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
+async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path<String>) -> ApiResult {
+    let view = flow_view(&state, &caller, flow_id).await?;
+    Ok(typed(StatusCode::OK, view))
+}
+
+/// What `GET /v1/flows/{flow_id}` answers (shared with the dashboard).
 pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String) -> Result<FlowView, ApiError> {
     caller.require(Scope::Read)?;
     validate_id("flow_id", &flow_id)?;
@@ -165,7 +232,7 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
                 Ok((high, open))
             })
             .await?;
-        consumers.push(ConsumerPosition {
+        consumers.push(FlowConsumer {
             consumer_id: consumer.consumer_id,
             handler: consumer.handler,
             high_water_seq,
@@ -178,17 +245,36 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
     Ok(FlowView { flow_id, source, producer: record, consumers })
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct OutboxQuery {
-    /// pending (the backlog), accepted, quarantined or dismissed.
+    /// pending (the backlog), accepted, quarantined or dismissed. Default: every status.
+    #[param(value_type = Option<DeliveryStatus>)]
     pub status: Option<String>,
+    /// Page size, 1..=page_size_max (default 100).
+    #[param(minimum = 1)]
     pub limit: Option<usize>,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeliveriesPage {
+    pub deliveries: Vec<DeliveryEntry>,
+}
+
+/// Outbox deliveries (one per event and subscribed consumer), optionally by status.
+#[utoipa::path(
+    get,
+    path = "/v1/outbox",
+    tag = "flows",
+    params(OutboxQuery),
+    responses((status = 200, body = DeliveriesPage)),
+    security(("bearer" = ["read"]))
+)]
 async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Query<OutboxQuery>) -> ApiResult {
     let deliveries = deliveries(&state, &caller, query).await?;
-    Ok(answer(StatusCode::OK, json!({"deliveries": deliveries})))
+    Ok(typed(StatusCode::OK, DeliveriesPage { deliveries }))
 }
 
 /// The outbox's deliveries, by status (shared with the dashboard).
@@ -209,21 +295,50 @@ pub(crate) async fn deliveries(
     Ok(caller.tenant.producer.call(move |p| p.store.deliveries(status, limit)).await?)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"action": "requeue", "reason": "consumer fixed"}))]
 pub struct ResolveBody {
-    /// requeue or dismiss.
+    /// requeue (deliver again now, attempts reset) or dismiss (stop delivering; never an ack).
     pub action: DeliveryAction,
+    /// Recorded with the decision (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Resolved {
+    /// `resolved`.
+    #[schema(example = "resolved")]
+    pub outcome: String,
+    pub delivery: DeliveryEntry,
+}
+
+/// Requeue or dismiss a quarantined (or pending) delivery, with a reason.
+#[utoipa::path(
+    post,
+    path = "/v1/outbox/{event_id}/{consumer_id}/resolve",
+    tag = "flows",
+    params(
+        ("event_id" = String, Path, description = "The event"),
+        ("consumer_id" = String, Path, description = "The subscriber"),
+    ),
+    request_body = ResolveBody,
+    responses(
+        (status = 200, body = Resolved),
+        (status = 404, description = "`not_found`: no such delivery", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the delivery is already accepted or dismissed", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn resolve(
     caller: Caller,
     Path((event_id, consumer_id)): Path<(String, String)>,
     Json(body): Json<ResolveBody>,
 ) -> ApiResult {
     let entry = resolve_delivery(&caller, event_id, consumer_id, body).await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "resolved", "delivery": entry})))
+    Ok(typed(StatusCode::OK, Resolved { outcome: "resolved".into(), delivery: entry }))
 }
 
 /// Requeue or dismiss a delivery (shared with the dashboard).

@@ -5,30 +5,32 @@
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::{get, post, put};
-use axum::Router;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::limits::ENVELOPE_BYTES_MAX;
-use tidemark_core::store::{ConsumerStore, InboxEntry, InboxStatus, ProducerStore, ReceiveOutcome, Subscription};
+use tidemark_core::store::{
+    ConsumerStore, FlowCursor, InboxEntry, InboxStatus, ProducerStore, ReceiveOutcome, Subscription,
+};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::{Envelope, Error};
 use tidemark_store_sqlite::ConsumerRecord;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
+use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::tenant::HandlerKind;
 use crate::{now_ms, AppState};
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/consumers", get(list))
-        .route("/v1/consumers/{consumer_id}", put(declare))
-        .route("/v1/consumers/{consumer_id}/cursors", get(cursors))
-        .route("/v1/consumers/{consumer_id}/inbox", post(receive).get(records))
-        .route("/v1/consumers/{consumer_id}/inbox/{event_id}/skip", post(skip))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list))
+        .routes(routes!(declare))
+        .routes(routes!(cursors))
+        .routes(routes!(receive, records))
+        .routes(routes!(skip))
 }
 
 /// The declared consumer, or `not_found`.
@@ -46,23 +48,84 @@ fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(Con
     Ok((record, kind))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"handler": "record"}))]
 pub struct DeclareBody {
-    /// reservation, record or workflows.
+    /// The built-in handler.
+    #[schema(value_type = Handler, example = "record")]
     pub handler: String,
     /// Subscribe it to this tenant's producer (default true).
     #[serde(default = "yes")]
+    #[schema(default = true)]
     pub subscribe: bool,
     /// With `subscribe`: also queue every event already in the outbox (default true).
     #[serde(default = "yes")]
+    #[schema(default = true)]
     pub from_start: bool,
+}
+
+/// A declared consumer.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DeclaredConsumer {
+    pub tenant_id: String,
+    pub consumer_id: String,
+    pub handler: String,
+    pub created_at_ms: i64,
+}
+
+impl From<ConsumerRecord> for DeclaredConsumer {
+    fn from(c: ConsumerRecord) -> Self {
+        DeclaredConsumer {
+            tenant_id: c.tenant_id,
+            consumer_id: c.consumer_id,
+            handler: c.handler,
+            created_at_ms: c.created_at_ms,
+        }
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Declared {
+    /// `declared` (201) or `existing` (200: the same handler was declared before).
+    #[schema(example = "declared")]
+    pub outcome: String,
+    pub consumer: DeclaredConsumer,
+    /// With `subscribe`: deliveries queued for events already in the outbox.
+    pub queued: Option<u64>,
 }
 
 fn yes() -> bool {
     true
 }
 
+/// The built-in handlers (documentation of `DeclareBody::handler`, see `HandlerKind`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum Handler {
+    Reservation,
+    Record,
+    Workflows,
+}
+
+/// Declare a consumer with a built-in handler and (by default) subscribe it to the tenant's
+/// producer.
+#[utoipa::path(
+    put,
+    path = "/v1/consumers/{consumer_id}",
+    tag = "consumers",
+    params(("consumer_id" = String, Path, description = "The logical consumer (its dedup identity)")),
+    request_body = DeclareBody,
+    responses(
+        (status = 201, description = "`declared`", body = Declared),
+        (status = 200, description = "`existing`", body = Declared),
+        (status = 409, description = "`already_exists`: declared before with another handler", body = ErrorBody),
+    ),
+    security(("bearer" = ["admin"]))
+)]
 async fn declare(
     State(state): State<AppState>,
     caller: Caller,
@@ -83,12 +146,55 @@ async fn declare(
             Some(caller.tenant.producer.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?);
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    Ok(answer(
-        status,
-        json!({"outcome": if created {"declared"} else {"existing"}, "consumer": record, "queued": queued}),
-    ))
+    let outcome = if created { "declared" } else { "existing" };
+    Ok(typed(status, Declared { outcome: outcome.into(), consumer: record.into(), queued }))
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumerSummary {
+    pub consumer_id: String,
+    pub handler: String,
+    pub created_at_ms: i64,
+    /// Subscribed to the tenant's producer.
+    pub subscribed: bool,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ConsumersPage {
+    pub consumers: Vec<ConsumerSummary>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CursorsPage {
+    pub cursors: Vec<FlowCursor>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RecordsPage {
+    pub records: Vec<InboxEntry>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SkippedRecord {
+    /// `skipped`.
+    #[schema(example = "skipped")]
+    pub outcome: String,
+    pub record: InboxEntry,
+}
+
+/// The tenant's consumers.
+#[utoipa::path(
+    get,
+    path = "/v1/consumers",
+    tag = "consumers",
+    responses((status = 200, body = ConsumersPage)),
+    security(("bearer" = ["read"]))
+)]
 async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
     caller.require(Scope::Read)?;
     let tenant_id = caller.tenant.id.clone();
@@ -98,20 +204,55 @@ async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
         .into_iter()
         .map(|c| {
             let subscribed = subscriptions.iter().any(|s| s.consumer_id == c.consumer_id);
-            json!({"consumer_id": c.consumer_id, "handler": c.handler, "created_at_ms": c.created_at_ms, "subscribed": subscribed})
+            ConsumerSummary {
+                consumer_id: c.consumer_id,
+                handler: c.handler,
+                created_at_ms: c.created_at_ms,
+                subscribed,
+            }
         })
         .collect();
-    Ok(answer(StatusCode::OK, json!({"consumers": consumers})))
+    Ok(typed(StatusCode::OK, ConsumersPage { consumers }))
 }
 
+/// The consumer's high-water mark per flow.
+#[utoipa::path(
+    get,
+    path = "/v1/consumers/{consumer_id}/cursors",
+    tag = "consumers",
+    params(("consumer_id" = String, Path, description = "The consumer")),
+    responses(
+        (status = 200, body = CursorsPage),
+        (status = 404, description = "`not_found`: no such consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
 async fn cursors(State(state): State<AppState>, caller: Caller, Path(consumer_id): Path<String>) -> ApiResult {
     caller.require(Scope::Read)?;
     let (_, kind) = consumer(&state, &caller, &consumer_id)?;
     let cursors = caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.cursors(Some(&consumer_id))).await?;
-    Ok(answer(StatusCode::OK, json!({"cursors": cursors})))
+    Ok(typed(StatusCode::OK, CursorsPage { cursors }))
 }
 
-/// Store one envelope (the body) durably. 200 `accepted`/`duplicate`; 409 `conflict`/`expired`.
+/// Store one envelope (the body) durably in the consumer's inbox. 200 `accepted`/`duplicate`;
+/// 409 `conflict`/`expired`.
+#[utoipa::path(
+    post,
+    path = "/v1/consumers/{consumer_id}/inbox",
+    tag = "consumers",
+    params(("consumer_id" = String, Path, description = "The consumer")),
+    request_body(
+        content = Envelope,
+        description = "An envelope as a producer's outbox holds it (at most 68 KiB, and the body limit)",
+        example = json!({"event_id": "evt-1", "source": "partner", "generation": "g1", "flow_id": "order-7", "seq": 1, "event_type": "note.added", "schema_version": 1, "payload": {"text": "hi"}, "created_at_ms": 1700000000000_i64})
+    ),
+    responses(
+        (status = 200, description = "`accepted` or `duplicate`: the consumer holds the event", body = ReceiveOutcome),
+        (status = 409, description = "`conflict` (same identity, other content) or `expired` (older than the retention horizon)", body = ReceiveOutcome),
+        (status = 404, description = "`not_found`: no such consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn receive(
     State(state): State<AppState>,
     caller: Caller,
@@ -131,18 +272,33 @@ async fn receive(
     let outcome = caller.tenant.inbox_of(kind.inbox()).submit((consumer_id, envelope)).await?;
     state.metrics.record_receive(&caller.tenant.id, &outcome);
     let status = if outcome.is_custody() { StatusCode::OK } else { StatusCode::CONFLICT };
-    let _: &ReceiveOutcome = &outcome;
-    Ok(answer(status, serde_json::to_value(&outcome).expect("outcomes serialise")))
+    Ok(typed::<ReceiveOutcome>(status, outcome))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct RecordsQuery {
-    /// pending, applied, blocked or skipped.
+    /// pending, applied, blocked or skipped. Default: every status.
+    #[param(value_type = Option<InboxStatus>)]
     pub status: Option<String>,
+    /// Page size, 1..=page_size_max (default 100).
+    #[param(minimum = 1)]
     pub limit: Option<usize>,
 }
 
+/// The consumer's inbox records, optionally by status.
+#[utoipa::path(
+    get,
+    path = "/v1/consumers/{consumer_id}/inbox",
+    tag = "consumers",
+    params(("consumer_id" = String, Path, description = "The consumer"), RecordsQuery),
+    responses(
+        (status = 200, body = RecordsPage),
+        (status = 404, description = "`not_found`: no such consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
 async fn records(
     State(state): State<AppState>,
     caller: Caller,
@@ -150,7 +306,7 @@ async fn records(
     Query(query): Query<RecordsQuery>,
 ) -> ApiResult {
     let records = inbox_records(&state, &caller, consumer_id, query).await?;
-    Ok(answer(StatusCode::OK, json!({"records": records})))
+    Ok(typed(StatusCode::OK, RecordsPage { records }))
 }
 
 /// A consumer's inbox records, by status (shared with the dashboard).
@@ -173,20 +329,40 @@ pub(crate) async fn inbox_records(
     Ok(caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct SkipBody {
+#[schema(example = json!({"reason": "bad payload, compensated by hand"}))]
+pub struct SkipRecordBody {
+    /// Recorded with the record (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 
+/// Skip a blocked record (its handler never runs) so its flow goes on.
+#[utoipa::path(
+    post,
+    path = "/v1/consumers/{consumer_id}/inbox/{event_id}/skip",
+    tag = "consumers",
+    params(
+        ("consumer_id" = String, Path, description = "The consumer"),
+        ("event_id" = String, Path, description = "The blocked record's event"),
+    ),
+    request_body = SkipRecordBody,
+    responses(
+        (status = 200, body = SkippedRecord),
+        (status = 404, description = "`not_found`: no such consumer or record", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the record is not blocked", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn skip(
     State(state): State<AppState>,
     caller: Caller,
     Path((consumer_id, event_id)): Path<(String, String)>,
-    Json(body): Json<SkipBody>,
+    Json(body): Json<SkipRecordBody>,
 ) -> ApiResult {
     let record = skip_record(&state, &caller, consumer_id, event_id, body).await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "record": record})))
+    Ok(typed(StatusCode::OK, SkippedRecord { outcome: "skipped".into(), record }))
 }
 
 /// Skip a blocked inbox record (shared with the dashboard).
@@ -195,7 +371,7 @@ pub(crate) async fn skip_record(
     caller: &Caller,
     consumer_id: String,
     event_id: String,
-    body: SkipBody,
+    body: SkipRecordBody,
 ) -> Result<InboxEntry, ApiError> {
     caller.require(Scope::Operate)?;
     let (_, kind) = consumer(state, caller, &consumer_id)?;

@@ -3,9 +3,14 @@
 //!
 //! Every error answer is `{"error": {"code": "<stable code>", "message": "..."}}`. Bad input is
 //! validated before anything is queued for a store, so a 4xx answer never wrote anything.
+//!
+//! Every route is declared with `#[utoipa::path]` and mounted through `routes!` on an
+//! `OpenApiRouter`, so the router and the OpenAPI document (`GET /openapi.json`, see
+//! `openapi.rs`) come from the same declarations: a route cannot exist undocumented.
 
 pub(crate) mod flows;
 pub(crate) mod inbox;
+pub mod openapi;
 pub(crate) mod runs;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -13,18 +18,47 @@ use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::Router;
+use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::workflow::workflow_codes;
 use tidemark_core::Error;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::AppState;
 
 /// An error answer.
 #[derive(Debug)]
 pub struct ApiError(pub Error);
+
+/// The body of every error answer.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ErrorDetail {
+    /// A stable machine code (`invalid_id`, `not_found`, `forbidden`, ...; see docs/api.md).
+    #[schema(example = "not_found")]
+    pub code: String,
+    /// For a person; may change between releases.
+    pub message: String,
+}
+
+/// The answer of `/healthz` and `/readyz`.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Health {
+    /// `ok` (healthz) or `ready` (readyz).
+    #[schema(example = "ok")]
+    pub status: String,
+}
 
 impl From<Error> for ApiError {
     fn from(error: Error) -> Self {
@@ -111,6 +145,11 @@ pub fn answer(status: StatusCode, body: Value) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// A typed JSON answer with a status (the type is the one the OpenAPI document names).
+pub fn typed<T: Serialize>(status: StatusCode, body: T) -> Response {
+    (status, axum::Json(body)).into_response()
+}
+
 /// Check a page size against the configured maximum.
 pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiError> {
     let limit = limit.unwrap_or(100.min(state.config.limits.page_size_max));
@@ -118,17 +157,27 @@ pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiErr
     Ok(limit)
 }
 
-pub fn router(state: AppState) -> Router {
-    let body_max = state.config.limits.body_bytes_max;
-    Router::new()
-        .route("/", get(|| async { axum::response::Redirect::to("/ui") }))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+/// Every route with its OpenAPI description, in one router.
+pub fn documented_routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::base())
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+        .routes(routes!(openapi::document))
         .merge(flows::routes())
         .merge(inbox::routes())
         .merge(runs::routes())
+}
+
+pub fn router(state: AppState) -> Router {
+    let body_max = state.config.limits.body_bytes_max;
+    let (routes, document) = documented_routes().split_for_parts();
+    let document = openapi::finish(document, &state.config);
+    // The dashboard's pages are HTML for people, outside the JSON API and its document.
+    routes
+        .route("/", axum::routing::get(|| async { axum::response::Redirect::to("/ui") }))
         .merge(crate::dashboard::routes())
+        .layer(axum::Extension(document))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_max))
@@ -149,19 +198,43 @@ async fn count_requests(State(state): State<AppState>, request: Request, next: N
     response
 }
 
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/healthz", tag = "service", responses((status = 200, body = Health)))]
 async fn healthz() -> Response {
-    answer(StatusCode::OK, json!({"status": "ok"}))
+    typed(StatusCode::OK, Health { status: "ok".into() })
 }
 
+/// Readiness: listening, not starting or shutting down.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "service",
+    responses(
+        (status = 200, body = Health),
+        (status = 503, description = "`unavailable`: starting or shutting down", body = ErrorBody),
+    )
+)]
 async fn readyz(State(state): State<AppState>) -> Response {
     if state.is_ready() {
-        answer(StatusCode::OK, json!({"status": "ready"}))
+        typed(StatusCode::OK, Health { status: "ready".into() })
     } else {
         let error = Error::invalid(codes::UNAVAILABLE, "starting or shutting down");
         ApiError(error).into_response()
     }
 }
 
+/// Prometheus metrics (OpenMetrics text format).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "service",
+    responses((
+        status = 200,
+        description = "OpenMetrics text, ending with `# EOF`",
+        body = String,
+        content_type = "application/openmetrics-text"
+    ))
+)]
 async fn metrics(State(state): State<AppState>) -> Response {
     let body = state.metrics.encode("");
     ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)

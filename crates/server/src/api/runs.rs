@@ -4,10 +4,8 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::{get, post, put};
-use axum::Router;
-use serde::Deserialize;
-use serde_json::{json, Value};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::tenancy::Scope;
@@ -18,42 +16,71 @@ use tidemark_core::workflow::{
 use tidemark_core::Error;
 use tidemark_engine::workflow::builtin;
 use tidemark_store_sqlite::order as order_sql;
+use utoipa::{IntoParams, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
-use super::{answer, page_size, ApiError, ApiResult, Json, Path, Query};
+use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::{now_ms, AppState};
 
 /// Largest stock a SKU may be given.
 const STOCK_MAX: i64 = 1_000_000_000_000;
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/runs", post(start).get(list))
-        .route("/v1/runs/{run_id}", get(show))
-        .route("/v1/runs/{run_id}/cancel", post(cancel))
-        .route("/v1/runs/{run_id}/retry", post(retry))
-        .route("/v1/runs/{run_id}/abandon", post(abandon))
-        .route("/v1/runs/{run_id}/fork", post(fork))
-        .route("/v1/runs/{run_id}/skip", post(skip))
-        .route("/v1/runs/{run_id}/events", post(send_event))
-        .route("/v1/stock/{sku}", put(set_stock))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(start, list))
+        .routes(routes!(show))
+        .routes(routes!(cancel))
+        .routes(routes!(retry))
+        .routes(routes!(abandon))
+        .routes(routes!(fork))
+        .routes(routes!(skip))
+        .routes(routes!(send_event))
+        .routes(routes!(set_stock))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"workflow": "order_saga", "run_id": "order-1", "input": {"order_id": "order-1", "sku": "sku-1", "quantity": 2, "amount": 500}}))]
 pub struct StartBody {
-    /// A built-in workflow: order_saga or sleepy_order.
+    /// A built-in workflow.
+    #[schema(value_type = BuiltinWorkflow)]
     pub workflow: String,
     /// The idempotency key: the same run id with the same input answers the existing run.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub run_id: String,
+    /// The workflow's input (see docs/workflows.md; at most 256 KiB of JSON).
     pub input: Value,
     /// At most one active run per key, oldest first.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub key: Option<String>,
-    /// Do not run before this time (ms since the epoch).
+    /// Do not run before this time (ms since the epoch; at most 366 days ahead).
     pub start_at_ms: Option<i64>,
 }
 
-/// 201 `started`, 200 `existing`, 409 `run_conflict`.
+/// The built-in workflows (documentation of `StartBody::workflow`).
+#[derive(ToSchema)]
+#[schema(rename_all = "snake_case")]
+#[allow(dead_code)]
+pub enum BuiltinWorkflow {
+    OrderSaga,
+    SleepyOrder,
+}
+
+/// Start a run. 201 `started`, 200 `existing` (same run id and input), 409 `run_conflict`.
+#[utoipa::path(
+    post,
+    path = "/v1/runs",
+    tag = "runs",
+    request_body = StartBody,
+    responses(
+        (status = 201, description = "`started`", body = StartOutcome),
+        (status = 200, description = "`existing`: this run id was started with the same input", body = StartOutcome),
+        (status = 409, description = "`run_conflict`: this run id was started with another workflow or input", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("workflow", &body.workflow)?;
@@ -90,24 +117,51 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
             return Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")).into())
         }
     };
-    Ok(answer(status, serde_json::to_value(&outcome).expect("outcomes serialise")))
+    Ok(typed::<StartOutcome>(status, outcome))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
 pub struct ListQuery {
+    /// Only runs with this status.
+    #[param(value_type = Option<RunStatus>)]
     pub status: Option<String>,
+    /// Only runs of this workflow.
+    #[param(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub workflow: Option<String>,
+    /// Runs created strictly after this time (ms since the epoch).
     pub created_after_ms: Option<i64>,
+    /// Runs created strictly before this time (ms since the epoch).
     pub created_before_ms: Option<i64>,
+    /// Page size, 1..=page_size_max (default 100).
+    #[param(minimum = 1)]
     pub limit: Option<usize>,
     /// The `next_after` of the previous page.
     pub after: Option<String>,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunsPage {
+    /// Oldest first.
+    pub runs: Vec<RunRecord>,
+    /// The `after` of the next page; null on the last page.
+    pub next_after: Option<String>,
+}
+
+/// Runs, oldest first, filtered, a page at a time.
+#[utoipa::path(
+    get,
+    path = "/v1/runs",
+    tag = "runs",
+    params(ListQuery),
+    responses((status = 200, body = RunsPage)),
+    security(("bearer" = ["read"]))
+)]
 async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query<ListQuery>) -> ApiResult {
     let (runs, next_after) = list_runs(&state, &caller, query).await?;
-    Ok(answer(StatusCode::OK, json!({"runs": runs, "next_after": next_after})))
+    Ok(typed(StatusCode::OK, RunsPage { runs, next_after }))
 }
 
 /// A page of runs and the `next_after` of the next page (shared with the dashboard).
@@ -146,9 +200,21 @@ pub(crate) async fn list_runs(
     Ok((runs, next_after))
 }
 
+/// One run with its journal, every attempt with its error, and its events.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{run_id}",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    responses(
+        (status = 200, body = RunDetail),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
 async fn show(caller: Caller, Path(run_id): Path<String>) -> ApiResult {
     let detail = run_detail(&caller, run_id).await?;
-    Ok(answer(StatusCode::OK, serde_json::to_value(&detail).expect("runs serialise")))
+    Ok(typed::<RunDetail>(StatusCode::OK, detail))
 }
 
 /// A run with its journal, attempts and events (shared with the dashboard).
@@ -160,10 +226,23 @@ pub(crate) async fn run_detail(caller: &Caller, run_id: String) -> Result<RunDet
     Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"reason": "customer asked"}))]
 pub struct ReasonBody {
+    /// Recorded in the run's history (1..=1000 bytes).
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
+}
+
+/// A run after an operator control.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunChanged {
+    /// `cancel_requested`, `retried`, `abandoned`, `forked` or `skipped`.
+    #[schema(example = "retried")]
+    pub outcome: String,
+    pub run: RunRecord,
 }
 
 /// The operator controls that take only a reason.
@@ -185,56 +264,114 @@ impl Control {
     }
 }
 
-/// The shared shape of cancel, retry and abandon (shared with the dashboard).
+/// Cancel, retry or abandon a run (shared with the dashboard).
 pub(crate) async fn control(
     caller: &Caller,
     run_id: String,
     reason: String,
-    control: Control,
+    which: Control,
 ) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
     validate_reason(&reason)?;
-    let run = caller
+    Ok(caller
         .tenant
         .writer
-        .call(move |store, now| match control {
+        .call(move |store, now| match which {
             Control::Cancel => store.cancel(&run_id, &reason, now),
             Control::Retry => store.retry(&run_id, &reason, now),
             Control::Abandon => store.abandon(&run_id, &reason, now),
         })
-        .await?;
-    Ok(run)
+        .await?)
 }
 
 async fn controlled(caller: Caller, run_id: String, reason: String, which: Control) -> ApiResult {
     let run = control(&caller, run_id, reason, which).await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": which.outcome(), "run": run})))
+    Ok(typed(StatusCode::OK, RunChanged { outcome: which.outcome().into(), run }))
 }
 
+/// Request cancellation: a saga compensates first, then the run ends `cancelled`.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/cancel",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = ReasonBody,
+    responses(
+        (status = 200, description = "`cancel_requested`", body = RunChanged),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the run is finished", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn cancel(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Cancel).await
 }
 
+/// Retry a failed or parked run from its failed step, with a fresh attempt budget.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/retry",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = ReasonBody,
+    responses(
+        (status = 200, description = "`retried`", body = RunChanged),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the run is not failed or parked", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn retry(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Retry).await
 }
 
+/// Give up on an active (or parked) run: it ends `cancelled`, nothing compensated.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/abandon",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = ReasonBody,
+    responses(
+        (status = 200, description = "`abandoned`", body = RunChanged),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the run is finished (and not parked)", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Abandon).await
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"from_step": 1, "new_run_id": "order-1-again"}))]
 pub struct ForkBody {
     /// The new run keeps the journal entries before this step.
+    #[schema(maximum = 10_000)]
     pub from_step: u32,
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub new_run_id: String,
 }
 
+/// Start a new run as a copy of this one whose journal keeps the steps before `from_step`.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/fork",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = ForkBody,
+    responses(
+        (status = 201, description = "`forked`: the new run", body = RunChanged),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+        (status = 409, description = "`already_exists` (the new run id is taken) or `invalid_state_change`", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkBody>) -> ApiResult {
     let run = fork_run(&caller, run_id, body).await?;
-    Ok(answer(StatusCode::CREATED, json!({"outcome": "forked", "run": run})))
+    Ok(typed(StatusCode::CREATED, RunChanged { outcome: "forked".into(), run }))
 }
 
 /// Fork a run (shared with the dashboard).
@@ -245,29 +382,44 @@ pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) ->
     if body.from_step > RUN_STEPS_MAX {
         return Err(Error::invalid(codes::INVALID_SEQ, format!("from_step must be 0..={RUN_STEPS_MAX}")).into());
     }
-    let run =
-        caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?;
-    Ok(run)
+    Ok(caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-pub struct SkipBody {
+#[schema(example = json!({"step": 3, "output": {"charged": "by hand"}, "reason": "charged by phone"}))]
+pub struct SkipStepBody {
     /// The journal seq of the step to skip.
+    #[schema(maximum = 9_999)]
     pub step: u32,
     /// The output the step is recorded with (default null).
     #[serde(default)]
     pub output: Value,
+    #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
 }
 
-async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipBody>) -> ApiResult {
+/// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/skip",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = SkipStepBody,
+    responses(
+        (status = 200, description = "`skipped`", body = RunChanged),
+        (status = 404, description = "`not_found`: no such run or step", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the step cannot be skipped", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipStepBody>) -> ApiResult {
     let run = skip_step(&caller, run_id, body).await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "skipped", "run": run})))
+    Ok(typed(StatusCode::OK, RunChanged { outcome: "skipped".into(), run }))
 }
 
-/// Skip a step of a run (shared with the dashboard).
-pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipBody) -> Result<RunRecord, ApiError> {
+/// Record a step as skipped with an output (shared with the dashboard).
+pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipStepBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
     validate_reason(&body.reason)?;
@@ -275,24 +427,52 @@ pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipBody) -
         return Err(Error::invalid(codes::INVALID_SEQ, format!("step must be 0..{RUN_STEPS_MAX}")).into());
     }
     validate_json_size("output", &body.output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-    let run = caller
+    Ok(caller
         .tenant
         .writer
         .call(move |store, now| store.skip_step(&run_id, body.step, &body.output, &body.reason, now))
-        .await?;
-    Ok(run)
+        .await?)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"name": "approval", "event_id": "approval-order-1", "payload": {"approved": true}}))]
 pub struct EventBody {
+    /// The event name a waiting run waits for.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub name: String,
     /// Idempotency: the same event id twice is one event.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub event_id: String,
     #[serde(default)]
     pub payload: Value,
 }
 
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventSent {
+    /// `sent`, or `duplicate` (this event id was sent before).
+    #[schema(example = "sent")]
+    pub outcome: String,
+    pub run_id: String,
+    pub event_id: String,
+    pub name: String,
+}
+
+/// Send an event to a run (kept until a wait of that name consumes it).
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{run_id}/events",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run")),
+    request_body = EventBody,
+    responses(
+        (status = 200, description = "`sent` or `duplicate`", body = EventSent),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the run is finished", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
 async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json<EventBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
@@ -302,19 +482,44 @@ async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json
     let (rid, eid, name) = (run_id.clone(), body.event_id.clone(), body.name.clone());
     let new =
         caller.tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;
-    Ok(answer(
-        StatusCode::OK,
-        json!({"outcome": if new {"sent"} else {"duplicate"}, "run_id": run_id, "event_id": body.event_id, "name": body.name}),
-    ))
+    let outcome = if new { "sent" } else { "duplicate" };
+    Ok(typed(StatusCode::OK, EventSent { outcome: outcome.into(), run_id, event_id: body.event_id, name: body.name }))
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
+#[schema(example = json!({"quantity": 10}))]
 pub struct StockBody {
+    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64)]
     pub quantity: i64,
 }
 
-/// The order saga's stock of one SKU (admin: it is reference data, not a run).
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Stock {
+    pub sku: String,
+    pub stock: Option<i64>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Stocked {
+    /// `stocked`.
+    #[schema(example = "stocked")]
+    pub outcome: String,
+    pub stock: Stock,
+}
+
+/// Set the order saga's stock of one SKU (admin: it is reference data, not a run).
+#[utoipa::path(
+    put,
+    path = "/v1/stock/{sku}",
+    tag = "runs",
+    params(("sku" = String, Path, description = "The SKU")),
+    request_body = StockBody,
+    responses((status = 200, description = "`stocked`", body = Stocked)),
+    security(("bearer" = ["admin"]))
+)]
 async fn set_stock(caller: Caller, Path(sku): Path<String>, Json(body): Json<StockBody>) -> ApiResult {
     caller.require(Scope::Admin)?;
     validate_id("sku", &sku)?;
@@ -327,8 +532,9 @@ async fn set_stock(caller: Caller, Path(sku): Path<String>, Json(body): Json<Sto
         .call(move |store, _| {
             let conn = store.connection();
             order_sql::set_stock(conn, &sku, body.quantity)?;
-            Ok(json!({"sku": sku, "stock": order_sql::stock(conn, &sku)?}))
+            let stock = order_sql::stock(conn, &sku)?;
+            Ok(Stock { sku, stock })
         })
         .await?;
-    Ok(answer(StatusCode::OK, json!({"outcome": "stocked", "stock": stock})))
+    Ok(typed(StatusCode::OK, Stocked { outcome: "stocked".into(), stock }))
 }

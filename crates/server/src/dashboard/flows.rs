@@ -14,8 +14,8 @@ use tidemark_core::tenancy::Scope;
 use super::layout::{badge, done_banner, json_block, page, reason_input, when};
 use super::runs::DoneQuery;
 use super::{see_other, Form, Path, Query, Ui, UiResult, Viewer};
-use crate::api::flows::{self as api, ConsumerPosition, OutboxQuery, ResolveBody};
-use crate::api::inbox::{self as inbox_api, SkipBody};
+use crate::api::flows::{self as api, FlowConsumer, OutboxQuery, ResolveBody};
+use crate::api::inbox::{self as inbox_api, SkipRecordBody as SkipBody};
 use crate::AppState;
 
 /// Rows of the quarantine page.
@@ -125,7 +125,7 @@ pub async fn show(
     Ok(page(&format!("Flow {}", view.flow_id), Some(&Viewer::from(&caller)), body).into_response())
 }
 
-fn consumer_detail(c: &ConsumerPosition, last_seq: i64, can_operate: bool, flow_id: &str) -> Markup {
+fn consumer_detail(c: &FlowConsumer, last_seq: i64, can_operate: bool, flow_id: &str) -> Markup {
     let gaps = gaps(c.high_water_seq, &c.open, last_seq);
     let blocked: Vec<&InboxEntry> = c.open.iter().filter(|r| r.status == InboxStatus::Blocked).collect();
     if c.open.is_empty() && gaps.is_empty() {

@@ -20,7 +20,7 @@ use super::layout::{badge, done_banner, json_block, page, reason_input, when};
 use super::time::parse_utc;
 use super::{see_other, Form, Path, Query, Ui, UiResult, Viewer};
 use crate::api::inbox::RecordsQuery;
-use crate::api::runs::{self as api, Control, ForkBody, ListQuery, SkipBody};
+use crate::api::runs::{self as api, Control, ForkBody, ListQuery, SkipStepBody as SkipBody};
 use crate::auth::Caller;
 use crate::AppState;
 
