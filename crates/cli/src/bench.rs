@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::reservation::{ReservationMachine, STATES};
-use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
+use tidemark_core::store::{ConsumerStore, DrainScope, Endpoints, ProducerStore};
 use tidemark_core::{Error, Result};
 use tidemark_engine::{relay_once, RelayOptions};
 use tidemark_store_sqlite::reservation::{self, ReservationHandler};
@@ -304,10 +304,14 @@ fn sched_delta(start: Option<Sched>) -> Option<Sched> {
 /// Run the same events as [`run_pipeline`], but as three threads with their own connections, as
 /// three processes would run them: a producer advancing waves of `mode.advance_batch`, a relay
 /// passing `mode.relay_limit` deliveries at a time, and a consumer draining `mode.drain_limit`
-/// at a time. The relay and the consumer sleep 1 ms when they find nothing to do. Every loop is
-/// bounded by `deadline`.
+/// at a time. With `drain_in_relay` there are two threads: the relay thread drains after each
+/// pass on the consumer connection it received with, so that receive and apply (which share
+/// the consumer file's single write lock) never wait for each other, and the producer runs on
+/// the other core. The relay and the consumer sleep 1 ms when they find nothing to do. Every
+/// loop is bounded by `deadline`.
 #[allow(clippy::too_many_arguments)]
 fn run_pipelined(
+    drain_in_relay: bool,
     producer_path: &Path,
     consumer_path: &Path,
     consumer_ids: &[String],
@@ -340,6 +344,7 @@ fn run_pipelined(
         result
     };
     let idle = Duration::from_millis(1);
+    let drained_in_relay: std::sync::Mutex<Option<ThreadResult>> = std::sync::Mutex::new(None);
     let (producer, relay, drain) = std::thread::scope(|scope| {
         let producer = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
@@ -375,29 +380,71 @@ fn run_pipelined(
                 let mut endpoints = SqliteEndpoints::new(durability);
                 let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
                 let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-                while result.count < deliveries_due {
+                // With `drain_in_relay`, this thread also drains, on the connection it received
+                // with (the consumer's own process would do this after storing a batch).
+                let mut drained = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
+                let mut handler = ReservationHandler::new(false);
+                let endpoint = consumer_path.to_string_lossy().into_owned();
+                let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
+                while result.count < deliveries_due || (drain_in_relay && drained.count < deliveries_due) {
                     if let Some(error) = stop("relay") {
                         return Err(error);
                     }
-                    let t = Instant::now();
-                    let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
-                    if report.attempted == 0 {
+                    let mut progressed = false;
+                    if result.count < deliveries_due {
+                        let t = Instant::now();
+                        let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
+                        if report.attempted > 0 {
+                            result.busy += t.elapsed();
+                            result.calls += 1;
+                            if report.accepted != report.attempted {
+                                return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
+                            }
+                            result.count += report.attempted;
+                            progressed = true;
+                        }
+                    }
+                    if drain_in_relay {
+                        let consumer = endpoints.store(&endpoint)?;
+                        for (consumer_id, applied) in consumer_ids.iter().zip(applied.iter_mut()) {
+                            if *applied == total {
+                                continue;
+                            }
+                            let t = Instant::now();
+                            let report = consumer.drain(
+                                consumer_id,
+                                &DrainScope::All,
+                                mode.drain_limit,
+                                &mut handler,
+                                now_ms,
+                            )?;
+                            if report.applied > 0 {
+                                drained.busy += t.elapsed();
+                                drained.calls += 1;
+                                drained.count += report.applied;
+                                *applied += report.applied;
+                                progressed = true;
+                            }
+                        }
+                    }
+                    if !progressed {
                         std::thread::sleep(idle);
-                        continue;
                     }
-                    result.busy += t.elapsed();
-                    result.calls += 1;
-                    if report.accepted != report.attempted {
-                        return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
-                    }
-                    result.count += report.attempted;
                 }
                 result.sched = sched_delta(sched);
+                if drain_in_relay {
+                    // Its CPU time is in this thread's.
+                    drained.sched = Some(Sched::default());
+                    *drained_in_relay.lock().expect("not poisoned") = Some(drained);
+                }
                 Ok(result)
             })())
         });
         let drain = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
+                if drain_in_relay {
+                    return Ok(ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None });
+                }
                 let sched = Sched::now();
                 let mut consumer = crate::open_consumer(consumer_path, durability)?;
                 let mut handler = ReservationHandler::new(false);
@@ -436,7 +483,10 @@ fn run_pipelined(
         };
         (join(producer), join(relay), join(drain))
     });
-    let (producer, relay, drain) = (producer?, relay?, drain?);
+    let (producer, relay, mut drain) = (producer?, relay?, drain?);
+    if let Some(drained) = drained_in_relay.into_inner().expect("not poisoned") {
+        drain = drained;
+    }
     let total_elapsed = started.elapsed();
     let sched = [producer.sched, relay.sched, drain.sched].into_iter().try_fold(Sched::default(), |sum, s| {
         s.map(|s| Sched { on_cpu_ns: sum.on_cpu_ns + s.on_cpu_ns, run_queue_ns: sum.run_queue_ns + s.run_queue_ns })
@@ -694,6 +744,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     // The measured runs, interleaved so that a slow moment of a shared machine hits all kinds.
     let mut sequential = Series::default();
     let mut pipelined = Series::default();
+    let mut two_threads = Series::default();
     let mut baseline = Series::default();
     let mut preloaded = Series::default();
     for r in 0..args.repeat {
@@ -704,26 +755,31 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         sequential.push(&stats, check);
         drop(p);
 
-        let p = Pipeline::create(&sub(format!("pipelined-{r}"))?, "bench", &id_refs, durability, now)?;
-        let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
-        drop(p);
-        let stats = run_pipelined(
-            &producer_path,
-            &consumer_path,
-            &consumer_ids,
-            "g",
-            flows,
-            per_flow,
-            group,
-            durability,
-            now,
-            deadline,
-        )?;
-        let p = reopen_paths(&producer_path, &consumer_path, durability)?;
-        let check = verify(&p, stats.events * consumers)?;
-        all_passed &= passed(&check);
-        pipelined.push(&stats, check);
-        drop(p);
+        for (drain_in_relay, series, name) in
+            [(false, &mut pipelined, "pipelined"), (true, &mut two_threads, "two-threads")]
+        {
+            let p = Pipeline::create(&sub(format!("{name}-{r}"))?, "bench", &id_refs, durability, now)?;
+            let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
+            drop(p);
+            let stats = run_pipelined(
+                drain_in_relay,
+                &producer_path,
+                &consumer_path,
+                &consumer_ids,
+                "g",
+                flows,
+                per_flow,
+                group,
+                durability,
+                now,
+                deadline,
+            )?;
+            let p = reopen_paths(&producer_path, &consumer_path, durability)?;
+            let check = verify(&p, stats.events * consumers)?;
+            all_passed &= passed(&check);
+            series.push(&stats, check);
+            drop(p);
+        }
 
         if args.baseline_flows > 0 {
             let mut p = Pipeline::create(&sub(format!("baseline-{r}"))?, "bench", &id_refs, durability, now)?;
@@ -744,6 +800,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
 
     let empty_rate = sequential.median().unwrap_or(0.0);
     let pipelined_rate = pipelined.median().unwrap_or(0.0);
+    let two_threads_rate = two_threads.median().unwrap_or(0.0);
     let baseline_rate = baseline.median();
     let preloaded_rate = preloaded.median();
     let ratio = |a: f64, b: Option<f64>| b.filter(|b| *b > 0.0).map(|b| round3(a / b));
@@ -787,6 +844,11 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         },
         "group_commit": sequential.json(group, "one thread: each wave advanced, then relayed, then drained"),
         "pipelined": pipelined.json(group, "three threads (producer, relay, consumer), each with its own connections"),
+        "two_threads": two_threads.json(
+            group,
+            "two threads, each with its own connections: the producer, and the relay that drains on the consumer \
+             connection it received with after each pass",
+        ),
         "one_per_op": (args.baseline_flows > 0).then(|| baseline.json(one, "one thread, one transaction per operation")),
         "preloaded": (args.preload_events > 0).then(|| {
             let mut out = preloaded.json(group, "one thread, on the preloaded files");
@@ -797,6 +859,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "end_to_end_events_per_s": empty_rate,
             "end_to_end_events_per_cpu_s": empty_cpu_rate,
             "pipelined_end_to_end_events_per_s": pipelined_rate,
+            "two_threads_end_to_end_events_per_s": two_threads_rate,
             "one_per_op_events_per_s": baseline_rate,
             "group_commit_ratio": group_ratio,
             "group_commit_ratio_on_cpu": group_ratio_cpu,
@@ -810,6 +873,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "targets": {
                 "end_to_end_events_per_s_at_least_50000": empty_rate >= 50_000.0,
                 "pipelined_end_to_end_events_per_s_at_least_50000": pipelined_rate >= 50_000.0,
+                "two_threads_end_to_end_events_per_s_at_least_50000": two_threads_rate >= 50_000.0,
                 "group_commit_ratio_at_least_40": group_ratio.map(|r| r >= 40.0),
                 "preloaded_ratio_at_least_0_8": preloaded_ratio.map(|r| r >= 0.8),
             },
@@ -852,13 +916,14 @@ mod tests {
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
         let counts = |run: &Value| (run["events"].as_u64(), run["deliveries"].as_u64(), run["applied"].as_u64());
         // 200 flows x 3 events, 2 consumers, in one thread and in three threads.
-        for kind in ["group_commit", "pipelined", "preloaded"] {
+        for kind in ["group_commit", "pipelined", "two_threads", "preloaded"] {
             let run = &out[kind]["runs"][0];
             assert_eq!(counts(run), (Some(600), Some(1200), Some(1200)), "{kind}: {out:#}");
             assert_eq!(run["check"]["duplicate_effects"], json!(0));
         }
         assert_eq!(out["group_commit"]["runs"][0]["check"]["effects"], json!(1200));
         assert_eq!(out["pipelined"]["runs"][0]["check"]["effects"], json!(1200));
+        assert_eq!(out["two_threads"]["runs"][0]["check"]["effects"], json!(1200));
         // 20 flows x 3 events, one transaction per operation.
         assert_eq!(counts(&out["one_per_op"]["runs"][0]), (Some(60), Some(120), Some(120)));
         assert_eq!(out["one_per_op"]["runs"][0]["check"]["effects"], json!(120));
@@ -870,6 +935,7 @@ mod tests {
         for key in [
             "end_to_end_events_per_s",
             "pipelined_end_to_end_events_per_s",
+            "two_threads_end_to_end_events_per_s",
             "one_per_op_events_per_s",
             "preloaded_events_per_s",
             "group_commit_ratio",

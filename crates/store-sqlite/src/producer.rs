@@ -516,15 +516,18 @@ impl ProducerStore for SqliteProducer {
         }
         // Candidates are keyed (due time, position, consumer): retries from the exception rows,
         // and for each subscriber the first `limit` events after its cursor that have no
-        // exception row (due since their commit). The `limit` smallest keys win.
+        // exception row (due since their commit). The `limit` smallest keys win. One read
+        // transaction, so that cursors and exception rows are read as of one moment.
+        let read = self.conn.unchecked_transaction().db()?;
+        let any_exceptions: bool =
+            read.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
         let mut candidates: Vec<((i64, i64, String), Delivery)> = Vec::new();
         let keyed = |r: &rusqlite::Row<'_>| -> rusqlite::Result<((i64, i64, String), Delivery)> {
             let delivery = map(r)?;
             Ok(((r.get(11)?, r.get(12)?, delivery.consumer_id.clone()), delivery))
         };
         {
-            let mut stmt = self
-                .conn
+            let mut stmt = read
                 .prepare_cached(&format!(
                     "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint, d.next_attempt_at_ms, d.position
                      FROM deliveries d JOIN outbox o ON o.position = d.position
@@ -539,8 +542,7 @@ impl ProducerStore for SqliteProducer {
             }
         }
         let cursors: Vec<(String, String, i64)> = {
-            let mut stmt = self
-                .conn
+            let mut stmt = read
                 .prepare_cached(
                     "SELECT consumer_id, endpoint, delivered_position FROM subscriptions ORDER BY consumer_id",
                 )
@@ -548,12 +550,16 @@ impl ProducerStore for SqliteProducer {
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).db()?;
             rows.collect::<rusqlite::Result<Vec<_>>>().db()?
         };
-        let mut fresh = self
-            .conn
+        // Without any exception row the fresh scan need not look for one.
+        let exception_filter = if any_exceptions {
+            "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)"
+        } else {
+            "?3 IS NOT NULL"
+        };
+        let mut fresh = read
             .prepare_cached(&format!(
                 "SELECT {EVENT_COLUMNS}, ?3, 0, ?4, o.created_at_ms, o.position FROM outbox o
-                 WHERE o.position > ?1 AND o.created_at_ms <= ?2
-                   AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)
+                 WHERE o.position > ?1 AND o.created_at_ms <= ?2 AND {exception_filter}
                  ORDER BY o.position LIMIT ?5"
             ))
             .db()?;
@@ -565,6 +571,8 @@ impl ProducerStore for SqliteProducer {
                 candidates.push(row.db()?);
             }
         }
+        drop(fresh);
+        read.finish().db()?;
         candidates.sort_by(|a, b| a.0.cmp(&b.0));
         candidates.truncate(limit);
         Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
@@ -606,6 +614,10 @@ impl ProducerStore for SqliteProducer {
                      VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
                 )
                 .db()?;
+            // Most of the time no delivery has an exception row: then neither the per-result
+            // probe nor the cursor walk needs to look for one.
+            let any_exceptions: bool =
+                tx.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
             let mut cursors: HashMap<&str, Option<CursorMove>> = HashMap::new();
             for result in results {
                 let (event_id, consumer) = (result.event_id.as_str(), result.consumer_id.as_str());
@@ -614,7 +626,7 @@ impl ProducerStore for SqliteProducer {
                 else {
                     continue;
                 };
-                if exception.exists(params![position, consumer]).db()? {
+                if any_exceptions && exception.exists(params![position, consumer]).db()? {
                     match &result.verdict {
                         DeliveryVerdict::Accepted => accept.execute(params![position, consumer, now_ms]).db()?,
                         DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
@@ -663,10 +675,12 @@ impl ProducerStore for SqliteProducer {
             // first position that is still plainly pending. Reads are in this write transaction,
             // so every row it walks over is committed and no lower position can appear later.
             let mut walk = tx
-                .prepare_cached(
+                .prepare_cached(if any_exceptions {
                     "SELECT o.position, EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?2)
-                     FROM outbox o WHERE o.position > ?1 ORDER BY o.position LIMIT ?3",
-                )
+                     FROM outbox o WHERE o.position > ?1 ORDER BY o.position LIMIT ?3"
+                } else {
+                    "SELECT o.position, ?2 IS NULL FROM outbox o WHERE o.position > ?1 ORDER BY o.position LIMIT ?3"
+                })
                 .db()?;
             let mut move_cursor =
                 tx.prepare_cached("UPDATE subscriptions SET delivered_position = ?2 WHERE consumer_id = ?1").db()?;
