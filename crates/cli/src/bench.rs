@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::reservation::{ReservationMachine, STATES};
-use tidemark_core::store::{ConsumerStore, DrainScope, Endpoints, ProducerStore};
+use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
 use tidemark_core::{Error, Result};
 use tidemark_engine::{relay_once, RelayOptions};
 use tidemark_store_sqlite::reservation::{self, ReservationHandler};
@@ -27,6 +27,7 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod split;
 mod workflows;
 
 /// Batch used to preload files quickly (the largest batch every stage allows).
@@ -128,6 +129,9 @@ struct RunStats {
     total: Duration,
     /// On-CPU and run-queue time of this thread over the run (Linux `schedstat`), when known.
     sched: Option<Sched>,
+    /// Each thread's own counters, for runs on more than one thread (the busiest thread bounds
+    /// what the run can do with a core per thread).
+    threads: Vec<(&'static str, Sched)>,
 }
 
 /// This thread's scheduler counters (Linux `/proc/thread-self/schedstat`): nanoseconds on a CPU
@@ -190,6 +194,11 @@ impl RunStats {
                 "drain": round3(self.drain.as_secs_f64()),
                 "total": round3(self.total.as_secs_f64()),
             },
+            "threads_on_cpu_seconds": (!self.threads.is_empty()).then(|| {
+                self.threads.iter().map(|(name, s)| (name.to_string(), json!(round3(s.on_cpu_ns as f64 / 1e9)))).collect::<serde_json::Map<_, _>>()
+            }),
+            "end_to_end_events_per_busiest_thread_cpu_s": self.threads.iter().map(|(_, s)| s.on_cpu_ns).max()
+                .map(|ns| rate(self.events, Duration::from_nanos(ns))),
             "cpu": self.sched.map(|s| json!({
                 "on_cpu_seconds": round3(s.on_cpu_ns as f64 / 1e9),
                 "run_queue_wait_seconds": round3(s.run_queue_ns as f64 / 1e9),
@@ -304,14 +313,10 @@ fn sched_delta(start: Option<Sched>) -> Option<Sched> {
 /// Run the same events as [`run_pipeline`], but as three threads with their own connections, as
 /// three processes would run them: a producer advancing waves of `mode.advance_batch`, a relay
 /// passing `mode.relay_limit` deliveries at a time, and a consumer draining `mode.drain_limit`
-/// at a time. With `drain_in_relay` there are two threads: the relay thread drains after each
-/// pass on the consumer connection it received with, so that receive and apply (which share
-/// the consumer file's single write lock) never wait for each other, and the producer runs on
-/// the other core. The relay and the consumer sleep 1 ms when they find nothing to do. Every
-/// loop is bounded by `deadline`.
+/// at a time. The relay and the consumer sleep 1 ms when they find nothing to do. Every loop is
+/// bounded by `deadline`.
 #[allow(clippy::too_many_arguments)]
 fn run_pipelined(
-    drain_in_relay: bool,
     producer_path: &Path,
     consumer_path: &Path,
     consumer_ids: &[String],
@@ -344,7 +349,6 @@ fn run_pipelined(
         result
     };
     let idle = Duration::from_millis(1);
-    let drained_in_relay: std::sync::Mutex<Option<ThreadResult>> = std::sync::Mutex::new(None);
     let (producer, relay, drain) = std::thread::scope(|scope| {
         let producer = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
@@ -380,71 +384,29 @@ fn run_pipelined(
                 let mut endpoints = SqliteEndpoints::new(durability);
                 let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
                 let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-                // With `drain_in_relay`, this thread also drains, on the connection it received
-                // with (the consumer's own process would do this after storing a batch).
-                let mut drained = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
-                let mut handler = ReservationHandler::new(false);
-                let endpoint = consumer_path.to_string_lossy().into_owned();
-                let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
-                while result.count < deliveries_due || (drain_in_relay && drained.count < deliveries_due) {
+                while result.count < deliveries_due {
                     if let Some(error) = stop("relay") {
                         return Err(error);
                     }
-                    let mut progressed = false;
-                    if result.count < deliveries_due {
-                        let t = Instant::now();
-                        let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
-                        if report.attempted > 0 {
-                            result.busy += t.elapsed();
-                            result.calls += 1;
-                            if report.accepted != report.attempted {
-                                return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
-                            }
-                            result.count += report.attempted;
-                            progressed = true;
-                        }
-                    }
-                    if drain_in_relay {
-                        let consumer = endpoints.store(&endpoint)?;
-                        for (consumer_id, applied) in consumer_ids.iter().zip(applied.iter_mut()) {
-                            if *applied == total {
-                                continue;
-                            }
-                            let t = Instant::now();
-                            let report = consumer.drain(
-                                consumer_id,
-                                &DrainScope::All,
-                                mode.drain_limit,
-                                &mut handler,
-                                now_ms,
-                            )?;
-                            if report.applied > 0 {
-                                drained.busy += t.elapsed();
-                                drained.calls += 1;
-                                drained.count += report.applied;
-                                *applied += report.applied;
-                                progressed = true;
-                            }
-                        }
-                    }
-                    if !progressed {
+                    let t = Instant::now();
+                    let report = relay_once(&mut producer, &mut endpoints, &options, now_ms, &mut || 0.5)?;
+                    if report.attempted == 0 {
                         std::thread::sleep(idle);
+                        continue;
                     }
+                    result.busy += t.elapsed();
+                    result.calls += 1;
+                    if report.accepted != report.attempted {
+                        return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
+                    }
+                    result.count += report.attempted;
                 }
                 result.sched = sched_delta(sched);
-                if drain_in_relay {
-                    // Its CPU time is in this thread's.
-                    drained.sched = Some(Sched::default());
-                    *drained_in_relay.lock().expect("not poisoned") = Some(drained);
-                }
                 Ok(result)
             })())
         });
         let drain = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
-                if drain_in_relay {
-                    return Ok(ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None });
-                }
                 let sched = Sched::now();
                 let mut consumer = crate::open_consumer(consumer_path, durability)?;
                 let mut handler = ReservationHandler::new(false);
@@ -483,10 +445,7 @@ fn run_pipelined(
         };
         (join(producer), join(relay), join(drain))
     });
-    let (producer, relay, mut drain) = (producer?, relay?, drain?);
-    if let Some(drained) = drained_in_relay.into_inner().expect("not poisoned") {
-        drain = drained;
-    }
+    let (producer, relay, drain) = (producer?, relay?, drain?);
     let total_elapsed = started.elapsed();
     let sched = [producer.sched, relay.sched, drain.sched].into_iter().try_fold(Sched::default(), |sum, s| {
         s.map(|s| Sched { on_cpu_ns: sum.on_cpu_ns + s.on_cpu_ns, run_queue_ns: sum.run_queue_ns + s.run_queue_ns })
@@ -503,6 +462,10 @@ fn run_pipelined(
         drain: drain.busy,
         total: total_elapsed,
         sched,
+        threads: [("producer", producer.sched), ("relay", relay.sched), ("consumer", drain.sched)]
+            .into_iter()
+            .filter_map(|(name, s)| s.map(|s| (name, s)))
+            .collect(),
     })
 }
 
@@ -755,31 +718,37 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         sequential.push(&stats, check);
         drop(p);
 
-        for (drain_in_relay, series, name) in
-            [(false, &mut pipelined, "pipelined"), (true, &mut two_threads, "two-threads")]
-        {
-            let p = Pipeline::create(&sub(format!("{name}-{r}"))?, "bench", &id_refs, durability, now)?;
-            let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
-            drop(p);
-            let stats = run_pipelined(
-                drain_in_relay,
-                &producer_path,
-                &consumer_path,
-                &consumer_ids,
-                "g",
-                flows,
-                per_flow,
-                group,
-                durability,
-                now,
-                deadline,
-            )?;
-            let p = reopen_paths(&producer_path, &consumer_path, durability)?;
-            let check = verify(&p, stats.events * consumers)?;
-            all_passed &= passed(&check);
-            series.push(&stats, check);
-            drop(p);
-        }
+        let p = Pipeline::create(&sub(format!("pipelined-{r}"))?, "bench", &id_refs, durability, now)?;
+        let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
+        drop(p);
+        let stats = run_pipelined(
+            &producer_path,
+            &consumer_path,
+            &consumer_ids,
+            "g",
+            flows,
+            per_flow,
+            group,
+            durability,
+            now,
+            deadline,
+        )?;
+        let p = reopen_paths(&producer_path, &consumer_path, durability)?;
+        let check = verify(&p, stats.events * consumers)?;
+        all_passed &= passed(&check);
+        pipelined.push(&stats, check);
+        drop(p);
+
+        let p = Pipeline::create(&sub(format!("two-threads-{r}"))?, "bench", &id_refs, durability, now)?;
+        let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
+        drop(p);
+        let run = split::Run { flows, events_per_flow: per_flow, mode: group, durability, now_ms: now, deadline };
+        let stats = split::run_two_threads(&producer_path, &consumer_path, &consumer_ids, &run)?;
+        let p = reopen_paths(&producer_path, &consumer_path, durability)?;
+        let check = verify(&p, stats.events * consumers)?;
+        all_passed &= passed(&check);
+        two_threads.push(&stats, check);
+        drop(p);
 
         if args.baseline_flows > 0 {
             let mut p = Pipeline::create(&sub(format!("baseline-{r}"))?, "bench", &id_refs, durability, now)?;
@@ -846,8 +815,8 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         "pipelined": pipelined.json(group, "three threads (producer, relay, consumer), each with its own connections"),
         "two_threads": two_threads.json(
             group,
-            "two threads, each with its own connections: the producer, and the relay that drains on the consumer \
-             connection it received with after each pass",
+            "two threads, one per file, as a producer process and a consumer process: advance and relay in one (the \
+             relay hands each batch to the other thread and waits for its answers), receive and drain in the other",
         ),
         "one_per_op": (args.baseline_flows > 0).then(|| baseline.json(one, "one thread, one transaction per operation")),
         "preloaded": (args.preload_events > 0).then(|| {
