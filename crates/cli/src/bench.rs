@@ -27,6 +27,7 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod split;
 mod workflows;
 
 /// Batch used to preload files quickly (the largest batch every stage allows).
@@ -128,6 +129,9 @@ struct RunStats {
     total: Duration,
     /// On-CPU and run-queue time of this thread over the run (Linux `schedstat`), when known.
     sched: Option<Sched>,
+    /// Each thread's own counters, for runs on more than one thread (the busiest thread bounds
+    /// what the run can do with a core per thread).
+    threads: Vec<(&'static str, Sched)>,
 }
 
 /// This thread's scheduler counters (Linux `/proc/thread-self/schedstat`): nanoseconds on a CPU
@@ -190,6 +194,11 @@ impl RunStats {
                 "drain": round3(self.drain.as_secs_f64()),
                 "total": round3(self.total.as_secs_f64()),
             },
+            "threads_on_cpu_seconds": (!self.threads.is_empty()).then(|| {
+                self.threads.iter().map(|(name, s)| (name.to_string(), json!(round3(s.on_cpu_ns as f64 / 1e9)))).collect::<serde_json::Map<_, _>>()
+            }),
+            "end_to_end_events_per_busiest_thread_cpu_s": self.threads.iter().map(|(_, s)| s.on_cpu_ns).max()
+                .map(|ns| rate(self.events, Duration::from_nanos(ns))),
             "cpu": self.sched.map(|s| json!({
                 "on_cpu_seconds": round3(s.on_cpu_ns as f64 / 1e9),
                 "run_queue_wait_seconds": round3(s.run_queue_ns as f64 / 1e9),
@@ -453,6 +462,10 @@ fn run_pipelined(
         drain: drain.busy,
         total: total_elapsed,
         sched,
+        threads: [("producer", producer.sched), ("relay", relay.sched), ("consumer", drain.sched)]
+            .into_iter()
+            .filter_map(|(name, s)| s.map(|s| (name, s)))
+            .collect(),
     })
 }
 
@@ -699,6 +712,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     // The measured runs, interleaved so that a slow moment of a shared machine hits all kinds.
     let mut sequential = Series::default();
     let mut pipelined = Series::default();
+    let mut two_threads = Series::default();
     let mut baseline = Series::default();
     let mut preloaded = Series::default();
     for r in 0..args.repeat {
@@ -730,6 +744,17 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         pipelined.push(&stats, check);
         drop(p);
 
+        let p = Pipeline::create(&sub(format!("two-threads-{r}"))?, "bench", &id_refs, durability, now)?;
+        let (producer_path, consumer_path) = (p.producer_path.clone(), p.consumer_path.clone());
+        drop(p);
+        let run = split::Run { flows, events_per_flow: per_flow, mode: group, durability, now_ms: now, deadline };
+        let stats = split::run_two_threads(&producer_path, &consumer_path, &consumer_ids, &run)?;
+        let p = reopen_paths(&producer_path, &consumer_path, durability)?;
+        let check = verify(&p, stats.events * consumers)?;
+        all_passed &= passed(&check);
+        two_threads.push(&stats, check);
+        drop(p);
+
         if args.baseline_flows > 0 {
             let mut p = Pipeline::create(&sub(format!("baseline-{r}"))?, "bench", &id_refs, durability, now)?;
             let stats = run_pipeline(&mut p, &consumer_ids, "b", args.baseline_flows, per_flow, one, now)?;
@@ -751,6 +776,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
 
     let empty_rate = sequential.median().unwrap_or(0.0);
     let pipelined_rate = pipelined.median().unwrap_or(0.0);
+    let two_threads_rate = two_threads.median().unwrap_or(0.0);
     let baseline_rate = baseline.median();
     let preloaded_rate = preloaded.median();
     let ratio = |a: f64, b: Option<f64>| b.filter(|b| *b > 0.0).map(|b| round3(a / b));
@@ -794,6 +820,11 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
         },
         "group_commit": sequential.json(group, "one thread: each wave advanced, then relayed, then drained"),
         "pipelined": pipelined.json(group, "three threads (producer, relay, consumer), each with its own connections"),
+        "two_threads": two_threads.json(
+            group,
+            "two threads, one per file, as a producer process and a consumer process: advance and relay in one (the \
+             relay hands each batch to the other thread and waits for its answers), receive and drain in the other",
+        ),
         "one_per_op": (args.baseline_flows > 0).then(|| baseline.json(one, "one thread, one transaction per operation")),
         "preloaded": (args.preload_events > 0).then(|| {
             let mut out = preloaded.json(group, "one thread, on the preloaded files");
@@ -804,6 +835,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "end_to_end_events_per_s": empty_rate,
             "end_to_end_events_per_cpu_s": empty_cpu_rate,
             "pipelined_end_to_end_events_per_s": pipelined_rate,
+            "two_threads_end_to_end_events_per_s": two_threads_rate,
             "one_per_op_events_per_s": baseline_rate,
             "group_commit_ratio": group_ratio,
             "group_commit_ratio_on_cpu": group_ratio_cpu,
@@ -817,6 +849,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             "targets": {
                 "end_to_end_events_per_s_at_least_50000": empty_rate >= 50_000.0,
                 "pipelined_end_to_end_events_per_s_at_least_50000": pipelined_rate >= 50_000.0,
+                "two_threads_end_to_end_events_per_s_at_least_50000": two_threads_rate >= 50_000.0,
                 "group_commit_ratio_at_least_40": group_ratio.map(|r| r >= 40.0),
                 "preloaded_ratio_at_least_0_8": preloaded_ratio.map(|r| r >= 0.8),
             },
@@ -859,13 +892,14 @@ mod tests {
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
         let counts = |run: &Value| (run["events"].as_u64(), run["deliveries"].as_u64(), run["applied"].as_u64());
         // 200 flows x 3 events, 2 consumers, in one thread and in three threads.
-        for kind in ["group_commit", "pipelined", "preloaded"] {
+        for kind in ["group_commit", "pipelined", "two_threads", "preloaded"] {
             let run = &out[kind]["runs"][0];
             assert_eq!(counts(run), (Some(600), Some(1200), Some(1200)), "{kind}: {out:#}");
             assert_eq!(run["check"]["duplicate_effects"], json!(0));
         }
         assert_eq!(out["group_commit"]["runs"][0]["check"]["effects"], json!(1200));
         assert_eq!(out["pipelined"]["runs"][0]["check"]["effects"], json!(1200));
+        assert_eq!(out["two_threads"]["runs"][0]["check"]["effects"], json!(1200));
         // 20 flows x 3 events, one transaction per operation.
         assert_eq!(counts(&out["one_per_op"]["runs"][0]), (Some(60), Some(120), Some(120)));
         assert_eq!(out["one_per_op"]["runs"][0]["check"]["effects"], json!(120));
@@ -877,6 +911,7 @@ mod tests {
         for key in [
             "end_to_end_events_per_s",
             "pipelined_end_to_end_events_per_s",
+            "two_threads_end_to_end_events_per_s",
             "one_per_op_events_per_s",
             "preloaded_events_per_s",
             "group_commit_ratio",

@@ -75,6 +75,24 @@ struct DeliveryRow {
     updated_at_ms: i64,
 }
 
+impl DeliveryRow {
+    /// A delivery nothing happened to yet: pending, no attempt, no error, due since its event was
+    /// committed. (SQLite keeps no row for it: its subscriber's cursor has not passed it.)
+    fn fresh(created_at_ms: i64) -> DeliveryRow {
+        DeliveryRow {
+            status: DeliveryStatus::Pending,
+            attempts: 0,
+            next_attempt_at_ms: created_at_ms,
+            last_error: None,
+            updated_at_ms: created_at_ms,
+        }
+    }
+
+    fn is_fresh(&self) -> bool {
+        self.status == DeliveryStatus::Pending && self.attempts == 0 && self.last_error.is_none()
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq)]
 struct ProducerState {
     flows: BTreeMap<String, FlowRow>,
@@ -179,16 +197,7 @@ impl ModelProducer {
             },
         );
         for consumer_id in state.subscriptions.keys() {
-            state.deliveries.insert(
-                (position, consumer_id.clone()),
-                DeliveryRow {
-                    status: DeliveryStatus::Pending,
-                    attempts: 0,
-                    next_attempt_at_ms: now_ms,
-                    last_error: None,
-                    updated_at_ms: now_ms,
-                },
-            );
+            state.deliveries.insert((position, consumer_id.clone()), DeliveryRow::fresh(now_ms));
         }
         Ok(AdvanceOutcome::Committed { flow_id: request.flow_id.clone(), seq, event_id, state: decision.next.state })
     }
@@ -245,7 +254,7 @@ impl ProducerStore for ModelProducer {
         Ok(outcomes)
     }
 
-    fn subscribe(&mut self, subscription: &Subscription, from_start: bool, now_ms: i64) -> Result<u64> {
+    fn subscribe(&mut self, subscription: &Subscription, from_start: bool, _now_ms: i64) -> Result<u64> {
         validate_id("consumer_id", &subscription.consumer_id)?;
         if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
             return Err(Error::invalid(
@@ -263,20 +272,11 @@ impl ProducerStore for ModelProducer {
         state.subscriptions.insert(consumer_id.clone(), subscription.endpoint.clone());
         let mut queued = 0;
         if from_start {
-            let positions: Vec<i64> = state.outbox.keys().copied().collect();
-            for position in positions {
+            let positions: Vec<(i64, i64)> = state.outbox.iter().map(|(p, row)| (*p, row.created_at_ms)).collect();
+            for (position, created_at_ms) in positions {
                 let key = (position, consumer_id.clone());
                 ensure_invariant!(!state.deliveries.contains_key(&key), "delivery {key:?} already exists");
-                state.deliveries.insert(
-                    key,
-                    DeliveryRow {
-                        status: DeliveryStatus::Pending,
-                        attempts: 0,
-                        next_attempt_at_ms: now_ms,
-                        last_error: None,
-                        updated_at_ms: now_ms,
-                    },
-                );
+                state.deliveries.insert(key, DeliveryRow::fresh(created_at_ms));
                 queued += 1;
             }
         }
@@ -313,13 +313,36 @@ impl ProducerStore for ModelProducer {
                     .collect()
             }
             None => {
-                let mut due: Vec<(i64, &String, &DeliveryRow)> = self
+                // As SQLite reads them: the first `limit` due retries by (due time, position,
+                // consumer), and for each subscriber the first `limit` fresh deliveries (due since
+                // their commit) by position; then the `limit` smallest (due time, position,
+                // consumer) of those.
+                let subscribed = |c: &String| self.state.subscriptions.contains_key(c);
+                let mut retries: Vec<(i64, &String, &DeliveryRow)> = self
                     .state
                     .deliveries
                     .iter()
-                    .filter(|(_, row)| row.status == DeliveryStatus::Pending && row.next_attempt_at_ms <= now_ms)
+                    .filter(|((_, c), row)| {
+                        subscribed(c)
+                            && row.status == DeliveryStatus::Pending
+                            && !row.is_fresh()
+                            && row.next_attempt_at_ms <= now_ms
+                    })
                     .map(|((p, c), row)| (*p, c, row))
                     .collect();
+                retries.sort_by(|a, b| (a.2.next_attempt_at_ms, a.0, a.1).cmp(&(b.2.next_attempt_at_ms, b.0, b.1)));
+                retries.truncate(limit);
+                let mut due = retries;
+                for consumer_id in self.state.subscriptions.keys() {
+                    let fresh = self
+                        .state
+                        .deliveries
+                        .iter()
+                        .filter(|((_, c), row)| c == consumer_id && row.is_fresh() && row.next_attempt_at_ms <= now_ms)
+                        .map(|((p, c), row)| (*p, c, row))
+                        .take(limit);
+                    due.extend(fresh);
+                }
                 due.sort_by(|a, b| (a.2.next_attempt_at_ms, a.0, a.1).cmp(&(b.2.next_attempt_at_ms, b.0, b.1)));
                 due
             }
@@ -345,7 +368,14 @@ impl ProducerStore for ModelProducer {
             if !matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined) {
                 continue;
             }
+            // A fresh delivery accepted at once keeps its commit time (SQLite's cursor records no
+            // time of its own).
+            let fresh = row.is_fresh();
             match &result.verdict {
+                DeliveryVerdict::Accepted if fresh => {
+                    row.status = DeliveryStatus::Accepted;
+                    continue;
+                }
                 DeliveryVerdict::Accepted => {
                     row.status = DeliveryStatus::Accepted;
                     row.last_error = None;

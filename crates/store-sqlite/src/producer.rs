@@ -1,5 +1,31 @@
 //! The producer store: flows, the immutable outbox and per-subscriber delivery records.
+//!
+//! Deliveries are kept as a cursor per subscriber plus exceptions (schema v4). Each subscription
+//! row holds `from_position` (the first outbox position it receives) and `delivered_position`:
+//! every position in `from_position..=delivered_position` is accepted by that subscriber unless
+//! the `deliveries` table holds a row for it, and every later position is pending unless it holds
+//! one. `deliveries` rows are the exceptions: an event that failed at least once (retrying,
+//! quarantined, or accepted after failures), an operator's decision, or an event accepted ahead of
+//! the cursor. Listing methods merge the two, so callers see one delivery per event and
+//! subscriber exactly as before. Advance therefore writes no delivery row, and the relay records
+//! a batch of accepted deliveries by moving one cursor.
+//!
+//! Why the cursor cannot skip an event (LESSONS.md, "reading the outbox by last id seen"):
+//! positions are allocated inside the advancing write transaction as one more than the largest
+//! position any outbox row or cursor names ([`last_position`]); SQLite has one writer at a time,
+//! and in WAL mode a writer always works on the newest snapshot, so positions become visible in
+//! commit order and a lower position can never commit after a higher one was seen. The cursor
+//! moves only inside the relay's recording write transaction, over outbox rows read in that
+//! transaction, and only across positions that were accepted in this batch or have an exception
+//! row. The cursor lives in the same file as the outbox, so a restored backup brings both back
+//! together, and because allocation starts above every cursor, a position a cursor passed is
+//! never handed out again (not even after prune deleted the newest events). PostgreSQL allocates
+//! sequence values before commit and commits out of order; its backend must make position order
+//! commit order (allocate from a per-producer counter row updated in the advancing transaction,
+//! whose row lock is held until commit) or move cursors only below the oldest transaction still
+//! in progress (`pg_snapshot_xmin`).
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
@@ -110,7 +136,9 @@ pub struct OutboxTransaction<'a> {
 impl OutboxTransaction<'_> {
     pub fn advance(&self, machine: &dyn FlowMachine, request: &AdvanceRequest, now_ms: i64) -> Result<AdvanceOutcome> {
         validate_request(machine, request)?;
-        advance_validated(&self.tx, self.identity, machine, request, now_ms)
+        let mut statements = AdvanceStatements::prepare(&self.tx)?;
+        let mut position = last_position(&self.tx)?;
+        advance_validated(&mut statements, &mut position, self.identity, machine, request, now_ms)
     }
 
     pub fn commit(self) -> Result<()> {
@@ -142,22 +170,67 @@ pub fn advance_in(
     validate_request(machine, request)?;
     let identity = read_identity(tx)?
         .ok_or_else(|| Error::invalid(codes::NOT_INITIALIZED, "this database is not a producer database"))?;
-    advance_validated(tx, &identity, machine, request, now_ms)
+    let mut statements = AdvanceStatements::prepare(tx)?;
+    let mut position = last_position(tx)?;
+    advance_validated(&mut statements, &mut position, &identity, machine, request, now_ms)
 }
 
+/// The largest outbox position ever handed out, as far as this file can tell: the largest
+/// position of an outbox row or of a subscriber's cursor. The next event gets this + 1. Read in
+/// the write transaction that inserts the event (see the module documentation for why this makes
+/// positions commit-ordered and never reused below a cursor).
+pub(crate) fn last_position(tx: &Connection) -> Result<i64> {
+    tx.prepare_cached(
+        "SELECT max(COALESCE((SELECT max(position) FROM outbox), 0),
+                    COALESCE((SELECT max(delivered_position) FROM subscriptions), 0))",
+    )
+    .db()?
+    .query_row([], |r| r.get(0))
+    .db()
+}
+
+/// The statements of one advance batch, prepared once per batch (a `prepare_cached` per event
+/// hashes the SQL text twice per statement).
+struct AdvanceStatements<'c> {
+    flow: rusqlite::CachedStatement<'c>,
+    upsert_flow: rusqlite::CachedStatement<'c>,
+    insert_event: rusqlite::CachedStatement<'c>,
+}
+
+impl<'c> AdvanceStatements<'c> {
+    fn prepare(tx: &'c Connection) -> Result<Self> {
+        Ok(AdvanceStatements {
+            flow: tx.prepare_cached("SELECT state, state_data, last_seq FROM flows WHERE flow_id = ?1").db()?,
+            upsert_flow: tx
+                .prepare_cached(
+                    "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                     ON CONFLICT (flow_id) DO UPDATE SET state = excluded.state, state_data = excluded.state_data,
+                         last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms",
+                )
+                .db()?,
+            insert_event: tx
+                .prepare_cached(
+                    "INSERT INTO outbox (position, event_id, flow_id, seq, event_type, schema_version, payload,
+                         content_hash, created_at_ms, generation)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                )
+                .db()?,
+        })
+    }
+}
+
+/// Advance one flow. `last_position` is the last position handed out in this transaction; a
+/// committed event takes the next one.
 fn advance_validated(
-    tx: &Connection,
+    statements: &mut AdvanceStatements<'_>,
+    last_position: &mut i64,
     identity: &ProducerIdentity,
     machine: &dyn FlowMachine,
     request: &AdvanceRequest,
     now_ms: i64,
 ) -> Result<AdvanceOutcome> {
-    let existing: Option<(String, String, i64)> = tx
-        .prepare_cached("SELECT state, state_data, last_seq FROM flows WHERE flow_id = ?1")
-        .db()?
-        .query_row([&request.flow_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-        .optional()
-        .db()?;
+    let existing: Option<(String, String, i64)> =
+        statements.flow.query_row([&request.flow_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional().db()?;
     let (current_seq, current) = match existing {
         Some((state, data, seq)) => {
             let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
@@ -182,40 +255,25 @@ fn advance_validated(
         created_at_ms: now_ms,
     };
     let state_data = decision.next.data.to_string();
-    tx.prepare_cached(
-        "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT (flow_id) DO UPDATE SET state = excluded.state, state_data = excluded.state_data,
-             last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms",
-    )
-    .db()?
-    .execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms])
-    .db()?;
-    tx.prepare_cached(
-        "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms,
-             generation)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-    )
-    .db()?
-    .execute(params![
-        event.event_id,
-        event.flow_id,
-        event.seq,
-        event.event_type,
-        event.schema_version,
-        event.payload.to_string(),
-        event.content_hash(),
-        event.created_at_ms,
-        event.generation
-    ])
-    .db()?;
-    let position = tx.last_insert_rowid();
-    tx.prepare_cached(
-        "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, updated_at_ms)
-         SELECT ?1, consumer_id, 'pending', 0, ?2, ?2 FROM subscriptions",
-    )
-    .db()?
-    .execute(params![position, now_ms])
-    .db()?;
+    statements.upsert_flow.execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms]).db()?;
+    let position =
+        last_position.checked_add(1).ok_or_else(|| Error::store("the outbox ran out of positions (i64::MAX)"))?;
+    statements
+        .insert_event
+        .execute(params![
+            position,
+            event.event_id,
+            event.flow_id,
+            event.seq,
+            event.event_type,
+            event.schema_version,
+            event.payload.to_string(),
+            event.content_hash(),
+            event.created_at_ms,
+            event.generation
+        ])
+        .db()?;
+    *last_position = position;
     Ok(AdvanceOutcome::Committed { flow_id: event.flow_id, seq, event_id: event.event_id, state: decision.next.state })
 }
 
@@ -256,17 +314,39 @@ fn delivery_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeliveryEntry> {
     })
 }
 
-const DELIVERY_COLUMNS: &str = "o.event_id, o.flow_id, o.seq, d.consumer_id, d.status, d.attempts, d.next_attempt_at_ms, d.last_error, d.updated_at_ms";
+/// Every delivery (one per outbox event and subscriber from its `from_position` on), merged from
+/// the subscriber's cursor and the exception rows. A delivery without an exception row is
+/// `accepted` at or below the cursor and `pending` above it, with no attempts, due and last
+/// changed when its event was committed. Columns as [`delivery_entry`] reads them, then the
+/// position.
+const DELIVERY_VIEW: &str =
+    "SELECT event_id, flow_id, seq, consumer_id, status, attempts, next_attempt_at_ms, last_error,
+        updated_at_ms, position FROM (
+    SELECT o.event_id AS event_id, o.flow_id AS flow_id, o.seq AS seq, s.consumer_id AS consumer_id,
+        COALESCE(d.status, CASE WHEN o.position <= s.delivered_position THEN 'accepted' ELSE 'pending' END) AS status,
+        COALESCE(d.attempts, 0) AS attempts, COALESCE(d.next_attempt_at_ms, o.created_at_ms) AS next_attempt_at_ms,
+        d.last_error AS last_error, COALESCE(d.updated_at_ms, o.created_at_ms) AS updated_at_ms, o.position AS position
+    FROM outbox o JOIN subscriptions s ON s.from_position <= o.position
+    LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id)";
 
 fn delivery_on(conn: &Connection, event_id: &str, consumer_id: &str) -> Result<Option<DeliveryEntry>> {
-    conn.prepare_cached(&format!(
-        "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
-                 WHERE o.event_id = ?1 AND d.consumer_id = ?2"
-    ))
-    .db()?
-    .query_row([event_id, consumer_id], delivery_entry)
-    .optional()
-    .db()
+    conn.prepare_cached(&format!("{DELIVERY_VIEW} WHERE event_id = ?1 AND consumer_id = ?2"))
+        .db()?
+        .query_row([event_id, consumer_id], delivery_entry)
+        .optional()
+        .db()
+}
+
+/// Rows the cursor walk of one recording may read beyond the batch's own deliveries (exception
+/// rows it passes).
+const CURSOR_WALK_ROWS_EXTRA: usize = 4_096;
+
+/// A subscriber's cursor while a relay batch is recorded.
+struct CursorMove {
+    from_position: i64,
+    delivered_position: i64,
+    /// Positions above the cursor accepted in this batch, with their commit time.
+    accepted: std::collections::BTreeMap<i64, i64>,
 }
 
 impl SqliteProducer {
@@ -289,16 +369,27 @@ impl SqliteProducer {
         if exists_to {
             return Err(Error::invalid(codes::ALREADY_EXISTS, format!("a subscription for {to:?} already exists")));
         }
+        // Every delivery of `from` moves: one per event from its `from_position` on (the cursor
+        // and the exception rows travel with the subscription).
+        let moved: i64 = tx
+            .query_row(
+                "SELECT count(*) FROM outbox WHERE position >= (SELECT from_position FROM subscriptions WHERE consumer_id = ?1)",
+                [from],
+                |r| r.get(0),
+            )
+            .db()?;
         tx.execute("UPDATE subscriptions SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
-        let moved = tx.execute("UPDATE deliveries SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
+        tx.execute("UPDATE deliveries SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
         tx.commit().db()?;
         Ok(moved as u64)
     }
 
     /// Counts of deliveries by status (for snapshots and metrics).
     pub fn delivery_counts(&self) -> Result<Vec<(String, i64)>> {
-        let mut stmt =
-            self.conn.prepare("SELECT status, count(*) FROM deliveries GROUP BY status ORDER BY status").db()?;
+        let mut stmt = self
+            .conn
+            .prepare(&format!("SELECT status, count(*) FROM ({DELIVERY_VIEW}) GROUP BY status ORDER BY status"))
+            .db()?;
         let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).db()?;
         rows.collect::<rusqlite::Result<Vec<_>>>().db()
     }
@@ -321,8 +412,19 @@ impl ProducerStore for SqliteProducer {
         }
         let tx = self.begin()?;
         let mut outcomes = Vec::with_capacity(requests.len());
-        for request in requests {
-            outcomes.push(advance_validated(&tx.tx, tx.identity, machine, request, now_ms)?);
+        {
+            let mut statements = AdvanceStatements::prepare(&tx.tx)?;
+            let mut position = last_position(&tx.tx)?;
+            for request in requests {
+                outcomes.push(advance_validated(
+                    &mut statements,
+                    &mut position,
+                    tx.identity,
+                    machine,
+                    request,
+                    now_ms,
+                )?);
+            }
         }
         tx.commit()?;
         Ok(outcomes)
@@ -354,21 +456,21 @@ impl ProducerStore for SqliteProducer {
                 0
             }
             None => {
+                // From the start: every event still in the outbox is pending for it. Otherwise
+                // it receives events committed from now on: its cursor starts at the last
+                // position handed out.
+                let (from_position, queued) = if from_start {
+                    (1, tx.query_row("SELECT count(*) FROM outbox", [], |r| r.get::<_, i64>(0)).db()? as u64)
+                } else {
+                    (last_position(&tx)? + 1, 0)
+                };
                 tx.execute(
-                    "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms) VALUES (?1, ?2, ?3)",
-                    params![subscription.consumer_id, subscription.endpoint, now_ms],
+                    "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms, from_position, delivered_position)
+                     VALUES (?1, ?2, ?3, ?4, ?4 - 1)",
+                    params![subscription.consumer_id, subscription.endpoint, now_ms, from_position],
                 )
                 .db()?;
-                if from_start {
-                    tx.execute(
-                        "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, updated_at_ms)
-                         SELECT position, ?1, 'pending', 0, ?2, ?2 FROM outbox",
-                        params![subscription.consumer_id, now_ms],
-                    )
-                    .db()? as u64
-                } else {
-                    0
-                }
+                queued
             }
         };
         tx.commit().db()?;
@@ -393,76 +495,230 @@ impl ProducerStore for SqliteProducer {
                 endpoint: r.get(10)?,
             })
         };
-        let rows = match event_id {
-            Some(event_id) => {
-                validate_id("event_id", event_id)?;
-                let mut stmt = self
-                    .conn
-                    .prepare_cached(&format!(
-                        "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint
-                         FROM outbox o JOIN deliveries d ON d.position = o.position
-                         JOIN subscriptions s ON s.consumer_id = d.consumer_id
-                         WHERE o.event_id = ?1 AND d.status IN ('pending', 'quarantined')
-                         ORDER BY d.consumer_id LIMIT ?2"
-                    ))
-                    .db()?;
-                let rows = stmt.query_map(params![event_id, limit as i64], map).db()?;
-                rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-            }
-            None => {
-                let mut stmt = self
-                    .conn
-                    .prepare_cached(&format!(
-                        "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint
-                         FROM deliveries d JOIN outbox o ON o.position = d.position
-                         JOIN subscriptions s ON s.consumer_id = d.consumer_id
-                         WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1
-                         ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2"
-                    ))
-                    .db()?;
-                let rows = stmt.query_map(params![now_ms, limit as i64], map).db()?;
-                rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-            }
+        if let Some(event_id) = event_id {
+            validate_id("event_id", event_id)?;
+            // That event's pending or quarantined deliveries, due or not: exception rows in
+            // those states, and subscribers whose cursor has not passed it yet.
+            let mut stmt = self
+                .conn
+                .prepare_cached(&format!(
+                    "SELECT {EVENT_COLUMNS}, s.consumer_id, COALESCE(d.attempts, 0), s.endpoint
+                     FROM outbox o JOIN subscriptions s ON s.from_position <= o.position
+                     LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
+                     WHERE o.event_id = ?1
+                       AND (d.status = 'pending' OR d.status = 'quarantined'
+                            OR (d.status IS NULL AND o.position > s.delivered_position))
+                     ORDER BY s.consumer_id LIMIT ?2"
+                ))
+                .db()?;
+            let rows = stmt.query_map(params![event_id, limit as i64], map).db()?;
+            return rows.collect::<rusqlite::Result<Vec<_>>>().db();
+        }
+        // Candidates are keyed (due time, position, consumer): retries from the exception rows,
+        // and for each subscriber the first `limit` events after its cursor that have no
+        // exception row (due since their commit). The `limit` smallest keys win. One read
+        // transaction, so that cursors and exception rows are read as of one moment.
+        let read = self.conn.unchecked_transaction().db()?;
+        let any_exceptions: bool =
+            read.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
+        let mut candidates: Vec<((i64, i64, String), Delivery)> = Vec::new();
+        let keyed = |r: &rusqlite::Row<'_>| -> rusqlite::Result<((i64, i64, String), Delivery)> {
+            let delivery = map(r)?;
+            Ok(((r.get(11)?, r.get(12)?, delivery.consumer_id.clone()), delivery))
         };
-        Ok(rows)
+        {
+            let mut stmt = read
+                .prepare_cached(&format!(
+                    "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint, d.next_attempt_at_ms, d.position
+                     FROM deliveries d JOIN outbox o ON o.position = d.position
+                     JOIN subscriptions s ON s.consumer_id = d.consumer_id
+                     WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1
+                     ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2"
+                ))
+                .db()?;
+            let rows = stmt.query_map(params![now_ms, limit as i64], keyed).db()?;
+            for row in rows {
+                candidates.push(row.db()?);
+            }
+        }
+        let cursors: Vec<(String, String, i64)> = {
+            let mut stmt = read
+                .prepare_cached(
+                    "SELECT consumer_id, endpoint, delivered_position FROM subscriptions ORDER BY consumer_id",
+                )
+                .db()?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).db()?;
+            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        };
+        // Without any exception row the fresh scan need not look for one.
+        let exception_filter = if any_exceptions {
+            "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)"
+        } else {
+            "?3 IS NOT NULL"
+        };
+        let mut fresh = read
+            .prepare_cached(&format!(
+                "SELECT {EVENT_COLUMNS}, ?3, 0, ?4, o.created_at_ms, o.position FROM outbox o
+                 WHERE o.position > ?1 AND o.created_at_ms <= ?2 AND {exception_filter}
+                 ORDER BY o.position LIMIT ?5"
+            ))
+            .db()?;
+        for (consumer_id, endpoint, delivered_position) in &cursors {
+            let rows = fresh
+                .query_map(params![delivered_position, now_ms, consumer_id, endpoint, limit as i64], keyed)
+                .db()?;
+            for row in rows {
+                candidates.push(row.db()?);
+            }
+        }
+        drop(fresh);
+        read.finish().db()?;
+        candidates.sort_by(|a, b| a.0.cmp(&b.0));
+        candidates.truncate(limit);
+        Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
     }
 
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         {
+            let mut event = tx.prepare_cached("SELECT position, created_at_ms FROM outbox WHERE event_id = ?1").db()?;
+            let mut exception =
+                tx.prepare_cached("SELECT 1 FROM deliveries WHERE position = ?1 AND consumer_id = ?2").db()?;
+            let mut cursor_of = tx
+                .prepare_cached("SELECT from_position, delivered_position FROM subscriptions WHERE consumer_id = ?1")
+                .db()?;
+            // Exception rows change only while pending or quarantined (as before: an accepted or
+            // dismissed delivery stays so).
             let mut accept = tx
                 .prepare_cached(
                     "UPDATE deliveries SET status = 'accepted', last_error = NULL, updated_at_ms = ?3
-                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND (status = 'pending' OR status = 'quarantined')",
+                     WHERE position = ?1 AND consumer_id = ?2 AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
             let mut retry = tx
                 .prepare_cached(
                     "UPDATE deliveries SET attempts = attempts + 1, next_attempt_at_ms = ?4, last_error = ?3, updated_at_ms = ?5,
                          status = 'pending'
-                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND (status = 'pending' OR status = 'quarantined')",
+                     WHERE position = ?1 AND consumer_id = ?2 AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
             let mut quarantine = tx
                 .prepare_cached(
                     "UPDATE deliveries SET attempts = attempts + 1, status = 'quarantined', last_error = ?3, updated_at_ms = ?4
-                     WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2
-                       AND (status = 'pending' OR status = 'quarantined')",
+                     WHERE position = ?1 AND consumer_id = ?2 AND (status = 'pending' OR status = 'quarantined')",
                 )
                 .db()?;
+            let mut insert = tx
+                .prepare_cached(
+                    "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, last_error, updated_at_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+                )
+                .db()?;
+            // Most of the time no delivery has an exception row: then neither the per-result
+            // probe nor the cursor walk needs to look for one.
+            let any_exceptions: bool =
+                tx.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
+            let mut cursors: HashMap<&str, Option<CursorMove>> = HashMap::new();
             for result in results {
-                let (event, consumer) = (&result.event_id, &result.consumer_id);
+                let (event_id, consumer) = (result.event_id.as_str(), result.consumer_id.as_str());
+                let Some((position, created_at_ms)) =
+                    event.query_row([event_id], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))).optional().db()?
+                else {
+                    continue;
+                };
+                if any_exceptions && exception.exists(params![position, consumer]).db()? {
+                    match &result.verdict {
+                        DeliveryVerdict::Accepted => accept.execute(params![position, consumer, now_ms]).db()?,
+                        DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
+                            retry.execute(params![position, consumer, reason, next_attempt_at_ms, now_ms]).db()?
+                        }
+                        DeliveryVerdict::Quarantine { reason } => {
+                            quarantine.execute(params![position, consumer, reason, now_ms]).db()?
+                        }
+                    };
+                    continue;
+                }
+                if !cursors.contains_key(consumer) {
+                    let cursor = cursor_of.query_row([consumer], |r| Ok((r.get(0)?, r.get(1)?))).optional().db()?.map(
+                        |(from_position, delivered_position)| CursorMove {
+                            from_position,
+                            delivered_position,
+                            accepted: Default::default(),
+                        },
+                    );
+                    cursors.insert(consumer, cursor);
+                }
+                // No exception row: accepted at or below the cursor (nothing to change), not
+                // subscribed below `from_position`, pending above the cursor.
+                let Some(Some(cursor)) = cursors.get_mut(consumer) else { continue };
+                if position < cursor.from_position || position <= cursor.delivered_position {
+                    continue;
+                }
                 match &result.verdict {
-                    DeliveryVerdict::Accepted => accept.execute(params![event, consumer, now_ms]).db()?,
+                    DeliveryVerdict::Accepted => {
+                        cursor.accepted.insert(position, created_at_ms);
+                    }
                     DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
-                        retry.execute(params![event, consumer, reason, next_attempt_at_ms, now_ms]).db()?
+                        insert
+                            .execute(params![position, consumer, "pending", 1, next_attempt_at_ms, reason, now_ms])
+                            .db()?;
                     }
                     DeliveryVerdict::Quarantine { reason } => {
-                        quarantine.execute(params![event, consumer, reason, now_ms]).db()?
+                        insert
+                            .execute(params![position, consumer, "quarantined", 1, created_at_ms, reason, now_ms])
+                            .db()?;
                     }
-                };
+                }
+            }
+            // Move each cursor across the positions right above it that are settled: accepted in
+            // this batch, or holding an exception row (retrying, quarantined, ...). It stops at the
+            // first position that is still plainly pending. Reads are in this write transaction,
+            // so every row it walks over is committed and no lower position can appear later.
+            let mut walk = tx
+                .prepare_cached(if any_exceptions {
+                    "SELECT o.position, EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?2)
+                     FROM outbox o WHERE o.position > ?1 ORDER BY o.position LIMIT ?3"
+                } else {
+                    "SELECT o.position, ?2 IS NULL FROM outbox o WHERE o.position > ?1 ORDER BY o.position LIMIT ?3"
+                })
+                .db()?;
+            let mut move_cursor =
+                tx.prepare_cached("UPDATE subscriptions SET delivered_position = ?2 WHERE consumer_id = ?1").db()?;
+            for (consumer, cursor) in cursors {
+                let Some(mut cursor) = cursor else { continue };
+                if cursor.accepted.is_empty() {
+                    continue;
+                }
+                let start = cursor.delivered_position;
+                let rows_max = (cursor.accepted.len() + CURSOR_WALK_ROWS_EXTRA) as i64;
+                let mut rows = walk.query(params![start, consumer, rows_max]).db()?;
+                while let Some(r) = rows.next().db()? {
+                    let (position, has_exception): (i64, bool) = (r.get(0).db()?, r.get(1).db()?);
+                    if cursor.accepted.remove(&position).is_none() && !has_exception {
+                        break;
+                    }
+                    cursor.delivered_position = position;
+                }
+                drop(rows);
+                ensure_invariant!(cursor.delivered_position >= start, "a delivery cursor moved backwards");
+                if cursor.delivered_position > start {
+                    move_cursor.execute(params![consumer, cursor.delivered_position]).db()?;
+                }
+                // Accepted beyond a position that is still pending (the relay picked round-robin,
+                // not a prefix): an exception row that reads exactly like a cursor-accepted one.
+                for (position, created_at_ms) in cursor.accepted {
+                    insert
+                        .execute(params![
+                            position,
+                            consumer,
+                            "accepted",
+                            0,
+                            created_at_ms,
+                            Option::<String>::None,
+                            created_at_ms
+                        ])
+                        .db()?;
+                }
             }
         }
         crash::hit("relay.before_producer_commit");
@@ -476,8 +732,7 @@ impl ProducerStore for SqliteProducer {
         let mut stmt = self
             .conn
             .prepare_cached(&format!(
-                "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
-                 WHERE ?1 IS NULL OR d.status = ?1 ORDER BY d.position, d.consumer_id LIMIT ?2"
+                "{DELIVERY_VIEW} WHERE ?1 IS NULL OR status = ?1 ORDER BY position, consumer_id LIMIT ?2"
             ))
             .db()?;
         let rows = stmt.query_map(params![status.map(DeliveryStatus::as_str), limit as i64], delivery_entry).db()?;
@@ -513,14 +768,18 @@ impl ProducerStore for SqliteProducer {
         }
         let note =
             format!("operator {}: {reason}", if action == DeliveryAction::Requeue { "requeued" } else { "dismissed" });
+        // A quarantined or dismissed delivery always has an exception row; a pending one may be
+        // plain (above the cursor), and dismissing it writes its exception row.
         let sql = match action {
             DeliveryAction::Requeue => {
                 "UPDATE deliveries SET status = 'pending', attempts = 0, next_attempt_at_ms = ?3, last_error = ?4, updated_at_ms = ?3
                  WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2"
             }
             DeliveryAction::Dismiss => {
-                "UPDATE deliveries SET status = 'dismissed', last_error = ?4, updated_at_ms = ?3
-                 WHERE position = (SELECT position FROM outbox WHERE event_id = ?1) AND consumer_id = ?2"
+                "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, last_error, updated_at_ms)
+                 SELECT position, ?2, 'dismissed', 0, created_at_ms, ?4, ?3 FROM outbox WHERE event_id = ?1
+                 ON CONFLICT (position, consumer_id) DO UPDATE SET status = 'dismissed', last_error = excluded.last_error,
+                     updated_at_ms = excluded.updated_at_ms"
             }
         };
         let changed = tx.execute(sql, params![event_id, consumer_id, now_ms, note]).db()?;
@@ -555,23 +814,33 @@ impl ProducerStore for SqliteProducer {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         // Oldest first (position follows commit order); an event with any unsettled delivery
         // stays, whatever its age.
-        let positions: Vec<i64> = {
+        // Unsettled for a subscriber: a pending or quarantined exception row, or no row and above
+        // its cursor. Each event counts one delivery per subscriber from its `from_position`.
+        let positions: Vec<(i64, i64)> = {
             let mut stmt = tx
                 .prepare_cached(
-                    "SELECT o.position FROM outbox o WHERE o.created_at_ms < ?1
-                       AND NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position
-                                       AND d.status IN ('pending', 'quarantined'))
+                    "SELECT o.position, (SELECT count(*) FROM subscriptions s WHERE s.from_position <= o.position)
+                     FROM outbox o WHERE o.created_at_ms < ?1
+                       AND NOT EXISTS (
+                           SELECT 1 FROM subscriptions s
+                           LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
+                           WHERE s.from_position <= o.position
+                             AND (d.status = 'pending' OR d.status = 'quarantined'
+                                  OR (d.status IS NULL AND o.position > s.delivered_position)))
                      ORDER BY o.created_at_ms, o.position LIMIT ?2",
                 )
                 .db()?;
-            let rows =
-                stmt.query_map(params![now_ms.saturating_sub(retention_ms), batch_rows as i64], |r| r.get(0)).db()?;
+            let rows = stmt
+                .query_map(params![now_ms.saturating_sub(retention_ms), batch_rows as i64], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
+                .db()?;
             rows.collect::<rusqlite::Result<Vec<_>>>().db()?
         };
         let mut deliveries_deleted = 0;
-        for position in &positions {
-            deliveries_deleted +=
-                tx.prepare_cached("DELETE FROM deliveries WHERE position = ?1").db()?.execute([position]).db()?;
+        for (position, deliveries) in &positions {
+            deliveries_deleted += *deliveries as usize;
+            tx.prepare_cached("DELETE FROM deliveries WHERE position = ?1").db()?.execute([position]).db()?;
             let deleted = tx.prepare_cached("DELETE FROM outbox WHERE position = ?1").db()?.execute([position]).db()?;
             ensure_invariant!(deleted == 1, "pruning outbox position {position} deleted {deleted} rows");
         }
@@ -611,12 +880,7 @@ impl ProducerStore for SqliteProducer {
             rows.collect::<rusqlite::Result<Vec<_>>>().db()?
         };
         let deliveries = {
-            let mut stmt = tx
-                .prepare(&format!(
-                    "SELECT {DELIVERY_COLUMNS} FROM deliveries d JOIN outbox o ON o.position = d.position
-                     ORDER BY d.position, d.consumer_id LIMIT ?1"
-                ))
-                .db()?;
+            let mut stmt = tx.prepare(&format!("{DELIVERY_VIEW} ORDER BY position, consumer_id LIMIT ?1")).db()?;
             let rows = stmt.query_map([limit], delivery_entry).db()?;
             rows.collect::<rusqlite::Result<Vec<_>>>().db()?
         };

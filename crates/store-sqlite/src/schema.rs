@@ -248,6 +248,28 @@ const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     CREATE INDEX run_receipts_expiry ON run_receipts (expires_at_ms);
     "#,
+    // v4: deliveries become a cursor per subscriber plus exception rows (docs/protocol.md,
+    // "Deliveries"; producer.rs explains why the cursor cannot skip an event). A subscriber
+    // receives every position from `from_position` on; every position up to
+    // `delivered_position` is accepted unless `deliveries` holds a row for it, every later one
+    // pending unless it holds one. Existing rows become that: the cursor stops just below the
+    // subscriber's first plain pending delivery (no attempt, no error), and the rows the cursor
+    // now expresses (plain accepted at or below it, plain pending above it) are deleted.
+    r#"
+    ALTER TABLE subscriptions ADD COLUMN from_position INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE subscriptions ADD COLUMN delivered_position INTEGER NOT NULL DEFAULT 0;
+    UPDATE subscriptions SET from_position = COALESCE(
+        (SELECT min(d.position) FROM deliveries d WHERE d.consumer_id = subscriptions.consumer_id),
+        (SELECT COALESCE(max(position), 0) + 1 FROM outbox));
+    UPDATE subscriptions SET delivered_position = COALESCE(
+        (SELECT min(d.position) - 1 FROM deliveries d WHERE d.consumer_id = subscriptions.consumer_id
+            AND d.status = 'pending' AND d.attempts = 0 AND d.last_error IS NULL),
+        max(from_position - 1, (SELECT COALESCE(max(position), 0) FROM outbox)));
+    DELETE FROM deliveries WHERE attempts = 0 AND last_error IS NULL AND EXISTS (
+        SELECT 1 FROM subscriptions s WHERE s.consumer_id = deliveries.consumer_id
+          AND ((deliveries.status = 'accepted' AND deliveries.position <= s.delivered_position)
+            OR (deliveries.status = 'pending' AND deliveries.position > s.delivered_position)));
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -255,6 +277,10 @@ pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 /// Page cache per connection, in KiB.
 const PAGE_CACHE_KIB: i64 = 64 * 1024;
+/// WAL pages written before a commit checkpoints them into the database (40 MiB of 4 KiB pages).
+const WAL_AUTOCHECKPOINT_PAGES: i64 = 10_000;
+/// Size a WAL file is truncated back to after a checkpoint that emptied it.
+const WAL_SIZE_LIMIT_BYTES: i64 = 64 * 1024 * 1024;
 
 /// How commits reach the disk. The default is the safe one; `Normal` must be asked for
 /// explicitly (`--durability normal`) and can lose the last commits on power loss.
@@ -293,8 +319,14 @@ fn configure(conn: &Connection, durability: Durability) -> Result<()> {
     };
     // A 64 MiB page cache per connection (SQLite's default is 2 MiB): with millions of rows the
     // indexes the hot paths probe no longer fit the default and every probe rereads pages.
+    // A WAL checkpoint every WAL_AUTOCHECKPOINT_PAGES pages instead of SQLite's 1,000: a group
+    // commit of a few thousand events writes more than 1,000 pages, so the default copied the WAL
+    // back into the database after nearly every commit, hot pages included, each time they were
+    // rewritten (8-11% of the pipeline's CPU time, docs/benchmarks.md). A WAL grown larger than
+    // WAL_SIZE_LIMIT_BYTES by one big transaction is truncated back after its checkpoint.
     conn.execute_batch(&format!(
-        "PRAGMA synchronous={sync}; PRAGMA foreign_keys=ON; PRAGMA cache_size=-{PAGE_CACHE_KIB};"
+        "PRAGMA synchronous={sync}; PRAGMA foreign_keys=ON; PRAGMA cache_size=-{PAGE_CACHE_KIB};
+         PRAGMA wal_autocheckpoint={WAL_AUTOCHECKPOINT_PAGES}; PRAGMA journal_size_limit={WAL_SIZE_LIMIT_BYTES};"
     ))
     .db()?;
     conn.set_prepared_statement_cache_capacity(64);
@@ -403,6 +435,8 @@ mod tests {
         assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
         let sync: i64 = conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
         assert_eq!(sync, 2, "synchronous must be FULL by default");
+        let checkpoint_pages: i64 = conn.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0)).unwrap();
+        assert_eq!(checkpoint_pages, WAL_AUTOCHECKPOINT_PAGES);
     }
 
     #[test]
@@ -429,7 +463,7 @@ mod tests {
             configure(&conn, Durability::Full).unwrap();
             migrate_to(&mut conn, previous).unwrap();
             assert_eq!(schema_version(&conn).unwrap(), previous);
-            assert!(!table_exists(&conn, "runs"));
+            assert_eq!(table_exists(&conn, "runs"), previous >= 3);
             meta_set(&conn, "producer.source", "shop").unwrap();
             conn.execute(
             "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES ('r1', 'reserved', '{}', 1, 5)",
@@ -478,6 +512,120 @@ mod tests {
         drop(producer);
         let conn = open(&path, false, Durability::Full).unwrap();
         assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
+    }
+
+    /// A v3 producer file kept one delivery row per event and subscriber; v4 keeps a cursor per
+    /// subscriber and exception rows. Every delivery must read the same after the migration, and
+    /// the relay and prune must go on from there.
+    #[test]
+    fn a_version_3_producer_file_migrates_its_deliveries_to_cursors_and_exceptions() {
+        use tidemark_core::store::{DeliveryResult, DeliveryStatus, DeliveryVerdict, ProducerStore};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("v3.db");
+        {
+            let mut conn = Connection::open(&path).unwrap();
+            configure(&conn, Durability::Full).unwrap();
+            migrate_to(&mut conn, 3).unwrap();
+            meta_set(&conn, "producer.source", "shop").unwrap();
+            meta_set(&conn, "producer.generation", "g1").unwrap();
+            for position in 1..=6 {
+                conn.execute(
+                    "INSERT INTO outbox (position, event_id, flow_id, seq, event_type, schema_version, payload, content_hash,
+                         created_at_ms, generation)
+                     VALUES (?1, 'e' || ?1, 'f' || ?1, 1, 'reservation.reserved', 1, '{\"amount\":1}', 'h', ?1 * 10, 'g1')",
+                    [position],
+                )
+                .unwrap();
+            }
+            // audit subscribed from the start, search before event 4.
+            conn.execute_batch(
+                "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms) VALUES ('audit', 'a.db', 0), ('search', 's.db', 35);
+                 INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, last_error, updated_at_ms) VALUES
+                   (1, 'audit', 'accepted', 0, 10, NULL, 11),
+                   (2, 'audit', 'accepted', 1, 25, NULL, 26),
+                   (3, 'audit', 'quarantined', 8, 30, 'conflict: x', 31),
+                   (4, 'audit', 'accepted', 0, 40, NULL, 41),
+                   (5, 'audit', 'pending', 0, 50, NULL, 50),
+                   (6, 'audit', 'pending', 2, 999, 'failed: y', 61),
+                   (4, 'search', 'dismissed', 1, 40, 'operator dismissed: z', 42),
+                   (5, 'search', 'accepted', 0, 50, NULL, 51),
+                   (6, 'search', 'pending', 0, 60, NULL, 60);",
+            )
+            .unwrap();
+        }
+        let mut producer = crate::SqliteProducer::open(&path).unwrap();
+        let conn = open(&path, false, Durability::Full).unwrap();
+        assert_eq!(schema_version(&conn).unwrap(), SCHEMA_VERSION);
+        let cursors: Vec<(String, i64, i64)> = conn
+            .prepare("SELECT consumer_id, from_position, delivered_position FROM subscriptions ORDER BY consumer_id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(cursors, [("audit".to_string(), 1, 4), ("search".to_string(), 4, 5)]);
+        let exceptions: i64 = conn.query_row("SELECT count(*) FROM deliveries", [], |r| r.get(0)).unwrap();
+        assert_eq!(exceptions, 4, "only the failed and operator-decided deliveries keep a row");
+
+        let listed = |producer: &crate::SqliteProducer| -> Vec<(String, String, DeliveryStatus, u32, Option<String>)> {
+            producer
+                .deliveries(None, 100)
+                .unwrap()
+                .into_iter()
+                .map(|d| (d.event_id, d.consumer_id, d.status, d.attempts, d.last_error))
+                .collect()
+        };
+        let row = |e: &str, c: &str, s: DeliveryStatus, a: u32, err: Option<&str>| {
+            (e.to_string(), c.to_string(), s, a, err.map(str::to_string))
+        };
+        use DeliveryStatus::{Accepted, Dismissed, Pending, Quarantined};
+        assert_eq!(
+            listed(&producer),
+            [
+                row("e1", "audit", Accepted, 0, None),
+                row("e2", "audit", Accepted, 1, None),
+                row("e3", "audit", Quarantined, 8, Some("conflict: x")),
+                row("e4", "audit", Accepted, 0, None),
+                row("e4", "search", Dismissed, 1, Some("operator dismissed: z")),
+                row("e5", "audit", Pending, 0, None),
+                row("e5", "search", Accepted, 0, None),
+                row("e6", "audit", Pending, 2, Some("failed: y")),
+                row("e6", "search", Pending, 0, None),
+            ]
+        );
+
+        // The relay goes on from the cursors: the fresh deliveries are due, the retry is not yet.
+        let due: Vec<(String, String)> = producer
+            .due_deliveries(100, 10, None)
+            .unwrap()
+            .into_iter()
+            .map(|d| (d.envelope.event_id, d.consumer_id))
+            .collect();
+        assert_eq!(due, [("e5".to_string(), "audit".to_string()), ("e6".to_string(), "search".to_string())]);
+        let accepted = |event: &str, consumer: &str| DeliveryResult {
+            event_id: event.into(),
+            consumer_id: consumer.into(),
+            verdict: DeliveryVerdict::Accepted,
+        };
+        producer.record_deliveries(&[accepted("e5", "audit"), accepted("e6", "search")], 100).unwrap();
+        let delivered: Vec<i64> = conn
+            .prepare("SELECT delivered_position FROM subscriptions ORDER BY consumer_id")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(delivered, [6, 6], "audit's cursor passes the retrying e6 (it has its exception row)");
+        let pending: Vec<String> =
+            producer.deliveries(Some(Pending), 100).unwrap().into_iter().map(|d| d.event_id).collect();
+        assert_eq!(pending, ["e6"]);
+
+        // Prune: every event settled for every subscriber goes, with one delivery per subscriber
+        // that received it; e3 (quarantined) and e6 (retrying for audit) stay.
+        let report = producer.prune_delivered(0, 100, 1_000).unwrap();
+        assert_eq!((report.events_deleted, report.deliveries_deleted), (4, 6));
+        let left: Vec<String> = producer.snapshot(100).unwrap().outbox.into_iter().map(|e| e.event_id).collect();
+        assert_eq!(left, ["e3", "e6"]);
     }
 
     #[test]

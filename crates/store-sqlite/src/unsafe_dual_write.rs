@@ -74,10 +74,13 @@ pub fn unsafe_dual_write_advance(
         created_at_ms: now_ms,
     };
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+    // The event becomes due for every subscriber through its delivery cursor.
+    let position = crate::producer::last_position(&tx)? + 1;
     tx.execute(
-        "INSERT INTO outbox (event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        "INSERT INTO outbox (position, event_id, flow_id, seq, event_type, schema_version, payload, content_hash, created_at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
         params![
+            position,
             event.event_id,
             event.flow_id,
             event.seq,
@@ -87,13 +90,6 @@ pub fn unsafe_dual_write_advance(
             event.content_hash(),
             event.created_at_ms
         ],
-    )
-    .db()?;
-    let position = tx.last_insert_rowid();
-    tx.execute(
-        "INSERT INTO deliveries (position, consumer_id, status, attempts, next_attempt_at_ms, updated_at_ms)
-         SELECT ?1, consumer_id, 'pending', 0, ?2, ?2 FROM subscriptions",
-        params![position, now_ms],
     )
     .db()?;
     tx.commit().db()?;
