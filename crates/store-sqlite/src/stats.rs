@@ -25,31 +25,40 @@ pub struct OutboxCounts {
 }
 
 pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
-    let (pending, due): (i64, i64) = conn
+    // A subscriber's delivery is pending when its position is above the subscriber's cursor and
+    // has no exception row (it is due at once), or when its exception row says `pending` (a
+    // retry, due at `next_attempt_at_ms`); see schema v4.
+    let (implicit, implicit_oldest): (i64, Option<i64>) = conn
         .prepare_cached(
-            "SELECT count(*), coalesce(sum(next_attempt_at_ms <= ?1), 0) FROM deliveries WHERE status = 'pending'",
+            "SELECT count(*), min(o.created_at_ms) FROM subscriptions s
+             JOIN outbox o ON o.position > s.delivered_position AND o.position >= s.from_position
+             WHERE NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = s.consumer_id)",
         )
         .db()?
-        .query_row([now_ms], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .db()?;
+    let (retrying, retrying_due, retrying_oldest): (i64, i64, Option<i64>) = conn
+        .prepare_cached(
+            "SELECT count(*), coalesce(sum(d.next_attempt_at_ms <= ?1), 0), min(o.created_at_ms)
+             FROM deliveries d JOIN outbox o ON o.position = d.position WHERE d.status = 'pending'",
+        )
+        .db()?
+        .query_row([now_ms], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
         .db()?;
     let quarantined: i64 = conn
         .prepare_cached("SELECT count(*) FROM deliveries WHERE status = 'quarantined'")
         .db()?
         .query_row([], |r| r.get(0))
         .db()?;
-    let oldest_pending_ms: Option<i64> = conn
-        .prepare_cached(
-            "SELECT min(o.created_at_ms) FROM deliveries d JOIN outbox o ON o.position = d.position
-             WHERE d.status = 'pending'",
-        )
-        .db()?
-        .query_row([], |r| r.get(0))
-        .db()?;
     let last_position: i64 =
         conn.prepare_cached("SELECT coalesce(max(position), 0) FROM outbox").db()?.query_row([], |r| r.get(0)).db()?;
+    let oldest_pending_ms = match (implicit_oldest, retrying_oldest) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     Ok(OutboxCounts {
-        pending: pending as u64,
-        due: due as u64,
+        pending: (implicit + retrying) as u64,
+        due: (implicit + retrying_due) as u64,
         quarantined: quarantined as u64,
         oldest_pending_ms,
         last_position,
