@@ -300,3 +300,23 @@ fn config_check_names_the_bad_key() {
     assert_eq!(run.code, 2, "{}", run.stdout);
     assert!(run.stdout.contains("workers.concurrency"), "{}", run.stdout);
 }
+
+/// Each token has its own bucket: a token over its rate gets 429 `rate_limited`, another token
+/// of the same tenant is not affected.
+#[test]
+fn rate_limits_are_per_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let busy = token(&data, "acme", "read");
+    let calm = token(&data, "acme", "read");
+    let config = write_config(dir.path(), "[auth]\nrate_per_second = 1\nburst = 3\n");
+    let server = Server::start(&data, &["--config", &config], &[]);
+    let statuses: Vec<u16> = (0..10).map(|_| server.call("GET", "/v1/runs", Some(&busy), None).0).collect();
+    assert_eq!(&statuses[..3], &[200, 200, 200], "the burst passes: {statuses:?}");
+    assert!(statuses.contains(&429), "ten requests in far less than 7 s exceed 1/s after a burst of 3: {statuses:?}");
+    let (status, body) = server.call("GET", "/v1/runs", Some(&busy), None);
+    if status == 429 {
+        assert_eq!(body["error"]["code"], "rate_limited", "{body}");
+    }
+    assert_eq!(server.call("GET", "/v1/runs", Some(&calm), None).0, 200, "another token has its own bucket");
+}
