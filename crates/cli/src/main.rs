@@ -5,6 +5,7 @@
 mod bench;
 mod demo;
 mod experiment;
+mod loadtest;
 mod pipeline;
 mod server_cmd;
 #[cfg(feature = "failpoints")]
@@ -99,6 +100,9 @@ enum Command {
     /// Bearer tokens of `tidemark serve`: create (prints the token once), list, revoke.
     #[command(subcommand)]
     Token(server_cmd::TokenCommand),
+    /// Load a running server from this process and write a ledger of what it accepted;
+    /// `loadtest verify` checks the ledger against the server's files (see docs/cli.md).
+    Loadtest(loadtest::LoadtestArgs),
     /// Test-only: the deliberately wrong dual write (state and event in two commits).
     #[cfg(feature = "failpoints")]
     #[command(hide = true)]
@@ -649,6 +653,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Serve(args) => server_cmd::serve(&ctx, args),
         Command::Config(command) => server_cmd::config(command),
         Command::Token(command) => server_cmd::token(&ctx, command),
+        Command::Loadtest(args) => loadtest::run(args),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }

@@ -13,6 +13,7 @@ mod experiment;
 mod model_check;
 mod outbox_transaction;
 mod server_api;
+mod server_load;
 mod workflow_cli;
 mod workflow_inbox;
 mod workflow_model;
