@@ -189,7 +189,9 @@ fn a_server_killed_mid_load_loses_no_accepted_request_and_finishes_the_runs_in_f
     assert_eq!(report["runs_leased"], 0, "{report:#}");
     let (_, text) = server.text("/metrics");
     let recovered = sum_series(&text, "tidemark_run_recoveries_total", "tenant=\"load\"");
-    assert_eq!(recovered as u64, in_flight, "each run in flight at the crash is recovered once:\n{text}");
+    // At least once: a run whose lease also expires on the restarted server (a stall longer than
+    // `workers.lease_ms` on a loaded machine) is recovered again.
+    assert!(recovered as u64 >= in_flight, "each run in flight at the crash is recovered: {in_flight}\n{text}");
     println!("runs in flight at the crash: {in_flight}; after restart: {report:#}");
 }
 
