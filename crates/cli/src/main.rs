@@ -12,6 +12,7 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod bench;
 mod demo;
 mod experiment;
+mod loadtest;
 mod pipeline;
 mod progress;
 mod remote;
@@ -117,6 +118,9 @@ enum Command {
     /// Bearer tokens of `tidemark serve`: create (prints the token once), list, revoke.
     #[command(subcommand)]
     Token(server_cmd::TokenCommand),
+    /// Load a running server from this process and write a ledger of what it accepted;
+    /// `loadtest verify` checks the ledger against the server's files (see docs/cli.md).
+    Loadtest(loadtest::LoadtestArgs),
     /// Test-only: the deliberately wrong dual write (state and event in two commits).
     #[cfg(feature = "failpoints")]
     #[command(hide = true)]
@@ -405,9 +409,14 @@ fn read_envelope(file: Option<&Path>) -> tidemark_core::Result<Envelope> {
 }
 
 fn run(cli: Cli) -> tidemark_core::Result<Value> {
+    // `loadtest` always talks to a server: it takes the global --server and --token.
+    let command = match cli.command {
+        Command::Loadtest(args) => return loadtest::run(args, cli.server, cli.token),
+        command => command,
+    };
     if let Some(server) = &cli.server {
         let remote = remote::Remote::new(server, cli.token.clone())?;
-        return remote::run(&remote, cli.command);
+        return remote::run(&remote, command);
     }
     let ctx = Context {
         durability: match cli.durability {
@@ -416,7 +425,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         },
         fixed_now_ms: cli.now_ms,
     };
-    match cli.command {
+    match command {
         Command::Init(args) => {
             if args.producer.is_none() && args.consumer_db.is_none() {
                 return Err(invalid("give --producer PATH --source S and/or --consumer-db PATH"));
@@ -699,6 +708,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Serve(args) => server_cmd::serve(&ctx, args),
         Command::Config(command) => server_cmd::config(command),
         Command::Token(command) => server_cmd::token(&ctx, command),
+        Command::Loadtest(_) => unreachable!("handled above"),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }

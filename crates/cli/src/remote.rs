@@ -196,6 +196,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
         Command::Bench(_) => Err(no_route("bench")),
         Command::Worker(_) => Err(no_route("worker (the server runs workers by itself)")),
         Command::Serve(_) => Err(no_route("serve")),
+        Command::Loadtest(_) => Err(no_route("loadtest")),
         Command::Config(_) => Err(no_route("config")),
         Command::Token(_) => Err(no_route("token")),
         #[cfg(feature = "failpoints")]

@@ -112,6 +112,14 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
         .await?;
     state.metrics.record_relay(&tenant.id, &relayed);
     let mut moved = relayed.attempted > 0;
+    if moved {
+        tracing::debug!(tenant = %tenant.id, attempted = relayed.attempted, accepted = relayed.accepted,
+            duplicate = relayed.duplicate, failed = relayed.failed, "relay round");
+    }
+    if relayed.conflict + relayed.expired + relayed.quarantined > 0 {
+        tracing::warn!(tenant = %tenant.id, conflict = relayed.conflict, expired = relayed.expired,
+            quarantined = relayed.quarantined, "deliveries refused or quarantined (see GET /v1/outbox)");
+    }
 
     let tenant_id = tenant.id.clone();
     let consumers = state.control(|c| c.consumers(Some(&tenant_id)))?;
@@ -141,9 +149,19 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
                     }
                 }
             })
-            .await?;
+            .await
+            .inspect_err(|error| {
+                tracing::error!(tenant = %tenant.id, consumer = %consumer.consumer_id, code = error.code(), %error,
+                    "drain failed");
+            })?;
         state.metrics.record_drain(&tenant.id, &consumer.consumer_id, &report, started.elapsed());
         moved |= report.applied > 0;
+        if report.applied > 0 || !report.stuck.is_empty() {
+            // A blocked flow stays blocked until an operator acts: every round would say so again,
+            // so this is a debug line; the `inbox_blocked` gauge is what to alert on.
+            tracing::debug!(tenant = %tenant.id, consumer = %consumer.consumer_id, applied = report.applied,
+                stuck = report.stuck.len(), took_ms = started.elapsed().as_millis() as u64, "drain round");
+        }
     }
     Ok(moved)
 }
@@ -157,8 +175,14 @@ async fn worker_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
             }
         }
     };
+    tracing::debug!(tenant = %tenant.id, worker_id = %tenant.worker.options().worker_id, "workflow worker started");
     match tenant.worker.run_until(stop).await {
-        Ok(report) => serde_json::to_value(&report).unwrap_or(Value::Null),
+        Ok(report) => {
+            tracing::info!(tenant = %tenant.id, claimed = report.claimed, recovered = report.recovered,
+                completed = report.completed, compensated = report.compensated, failed = report.failed,
+                released = report.released, lost = report.lost, "workflow worker stopped");
+            serde_json::to_value(&report).unwrap_or(Value::Null)
+        }
         Err(error) => {
             tracing::error!(tenant = %tenant.id, code = error.code(), %error, "the workflow worker failed");
             json!({"error": error.to_string()})
@@ -171,7 +195,11 @@ async fn retention_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
     let mut errors = 0_u64;
     while pause(&state, state.config.retention.interval_ms).await {
         rounds += 1;
-        if let Err(error) = retention_round(&state, &tenant).await {
+        let result = retention_round(&state, &tenant).await;
+        if let Ok(report) = &result {
+            tracing::debug!(tenant = %tenant.id, %report, "retention round");
+        }
+        if let Err(error) = result {
             errors += 1;
             state.metrics.loop_errors.get_or_create(&crate::metrics::LoopLabels::new("retention")).inc();
             tracing::error!(tenant = %tenant.id, code = error.code(), %error, "retention round failed");

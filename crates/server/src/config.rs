@@ -122,6 +122,10 @@ pub struct LogConfig {
     pub format: String,
     /// A `tracing` filter, e.g. `info` or `tidemark_server=debug`.
     pub level: String,
+    /// OpenTelemetry export: the base URL of an OTLP/HTTP collector (`http://host:4318`); spans
+    /// are posted to `{otlp_endpoint}/v1/traces` as protobuf. Empty (the default): no export.
+    /// Needs a build with the `otel` feature.
+    pub otlp_endpoint: String,
 }
 
 impl Default for Config {
@@ -199,7 +203,7 @@ impl Default for ShutdownConfig {
 
 impl Default for LogConfig {
     fn default() -> Self {
-        LogConfig { format: "json".into(), level: "info".into() }
+        LogConfig { format: "json".into(), level: "info".into(), otlp_endpoint: String::new() }
     }
 }
 
@@ -289,6 +293,7 @@ impl Config {
         }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| config_error(format!("log.level {:?}: {e}", self.log.level)))?;
+        self.otlp_endpoint()?;
         Ok(())
     }
 
@@ -310,6 +315,26 @@ impl Config {
             backoff_base_ms: self.relay.backoff_base_ms,
             backoff_max_ms: self.relay.backoff_max_ms,
         }
+    }
+
+    /// The OTLP/HTTP collector to export spans to, if any.
+    pub fn otlp_endpoint(&self) -> Result<Option<&str>> {
+        let endpoint = self.log.otlp_endpoint.trim_end_matches('/');
+        if endpoint.is_empty() {
+            return Ok(None);
+        }
+        if !cfg!(feature = "otel") {
+            return Err(config_error(
+                "log.otlp_endpoint is set, but this build has no OpenTelemetry export (build with --features otel)",
+            ));
+        }
+        let rest = endpoint.strip_prefix("http://").ok_or_else(|| {
+            config_error(format!("log.otlp_endpoint must be an http:// URL (a local collector), got {endpoint:?}"))
+        })?;
+        if rest.is_empty() || rest.len() > 2_048 || rest.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(config_error(format!("log.otlp_endpoint {endpoint:?} is not a URL")));
+        }
+        Ok(Some(endpoint))
     }
 
     pub fn auth_disabled(&self) -> bool {
@@ -347,6 +372,8 @@ mod tests {
             ("listen = \"nowhere\"", "listen"),
             ("[workers]\nlease_ms = \"long\"", "lease_ms"),
             ("durability = \"off\"", "durability"),
+            ("[log]\notlp_endpoint = \"https://collector:4318\"", "log.otlp_endpoint"),
+            ("[log]\notlp_endpoint = \"http://\"", "log.otlp_endpoint"),
         ] {
             let error = load_text(text).unwrap_err();
             assert_eq!(error.code(), codes::INVALID_CONFIG, "{text}");

@@ -99,8 +99,8 @@ impl AppState {
         if *self.shutdown.borrow() {
             return Err(Error::invalid(tidemark_core::error::codes::UNAVAILABLE, "the server is shutting down"));
         }
-        let (config, id_owned) = (self.config.clone(), id.to_string());
-        let tenant = tokio::task::spawn_blocking(move || Tenant::open(&config, &id_owned, now_ms))
+        let (config, id_owned, observer) = (self.config.clone(), id.to_string(), self.metrics.observer(id));
+        let tenant = tokio::task::spawn_blocking(move || Tenant::open(&config, &id_owned, now_ms, Some(observer)))
             .await
             .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
         let tenant = Arc::new(tenant);
@@ -133,27 +133,98 @@ impl AppState {
     }
 }
 
-/// Start logging to stderr as configured (once per process).
-pub fn init_logging(config: &Config) {
+/// What has to outlive the server for its logs to reach their destinations: with the `otel`
+/// feature and `log.otlp_endpoint`, the span exporter, flushed when this is dropped.
+pub struct LogGuard {
+    #[cfg(feature = "otel")]
+    otel: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for LogGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "otel")]
+        if let Some(provider) = self.otel.take() {
+            // Exports the spans still batched; bounded by the exporter's timeout.
+            if let Err(error) = provider.shutdown() {
+                eprintln!("WARNING: OpenTelemetry export did not shut down cleanly: {error}");
+            }
+        }
+    }
+}
+
+/// Start logging as configured (once per process): `tracing` events on stderr (JSON or text),
+/// and, with the `otel` feature and `log.otlp_endpoint` set, spans exported over OTLP/HTTP.
+/// Call it outside an async runtime (the exporter's HTTP client has its own thread).
+pub fn init_logging(config: &Config) -> Result<LogGuard> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::Layer;
+
     let filter = tracing_subscriber::EnvFilter::try_new(&config.log.level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if config.log.format == "json" { builder.json().try_init() } else { builder.try_init() };
+    let stderr = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let stderr: Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync> =
+        if config.log.format == "json" { Box::new(stderr.json()) } else { Box::new(stderr) };
+    let registry = tracing_subscriber::registry().with(stderr);
+    #[cfg(feature = "otel")]
+    {
+        let (layer, provider) = match config.otlp_endpoint()? {
+            Some(endpoint) => {
+                let (tracer, provider) = otel::tracer(endpoint)?;
+                (Some(tracing_opentelemetry::layer().with_tracer(tracer)), Some(provider))
+            }
+            None => (None, None),
+        };
+        let _ = registry.with(layer).with(filter).try_init();
+        Ok(LogGuard { otel: provider })
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        config.otlp_endpoint()?;
+        let _ = registry.with(filter).try_init();
+        Ok(LogGuard {})
+    }
+}
+
+#[cfg(feature = "otel")]
+mod otel {
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    use opentelemetry_sdk::trace::{SdkTracerProvider, Tracer};
+    use tidemark_core::{Error, Result};
+
+    /// A tracer whose spans are batched and posted to `{endpoint}/v1/traces` (OTLP, protobuf
+    /// over HTTP) from the SDK's own thread.
+    pub fn tracer(endpoint: &str) -> Result<(Tracer, SdkTracerProvider)> {
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(Protocol::HttpBinary)
+            .with_endpoint(format!("{endpoint}/v1/traces"))
+            .build()
+            .map_err(|e| Error::io(format!("cannot set up the OTLP exporter for {endpoint}: {e}")))?;
+        let resource = opentelemetry_sdk::Resource::builder().with_service_name("tidemark").build();
+        let provider = SdkTracerProvider::builder().with_batch_exporter(exporter).with_resource(resource).build();
+        Ok((provider.tracer("tidemark"), provider))
+    }
 }
 
 /// Run the server until SIGINT/SIGTERM. Prints one JSON line on stdout when it listens
 /// (`{"outcome":"listening","addr":...}`) and returns the shutdown report.
 pub fn serve(config: Config) -> Result<serde_json::Value> {
+    let logs = init_logging(&config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
-    runtime.block_on(serve_async(config))
+    let report = runtime.block_on(serve_async(config));
+    // The runtime's tasks are gone; now the last spans are exported.
+    drop(runtime);
+    drop(logs);
+    report
 }
 
 async fn serve_async(config: Config) -> Result<serde_json::Value> {
-    init_logging(&config);
     let addr = config.listen_addr()?;
     let grace = Duration::from_millis(config.shutdown.grace_ms);
     if config.auth_disabled() {

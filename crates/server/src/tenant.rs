@@ -22,7 +22,7 @@ use tidemark_core::store::{ConsumerStore, HandleError, Handler, ProducerStore, R
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::workflow::builtin;
 use tidemark_engine::workflow::order::{FakePayments, Payments};
-use tidemark_engine::workflow::{Worker, WorkerOptions, Writer};
+use tidemark_engine::workflow::{Worker, WorkerObserver, WorkerOptions, Writer};
 use tidemark_store_sqlite::{
     order as order_sql, reservation, Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
 };
@@ -174,10 +174,21 @@ impl Tenant {
     }
 
     /// Open (creating on first use, never resetting) the tenant's files and start its threads.
-    pub fn open(config: &Config, id: &str, clock: fn() -> i64) -> Result<Tenant> {
+    /// The folder of tenant `id` in the data folder `data_dir`.
+    pub fn dir_of(data_dir: &Path, id: &str) -> PathBuf {
+        data_dir.join("tenants").join(id)
+    }
+
+    /// `observer` is told what the tenant's workflow worker does (metrics, logs).
+    pub fn open(
+        config: &Config,
+        id: &str,
+        clock: fn() -> i64,
+        observer: Option<Arc<dyn WorkerObserver>>,
+    ) -> Result<Tenant> {
         tidemark_core::tenancy::validate_tenant_id(id)?;
         let durability = config.durability()?;
-        let dir = config.data_dir.join("tenants").join(id);
+        let dir = Self::dir_of(&config.data_dir, id);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("cannot create {}: {e}", dir.display())))?;
         let producer_path = dir.join("producer.db");
         if !producer_path.exists() {
@@ -219,7 +230,11 @@ impl Tenant {
             poll_interval_ms: config.workers.poll_ms,
             heartbeat_ms: None,
         };
-        let worker = Arc::new(Worker::new(writer.clone(), workflows, options)?);
+        let mut worker = Worker::new(writer.clone(), workflows, options)?;
+        if let Some(observer) = observer {
+            worker = worker.with_observer(observer);
+        }
+        let worker = Arc::new(worker);
         Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker })
     }
 

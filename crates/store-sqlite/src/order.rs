@@ -7,7 +7,6 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
-use tidemark_core::limits::BUSY_TIMEOUT_MS;
 use tidemark_core::Result;
 
 use crate::SqlResult;
@@ -189,7 +188,7 @@ pub fn reservation_status(conn: &Connection, order_id: &str) -> Result<Option<St
 /// Open (or create) the fake payment service's own database: one row per call it receives.
 pub fn open_payments(path: &Path) -> Result<Connection> {
     let conn = Connection::open(path).db()?;
-    conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
+    crate::schema::set_busy_handler(&conn)?;
     conn.execute_batch(
         "PRAGMA journal_mode = WAL;
          CREATE TABLE IF NOT EXISTS payment_calls (

@@ -307,8 +307,55 @@ fn configure_library() {
     });
 }
 
-fn configure(conn: &Connection, durability: Durability) -> Result<()> {
-    conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS)).db()?;
+/// Times a statement of this process found a database locked by another connection (each
+/// wait counts once, however many times it retried). Read by `/metrics`.
+static BUSY_EVENTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Lock waits ("SQLITE_BUSY events") since the process started, over every connection that
+/// tidemark opened.
+pub fn busy_events() -> u64 {
+    BUSY_EVENTS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The sleeps of SQLite's own busy-timeout handler (`sqliteDefaultBusyCallback`), in ms: the
+/// n-th retry sleeps `BUSY_DELAYS_MS[n]`, every later one the last entry.
+const BUSY_DELAYS_MS: [u64; 12] = [1, 2, 5, 10, 15, 20, 25, 25, 25, 50, 50, 100];
+
+/// How long the `retries`-th retry of one lock wait sleeps (0-based), or `None` once the wait
+/// has slept `BUSY_TIMEOUT_MS` in total: SQLite's back-off, the last sleep cut to the bound.
+fn busy_delay_ms(retries: u64) -> Option<u64> {
+    let last = BUSY_DELAYS_MS.len() - 1;
+    let listed = (retries as usize).min(BUSY_DELAYS_MS.len());
+    let slept = BUSY_DELAYS_MS[..listed].iter().sum::<u64>()
+        + retries.saturating_sub(BUSY_DELAYS_MS.len() as u64) * BUSY_DELAYS_MS[last];
+    let delay = BUSY_DELAYS_MS[(retries as usize).min(last)];
+    (slept < BUSY_TIMEOUT_MS).then(|| delay.min(BUSY_TIMEOUT_MS - slept))
+}
+
+/// The busy handler of every tidemark connection: counts the wait, then does what the busy
+/// timeout did (SQLite's back-off, giving up once `BUSY_TIMEOUT_MS` have been slept).
+/// `retries` is how often this handler already ran for the same lock wait.
+fn busy_wait(retries: i32) -> bool {
+    let retries = u64::try_from(retries).unwrap_or(0);
+    if retries == 0 {
+        BUSY_EVENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    match busy_delay_ms(retries) {
+        Some(delay) => {
+            std::thread::sleep(std::time::Duration::from_millis(delay));
+            true
+        }
+        None => false,
+    }
+}
+
+/// Wait for another connection's lock (up to `BUSY_TIMEOUT_MS`), counting the waits.
+pub(crate) fn set_busy_handler(conn: &Connection) -> Result<()> {
+    conn.busy_handler(Some(busy_wait)).db()
+}
+
+pub(crate) fn configure(conn: &Connection, durability: Durability) -> Result<()> {
+    set_busy_handler(conn)?;
     let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).db()?;
     if !mode.eq_ignore_ascii_case("wal") {
         return Err(Error::store(format!("could not enable WAL mode (got {mode})")));
@@ -437,6 +484,36 @@ mod tests {
         assert_eq!(sync, 2, "synchronous must be FULL by default");
         let checkpoint_pages: i64 = conn.query_row("PRAGMA wal_autocheckpoint", [], |r| r.get(0)).unwrap();
         assert_eq!(checkpoint_pages, WAL_AUTOCHECKPOINT_PAGES);
+    }
+
+    #[test]
+    fn the_busy_handler_waits_as_long_as_the_busy_timeout() {
+        // SQLite's own back-off, and the same total bound.
+        assert_eq!((0..4).map(|n| busy_delay_ms(n).unwrap()).collect::<Vec<_>>(), [1, 2, 5, 10]);
+        assert_eq!(busy_delay_ms(40), Some(100));
+        let delays: Vec<u64> = (0..).map_while(busy_delay_ms).collect();
+        assert_eq!(delays.iter().sum::<u64>(), BUSY_TIMEOUT_MS);
+        assert!(delays.len() < 200, "{}", delays.len());
+    }
+
+    #[test]
+    fn a_lock_wait_is_counted_once_and_then_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.db");
+        let holder = open(&path, true, Durability::Full).unwrap();
+        let waiter = open(&path, false, Durability::Full).unwrap();
+        holder.execute_batch("BEGIN IMMEDIATE; INSERT INTO meta (key, value) VALUES ('held', '1');").unwrap();
+        let before = busy_events();
+        // The second writer waits for the lock; the holder commits after a while.
+        let committer = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(150));
+            holder.execute_batch("COMMIT").unwrap();
+        });
+        meta_set(&waiter, "waited", "1").unwrap();
+        committer.join().unwrap();
+        // Other tests of this process may wait too, so at least one more.
+        assert!(busy_events() > before, "the wait was not counted");
+        assert_eq!(meta_get(&waiter, "held").unwrap().as_deref(), Some("1"));
     }
 
     #[test]

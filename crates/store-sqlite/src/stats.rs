@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 use serde::Serialize;
 use tidemark_core::Result;
 
@@ -127,6 +127,27 @@ pub fn active_runs(conn: &Connection) -> Result<(BTreeMap<String, u64>, Option<i
     Ok((active, next_wake_at_ms))
 }
 
+/// The id of the outbox event at `(flow_id, seq)`, if the outbox holds it (audits such as
+/// `tidemark loadtest verify`: an event the producer acknowledged must be here until retention
+/// deletes it).
+pub fn outbox_event_id(conn: &Connection, flow_id: &str, seq: i64) -> Result<Option<String>> {
+    conn.prepare_cached("SELECT event_id FROM outbox WHERE flow_id = ?1 AND seq = ?2")
+        .db()?
+        .query_row(rusqlite::params![flow_id, seq], |r| r.get(0))
+        .optional()
+        .db()
+}
+
+/// A run's status and whether a worker holds (or held, until it expires) its lease, if the
+/// file holds the run (audits: after a crash, the leased runs are the ones in flight).
+pub fn run_status(conn: &Connection, run_id: &str) -> Result<Option<(String, bool)>> {
+    conn.prepare_cached("SELECT status, lease_owner IS NOT NULL FROM runs WHERE run_id = ?1")
+        .db()?
+        .query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()
+        .db()
+}
+
 /// Bytes of a database file's write-ahead log (0 when there is none).
 pub fn wal_bytes(db_path: &Path) -> u64 {
     let mut wal = db_path.as_os_str().to_owned();
@@ -163,5 +184,9 @@ mod tests {
         assert_eq!((counts.pending, counts.due, counts.quarantined, counts.last_position), (3, 3, 0, 3));
         assert_eq!(counts.oldest_pending_ms, Some(100));
         assert!(wal_bytes(&path) > 0);
+        let event_id = outbox_event_id(producer.connection(), "f1", 1).unwrap().expect("committed");
+        assert!(!event_id.is_empty());
+        assert_eq!(outbox_event_id(producer.connection(), "f1", 2).unwrap(), None);
+        assert_eq!(outbox_event_id(producer.connection(), "f9", 1).unwrap(), None);
     }
 }

@@ -11,14 +11,15 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tidemark_core::workflow::{
-    Backoff, ClaimRequest, ClaimedRun, JournalOp, JournalWrite, LeaseState, PurgeReport, RetryPolicy, RunDetail,
-    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, UnclaimableRuns,
-    WorkflowStore, WorkflowVersion, WriteResult,
+    Backoff, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, PurgeReport, RetryPolicy,
+    RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus,
+    UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult,
 };
 use tidemark_engine::workflow::order::{order_saga, FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use tidemark_engine::workflow::tokio::runtime::{Builder, Runtime};
 use tidemark_engine::workflow::{
-    Saga, SagaAction, Worker, WorkerOptions, WorkerReport, WorkflowError, WorkflowOptions, Workflows, Writer,
+    Saga, SagaAction, StepAttempt, Worker, WorkerObserver, WorkerOptions, WorkerReport, WorkflowError, WorkflowOptions,
+    Workflows, Writer,
 };
 use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::{Durability, SqliteWorkflows};
@@ -1141,4 +1142,122 @@ fn a_failed_heartbeat_stops_the_runs_in_flight() {
     }
     assert_eq!(env.detail("beating-1").run.status, RunStatus::Completed);
     assert_eq!((total.recovered, calls.load(Ordering::SeqCst)), (1, 2), "{total:?}");
+}
+
+/// What a [`WorkerObserver`] was told, in order.
+#[derive(Default)]
+struct Recorder {
+    events: Mutex<Vec<String>>,
+}
+
+impl WorkerObserver for Recorder {
+    fn run_claimed(&self, run: &RunRecord, recovered: bool) {
+        self.events.lock().unwrap().push(format!("claimed {} recovered={recovered}", run.run_id));
+    }
+
+    fn step_attempted(&self, attempt: &StepAttempt<'_>) {
+        let StepAttempt { run_id, workflow, step, attempt, end, .. } = *attempt;
+        self.events.lock().unwrap().push(format!("step {run_id} {workflow} {step}#{attempt} {}", end.as_str()));
+    }
+
+    fn run_finished(&self, run: &RunRecord, status: FinishStatus, run_ms: i64) {
+        assert!(run_ms >= 0, "{run_ms}");
+        assert_eq!(run.input, Value::Null, "the input is not handed over");
+        self.events.lock().unwrap().push(format!("finished {} {status:?}", run.run_id));
+    }
+
+    fn lease_lost(&self, run_id: &str) {
+        self.events.lock().unwrap().push(format!("lost {run_id}"));
+    }
+}
+
+impl Recorder {
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut *self.events.lock().unwrap())
+    }
+}
+
+#[test]
+fn an_observer_is_told_every_step_attempt_retry_and_the_end_of_the_run() {
+    let (env, rt) = (Env::new(), runtime());
+    let recorder = Arc::new(Recorder::default());
+    let w = Arc::new(
+        Worker::new(env.writer.clone(), order_workflows(&env), worker_options("w1"))
+            .expect("worker")
+            .with_observer(recorder.clone()),
+    );
+    env.start_new("seen", ORDER_SAGA, 1, order_input("o-seen", json!({"flaky_attempts": 2})));
+    settle(&rt, &w, &env, &["seen"]);
+    let events = recorder.take();
+    let steps: Vec<&str> = events.iter().filter(|e| e.starts_with("step ")).map(String::as_str).collect();
+    assert_eq!(
+        steps,
+        [
+            "step seen order_saga reserve_inventory#1 completed",
+            "step seen order_saga charge_payment#1 retrying",
+            "step seen order_saga charge_payment#2 retrying",
+            "step seen order_saga charge_payment#3 completed",
+            "step seen order_saga ship_order#1 completed",
+        ],
+        "{events:#?}"
+    );
+    // One claim per execution: the first, and one after each retry's backoff.
+    assert_eq!(events.iter().filter(|e| *e == "claimed seen recovered=false").count(), 3, "{events:#?}");
+    assert_eq!(events.last().map(String::as_str), Some("finished seen Completed"), "{events:#?}");
+    assert!(!events.iter().any(|e| e.starts_with("lost")), "{events:#?}");
+}
+
+#[test]
+fn an_observer_is_told_of_a_recovery_and_of_a_lost_lease() {
+    let (env, rt) = (Env::new(), runtime());
+    let recorder = Arc::new(Recorder::default());
+    let workflows = order_workflows(&env);
+    let versions = workflows.versions();
+    env.start_new("orphan", ORDER_SAGA, 1, order_input("o-orphan", json!({})));
+    // A worker that crashed right after its claim: the lease (the shortest allowed) expires.
+    let request = ClaimRequest { worker_id: "crashed".into(), workflows: versions, limit: 1, lease_ms: 100 };
+    let claimed = env.writer.call_blocking(move |store, now| store.claim(&request, now)).expect("claim");
+    assert_eq!(claimed.len(), 1);
+    let w = Arc::new(
+        Worker::new(env.writer.clone(), workflows, worker_options("w2"))
+            .expect("worker")
+            .with_observer(recorder.clone()),
+    );
+    settle(&rt, &w, &env, &["orphan"]);
+    let events = recorder.take();
+    assert_eq!(events.first().map(String::as_str), Some("claimed orphan recovered=true"), "{events:#?}");
+    assert_eq!(events.last().map(String::as_str), Some("finished orphan Completed"), "{events:#?}");
+
+    // An operator takes a run away mid-step: its worker's next write is fenced.
+    let (entered_tx, entered) = mpsc::sync_channel(1);
+    let (release_tx, release) = mpsc::sync_channel::<()>(1);
+    let release = Arc::new(Mutex::new(release));
+    let mut held = Workflows::new();
+    held.register("held", 1, fast_options(), move |ctx, _| {
+        let (entered_tx, release) = (entered_tx.clone(), release.clone());
+        async move {
+            ctx.step("hold", None, |_key| async move {
+                let _ = entered_tx.send(());
+                let _ = release.lock().unwrap().recv_timeout(SIGNAL_WAIT);
+                Ok(1)
+            })
+            .await?;
+            Ok(Value::Null)
+        }
+    })
+    .unwrap();
+    let w = Arc::new(
+        Worker::new(env.writer.clone(), held, worker_options("w3")).expect("worker").with_observer(recorder.clone()),
+    );
+    env.start_new("held-1", "held", 1, json!({}));
+    let running = w.clone();
+    let handle = rt.spawn(async move { running.run_until_idle().await });
+    entered.recv_timeout(SIGNAL_WAIT).expect("the run is in its step");
+    env.writer.call_blocking(|store, now| store.abandon("held-1", "operator takes over", now)).expect("abandon");
+    release_tx.send(()).unwrap();
+    let report = rt.block_on(handle).unwrap().unwrap();
+    assert_eq!(report.lost, 1, "{report:?}");
+    let events = recorder.take();
+    assert_eq!(events.iter().filter(|e| *e == "lost held-1").count(), 1, "{events:#?}");
+    assert!(!events.iter().any(|e| e.starts_with("finished")), "{events:#?}");
 }

@@ -18,6 +18,7 @@ use tidemark_core::workflow::{
 };
 use tidemark_core::Error;
 
+use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
 use super::{WorkflowError, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
@@ -42,12 +43,14 @@ impl<S: WorkflowStore> Clone for WorkflowContext<S> {
 struct RunShared<S: WorkflowStore> {
     writer: Writer<S>,
     run_id: String,
+    workflow: String,
     lease_token: String,
     retry: RetryPolicy,
     cancel: Arc<AtomicBool>,
     /// The reason an operator gave with the cancel request, when the claim saw it.
     cancel_reason: Option<String>,
     state: Mutex<RunState<S::Target>>,
+    observer: Option<Arc<dyn WorkerObserver>>,
 }
 
 struct RunState<T: ?Sized> {
@@ -143,7 +146,13 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
-    pub(crate) fn new(writer: Writer<S>, claimed: &ClaimedRun, retry: RetryPolicy, cancel: Arc<AtomicBool>) -> Self {
+    pub(crate) fn new(
+        writer: Writer<S>,
+        claimed: &ClaimedRun,
+        retry: RetryPolicy,
+        cancel: Arc<AtomicBool>,
+        observer: Option<Arc<dyn WorkerObserver>>,
+    ) -> Self {
         let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
         events.sort_by_key(|e| e.received_at_ms);
         let state = RunState {
@@ -161,11 +170,13 @@ where
             inner: Arc::new(RunShared {
                 writer,
                 run_id: claimed.run.run_id.clone(),
+                workflow: claimed.run.workflow.clone(),
                 lease_token: claimed.lease_token.clone(),
                 retry,
                 cancel,
                 cancel_reason: claimed.run.error.clone().filter(|_| claimed.run.cancel_requested),
                 state: Mutex::new(state),
+                observer,
             }),
         }
     }
@@ -417,6 +428,7 @@ where
         self.flush().await?;
         let key = format!("{}:{seq}:{name}", self.inner.run_id);
         let timeout_ms = policy.attempt_timeout_ms.max(1);
+        let began = std::time::Instant::now();
         let result = match tokio::time::timeout(Duration::from_millis(timeout_ms as u64), f(key)).await {
             Ok(Ok(value)) => to_output(&value).map(|output| (value, output)),
             Ok(Err(failure)) => Err(failure),
@@ -426,6 +438,12 @@ where
             Err(failure) if failure.retryable => self.retry_at(&policy, attempt),
             _ => None,
         };
+        let end = match &result {
+            Ok(_) => StepAttemptEnd::Completed,
+            Err(_) if retry_at_ms.is_some() => StepAttemptEnd::Retrying,
+            Err(_) => StepAttemptEnd::Failed,
+        };
+        self.tell_attempt(name, attempt, began, end);
         // Journaled with the run's next write, in the same transaction (the next step's entry, a
         // timer, the suspension or the end of the run), or before the next external step runs:
         // no round trip of its own. Until then a crash repeats this attempt, with the same key.
@@ -472,16 +490,33 @@ where
                 Ok(Err(failure)) => Err(failure),
                 Err(_) => Err(StepFailure::permanent("the transactional step panicked")),
             });
+        let began = std::time::Instant::now();
         let answer =
             self.write(JournalOp::TxStep { seq, name: name.to_string(), kind, attempt, body, retry_at_ms }).await?;
         match answer {
-            WriteResult::TxResult(Ok(output)) => self.decode(name, output),
-            WriteResult::TxResult(Err(failure)) => Err(self.after_failure(name, failure, retry_at_ms)),
+            WriteResult::TxResult(Ok(output)) => {
+                self.tell_attempt(name, attempt, began, StepAttemptEnd::Completed);
+                self.decode(name, output)
+            }
+            WriteResult::TxResult(Err(failure)) => {
+                let retrying = failure.retryable && retry_at_ms.is_some();
+                let end = if retrying { StepAttemptEnd::Retrying } else { StepAttemptEnd::Failed };
+                self.tell_attempt(name, attempt, began, end);
+                Err(self.after_failure(name, failure, retry_at_ms))
+            }
             other => {
                 let error = Error::Invariant(format!("a transactional step was answered {other:?}"));
                 self.lock().store_error = Some(error.clone());
                 Err(WorkflowError::Store(error))
             }
+        }
+    }
+
+    fn tell_attempt(&self, step: &str, attempt: u32, began: std::time::Instant, end: StepAttemptEnd) {
+        if let Some(observer) = &self.inner.observer {
+            let took = began.elapsed();
+            let (run_id, workflow) = (self.inner.run_id.as_str(), self.inner.workflow.as_str());
+            observer.step_attempted(&StepAttempt { run_id, workflow, step, attempt, took, end });
         }
     }
 

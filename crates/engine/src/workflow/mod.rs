@@ -13,6 +13,8 @@
 //!   always sees every write queued before it. There is no second connection.
 //! - [`Worker`]: claims due runs under a lease, runs each as a task, heartbeats the leases, and
 //!   drops a run the moment its lease is lost or fenced.
+//! - [`WorkerObserver`]: what a worker tells the process that runs it (claims, step attempts,
+//!   finished runs, lost leases), for metrics and logs.
 //! - [`Saga`]: a workflow built declaratively from steps and compensations; [`order`] is the
 //!   reference order saga.
 //!
@@ -35,6 +37,7 @@
 
 pub mod builtin;
 mod context;
+mod observer;
 pub mod order;
 mod registry;
 mod saga;
@@ -45,6 +48,7 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use context::WorkflowContext;
+pub use observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
 pub use registry::{WorkflowOptions, Workflows};
 pub use saga::{Saga, SagaAction, SagaData};
 pub use worker::{FinishedRun, Worker, WorkerOptions, WorkerReport};

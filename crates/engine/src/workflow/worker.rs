@@ -19,6 +19,7 @@ use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
 use tokio::time::Instant;
 
 use super::context::RunOutcome;
+use super::observer::WorkerObserver;
 use super::registry::Registered;
 use super::{WorkflowContext, Workflows, Writer};
 
@@ -189,6 +190,8 @@ pub struct Worker<S: WorkflowStore> {
     local: Mutex<Option<mpsc::UnboundedSender<LocalStart>>>,
     /// Where finished runs are reported, when someone subscribed.
     finished: Mutex<Option<mpsc::UnboundedSender<FinishedRun>>>,
+    /// Told of claims, step attempts, finished runs and lost leases as they happen.
+    observer: Option<Arc<dyn WorkerObserver>>,
 }
 
 impl<S> Worker<S>
@@ -207,7 +210,20 @@ where
             options,
             local: Mutex::new(None),
             finished: Mutex::new(None),
+            observer: None,
         })
+    }
+
+    /// Tell `observer` what this worker does (see [`WorkerObserver`]).
+    pub fn with_observer(mut self, observer: Arc<dyn WorkerObserver>) -> Self {
+        self.observer = Some(observer);
+        self
+    }
+
+    fn tell_lost(&self, run_id: &str) {
+        if let Some(observer) = &self.observer {
+            observer.lease_lost(run_id);
+        }
     }
 
     /// Start runs (idempotent per run id, one transaction, like [`WorkflowStore::start_runs`]).
@@ -476,6 +492,9 @@ where
         if claimed.recovered {
             report.recovered += 1;
         }
+        if let Some(observer) = &self.observer {
+            observer.run_claimed(&claimed.run, claimed.recovered);
+        }
         let run_id = claimed.run.run_id.clone();
         let lease_token = claimed.lease_token.clone();
         let Some(registered) = self.workflows.get(&claimed.run.workflow, claimed.run.version) else {
@@ -485,7 +504,8 @@ where
             return;
         };
         let cancel = Arc::new(AtomicBool::new(claimed.run.cancel_requested));
-        let abort = set.spawn(execute(self.writer.clone(), registered, claimed, cancel.clone()));
+        let observer = self.observer.clone();
+        let abort = set.spawn(execute(self.writer.clone(), registered, claimed, cancel.clone(), observer));
         in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, abort, lost: false });
     }
 
@@ -501,8 +521,11 @@ where
                 if let Some(run) = &run {
                     self.tell_finished(&run.run_id, &outcome);
                 }
-                let counted = run.is_some_and(|run| run.lost);
+                let counted = run.as_ref().is_some_and(|run| run.lost);
                 if !(counted && outcome == RunOutcome::Lost) {
+                    if let (Some(run), RunOutcome::Lost) = (&run, &outcome) {
+                        self.tell_lost(&run.run_id);
+                    }
                     report.record(outcome);
                 }
             }
@@ -557,6 +580,7 @@ where
                             run.lost = true;
                             run.abort.abort();
                             report.lost += 1;
+                            self.tell_lost(&run.run_id);
                         }
                     }
                 }
@@ -591,6 +615,9 @@ where
                 Ok((id, outcome)) => {
                     if let Some(run) = in_flight.remove(&id) {
                         self.tell_finished(&run.run_id, &outcome);
+                        if outcome == RunOutcome::Lost && !run.lost {
+                            self.tell_lost(&run.run_id);
+                        }
                     }
                     report.record(outcome);
                 }
@@ -640,17 +667,24 @@ where
 async fn execute<S>(
     writer: Writer<S>,
     registered: Arc<Registered<S>>,
-    claimed: ClaimedRun,
+    mut claimed: ClaimedRun,
     cancel: Arc<AtomicBool>,
+    observer: Option<Arc<dyn WorkerObserver>>,
 ) -> RunOutcome
 where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
-    let ctx = WorkflowContext::new(writer, &claimed, registered.options.retry.clone(), cancel);
+    let ctx =
+        WorkflowContext::new(writer.clone(), &claimed, registered.options.retry.clone(), cancel, observer.clone());
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
         ctx.mark_running();
     }
-    let result = (registered.function)(ctx.clone(), claimed.run.input).await;
-    ctx.conclude(result).await
+    let input = std::mem::take(&mut claimed.run.input);
+    let result = (registered.function)(ctx.clone(), input).await;
+    let outcome = ctx.conclude(result).await;
+    if let (Some(observer), RunOutcome::Finished(status)) = (&observer, &outcome) {
+        observer.run_finished(&claimed.run, *status, writer.now_ms().saturating_sub(claimed.run.created_at_ms));
+    }
+    outcome
 }

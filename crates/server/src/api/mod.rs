@@ -186,9 +186,12 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn count_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    use tracing::Instrument;
     let method = request.method().clone();
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
-    let response = next.run(request).await;
+    // Every log line of the request carries its path (and so its flow, run or consumer id).
+    let span = tracing::info_span!("request", method = %method, route = %route, path = %request.uri().path());
+    let response = next.run(request).instrument(span).await;
     let labels = crate::metrics::RequestLabels {
         method: method.as_str().to_string(),
         route,
@@ -236,7 +239,7 @@ async fn readyz(State(state): State<AppState>) -> Response {
     ))
 )]
 async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.metrics.encode("");
+    let body = crate::metrics::scrape(&state).await;
     ([(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], body)
         .into_response()
 }
