@@ -174,6 +174,10 @@ struct InFlight {
     run_id: String,
     lease_token: String,
     cancel: Arc<AtomicBool>,
+    /// Set by the task when the workflow function has returned and its last write (finish or
+    /// suspend) is on its way: from then on that write's own fencing decides whether the lease
+    /// was lost, not a heartbeat that may have seen the lease the write itself released.
+    concluding: Arc<AtomicBool>,
     abort: AbortHandle,
     lost: bool,
 }
@@ -504,9 +508,11 @@ where
             return;
         };
         let cancel = Arc::new(AtomicBool::new(claimed.run.cancel_requested));
+        let concluding = Arc::new(AtomicBool::new(false));
         let observer = self.observer.clone();
-        let abort = set.spawn(execute(self.writer.clone(), registered, claimed, cancel.clone(), observer));
-        in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, abort, lost: false });
+        let task = execute(self.writer.clone(), registered, claimed, cancel.clone(), concluding.clone(), observer);
+        let abort = set.spawn(task);
+        in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, concluding, abort, lost: false });
     }
 
     async fn joined(
@@ -574,8 +580,9 @@ where
                                 run.cancel.store(true, Ordering::SeqCst);
                             }
                         }
-                        // A task that just finished released its lease itself: not a loss.
-                        LeaseState::Lost if run.abort.is_finished() => {}
+                        // A task that finished (or whose last write is in flight) released its
+                        // lease itself: not a loss. If that write is fenced, the task says so.
+                        LeaseState::Lost if run.abort.is_finished() || run.concluding.load(Ordering::SeqCst) => {}
                         LeaseState::Lost => {
                             run.lost = true;
                             run.abort.abort();
@@ -669,6 +676,7 @@ async fn execute<S>(
     registered: Arc<Registered<S>>,
     mut claimed: ClaimedRun,
     cancel: Arc<AtomicBool>,
+    concluding: Arc<AtomicBool>,
     observer: Option<Arc<dyn WorkerObserver>>,
 ) -> RunOutcome
 where
@@ -682,6 +690,8 @@ where
     }
     let input = std::mem::take(&mut claimed.run.input);
     let result = (registered.function)(ctx.clone(), input).await;
+    // No step of this run runs after this point, so a heartbeat need not abort it any more.
+    concluding.store(true, Ordering::SeqCst);
     let outcome = ctx.conclude(result).await;
     if let (Some(observer), RunOutcome::Finished(status)) = (&observer, &outcome) {
         observer.run_finished(&claimed.run, *status, writer.now_ms().saturating_sub(claimed.run.created_at_ms));
