@@ -344,6 +344,55 @@ pub struct PruneReport {
     pub more: bool,
 }
 
+/// The report of one bounded batch of a retention operation (prune, purge): whether more is
+/// left, and how to add one batch's counts to a total.
+pub trait BatchReport: Default {
+    /// True when the batch bound stopped the operation before it was done.
+    fn more(&self) -> bool;
+    /// Add `batch`'s counts to `self` (`more` becomes `batch`'s).
+    fn absorb(&mut self, batch: Self);
+}
+
+/// Run `batch` until it reports nothing more, at most `batches_max` times; the total and the
+/// number of batches run. Each batch is its own short transaction, so retention never holds a
+/// write lock for long.
+pub fn in_batches<R: BatchReport>(batches_max: u64, mut batch: impl FnMut() -> Result<R>) -> Result<(R, u64)> {
+    let mut total = R::default();
+    let mut batches = 0;
+    while batches < batches_max {
+        batches += 1;
+        let report = batch()?;
+        let more = report.more();
+        total.absorb(report);
+        if !more {
+            break;
+        }
+    }
+    Ok((total, batches))
+}
+
+impl BatchReport for PruneReport {
+    fn more(&self) -> bool {
+        self.more
+    }
+    fn absorb(&mut self, batch: Self) {
+        self.compacted += batch.compacted;
+        self.receipts_deleted += batch.receipts_deleted;
+        self.more = batch.more;
+    }
+}
+
+impl BatchReport for OutboxPruneReport {
+    fn more(&self) -> bool {
+        self.more
+    }
+    fn absorb(&mut self, batch: Self) {
+        self.events_deleted += batch.events_deleted;
+        self.deliveries_deleted += batch.deliveries_deleted;
+        self.more = batch.more;
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RenameReport {
     pub inbox: u64,

@@ -667,6 +667,17 @@ pub struct PurgeReport {
     pub more: bool,
 }
 
+impl crate::store::BatchReport for PurgeReport {
+    fn more(&self) -> bool {
+        self.more
+    }
+    fn absorb(&mut self, batch: Self) {
+        self.runs_deleted += batch.runs_deleted;
+        self.journal_deleted += batch.journal_deleted;
+        self.more = batch.more;
+    }
+}
+
 /// Runs that no registered worker can execute (unknown workflow or version).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct UnclaimableRuns {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
+use tidemark_core::store::{in_batches, ConsumerStore, DrainScope, ProducerStore};
 use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::Result;
 use tidemark_engine::{relay_until_idle, RelayOptions};
@@ -20,7 +20,7 @@ use crate::{now_ms, AppState};
 /// Relay passes per delivery round (each pass is one batch).
 const RELAY_PASSES_PER_ROUND: u32 = 8;
 /// Prune batches per store per retention round.
-const PRUNE_BATCHES_PER_ROUND: u32 = 100;
+const PRUNE_BATCHES_PER_ROUND: u64 = 100;
 
 /// Start the loops of a newly opened tenant.
 pub fn start(state: AppState, tenant: Arc<Tenant>) {
@@ -214,54 +214,23 @@ pub async fn retention_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<V
     let mut out = serde_json::Map::new();
     for (name, inbox) in [("inbox", &tenant.inbox), ("runs_inbox", &tenant.runs_inbox)] {
         let (applied_ms, batch_rows) = (r.applied_ms, r.batch_rows);
-        let report = inbox
-            .call(move |t| {
-                let mut total = tidemark_core::store::PruneReport::default();
-                for _ in 0..PRUNE_BATCHES_PER_ROUND {
-                    let report = t.store.prune(applied_ms, batch_rows, now_ms())?;
-                    total.compacted += report.compacted;
-                    total.receipts_deleted += report.receipts_deleted;
-                    if !report.more {
-                        break;
-                    }
-                }
-                Ok(total)
-            })
+        let (report, _) = inbox
+            .call(move |t| in_batches(PRUNE_BATCHES_PER_ROUND, || t.store.prune(applied_ms, batch_rows, now_ms())))
             .await?;
         out.insert(name.into(), serde_json::to_value(report).unwrap_or(Value::Null));
     }
     let (delivered_ms, batch_rows) = (r.delivered_ms, r.batch_rows);
-    let outbox = tenant
+    let (outbox, _) = tenant
         .producer
         .call(move |p| {
-            let mut total = tidemark_core::store::OutboxPruneReport::default();
-            for _ in 0..PRUNE_BATCHES_PER_ROUND {
-                let report = p.store.prune_delivered(delivered_ms, batch_rows, now_ms())?;
-                total.events_deleted += report.events_deleted;
-                total.deliveries_deleted += report.deliveries_deleted;
-                if !report.more {
-                    break;
-                }
-            }
-            Ok(total)
+            in_batches(PRUNE_BATCHES_PER_ROUND, || p.store.prune_delivered(delivered_ms, batch_rows, now_ms()))
         })
         .await?;
     out.insert("outbox".into(), serde_json::to_value(outbox).unwrap_or(Value::Null));
     let (finished_ms, batch_rows) = (r.finished_runs_ms, r.batch_rows);
-    let runs = tenant
+    let (runs, _) = tenant
         .writer
-        .call(move |store, now| {
-            let mut reports = Vec::new();
-            for _ in 0..PRUNE_BATCHES_PER_ROUND {
-                let report = store.purge(now - finished_ms, batch_rows, now)?;
-                let more = report.more;
-                reports.push(report);
-                if !more {
-                    break;
-                }
-            }
-            Ok(reports)
-        })
+        .call(move |store, now| in_batches(PRUNE_BATCHES_PER_ROUND, || store.purge(now - finished_ms, batch_rows, now)))
         .await?;
     out.insert("runs".into(), serde_json::to_value(runs).unwrap_or(Value::Null));
     Ok(Value::Object(out))

@@ -906,11 +906,9 @@ impl ConsumerStore for SqliteConsumer {
 mod tests {
     use super::*;
 
-    #[test]
-    fn rerunning_a_finished_rename_is_a_no_op() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
-        let event = Envelope {
+    /// Event 1 of flow `f` from `shop`.
+    fn event() -> Envelope {
+        Envelope {
             event_id: "e1".into(),
             source: "shop".into(),
             generation: "g1".into(),
@@ -920,7 +918,14 @@ mod tests {
             schema_version: 1,
             payload: serde_json::json!({}),
             created_at_ms: 1,
-        };
+        }
+    }
+
+    #[test]
+    fn rerunning_a_finished_rename_is_a_no_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let event = event();
         consumer.receive_batch(&[("a", &event)], 1).unwrap();
         assert_eq!(consumer.rename_consumer("a", "b", 1).unwrap().inbox, 1);
         let again = consumer.rename_consumer("a", "b", 1).unwrap();
@@ -943,17 +948,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("c.db");
         let mut consumer = SqliteConsumer::init(&path, RetentionPolicy::default()).unwrap();
-        let event = Envelope {
-            event_id: "e1".into(),
-            source: "shop".into(),
-            generation: "g1".into(),
-            flow_id: "f".into(),
-            seq: 1,
-            event_type: "t".into(),
-            schema_version: 1,
-            payload: serde_json::json!({}),
-            created_at_ms: 1,
-        };
+        let event = event();
         consumer.receive_batch(&[("a", &event)], 1).unwrap();
         let first = consumer.drain("a", &DrainScope::All, 10, &mut Refuse, 2).unwrap();
         assert_eq!(first.outcome, DrainStop::Blocked);

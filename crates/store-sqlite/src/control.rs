@@ -12,7 +12,7 @@ use tidemark_core::error::codes;
 use tidemark_core::tenancy::{validate_label, validate_tenant_id, Scope, TokenText};
 use tidemark_core::{Error, Result};
 
-use crate::schema::connect;
+use crate::schema::{apply_migrations, connect};
 use crate::{Durability, SqlResult};
 
 const CONTROL_MIGRATIONS: &[&str] = &[r#"
@@ -265,21 +265,7 @@ fn migrate(conn: &mut Connection) -> Result<()> {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let latest = CONTROL_MIGRATIONS.len() as i64;
-    if current > latest {
-        return Err(Error::invalid(
-            codes::SCHEMA_TOO_NEW,
-            format!("control database schema version {current} is newer than this build ({latest}); upgrade tidemark"),
-        ));
-    }
-    for (index, sql) in CONTROL_MIGRATIONS.iter().enumerate().skip(current as usize) {
-        tx.execute_batch(sql).db()?;
-        tx.execute(
-            "INSERT INTO control_meta (key, value) VALUES ('schema_version', ?1)
-             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-            [(index + 1).to_string()],
-        )
-        .db()?;
-    }
+    apply_migrations(&tx, "control_meta", "control database", CONTROL_MIGRATIONS, current, latest)?;
     tx.commit().db()
 }
 

@@ -401,26 +401,44 @@ fn migrate(conn: &mut Connection) -> Result<()> {
 fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
     let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).db()?;
     let current = schema_version(&tx)?;
-    if current > SCHEMA_VERSION {
-        return Err(Error::invalid(
-            codes::SCHEMA_TOO_NEW,
-            format!("database schema version {current} is newer than this build ({SCHEMA_VERSION}); upgrade tidemark"),
-        ));
-    }
     if current == 0 {
         tx.execute_batch("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;")
             .db()?;
     }
-    for (index, sql) in MIGRATIONS.iter().enumerate().take(target as usize).skip(current as usize) {
+    apply_migrations(&tx, "meta", "database", MIGRATIONS, current, target)?;
+    tx.commit().db()
+}
+
+/// Run `migrations[current..target]` in `tx`, recording each version in `meta_table`'s
+/// `schema_version` key. A file newer than `migrations` is refused (`schema_too_new`), never
+/// downgraded. `what` names the file kind in that error.
+pub(crate) fn apply_migrations(
+    tx: &rusqlite::Transaction,
+    meta_table: &str,
+    what: &str,
+    migrations: &[&str],
+    current: i64,
+    target: i64,
+) -> Result<()> {
+    let latest = migrations.len() as i64;
+    if current > latest {
+        return Err(Error::invalid(
+            codes::SCHEMA_TOO_NEW,
+            format!("{what} schema version {current} is newer than this build ({latest}); upgrade tidemark"),
+        ));
+    }
+    for (index, sql) in migrations.iter().enumerate().take(target as usize).skip(current as usize) {
         tx.execute_batch(sql).db()?;
         tx.execute(
-            "INSERT INTO meta (key, value) VALUES ('schema_version', ?1)
-             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            &format!(
+                "INSERT INTO {meta_table} (key, value) VALUES ('schema_version', ?1)
+                 ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+            ),
             [(index + 1).to_string()],
         )
         .db()?;
     }
-    tx.commit().db()
+    Ok(())
 }
 
 /// Open (and create if `create`) a tidemark file and migrate it. Opening never resets data.
