@@ -45,7 +45,8 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 200)]
     poll_ms: u64,
     /// Stop when nothing is due and nothing is in flight (runs waiting for a later time or an
-    /// event are not due). Without it the worker runs until SIGINT/SIGTERM or --max-seconds.
+    /// event are not due); SIGINT/SIGTERM stop it gracefully before that. Without it the worker
+    /// runs until SIGINT/SIGTERM or --max-seconds.
     #[arg(long, conflicts_with = "max_seconds")]
     until_idle: bool,
     /// With --until-idle: keep going until nothing was claimed for this long (a retry backoff,
@@ -108,21 +109,36 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
     let stopped_by = Arc::new(Mutex::new("idle"));
     let report = runtime.block_on(async {
         if args.until_idle {
+            // A signal stops the worker gracefully here too: the round in progress stops its
+            // runs and releases their leases, and no other round starts.
+            let (signalled, mut signal) = tokio::sync::watch::channel(false);
+            let stop = shutdown(None, stopped_by.clone())?;
+            tokio::spawn(async move {
+                stop.await;
+                let _ = signalled.send(true);
+            });
             // Bounded by the runs themselves: every round that claims something moves a run
             // through its finite steps and attempts.
             let idle_wait = Duration::from_millis(args.idle_wait_ms);
             let mut total = WorkerReport::default();
             let mut quiet_since = Instant::now();
             loop {
-                let round = worker.run_until_idle().await?;
+                let mut round_signal = signal.clone();
+                let stopped = async move {
+                    let _ = round_signal.wait_for(|s| *s).await;
+                };
+                let round = worker.run_until_idle_or(stopped).await?;
                 if round.claimed > 0 {
                     quiet_since = Instant::now();
                 }
                 total.merge(round);
-                if quiet_since.elapsed() >= idle_wait {
+                if *signal.borrow() || quiet_since.elapsed() >= idle_wait {
                     return Ok(total);
                 }
-                tokio::time::sleep(Duration::from_millis(args.poll_ms)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(args.poll_ms)) => {}
+                    _ = signal.wait_for(|s| *s) => return Ok(total),
+                }
             }
         }
         let stop = shutdown(args.max_seconds.map(Duration::from_secs), stopped_by.clone())?;

@@ -762,6 +762,30 @@ fn sigterm_stops_a_worker_gracefully_and_releases_its_leases() {
     w.assert_consistent();
 }
 
+/// `worker --until-idle` stops gracefully on SIGTERM too (it used to have no signal handler: a
+/// signal killed it and its leases had to expire).
+#[test]
+fn sigterm_stops_an_until_idle_worker_gracefully() {
+    let w = Wf::new();
+    w.start("sleepy_order", "h2", &order("h2", 1, json!({"hold_until_ms": now_ms() + 4_000})));
+    let args = w.worker_cmd(&["--until-idle", "--worker-id", "until-idle"]);
+    let mut child = std::process::Command::new(support::BIN)
+        .args(&args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn the worker");
+    w.wait_journaled("h2", 1, &mut child);
+    let status = std::process::Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+    assert!(status.success());
+    let output = child.wait_with_output().expect("worker output");
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+    let report: Value = serde_json::from_slice(&output.stdout).expect("one JSON document");
+    assert_eq!((report["stopped_by"].as_str(), report["released"].as_u64()), (Some("signal"), Some(1)), "{report}");
+    let run = w.show("h2")["run"].clone();
+    assert_eq!((run["lease_owner"].clone(), run["status"].as_str()), (Value::Null, Some("running")), "{run}");
+}
+
 #[test]
 fn max_seconds_bounds_a_worker() {
     let w = Wf::new();

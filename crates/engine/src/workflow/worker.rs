@@ -293,6 +293,12 @@ where
         self.run_loop(true, std::future::pending()).await
     }
 
+    /// [`Worker::run_until_idle`], or until `shutdown` resolves: then, as in
+    /// [`Worker::run_until`], stop the runs in flight and release their leases.
+    pub async fn run_until_idle_or<F: Future<Output = ()>>(&self, shutdown: F) -> Result<WorkerReport> {
+        self.run_loop(true, shutdown).await
+    }
+
     async fn run_loop<F: Future<Output = ()>>(&self, idle_exit: bool, shutdown: F) -> Result<WorkerReport> {
         tokio::pin!(shutdown);
         let mut report = WorkerReport { unclaimable: self.unclaimable().await?, ..WorkerReport::default() };
