@@ -14,26 +14,34 @@ use subtle::ConstantTimeEq;
 use tidemark_core::error::codes;
 use tidemark_core::tenancy::{Scope, TokenText};
 use tidemark_core::{Error, Result};
-use tidemark_store_sqlite::{SqliteControl, TokenRecord};
+use tidemark_store_sqlite::{ConsumerRecord, SqliteControl, TokenRecord};
 
 use crate::api::ApiError;
 use crate::tenant::Tenant;
 use crate::AppState;
 
-/// The control database and the tokens read from it, reloaded whenever another process (for
-/// example `tidemark token revoke`) committed to the file: a revocation takes effect at the next
-/// request.
-pub struct TokenCache {
+/// The control database and what is read from it on every request or delivery round (tokens,
+/// declared consumers), reloaded whenever the file changed: another process (for example
+/// `tidemark token revoke`) committed to it, or this server wrote through [`Self::control`]. A
+/// revocation takes effect at the next request. Checking costs one `PRAGMA data_version`.
+pub struct ControlCache {
     control: SqliteControl,
     data_version: i64,
     by_id: HashMap<String, TokenRecord>,
+    consumers: Vec<ConsumerRecord>,
 }
 
-impl TokenCache {
-    pub fn new(control: SqliteControl) -> Result<TokenCache> {
-        let mut cache = TokenCache { control, data_version: i64::MIN, by_id: HashMap::new() };
+impl ControlCache {
+    pub fn new(control: SqliteControl) -> Result<ControlCache> {
+        let mut cache = ControlCache { control, data_version: i64::MIN, by_id: HashMap::new(), consumers: Vec::new() };
         cache.refresh()?;
         Ok(cache)
+    }
+
+    /// The consumers declared for `tenant_id`, by consumer id.
+    pub fn consumers(&mut self, tenant_id: &str) -> Result<Vec<ConsumerRecord>> {
+        self.refresh()?;
+        Ok(self.consumers.iter().filter(|c| c.tenant_id == tenant_id).cloned().collect())
     }
 
     pub fn control(&mut self) -> &mut SqliteControl {
@@ -47,6 +55,7 @@ impl TokenCache {
         let version = self.control.data_version()?;
         if version != self.data_version {
             self.by_id = self.control.tokens()?.into_iter().map(|t| (t.token_id.clone(), t)).collect();
+            self.consumers = self.control.consumers(None)?;
             self.data_version = version;
         }
         Ok(())
@@ -128,7 +137,7 @@ impl FromRequestParts<AppState> for Caller {
             return Ok(Caller { tenant, scope: Scope::Admin });
         }
         let text = presented_token(&parts.headers)?;
-        let record = state.tokens.lock().unwrap_or_else(|p| p.into_inner()).verify(text)?;
+        let record = state.control_cache.lock().unwrap_or_else(|p| p.into_inner()).verify(text)?;
         if state.limiter.check_key(&record.token_id).is_err() {
             state.metrics.rate_limited.inc();
             return Err(Error::invalid(codes::RATE_LIMITED, "too many requests for this token; slow down").into());

@@ -11,10 +11,8 @@ use tidemark_core::store::{in_batches, ConsumerStore, DrainScope, ProducerStore}
 use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::Result;
 use tidemark_engine::{relay_until_idle, RelayOptions};
-use tidemark_store_sqlite::reservation::ReservationHandler;
-use tidemark_store_sqlite::workflow_events::RunEventHandler;
 
-use crate::tenant::{HandlerKind, RecordHandler, Tenant};
+use crate::tenant::{HandlerKind, Tenant};
 use crate::{now_ms, AppState};
 
 /// Relay passes per delivery round (each pass is one batch).
@@ -122,7 +120,7 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
     }
 
     let tenant_id = tenant.id.clone();
-    let consumers = state.control(|c| c.consumers(Some(&tenant_id)))?;
+    let consumers = state.consumers(&tenant_id)?;
     for consumer in consumers {
         let kind = HandlerKind::parse(&consumer.handler)?;
         let batch = state.config.consumers.drain_batch;
@@ -132,22 +130,8 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
         let report = tenant
             .inbox_of(kind.inbox())
             .call(move |t| {
-                let now = now_ms();
-                match kind {
-                    HandlerKind::Reservation => t.store.drain(
-                        &consumer_id,
-                        &DrainScope::All,
-                        batch,
-                        &mut ReservationHandler::new(support_v2),
-                        now,
-                    ),
-                    HandlerKind::Record => {
-                        t.store.drain(&consumer_id, &DrainScope::All, batch, &mut RecordHandler, now)
-                    }
-                    HandlerKind::Workflows => {
-                        t.store.drain(&consumer_id, &DrainScope::All, batch, &mut RunEventHandler::new(), now)
-                    }
-                }
+                let mut handler = kind.handler(support_v2);
+                t.store.drain(&consumer_id, &DrainScope::All, batch, handler.as_mut(), now_ms())
             })
             .await
             .inspect_err(|error| {

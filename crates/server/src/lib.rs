@@ -42,7 +42,7 @@ pub struct AppState(Arc<Inner>);
 
 pub struct Inner {
     pub config: Config,
-    pub tokens: Mutex<auth::TokenCache>,
+    pub control_cache: Mutex<auth::ControlCache>,
     pub limiter: DefaultKeyedRateLimiter<String>,
     pub metrics: metrics::Metrics,
     /// The dashboard's recent samples per tenant.
@@ -72,7 +72,7 @@ impl AppState {
         let limiter = auth::rate_limiter(config.auth.rate_per_second, config.auth.burst);
         let (shutdown, _) = watch::channel(false);
         Ok(AppState(Arc::new(Inner {
-            tokens: Mutex::new(auth::TokenCache::new(control)?),
+            control_cache: Mutex::new(auth::ControlCache::new(control)?),
             limiter,
             metrics: metrics::Metrics::new(),
             samples: dashboard::Samples::default(),
@@ -87,7 +87,13 @@ impl AppState {
 
     /// Run `f` with the control database.
     pub fn control<R>(&self, f: impl FnOnce(&mut SqliteControl) -> Result<R>) -> Result<R> {
-        f(self.tokens.lock().unwrap_or_else(|p| p.into_inner()).control())
+        f(self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).control())
+    }
+
+    /// The consumers declared for a tenant (from the control cache: no query unless the control
+    /// database changed).
+    pub fn consumers(&self, tenant_id: &str) -> Result<Vec<tidemark_store_sqlite::ConsumerRecord>> {
+        self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).consumers(tenant_id)
     }
 
     /// The tenant, opened (and its background loops started) on first use.

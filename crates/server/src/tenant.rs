@@ -23,6 +23,8 @@ use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::workflow::builtin;
 use tidemark_engine::workflow::order::{FakePayments, Payments};
 use tidemark_engine::workflow::{Worker, WorkerObserver, WorkerOptions, Writer};
+use tidemark_store_sqlite::reservation::ReservationHandler;
+use tidemark_store_sqlite::workflow_events::RunEventHandler;
 use tidemark_store_sqlite::{
     order as order_sql, reservation, Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
 };
@@ -59,6 +61,15 @@ impl HandlerKind {
                 format!("unknown handler {value:?}; handlers are reservation, record, workflows"),
             )
         })
+    }
+
+    /// The handler that applies this kind of consumer's events.
+    pub fn handler(self, support_v2: bool) -> Box<dyn Handler<Connection>> {
+        match self {
+            HandlerKind::Reservation => Box::new(ReservationHandler::new(support_v2)),
+            HandlerKind::Record => Box::new(RecordHandler),
+            HandlerKind::Workflows => Box::new(RunEventHandler::new()),
+        }
     }
 
     /// Which inbox file holds this consumer's records.

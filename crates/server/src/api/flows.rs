@@ -10,7 +10,7 @@ use tidemark_core::error::codes;
 use tidemark_core::flow::{validate_request, AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::store::{
-    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, ProducerStore,
+    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, InboxStatus, ProducerStore,
 };
 use tidemark_core::tenancy::Scope;
 use tidemark_core::Error;
@@ -211,7 +211,7 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
     let record = tenant.producer.call(move |p| p.store.flow(&id)).await?;
     let source = tenant.id.clone();
     let mut consumers = Vec::new();
-    for consumer in state.control(|c| c.consumers(Some(&tenant.id)))? {
+    for consumer in state.consumers(&tenant.id)? {
         let kind = HandlerKind::parse(&consumer.handler)?;
         let (id, cid, src) = (flow_id.clone(), consumer.consumer_id.clone(), source.clone());
         let (high_water_seq, open) = tenant
@@ -223,12 +223,18 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
                     .into_iter()
                     .find(|c| c.source == src && c.flow_id == id)
                     .map_or(0, |c| c.high_water_seq);
-                let open: Vec<_> = t
-                    .store
-                    .inbox(&cid, None, tidemark_core::limits::PAGE_SIZE_MAX)?
-                    .into_iter()
-                    .filter(|r| r.envelope.source == src && r.envelope.flow_id == id && r.envelope.seq > high)
-                    .collect();
+                // Open records are pending or blocked: read only those (not the applied history,
+                // which would crowd them out of the page).
+                let mut open = Vec::new();
+                for status in [InboxStatus::Pending, InboxStatus::Blocked] {
+                    open.extend(
+                        t.store
+                            .inbox(&cid, Some(status), tidemark_core::limits::PAGE_SIZE_MAX)?
+                            .into_iter()
+                            .filter(|r| r.envelope.source == src && r.envelope.flow_id == id && r.envelope.seq > high),
+                    );
+                }
+                open.sort_by_key(|r| r.envelope.seq);
                 Ok((high, open))
             })
             .await?;

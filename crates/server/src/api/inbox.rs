@@ -37,11 +37,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
 fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(ConsumerRecord, HandlerKind), Error> {
     validate_id("consumer_id", consumer_id)?;
     let tenant_id = caller.tenant.id.clone();
-    let record = state
-        .control(|c| c.consumers(Some(&tenant_id)))?
-        .into_iter()
-        .find(|c| c.consumer_id == consumer_id)
-        .ok_or_else(|| {
+    let record = state.consumers(&tenant_id)?.into_iter().find(|c| c.consumer_id == consumer_id).ok_or_else(|| {
         Error::not_found(format!("no consumer {consumer_id:?}; declare it with PUT /v1/consumers/{{id}}"))
     })?;
     let kind = HandlerKind::parse(&record.handler)?;
@@ -198,7 +194,7 @@ pub struct SkippedRecord {
 async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
     caller.require(Scope::Read)?;
     let tenant_id = caller.tenant.id.clone();
-    let consumers = state.control(|c| c.consumers(Some(&tenant_id)))?;
+    let consumers = state.consumers(&tenant_id)?;
     let subscriptions = caller.tenant.producer.call(|p| p.store.subscriptions()).await?;
     let consumers: Vec<_> = consumers
         .into_iter()

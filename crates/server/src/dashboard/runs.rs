@@ -382,7 +382,7 @@ pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q
     }
     let tenant_id = caller.tenant.id.clone();
     let mut blocked = Vec::new();
-    for consumer in state.control(|c| c.consumers(Some(&tenant_id)))? {
+    for consumer in state.consumers(&tenant_id)? {
         let query = RecordsQuery { status: Some("blocked".into()), limit: rows };
         blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?);
     }

@@ -85,7 +85,7 @@ pub fn recent_rate(samples: &[Sample], window_ms: i64, counter: fn(&Sample) -> u
 /// Read one tenant's sample.
 pub async fn sample(state: &AppState, tenant: &std::sync::Arc<crate::tenant::Tenant>) -> tidemark_core::Result<Sample> {
     let stats = TenantStats::read(tenant).await?;
-    let consumers = state.control(|c| c.consumers(Some(&tenant.id)))?;
+    let consumers = state.consumers(&tenant.id)?;
     let applied_total = consumers
         .iter()
         .map(|c| {
