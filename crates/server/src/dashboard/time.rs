@@ -1,40 +1,23 @@
 //! Times on the dashboard: milliseconds since the epoch shown as UTC, and the runs filter's
-//! `datetime-local` fields (read as UTC) parsed back. Civil-date arithmetic from Howard
-//! Hinnant's `days_from_civil` / `civil_from_days`.
+//! `datetime-local` fields (read as UTC) parsed back. The calendar is the `time` crate's.
 
 use tidemark_core::error::codes;
 use tidemark_core::Error;
+use time::format_description::FormatItem;
+use time::macros::format_description;
+use time::{OffsetDateTime, PrimitiveDateTime};
 
-const MS_PER_DAY: i64 = 86_400_000;
+const SHOWN: &[FormatItem<'static>] = format_description!("[year]-[month]-[day] [hour]:[minute]:[second]");
+const FIELD_SECONDS: &[FormatItem<'static>] = format_description!("[year]-[month]-[day]T[hour]:[minute]:[second]");
+const FIELD_MINUTES: &[FormatItem<'static>] = format_description!("[year]-[month]-[day]T[hour]:[minute]");
 
-fn civil_from_days(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
-    let year = if month <= 2 { year - 1 } else { year };
-    let era = year.div_euclid(400);
-    let yoe = year.rem_euclid(400);
-    let month = i64::from(month);
-    let doy = (153 * (if month > 2 { month - 3 } else { month + 9 }) + 2) / 5 + i64::from(day) - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
+fn utc(ms: i64) -> Option<OffsetDateTime> {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000).ok()
 }
 
 /// `2026-11-30 10:15:36` (UTC).
 pub fn format_utc(ms: i64) -> String {
-    let (days, in_day) = (ms.div_euclid(MS_PER_DAY), ms.rem_euclid(MS_PER_DAY) / 1000);
-    let (y, m, d) = civil_from_days(days);
-    format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}", in_day / 3600, in_day / 60 % 60, in_day % 60)
+    utc(ms).and_then(|t| t.format(SHOWN).ok()).unwrap_or_else(|| format!("{ms} ms"))
 }
 
 /// `12 s ago`, `in 3 min`.
@@ -65,37 +48,15 @@ pub fn parse_utc(field: &str, text: &str) -> Result<i64, Error> {
             ),
         )
     };
-    let (date, clock) = text.trim().split_once(['T', ' ']).ok_or_else(bad)?;
-    let number = |s: &str, len: usize| -> Result<i64, Error> {
-        if s.len() != len || !s.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(bad());
-        }
-        s.parse().map_err(|_| bad())
-    };
-    let mut date_parts = date.split('-');
-    let (year, month, day) = match (date_parts.next(), date_parts.next(), date_parts.next(), date_parts.next()) {
-        (Some(y), Some(m), Some(d), None) => (number(y, 4)?, number(m, 2)?, number(d, 2)?),
-        _ => return Err(bad()),
-    };
-    let mut clock_parts = clock.split(':');
-    let (hour, minute, second) = match (clock_parts.next(), clock_parts.next(), clock_parts.next(), clock_parts.next())
-    {
-        (Some(h), Some(m), None, None) => (number(h, 2)?, number(m, 2)?, 0),
-        (Some(h), Some(m), Some(s), None) => (number(h, 2)?, number(m, 2)?, number(s, 2)?),
-        _ => return Err(bad()),
-    };
-    let days_in_month = match month {
-        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
-        4 | 6 | 9 | 11 => 30,
-        2 if (year % 4 == 0 && year % 100 != 0) || year % 400 == 0 => 29,
-        2 => 28,
-        _ => return Err(bad()),
-    };
-    if !(1..=days_in_month).contains(&day) || hour > 23 || minute > 59 || second > 59 {
+    // A field may separate date and time with a space; a year is four digits, no sign.
+    let text_t = text.trim().replacen(' ', "T", 1);
+    if !text_t.starts_with(|c: char| c.is_ascii_digit()) {
         return Err(bad());
     }
-    let days = days_from_civil(year, month as u32, day as u32);
-    Ok(days * MS_PER_DAY + (hour * 3600 + minute * 60 + second) * 1000)
+    let parsed = PrimitiveDateTime::parse(&text_t, FIELD_SECONDS)
+        .or_else(|_| PrimitiveDateTime::parse(&text_t, FIELD_MINUTES))
+        .map_err(|_| bad())?;
+    Ok((parsed.assume_utc().unix_timestamp_nanos() / 1_000_000) as i64)
 }
 
 /// The `datetime-local` value of a time (the inverse of [`parse_utc`]).
