@@ -395,11 +395,40 @@ struct FlowWalk {
     next_seq: i64,
 }
 
+/// The drain's cursor writes. The open-record read joins each flow's cursor, so the drain knows
+/// whether the row exists and writes it with a plain UPDATE or INSERT (an upsert seeks the
+/// primary key twice when the row exists: once for the refused insert, once for the update).
+struct CursorWrites<'c> {
+    update: rusqlite::CachedStatement<'c>,
+    insert: rusqlite::CachedStatement<'c>,
+}
+
+impl<'c> CursorWrites<'c> {
+    fn prepare(tx: &'c Connection) -> Result<Self> {
+        Ok(CursorWrites {
+            update: tx
+                .prepare_cached(
+                    "UPDATE cursors SET high_water_seq = ?4
+                     WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND high_water_seq < ?4",
+                )
+                .db()?,
+            insert: tx
+                .prepare_cached(
+                    "INSERT INTO cursors (consumer_id, source, flow_id, high_water_seq) VALUES (?1, ?2, ?3, ?4)",
+                )
+                .db()?,
+        })
+    }
+}
+
 impl FlowWalk {
-    fn finish(&self, set_cursor: &mut rusqlite::Statement<'_>, consumer_id: &str) -> Result<()> {
+    fn finish(&self, cursors: &mut CursorWrites<'_>, consumer_id: &str) -> Result<()> {
         let high_water = self.next_seq - 1;
         if high_water > self.start_high_water {
-            set_cursor.execute(params![consumer_id, self.source, self.flow_id, high_water]).db()?;
+            // `start_high_water` 0 means the join found no cursor row (a stored one is >= 1).
+            let statement = if self.start_high_water == 0 { &mut cursors.insert } else { &mut cursors.update };
+            let changed = statement.execute(params![consumer_id, self.source, self.flow_id, high_water]).db()?;
+            ensure_invariant!(changed == 1, "moving the cursor of {}/{} changed {changed} rows", self.source, self.flow_id);
         }
         Ok(())
     }
@@ -504,7 +533,7 @@ impl ConsumerStore for SqliteConsumer {
         };
         let scan_rows_max = limit + DRAIN_SCAN_ROWS_EXTRA;
         // Prepared once per drain, not once per event (see `ReceiveStatements`).
-        let mut set_cursor = tx.prepare_cached(SET_CURSOR_SQL).db()?;
+        let mut set_cursor = CursorWrites::prepare(&tx)?;
         let mut mark_applied = tx
             .prepare_cached(
                 "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?5

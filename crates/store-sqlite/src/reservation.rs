@@ -110,6 +110,13 @@ impl Handler<Connection> for ReservationHandler {
         .map_err(failed)?;
         Ok(())
     }
+
+    /// Every refusal (undecodable payload, refused transition) comes before the first write, so
+    /// the drain needs no savepoint per event (a database error after a write fails the whole
+    /// drain, whose transaction then rolls back).
+    fn refuses_before_writing(&self) -> bool {
+        true
+    }
 }
 
 /// One effect row, as read back for snapshots and tests.
