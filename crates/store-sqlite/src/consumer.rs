@@ -428,7 +428,12 @@ impl FlowWalk {
             // `start_high_water` 0 means the join found no cursor row (a stored one is >= 1).
             let statement = if self.start_high_water == 0 { &mut cursors.insert } else { &mut cursors.update };
             let changed = statement.execute(params![consumer_id, self.source, self.flow_id, high_water]).db()?;
-            ensure_invariant!(changed == 1, "moving the cursor of {}/{} changed {changed} rows", self.source, self.flow_id);
+            ensure_invariant!(
+                changed == 1,
+                "moving the cursor of {}/{} changed {changed} rows",
+                self.source,
+                self.flow_id
+            );
         }
         Ok(())
     }
@@ -675,13 +680,21 @@ impl ConsumerStore for SqliteConsumer {
     fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>> {
         validate_id("consumer_id", consumer_id)?;
         validate_limit("page size", limit, PAGE_SIZE_MAX)?;
-        let mut stmt = self
-            .conn
-            .prepare_cached(&format!(
+        // Open records come from the open-record index, in its order. Every other listing
+        // walks the consumer's rows and sorts them: the primary key leads with the flow id
+        // (schema v5), so a page of applied records costs a pass over the table.
+        let sql = match status {
+            Some(InboxStatus::Pending | InboxStatus::Blocked) => format!(
+                "SELECT {INBOX_COLUMNS} FROM inbox INDEXED BY inbox_open
+                 WHERE consumer_id = ?1 AND status IN ('pending', 'blocked') AND status = ?2
+                 ORDER BY source, flow_id, seq LIMIT ?3"
+            ),
+            _ => format!(
                 "SELECT {INBOX_COLUMNS} FROM inbox WHERE consumer_id = ?1 AND (?2 IS NULL OR status = ?2)
                  ORDER BY source, flow_id, seq LIMIT ?3"
-            ))
-            .db()?;
+            ),
+        };
+        let mut stmt = self.conn.prepare_cached(&sql).db()?;
         let rows =
             stmt.query_map(params![consumer_id, status.map(InboxStatus::as_str), limit as i64], inbox_entry).db()?;
         rows.collect::<rusqlite::Result<Vec<_>>>().db()

@@ -190,10 +190,13 @@ pub(crate) fn last_position(tx: &Connection) -> Result<i64> {
 }
 
 /// The statements of one advance batch, prepared once per batch (a `prepare_cached` per event
-/// hashes the SQL text twice per statement).
+/// hashes the SQL text twice per statement). The flow row is written with a plain UPDATE or
+/// INSERT, as the read before it found it or not (an upsert of an existing row seeks the
+/// primary key twice).
 struct AdvanceStatements<'c> {
     flow: rusqlite::CachedStatement<'c>,
-    upsert_flow: rusqlite::CachedStatement<'c>,
+    update_flow: rusqlite::CachedStatement<'c>,
+    insert_flow: rusqlite::CachedStatement<'c>,
     insert_event: rusqlite::CachedStatement<'c>,
 }
 
@@ -201,11 +204,15 @@ impl<'c> AdvanceStatements<'c> {
     fn prepare(tx: &'c Connection) -> Result<Self> {
         Ok(AdvanceStatements {
             flow: tx.prepare_cached("SELECT state, state_data, last_seq FROM flows WHERE flow_id = ?1").db()?,
-            upsert_flow: tx
+            update_flow: tx
                 .prepare_cached(
-                    "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
-                     ON CONFLICT (flow_id) DO UPDATE SET state = excluded.state, state_data = excluded.state_data,
-                         last_seq = excluded.last_seq, updated_at_ms = excluded.updated_at_ms",
+                    "UPDATE flows SET state = ?2, state_data = ?3, last_seq = ?4, updated_at_ms = ?5
+                     WHERE flow_id = ?1 AND last_seq = ?4 - 1",
+                )
+                .db()?,
+            insert_flow: tx
+                .prepare_cached(
+                    "INSERT INTO flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
                 )
                 .db()?,
             insert_event: tx
@@ -231,6 +238,7 @@ fn advance_validated(
 ) -> Result<AdvanceOutcome> {
     let existing: Option<(String, String, i64)> =
         statements.flow.query_row([&request.flow_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional().db()?;
+    let flow_exists = existing.is_some();
     let (current_seq, current) = match existing {
         Some((state, data, seq)) => {
             let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
@@ -255,7 +263,9 @@ fn advance_validated(
         created_at_ms: now_ms,
     };
     let state_data = decision.next.data.to_string();
-    statements.upsert_flow.execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms]).db()?;
+    let write_flow = if flow_exists { &mut statements.update_flow } else { &mut statements.insert_flow };
+    let changed = write_flow.execute(params![request.flow_id, decision.next.state, state_data, seq, now_ms]).db()?;
+    ensure_invariant!(changed == 1, "writing flow {} at seq {seq} changed {changed} rows", request.flow_id);
     let position =
         last_position.checked_add(1).ok_or_else(|| Error::store("the outbox ran out of positions (i64::MAX)"))?;
     statements

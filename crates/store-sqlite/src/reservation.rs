@@ -10,7 +10,9 @@ use tidemark_core::{Envelope, Error, Result};
 
 use crate::{db_err, SqlResult, SqliteConsumer};
 
-/// Create the reservation tables (idempotent) and register them for `rename-consumer`.
+/// Create the reservation tables (idempotent) and register them for `rename-consumer`. The
+/// projection's key leads with the flow id, like the inbox's (see schema.rs, v5): files made
+/// before keep their (consumer, source, flow) key, which works the same, only slower.
 pub fn install(consumer: &SqliteConsumer) -> Result<()> {
     let conn = consumer.connection();
     conn.execute_batch(
@@ -21,7 +23,7 @@ pub fn install(consumer: &SqliteConsumer) -> Result<()> {
              state       TEXT NOT NULL,
              quantity    INTEGER NOT NULL,
              last_seq    INTEGER NOT NULL,
-             PRIMARY KEY (consumer_id, source, flow_id)
+             PRIMARY KEY (flow_id, source, consumer_id)
          ) WITHOUT ROWID;
          CREATE TABLE IF NOT EXISTS reservation_effects (
              effect_id     INTEGER PRIMARY KEY,
@@ -84,15 +86,23 @@ impl Handler<Connection> for ReservationHandler {
             .optional()
             .map_err(failed)?;
         let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
-        tx.prepare_cached(
+        // The read above says whether the row exists: a plain UPDATE or INSERT (an upsert of an
+        // existing row seeks the primary key twice).
+        let write = if current.is_some() {
+            "UPDATE reservation_projection SET state = ?4, quantity = ?5, last_seq = ?6
+             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3"
+        } else {
             "INSERT INTO reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6)
-             ON CONFLICT (consumer_id, source, flow_id) DO UPDATE SET state = excluded.state,
-                 quantity = excluded.quantity, last_seq = excluded.last_seq",
-        )
-        .map_err(failed)?
-        .execute(params![consumer_id, event.source, event.flow_id, next.state, next.quantity, event.seq])
-        .map_err(failed)?;
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)"
+        };
+        let changed = tx
+            .prepare_cached(write)
+            .map_err(failed)?
+            .execute(params![consumer_id, event.source, event.flow_id, next.state, next.quantity, event.seq])
+            .map_err(failed)?;
+        if changed != 1 {
+            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
+        }
         tx.prepare_cached(
             "INSERT INTO reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
