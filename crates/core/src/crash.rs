@@ -22,6 +22,8 @@ pub const CRASH_POINTS: &[&str] = &[
     "resolve.before_commit",
     "rename.before_commit",
     "rename.after_commit",
+    // Opening a file of an older schema: its migrations run in one transaction.
+    "migrate.before_commit",
     // Durable workflows (crates/store-sqlite/src/workflow/).
     "workflow.start.before_commit",
     "workflow.claim.after_commit",

@@ -473,6 +473,9 @@ fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
             .db()?;
     }
     apply_migrations(&tx, "meta", "database", MIGRATIONS, current, target)?;
+    if current > 0 && current < target {
+        tidemark_core::crash::hit("migrate.before_commit");
+    }
     tx.commit().db()
 }
 

@@ -531,6 +531,92 @@ fn rename_after_commit(point: &str) {
     assert_converged(&s);
 }
 
+/// Rewrite a current consumer file into the schema-v4 layout (the consumer tables keyed by
+/// consumer id, source, flow id), rows and all, as a file written by the previous release.
+fn downgrade_consumer_file_to_v4(path: &Path) {
+    let conn = rusqlite::Connection::open(path).expect("open the consumer file");
+    let version: String =
+        conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
+    assert_eq!(version, "5", "this downgrade is written for schema v5 -> v4");
+    conn.execute_batch(
+        "BEGIN IMMEDIATE;
+         CREATE TABLE inbox_v4 (
+             consumer_id TEXT NOT NULL, source TEXT NOT NULL, flow_id TEXT NOT NULL,
+             seq INTEGER NOT NULL CHECK (seq >= 1), event_id TEXT NOT NULL, generation TEXT NOT NULL,
+             event_type TEXT NOT NULL, schema_version INTEGER NOT NULL, payload TEXT NOT NULL,
+             content_hash TEXT NOT NULL, created_at_ms INTEGER NOT NULL, received_at_ms INTEGER NOT NULL,
+             status TEXT NOT NULL CHECK ((status = 'pending' OR status = 'applied' OR status = 'blocked' OR status = 'skipped')),
+             reason TEXT, status_at_ms INTEGER NOT NULL,
+             PRIMARY KEY (consumer_id, source, flow_id, seq)) WITHOUT ROWID;
+         INSERT INTO inbox_v4 SELECT * FROM inbox;
+         DROP TABLE inbox;
+         ALTER TABLE inbox_v4 RENAME TO inbox;
+         CREATE UNIQUE INDEX inbox_event ON inbox (consumer_id, event_id);
+         CREATE INDEX inbox_open ON inbox (consumer_id, source, flow_id, seq) WHERE status IN ('pending', 'blocked');
+         CREATE INDEX inbox_done_age ON inbox (status_at_ms) WHERE status IN ('applied', 'skipped');
+         CREATE TABLE receipts_v4 (
+             consumer_id TEXT NOT NULL, source TEXT NOT NULL, flow_id TEXT NOT NULL, seq INTEGER NOT NULL,
+             event_id TEXT NOT NULL, content_hash TEXT NOT NULL, created_at_ms INTEGER NOT NULL,
+             PRIMARY KEY (consumer_id, source, flow_id, seq)) WITHOUT ROWID;
+         INSERT INTO receipts_v4 SELECT * FROM receipts;
+         DROP TABLE receipts;
+         ALTER TABLE receipts_v4 RENAME TO receipts;
+         CREATE UNIQUE INDEX receipts_event ON receipts (consumer_id, event_id);
+         CREATE INDEX receipts_age ON receipts (created_at_ms);
+         CREATE TABLE cursors_v4 (
+             consumer_id TEXT NOT NULL, source TEXT NOT NULL, flow_id TEXT NOT NULL,
+             high_water_seq INTEGER NOT NULL CHECK (high_water_seq >= 1),
+             PRIMARY KEY (consumer_id, source, flow_id)) WITHOUT ROWID;
+         INSERT INTO cursors_v4 SELECT * FROM cursors;
+         DROP TABLE cursors;
+         ALTER TABLE cursors_v4 RENAME TO cursors;
+         UPDATE meta SET value = '4' WHERE key = 'schema_version';
+         COMMIT;",
+    )
+    .expect("downgrade to v4");
+}
+
+/// (schema version, first key column of the inbox) of a consumer file, read straight from it.
+fn consumer_file_layout(path: &Path) -> (String, String) {
+    let conn = rusqlite::Connection::open(path).expect("open the consumer file");
+    let version = conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0));
+    let first =
+        conn.query_row("SELECT name FROM pragma_index_xinfo('sqlite_autoindex_inbox_1') WHERE seqno = 0", [], |r| {
+            r.get(0)
+        });
+    (version.expect("version"), first.expect("key column"))
+}
+
+/// Opening a consumer file of schema v4 rebuilds its tables in one transaction. Killed before
+/// that commit, the file is still a whole v4 file; the next open migrates it with every record,
+/// receipt and cursor, and the pipeline goes on from there without losing or repeating an apply.
+fn migrate_before_commit(point: &str) {
+    let s = world();
+    seed(&s);
+    settle(&s);
+    // Receipts too: compact the applied records of one consumer's flows.
+    ok(&["prune", "--consumer-db", s.c(), "--applied-retention-ms", "0", "--batch-rows", "2"]);
+    advance(&s, "r2", 1, "confirmed", None);
+    relay(&s);
+    let before = consumer_snapshot(&s);
+    assert!(!array(&before, "receipts").is_empty() && !array(&before, "inbox").is_empty(), "{before}");
+    downgrade_consumer_file_to_v4(&s.consumer);
+    assert_eq!(consumer_file_layout(&s.consumer), ("4".to_string(), "consumer_id".to_string()));
+    crash_at(point, &["snapshot", "--consumer-db", s.c(), "--rows-max", "100000"]);
+    assert_eq!(
+        consumer_file_layout(&s.consumer),
+        ("4".to_string(), "consumer_id".to_string()),
+        "a migration killed before its commit left the file changed"
+    );
+    assert_eq!(consumer_snapshot(&s), before, "the migration changed what the file holds");
+    assert_eq!(consumer_file_layout(&s.consumer), ("5".to_string(), "flow_id".to_string()));
+    // Replays of the pruned, the applied and the pending events are all recognised.
+    replay_all(&s, "audit");
+    replay_all(&s, "search");
+    settle(&s);
+    assert_converged(&s);
+}
+
 /// The deliberately wrong dual write: killed between its two commits, the flow says `reserved`
 /// but no event exists, and no consumer ever sees it. The real `advance` killed at any of its
 /// points never leaves that state.
@@ -821,6 +907,7 @@ fn scenario(point: &str) -> fn(&str) {
         "resolve.before_commit" => resolve_before_commit,
         "rename.before_commit" => rename_before_commit,
         "rename.after_commit" => rename_after_commit,
+        "migrate.before_commit" => migrate_before_commit,
         "unsafe_dual_write.between_commits" => unsafe_dual_write_between_commits,
         other => panic!("crash point {other} has no crash scenario: add one to crates/cli/tests/it/crash.rs"),
     }
