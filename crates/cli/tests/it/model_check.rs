@@ -1548,7 +1548,8 @@ fn sqlite_stores_match_the_model() {
     }
 }
 
-/// A fixed scenario through every kind of operation, so that a regression shows up even when
+/// A fixed scenario through every kind of operation (the next test walks through the unreachable
+/// endpoint, subscribe, rotation and restore operations), so that a regression shows up even when
 /// the random cases happen to miss it. It also checks that the scenario reaches what it is
 /// meant to reach (the words listed next to the operations).
 #[test]
