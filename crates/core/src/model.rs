@@ -53,11 +53,12 @@ struct FlowRow {
 }
 
 /// One outbox row, keyed by its position (1, 2, ... in commit order; pruned positions are gone).
-/// Source and generation come from the identity
-/// when the event is read, as in SQLite.
+/// The source comes from the identity when the event is read; the generation is the one the
+/// event was committed under (kept across [`ModelProducer::rotate_generation`]), as in SQLite.
 #[derive(Debug, Clone, PartialEq)]
 struct OutboxRow {
     event_id: String,
+    generation: String,
     flow_id: String,
     seq: i64,
     event_type: String,
@@ -134,7 +135,7 @@ impl ModelProducer {
         Envelope {
             event_id: row.event_id.clone(),
             source: self.identity.source.clone(),
-            generation: self.identity.generation.clone(),
+            generation: row.generation.clone(),
             flow_id: row.flow_id.clone(),
             seq: row.seq,
             event_type: row.event_type.clone(),
@@ -188,6 +189,7 @@ impl ModelProducer {
             position,
             OutboxRow {
                 event_id: event_id.clone(),
+                generation: self.identity.generation.clone(),
                 flow_id: request.flow_id.clone(),
                 seq,
                 event_type: decision.event_type,
@@ -200,6 +202,19 @@ impl ModelProducer {
             state.deliveries.insert((position, consumer_id.clone()), DeliveryRow::fresh(now_ms));
         }
         Ok(AdvanceOutcome::Committed { flow_id: request.flow_id.clone(), seq, event_id, state: decision.next.state })
+    }
+
+    /// Give this producer a new generation (what an operator does after restoring a backup).
+    /// Events committed from now on carry it; events already in the outbox keep the generation
+    /// they were committed under. SQLite picks a random generation; the model takes it from the
+    /// caller so that runs stay deterministic (the caller must not reuse one). Event ids of
+    /// later events take the new generation's tag, so a model restored from a clone of itself
+    /// and rotated never hands out an event id twice.
+    pub fn rotate_generation(&mut self, generation: &str) -> Result<ProducerIdentity> {
+        validate_id("generation", generation)?;
+        self.id_tag = hash_hex(format!("{}\n{generation}", self.identity.source).as_bytes())[..16].to_string();
+        self.identity.generation = generation.to_string();
+        Ok(self.identity.clone())
     }
 
     /// Rename a subscriber (the producer half of `rename-consumer`). Idempotent: renaming an id
@@ -1312,6 +1327,26 @@ mod tests {
         assert!(consumer.drain("c", &DrainScope::All, 10, &mut handler, 3).is_err());
         assert_eq!(consumer.snapshot(100).unwrap(), before);
         assert!(consumer.projection().effects.is_empty());
+    }
+
+    #[test]
+    fn events_keep_the_generation_they_were_committed_under() {
+        let mut producer = ModelProducer::new("shop", "g1").unwrap();
+        advance(&mut producer, "r1", 0, "reserved", 1);
+        let backup = producer.clone();
+        assert_eq!(producer.rotate_generation("g2").unwrap().generation, "g2");
+        advance(&mut producer, "r1", 1, "confirmed", 2);
+        let outbox = producer.snapshot(10).unwrap().outbox;
+        let generations: Vec<&str> = outbox.iter().map(|e| e.generation.as_str()).collect();
+        assert_eq!(generations, ["g1", "g2"], "an old event is redelivered unchanged after a rotation");
+        // A restored copy that re-issues (r1, 2) under another generation gets another event id.
+        let mut restored = backup;
+        restored.rotate_generation("g3").unwrap();
+        assert_eq!(advance(&mut restored, "r1", 1, "confirmed", 3).word(), "committed");
+        let reissued = restored.snapshot(10).unwrap().outbox.remove(1);
+        assert_eq!((reissued.seq, reissued.generation.as_str()), (2, "g3"));
+        assert_ne!(reissued.event_id, outbox[1].event_id);
+        assert_eq!(restored.rotate_generation("bad id!").unwrap_err().code(), codes::INVALID_ID);
     }
 
     #[test]

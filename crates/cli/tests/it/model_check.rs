@@ -1,15 +1,40 @@
 //! Model check: random operation sequences run against the SQLite stores (real files in a
-//! tempdir: one producer, two consumer databases, three consumers; in-process through the
-//! library crates) and against the in-memory model (`tidemark_core::model`), with the same
-//! clock and the same engine (`relay_once`). After every operation the normalised outcome
-//! and the full normalised state (flows, outbox, deliveries, inbox, cursors, receipts,
-//! projections, effects, retired ids) must be equal, and the protocol invariants must hold:
-//! no duplicate effects; per (consumer, flow) the effects plus the skipped seqs are exactly
-//! 1..=high_water, in order; no delivery is accepted that its consumer does not hold.
+//! tempdir: one producer, two consumer databases, four consumer slots, three of them subscribed
+//! at the start; in-process through the library crates) and against the in-memory model
+//! (`tidemark_core::model`), with the same clock and the same engine (`relay_once`). After every
+//! operation the normalised outcome and the full normalised state (flows, outbox, deliveries,
+//! inbox, cursors, receipts, projections, effects, retired ids) must be equal, and the protocol
+//! invariants must hold: no duplicate effects; per (consumer, flow) the effects plus the skipped
+//! seqs are exactly 1..=high_water, in order; no delivery is accepted that its consumer does not
+//! hold; what a consumer holds at a (consumer, source, flow, seq) never changes to another event
+//! (a re-issued seq, a tampered copy) and every effect was written by that event; an outbox event
+//! keeps the generation it was committed under and a new one carries the current generation.
 //!
-//! Normalisation maps every event id to its (source, flow, seq), every content hash to the
-//! event (or tampered copy) it is the hash of, and the producer generation to `<gen>`.
-//! Timestamps are kept: both sides run on the same fixed clock, so they must match too.
+//! Operations: advance (1..=3 flows per transaction, with stale, invalid and v2 requests), relay,
+//! `relay --event`, direct redelivery, reordered and tampered receives, apply, drain, skip,
+//! consumer and producer prune, resolve (requeue, dismiss), the two rename steps, clock ticks
+//! (also to an event's exact horizon), crashes (below), and:
+//! - `RelayUnreachable`: a relay pass in which one consumer database's endpoint fails with a
+//!   transport error (`Endpoints::store` errs, no protocol answer). Checked on each side: its
+//!   deliveries answer `failed`, count one attempt, back off (pending, due later) or are
+//!   quarantined at `POLICY.max_attempts`, are never accepted, its database is untouched, the
+//!   other database's consumers get protocol answers, and no delivery outside the batch changes.
+//! - `Subscribe`: subscribing mid-run, with or without `from_start`: the fourth slot `d`, a
+//!   re-subscription (a no-op), or a slot's original id after a rename (a new subscription for an
+//!   id its consumer database has retired, so every delivery conflicts). Checked on each side: a
+//!   new id gets exactly the events still in the outbox with `from_start` and none otherwise; a
+//!   re-subscription changes nothing.
+//! - `RotateGeneration`, `BackupProducer`, `RestoreProducer`: the producer's generation changes
+//!   mid-run; a backup (also taken when a case starts) is put back in place of the producer
+//!   (SQLite: the files; the model: a clone) and the generation rotated, so the restored producer
+//!   redelivers old events (keeping their generation: `duplicate`) and re-issues (flow, seq)
+//!   values that consumers may already hold with other content (`conflict`, naming the
+//!   generation change).
+//!
+//! Normalisation maps every event id to its (source, flow, seq), with `@genN` for events of
+//! a later generation, every content hash to the event (or tampered copy) it is the hash of, and
+//! the producer generations to `<gen>`, `<gen1>`, ... in the order they appeared. Timestamps are
+//! kept: both sides run on the same fixed clock, so they must match too.
 //!
 //! "Crash" drops the SQLite store objects (after dropping an open producer or consumer
 //! transaction, or after a handler failure in the middle of a drain) and reopens them from the
@@ -30,8 +55,8 @@ use tidemark_core::model::{ModelConsumer, ModelEndpoints, ModelProducer, ModelRe
 use tidemark_core::policy::{RelayPolicy, RetentionPolicy};
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
-    ConsumerStore, DeliveryAction, DeliveryStatus, DrainReport, DrainScope, HandleError, Handler, InboxStatus,
-    ProducerStore, Subscription,
+    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, DrainReport, DrainScope, Endpoints, HandleError,
+    Handler, InboxStatus, ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, RelayOptions, RelayReport};
@@ -42,14 +67,19 @@ const MAX_OPS: usize = 40;
 const DEFAULT_CASES: u32 = 64;
 const SOURCE: &str = "shop";
 const FLOWS: [&str; 3] = ["r1", "r2", "r3"];
-/// Consumers: `a` and `b` share the first consumer database, `c` has the second one.
-const SLOTS: [&str; 3] = ["a", "b", "c"];
-const DATABASE_OF: [usize; 3] = [0, 0, 1];
+/// Consumers: `a` and `b` share the first consumer database, `c` and `d` the second one. `d` is
+/// not subscribed at the start (see `Op::Subscribe`).
+const SLOTS: [&str; 4] = ["a", "b", "c", "d"];
+const DATABASE_OF: [usize; 4] = [0, 0, 1, 1];
+/// The slots subscribed (from the start) when a case begins.
+const SUBSCRIBED_AT_START: usize = 3;
 const DATABASES: usize = 2;
 const TARGET_STATES: [&str; 5] = ["new", "reserved", "confirmed", "released", "bogus"];
 const START_MS: i64 = 1_700_000_000_000;
 const HORIZON_MS: i64 = 10_000;
 const MODEL_GENERATION: &str = "0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d0d";
+/// What an unreachable endpoint answers instead of a protocol answer.
+const UNREACHABLE: &str = "simulated: the consumer endpoint did not answer";
 const ROWS_MAX: usize = 100_000;
 const POLICY: RelayPolicy = RelayPolicy { max_attempts: 2, backoff_base_ms: 1_000, backoff_max_ms: 4_000 };
 const REASON: &str = "model check operator";
@@ -189,6 +219,28 @@ enum Op {
         pick: usize,
     },
     Crash(Crash),
+    /// A relay pass in which consumer database `db` does not answer: its endpoint fails with a
+    /// transport error before any receive (not a protocol answer).
+    RelayUnreachable {
+        db: usize,
+        limit: usize,
+    },
+    /// Subscribe a consumer while events already exist: the slot's current subscription id (a
+    /// re-subscription, or `d`'s first one) or, with `retired`, the slot's original id (a new
+    /// subscription for an id its consumer database has retired, once the slot was renamed).
+    /// Always at the slot's own database.
+    Subscribe {
+        slot: usize,
+        from_start: bool,
+        retired: bool,
+    },
+    /// `outbox rotate-generation`.
+    RotateGeneration,
+    /// Copy the producer database aside (a backup). A backup is also taken when a case starts.
+    BackupProducer,
+    /// Put the last backup back in place of the producer (flows, outbox, deliveries and
+    /// subscriptions go back to it) and rotate the generation, as an operator must.
+    RestoreProducer,
 }
 
 fn advance_spec() -> impl Strategy<Value = AdvanceSpec> {
@@ -246,10 +298,17 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(retention_ms, batch_rows)| Op::PruneOutbox { retention_ms, batch_rows }),
         2 => (pick.clone(), any::<bool>()).prop_map(|(pick, requeue)| Op::Resolve { pick, requeue }),
         2 => slot.clone().prop_map(|slot| Op::RenameConsumer { slot }),
-        2 => slot.prop_map(|slot| Op::RenameSubscription { slot }),
+        2 => slot.clone().prop_map(|slot| Op::RenameSubscription { slot }),
         4 => prop_oneof![Just(1_000_i64), Just(4_000), Just(12_000)].prop_map(|ms| Op::Tick { ms }),
         1 => pick.prop_map(|pick| Op::TickToHorizon { pick }),
         3 => crash.prop_map(Op::Crash),
+        3 => (0..DATABASES, 1..=5_usize).prop_map(|(db, limit)| Op::RelayUnreachable { db, limit }),
+        // Half of them for `d`, the slot not subscribed at the start.
+        3 => (prop_oneof![Just(SLOTS.len() - 1), slot], any::<bool>(), prop::bool::weighted(0.3))
+            .prop_map(|(slot, from_start, retired)| Op::Subscribe { slot, from_start, retired }),
+        1 => Just(Op::RotateGeneration),
+        1 => Just(Op::BackupProducer),
+        1 => Just(Op::RestoreProducer),
     ]
 }
 
@@ -275,6 +334,24 @@ impl<T: ?Sized> Handler<T> for FailAfter<'_, T> {
     }
 }
 
+/// Endpoints of which one (`down`) does not answer: `store` fails with a transport error, as an
+/// unreachable consumer would, so nothing reaches that consumer in this pass.
+struct Unreachable<'a, E> {
+    inner: &'a mut E,
+    down: Option<&'a str>,
+}
+
+impl<E: Endpoints> Endpoints for Unreachable<'_, E> {
+    type Store = E::Store;
+
+    fn store(&mut self, endpoint: &str) -> Result<&mut E::Store> {
+        if self.down == Some(endpoint) {
+            return Err(Error::io(UNREACHABLE));
+        }
+        self.inner.store(endpoint)
+    }
+}
+
 /// The reservation handler a drain runs: with or without the v2 decoders, and optionally
 /// failing (an infrastructure error) after `fail_after` events.
 #[derive(Debug, Clone, Copy)]
@@ -289,7 +366,14 @@ trait Backend {
     type C: ConsumerStore;
     fn producer(&mut self) -> &mut Self::P;
     fn consumer(&mut self, db: usize) -> &mut Self::C;
-    fn relay(&mut self, options: &RelayOptions, now_ms: i64) -> Result<RelayReport>;
+    /// One relay pass; the endpoint `down`, if any, does not answer.
+    fn relay(&mut self, options: &RelayOptions, down: Option<&str>, now_ms: i64) -> Result<RelayReport>;
+    /// `outbox rotate-generation`. SQLite picks a random generation; the model takes `model`.
+    fn rotate_generation(&mut self, model: &str) -> Result<ProducerIdentity>;
+    /// Copy the producer database aside, replacing the previous backup.
+    fn backup_producer(&mut self);
+    /// Put the backup back in place of the producer database.
+    fn restore_producer(&mut self);
     fn drain(
         &mut self,
         db: usize,
@@ -313,6 +397,7 @@ trait Backend {
 
 struct SqliteBackend {
     producer_path: PathBuf,
+    backup_path: PathBuf,
     consumer_paths: Vec<PathBuf>,
     producer: Option<SqliteProducer>,
     /// Empty while "crashed".
@@ -329,8 +414,15 @@ impl SqliteBackend {
             let consumer = SqliteConsumer::init(path, RetentionPolicy { horizon_ms: HORIZON_MS }).expect("init");
             sqlite_reservation::install(&consumer).expect("install reservation tables");
         }
-        let mut backend =
-            SqliteBackend { producer_path, consumer_paths, producer: None, consumers: Vec::new(), endpoints: None };
+        let backup_path = dir.join("producer-backup.db");
+        let mut backend = SqliteBackend {
+            producer_path,
+            backup_path,
+            consumer_paths,
+            producer: None,
+            consumers: Vec::new(),
+            endpoints: None,
+        };
         backend.open();
         backend
     }
@@ -364,10 +456,30 @@ impl Backend for SqliteBackend {
         &mut self.consumers[db]
     }
 
-    fn relay(&mut self, options: &RelayOptions, now_ms: i64) -> Result<RelayReport> {
+    fn relay(&mut self, options: &RelayOptions, down: Option<&str>, now_ms: i64) -> Result<RelayReport> {
         let producer = self.producer.as_mut().expect("producer is open");
-        let endpoints = self.endpoints.as_mut().expect("endpoints are open");
-        relay_once(producer, endpoints, options, now_ms, &mut || 0.5)
+        let inner = self.endpoints.as_mut().expect("endpoints are open");
+        relay_once(producer, &mut Unreachable { inner, down }, options, now_ms, &mut || 0.5)
+    }
+
+    fn rotate_generation(&mut self, _model: &str) -> Result<ProducerIdentity> {
+        self.producer().rotate_generation()
+    }
+
+    /// Close the producer and copy its file and WAL (closing the last connection checkpoints
+    /// the WAL, so the copy is consistent), then reopen it.
+    fn backup_producer(&mut self) {
+        self.producer = None;
+        copy_database(&self.producer_path, &self.backup_path);
+        self.producer =
+            Some(SqliteProducer::open_with(&self.producer_path, Durability::Normal).expect("open producer"));
+    }
+
+    fn restore_producer(&mut self) {
+        self.producer = None;
+        copy_database(&self.backup_path, &self.producer_path);
+        self.producer =
+            Some(SqliteProducer::open_with(&self.producer_path, Durability::Normal).expect("open producer"));
     }
 
     fn drain(
@@ -451,8 +563,24 @@ impl Backend for SqliteBackend {
     }
 }
 
+/// Replace the database file `to` (and its WAL, shared memory) by a copy of `from`.
+fn copy_database(from: &Path, to: &Path) {
+    let with = |path: &Path, suffix: &str| PathBuf::from(format!("{}{suffix}", path.display()));
+    for suffix in ["-wal", "-shm"] {
+        let path = with(to, suffix);
+        if path.exists() {
+            std::fs::remove_file(&path).expect("remove the old WAL");
+        }
+    }
+    std::fs::copy(from, to).expect("copy the database file");
+    if with(from, "-wal").exists() {
+        std::fs::copy(with(from, "-wal"), with(to, "-wal")).expect("copy the WAL");
+    }
+}
+
 struct ModelBackend {
     producer: ModelProducer,
+    backup: Option<ModelProducer>,
     endpoints: ModelEndpoints,
     /// Endpoint of each consumer database.
     databases: Vec<String>,
@@ -467,6 +595,7 @@ impl ModelBackend {
         }
         ModelBackend {
             producer: ModelProducer::new(SOURCE, MODEL_GENERATION).expect("producer"),
+            backup: None,
             endpoints,
             databases: databases.to_vec(),
         }
@@ -485,8 +614,21 @@ impl Backend for ModelBackend {
         self.endpoints.get_mut(&self.databases[db]).expect("the model consumer exists")
     }
 
-    fn relay(&mut self, options: &RelayOptions, now_ms: i64) -> Result<RelayReport> {
-        relay_once(&mut self.producer, &mut self.endpoints, options, now_ms, &mut || 0.5)
+    fn relay(&mut self, options: &RelayOptions, down: Option<&str>, now_ms: i64) -> Result<RelayReport> {
+        let endpoints = &mut Unreachable { inner: &mut self.endpoints, down };
+        relay_once(&mut self.producer, endpoints, options, now_ms, &mut || 0.5)
+    }
+
+    fn rotate_generation(&mut self, model: &str) -> Result<ProducerIdentity> {
+        self.producer.rotate_generation(model)
+    }
+
+    fn backup_producer(&mut self) {
+        self.backup = Some(self.producer.clone());
+    }
+
+    fn restore_producer(&mut self) {
+        self.producer = self.backup.clone().expect("a backup is taken when a case starts");
     }
 
     fn drain(
@@ -552,14 +694,41 @@ fn token(event: &Envelope) -> String {
     format!("{}/{}/{}", event.source, event.flow_id, event.seq)
 }
 
+/// (consumer database, consumer id, source, flow, seq).
+type HeldKey = (usize, String, String, String, i64);
+
+impl Ctx {
+    /// `source/flow/seq` of an event, with `@genN` when its generation is not the first one (a
+    /// restored producer re-issues the same `source/flow/seq` under a new generation).
+    fn label(&self, event: &Envelope) -> String {
+        match self.generations.iter().position(|g| *g == event.generation) {
+            Some(i) if i > 0 => format!("{}@gen{i}", token(event)),
+            _ => token(event),
+        }
+    }
+}
+
 /// What the test remembers next to one backend (both evolve identically while they agree).
 struct Ctx {
     now_ms: i64,
     /// The consumer id each slot has in the consumer database...
-    consumer_names: [String; 3],
+    consumer_names: [String; 4],
     /// ...and in the producer's subscriptions (they differ between the two rename steps).
-    producer_names: [String; 3],
+    producer_names: [String; 4],
+    /// `producer_names` when the producer backup was taken (a restore brings them back).
+    backup_names: [String; 4],
     renames: u32,
+    /// Generations rotated to so far (never reused, not even after a restore).
+    rotations: u32,
+    /// Every producer generation seen, in order: normalised to `<gen>`, `<gen1>`, ...
+    generations: Vec<String>,
+    /// The generation each outbox event had when it was first seen (event id -> generation).
+    event_generations: HashMap<String, String>,
+    /// What each (database, consumer, source, flow, seq) held when first seen: (event id,
+    /// content hash). A consumer never exchanges the event it holds at a position for another.
+    held: HashMap<HeldKey, (String, String)>,
+    /// A broken invariant that an operation noticed while it ran (reported after the step).
+    violation: Option<String>,
     forged: u32,
     /// Hashes of tampered copies and of every outbox event ever seen -> label (outbox events
     /// can be pruned while consumers still hold them).
@@ -579,18 +748,26 @@ struct Run<B: Backend> {
 
 impl<B: Backend> Run<B> {
     fn new(mut backend: B, databases: &[String]) -> Run<B> {
-        for (slot, db) in SLOTS.into_iter().zip(DATABASE_OF) {
+        for (slot, db) in SLOTS.into_iter().zip(DATABASE_OF).take(SUBSCRIBED_AT_START) {
             let subscription = Subscription { consumer_id: slot.into(), endpoint: databases[db].clone() };
             backend.producer().subscribe(&subscription, true, START_MS).expect("subscribe");
         }
+        backend.backup_producer();
         let names = SLOTS.map(String::from);
+        let generation = backend.producer().identity().generation.clone();
         Run {
             backend,
             ctx: Ctx {
                 now_ms: START_MS,
                 consumer_names: names.clone(),
-                producer_names: names,
+                producer_names: names.clone(),
+                backup_names: names,
                 renames: 0,
+                rotations: 0,
+                generations: vec![generation],
+                event_generations: HashMap::new(),
+                held: HashMap::new(),
+                violation: None,
                 forged: 0,
                 hash_labels: HashMap::new(),
                 id_labels: BTreeMap::new(),
@@ -643,7 +820,61 @@ impl<B: Backend> Run<B> {
             }
             Op::Relay { limit } => {
                 let options = RelayOptions { limit: *limit, event_id: None, policy: POLICY, keep_answers: true };
-                out(self.backend.relay(&options, now))
+                out(self.backend.relay(&options, None, now))
+            }
+            Op::RelayUnreachable { db, limit } => {
+                let down = self.ctx.databases[*db].clone();
+                let before = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
+                let consumer_before = self.consumer_state(*db);
+                let options = RelayOptions { limit: *limit, event_id: None, policy: POLICY, keep_answers: true };
+                let result = self.backend.relay(&options, Some(&down), now);
+                if let Ok(report) = &result {
+                    let after = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
+                    let mut problems = unreachable_problems(&before, &after, report, &down, now);
+                    if self.consumer_state(*db) != consumer_before {
+                        problems.push(format!("the unreachable database {db} changed"));
+                    }
+                    if !problems.is_empty() {
+                        self.ctx.violation = Some(format!("relay with database {db} unreachable: {problems:#?}"));
+                    }
+                }
+                out(result)
+            }
+            Op::Subscribe { slot, from_start, retired } => {
+                let consumer_id =
+                    if *retired { SLOTS[*slot].to_string() } else { self.ctx.producer_names[*slot].clone() };
+                let subscription =
+                    Subscription { consumer_id, endpoint: self.ctx.databases[DATABASE_OF[*slot]].clone() };
+                let before = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
+                let existed = before.subscriptions.iter().any(|s| s.consumer_id == subscription.consumer_id);
+                let result = self.backend.producer().subscribe(&subscription, *from_start, now);
+                let Ok(queued) = result else { return out(result) };
+                let after = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
+                if let Some(problem) = subscribe_problem(&before, &after, &subscription, *from_start, queued) {
+                    self.ctx.violation = Some(format!("subscribe {subscription:?}: {problem}"));
+                }
+                let outcome = match (existed, from_start, before.outbox.is_empty()) {
+                    (true, _, _) => "unchanged",
+                    (false, _, true) => "new_with_empty_outbox",
+                    (false, true, false) => "new_from_start",
+                    (false, false, false) => "new_from_now",
+                };
+                json!({"outcome": outcome, "queued": queued})
+            }
+            Op::RotateGeneration => {
+                let model_generation = self.next_model_generation();
+                out(self.backend.rotate_generation(&model_generation).map(|identity| identity.generation))
+            }
+            Op::BackupProducer => {
+                self.backend.backup_producer();
+                self.ctx.backup_names = self.ctx.producer_names.clone();
+                json!("backed up")
+            }
+            Op::RestoreProducer => {
+                self.backend.restore_producer();
+                self.ctx.producer_names = self.ctx.backup_names.clone();
+                let model_generation = self.next_model_generation();
+                out(self.backend.rotate_generation(&model_generation).map(|identity| identity.generation))
             }
             Op::RelayEvent { pick, patient } => {
                 let outbox = self.outbox();
@@ -660,7 +891,7 @@ impl<B: Backend> Run<B> {
                 };
                 let policy = if *patient { RelayPolicy { max_attempts: 5, ..POLICY } } else { POLICY };
                 let options = RelayOptions { limit: 5, event_id: Some(event_id), policy, keep_answers: true };
-                out(self.backend.relay(&options, now))
+                out(self.backend.relay(&options, None, now))
             }
             Op::Redeliver { slot, pick } => {
                 let snapshot = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
@@ -719,7 +950,7 @@ impl<B: Backend> Run<B> {
                     return json!("nothing to tamper with");
                 }
                 let mut event = outbox[pick % outbox.len()].clone();
-                let label = format!("hash({}~{how:?})", token(&event));
+                let label = format!("hash({}~{how:?})", self.ctx.label(&event));
                 match how {
                     Tamper::Payload => {
                         let field = if event.schema_version == 1 { "amount" } else { "units" };
@@ -842,28 +1073,54 @@ impl<B: Backend> Run<B> {
     fn raw_state(&mut self) -> Value {
         let producer =
             serde_json::to_value(self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot")).expect("json");
-        let consumers: Vec<Value> = (0..DATABASES)
-            .map(|db| {
-                let store = self.backend.consumer(db).snapshot(ROWS_MAX).expect("consumer snapshot");
-                json!({"store": store, "projection": self.backend.projection(db), "retired": self.backend.retired(db)})
-            })
-            .collect();
+        let consumers: Vec<Value> = (0..DATABASES).map(|db| self.consumer_state(db)).collect();
         json!({"producer": producer, "consumers": consumers})
     }
 
     fn normaliser(&mut self) -> Normaliser {
         let snapshot = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
+        if !self.ctx.generations.contains(&snapshot.identity.generation) {
+            self.ctx.generations.push(snapshot.identity.generation.clone());
+        }
         for event in &snapshot.outbox {
-            self.ctx.id_labels.insert(event.event_id.clone(), format!("id({})", token(event)));
-            self.ctx.hash_labels.insert(event.content_hash(), format!("hash({})", token(event)));
+            let label = self.ctx.label(event);
+            self.ctx.id_labels.insert(event.event_id.clone(), format!("id({label})"));
+            self.ctx.hash_labels.insert(event.content_hash(), format!("hash({label})"));
         }
         let ids = self.ctx.id_labels.iter().map(|(id, label)| (id.clone(), label.clone())).collect();
-        Normaliser { ids, hashes: self.ctx.hash_labels.clone(), generation: snapshot.identity.generation }
+        let generations = self
+            .ctx
+            .generations
+            .iter()
+            .enumerate()
+            .map(|(i, g)| (g.clone(), if i == 0 { "<gen>".to_string() } else { format!("<gen{i}>") }))
+            .collect();
+        Normaliser { ids, hashes: self.ctx.hash_labels.clone(), generations }
+    }
+
+    /// The generation the model rotates to next: `0e0e...`, `0f0f...`, ... (fixed width, so no
+    /// generation is a part of another).
+    fn next_model_generation(&mut self) -> String {
+        self.ctx.rotations += 1;
+        format!("{:02x}", 0x0d + self.ctx.rotations).repeat(16)
+    }
+
+    /// One consumer database as the state comparison sees it.
+    fn consumer_state(&mut self, db: usize) -> Value {
+        let store = self.backend.consumer(db).snapshot(ROWS_MAX).expect("consumer snapshot");
+        json!({"store": store, "projection": self.backend.projection(db), "retired": self.backend.retired(db)})
     }
 
     /// The protocol invariants, on this backend's raw state.
     fn check_invariants(&mut self, state: &Value) -> std::result::Result<(), String> {
+        if let Some(violation) = self.ctx.violation.take() {
+            return Err(violation);
+        }
         self.backend.own_invariants()?;
+        self.check_generations(state)?;
+        for (db, consumer) in state["consumers"].as_array().expect("consumers").iter().enumerate() {
+            self.check_held(db, consumer)?;
+        }
         for consumer in state["consumers"].as_array().expect("consumers") {
             self.check_effects(consumer)?;
         }
@@ -905,6 +1162,76 @@ impl<B: Backend> Run<B> {
             let expired = event.created_at_ms < self.ctx.now_ms - HORIZON_MS;
             if !in_inbox && !in_receipts && !expired {
                 return Err(format!("delivery of {} to {consumer_id} is accepted but not held", token(event)));
+            }
+        }
+        Ok(())
+    }
+
+    /// An event keeps the generation it was committed under (a rotation or a restore changes only
+    /// later events), and a new event carries the producer's current generation.
+    fn check_generations(&mut self, state: &Value) -> std::result::Result<(), String> {
+        let current = s(&state["producer"]["identity"]["generation"]);
+        let outbox: Vec<Envelope> = serde_json::from_value(state["producer"]["outbox"].clone()).expect("outbox");
+        for event in &outbox {
+            match self.ctx.event_generations.get(&event.event_id) {
+                Some(generation) if *generation != event.generation => {
+                    return Err(format!(
+                        "{} changed generation from {generation} to {}",
+                        token(event),
+                        event.generation
+                    ));
+                }
+                Some(_) => {}
+                None if event.generation != current => {
+                    return Err(format!(
+                        "new event {} has generation {}, not {current}",
+                        token(event),
+                        event.generation
+                    ));
+                }
+                None => {
+                    self.ctx.event_generations.insert(event.event_id.clone(), event.generation.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A consumer never exchanges the event it holds at a (consumer, source, flow, seq) for
+    /// another one (a re-issued seq with other content, a tampered copy): inbox records and
+    /// receipts keep the first event id and hash seen there, and every effect was written by the
+    /// event held at its position.
+    fn check_held(&mut self, db: usize, consumer: &Value) -> std::result::Result<(), String> {
+        // The consumer id is on the row; source, flow and seq on the row (receipts, effects) or
+        // in its envelope (inbox records).
+        let key = |row: &Value, event: &Value| -> HeldKey {
+            let seq = event["seq"].as_i64().expect("seq");
+            (db, s(&row["consumer_id"]), s(&event["source"]), s(&event["flow_id"]), seq)
+        };
+        let mut rows: Vec<(HeldKey, (String, String))> = Vec::new();
+        for record in consumer["store"]["inbox"].as_array().expect("inbox") {
+            let envelope = &record["envelope"];
+            rows.push((key(record, envelope), (s(&envelope["event_id"]), s(&record["content_hash"]))));
+        }
+        for receipt in consumer["store"]["receipts"].as_array().expect("receipts") {
+            rows.push((key(receipt, receipt), (s(&receipt["event_id"]), s(&receipt["content_hash"]))));
+        }
+        for (k, held) in rows {
+            match self.ctx.held.get(&k) {
+                Some(first) if *first != held => {
+                    return Err(format!("{k:?} held {first:?} and now holds {held:?}"));
+                }
+                Some(_) => {}
+                None => {
+                    self.ctx.held.insert(k, held);
+                }
+            }
+        }
+        for effect in consumer["projection"]["effects"].as_array().expect("effects") {
+            if let Some((event_id, _)) = self.ctx.held.get(&key(effect, effect)) {
+                if *event_id != s(&effect["event_id"]) {
+                    return Err(format!("effect {effect} was not written by the event held there, {event_id}"));
+                }
             }
         }
         Ok(())
@@ -957,15 +1284,107 @@ impl<B: Backend> Run<B> {
     }
 }
 
+/// What a relay pass with the endpoint `down` unreachable must have done, from the producer's
+/// view before and after it: every delivery to `down` in the batch answered `failed` (a transport
+/// error, not a protocol answer), counted one more attempt and either backs off (pending, due
+/// later) or, at `POLICY.max_attempts`, is quarantined, and is never accepted; every delivery to
+/// another endpoint got a protocol answer; deliveries outside the batch did not change.
+fn unreachable_problems(
+    before: &ProducerSnapshot,
+    after: &ProducerSnapshot,
+    report: &RelayReport,
+    down: &str,
+    now_ms: i64,
+) -> Vec<String> {
+    let key = |d: &DeliveryEntry| (d.event_id.clone(), d.consumer_id.clone());
+    let old: BTreeMap<_, _> = before.deliveries.iter().map(|d| (key(d), d)).collect();
+    let new: BTreeMap<_, _> = after.deliveries.iter().map(|d| (key(d), d)).collect();
+    let endpoint: BTreeMap<&str, &str> =
+        before.subscriptions.iter().map(|s| (s.consumer_id.as_str(), s.endpoint.as_str())).collect();
+    let mut problems = Vec::new();
+    let mut answered = BTreeSet::new();
+    for answer in &report.answers {
+        let id = (answer.event_id.clone(), answer.consumer_id.clone());
+        answered.insert(id.clone());
+        let what = format!("{}/{} to {}", answer.flow_id, answer.seq, answer.consumer_id);
+        let unreachable = endpoint.get(answer.consumer_id.as_str()) == Some(&down);
+        if !unreachable {
+            if answer.answer == "failed" {
+                problems.push(format!("{what}: a reachable consumer failed: {:?}", answer.reason));
+            }
+            continue;
+        }
+        if answer.answer != "failed" || !answer.reason.as_deref().is_some_and(|r| r.contains(UNREACHABLE)) {
+            problems.push(format!("{what}: answered {:?} ({:?}) while unreachable", answer.answer, answer.reason));
+        }
+        let (Some(was), Some(is)) = (old.get(&id), new.get(&id)) else {
+            problems.push(format!("{what}: no delivery row before and after"));
+            continue;
+        };
+        if is.attempts != was.attempts + 1 {
+            problems.push(format!("{what}: attempts went from {} to {}", was.attempts, is.attempts));
+        }
+        let quarantined = is.attempts >= POLICY.max_attempts;
+        match is.status {
+            DeliveryStatus::Quarantined if quarantined => {}
+            DeliveryStatus::Pending if !quarantined && is.next_attempt_at_ms > now_ms => {}
+            status => problems.push(format!(
+                "{what}: {} after {} attempts, due at {} (now {now_ms})",
+                status.as_str(),
+                is.attempts,
+                is.next_attempt_at_ms
+            )),
+        }
+    }
+    for (id, was) in &old {
+        if !answered.contains(id) && new.get(id) != Some(was) {
+            problems.push(format!("{id:?} was not in the batch but changed: {was:?} -> {:?}", new.get(id)));
+        }
+    }
+    problems
+}
+
+/// What a subscribe that answered `queued` must have done: a new id receives exactly the events
+/// still in the outbox (all plainly pending) with `from_start`, and none of them otherwise (only
+/// events committed later); an existing subscription is left as it was.
+fn subscribe_problem(
+    before: &ProducerSnapshot,
+    after: &ProducerSnapshot,
+    subscription: &Subscription,
+    from_start: bool,
+    queued: u64,
+) -> Option<String> {
+    let id = &subscription.consumer_id;
+    let mine = |snapshot: &ProducerSnapshot| -> Vec<DeliveryEntry> {
+        snapshot.deliveries.iter().filter(|d| d.consumer_id == *id).cloned().collect()
+    };
+    if !after.subscriptions.contains(subscription) {
+        return Some("the subscription is not listed".into());
+    }
+    if before.subscriptions.iter().any(|s| s.consumer_id == *id) {
+        return (queued != 0 || mine(before) != mine(after) || before.subscriptions != after.subscriptions)
+            .then(|| format!("a re-subscription changed something (queued {queued})"));
+    }
+    let deliveries = mine(after);
+    let expected: Vec<&str> =
+        if from_start { after.outbox.iter().map(|e| e.event_id.as_str()).collect() } else { vec![] };
+    let got: Vec<&str> = deliveries.iter().map(|d| d.event_id.as_str()).collect();
+    let fresh = deliveries.iter().all(|d| d.status == DeliveryStatus::Pending && d.attempts == 0);
+    (got != expected || queued != expected.len() as u64 || !fresh).then(|| {
+        format!("from_start {from_start}: queued {queued}, deliveries {deliveries:?}, expected events {expected:?}")
+    })
+}
+
 fn s(value: &Value) -> String {
     value.as_str().expect("a string").to_string()
 }
 
-/// Maps one backend's event ids, hashes and generation to backend-independent labels.
+/// Maps one backend's event ids, hashes and generations to backend-independent labels.
 struct Normaliser {
     ids: Vec<(String, String)>,
     hashes: HashMap<String, String>,
-    generation: String,
+    /// Generation -> label, in the order the generations appeared.
+    generations: Vec<(String, String)>,
 }
 
 impl Normaliser {
@@ -979,7 +1398,12 @@ impl Normaliser {
                 out = out.replace(id.as_str(), label);
             }
         }
-        out.replace(&self.generation, "<gen>")
+        for (generation, label) in &self.generations {
+            if out.contains(generation.as_str()) {
+                out = out.replace(generation.as_str(), label);
+            }
+        }
+        out
     }
 
     fn apply(&self, value: &mut Value) {
@@ -1043,6 +1467,9 @@ fn answers(value: &Value, found: &mut BTreeSet<String>) {
                 match (key.as_str(), item) {
                     ("outcome" | "answer" | "verdict" | "err", Value::String(word)) => {
                         found.insert(word.clone());
+                    }
+                    ("reason", Value::String(reason)) if reason.contains("producer generation changed") => {
+                        found.insert("generation changed".into());
                     }
                     ("compacted" | "receipts_deleted", Value::Number(n)) if n.as_u64() > Some(0) => {
                         found.insert(key.clone());
@@ -1121,7 +1548,8 @@ fn sqlite_stores_match_the_model() {
     }
 }
 
-/// A fixed scenario through every kind of operation, so that a regression shows up even when
+/// A fixed scenario through every kind of operation (the next test walks through the unreachable
+/// endpoint, subscribe, rotation and restore operations), so that a regression shows up even when
 /// the random cases happen to miss it. It also checks that the scenario reaches what it is
 /// meant to reach (the words listed next to the operations).
 #[test]
@@ -1171,6 +1599,62 @@ fn a_fixed_walk_through_every_operation_matches_the_model() {
         (Op::Tampered { slot: 2, pick: 0, how: Tamper::FreshTimestamp, applied: true }, &["high-water"]),
         (Op::Crash(Crash::Reopen), &[]),
         (Op::Drain { slot: 1, limit: 10, v2: true }, &["blocked", "invalid transition"]),
+    ];
+    let ops: Vec<Op> = walk.iter().map(|(op, _)| op.clone()).collect();
+    let outcomes = run_case(&ops).unwrap_or_else(|error| panic!("{error}"));
+    for ((op, words), outcome) in walk.iter().zip(&outcomes) {
+        let text = outcome.to_string();
+        for word in *words {
+            assert!(text.contains(word), "{op:?} was expected to answer {word:?}, got {text}");
+        }
+    }
+}
+
+/// A fixed scenario through the operations that the first walk does not take: an unreachable
+/// consumer database (failed attempts, backoff, quarantine, while the other database progresses),
+/// subscribing mid-run (without and with `from_start`, and an id its consumer has retired), and a
+/// producer restored from a backup with its generation rotated (old events redelivered as
+/// duplicates, a re-issued seq a conflict naming the generation change).
+#[test]
+fn a_fixed_walk_through_unreachable_subscribe_and_restore_matches_the_model() {
+    let spec = |flow| AdvanceSpec { flow, expect: Expect::Current, to: To::Next, quantity: Qty::Auto, v2: false };
+    let walk: Vec<(Op, &[&str])> = vec![
+        (Op::Advance(vec![spec(0), spec(1)]), &["committed"]),
+        (Op::BackupProducer, &["backed up"]),
+        // a and b (database 0) do not answer; c (database 1) accepts.
+        (Op::RelayUnreachable { db: 0, limit: 10 }, &["failed", "retry", "did not answer", "accepted"]),
+        // d, subscribed now without `from_start`, receives only what is committed from now on.
+        (Op::Subscribe { slot: 3, from_start: false, retired: false }, &["new_from_now", "\"queued\":0"]),
+        (Op::Advance(vec![spec(0)]), &["committed", "shop/r1/2"]),
+        (Op::Tick { ms: 4_000 }, &[]),
+        // Second failed attempt: quarantined (max_attempts 2); c and d still progress.
+        (Op::RelayUnreachable { db: 0, limit: 10 }, &["quarantined", "failed", "accepted", "\"d\""]),
+        (Op::Drain { slot: 3, limit: 10, v2: false }, &["gap"]),
+        (Op::Drain { slot: 2, limit: 10, v2: false }, &["applied", "idle"]),
+        (Op::Subscribe { slot: 3, from_start: true, retired: false }, &["unchanged", "\"queued\":0"]),
+        (Op::RenameConsumer { slot: 2 }, &["projections"]),
+        (Op::RenameSubscription { slot: 2 }, &[]),
+        // A new subscription for the retired id `c`: everything in the outbox, refused as renamed.
+        (Op::Subscribe { slot: 2, from_start: true, retired: true }, &["new_from_start", "\"queued\":3"]),
+        (Op::Relay { limit: 3 }, &["conflict", "renamed", "retry"]),
+        // Back to the backup (r1/1 and r2/1 pending for a, b, c; no d), with a new generation.
+        (Op::RestoreProducer, &["<gen1>"]),
+        // Old events keep their generation: c (renamed back from the backup's subscription id
+        // `c`, so retired) conflicts, a and b accept.
+        (Op::Relay { limit: 10 }, &["accepted", "conflict", "renamed"]),
+        (Op::RenameSubscription { slot: 2 }, &[]),
+        (Op::Tick { ms: 4_000 }, &[]),
+        (Op::Relay { limit: 10 }, &["duplicate"]),
+        // The restored producer re-issues r1/2 under the new generation.
+        (Op::Advance(vec![spec(0)]), &["committed"]),
+        (Op::Relay { limit: 10 }, &["shop/r1/2@gen1", "accepted", "conflict", "generation changed"]),
+        (Op::Subscribe { slot: 3, from_start: true, retired: false }, &["new_from_start", "\"queued\":3"]),
+        (Op::Relay { limit: 10 }, &["accepted", "conflict", "generation changed"]),
+        (Op::Drain { slot: 3, limit: 10, v2: false }, &["applied"]),
+        (Op::RotateGeneration, &["<gen2>"]),
+        (Op::Advance(vec![spec(1)]), &["committed"]),
+        (Op::Relay { limit: 10 }, &["shop/r2/2@gen2", "accepted"]),
+        (Op::Drain { slot: 0, limit: 10, v2: false }, &["applied"]),
     ];
     let ops: Vec<Op> = walk.iter().map(|(op, _)| op.clone()).collect();
     let outcomes = run_case(&ops).unwrap_or_else(|error| panic!("{error}"));
