@@ -692,10 +692,27 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             tidemark_core::id::validate_id("from", &args.from)?;
             tidemark_core::id::validate_id("to", &args.to)?;
             let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
-            let report = consumer.rename_consumer(&args.from, &args.to, ctx.now_ms())?;
+            let mut producer =
+                args.producer.as_ref().map(|path| SqliteProducer::open_with(path, ctx.durability)).transpose()?;
+            let report = match consumer.rename_consumer(&args.from, &args.to, ctx.now_ms()) {
+                // A subscriber that has not received anything holds no state in the consumer
+                // file: with the producer at hand to confirm the subscription, only its
+                // retirement is recorded (a mistyped id stays `not_found`).
+                Err(error) if error.code() == tidemark_core::error::codes::NOT_FOUND => {
+                    let subscribed = match &producer {
+                        Some(producer) => producer.subscriptions()?.iter().any(|s| s.consumer_id == args.from),
+                        None => false,
+                    };
+                    if !subscribed {
+                        return Err(error);
+                    }
+                    consumer.retire_consumer(&args.from, &args.to, ctx.now_ms())?;
+                    tidemark_core::store::RenameReport { inbox: 0, receipts: 0, cursors: 0, projections: 0 }
+                }
+                other => other?,
+            };
             let mut out = json!({"outcome": "renamed", "from": args.from, "to": args.to, "consumer": report});
-            if let Some(path) = &args.producer {
-                let mut producer = SqliteProducer::open_with(path, ctx.durability)?;
+            if let Some(producer) = &mut producer {
                 out["producer_deliveries_moved"] = json!(producer.rename_subscription(&args.from, &args.to)?);
             }
             Ok(out)

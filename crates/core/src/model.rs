@@ -1158,6 +1158,35 @@ impl ConsumerStore for ModelConsumer {
         Ok(RenameReport { inbox, receipts, cursors: cursor_keys.len() as u64, projections })
     }
 
+    fn retire_consumer(&mut self, from: &str, to: &str, _now_ms: i64) -> Result<()> {
+        validate_id("from", from)?;
+        validate_id("to", to)?;
+        if from == to {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
+        }
+        if self.state.uses(from) {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} has state in this database; rename it, which carries the state over"),
+            ));
+        }
+        if self.state.uses(to) {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("consumer {to:?} already has state; pick an unused id"),
+            ));
+        }
+        if let Some(other) = self.state.retired.get(from).filter(|other| other.as_str() != to) {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} was already renamed to {other:?}; finish that rename instead"),
+            ));
+        }
+        self.state.retired.remove(to);
+        self.state.retired.insert(from.to_string(), to.to_string());
+        Ok(())
+    }
+
     fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>> {
         if let Some(id) = consumer_id {
             validate_id("consumer_id", id)?;

@@ -458,7 +458,15 @@ pub trait ConsumerStore {
     /// delete receipts past the horizon; at most `batch_rows` rows per kind in one transaction.
     fn prune(&mut self, applied_retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<PruneReport>;
     /// Carry all dedup state and projections of `from` over to `to` (which must be unused).
+    /// `from` without state in this database is `not_found` (see `retire_consumer`).
     fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport>;
+    /// The rename of a subscriber that holds no state in this database yet (nothing received):
+    /// record only that `from` is now `to`, so that events still addressed to `from` are refused
+    /// with a conflict naming `to`. `from` with state is refused (`invalid_state_change`: rename
+    /// it instead, which carries the state over), `to` with state too (`already_exists`).
+    /// Idempotent. Callers check first that `from` really is a subscriber (the CLI asks the
+    /// producer), so that a mistyped id is not retired.
+    fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()>;
     fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>>;
     fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot>;
 }

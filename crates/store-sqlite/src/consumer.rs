@@ -100,6 +100,30 @@ impl SqliteConsumer {
     }
 }
 
+/// Whether `consumer_id` holds any dedup state (records, receipts, cursors) in this file.
+fn consumer_has_state(tx: &Connection, consumer_id: &str) -> Result<bool> {
+    tx.query_row(
+        "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer_id = ?1)
+             OR EXISTS (SELECT 1 FROM receipts WHERE consumer_id = ?1)
+             OR EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1)",
+        [consumer_id],
+        |r| r.get(0),
+    )
+    .db()
+}
+
+/// Record `from` as renamed to `to` (and `to` as no longer retired, if it was).
+fn retire(tx: &Connection, from: &str, to: &str, now_ms: i64) -> Result<()> {
+    tx.execute("DELETE FROM retired_consumers WHERE consumer_id = ?1", [to]).db()?;
+    tx.execute(
+        "INSERT INTO retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES (?1, ?2, ?3)
+         ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to, retired_at_ms = excluded.retired_at_ms",
+        params![from, to, now_ms],
+    )
+    .db()?;
+    Ok(())
+}
+
 struct ExistingRecord {
     event_id: String,
     content_hash: String,
@@ -809,16 +833,7 @@ impl ConsumerStore for SqliteConsumer {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
         }
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        let used = |id: &str| -> Result<bool> {
-            tx.query_row(
-                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer_id = ?1)
-                     OR EXISTS (SELECT 1 FROM receipts WHERE consumer_id = ?1)
-                     OR EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1)",
-                [id],
-                |r| r.get(0),
-            )
-            .db()
-        };
+        let used = |id: &str| consumer_has_state(&tx, id);
         if !used(from)? {
             // Idempotent: `from` was already renamed to `to` (a retry after a crash between this
             // commit and the producer's half of `rename-consumer`). Nothing left to move.
@@ -847,13 +862,7 @@ impl ConsumerStore for SqliteConsumer {
                 .execute(&format!("UPDATE \"{table}\" SET consumer_id = ?2 WHERE consumer_id = ?1"), [from, to])
                 .db()?;
         }
-        tx.execute("DELETE FROM retired_consumers WHERE consumer_id = ?1", [to]).db()?;
-        tx.execute(
-            "INSERT INTO retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES (?1, ?2, ?3)
-             ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to, retired_at_ms = excluded.retired_at_ms",
-            params![from, to, now_ms],
-        )
-        .db()?;
+        retire(&tx, from, to, now_ms)?;
         crash::hit("rename.before_commit");
         tx.commit().db()?;
         crash::hit("rename.after_commit");
@@ -863,6 +872,42 @@ impl ConsumerStore for SqliteConsumer {
             cursors: cursors as u64,
             projections: projections as u64,
         })
+    }
+
+    fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()> {
+        validate_id("from", from)?;
+        validate_id("to", to)?;
+        if from == to {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        if consumer_has_state(&tx, from)? {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} has state in this database; rename it, which carries the state over"),
+            ));
+        }
+        if consumer_has_state(&tx, to)? {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("consumer {to:?} already has state; pick an unused id"),
+            ));
+        }
+        let renamed_to: Option<String> = tx
+            .query_row("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1", [from], |r| r.get(0))
+            .optional()
+            .db()?;
+        if let Some(other) = renamed_to.filter(|other| other != to) {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} was already renamed to {other:?}; finish that rename instead"),
+            ));
+        }
+        retire(&tx, from, to, now_ms)?;
+        crash::hit("rename.before_commit");
+        tx.commit().db()?;
+        crash::hit("rename.after_commit");
+        Ok(())
     }
 
     fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>> {
@@ -974,6 +1019,30 @@ mod tests {
         assert_eq!((again.inbox, again.receipts, again.cursors, again.projections), (0, 0, 0, 0));
         assert_eq!(consumer.rename_consumer("a", "c", 1).unwrap_err().code(), codes::NOT_FOUND);
         assert_eq!(consumer.inbox("b", None, 10).unwrap().len(), 1);
+    }
+
+    /// A subscriber that never received anything is retired, not renamed: events still sent to
+    /// its old id are refused naming the new one. Ids with state, a new id with state, and an id
+    /// already renamed elsewhere are refused; repeating the retirement is a no-op.
+    #[test]
+    fn retiring_a_stateless_consumer_refuses_its_old_id_and_guards_the_stateful_cases() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let event = event();
+        consumer.receive_batch(&[("held", &event)], 1).unwrap();
+        let code = |r: Result<()>| r.unwrap_err().code();
+        assert_eq!(code(consumer.retire_consumer("held", "fresh", 1)), codes::INVALID_STATE_CHANGE);
+        assert_eq!(code(consumer.retire_consumer("idle", "held", 1)), codes::ALREADY_EXISTS);
+        assert_eq!(code(consumer.retire_consumer("idle", "idle", 1)), codes::INVALID_ARGUMENT);
+        consumer.retire_consumer("idle", "idle2", 1).unwrap();
+        consumer.retire_consumer("idle", "idle2", 2).unwrap();
+        assert_eq!(code(consumer.retire_consumer("idle", "other", 3)), codes::INVALID_STATE_CHANGE);
+        let outcome = consumer.receive_batch(&[("idle", &event)], 4).unwrap().remove(0);
+        match outcome {
+            ReceiveOutcome::Conflict { reason, .. } => assert!(reason.contains("renamed to idle2"), "{reason}"),
+            other => panic!("an event for a retired id must be refused: {other:?}"),
+        }
+        assert!(matches!(consumer.receive_batch(&[("idle2", &event)], 5).unwrap()[0], ReceiveOutcome::Accepted { .. }));
     }
 
     struct Refuse;

@@ -91,6 +91,10 @@ impl ConsumerStore for RemoteConsumer {
         Err(not_offered("rename_consumer"))
     }
 
+    fn retire_consumer(&mut self, _: &str, _: &str, _: i64) -> Result<()> {
+        Err(not_offered("retire_consumer"))
+    }
+
     fn cursors(&self, _: Option<&str>) -> Result<Vec<FlowCursor>> {
         Err(not_offered("cursors"))
     }

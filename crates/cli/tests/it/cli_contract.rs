@@ -281,6 +281,41 @@ fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
     assert_ne!(before, before_after_a_valid_100_char_id);
 }
 
+/// Renaming a subscriber that has not received anything: with `--producer` (which confirms the
+/// subscription) the subscription is renamed and the old id retired in the consumer file; a
+/// mistyped id stays `not_found` and changes nothing.
+#[test]
+fn renaming_a_subscriber_that_has_received_nothing_yet() {
+    let s = Setup::new(&["audit", "quiet"]);
+    let (p, c) = (s.p(), s.c());
+    assert_rejected(&s, &["rename-consumer", "--consumer-db", c, "--from", "quiet", "--to", "quiet2"], "not_found");
+    assert_rejected(
+        &s,
+        &["rename-consumer", "--consumer-db", c, "--from", "qiuet", "--to", "quiet2", "--producer", p],
+        "not_found",
+    );
+    let out = ok(&["rename-consumer", "--consumer-db", c, "--from", "quiet", "--to", "quiet2", "--producer", p]);
+    assert_eq!(out["outcome"], "renamed", "{out}");
+    assert_eq!(out["consumer"], json!({"inbox": 0, "receipts": 0, "cursors": 0, "projections": 0}), "{out}");
+    let subscribers: Vec<String> = ok(&["snapshot", "--producer", p])["producer"]["subscriptions"]
+        .as_array()
+        .expect("subscriptions")
+        .iter()
+        .map(|sub| sub["consumer_id"].as_str().expect("id").to_string())
+        .collect();
+    assert_eq!(subscribers, ["audit", "quiet2"]);
+    // The pipeline goes on under the new id: every event applied once for each subscriber.
+    ok(&["advance", "--producer", p, "--flow", "r1", "--expected-seq", "0", "--to", "reserved", "--quantity", "2"]);
+    ok(&["relay", "--producer", p, "--until-idle"]);
+    for consumer in ["audit", "quiet2"] {
+        let out = ok(&["drain", "--consumer-db", c, "--consumer-id", consumer]);
+        assert_eq!(out["applied"], 1, "{consumer}: {out}");
+    }
+    // Run again (a retry after a crash between the two halves): nothing left to do.
+    let again = ok(&["rename-consumer", "--consumer-db", c, "--from", "quiet", "--to", "quiet2", "--producer", p]);
+    assert_eq!(again["producer_deliveries_moved"], 0, "{again}");
+}
+
 #[test]
 fn a_missing_database_is_never_created() {
     let s = Setup::new(&["audit"]);

@@ -1019,15 +1019,24 @@ impl<B: Backend> Run<B> {
                 self.ctx.renames += 1;
                 let from = self.ctx.consumer_names[*slot].clone();
                 let to = format!("{}-{}", SLOTS[*slot], self.ctx.renames);
-                let result = self.backend.consumer(DATABASE_OF[*slot]).rename_consumer(&from, &to, now);
-                if result.is_ok() {
+                let consumer = self.backend.consumer(DATABASE_OF[*slot]);
+                let (renamed, answer) = match consumer.rename_consumer(&from, &to, now) {
+                    // No state under `from` yet: retire the old id, as `tidemark rename-consumer`
+                    // does for a subscriber that has received nothing.
+                    Err(error) if error.code() == "not_found" => {
+                        let retired = consumer.retire_consumer(&from, &to, now);
+                        (retired.is_ok(), json!({"rename": out::<()>(Err(error)), "retire": out(retired)}))
+                    }
+                    result => (result.is_ok(), out(result)),
+                };
+                if renamed {
                     self.ctx.consumer_names[*slot] = to.clone();
                     self.ctx.skipped = std::mem::take(&mut self.ctx.skipped)
                         .into_iter()
                         .map(|(c, s, f, q)| (if c == from { to.clone() } else { c }, s, f, q))
                         .collect();
                 }
-                out(result)
+                answer
             }
             Op::RenameSubscription { slot } => {
                 let from = self.ctx.producer_names[*slot].clone();
