@@ -275,9 +275,9 @@ const MIGRATIONS: &[&str] = &[
     // with the consumer id and source first, which are the same for nearly every row, each
     // comparison on the way down a b-tree walked two equal strings before the one that differs.
     // Flow id first cut the consumer side's instructions per event by 15-20%
-    // (docs/benchmarks.md, "Session 3"). Per-consumer listings now walk the primary key in
-    // (flow, source, seq) order and skip other consumers' rows; the open-record index that the
-    // drain reads is unchanged. The tables are rebuilt with their rows (SQLite cannot change a
+    // (docs/benchmarks.md, "Session 3"). Listings keep their (source, flow, seq) order: open
+    // records come from the unchanged open-record index, other listings read the consumer's
+    // rows and sort them. The tables are rebuilt with their rows (SQLite cannot change a
     // primary key in place).
     r#"
     CREATE TABLE inbox_v5 (
