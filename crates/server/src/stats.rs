@@ -1,6 +1,7 @@
 //! What an operator sees at a glance for one tenant: the outbox backlog and quarantine, each
-//! consumer's open and blocked inbox records, runs by status, and WAL sizes. Read from the
-//! stores (each count on its store's thread); used by the dashboard and `/metrics`.
+//! consumer's open and blocked inbox records, runs by status, and WAL sizes. Read through
+//! read-only connections of their own ([`StatsReader`]), not on the store threads; used by the
+//! dashboard and `/metrics`.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,17 +24,44 @@ pub struct TenantStats {
     pub wal_bytes: BTreeMap<String, u64>,
 }
 
+/// Read-only connections to a tenant's producer, inbox and workflow files. The counts are read
+/// through them on a blocking thread, so a scrape never queues behind the store threads' group
+/// commits, and a long group commit never delays a scrape (a WAL reader sees the last commit).
+pub struct StatsReader {
+    producer: rusqlite::Connection,
+    inbox: rusqlite::Connection,
+    workflows: rusqlite::Connection,
+}
+
+impl StatsReader {
+    /// Open the readers of the files in `dir` (after the tenant's writers have created them).
+    pub fn open(dir: &std::path::Path) -> Result<StatsReader> {
+        use tidemark_store_sqlite::open_reader;
+        Ok(StatsReader {
+            producer: open_reader(&dir.join("producer.db"))?,
+            inbox: open_reader(&dir.join("inbox.db"))?,
+            workflows: open_reader(&dir.join("workflows.db"))?,
+        })
+    }
+}
+
 impl TenantStats {
     pub async fn read(tenant: &Arc<Tenant>) -> Result<TenantStats> {
-        let outbox = tenant.producer.call(|p| stats::outbox_counts(p.store.connection(), now_ms())).await?;
-        let mut inbox = tenant.inbox.call(|t| stats::inbox_counts(t.store.connection())).await?;
-        inbox.extend(tenant.runs_inbox.call(|t| stats::inbox_counts(t.store.connection())).await?);
-        let runs = tenant.writer.call(|store, _| stats::run_counts(store.connection())).await?;
-        let wal_bytes = Tenant::files(&tenant.dir)
-            .into_iter()
-            .map(|(name, path)| (name.to_string(), stats::wal_bytes(&path)))
-            .collect();
-        Ok(TenantStats { tenant: tenant.id.clone(), outbox, inbox, runs, wal_bytes })
+        let tenant = Arc::clone(tenant);
+        tokio::task::spawn_blocking(move || {
+            let reader = tenant.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let outbox = stats::outbox_counts(&reader.producer, now_ms())?;
+            let mut inbox = stats::inbox_counts(&reader.inbox)?;
+            inbox.extend(stats::inbox_counts(&reader.workflows)?);
+            let runs = stats::run_counts(&reader.workflows)?;
+            let wal_bytes = Tenant::files(&tenant.dir)
+                .into_iter()
+                .map(|(name, path)| (name.to_string(), stats::wal_bytes(&path)))
+                .collect();
+            Ok(TenantStats { tenant: tenant.id.clone(), outbox, inbox, runs, wal_bytes })
+        })
+        .await
+        .map_err(|e| tidemark_core::Error::store(format!("the stats reader thread failed: {e}")))?
     }
 
     /// Runs parked for an operator (failed or dead-lettered).
@@ -43,5 +71,67 @@ impl TenantStats {
 
     pub fn blocked(&self) -> u64 {
         self.inbox.values().map(|c| c.blocked).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// The counts are read through the tenant's own read-only connections: they are answered
+    /// while every store thread of the tenant is held inside a call (as during a long group
+    /// commit), and they show what was committed before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn counts_are_read_while_the_store_threads_are_busy() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config { data_dir: dir.path().to_path_buf(), ..Config::default() };
+        let tenant = Arc::new(Tenant::open(&config, "acme", now_ms, None).unwrap());
+        let before = TenantStats::read(&tenant).await.unwrap();
+        assert_eq!(before.outbox.last_position, 0);
+
+        type Hold = Arc<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>;
+        /// Hold `actor`'s thread inside a call until `hold` yields (or its sender is dropped).
+        fn hold_thread<S: crate::actor::GroupCommit + Send + 'static>(
+            actor: &crate::actor::Actor<S>,
+            hold: &Hold,
+            held: &std::sync::mpsc::Sender<()>,
+        ) -> tokio::task::JoinHandle<Result<()>> {
+            let (actor, hold, held) = (actor.clone(), Arc::clone(hold), held.clone());
+            tokio::spawn(async move {
+                actor
+                    .call(move |_| {
+                        held.send(()).unwrap();
+                        let _ = hold.lock().unwrap().recv();
+                        Ok(())
+                    })
+                    .await
+            })
+        }
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let hold: Hold = Arc::new(std::sync::Mutex::new(hold));
+        let (held_tx, held) = std::sync::mpsc::channel::<()>();
+        let blockers = [
+            hold_thread(&tenant.producer, &hold, &held_tx),
+            hold_thread(&tenant.inbox, &hold, &held_tx),
+            hold_thread(&tenant.runs_inbox, &hold, &held_tx),
+        ];
+        for _ in 0..3 {
+            held.recv().unwrap();
+        }
+        // Without its own connections this read would wait for the held threads forever; the
+        // guard only turns such a hang into a failure.
+        let during = tokio::time::timeout(std::time::Duration::from_secs(60), TenantStats::read(&tenant))
+            .await
+            .expect("the counts waited for the busy store threads")
+            .unwrap();
+        assert_eq!(during.tenant, "acme");
+        assert_eq!(during.outbox.last_position, before.outbox.last_position);
+        for _ in 0..3 {
+            release.send(()).unwrap();
+        }
+        for blocker in blockers {
+            blocker.await.unwrap().unwrap();
+        }
     }
 }

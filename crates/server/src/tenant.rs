@@ -177,6 +177,8 @@ pub struct Tenant {
     pub runs_inbox: Actor<InboxThread>,
     pub writer: Writer<SqliteWorkflows>,
     pub worker: Arc<Worker<SqliteWorkflows>>,
+    /// Read-only connections for the counts of `/metrics` and the dashboard.
+    pub stats: std::sync::Mutex<crate::stats::StatsReader>,
 }
 
 impl Tenant {
@@ -246,7 +248,8 @@ impl Tenant {
             worker = worker.with_observer(observer);
         }
         let worker = Arc::new(worker);
-        Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker })
+        let stats = std::sync::Mutex::new(crate::stats::StatsReader::open(&dir)?);
+        Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker, stats })
     }
 
     pub fn inbox_of(&self, file: InboxFile) -> &Actor<InboxThread> {

@@ -24,7 +24,7 @@ pub use consumer::SqliteConsumer;
 pub use control::{ConsumerRecord, SqliteControl, TokenRecord};
 pub use endpoints::SqliteEndpoints;
 pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
-pub use schema::{busy_events, open_existing, Durability, SCHEMA_VERSION};
+pub use schema::{busy_events, open_existing, open_reader, Durability, SCHEMA_VERSION};
 #[cfg(feature = "failpoints")]
 pub use unsafe_dual_write::unsafe_dual_write_advance;
 pub use workflow::{send_event_in, SqliteWorkflows, RECEIPT_WINDOW_MS_DEFAULT};

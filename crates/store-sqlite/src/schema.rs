@@ -536,6 +536,29 @@ pub(crate) fn connect(path: &Path, create: bool, durability: Durability, hint: &
     Ok(conn)
 }
 
+/// A read-only connection to an existing, current-schema file, for readers that must not wait
+/// for the file's writer (a WAL reader sees the last commit and blocks no writer): the
+/// server's `/metrics` and dashboard counts. Never creates, migrates or writes anything; a file
+/// of another schema version is refused (its writer migrates it when it opens it).
+pub fn open_reader(path: &Path) -> Result<Connection> {
+    if !path.exists() {
+        return Err(Error::invalid(codes::NOT_INITIALIZED, format!("{} does not exist", path.display())));
+    }
+    configure_library();
+    let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+    let conn = Connection::open_with_flags(path, flags)
+        .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
+    set_busy_handler(&conn)?;
+    let version = schema_version(&conn)?;
+    if version != SCHEMA_VERSION {
+        return Err(Error::store(format!(
+            "{} is at schema version {version}, this build reads {SCHEMA_VERSION}",
+            path.display()
+        )));
+    }
+    Ok(conn)
+}
+
 /// Open an existing file for reading tables directly (tests, tools). Never creates a file.
 pub fn open_existing(path: &Path) -> Result<Connection> {
     open(path, false, Durability::Full)
