@@ -7,6 +7,16 @@ fn is_id_char(byte: u8) -> bool {
     byte.is_ascii_alphanumeric() || matches!(byte, b'_' | b'-' | b'.' | b':')
 }
 
+/// Validate the two consumer ids of a rename (or retirement): both valid, and different.
+pub fn validate_rename(from: &str, to: &str) -> Result<()> {
+    validate_id("from", from)?;
+    validate_id("to", to)?;
+    if from == to {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
+    }
+    Ok(())
+}
+
 /// Validate one identifier; `field` names it in the error ("flow_id", "consumer_id", ...).
 pub fn validate_id(field: &str, value: &str) -> Result<()> {
     if value.is_empty() || value.len() > ID_BYTES_MAX {

@@ -22,7 +22,7 @@ use crate::decode::DecoderRegistry;
 use crate::envelope::hash_hex;
 use crate::error::{codes, Error, Result};
 use crate::flow::{decide_advance, validate_request, AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
-use crate::id::{validate_id, validate_limit, validate_reason};
+use crate::id::{validate_id, validate_limit, validate_reason, validate_rename};
 use crate::limits::{
     ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX,
     RECEIVE_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX,
@@ -1121,11 +1121,7 @@ impl ConsumerStore for ModelConsumer {
     }
 
     fn rename_consumer(&mut self, from: &str, to: &str, _now_ms: i64) -> Result<RenameReport> {
-        validate_id("from", from)?;
-        validate_id("to", to)?;
-        if from == to {
-            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
-        }
+        validate_rename(from, to)?;
         if !self.state.uses(from) {
             return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
         }
@@ -1159,11 +1155,7 @@ impl ConsumerStore for ModelConsumer {
     }
 
     fn retire_consumer(&mut self, from: &str, to: &str, _now_ms: i64) -> Result<()> {
-        validate_id("from", from)?;
-        validate_id("to", to)?;
-        if from == to {
-            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
-        }
+        validate_rename(from, to)?;
         if self.state.uses(from) {
             return Err(Error::invalid(
                 codes::INVALID_STATE_CHANGE,

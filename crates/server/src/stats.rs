@@ -37,10 +37,11 @@ impl StatsReader {
     /// Open the readers of the files in `dir` (after the tenant's writers have created them).
     pub fn open(dir: &std::path::Path) -> Result<StatsReader> {
         use tidemark_store_sqlite::open_reader;
+        let [(_, producer), (_, inbox), (_, workflows), _] = Tenant::files(dir);
         Ok(StatsReader {
-            producer: open_reader(&dir.join("producer.db"))?,
-            inbox: open_reader(&dir.join("inbox.db"))?,
-            workflows: open_reader(&dir.join("workflows.db"))?,
+            producer: open_reader(&producer)?,
+            inbox: open_reader(&inbox)?,
+            workflows: open_reader(&workflows)?,
         })
     }
 }

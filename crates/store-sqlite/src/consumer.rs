@@ -7,7 +7,7 @@ use std::path::Path;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use tidemark_core::crash;
 use tidemark_core::error::codes;
-use tidemark_core::id::{validate_id, validate_limit, validate_reason};
+use tidemark_core::id::{validate_id, validate_limit, validate_reason, validate_rename};
 use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::store::{
@@ -110,6 +110,15 @@ fn consumer_has_state(tx: &Connection, consumer_id: &str) -> Result<bool> {
         |r| r.get(0),
     )
     .db()
+}
+
+/// The id `consumer_id` was renamed to, if it is retired.
+fn renamed_to(tx: &Connection, consumer_id: &str) -> Result<Option<String>> {
+    tx.prepare_cached("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1")
+        .db()?
+        .query_row([consumer_id], |r| r.get(0))
+        .optional()
+        .db()
 }
 
 /// Record `from` as renamed to `to` (and `to` as no longer retired, if it was).
@@ -507,13 +516,7 @@ impl ConsumerStore for SqliteConsumer {
         let mut statements = ReceiveStatements::prepare(&tx)?;
         for (consumer_id, event) in items {
             if !retired.contains_key(consumer_id) {
-                let renamed_to: Option<String> = tx
-                    .prepare_cached("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1")
-                    .db()?
-                    .query_row([consumer_id], |r| r.get(0))
-                    .optional()
-                    .db()?;
-                retired.insert(consumer_id, renamed_to);
+                retired.insert(consumer_id, renamed_to(&tx, consumer_id)?);
             }
             if let Some(Some(renamed_to)) = retired.get(consumer_id) {
                 outcomes.push(ReceiveOutcome::Conflict {
@@ -827,21 +830,13 @@ impl ConsumerStore for SqliteConsumer {
     }
 
     fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport> {
-        validate_id("from", from)?;
-        validate_id("to", to)?;
-        if from == to {
-            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
-        }
+        validate_rename(from, to)?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         let used = |id: &str| consumer_has_state(&tx, id);
         if !used(from)? {
             // Idempotent: `from` was already renamed to `to` (a retry after a crash between this
             // commit and the producer's half of `rename-consumer`). Nothing left to move.
-            let renamed_to: Option<String> = tx
-                .query_row("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1", [from], |r| r.get(0))
-                .optional()
-                .db()?;
-            if renamed_to.as_deref() == Some(to) {
+            if renamed_to(&tx, from)?.as_deref() == Some(to) {
                 return Ok(RenameReport { inbox: 0, receipts: 0, cursors: 0, projections: 0 });
             }
             return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
@@ -875,11 +870,7 @@ impl ConsumerStore for SqliteConsumer {
     }
 
     fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()> {
-        validate_id("from", from)?;
-        validate_id("to", to)?;
-        if from == to {
-            return Err(Error::invalid(codes::INVALID_ARGUMENT, "from and to are the same consumer id"));
-        }
+        validate_rename(from, to)?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         if consumer_has_state(&tx, from)? {
             return Err(Error::invalid(
@@ -893,11 +884,7 @@ impl ConsumerStore for SqliteConsumer {
                 format!("consumer {to:?} already has state; pick an unused id"),
             ));
         }
-        let renamed_to: Option<String> = tx
-            .query_row("SELECT renamed_to FROM retired_consumers WHERE consumer_id = ?1", [from], |r| r.get(0))
-            .optional()
-            .db()?;
-        if let Some(other) = renamed_to.filter(|other| other != to) {
+        if let Some(other) = renamed_to(&tx, from)?.filter(|other| other != to) {
             return Err(Error::invalid(
                 codes::INVALID_STATE_CHANGE,
                 format!("consumer {from:?} was already renamed to {other:?}; finish that rename instead"),
