@@ -69,17 +69,23 @@ impl Envelope {
         serde_json::to_vec(self).expect("an envelope always serialises")
     }
 
-    /// Hex SHA-256 of the canonical encoding.
+    /// Hex SHA-256 of the canonical encoding, streamed into the hasher: the bytes of
+    /// [`Envelope::canonical_bytes`] without building them.
     pub fn content_hash(&self) -> String {
-        hash_hex(&self.canonical_bytes())
+        let mut hasher = Sha256::new();
+        serde_json::to_writer(&mut hasher, self).expect("an envelope always serialises");
+        hex(&hasher.finalize())
     }
 }
 
 pub fn hash_hex(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
+fn hex(digest: &[u8]) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
-    let digest = Sha256::digest(bytes);
-    let mut out = String::with_capacity(64);
-    for byte in digest {
+    let mut out = String::with_capacity(2 * digest.len());
+    for &byte in digest {
         out.push(HEX[usize::from(byte >> 4)] as char);
         out.push(HEX[usize::from(byte & 0x0f)] as char);
     }
@@ -106,8 +112,23 @@ pub fn validate_schema_version(version: u32) -> Result<()> {
     Ok(())
 }
 
+/// Counts the bytes written to it (the payload's canonical size, without building it).
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0 += bytes.len();
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub fn validate_payload(payload: &serde_json::Value) -> Result<()> {
-    let size = serde_json::to_vec(payload).map(|v| v.len()).unwrap_or(usize::MAX);
+    let mut count = ByteCount(0);
+    let size = serde_json::to_writer(&mut count, payload).map(|()| count.0).unwrap_or(usize::MAX);
     if size > PAYLOAD_BYTES_MAX {
         return Err(Error::invalid(
             codes::PAYLOAD_TOO_LARGE,
@@ -150,6 +171,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(a.content_hash(), b.content_hash());
+        // The streamed hash is the hash of exactly these bytes (stored hashes stay comparable).
+        assert_eq!(a.content_hash(), hash_hex(&a.canonical_bytes()));
         assert!(String::from_utf8(a.canonical_bytes()).unwrap().contains(r#"{"a":2,"b":1}"#));
     }
 
@@ -169,6 +192,11 @@ mod tests {
         assert_eq!(e.validate().unwrap_err().code(), codes::INVALID_SEQ);
         let mut e = sample();
         e.payload = json!({"x": "y".repeat(PAYLOAD_BYTES_MAX)});
+        assert_eq!(e.validate().unwrap_err().code(), codes::PAYLOAD_TOO_LARGE);
+        // The limit counts canonical bytes: {"x":"..."} is 8 bytes around the string.
+        e.payload = json!({"x": "y".repeat(PAYLOAD_BYTES_MAX - 8)});
+        assert!(e.validate().is_ok());
+        e.payload = json!({"x": "y".repeat(PAYLOAD_BYTES_MAX - 7)});
         assert_eq!(e.validate().unwrap_err().code(), codes::PAYLOAD_TOO_LARGE);
         let with_extra = br#"{"event_id":"e1","source":"s","generation":"g","flow_id":"f","seq":1,"event_type":"t","schema_version":1,"payload":{},"created_at_ms":1,"extra":1}"#;
         assert_eq!(Envelope::parse(with_extra).unwrap_err().code(), codes::INVALID_ENVELOPE);

@@ -367,6 +367,7 @@ impl ProducerStore for ModelProducer {
         Ok(picked
             .into_iter()
             .map(|(position, consumer_id, row)| Delivery {
+                position,
                 envelope: self.envelope(&self.state.outbox[&position]),
                 consumer_id: consumer_id.clone(),
                 endpoint: self.state.subscriptions[consumer_id].clone(),
@@ -378,7 +379,12 @@ impl ProducerStore for ModelProducer {
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let mut state = self.state.clone();
         for result in results {
-            let Some(position) = self.position_of(&result.event_id) else { continue };
+            let position = result.position;
+            crate::ensure_invariant!(
+                self.position_of(&result.event_id) == Some(position),
+                "delivery result for event {} names position {position}, which holds another event",
+                result.event_id
+            );
             let Some(row) = state.deliveries.get_mut(&(position, result.consumer_id.clone())) else { continue };
             if !matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined) {
                 continue;

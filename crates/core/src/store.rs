@@ -67,6 +67,9 @@ impl DeliveryStatus {
 /// One event due for one subscriber.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Delivery {
+    /// The event's outbox position (the producer's commit order), handed back in the
+    /// [`DeliveryResult`] so that recording the verdict needs no lookup by event id.
+    pub position: i64,
     pub envelope: Envelope,
     pub consumer_id: String,
     pub endpoint: String,
@@ -87,6 +90,8 @@ pub enum DeliveryVerdict {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeliveryResult {
+    /// The [`Delivery::position`] this verdict is for.
+    pub position: i64,
     pub event_id: String,
     pub consumer_id: String,
     pub verdict: DeliveryVerdict,

@@ -222,6 +222,7 @@ pub fn relay_once<P: ProducerStore, E: Endpoints>(
             });
         }
         results.push(DeliveryResult {
+            position: delivery.position,
             event_id: delivery.envelope.event_id.clone(),
             consumer_id: delivery.consumer_id.clone(),
             verdict,
@@ -262,6 +263,7 @@ mod tests {
 
     fn delivery(flow: &str, seq: i64) -> Delivery {
         Delivery {
+            position: seq,
             envelope: Envelope {
                 event_id: format!("{flow}-{seq}"),
                 source: "s".into(),

@@ -352,11 +352,20 @@ fn delivery_on(conn: &Connection, event_id: &str, consumer_id: &str) -> Result<O
 const CURSOR_WALK_ROWS_EXTRA: usize = 4_096;
 
 /// A subscriber's cursor while a relay batch is recorded.
-struct CursorMove {
+/// The commit time of the event at `position`, which must be `event_id` (a delivery result
+/// names both; a mismatch is a bug in the caller, never recorded).
+fn outbox_created_at(stmt: &mut rusqlite::CachedStatement<'_>, position: i64, event_id: &str) -> Result<i64> {
+    let created_at_ms: Option<i64> = stmt.query_row(params![position, event_id], |r| r.get(0)).optional().db()?;
+    created_at_ms.ok_or_else(|| {
+        Error::Invariant(format!("delivery result names position {position}, which does not hold event {event_id}"))
+    })
+}
+
+struct CursorMove<'r> {
     from_position: i64,
     delivered_position: i64,
-    /// Positions above the cursor accepted in this batch, with their commit time.
-    accepted: std::collections::BTreeMap<i64, i64>,
+    /// Positions above the cursor accepted in this batch, with their event ids.
+    accepted: std::collections::BTreeMap<i64, &'r str>,
 }
 
 impl SqliteProducer {
@@ -499,6 +508,7 @@ impl ProducerStore for SqliteProducer {
         let identity = &self.identity;
         let map = |r: &rusqlite::Row<'_>| -> rusqlite::Result<Delivery> {
             Ok(Delivery {
+                position: r.get(12)?,
                 envelope: event_from_row(identity, r, 0)?,
                 consumer_id: r.get(8)?,
                 attempts: r.get(9)?,
@@ -512,7 +522,7 @@ impl ProducerStore for SqliteProducer {
             let mut stmt = self
                 .conn
                 .prepare_cached(&format!(
-                    "SELECT {EVENT_COLUMNS}, s.consumer_id, COALESCE(d.attempts, 0), s.endpoint
+                    "SELECT {EVENT_COLUMNS}, s.consumer_id, COALESCE(d.attempts, 0), s.endpoint, 0, o.position
                      FROM outbox o JOIN subscriptions s ON s.from_position <= o.position
                      LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
                      WHERE o.event_id = ?1
@@ -591,7 +601,11 @@ impl ProducerStore for SqliteProducer {
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         {
-            let mut event = tx.prepare_cached("SELECT position, created_at_ms FROM outbox WHERE event_id = ?1").db()?;
+            // Only for an exception row (a retry, a quarantine, an acceptance beyond a position
+            // that stays pending): the event's commit time, and the check that the position
+            // the relay handed back holds this event.
+            let mut created_at =
+                tx.prepare_cached("SELECT created_at_ms FROM outbox WHERE position = ?1 AND event_id = ?2").db()?;
             let mut exception =
                 tx.prepare_cached("SELECT 1 FROM deliveries WHERE position = ?1 AND consumer_id = ?2").db()?;
             let mut cursor_of = tx
@@ -630,12 +644,11 @@ impl ProducerStore for SqliteProducer {
                 tx.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
             let mut cursors: HashMap<&str, Option<CursorMove>> = HashMap::new();
             for result in results {
-                let (event_id, consumer) = (result.event_id.as_str(), result.consumer_id.as_str());
-                let Some((position, created_at_ms)) =
-                    event.query_row([event_id], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?))).optional().db()?
-                else {
-                    continue;
-                };
+                // The position is the one `due_deliveries` handed out: the cursor walk below
+                // moves only across positions that exist, and every exception row is written
+                // through `outbox_created_at`, which checks that the position holds this event.
+                let (position, event_id, consumer) =
+                    (result.position, result.event_id.as_str(), result.consumer_id.as_str());
                 if any_exceptions && exception.exists(params![position, consumer]).db()? {
                     match &result.verdict {
                         DeliveryVerdict::Accepted => accept.execute(params![position, consumer, now_ms]).db()?,
@@ -666,14 +679,16 @@ impl ProducerStore for SqliteProducer {
                 }
                 match &result.verdict {
                     DeliveryVerdict::Accepted => {
-                        cursor.accepted.insert(position, created_at_ms);
+                        cursor.accepted.insert(position, event_id);
                     }
                     DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
+                        outbox_created_at(&mut created_at, position, event_id)?;
                         insert
                             .execute(params![position, consumer, "pending", 1, next_attempt_at_ms, reason, now_ms])
                             .db()?;
                     }
                     DeliveryVerdict::Quarantine { reason } => {
+                        let created_at_ms = outbox_created_at(&mut created_at, position, event_id)?;
                         insert
                             .execute(params![position, consumer, "quarantined", 1, created_at_ms, reason, now_ms])
                             .db()?;
@@ -716,7 +731,8 @@ impl ProducerStore for SqliteProducer {
                 }
                 // Accepted beyond a position that is still pending (the relay picked round-robin,
                 // not a prefix): an exception row that reads exactly like a cursor-accepted one.
-                for (position, created_at_ms) in cursor.accepted {
+                for (position, event_id) in cursor.accepted {
+                    let created_at_ms = outbox_created_at(&mut created_at, position, event_id)?;
                     insert
                         .execute(params![
                             position,
@@ -927,5 +943,35 @@ mod tests {
         assert_eq!(outbox[1].generation, second);
         let due = producer.due_deliveries(10, 10, None).unwrap();
         assert!(due.is_empty(), "no subscribers, nothing due");
+    }
+
+    #[test]
+    fn a_verdict_is_recorded_at_the_position_it_was_handed_out_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut producer = SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+        let subscription = Subscription { consumer_id: "audit".into(), endpoint: "a.db".into() };
+        producer.subscribe(&subscription, true, 0).unwrap();
+        producer.advance_batch(&ReservationMachine, &[reserve("a"), reserve("b")], 1).unwrap();
+        let due = producer.due_deliveries(10, 10, None).unwrap();
+        let positions: Vec<i64> = due.iter().map(|d| d.position).collect();
+        assert_eq!(positions, [1, 2]);
+        let result = |d: &Delivery, position: i64, verdict: DeliveryVerdict| DeliveryResult {
+            position,
+            event_id: d.envelope.event_id.clone(),
+            consumer_id: d.consumer_id.clone(),
+            verdict,
+        };
+        // A retry names the wrong position: refused as a bug, and nothing is written.
+        let retry = DeliveryVerdict::Retry { reason: "down".into(), next_attempt_at_ms: 5 };
+        let error = producer.record_deliveries(&[result(&due[0], 2, retry.clone())], 2).unwrap_err();
+        assert!(matches!(error, Error::Invariant(_)), "{error:?}");
+        assert_eq!(producer.delivery_counts().unwrap(), [("pending".to_string(), 2)]);
+        // The second event accepted before the first: an exception row at its own position; then
+        // the first: the cursor passes both.
+        producer.record_deliveries(&[result(&due[1], 2, DeliveryVerdict::Accepted)], 2).unwrap();
+        assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 1), ("pending".to_string(), 1)]);
+        producer.record_deliveries(&[result(&due[0], 1, DeliveryVerdict::Accepted)], 3).unwrap();
+        assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 2)]);
+        assert!(producer.due_deliveries(10, 10, None).unwrap().is_empty());
     }
 }

@@ -790,12 +790,13 @@ mod tests {
             .map(|d| (d.envelope.event_id, d.consumer_id))
             .collect();
         assert_eq!(due, [("e5".to_string(), "audit".to_string()), ("e6".to_string(), "search".to_string())]);
-        let accepted = |event: &str, consumer: &str| DeliveryResult {
+        let accepted = |position: i64, event: &str, consumer: &str| DeliveryResult {
+            position,
             event_id: event.into(),
             consumer_id: consumer.into(),
             verdict: DeliveryVerdict::Accepted,
         };
-        producer.record_deliveries(&[accepted("e5", "audit"), accepted("e6", "search")], 100).unwrap();
+        producer.record_deliveries(&[accepted(5, "e5", "audit"), accepted(6, "e6", "search")], 100).unwrap();
         let delivered: Vec<i64> = conn
             .prepare("SELECT delivered_position FROM subscriptions ORDER BY consumer_id")
             .unwrap()
