@@ -332,17 +332,20 @@ fn receive_one(
 
 /// One open (pending or blocked) inbox record with its flow's high-water mark.
 struct OpenRecord {
+    /// The inbox row (`inbox.record`): the drain changes the record's status by it.
+    record: i64,
     envelope: Envelope,
     high_water_seq: i64,
 }
 
 const OPEN_COLUMNS: &str =
     "i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-    i.created_at_ms, COALESCE(c.high_water_seq, 0)";
+    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record";
 
 fn open_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<OpenRecord> {
     let payload: String = r.get(7)?;
     Ok(OpenRecord {
+        record: r.get(10)?,
         envelope: Envelope {
             source: r.get(0)?,
             flow_id: r.get(1)?,
@@ -568,9 +571,8 @@ impl ConsumerStore for SqliteConsumer {
         let mut set_cursor = CursorWrites::prepare(&tx)?;
         let mut mark_applied = tx
             .prepare_cached(
-                "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?5
-                 WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
-                   AND (status = 'pending' OR status = 'blocked')",
+                "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?2
+                 WHERE record = ?1 AND (status = 'pending' OR status = 'blocked')",
             )
             .db()?;
         let mut scanned = 0_usize;
@@ -629,9 +631,7 @@ impl ConsumerStore for SqliteConsumer {
                         if savepoints {
                             tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
                         }
-                        let changed = mark_applied
-                            .execute(params![consumer_id, event.source, event.flow_id, event.seq, now_ms])
-                            .db()?;
+                        let changed = mark_applied.execute(params![record.record, now_ms]).db()?;
                         ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
                         current.next_seq += 1;
                         applied += 1;
@@ -657,12 +657,11 @@ impl ConsumerStore for SqliteConsumer {
                         // Blocked again for the same reason: nothing to write (a drain loop retries
                         // blocked records; without this every pass rewrote the row and fsynced).
                         tx.prepare_cached(
-                            "UPDATE inbox SET status = 'blocked', reason = ?5, status_at_ms = ?6
-                             WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
-                               AND NOT (status = 'blocked' AND reason IS ?5)",
+                            "UPDATE inbox SET status = 'blocked', reason = ?2, status_at_ms = ?3
+                             WHERE record = ?1 AND NOT (status = 'blocked' AND reason IS ?2)",
                         )
                         .db()?
-                        .execute(params![consumer_id, event.source, event.flow_id, event.seq, reason, now_ms])
+                        .execute(params![record.record, reason, now_ms])
                         .db()?;
                         stuck_total += 1;
                         if stuck.len() < DRAIN_STUCK_REPORTED_MAX {

@@ -337,6 +337,45 @@ const MIGRATIONS: &[&str] = &[
     DROP TABLE cursors;
     ALTER TABLE cursors_v5 RENAME TO cursors;
     "#,
+    // v6: the inbox is a rowid table (`record`, allocated in receive order) with its key as a
+    // unique constraint. In a WITHOUT ROWID table the whole record (payload, hashes, ids) sat in
+    // the key's b-tree: receiving inserted it at its flow's place, and marking it applied deleted
+    // and re-inserted it there. Now the record is appended, only the narrow key index takes the
+    // random insert, the drain reads and updates each open record by its integer `record` (the
+    // update overwrites the row in place), and the key index is left alone by status changes.
+    // Consumer-side SQLite instructions per event -16% in docs/experiments/inbox_layouts.py
+    // (docs/benchmarks.md, "Session 4"). Queries and listings are unchanged.
+    r#"
+    CREATE TABLE inbox_v6 (
+        record         INTEGER PRIMARY KEY,
+        consumer_id    TEXT NOT NULL,
+        source         TEXT NOT NULL,
+        flow_id        TEXT NOT NULL,
+        seq            INTEGER NOT NULL CHECK (seq >= 1),
+        event_id       TEXT NOT NULL,
+        generation     TEXT NOT NULL,
+        event_type     TEXT NOT NULL,
+        schema_version INTEGER NOT NULL,
+        payload        TEXT NOT NULL,
+        content_hash   TEXT NOT NULL,
+        created_at_ms  INTEGER NOT NULL,
+        received_at_ms INTEGER NOT NULL,
+        status         TEXT NOT NULL CHECK ((status = 'pending' OR status = 'applied' OR status = 'blocked' OR status = 'skipped')),
+        reason         TEXT,
+        status_at_ms   INTEGER NOT NULL,
+        UNIQUE (flow_id, source, consumer_id, seq)
+    );
+    INSERT INTO inbox_v6 (consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version,
+        payload, content_hash, created_at_ms, received_at_ms, status, reason, status_at_ms)
+      SELECT consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version,
+        payload, content_hash, created_at_ms, received_at_ms, status, reason, status_at_ms FROM inbox
+      ORDER BY received_at_ms, flow_id, source, consumer_id, seq;
+    DROP TABLE inbox;
+    ALTER TABLE inbox_v6 RENAME TO inbox;
+    CREATE UNIQUE INDEX inbox_event ON inbox (event_id, consumer_id);
+    CREATE INDEX inbox_open ON inbox (consumer_id, source, flow_id, seq) WHERE status IN ('pending', 'blocked');
+    CREATE INDEX inbox_done_age ON inbox (status_at_ms) WHERE status IN ('applied', 'skipped');
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -821,7 +860,7 @@ mod tests {
     /// records, receipts and cursors must come through unchanged and keep answering: a replay is
     /// `duplicate`, the same position with other content `conflict`, the next seq applies.
     #[test]
-    fn a_version_4_consumer_file_is_rebuilt_in_the_new_key_order_keeping_its_records() {
+    fn a_version_4_consumer_file_is_rebuilt_in_the_current_layout_keeping_its_records() {
         use tidemark_core::policy::RetentionPolicy;
         use tidemark_core::store::{ConsumerStore, DrainScope, InboxStatus, ReceiveOutcome};
         let dir = tempfile::tempdir().unwrap();
@@ -879,6 +918,15 @@ mod tests {
         for table in ["inbox", "receipts", "cursors"] {
             assert_eq!(first_key_column(table), "flow_id", "{table}");
         }
+        // v6: the inbox's rows are numbered in receive order (the key is a unique index).
+        let records: Vec<(i64, i64)> = conn
+            .prepare("SELECT record, seq FROM inbox ORDER BY record")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .collect::<rusqlite::Result<_>>()
+            .unwrap();
+        assert_eq!(records, [(1, 2), (2, 3)]);
         let statuses: Vec<(i64, InboxStatus)> =
             consumer.inbox("audit", None, 10).unwrap().into_iter().map(|e| (e.envelope.seq, e.status)).collect();
         assert_eq!(statuses, [(2, InboxStatus::Applied), (3, InboxStatus::Pending)]);

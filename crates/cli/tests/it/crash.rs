@@ -537,7 +537,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "5", "this downgrade is written for schema v5 -> v4");
+    assert_eq!(version, "6", "this downgrade is written for schema v6 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -548,7 +548,9 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
              status TEXT NOT NULL CHECK ((status = 'pending' OR status = 'applied' OR status = 'blocked' OR status = 'skipped')),
              reason TEXT, status_at_ms INTEGER NOT NULL,
              PRIMARY KEY (consumer_id, source, flow_id, seq)) WITHOUT ROWID;
-         INSERT INTO inbox_v4 SELECT * FROM inbox;
+         INSERT INTO inbox_v4 SELECT consumer_id, source, flow_id, seq, event_id, generation, event_type,
+             schema_version, payload, content_hash, created_at_ms, received_at_ms, status, reason, status_at_ms
+           FROM inbox;
          DROP TABLE inbox;
          ALTER TABLE inbox_v4 RENAME TO inbox;
          CREATE UNIQUE INDEX inbox_event ON inbox (consumer_id, event_id);
@@ -609,7 +611,7 @@ fn migrate_before_commit(point: &str) {
         "a migration killed before its commit left the file changed"
     );
     assert_eq!(consumer_snapshot(&s), before, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("5".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("6".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
