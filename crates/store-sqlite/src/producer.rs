@@ -351,16 +351,18 @@ fn delivery_on(conn: &Connection, event_id: &str, consumer_id: &str) -> Result<O
 /// rows it passes).
 const CURSOR_WALK_ROWS_EXTRA: usize = 4_096;
 
-/// A subscriber's cursor while a relay batch is recorded.
-/// The commit time of the event at `position`, which must be `event_id` (a delivery result
-/// names both; a mismatch is a bug in the caller, never recorded).
-fn outbox_created_at(stmt: &mut rusqlite::CachedStatement<'_>, position: i64, event_id: &str) -> Result<i64> {
+/// Check that the outbox holds `event_id` at `position` (a delivery result names both; a
+/// mismatch is a bug in the caller and nothing is recorded) and return the event's commit time.
+/// Every write of an exception row goes through it; passing the cursor needs no check, as the
+/// cursor walk moves only across positions that exist.
+fn checked_commit_time(stmt: &mut rusqlite::CachedStatement<'_>, position: i64, event_id: &str) -> Result<i64> {
     let created_at_ms: Option<i64> = stmt.query_row(params![position, event_id], |r| r.get(0)).optional().db()?;
     created_at_ms.ok_or_else(|| {
         Error::Invariant(format!("delivery result names position {position}, which does not hold event {event_id}"))
     })
 }
 
+/// A subscriber's cursor while a relay batch is recorded.
 struct CursorMove<'r> {
     from_position: i64,
     delivered_position: i64,
@@ -601,10 +603,8 @@ impl ProducerStore for SqliteProducer {
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         {
-            // Only for an exception row (a retry, a quarantine, an acceptance beyond a position
-            // that stays pending): the event's commit time, and the check that the position
-            // the relay handed back holds this event.
-            let mut created_at =
+            // Only for exception rows (see `checked_commit_time`).
+            let mut commit_time =
                 tx.prepare_cached("SELECT created_at_ms FROM outbox WHERE position = ?1 AND event_id = ?2").db()?;
             let mut exception =
                 tx.prepare_cached("SELECT 1 FROM deliveries WHERE position = ?1 AND consumer_id = ?2").db()?;
@@ -644,12 +644,11 @@ impl ProducerStore for SqliteProducer {
                 tx.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
             let mut cursors: HashMap<&str, Option<CursorMove>> = HashMap::new();
             for result in results {
-                // The position is the one `due_deliveries` handed out: the cursor walk below
-                // moves only across positions that exist, and every exception row is written
-                // through `outbox_created_at`, which checks that the position holds this event.
+                // The position is the one `due_deliveries` handed out.
                 let (position, event_id, consumer) =
                     (result.position, result.event_id.as_str(), result.consumer_id.as_str());
                 if any_exceptions && exception.exists(params![position, consumer]).db()? {
+                    checked_commit_time(&mut commit_time, position, event_id)?;
                     match &result.verdict {
                         DeliveryVerdict::Accepted => accept.execute(params![position, consumer, now_ms]).db()?,
                         DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
@@ -682,13 +681,13 @@ impl ProducerStore for SqliteProducer {
                         cursor.accepted.insert(position, event_id);
                     }
                     DeliveryVerdict::Retry { reason, next_attempt_at_ms } => {
-                        outbox_created_at(&mut created_at, position, event_id)?;
+                        checked_commit_time(&mut commit_time, position, event_id)?;
                         insert
                             .execute(params![position, consumer, "pending", 1, next_attempt_at_ms, reason, now_ms])
                             .db()?;
                     }
                     DeliveryVerdict::Quarantine { reason } => {
-                        let created_at_ms = outbox_created_at(&mut created_at, position, event_id)?;
+                        let created_at_ms = checked_commit_time(&mut commit_time, position, event_id)?;
                         insert
                             .execute(params![position, consumer, "quarantined", 1, created_at_ms, reason, now_ms])
                             .db()?;
@@ -732,7 +731,7 @@ impl ProducerStore for SqliteProducer {
                 // Accepted beyond a position that is still pending (the relay picked round-robin,
                 // not a prefix): an exception row that reads exactly like a cursor-accepted one.
                 for (position, event_id) in cursor.accepted {
-                    let created_at_ms = outbox_created_at(&mut created_at, position, event_id)?;
+                    let created_at_ms = checked_commit_time(&mut commit_time, position, event_id)?;
                     insert
                         .execute(params![
                             position,
