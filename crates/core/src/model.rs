@@ -493,14 +493,16 @@ impl ProducerStore for ModelProducer {
                 *p == position && matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined)
             })
         };
+        // In position order, up to the first event written at or after the cutoff (events
+        // stamped after `now_ms` are passed over).
         let mut candidates: Vec<(i64, i64)> = self
             .state
             .outbox
             .iter()
+            .take_while(|(_, row)| !(row.created_at_ms >= cutoff && row.created_at_ms <= now_ms))
             .filter(|(position, row)| row.created_at_ms < cutoff && !unsettled(&self.state, **position))
             .map(|(position, row)| (row.created_at_ms, *position))
             .collect();
-        candidates.sort();
         candidates.truncate(batch_rows);
         let mut state = self.state.clone();
         let mut deliveries_deleted = 0;
@@ -558,6 +560,8 @@ type FlowKey = (String, String, String);
 
 #[derive(Debug, Clone, PartialEq)]
 struct InboxRow {
+    /// Receive order (SQLite's `record`): retention walks the inbox in this order.
+    record: u64,
     event_id: String,
     generation: String,
     event_type: String,
@@ -581,6 +585,8 @@ struct ReceiptRow {
 #[derive(Debug, Clone, Default, PartialEq)]
 struct ConsumerState {
     inbox: BTreeMap<SeqKey, InboxRow>,
+    /// The last `record` number handed out.
+    last_record: u64,
     receipts: BTreeMap<SeqKey, ReceiptRow>,
     /// High-water marks, always >= 1.
     cursors: BTreeMap<FlowKey, i64>,
@@ -840,9 +846,11 @@ impl ModelConsumer {
                 event.seq, event.source, event.flow_id
             ));
         }
+        self.state.last_record += 1;
         self.state.inbox.insert(
             key,
             InboxRow {
+                record: self.state.last_record,
                 event_id: event.event_id.clone(),
                 generation: event.generation.clone(),
                 event_type: event.event_type.clone(),
@@ -1087,17 +1095,19 @@ impl ConsumerStore for ModelConsumer {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "applied retention must be >= 0"));
         }
         let mut state = self.state.clone();
-        // Applied (or skipped) bodies become compact receipts, oldest status change first;
+        // Applied (or skipped) bodies become compact receipts in receive order, up to the first
+        // record received after the cutoff (records stamped after `now_ms` are passed over);
         // high-water marks are never pruned.
         let cutoff = now_ms.saturating_sub(applied_retention_ms);
-        let mut done: Vec<(i64, SeqKey)> = state
-            .inbox
-            .iter()
+        let mut by_record: Vec<(&SeqKey, &InboxRow)> = state.inbox.iter().collect();
+        by_record.sort_by_key(|(_, row)| row.record);
+        let mut done: Vec<(u64, SeqKey)> = by_record
+            .into_iter()
+            .take_while(|(_, row)| !(row.received_at_ms > cutoff && row.received_at_ms <= now_ms))
             .filter(|(_, row)| matches!(row.status, InboxStatus::Applied | InboxStatus::Skipped))
             .filter(|(_, row)| row.status_at_ms <= cutoff)
-            .map(|(k, row)| (row.status_at_ms, k.clone()))
+            .map(|(k, row)| (row.record, k.clone()))
             .collect();
-        done.sort();
         done.truncate(batch_rows);
         for (_, key) in &done {
             let row = state.inbox.remove(key).expect("listed record exists");

@@ -771,20 +771,34 @@ impl ConsumerStore for SqliteConsumer {
         let horizon_ms = self.retention.horizon_ms;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         // Applied (or skipped) bodies become compact receipts; high-water marks are never pruned.
-        let done: Vec<(String, String, String, i64)> = {
+        // Oldest first: records are numbered in receive order, so the walk goes by record and
+        // stops at the first record received after the cutoff (no age index: such a record
+        // cannot have been applied before the cutoff, nor can any after it unless the clock
+        // stepped back, and those then wait). Open records, records applied after the cutoff and
+        // records stamped later than `now_ms` (a clock that was ahead) are passed over, so one
+        // record from a clock that ran ahead cannot hold retention up until that time comes.
+        let cutoff = now_ms.saturating_sub(applied_retention_ms);
+        let mut done: Vec<(String, String, String, i64)> = Vec::new();
+        {
             let mut stmt = tx
                 .prepare_cached(
-                    "SELECT consumer_id, source, flow_id, seq FROM inbox
-                     WHERE status IN ('applied', 'skipped') AND status_at_ms <= ?1 ORDER BY status_at_ms LIMIT ?2",
+                    "SELECT received_at_ms, status IN ('applied', 'skipped') AND status_at_ms <= ?1,
+                            consumer_id, source, flow_id, seq
+                     FROM inbox ORDER BY record",
                 )
                 .db()?;
-            let rows = stmt
-                .query_map(params![now_ms.saturating_sub(applied_retention_ms), batch_rows as i64], |r| {
-                    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-                })
-                .db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
+            let mut rows = stmt.query([cutoff]).db()?;
+            while done.len() < batch_rows {
+                let Some(row) = rows.next().db()? else { break };
+                let received_at_ms: i64 = row.get(0).db()?;
+                if received_at_ms > cutoff && received_at_ms <= now_ms {
+                    break;
+                }
+                if row.get::<_, bool>(1).db()? {
+                    done.push((row.get(2).db()?, row.get(3).db()?, row.get(4).db()?, row.get(5).db()?));
+                }
+            }
+        }
         for (consumer_id, source, flow_id, seq) in &done {
             let key = params![consumer_id, source, flow_id, seq];
             let copied = tx
@@ -1037,6 +1051,61 @@ mod tests {
         fn handle(&mut self, _tx: &Connection, _consumer: &str, _event: &Envelope) -> Result<(), HandleError> {
             Err(HandleError::Blocked("never".into()))
         }
+    }
+
+    /// Applies every event except flow `b`'s, which it blocks.
+    struct AllButB;
+
+    impl Handler<Connection> for AllButB {
+        fn handle(&mut self, _tx: &Connection, _consumer: &str, event: &Envelope) -> Result<(), HandleError> {
+            if event.flow_id == "b" {
+                return Err(HandleError::Blocked("not b".into()));
+            }
+            Ok(())
+        }
+    }
+
+    /// Retention walks the inbox in receive order (no age index): it takes applied records,
+    /// passes over open ones and ones stamped by a clock that ran ahead, and stops at the first
+    /// record received after the cutoff, so a record applied by a clock that stepped back waits
+    /// instead of going early.
+    #[test]
+    fn prune_compacts_in_receive_order_up_to_the_first_record_received_after_the_cutoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let on = |flow: &str| Envelope { event_id: format!("e-{flow}"), flow_id: flow.into(), ..event() };
+        // e arrives stamped 50,000 by a clock that ran ahead.
+        for (flow, now) in [("a", 1_000), ("b", 2_000), ("e", 50_000), ("c", 3_000)] {
+            consumer.receive_batch(&[("x", &on(flow))], now).unwrap();
+        }
+        for _ in 0..3 {
+            consumer.drain("x", &DrainScope::All, 10, &mut AllButB, 3_500).unwrap();
+        }
+        // d arrives at 6,500 and is applied at 5,000: the clock stepped back in between.
+        consumer.receive_batch(&[("x", &on("d"))], 6_500).unwrap();
+        consumer.drain("x", &DrainScope::All, 10, &mut AllButB, 5_000).unwrap();
+        let left = |consumer: &SqliteConsumer| -> Vec<(String, InboxStatus)> {
+            consumer.inbox("x", None, 10).unwrap().into_iter().map(|r| (r.envelope.flow_id, r.status)).collect()
+        };
+        let (applied, blocked) = (InboxStatus::Applied, InboxStatus::Blocked);
+        let all = |flows: &[(&str, InboxStatus)]| -> Vec<(String, InboxStatus)> {
+            flows.iter().map(|(f, s)| (f.to_string(), *s)).collect()
+        };
+        assert_eq!(
+            left(&consumer),
+            all(&[("a", applied), ("b", blocked), ("c", applied), ("d", applied), ("e", applied)])
+        );
+        // Cutoff 6,000 at 7,000: a first (batch of one), then e (passed over by age, not a
+        // stop) and c; b is open; d was received after the cutoff and stops the walk.
+        let first = consumer.prune(1_000, 1, 7_000).unwrap();
+        assert_eq!((first.compacted, first.more), (1, true));
+        assert_eq!(left(&consumer), all(&[("b", blocked), ("c", applied), ("d", applied), ("e", applied)]));
+        let second = consumer.prune(1_000, 10, 7_000).unwrap();
+        assert_eq!((second.compacted, second.more), (2, false));
+        assert_eq!(left(&consumer), all(&[("b", blocked), ("d", applied)]));
+        let later = consumer.prune(1_000, 10, 8_000).unwrap();
+        assert_eq!(later.compacted, 1, "d goes once the cutoff passes its receive time");
+        assert_eq!(left(&consumer), all(&[("b", blocked)]));
     }
 
     // A blocked record was rewritten (and fsynced) by every drain pass of `tidemark serve`.

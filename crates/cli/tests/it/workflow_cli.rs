@@ -113,14 +113,19 @@ impl Wf {
         out
     }
 
-    /// Worker processes, one after the other (bounded), until every run is finished.
-    pub(crate) fn drive(&self, run_ids: &[&str], extra: &[&str]) {
+    /// Worker processes, one after the other (bounded), until every run is finished. Returns
+    /// how many executions those workers dropped or stopped because a lease ran out under them
+    /// (`lost` + `aborted`): a heartbeat that came later than the short test lease lets the run
+    /// be claimed again, and its current step may then run twice (at least once, as designed).
+    pub(crate) fn drive(&self, run_ids: &[&str], extra: &[&str]) -> u64 {
         let mut args = vec!["--idle-wait-ms", "300"];
         args.extend(extra);
+        let mut leases_lost = 0;
         for _ in 0..ROUNDS_MAX {
-            self.worker(&args);
+            let out = self.worker(&args);
+            leases_lost += out["lost"].as_u64().expect("lost") + out["aborted"].as_u64().expect("aborted");
             if run_ids.iter().all(|id| is_terminal(&self.show(id)["run"]["status"])) {
-                return;
+                return leases_lost;
             }
             // A dead worker's lease, a retry backoff or a timer is not over yet.
             std::thread::sleep(Duration::from_millis(20));
