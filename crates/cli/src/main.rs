@@ -5,7 +5,10 @@
 /// mimalloc instead of the system allocator: the workflow writer thread and the async workers
 /// allocate and free small objects (journal writes, JSON values, statement parameters) on every
 /// step, many of them freed on another thread than the one that allocated them; glibc malloc spent
-/// ~10% of the writer thread there (`docs/benchmarks.md`, "Durable workflows").
+/// ~10% of the writer thread there (`docs/benchmarks.md`, "Durable workflows"). Built with
+/// `no_thp`: mimalloc does not ask for transparent huge pages, since with them every first touch
+/// of a fresh or purged region made the kernel zero 2 MiB; the batch pipeline's large per-batch
+/// buffers did that all the time (10% less CPU for `tidemark bench`, "Session 5").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
