@@ -169,6 +169,8 @@ struct ReceiveStatements<'c> {
     any_receipts: bool,
     probe: rusqlite::CachedStatement<'c>,
     high_water: rusqlite::CachedStatement<'c>,
+    /// Whether a receipt holds an event id (for this consumer), at any position.
+    receipt_of_id: rusqlite::CachedStatement<'c>,
     insert: rusqlite::CachedStatement<'c>,
     insert_if_new: rusqlite::CachedStatement<'c>,
 }
@@ -185,6 +187,9 @@ impl<'c> ReceiveStatements<'c> {
                 .prepare_cached(
                     "SELECT high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3",
                 )
+                .db()?,
+            receipt_of_id: tx
+                .prepare_cached("SELECT EXISTS (SELECT 1 FROM receipts WHERE event_id = ?1 AND consumer_id = ?2)")
                 .db()?,
             insert: tx.prepare_cached(RECEIVE_INSERT_SQL).db()?,
             insert_if_new: tx.prepare_cached(&format!("{RECEIVE_INSERT_SQL} ON CONFLICT DO NOTHING")).db()?,
@@ -240,20 +245,26 @@ fn receive_one(
         event.created_at_ms,
         now_ms
     ];
-    // The fast path, for a new event in a file without receipts: not expired, above the flow's
-    // high-water mark, and an insert that no uniqueness constraint refuses (so no record holds
+    // The fast path, for a new event: not expired, above the flow's high-water mark, no receipt
+    // of its event id, and an insert that no uniqueness constraint refuses (so no record holds
     // this position or this event id) is exactly the case the full probe below answers
-    // `accepted`. Anything else (the insert did nothing because a record exists, or a rare case)
+    // `accepted`. No receipt can hold this position: a receipt is what prune leaves of an
+    // applied or skipped record, so it is at or below its flow's high-water mark, which never
+    // goes down. Anything else (the insert did nothing because a record exists, or a rare case)
     // takes the full probe, which compares the content hash of whatever it finds.
     let expired = event.created_at_ms < now_ms.saturating_sub(retention.horizon_ms);
-    if !statements.any_receipts && !expired {
+    if !expired {
         let high_water_seq: i64 = statements
             .high_water
             .query_row(params![consumer_id, event.source, event.flow_id], |r| r.get(0))
             .optional()
             .db()?
             .unwrap_or(0);
-        if event.seq > high_water_seq && statements.insert_if_new.execute(insert_params).db()? == 1 {
+        let receipt_holds_id = event.seq > high_water_seq
+            && statements.any_receipts
+            && statements.receipt_of_id.query_row(params![event.event_id, consumer_id], |r| r.get(0)).db()?;
+        if event.seq > high_water_seq && !receipt_holds_id && statements.insert_if_new.execute(insert_params).db()? == 1
+        {
             return Ok(ReceiveOutcome::Accepted {
                 consumer_id: consumer_id.to_string(),
                 event_id: event.event_id.clone(),
@@ -1051,6 +1062,41 @@ mod tests {
         fn handle(&mut self, _tx: &Connection, _consumer: &str, _event: &Envelope) -> Result<(), HandleError> {
             Err(HandleError::Blocked("never".into()))
         }
+    }
+
+    /// With receipts in the file, a new event still takes the short path, and the receipts
+    /// still answer: a replay of a compacted event is `duplicate`, its id at another position
+    /// `conflict`, another event at its position `conflict`.
+    #[test]
+    fn receipts_answer_while_new_events_are_accepted() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let first = event();
+        consumer.receive_batch(&[("x", &first)], 1).unwrap();
+        consumer.drain("x", &DrainScope::All, 10, &mut AllButB, 2).unwrap();
+        assert_eq!(consumer.prune(0, 10, 3).unwrap().compacted, 1);
+        let second = Envelope { event_id: "e2".into(), seq: 2, ..event() };
+        let elsewhere = Envelope { flow_id: "g".into(), ..event() };
+        let other_at_1 = Envelope { event_id: "e9".into(), ..event() };
+        let outcomes =
+            consumer.receive_batch(&[("x", &second), ("x", &first), ("x", &elsewhere), ("x", &other_at_1)], 4).unwrap();
+        let words: Vec<&str> = outcomes
+            .iter()
+            .map(|o| match o {
+                ReceiveOutcome::Accepted { .. } => "accepted",
+                ReceiveOutcome::Duplicate { .. } => "duplicate",
+                ReceiveOutcome::Conflict { .. } => "conflict",
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(words, ["accepted", "duplicate", "conflict", "conflict"]);
+        match &outcomes[2] {
+            ReceiveOutcome::Conflict { reason, .. } => {
+                assert!(reason.contains("already held for shop/f/1"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(consumer.inbox("x", None, 10).unwrap().len(), 1, "only e2 was stored");
     }
 
     /// Applies every event except flow `b`'s, which it blocks.
