@@ -8,7 +8,8 @@
 /// ~10% of the writer thread there (`docs/benchmarks.md`, "Durable workflows"). Built with
 /// `no_thp`: mimalloc does not ask for transparent huge pages, since with them every first touch
 /// of a fresh or purged region made the kernel zero 2 MiB; the batch pipeline's large per-batch
-/// buffers did that all the time (10% less CPU for `tidemark bench`, "Session 5").
+/// buffers did that all the time (a quarter less system time for `tidemark bench`, about 5% of
+/// its CPU; docs/benchmarks.md, "Session 5").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
