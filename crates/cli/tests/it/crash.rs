@@ -386,6 +386,37 @@ fn prune_cmd(s: &Setup) -> [&str; 5] {
     ["prune", "--consumer-db", s.c(), "--applied-retention-ms", "0"]
 }
 
+fn prune_outbox_cmd(s: &Setup) -> [&str; 5] {
+    ["prune", "--producer", s.p(), "--delivered-retention-ms", "0"]
+}
+
+/// After an outbox prune (every event settled, so all three go): the flows keep their seqs, the
+/// next event of r2 is delivered and applied once by each subscriber, and nothing is redelivered.
+fn assert_goes_on_after_outbox_prune(s: &Setup) {
+    assert!(array(&producer_snapshot(s), "outbox").is_empty());
+    let effects_before = array(&consumer_snapshot(s), "reservation_effects").len();
+    advance(s, "r2", 1, "confirmed", None);
+    settle(s);
+    let producer = producer_snapshot(s);
+    let outbox: Vec<(String, i64)> = array(&producer, "outbox")
+        .iter()
+        .map(|e| (e["flow_id"].as_str().unwrap().to_string(), e["seq"].as_i64().unwrap()))
+        .collect();
+    assert_eq!(outbox, [("r2".to_string(), 2)], "seqs continue after the prune");
+    assert!(delivery_statuses(&producer).iter().all(|d| d == "accepted"), "{producer}");
+    let consumer = consumer_snapshot(s);
+    let effects = array(&consumer, "reservation_effects");
+    assert_eq!(effects.len(), effects_before + 2, "one new effect per subscriber, nothing redelivered: {consumer}");
+    for subscriber in ["audit", "search"] {
+        let projection = array(&consumer, "reservation_projection")
+            .iter()
+            .find(|p| p["consumer_id"] == subscriber && p["flow_id"] == "r2")
+            .expect("r2's projection");
+        assert_eq!((projection["state"].as_str(), projection["last_seq"].as_i64()), (Some("confirmed"), Some(2)));
+    }
+    assert_no_duplicate_effects(&s.consumer);
+}
+
 /// The prune is rolled back whole; replays stay `duplicate` before and after the retry.
 fn prune_before_commit(point: &str) {
     let s = world();
@@ -403,6 +434,16 @@ fn prune_before_commit(point: &str) {
     assert_eq!(drain(&s, "audit")["applied"], 0, "a pruned event was applied again");
     settle(&s);
     assert_converged(&s);
+    // The producer side: an outbox prune killed before its commit deleted nothing.
+    let before = producer_snapshot(&s);
+    crash_at(point, &prune_outbox_cmd(&s));
+    assert_eq!(producer_snapshot(&s), before, "a rolled-back outbox prune left traces");
+    let out = ok(&prune_outbox_cmd(&s));
+    assert_eq!(
+        (out["producer"]["events_deleted"].as_u64(), out["producer"]["deliveries_deleted"].as_u64()),
+        (Some(3), Some(6))
+    );
+    assert_goes_on_after_outbox_prune(&s);
 }
 
 /// The prune is committed: receipts keep dedup; a replay is `duplicate`, never applied twice.
@@ -419,6 +460,11 @@ fn prune_after_commit(point: &str) {
     assert_eq!(ok(&prune_cmd(&s))["consumer"]["compacted"], 0);
     settle(&s);
     assert_converged(&s);
+    // The producer side: the outbox prune is committed; run again, it finds nothing.
+    crash_at(point, &prune_outbox_cmd(&s));
+    assert!(array(&producer_snapshot(&s), "deliveries").is_empty());
+    assert_eq!(ok(&prune_outbox_cmd(&s))["producer"]["events_deleted"], 0);
+    assert_goes_on_after_outbox_prune(&s);
 }
 
 /// Move the consumer file away (and its WAL companions) or back.
