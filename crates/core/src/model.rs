@@ -27,7 +27,7 @@ use crate::limits::{
     ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX,
     RECEIVE_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX,
 };
-use crate::policy::RetentionPolicy;
+use crate::policy::{retention_walk_stops_at, RetentionPolicy};
 use crate::reservation::{decoders, project, ReservationEvent, ReservationProjection};
 use crate::store::{
     ApplyOutcome, ConsumerSnapshot, ConsumerStore, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult,
@@ -499,7 +499,7 @@ impl ProducerStore for ModelProducer {
             .state
             .outbox
             .iter()
-            .take_while(|(_, row)| !(row.created_at_ms >= cutoff && row.created_at_ms <= now_ms))
+            .take_while(|(_, row)| !retention_walk_stops_at(row.created_at_ms, cutoff, now_ms))
             .filter(|(position, row)| row.created_at_ms < cutoff && !unsettled(&self.state, **position))
             .map(|(position, row)| (row.created_at_ms, *position))
             .collect();
@@ -1103,7 +1103,7 @@ impl ConsumerStore for ModelConsumer {
         by_record.sort_by_key(|(_, row)| row.record);
         let mut done: Vec<(u64, SeqKey)> = by_record
             .into_iter()
-            .take_while(|(_, row)| !(row.received_at_ms > cutoff && row.received_at_ms <= now_ms))
+            .take_while(|(_, row)| !retention_walk_stops_at(row.received_at_ms, cutoff.saturating_add(1), now_ms))
             .filter(|(_, row)| matches!(row.status, InboxStatus::Applied | InboxStatus::Skipped))
             .filter(|(_, row)| row.status_at_ms <= cutoff)
             .map(|(k, row)| (row.record, k.clone()))

@@ -62,6 +62,16 @@ pub struct RetentionPolicy {
 
 pub const DAY_MS: i64 = 24 * 60 * 60 * 1000;
 
+/// Whether a retention walk stops at a row stamped `stamp_ms`. `prune` reads rows in the order
+/// they were written (the outbox by position, the inbox by record) and stops at the first one
+/// too young to go, stamped at or after `young_from_ms`: rows written after it are younger,
+/// unless the clock stepped back (then they wait for it). A row stamped later than `now_ms` (a
+/// clock that ran ahead) does not stop the walk, so it cannot hold retention up until that time
+/// comes; the walk passes over it. See `docs/protocol.md#retention`.
+pub fn retention_walk_stops_at(stamp_ms: i64, young_from_ms: i64, now_ms: i64) -> bool {
+    (young_from_ms..=now_ms).contains(&stamp_ms)
+}
+
 impl Default for RetentionPolicy {
     fn default() -> Self {
         RetentionPolicy { horizon_ms: 30 * DAY_MS }
@@ -71,6 +81,14 @@ impl Default for RetentionPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_retention_walk_stops_at_the_first_young_row_but_not_at_one_stamped_ahead_of_now() {
+        assert!(!retention_walk_stops_at(999, 1_000, 2_000), "old: taken or passed over");
+        assert!(retention_walk_stops_at(1_000, 1_000, 2_000));
+        assert!(retention_walk_stops_at(2_000, 1_000, 2_000));
+        assert!(!retention_walk_stops_at(2_001, 1_000, 2_000), "stamped ahead of now: passed over");
+    }
 
     #[test]
     fn backoff_doubles_is_capped_and_jittered() {

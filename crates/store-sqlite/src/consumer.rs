@@ -9,7 +9,7 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit, validate_reason, validate_rename};
 use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
-use tidemark_core::policy::RetentionPolicy;
+use tidemark_core::policy::{retention_walk_stops_at, RetentionPolicy};
 use tidemark_core::store::{
     ApplyOutcome, ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, DrainStop, FlowCursor, HandleError,
     Handler, InboxEntry, InboxStatus, PruneReport, Receipt, ReceiveOutcome, RenameReport,
@@ -260,15 +260,15 @@ fn receive_one(
             .optional()
             .db()?
             .unwrap_or(0);
-        let receipt_holds_id = event.seq > high_water_seq
-            && statements.any_receipts
-            && statements.receipt_of_id.query_row(params![event.event_id, consumer_id], |r| r.get(0)).db()?;
-        if event.seq > high_water_seq && !receipt_holds_id && statements.insert_if_new.execute(insert_params).db()? == 1
-        {
-            return Ok(ReceiveOutcome::Accepted {
-                consumer_id: consumer_id.to_string(),
-                event_id: event.event_id.clone(),
-            });
+        if event.seq > high_water_seq {
+            let receipt_holds_id = statements.any_receipts
+                && statements.receipt_of_id.query_row(params![event.event_id, consumer_id], |r| r.get(0)).db()?;
+            if !receipt_holds_id && statements.insert_if_new.execute(insert_params).db()? == 1 {
+                return Ok(ReceiveOutcome::Accepted {
+                    consumer_id: consumer_id.to_string(),
+                    event_id: event.event_id.clone(),
+                });
+            }
         }
     }
     let consumer = consumer_id.to_string();
@@ -783,11 +783,9 @@ impl ConsumerStore for SqliteConsumer {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         // Applied (or skipped) bodies become compact receipts; high-water marks are never pruned.
         // Oldest first: records are numbered in receive order, so the walk goes by record and
-        // stops at the first record received after the cutoff (no age index: such a record
-        // cannot have been applied before the cutoff, nor can any after it unless the clock
-        // stepped back, and those then wait). Open records, records applied after the cutoff and
-        // records stamped later than `now_ms` (a clock that was ahead) are passed over, so one
-        // record from a clock that ran ahead cannot hold retention up until that time comes.
+        // stops at the first record received after the cutoff (no age index; such a record
+        // cannot have been applied before the cutoff; see `retention_walk_stops_at`). Open
+        // records and records applied after the cutoff are passed over.
         let cutoff = now_ms.saturating_sub(applied_retention_ms);
         let mut done: Vec<(String, String, String, i64)> = Vec::new();
         {
@@ -802,7 +800,7 @@ impl ConsumerStore for SqliteConsumer {
             while done.len() < batch_rows {
                 let Some(row) = rows.next().db()? else { break };
                 let received_at_ms: i64 = row.get(0).db()?;
-                if received_at_ms > cutoff && received_at_ms <= now_ms {
+                if retention_walk_stops_at(received_at_ms, cutoff.saturating_add(1), now_ms) {
                     break;
                 }
                 if row.get::<_, bool>(1).db()? {

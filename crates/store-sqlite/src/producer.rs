@@ -36,6 +36,7 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{
     ADVANCE_BATCH_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX,
 };
+use tidemark_core::policy::retention_walk_stops_at;
 use tidemark_core::store::{
     Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
     OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
@@ -838,10 +839,9 @@ impl ProducerStore for SqliteProducer {
         }
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         // Oldest first: positions follow commit order, so the walk goes by position and stops at
-        // the first event written at or after the cutoff (no age index; if the clock stepped
-        // back, later events wait until that one is old enough). Events stamped later than
-        // `now_ms` (a clock that was ahead) are passed over rather than stopping the walk. An
-        // event with any unsettled delivery stays, whatever its age, and the walk passes over it.
+        // the first event written at or after the cutoff (no age index; see
+        // `retention_walk_stops_at`). An event with any unsettled delivery stays, whatever its
+        // age, and the walk passes over it.
         // Unsettled for a subscriber: a pending or quarantined exception row, or no row and above
         // its cursor. Each event counts one delivery per subscriber from its `from_position`.
         let cutoff = now_ms.saturating_sub(retention_ms);
@@ -864,7 +864,7 @@ impl ProducerStore for SqliteProducer {
             while positions.len() < batch_rows {
                 let Some(row) = rows.next().db()? else { break };
                 let created_at_ms: i64 = row.get(1).db()?;
-                if created_at_ms >= cutoff && created_at_ms <= now_ms {
+                if retention_walk_stops_at(created_at_ms, cutoff, now_ms) {
                     break;
                 }
                 if created_at_ms < cutoff && row.get::<_, bool>(2).db()? {
