@@ -470,13 +470,17 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Subscribe(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
-            // The endpoint must be an initialised consumer database.
-            SqliteConsumer::open(&args.endpoint)?;
+            // The endpoint must be an initialised consumer database. Whether it has received
+            // anything of this subscriber decides whether an existing subscription may move there.
+            let consumer = SqliteConsumer::open(&args.endpoint)?;
+            let has_received = consumer.has_received(&args.consumer_id, &producer.identity().source)?;
+            drop(consumer);
             let endpoint = std::fs::canonicalize(&args.endpoint)
                 .map_err(|e| invalid(format!("cannot resolve {}: {e}", args.endpoint.display())))?;
             let subscription =
                 Subscription { consumer_id: args.consumer_id, endpoint: endpoint.to_string_lossy().into_owned() };
-            let queued = producer.subscribe(&subscription, args.from_start, ctx.now_ms())?;
+            let queued =
+                producer.subscribe_checked(&subscription, args.from_start, ctx.now_ms(), Some(has_received))?;
             Ok(json!({"outcome": "subscribed", "subscription": subscription, "queued": queued}))
         }
         Command::Relay(args) => {
@@ -569,8 +573,10 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             if let Some(path) = &args.consumer_db {
                 let consumer = open_consumer(path, ctx.durability)?;
-                let mut consumer_json = to_json(&consumer.snapshot(args.rows_max)?);
-                let (projections, effects) = reservation::read(consumer.connection(), args.rows_max)?;
+                // The dedup tables and the handler's tables in one read transaction.
+                let (snapshot, (projections, effects)) =
+                    consumer.snapshot_with(args.rows_max, |tx| reservation::read_in(tx, args.rows_max))?;
+                let mut consumer_json = to_json(&snapshot);
                 consumer_json["reservation_projection"] = to_json(&projections);
                 consumer_json["reservation_effects"] = to_json(&effects);
                 out["consumer"] = consumer_json;

@@ -98,6 +98,34 @@ impl SqliteConsumer {
     pub fn connection(&self) -> &Connection {
         &self.conn
     }
+
+    /// [`ConsumerStore::snapshot`], and `also` (e.g. a handler's projection tables) read in the
+    /// same read transaction: what `also` sees is exactly the state the snapshot shows.
+    pub fn snapshot_with<T>(
+        &self,
+        rows_max: usize,
+        also: impl FnOnce(&Connection) -> Result<T>,
+    ) -> Result<(ConsumerSnapshot, T)> {
+        let tx = self.conn.unchecked_transaction().db()?;
+        let snapshot = snapshot_in(&tx, self.retention.horizon_ms, rows_max)?;
+        let also = also(&tx)?;
+        tx.finish().db()?;
+        Ok((snapshot, also))
+    }
+
+    /// Whether this file has received anything for `consumer_id` from `source` (a high-water mark
+    /// exists: marks are written by every accepted receive and never pruned).
+    pub fn has_received(&self, consumer_id: &str, source: &str) -> Result<bool> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_id("source", source)?;
+        self.conn
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1 AND source = ?2)",
+                [consumer_id, source],
+                |r| r.get(0),
+            )
+            .db()
+    }
 }
 
 /// Whether `consumer_id` holds any dedup state (records, receipts, cursors) in this file.
@@ -944,58 +972,59 @@ impl ConsumerStore for SqliteConsumer {
     }
 
     fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot> {
-        let tx = self.conn.unchecked_transaction().db()?;
-        let limit = rows_max as i64;
-        let inbox = {
-            let mut stmt = tx
-                .prepare(&format!(
-                    "SELECT {INBOX_COLUMNS} FROM inbox ORDER BY consumer_id, source, flow_id, seq LIMIT ?1"
-                ))
-                .db()?;
-            let rows = stmt.query_map([limit], inbox_entry).db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
-        let receipts = {
-            let mut stmt = tx
-                .prepare(
-                    "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms FROM receipts
-                     ORDER BY consumer_id, source, flow_id, seq LIMIT ?1",
-                )
-                .db()?;
-            let rows = stmt
-                .query_map([limit], |r| {
-                    Ok(Receipt {
-                        consumer_id: r.get(0)?,
-                        event_id: r.get(1)?,
-                        source: r.get(2)?,
-                        flow_id: r.get(3)?,
-                        seq: r.get(4)?,
-                        content_hash: r.get(5)?,
-                        created_at_ms: r.get(6)?,
-                    })
-                })
-                .db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
-        let cursors = {
-            let mut stmt = tx
-                .prepare("SELECT consumer_id, source, flow_id, high_water_seq FROM cursors ORDER BY consumer_id, source, flow_id LIMIT ?1")
-                .db()?;
-            let rows = stmt
-                .query_map([limit], |r| {
-                    Ok(FlowCursor {
-                        consumer_id: r.get(0)?,
-                        source: r.get(1)?,
-                        flow_id: r.get(2)?,
-                        high_water_seq: r.get(3)?,
-                    })
-                })
-                .db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
-        tx.finish().db()?;
-        Ok(ConsumerSnapshot { horizon_ms: self.retention.horizon_ms, inbox, receipts, cursors })
+        Ok(self.snapshot_with(rows_max, |_| Ok(()))?.0)
     }
+}
+
+/// The dedup tables, read on `tx` (which the caller holds open as one read transaction).
+fn snapshot_in(tx: &Connection, horizon_ms: i64, rows_max: usize) -> Result<ConsumerSnapshot> {
+    let limit = rows_max as i64;
+    let inbox = {
+        let mut stmt = tx
+            .prepare(&format!("SELECT {INBOX_COLUMNS} FROM inbox ORDER BY consumer_id, source, flow_id, seq LIMIT ?1"))
+            .db()?;
+        let rows = stmt.query_map([limit], inbox_entry).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    let receipts = {
+        let mut stmt = tx
+            .prepare(
+                "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms FROM receipts
+                 ORDER BY consumer_id, source, flow_id, seq LIMIT ?1",
+            )
+            .db()?;
+        let rows = stmt
+            .query_map([limit], |r| {
+                Ok(Receipt {
+                    consumer_id: r.get(0)?,
+                    event_id: r.get(1)?,
+                    source: r.get(2)?,
+                    flow_id: r.get(3)?,
+                    seq: r.get(4)?,
+                    content_hash: r.get(5)?,
+                    created_at_ms: r.get(6)?,
+                })
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    let cursors = {
+        let mut stmt = tx
+            .prepare("SELECT consumer_id, source, flow_id, high_water_seq FROM cursors ORDER BY consumer_id, source, flow_id LIMIT ?1")
+            .db()?;
+        let rows = stmt
+            .query_map([limit], |r| {
+                Ok(FlowCursor {
+                    consumer_id: r.get(0)?,
+                    source: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    high_water_seq: r.get(3)?,
+                })
+            })
+            .db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    Ok(ConsumerSnapshot { horizon_ms, inbox, receipts, cursors })
 }
 
 #[cfg(test)]
@@ -1171,5 +1200,41 @@ mod tests {
         assert_eq!(std::fs::metadata(&wal).unwrap().len(), size, "a repeated block wrote to the WAL");
         let record = consumer.inbox("a", Some(InboxStatus::Blocked), 10).unwrap().remove(0);
         assert_eq!(record.reason.as_deref(), Some("never"));
+    }
+
+    struct Log;
+
+    impl Handler<Connection> for Log {
+        fn handle(&mut self, tx: &Connection, _consumer: &str, event: &Envelope) -> Result<(), HandleError> {
+            tx.execute("INSERT INTO log (event_id) VALUES (?1)", [&event.event_id])
+                .map(|_| ())
+                .map_err(|e| HandleError::Failed(Error::store(e.to_string())))
+        }
+    }
+
+    /// `snapshot_with` reads the dedup tables and the caller's tables in one read transaction: a
+    /// drain another connection commits in between shows in neither.
+    #[test]
+    fn a_snapshot_with_the_handler_tables_is_one_read_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.db");
+        let mut consumer = SqliteConsumer::init(&path, RetentionPolicy::default()).unwrap();
+        consumer.connection().execute("CREATE TABLE log (event_id TEXT NOT NULL)", []).unwrap();
+        consumer.receive_batch(&[("a", &event())], 1).unwrap();
+        let count = |conn: &Connection| -> Result<i64> {
+            conn.query_row("SELECT count(*) FROM log", [], |r| r.get(0)).map_err(|e| Error::store(e.to_string()))
+        };
+        let (snapshot, logged) = consumer
+            .snapshot_with(10, |tx| {
+                let mut other = SqliteConsumer::open(&path).unwrap();
+                let report = other.drain("a", &DrainScope::All, 10, &mut Log, 2).unwrap();
+                assert_eq!(report.applied, 1, "the other connection commits while the snapshot is open");
+                count(tx)
+            })
+            .unwrap();
+        assert_eq!(snapshot.inbox[0].status, InboxStatus::Pending);
+        assert_eq!(logged, 0, "the handler's table was read after the drain, outside the snapshot");
+        let (after, logged) = consumer.snapshot_with(10, count).unwrap();
+        assert_eq!((after.inbox[0].status, logged), (InboxStatus::Applied, 1));
     }
 }

@@ -363,6 +363,31 @@ fn checked_commit_time(stmt: &mut rusqlite::CachedStatement<'_>, position: i64, 
     })
 }
 
+/// How many events `consumer_id` has accepted (custody moved to its endpoint), with its endpoint;
+/// `None` when it is not subscribed. Counts events the outbox no longer holds too: the cursor
+/// remembers them.
+fn accepted_by(conn: &Connection, consumer_id: &str) -> Result<Option<(String, u64)>> {
+    conn.query_row(
+        "SELECT s.endpoint,
+                (s.delivered_position - s.from_position + 1)
+                - (SELECT count(*) FROM deliveries d WHERE d.consumer_id = s.consumer_id
+                      AND d.position <= s.delivered_position AND d.status <> 'accepted')
+                + (SELECT count(*) FROM deliveries d WHERE d.consumer_id = s.consumer_id
+                      AND d.position > s.delivered_position AND d.status = 'accepted')
+         FROM subscriptions s WHERE s.consumer_id = ?1",
+        [consumer_id],
+        |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+    )
+    .optional()
+    .db()?
+    .map(|(endpoint, accepted)| {
+        u64::try_from(accepted)
+            .map(|accepted| (endpoint, accepted))
+            .map_err(|_| Error::Invariant(format!("subscriber {consumer_id:?} has accepted {accepted} events")))
+    })
+    .transpose()
+}
+
 /// A subscriber's cursor while a relay batch is recorded.
 struct CursorMove<'r> {
     from_position: i64,
@@ -404,6 +429,79 @@ impl SqliteProducer {
         tx.execute("UPDATE deliveries SET consumer_id = ?2 WHERE consumer_id = ?1", [from, to]).db()?;
         tx.commit().db()?;
         Ok(moved as u64)
+    }
+
+    /// [`ProducerStore::subscribe`], and when the subscription exists with another endpoint (a
+    /// move), refuse it with `invalid_state_change` if the subscriber has accepted events and
+    /// `new_endpoint_has_received` is `Some(false)`: the new database holds nothing of it, so
+    /// every flow under way would stop at a gap there. Checked in the subscribe transaction, so
+    /// a relay accepting its first event meanwhile cannot slip past.
+    pub fn subscribe_checked(
+        &mut self,
+        subscription: &Subscription,
+        from_start: bool,
+        now_ms: i64,
+        new_endpoint_has_received: Option<bool>,
+    ) -> Result<u64> {
+        validate_id("consumer_id", &subscription.consumer_id)?;
+        if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("endpoint must be 1..={ENDPOINT_BYTES_MAX} bytes"),
+            ));
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let existing: Option<String> = tx
+            .query_row("SELECT endpoint FROM subscriptions WHERE consumer_id = ?1", [&subscription.consumer_id], |r| {
+                r.get(0)
+            })
+            .optional()
+            .db()?;
+        let queued = match existing {
+            Some(endpoint) if endpoint == subscription.endpoint => 0,
+            Some(_) => {
+                if new_endpoint_has_received == Some(false) {
+                    let accepted = accepted_by(&tx, &subscription.consumer_id)?.map_or(0, |(_, n)| n);
+                    if accepted > 0 {
+                        return Err(Error::invalid(
+                            codes::INVALID_STATE_CHANGE,
+                            format!(
+                                "{:?} has accepted {accepted} events at its current endpoint, and {} has received \
+                                 nothing of it from {:?}: moved there, every flow under way would stop at a gap. \
+                                 Copy the consumer database (with its -wal file) to the new place and subscribe \
+                                 that copy, or subscribe a new consumer id with --from-start",
+                                subscription.consumer_id, subscription.endpoint, self.identity.source
+                            ),
+                        ));
+                    }
+                }
+                tx.execute(
+                    "UPDATE subscriptions SET endpoint = ?2 WHERE consumer_id = ?1",
+                    [&subscription.consumer_id, &subscription.endpoint],
+                )
+                .db()?;
+                0
+            }
+            None => {
+                // From the start: every event still in the outbox is pending for it. Otherwise
+                // it receives events committed from now on: its cursor starts at the last
+                // position handed out.
+                let (from_position, queued) = if from_start {
+                    (1, tx.query_row("SELECT count(*) FROM outbox", [], |r| r.get::<_, i64>(0)).db()? as u64)
+                } else {
+                    (last_position(&tx)? + 1, 0)
+                };
+                tx.execute(
+                    "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms, from_position, delivered_position)
+                     VALUES (?1, ?2, ?3, ?4, ?4 - 1)",
+                    params![subscription.consumer_id, subscription.endpoint, now_ms, from_position],
+                )
+                .db()?;
+                queued
+            }
+        };
+        tx.commit().db()?;
+        Ok(queued)
     }
 
     /// Counts of deliveries by status (for snapshots and metrics).
@@ -453,50 +551,7 @@ impl ProducerStore for SqliteProducer {
     }
 
     fn subscribe(&mut self, subscription: &Subscription, from_start: bool, now_ms: i64) -> Result<u64> {
-        validate_id("consumer_id", &subscription.consumer_id)?;
-        if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("endpoint must be 1..={ENDPOINT_BYTES_MAX} bytes"),
-            ));
-        }
-        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        let existing: Option<String> = tx
-            .query_row("SELECT endpoint FROM subscriptions WHERE consumer_id = ?1", [&subscription.consumer_id], |r| {
-                r.get(0)
-            })
-            .optional()
-            .db()?;
-        let queued = match existing {
-            Some(endpoint) if endpoint == subscription.endpoint => 0,
-            Some(_) => {
-                tx.execute(
-                    "UPDATE subscriptions SET endpoint = ?2 WHERE consumer_id = ?1",
-                    [&subscription.consumer_id, &subscription.endpoint],
-                )
-                .db()?;
-                0
-            }
-            None => {
-                // From the start: every event still in the outbox is pending for it. Otherwise
-                // it receives events committed from now on: its cursor starts at the last
-                // position handed out.
-                let (from_position, queued) = if from_start {
-                    (1, tx.query_row("SELECT count(*) FROM outbox", [], |r| r.get::<_, i64>(0)).db()? as u64)
-                } else {
-                    (last_position(&tx)? + 1, 0)
-                };
-                tx.execute(
-                    "INSERT INTO subscriptions (consumer_id, endpoint, created_at_ms, from_position, delivered_position)
-                     VALUES (?1, ?2, ?3, ?4, ?4 - 1)",
-                    params![subscription.consumer_id, subscription.endpoint, now_ms, from_position],
-                )
-                .db()?;
-                queued
-            }
-        };
-        tx.commit().db()?;
-        Ok(queued)
+        self.subscribe_checked(subscription, from_start, now_ms, None)
     }
 
     fn subscriptions(&self) -> Result<Vec<Subscription>> {
@@ -982,6 +1037,40 @@ mod tests {
         producer.record_deliveries(&[result(&due[0], 1, DeliveryVerdict::Accepted)], 3).unwrap();
         assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 2)]);
         assert!(producer.due_deliveries(10, 10, None).unwrap().is_empty());
+    }
+
+    /// A subscription moves to an endpoint that has received nothing of it only while it has
+    /// accepted nothing: events below the cursor with another verdict do not count, events
+    /// accepted ahead of it do.
+    #[test]
+    fn a_subscriber_that_accepted_events_moves_only_to_an_endpoint_that_holds_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut producer = SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+        let at = |endpoint: &str| Subscription { consumer_id: "audit".into(), endpoint: endpoint.into() };
+        producer.subscribe(&at("a.db"), true, 0).unwrap();
+        let requests = [reserve("a"), reserve("b"), reserve("c"), reserve("d")];
+        producer.advance_batch(&ReservationMachine, &requests, 1).unwrap();
+        let due = producer.due_deliveries(10, 10, None).unwrap();
+        let result = |i: usize, verdict: DeliveryVerdict| DeliveryResult {
+            position: due[i].position,
+            event_id: due[i].envelope.event_id.clone(),
+            consumer_id: "audit".into(),
+            verdict,
+        };
+        producer.record_deliveries(&[result(0, DeliveryVerdict::Quarantine { reason: "no".into() })], 2).unwrap();
+        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(("a.db".to_string(), 0)));
+        producer.subscribe_checked(&at("b.db"), false, 3, Some(false)).unwrap();
+        producer
+            .record_deliveries(&[result(1, DeliveryVerdict::Accepted), result(3, DeliveryVerdict::Accepted)], 4)
+            .unwrap();
+        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(("b.db".to_string(), 2)));
+        assert_eq!(accepted_by(&producer.conn, "nobody").unwrap(), None);
+        let before = producer.snapshot(10).unwrap();
+        let refused = producer.subscribe_checked(&at("c.db"), false, 5, Some(false)).unwrap_err();
+        assert!(matches!(&refused, Error::Invalid { code, .. } if *code == codes::INVALID_STATE_CHANGE), "{refused:?}");
+        assert_eq!(producer.snapshot(10).unwrap(), before, "a refused move changes nothing");
+        producer.subscribe_checked(&at("c.db"), false, 5, Some(true)).unwrap();
+        assert_eq!(producer.subscriptions().unwrap(), [at("c.db")]);
     }
 
     /// Retention walks the outbox in position order (no age index): it passes over events a

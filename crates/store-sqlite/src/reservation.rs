@@ -154,6 +154,14 @@ pub struct ProjectionRow {
 /// Read the reservation projection and effects (in one read transaction), capped at `rows_max`.
 pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
     let tx = conn.unchecked_transaction().db()?;
+    let read = read_in(&tx, rows_max)?;
+    tx.finish().db()?;
+    Ok(read)
+}
+
+/// [`read`] on a connection whose read transaction the caller holds (see
+/// [`crate::SqliteConsumer::snapshot_with`]).
+pub fn read_in(tx: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
     let projections = {
         let mut stmt = tx
             .prepare(
@@ -197,7 +205,6 @@ pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, V
             .db()?;
         rows.collect::<rusqlite::Result<Vec<_>>>().db()?
     };
-    tx.finish().db()?;
     Ok((projections, effects))
 }
 

@@ -869,9 +869,9 @@ fn producer_state(producer: &mut SqliteProducer, labels: &mut Labels) -> Result<
 }
 
 fn consumer_state(store: &SqliteConsumer, labels: &mut Labels) -> Result<Value> {
-    let snapshot = store.snapshot(STATE_ROWS_MAX)?;
-    let (projections, effects) = reservation::read(store.connection(), STATE_ROWS_MAX)?;
-    let duplicates = reservation::duplicate_effects(store.connection())?;
+    let (snapshot, ((projections, effects), duplicates)) = store.snapshot_with(STATE_ROWS_MAX, |tx| {
+        Ok((reservation::read_in(tx, STATE_ROWS_MAX)?, reservation::duplicate_effects(tx)?))
+    })?;
     let inbox: Vec<String> = snapshot
         .inbox
         .iter()

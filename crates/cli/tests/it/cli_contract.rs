@@ -316,6 +316,43 @@ fn renaming_a_subscriber_that_has_received_nothing_yet() {
     assert_eq!(again["producer_deliveries_moved"], 0, "{again}");
 }
 
+/// Moving a subscription (`subscribe` again with another endpoint) to a consumer database that
+/// holds nothing of a subscriber that has accepted events would leave every flow under way at a
+/// gap there: refused, nothing changed. A copy of its database (the file really moved), or a
+/// subscriber that has accepted nothing yet, moves.
+#[test]
+fn a_subscription_moves_only_to_a_database_that_holds_its_state() {
+    let s = Setup::new(&["audit"]);
+    let (p, c) = (s.p(), s.c());
+    let fresh = s.dir.path().join("fresh.db");
+    let copy = s.dir.path().join("copy.db");
+    ok(&["init", "--consumer-db", path_str(&fresh)]);
+    advance(&s, "r1", 0, "reserved", Some(2));
+    relay(&s);
+    ok(&["drain", "--consumer-db", c, "--consumer-id", "audit"]);
+    // quiet subscribes from now on: it has accepted nothing yet.
+    ok(&["subscribe", "--producer", p, "--consumer-id", "quiet", "--endpoint", c]);
+    let move_audit = ["subscribe", "--producer", p, "--consumer-id", "audit", "--endpoint", path_str(&fresh)];
+    assert_rejected(&s, &move_audit, "invalid_state_change");
+    let moved = ok(&["subscribe", "--producer", p, "--consumer-id", "quiet", "--endpoint", path_str(&fresh)]);
+    assert_eq!(moved["outcome"], "subscribed", "{moved}");
+
+    // The consumer database really moves: a checkpointed copy holds audit's state.
+    let conn = rusqlite::Connection::open(c).unwrap();
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+    drop(conn);
+    std::fs::copy(c, &copy).unwrap();
+    let moved = ok(&["subscribe", "--producer", p, "--consumer-id", "audit", "--endpoint", path_str(&copy)]);
+    assert_eq!(moved["outcome"], "subscribed", "{moved}");
+    advance(&s, "r1", 1, "confirmed", None);
+    advance(&s, "r2", 0, "reserved", Some(1));
+    relay(&s);
+    let out = ok(&["drain", "--consumer-db", path_str(&copy), "--consumer-id", "audit"]);
+    assert_eq!((&out["applied"], &out["outcome"]), (&json!(2), &json!("idle")), "{out}");
+    let out = ok(&["drain", "--consumer-db", path_str(&fresh), "--consumer-id", "quiet"]);
+    assert_eq!(out["applied"], 1, "quiet applies r2 where it moved: {out}");
+}
+
 #[test]
 fn a_missing_database_is_never_created() {
     let s = Setup::new(&["audit"]);
