@@ -287,6 +287,20 @@ enum OutboxCommand {
         #[arg(long)]
         reason: String,
     },
+    /// Hand one subscriber every event the outbox still holds again, from one event (in commit
+    /// order) or from the oldest (after restoring its consumer database from a backup).
+    Redeliver {
+        #[arg(long)]
+        producer: Option<PathBuf>,
+        #[arg(long)]
+        consumer_id: String,
+        /// The first event to send again (it and every later event).
+        #[arg(long, required_unless_present = "all", conflicts_with = "all")]
+        from_event: Option<String>,
+        /// From the oldest event the outbox holds.
+        #[arg(long)]
+        all: bool,
+    },
     /// Give the producer a new generation id (after restoring it from a backup).
     RotateGeneration {
         #[arg(long)]
@@ -604,6 +618,19 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
                 let entry = producer.resolve_delivery(&event, &consumer_id, action, &reason, ctx.now_ms())?;
                 Ok(json!({"outcome": "resolved", "delivery": entry}))
+            }
+            OutboxCommand::Redeliver { producer, consumer_id, from_event, all: _ } => {
+                tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
+                if let Some(event) = &from_event {
+                    tidemark_core::id::validate_id("event_id", event)?;
+                }
+                let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
+                let report = producer.redeliver(&consumer_id, from_event.as_deref())?;
+                let mut out = json!({"outcome": "redelivered", "consumer_id": consumer_id});
+                out.as_object_mut()
+                    .expect("an object")
+                    .extend(to_json(&report).as_object().cloned().unwrap_or_default());
+                Ok(out)
             }
             OutboxCommand::RotateGeneration { producer } => {
                 let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;

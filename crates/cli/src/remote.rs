@@ -161,6 +161,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
             remote.send(Method::POST, &format!("/v1/outbox/{event}/{consumer}/resolve"), &[], Some(body))
         }
         Command::Outbox(OutboxCommand::RotateGeneration { .. }) => Err(no_route("outbox rotate-generation")),
+        Command::Outbox(OutboxCommand::Redeliver { .. }) => Err(no_route("outbox redeliver")),
         Command::Inbox(InboxCommand::List { consumer_id, status, limit, .. }) => {
             let consumer = segment("consumer_id", &consumer_id)?;
             let mut query = Vec::new();

@@ -20,6 +20,7 @@ pub const CRASH_POINTS: &[&str] = &[
     "prune.before_commit",
     "prune.after_commit",
     "resolve.before_commit",
+    "redeliver.before_commit",
     "rename.before_commit",
     "rename.after_commit",
     // Opening a file of an older schema: its migrations run in one transaction.

@@ -33,7 +33,7 @@ use crate::store::{
     ApplyOutcome, ConsumerSnapshot, ConsumerStore, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult,
     DeliveryStatus, DeliveryVerdict, DrainReport, DrainScope, DrainStop, Endpoints, FlowCursor, FlowRecord,
     HandleError, Handler, InboxEntry, InboxStatus, OutboxPruneReport, ProducerIdentity, ProducerSnapshot,
-    ProducerStore, PruneReport, Receipt, ReceiveOutcome, RenameReport, Subscription,
+    ProducerStore, PruneReport, Receipt, ReceiveOutcome, RedeliverReport, RenameReport, Subscription,
 };
 use crate::{ensure_invariant, Envelope};
 
@@ -480,6 +480,36 @@ impl ProducerStore for ModelProducer {
             last_seq: flow.last_seq,
             state: flow.state.clone(),
         }))
+    }
+
+    fn redeliver(&mut self, consumer_id: &str, from_event_id: Option<&str>) -> Result<RedeliverReport> {
+        validate_id("consumer_id", consumer_id)?;
+        if let Some(event_id) = from_event_id {
+            validate_id("event_id", event_id)?;
+        }
+        if !self.state.subscriptions.contains_key(consumer_id) {
+            return Err(Error::not_found(format!("no subscription for consumer {consumer_id:?}")));
+        }
+        let chosen = match from_event_id {
+            Some(event_id) => Some(
+                self.position_of(event_id)
+                    .ok_or_else(|| Error::not_found(format!("the outbox holds no event {event_id}")))?,
+            ),
+            None => self.state.outbox.keys().next().copied(),
+        };
+        let (Some(chosen), Some(&newest)) = (chosen, self.state.outbox.keys().next_back()) else {
+            return Ok(RedeliverReport::default());
+        };
+        let held = self.state.outbox.range(chosen..).count() as i64;
+        // The subscriber has a delivery for every event from its subscription on.
+        let mut redelivered = 0;
+        for ((position, consumer), row) in self.state.deliveries.range_mut((chosen, String::new())..) {
+            if consumer == consumer_id {
+                *row = DeliveryRow::fresh(self.state.outbox[position].created_at_ms);
+                redelivered += 1;
+            }
+        }
+        Ok(RedeliverReport { redelivered, pruned: (newest - chosen + 1 - held) as u64 })
     }
 
     fn prune_delivered(&mut self, retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<OutboxPruneReport> {

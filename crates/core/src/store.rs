@@ -131,6 +131,16 @@ pub struct OutboxPruneReport {
     pub more: bool,
 }
 
+/// What [`ProducerStore::redeliver`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
+pub struct RedeliverReport {
+    /// The subscriber's deliveries now pending again (every event the outbox still holds from
+    /// the chosen one on, from the subscription's start on).
+    pub redelivered: u64,
+    /// Positions in that range whose events `prune` already deleted: they cannot be sent again.
+    pub pruned: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProducerSnapshot {
     pub identity: ProducerIdentity,
@@ -170,6 +180,13 @@ pub trait ProducerStore {
         reason: &str,
         now_ms: i64,
     ) -> Result<DeliveryEntry>;
+    /// Hand `consumer_id` every event the outbox still holds again, from `from_event_id` (in
+    /// commit order) on, or from the oldest with `None`: its deliveries there become pending as
+    /// if never attempted (accepted, quarantined and dismissed ones alike), in one transaction.
+    /// For a consumer database restored from a backup: the consumer answers `duplicate` for
+    /// what it still holds and accepts what it lost. `not_found` for an unknown subscriber or an
+    /// event the outbox does not hold.
+    fn redeliver(&mut self, consumer_id: &str, from_event_id: Option<&str>) -> Result<RedeliverReport>;
     fn flow(&self, flow_id: &str) -> Result<Option<FlowRecord>>;
     /// Delete outbox events created more than `retention_ms` ago whose every delivery is
     /// settled (`accepted` or `dismissed`), with their delivery rows; at most `batch_rows`

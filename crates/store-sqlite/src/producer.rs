@@ -39,7 +39,7 @@ use tidemark_core::limits::{
 use tidemark_core::policy::retention_walk_stops_at;
 use tidemark_core::store::{
     Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
-    OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
+    OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, RedeliverReport, Subscription,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
@@ -869,6 +869,52 @@ impl ProducerStore for SqliteProducer {
         let resolved = delivery_on(&tx, event_id, consumer_id)?;
         tx.commit().db()?;
         resolved.ok_or_else(|| Error::Invariant("resolved delivery vanished".into()))
+    }
+
+    fn redeliver(&mut self, consumer_id: &str, from_event_id: Option<&str>) -> Result<RedeliverReport> {
+        validate_id("consumer_id", consumer_id)?;
+        if let Some(event_id) = from_event_id {
+            validate_id("event_id", event_id)?;
+        }
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
+        let Some(from_position) = tx
+            .query_row("SELECT from_position FROM subscriptions WHERE consumer_id = ?1", [consumer_id], |r| {
+                r.get::<_, i64>(0)
+            })
+            .optional()
+            .db()?
+        else {
+            return Err(Error::not_found(format!("no subscription for consumer {consumer_id:?}")));
+        };
+        let chosen: Option<i64> = match from_event_id {
+            Some(event_id) => Some(
+                tx.query_row("SELECT position FROM outbox WHERE event_id = ?1", [event_id], |r| r.get(0))
+                    .optional()
+                    .db()?
+                    .ok_or_else(|| Error::not_found(format!("the outbox holds no event {event_id}")))?,
+            ),
+            None => tx.query_row("SELECT min(position) FROM outbox", [], |r| r.get(0)).db()?,
+        };
+        let newest: Option<i64> = tx.query_row("SELECT max(position) FROM outbox", [], |r| r.get(0)).db()?;
+        let (Some(chosen), Some(newest)) = (chosen, newest) else {
+            return Ok(RedeliverReport::default());
+        };
+        let held: i64 =
+            tx.query_row("SELECT count(*) FROM outbox WHERE position >= ?1", [chosen], |r| r.get(0)).db()?;
+        // The subscriber's deliveries from `start` on: no exception rows, the cursor below them.
+        let start = chosen.max(from_position);
+        tx.execute("DELETE FROM deliveries WHERE consumer_id = ?1 AND position >= ?2", params![consumer_id, start])
+            .db()?;
+        tx.execute(
+            "UPDATE subscriptions SET delivered_position = min(delivered_position, ?2 - 1) WHERE consumer_id = ?1",
+            params![consumer_id, start],
+        )
+        .db()?;
+        let redelivered: i64 =
+            tx.query_row("SELECT count(*) FROM outbox WHERE position >= ?1", [start], |r| r.get(0)).db()?;
+        crash::hit("redeliver.before_commit");
+        tx.commit().db()?;
+        Ok(RedeliverReport { redelivered: redelivered as u64, pruned: (newest - chosen + 1 - held) as u64 })
     }
 
     fn flow(&self, flow_id: &str) -> Result<Option<FlowRecord>> {

@@ -479,6 +479,53 @@ fn move_consumer_file(s: &Setup, away: bool) {
     }
 }
 
+/// The consumer file is restored from a backup taken before its last two events: the producer
+/// holds them as delivered, so the flows stop at a gap. `outbox redeliver` is rolled back whole
+/// when it dies before its commit; run again, it hands the events out again, the consumer answers
+/// `duplicate` for what the backup holds and accepts what it lost, and each event is applied once.
+fn redeliver_before_commit(point: &str) {
+    let s = world();
+    advance(&s, "r1", 0, "reserved", Some(3));
+    relay(&s);
+    for consumer in ["audit", "search"] {
+        drain(&s, consumer);
+    }
+    // The backup: the consumer file checkpointed and copied.
+    let backup = s.dir.path().join("consumer.backup");
+    let conn = rusqlite::Connection::open(s.c()).expect("open consumer file");
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").expect("checkpoint");
+    drop(conn);
+    std::fs::copy(s.c(), &backup).expect("back up");
+    let lost = advance(&s, "r1", 1, "confirmed", None)["event_id"].as_str().unwrap().to_string();
+    advance(&s, "r2", 0, "reserved", Some(5));
+    relay(&s);
+    for consumer in ["audit", "search"] {
+        assert_eq!(drain(&s, consumer)["applied"], 2);
+    }
+    // The restore.
+    for suffix in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", s.c()));
+    }
+    std::fs::copy(&backup, s.c()).expect("restore");
+    advance(&s, "r1", 2, "released", None);
+    relay(&s);
+    let stuck = drain(&s, "audit");
+    assert_eq!(stuck["outcome"], "gap", "the restored file misses r1's second event: {stuck}");
+
+    let before = producer_snapshot(&s);
+    let redeliver = ["outbox", "redeliver", "--producer", s.p(), "--consumer-id", "audit", "--from-event", &lost];
+    crash_at(point, &redeliver);
+    assert_eq!(producer_snapshot(&s), before, "a rolled-back redeliver left traces");
+    let out = ok(&redeliver);
+    assert_eq!((&out["redelivered"], &out["pruned"]), (&json!(3), &json!(0)), "{out}");
+    let out = ok(&["outbox", "redeliver", "--producer", s.p(), "--consumer-id", "search", "--all"]);
+    assert_eq!((&out["redelivered"], &out["pruned"]), (&json!(4), &json!(0)), "{out}");
+    let report = relay(&s);
+    assert_eq!((&report["accepted"], &report["duplicate"]), (&json!(4), &json!(3)), "{report}");
+    settle(&s);
+    assert_converged(&s);
+}
+
 /// `outbox resolve` and `inbox skip` share the point: each is rolled back whole, and its retry
 /// completes.
 fn resolve_before_commit(point: &str) {
@@ -965,6 +1012,7 @@ fn scenario(point: &str) -> fn(&str) {
         "prune.before_commit" => prune_before_commit,
         "prune.after_commit" => prune_after_commit,
         "resolve.before_commit" => resolve_before_commit,
+        "redeliver.before_commit" => redeliver_before_commit,
         "rename.before_commit" => rename_before_commit,
         "rename.after_commit" => rename_after_commit,
         "migrate.before_commit" => migrate_before_commit,

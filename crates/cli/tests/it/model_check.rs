@@ -204,6 +204,13 @@ enum Op {
         pick: usize,
         requeue: bool,
     },
+    /// `outbox redeliver`: the slot's subscriber gets every event again from one the outbox
+    /// holds (or, with `all`, from the oldest).
+    RedeliverFrom {
+        slot: usize,
+        pick: usize,
+        all: bool,
+    },
     RenameConsumer {
         slot: usize,
     },
@@ -297,6 +304,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (prop_oneof![Just(0_i64), Just(1_000), Just(10_000)], prop_oneof![1..=3_usize, Just(1_000)])
             .prop_map(|(retention_ms, batch_rows)| Op::PruneOutbox { retention_ms, batch_rows }),
         2 => (pick.clone(), any::<bool>()).prop_map(|(pick, requeue)| Op::Resolve { pick, requeue }),
+        2 => (slot.clone(), pick.clone(), any::<bool>()).prop_map(|(slot, pick, all)| Op::RedeliverFrom { slot, pick, all }),
         2 => slot.clone().prop_map(|slot| Op::RenameConsumer { slot }),
         2 => slot.clone().prop_map(|slot| Op::RenameSubscription { slot }),
         4 => prop_oneof![Just(1_000_i64), Just(4_000), Just(12_000)].prop_map(|ms| Op::Tick { ms }),
@@ -1014,6 +1022,15 @@ impl<B: Backend> Run<B> {
                 let action = if *requeue { DeliveryAction::Requeue } else { DeliveryAction::Dismiss };
                 let (event_id, consumer_id) = (chosen.event_id.clone(), chosen.consumer_id.clone());
                 out(self.backend.producer().resolve_delivery(&event_id, &consumer_id, action, REASON, now))
+            }
+            Op::RedeliverFrom { slot, pick, all } => {
+                let consumer_id = self.ctx.producer_names[*slot].clone();
+                let outbox = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot").outbox;
+                let from = match (*all, outbox.len()) {
+                    (true, _) | (_, 0) => None,
+                    (false, n) => Some(outbox[pick % n].event_id.clone()),
+                };
+                out(self.backend.producer().redeliver(&consumer_id, from.as_deref()))
             }
             Op::RenameConsumer { slot } => {
                 self.ctx.renames += 1;
