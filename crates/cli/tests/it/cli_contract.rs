@@ -518,3 +518,155 @@ fn init_twice_keeps_data_and_another_source_is_an_error() {
     assert_rejected(&s, &["init", "--consumer-db", s.c(), "--horizon-ms", "0"], "invalid_argument");
     assert_eq!(snapshots(&s), before);
 }
+
+/// An internal failure (here: a file that is not a SQLite database) exits 1 with the JSON error
+/// and code `store`, not 2: the input was well formed, the storage failed. Neither the file nor
+/// the folder changes (no WAL or shared-memory companion is left behind).
+#[test]
+fn an_internal_error_exits_1_with_a_json_error_and_changes_nothing() {
+    let s = Setup::new(&["audit"]);
+    let garbage = s.dir.path().join("garbage.db");
+    // Deterministic pseudo-random bytes (xorshift64), two pages' worth; never SQLite's header.
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let bytes: Vec<u8> = (0..8192)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect();
+    assert!(!bytes.starts_with(b"SQLite format 3\0"));
+    std::fs::write(&garbage, &bytes).expect("write garbage");
+    let g = path_str(&garbage);
+    let envelope = s.dir.path().join("envelope.json");
+    advance(&s, "r1", 0, "reserved", Some(1));
+    std::fs::write(&envelope, array(&producer_snapshot(&s), "outbox")[0].to_string()).unwrap();
+    let e = path_str(&envelope);
+    for args in [
+        vec!["advance", "--producer", g, "--flow", "r1", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"],
+        vec!["init", "--producer", g, "--source", SOURCE],
+        vec!["init", "--consumer-db", g],
+        vec!["relay", "--producer", g],
+        vec!["snapshot", "--producer", g],
+        vec!["subscribe", "--producer", s.p(), "--consumer-id", "audit2", "--endpoint", g],
+        vec!["receive", "--consumer-db", g, "--consumer-id", "audit", "--file", e],
+        vec!["drain", "--consumer-db", g, "--consumer-id", "audit"],
+        vec!["prune", "--consumer-db", g],
+    ] {
+        let before = files(s.dir.path());
+        let r = run(&args);
+        assert_eq!(r.code, 1, "tidemark {args:?} must exit 1:\n{}\n{}", r.stdout, r.stderr);
+        assert_eq!(r.stdout.trim().lines().count(), 1, "one JSON document on one line: {}", r.stdout);
+        assert_eq!(r.json["outcome"], "error", "{}", r.stdout);
+        assert_eq!(r.json["error"]["code"], "store", "tidemark {args:?}: {}", r.stdout);
+        assert!(
+            r.json["error"]["message"].as_str().is_some_and(|m| m.contains("not a database")),
+            "tidemark {args:?}: {}",
+            r.stdout
+        );
+        assert!(files(s.dir.path()) == before, "tidemark {args:?} changed the folder");
+    }
+    assert_eq!(std::fs::read(&garbage).unwrap(), bytes);
+}
+
+/// A flow at the last seq (i64::MAX) cannot advance: `seq_overflow`, exit 2, no file changed.
+/// The seq is set directly in the file: no real flow gets there.
+#[test]
+fn advance_at_the_last_seq_is_seq_overflow_and_changes_nothing() {
+    let s = Setup::new(&["audit"]);
+    advance(&s, "r1", 0, "reserved", Some(3));
+    let conn = rusqlite::Connection::open(s.p()).unwrap();
+    let updated = conn.execute("UPDATE flows SET last_seq = ?1 WHERE flow_id = 'r1'", [i64::MAX]).unwrap();
+    assert_eq!(updated, 1);
+    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+    drop(conn);
+    let before = producer_snapshot(&s);
+    assert_eq!(array(&before, "flows")[0]["last_seq"], i64::MAX, "{before}");
+    let max = i64::MAX.to_string();
+    assert_rejected(&s, &advance_args(&s, "r1", &max, "confirmed", &[]), "seq_overflow");
+    // Stale and overflowing: the stale answer comes first (the caller's view is out of date).
+    let stale = ok(&advance_args(&s, "r1", "1", "confirmed", &[]));
+    assert_eq!((&stale["outcome"], &stale["current_seq"]), (&json!("stale"), &json!(i64::MAX)), "{stale}");
+    assert_eq!(producer_snapshot(&s), before);
+}
+
+/// The envelope of flow r1's first event, committed at `at_ms`, as the outbox holds it.
+fn first_envelope(s: &Setup, at_ms: i64) -> Value {
+    let at = at_ms.to_string();
+    let out = ok(&[&["--now-ms", &at][..], &advance_args(s, "r1", "0", "reserved", &["--quantity", "2"])].concat());
+    assert_eq!(out["outcome"], "committed", "{out}");
+    let envelope = array(&producer_snapshot(s), "outbox")[0].clone();
+    assert_eq!(envelope["created_at_ms"], at_ms, "{envelope}");
+    envelope
+}
+
+/// `receive` answers `expired` (exit 0) for an event older than the consumer's horizon
+/// (`init --horizon-ms`) and stores nothing; at exactly the horizon it is still accepted.
+#[test]
+fn receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing() {
+    let s = Setup::new(&[]);
+    let short = s.dir.path().join("short.db");
+    let horizon_ms = 60_000_i64;
+    let init = ok(&["init", "--consumer-db", path_str(&short), "--horizon-ms", &horizon_ms.to_string()]);
+    assert_eq!(init["consumer"]["horizon_ms"], horizon_ms, "{init}");
+    let created_ms = 1_000_000_i64;
+    let envelope = first_envelope(&s, created_ms);
+    let file = s.dir.path().join("envelope.json");
+    std::fs::write(&file, envelope.to_string()).unwrap();
+    let receive_at = |now_ms: i64| {
+        let now = now_ms.to_string();
+        let args = ["--now-ms", &now, "receive", "--consumer-db", path_str(&short), "--consumer-id", "audit", "--file"];
+        ok(&[&args[..], &[path_str(&file)]].concat())
+    };
+    let snapshot = || ok(&["snapshot", "--consumer-db", path_str(&short)])["consumer"].clone();
+    let empty = snapshot();
+    for key in ["inbox", "receipts", "cursors"] {
+        assert!(array(&empty, key).is_empty(), "{empty}");
+    }
+
+    let expired = receive_at(created_ms + horizon_ms + 1);
+    assert_eq!(expired["outcome"], "expired", "{expired}");
+    assert_eq!((&expired["event_id"], &expired["horizon_ms"]), (&envelope["event_id"], &json!(horizon_ms)));
+    assert_eq!(snapshot(), empty, "an expired event was stored");
+    // Long after, still expired, still nothing.
+    assert_eq!(receive_at(created_ms + 10 * horizon_ms)["outcome"], "expired");
+    assert_eq!(snapshot(), empty);
+
+    // At exactly the horizon the event is not older than it: accepted.
+    let accepted = receive_at(created_ms + horizon_ms);
+    assert_eq!(accepted["outcome"], "accepted", "{accepted}");
+    let inbox = array(&snapshot(), "inbox").clone();
+    assert_eq!(inbox.len(), 1, "{inbox:?}");
+    assert_eq!(inbox[0]["envelope"], envelope, "the stored event is the one sent");
+}
+
+/// `receive` reads the envelope from stdin (no `--file`, and `--file -`): the first one is
+/// `accepted` and stored, the same bytes again are a `duplicate` that changes nothing.
+#[test]
+fn receive_from_stdin_accepts_then_answers_duplicate() {
+    let s = Setup::new(&["audit"]);
+    let envelope = advance(&s, "r1", 0, "reserved", Some(2));
+    let event_id = envelope["event_id"].clone();
+    let bytes = array(&producer_snapshot(&s), "outbox")[0].to_string().into_bytes();
+    let receive = ["receive", "--consumer-db", s.c(), "--consumer-id", "audit"];
+    assert!(array(&consumer_snapshot(&s), "inbox").is_empty());
+
+    let r = run_with(&receive, &[], Some(&bytes));
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert_eq!((&r.json["outcome"], &r.json["event_id"]), (&json!("accepted"), &event_id), "{}", r.stdout);
+    let after_accept = consumer_snapshot(&s);
+    let inbox = array(&after_accept, "inbox");
+    assert_eq!(inbox.len(), 1, "{after_accept}");
+    assert_eq!((&inbox[0]["envelope"]["event_id"], &inbox[0]["status"]), (&event_id, &json!("pending")));
+
+    for args in [receive.to_vec(), [&receive[..], &["--file", "-"]].concat()] {
+        let r = run_with(&args, &[], Some(&bytes));
+        assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+        assert_eq!((&r.json["outcome"], &r.json["event_id"]), (&json!("duplicate"), &event_id), "{}", r.stdout);
+        assert_eq!(consumer_snapshot(&s), after_accept, "a duplicate changed the consumer");
+    }
+    // The stored event is the one that was sent: it applies.
+    let drained = ok(&["drain", "--consumer-db", s.c(), "--consumer-id", "audit"]);
+    assert_eq!(drained["applied"], 1, "{drained}");
+}
