@@ -10,7 +10,7 @@
 //! subscriber exactly as before. Advance therefore writes no delivery row, and the relay records
 //! a batch of accepted deliveries by moving one cursor.
 //!
-//! Why the cursor cannot skip an event (LESSONS.md, "reading the outbox by last id seen"):
+//! Why the cursor cannot skip an event (a known trap of outbox relays: "reading the outbox by last id seen"):
 //! positions are allocated inside the advancing write transaction as one more than the largest
 //! position any outbox row or cursor names ([`last_position`]); SQLite has one writer at a time,
 //! and in WAL mode a writer always works on the newest snapshot, so positions become visible in

@@ -3,9 +3,19 @@
 //! inserted in a *second* transaction. A crash between the two commits leaves a flow whose
 //! state moved on while no event says so: the event is lost for every subscriber, forever.
 //!
-//! Compiled only with the `failpoints` feature, and reachable only through the hidden
-//! `tidemark unsafe-dual-write-advance` command, so that a crash test can show the loss next to
-//! the real `advance` (one transaction), which never leaves that state at any of its crash points.
+//! Compiled only with the `failpoints` feature (this module and its re-export exist in no other
+//! build). In the `tidemark` binary,
+//! [`unsafe_dual_write_advance`](crate::unsafe_dual_write_advance) is called only by the hidden
+//! `tidemark unsafe-dual-write-advance` command of a failpoints build, so that a crash test can
+//! show the loss next to the real `advance` (one transaction), which never leaves that state at
+//! any of its crash points; killed at
+//! [`BETWEEN_COMMITS`](crate::unsafe_dual_write::BETWEEN_COMMITS) that process exits 81.
+//!
+//! It is not the binary's only deliberately wrong dual write: the hidden
+//! `tidemark experiment --child unsafe-dual-write` (started by the experiment's
+//! `unsafe_dual_write_loss` scenario, in every build, failpoints or not) commits a business row
+//! alone and exits 81 before writing its event (`crates/cli/src/experiment/world.rs`,
+//! `run_child`). That path does not use this module.
 
 use rusqlite::{params, OptionalExtension, TransactionBehavior};
 use tidemark_core::crash;

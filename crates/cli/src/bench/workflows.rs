@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 use serde_json::{json, Value};
 use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
 use tidemark_core::{Error, Result};
@@ -31,7 +31,7 @@ use tidemark_engine::workflow::{
     FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowOptions, Workflows, Writer,
 };
 use tidemark_store_sqlite::order as order_sql;
-use tidemark_store_sqlite::{probe, Durability, SqliteWorkflows};
+use tidemark_store_sqlite::{open_reader, probe, stats, Durability, SqliteWorkflows};
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
 
@@ -129,18 +129,18 @@ impl World {
         let stock = self.stock;
         let db = self.writer.call_blocking(move |store, _| {
             let conn = store.connection();
-            let q = |sql: &str| -> Result<i64> {
-                conn.query_row(sql, [], |r| r.get(0)).map_err(|e| Error::store(e.to_string()))
-            };
+            let runs = stats::run_counts(conn)?;
+            let effects = SqliteWorkflows::order_effect_counts(conn)?;
+            let effects_of = |kind: &str| effects.get(kind).copied().unwrap_or(0);
+            let other_effects: u64 =
+                effects.iter().filter(|(kind, _)| !matches!(kind.as_str(), "reserve" | "ship")).map(|(_, n)| n).sum();
             Ok(json!({
-                "runs": q("SELECT count(*) FROM runs")?,
-                "completed": q("SELECT count(*) FROM runs WHERE status = 'completed'")?,
-                "reserve_effects": q("SELECT count(*) FROM order_effects WHERE kind = 'reserve'")?,
-                "ship_effects": q("SELECT count(*) FROM order_effects WHERE kind = 'ship'")?,
-                "other_effects": q("SELECT count(*) FROM order_effects WHERE kind NOT IN ('reserve', 'ship')")?,
-                "orders_with_duplicate_effects": q(
-                    "SELECT count(*) FROM (SELECT 1 FROM order_effects GROUP BY order_id, kind HAVING count(*) > 1)"
-                )?,
+                "runs": runs.values().sum::<u64>(),
+                "completed": runs.get("completed").copied().unwrap_or(0),
+                "reserve_effects": effects_of("reserve"),
+                "ship_effects": effects_of("ship"),
+                "other_effects": other_effects,
+                "orders_with_duplicate_effects": SqliteWorkflows::orders_with_duplicate_effects(conn)?,
                 "stock_taken": stock - order_sql::stock(conn, SKU)?.unwrap_or(0),
             }))
         })?;
@@ -458,18 +458,6 @@ fn latency(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     }))
 }
 
-/// Count the runs another worker has taken over (a recovery bumps `recoveries`) and those that
-/// completed, through a read-only connection (WAL readers never wait for the writer).
-fn recovered_and_completed(reader: &Connection) -> Result<(i64, i64)> {
-    reader
-        .query_row(
-            "SELECT count(*) FILTER (WHERE recoveries > 0), count(*) FILTER (WHERE status = 'completed') FROM runs",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .map_err(|e| Error::store(e.to_string()))
-}
-
 /// A worker dropped abruptly while its runs are inside their external step; a second worker
 /// takes them over once the leases expire.
 fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
@@ -506,17 +494,9 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     let killed_at = Instant::now();
     let killed_at_ms = tidemark_engine::now_ms();
     doomed_rt.shutdown_background();
-    let leases = world.writer.call_blocking(move |store, _| {
-        store
-            .connection()
-            .query_row(
-                "SELECT count(*), min(lease_expires_at_ms), max(lease_expires_at_ms) FROM runs
-                 WHERE lease_owner = 'bench-doomed'",
-                [],
-                |r| Ok((r.get::<_, i64>(0)?, r.get::<_, Option<i64>>(1)?, r.get::<_, Option<i64>>(2)?)),
-            )
-            .map_err(|e| Error::store(e.to_string()))
-    })?;
+    let leases = world
+        .writer
+        .call_blocking(move |store, _| SqliteWorkflows::leases_held_by(store.connection(), "bench-doomed"))?;
     let (held, min_expiry, max_expiry) = leases;
 
     // The rescuer: the bench's own connection, the real order saga.
@@ -532,22 +512,21 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             })
             .await
     });
-    let reader = Connection::open_with_flags(&world.db, OpenFlags::SQLITE_OPEN_READ_ONLY)
-        .map_err(|e| Error::store(e.to_string()))?;
-    reader.busy_timeout(Duration::from_secs(5)).map_err(|e| Error::store(e.to_string()))?;
+    // A read-only connection (a WAL reader never waits for the writer).
+    let reader = open_reader(&world.db)?;
     let mut first_recovered = None;
     let mut all_recovered = None;
     let all_completed;
     loop {
-        let (recovered, completed) = recovered_and_completed(&reader)?;
+        let (recovered, completed) = SqliteWorkflows::recovered_and_completed_runs(&reader)?;
         let now = killed_at.elapsed();
         if recovered > 0 && first_recovered.is_none() {
             first_recovered = Some(now);
         }
-        if recovered as u64 >= n && all_recovered.is_none() {
+        if recovered >= n && all_recovered.is_none() {
             all_recovered = Some(now);
         }
-        if completed as u64 >= n {
+        if completed >= n {
             all_completed = now;
             break;
         }

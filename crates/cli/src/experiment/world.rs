@@ -936,9 +936,15 @@ fn consumer_state(store: &SqliteConsumer, labels: &mut Labels) -> Result<Value> 
     }))
 }
 
-/// `tidemark experiment --child MODE --child-producer FILE`: the dual-write child processes.
-/// Both write the business row `order-1` and die with exit code 81 before the event is
-/// committed; only the way they write differs.
+/// `tidemark experiment --child MODE --child-producer FILE`: the dual-write child processes of
+/// the `unsafe_dual_write_loss` scenario. Both write a business row (`order-1`, `order-2`) and
+/// die with exit code 81 before the event is committed; only the way they write differs.
+///
+/// `--child` is hidden but present in every build (failpoints or not), so
+/// `--child unsafe-dual-write` is a deliberately wrong dual write that any `tidemark` binary can
+/// run, on any producer file it is given: it commits the business row alone and never writes the
+/// event. It does not use `tidemark_store_sqlite::unsafe_dual_write` (failpoints builds only,
+/// reached through the hidden `unsafe-dual-write-advance` command); it needs no crash point.
 pub fn run_child(mode: &str, producer: Option<&Path>, durability: Durability, now_ms: i64) -> Result<Value> {
     let path =
         producer.ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, "--child needs --child-producer FILE"))?;

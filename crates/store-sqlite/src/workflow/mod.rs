@@ -31,6 +31,7 @@
 
 mod commit;
 mod operator;
+mod reads;
 mod rows;
 
 use std::collections::{BTreeMap, HashMap};
