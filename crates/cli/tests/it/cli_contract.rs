@@ -353,6 +353,32 @@ fn a_subscription_moves_only_to_a_database_that_holds_its_state() {
     assert_eq!(out["applied"], 1, "quiet applies r2 where it moved: {out}");
 }
 
+/// The relay is fair across flows: with a limit of two, a flow with three due events and a flow
+/// with one each get one delivery in the first pass (not the busy flow's first two), and each
+/// flow's own order holds over the passes.
+#[test]
+fn a_relay_batch_takes_flows_round_robin() {
+    let s = Setup::new(&["audit"]);
+    advance(&s, "busy", 0, "reserved", Some(1));
+    advance(&s, "busy", 1, "confirmed", None);
+    advance(&s, "busy", 2, "released", None);
+    advance(&s, "quiet", 0, "reserved", Some(1));
+    let pass = |expected: &[(&str, i64)]| {
+        let out = ok(&["relay", "--producer", s.p(), "--limit", "2", "--verbose"]);
+        let mut got: Vec<(String, i64)> = array(&out, "answers")
+            .iter()
+            .map(|a| (a["flow_id"].as_str().unwrap().to_string(), a["seq"].as_i64().unwrap()))
+            .collect();
+        got.sort();
+        let expected: Vec<(String, i64)> = expected.iter().map(|(f, q)| (f.to_string(), *q)).collect();
+        assert_eq!(got, expected, "{out}");
+    };
+    pass(&[("busy", 1), ("quiet", 1)]);
+    pass(&[("busy", 2), ("busy", 3)]);
+    let out = ok(&["drain", "--consumer-db", s.c(), "--consumer-id", "audit"]);
+    assert_eq!((&out["applied"], &out["outcome"]), (&json!(4), &json!("idle")), "{out}");
+}
+
 #[test]
 fn a_missing_database_is_never_created() {
     let s = Setup::new(&["audit"]);
