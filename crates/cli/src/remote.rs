@@ -161,7 +161,18 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
             remote.send(Method::POST, &format!("/v1/outbox/{event}/{consumer}/resolve"), &[], Some(body))
         }
         Command::Outbox(OutboxCommand::RotateGeneration { .. }) => Err(no_route("outbox rotate-generation")),
-        Command::Outbox(OutboxCommand::Redeliver { .. }) => Err(no_route("outbox redeliver")),
+        Command::Outbox(OutboxCommand::Redeliver { consumer_id, from_event, all, .. }) => {
+            let consumer = segment("consumer_id", &consumer_id)?;
+            let body = match from_event {
+                Some(event) => {
+                    validate_id("event_id", &event)?;
+                    json!({"from_event": event})
+                }
+                None if all => json!({"all": true}),
+                None => return Err(invalid("outbox redeliver needs --from-event ID or --all")),
+            };
+            remote.send(Method::POST, &format!("/v1/outbox/redeliver/{consumer}"), &[], Some(body))
+        }
         Command::Inbox(InboxCommand::List { consumer_id, status, limit, .. }) => {
             let consumer = segment("consumer_id", &consumer_id)?;
             let mut query = Vec::new();

@@ -65,6 +65,20 @@ fn subcommands_talk_to_a_running_server() {
     assert_eq!((out["outcome"].as_str(), out["delivery"]["status"].as_str()), (Some("resolved"), Some("dismissed")));
     // Dismissing it again: 409 `invalid_state_change` from the server, exit 2 with that code.
     refused(&remote(&server, a, &resolve), 2, "invalid_state_change");
+    // Redeliver: every event the outbox holds to audit again (a 200 with the counts); from one
+    // event on; an unknown subscriber or event is 404 `not_found`, exit 2.
+    let out = answered(remote(&server, a, &["outbox", "redeliver", "--consumer-id", "audit", "--all"]));
+    assert_eq!((out["outcome"].as_str(), out["consumer_id"].as_str()), (Some("redelivered"), Some("audit")), "{out}");
+    // At least res-1, notes, forged and f1; nothing pruned yet.
+    assert!(out["redelivered"].as_u64().is_some_and(|n| n >= 4), "{out}");
+    assert_eq!(out["pruned"], 0, "{out}");
+    let from = ["outbox", "redeliver", "--consumer-id", "audit", "--from-event", &fixture.quarantined_event];
+    let out = answered(remote(&server, a, &from));
+    assert!(out["redelivered"].as_u64().is_some_and(|n| n >= 1), "{out}");
+    refused(&remote(&server, a, &["outbox", "redeliver", "--consumer-id", "nobody", "--all"]), 2, "not_found");
+    let unknown_event = ["outbox", "redeliver", "--consumer-id", "audit", "--from-event", "no-such-event"];
+    refused(&remote(&server, a, &unknown_event), 2, "not_found");
+    refused(&remote(&server, &reader, &["outbox", "redeliver", "--consumer-id", "audit", "--all"]), 2, "forbidden");
 
     // Inbox: the blocked record, listed and skipped; the consumer's cursors.
     let out = answered(remote(&server, a, &["inbox", "list", "--consumer-id", "ledger", "--status", "blocked"]));

@@ -130,6 +130,8 @@ impl Fixture {
             ("flow_id", _, _) => "res-1",
             ("consumer_id", "PUT", _) => "fresh",
             ("consumer_id", _, "/v1/outbox/{event_id}/{consumer_id}/resolve") => "mirror",
+            // Not mirror: redelivering would drop the quarantined delivery `resolve` targets.
+            ("consumer_id", _, "/v1/outbox/redeliver/{consumer_id}") => "audit",
             ("consumer_id", "POST", "/v1/consumers/{consumer_id}/inbox") => "audit",
             ("consumer_id", _, _) => "ledger",
             ("event_id", _, "/v1/outbox/{event_id}/{consumer_id}/resolve") => &self.quarantined_event,

@@ -99,6 +99,7 @@ fn the_openapi_document_is_true_of_the_running_server() {
         "POST /v1/streams/{flow_id}/events",
         "GET /v1/outbox",
         "POST /v1/outbox/{event_id}/{consumer_id}/resolve",
+        "POST /v1/outbox/redeliver/{consumer_id}",
         "GET /v1/consumers",
         "PUT /v1/consumers/{consumer_id}",
         "GET /v1/consumers/{consumer_id}/cursors",

@@ -1,5 +1,5 @@
 //! Producer routes: advance a reservation flow, append to an event stream, read a flow with each
-//! consumer's high-water mark, and the outbox (backlog, quarantine, requeue/dismiss).
+//! consumer's high-water mark, and the outbox (backlog, quarantine, requeue/dismiss, redeliver).
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -30,6 +30,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(append))
         .routes(routes!(outbox))
         .routes(routes!(resolve))
+        .routes(routes!(redeliver))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -363,4 +364,77 @@ pub(crate) async fn resolve_delivery(
         .producer
         .call(move |p| p.store.resolve_delivery(&event_id, &consumer_id, body.action, &body.reason, now_ms()))
         .await?)
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"all": true}))]
+pub struct RedeliverBody {
+    /// The first event to send again (it and every later event the outbox holds). Exactly one
+    /// of `from_event` and `all`.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    pub from_event: Option<String>,
+    /// `true`: from the oldest event the outbox holds. Exactly one of `from_event` and `all`.
+    pub all: Option<bool>,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Redelivered {
+    /// `redelivered`.
+    #[schema(example = "redelivered")]
+    pub outcome: String,
+    pub consumer_id: String,
+    /// The subscriber's deliveries now pending again.
+    #[schema(minimum = 0)]
+    pub redelivered: u64,
+    /// Positions in the range whose events were already pruned: they cannot be sent again.
+    #[schema(minimum = 0)]
+    pub pruned: u64,
+}
+
+/// Hand a subscriber every event the outbox still holds again, from one event on or from the
+/// oldest: its deliveries there become pending as if never attempted (accepted, quarantined
+/// and dismissed alike), in one transaction. For a consumer restored from a backup: it answers
+/// `duplicate` for what it still holds and accepts what it lost.
+#[utoipa::path(
+    post,
+    path = "/v1/outbox/redeliver/{consumer_id}",
+    tag = "flows",
+    params(("consumer_id" = String, Path, description = "The subscriber")),
+    request_body = RedeliverBody,
+    responses(
+        (status = 200, body = Redelivered),
+        (status = 404, description = "`not_found`: no such subscriber, or the outbox holds no such event", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn redeliver(caller: Caller, Path(consumer_id): Path<String>, Json(body): Json<RedeliverBody>) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    validate_id("consumer_id", &consumer_id)?;
+    let from_event = match (body.from_event, body.all) {
+        (Some(event_id), None) => {
+            validate_id("event_id", &event_id)?;
+            Some(event_id)
+        }
+        (None, Some(true)) => None,
+        _ => {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                "give exactly one of {\"from_event\": \"<event id>\"} and {\"all\": true}",
+            )
+            .into())
+        }
+    };
+    let id = consumer_id.clone();
+    let report = caller.tenant.producer.call(move |p| p.store.redeliver(&id, from_event.as_deref())).await?;
+    Ok(typed(
+        StatusCode::OK,
+        Redelivered {
+            outcome: "redelivered".into(),
+            consumer_id,
+            redelivered: report.redelivered,
+            pruned: report.pruned,
+        },
+    ))
 }
