@@ -610,6 +610,7 @@ struct ReceiptRow {
     event_id: String,
     content_hash: String,
     created_at_ms: i64,
+    generation: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -845,7 +846,7 @@ impl ModelConsumer {
             return compare(&held.event_id, &held.content_hash, Some(&held.generation), "inbox");
         }
         if let Some(held) = self.state.receipts.get(&key) {
-            return compare(&held.event_id, &held.content_hash, None, "receipt");
+            return compare(&held.event_id, &held.content_hash, Some(&held.generation), "receipt");
         }
         let elsewhere = self
             .state
@@ -1141,8 +1142,12 @@ impl ConsumerStore for ModelConsumer {
         done.truncate(batch_rows);
         for (_, key) in &done {
             let row = state.inbox.remove(key).expect("listed record exists");
-            let receipt =
-                ReceiptRow { event_id: row.event_id, content_hash: row.content_hash, created_at_ms: row.created_at_ms };
+            let receipt = ReceiptRow {
+                event_id: row.event_id,
+                content_hash: row.content_hash,
+                created_at_ms: row.created_at_ms,
+                generation: row.generation,
+            };
             ensure_invariant!(state.receipts.insert(key.clone(), receipt).is_none(), "receipt {key:?} already exists");
         }
         // Receipts past the horizon go: an event that old is rejected as expired anyway.
@@ -1261,6 +1266,7 @@ impl ConsumerStore for ModelConsumer {
                     seq: *seq,
                     content_hash: receipt.content_hash.clone(),
                     created_at_ms: receipt.created_at_ms,
+                    generation: Some(receipt.generation.clone()),
                 })
                 .collect(),
             cursors: self

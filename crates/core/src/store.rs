@@ -354,6 +354,9 @@ pub struct Receipt {
     pub seq: i64,
     pub content_hash: String,
     pub created_at_ms: i64,
+    /// The producer generation of the compacted record; `None` for a receipt compacted before
+    /// schema v8, which did not keep it.
+    pub generation: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]

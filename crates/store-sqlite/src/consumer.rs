@@ -229,7 +229,7 @@ impl<'c> ReceiveStatements<'c> {
 /// same event id at another position, and the flow's high-water mark.
 const RECEIVE_PROBE_SQL: &str = "SELECT 0, event_id, content_hash, generation, NULL, NULL, NULL FROM inbox
    WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
- UNION ALL SELECT 1, event_id, content_hash, NULL, NULL, NULL, NULL FROM receipts
+ UNION ALL SELECT 1, event_id, content_hash, generation, NULL, NULL, NULL FROM receipts
    WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4
  UNION ALL SELECT 2, NULL, NULL, NULL, source, flow_id, seq FROM inbox
    WHERE consumer_id = ?1 AND event_id = ?5
@@ -326,7 +326,7 @@ fn receive_one(
                     at_receipt = Some(ExistingRecord {
                         event_id: r.get(1).db()?,
                         content_hash: r.get(2).db()?,
-                        generation: None,
+                        generation: r.get(3).db()?,
                     })
                 }
                 2 => {
@@ -840,8 +840,8 @@ impl ConsumerStore for SqliteConsumer {
             let key = params![consumer_id, source, flow_id, seq];
             let copied = tx
                 .prepare_cached(
-                    "INSERT INTO receipts (consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms)
-                     SELECT consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms FROM inbox
+                    "INSERT INTO receipts (consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms, generation)
+                     SELECT consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms, generation FROM inbox
                      WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND seq = ?4",
                 )
                 .db()?
@@ -989,7 +989,7 @@ fn snapshot_in(tx: &Connection, horizon_ms: i64, rows_max: usize) -> Result<Cons
     let receipts = {
         let mut stmt = tx
             .prepare(
-                "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms FROM receipts
+                "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms, generation FROM receipts
                  ORDER BY consumer_id, source, flow_id, seq LIMIT ?1",
             )
             .db()?;
@@ -1003,6 +1003,7 @@ fn snapshot_in(tx: &Connection, horizon_ms: i64, rows_max: usize) -> Result<Cons
                     seq: r.get(4)?,
                     content_hash: r.get(5)?,
                     created_at_ms: r.get(6)?,
+                    generation: r.get(7)?,
                 })
             })
             .db()?;
@@ -1124,6 +1125,16 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(consumer.inbox("x", None, 10).unwrap().len(), 1, "only e2 was stored");
+        // A producer restored from a backup re-issues seq 1 under a new generation: the receipt
+        // keeps the old generation, so the conflict names the change (as a record's would).
+        let reissued = Envelope { event_id: "e9".into(), generation: "g2".into(), ..event() };
+        match &consumer.receive_batch(&[("x", &reissued)], 5).unwrap()[0] {
+            ReceiveOutcome::Conflict { reason, .. } => {
+                assert!(reason.contains("(receipt)") && reason.contains("generation changed from g1 to g2"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(consumer.snapshot(10).unwrap().receipts[0].generation.as_deref(), Some("g1"));
     }
 
     /// Applies every event except flow `b`'s, which it blocks.

@@ -385,6 +385,13 @@ const MIGRATIONS: &[&str] = &[
     DROP INDEX outbox_age;
     DROP INDEX inbox_done_age;
     "#,
+    // v8: a receipt keeps the producer generation of the record it was compacted from, so a
+    // conflict found against a receipt names a generation change as one found against a record
+    // does. NULL for receipts compacted before v8 (the generation was not kept; nothing to
+    // compare, as before).
+    r#"
+    ALTER TABLE receipts ADD COLUMN generation TEXT;
+    "#,
 ];
 
 /// The schema version this build writes.
