@@ -14,8 +14,11 @@ use crate::{db_err, SqlResult, SqliteConsumer};
 /// projection's key leads with the flow id, like the inbox's (see schema.rs, v5): files made
 /// before keep their (consumer, source, flow) key, which works the same, only slower.
 pub fn install(consumer: &SqliteConsumer) -> Result<()> {
-    let conn = consumer.connection();
-    conn.execute_batch(
+    // One write transaction (IMMEDIATE, as every store write): two processes installing at once
+    // take turns instead of one failing at its first write.
+    let tx =
+        rusqlite::Transaction::new_unchecked(consumer.connection(), rusqlite::TransactionBehavior::Immediate).db()?;
+    tx.execute_batch(
         "CREATE TABLE IF NOT EXISTS reservation_projection (
              consumer_id TEXT NOT NULL,
              source      TEXT NOT NULL,
@@ -37,7 +40,7 @@ pub fn install(consumer: &SqliteConsumer) -> Result<()> {
          );",
     )
     .db()?;
-    let registered: bool = conn
+    let registered: bool = tx
         .query_row(
             "SELECT count(*) FROM meta WHERE key = 'consumer.projection_tables' AND value LIKE '%reservation_effects%'",
             [],
@@ -45,12 +48,10 @@ pub fn install(consumer: &SqliteConsumer) -> Result<()> {
         )
         .db()?;
     if !registered {
-        let tx = conn.unchecked_transaction().db()?;
         crate::consumer::register_projection_table(&tx, "reservation_projection")?;
         crate::consumer::register_projection_table(&tx, "reservation_effects")?;
-        tx.commit().db()?;
     }
-    Ok(())
+    tx.commit().db()
 }
 
 /// The reservation handler: decode by (event type, schema version), check the transition

@@ -1,5 +1,5 @@
 //! The durable execution runtime: workflows, sagas and the worker that runs them, generic over
-//! any [`WorkflowStore`] (see `docs/workflows.md` for the model and
+//! any [`WorkflowStore`](tidemark_core::workflow::WorkflowStore) (see `docs/workflows.md` for the model and
 //! `tidemark_core::workflow` for the contract).
 //!
 //! - [`Workflows`]: the registry of named, versioned workflow functions.
