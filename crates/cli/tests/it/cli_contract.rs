@@ -215,6 +215,19 @@ fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
     assert_rejected(&s, &["prune", "--consumer-db", c, "--batch-rows", "0"], "limit_exceeded");
     assert_rejected(&s, &["snapshot", "--producer", p, "--rows-max", "0"], "limit_exceeded");
 
+    // Redelivery: a bad id, an unknown subscriber or event, both or neither of the range flags.
+    let redeliver = ["outbox", "redeliver", "--producer", p];
+    for (args, code) in [
+        (vec!["--consumer-id", "bad id", "--all"], "invalid_id"),
+        (vec!["--consumer-id", "audit", "--from-event", "bad id"], "invalid_id"),
+        (vec!["--consumer-id", "nobody", "--all"], "not_found"),
+        (vec!["--consumer-id", "audit", "--from-event", "nope"], "not_found"),
+        (vec!["--consumer-id", "audit", "--from-event", r1.as_str(), "--all"], "invalid_argument"),
+        (vec!["--consumer-id", "audit"], "invalid_argument"),
+    ] {
+        assert_rejected(&s, &[&redeliver[..], &args[..]].concat(), code);
+    }
+
     // Operator actions on records in the wrong state.
     for (event, consumer, action) in [(&r1, "audit", "requeue"), (&r1, "audit", "dismiss"), (&r2, "audit", "requeue")] {
         let args =
