@@ -1625,6 +1625,11 @@ fn a_fixed_walk_through_every_operation_matches_the_model() {
         (Op::Tampered { slot: 2, pick: 0, how: Tamper::FreshTimestamp, applied: true }, &["high-water"]),
         (Op::Crash(Crash::Reopen), &[]),
         (Op::Drain { slot: 1, limit: 10, v2: true }, &["blocked", "invalid transition"]),
+        // Everything the outbox still holds handed to c again: duplicates, and what the prune
+        // above compacted is still recognised from its receipt.
+        (Op::RedeliverFrom { slot: 2, pick: 0, all: true }, &["redelivered"]),
+        (Op::Relay { limit: 5 }, &["duplicate"]),
+        (Op::RedeliverFrom { slot: 2, pick: 3, all: false }, &["redelivered"]),
     ];
     let ops: Vec<Op> = walk.iter().map(|(op, _)| op.clone()).collect();
     let outcomes = run_case(&ops).unwrap_or_else(|error| panic!("{error}"));
