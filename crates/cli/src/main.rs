@@ -626,11 +626,12 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 }
                 let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
                 let report = producer.redeliver(&consumer_id, from_event.as_deref())?;
-                let mut out = json!({"outcome": "redelivered", "consumer_id": consumer_id});
-                out.as_object_mut()
-                    .expect("an object")
-                    .extend(to_json(&report).as_object().cloned().unwrap_or_default());
-                Ok(out)
+                Ok(json!({
+                    "outcome": "redelivered",
+                    "consumer_id": consumer_id,
+                    "redelivered": report.redelivered,
+                    "pruned": report.pruned,
+                }))
             }
             OutboxCommand::RotateGeneration { producer } => {
                 let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;

@@ -363,26 +363,23 @@ fn checked_commit_time(stmt: &mut rusqlite::CachedStatement<'_>, position: i64, 
     })
 }
 
-/// How many events `consumer_id` has accepted (custody moved to its endpoint), with its endpoint;
-/// `None` when it is not subscribed. Counts events the outbox no longer holds too: the cursor
-/// remembers them.
-fn accepted_by(conn: &Connection, consumer_id: &str) -> Result<Option<(String, u64)>> {
+/// How many events `consumer_id` has accepted (custody moved to its endpoint); `None` when it is
+/// not subscribed. Counts events the outbox no longer holds too: the cursor remembers them.
+fn accepted_by(conn: &Connection, consumer_id: &str) -> Result<Option<u64>> {
     conn.query_row(
-        "SELECT s.endpoint,
-                (s.delivered_position - s.from_position + 1)
+        "SELECT (s.delivered_position - s.from_position + 1)
                 - (SELECT count(*) FROM deliveries d WHERE d.consumer_id = s.consumer_id
                       AND d.position <= s.delivered_position AND d.status <> 'accepted')
                 + (SELECT count(*) FROM deliveries d WHERE d.consumer_id = s.consumer_id
                       AND d.position > s.delivered_position AND d.status = 'accepted')
          FROM subscriptions s WHERE s.consumer_id = ?1",
         [consumer_id],
-        |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+        |r| r.get::<_, i64>(0),
     )
     .optional()
     .db()?
-    .map(|(endpoint, accepted)| {
+    .map(|accepted| {
         u64::try_from(accepted)
-            .map(|accepted| (endpoint, accepted))
             .map_err(|_| Error::Invariant(format!("subscriber {consumer_id:?} has accepted {accepted} events")))
     })
     .transpose()
@@ -461,7 +458,7 @@ impl SqliteProducer {
             Some(endpoint) if endpoint == subscription.endpoint => 0,
             Some(_) => {
                 if new_endpoint_has_received == Some(false) {
-                    let accepted = accepted_by(&tx, &subscription.consumer_id)?.map_or(0, |(_, n)| n);
+                    let accepted = accepted_by(&tx, &subscription.consumer_id)?.unwrap_or(0);
                     if accepted > 0 {
                         return Err(Error::invalid(
                             codes::INVALID_STATE_CHANGE,
@@ -1104,12 +1101,13 @@ mod tests {
             verdict,
         };
         producer.record_deliveries(&[result(0, DeliveryVerdict::Quarantine { reason: "no".into() })], 2).unwrap();
-        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(("a.db".to_string(), 0)));
+        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(0));
         producer.subscribe_checked(&at("b.db"), false, 3, Some(false)).unwrap();
         producer
             .record_deliveries(&[result(1, DeliveryVerdict::Accepted), result(3, DeliveryVerdict::Accepted)], 4)
             .unwrap();
-        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(("b.db".to_string(), 2)));
+        assert_eq!(accepted_by(&producer.conn, "audit").unwrap(), Some(2));
+        assert_eq!(producer.subscriptions().unwrap(), [at("b.db")]);
         assert_eq!(accepted_by(&producer.conn, "nobody").unwrap(), None);
         let before = producer.snapshot(10).unwrap();
         let refused = producer.subscribe_checked(&at("c.db"), false, 5, Some(false)).unwrap_err();
