@@ -13,12 +13,6 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-mod bench;
-mod demo;
-mod experiment;
-mod loadtest;
-mod pipeline;
-mod progress;
 mod remote;
 mod server_cmd;
 #[cfg(feature = "failpoints")]
@@ -30,6 +24,7 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
+use tidemark_builtins::reservation::{self, ReservationHandler};
 use tidemark_core::error::codes;
 use tidemark_core::flow::AdvanceRequest;
 use tidemark_core::limits::{ENVELOPE_BYTES_MAX, PRUNE_BATCH_ROWS_MAX};
@@ -40,7 +35,7 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error};
 use tidemark_engine::{relay_until_idle, RelayOptions};
-use tidemark_store_sqlite::reservation::{self, ReservationHandler};
+use tidemark_lab::{bench, demo, experiment, loadtest, open_consumer, progress, Context};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 #[derive(Parser)]
@@ -380,17 +375,6 @@ struct RenameArgs {
 }
 
 /// Shared context of one invocation.
-pub struct Context {
-    pub durability: Durability,
-    pub fixed_now_ms: Option<i64>,
-}
-
-impl Context {
-    pub fn now_ms(&self) -> i64 {
-        self.fixed_now_ms.unwrap_or_else(tidemark_engine::now_ms)
-    }
-}
-
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
@@ -402,13 +386,6 @@ pub fn file_arg(value: Option<PathBuf>, flag: &str) -> tidemark_core::Result<Pat
 
 fn to_json<T: serde::Serialize>(value: &T) -> Value {
     serde_json::to_value(value).expect("outputs serialise")
-}
-
-/// Open a consumer database with the built-in reservation tables installed.
-pub fn open_consumer(path: &Path, durability: Durability) -> tidemark_core::Result<SqliteConsumer> {
-    let consumer = SqliteConsumer::open_with(path, durability)?;
-    reservation::install(&consumer)?;
-    Ok(consumer)
 }
 
 fn read_envelope(file: Option<&Path>) -> tidemark_core::Result<Envelope> {

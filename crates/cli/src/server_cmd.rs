@@ -78,7 +78,7 @@ pub fn serve(ctx: &Context, args: ServeArgs) -> Result<Value> {
         durability: normal.then(|| durability_word(ctx)),
     };
     let config = Config::load(args.config.as_deref(), &overrides)?;
-    tidemark_server::serve(config)
+    tidemark_builtins::service(config)?.serve_blocking()
 }
 
 pub fn config(command: ConfigCommand) -> Result<Value> {

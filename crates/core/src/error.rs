@@ -24,6 +24,16 @@ pub mod codes {
     pub const NOT_FOUND: &str = "not_found";
     pub const INVALID_STATE_CHANGE: &str = "invalid_state_change";
     pub const ALREADY_EXISTS: &str = "already_exists";
+    /// Two machines served together share a state name.
+    pub const STATE_COLLISION: &str = "state_collision";
+    /// A consumer names a handler that is not registered.
+    pub const UNKNOWN_HANDLER: &str = "unknown_handler";
+    /// An advance names a machine that is not registered.
+    pub const UNKNOWN_MACHINE: &str = "unknown_machine";
+    /// `advance` answered `stale` inside a transaction that commits only a committed advance.
+    pub const STALE: &str = "stale";
+    /// `advance` answered `invalid_transition` inside such a transaction.
+    pub const INVALID_TRANSITION: &str = "invalid_transition";
     /// No valid bearer token (HTTP 401).
     pub const UNAUTHENTICATED: &str = "unauthenticated";
     /// The token's scope does not allow the request (HTTP 403).
@@ -82,6 +92,15 @@ impl Error {
     /// True when the caller caused the error (exit code 2, HTTP 4xx).
     pub fn is_invalid_input(&self) -> bool {
         matches!(self, Error::Invalid { .. })
+    }
+}
+
+/// A SQLite failure in the user's own statements (inside a transaction tidemark handed them) is
+/// a store failure, never bad input.
+#[cfg(feature = "rusqlite")]
+impl From<rusqlite::Error> for Error {
+    fn from(error: rusqlite::Error) -> Self {
+        Error::store(format!("sqlite: {error}"))
     }
 }
 

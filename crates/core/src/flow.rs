@@ -4,6 +4,10 @@
 //! transitions, event payloads). The reservation domain in [`crate::reservation`] is the
 //! built-in example that the CLI and tests use.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -32,6 +36,20 @@ pub struct AdvanceRequest {
     pub schema_version: u32,
 }
 
+impl AdvanceRequest {
+    /// A request to move `flow_id` from seq `expected_seq` to `to_state` with `input`, emitting
+    /// payload schema 1.
+    pub fn new(flow_id: &str, expected_seq: i64, to_state: &str, input: Value) -> Self {
+        AdvanceRequest {
+            flow_id: flow_id.to_string(),
+            expected_seq,
+            to_state: to_state.to_string(),
+            input,
+            schema_version: 1,
+        }
+    }
+}
+
 /// What a machine decided for a valid transition.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
@@ -41,7 +59,16 @@ pub struct Decision {
 }
 
 /// Pure domain logic of one kind of flow. Implementations must be deterministic.
+///
+/// For a machine with typed input, data and event payloads, implement [`Machine`] instead:
+/// every `Machine` is a `FlowMachine`.
 pub trait FlowMachine: Send + Sync {
+    /// The machine's name (an identifier): what the registry, the API and the dashboard call it.
+    fn name(&self) -> &str;
+    /// Every state a flow of this machine can be in, its initial state included. Machines served
+    /// together must not share a state name: a flow's state tells which machine it belongs to
+    /// ([`MachineSet`]).
+    fn states(&self) -> Vec<&str>;
     /// The state of a flow that has no events yet.
     fn initial(&self) -> FlowState;
     /// Input validation independent of the current state. Errors here are bad input
@@ -137,11 +164,25 @@ pub fn decide_advance(
 pub struct StreamMachine;
 
 impl StreamMachine {
+    /// The machine's name.
+    pub const NAME: &'static str = "stream";
+    /// The state of a stream flow from its first event on.
     pub const STATE: &'static str = "stream";
-    const INITIAL: &'static str = "new";
+    /// The state of a stream without events (never stored: a flow row exists only after an
+    /// event). Distinct from every other built-in state, so that machines served together do
+    /// not collide.
+    const INITIAL: &'static str = "stream.empty";
 }
 
 impl FlowMachine for StreamMachine {
+    fn name(&self) -> &str {
+        Self::NAME
+    }
+
+    fn states(&self) -> Vec<&str> {
+        vec![Self::INITIAL, Self::STATE]
+    }
+
     fn initial(&self) -> FlowState {
         FlowState { state: Self::INITIAL.into(), data: Value::Object(Default::default()) }
     }
@@ -181,6 +222,307 @@ impl FlowMachine for StreamMachine {
 
     fn appends_at_any_seq(&self) -> bool {
         true
+    }
+}
+
+/// A flow machine with typed data, input and event payloads: the user's own `serde` types.
+/// Every `Machine` is a [`FlowMachine`]; the stored state, data and event payload stay JSON,
+/// and the canonical content hash is taken over that JSON as for any other machine.
+///
+/// Input that does not decode into [`Machine::Input`] is bad input (`invalid_payload`, nothing
+/// written); stored data that no longer decodes into [`Machine::Data`] answers
+/// `invalid_transition` with the reason, never a panic.
+///
+/// ```
+/// use serde::{Deserialize, Serialize};
+/// use tidemark_core::flow::{Machine, Transition};
+///
+/// #[derive(Default, Serialize, Deserialize)]
+/// struct Payment { amount: i64 }
+/// #[derive(Deserialize)]
+/// struct Authorize { amount: i64 }
+/// #[derive(Serialize)]
+/// struct Authorized { amount: i64 }
+///
+/// struct PaymentMachine;
+/// impl Machine for PaymentMachine {
+///     type Data = Payment;
+///     type Input = Authorize;
+///     type Event = Authorized;
+///     const NAME: &'static str = "payment";
+///     const STATES: &'static [&'static str] = &["payment.new", "authorized"];
+///     fn decide(&self, from: &str, _data: &Payment, to: &str, input: Authorize)
+///         -> Result<Transition<Payment, Authorized>, String> {
+///         match (from, to) {
+///             ("payment.new", "authorized") => Ok(Transition {
+///                 data: Payment { amount: input.amount },
+///                 event_type: "payment.authorized".into(),
+///                 event: Authorized { amount: input.amount },
+///             }),
+///             _ => Err(format!("{from} -> {to} is not allowed")),
+///         }
+///     }
+/// }
+/// ```
+pub trait Machine: Send + Sync + 'static {
+    /// What a flow carries from one state to the next. A new flow starts with its `Default`.
+    type Data: Serialize + DeserializeOwned + Default;
+    /// What an advance request carries (the request's `input`).
+    type Input: DeserializeOwned;
+    /// The event payload a transition emits. It must serialise to a JSON object.
+    type Event: Serialize;
+    /// The machine's name (an identifier).
+    const NAME: &'static str;
+    /// Every state, the initial state first.
+    const STATES: &'static [&'static str];
+
+    /// The payload schema versions this machine emits (a request names one; default `[1]`).
+    fn schema_versions(&self) -> &[u32] {
+        &[1]
+    }
+
+    /// Input validation independent of the current state (bad input: nothing is written).
+    fn validate(&self, _to_state: &str, _input: &Self::Input) -> Result<()> {
+        Ok(())
+    }
+
+    /// Decide a transition from `from` (with the flow's `data`) to `to`. `Err(reason)` is the
+    /// `invalid_transition` outcome.
+    fn decide(
+        &self,
+        from: &str,
+        data: &Self::Data,
+        to: &str,
+        input: Self::Input,
+    ) -> std::result::Result<Transition<Self::Data, Self::Event>, String>;
+
+    /// See [`FlowMachine::appends_at_any_seq`].
+    fn appends_at_any_seq(&self) -> bool {
+        false
+    }
+}
+
+/// What a [`Machine`] decided: the flow's next data and the event to emit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Transition<D, E> {
+    /// The flow's data in its next state.
+    pub data: D,
+    /// The event's type (an identifier, e.g. `payment.authorized`).
+    pub event_type: String,
+    /// The event's payload.
+    pub event: E,
+}
+
+fn decode_input<M: Machine>(request: &AdvanceRequest) -> Result<M::Input> {
+    M::Input::deserialize(&request.input)
+        .map_err(|e| Error::invalid(codes::INVALID_PAYLOAD, format!("the input does not fit machine {}: {e}", M::NAME)))
+}
+
+impl<M: Machine> FlowMachine for M {
+    fn name(&self) -> &str {
+        M::NAME
+    }
+
+    fn states(&self) -> Vec<&str> {
+        M::STATES.to_vec()
+    }
+
+    fn initial(&self) -> FlowState {
+        let data = serde_json::to_value(M::Data::default()).unwrap_or(Value::Null);
+        FlowState { state: M::STATES.first().copied().unwrap_or_default().to_string(), data }
+    }
+
+    fn validate(&self, request: &AdvanceRequest) -> Result<()> {
+        if !M::STATES.contains(&request.to_state.as_str()) {
+            return Err(Error::invalid(
+                codes::UNKNOWN_STATE,
+                format!("unknown {} state {:?}; states are {:?}", M::NAME, request.to_state, M::STATES),
+            ));
+        }
+        if !self.schema_versions().contains(&request.schema_version) {
+            return Err(Error::invalid(
+                codes::INVALID_SCHEMA_VERSION,
+                format!(
+                    "machine {} emits schema {:?}, got {}",
+                    M::NAME,
+                    self.schema_versions(),
+                    request.schema_version
+                ),
+            ));
+        }
+        let input = decode_input::<M>(request)?;
+        Machine::validate(self, &request.to_state, &input)
+    }
+
+    fn decide(&self, current: &FlowState, request: &AdvanceRequest) -> std::result::Result<Decision, String> {
+        let data = M::Data::deserialize(&current.data)
+            .map_err(|e| format!("the flow's stored data does not fit machine {}: {e}", M::NAME))?;
+        let input = decode_input::<M>(request).map_err(|e| e.to_string())?;
+        let transition = Machine::decide(self, &current.state, &data, &request.to_state, input)?;
+        let data =
+            serde_json::to_value(&transition.data).map_err(|e| format!("the next data does not serialise: {e}"))?;
+        let payload = serde_json::to_value(&transition.event)
+            .map_err(|e| format!("the event payload does not serialise: {e}"))?;
+        validate_id("event_type", &transition.event_type).map_err(|e| e.to_string())?;
+        Ok(Decision {
+            next: FlowState { state: request.to_state.clone(), data },
+            event_type: transition.event_type,
+            payload,
+        })
+    }
+
+    fn appends_at_any_seq(&self) -> bool {
+        Machine::appends_at_any_seq(self)
+    }
+}
+
+/// Several machines served by one producer. A flow belongs to the machine whose state it is
+/// in (machine states never collide: [`MachineSet::add`] refuses a machine that shares a state
+/// name with another), and a flow without events to the machine of the state it is asked to
+/// move to. A request to move a flow into another machine's state is `invalid_transition`.
+#[derive(Clone, Default)]
+pub struct MachineSet {
+    machines: Vec<Arc<dyn FlowMachine>>,
+    owner: BTreeMap<String, usize>,
+}
+
+/// What [`MachineSet::initial`] answers for a flow without events: no machine's state.
+const NO_EVENTS_YET: &str = "";
+
+impl MachineSet {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a machine. Its name and states must be identifiers, its initial state one of its
+    /// states, and neither its name nor any state may be another machine's
+    /// (`already_exists`, `state_collision`).
+    pub fn add(&mut self, machine: Arc<dyn FlowMachine>) -> Result<()> {
+        let name = machine.name().to_string();
+        validate_id("machine", &name)?;
+        if self.get(&name).is_some() {
+            return Err(Error::invalid(codes::ALREADY_EXISTS, format!("machine {name:?} is registered twice")));
+        }
+        let states: Vec<String> = machine.states().into_iter().map(str::to_string).collect();
+        if states.is_empty() {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("machine {name:?} has no states")));
+        }
+        let initial = machine.initial().state;
+        if !states.contains(&initial) {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("machine {name:?}: its initial state {initial:?} is not among its states {states:?}"),
+            ));
+        }
+        let mut seen = BTreeSet::new();
+        for state in &states {
+            validate_id("state", state)?;
+            if !seen.insert(state) {
+                return Err(Error::invalid(
+                    codes::INVALID_ARGUMENT,
+                    format!("machine {name:?} lists state {state:?} twice"),
+                ));
+            }
+            if let Some(other) = self.owner.get(state) {
+                return Err(Error::invalid(
+                    codes::STATE_COLLISION,
+                    format!(
+                        "machine {name:?} and machine {:?} both have state {state:?}: a flow's state must tell its machine",
+                        self.machines[*other].name()
+                    ),
+                ));
+            }
+        }
+        let index = self.machines.len();
+        for state in states {
+            self.owner.insert(state, index);
+        }
+        self.machines.push(machine);
+        Ok(())
+    }
+
+    /// The machine named `name`.
+    pub fn get(&self, name: &str) -> Option<&Arc<dyn FlowMachine>> {
+        self.machines.iter().find(|m| m.name() == name)
+    }
+
+    /// The machine that has `state`.
+    pub fn owner_of(&self, state: &str) -> Option<&Arc<dyn FlowMachine>> {
+        self.owner.get(state).map(|i| &self.machines[*i])
+    }
+
+    /// The machines, in the order they were added.
+    pub fn machines(&self) -> &[Arc<dyn FlowMachine>] {
+        &self.machines
+    }
+
+    /// True when no machine was added.
+    pub fn is_empty(&self) -> bool {
+        self.machines.is_empty()
+    }
+
+    fn target(&self, request: &AdvanceRequest) -> Result<&Arc<dyn FlowMachine>> {
+        self.owner_of(&request.to_state).ok_or_else(|| {
+            let known: Vec<&str> = self.owner.keys().map(String::as_str).collect();
+            Error::invalid(
+                codes::UNKNOWN_STATE,
+                format!("no machine has state {:?}; states are {known:?}", request.to_state),
+            )
+        })
+    }
+}
+
+impl FlowMachine for MachineSet {
+    fn name(&self) -> &str {
+        "machines"
+    }
+
+    fn states(&self) -> Vec<&str> {
+        self.owner.keys().map(String::as_str).collect()
+    }
+
+    fn initial(&self) -> FlowState {
+        FlowState { state: NO_EVENTS_YET.into(), data: Value::Object(Default::default()) }
+    }
+
+    fn validate(&self, request: &AdvanceRequest) -> Result<()> {
+        let machine = self.target(request)?;
+        if request.expected_seq == APPEND_AT_ANY_SEQ && !machine.appends_at_any_seq() {
+            return Err(Error::invalid(
+                codes::INVALID_SEQ,
+                format!("expected_seq must be >= 0, got {}", request.expected_seq),
+            ));
+        }
+        machine.validate(request)
+    }
+
+    fn decide(&self, current: &FlowState, request: &AdvanceRequest) -> std::result::Result<Decision, String> {
+        let target = self.target(request).map_err(|e| e.to_string())?;
+        if current.state == NO_EVENTS_YET {
+            return target.decide(&target.initial(), request);
+        }
+        let Some(owner) = self.owner_of(&current.state) else {
+            return Err(format!(
+                "flow {} is in state {:?}, which no registered machine has",
+                request.flow_id, current.state
+            ));
+        };
+        if !Arc::ptr_eq(owner, target) {
+            return Err(format!(
+                "flow {} is a {} flow (state {:?}); {:?} is a state of machine {}",
+                request.flow_id,
+                owner.name(),
+                current.state,
+                request.to_state,
+                target.name()
+            ));
+        }
+        owner.decide(current, request)
+    }
+
+    fn appends_at_any_seq(&self) -> bool {
+        self.machines.iter().any(|m| m.appends_at_any_seq())
     }
 }
 

@@ -50,6 +50,14 @@ fn input_quantity(request: &AdvanceRequest) -> Result<Option<i64>> {
 }
 
 impl FlowMachine for ReservationMachine {
+    fn name(&self) -> &str {
+        "reservation"
+    }
+
+    fn states(&self) -> Vec<&str> {
+        STATES.to_vec()
+    }
+
     fn initial(&self) -> FlowState {
         FlowState { state: "new".into(), data: json!({}) }
     }

@@ -458,6 +458,71 @@ pub trait Handler<T: ?Sized> {
     }
 }
 
+/// A handler over the user's own event type: the payload is decoded into [`EventHandler::Event`]
+/// before [`EventHandler::handle`] runs. Wrapped in [`Typed`], it is a [`Handler<T>`].
+///
+/// A consumer receives every event of the producers it subscribes to. Events whose type
+/// [`EventHandler::accepts`] refuses are applied with no effect (the flow's order is kept and
+/// nothing waits on them); an accepted event whose payload does not decode is `blocked` with the
+/// decoder's reason (its flow stops until an operator skips it or a fixed handler runs), never a
+/// panic.
+pub trait EventHandler<T: ?Sized> {
+    /// The payload type.
+    type Event: serde::de::DeserializeOwned;
+
+    /// Does this handler take events of `event_type`? Default: every type.
+    fn accepts(&self, _event_type: &str) -> bool {
+        true
+    }
+
+    /// Apply one event inside the apply transaction (`tx`): its writes commit exactly when the
+    /// event counts as applied.
+    fn handle(&mut self, tx: &T, consumer_id: &str, envelope: &Envelope, event: Self::Event)
+        -> Result<(), HandleError>;
+
+    /// See [`Handler::refuses_before_writing`] (default false, always safe).
+    fn refuses_before_writing(&self) -> bool {
+        false
+    }
+}
+
+/// An [`EventHandler`] as a [`Handler`]: decodes each accepted event's payload, then calls it.
+/// (A wrapper rather than a blanket impl, so that handlers generic over the store's transaction
+/// type stay possible.)
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Typed<H>(pub H);
+
+impl<T: ?Sized, H: EventHandler<T>> Handler<T> for Typed<H> {
+    fn handle(&mut self, target: &T, consumer_id: &str, envelope: &Envelope) -> Result<(), HandleError> {
+        if !self.0.accepts(&envelope.event_type) {
+            return Ok(());
+        }
+        let event = H::Event::deserialize(&envelope.payload).map_err(|e| {
+            HandleError::Blocked(format!("the payload of {} does not decode: {e}", envelope.event_type))
+        })?;
+        self.0.handle(target, consumer_id, envelope, event)
+    }
+
+    fn refuses_before_writing(&self) -> bool {
+        self.0.refuses_before_writing()
+    }
+}
+
+/// The handler that applies every event and does nothing else: the inbox as a durable, ordered,
+/// deduplicated log that readers page through.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RecordHandler;
+
+impl<T: ?Sized> Handler<T> for RecordHandler {
+    fn handle(&mut self, _: &T, _: &str, _: &Envelope) -> Result<(), HandleError> {
+        Ok(())
+    }
+
+    fn refuses_before_writing(&self) -> bool {
+        true
+    }
+}
+
 /// The consumer side: inboxes, cursors, receipts, and the user's projections.
 pub trait ConsumerStore {
     /// The transactional handle given to handlers.

@@ -369,6 +369,26 @@ impl StepFailure {
     }
 }
 
+/// A store failure inside a step is worth retrying; bad input is not.
+impl From<Error> for StepFailure {
+    fn from(error: Error) -> Self {
+        if error.is_invalid_input() {
+            StepFailure::permanent(error.to_string())
+        } else {
+            StepFailure::retryable(error.to_string())
+        }
+    }
+}
+
+/// A SQLite failure in a transactional step's own statements: retried (the step's savepoint is
+/// rolled back, its journal entry records the attempt).
+#[cfg(feature = "rusqlite")]
+impl From<rusqlite::Error> for StepFailure {
+    fn from(error: rusqlite::Error) -> Self {
+        StepFailure::retryable(format!("sqlite: {error}"))
+    }
+}
+
 fn truncate(mut message: String) -> String {
     if message.len() > ERROR_BYTES_MAX {
         let mut end = ERROR_BYTES_MAX;
@@ -395,6 +415,18 @@ pub struct StartRequest {
 }
 
 impl StartRequest {
+    /// Start run `run_id` of `workflow` version `version` with `input`, now, without a key.
+    pub fn new(run_id: &str, workflow: &str, version: u32, input: Value) -> Self {
+        StartRequest {
+            run_id: run_id.to_string(),
+            workflow: workflow.to_string(),
+            version,
+            input,
+            key: None,
+            start_at_ms: None,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         validate_id("run_id", &self.run_id)?;
         validate_id("workflow", &self.workflow)?;

@@ -1,7 +1,10 @@
-//! `tidemark serve`: one process that runs, for every tenant, the relay, the consumers' drains,
-//! the workflow worker and retention, and serves the HTTP API, the dashboard and `/metrics`.
+//! The tidemark service: your flow machines, consumer handlers and workflows, served for every
+//! tenant with the relay, the consumers' drains, the workflow worker and retention running
+//! behind them, and the HTTP API, the dashboard and `/metrics` in front. Build one with
+//! [`Service::builder`]; `tidemark serve` is that builder with the built-ins registered.
 //!
-//! Code map: `config.rs` (layered configuration), `auth.rs` (tokens, scopes, rate limits),
+//! Code map: `service.rs` (the builder and the service's entry points), `registry.rs` (what it
+//! serves), `config.rs` (layered configuration), `auth.rs` (tokens, scopes, rate limits),
 //! `tenant.rs` (a tenant's files and store threads), `actor.rs` (a store thread with group
 //! commit), `background.rs` (the loops), `api/` (HTTP routes and the error mapping),
 //! `metrics.rs` (Prometheus), `dashboard/` (the HTML pages under `/ui` and their sampler).
@@ -13,21 +16,26 @@ mod background;
 pub mod config;
 mod dashboard;
 pub mod metrics;
+pub mod registry;
+mod service;
 pub mod stats;
 pub mod tenant;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use governor::DefaultKeyedRateLimiter;
-use serde_json::json;
 use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::SqliteControl;
 use tokio::sync::watch;
 
+pub use auth::Caller;
 pub use config::{Config, Overrides};
-use tenant::Tenant;
+pub use registry::{Database, Registry, TenantInfo};
+pub use service::{Service, ServiceBuilder};
+pub use tenant::Tenant;
+/// The `axum`, `utoipa` and `utoipa_axum` the service is built with (for routes of your own).
+pub use {axum, utoipa, utoipa_axum};
 
 /// The file of tokens, tenants and consumers, in the data folder.
 pub const CONTROL_FILE: &str = "server.db";
@@ -42,6 +50,8 @@ pub struct AppState(Arc<Inner>);
 
 pub struct Inner {
     pub config: Config,
+    /// What the service serves.
+    pub registry: Arc<Registry>,
     pub control_cache: Mutex<auth::ControlCache>,
     pub limiter: DefaultKeyedRateLimiter<String>,
     pub metrics: metrics::Metrics,
@@ -65,7 +75,7 @@ impl std::ops::Deref for AppState {
 
 impl AppState {
     /// Open the data folder (created on first start, never reset) and its control database.
-    pub fn open(config: Config) -> Result<AppState> {
+    pub fn open(config: Config, registry: Registry) -> Result<AppState> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| Error::io(format!("cannot create {}: {e}", config.data_dir.display())))?;
         let control = SqliteControl::open(&config.data_dir.join(CONTROL_FILE), true, config.durability()?)?;
@@ -82,6 +92,7 @@ impl AppState {
             tasks: Mutex::new(Vec::new()),
             started_at_ms: now_ms(),
             config,
+            registry: Arc::new(registry),
         })))
     }
 
@@ -105,16 +116,43 @@ impl AppState {
         if *self.shutdown.borrow() {
             return Err(Error::invalid(tidemark_core::error::codes::UNAVAILABLE, "the server is shutting down"));
         }
-        let (config, id_owned, observer) = (self.config.clone(), id.to_string(), self.metrics.observer(id));
-        let tenant = tokio::task::spawn_blocking(move || Tenant::open(&config, &id_owned, now_ms, Some(observer)))
-            .await
-            .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
+        let (state, id_owned, observer) = (self.clone(), id.to_string(), self.metrics.observer(id));
+        let tenant = tokio::task::spawn_blocking(move || {
+            Tenant::open(&state.config, &state.registry, &id_owned, now_ms, Some(observer))
+        })
+        .await
+        .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
         let tenant = Arc::new(tenant);
         self.control(|c| c.ensure_tenant(id, now_ms()))?;
+        self.declare_registered_consumers(&tenant).await?;
         tenants.insert(id.to_string(), tenant.clone());
         background::start(self.clone(), tenant.clone());
         tracing::info!(tenant = id, dir = %tenant.dir.display(), "tenant opened");
         Ok(tenant)
+    }
+
+    /// Declare (once) the consumers the registry names in this tenant, and subscribe each to the
+    /// tenant's producer from its first event.
+    async fn declare_registered_consumers(&self, tenant: &Arc<Tenant>) -> Result<()> {
+        for consumer in &self.registry.consumers {
+            let database = self.registry.handler_database(&consumer.handler)?;
+            self.control(|c| c.declare_consumer(&tenant.id, &consumer.consumer_id, &consumer.handler, now_ms()))?;
+            let subscription = tidemark_core::store::Subscription {
+                consumer_id: consumer.consumer_id.clone(),
+                endpoint: tenant.endpoint(database),
+            };
+            tenant
+                .producer
+                .call(move |p| {
+                    use tidemark_core::store::ProducerStore;
+                    if p.store.subscriptions()?.iter().any(|s| s.consumer_id == subscription.consumer_id) {
+                        return Ok(0);
+                    }
+                    p.store.subscribe(&subscription, true, now_ms())
+                })
+                .await?;
+        }
+        Ok(())
     }
 
     /// Every tenant opened so far.
@@ -214,65 +252,8 @@ mod otel {
     }
 }
 
-/// Run the server until SIGINT/SIGTERM. Prints one JSON line on stdout when it listens
-/// (`{"outcome":"listening","addr":...}`) and returns the shutdown report.
-pub fn serve(config: Config) -> Result<serde_json::Value> {
-    let logs = init_logging(&config)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
-    let report = runtime.block_on(serve_async(config));
-    // The runtime's tasks are gone; now the last spans are exported.
-    drop(runtime);
-    drop(logs);
-    report
-}
-
-async fn serve_async(config: Config) -> Result<serde_json::Value> {
-    let addr = config.listen_addr()?;
-    let grace = Duration::from_millis(config.shutdown.grace_ms);
-    if config.auth_disabled() {
-        let message = format!(
-            "AUTHENTICATION IS DISABLED (auth.mode = \"none\"): every request is an admin of tenant {:?}. \
-             Use this for local development only.",
-            config.auth.dev_tenant
-        );
-        tracing::warn!("{message}");
-        eprintln!("WARNING: {message}");
-    }
-    let state = AppState::open(config)?;
-    // Every known tenant's loops run from the start, not from its first request.
-    for id in state.control(|c| c.tenants())? {
-        state.tenant(&id).await?;
-    }
-    dashboard::start_sampler(state.clone());
-    let signals = shutdown_signals()?;
-    let listener =
-        tokio::net::TcpListener::bind(addr).await.map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
-    let bound = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
-    state.ready.store(true, std::sync::atomic::Ordering::SeqCst);
-    println!("{}", json!({"outcome": "listening", "addr": bound.to_string(), "data_dir": state.config.data_dir}));
-    tracing::info!(addr = %bound, "listening");
-
-    let app = api::router(state.clone());
-    let stop = state.clone();
-    let stopped_by = Arc::new(Mutex::new("signal"));
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-        signals.await;
-        tracing::info!("shutting down: no new requests, no new claims");
-        stop.shutdown.send_replace(true);
-    });
-    server.await.map_err(|e| Error::io(format!("the HTTP server failed: {e}")))?;
-    // In-flight requests are answered; now the loops finish and release what they hold.
-    let released = background::stop_all(&state, grace).await;
-    let stopped_by = *stopped_by.lock().unwrap_or_else(|p| p.into_inner());
-    Ok(json!({"outcome": "stopped", "stopped_by": stopped_by, "workers": released}))
-}
-
 /// Resolves on SIGINT or SIGTERM. Installed before the server listens.
-fn shutdown_signals() -> Result<impl std::future::Future<Output = ()>> {
+pub(crate) fn shutdown_signals() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let install = |kind| signal(kind).map_err(|e| Error::io(format!("cannot install a signal handler: {e}")));
     let (mut interrupt, mut terminate) = (install(SignalKind::interrupt())?, install(SignalKind::terminate())?);

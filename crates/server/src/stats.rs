@@ -37,7 +37,7 @@ impl StatsReader {
     /// Open the readers of the files in `dir` (after the tenant's writers have created them).
     pub fn open(dir: &std::path::Path) -> Result<StatsReader> {
         use tidemark_store_sqlite::open_reader;
-        let [(_, producer), (_, inbox), (_, workflows), _] = Tenant::files(dir);
+        let [(_, producer), (_, inbox), (_, workflows)] = Tenant::files(dir);
         Ok(StatsReader {
             producer: open_reader(&producer)?,
             inbox: open_reader(&inbox)?,
@@ -87,7 +87,8 @@ mod tests {
     async fn counts_are_read_while_the_store_threads_are_busy() {
         let dir = tempfile::tempdir().unwrap();
         let config = Config { data_dir: dir.path().to_path_buf(), ..Config::default() };
-        let tenant = Arc::new(Tenant::open(&config, "acme", now_ms, None).unwrap());
+        let registry = crate::registry::Registry::new(Default::default()).unwrap();
+        let tenant = Arc::new(Tenant::open(&config, &registry, "acme", now_ms, None).unwrap());
         let before = TenantStats::read(&tenant).await.unwrap();
         assert_eq!(before.outbox.last_position, 0);
 

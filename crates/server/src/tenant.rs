@@ -2,128 +2,48 @@
 //!
 //! ```text
 //! <data>/tenants/<tenant>/producer.db   flows, outbox, subscriptions, deliveries (source = tenant id)
-//! <data>/tenants/<tenant>/inbox.db      the inbox of its `reservation` and `record` consumers
-//! <data>/tenants/<tenant>/workflows.db  runs and journals, and the inbox of its `workflows` consumers
-//! <data>/tenants/<tenant>/payments.db   the built-in order saga's fake payment service
+//! <data>/tenants/<tenant>/inbox.db      the inboxes of consumers whose handlers write to the inbox database
+//! <data>/tenants/<tenant>/workflows.db  runs and journals, and the inboxes of handlers on the workflow database
 //! ```
+//!
+//! Registrations may keep files of their own in the folder (the built-in order saga's fake
+//! payment service keeps `payments.db`). The user's tables live in one of the three databases,
+//! by the transaction that must change them ([`Database`]); their migrations run when the
+//! tenant opens, before any of its threads starts.
 //!
 //! **Isolation invariant:** a tenant's data is only ever in its own folder, and a request is
 //! served from the folder of the tenant its token is bound to. No query can mix two tenants.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use rusqlite::Connection;
 use tidemark_core::error::codes;
-use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, Decision, FlowMachine, FlowState, StreamMachine};
+use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, MachineSet};
 use tidemark_core::policy::RetentionPolicy;
-use tidemark_core::reservation::ReservationMachine;
-use tidemark_core::store::{ConsumerStore, HandleError, Handler, ProducerStore, ReceiveOutcome};
+use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, ProducerStore, ReceiveOutcome};
+use tidemark_core::workflow::{RunDetail, StartOutcome, StartRequest, WorkflowStore};
 use tidemark_core::{Envelope, Error, Result};
-use tidemark_engine::workflow::builtin;
-use tidemark_engine::workflow::order::{FakePayments, Payments};
-use tidemark_engine::workflow::{Worker, WorkerObserver, WorkerOptions, Writer};
-use tidemark_store_sqlite::reservation::ReservationHandler;
-use tidemark_store_sqlite::workflow_events::RunEventHandler;
+use tidemark_engine::workflow::{Worker, WorkerObserver, WorkerOptions, Workflows, Writer};
 use tidemark_store_sqlite::{
-    order as order_sql, reservation, Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
+    apply_migrations, Durability, ProducerTransaction, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
 };
 
 use crate::actor::{Actor, GroupCommit};
 use crate::config::Config;
+use crate::registry::{BoxedHandler, Database, Registry, TenantInfo};
 
-/// The built-in handlers a consumer can be declared with.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HandlerKind {
-    /// The reservation example domain: projection and effects in `inbox.db`.
-    Reservation,
-    /// Any event applies and does nothing else: the inbox as a durable, ordered, deduplicated log.
-    Record,
-    /// Each event becomes a run event (`run_id` in its payload), waking a run waiting for it.
-    Workflows,
-}
-
-impl HandlerKind {
-    pub const ALL: [HandlerKind; 3] = [HandlerKind::Reservation, HandlerKind::Record, HandlerKind::Workflows];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HandlerKind::Reservation => "reservation",
-            HandlerKind::Record => "record",
-            HandlerKind::Workflows => "workflows",
-        }
-    }
-
-    pub fn parse(value: &str) -> Result<HandlerKind> {
-        Self::ALL.into_iter().find(|k| k.as_str() == value).ok_or_else(|| {
-            Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("unknown handler {value:?}; handlers are reservation, record, workflows"),
-            )
-        })
-    }
-
-    /// The handler that applies this kind of consumer's events.
-    pub fn handler(self, support_v2: bool) -> Box<dyn Handler<Connection>> {
-        match self {
-            HandlerKind::Reservation => Box::new(ReservationHandler::new(support_v2)),
-            HandlerKind::Record => Box::new(RecordHandler),
-            HandlerKind::Workflows => Box::new(RunEventHandler::new()),
-        }
-    }
-
-    /// Which inbox file holds this consumer's records.
-    pub fn inbox(self) -> InboxFile {
-        match self {
-            HandlerKind::Reservation | HandlerKind::Record => InboxFile::Inbox,
-            HandlerKind::Workflows => InboxFile::Workflows,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum InboxFile {
-    Inbox,
-    Workflows,
-}
-
-/// The machine of the tenant's producer: reservation flows and plain event streams, told apart
-/// by `to_state` (see [`StreamMachine`]). A stream flow never becomes a reservation and back.
-pub struct TenantMachine;
-
-impl FlowMachine for TenantMachine {
-    fn initial(&self) -> FlowState {
-        ReservationMachine.initial()
-    }
-
-    fn validate(&self, request: &AdvanceRequest) -> Result<()> {
-        if request.to_state == StreamMachine::STATE {
-            StreamMachine.validate(request)
-        } else if request.expected_seq < 0 {
-            Err(Error::invalid(codes::INVALID_SEQ, format!("expected_seq must be >= 0, got {}", request.expected_seq)))
-        } else {
-            ReservationMachine.validate(request)
-        }
-    }
-
-    fn decide(&self, current: &FlowState, request: &AdvanceRequest) -> std::result::Result<Decision, String> {
-        if request.to_state == StreamMachine::STATE {
-            StreamMachine.decide(current, request)
-        } else {
-            ReservationMachine.decide(current, request)
-        }
-    }
-
-    fn appends_at_any_seq(&self) -> bool {
-        true
-    }
-}
-
-/// The producer thread: advances in group commits; relay passes and reads as calls.
+/// The producer thread: advances in group commits; relay passes, transactions and reads as
+/// calls.
 pub struct ProducerThread {
+    /// The tenant's producer store.
     pub store: SqliteProducer,
+    /// The consumer databases the relay delivers to.
     pub endpoints: SqliteEndpoints,
+    /// The service's clock.
     pub clock: fn() -> i64,
+    /// The service's machines (a request's state tells which one decides it).
+    pub machines: Arc<MachineSet>,
 }
 
 impl GroupCommit for ProducerThread {
@@ -131,14 +51,30 @@ impl GroupCommit for ProducerThread {
     type Answer = AdvanceOutcome;
 
     fn commit(&mut self, items: Vec<AdvanceRequest>) -> Result<Vec<AdvanceOutcome>> {
-        self.store.advance_batch(&TenantMachine, &items, (self.clock)())
+        self.store.advance_batch(self.machines.as_ref(), &items, (self.clock)())
     }
 }
 
 /// An inbox thread: receives in group commits; drains and reads as calls.
 pub struct InboxThread {
+    /// The consumer store of this inbox database.
     pub store: SqliteConsumer,
+    /// The service's clock.
     pub clock: fn() -> i64,
+    /// One instance of every handler registered on this database.
+    pub handlers: BTreeMap<String, BoxedHandler>,
+}
+
+impl InboxThread {
+    /// Drain `consumer_id`'s inbox with its handler `handler` (at most `limit` events, one
+    /// transaction).
+    pub fn drain(&mut self, consumer_id: &str, handler: &str, scope: &DrainScope, limit: usize) -> Result<DrainReport> {
+        let now = (self.clock)();
+        let handler = self.handlers.get_mut(handler).ok_or_else(|| {
+            Error::invalid(codes::UNKNOWN_HANDLER, format!("handler {handler:?} is not registered on this database"))
+        })?;
+        self.store.drain(consumer_id, scope, limit, handler.as_mut(), now)
+    }
 }
 
 impl GroupCommit for InboxThread {
@@ -151,50 +87,47 @@ impl GroupCommit for InboxThread {
     }
 }
 
-/// The `record` handler: applying an event records it, nothing else.
-pub struct RecordHandler;
-
-impl Handler<Connection> for RecordHandler {
-    fn handle(
-        &mut self,
-        _tx: &Connection,
-        _consumer_id: &str,
-        _event: &Envelope,
-    ) -> std::result::Result<(), HandleError> {
-        Ok(())
-    }
-
-    fn refuses_before_writing(&self) -> bool {
-        true
-    }
-}
-
+/// One open tenant: its store threads, its workflow writer and worker.
 pub struct Tenant {
+    /// The tenant's id.
     pub id: String,
+    /// Its folder.
     pub dir: PathBuf,
+    /// The thread that owns `producer.db`.
     pub producer: Actor<ProducerThread>,
+    /// The thread that owns the consumer tables of `inbox.db`.
     pub inbox: Actor<InboxThread>,
+    /// The thread that owns the consumer tables of `workflows.db`.
     pub runs_inbox: Actor<InboxThread>,
+    /// The thread that owns the workflow tables of `workflows.db` (group commit of journals).
     pub writer: Writer<SqliteWorkflows>,
-    pub worker: Arc<Worker<SqliteWorkflows>>,
+    /// The tenant's workflow worker (none when the service registers no workflow).
+    pub worker: Option<Arc<Worker<SqliteWorkflows>>>,
+    /// The workflows the worker runs (for checking starts before anything is written).
+    pub workflows: Workflows<SqliteWorkflows>,
+    /// The service's machines (what advances are checked against before they are queued).
+    pub machines: Arc<MachineSet>,
     /// Read-only connections for the counts of `/metrics` and the dashboard.
     pub stats: std::sync::Mutex<crate::stats::StatsReader>,
 }
 
 impl Tenant {
-    pub fn files(dir: &Path) -> [(&'static str, PathBuf); 4] {
-        ["producer.db", "inbox.db", "workflows.db", "payments.db"].map(|name| (name, dir.join(name)))
+    /// The databases of a tenant folder, by name.
+    pub fn files(dir: &Path) -> [(&'static str, PathBuf); 3] {
+        [Database::Producer, Database::Inbox, Database::Workflows].map(|d| (d.file_name(), dir.join(d.file_name())))
     }
 
-    /// Open (creating on first use, never resetting) the tenant's files and start its threads.
     /// The folder of tenant `id` in the data folder `data_dir`.
     pub fn dir_of(data_dir: &Path, id: &str) -> PathBuf {
         data_dir.join("tenants").join(id)
     }
 
-    /// `observer` is told what the tenant's workflow worker does (metrics, logs).
+    /// Open (creating on first use, never resetting) the tenant's files, run the registered
+    /// migrations, and start its threads. `observer` is told what the tenant's workflow worker
+    /// does (metrics, logs).
     pub fn open(
         config: &Config,
+        registry: &Registry,
         id: &str,
         clock: fn() -> i64,
         observer: Option<Arc<dyn WorkerObserver>>,
@@ -203,39 +136,39 @@ impl Tenant {
         let durability = config.durability()?;
         let dir = Self::dir_of(&config.data_dir, id);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("cannot create {}: {e}", dir.display())))?;
-        let producer_path = dir.join("producer.db");
-        if !producer_path.exists() {
-            SqliteProducer::init(&producer_path, id)?;
-        }
-        let store = SqliteProducer::open_with(&producer_path, durability)?;
+        let info = TenantInfo { id: id.to_string(), dir: dir.clone(), durability };
+        let path = |database: Database| dir.join(database.file_name());
+
+        drop(SqliteProducer::init(&path(Database::Producer), id)?);
+        let mut store = SqliteProducer::open_with(&path(Database::Producer), durability)?;
+        apply_migrations(store.connection(), registry.migrations_of(Database::Producer), clock())?;
+        let machines = Arc::new(registry.machines().clone());
         let producer = Actor::spawn(
             format!("producer-{id}"),
-            ProducerThread { store, endpoints: SqliteEndpoints::new(durability), clock },
+            ProducerThread { store, endpoints: SqliteEndpoints::new(durability), clock, machines: machines.clone() },
             config.limits.group_commit_max,
         )?;
 
+        let inbox_store = open_consumer(&path(Database::Inbox), durability)?;
+        apply_migrations(inbox_store.connection(), registry.migrations_of(Database::Inbox), clock())?;
         let inbox = Actor::spawn(
             format!("inbox-{id}"),
-            InboxThread { store: open_consumer(&dir.join("inbox.db"), durability, true)?, clock },
+            InboxThread { store: inbox_store, clock, handlers: registry.handlers_of(Database::Inbox) },
             config.limits.group_commit_max,
         )?;
-        let workflows_path = dir.join("workflows.db");
-        {
-            // Workflow tables, consumer tables and the order saga's tables in one file.
-            let mut store = SqliteWorkflows::open_with(&workflows_path, durability)?;
-            order_sql::install(store.connection())?;
-        }
+        // Workflow tables, consumer tables and the user's workflow tables in one file.
+        let workflows_path = path(Database::Workflows);
+        drop(SqliteWorkflows::init_with(&workflows_path, durability)?);
+        let runs_store = open_consumer(&workflows_path, durability)?;
+        apply_migrations(runs_store.connection(), registry.migrations_of(Database::Workflows), clock())?;
         let runs_inbox = Actor::spawn(
             format!("runs-inbox-{id}"),
-            InboxThread { store: open_consumer(&workflows_path, durability, false)?, clock },
+            InboxThread { store: runs_store, clock, handlers: registry.handlers_of(Database::Workflows) },
             config.limits.group_commit_max,
         )?;
 
-        let payments: Arc<dyn Payments> = Arc::new(FakePayments::open(&dir.join("payments.db"))?);
-        let retry = builtin::retry_policy(config.workers.max_attempts, config.workers.retry_delay_ms)?;
-        let workflows = builtin::workflows(payments, &retry)?;
-        let path = workflows_path.clone();
-        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))?;
+        let workflows = registry.workflows_for(&info)?;
+        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&workflows_path, durability))?;
         let options = WorkerOptions {
             worker_id: format!("serve-{}-{id}", std::process::id()),
             concurrency: config.workers.concurrency,
@@ -243,38 +176,87 @@ impl Tenant {
             poll_interval_ms: config.workers.poll_ms,
             heartbeat_ms: None,
         };
-        let mut worker = Worker::new(writer.clone(), workflows, options)?;
-        if let Some(observer) = observer {
-            worker = worker.with_observer(observer);
-        }
-        let worker = Arc::new(worker);
+        let worker = if workflows.is_empty() {
+            None
+        } else {
+            let mut worker = Worker::new(writer.clone(), workflows.clone(), options)?;
+            if let Some(observer) = observer {
+                worker = worker.with_observer(observer);
+            }
+            Some(Arc::new(worker))
+        };
         let stats = std::sync::Mutex::new(crate::stats::StatsReader::open(&dir)?);
-        Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker, stats })
+        Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker, workflows, machines, stats })
     }
 
-    pub fn inbox_of(&self, file: InboxFile) -> &Actor<InboxThread> {
-        match file {
-            InboxFile::Inbox => &self.inbox,
-            InboxFile::Workflows => &self.runs_inbox,
+    /// The thread of a consumer database (`Producer` is not one: `invalid_argument`).
+    pub fn inbox_of(&self, database: Database) -> Result<&Actor<InboxThread>> {
+        match database {
+            Database::Inbox => Ok(&self.inbox),
+            Database::Workflows => Ok(&self.runs_inbox),
+            Database::Producer => {
+                Err(Error::invalid(codes::INVALID_ARGUMENT, "the producer database holds no consumer's inbox"))
+            }
         }
     }
 
     /// The endpoint (consumer database path) a subscription of this tenant delivers to.
-    pub fn endpoint(&self, file: InboxFile) -> String {
-        let name = match file {
-            InboxFile::Inbox => "inbox.db",
-            InboxFile::Workflows => "workflows.db",
-        };
-        self.dir.join(name).to_string_lossy().into_owned()
+    pub fn endpoint(&self, database: Database) -> String {
+        self.dir.join(database.file_name()).to_string_lossy().into_owned()
+    }
+
+    /// Advance a flow (group-committed with concurrent advances): answered after the commit.
+    pub async fn advance(&self, request: AdvanceRequest) -> Result<AdvanceOutcome> {
+        // Validated here, so a bad request never reaches (or fails) a group commit.
+        tidemark_core::flow::validate_request(self.machines.as_ref(), &request)?;
+        self.producer.submit(request).await
+    }
+
+    /// Run `f` in one transaction of the producer database, on its thread: the user's own rows
+    /// and advances commit together or not at all (see
+    /// [`SqliteProducer::transaction`]). `f` gets the transaction and the service's machines.
+    pub async fn transaction<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&ProducerTransaction<'_>, &MachineSet) -> Result<T> + Send + 'static,
+    {
+        self.producer
+            .call(move |p| {
+                let machines = p.machines.clone();
+                let now = (p.clock)();
+                p.store.transaction(now, |tx| f(tx, &machines))
+            })
+            .await
+    }
+
+    /// Start runs, checked against the tenant's workflows first (nothing is written for a
+    /// request that could never run).
+    pub async fn start(&self, requests: Vec<StartRequest>) -> Result<Vec<StartOutcome>> {
+        for request in &requests {
+            self.workflows.check_start(request)?;
+        }
+        self.worker()?.start(requests).await
+    }
+
+    /// The worker, or `unknown_workflow` when the service registers no workflow.
+    pub fn worker(&self) -> Result<&Arc<Worker<SqliteWorkflows>>> {
+        self.worker.as_ref().ok_or_else(|| {
+            Error::invalid(
+                tidemark_core::workflow::workflow_codes::UNKNOWN_WORKFLOW,
+                "this service registers no workflow",
+            )
+        })
+    }
+
+    /// A run with its journal, attempts and events.
+    pub async fn run(&self, run_id: &str) -> Result<Option<RunDetail>> {
+        let run_id = run_id.to_string();
+        self.writer.call(move |store, _| store.run(&run_id)).await
     }
 }
 
-fn open_consumer(path: &Path, durability: Durability, reservation_tables: bool) -> Result<SqliteConsumer> {
+fn open_consumer(path: &Path, durability: Durability) -> Result<SqliteConsumer> {
     // Creates the file on first use; never resets (the first horizon is kept).
     drop(SqliteConsumer::init(path, RetentionPolicy::default())?);
-    let consumer = SqliteConsumer::open_with(path, durability)?;
-    if reservation_tables {
-        reservation::install(&consumer)?;
-    }
-    Ok(consumer)
+    SqliteConsumer::open_with(path, durability)
 }

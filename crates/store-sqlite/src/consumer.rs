@@ -43,10 +43,23 @@ fn projection_tables(conn: &Connection) -> Result<Vec<String>> {
     serde_json::from_str(&raw).map_err(|e| Error::store(format!("corrupt consumer.projection_tables: {e}")))
 }
 
-/// Register a user projection table (it must have a `consumer_id` column) so that renaming a
-/// consumer carries its rows over in the same transaction as the dedup state.
-pub(crate) fn register_projection_table(conn: &Connection, table: &str) -> Result<()> {
+/// Register a projection table of the user's (it must exist and have a `consumer_id` column) so
+/// that renaming a consumer carries its rows over in the same transaction as the dedup state.
+/// Idempotent. Call it in the migration (or transaction) that creates the table.
+pub fn register_projection_table(conn: &Connection, table: &str) -> Result<()> {
     validate_id("table", table)?;
+    let has_consumer_id: bool = conn
+        .query_row("SELECT count(*) FROM pragma_table_info(?1) WHERE name = 'consumer_id'", [table], |r| {
+            r.get::<_, i64>(0)
+        })
+        .db()?
+        > 0;
+    if !has_consumer_id {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!("table {table:?} does not exist or has no consumer_id column"),
+        ));
+    }
     let mut tables = projection_tables(conn)?;
     if !tables.iter().any(|t| t == table) {
         tables.push(table.to_string());

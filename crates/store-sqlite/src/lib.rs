@@ -8,10 +8,9 @@ mod consumer;
 mod control;
 mod endpoints;
 pub mod example;
-pub mod order;
+mod migrations;
 pub mod probe;
 mod producer;
-pub mod reservation;
 mod schema;
 pub mod stats;
 /// Deliberately wrong dual write, for the crash test that shows the loss. Failpoints builds only.
@@ -20,11 +19,14 @@ pub mod unsafe_dual_write;
 mod workflow;
 pub mod workflow_events;
 
-pub use consumer::SqliteConsumer;
+pub use consumer::{register_projection_table, SqliteConsumer};
 pub use control::{ConsumerRecord, SqliteControl, TokenRecord};
 pub use endpoints::SqliteEndpoints;
-pub use producer::{advance_in, OutboxTransaction, SqliteProducer};
-pub use schema::{busy_events, open_existing, open_reader, Durability, SCHEMA_VERSION};
+pub use migrations::{apply_migrations, validate_migrations, Migration, UNKNOWN_MIGRATION};
+pub use producer::{
+    advance_committed_in, advance_in, committed, Committed, OutboxTransaction, ProducerTransaction, SqliteProducer,
+};
+pub use schema::{busy_events, open_connection, open_existing, open_reader, Durability, SCHEMA_VERSION};
 #[cfg(feature = "failpoints")]
 pub use unsafe_dual_write::unsafe_dual_write_advance;
 pub use workflow::{send_event_in, SqliteWorkflows, RECEIPT_WINDOW_MS_DEFAULT};

@@ -121,6 +121,58 @@ impl SqliteProducer {
 
     /// Begin a `BEGIN IMMEDIATE` transaction in which the caller writes its business rows and
     /// advances flows; both commit or roll back together.
+    /// Run `f` in one `BEGIN IMMEDIATE` transaction that commits only when `f` returns `Ok` and
+    /// every advance in it committed: write business rows (the transaction derefs to the
+    /// connection) and advance flows with [`ProducerTransaction::advance`], and both commit or
+    /// neither does. `?` works on SQLite calls (`tidemark::Error: From<rusqlite::Error>`) and on
+    /// advances.
+    ///
+    /// ```
+    /// # use tidemark_core::flow::AdvanceRequest;
+    /// # use tidemark_core::reservation::ReservationMachine;
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let mut producer = tidemark_store_sqlite::SqliteProducer::init(&dir.path().join("shop.db"), "shop").unwrap();
+    /// # producer.connection().execute_batch("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)").unwrap();
+    /// let request = AdvanceRequest {
+    ///     flow_id: "order-1".into(),
+    ///     expected_seq: 0,
+    ///     to_state: "reserved".into(),
+    ///     input: serde_json::json!({"quantity": 3}),
+    ///     schema_version: 1,
+    /// };
+    /// let committed = producer.transaction(1_000, |tx| -> tidemark_core::Result<_> {
+    ///     tx.execute("INSERT INTO orders (id, total) VALUES (?1, ?2)", ("order-1", 300))?;
+    ///     tx.advance(&ReservationMachine, &request)
+    /// })?;
+    /// assert_eq!(committed.seq, 1);
+    /// // The same request again is stale: the insert of this second transaction rolls back too.
+    /// let again = producer.transaction(1_001, |tx| -> tidemark_core::Result<_> {
+    ///     tx.execute("INSERT INTO orders (id, total) VALUES (?1, ?2)", ("order-2", 100))?;
+    ///     tx.advance(&ReservationMachine, &request)
+    /// });
+    /// assert_eq!(again.unwrap_err().code(), "stale");
+    /// # let orders: i64 = producer.connection().query_row("SELECT count(*) FROM orders", [], |r| r.get(0)).unwrap();
+    /// # assert_eq!(orders, 1);
+    /// # Ok::<(), tidemark_core::Error>(())
+    /// ```
+    pub fn transaction<T, E, F>(&mut self, now_ms: i64, f: F) -> std::result::Result<T, E>
+    where
+        F: FnOnce(&ProducerTransaction<'_>) -> std::result::Result<T, E>,
+        E: From<Error>,
+    {
+        let tx = ProducerTransaction { inner: self.begin()?, now_ms, refused: Default::default() };
+        let value = f(&tx)?;
+        if let Some(refused) = tx.refused.take() {
+            return Err(refused.into());
+        }
+        tx.inner.commit()?;
+        Ok(value)
+    }
+
+    /// A transaction for the caller's rows and advances, committed with
+    /// [`OutboxTransaction::commit`]. Its `advance` answers outcomes (`stale` and
+    /// `invalid_transition` are answers, not errors): check them before committing, or use
+    /// [`SqliteProducer::transaction`], which cannot commit half.
     pub fn begin(&mut self) -> Result<OutboxTransaction<'_>> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         Ok(OutboxTransaction { tx, identity: &self.identity })
@@ -155,6 +207,80 @@ impl std::ops::Deref for OutboxTransaction<'_> {
     fn deref(&self) -> &Connection {
         &self.tx
     }
+}
+
+/// What an advance that committed answered.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Committed {
+    /// The flow.
+    pub flow_id: String,
+    /// The flow's new seq (the event's).
+    pub seq: i64,
+    /// The event's id.
+    pub event_id: String,
+    /// The flow's new state.
+    pub state: String,
+}
+
+/// `Ok` for a committed outcome; the refusal (`stale`, `invalid_transition`) as an error with
+/// that code otherwise, for a transaction that must not commit without its event.
+pub fn committed(outcome: AdvanceOutcome) -> Result<Committed> {
+    match outcome {
+        AdvanceOutcome::Committed { flow_id, seq, event_id, state } => Ok(Committed { flow_id, seq, event_id, state }),
+        AdvanceOutcome::Stale { flow_id, expected_seq, current_seq } => Err(Error::invalid(
+            codes::STALE,
+            format!("stale: flow {flow_id} is at seq {current_seq}, the request expected {expected_seq}"),
+        )),
+        AdvanceOutcome::InvalidTransition { flow_id, current_state, to_state, reason } => Err(Error::invalid(
+            codes::INVALID_TRANSITION,
+            format!("invalid transition of flow {flow_id} from {current_state} to {to_state}: {reason}"),
+        )),
+    }
+}
+
+/// A transaction of [`SqliteProducer::transaction`]: the caller's statements (it derefs to the
+/// connection) and advances that either commit or abort the whole transaction.
+pub struct ProducerTransaction<'a> {
+    inner: OutboxTransaction<'a>,
+    now_ms: i64,
+    refused: std::cell::RefCell<Option<Error>>,
+}
+
+impl ProducerTransaction<'_> {
+    /// Advance a flow in this transaction. An answer other than `committed` is an error (codes
+    /// `stale`, `invalid_transition`) and dooms the transaction: it rolls back even if the
+    /// closure goes on and returns `Ok`, so business rows never commit without their event.
+    pub fn advance(&self, machine: &dyn FlowMachine, request: &AdvanceRequest) -> Result<Committed> {
+        let outcome = self.inner.advance(machine, request, self.now_ms)?;
+        committed(outcome).inspect_err(|error| {
+            self.refused.borrow_mut().get_or_insert_with(|| error.clone());
+        })
+    }
+
+    /// The time this transaction stamps its events with.
+    pub fn now_ms(&self) -> i64 {
+        self.now_ms
+    }
+}
+
+impl std::ops::Deref for ProducerTransaction<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        &self.inner.tx
+    }
+}
+
+/// Like [`advance_in`], for a transaction that must not commit without its event (a
+/// transactional workflow step, a caller's own transaction): an answer other than `committed`
+/// is an error with its code (`stale`, `invalid_transition`). Return it from the step or
+/// closure and the transaction (or the step's savepoint) rolls back with the business rows.
+pub fn advance_committed_in(
+    tx: &Connection,
+    machine: &dyn FlowMachine,
+    request: &AdvanceRequest,
+    now_ms: i64,
+) -> Result<Committed> {
+    committed(advance_in(tx, machine, request, now_ms)?)
 }
 
 /// Advance a flow inside a transaction the caller opened on the producer database (for

@@ -591,6 +591,13 @@ pub(crate) fn connect(path: &Path, create: bool, durability: Durability, hint: &
     Ok(conn)
 }
 
+/// A connection to a file of the user's own (a fake service's log, a side database) configured
+/// as tidemark configures its files: WAL, `synchronous` from `durability`, busy timeout. Created
+/// when `create`; a missing file is `not_initialized` otherwise. Runs no tidemark migration.
+pub fn open_connection(path: &Path, create: bool, durability: Durability) -> Result<Connection> {
+    connect(path, create, durability, "create it first")
+}
+
 /// A read-only connection to an existing, current-schema file, for readers that must not wait
 /// for the file's writer (a WAL reader sees the last commit and blocks no writer): the
 /// server's `/metrics` and dashboard counts. Never creates, migrates or writes anything; a file
@@ -954,9 +961,19 @@ mod tests {
         assert!(matches!(outcomes[0], ReceiveOutcome::Duplicate { .. }), "{:?}", outcomes[0]);
         assert!(matches!(outcomes[1], ReceiveOutcome::Duplicate { .. }), "{:?}", outcomes[1]);
         assert!(matches!(outcomes[2], ReceiveOutcome::Conflict { .. }), "{:?}", outcomes[2]);
-        let mut handler = crate::reservation::ReservationHandler::new(false);
-        crate::reservation::install(&consumer).unwrap();
-        // seq 3 is a second `reserved`, which the projection (empty here) accepts as the first.
+        struct Applies;
+        impl tidemark_core::store::Handler<Connection> for Applies {
+            fn handle(
+                &mut self,
+                _: &Connection,
+                _: &str,
+                _: &tidemark_core::Envelope,
+            ) -> std::result::Result<(), tidemark_core::store::HandleError> {
+                Ok(())
+            }
+        }
+        let mut handler = Applies;
+        // The migrated file applies seq 3, the next after the high-water mark.
         let report = consumer.drain("audit", &DrainScope::All, 10, &mut handler, 2_000).unwrap();
         assert_eq!(report.applied, 1);
         assert_eq!(consumer.cursors(Some("audit")).unwrap()[0].high_water_seq, 3);

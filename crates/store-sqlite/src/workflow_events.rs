@@ -20,7 +20,7 @@ use crate::send_event_in;
 /// The payload field that names the run an event is for, unless configured otherwise.
 pub const RUN_ID_FIELD_DEFAULT: &str = "run_id";
 
-type Clock = Box<dyn FnMut() -> i64 + Send>;
+type Clock = std::sync::Arc<dyn Fn() -> i64 + Send + Sync>;
 
 /// Delivers applied inbox events to workflow runs.
 ///
@@ -32,6 +32,7 @@ type Clock = Box<dyn FnMut() -> i64 + Send>;
 /// - A semantic refusal blocks the record (and its flow) for an operator: a payload without a
 ///   run id, an unknown run, a run that has finished, an event id already sent with another body.
 ///   A store failure rolls the whole apply back.
+#[derive(Clone)]
 pub struct RunEventHandler {
     routes: BTreeMap<String, String>,
     run_id_field: String,
@@ -43,7 +44,7 @@ impl Default for RunEventHandler {
         RunEventHandler {
             routes: BTreeMap::new(),
             run_id_field: RUN_ID_FIELD_DEFAULT.to_string(),
-            clock: Box::new(system_ms),
+            clock: std::sync::Arc::new(system_ms),
         }
     }
 }
@@ -75,8 +76,8 @@ impl RunEventHandler {
 
     /// The clock stamping received events (default: the system clock). Use the workflow
     /// runtime's clock, so that a wake-up is due at once for its workers.
-    pub fn with_clock(mut self, clock: impl FnMut() -> i64 + Send + 'static) -> Self {
-        self.clock = Box::new(clock);
+    pub fn with_clock(mut self, clock: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        self.clock = std::sync::Arc::new(clock);
         self
     }
 

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 
 use clap::{ArgGroup, Subcommand};
 use serde_json::{json, Value};
+use tidemark_builtins::order::tables as order_sql;
+use tidemark_builtins::workflows as builtin;
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX};
@@ -22,8 +24,6 @@ use tidemark_core::workflow::{
     STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::builtin;
-use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use crate::Context;
@@ -290,7 +290,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             if let (Some(sku), Some(quantity)) = (&sku, quantity) {
                 validate_stock(sku, quantity)?;
             }
-            let mut store = SqliteWorkflows::open_with(&db, ctx.durability)?;
+            let mut store = SqliteWorkflows::init_with(&db, ctx.durability)?;
             order_sql::install(store.connection())?;
             let mut out = json!({"outcome": "initialized", "db": db, "payments_db": payments_path(&db)});
             if let (Some(sku), Some(quantity)) = (sku, quantity) {

@@ -6,16 +6,16 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use serde_json::{json, Value};
+use tidemark_builtins::order::tables as order_sql;
+use tidemark_builtins::order::{FakePayments, Payments};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::order::{FakePayments, Payments};
 use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, WorkerReport, Writer};
-use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use super::{ensure_exists, payments_path};
 use crate::Context;
-use tidemark_engine::workflow::builtin;
+use tidemark_builtins::workflows as builtin;
 
 /// Upper bound of `--idle-wait-ms` (an hour).
 const IDLE_WAIT_MS_MAX: u64 = 3_600_000;

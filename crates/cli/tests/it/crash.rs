@@ -102,7 +102,7 @@ pub(crate) fn settle(s: &Setup) {
 /// No (consumer, source, flow, seq) has more than one effect, read straight from the file.
 pub(crate) fn assert_no_duplicate_effects(consumer_db: &Path) {
     let conn = tidemark_store_sqlite::open_existing(consumer_db).expect("open consumer file");
-    let duplicates = tidemark_store_sqlite::reservation::duplicate_effects(&conn).expect("read effects");
+    let duplicates = tidemark_builtins::reservation::duplicate_effects(&conn).expect("read effects");
     assert!(duplicates.is_empty(), "events applied twice: {duplicates:?}");
 }
 

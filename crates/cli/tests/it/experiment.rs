@@ -8,7 +8,7 @@ use serde_json::Value;
 use crate::support::{self, path_str, run};
 
 /// The expected states built into the binary.
-const EXPECTED: &str = include_str!("../../src/experiment/expected.json");
+const EXPECTED: &str = include_str!("../../../lab/src/experiment/expected.json");
 
 fn expected() -> Value {
     serde_json::from_str(EXPECTED).expect("expected.json is JSON")

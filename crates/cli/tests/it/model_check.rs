@@ -50,6 +50,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError, TestRunner};
 use serde::Serialize;
 use serde_json::{json, Value};
+use tidemark_builtins::reservation::{self as sqlite_reservation, ReservationHandler};
 use tidemark_core::flow::AdvanceRequest;
 use tidemark_core::model::{ModelConsumer, ModelEndpoints, ModelProducer, ModelReservationHandler};
 use tidemark_core::policy::{RelayPolicy, RetentionPolicy};
@@ -60,7 +61,6 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, RelayOptions, RelayReport};
-use tidemark_store_sqlite::reservation::{self as sqlite_reservation, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 const MAX_OPS: usize = 40;

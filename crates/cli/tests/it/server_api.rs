@@ -154,7 +154,7 @@ fn bad_requests_get_stable_codes_and_write_nothing() {
         ("POST", "/v1/consumers/c1/inbox", t, b"{}".to_vec(), 400, "invalid_envelope"),
         ("POST", "/v1/consumers/nobody/inbox", t, b"{}".to_vec(), 404, "not_found"),
         ("PUT", "/v1/consumers/c1", t, br#"{"handler":"record"}"#.to_vec(), 409, "already_exists"),
-        ("PUT", "/v1/consumers/c2", t, br#"{"handler":"magic"}"#.to_vec(), 400, "invalid_argument"),
+        ("PUT", "/v1/consumers/c2", t, br#"{"handler":"magic"}"#.to_vec(), 400, "unknown_handler"),
         ("POST", "/v1/runs", t, br#"{"workflow":"nope","run_id":"r1","input":{}}"#.to_vec(), 400, "unknown_workflow"),
         (
             "POST",

@@ -43,6 +43,15 @@ const SERVICE: &str = "payment-service";
 struct Messages;
 
 impl FlowMachine for Messages {
+    fn name(&self) -> &str {
+        "messages"
+    }
+
+    // Used alone, not in a service: the states it moves to are whatever a request names.
+    fn states(&self) -> Vec<&str> {
+        vec!["new"]
+    }
+
     fn initial(&self) -> FlowState {
         FlowState { state: "new".into(), data: json!({}) }
     }
@@ -127,7 +136,7 @@ impl Env {
         let dir = tempfile::tempdir().expect("tempdir");
         let wf_path = dir.path().join("workflows.db");
         let path = wf_path.clone();
-        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&path, Durability::Normal)).unwrap();
+        let writer = Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Normal)).unwrap();
         drop(SqliteConsumer::init(&wf_path, RetentionPolicy::default()).expect("the same file as a consumer"));
         let inbox = SqliteConsumer::open_with(&wf_path, Durability::Normal).unwrap();
         Env { dir, wf_path, writer, inbox }

@@ -519,7 +519,7 @@ fn runtime() -> Runtime {
 
 fn open_writer(path: &Path) -> Writer<Store> {
     let path = path.to_path_buf();
-    Writer::spawn(move || SqliteWorkflows::open_with(&path, Durability::Normal)).expect("open the workflow store")
+    Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Normal)).expect("open the workflow store")
 }
 
 fn worker_options(worker_id: &str, concurrency: usize) -> WorkerOptions {
@@ -743,7 +743,7 @@ fn check_run(
 fn run_case(case: Case) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("workflows.db");
-    let mut store = SqliteWorkflows::open_with(&path, Durability::Normal).expect("open");
+    let mut store = SqliteWorkflows::init_with(&path, Durability::Normal).expect("open");
     store
         .connection()
         .execute_batch("CREATE TABLE model_rows (run_id TEXT NOT NULL, name TEXT NOT NULL, attempt INTEGER NOT NULL)")

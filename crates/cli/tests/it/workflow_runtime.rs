@@ -10,18 +10,18 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tidemark_builtins::order::tables as order_sql;
+use tidemark_builtins::order::{order_saga, FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use tidemark_core::workflow::{
     Backoff, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, PurgeReport, RetryPolicy,
     RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus,
     UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult,
 };
-use tidemark_engine::workflow::order::{order_saga, FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use tidemark_engine::workflow::tokio::runtime::{Builder, Runtime};
 use tidemark_engine::workflow::{
     Saga, SagaAction, StepAttempt, Worker, WorkerObserver, WorkerOptions, WorkerReport, WorkflowError, WorkflowOptions,
     Workflows, Writer,
 };
-use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
 type Store = SqliteWorkflows;
@@ -37,7 +37,7 @@ fn runtime() -> Runtime {
 
 fn open_writer(path: &Path) -> Writer<Store> {
     let path = path.to_path_buf();
-    Writer::spawn(move || SqliteWorkflows::open_with(&path, Durability::Normal)).expect("open the workflow store")
+    Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Normal)).expect("open the workflow store")
 }
 
 /// Few attempts, 20 ms apart: retries happen within a test.
@@ -1101,7 +1101,7 @@ fn a_failed_heartbeat_stops_the_runs_in_flight() {
     let path = env.path.clone();
     let failing = fail.clone();
     let writer = Writer::spawn(move || {
-        Ok(FailingHeartbeats { inner: SqliteWorkflows::open_with(&path, Durability::Normal)?, fail: failing })
+        Ok(FailingHeartbeats { inner: SqliteWorkflows::init_with(&path, Durability::Normal)?, fail: failing })
     })
     .unwrap();
     let counter = calls.clone();

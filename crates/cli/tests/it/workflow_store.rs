@@ -33,7 +33,7 @@ struct Db {
 fn db() -> Db {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("wf.db");
-    let store = SqliteWorkflows::open(&path).unwrap();
+    let store = SqliteWorkflows::init(&path).unwrap();
     Db { _dir: dir, path, store }
 }
 
@@ -726,7 +726,7 @@ fn a_sleep_is_a_durable_timer() {
     assert_eq!((detail1.journal[0].status, detail1.journal[0].wake_at_ms), (StepStatus::Waiting, Some(9_000)));
     // A reopened store (a restart) still has it; nothing is due before the timer.
     drop(d.store);
-    d.store = SqliteWorkflows::open(&d.path).unwrap();
+    d.store = SqliteWorkflows::init(&d.path).unwrap();
     assert!(claim_ids(&mut d.store, "w2", 8_999).is_empty());
     let c = claim(&mut d.store, "w2", 9_000);
     assert_eq!(c[0].journal[0].status, StepStatus::Waiting);
@@ -1139,10 +1139,10 @@ fn purge_deletes_finished_runs_in_bounded_batches_and_keeps_receipts() {
 fn receipts_expire_after_the_receipt_window() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("wf.db");
-    let store = SqliteWorkflows::open(&path).unwrap();
+    let store = SqliteWorkflows::init(&path).unwrap();
     assert_eq!(store.receipt_window_ms(), tidemark_store_sqlite::RECEIPT_WINDOW_MS_DEFAULT);
     assert_eq!(
-        code(SqliteWorkflows::open(&path).unwrap().with_receipt_window_ms(0).err().unwrap()),
+        code(SqliteWorkflows::init(&path).unwrap().with_receipt_window_ms(0).err().unwrap()),
         codes::INVALID_ARGUMENT
     );
     let mut d = Db { _dir: dir, path: path.clone(), store: store.with_receipt_window_ms(5_000).unwrap() };
@@ -1253,7 +1253,7 @@ fn crash_child() {
     let Ok(scenario) = std::env::var(CHILD_SCENARIO) else { return };
     let path = PathBuf::from(std::env::var(CHILD_DB).expect("db path"));
     let token = std::env::var(CHILD_TOKEN).unwrap_or_default();
-    let mut store = SqliteWorkflows::open(&path).unwrap();
+    let mut store = SqliteWorkflows::init(&path).unwrap();
     child_call(&scenario, &mut store, &token);
     panic!("crash scenario {scenario} did not reach its crash point");
 }
@@ -1392,7 +1392,7 @@ fn simulate(seed: u64) -> (u32, u32, usize) {
     use std::collections::{BTreeMap, BTreeSet};
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("wf.db");
-    let mut store = SqliteWorkflows::open_with(&path, tidemark_store_sqlite::Durability::Normal).unwrap();
+    let mut store = SqliteWorkflows::init_with(&path, tidemark_store_sqlite::Durability::Normal).unwrap();
     let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let keys = [Some("k1"), Some("k2"), None];
     let mut now = 1_000;

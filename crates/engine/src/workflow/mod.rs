@@ -15,8 +15,9 @@
 //!   drops a run the moment its lease is lost or fenced.
 //! - [`WorkerObserver`]: what a worker tells the process that runs it (claims, step attempts,
 //!   finished runs, lost leases), for metrics and logs.
-//! - [`Saga`]: a workflow built declaratively from steps and compensations; [`order`] is the
-//!   reference order saga.
+//! - [`Saga`]: a workflow built declaratively from steps and compensations.
+//! - [`Workflow`]: one definition (name, version, options, function over the user's own
+//!   `serde` types), added to [`Workflows`] or to a service.
 //!
 //! # Suspension
 //!
@@ -35,10 +36,8 @@
 //! does every later one, except compensations, which still run. A saga compensates, then ends
 //! `cancelled`; a plain workflow that propagates the error ends `cancelled`.
 
-pub mod builtin;
 mod context;
 mod observer;
-pub mod order;
 mod registry;
 mod saga;
 mod worker;
@@ -49,7 +48,7 @@ use std::sync::Arc;
 
 pub use context::WorkflowContext;
 pub use observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
-pub use registry::{WorkflowOptions, Workflows};
+pub use registry::{IntoWorkflow, Workflow, WorkflowInfo, WorkflowOptions, Workflows};
 pub use saga::{Saga, SagaAction, SagaData};
 pub use worker::{FinishedRun, Worker, WorkerOptions, WorkerReport};
 pub use writer::{Writer, WriterStats};

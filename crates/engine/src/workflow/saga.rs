@@ -11,8 +11,8 @@ use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{RetryPolicy, StepFailure, WorkflowStore};
 use tidemark_core::{Error, Result};
 
-use super::registry::{BoxFuture, WorkflowFn};
-use super::{WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
+use super::registry::{BoxFuture, IntoWorkflow, WorkflowFn};
+use super::{Workflow, WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
 
 /// What a saga step sees: the run's input and the outputs of the steps completed before it (by
 /// step name). A compensation also sees its own step's output.
@@ -133,6 +133,12 @@ where
 
     /// Register the saga as workflow `name` version `version`.
     pub fn register(self, workflows: &mut Workflows<S>, options: WorkflowOptions) -> Result<()> {
+        workflows.add(self.into_workflow()?.options(options))
+    }
+
+    /// Check the saga's declaration (at least one step, step names identifiers and unique,
+    /// policies valid).
+    fn check(&self) -> Result<()> {
         self.compensation_policy.validate()?;
         let mut names = BTreeSet::new();
         for element in &self.elements {
@@ -150,10 +156,23 @@ where
         if names.is_empty() {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "a saga needs at least one step"));
         }
+        Ok(())
+    }
+}
+
+/// A saga becomes a workflow with JSON input (any JSON value; its steps decode what they need)
+/// and default options (set them with [`Workflow::options`]).
+impl<S> IntoWorkflow<S> for Saga<S>
+where
+    S: WorkflowStore + 'static,
+    S::Target: 'static,
+{
+    fn into_workflow(self) -> Result<Workflow<S>> {
+        self.check()?;
         let (name, version) = (self.name.clone(), self.version);
         let saga = Arc::new(self);
         let function: WorkflowFn<S> = Arc::new(move |ctx, input| Box::pin(run_saga(saga.clone(), ctx, input)));
-        workflows.register_boxed(&name, version, options, function)
+        Ok(Workflow::from_parts(&name, version, function, Arc::new(|_| Ok(()))))
     }
 }
 

@@ -7,7 +7,7 @@ use axum::response::Response;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
-use tidemark_core::flow::{validate_request, AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
+use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::store::{
     ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, InboxStatus, ProducerStore,
@@ -20,7 +20,6 @@ use utoipa_axum::routes;
 
 use super::{answer, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
-use crate::tenant::{HandlerKind, TenantMachine};
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -35,18 +34,28 @@ pub fn routes() -> OpenApiRouter<AppState> {
 
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-#[schema(example = json!({"expected_seq": 0, "to": "reserved", "quantity": 3}))]
+#[schema(example = json!({"expected_seq": 0, "to": "reserved", "input": {"quantity": 3}}))]
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
     #[schema(minimum = 0)]
     pub expected_seq: i64,
-    /// The state to move to.
-    #[schema(value_type = ReservationState)]
+    /// The state to move to: a state of a registered machine (`GET /v1/registry`). It tells
+    /// which machine decides.
+    #[schema(value_type = StateName)]
     pub to: String,
-    /// 1..=1,000,000; required to reserve, optional later (must match).
+    /// The machine's input (a JSON object; default `{}`).
+    #[schema(value_type = Option<Object>)]
+    pub input: Option<Value>,
+    /// The machine the flow belongs to. Optional (`to` tells it); when given, `to` must be one
+    /// of its states.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    pub machine: Option<String>,
+    /// Shorthand for `input.quantity` (the built-in reservation machine: 1..=1,000,000,
+    /// required to reserve, optional later, must match).
     #[schema(minimum = 1, maximum = 1_000_000)]
     pub quantity: Option<i64>,
-    /// Payload schema of the event: 1 (`amount`) or 2 (`units`). Default 1.
+    /// Payload schema of the event (the machine says which it emits; the reservation machine
+    /// 1 (`amount`) or 2 (`units`)). Default 1.
     #[serde(default = "one")]
     #[schema(default = 1, minimum = 1, maximum = 2)]
     pub schema_version: u32,
@@ -56,15 +65,12 @@ fn one() -> u32 {
     1
 }
 
-/// The states of a reservation flow (documentation of `AdvanceBody::to`).
+/// A state of a registered machine (documentation of `AdvanceBody::to`; the served document
+/// lists this server's states).
 #[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
+#[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
 #[allow(dead_code)]
-pub enum ReservationState {
-    Reserved,
-    Confirmed,
-    Released,
-}
+pub struct StateName(String);
 
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -89,14 +95,36 @@ fn advanced(outcome: AdvanceOutcome) -> Response {
 }
 
 async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
-    // Validated here, so a bad request never reaches (or fails) a group commit.
-    validate_request(&TenantMachine, &request)?;
-    let outcome = caller.tenant.producer.submit(request).await?;
+    // Validated before it is queued, so a bad request never reaches (or fails) a group commit.
+    let outcome = caller.tenant.advance(request).await?;
     Ok(advanced(outcome))
 }
 
-/// Move a reservation flow to its next state and commit the event to the outbox, in one
-/// transaction (group-committed with concurrent requests).
+/// The advance's input: `input` (an object) with the `quantity` shorthand merged in.
+fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
+    let mut input = match &body.input {
+        None => Map::new(),
+        Some(Value::Object(object)) => object.clone(),
+        Some(_) => return Err(Error::invalid(codes::INVALID_PAYLOAD, "input must be a JSON object")),
+    };
+    if let Some(quantity) = body.quantity {
+        match input.get("quantity") {
+            Some(given) if given != &json!(quantity) => {
+                return Err(Error::invalid(
+                    codes::INVALID_ARGUMENT,
+                    "quantity and input.quantity differ; give one of them",
+                ))
+            }
+            _ => {
+                input.insert("quantity".into(), json!(quantity));
+            }
+        }
+    }
+    Ok(Value::Object(input))
+}
+
+/// Move a flow of a registered machine to its next state and commit the event to the outbox,
+/// in one transaction (group-committed with concurrent requests).
 #[utoipa::path(
     post,
     path = "/v1/flows/{flow_id}/advance",
@@ -111,20 +139,32 @@ async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
 )]
 async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AdvanceBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let mut input = Map::new();
-    if let Some(quantity) = body.quantity {
-        input.insert("quantity".into(), json!(quantity));
-    }
     if body.to == StreamMachine::STATE {
         return Err(
             Error::invalid(codes::UNKNOWN_STATE, "append to a stream with POST /v1/streams/{flow_id}/events").into()
         );
     }
+    if let Some(name) = &body.machine {
+        validate_id("machine", name)?;
+        let machines = &caller.tenant.machines;
+        let machine = machines.get(name).ok_or_else(|| {
+            let known: Vec<&str> = machines.machines().iter().map(|m| m.name()).collect();
+            Error::invalid(codes::UNKNOWN_MACHINE, format!("no machine {name:?}; machines are {known:?}"))
+        })?;
+        if !machine.states().contains(&body.to.as_str()) {
+            return Err(Error::invalid(
+                codes::UNKNOWN_STATE,
+                format!("{:?} is not a state of machine {name}; its states are {:?}", body.to, machine.states()),
+            )
+            .into());
+        }
+    }
+    let input = advance_input(&body)?;
     let request = AdvanceRequest {
         flow_id,
         expected_seq: body.expected_seq,
         to_state: body.to,
-        input: Value::Object(input),
+        input,
         schema_version: body.schema_version,
     };
     submit(&caller, request).await
@@ -183,6 +223,8 @@ pub struct FlowView {
     pub source: String,
     /// Absent (null) when the producer has no such flow but a consumer has seen it.
     pub producer: Option<FlowRecord>,
+    /// The machine whose state the flow is in (null when the producer has no such flow).
+    pub machine: Option<String>,
     pub consumers: Vec<FlowConsumer>,
 }
 
@@ -213,10 +255,10 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
     let source = tenant.id.clone();
     let mut consumers = Vec::new();
     for consumer in state.consumers(&tenant.id)? {
-        let kind = HandlerKind::parse(&consumer.handler)?;
+        let database = state.registry.handler_database(&consumer.handler)?;
         let (id, cid, src) = (flow_id.clone(), consumer.consumer_id.clone(), source.clone());
         let (high_water_seq, open) = tenant
-            .inbox_of(kind.inbox())
+            .inbox_of(database)?
             .call(move |t| {
                 let high = t
                     .store
@@ -249,7 +291,8 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
     if record.is_none() && consumers.iter().all(|c| c.high_water_seq == 0) {
         return Err(Error::not_found(format!("no flow {flow_id:?}")).into());
     }
-    Ok(FlowView { flow_id, source, producer: record, consumers })
+    let machine = record.as_ref().and_then(|r| tenant.machines.owner_of(&r.state.state)).map(|m| m.name().to_string());
+    Ok(FlowView { flow_id, source, producer: record, machine, consumers })
 }
 
 #[derive(Deserialize, IntoParams)]

@@ -21,7 +21,7 @@ use utoipa_axum::routes;
 
 use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
-use crate::tenant::HandlerKind;
+use crate::registry::Database;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -34,22 +34,22 @@ pub fn routes() -> OpenApiRouter<AppState> {
 }
 
 /// The declared consumer, or `not_found`.
-fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(ConsumerRecord, HandlerKind), Error> {
+fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(ConsumerRecord, Database), Error> {
     validate_id("consumer_id", consumer_id)?;
     let tenant_id = caller.tenant.id.clone();
     let record = state.consumers(&tenant_id)?.into_iter().find(|c| c.consumer_id == consumer_id).ok_or_else(|| {
         Error::not_found(format!("no consumer {consumer_id:?}; declare it with PUT /v1/consumers/{{id}}"))
     })?;
-    let kind = HandlerKind::parse(&record.handler)?;
-    Ok((record, kind))
+    let database = state.registry.handler_database(&record.handler)?;
+    Ok((record, database))
 }
 
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"handler": "record"}))]
 pub struct DeclareBody {
-    /// The built-in handler.
-    #[schema(value_type = Handler, example = "record")]
+    /// A registered handler (`GET /v1/registry` lists them).
+    #[schema(value_type = HandlerName, example = "record")]
     pub handler: String,
     /// Subscribe it to this tenant's producer (default true).
     #[serde(default = "yes")]
@@ -97,17 +97,14 @@ fn yes() -> bool {
     true
 }
 
-/// The built-in handlers (documentation of `DeclareBody::handler`, see `HandlerKind`).
+/// A registered handler's name (documentation of `DeclareBody::handler`; the served document
+/// lists the handlers this server registers).
 #[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
+#[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
 #[allow(dead_code)]
-pub enum Handler {
-    Reservation,
-    Record,
-    Workflows,
-}
+pub struct HandlerName(String);
 
-/// Declare a consumer with a built-in handler and (by default) subscribe it to the tenant's
+/// Declare a consumer with a registered handler and (by default) subscribe it to the tenant's
 /// producer.
 #[utoipa::path(
     put,
@@ -130,13 +127,13 @@ async fn declare(
 ) -> ApiResult {
     caller.require(Scope::Admin)?;
     validate_id("consumer_id", &consumer_id)?;
-    let kind = HandlerKind::parse(&body.handler)?;
+    let database = state.registry.handler_database(&body.handler)?;
     let tenant_id = caller.tenant.id.clone();
-    let (record, created) = state.control(|c| c.declare_consumer(&tenant_id, &consumer_id, kind.as_str(), now_ms()))?;
+    let (record, created) = state.control(|c| c.declare_consumer(&tenant_id, &consumer_id, &body.handler, now_ms()))?;
     let mut queued = None;
     if body.subscribe {
         let subscription =
-            Subscription { consumer_id: consumer_id.clone(), endpoint: caller.tenant.endpoint(kind.inbox()) };
+            Subscription { consumer_id: consumer_id.clone(), endpoint: caller.tenant.endpoint(database) };
         let from_start = body.from_start;
         queued =
             Some(caller.tenant.producer.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?);
@@ -225,8 +222,8 @@ async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
 )]
 async fn cursors(State(state): State<AppState>, caller: Caller, Path(consumer_id): Path<String>) -> ApiResult {
     caller.require(Scope::Read)?;
-    let (_, kind) = consumer(&state, &caller, &consumer_id)?;
-    let cursors = caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.cursors(Some(&consumer_id))).await?;
+    let (_, database) = consumer(&state, &caller, &consumer_id)?;
+    let cursors = caller.tenant.inbox_of(database)?.call(move |t| t.store.cursors(Some(&consumer_id))).await?;
     Ok(typed(StatusCode::OK, CursorsPage { cursors }))
 }
 
@@ -256,7 +253,7 @@ async fn receive(
     body: Bytes,
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let (_, kind) = consumer(&state, &caller, &consumer_id)?;
+    let (_, database) = consumer(&state, &caller, &consumer_id)?;
     if body.len() > ENVELOPE_BYTES_MAX {
         return Err(Error::invalid(
             codes::PAYLOAD_TOO_LARGE,
@@ -265,7 +262,7 @@ async fn receive(
         .into());
     }
     let envelope = Envelope::parse(&body)?;
-    let outcome = caller.tenant.inbox_of(kind.inbox()).submit((consumer_id, envelope)).await?;
+    let outcome = caller.tenant.inbox_of(database)?.submit((consumer_id, envelope)).await?;
     state.metrics.record_receive(&caller.tenant.id, &outcome);
     let status = if outcome.is_custody() { StatusCode::OK } else { StatusCode::CONFLICT };
     Ok(typed::<ReceiveOutcome>(status, outcome))
@@ -313,7 +310,7 @@ pub(crate) async fn inbox_records(
     query: RecordsQuery,
 ) -> Result<Vec<InboxEntry>, ApiError> {
     caller.require(Scope::Read)?;
-    let (_, kind) = consumer(state, caller, &consumer_id)?;
+    let (_, database) = consumer(state, caller, &consumer_id)?;
     let status = query
         .status
         .map(|s| {
@@ -322,7 +319,7 @@ pub(crate) async fn inbox_records(
         })
         .transpose()?;
     let limit = page_size(state, query.limit)?;
-    Ok(caller.tenant.inbox_of(kind.inbox()).call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
+    Ok(caller.tenant.inbox_of(database)?.call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -370,12 +367,12 @@ pub(crate) async fn skip_record(
     body: SkipRecordBody,
 ) -> Result<InboxEntry, ApiError> {
     caller.require(Scope::Operate)?;
-    let (_, kind) = consumer(state, caller, &consumer_id)?;
+    let (_, database) = consumer(state, caller, &consumer_id)?;
     validate_id("event_id", &event_id)?;
     validate_reason(&body.reason)?;
     Ok(caller
         .tenant
-        .inbox_of(kind.inbox())
+        .inbox_of(database)?
         .call(move |t| t.store.skip_blocked(&consumer_id, &event_id, &body.reason, now_ms()))
         .await?)
 }

@@ -11,6 +11,7 @@
 pub(crate) mod flows;
 pub(crate) mod inbox;
 pub mod openapi;
+pub(crate) mod registry;
 pub(crate) mod runs;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -78,7 +79,11 @@ pub fn status_of(error: &Error) -> StatusCode {
         codes::RATE_LIMITED => StatusCode::TOO_MANY_REQUESTS,
         codes::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
         codes::UNAVAILABLE => StatusCode::SERVICE_UNAVAILABLE,
-        codes::ALREADY_EXISTS | codes::INVALID_STATE_CHANGE | workflow_codes::RUN_CONFLICT => StatusCode::CONFLICT,
+        codes::ALREADY_EXISTS
+        | codes::INVALID_STATE_CHANGE
+        | codes::STALE
+        | codes::INVALID_TRANSITION
+        | workflow_codes::RUN_CONFLICT => StatusCode::CONFLICT,
         _ => StatusCode::BAD_REQUEST,
     }
 }
@@ -167,12 +172,15 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .merge(flows::routes())
         .merge(inbox::routes())
         .merge(runs::routes())
+        .merge(registry::routes())
 }
 
-pub fn router(state: AppState) -> Router {
+/// The API, the dashboard and the `extra` routes of the service's registrations, in one router.
+pub fn router(state: AppState, extra: Vec<OpenApiRouter<AppState>>) -> Router {
     let body_max = state.config.limits.body_bytes_max;
-    let (routes, document) = documented_routes().split_for_parts();
-    let document = openapi::finish(document, &state.config);
+    let routes = extra.into_iter().fold(documented_routes(), |all, more| all.merge(more));
+    let (routes, document) = routes.split_for_parts();
+    let document = openapi::finish(document, &state.config, &state.registry);
     // The dashboard's pages are HTML for people, outside the JSON API and its document.
     routes
         .route("/", axum::routing::get(|| async { axum::response::Redirect::to("/ui") }))

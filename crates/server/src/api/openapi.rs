@@ -16,6 +16,7 @@ use utoipa::OpenApi;
 
 use super::ErrorBody;
 use crate::config::Config;
+use crate::registry::Registry;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -58,9 +59,28 @@ fn error_answer(description: &str) -> Value {
     })
 }
 
-/// Add what every route shares, and the configured limits, to the generated document.
-pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config) -> Document {
+/// Add what every route shares, the configured limits and the names the registry serves, to the
+/// generated document.
+pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config, registry: &Registry) -> Document {
     let mut doc = serde_json::to_value(&doc).expect("the OpenAPI document serialises");
+    // The names a request may use are this service's registrations: list them where the
+    // document names the kind (a machine's states, a handler, a workflow).
+    let mut states: Vec<String> = registry
+        .machines()
+        .machines()
+        .iter()
+        .filter(|m| m.name() != tidemark_core::flow::StreamMachine::NAME)
+        .flat_map(|m| m.states().into_iter().map(str::to_string).collect::<Vec<_>>())
+        .collect();
+    states.sort();
+    let handlers: Vec<String> = registry.handler_infos().into_iter().map(|h| h.name).collect();
+    let mut workflows: Vec<String> = registry.workflow_names().into_iter().map(|(name, _)| name).collect();
+    workflows.dedup();
+    for (schema, names) in [("StateName", states), ("HandlerName", handlers), ("WorkflowName", workflows)] {
+        if let Some(component) = doc["components"]["schemas"].get_mut(schema) {
+            component["enum"] = json!(names);
+        }
+    }
     let limits = &config.limits;
     let description = format!(
         "{} Every error answer is `{{\"error\": {{\"code\", \"message\"}}}}` with a stable code. Limits of this \

@@ -1,6 +1,6 @@
 //! Workflow routes: start a run (the run id is the idempotency key), read a run with its journal,
 //! list and filter runs a page at a time, the operator controls (cancel, retry, abandon, fork,
-//! skip), send an event to a run, and the order saga's stock.
+//! skip), and send an event to a run.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -14,8 +14,6 @@ use tidemark_core::workflow::{
     WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::Error;
-use tidemark_engine::workflow::builtin;
-use tidemark_store_sqlite::order as order_sql;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -23,9 +21,6 @@ use utoipa_axum::routes;
 use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::{now_ms, AppState};
-
-/// Largest stock a SKU may be given.
-const STOCK_MAX: i64 = 1_000_000_000_000;
 
 pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
@@ -37,15 +32,14 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(fork))
         .routes(routes!(skip))
         .routes(routes!(send_event))
-        .routes(routes!(set_stock))
 }
 
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 #[schema(example = json!({"workflow": "order_saga", "run_id": "order-1", "input": {"order_id": "order-1", "sku": "sku-1", "quantity": 2, "amount": 500}}))]
 pub struct StartBody {
-    /// A built-in workflow.
-    #[schema(value_type = BuiltinWorkflow)]
+    /// A registered workflow (`GET /v1/registry`); the run is pinned to its latest version.
+    #[schema(value_type = WorkflowName)]
     pub workflow: String,
     /// The idempotency key: the same run id with the same input answers the existing run.
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
@@ -59,14 +53,12 @@ pub struct StartBody {
     pub start_at_ms: Option<i64>,
 }
 
-/// The built-in workflows (documentation of `StartBody::workflow`).
+/// A registered workflow's name (documentation of `StartBody::workflow`; the served document
+/// lists the workflows this server registers).
 #[derive(ToSchema)]
-#[schema(rename_all = "snake_case")]
+#[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
 #[allow(dead_code)]
-pub enum BuiltinWorkflow {
-    OrderSaga,
-    SleepyOrder,
-}
+pub struct WorkflowName(String);
 
 /// Start a run. 201 `started`, 200 `existing` (same run id and input), 409 `run_conflict`.
 #[utoipa::path(
@@ -84,10 +76,11 @@ pub enum BuiltinWorkflow {
 async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("workflow", &body.workflow)?;
-    let version = builtin::version(&body.workflow).ok_or_else(|| {
+    let workflows = &caller.tenant.workflows;
+    let version = workflows.latest_version(&body.workflow).ok_or_else(|| {
         Error::invalid(
             workflow_codes::UNKNOWN_WORKFLOW,
-            format!("workflow {:?} is not built in; known: {}", body.workflow, builtin::names()),
+            format!("workflow {:?} is not registered; registered: {}", body.workflow, workflows.names()),
         )
     })?;
     let request = StartRequest {
@@ -98,8 +91,7 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         key: body.key,
         start_at_ms: body.start_at_ms,
     };
-    request.validate()?;
-    builtin::validate_input(&request.workflow, &request.input)?;
+    workflows.check_start(&request)?;
     if let Some(at) = request.start_at_ms {
         if at.saturating_sub(now_ms()) > TIMER_MS_MAX {
             return Err(Error::invalid(
@@ -109,7 +101,7 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
             .into());
         }
     }
-    let outcome = caller.tenant.worker.start(vec![request]).await?.remove(0);
+    let outcome = caller.tenant.worker()?.start(vec![request]).await?.remove(0);
     let status = match &outcome {
         StartOutcome::Started { .. } => StatusCode::CREATED,
         StartOutcome::Existing { .. } => StatusCode::OK,
@@ -484,57 +476,4 @@ async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json
         caller.tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;
     let outcome = if new { "sent" } else { "duplicate" };
     Ok(typed(StatusCode::OK, EventSent { outcome: outcome.into(), run_id, event_id: body.event_id, name: body.name }))
-}
-
-#[derive(Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-#[schema(example = json!({"quantity": 10}))]
-pub struct StockBody {
-    #[schema(minimum = 0, maximum = 1_000_000_000_000_i64)]
-    pub quantity: i64,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Stock {
-    pub sku: String,
-    pub stock: Option<i64>,
-}
-
-#[derive(Serialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Stocked {
-    /// `stocked`.
-    #[schema(example = "stocked")]
-    pub outcome: String,
-    pub stock: Stock,
-}
-
-/// Set the order saga's stock of one SKU (admin: it is reference data, not a run).
-#[utoipa::path(
-    put,
-    path = "/v1/stock/{sku}",
-    tag = "runs",
-    params(("sku" = String, Path, description = "The SKU")),
-    request_body = StockBody,
-    responses((status = 200, description = "`stocked`", body = Stocked)),
-    security(("bearer" = ["admin"]))
-)]
-async fn set_stock(caller: Caller, Path(sku): Path<String>, Json(body): Json<StockBody>) -> ApiResult {
-    caller.require(Scope::Admin)?;
-    validate_id("sku", &sku)?;
-    if !(0..=STOCK_MAX).contains(&body.quantity) {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("quantity must be 0..={STOCK_MAX}")).into());
-    }
-    let stock = caller
-        .tenant
-        .writer
-        .call(move |store, _| {
-            let conn = store.connection();
-            order_sql::set_stock(conn, &sku, body.quantity)?;
-            let stock = order_sql::stock(conn, &sku)?;
-            Ok(Stock { sku, stock })
-        })
-        .await?;
-    Ok(typed(StatusCode::OK, Stocked { outcome: "stocked".into(), stock }))
 }

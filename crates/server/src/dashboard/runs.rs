@@ -14,7 +14,6 @@ use tidemark_core::error::codes;
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunDetail, RunRecord, RunStatus, StepKind, StepStatus};
 use tidemark_core::Error;
-use tidemark_engine::workflow::builtin;
 
 use super::layout::{badge, done_banner, json_block, page, reason_input, when};
 use super::time::parse_utc;
@@ -90,6 +89,8 @@ pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Qu
     next.push(("after", next_after.clone()));
     let selected = given(&form.status).unwrap_or_default();
     let workflow = given(&form.workflow).unwrap_or_default();
+    let mut workflow_names: Vec<String> = caller.tenant.workflows.infos().into_iter().map(|w| w.workflow).collect();
+    workflow_names.dedup();
     let body = html! {
         h1 { "Runs" }
         form.filters method="get" action="/ui/runs" {
@@ -103,7 +104,7 @@ pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Qu
             }
             label { "Workflow "
                 input type="text" name="workflow" value=(workflow) list="workflows" placeholder="any";
-                datalist #workflows { @for (name, _) in builtin::BUILTINS { option value=(name) {} } }
+                datalist #workflows { @for name in &workflow_names { option value=(name) {} } }
             }
             label { "Created after (UTC) " input type="datetime-local" name="created_after" value=[given(&form.created_after)]; }
             label { "Created before (UTC) " input type="datetime-local" name="created_before" value=[given(&form.created_before)]; }

@@ -2,10 +2,12 @@
 //! receipts (schema v3, see `schema.rs` for every column's reason), for the durable workflow
 //! runtime (`docs/workflows.md`).
 //!
-//! **Opening.** [`SqliteWorkflows::open`] opens any tidemark file, creating it if needed: the
-//! workflow tables come with the schema (migration v3), so there is no init step and no identity
-//! to set. The same file may be a producer database: a transactional step's body then writes
-//! business rows and outbox events (`advance_in(tx, ...)`) in the journal's transaction.
+//! **Opening.** [`SqliteWorkflows::init`] creates (or reopens) a file and
+//! [`SqliteWorkflows::open`] opens an existing one, the rule of every store. The workflow
+//! tables come with the schema (migration v3), so any tidemark file is a workflow database and
+//! there is no identity to set. The same file may be a producer database
+//! ([`crate::SqliteProducer::init`]): a transactional step's body then writes business rows and
+//! outbox events ([`crate::advance_committed_in`]) in the journal's transaction.
 //!
 //! **Transactions.** Every method that writes is one `BEGIN IMMEDIATE` transaction. Input is
 //! validated before the transaction begins: bad input is `Error::Invalid` with a stable code and
@@ -65,13 +67,27 @@ pub struct SqliteWorkflows {
 }
 
 impl SqliteWorkflows {
-    /// Open (creating if needed) a tidemark file for workflows, fsyncing every commit.
+    /// Create (or reopen, never resetting) a workflow database, fsyncing every commit. The
+    /// rule of every store: `init` creates, `open` only opens.
+    pub fn init(path: &Path) -> Result<SqliteWorkflows> {
+        Self::init_with(path, Durability::Full)
+    }
+
+    /// [`SqliteWorkflows::init`] with a durability.
+    pub fn init_with(path: &Path, durability: Durability) -> Result<SqliteWorkflows> {
+        let conn = schema::open(path, true, durability)?;
+        Ok(SqliteWorkflows { conn, receipt_window_ms: RECEIPT_WINDOW_MS_DEFAULT })
+    }
+
+    /// Open an existing workflow database (`not_initialized` when the file does not exist; it
+    /// is never created here), fsyncing every commit.
     pub fn open(path: &Path) -> Result<SqliteWorkflows> {
         Self::open_with(path, Durability::Full)
     }
 
+    /// [`SqliteWorkflows::open`] with a durability.
     pub fn open_with(path: &Path, durability: Durability) -> Result<SqliteWorkflows> {
-        let conn = schema::open(path, true, durability)?;
+        let conn = schema::open(path, false, durability)?;
         Ok(SqliteWorkflows { conn, receipt_window_ms: RECEIPT_WINDOW_MS_DEFAULT })
     }
 
@@ -637,7 +653,7 @@ mod tests {
     #[test]
     fn every_workflow_query_uses_its_index() {
         let dir = tempfile::tempdir().unwrap();
-        let store = SqliteWorkflows::open(&dir.path().join("wf.db")).unwrap();
+        let store = SqliteWorkflows::init(&dir.path().join("wf.db")).unwrap();
         let conn = &store.conn;
         let claim = plan(conn, &claim_candidates_sql());
         assert_uses(&claim, "INDEX runs_due");

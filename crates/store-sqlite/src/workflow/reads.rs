@@ -6,8 +6,6 @@
 //! as well as on a read-only one ([`crate::open_reader`]: a WAL reader that never waits for the
 //! file's writer).
 
-use std::collections::BTreeMap;
-
 use rusqlite::Connection;
 use tidemark_core::Result;
 
@@ -43,33 +41,5 @@ impl SqliteWorkflows {
             .query_row([owner], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
             .db()?;
         Ok((held as u64, earliest, latest))
-    }
-
-    /// The reference order saga's business effects (`order_effects`, see [`crate::order`]) per
-    /// kind (`reserve`, `ship`, ...; kinds with none are absent). Fails if the order tables are
-    /// not installed in this file.
-    pub fn order_effect_counts(conn: &Connection) -> Result<BTreeMap<String, u64>> {
-        let mut stmt = conn.prepare_cached("SELECT kind, count(*) FROM order_effects GROUP BY kind").db()?;
-        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))).db()?;
-        let mut out = BTreeMap::new();
-        for row in rows {
-            let (kind, n) = row.db()?;
-            out.insert(kind, n as u64);
-        }
-        Ok(out)
-    }
-
-    /// How many `(order_id, kind)` pairs of the order saga have more than one effect: an effect
-    /// applied twice (0 when every step ran exactly once). Fails if the order tables are not
-    /// installed in this file.
-    pub fn orders_with_duplicate_effects(conn: &Connection) -> Result<u64> {
-        let n: i64 = conn
-            .prepare_cached(
-                "SELECT count(*) FROM (SELECT 1 FROM order_effects GROUP BY order_id, kind HAVING count(*) > 1)",
-            )
-            .db()?
-            .query_row([], |r| r.get(0))
-            .db()?;
-        Ok(n as u64)
     }
 }

@@ -4,6 +4,7 @@
 //! points and need the `failpoints` cargo feature.
 
 use serde_json::{json, Value};
+use tidemark_builtins::reservation::ReservationHandler;
 use tidemark_core::flow::AdvanceOutcome;
 use tidemark_core::policy::{RelayPolicy, DAY_MS};
 use tidemark_core::store::{
@@ -11,7 +12,6 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::RelayOptions;
-use tidemark_store_sqlite::reservation::ReservationHandler;
 
 use super::world::{advance_args, request, Sc, CHILD_EXIT_CODE};
 

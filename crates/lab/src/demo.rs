@@ -104,16 +104,16 @@ mod workflow_demo {
     use std::time::{Duration, Instant};
 
     use serde_json::{json, Value};
+    use tidemark_builtins::order::tables as order_sql;
+    use tidemark_builtins::order::{FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
     use tidemark_core::workflow::{RunDetail, StartRequest, WorkflowStore};
     use tidemark_core::{Error, Result};
-    use tidemark_engine::workflow::order::{FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
     use tidemark_engine::workflow::{Worker, WorkerOptions, Writer};
-    use tidemark_store_sqlite::order as order_sql;
     use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
-    use crate::workflow_cmd::payments_path;
     use crate::Context;
-    use tidemark_engine::workflow::builtin::{self, SLEEPY_ORDER, SLEEPY_ORDER_VERSION};
+    use tidemark_builtins::order::payments_path;
+    use tidemark_builtins::workflows::{self as builtin, SLEEPY_ORDER, SLEEPY_ORDER_VERSION};
 
     const SKU: &str = "widget";
     const STOCK: i64 = 10;
@@ -210,7 +210,7 @@ mod workflow_demo {
         let db = dir.join("workflows.db");
         let payments_db = payments_path(&db);
         let (path, durability) = (db.clone(), ctx.durability);
-        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))?;
+        let writer = Writer::spawn(move || SqliteWorkflows::init_with(&path, durability))?;
         writer.call_blocking(|store, _| {
             order_sql::install(store.connection())?;
             order_sql::set_stock(store.connection(), SKU, STOCK)

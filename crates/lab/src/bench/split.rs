@@ -12,6 +12,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
+use tidemark_builtins::reservation::ReservationHandler;
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
@@ -20,7 +21,6 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, RelayOptions};
-use tidemark_store_sqlite::reservation::ReservationHandler;
 use tidemark_store_sqlite::{Durability, SqliteProducer};
 
 use super::{failed, request, sched_delta, Mode, RunStats, Sched};

@@ -4,13 +4,13 @@
 use std::path::{Path, PathBuf};
 
 use serde_json::{json, Value};
+use tidemark_builtins::reservation::{self, ReservationHandler};
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, ProducerStore, Subscription};
 use tidemark_core::Result;
 use tidemark_engine::{relay_until_idle, RelayOptions, RelayReport};
-use tidemark_store_sqlite::reservation::{self, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 /// One producer file and one consumer file in a folder.

@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use serde_json::{json, Value};
+use tidemark_builtins::reservation::{self, ReservationHandler};
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::reservation::{ReservationMachine, STATES};
 use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
 use tidemark_core::{Error, Result};
 use tidemark_engine::{relay_once, RelayOptions};
-use tidemark_store_sqlite::reservation::{self, ReservationHandler};
 use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 
 use crate::pipeline::Pipeline;

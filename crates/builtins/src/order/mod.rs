@@ -5,7 +5,7 @@
 //! `compensate:charge_payment`).
 //!
 //! The transactional steps go through [`OrderTx`], implemented for SQLite's connection with the
-//! SQL of `tidemark_store_sqlite::order`; the payment service is a [`Payments`]. [`FakePayments`]
+//! SQL of [`tables`]; the payment service is a [`Payments`]. [`FakePayments`]
 //! is a deterministic in-process fake driven by the input (`fail`, `flaky_attempts`) that logs
 //! every call with its idempotency key in its own database.
 
@@ -15,12 +15,14 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tidemark_core::id::validate_id;
-use tidemark_core::workflow::{StepFailure, WorkflowStore};
-use tidemark_core::Result;
-use tidemark_store_sqlite::order::{self as sql, PaymentCall, ReserveOutcome};
+use tidemark::id::validate_id;
+use tidemark::rusqlite;
+use tidemark::workflow::{Saga, SagaAction, SagaData, StepFailure, WorkflowOptions, WorkflowStore, Workflows};
+use tidemark::Result;
 
-use super::{Saga, SagaAction, SagaData, WorkflowOptions, Workflows};
+pub mod tables;
+
+use tables::{self as sql, PaymentCall, ReserveOutcome};
 
 pub const ORDER_SAGA: &str = "order_saga";
 pub const ORDER_SAGA_VERSION: u32 = 1;
@@ -69,7 +71,7 @@ pub trait OrderTx {
     fn ship_order(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure>;
 }
 
-fn db_failure(error: tidemark_core::Error) -> StepFailure {
+fn db_failure(error: tidemark::Error) -> StepFailure {
     StepFailure::retryable(error.to_string())
 }
 
@@ -133,6 +135,11 @@ pub struct FakePayments {
 impl FakePayments {
     pub fn open(path: &Path) -> Result<FakePayments> {
         Ok(FakePayments { conn: Mutex::new(sql::open_payments(path)?) })
+    }
+
+    /// A fake whose call log is in memory (gone with the process).
+    pub fn in_memory() -> Result<FakePayments> {
+        Ok(FakePayments { conn: Mutex::new(sql::open_payments_in_memory()?) })
     }
 
     /// Every call received, in order.
@@ -241,4 +248,10 @@ where
     S::Target: OrderTx + 'static,
 {
     order_saga::<S>(payments).register(workflows, options)
+}
+
+/// Where `tidemark worker --db F` keeps the fake payment service's log by default: beside the
+/// workflow database, `<db stem>.payments.db`.
+pub fn payments_path(db: &std::path::Path) -> std::path::PathBuf {
+    db.with_extension("payments.db")
 }

@@ -2,22 +2,34 @@
 //! flow) and one effect row per applied event. The effects table deliberately has no unique
 //! constraint, so that an event applied twice would show as two rows.
 
-use rusqlite::{params, Connection, OptionalExtension};
-use tidemark_core::decode::DecoderRegistry;
-use tidemark_core::reservation::{decoders, project, ReservationEvent, ReservationProjection};
-use tidemark_core::store::{HandleError, Handler};
-use tidemark_core::{Envelope, Error, Result};
+use std::sync::Arc;
 
-use crate::{db_err, SqlResult, SqliteConsumer};
+use tidemark::decode::DecoderRegistry;
+use tidemark::reservation::{decoders, project, ReservationEvent, ReservationProjection};
+use tidemark::rusqlite::{self, params, Connection, OptionalExtension};
+use tidemark::sqlite::{register_projection_table, Migration, SqliteConsumer};
+use tidemark::store::{HandleError, Handler};
+use tidemark::{Envelope, Error, Result};
 
-/// Create the reservation tables (idempotent) and register them for `rename-consumer`. The
-/// projection's key leads with the flow id, like the inbox's (see schema.rs, v5): files made
-/// before keep their (consumer, source, flow) key, which works the same, only slower.
+/// The migration that creates the reservation tables and registers them for
+/// `rename-consumer` (idempotent: files made before migrations were recorded already have them).
+/// The projection's key leads with the flow id, like the inbox's (schema v5): files made before
+/// keep their (consumer, source, flow) key, which works the same, only slower.
+pub fn migration() -> Migration {
+    Migration::with("reservation_tables", install_in)
+}
+
+/// Create the reservation tables (idempotent) in a consumer database, in one transaction
+/// (`BEGIN IMMEDIATE`: two processes installing at once take turns).
 pub fn install(consumer: &SqliteConsumer) -> Result<()> {
-    // One write transaction (IMMEDIATE, as every store write): two processes installing at once
-    // take turns instead of one failing at its first write.
-    let tx =
-        rusqlite::Transaction::new_unchecked(consumer.connection(), rusqlite::TransactionBehavior::Immediate).db()?;
+    let tx = rusqlite::Transaction::new_unchecked(consumer.connection(), rusqlite::TransactionBehavior::Immediate)?;
+    install_in(&tx)?;
+    tx.commit()?;
+    Ok(())
+}
+
+/// Create the reservation tables (idempotent) and register them, inside `tx`.
+pub fn install_in(tx: &Connection) -> Result<()> {
     tx.execute_batch(
         "CREATE TABLE IF NOT EXISTS reservation_projection (
              consumer_id TEXT NOT NULL,
@@ -38,36 +50,27 @@ pub fn install(consumer: &SqliteConsumer) -> Result<()> {
              kind          TEXT NOT NULL,
              quantity      INTEGER NOT NULL
          );",
-    )
-    .db()?;
-    let registered: bool = tx
-        .query_row(
-            "SELECT count(*) FROM meta WHERE key = 'consumer.projection_tables' AND value LIKE '%reservation_effects%'",
-            [],
-            |r| r.get(0),
-        )
-        .db()?;
-    if !registered {
-        crate::consumer::register_projection_table(&tx, "reservation_projection")?;
-        crate::consumer::register_projection_table(&tx, "reservation_effects")?;
-    }
-    tx.commit().db()
+    )?;
+    register_projection_table(tx, "reservation_projection")?;
+    register_projection_table(tx, "reservation_effects")
 }
 
 /// The reservation handler: decode by (event type, schema version), check the transition
 /// against the projection, then write the projection and one effect row.
+#[derive(Clone)]
 pub struct ReservationHandler {
-    decoders: DecoderRegistry<ReservationEvent>,
+    decoders: Arc<DecoderRegistry<ReservationEvent>>,
 }
 
 impl ReservationHandler {
+    /// The handler with the v1 decoders, and the v2 ones with `support_v2`.
     pub fn new(support_v2: bool) -> Self {
-        ReservationHandler { decoders: decoders(support_v2) }
+        ReservationHandler { decoders: Arc::new(decoders(support_v2)) }
     }
 }
 
 fn failed(error: rusqlite::Error) -> HandleError {
-    HandleError::Failed(db_err(error))
+    HandleError::Failed(Error::from(error))
 }
 
 impl Handler<Connection> for ReservationHandler {
@@ -154,57 +157,49 @@ pub struct ProjectionRow {
 
 /// Read the reservation projection and effects (in one read transaction), capped at `rows_max`.
 pub fn read(conn: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
-    let tx = conn.unchecked_transaction().db()?;
+    let tx = conn.unchecked_transaction()?;
     let read = read_in(&tx, rows_max)?;
-    tx.finish().db()?;
+    tx.finish()?;
     Ok(read)
 }
 
 /// [`read`] on a connection whose read transaction the caller holds (see
-/// [`crate::SqliteConsumer::snapshot_with`]).
+/// [`SqliteConsumer::snapshot_with`]).
 pub fn read_in(tx: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
     let projections = {
-        let mut stmt = tx
-            .prepare(
-                "SELECT consumer_id, source, flow_id, state, quantity, last_seq FROM reservation_projection
+        let mut stmt = tx.prepare(
+            "SELECT consumer_id, source, flow_id, state, quantity, last_seq FROM reservation_projection
                  ORDER BY consumer_id, source, flow_id LIMIT ?1",
-            )
-            .db()?;
-        let rows = stmt
-            .query_map([rows_max as i64], |r| {
-                Ok(ProjectionRow {
-                    consumer_id: r.get(0)?,
-                    source: r.get(1)?,
-                    flow_id: r.get(2)?,
-                    state: r.get(3)?,
-                    quantity: r.get(4)?,
-                    last_seq: r.get(5)?,
-                })
+        )?;
+        let rows = stmt.query_map([rows_max as i64], |r| {
+            Ok(ProjectionRow {
+                consumer_id: r.get(0)?,
+                source: r.get(1)?,
+                flow_id: r.get(2)?,
+                state: r.get(3)?,
+                quantity: r.get(4)?,
+                last_seq: r.get(5)?,
             })
-            .db()?;
-        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        })?;
+        rows.collect::<rusqlite::Result<Vec<_>>>()?
     };
     let effects = {
-        let mut stmt = tx
-            .prepare(
-                "SELECT consumer_id, source, flow_id, seq, event_id, kind, quantity FROM reservation_effects
+        let mut stmt = tx.prepare(
+            "SELECT consumer_id, source, flow_id, seq, event_id, kind, quantity FROM reservation_effects
                  ORDER BY effect_id LIMIT ?1",
-            )
-            .db()?;
-        let rows = stmt
-            .query_map([rows_max as i64], |r| {
-                Ok(Effect {
-                    consumer_id: r.get(0)?,
-                    source: r.get(1)?,
-                    flow_id: r.get(2)?,
-                    seq: r.get(3)?,
-                    event_id: r.get(4)?,
-                    kind: r.get(5)?,
-                    quantity: r.get(6)?,
-                })
+        )?;
+        let rows = stmt.query_map([rows_max as i64], |r| {
+            Ok(Effect {
+                consumer_id: r.get(0)?,
+                source: r.get(1)?,
+                flow_id: r.get(2)?,
+                seq: r.get(3)?,
+                event_id: r.get(4)?,
+                kind: r.get(5)?,
+                quantity: r.get(6)?,
             })
-            .db()?;
-        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+        })?;
+        rows.collect::<rusqlite::Result<Vec<_>>>()?
     };
     Ok((projections, effects))
 }
@@ -212,7 +207,7 @@ pub fn read_in(tx: &Connection, rows_max: usize) -> Result<(Vec<ProjectionRow>, 
 /// How many effect rows there are (one per applied event and consumer, when nothing was applied
 /// twice).
 pub fn effect_count(conn: &Connection) -> Result<u64> {
-    let count: i64 = conn.query_row("SELECT count(*) FROM reservation_effects", [], |r| r.get(0)).db()?;
+    let count: i64 = conn.query_row("SELECT count(*) FROM reservation_effects", [], |r| r.get(0))?;
     Ok(count as u64)
 }
 
@@ -228,22 +223,18 @@ pub struct DuplicateEffect {
 
 /// Effects per (consumer, source, flow, seq) applied more than once: must always be empty.
 pub fn duplicate_effects(conn: &Connection) -> Result<Vec<DuplicateEffect>> {
-    let mut stmt = conn
-        .prepare(
-            "SELECT consumer_id, source, flow_id, seq, count(*) FROM reservation_effects
+    let mut stmt = conn.prepare(
+        "SELECT consumer_id, source, flow_id, seq, count(*) FROM reservation_effects
              GROUP BY consumer_id, source, flow_id, seq HAVING count(*) > 1 ORDER BY 1, 2, 3, 4 LIMIT 1000",
-        )
-        .map_err(|e| Error::store(e.to_string()))?;
-    let rows = stmt
-        .query_map([], |r| {
-            Ok(DuplicateEffect {
-                consumer_id: r.get(0)?,
-                source: r.get(1)?,
-                flow_id: r.get(2)?,
-                seq: r.get(3)?,
-                count: r.get(4)?,
-            })
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok(DuplicateEffect {
+            consumer_id: r.get(0)?,
+            source: r.get(1)?,
+            flow_id: r.get(2)?,
+            seq: r.get(3)?,
+            count: r.get(4)?,
         })
-        .db()?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    })?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(Error::from)
 }

@@ -1,19 +1,22 @@
-//! The workflows built into the `tidemark` binary: the reference order saga
-//! (`tidemark_engine::workflow::order`) and `sleepy_order`, a plain code workflow over the same
+//! The workflows built into the `tidemark` binary: the reference order saga ([`crate::order`])
+//! and `sleepy_order`, a plain code workflow over the same
 //! order tables that can hold its lease in a slow external step, wait for an approval event and
 //! sleep on a durable timer (for demos, operators and crash tests).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::workflow::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
-use crate::workflow::{SagaData, WorkflowContext, WorkflowError, WorkflowOptions, Workflows};
+use crate::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tidemark_core::id::validate_id;
-use tidemark_core::workflow::{workflow_codes, Backoff, RetryPolicy, StepFailure, WorkflowVersion};
-use tidemark_core::{Error, Result};
-use tidemark_store_sqlite::SqliteWorkflows;
+use tidemark::id::validate_id;
+use tidemark::rusqlite;
+use tidemark::sqlite::SqliteWorkflows;
+use tidemark::workflow::{
+    workflow_codes, Backoff, IntoWorkflow, RetryPolicy, SagaData, StepFailure, WorkflowContext, WorkflowError,
+    WorkflowOptions, WorkflowVersion, Workflows,
+};
+use tidemark::{Error, Result, Workflow};
 
 pub const SLEEPY_ORDER: &str = "sleepy_order";
 pub const SLEEPY_ORDER_VERSION: u32 = 1;
@@ -81,11 +84,11 @@ fn sleepy_of(input: &Value) -> std::result::Result<SleepyInput, String> {
     if let Some(name) = &sleepy.approval {
         validate_id("approval", name).map_err(|e| e.to_string())?;
     }
-    if sleepy.approval_timeout_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
-        return Err(format!("approval_timeout_ms must be at most {}", tidemark_core::workflow::TIMER_MS_MAX));
+    if sleepy.approval_timeout_ms > tidemark::workflow::TIMER_MS_MAX as u64 {
+        return Err(format!("approval_timeout_ms must be at most {}", tidemark::workflow::TIMER_MS_MAX));
     }
-    if sleepy.order.ship_after_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
-        return Err(format!("ship_after_ms must be at most {}", tidemark_core::workflow::TIMER_MS_MAX));
+    if sleepy.order.ship_after_ms > tidemark::workflow::TIMER_MS_MAX as u64 {
+        return Err(format!("ship_after_ms must be at most {}", tidemark::workflow::TIMER_MS_MAX));
     }
     Ok(sleepy)
 }
@@ -95,10 +98,10 @@ pub fn validate_input(workflow: &str, input: &Value) -> Result<()> {
     match workflow {
         ORDER_SAGA => {
             let order = order_of(input).map_err(|f| invalid_input(f.message))?;
-            if order.ship_after_ms > tidemark_core::workflow::TIMER_MS_MAX as u64 {
+            if order.ship_after_ms > tidemark::workflow::TIMER_MS_MAX as u64 {
                 return Err(invalid_input(format!(
                     "ship_after_ms must be at most {}",
-                    tidemark_core::workflow::TIMER_MS_MAX
+                    tidemark::workflow::TIMER_MS_MAX
                 )));
             }
             Ok(())
@@ -136,14 +139,27 @@ pub fn compensation_policy(step: &RetryPolicy) -> RetryPolicy {
 /// Register every built-in workflow with `payments` as the payment service.
 pub fn workflows(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Workflows<SqliteWorkflows>> {
     let mut workflows = Workflows::new();
-    let options = WorkflowOptions { concurrency_max: None, retry: retry.clone() };
-    order_saga::<SqliteWorkflows>(payments.clone())
-        .compensation_policy(compensation_policy(retry))
-        .register(&mut workflows, options.clone())?;
-    workflows.register(SLEEPY_ORDER, SLEEPY_ORDER_VERSION, options, move |ctx, input| {
-        sleepy_order(ctx, input, payments.clone())
-    })?;
+    for definition in definitions(payments, retry)? {
+        workflows.add(definition)?;
+    }
     Ok(workflows)
+}
+
+/// The built-in workflows' definitions with `payments` as the payment service: what a service
+/// registers (each refuses, at start, an input it could never run: [`validate_input`]).
+pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Vec<Workflow>> {
+    let options = WorkflowOptions { concurrency_max: None, retry: retry.clone() };
+    let saga = order_saga::<SqliteWorkflows>(payments.clone())
+        .compensation_policy(compensation_policy(retry))
+        .into_workflow()?
+        .options(options.clone())
+        .check_input(|input| validate_input(ORDER_SAGA, input));
+    let sleepy = Workflow::new(SLEEPY_ORDER, SLEEPY_ORDER_VERSION, move |ctx, input: Value| {
+        sleepy_order(ctx, input, payments.clone())
+    })
+    .options(options)
+    .check_input(|input| validate_input(SLEEPY_ORDER, input));
+    Ok(vec![saga, sleepy])
 }
 
 /// `sleepy_order`: `reserve_inventory` (transactional) -> `hold` (external, lasts until

@@ -22,15 +22,15 @@ use std::time::{Duration, Instant};
 
 use rusqlite::Connection;
 use serde_json::{json, Value};
-use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
-use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::order::{
+use tidemark_builtins::order::tables as order_sql;
+use tidemark_builtins::order::{
     order_saga, FakePayments, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION,
 };
+use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
+use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{
     FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowOptions, Workflows, Writer,
 };
-use tidemark_store_sqlite::order as order_sql;
 use tidemark_store_sqlite::{open_reader, probe, stats, Durability, SqliteWorkflows};
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
@@ -95,19 +95,19 @@ impl World {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
         let db = dir.join("wf.db");
         let path = db.clone();
-        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))?;
+        let writer = Writer::spawn(move || SqliteWorkflows::init_with(&path, durability))?;
         writer.call_blocking(move |store, _| {
             let conn = store.connection();
             order_sql::install(conn)?;
             order_sql::set_stock(conn, SKU, stock)
         })?;
-        let payments = Arc::new(FakePayments::open(Path::new(":memory:"))?);
+        let payments = Arc::new(FakePayments::in_memory()?);
         Ok(World { db, writer, payments, stock })
     }
 
     fn open_writer(&self, durability: Durability) -> Result<Writer<Store>> {
         let path = self.db.clone();
-        Writer::spawn(move || SqliteWorkflows::open_with(&path, durability))
+        Writer::spawn(move || SqliteWorkflows::init_with(&path, durability))
     }
 
     /// Start `ids` (one transaction per `START_BATCH_MAX`); every one must be new.
@@ -130,7 +130,7 @@ impl World {
         let db = self.writer.call_blocking(move |store, _| {
             let conn = store.connection();
             let runs = stats::run_counts(conn)?;
-            let effects = SqliteWorkflows::order_effect_counts(conn)?;
+            let effects = order_sql::order_effect_counts(conn)?;
             let effects_of = |kind: &str| effects.get(kind).copied().unwrap_or(0);
             let other_effects: u64 =
                 effects.iter().filter(|(kind, _)| !matches!(kind.as_str(), "reserve" | "ship")).map(|(_, n)| n).sum();
@@ -140,7 +140,7 @@ impl World {
                 "reserve_effects": effects_of("reserve"),
                 "ship_effects": effects_of("ship"),
                 "other_effects": other_effects,
-                "orders_with_duplicate_effects": SqliteWorkflows::orders_with_duplicate_effects(conn)?,
+                "orders_with_duplicate_effects": order_sql::orders_with_duplicate_effects(conn)?,
                 "stock_taken": stock - order_sql::stock(conn, SKU)?.unwrap_or(0),
             }))
         })?;

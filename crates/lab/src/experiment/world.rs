@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 
 use rusqlite::Connection;
 use serde_json::{json, Map, Value};
+use tidemark_builtins::reservation::{self, Effect, ReservationHandler};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::reservation::ReservationMachine;
@@ -18,7 +19,6 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, relay_until_idle, RelayOptions, RelayReport};
-use tidemark_store_sqlite::reservation::{self, Effect, ReservationHandler};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 /// Rows read per table when capturing a state (scenarios hold a few dozen).

@@ -1,15 +1,21 @@
 //! The reference order saga's tables (stock, reservations, shipments, and an effects log with
 //! no unique constraint, so a step applied twice would show as two rows) and the call log of the
-//! fake payment service. The saga itself lives in `tidemark_engine::workflow::order`; its
+//! fake payment service. The saga itself lives in [`crate::order`]; its
 //! transactional steps call these functions inside the journal's transaction.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
-use rusqlite::{params, Connection, OptionalExtension};
 use serde_json::{json, Value};
-use tidemark_core::Result;
+use tidemark::rusqlite::{self, params, Connection, OptionalExtension};
+use tidemark::sqlite::{open_connection, Durability, Migration};
+use tidemark::{Error, Result};
 
-use crate::SqlResult;
+/// The migration that creates the order tables in the workflow database (idempotent: files made
+/// before migrations were recorded already have them).
+pub fn migration() -> Migration {
+    Migration::with("order_tables", install)
+}
 
 /// Create the order tables (idempotent).
 pub fn install(conn: &Connection) -> Result<()> {
@@ -34,7 +40,7 @@ pub fn install(conn: &Connection) -> Result<()> {
              quantity  INTEGER NOT NULL
          );",
     )
-    .db()
+    .map_err(Error::from)
 }
 
 /// Are the order tables there? Cheap enough for every transactional step: once the probe is
@@ -47,17 +53,15 @@ pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
     conn.execute(
         "INSERT INTO order_stock (sku, stock) VALUES (?1, ?2) ON CONFLICT (sku) DO UPDATE SET stock = excluded.stock",
         params![sku, stock],
-    )
-    .db()?;
+    )?;
     Ok(())
 }
 
 pub fn stock(conn: &Connection, sku: &str) -> Result<Option<i64>> {
-    conn.prepare_cached("SELECT stock FROM order_stock WHERE sku = ?1")
-        .db()?
+    conn.prepare_cached("SELECT stock FROM order_stock WHERE sku = ?1")?
         .query_row([sku], |r| r.get(0))
         .optional()
-        .db()
+        .map_err(Error::from)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,10 +80,8 @@ pub enum ReserveOutcome {
 }
 
 fn effect(conn: &Connection, order_id: &str, kind: &str, sku: &str, quantity: i64) -> Result<()> {
-    conn.prepare_cached("INSERT INTO order_effects (order_id, kind, sku, quantity) VALUES (?1, ?2, ?3, ?4)")
-        .db()?
-        .execute(params![order_id, kind, sku, quantity])
-        .db()?;
+    conn.prepare_cached("INSERT INTO order_effects (order_id, kind, sku, quantity) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![order_id, kind, sku, quantity])?;
     Ok(())
 }
 
@@ -90,10 +92,8 @@ pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> R
         .prepare_cached(
             "SELECT (SELECT status FROM order_reservations WHERE order_id = ?1),
                     (SELECT stock FROM order_stock WHERE sku = ?2)",
-        )
-        .db()?
-        .query_row([order_id, sku], |r| Ok((r.get(0)?, r.get(1)?)))
-        .db()?;
+        )?
+        .query_row([order_id, sku], |r| Ok((r.get(0)?, r.get(1)?)))?;
     if let Some(status) = existing {
         return Ok(ReserveOutcome::AlreadyReserved { status });
     }
@@ -101,16 +101,11 @@ pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> R
     if stock < quantity {
         return Ok(ReserveOutcome::Insufficient { stock });
     }
-    conn.prepare_cached("UPDATE order_stock SET stock = stock - ?2 WHERE sku = ?1")
-        .db()?
-        .execute(params![sku, quantity])
-        .db()?;
+    conn.prepare_cached("UPDATE order_stock SET stock = stock - ?2 WHERE sku = ?1")?.execute(params![sku, quantity])?;
     conn.prepare_cached(
         "INSERT INTO order_reservations (order_id, sku, quantity, status) VALUES (?1, ?2, ?3, 'reserved')",
-    )
-    .db()?
-    .execute(params![order_id, sku, quantity])
-    .db()?;
+    )?
+    .execute(params![order_id, sku, quantity])?;
     effect(conn, order_id, "reserve", sku, quantity)?;
     Ok(ReserveOutcome::Reserved { stock_left: stock - quantity })
 }
@@ -119,20 +114,13 @@ pub fn reserve(conn: &Connection, order_id: &str, sku: &str, quantity: i64) -> R
 /// (no reservation, already released or shipped).
 pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
     let row: Option<(String, i64)> = conn
-        .prepare_cached("SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'")
-        .db()?
+        .prepare_cached("SELECT sku, quantity FROM order_reservations WHERE order_id = ?1 AND status = 'reserved'")?
         .query_row([order_id], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()
-        .db()?;
+        .optional()?;
     let Some((sku, quantity)) = row else { return Ok(false) };
-    conn.prepare_cached("UPDATE order_stock SET stock = stock + ?2 WHERE sku = ?1")
-        .db()?
-        .execute(params![sku, quantity])
-        .db()?;
-    conn.prepare_cached("UPDATE order_reservations SET status = 'released' WHERE order_id = ?1")
-        .db()?
-        .execute([order_id])
-        .db()?;
+    conn.prepare_cached("UPDATE order_stock SET stock = stock + ?2 WHERE sku = ?1")?.execute(params![sku, quantity])?;
+    conn.prepare_cached("UPDATE order_reservations SET status = 'released' WHERE order_id = ?1")?
+        .execute([order_id])?;
     effect(conn, order_id, "release", &sku, quantity)?;
     Ok(true)
 }
@@ -140,10 +128,8 @@ pub fn release(conn: &Connection, order_id: &str) -> Result<bool> {
 /// Ship a `reserved` order. False when it is not reserved.
 pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
     let shipped = conn
-        .prepare_cached("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1 AND status = 'reserved'")
-        .db()?
-        .execute([order_id])
-        .db()?;
+        .prepare_cached("UPDATE order_reservations SET status = 'shipped' WHERE order_id = ?1 AND status = 'reserved'")?
+        .execute([order_id])?;
     if shipped == 0 {
         return Ok(false);
     }
@@ -151,10 +137,8 @@ pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
     conn.prepare_cached(
         "INSERT INTO order_effects (order_id, kind, sku, quantity)
          SELECT order_id, 'ship', sku, quantity FROM order_reservations WHERE order_id = ?1",
-    )
-    .db()?
-    .execute([order_id])
-    .db()?;
+    )?
+    .execute([order_id])?;
     Ok(true)
 }
 
@@ -169,29 +153,34 @@ pub struct OrderEffect {
 /// Every effect the order steps applied, in order.
 pub fn effects(conn: &Connection) -> Result<Vec<OrderEffect>> {
     let mut stmt =
-        conn.prepare("SELECT order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT 100000").db()?;
-    let rows = stmt
-        .query_map([], |r| {
-            Ok(OrderEffect { order_id: r.get(0)?, kind: r.get(1)?, sku: r.get(2)?, quantity: r.get(3)? })
-        })
-        .db()?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+        conn.prepare("SELECT order_id, kind, sku, quantity FROM order_effects ORDER BY effect_id LIMIT 100000")?;
+    let rows = stmt.query_map([], |r| {
+        Ok(OrderEffect { order_id: r.get(0)?, kind: r.get(1)?, sku: r.get(2)?, quantity: r.get(3)? })
+    })?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(Error::from)
 }
 
 /// The status of an order's reservation.
 pub fn reservation_status(conn: &Connection, order_id: &str) -> Result<Option<String>> {
     conn.query_row("SELECT status FROM order_reservations WHERE order_id = ?1", [order_id], |r| r.get(0))
         .optional()
-        .db()
+        .map_err(Error::from)
 }
 
 /// Open (or create) the fake payment service's own database: one row per call it receives.
 pub fn open_payments(path: &Path) -> Result<Connection> {
-    let conn = Connection::open(path).db()?;
-    crate::schema::set_busy_handler(&conn)?;
+    create_payment_calls(open_connection(path, true, Durability::Full)?)
+}
+
+/// The fake payment service's log in memory (for benchmarks that measure tidemark, not the
+/// fake's disk).
+pub fn open_payments_in_memory() -> Result<Connection> {
+    create_payment_calls(Connection::open_in_memory()?)
+}
+
+fn create_payment_calls(conn: Connection) -> Result<Connection> {
     conn.execute_batch(
-        "PRAGMA journal_mode = WAL;
-         CREATE TABLE IF NOT EXISTS payment_calls (
+        "CREATE TABLE IF NOT EXISTS payment_calls (
              call_id         INTEGER PRIMARY KEY,
              idempotency_key TEXT NOT NULL,
              op              TEXT NOT NULL,
@@ -200,8 +189,7 @@ pub fn open_payments(path: &Path) -> Result<Connection> {
              outcome         TEXT NOT NULL
          );
          CREATE INDEX IF NOT EXISTS payment_calls_key ON payment_calls (idempotency_key);",
-    )
-    .db()?;
+    )?;
     Ok(conn)
 }
 
@@ -221,71 +209,63 @@ pub fn payment_history(conn: &Connection, key: &str) -> Result<(i64, bool)> {
     conn.prepare_cached(
         "SELECT count(*), coalesce(max(outcome IN ('charged', 'refunded')), 0) FROM payment_calls
          WHERE idempotency_key = ?1",
-    )
-    .db()?
+    )?
     .query_row([key], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)))
-    .db()
+    .map_err(Error::from)
 }
 
 pub fn record_payment_call(conn: &Connection, call: &PaymentCall) -> Result<()> {
     conn.prepare_cached(
         "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome) VALUES (?1, ?2, ?3, ?4, ?5)",
-    )
-    .db()?
-    .execute(params![call.idempotency_key, call.op, call.order_id, call.amount, call.outcome])
-    .db()?;
+    )?
+    .execute(params![call.idempotency_key, call.op, call.order_id, call.amount, call.outcome])?;
     Ok(())
 }
 
 /// Every call the fake payment service received, in order.
 pub fn payment_calls(conn: &Connection) -> Result<Vec<PaymentCall>> {
-    let mut stmt = conn
-        .prepare(
-            "SELECT idempotency_key, op, order_id, amount, outcome FROM payment_calls ORDER BY call_id LIMIT 100000",
-        )
-        .db()?;
-    let rows = stmt
-        .query_map([], |r| {
-            Ok(PaymentCall {
-                idempotency_key: r.get(0)?,
-                op: r.get(1)?,
-                order_id: r.get(2)?,
-                amount: r.get(3)?,
-                outcome: r.get(4)?,
-            })
+    let mut stmt = conn.prepare(
+        "SELECT idempotency_key, op, order_id, amount, outcome FROM payment_calls ORDER BY call_id LIMIT 100000",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok(PaymentCall {
+            idempotency_key: r.get(0)?,
+            op: r.get(1)?,
+            order_id: r.get(2)?,
+            amount: r.get(3)?,
+            outcome: r.get(4)?,
         })
-        .db()?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+    })?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(Error::from)
 }
 
 /// The order tables as JSON, at most `rows_max` rows each (empty when they are not installed).
 pub fn tables(conn: &Connection, rows_max: usize) -> Result<Value> {
-    let installed: i64 = conn
-        .query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'order_stock'", [], |r| r.get(0))
-        .db()?;
+    let installed: i64 =
+        conn.query_row("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'order_stock'", [], |r| {
+            r.get(0)
+        })?;
     if installed == 0 {
         return Ok(json!({"stock": [], "reservations": [], "effects": []}));
     }
     let rows = |query: &str, columns: &[&str]| -> Result<Vec<Value>> {
-        let mut stmt = conn.prepare(query).db()?;
-        let rows = stmt
-            .query_map([rows_max as i64], |r| {
-                let mut row = serde_json::Map::new();
-                for (i, column) in columns.iter().enumerate() {
-                    let value: rusqlite::types::Value = r.get(i)?;
-                    row.insert(
-                        column.to_string(),
-                        match value {
-                            rusqlite::types::Value::Integer(n) => json!(n),
-                            rusqlite::types::Value::Text(t) => json!(t),
-                            _ => Value::Null,
-                        },
-                    );
-                }
-                Ok(Value::Object(row))
-            })
-            .db()?;
-        rows.collect::<rusqlite::Result<Vec<_>>>().db()
+        let mut stmt = conn.prepare(query)?;
+        let rows = stmt.query_map([rows_max as i64], |r| {
+            let mut row = serde_json::Map::new();
+            for (i, column) in columns.iter().enumerate() {
+                let value: rusqlite::types::Value = r.get(i)?;
+                row.insert(
+                    column.to_string(),
+                    match value {
+                        rusqlite::types::Value::Integer(n) => json!(n),
+                        rusqlite::types::Value::Text(t) => json!(t),
+                        _ => Value::Null,
+                    },
+                );
+            }
+            Ok(Value::Object(row))
+        })?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().map_err(Error::from)
     };
     Ok(json!({
         "stock": rows("SELECT sku, stock FROM order_stock ORDER BY sku LIMIT ?1", &["sku", "stock"])?,
@@ -298,6 +278,32 @@ pub fn tables(conn: &Connection, rows_max: usize) -> Result<Value> {
             &["effect_id", "order_id", "kind", "sku", "quantity"],
         )?,
     }))
+}
+
+/// The reference order saga's business effects (`order_effects`, see [`install`]) per
+/// kind (`reserve`, `ship`, ...; kinds with none are absent). Fails if the order tables are
+/// not installed in this file.
+pub fn order_effect_counts(conn: &Connection) -> Result<BTreeMap<String, u64>> {
+    let mut stmt = conn.prepare_cached("SELECT kind, count(*) FROM order_effects GROUP BY kind")?;
+    let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let (kind, n) = row?;
+        out.insert(kind, n as u64);
+    }
+    Ok(out)
+}
+
+/// How many `(order_id, kind)` pairs of the order saga have more than one effect: an effect
+/// applied twice (0 when every step ran exactly once). Fails if the order tables are not
+/// installed in this file.
+pub fn orders_with_duplicate_effects(conn: &Connection) -> Result<u64> {
+    let n: i64 = conn
+        .prepare_cached(
+            "SELECT count(*) FROM (SELECT 1 FROM order_effects GROUP BY order_id, kind HAVING count(*) > 1)",
+        )?
+        .query_row([], |r| r.get(0))?;
+    Ok(n as u64)
 }
 
 #[cfg(test)]

@@ -1,0 +1,333 @@
+//! [`Service`] and its builder: the user's machines, handlers and workflows, served.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rusqlite::Connection;
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::flow::FlowMachine;
+use tidemark_core::store::Handler;
+use tidemark_core::{Error, Result};
+use tidemark_engine::workflow::{IntoWorkflow, Workflow};
+use tidemark_store_sqlite::{Durability, Migration, SqliteWorkflows};
+use utoipa_axum::router::OpenApiRouter;
+
+use crate::registry::{
+    ConsumerDeclaration, Database, HandlerEntry, Registry, RegistryParts, TenantInfo, TenantWorkflows,
+};
+use crate::tenant::Tenant;
+use crate::{background, dashboard, AppState, Config};
+
+/// Builds a [`Service`]: configuration, then what it serves. Nothing is opened until
+/// [`ServiceBuilder::build`], which checks every registration and answers a typed error for a
+/// wrong one (two machines sharing a state, two workflows with one name and version, a consumer
+/// whose handler is not registered, ...), never a panic later.
+#[must_use = "a builder does nothing until `build`"]
+pub struct ServiceBuilder {
+    config: Config,
+    parts: RegistryParts,
+    routes: Vec<OpenApiRouter<AppState>>,
+    errors: Vec<Error>,
+}
+
+/// A built service: the data folder and control database are open; tenants open on
+/// [`Service::start`] (every tenant known so far) or on first use.
+///
+/// Run it with [`Service::serve`] (HTTP API, dashboard, `/metrics` and the background loops),
+/// [`Service::run_until`] (the loops only, for a service that has its own web framework), or
+/// mount [`Service::router`] in an existing `axum` app after [`Service::start`].
+///
+/// ```no_run
+/// # async fn example() -> tidemark_core::Result<()> {
+/// use tidemark_server::Service;
+/// let service = Service::builder().data_dir("./data").without_auth("main").build()?;
+/// service.serve("127.0.0.1:7400").await?;
+/// # Ok(()) }
+/// ```
+pub struct Service {
+    state: AppState,
+    routes: Vec<OpenApiRouter<AppState>>,
+    started: Mutex<bool>,
+}
+
+impl Service {
+    /// A builder with the default configuration ([`Config::default`]).
+    pub fn builder() -> ServiceBuilder {
+        ServiceBuilder {
+            config: Config::default(),
+            parts: RegistryParts::default(),
+            routes: Vec::new(),
+            errors: Vec::new(),
+        }
+    }
+
+    /// The shared state (configuration, registry, tenants) that routes and loops use.
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    /// What the service serves.
+    pub fn registry(&self) -> &Registry {
+        &self.state.registry
+    }
+
+    /// The tenant `id`, opened (migrations run, threads and loops started) on first use.
+    pub async fn tenant(&self, id: &str) -> Result<Arc<Tenant>> {
+        self.state.tenant(id).await
+    }
+
+    /// Open every tenant known to the control database (so that their relay, drains, worker and
+    /// retention run from now on, not from their first request) and start the dashboard's
+    /// sampler. Called by [`Service::serve`] and [`Service::run_until`]; call it yourself before
+    /// mounting [`Service::router`]. Idempotent.
+    pub async fn start(&self) -> Result<()> {
+        for id in self.state.control(|c| c.tenants())? {
+            self.state.tenant(&id).await?;
+        }
+        let mut started = self.started.lock().unwrap_or_else(|p| p.into_inner());
+        if !*started {
+            dashboard::start_sampler(self.state.clone());
+            *started = true;
+        }
+        // `/readyz` answers ready from now on (until shutdown begins).
+        self.state.ready.store(true, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// The HTTP API (`/v1`, health, `/metrics`, `/openapi.json`) and the dashboard (`/ui`) as an
+    /// `axum::Router`, to serve or to mount (`Router::nest`) under an app of your own.
+    pub fn router(&self) -> axum::Router {
+        crate::api::router(self.state.clone(), self.routes.clone())
+    }
+
+    /// Stop: no new claims; the loops finish what they do and release what they hold (at most
+    /// `shutdown.grace_ms`). Answers what every loop did.
+    pub async fn shutdown(&self) -> Value {
+        let grace = Duration::from_millis(self.state.config.shutdown.grace_ms);
+        background::stop_all(&self.state, grace).await
+    }
+
+    /// Serve HTTP on `addr` and run every loop until SIGINT or SIGTERM, then shut down
+    /// gracefully. Answers the shutdown report.
+    pub async fn serve(self, addr: &str) -> Result<Value> {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
+        let signals = crate::shutdown_signals()?;
+        self.serve_on(listener, signals).await
+    }
+
+    /// Serve HTTP on `listener` and run every loop until `shutdown` resolves, then shut down
+    /// gracefully (in-flight requests are answered first).
+    pub async fn serve_on(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<Value> {
+        self.start().await?;
+        let app = self.router();
+        let stop = self.state.clone();
+        tracing::info!(addr = ?listener.local_addr().ok(), "listening");
+        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new requests, no new claims");
+            stop.shutdown.send_replace(true);
+        });
+        server.await.map_err(|e| Error::io(format!("the HTTP server failed: {e}")))?;
+        let released = self.shutdown().await;
+        Ok(json!({"outcome": "stopped", "workers": released}))
+    }
+
+    /// Run every loop (relay, drains, workers, retention) without HTTP until `shutdown`
+    /// resolves, then shut down gracefully.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<Value> {
+        self.start().await?;
+        shutdown.await;
+        self.state.shutdown.send_replace(true);
+        let released = self.shutdown().await;
+        Ok(json!({"outcome": "stopped", "workers": released}))
+    }
+
+    /// What `tidemark serve` does: logging as configured, a runtime of its own, HTTP on the
+    /// configured `listen` address, one JSON line on stdout once listening
+    /// (`{"outcome":"listening","addr":...}`), every loop, until SIGINT or SIGTERM. Call it
+    /// outside an async runtime.
+    pub fn serve_blocking(self) -> Result<Value> {
+        let logs = crate::init_logging(&self.state.config)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
+        let report = runtime.block_on(async move {
+            let config = &self.state.config;
+            let addr = config.listen_addr()?;
+            if config.auth_disabled() {
+                let message = format!(
+                    "AUTHENTICATION IS DISABLED (auth.mode = \"none\"): every request is an admin of tenant {:?}. \
+                     Use this for local development only.",
+                    config.auth.dev_tenant
+                );
+                tracing::warn!("{message}");
+                eprintln!("WARNING: {message}");
+            }
+            // Every known tenant's loops run from the start, not from its first request.
+            self.start().await?;
+            let signals = crate::shutdown_signals()?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
+            let bound = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+            println!("{}", json!({"outcome": "listening", "addr": bound.to_string(), "data_dir": config.data_dir}));
+            let mut report = self.serve_on(listener, signals).await?;
+            report["stopped_by"] = json!("signal");
+            Ok(report)
+        });
+        // The runtime's tasks are gone; now the last spans are exported.
+        drop(runtime);
+        drop(logs);
+        report
+    }
+}
+
+impl ServiceBuilder {
+    /// Replace the whole configuration (e.g. [`Config::load`]: defaults < TOML < environment <
+    /// flags). Settings made before are overwritten; make them after.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// The data folder (default `tidemark-data`): the control database and one folder per
+    /// tenant, embedded SQLite. Created on first start, never reset.
+    pub fn data_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.config.data_dir = dir.into();
+        self
+    }
+
+    /// `Durability::Full` (the default: every commit fsynced) or `Durability::Normal` (survives
+    /// a process crash, may lose the last commits on power loss).
+    pub fn durability(mut self, durability: Durability) -> Self {
+        self.config.durability = match durability {
+            Durability::Full => "full".into(),
+            Durability::Normal => "normal".into(),
+        };
+        self
+    }
+
+    /// No bearer tokens: every request is an admin of `tenant`. For local development and for
+    /// a service whose own app authenticates before it calls the mounted router.
+    pub fn without_auth(mut self, tenant: &str) -> Self {
+        self.config.auth.mode = "none".into();
+        self.config.auth.dev_tenant = tenant.to_string();
+        self
+    }
+
+    /// Serve a flow machine: `POST /v1/flows/{flow}/advance` moves its flows, and its states
+    /// must not be another machine's ([`tidemark_core::flow::MachineSet`]).
+    pub fn flow(mut self, machine: impl FlowMachine + 'static) -> Self {
+        self.parts.machines.push(Arc::new(machine));
+        self
+    }
+
+    /// Register handler `name` on the inbox database ([`Database::Inbox`]): consumers declared
+    /// with it (here with [`ServiceBuilder::declare_consumer`], or over the API) apply their
+    /// events with a clone of `handler`, one per tenant.
+    pub fn handler<H>(self, name: &str, handler: H) -> Self
+    where
+        H: Handler<Connection> + Clone + Send + 'static,
+    {
+        self.handler_in(Database::Inbox, name, handler)
+    }
+
+    /// [`ServiceBuilder::handler`] on another consumer database: [`Database::Workflows`] for a
+    /// handler that writes to the workflow database in the apply transaction (one that wakes
+    /// runs, `tidemark::sqlite::RunEventHandler`).
+    pub fn handler_in<H>(mut self, database: Database, name: &str, handler: H) -> Self
+    where
+        H: Handler<Connection> + Clone + Send + 'static,
+    {
+        if database == Database::Producer {
+            self.errors.push(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("handler {name:?}: the producer database holds no inbox; use inbox or workflows"),
+            ));
+            return self;
+        }
+        // Behind a lock so that a handler need only be `Send`: the lock is taken once per tenant.
+        let handler = Mutex::new(handler);
+        let make = Arc::new(move || -> crate::registry::BoxedHandler {
+            Box::new(handler.lock().unwrap_or_else(|p| p.into_inner()).clone())
+        });
+        self.parts.handlers.push((name.to_string(), HandlerEntry { database, make }));
+        self
+    }
+
+    /// A consumer `consumer_id` with its own handler (registered under the consumer's id),
+    /// declared in every tenant and subscribed to the tenant's producer from its first event.
+    pub fn consumer<H>(self, consumer_id: &str, handler: H) -> Self
+    where
+        H: Handler<Connection> + Clone + Send + 'static,
+    {
+        self.handler(consumer_id, handler).declare_consumer(consumer_id, consumer_id)
+    }
+
+    /// Declare consumer `consumer_id` with the registered handler `handler` in every tenant,
+    /// subscribed to the tenant's producer from its first event. A handler that is not
+    /// registered is `unknown_handler` at build.
+    pub fn declare_consumer(mut self, consumer_id: &str, handler: &str) -> Self {
+        self.parts
+            .consumers
+            .push(ConsumerDeclaration { consumer_id: consumer_id.to_string(), handler: handler.to_string() });
+        self
+    }
+
+    /// Serve a workflow (a [`Workflow`] or a [`tidemark_engine::workflow::Saga`]): started with
+    /// `POST /v1/runs`, run by every tenant's worker.
+    pub fn workflow(mut self, workflow: impl IntoWorkflow<SqliteWorkflows>) -> Self {
+        self.parts.workflows.push(workflow.into_workflow());
+        self
+    }
+
+    /// Workflows made per tenant when it opens (for a resource of their own per tenant).
+    /// `declared` names every `(workflow, version)` that `make` makes, so that clashes are found
+    /// at build.
+    pub fn tenant_workflows<F>(mut self, declared: &[(&str, u32)], make: F) -> Self
+    where
+        F: Fn(&TenantInfo) -> Result<Vec<Workflow<SqliteWorkflows>>> + Send + Sync + 'static,
+    {
+        let declared = declared.iter().map(|(n, v)| (n.to_string(), *v)).collect();
+        self.parts.tenant_workflows.push(TenantWorkflows { declared, make: Arc::new(make) });
+        self
+    }
+
+    /// A migration of the user's own tables in `database`, run (once, in order, each in its
+    /// own transaction) when a tenant opens, before its threads start. Recorded apart from
+    /// tidemark's own schema version (docs/library.md, "Your tables and their migrations").
+    pub fn migration(mut self, database: Database, migration: Migration) -> Self {
+        self.parts.migrations.push((database, migration));
+        self
+    }
+
+    /// Routes of your own, served beside the API with its authentication: a handler takes
+    /// [`crate::Caller`] (the token's tenant and scope). Documented in `/openapi.json` when
+    /// declared with `utoipa`.
+    pub fn routes(mut self, routes: OpenApiRouter<AppState>) -> Self {
+        self.routes.push(routes);
+        self
+    }
+
+    /// Check every registration and the configuration, and open the data folder.
+    pub fn build(mut self) -> Result<Service> {
+        if let Some(error) = self.errors.drain(..).next() {
+            return Err(error);
+        }
+        self.config.validate()?;
+        let registry = Registry::new(self.parts)?;
+        let state = AppState::open(self.config, registry)?;
+        Ok(Service { state, routes: self.routes, started: Mutex::new(false) })
+    }
+}
