@@ -138,7 +138,7 @@ impl EventHandler<Connection> for Ledger {
 // The settlement workflow.
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct Settle {
     payment_id: String,
@@ -257,7 +257,7 @@ fn service(data: &std::path::Path) -> tidemark::Result<Service> {
                                            charge_id TEXT NOT NULL, amount_cents INTEGER NOT NULL)",
             ),
         )
-        .workflow(tidemark::workflow("settle", 1, settle))
+        .workflow(tidemark::workflow("settle", 1, settle).input_schema_of::<Settle>())
         .routes(payment_routes())
         .build()
 }
@@ -352,6 +352,7 @@ async fn story(base: &str, service: &Service) -> Result<Value, String> {
         "ledger": ledger,
         "settlements": settlements,
         "machines": registry["machines"].as_array().map(|m| m.iter().map(|m| m["name"].clone()).collect::<Vec<_>>()),
+        "settle_input_fields": registry["workflows"][0]["input_schema"]["required"],
     });
     let expected = json!({
         "authorize": 201,
@@ -365,6 +366,7 @@ async fn story(base: &str, service: &Service) -> Result<Value, String> {
         "ledger": [["customer", -1250], ["merchant", 1250]],
         "settlements": 1,
         "machines": ["stream", "payment"],
+        "settle_input_fields": ["payment_id", "amount_cents"],
     });
     for (key, want) in expected.as_object().expect("an object") {
         if &summary[key] != want {

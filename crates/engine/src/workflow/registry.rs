@@ -157,6 +157,13 @@ where
         self
     }
 
+    /// The JSON Schema of `T` (the workflow's input type, deriving `schemars::JsonSchema`) as
+    /// the input schema.
+    pub fn input_schema_of<T: schemars::JsonSchema>(self) -> Self {
+        let schema = serde_json::to_value(schemars::schema_for!(T)).unwrap_or(Value::Null);
+        self.input_schema(schema)
+    }
+
     /// A further check of the input at start, after it decoded (e.g. bounds the type cannot
     /// say). An `Err` refuses the start; use `invalid_input` as its code.
     pub fn check_input<F>(mut self, check: F) -> Self

@@ -88,6 +88,7 @@ pub async fn show(
                     dt { "Source" } dd { (view.source) }
                     dt { "Seq" } dd.big { (producer.last_seq) }
                     dt { "State" } dd { (badge(&producer.state.state)) }
+                    @if let Some(machine) = &view.machine { dt { "Machine" } dd { code { (machine) } } }
                 }
                 details { summary { "State data" } (json_block(&producer.state.data)) }
             } @else {
