@@ -11,6 +11,7 @@ use tidemark_engine::RelayOptions;
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+/// The arguments of `tidemark demo`.
 #[derive(Args)]
 pub struct DemoArgs {
     /// Keep the files in this folder (created if missing) instead of a temporary one.
@@ -18,6 +19,11 @@ pub struct DemoArgs {
     dir: Option<PathBuf>,
 }
 
+/// Run the demo in a fresh folder (`--dir`, which must hold no demo files, else
+/// `already_exists`; or a temporary one, removed when the demo returns) and return its record:
+/// every outbox and inbox step with its result, the consumers' projections and effects, and the
+/// workflow runs with their journals and payment calls. A saga run that does not finish, or a
+/// worker process that never journals its first step, is an invariant error.
 pub fn run(ctx: &Context, args: DemoArgs) -> Result<Value> {
     let temp = tempfile::tempdir().map_err(|e| tidemark_core::Error::io(e.to_string()))?;
     let dir = match &args.dir {

@@ -5,6 +5,7 @@
 //! - [`bench`]: throughput and latency benchmarks (docs/benchmarks.md).
 //! - [`loadtest`]: load a running server from another process and verify what it acknowledged.
 //! - [`pipeline`]: an in-process producer and consumer on files, shared by the three above.
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod demo;
