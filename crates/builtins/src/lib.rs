@@ -8,6 +8,7 @@
 //! - the order saga and `sleepy_order` ([`order`], [`workflows`]) with their tables as a
 //!   migration of the workflow database and a fake payment service per tenant;
 //! - `PUT /v1/stock/{sku}`, the order saga's stock ([`routes`]).
+#![warn(missing_docs)]
 
 use std::sync::Arc;
 

@@ -136,22 +136,37 @@ impl Handler<Connection> for ReservationHandler {
 /// One effect row, as read back for snapshots and tests.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Effect {
+    /// The logical consumer whose handler wrote the effect.
     pub consumer_id: String,
+    /// The producer namespace of the event.
     pub source: String,
+    /// The event's flow (one reservation).
     pub flow_id: String,
+    /// The event's seq in its flow.
     pub seq: i64,
+    /// The event that caused the effect; one effect per applied event, so a double apply shows up
+    /// as two rows.
     pub event_id: String,
+    /// The state the event moved the reservation to (`reserved`, `confirmed`, `released`).
     pub kind: String,
+    /// The reservation's quantity at that event.
     pub quantity: i64,
 }
 
+/// One row of `reservation_projection`: where a consumer's view of one reservation stands.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ProjectionRow {
+    /// The logical consumer the row belongs to.
     pub consumer_id: String,
+    /// The producer namespace of the flow.
     pub source: String,
+    /// The reservation (flow).
     pub flow_id: String,
+    /// The reservation's state as this consumer has applied it.
     pub state: String,
+    /// The reservation's quantity, fixed for its life.
     pub quantity: i64,
+    /// The seq of the last event applied to this row.
     pub last_seq: i64,
 }
 
@@ -214,10 +229,15 @@ pub fn effect_count(conn: &Connection) -> Result<u64> {
 /// An effect written more than once: (consumer, source, flow, seq) and how many times.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct DuplicateEffect {
+    /// The logical consumer.
     pub consumer_id: String,
+    /// The producer namespace of the flow.
     pub source: String,
+    /// The flow of the event applied more than once.
     pub flow_id: String,
+    /// The seq whose effect is there more than once.
     pub seq: i64,
+    /// How many effect rows it has (more than one is a double apply: a bug).
     pub count: i64,
 }
 

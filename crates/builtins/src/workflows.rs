@@ -18,7 +18,9 @@ use tidemark::workflow::{
 };
 use tidemark::{Error, Result, Workflow};
 
+/// The registered name of `sleepy_order`.
 pub const SLEEPY_ORDER: &str = "sleepy_order";
+/// The version of `sleepy_order`.
 pub const SLEEPY_ORDER_VERSION: u32 = 1;
 
 /// How long `sleepy_order` waits for its approval event by default (one day).
@@ -114,6 +116,7 @@ pub fn validate_input(workflow: &str, input: &Value) -> Result<()> {
     }
 }
 
+/// The names of the built-in workflows, comma-separated (for error messages and help).
 pub fn names() -> String {
     BUILTINS.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
 }

@@ -770,14 +770,25 @@ fn main() {
             std::process::exit(2);
         }
     };
+    // `demo` tells a person what it did, unless `--json` asks for its record; the exit codes are
+    // the same either way.
+    let narrate = matches!(&cli.command, Command::Demo(args) if !args.prints_json());
     match run(cli) {
         Ok(value) => {
-            println!("{}", serde_json::to_string_pretty(&value).expect("json"));
+            if narrate {
+                print!("{}", demo::narrate(&value));
+            } else {
+                println!("{}", serde_json::to_string_pretty(&value).expect("json"));
+            }
             let failed_check = value.get("check").and_then(|c| c.get("passed")).and_then(Value::as_bool) == Some(false);
             std::process::exit(if failed_check { 1 } else { 0 });
         }
         Err(error) => {
-            println!("{}", error_json(error.code(), &error.to_string()));
+            if narrate {
+                println!("The demo stopped: {error} ({}).", error.code());
+            } else {
+                println!("{}", error_json(error.code(), &error.to_string()));
+            }
             std::process::exit(if error.is_invalid_input() { 2 } else { 1 });
         }
     }

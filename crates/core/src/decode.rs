@@ -5,6 +5,9 @@ use std::collections::BTreeMap;
 
 type DecodeFn<E> = Box<dyn Fn(&serde_json::Value) -> Result<E, String> + Send + Sync>;
 
+/// The decoders a consumer knows, per (event type, schema version): how a stored payload becomes
+/// the handler's typed event `E`. Registering a new version (the reservation's `--support-v2`) is
+/// how a blocked record becomes applicable without changing its stored body.
 pub struct DecoderRegistry<E> {
     decoders: BTreeMap<(String, u32), DecodeFn<E>>,
 }
@@ -16,10 +19,13 @@ impl<E> Default for DecoderRegistry<E> {
 }
 
 impl<E> DecoderRegistry<E> {
+    /// An empty registry: every event is blocked as an unknown event type.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Register `decode` for payloads of `event_type` at `schema_version`, replacing any decoder
+    /// registered there before. Its `Err` is the reason the record is blocked.
     pub fn register(
         &mut self,
         event_type: &str,

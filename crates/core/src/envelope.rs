@@ -15,16 +15,25 @@ use crate::limits::{ENVELOPE_BYTES_MAX, PAYLOAD_BYTES_MAX, SCHEMA_VERSION_MAX};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Envelope {
+    /// The event's own identity: a UUIDv7 (32 hex characters), unique per producer. The first of
+    /// the two dedup identities.
     pub event_id: String,
     /// The producer namespace (one per producer database).
     pub source: String,
     /// The producer database incarnation; a re-created or rotated producer has a new one.
     pub generation: String,
+    /// The flow (aggregate) the event belongs to; with `source` and `seq`, the second dedup
+    /// identity.
     pub flow_id: String,
     /// Position in the flow: exactly previous + 1, starting at 1.
     pub seq: i64,
+    /// What happened, as the flow machine named it (e.g. `reservation.reserved`); consumers pick
+    /// their decoder by it and `schema_version`.
     pub event_type: String,
+    /// The version of the payload's schema (1..=65,535), so consumers can decode old and new
+    /// payloads side by side.
     pub schema_version: u32,
+    /// The event's data: a JSON object of at most 64 KiB in canonical encoding.
     pub payload: serde_json::Value,
     /// Producer clock at commit, milliseconds since the Unix epoch.
     pub created_at_ms: i64,
@@ -78,6 +87,7 @@ impl Envelope {
     }
 }
 
+/// Hex SHA-256 of `bytes` (lowercase, 64 characters).
 pub fn hash_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
 }
@@ -92,6 +102,7 @@ fn hex(digest: &[u8]) -> String {
     out
 }
 
+/// Check that `seq` is a valid seq (at least 1); `invalid_seq` naming `field` otherwise.
 pub fn validate_seq(field: &str, seq: i64) -> Result<()> {
     if seq < 1 {
         return Err(Error::invalid(
@@ -102,6 +113,7 @@ pub fn validate_seq(field: &str, seq: i64) -> Result<()> {
     Ok(())
 }
 
+/// Check that a schema version is in 1..=65,535; `invalid_schema_version` otherwise.
 pub fn validate_schema_version(version: u32) -> Result<()> {
     if version == 0 || version > SCHEMA_VERSION_MAX {
         return Err(Error::invalid(
@@ -126,6 +138,8 @@ impl std::io::Write for ByteCount {
     }
 }
 
+/// Check that a payload is a JSON object of at most 64 KiB in canonical encoding:
+/// `payload_too_large` or `invalid_payload` otherwise.
 pub fn validate_payload(payload: &serde_json::Value) -> Result<()> {
     let mut count = ByteCount(0);
     let size = serde_json::to_writer(&mut count, payload).map(|()| count.0).unwrap_or(usize::MAX);

@@ -6,23 +6,53 @@
 
 /// Stable error codes. They are part of the public contract: never rename one.
 pub mod codes {
+    /// An identifier (source, flow, consumer, event, event type, ...) is not 1..=100 ASCII
+    /// characters from `A-Z a-z 0-9 _ - . :`.
     pub const INVALID_ID: &str = "invalid_id";
+    /// A seq or position is out of range: a seq below 1, an `expected_seq` below 0, a workflow step
+    /// position past the run's journal.
     pub const INVALID_SEQ: &str = "invalid_seq";
+    /// A flow already has its last possible seq (`i64::MAX`): it cannot advance again.
     pub const SEQ_OVERFLOW: &str = "seq_overflow";
+    /// A payload is larger than 64 KiB of canonical JSON, or an envelope read from outside is
+    /// larger than 68 KiB.
     pub const PAYLOAD_TOO_LARGE: &str = "payload_too_large";
+    /// An input or payload is not the JSON object its machine or route expects (not an object, an
+    /// unknown field, a value that does not decode).
     pub const INVALID_PAYLOAD: &str = "invalid_payload";
+    /// The reservation domain's quantity is missing, not an integer or outside 1..=1,000,000.
     pub const INVALID_QUANTITY: &str = "invalid_quantity";
+    /// An advance names a state its machine does not have.
     pub const UNKNOWN_STATE: &str = "unknown_state";
+    /// A schema version is outside 1..=65,535, or is one the flow machine does not emit.
     pub const INVALID_SCHEMA_VERSION: &str = "invalid_schema_version";
+    /// An envelope from outside is malformed: bad JSON, an unknown field, or a field out of range.
     pub const INVALID_ENVELOPE: &str = "invalid_envelope";
+    /// An argument is wrong in a way no more specific code names: an empty reason, a negative
+    /// retention, an unknown status word, an open transaction expected but missing.
     pub const INVALID_ARGUMENT: &str = "invalid_argument";
+    /// A batch, page or limit is larger than its bound in [`crate::limits`].
     pub const LIMIT_EXCEEDED: &str = "limit_exceeded";
+    /// A file that should exist does not, or is not initialised for the role asked of it (not a
+    /// producer, consumer or workflow database); nothing is created.
     pub const NOT_INITIALIZED: &str = "not_initialized";
+    /// `init` of a producer database that already belongs to another source.
     pub const ALREADY_INITIALIZED: &str = "already_initialized";
+    /// Reserved for a file opened in a role it does not have; this version answers
+    /// [`NOT_INITIALIZED`] for that instead and returns this code nowhere.
     pub const WRONG_ROLE: &str = "wrong_role";
+    /// The file was written by a newer tidemark (a schema version above this build's); it is
+    /// refused, never downgraded.
     pub const SCHEMA_TOO_NEW: &str = "schema_too_new";
+    /// What the request names does not exist: a flow, consumer, record, delivery, run, subscriber,
+    /// event or route.
     pub const NOT_FOUND: &str = "not_found";
+    /// The thing named exists but is in a state that does not allow the change asked for (requeue
+    /// an accepted delivery, skip a record that is not blocked, move a subscriber whose new
+    /// database holds none of its events).
     pub const INVALID_STATE_CHANGE: &str = "invalid_state_change";
+    /// The id asked for is already taken: a consumer id with state, a registration made twice, a
+    /// run id a fork would create.
     pub const ALREADY_EXISTS: &str = "already_exists";
     /// Two machines served together share a state name.
     pub const STATE_COLLISION: &str = "state_collision";
@@ -44,8 +74,12 @@ pub mod codes {
     pub const INVALID_CONFIG: &str = "invalid_config";
     /// The server is shutting down or not ready (HTTP 503).
     pub const UNAVAILABLE: &str = "unavailable";
+    /// A SQLite or other storage failure: the operation's transaction was rolled back.
     pub const STORE: &str = "store";
+    /// A file-system, process or network failure outside SQLite (creating a folder, starting the
+    /// async runtime, reaching a server).
     pub const IO: &str = "io";
+    /// A broken internal invariant ([`Error::Invariant`](super::Error::Invariant)): a bug.
     pub const INVARIANT: &str = "invariant";
 }
 
@@ -54,34 +88,52 @@ pub mod codes {
 pub enum Error {
     /// The caller's input is wrong. Nothing was written.
     #[error("{message}")]
-    Invalid { code: &'static str, message: String },
+    Invalid {
+        /// The stable machine code, one of [`codes`].
+        code: &'static str,
+        /// What is wrong, for a person (it names the field or the limit).
+        message: String,
+    },
     /// A storage or I/O failure. Propagated as is; the operation's transaction was rolled back.
     #[error("{message}")]
-    Store { code: &'static str, message: String },
+    Store {
+        /// [`codes::STORE`] or [`codes::IO`] (or the code a remote server answered with).
+        code: &'static str,
+        /// What failed, for a person.
+        message: String,
+    },
     /// A broken internal invariant: a bug, surfaced loudly.
     #[error("invariant violated: {0}")]
     Invariant(String),
 }
 
+/// The result type of tidemark's library crates, with [`Error`] as its default error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Bad input with the stable `code` (one of [`codes`]) and a message for a person. Nothing was
+    /// written.
     pub fn invalid(code: &'static str, message: impl Into<String>) -> Self {
         Error::Invalid { code, message: message.into() }
     }
 
+    /// A storage failure (code `store`) with its message.
     pub fn store(message: impl Into<String>) -> Self {
         Error::Store { code: codes::STORE, message: message.into() }
     }
 
+    /// An I/O failure (code `io`) with its message.
     pub fn io(message: impl Into<String>) -> Self {
         Error::Store { code: codes::IO, message: message.into() }
     }
 
+    /// Something the caller named does not exist (code `not_found`).
     pub fn not_found(message: impl Into<String>) -> Self {
         Error::invalid(codes::NOT_FOUND, message)
     }
 
+    /// The stable machine code of this error (one of [`codes`]): what the CLI prints, the HTTP body
+    /// carries and callers match on.
     pub fn code(&self) -> &'static str {
         match self {
             Error::Invalid { code, .. } | Error::Store { code, .. } => code,

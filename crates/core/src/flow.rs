@@ -18,6 +18,8 @@ use crate::id::validate_id;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowState {
+    /// The state's name, one of its machine's [`FlowMachine::states`] (with several machines served
+    /// together, it also tells which machine the flow belongs to).
     pub state: String,
     /// Domain data carried by the state (e.g. the reserved quantity), as JSON.
     pub data: Value,
@@ -26,9 +28,12 @@ pub struct FlowState {
 /// A request to move a flow to `to_state`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AdvanceRequest {
+    /// The flow to advance (an identifier); a flow without events starts in its machine's initial
+    /// state.
     pub flow_id: String,
     /// The seq the caller last saw for this flow (0 for a new flow). Optimistic concurrency.
     pub expected_seq: i64,
+    /// The state the caller wants the flow in; the machine decides whether the move is allowed.
     pub to_state: String,
     /// Domain input, e.g. `{"quantity": 3}`.
     pub input: Value,
@@ -53,8 +58,11 @@ impl AdvanceRequest {
 /// What a machine decided for a valid transition.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
+    /// The flow's state and data after the transition.
     pub next: FlowState,
+    /// The type of the event the transition emits (an identifier, e.g. `reservation.reserved`).
     pub event_type: String,
+    /// The event's payload: a JSON object of at most 64 KiB in canonical encoding.
     pub payload: Value,
 }
 
@@ -92,12 +100,45 @@ pub const APPEND_AT_ANY_SEQ: i64 = -1;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum AdvanceOutcome {
-    Committed { flow_id: String, seq: i64, event_id: String, state: String },
-    Stale { flow_id: String, expected_seq: i64, current_seq: i64 },
-    InvalidTransition { flow_id: String, current_state: String, to_state: String, reason: String },
+    /// The state change and its event committed in one transaction; the event is in the outbox,
+    /// pending for every subscriber.
+    Committed {
+        /// The flow that advanced.
+        flow_id: String,
+        /// The new event's seq: the flow's previous `last_seq` plus one.
+        seq: i64,
+        /// The new event's id (a UUIDv7 in 32 hex characters).
+        event_id: String,
+        /// The flow's state after the advance.
+        state: String,
+    },
+    /// The request's `expected_seq` is not the flow's `last_seq`: someone else advanced it first.
+    /// Nothing was written; read the flow and decide again.
+    Stale {
+        /// The flow asked for.
+        flow_id: String,
+        /// The seq the request said it last saw.
+        expected_seq: i64,
+        /// The flow's actual `last_seq`.
+        current_seq: i64,
+    },
+    /// The machine does not allow moving the flow from its current state to `to_state`. Nothing was
+    /// written.
+    InvalidTransition {
+        /// The flow asked for.
+        flow_id: String,
+        /// The state the flow is in (and stays in).
+        current_state: String,
+        /// The state the request asked for.
+        to_state: String,
+        /// The machine's reason for refusing.
+        reason: String,
+    },
 }
 
 impl AdvanceOutcome {
+    /// The protocol word of this outcome (`committed`, `stale`, `invalid_transition`), as the JSON
+    /// `outcome` tag and the CLI print it.
     pub fn word(&self) -> &'static str {
         match self {
             AdvanceOutcome::Committed { .. } => "committed",

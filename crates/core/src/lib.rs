@@ -1,6 +1,7 @@
 //! tidemark-core: the pure heart of tidemark. Identifiers and limits, the event envelope and its
 //! canonical hash, flow state machines, decoders, policies, protocol outcomes and the storage
 //! traits. **Architecture invariant:** this crate performs no I/O.
+#![warn(missing_docs)]
 
 pub mod crash;
 pub mod decode;

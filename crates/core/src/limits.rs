@@ -11,6 +11,7 @@ pub const ENVELOPE_BYTES_MAX: usize = PAYLOAD_BYTES_MAX + 4 * 1024;
 pub const SCHEMA_VERSION_MAX: u32 = 65_535;
 /// Reservation quantity bounds (the built-in example domain).
 pub const RESERVATION_QUANTITY_MIN: i64 = 1;
+/// The largest reservation quantity (the built-in example domain).
 pub const RESERVATION_QUANTITY_MAX: i64 = 1_000_000;
 /// One advance batch (requests in one producer transaction).
 pub const ADVANCE_BATCH_MAX: usize = 10_000;
@@ -30,6 +31,8 @@ pub const REASON_BYTES_MAX: usize = 1_000;
 pub const ENDPOINT_BYTES_MAX: usize = 4_096;
 /// Relay retry policy bounds.
 pub const RELAY_ATTEMPTS_MAX: u32 = 1_000;
+/// The longest relay backoff delay, in ms (24 hours): `backoff_base_ms` and `backoff_max_ms` must
+/// be 0..=this.
 pub const RELAY_BACKOFF_MS_MAX: i64 = 24 * 60 * 60 * 1000;
 /// SQLite busy timeout: how long a writer waits for the single write lock.
 pub const BUSY_TIMEOUT_MS: u64 = 10_000;

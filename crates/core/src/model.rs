@@ -672,20 +672,31 @@ fn inbox_entry(key: &SeqKey, row: &InboxRow) -> InboxEntry {
 /// A reservation projection row (the model of the `reservation_projection` table).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ModelReservationRow {
+    /// The flow's state in the projection (`reserved`, `confirmed` or `released`).
     pub state: String,
+    /// The flow's quantity, fixed for its life.
     pub quantity: i64,
+    /// The seq of the last event applied to this row.
     pub last_seq: i64,
 }
 
 /// One effect (the model of a `reservation_effects` row), in the order effects were written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ModelEffect {
+    /// The logical consumer whose handler wrote the effect.
     pub consumer_id: String,
+    /// The producer namespace of the event.
     pub source: String,
+    /// The flow of the event.
     pub flow_id: String,
+    /// The event's seq in its flow.
     pub seq: i64,
+    /// The event that caused the effect; one effect per applied event, so a double apply shows up
+    /// as two.
     pub event_id: String,
+    /// The state the event moved the flow to (`reserved`, `confirmed`, `released`).
     pub kind: String,
+    /// The flow's quantity at that event.
     pub quantity: i64,
 }
 
@@ -694,6 +705,7 @@ pub struct ModelEffect {
 pub struct ModelProjection {
     /// (consumer_id, source, flow_id) -> row.
     pub reservations: BTreeMap<(String, String, String), ModelReservationRow>,
+    /// Every effect written, in apply order.
     pub effects: Vec<ModelEffect>,
 }
 
@@ -720,6 +732,7 @@ pub struct ModelReservationHandler {
 }
 
 impl ModelReservationHandler {
+    /// The reservation handler with the v1 decoders, and the v2 ones too with `support_v2`.
     pub fn new(support_v2: bool) -> Self {
         ModelReservationHandler { decoders: decoders(support_v2) }
     }
@@ -788,6 +801,8 @@ pub struct ModelConsumer {
 }
 
 impl ModelConsumer {
+    /// An empty consumer that keeps receipts for `retention.horizon_ms`; a horizon that is not
+    /// positive is `invalid_argument`.
     pub fn new(retention: RetentionPolicy) -> Result<ModelConsumer> {
         if retention.horizon_ms <= 0 {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "horizon_ms must be positive"));
@@ -795,6 +810,7 @@ impl ModelConsumer {
         Ok(ModelConsumer { retention, state: ConsumerState::default(), projection: RefCell::default() })
     }
 
+    /// The retention policy the consumer was made with.
     pub fn retention(&self) -> RetentionPolicy {
         self.retention
     }
@@ -1296,18 +1312,22 @@ pub struct ModelEndpoints {
 }
 
 impl ModelEndpoints {
+    /// No consumer at any endpoint yet.
     pub fn new() -> Self {
         Self::default()
     }
 
+    /// Put `consumer` at `endpoint`, replacing any consumer there.
     pub fn insert(&mut self, endpoint: &str, consumer: ModelConsumer) {
         self.stores.insert(endpoint.to_string(), consumer);
     }
 
+    /// The consumer at `endpoint`, if one was inserted.
     pub fn get(&self, endpoint: &str) -> Option<&ModelConsumer> {
         self.stores.get(endpoint)
     }
 
+    /// The consumer at `endpoint`, for changes, if one was inserted.
     pub fn get_mut(&mut self, endpoint: &str) -> Option<&mut ModelConsumer> {
         self.stores.get_mut(endpoint)
     }

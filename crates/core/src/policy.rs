@@ -23,6 +23,8 @@ impl Default for RelayPolicy {
 }
 
 impl RelayPolicy {
+    /// Check the policy's bounds: `max_attempts` 1..=1,000 and both backoffs 0..=24 h
+    /// (`invalid_argument` otherwise).
     pub fn validate(&self) -> Result<()> {
         if self.max_attempts == 0 || self.max_attempts > RELAY_ATTEMPTS_MAX {
             return Err(Error::invalid(
@@ -60,6 +62,7 @@ pub struct RetentionPolicy {
     pub horizon_ms: i64,
 }
 
+/// One day in milliseconds.
 pub const DAY_MS: i64 = 24 * 60 * 60 * 1000;
 
 /// Whether a retention walk stops at a row stamped `stamp_ms`. `prune` reads rows in the order

@@ -12,6 +12,8 @@ use crate::error::{codes, Error, Result};
 use crate::flow::{AdvanceRequest, Decision, FlowMachine, FlowState};
 use crate::limits::{RESERVATION_QUANTITY_MAX, RESERVATION_QUANTITY_MIN};
 
+/// The reservation's states in their only order: a flow moves one step forward at a time and
+/// `released` is final.
 pub const STATES: [&str; 4] = ["new", "reserved", "confirmed", "released"];
 
 fn next_state(state: &str) -> Option<&'static str> {
@@ -23,6 +25,7 @@ fn next_state(state: &str) -> Option<&'static str> {
     }
 }
 
+/// The event type a reservation emits on entering `state` (`reservation.<state>`).
 pub fn event_type_for(state: &str) -> String {
     format!("reservation.{state}")
 }
@@ -121,14 +124,19 @@ impl FlowMachine for ReservationMachine {
 /// A decoded reservation event (consumer side).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReservationEvent {
+    /// The state the event moves the flow to (`reserved`, `confirmed` or `released`).
     pub to_state: &'static str,
+    /// The reserved quantity, fixed for the flow's life (v1 carries it as `payload.amount`, v2 as
+    /// `payload.units`).
     pub quantity: i64,
 }
 
 /// One consumer's projection of one reservation flow.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReservationProjection {
+    /// The flow's state in this consumer's projection.
     pub state: String,
+    /// The flow's quantity (1..=1,000,000), the same in every event of the flow.
     pub quantity: i64,
 }
 

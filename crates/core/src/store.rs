@@ -13,15 +13,26 @@ use crate::flow::{AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
 /// Who a producer database is.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProducerIdentity {
+    /// The producer's namespace: one per producer database, set at `init` and never changed. It is
+    /// the `source` of every envelope this producer commits.
     pub source: String,
+    /// The producer database's incarnation: random at `init`, replaced by
+    /// `outbox rotate-generation` after a backup is restored, so that consumers can name a
+    /// re-issued event's generation change in their conflict.
     pub generation: String,
 }
 
+/// One flow (an aggregate such as one reservation) as the producer stores it: its current state and
+/// the seq of its last event.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowRecord {
+    /// The flow's identifier, unique within the producer.
     pub flow_id: String,
+    /// The seq of the flow's last committed event (0 before the first). An advance must name it as
+    /// its `expected_seq`, else it is `stale`.
     pub last_seq: i64,
+    /// The machine's state name and its JSON data (serialised flat into this record).
     #[serde(flatten)]
     pub state: FlowState,
 }
@@ -30,11 +41,15 @@ pub struct FlowRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Subscription {
+    /// The logical consumer: a stable business responsibility (`audit`, `search`), never a process.
+    /// It is the dedup identity on the consumer side.
     pub consumer_id: String,
     /// Where the consumer's inbox lives: a consumer database path today.
     pub endpoint: String,
 }
 
+/// Where one event stands with one subscriber, as operators see it (docs/protocol.md, "Delivery
+/// states").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, PartialOrd, Ord)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
@@ -50,6 +65,8 @@ pub enum DeliveryStatus {
 }
 
 impl DeliveryStatus {
+    /// The word stored in the `deliveries` table and shown by listings (`pending`, `accepted`,
+    /// `quarantined`, `dismissed`).
     pub fn as_str(self) -> &'static str {
         match self {
             DeliveryStatus::Pending => "pending",
@@ -59,6 +76,8 @@ impl DeliveryStatus {
         }
     }
 
+    /// The status named by `value` (one of the words of [`DeliveryStatus::as_str`]), or `None` for
+    /// any other word.
     pub fn parse(value: &str) -> Option<Self> {
         [Self::Pending, Self::Accepted, Self::Quarantined, Self::Dismissed].into_iter().find(|s| s.as_str() == value)
     }
@@ -70,8 +89,11 @@ pub struct Delivery {
     /// The event's outbox position (the producer's commit order), handed back in the
     /// [`DeliveryResult`] so that recording the verdict needs no lookup by event id.
     pub position: i64,
+    /// The event to hand to the subscriber, exactly as committed.
     pub envelope: Envelope,
+    /// The subscriber this delivery is for.
     pub consumer_id: String,
+    /// Where the subscriber's inbox is (its [`Subscription::endpoint`] when the delivery was read).
     pub endpoint: String,
     /// Failed attempts so far.
     pub attempts: u32,
@@ -83,17 +105,31 @@ pub enum DeliveryVerdict {
     /// The consumer answered `accepted` or `duplicate`.
     Accepted,
     /// Try again at `next_attempt_at_ms`.
-    Retry { reason: String, next_attempt_at_ms: i64 },
+    Retry {
+        /// Why the attempt failed (the consumer's conflict reason, `expired`, or the endpoint
+        /// error).
+        reason: String,
+        /// When the delivery is due again, in ms since the Unix epoch (now plus the backoff).
+        next_attempt_at_ms: i64,
+    },
     /// Give up until an operator acts.
-    Quarantine { reason: String },
+    Quarantine {
+        /// Why the last attempt failed; shown to the operator with the quarantined delivery.
+        reason: String,
+    },
 }
 
+/// The relay's verdict on one [`Delivery`], as [`ProducerStore::record_deliveries`] records it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeliveryResult {
     /// The [`Delivery::position`] this verdict is for.
     pub position: i64,
+    /// The event the verdict is for; a store checks that [`DeliveryResult::position`] holds this
+    /// event before it writes an exception row.
     pub event_id: String,
+    /// The subscriber the verdict is for.
     pub consumer_id: String,
+    /// Whether the subscriber took custody, should be tried again, or is quarantined.
     pub verdict: DeliveryVerdict,
 }
 
@@ -101,14 +137,26 @@ pub struct DeliveryResult {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeliveryEntry {
+    /// The event delivered (a UUIDv7 in 32 hex characters).
     pub event_id: String,
+    /// The event's flow.
     pub flow_id: String,
+    /// The event's position in its flow.
     pub seq: i64,
+    /// The subscriber.
     pub consumer_id: String,
+    /// Where the event stands with that subscriber.
     pub status: DeliveryStatus,
+    /// Failed attempts so far (0 for a delivery never tried or accepted on the first try; reset by
+    /// `requeue` and `redeliver`).
     pub attempts: u32,
+    /// When the relay may try again, in ms since the Unix epoch; for a delivery without an
+    /// exception row, the event's `created_at_ms` (due since its commit).
     pub next_attempt_at_ms: i64,
+    /// Why the last attempt failed (or the operator's note), if it did.
     pub last_error: Option<String>,
+    /// When the delivery last changed, in ms since the Unix epoch; for a delivery without an
+    /// exception row, the event's `created_at_ms` (the cursor keeps no time of its own).
     pub updated_at_ms: i64,
 }
 
@@ -123,9 +171,13 @@ pub enum DeliveryAction {
     Dismiss,
 }
 
+/// What one batch of [`ProducerStore::prune_delivered`] deleted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 pub struct OutboxPruneReport {
+    /// Outbox events deleted (each settled for every subscriber and older than the retention).
     pub events_deleted: u64,
+    /// Deliveries those events had: one per subscriber that was due to receive the event, whether
+    /// it had an exception row or was passed by the cursor.
     pub deliveries_deleted: u64,
     /// True when the batch bound stopped the prune before it was done.
     pub more: bool,
@@ -141,17 +193,25 @@ pub struct RedeliverReport {
     pub pruned: u64,
 }
 
+/// Everything a producer database holds, for `snapshot`: each list capped at the rows asked for.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ProducerSnapshot {
+    /// Who the producer is.
     pub identity: ProducerIdentity,
+    /// Its subscribers, by consumer id.
     pub subscriptions: Vec<Subscription>,
+    /// Its flows, by flow id.
     pub flows: Vec<FlowRecord>,
+    /// Its outbox events, in commit order (by position).
     pub outbox: Vec<Envelope>,
+    /// One delivery per outbox event and subscriber (from the subscriber's first position on), by
+    /// position and consumer id.
     pub deliveries: Vec<DeliveryEntry>,
 }
 
 /// The producer side: flows, the outbox and per-subscriber delivery records.
 pub trait ProducerStore {
+    /// The source and generation of this producer database.
     fn identity(&self) -> &ProducerIdentity;
     /// Advance several flows in one transaction (group commit). Each request gets its own
     /// outcome; `stale` and `invalid_transition` do not abort the others. Bad input anywhere in
@@ -165,13 +225,23 @@ pub trait ProducerStore {
     /// Add a subscriber. `from_start` also queues every event already in the outbox for it;
     /// otherwise it receives events committed from now on.
     fn subscribe(&mut self, subscription: &Subscription, from_start: bool, now_ms: i64) -> Result<u64>;
+    /// Every subscriber, by consumer id.
     fn subscriptions(&self) -> Result<Vec<Subscription>>;
     /// Pending deliveries due at `now_ms`, oldest first, at most `limit`. With `event_id`, only
     /// that event's pending or quarantined deliveries, due or not (explicit choice).
     fn due_deliveries(&mut self, now_ms: i64, limit: usize, event_id: Option<&str>) -> Result<Vec<Delivery>>;
     /// Record the relay's verdicts in one transaction.
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()>;
+    /// Deliveries in outbox order (then by consumer id), only those in `status` when given, at most
+    /// `limit` (1..=1,000, else `limit_exceeded`): one per event and subscriber, read from the
+    /// exception row if there is one, else `accepted` at or below the cursor and `pending` above
+    /// it.
     fn deliveries(&self, status: Option<DeliveryStatus>, limit: usize) -> Result<Vec<DeliveryEntry>>;
+    /// An operator's decision on one delivery, recorded with `reason` (1..=1,000 bytes, else
+    /// `invalid_argument`) and returned as it now stands. `Requeue` takes a quarantined or
+    /// dismissed delivery back to `pending` with its attempts reset; `Dismiss` stops a pending or
+    /// quarantined one. Any other status is `invalid_state_change`; an event or subscriber without
+    /// that delivery is `not_found`.
     fn resolve_delivery(
         &mut self,
         event_id: &str,
@@ -187,6 +257,7 @@ pub trait ProducerStore {
     /// what it still holds and accepts what it lost. `not_found` for an unknown subscriber or an
     /// event the outbox does not hold.
     fn redeliver(&mut self, consumer_id: &str, from_event_id: Option<&str>) -> Result<RedeliverReport>;
+    /// The flow `flow_id` as it stands, or `None` when it has no event yet.
     fn flow(&self, flow_id: &str) -> Result<Option<FlowRecord>>;
     /// Delete outbox events created more than `retention_ms` ago whose every delivery is
     /// settled (`accepted` or `dismissed`), with their delivery rows; at most `batch_rows`
@@ -196,18 +267,54 @@ pub trait ProducerStore {
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot>;
 }
 
-/// Outcome of receiving one event into one consumer's inbox.
+/// Outcome of receiving one event into one consumer's inbox (docs/protocol.md, "`receive`"). A
+/// malformed envelope is an error instead, and nothing is stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ReceiveOutcome {
-    Accepted { consumer_id: String, event_id: String },
-    Duplicate { consumer_id: String, event_id: String },
-    Conflict { consumer_id: String, event_id: String, reason: String },
-    Expired { consumer_id: String, event_id: String, horizon_ms: i64 },
+    /// The event was new and is now stored `pending`: custody transferred.
+    Accepted {
+        /// The logical consumer that received it.
+        consumer_id: String,
+        /// The id of the event received.
+        event_id: String,
+    },
+    /// The consumer already holds this event (as a record or a receipt) with the same id and
+    /// content hash: nothing is stored again, and custody counts as transferred.
+    Duplicate {
+        /// The logical consumer that received it.
+        consumer_id: String,
+        /// The id of the event received.
+        event_id: String,
+    },
+    /// The same (source, flow, seq) with another id or content, the same id at another
+    /// position, a seq at or below the high-water mark without a record, or a retired consumer
+    /// id: never stored, never acked.
+    Conflict {
+        /// The logical consumer that received it.
+        consumer_id: String,
+        /// The id of the event received.
+        event_id: String,
+        /// What clashed (it names a producer generation change, or the consumer id a retired one
+        /// was renamed to, when that is the cause).
+        reason: String,
+    },
+    /// The event was created before `now - horizon_ms`: its receipt may be gone, so it is refused
+    /// rather than risk applying it twice.
+    Expired {
+        /// The logical consumer that received it.
+        consumer_id: String,
+        /// The id of the event received.
+        event_id: String,
+        /// The consumer's retention horizon, in ms.
+        horizon_ms: i64,
+    },
 }
 
 impl ReceiveOutcome {
+    /// The protocol word of this outcome (`accepted`, `duplicate`, `conflict`, `expired`), as the
+    /// JSON `outcome` tag and the CLI print it.
     pub fn word(&self) -> &'static str {
         match self {
             ReceiveOutcome::Accepted { .. } => "accepted",
@@ -223,38 +330,58 @@ impl ReceiveOutcome {
     }
 }
 
-/// Outcome of applying the next event of one flow.
+/// Outcome of applying the next event of one flow (docs/protocol.md, "`apply` and `drain`").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ApplyOutcome {
+    /// The event at `high_water_seq + 1` was applied: the handler ran and the record is `applied`
+    /// in the same transaction.
     Applied {
+        /// The producer namespace the flow belongs to.
         source: String,
+        /// The flow whose next event was applied.
         flow_id: String,
+        /// The seq just applied (the flow's new high-water mark).
         seq: i64,
+        /// The id of the applied event.
         event_id: String,
     },
     /// `missing_seq` has not been received; later seqs wait.
     Gap {
+        /// The producer namespace the flow belongs to.
         source: String,
+        /// The flow that waits for the missing event.
         flow_id: String,
+        /// The first seq this consumer has not received.
         missing_seq: i64,
     },
     /// The handler refused the event; the stored body is unchanged.
     Blocked {
+        /// The producer namespace the flow belongs to.
         source: String,
+        /// The flow that is stopped at the blocked record.
         flow_id: String,
+        /// The seq of the blocked record (`high_water_seq + 1`).
         seq: i64,
+        /// The id of the blocked event.
         event_id: String,
+        /// Why the handler refused it (for example an unknown schema version).
         reason: String,
     },
+    /// Nothing of the flow is left to apply and nothing is stuck.
     Idle {
+        /// The producer namespace the flow belongs to.
         source: String,
+        /// The flow that has nothing left to apply.
         flow_id: String,
+        /// The seq up to which this consumer has applied (or skipped) the flow's events.
         high_water_seq: i64,
     },
 }
 
 impl ApplyOutcome {
+    /// The protocol word of this outcome (`applied`, `gap`, `blocked`, `idle`), as the JSON
+    /// `outcome` tag and the CLI print it.
     pub fn word(&self) -> &'static str {
         match self {
             ApplyOutcome::Applied { .. } => "applied",
@@ -279,9 +406,12 @@ pub enum DrainStop {
     Blocked,
 }
 
+/// What one drain did: how many events it applied and why it stopped.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DrainReport {
+    /// Why the drain stopped.
     pub outcome: DrainStop,
+    /// Events applied by this drain, in its one transaction.
     pub applied: u64,
     /// Flows that could not advance: each a `gap` or `blocked` outcome.
     pub stuck: Vec<ApplyOutcome>,
@@ -293,22 +423,36 @@ pub struct DrainReport {
 /// Which flows a drain looks at.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DrainScope {
+    /// Every open record of the consumer, flow by flow.
     All,
-    Flow { source: String, flow_id: String },
+    /// Only this flow, from this producer namespace.
+    Flow {
+        /// The producer namespace the flow belongs to.
+        source: String,
+        /// The flow to drain.
+        flow_id: String,
+    },
 }
 
+/// Where one record of a consumer's inbox stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum InboxStatus {
+    /// Received and waiting to be applied (its seq is above the flow's high-water mark).
     Pending,
+    /// Applied: its handler ran and committed with this status.
     Applied,
+    /// Its handler refused it (with a reason); every apply or drain tries it again, and its flow
+    /// waits.
     Blocked,
     /// An operator skipped it with a recorded reason; its handler never ran.
     Skipped,
 }
 
 impl InboxStatus {
+    /// The word stored in the `inbox` table and shown by listings (`pending`, `applied`, `blocked`,
+    /// `skipped`).
     pub fn as_str(self) -> &'static str {
         match self {
             InboxStatus::Pending => "pending",
@@ -318,19 +462,29 @@ impl InboxStatus {
         }
     }
 
+    /// The status named by `value` (one of the words of [`InboxStatus::as_str`]), or `None` for any
+    /// other word.
     pub fn parse(value: &str) -> Option<Self> {
         [Self::Pending, Self::Applied, Self::Blocked, Self::Skipped].into_iter().find(|s| s.as_str() == value)
     }
 }
 
+/// One record of a consumer's inbox as listed to operators.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct InboxEntry {
+    /// The logical consumer that holds the record.
     pub consumer_id: String,
+    /// The event as received; its body never changes after receive.
     pub envelope: Envelope,
+    /// The hex SHA-256 of the envelope's canonical encoding, compared on every path that finds this
+    /// record.
     pub content_hash: String,
+    /// Where the record stands.
     pub status: InboxStatus,
+    /// Why it is blocked, or the operator's reason for skipping it; `None` otherwise.
     pub reason: Option<String>,
+    /// Consumer clock at receive, in ms since the Unix epoch.
     pub received_at_ms: i64,
 }
 
@@ -338,27 +492,42 @@ pub struct InboxEntry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct FlowCursor {
+    /// The logical consumer.
     pub consumer_id: String,
+    /// The producer namespace of the flow.
     pub source: String,
+    /// The flow this high-water mark is for.
     pub flow_id: String,
+    /// Every seq of the flow up to this one is applied or skipped; the next to apply is one more.
+    /// Never pruned and never lowered.
     pub high_water_seq: i64,
 }
 
 /// A compact dedup receipt left when an applied record's body is pruned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Receipt {
+    /// The logical consumer that applied the event.
     pub consumer_id: String,
+    /// The event's id: the second dedup identity, besides its position.
     pub event_id: String,
+    /// The producer namespace of the flow.
     pub source: String,
+    /// The flow the event belongs to.
     pub flow_id: String,
+    /// The event's position in its flow.
     pub seq: i64,
+    /// The hex SHA-256 of the event's canonical encoding, so a replay is still told `duplicate`
+    /// from `conflict`.
     pub content_hash: String,
+    /// Producer clock at the event's commit, in ms since the Unix epoch; the receipt is deleted
+    /// once this is older than the retention horizon.
     pub created_at_ms: i64,
     /// The producer generation of the compacted record; `None` for a receipt compacted before
     /// schema v8, which did not keep it.
     pub generation: Option<String>,
 }
 
+/// What one batch of [`ConsumerStore::prune`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 pub struct PruneReport {
     /// Applied records whose body was replaced by a compact receipt.
@@ -418,19 +587,31 @@ impl BatchReport for OutboxPruneReport {
     }
 }
 
+/// What [`ConsumerStore::rename_consumer`] moved to the new consumer id, in rows (all zero when the
+/// rename had already been done).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct RenameReport {
+    /// Inbox records moved.
     pub inbox: u64,
+    /// Receipts moved.
     pub receipts: u64,
+    /// Flow cursors (high-water marks) moved.
     pub cursors: u64,
+    /// Rows of the registered projection tables moved.
     pub projections: u64,
 }
 
+/// Everything a consumer database holds, for `snapshot`: each list capped at the rows asked for.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ConsumerSnapshot {
+    /// The retention horizon, in ms: receipts older than this are deleted, and events older than
+    /// this are `expired` at receive.
     pub horizon_ms: i64,
+    /// Inbox records of every consumer.
     pub inbox: Vec<InboxEntry>,
+    /// Receipts of every consumer.
     pub receipts: Vec<Receipt>,
+    /// High-water marks of every consumer and flow.
     pub cursors: Vec<FlowCursor>,
 }
 
@@ -448,6 +629,9 @@ pub enum HandleError {
 /// applied and moves the cursor, so its writes commit exactly when the event counts as applied.
 /// `T` is the store's transactional handle (`rusqlite::Connection` for SQLite).
 pub trait Handler<T: ?Sized> {
+    /// Apply `event` for `consumer_id` inside the apply transaction (`target`). `Ok` marks it
+    /// applied; [`HandleError::Blocked`] blocks the record and its flow; [`HandleError::Failed`]
+    /// rolls the whole drain back.
     fn handle(&mut self, target: &T, consumer_id: &str, event: &Envelope) -> Result<(), HandleError>;
 
     /// True when this handler only ever returns `Blocked` before its first write. Stores then
@@ -540,6 +724,8 @@ pub trait ConsumerStore {
         handler: &mut dyn Handler<Self::Target>,
         now_ms: i64,
     ) -> Result<DrainReport>;
+    /// The records of `consumer_id` in (source, flow, seq) order, only those in `status` when
+    /// given, at most `limit` (1..=1,000, else `limit_exceeded`).
     fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>>;
     /// Operator decision: skip a blocked record (the handler never runs for it) so its flow can
     /// go on. The reason is recorded on the record.
@@ -557,7 +743,11 @@ pub trait ConsumerStore {
     /// Idempotent. Callers check first that `from` really is a subscriber (the CLI asks the
     /// producer), so that a mistyped id is not retired.
     fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()>;
+    /// High-water marks, of `consumer_id` or of every consumer with `None`, in (source, flow)
+    /// order.
     fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>>;
+    /// Everything, read in one read transaction (the handler's tables included where the store has
+    /// them), each table capped at `rows_max` rows.
     fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot>;
 }
 
@@ -565,6 +755,10 @@ pub trait ConsumerStore {
 /// Implementations open files (SQLite), connections or broker clients; an `Err` counts as a
 /// failed delivery attempt, never as an answer.
 pub trait Endpoints {
+    /// The consumer store behind an endpoint.
     type Store: ConsumerStore;
+    /// The consumer store of `endpoint`, opened on first use and kept. An error (a file that does
+    /// not exist, a database that is not a consumer's) is a failed attempt for every delivery to
+    /// it.
     fn store(&mut self, endpoint: &str) -> Result<&mut Self::Store>;
 }

@@ -36,6 +36,7 @@ pub enum Scope {
 }
 
 impl Scope {
+    /// The scope's word (`read`, `operate`, `admin`), as tokens store it and commands take it.
     pub fn as_str(self) -> &'static str {
         match self {
             Scope::Read => "read",
@@ -44,6 +45,7 @@ impl Scope {
         }
     }
 
+    /// The scope named by `value`; any other word is `invalid_argument`.
     pub fn parse(value: &str) -> Result<Scope> {
         [Scope::Read, Scope::Operate, Scope::Admin].into_iter().find(|s| s.as_str() == value).ok_or_else(|| {
             Error::invalid(codes::INVALID_ARGUMENT, format!("unknown scope {value:?}; scopes are read, operate, admin"))
@@ -87,7 +89,9 @@ pub fn validate_label(value: &str) -> Result<()> {
 /// A token as presented: its id and its secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenText {
+    /// The token's id (16 lowercase hex characters): not secret, it finds the stored record.
     pub token_id: String,
+    /// The token's secret (64 lowercase hex characters, 256 bits): only its SHA-256 is stored.
     pub secret: String,
 }
 
@@ -110,6 +114,7 @@ impl TokenText {
         TokenText { token_id: hex::encode(id_bytes), secret: hex::encode(secret_bytes) }
     }
 
+    /// The whole token text, `tmk_<token id>_<secret>`, as a client sends it after `Bearer `.
     pub fn text(&self) -> String {
         format!("{TOKEN_PREFIX}{}_{}", self.token_id, self.secret)
     }

@@ -22,8 +22,9 @@ pub mod workflow_codes {
     pub const INVALID_INPUT: &str = "invalid_input";
 }
 
-/// Run id, workflow names and step names: identifiers (see [`crate::id`]). Step names may
-/// also be derived (`compensate:charge_payment`), still within the identifier alphabet.
+/// A run's input (and an event's payload), as JSON: 256 KiB. (Run ids, workflow names and step
+/// names are identifiers, see [`crate::id`]; step names may also be derived,
+/// `compensate:charge_payment`, still within the identifier alphabet.)
 pub const WORKFLOW_INPUT_BYTES_MAX: usize = 256 * 1024;
 /// Output of one step or of a run, as canonical JSON.
 pub const STEP_OUTPUT_BYTES_MAX: usize = 256 * 1024;
@@ -37,8 +38,9 @@ pub const COMMIT_BATCH_MAX: usize = 4_096;
 pub const CLAIM_BATCH_MAX: usize = 4_096;
 /// Error messages kept per attempt.
 pub const ERROR_BYTES_MAX: usize = 4_096;
-/// Lease bounds.
+/// The shortest lease a worker may take on a run, in ms.
 pub const LEASE_MS_MIN: i64 = 100;
+/// The longest lease a worker may take on a run, in ms (1 hour); also the longest attempt timeout.
 pub const LEASE_MS_MAX: i64 = 60 * 60 * 1000;
 /// Longest timer or wait.
 pub const TIMER_MS_MAX: i64 = 366 * 24 * 60 * 60 * 1000;
@@ -58,11 +60,13 @@ pub enum RunStatus {
     Waiting,
     /// A saga step failed; completed steps are being compensated in reverse order.
     Compensating,
+    /// The workflow returned: its output is the run's `result`.
     Completed,
     /// A saga failed and every completed step was compensated.
     Compensated,
     /// A step failed for good (not a saga, or compensation is not defined).
     Failed,
+    /// Cancelled: by a cancel request (a saga compensates first) or by an operator's `abandon`.
     Cancelled,
     /// Dead letter: needs an operator (a compensation that kept failing, a non-deterministic
     /// replay, an abandoned step). `error` says why.
@@ -70,6 +74,7 @@ pub enum RunStatus {
 }
 
 impl RunStatus {
+    /// Every status, in the order of the enum.
     pub const ALL: [RunStatus; 10] = [
         RunStatus::Pending,
         RunStatus::Running,
@@ -83,6 +88,7 @@ impl RunStatus {
         RunStatus::Parked,
     ];
 
+    /// The word stored in the `runs` table and shown by listings and the API.
     pub fn as_str(self) -> &'static str {
         match self {
             RunStatus::Pending => "pending",
@@ -98,6 +104,7 @@ impl RunStatus {
         }
     }
 
+    /// The status named by `value` (one of the words of [`RunStatus::as_str`]), or `None`.
     pub fn parse(value: &str) -> Option<RunStatus> {
         RunStatus::ALL.into_iter().find(|s| s.as_str() == value)
     }
@@ -133,13 +140,16 @@ impl RunStatus {
 pub enum SuspendStatus {
     /// A step retry is due at `wake_at_ms`.
     Pending,
+    /// A durable timer is set; the run is due at `wake_at_ms`.
     Sleeping,
+    /// The run waits for an event (`waiting_for`), or for its timeout at `wake_at_ms`.
     Waiting,
     /// A compensation retry is due at `wake_at_ms`.
     Compensating,
 }
 
 impl SuspendStatus {
+    /// The run status the run is stored with while suspended.
     pub fn run_status(self) -> RunStatus {
         match self {
             SuspendStatus::Pending => RunStatus::Pending,
@@ -154,14 +164,22 @@ impl SuspendStatus {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishStatus {
+    /// The workflow returned its output.
     Completed,
+    /// A saga failed and every completed step was compensated.
     Compensated,
+    /// A step failed for good and nothing was compensated (not a saga, or no compensation
+    /// defined).
     Failed,
+    /// Cancelled at a step boundary after a cancel request (a saga compensated first).
     Cancelled,
+    /// Dead letter: an operator must look (a compensation out of attempts, a non-deterministic
+    /// replay).
     Parked,
 }
 
 impl FinishStatus {
+    /// The run status the run is stored with once finished.
     pub fn run_status(self) -> RunStatus {
         match self {
             FinishStatus::Completed => RunStatus::Completed,
@@ -191,6 +209,7 @@ pub enum StepKind {
 }
 
 impl StepKind {
+    /// The word stored in the `journal` table and shown by `workflow show` and the API.
     pub fn as_str(self) -> &'static str {
         match self {
             StepKind::External => "external",
@@ -201,6 +220,7 @@ impl StepKind {
         }
     }
 
+    /// The kind named by `value` (one of the words of [`StepKind::as_str`]), or `None`.
     pub fn parse(value: &str) -> Option<StepKind> {
         [StepKind::External, StepKind::Transactional, StepKind::Sleep, StepKind::Wait, StepKind::Compensation]
             .into_iter()
@@ -217,6 +237,7 @@ pub enum StepStatus {
     Retrying,
     /// A timer or a wait that has not fired yet (`wake_at_ms`).
     Waiting,
+    /// The step returned: its output is recorded and replay returns it.
     Completed,
     /// Failed for good (non-retryable, or out of attempts). `error` says why.
     Failed,
@@ -225,6 +246,7 @@ pub enum StepStatus {
 }
 
 impl StepStatus {
+    /// The word stored in the `journal` table and shown by `workflow show` and the API.
     pub fn as_str(self) -> &'static str {
         match self {
             StepStatus::Retrying => "retrying",
@@ -235,6 +257,7 @@ impl StepStatus {
         }
     }
 
+    /// The status named by `value` (one of the words of [`StepStatus::as_str`]), or `None`.
     pub fn parse(value: &str) -> Option<StepStatus> {
         [StepStatus::Retrying, StepStatus::Waiting, StepStatus::Completed, StepStatus::Failed, StepStatus::Skipped]
             .into_iter()
@@ -252,10 +275,20 @@ impl StepStatus {
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Backoff {
     /// `initial_ms * multiplier^(n-1)`, capped at `max_ms`, with equal jitter.
-    Exponential { initial_ms: i64, multiplier: f64, max_ms: i64 },
+    Exponential {
+        /// The delay after the first failure, in ms.
+        initial_ms: i64,
+        /// What each further delay is multiplied by (1..=100).
+        multiplier: f64,
+        /// The longest delay, in ms.
+        max_ms: i64,
+    },
     /// Explicit delays; the last one repeats. The seed's schedule is
     /// `[1000, 5000, 30000, 300000, 3600000]`.
-    Schedule { delays_ms: Vec<i64> },
+    Schedule {
+        /// The delay after the first, second, ... failure, in ms.
+        delays_ms: Vec<i64>,
+    },
 }
 
 /// Retry policy of one step.
@@ -263,6 +296,7 @@ pub enum Backoff {
 pub struct RetryPolicy {
     /// Attempts in all, the first included (default 5).
     pub max_attempts: u32,
+    /// How long to wait between attempts.
     pub backoff: Backoff,
     /// Each attempt is cancelled after this long and counts as a failed attempt (default 30 s).
     pub attempt_timeout_ms: i64,
@@ -297,6 +331,9 @@ impl RetryPolicy {
         RetryPolicy { max_attempts, ..RetryPolicy::default() }
     }
 
+    /// Check the policy's bounds: 1..=1,000,000 attempts, an attempt timeout of 1 ms..=1 h, an
+    /// exponential backoff with 0 <= `initial_ms` <= `max_ms` <= 1 year and a multiplier of
+    /// 1..=100, or a schedule of 1..=1,000 delays of 0..=1 year (`invalid_argument` otherwise).
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::invalid(codes::INVALID_ARGUMENT, format!("retry policy: {m}")));
         if self.max_attempts == 0 || self.max_attempts > 1_000_000 {
@@ -354,16 +391,21 @@ impl RetryPolicy {
 /// Why a step attempt failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StepFailure {
+    /// What went wrong, for the journal and the operator (cut at 4 KiB).
     pub message: String,
     /// False for errors that retrying cannot fix (bad request, declined card).
     pub retryable: bool,
 }
 
 impl StepFailure {
+    /// A failure worth another attempt (a timeout, an unreachable service): the step retries per
+    /// its policy.
     pub fn retryable(message: impl Into<String>) -> Self {
         StepFailure { message: truncate(message.into()), retryable: true }
     }
 
+    /// A failure no retry can fix (a declined card): the step fails for good at once, and a saga
+    /// compensates.
     pub fn permanent(message: impl Into<String>) -> Self {
         StepFailure { message: truncate(message.into()), retryable: false }
     }
@@ -403,10 +445,13 @@ fn truncate(mut message: String) -> String {
 /// A request to start a run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StartRequest {
+    /// The caller-chosen run id: starting the same id again is idempotent.
     pub run_id: String,
+    /// The registered workflow's name.
     pub workflow: String,
     /// The workflow version the run is pinned to (the starter's registered version).
     pub version: u32,
+    /// The workflow's input (JSON, at most 256 KiB); replays see the same input.
     pub input: Value,
     /// Optional serialization key: at most one active run per key.
     pub key: Option<String>,
@@ -427,6 +472,8 @@ impl StartRequest {
         }
     }
 
+    /// Check the request before any transaction: identifiers (`invalid_id`), a version of at least
+    /// 1 (`invalid_argument`), an input of at most 256 KiB (`invalid_input`).
     pub fn validate(&self) -> Result<()> {
         validate_id("run_id", &self.run_id)?;
         validate_id("workflow", &self.workflow)?;
@@ -447,6 +494,7 @@ impl StartRequest {
     }
 }
 
+/// Check that `value` is at most `max` bytes of JSON; the error `code` (naming `field`) otherwise.
 pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static str) -> Result<()> {
     let size = serde_json::to_vec(value).map(|v| v.len()).unwrap_or(usize::MAX);
     if size > max {
@@ -460,17 +508,23 @@ pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum StartOutcome {
+    /// A new run was created, due at once (or at `start_at_ms`).
     Started {
+        /// The new run's id.
         run_id: String,
     },
     /// The same run id with the same workflow and input: the existing run.
     Existing {
+        /// The run that already exists.
         run_id: String,
+        /// Its status now.
         status: RunStatus,
     },
     /// The same run id with another workflow or input.
     Conflict {
+        /// The run id asked for.
         run_id: String,
+        /// What differs (workflow or input).
         reason: String,
     },
 }
@@ -479,25 +533,40 @@ pub enum StartOutcome {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunRecord {
+    /// The caller-chosen run id.
     pub run_id: String,
+    /// The workflow the run executes.
     pub workflow: String,
+    /// The workflow version the run is pinned to; only a worker that registered it claims the run.
     pub version: u32,
+    /// The run's input, as given at start.
     pub input: Value,
+    /// The serialization key: at most one active run per key, oldest first.
     pub key: Option<String>,
+    /// Where the run stands.
     pub status: RunStatus,
+    /// The workflow's output, once `completed`.
     pub result: Option<Value>,
+    /// Why the run failed, was parked, cancelled or abandoned (or that a cancel was requested).
     pub error: Option<String>,
     /// When the run is next due (start-at, retry, timer, wait timeout).
     pub wake_at_ms: i64,
     /// The event name a `waiting` run waits for.
     pub waiting_for: Option<String>,
+    /// An operator asked for cancellation: the run stops at its next step boundary.
     pub cancel_requested: bool,
+    /// The run this one was forked from, if any.
     pub forked_from: Option<String>,
+    /// The worker id that holds the lease, while one does.
     pub lease_owner: Option<String>,
+    /// When the lease expires, in ms since the Unix epoch; after that another worker may claim the
+    /// run (a recovery).
     pub lease_expires_at_ms: Option<i64>,
     /// Times a worker took the run over after another's lease expired.
     pub recoveries: u32,
+    /// When the run was started, in ms since the Unix epoch; listings page by it.
     pub created_at_ms: i64,
+    /// When the run last changed, in ms since the Unix epoch.
     pub updated_at_ms: i64,
 }
 
@@ -505,20 +574,32 @@ pub struct RunRecord {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JournalEntry {
+    /// The entry's position in the run's journal (0, 1, 2, ... in the order the workflow called its
+    /// steps).
     pub seq: u32,
+    /// The step's name; replay checks it against the call at this position (a different name parks
+    /// the run as non-deterministic).
     pub name: String,
+    /// What kind of step it is.
     pub kind: StepKind,
+    /// Where the step stands.
     pub status: StepStatus,
+    /// The step's recorded output (or the operator-supplied one for a skipped step); replay returns
+    /// it.
     pub output: Option<Value>,
+    /// The error of the last failed attempt.
     pub error: Option<String>,
     /// Attempts made so far (failed ones included).
     pub attempts: u32,
+    /// When the next attempt of a `retrying` step is due, in ms since the Unix epoch.
     pub next_attempt_at_ms: Option<i64>,
     /// Timer fire time, or wait deadline.
     pub wake_at_ms: Option<i64>,
     /// The event name of a wait.
     pub event_name: Option<String>,
+    /// Why an operator changed the entry (`operator retry: ...`, `operator skip: ...`).
     pub reason: Option<String>,
+    /// When the entry last changed, in ms since the Unix epoch.
     pub updated_at_ms: i64,
 }
 
@@ -526,12 +607,16 @@ pub struct JournalEntry {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AttemptRecord {
+    /// The journal position of the step attempted.
     pub seq: u32,
     /// Ordinal of the attempt at this position over the run's whole life: an operator `retry`
     /// restarts the journal entry's `attempts` budget, not this history.
     pub attempt: u32,
+    /// Whether the attempt succeeded.
     pub ok: bool,
+    /// Why the attempt failed, if it did.
     pub error: Option<String>,
+    /// When the attempt finished, in ms since the Unix epoch.
     pub finished_at_ms: i64,
 }
 
@@ -539,9 +624,13 @@ pub struct AttemptRecord {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunEvent {
+    /// The event's id, chosen by the sender: sending the same id again is idempotent.
     pub event_id: String,
+    /// The event's name; a wait for that name consumes it.
     pub name: String,
+    /// The event's data, returned to the workflow by the wait.
     pub payload: Value,
+    /// When the store received it, in ms since the Unix epoch.
     pub received_at_ms: i64,
     /// The journal seq of the wait that consumed it.
     pub consumed_by_seq: Option<u32>,
@@ -551,9 +640,13 @@ pub struct RunEvent {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunDetail {
+    /// The run's record.
     pub run: RunRecord,
+    /// Its journal, by position.
     pub journal: Vec<JournalEntry>,
+    /// Every attempt of every step, by position and attempt.
     pub attempts: Vec<AttemptRecord>,
+    /// The events sent to it.
     pub events: Vec<RunEvent>,
 }
 
@@ -561,16 +654,25 @@ pub struct RunDetail {
 /// workers on the database).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkflowVersion {
+    /// The workflow's name.
     pub workflow: String,
+    /// The version this worker registered.
     pub version: u32,
+    /// At most this many runs of the workflow in flight at once, across every worker on the
+    /// database (`None`: no limit of its own).
     pub concurrency_max: Option<u32>,
 }
 
+/// What a worker asks for when it claims runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimRequest {
+    /// The claiming worker's id (an identifier), recorded as the lease owner.
     pub worker_id: String,
+    /// The workflows and versions the worker can run; runs of others are left alone.
     pub workflows: Vec<WorkflowVersion>,
+    /// At most this many runs (the worker's free slots, at most 4,096).
     pub limit: usize,
+    /// How long each lease lasts, in ms (100 ms..=1 h); the worker heartbeats every third of it.
     pub lease_ms: i64,
 }
 
@@ -578,9 +680,14 @@ pub struct ClaimRequest {
 /// that fences every write the worker makes for it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ClaimedRun {
+    /// The run as claimed (status and lease updated).
     pub run: RunRecord,
+    /// The token every journal write for this run must carry; a write with an old token is
+    /// [`WriteResult::Fenced`].
     pub lease_token: String,
+    /// The run's journal so far: replay returns its settled entries without running the steps.
     pub journal: Vec<JournalEntry>,
+    /// Events sent to the run that no wait has consumed yet.
     pub events: Vec<RunEvent>,
     /// True when the previous lease holder's lease had expired (a recovery).
     pub recovered: bool,
@@ -591,7 +698,10 @@ pub struct ClaimedRun {
 #[serde(rename_all = "snake_case")]
 pub enum LeaseState {
     /// Extended. `cancel_requested` tells the worker to stop at the next step boundary.
-    Held { cancel_requested: bool },
+    Held {
+        /// An operator asked to cancel the run.
+        cancel_requested: bool,
+    },
     /// Another worker holds the run, or it was finished by an operator: stop working on it.
     Lost,
 }
@@ -603,43 +713,106 @@ pub type TxBody<T> = Box<dyn FnOnce(&T) -> std::result::Result<Value, StepFailur
 /// One write of a worker, fenced by the run's lease token. A batch of them commits in one
 /// transaction (group commit); each gets its own [`WriteResult`].
 pub struct JournalWrite<T: ?Sized> {
+    /// The run the write is for.
     pub run_id: String,
+    /// The lease token of the claim the writer holds; the store refuses the write when it no longer
+    /// matches.
     pub lease_token: String,
+    /// What to write.
     pub op: JournalOp<T>,
 }
 
+/// What a [`JournalWrite`] records, in the run's row and its journal.
 pub enum JournalOp<T: ?Sized> {
     /// The run has started executing (`pending`/`sleeping`/... -> `running`), or is
     /// compensating.
-    SetStatus { status: RunStatus },
+    SetStatus {
+        /// `running`, or `compensating` for a saga rolling back.
+        status: RunStatus,
+    },
     /// An external step (or compensation) attempt finished. On failure, `retry_at_ms` says when
     /// to try again (`None`, or a non-retryable failure: failed for good). `attempt` is the
     /// entry's recorded `attempts + 1` (1 for a new position); `seq` is the next free position
     /// or the position of this step's unsettled entry. Anything else is a broken invariant and
     /// refuses the whole batch.
     StepAttempt {
+        /// The journal position of the step.
         seq: u32,
+        /// The step's name (checked against an existing entry at `seq`).
         name: String,
+        /// `External` or `Compensation`.
         kind: StepKind,
+        /// Which attempt this was, counting from 1.
         attempt: u32,
+        /// The step's output, or why it failed.
         result: std::result::Result<Value, StepFailure>,
+        /// When to try again after a retryable failure, in ms since the Unix epoch; `None` when out
+        /// of attempts.
         retry_at_ms: Option<i64>,
     },
     /// A transactional step attempt: `body` runs in a savepoint of the commit's transaction. On
     /// success its writes and the journal entry commit together; on failure its writes roll back
     /// and the attempt is recorded like an external one. The store checks the output's size
     /// (`STEP_OUTPUT_BYTES_MAX` of JSON): a larger one fails the step for good.
-    TxStep { seq: u32, name: String, kind: StepKind, attempt: u32, body: TxBody<T>, retry_at_ms: Option<i64> },
+    TxStep {
+        /// The journal position of the step.
+        seq: u32,
+        /// The step's name (checked against an existing entry at `seq`).
+        name: String,
+        /// `Transactional` or `Compensation`.
+        kind: StepKind,
+        /// Which attempt this is, counting from 1.
+        attempt: u32,
+        /// The step's writes, run in the commit's transaction.
+        body: TxBody<T>,
+        /// When to try again if the body fails with a retryable failure, in ms since the Unix
+        /// epoch; `None` when this is the last attempt.
+        retry_at_ms: Option<i64>,
+    },
     /// Journal a timer (`Sleep`) or a wait (`Wait`) that has not fired yet.
-    TimerStarted { seq: u32, name: String, kind: StepKind, wake_at_ms: i64, event_name: Option<String> },
+    TimerStarted {
+        /// The journal position of the timer or wait.
+        seq: u32,
+        /// The step's name.
+        name: String,
+        /// `Sleep` or `Wait`.
+        kind: StepKind,
+        /// When the timer fires or the wait times out, in ms since the Unix epoch.
+        wake_at_ms: i64,
+        /// The event name a wait waits for (`None` for a timer).
+        event_name: Option<String>,
+    },
     /// A timer fired, or a wait ended: with the consumed event, or by timeout (`event_id` None).
-    TimerFinished { seq: u32, event_id: Option<String>, output: Value },
+    TimerFinished {
+        /// The journal position of the timer or wait.
+        seq: u32,
+        /// The event the wait consumed (marked consumed by `seq`); `None` for a timer or a timeout.
+        event_id: Option<String>,
+        /// The entry's recorded output (the engine records `null` for a timer,
+        /// `{"event_id", "payload"}` for a consumed event and `{"timed_out": true}` for a
+        /// timeout).
+        output: Value,
+    },
     /// Release the lease and wait in `status` until `wake_at_ms` (or an event for `waiting_for`).
     /// When an unconsumed event named `waiting_for` is already there, or a cancel was requested,
     /// the run stays due now (no lost wake-up).
-    Suspend { status: SuspendStatus, wake_at_ms: i64, waiting_for: Option<String> },
+    Suspend {
+        /// The status to wait in.
+        status: SuspendStatus,
+        /// When the run is due again, in ms since the Unix epoch.
+        wake_at_ms: i64,
+        /// The event name that wakes a `waiting` run earlier.
+        waiting_for: Option<String>,
+    },
     /// Release the lease and finish the run.
-    Finish { status: FinishStatus, result: Option<Value>, error: Option<String> },
+    Finish {
+        /// How the run ended.
+        status: FinishStatus,
+        /// The workflow's output (for `completed`).
+        result: Option<Value>,
+        /// Why the run failed, was parked or cancelled.
+        error: Option<String>,
+    },
     /// Release the lease without changing the status (worker shutting down).
     Release,
 }
@@ -647,6 +820,7 @@ pub enum JournalOp<T: ?Sized> {
 /// The result of one journal write.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WriteResult {
+    /// The write was applied and commits with its batch.
     Done,
     /// A transactional step's result (its body's output or failure).
     TxResult(std::result::Result<Value, StepFailure>),
@@ -658,7 +832,9 @@ pub enum WriteResult {
 /// A filter for listing runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunFilter {
+    /// Only runs in this status.
     pub status: Option<RunStatus>,
+    /// Only runs of this workflow.
     pub workflow: Option<String>,
     /// Runs created strictly after this.
     pub created_after_ms: Option<i64>,
@@ -692,10 +868,14 @@ impl RunFilter {
     }
 }
 
+/// What one batch of [`WorkflowStore::purge`] deleted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 pub struct PurgeReport {
+    /// Finished runs deleted.
     pub runs_deleted: u64,
+    /// Journal entries deleted with them.
     pub journal_deleted: u64,
+    /// True when the batch bound stopped the purge before it was done.
     pub more: bool,
 }
 
@@ -713,8 +893,11 @@ impl crate::store::BatchReport for PurgeReport {
 /// Runs that no registered worker can execute (unknown workflow or version).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct UnclaimableRuns {
+    /// The workflow name the runs are pinned to.
     pub workflow: String,
+    /// The version the runs are pinned to.
     pub version: u32,
+    /// Active runs of that workflow and version.
     pub runs: u64,
 }
 
@@ -757,7 +940,11 @@ pub trait WorkflowStore {
     /// Deliver an event to a run (idempotent by `event_id`); wakes the run if it waits for
     /// `name`. Returns false when the event was already there.
     fn send_event(&mut self, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool>;
+    /// The run with its journal, attempts and events, read in one read transaction, or `None` for
+    /// an unknown run id.
     fn run(&self, run_id: &str) -> Result<Option<RunDetail>>;
+    /// Runs that match `filter`, by (creation time, run id), at most `limit` (1..=1,000, else
+    /// `limit_exceeded`); page on with [`RunFilter::next_page`].
     fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>>;
     /// Request cancellation: sets `cancel_requested` and makes the run due now. The runtime
     /// acts on it at the run's next step boundary (or at claim): a saga compensates its completed

@@ -12,6 +12,7 @@
 //! **Architecture invariant:** the engine depends on `tidemark-core` alone: no backend, no SQL.
 //! The relay and the workflow runtime speak only the traits, so every backend gets the same
 //! behaviour.
+#![warn(missing_docs)]
 
 pub mod relay;
 pub mod workflow;

@@ -27,9 +27,16 @@ const RELAY_CANDIDATE_WINDOW_FACTOR: usize = 4;
 pub struct RelayReport {
     /// Deliveries attempted in this pass.
     pub attempted: u64,
+    /// Deliveries the consumer answered `accepted`: new events now stored in its inbox.
     pub accepted: u64,
+    /// Deliveries the consumer answered `duplicate`: it already held the event (a redelivery after
+    /// a crash, or `outbox redeliver`); marked accepted, applied only once.
     pub duplicate: u64,
+    /// Deliveries the consumer answered `conflict` (same identity, other content): never acked,
+    /// retried with backoff and eventually quarantined.
     pub conflict: u64,
+    /// Deliveries the consumer answered `expired` (older than its retention horizon): never acked,
+    /// retried with backoff and eventually quarantined.
     pub expired: u64,
     /// The consumer could not be reached or failed; retried later.
     pub failed: u64,
@@ -54,14 +61,20 @@ impl RelayReport {
     }
 }
 
+/// One delivery's answer in a relay pass, kept when [`RelayOptions::keep_answers`] is set.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RelayAnswer {
+    /// The event delivered.
     pub event_id: String,
+    /// The event's flow.
     pub flow_id: String,
+    /// The event's seq in its flow.
     pub seq: i64,
+    /// The subscriber it was delivered to.
     pub consumer_id: String,
     /// The consumer's protocol word (`accepted`, `duplicate`, `conflict`, `expired`) or `failed`.
     pub answer: String,
+    /// The consumer's conflict reason, or the endpoint's error, when there is one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// `retry` or `quarantined` when the delivery was not accepted.
@@ -72,10 +85,15 @@ pub struct RelayAnswer {
 /// Options of one relay pass. Configuration is a struct, not a row of arguments.
 #[derive(Debug, Clone)]
 pub struct RelayOptions {
+    /// Deliveries to attempt in this pass, at most (1..=10,000, else `limit_exceeded`); the
+    /// candidates read are four times as many, to pick from round-robin across flows.
     pub limit: usize,
     /// Deliver only this event (its pending or quarantined deliveries), due or not.
     pub event_id: Option<String>,
+    /// How failed deliveries back off and when they are quarantined.
     pub policy: RelayPolicy,
+    /// Keep each delivery's answer in [`RelayReport::answers`] (for the CLI's `--verbose` output
+    /// and tests); off, only the counts are kept.
     pub keep_answers: bool,
 }
 

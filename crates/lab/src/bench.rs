@@ -35,6 +35,7 @@ const PRELOAD_BATCH: usize = 10_000;
 /// Upper bound of the fsync probes' duration.
 const PROBE_TIME_MAX: Duration = Duration::from_secs(5);
 
+/// The arguments of `tidemark bench` (docs/benchmarks.md explains each run and number).
 #[derive(Args)]
 pub struct BenchArgs {
     /// Flows of each group-commit run; each flow gets --events-per-flow events.
@@ -632,6 +633,9 @@ fn bench_dir(args: &BenchArgs, temp: &Path) -> Result<PathBuf> {
     })
 }
 
+/// Run the benchmarks asked for and return their measurements with the exactly-once check of each
+/// run (`check.passed` false makes the command exit 1). An argument out of its range is
+/// `invalid_argument`; a `--dir` that is not empty is `already_exists`.
 pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     if args.workflows {
         let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;

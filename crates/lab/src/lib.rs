@@ -2,9 +2,10 @@
 //!
 //! - [`demo`]: the whole pipeline and a saga on fresh files, narrated for a person (or as JSON).
 //! - [`experiment`]: every scenario of the seed documents, with `--check` against golden state.
-//! - [`bench`]: throughput and latency benchmarks (docs/benchmarks.md).
+//! - [`bench`](mod@bench): throughput and latency benchmarks (docs/benchmarks.md).
 //! - [`loadtest`]: load a running server from another process and verify what it acknowledged.
 //! - [`pipeline`]: an in-process producer and consumer on files, shared by the three above.
+#![warn(missing_docs)]
 
 pub mod bench;
 pub mod demo;

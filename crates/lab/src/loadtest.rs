@@ -42,6 +42,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// The stock every order takes from (set before the load starts; never runs out).
 const LOAD_STOCK: i64 = 1_000_000_000;
 
+/// The arguments of `tidemark loadtest` (the load) and of `tidemark loadtest verify`.
 #[derive(Args)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct LoadtestArgs {
@@ -105,12 +106,22 @@ struct VerifyArgs {
 pub enum LedgerEntry {
     /// `POST /v1/runs` answered 201 (or 200: it already existed).
     Run {
+        /// The run started.
         run_id: String,
         /// The final status the run must reach: `completed`, or `compensated` for a declined order.
         expect: String,
     },
     /// An advance or an append answered 200 `committed`.
-    Event { op: String, flow_id: String, seq: i64, event_id: String },
+    Event {
+        /// `advance` (a reservation flow) or `append` (an event stream).
+        op: String,
+        /// The flow or stream the event was committed to.
+        flow_id: String,
+        /// The seq the server answered for the event.
+        seq: i64,
+        /// The event's id, as the server answered it.
+        event_id: String,
+    },
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -15,10 +15,15 @@ use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteP
 
 /// One producer file and one consumer file in a folder.
 pub struct Pipeline {
+    /// `producer.db` in the pipeline's folder.
     pub producer_path: PathBuf,
+    /// `consumer.db` in the pipeline's folder (the inbox of every subscribed consumer).
     pub consumer_path: PathBuf,
+    /// The producer store (source given at creation), with the reservation machine's flows.
     pub producer: SqliteProducer,
+    /// The consumer store, with the reservation projection installed.
     pub consumer: SqliteConsumer,
+    /// The relay's endpoints (the consumer file, opened once and kept).
     pub endpoints: SqliteEndpoints,
 }
 
@@ -50,6 +55,8 @@ impl Pipeline {
         Ok(Pipeline { producer_path, consumer_path, producer, consumer, endpoints: SqliteEndpoints::new(durability) })
     }
 
+    /// Advance reservation flow `flow` from `expected_seq` to `to` (with `quantity` when given, and
+    /// payload schema `schema_version`), in one producer transaction.
     pub fn advance(
         &mut self,
         flow: &str,
@@ -73,6 +80,8 @@ impl Pipeline {
             .0)
     }
 
+    /// Drain up to `limit` events of `consumer_id` with the reservation handler (v1 decoders, and
+    /// v2 with `support_v2`), in one consumer transaction.
     pub fn drain(&mut self, consumer_id: &str, limit: usize, support_v2: bool, now_ms: i64) -> Result<DrainReport> {
         let mut handler = ReservationHandler::new(support_v2);
         self.consumer.drain(consumer_id, &DrainScope::All, limit, &mut handler, now_ms)

@@ -12,6 +12,7 @@ pub const PLAIN_LINE_INTERVAL_MS: u64 = 2_000;
 /// How often a bar redraws by itself while a step runs.
 const TICK_MS: u64 = 120;
 
+/// The progress of one long command on stderr: a bar on a terminal, plain lines otherwise.
 pub struct Progress {
     label: &'static str,
     /// Steps expected; 0 when unknown (a spinner, or lines without a total).

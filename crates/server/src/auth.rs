@@ -111,11 +111,14 @@ pub fn rate_limiter(per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<Stri
 
 /// The caller of a request: its tenant (opened) and scope.
 pub struct Caller {
+    /// The tenant the token belongs to: the request is served only from this tenant's folder.
     pub tenant: Arc<Tenant>,
+    /// What the token may do.
     pub scope: Scope,
 }
 
 impl Caller {
+    /// Check that the caller's scope includes `needed`; 403 `forbidden` otherwise.
     pub fn require(&self, needed: Scope) -> Result<(), ApiError> {
         if self.scope.allows(needed) {
             return Ok(());

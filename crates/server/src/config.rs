@@ -1,6 +1,6 @@
 //! `tidemark serve`'s configuration: defaults, then a TOML file, then `TIDEMARK_*` environment
 //! variables, then command-line flags (each layer overrides the one before). Every key is
-//! documented in docs/operations.md; an unknown key or a value out of range is an
+//! documented in docs/serve.md; an unknown key or a value out of range is an
 //! `invalid_config` error that names the key.
 
 use std::net::SocketAddr;
@@ -21,6 +21,8 @@ const ENV_NOT_CONFIG: &[&str] = &["crash_at", "server", "token"];
 /// Largest request body the server accepts at all (the configured limit is at most this).
 pub const BODY_BYTES_CEILING: usize = 4 * 1024 * 1024;
 
+/// The whole configuration of `tidemark serve`, one section per TOML table (docs/serve.md,
+/// "Configuration"). Unknown keys are refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
@@ -30,28 +32,41 @@ pub struct Config {
     pub listen: String,
     /// `full` (every commit fsynced) or `normal` (see docs/operations.md).
     pub durability: String,
+    /// Bearer tokens and per-token rate limits (`[auth]`).
     pub auth: AuthConfig,
+    /// Request bounds (`[limits]`).
     pub limits: LimitsConfig,
+    /// The per-tenant relay loop (`[relay]`).
     pub relay: RelayConfig,
+    /// The per-tenant drains of declared consumers (`[consumers]`).
     pub consumers: ConsumersConfig,
+    /// The per-tenant workflow workers (`[workers]`).
     pub workers: WorkersConfig,
+    /// The per-tenant retention loop (`[retention]`).
     pub retention: RetentionConfig,
+    /// Graceful shutdown (`[shutdown]`).
     pub shutdown: ShutdownConfig,
+    /// Logs and trace export (`[log]`).
     pub log: LogConfig,
 }
 
+/// `[auth]`: how requests are authenticated and rate-limited.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AuthConfig {
     /// `tokens` (bearer tokens from `tidemark token create`) or `none` (local development only:
     /// every request acts as an admin of `dev_tenant`; said loudly at start-up).
     pub mode: String,
+    /// The tenant every request acts in when `mode` is `none` (a tenant id; default `dev`).
     pub dev_tenant: String,
-    /// Requests per second per token (a token bucket), and the bucket's size.
+    /// Requests per second per token (a token bucket refilled at this rate; 1..=1,000,000). More is
+    /// answered 429 `rate_limited`.
     pub rate_per_second: u32,
+    /// The most requests one token may make at once before the rate applies (the bucket's size).
     pub burst: u32,
 }
 
+/// `[limits]`: bounds of what one request may ask for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
@@ -63,31 +78,46 @@ pub struct LimitsConfig {
     pub group_commit_max: usize,
 }
 
+/// `[relay]`: how each tenant's relay hands its outbox to the subscribers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
+    /// How long the delivery loop pauses when a round moved nothing, in ms (the loop pauses the
+    /// shorter of this and `consumers.drain_interval_ms`; 1..=3,600,000).
     pub interval_ms: u64,
+    /// Deliveries per relay batch (1..=10,000).
     pub batch: usize,
+    /// Failed attempts after which a delivery is quarantined (1..=1,000).
     pub max_attempts: u32,
+    /// Delay before the second attempt, in ms; doubles per attempt (0..=24 h).
     pub backoff_base_ms: i64,
+    /// The longest delay between attempts, in ms (0..=24 h).
     pub backoff_max_ms: i64,
 }
 
+/// `[consumers]`: how each tenant's declared consumers apply their inboxes.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ConsumersConfig {
+    /// How long the delivery loop pauses when a round moved nothing, in ms (the loop pauses the
+    /// shorter of this and `relay.interval_ms`; 1..=3,600,000).
     pub drain_interval_ms: u64,
+    /// Events applied per drain transaction (1..=10,000).
     pub drain_batch: usize,
     /// Enable the reservation domain's v2 decoders.
     pub support_v2: bool,
 }
 
+/// `[workers]`: each tenant's workflow worker.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkersConfig {
     /// Runs in flight per tenant.
     pub concurrency: usize,
+    /// How long a worker's lease on a run lasts, in ms (100 ms..=1 day); it heartbeats every third
+    /// of it.
     pub lease_ms: i64,
+    /// How often the worker claims due runs when it has nothing to do, in ms (1..=3,600,000).
     pub poll_ms: u64,
     /// Attempts per step, the first included.
     pub max_attempts: u32,
@@ -95,9 +125,11 @@ pub struct WorkersConfig {
     pub retry_delay_ms: Option<i64>,
 }
 
+/// `[retention]`: what each tenant's retention loop deletes or compacts, and when.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RetentionConfig {
+    /// How often retention runs, in ms (100 ms..=1 day).
     pub interval_ms: u64,
     /// Applied inbox bodies are compacted into receipts after this long.
     pub applied_ms: i64,
@@ -105,9 +137,12 @@ pub struct RetentionConfig {
     pub delivered_ms: i64,
     /// Finished runs' journals are purged after this long.
     pub finished_runs_ms: i64,
+    /// Rows per retention transaction (1..=10,000), so retention never holds the write lock for
+    /// long.
     pub batch_rows: usize,
 }
 
+/// `[shutdown]`: how the server stops.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ShutdownConfig {
@@ -115,6 +150,7 @@ pub struct ShutdownConfig {
     pub grace_ms: u64,
 }
 
+/// `[log]`: logs on stderr and trace export.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
@@ -210,10 +246,13 @@ impl Default for LogConfig {
 /// Flags of `tidemark serve`, the last layer.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Overrides {
+    /// `--data`: the data folder.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_dir: Option<PathBuf>,
+    /// `--listen`: the address to listen on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<String>,
+    /// `--durability`: `full` or `normal`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub durability: Option<String>,
 }
@@ -297,10 +336,13 @@ impl Config {
         Ok(())
     }
 
+    /// The `listen` address, parsed (`invalid_config` when it is not `host:port`).
     pub fn listen_addr(&self) -> Result<SocketAddr> {
         self.listen.parse().map_err(|e| config_error(format!("listen {:?}: {e}", self.listen)))
     }
 
+    /// The `durability` as the stores take it (`invalid_config` for a word other than `full` or
+    /// `normal`).
     pub fn durability(&self) -> Result<tidemark_store_sqlite::Durability> {
         match self.durability.as_str() {
             "full" => Ok(tidemark_store_sqlite::Durability::Full),
@@ -309,6 +351,7 @@ impl Config {
         }
     }
 
+    /// The relay's retry policy, from `[relay]`.
     pub fn relay_policy(&self) -> RelayPolicy {
         RelayPolicy {
             max_attempts: self.relay.max_attempts,
@@ -337,6 +380,8 @@ impl Config {
         Ok(Some(endpoint))
     }
 
+    /// True when `auth.mode` is `none`: no token is asked for and every request is an admin of
+    /// `auth.dev_tenant`.
     pub fn auth_disabled(&self) -> bool {
         self.auth.mode == "none"
     }

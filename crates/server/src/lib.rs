@@ -8,6 +8,7 @@
 //! `tenant.rs` (a tenant's files and store threads), `actor.rs` (a store thread with group
 //! commit), `background.rs` (the loops), `api/` (HTTP routes and the error mapping),
 //! `metrics.rs` (Prometheus), `dashboard/` (the HTML pages under `/ui` and their sampler).
+#![warn(missing_docs)]
 
 mod actor;
 pub mod api;
@@ -40,6 +41,7 @@ pub use {axum, utoipa, utoipa_axum};
 /// The file of tokens, tenants and consumers, in the data folder.
 pub const CONTROL_FILE: &str = "server.db";
 
+/// Milliseconds since the Unix epoch, from the system clock: the clock of every request and loop.
 pub fn now_ms() -> i64 {
     tidemark_engine::now_ms()
 }
@@ -48,12 +50,17 @@ pub fn now_ms() -> i64 {
 #[derive(Clone)]
 pub struct AppState(Arc<Inner>);
 
+/// What every request handler and background loop shares, behind [`AppState`].
 pub struct Inner {
+    /// The configuration the service was started with.
     pub config: Config,
     /// What the service serves.
     pub registry: Arc<Registry>,
+    /// The control database (tokens, tenants, consumers) and the token cache read from it.
     pub control_cache: Mutex<auth::ControlCache>,
+    /// The per-token rate limiter (`auth.rate_per_second`, `auth.burst`).
     pub limiter: DefaultKeyedRateLimiter<String>,
+    /// The Prometheus registry and the counters and histograms the service keeps.
     pub metrics: metrics::Metrics,
     /// The dashboard's recent samples per tenant.
     pub samples: dashboard::Samples,
@@ -160,18 +167,22 @@ impl AppState {
         self.tenants.lock().await.values().cloned().collect()
     }
 
+    /// A receiver that turns `true` when shutdown begins (loops stop claiming, finish and release).
     pub fn shutdown_signal(&self) -> watch::Receiver<bool> {
         self.shutdown.subscribe()
     }
 
+    /// True once shutdown has begun.
     pub fn is_shutting_down(&self) -> bool {
         *self.shutdown.borrow()
     }
 
+    /// True when the service answers `/readyz` with ready: started and not shutting down.
     pub fn is_ready(&self) -> bool {
         self.ready.load(std::sync::atomic::Ordering::SeqCst) && !self.is_shutting_down()
     }
 
+    /// When the service started, in ms since the Unix epoch.
     pub fn started_at_ms(&self) -> i64 {
         self.started_at_ms
     }

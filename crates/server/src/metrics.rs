@@ -21,78 +21,115 @@ use tidemark_engine::RelayReport;
 
 use crate::stats::TenantStats;
 
+/// The labels of a per-tenant metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantLabels {
+    /// The tenant id.
     pub tenant: String,
 }
 
+/// The labels of a count by protocol outcome.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The outcome word (`accepted`, `duplicate`, `conflict`, `expired`, and for the relay also
+    /// `failed` and `quarantined`).
     pub outcome: String,
 }
 
+/// The labels of a per-consumer metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConsumerLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The consumer id.
     pub consumer: String,
 }
 
+/// The labels of a background loop's errors.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LoopLabels {
+    /// The loop's name: `delivery` (relay and drains) or `retention`.
     pub r#loop: String,
 }
 
 impl LoopLabels {
+    /// The labels of loop `name`.
     pub fn new(name: &str) -> Self {
         LoopLabels { r#loop: name.to_string() }
     }
 }
 
+/// The labels of an HTTP request count.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
+    /// The request's method (`GET`, `POST`, ...).
     pub method: String,
+    /// The matched route template (`/v1/runs/{run_id}`), or `unmatched`: never the raw path, so ids
+    /// do not multiply the series.
     pub route: String,
+    /// The answer's HTTP status.
     pub status: u16,
 }
 
+/// The labels of a per-workflow metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct WorkflowLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The workflow's name.
     pub workflow: String,
 }
 
+/// The labels of a per-step metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StepLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The workflow's name.
     pub workflow: String,
+    /// The step's name.
     pub step: String,
 }
 
+/// The labels of a step attempt count.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StepAttemptLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The workflow's name.
     pub workflow: String,
     /// completed, retrying or failed.
     pub outcome: String,
 }
 
+/// The labels of a finished run's duration.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RunEndLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The workflow's name.
     pub workflow: String,
+    /// How the run finished (`completed`, `compensated`, `failed`, `cancelled`, `parked`).
     pub status: String,
 }
 
+/// The labels of a count of runs by status.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StatusLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The run status.
     pub status: String,
 }
 
+/// The labels of a per-file metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FileLabels {
+    /// The tenant id.
     pub tenant: String,
+    /// The file's name within the tenant's folder.
     pub file: String,
 }
 
@@ -102,16 +139,26 @@ fn seconds_buckets() -> impl Iterator<Item = f64> {
     exponential_buckets(0.001, 2.0, 20)
 }
 
-/// The workflow metrics, shared with every tenant's [`TenantObserver`] (the families are
-/// handles to the same counters).
+/// The workflow metrics, shared with every tenant's worker observer ([`Metrics::observer`]; the
+/// families are handles to the same counters).
 #[derive(Clone)]
 pub struct WorkflowMetrics {
+    /// `tidemark_step_seconds`: the duration of one step attempt (external: the call;
+    /// transactional: its write and commit), by tenant, workflow and step.
     pub step_seconds: Family<StepLabels, Histogram, fn() -> Histogram>,
+    /// `tidemark_step_attempts_total`: step attempts by outcome (completed, retrying, failed).
     pub step_attempts: Family<StepAttemptLabels, Counter>,
+    /// `tidemark_step_retries_total`: step attempts that failed and were scheduled to run again.
     pub step_retries: Family<WorkflowLabels, Counter>,
+    /// `tidemark_run_seconds`: a run's duration from its start to its end, by final status.
     pub run_seconds: Family<RunEndLabels, Histogram, fn() -> Histogram>,
+    /// `tidemark_run_claims_total`: executions of runs claimed by this server's workers (a run
+    /// resumes once per suspension).
     pub run_claims: Family<TenantLabels, Counter>,
+    /// `tidemark_run_recoveries_total`: runs taken over after their previous holder's lease
+    /// expired.
     pub run_recoveries: Family<TenantLabels, Counter>,
+    /// `tidemark_lease_expirations_total`: leases this server's workers lost while executing a run.
     pub lease_expirations: Family<TenantLabels, Counter>,
 }
 
@@ -133,15 +180,27 @@ impl WorkflowMetrics {
     }
 }
 
+/// Every metric `tidemark serve` keeps, in one Prometheus registry (names prefixed `tidemark_`).
+/// Counters and histograms live here; the gauges of stored state are read at each scrape.
 pub struct Metrics {
     registry: Registry,
+    /// `tidemark_relay_deliveries_total`: deliveries attempted by the relay, by tenant and outcome.
     pub relay_deliveries: Family<OutcomeLabels, Counter>,
+    /// `tidemark_inbox_receipts_total`: events received into an inbox over HTTP, by tenant and
+    /// outcome.
     pub inbox_receipts: Family<OutcomeLabels, Counter>,
+    /// `tidemark_inbox_applies_total`: events applied by a consumer's handler, by tenant and
+    /// consumer.
     pub applies: Family<ConsumerLabels, Counter>,
+    /// `tidemark_drain_seconds`: the duration of one drain transaction that applied something.
     pub drain_seconds: Family<TenantLabels, Histogram>,
+    /// `tidemark_http_requests_total`: HTTP requests answered, by method, route and status.
     pub requests: Family<RequestLabels, Counter>,
+    /// `tidemark_rate_limited_total`: requests refused by a token's rate limit (429).
     pub rate_limited: Counter,
+    /// `tidemark_loop_errors_total`: background loop rounds that failed, by loop.
     pub loop_errors: Family<LoopLabels, Counter>,
+    /// The workflow metrics, shared with every tenant's worker observer.
     pub workflows: WorkflowMetrics,
     /// Scrapes whose reading of a tenant's stores failed (that tenant's gauges are missing).
     pub scrape_errors: Counter,
@@ -154,6 +213,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// A registry with every metric registered and at zero.
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("tidemark");
         let relay_deliveries = Family::<OutcomeLabels, Counter>::default();
@@ -236,6 +296,7 @@ impl Metrics {
         }
     }
 
+    /// Count one relay pass's deliveries by outcome.
     pub fn record_relay(&self, tenant: &str, report: &RelayReport) {
         for (outcome, n) in [
             ("accepted", report.accepted),
@@ -252,11 +313,13 @@ impl Metrics {
         }
     }
 
+    /// Count one event received over HTTP by its outcome.
     pub fn record_receive(&self, tenant: &str, outcome: &ReceiveOutcome) {
         let labels = OutcomeLabels { tenant: tenant.into(), outcome: outcome.word().into() };
         self.inbox_receipts.get_or_create(&labels).inc();
     }
 
+    /// Count one drain's applied events and time it (drains that applied nothing are not timed).
     pub fn record_drain(&self, tenant: &str, consumer: &str, report: &DrainReport, took: Duration) {
         if report.applied > 0 {
             let labels = ConsumerLabels { tenant: tenant.into(), consumer: consumer.into() };

@@ -13,12 +13,16 @@ use tidemark_store_sqlite::stats::{self, InboxCounts, OutboxCounts};
 use crate::now_ms;
 use crate::tenant::Tenant;
 
+/// What the dashboard and `/metrics` show of one tenant's stored state, read in one go.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct TenantStats {
+    /// The tenant id.
     pub tenant: String,
+    /// The producer's open deliveries.
     pub outbox: OutboxCounts,
     /// Per consumer id (both inbox files).
     pub inbox: BTreeMap<String, InboxCounts>,
+    /// Runs by status word (only statuses that have runs).
     pub runs: BTreeMap<String, u64>,
     /// WAL bytes per file name.
     pub wal_bytes: BTreeMap<String, u64>,
@@ -47,6 +51,8 @@ impl StatsReader {
 }
 
 impl TenantStats {
+    /// Read the tenant's counts through its read-only connections, on a blocking thread (never on
+    /// the store threads).
     pub async fn read(tenant: &Arc<Tenant>) -> Result<TenantStats> {
         let tenant = Arc::clone(tenant);
         tokio::task::spawn_blocking(move || {
@@ -70,6 +76,7 @@ impl TenantStats {
         ["parked", "failed"].iter().filter_map(|s| self.runs.get(*s)).sum()
     }
 
+    /// Open inbox records a handler refused, across the tenant's consumers.
     pub fn blocked(&self) -> u64 {
         self.inbox.values().map(|c| c.blocked).sum()
     }

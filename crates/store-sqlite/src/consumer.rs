@@ -26,6 +26,10 @@ const DRAIN_PAGE_ROWS: usize = 1_024;
 /// Stuck flows reported by one drain.
 const DRAIN_STUCK_REPORTED_MAX: usize = 100;
 
+/// A consumer database on SQLite: the inbox, the per-flow high-water marks, the receipts and the
+/// retired ids of every logical consumer it holds, with the user's projection tables in the same
+/// file (so a handler's writes commit with the apply). Implements
+/// [`ConsumerStore`](tidemark_core::store::ConsumerStore).
 pub struct SqliteConsumer {
     conn: Connection,
     retention: RetentionPolicy,
@@ -88,10 +92,14 @@ impl SqliteConsumer {
         Ok(SqliteConsumer { conn, retention })
     }
 
+    /// Open an initialised consumer database, fsyncing every commit. Never creates a file: a
+    /// missing file or one that is not a consumer database is `not_initialized`.
     pub fn open(path: &Path) -> Result<SqliteConsumer> {
         Self::open_with(path, Durability::Full)
     }
 
+    /// [`SqliteConsumer::open`] with a durability (`Durability::Normal` skips the per-commit
+    /// fsync).
     pub fn open_with(path: &Path, durability: Durability) -> Result<SqliteConsumer> {
         let conn = schema::open(path, false, durability)?;
         let retention = read_retention(&conn)?.ok_or_else(|| {
@@ -103,6 +111,7 @@ impl SqliteConsumer {
         Ok(SqliteConsumer { conn, retention })
     }
 
+    /// The retention horizon this file was initialised with.
     pub fn retention(&self) -> RetentionPolicy {
         self.retention
     }

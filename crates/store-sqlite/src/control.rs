@@ -46,25 +46,41 @@ const CONTROL_MIGRATIONS: &[&str] = &[r#"
 /// A declared consumer of a tenant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct ConsumerRecord {
+    /// The tenant the consumer belongs to.
     pub tenant_id: String,
+    /// The logical consumer id, unique within its tenant.
     pub consumer_id: String,
+    /// The name of the registered handler that applies the consumer's events (e.g. `reservation`,
+    /// `record`, `workflows`).
     pub handler: String,
+    /// When the consumer was declared, in ms since the Unix epoch.
     pub created_at_ms: i64,
 }
 
 /// A token as listed (never its secret).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct TokenRecord {
+    /// The token's id (16 hex characters), the part of the token text that is not secret.
     pub token_id: String,
+    /// The tenant the token serves; its requests reach only that tenant's folder.
     pub tenant_id: String,
+    /// What the token may do.
     pub scope: Scope,
+    /// The operator's free-text label (0..=200 bytes).
     pub label: String,
+    /// When the token was created, in ms since the Unix epoch.
     pub created_at_ms: i64,
+    /// When the token was revoked, in ms since the Unix epoch; set once, never cleared. A revoked
+    /// token is refused.
     pub revoked_at_ms: Option<i64>,
+    /// The SHA-256 of the token's secret, hex (never serialised): what a presented secret is
+    /// compared with, in constant time.
     #[serde(skip)]
     pub secret_hash: String,
 }
 
+/// The control database of `tidemark serve` (`server.db`): tenants, bearer tokens (hashed) and
+/// declared consumers. Tenants' own data is never here; it lives in each tenant's folder.
 pub struct SqliteControl {
     conn: Connection,
 }
@@ -83,6 +99,8 @@ impl SqliteControl {
         self.conn.query_row("PRAGMA data_version", [], |r| r.get(0)).db()
     }
 
+    /// Record `tenant_id` (1..=64 characters of `[a-z0-9_-]`, else `invalid_id`); true when it was
+    /// new, false when it was already there.
     pub fn ensure_tenant(&mut self, tenant_id: &str, now_ms: i64) -> Result<bool> {
         validate_tenant_id(tenant_id)?;
         let n = self
@@ -95,6 +113,7 @@ impl SqliteControl {
         Ok(n == 1)
     }
 
+    /// Every tenant id, in order.
     pub fn tenants(&self) -> Result<Vec<String>> {
         let mut stmt = self.conn.prepare_cached("SELECT tenant_id FROM tenants ORDER BY tenant_id").db()?;
         let rows = stmt.query_map([], |r| r.get(0)).db()?;

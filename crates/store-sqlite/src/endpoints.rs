@@ -8,6 +8,8 @@ use tidemark_core::Result;
 
 use crate::{Durability, SqliteConsumer};
 
+/// Endpoints that are consumer database paths: each is opened on first use (never created) and kept
+/// open for the relay's next passes. A path that cannot be opened is a failed delivery attempt.
 #[derive(Default)]
 pub struct SqliteEndpoints {
     open: HashMap<String, SqliteConsumer>,
@@ -15,6 +17,7 @@ pub struct SqliteEndpoints {
 }
 
 impl SqliteEndpoints {
+    /// No database open yet; each will be opened with `durability`.
     pub fn new(durability: Durability) -> Self {
         SqliteEndpoints { open: HashMap::new(), durability }
     }

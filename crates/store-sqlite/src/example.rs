@@ -12,6 +12,7 @@ use tidemark_core::Result;
 
 use crate::SqlResult;
 
+/// Create the `orders` table (order id, quantity) on the producer file, if it is not there.
 pub fn install_orders(conn: &Connection) -> Result<()> {
     conn.execute_batch("CREATE TABLE IF NOT EXISTS orders (order_id TEXT PRIMARY KEY, quantity INTEGER NOT NULL)").db()
 }

@@ -3,6 +3,7 @@
 //! **Architecture invariant:** this crate (and the other store crates) is the only place that
 //! writes SQL. Every file is opened in WAL mode with `synchronous=FULL` and a busy timeout;
 //! opening never resets data; the schema is versioned and migrated forward in one transaction.
+#![warn(missing_docs)]
 
 mod consumer;
 mod control;

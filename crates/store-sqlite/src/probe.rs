@@ -13,8 +13,11 @@ use crate::SqlResult;
 /// What [`single_row_commits`] measured.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct CommitProbe {
+    /// Commits made.
     pub commits: u64,
+    /// Wall-clock time they took, in seconds.
     pub seconds: f64,
+    /// Commits per second.
     pub commits_per_s: f64,
 }
 
@@ -52,9 +55,13 @@ pub fn single_row_commits(
 /// What [`inbox_inserts`] measured.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct InsertProbe {
+    /// Rows inserted.
     pub rows: u64,
+    /// Rows per transaction (the last transaction may hold fewer).
     pub rows_per_transaction: u64,
+    /// Wall-clock time they took, in seconds.
     pub seconds: f64,
+    /// Rows inserted per second.
     pub rows_per_s: f64,
 }
 

@@ -46,6 +46,10 @@ use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 use crate::schema::{self, meta_get, meta_set, Durability};
 use crate::SqlResult;
 
+/// A producer database on SQLite: its flows, the immutable outbox, subscriptions with their
+/// delivery cursors and the delivery exception rows. Implements
+/// [`ProducerStore`](tidemark_core::store::ProducerStore); [`SqliteProducer::begin`] and
+/// [`advance_in`] let the caller write business rows in the same transaction as an advance.
 pub struct SqliteProducer {
     conn: Connection,
     identity: ProducerIdentity,
@@ -92,6 +96,8 @@ impl SqliteProducer {
         Self::open_with(path, Durability::Full)
     }
 
+    /// [`SqliteProducer::open`] with a durability (`Durability::Normal` skips the per-commit
+    /// fsync).
     pub fn open_with(path: &Path, durability: Durability) -> Result<SqliteProducer> {
         let conn = schema::open(path, false, durability)?;
         let identity = read_identity(&conn)?.ok_or_else(|| {
@@ -187,6 +193,10 @@ pub struct OutboxTransaction<'a> {
 }
 
 impl OutboxTransaction<'_> {
+    /// Advance one flow in this transaction (the event is inserted at the next outbox position).
+    /// `stale` and `invalid_transition` are answers that wrote nothing; bad input is an error
+    /// (`invalid_id`, `invalid_seq`, the machine's own codes, `payload_too_large`, `seq_overflow`).
+    /// Nothing is visible to anyone until [`OutboxTransaction::commit`].
     pub fn advance(&self, machine: &dyn FlowMachine, request: &AdvanceRequest, now_ms: i64) -> Result<AdvanceOutcome> {
         validate_request(machine, request)?;
         let mut statements = AdvanceStatements::prepare(&self.tx)?;
@@ -194,6 +204,8 @@ impl OutboxTransaction<'_> {
         advance_validated(&mut statements, &mut position, self.identity, machine, request, now_ms)
     }
 
+    /// Commit the caller's rows and every advance of this transaction together (crash points
+    /// `advance.before_commit` and `advance.after_commit`).
     pub fn commit(self) -> Result<()> {
         crash::hit("advance.before_commit");
         self.tx.commit().db()?;

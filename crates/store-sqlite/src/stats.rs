@@ -14,9 +14,11 @@ use crate::SqlResult;
 /// The producer's open deliveries.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct OutboxCounts {
-    /// Deliveries not yet accepted (the backlog), of them due now, and quarantined.
+    /// Deliveries not yet accepted (the backlog).
     pub pending: u64,
+    /// Of the pending deliveries, those due now (the rest are backing off after a failure).
     pub due: u64,
+    /// Deliveries quarantined after `max_attempts` failures, waiting for an operator.
     pub quarantined: u64,
     /// The oldest pending delivery's commit time (its event's `created_at_ms`).
     pub oldest_pending_ms: Option<i64>,
@@ -24,6 +26,7 @@ pub struct OutboxCounts {
     pub last_position: i64,
 }
 
+/// Count the producer's open deliveries as of `now_ms`, in one read.
 pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
     // A subscriber's delivery is pending when its position is above the subscriber's cursor and
     // has no exception row (it is due at once), or when its exception row says `pending` (a
@@ -68,7 +71,9 @@ pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
 /// One consumer's open inbox records.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct InboxCounts {
+    /// Records received and waiting to be applied.
     pub pending: u64,
+    /// Records a handler refused, each stopping its flow.
     pub blocked: u64,
 }
 

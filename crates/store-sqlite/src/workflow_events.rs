@@ -57,6 +57,8 @@ fn system_ms() -> i64 {
 }
 
 impl RunEventHandler {
+    /// A handler that reads the run id from `payload.run_id` and sends every event under its event
+    /// type as the run event name (add [`RunEventHandler::route`]s to rename or select types).
     pub fn new() -> Self {
         Self::default()
     }

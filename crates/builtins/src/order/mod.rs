@@ -24,14 +24,19 @@ pub mod tables;
 
 use tables::{self as sql, PaymentCall, ReserveOutcome};
 
+/// The order saga's registered name.
 pub const ORDER_SAGA: &str = "order_saga";
+/// The order saga's version (runs pinned to another version are left for a worker that has it).
 pub const ORDER_SAGA_VERSION: u32 = 1;
 
 /// The order saga's input.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OrderInput {
+    /// The order, an identifier; it names the reservation, the payment calls and the shipment.
     pub order_id: String,
+    /// The SKU to reserve, an identifier; its stock must have been set (`workflow init --sku`).
     pub sku: String,
+    /// The units to reserve (1..=1,000,000).
     pub quantity: i64,
     /// In minor units.
     pub amount: i64,
@@ -48,6 +53,8 @@ pub struct OrderInput {
 }
 
 impl OrderInput {
+    /// The order input of a saga run, validated: a run whose input does not decode or is out of
+    /// range fails the step for good (a permanent [`StepFailure`]).
     pub fn from_data(data: &SagaData) -> std::result::Result<OrderInput, StepFailure> {
         let order = OrderInput::deserialize(&data.input)
             .map_err(|e| StepFailure::permanent(format!("invalid order input: {e}")))?;
@@ -66,8 +73,13 @@ impl OrderInput {
 
 /// The order's transactional operations on the workflow database's handle.
 pub trait OrderTx {
+    /// Take the order's quantity out of stock (installing the order tables if missing). An unknown
+    /// SKU, too little stock or an existing reservation is a permanent failure.
     fn reserve_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure>;
+    /// Put a reserved order's quantity back in stock (the compensation of `reserve_inventory`);
+    /// answers `{"released": false}` when there was nothing to release.
     fn release_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure>;
+    /// Mark the reserved order shipped; an order that is not reserved is a permanent failure.
     fn ship_order(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure>;
 }
 
@@ -119,7 +131,11 @@ impl OrderTx for rusqlite::Connection {
 
 /// The payment service (external: at least once, so it must honour the idempotency key).
 pub trait Payments: Send + Sync + 'static {
+    /// Charge the order's amount under the idempotency `key`; a retry with the same key must not
+    /// charge twice.
     fn charge(&self, key: &str, order: &OrderInput) -> std::result::Result<Value, StepFailure>;
+    /// Refund a charge (the compensation of `charge_payment`; `charge` is that step's output),
+    /// under its own idempotency `key`.
     fn refund(&self, key: &str, order: &OrderInput, charge: &Value) -> std::result::Result<Value, StepFailure>;
 }
 
@@ -133,6 +149,8 @@ pub struct FakePayments {
 }
 
 impl FakePayments {
+    /// The fake with its call log in the SQLite file at `path` (created if missing), so the log
+    /// survives the process for the crash tests.
     pub fn open(path: &Path) -> Result<FakePayments> {
         Ok(FakePayments { conn: Mutex::new(sql::open_payments(path)?) })
     }

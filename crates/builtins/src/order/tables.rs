@@ -49,6 +49,8 @@ pub fn is_installed(conn: &Connection) -> bool {
     conn.prepare_cached("SELECT 1 FROM order_effects LIMIT 0").is_ok()
 }
 
+/// Set `sku`'s stock to `stock` units (creating the SKU if new). The saga never invents stock: an
+/// unknown SKU fails `reserve_inventory` for good.
 pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
     conn.execute(
         "INSERT INTO order_stock (sku, stock) VALUES (?1, ?2) ON CONFLICT (sku) DO UPDATE SET stock = excluded.stock",
@@ -57,6 +59,7 @@ pub fn set_stock(conn: &Connection, sku: &str, stock: i64) -> Result<()> {
     Ok(())
 }
 
+/// The units of `sku` in stock, or `None` for an unknown SKU.
 pub fn stock(conn: &Connection, sku: &str) -> Result<Option<i64>> {
     conn.prepare_cached("SELECT stock FROM order_stock WHERE sku = ?1")?
         .query_row([sku], |r| r.get(0))
@@ -64,17 +67,24 @@ pub fn stock(conn: &Connection, sku: &str) -> Result<Option<i64>> {
         .map_err(Error::from)
 }
 
+/// What [`reserve`] found and did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ReserveOutcome {
+    /// The quantity was taken out of stock and the reservation recorded (with a `reserve` effect).
     Reserved {
+        /// The SKU's stock after the reservation, in units.
         stock_left: i64,
     },
+    /// The SKU is not in `order_stock`: nothing was changed.
     UnknownSku,
+    /// The SKU has less stock than asked: nothing was changed.
     Insufficient {
+        /// The SKU's stock, in units.
         stock: i64,
     },
     /// The order already has a reservation (in any status).
     AlreadyReserved {
+        /// The reservation's status (`reserved`, `released` or `shipped`).
         status: String,
     },
 }
@@ -142,11 +152,17 @@ pub fn ship(conn: &Connection, order_id: &str) -> Result<bool> {
     Ok(true)
 }
 
+/// One row of `order_effects`: a change a transactional step applied. The table has no unique
+/// constraint, so a step applied twice would show as two rows.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct OrderEffect {
+    /// The order the effect belongs to.
     pub order_id: String,
+    /// What was done: `reserve`, `release` or `ship`.
     pub kind: String,
+    /// The SKU concerned.
     pub sku: String,
+    /// The units reserved, released or shipped.
     pub quantity: i64,
 }
 
@@ -193,11 +209,17 @@ fn create_payment_calls(conn: Connection) -> Result<Connection> {
     Ok(conn)
 }
 
+/// One call the fake payment service received (a row of `payment_calls`).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct PaymentCall {
+    /// The idempotency key the saga passed (`{run_id}:{seq}:{step}`): every retry of one step sends
+    /// the same key.
     pub idempotency_key: String,
+    /// `charge` or `refund`.
     pub op: String,
+    /// The order charged or refunded.
     pub order_id: String,
+    /// The amount, in the order's minor currency unit (e.g. cents).
     pub amount: i64,
     /// `charged`, `refunded`, `duplicate` (an earlier call with the key succeeded), `declined`,
     /// `unavailable`.
@@ -214,6 +236,7 @@ pub fn payment_history(conn: &Connection, key: &str) -> Result<(i64, bool)> {
     .map_err(Error::from)
 }
 
+/// Append `call` to the fake payment service's log.
 pub fn record_payment_call(conn: &Connection, call: &PaymentCall) -> Result<()> {
     conn.prepare_cached(
         "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome) VALUES (?1, ?2, ?3, ?4, ?5)",

@@ -804,7 +804,7 @@ fn max_seconds_bounds_a_worker() {
 
 #[test]
 fn the_demo_runs_the_sagas_and_resumes_a_killed_worker() {
-    let out = ok(&["demo"]);
+    let out = ok(&["demo", "--json"]);
     let runs = out["workflows"]["runs"].as_array().expect("workflow runs");
     let statuses: Vec<&str> = runs.iter().map(|r| r["status"].as_str().unwrap()).collect();
     assert_eq!(statuses, ["completed", "compensated", "compensated", "completed"], "{out}");
@@ -819,6 +819,105 @@ fn the_demo_runs_the_sagas_and_resumes_a_killed_worker() {
     assert_eq!(resumed["reserve_inventory_executed_once"], true);
     // The outbox/inbox part is still there.
     assert!(out["steps"].as_array().unwrap().len() >= 10);
+}
+
+/// The line of `narration` that starts with `prefix` (after its indentation).
+fn narrated<'a>(narration: &'a str, prefix: &str) -> &'a str {
+    narration
+        .lines()
+        .find(|l| l.trim_start().starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starts with {prefix:?}:\n{narration}"))
+}
+
+#[test]
+fn the_demo_narrates_the_facts_of_its_own_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let kept = dir.path().join("demo");
+    let r = run(&["demo", "--dir", path_str(&kept)]);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let text = r.stdout.as_str();
+    assert_eq!(r.json, Value::Null, "the narration is not JSON:\n{text}");
+    for line in text.lines().filter(|l| !l.starts_with("The files are kept in")) {
+        assert!(line.chars().count() <= 100, "a line wider than 100 columns: {line:?}");
+    }
+    assert!(text.contains(&format!("The files are kept in {}.", kept.display())), "{text}");
+
+    // The outbox and inbox steps name the outcomes the JSON form reports for the same steps.
+    let record = ok(&["demo", "--json"]);
+    let words: Vec<&str> = record["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["result"]["outcome"].as_str().or(s["result"][0]["outcome"].as_str()).unwrap_or("-"))
+        .collect();
+    let prefixes = [
+        "advance order-1 to reserved:",
+        "advance order-1 to confirmed:",
+        "advance order-1 from seq 1 again:",
+        "advance order-2 from new to confirmed:",
+        "advance order-2 to reserved, schema v2:",
+        "relay to audit and search:",
+        "drain audit, v1 decoders only:",
+        "drain audit with the v2 decoders too:",
+        "drain search:",
+        "redeliver order-1 seq 1 to audit:",
+        "the same event id with another amount:",
+    ];
+    assert_eq!(words.len(), prefixes.len(), "{record}");
+    for (prefix, word) in prefixes.iter().zip(&words) {
+        let line = narrated(text, prefix);
+        // The relay's JSON has counts, not a word; the drains' words are their stop reasons.
+        match *word {
+            "-" | "idle" => {}
+            "blocked" => assert!(line.contains("order-2 blocked"), "{line}"),
+            word => assert!(line.contains(&format!(": {word}")), "{line} does not say {word}"),
+        }
+    }
+
+    // The numbers and statuses are those of this run, as its files (kept by --dir) hold them.
+    let snapshot = ok(&[
+        "snapshot",
+        "--producer",
+        path_str(&kept.join("producer.db")),
+        "--consumer-db",
+        path_str(&kept.join("consumer.db")),
+    ]);
+    let flows = snapshot["producer"]["flows"].as_array().unwrap();
+    let last_seq = |flow: &str| flows.iter().find(|f| f["flow_id"] == flow).unwrap()["last_seq"].as_i64().unwrap();
+    assert!(narrated(text, "advance order-1 to confirmed:").contains(&format!("(seq {})", last_seq("order-1"))));
+    assert!(narrated(text, "advance order-2 to reserved").contains(&format!("(seq {})", last_seq("order-2"))));
+    let effects = snapshot["consumer"]["reservation_effects"].as_array().unwrap().len();
+    assert!(narrated(text, "effects:").starts_with(&format!("  effects: {effects} rows for {effects} applies")));
+
+    let db = kept.join("workflows.db");
+    let show = |run_id: &str| ok(&["workflow", "show", "--db", path_str(&db), "--run-id", run_id]);
+    for run_id in ["order-ok", "order-declined", "order-no-carrier"] {
+        let status = show(run_id)["run"]["status"].as_str().unwrap().to_string();
+        assert!(narrated(text, &format!("{run_id}:")).starts_with(&format!("  {run_id}: {status}")), "{text}");
+    }
+    let killed = show("order-killed");
+    let (status, recoveries) =
+        (killed["run"]["status"].as_str().unwrap(), killed["run"]["recoveries"].as_u64().unwrap());
+    let recoveries = format!("{recoveries} {}", if recoveries == 1 { "recovery" } else { "recoveries" });
+    assert!(narrated(text, "worker process 2").contains(&format!(": {status} ({recoveries})")), "{text}\n{killed}");
+    let calls = ok(&["workflow", "payments", "--db", path_str(&db)]);
+    let ok_calls: Vec<&Value> =
+        calls["calls"].as_array().unwrap().iter().filter(|c| c["order_id"] == "order-ok").collect();
+    let keys: BTreeSet<&str> = ok_calls.iter().map(|c| c["idempotency_key"].as_str().unwrap()).collect();
+    let said = format!(
+        "; {} payment calls, {} idempotency key{}",
+        ok_calls.len(),
+        keys.len(),
+        if keys.len() == 1 { "" } else { "s" }
+    );
+    assert!(narrated(text, "order-ok:").contains(&said), "{text}\n{calls}");
+    let orders = ok(&["workflow", "orders", "--db", path_str(&db)]);
+    let stock = &orders["stock"].as_array().unwrap().iter().find(|s| s["sku"] == "widget").unwrap()["stock"];
+    assert!(narrated(text, "widget stock:").starts_with(&format!("  widget stock: {stock} of 10 left")), "{text}");
+
+    // And the narration ends with where to go next.
+    assert!(text.trim_end().ends_with("docs/cli.md"), "{text}");
+    assert!(text.contains("cargo run --release -- demo --json") && text.contains("cargo test --workspace"));
 }
 
 /// `support::run_with` with the crash point cleared, for callers that pass an environment.

@@ -72,7 +72,12 @@ pub fn system_clock() -> Clock {
 pub enum WorkflowError {
     /// A step failed for good (not retryable, or out of attempts). A plain workflow that returns
     /// it ends `failed`.
-    StepFailed { step: String, message: String },
+    StepFailed {
+        /// The name of the step that failed.
+        step: String,
+        /// The step's last error.
+        message: String,
+    },
     /// The workflow itself decided to fail: the run ends `failed` with this message.
     Failed(String),
     /// Cancellation was requested; the run ends `cancelled`.
@@ -104,6 +109,7 @@ impl Suspended {
 }
 
 impl WorkflowError {
+    /// The workflow's own failure with `message`: the run ends `failed`.
     pub fn failed(message: impl Into<String>) -> Self {
         WorkflowError::Failed(message.into())
     }
@@ -112,6 +118,7 @@ impl WorkflowError {
         WorkflowError::Suspended(Suspended::new())
     }
 
+    /// True for the suspension marker, which a workflow must pass on with `?` (never swallow it).
     pub fn is_suspended(&self) -> bool {
         matches!(self, WorkflowError::Suspended(_))
     }

@@ -18,6 +18,7 @@ pub enum StepAttemptEnd {
 }
 
 impl StepAttemptEnd {
+    /// The word for this end (`completed`, `retrying`, `failed`), as metrics label it.
     pub fn as_str(self) -> &'static str {
         match self {
             StepAttemptEnd::Completed => "completed",
@@ -30,14 +31,18 @@ impl StepAttemptEnd {
 /// One attempt of a step, as told to [`WorkerObserver::step_attempted`].
 #[derive(Debug, Clone, Copy)]
 pub struct StepAttempt<'a> {
+    /// The run the step belongs to.
     pub run_id: &'a str,
+    /// The run's workflow.
     pub workflow: &'a str,
+    /// The step's name.
     pub step: &'a str,
     /// 1 for the first attempt.
     pub attempt: u32,
     /// An external step: the call (bounded by its attempt timeout). A transactional step: its
     /// write, body and commit.
     pub took: Duration,
+    /// How the attempt ended.
     pub end: StepAttemptEnd,
 }
 

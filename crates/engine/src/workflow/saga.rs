@@ -18,7 +18,9 @@ use super::{Workflow, WorkflowContext, WorkflowError, WorkflowOptions, Workflows
 /// step name). A compensation also sees its own step's output.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SagaData {
+    /// The run's input.
     pub input: Value,
+    /// The outputs of the steps completed so far, by step name.
     pub outputs: Map<String, Value>,
 }
 
@@ -29,7 +31,9 @@ type DurationFn = Arc<dyn Fn(&SagaData) -> Duration + Send + Sync>;
 /// A saga step's action or compensation: external (async, at least once, given the idempotency
 /// key) or transactional (on the store's handle `T`, exactly once).
 pub enum SagaAction<T: ?Sized> {
+    /// An action that calls the outside world: at least once, given the idempotency key to pass on.
     External(ExternalFn),
+    /// An action that writes in the journal's transaction on the store's handle: exactly once.
     Transactional(TxFn<T>),
 }
 
@@ -87,6 +91,8 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
+    /// An empty saga named `name` at `version` (compensations get `COMPENSATION_ATTEMPTS` attempts
+    /// by default).
     pub fn new(name: &str, version: u32) -> Self {
         Saga {
             name: name.to_string(),

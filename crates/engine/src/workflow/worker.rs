@@ -30,6 +30,9 @@ pub struct WorkerOptions {
     pub worker_id: String,
     /// Runs in flight on this worker at once (the global limit).
     pub concurrency: usize,
+    /// How long each claim's lease lasts, in ms (100 ms..=1 h). A killed worker's runs are taken
+    /// over this long after its last heartbeat; a shorter lease recovers sooner but heartbeats more
+    /// often.
     pub lease_ms: i64,
     /// How long to wait before claiming again when nothing was due (or every slot is busy).
     pub poll_interval_ms: u64,
@@ -38,6 +41,8 @@ pub struct WorkerOptions {
 }
 
 impl WorkerOptions {
+    /// Options for worker `worker_id` with the defaults: 64 runs in flight, a 30 s lease
+    /// heartbeated every 10 s, a claim poll every 200 ms.
     pub fn new(worker_id: &str) -> Self {
         WorkerOptions {
             worker_id: worker_id.to_string(),
@@ -48,6 +53,9 @@ impl WorkerOptions {
         }
     }
 
+    /// Check the options' bounds: an identifier for `worker_id`, 1..=4,096 runs in flight, a lease
+    /// of 100 ms..=1 h, a poll interval of 1 ms..=1 h and a heartbeat shorter than the lease
+    /// (`invalid_id` or `invalid_argument` otherwise).
     pub fn validate(&self) -> Result<()> {
         validate_id("worker_id", &self.worker_id)?;
         let bad = |m: String| Err(Error::invalid(codes::INVALID_ARGUMENT, m));
@@ -80,10 +88,15 @@ pub struct WorkerReport {
     pub claimed: u64,
     /// Claims that took a run over from an expired lease.
     pub recovered: u64,
+    /// Runs that ended `completed`.
     pub completed: u64,
+    /// Runs that ended `compensated` (a saga rolled back).
     pub compensated: u64,
+    /// Runs that ended `failed`.
     pub failed: u64,
+    /// Runs that ended `cancelled`.
     pub cancelled: u64,
+    /// Runs that ended `parked` (dead letters for an operator).
     pub parked: u64,
     /// Executions that ended suspended (retry backoff, timer, wait).
     pub suspended: u64,
@@ -93,8 +106,12 @@ pub struct WorkerReport {
     pub lost: u64,
     /// Executions stopped mid-way (shutdown, failed heartbeat).
     pub aborted: u64,
+    /// Heartbeat calls made (each extends every lease in flight at once).
     pub heartbeats: u64,
+    /// Errors the worker met: a claim, heartbeat or release that failed, or a run whose last
+    /// write failed (that run is claimed again once its lease expires).
     pub errors: u64,
+    /// The message of the last such error.
     pub last_error: Option<String>,
     /// The most runs this worker had in flight at once.
     pub max_in_flight: usize,
@@ -148,7 +165,9 @@ impl WorkerReport {
 /// A run this worker finished, as told to [`Worker::subscribe_finished`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FinishedRun {
+    /// The run that finished.
     pub run_id: String,
+    /// How it finished.
     pub status: FinishStatus,
 }
 
@@ -203,6 +222,8 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
+    /// A worker that runs `workflows` with `options`, writing through `writer`. Bad options are
+    /// refused as [`WorkerOptions::validate`] says; an empty registry is `invalid_argument`.
     pub fn new(writer: Writer<S>, workflows: Workflows<S>, options: WorkerOptions) -> Result<Self> {
         options.validate()?;
         if workflows.is_empty() {
@@ -264,14 +285,17 @@ where
         }
     }
 
+    /// The writer this worker commits its journal writes through.
     pub fn writer(&self) -> &Writer<S> {
         &self.writer
     }
 
+    /// The workflows this worker runs.
     pub fn workflows(&self) -> &Workflows<S> {
         &self.workflows
     }
 
+    /// The options this worker was made with.
     pub fn options(&self) -> &WorkerOptions {
         &self.options
     }

@@ -112,14 +112,18 @@ where
         Ok(Writer { shared: Arc::new(Shared { sender, clock, stats }) })
     }
 
+    /// Now, in ms since the Unix epoch, from the writer's clock (the one every journal write is
+    /// stamped with).
     pub fn now_ms(&self) -> i64 {
         (self.shared.clock)()
     }
 
+    /// The writer's clock, to share with whatever must agree with the journal's times.
     pub fn clock(&self) -> Clock {
         self.shared.clock.clone()
     }
 
+    /// The writer thread's counters: commits, writes, other calls and the largest batch.
     pub fn stats(&self) -> &WriterStats {
         &self.shared.stats
     }

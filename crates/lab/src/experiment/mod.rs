@@ -37,6 +37,7 @@ const FAILPOINTS: bool = cfg!(feature = "failpoints");
 const FAILPOINTS_HINT: &str =
     "build with the failpoints feature: cargo run --release --features failpoints -- experiment --check";
 
+/// The arguments of `tidemark experiment`.
 #[derive(Args)]
 pub struct ExperimentArgs {
     /// Compare every scenario's state with the expected state and check its assertions; exit 1
@@ -292,6 +293,9 @@ fn write_json(mut file: std::fs::File, path: &Path, value: &Value) -> Result<()>
         .map_err(|e| Error::io(format!("writing {}: {e}", path.display())))
 }
 
+/// Run every scenario (or the hidden `--child` process of one), and with `--check` compare each
+/// with its expected state and assertions; a difference, a failed assertion or a skipped scenario
+/// makes `check.passed` false (exit 1).
 pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
     if let Some(mode) = &args.child {
         return world::run_child(mode, args.child_producer.as_deref(), ctx.durability, ctx.now_ms());

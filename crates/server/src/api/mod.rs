@@ -39,9 +39,11 @@ pub struct ApiError(pub Error);
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorBody {
+    /// What went wrong: its stable code and a message.
     pub error: ErrorDetail,
 }
 
+/// The `error` object of an error answer.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ErrorDetail {
@@ -143,6 +145,7 @@ pub struct Path<T>(pub T);
 #[from_request(via(axum::extract::Query), rejection(ApiError))]
 pub struct Query<T>(pub T);
 
+/// What a route handler returns: its answer, or an [`ApiError`] mapped to its status.
 pub type ApiResult<T = Response> = Result<T, ApiError>;
 
 /// A JSON answer with a status.

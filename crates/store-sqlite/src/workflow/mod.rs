@@ -100,6 +100,7 @@ impl SqliteWorkflows {
         Ok(self)
     }
 
+    /// How long purged runs' idempotency receipts are kept after the run finished, in ms.
     pub fn receipt_window_ms(&self) -> i64 {
         self.receipt_window_ms
     }
