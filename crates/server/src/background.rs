@@ -95,19 +95,23 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
         policy: state.config.relay_policy(),
         keep_answers: false,
     };
-    let (relayed, _) = tenant
-        .producer
-        .call(move |p| {
-            relay_until_idle(
-                &mut p.store,
-                &mut p.endpoints,
-                &options,
-                RELAY_PASSES_PER_ROUND,
-                &mut now_ms,
-                &mut rand::random::<f64>,
-            )
-        })
-        .await?;
+    let mut relayed = tidemark_engine::RelayReport::default();
+    for outbox in tenant.outboxes() {
+        let options = options.clone();
+        let (report, _) = outbox
+            .call(move |p| {
+                relay_until_idle(
+                    &mut p.store,
+                    &mut p.endpoints,
+                    &options,
+                    RELAY_PASSES_PER_ROUND,
+                    &mut now_ms,
+                    &mut rand::random::<f64>,
+                )
+            })
+            .await?;
+        relayed.absorb(report);
+    }
     state.metrics.record_relay(&tenant.id, &relayed);
     let mut moved = relayed.attempted > 0;
     if moved {
@@ -213,13 +217,14 @@ pub async fn retention_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<V
         out.insert(name.into(), serde_json::to_value(report).unwrap_or(Value::Null));
     }
     let (delivered_ms, batch_rows) = (r.delivered_ms, r.batch_rows);
-    let (outbox, _) = tenant
-        .producer
-        .call(move |p| {
-            in_batches(PRUNE_BATCHES_PER_ROUND, || p.store.prune_delivered(delivered_ms, batch_rows, now_ms()))
-        })
-        .await?;
-    out.insert("outbox".into(), serde_json::to_value(outbox).unwrap_or(Value::Null));
+    for (name, outbox) in ["outbox", "runs_outbox"].into_iter().zip(tenant.outboxes()) {
+        let (report, _) = outbox
+            .call(move |p| {
+                in_batches(PRUNE_BATCHES_PER_ROUND, || p.store.prune_delivered(delivered_ms, batch_rows, now_ms()))
+            })
+            .await?;
+        out.insert(name.into(), serde_json::to_value(report).unwrap_or(Value::Null));
+    }
     let (finished_ms, batch_rows) = (r.finished_runs_ms, r.batch_rows);
     let (runs, _) = tenant
         .writer

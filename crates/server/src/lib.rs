@@ -139,25 +139,26 @@ impl AppState {
     }
 
     /// Declare (once) the consumers the registry names in this tenant, and subscribe each to the
-    /// tenant's producer from its first event.
+    /// tenant's outboxes (the producer's and the workflow database's) from their first event.
     async fn declare_registered_consumers(&self, tenant: &Arc<Tenant>) -> Result<()> {
         for consumer in &self.registry.consumers {
             let database = self.registry.handler_database(&consumer.handler)?;
             self.control(|c| c.declare_consumer(&tenant.id, &consumer.consumer_id, &consumer.handler, now_ms()))?;
-            let subscription = tidemark_core::store::Subscription {
-                consumer_id: consumer.consumer_id.clone(),
-                endpoint: tenant.endpoint(database),
-            };
-            tenant
-                .producer
-                .call(move |p| {
-                    use tidemark_core::store::ProducerStore;
-                    if p.store.subscriptions()?.iter().any(|s| s.consumer_id == subscription.consumer_id) {
-                        return Ok(0);
-                    }
-                    p.store.subscribe(&subscription, true, now_ms())
-                })
-                .await?;
+            for outbox in tenant.outboxes() {
+                let subscription = tidemark_core::store::Subscription {
+                    consumer_id: consumer.consumer_id.clone(),
+                    endpoint: tenant.endpoint(database),
+                };
+                outbox
+                    .call(move |p| {
+                        use tidemark_core::store::ProducerStore;
+                        if p.store.subscriptions()?.iter().any(|s| s.consumer_id == subscription.consumer_id) {
+                            return Ok(0);
+                        }
+                        p.store.subscribe(&subscription, true, now_ms())
+                    })
+                    .await?;
+            }
         }
         Ok(())
     }

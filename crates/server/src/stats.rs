@@ -57,7 +57,9 @@ impl TenantStats {
         let tenant = Arc::clone(tenant);
         tokio::task::spawn_blocking(move || {
             let reader = tenant.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            let outbox = stats::outbox_counts(&reader.producer, now_ms())?;
+            // Both outboxes: the producer's and the workflow database's.
+            let mut outbox = stats::outbox_counts(&reader.producer, now_ms())?;
+            outbox.absorb(stats::outbox_counts(&reader.workflows, now_ms())?);
             let mut inbox = stats::inbox_counts(&reader.inbox)?;
             inbox.extend(stats::inbox_counts(&reader.workflows)?);
             let runs = stats::run_counts(&reader.workflows)?;

@@ -3,7 +3,8 @@
 //! ```text
 //! <data>/tenants/<tenant>/producer.db   flows, outbox, subscriptions, deliveries (source = tenant id)
 //! <data>/tenants/<tenant>/inbox.db      the inboxes of consumers whose handlers write to the inbox database
-//! <data>/tenants/<tenant>/workflows.db  runs and journals, and the inboxes of handlers on the workflow database
+//! <data>/tenants/<tenant>/workflows.db  runs and journals, the inboxes of handlers on the workflow database, and
+//!                                       the outbox of events that transactional steps commit (source `<tenant>.workflows`)
 //! ```
 //!
 //! Registrations may keep files of their own in the folder (the built-in order saga's fake
@@ -95,6 +96,9 @@ pub struct Tenant {
     pub dir: PathBuf,
     /// The thread that owns `producer.db`.
     pub producer: Actor<ProducerThread>,
+    /// The thread that owns the outbox of `workflows.db`: the events transactional steps commit
+    /// with their journal entry (`advance_committed_in(tx, ...)`), source `<tenant>.workflows`.
+    pub runs_outbox: Actor<ProducerThread>,
     /// The thread that owns the consumer tables of `inbox.db`.
     pub inbox: Actor<InboxThread>,
     /// The thread that owns the consumer tables of `workflows.db`.
@@ -159,6 +163,19 @@ impl Tenant {
         // Workflow tables, consumer tables and the user's workflow tables in one file.
         let workflows_path = path(Database::Workflows);
         drop(SqliteWorkflows::init_with(&workflows_path, durability)?);
+        // The workflow database is a producer too, so that a transactional step can commit an
+        // event with its journal entry; its relay runs beside the main producer's.
+        drop(SqliteProducer::init(&workflows_path, &Self::workflow_source(id))?);
+        let runs_outbox = Actor::spawn(
+            format!("runs-outbox-{id}"),
+            ProducerThread {
+                store: SqliteProducer::open_with(&workflows_path, durability)?,
+                endpoints: SqliteEndpoints::new(durability),
+                clock,
+                machines: machines.clone(),
+            },
+            config.limits.group_commit_max,
+        )?;
         let runs_store = open_consumer(&workflows_path, durability)?;
         apply_migrations(runs_store.connection(), registry.migrations_of(Database::Workflows), clock())?;
         let runs_inbox = Actor::spawn(
@@ -186,7 +203,32 @@ impl Tenant {
             Some(Arc::new(worker))
         };
         let stats = std::sync::Mutex::new(crate::stats::StatsReader::open(&dir)?);
-        Ok(Tenant { id: id.to_string(), dir, producer, inbox, runs_inbox, writer, worker, workflows, machines, stats })
+        Ok(Tenant {
+            id: id.to_string(),
+            dir,
+            producer,
+            runs_outbox,
+            inbox,
+            runs_inbox,
+            writer,
+            worker,
+            workflows,
+            machines,
+            stats,
+        })
+    }
+
+    /// The source (producer namespace) of the workflow database's outbox: `<tenant>.workflows`
+    /// (tenant ids have no dot, so it is never another tenant's).
+    pub fn workflow_source(id: &str) -> String {
+        format!("{id}.workflows")
+    }
+
+    /// The tenant's two outboxes: `producer.db`'s, then `workflows.db`'s. Event ids are unique
+    /// across both (they are UUIDs), so an operator names a delivery by event without saying
+    /// which.
+    pub fn outboxes(&self) -> [&Actor<ProducerThread>; 2] {
+        [&self.producer, &self.runs_outbox]
     }
 
     /// The thread of a consumer database (`Producer` is not one: `invalid_argument`).

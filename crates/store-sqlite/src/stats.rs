@@ -26,6 +26,20 @@ pub struct OutboxCounts {
     pub last_position: i64,
 }
 
+impl OutboxCounts {
+    /// Add another outbox's counts (a tenant has two): the sums, and the older oldest pending.
+    pub fn absorb(&mut self, other: OutboxCounts) {
+        self.pending += other.pending;
+        self.due += other.due;
+        self.quarantined += other.quarantined;
+        self.oldest_pending_ms = match (self.oldest_pending_ms, other.oldest_pending_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.last_position += other.last_position;
+    }
+}
+
 /// Count the producer's open deliveries as of `now_ms`, in one read.
 pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
     // A subscriber's delivery is pending when its position is above the subscriber's cursor and

@@ -250,9 +250,18 @@ pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String
     caller.require(Scope::Read)?;
     validate_id("flow_id", &flow_id)?;
     let tenant = caller.tenant.clone();
+    // The producer's flow, else a flow of the workflow database's outbox (the flows that
+    // transactional steps advance).
     let id = flow_id.clone();
-    let record = tenant.producer.call(move |p| p.store.flow(&id)).await?;
-    let source = tenant.id.clone();
+    let mut record = tenant.producer.call(move |p| p.store.flow(&id)).await?;
+    let mut source = tenant.id.clone();
+    if record.is_none() {
+        let id = flow_id.clone();
+        record = tenant.runs_outbox.call(move |p| p.store.flow(&id)).await?;
+        if record.is_some() {
+            source = crate::tenant::Tenant::workflow_source(&tenant.id);
+        }
+    }
     let mut consumers = Vec::new();
     for consumer in state.consumers(&tenant.id)? {
         let database = state.registry.handler_database(&consumer.handler)?;
@@ -342,7 +351,32 @@ pub(crate) async fn deliveries(
         })
         .transpose()?;
     let limit = page_size(state, query.limit)?;
-    Ok(caller.tenant.producer.call(move |p| p.store.deliveries(status, limit)).await?)
+    // Both outboxes (the producer's, then the workflow database's), at most `limit` in all.
+    let mut all = Vec::new();
+    for outbox in caller.tenant.outboxes() {
+        let left = limit - all.len();
+        if left == 0 {
+            break;
+        }
+        all.extend(outbox.call(move |p| p.store.deliveries(status, left)).await?);
+    }
+    Ok(all)
+}
+
+/// Run `operation` on the outbox that knows the event: the producer's, else the workflow
+/// database's (event ids are unique across both). The second outbox's `not_found` is the answer
+/// when neither knows it.
+async fn on_the_outbox_of_the_event<T, F>(caller: &Caller, operation: F) -> Result<T, Error>
+where
+    T: Send + 'static,
+    F: Fn(&mut crate::tenant::ProducerThread) -> Result<T, Error> + Clone + Send + 'static,
+{
+    let [producer, runs_outbox] = caller.tenant.outboxes();
+    let first = operation.clone();
+    match producer.call(move |p| first(p)).await {
+        Err(error) if error.code() == codes::NOT_FOUND => runs_outbox.call(move |p| operation(p)).await,
+        answer => answer,
+    }
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -402,11 +436,11 @@ pub(crate) async fn resolve_delivery(
     validate_id("event_id", &event_id)?;
     validate_id("consumer_id", &consumer_id)?;
     validate_reason(&body.reason)?;
-    Ok(caller
-        .tenant
-        .producer
-        .call(move |p| p.store.resolve_delivery(&event_id, &consumer_id, body.action, &body.reason, now_ms()))
-        .await?)
+    let action = body.action;
+    Ok(on_the_outbox_of_the_event(caller, move |p| {
+        p.store.resolve_delivery(&event_id, &consumer_id, action, &body.reason, now_ms())
+    })
+    .await?)
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -470,7 +504,31 @@ async fn redeliver(caller: Caller, Path(consumer_id): Path<String>, Json(body): 
         }
     };
     let id = consumer_id.clone();
-    let report = caller.tenant.producer.call(move |p| p.store.redeliver(&id, from_event.as_deref())).await?;
+    let report = match from_event {
+        // From one event on: in the outbox that holds it.
+        Some(event_id) => on_the_outbox_of_the_event(&caller, move |p| p.store.redeliver(&id, Some(&event_id))).await?,
+        // Everything: both outboxes (a subscriber of either one).
+        None => {
+            let mut total = tidemark_core::store::RedeliverReport::default();
+            let mut subscribed = false;
+            for outbox in caller.tenant.outboxes() {
+                let id = id.clone();
+                match outbox.call(move |p| p.store.redeliver(&id, None)).await {
+                    Ok(report) => {
+                        subscribed = true;
+                        total.redelivered += report.redelivered;
+                        total.pruned += report.pruned;
+                    }
+                    Err(error) if error.code() == codes::NOT_FOUND => {}
+                    Err(error) => return Err(error.into()),
+                }
+            }
+            if !subscribed {
+                return Err(Error::not_found(format!("no subscriber {consumer_id:?}")).into());
+            }
+            total
+        }
+    };
     Ok(typed(
         StatusCode::OK,
         Redelivered {

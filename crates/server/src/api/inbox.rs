@@ -51,7 +51,8 @@ pub struct DeclareBody {
     /// A registered handler (`GET /v1/registry` lists them).
     #[schema(value_type = HandlerName, example = "record")]
     pub handler: String,
-    /// Subscribe it to this tenant's producer (default true).
+    /// Subscribe it to this tenant's outboxes: the producer's and the workflow database's
+    /// (default true).
     #[serde(default = "yes")]
     #[schema(default = true)]
     pub subscribe: bool,
@@ -132,11 +133,15 @@ async fn declare(
     let (record, created) = state.control(|c| c.declare_consumer(&tenant_id, &consumer_id, &body.handler, now_ms()))?;
     let mut queued = None;
     if body.subscribe {
-        let subscription =
-            Subscription { consumer_id: consumer_id.clone(), endpoint: caller.tenant.endpoint(database) };
-        let from_start = body.from_start;
-        queued =
-            Some(caller.tenant.producer.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?);
+        // To both of the tenant's outboxes: the producer's and the workflow database's.
+        let mut total = 0;
+        for outbox in caller.tenant.outboxes() {
+            let subscription =
+                Subscription { consumer_id: consumer_id.clone(), endpoint: caller.tenant.endpoint(database) };
+            let from_start = body.from_start;
+            total += outbox.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?;
+        }
+        queued = Some(total);
     }
     let status = if created { StatusCode::CREATED } else { StatusCode::OK };
     let outcome = if created { "declared" } else { "existing" };
