@@ -622,4 +622,133 @@ mod tests {
             codes::INVALID_SEQ
         );
     }
+
+    #[derive(Default, Serialize, Deserialize)]
+    struct Count {
+        n: i64,
+    }
+    #[derive(Deserialize)]
+    struct By {
+        by: i64,
+    }
+    #[derive(Serialize)]
+    struct Added {
+        n: i64,
+    }
+
+    /// counter.new -> counting (again and again).
+    struct Counter;
+    impl Machine for Counter {
+        type Data = Count;
+        type Input = By;
+        type Event = Added;
+        const NAME: &'static str = "counter";
+        const STATES: &'static [&'static str] = &["counter.new", "counting"];
+        fn validate(&self, _: &str, input: &By) -> Result<()> {
+            if input.by < 1 {
+                return Err(Error::invalid(codes::INVALID_PAYLOAD, "by must be >= 1"));
+            }
+            Ok(())
+        }
+        fn decide(
+            &self,
+            _: &str,
+            data: &Count,
+            _: &str,
+            input: By,
+        ) -> std::result::Result<Transition<Count, Added>, String> {
+            let n = data.n + input.by;
+            Ok(Transition { data: Count { n }, event_type: "counter.added".into(), event: Added { n } })
+        }
+    }
+
+    fn count(expected_seq: i64, input: Value) -> AdvanceRequest {
+        AdvanceRequest::new("c1", expected_seq, "counting", input)
+    }
+
+    #[test]
+    fn a_typed_machine_decodes_its_input_and_data_and_never_panics_on_bad_json() {
+        let initial = FlowMachine::initial(&Counter);
+        assert_eq!(initial, FlowState { state: "counter.new".into(), data: json!({"n": 0}) });
+        let (seq, decision) = decide_advance(&Counter, 0, &initial, &count(0, json!({"by": 2}))).unwrap().unwrap();
+        assert_eq!((seq, decision.payload.clone(), decision.next.data.clone()), (1, json!({"n": 2}), json!({"n": 2})));
+        // Input of another shape is bad input, refused before any transaction; so is one the
+        // machine's own check refuses, and a state it does not have.
+        for (bad, code) in [
+            (count(0, json!({"by": "two"})), codes::INVALID_PAYLOAD),
+            (count(0, json!([])), codes::INVALID_PAYLOAD),
+            (count(0, json!({"by": 0})), codes::INVALID_PAYLOAD),
+            (AdvanceRequest::new("c1", 0, "stopped", json!({"by": 1})), codes::UNKNOWN_STATE),
+            (AdvanceRequest { schema_version: 2, ..count(0, json!({"by": 1})) }, codes::INVALID_SCHEMA_VERSION),
+        ] {
+            assert_eq!(validate_request(&Counter, &bad).unwrap_err().code(), code, "{bad:?}");
+        }
+        // Stored data that no longer fits the type is an answer (invalid_transition), not a panic.
+        let corrupt = FlowState { state: "counting".into(), data: json!({"n": "many"}) };
+        let outcome = decide_advance(&Counter, 3, &corrupt, &count(3, json!({"by": 1}))).unwrap();
+        assert!(
+            matches!(outcome, Err(AdvanceOutcome::InvalidTransition { ref reason, .. }) if reason.contains("stored data")),
+            "{outcome:?}"
+        );
+    }
+
+    #[test]
+    fn a_machine_set_routes_by_state_and_keeps_each_flow_in_its_machine() {
+        let mut set = MachineSet::new();
+        set.add(Arc::new(StreamMachine)).unwrap();
+        set.add(Arc::new(Counter)).unwrap();
+        set.add(Arc::new(crate::reservation::ReservationMachine)).unwrap();
+        // A flow without events goes to the machine of the state it is asked to move to.
+        let none = set.initial();
+        let (_, counted) = decide_advance(&set, 0, &none, &count(0, json!({"by": 1}))).unwrap().unwrap();
+        assert_eq!(counted.event_type, "counter.added");
+        let reserve = AdvanceRequest::new("r1", 0, "reserved", json!({"quantity": 2}));
+        validate_request(&set, &reserve).unwrap();
+        let (_, reserved) = decide_advance(&set, 0, &none, &reserve).unwrap().unwrap();
+        assert_eq!(reserved.event_type, "reservation.reserved");
+        // A flow with events stays in its machine: another machine's state is an answer.
+        let into_other = AdvanceRequest::new("c1", 1, "reserved", json!({"quantity": 2}));
+        match decide_advance(&set, 1, &counted.next, &into_other).unwrap() {
+            Err(AdvanceOutcome::InvalidTransition { reason, .. }) => {
+                assert!(reason.contains("counter flow"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let unknown = FlowState { state: "retired".into(), data: json!({}) };
+        assert!(matches!(
+            decide_advance(&set, 1, &unknown, &count(1, json!({"by": 1}))).unwrap(),
+            Err(AdvanceOutcome::InvalidTransition { .. })
+        ));
+        // Streams append at any seq; the other machines do not.
+        assert_eq!(
+            validate_request(&set, &AdvanceRequest::new("c1", APPEND_AT_ANY_SEQ, "counting", json!({"by": 1})))
+                .unwrap_err()
+                .code(),
+            codes::INVALID_SEQ
+        );
+        assert_eq!(
+            validate_request(&set, &AdvanceRequest::new("x", 0, "nowhere", json!({}))).unwrap_err().code(),
+            codes::UNKNOWN_STATE
+        );
+        // Collisions and duplicates are refused when the set is built.
+        assert_eq!(set.add(Arc::new(Counter)).unwrap_err().code(), codes::ALREADY_EXISTS);
+        struct Clash;
+        impl Machine for Clash {
+            type Data = Count;
+            type Input = By;
+            type Event = Added;
+            const NAME: &'static str = "clash";
+            const STATES: &'static [&'static str] = &["clash.new", "counting"];
+            fn decide(
+                &self,
+                _: &str,
+                _: &Count,
+                _: &str,
+                _: By,
+            ) -> std::result::Result<Transition<Count, Added>, String> {
+                Err("never".into())
+            }
+        }
+        assert_eq!(set.add(Arc::new(Clash)).unwrap_err().code(), codes::STATE_COLLISION);
+    }
 }

@@ -762,3 +762,63 @@ pub trait Endpoints {
     /// it.
     fn store(&mut self, endpoint: &str) -> Result<&mut Self::Store>;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[derive(serde::Deserialize)]
+    struct Paid {
+        amount: i64,
+    }
+
+    /// Records what it was given (the target is a Vec of amounts).
+    struct Sum;
+    impl EventHandler<std::cell::RefCell<Vec<i64>>> for Sum {
+        type Event = Paid;
+        fn accepts(&self, event_type: &str) -> bool {
+            event_type == "paid"
+        }
+        fn handle(
+            &mut self,
+            tx: &std::cell::RefCell<Vec<i64>>,
+            _: &str,
+            _: &Envelope,
+            event: Paid,
+        ) -> Result<(), HandleError> {
+            tx.borrow_mut().push(event.amount);
+            Ok(())
+        }
+    }
+
+    fn event(event_type: &str, payload: serde_json::Value) -> Envelope {
+        Envelope {
+            event_id: "e1".into(),
+            source: "s".into(),
+            generation: "g".into(),
+            flow_id: "f".into(),
+            seq: 1,
+            event_type: event_type.into(),
+            schema_version: 1,
+            payload,
+            created_at_ms: 1,
+        }
+    }
+
+    #[test]
+    fn a_typed_handler_decodes_skips_what_it_does_not_take_and_blocks_what_does_not_decode() {
+        let target = std::cell::RefCell::new(Vec::new());
+        let mut handler = Typed(Sum);
+        handler.handle(&target, "c", &event("paid", json!({"amount": 5}))).unwrap();
+        // Not its type: applied with no effect.
+        handler.handle(&target, "c", &event("refunded", json!({"whatever": true}))).unwrap();
+        assert_eq!(*target.borrow(), [5]);
+        // Its type, a payload of another shape: blocked with the decoder's reason, not a panic.
+        match handler.handle(&target, "c", &event("paid", json!({"amount": "five"}))) {
+            Err(HandleError::Blocked(reason)) => assert!(reason.contains("does not decode"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(*target.borrow(), [5]);
+    }
+}
