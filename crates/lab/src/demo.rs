@@ -142,7 +142,7 @@ pub fn narrate(record: &Value) -> String {
     out.push("Next".to_string());
     out.push("  cargo run --release -- demo --json    this run's whole record, as one JSON document".to_string());
     out.push("  cargo test --workspace --all-features every test, including real-process crash tests".to_string());
-    out.push("  README.md (a short tour), docs/protocol.md, docs/workflows.md, docs/cli.md".to_string());
+    out.push("  README.md (a short tour), docs/library.md (your own code, served), docs/protocol.md".to_string());
     let mut text = out.join("\n");
     text.push('\n');
     text
