@@ -14,7 +14,7 @@ use tidemark_core::flow::{FlowMachine, MachineSet, StreamMachine};
 use tidemark_core::id::validate_id;
 use tidemark_core::store::Handler;
 use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::{Workflow, WorkflowInfo, Workflows};
+use tidemark_engine::workflow::{Workflow, Workflows};
 use tidemark_store_sqlite::{validate_migrations, Durability, Migration, SqliteWorkflows};
 use utoipa::ToSchema;
 
@@ -292,6 +292,3 @@ pub(crate) struct RegistryParts {
     pub(crate) tenant_workflows: Vec<TenantWorkflows>,
     pub(crate) migrations: Vec<(Database, Migration)>,
 }
-
-/// A workflow as the registry route lists it.
-pub type RegisteredWorkflow = WorkflowInfo;

@@ -14,7 +14,7 @@
 //! It is not the binary's only deliberately wrong dual write: the hidden
 //! `tidemark experiment --child unsafe-dual-write` (started by the experiment's
 //! `unsafe_dual_write_loss` scenario, in every build, failpoints or not) commits a business row
-//! alone and exits 81 before writing its event (`crates/cli/src/experiment/world.rs`,
+//! alone and exits 81 before writing its event (`crates/lab/src/experiment/world.rs`,
 //! `run_child`). That path does not use this module.
 
 use rusqlite::{params, OptionalExtension, TransactionBehavior};

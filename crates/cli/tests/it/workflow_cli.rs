@@ -916,7 +916,7 @@ fn the_demo_narrates_the_facts_of_its_own_run() {
     assert!(narrated(text, "widget stock:").starts_with(&format!("  widget stock: {stock} of 10 left")), "{text}");
 
     // And the narration ends with where to go next.
-    assert!(text.trim_end().ends_with("docs/cli.md"), "{text}");
+    assert!(text.trim_end().ends_with("docs/protocol.md") && text.contains("docs/library.md"), "{text}");
     assert!(text.contains("cargo run --release -- demo --json") && text.contains("cargo test --workspace"));
 }
 
