@@ -215,7 +215,7 @@ async fn sleepy_order(
     }
 
     let (p, o) = (payments.clone(), order.clone());
-    let charged: Value = ctx.step("charge_payment", None, move |key| async move { p.charge(&key, &o) }).await?;
+    let charged: Value = ctx.step("charge_payment", None, move |key| p.clone().charge_async(key, o.clone())).await?;
 
     if order.ship_after_ms > 0 {
         ctx.sleep(Duration::from_millis(order.ship_after_ms)).await?;

@@ -2,7 +2,9 @@
 //! files, with group commit and with one transaction per operation, on empty files and on files
 //! that already hold many events, beside the disk's single-row commit ceiling.
 //!
-//! `tidemark bench --workflows` measures durable workflows instead (see `bench/workflows.rs`).
+//! `tidemark bench --workflows` measures durable workflows instead (see `bench/workflows.rs`), and
+//! `tidemark bench --serve` the order saga over HTTP against a `tidemark serve` child process,
+//! beside the same saga in process (see `bench/serve.rs`).
 //!
 //! Rates are measured and printed, never asserted: `docs/benchmarks.md` explains each number.
 //! Every run ends with an exactly-once check (effects == events x consumers, no duplicate
@@ -27,8 +29,11 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod serve;
 mod split;
 mod workflows;
+
+pub use serve::ServerCommand;
 
 /// Batch used to preload files quickly (the largest batch every stage allows).
 const PRELOAD_BATCH: usize = 10_000;
@@ -73,7 +78,7 @@ pub struct BenchArgs {
     /// A small, fast run (for tests): 200 flows, batch 100, baseline 20 flows, preload 3,000
     /// events, 50 probe commits, 1 repeat (those six flags are overridden); with --workflows:
     /// 300 sagas, 50 in flight, 10 latency sagas, 1 ms external latency, 5 resumed runs, lease
-    /// 300 ms.
+    /// 300 ms; with --serve: 200 runs, 8 clients, 50 in flight.
     #[arg(long)]
     quick: bool,
     /// Measure durable workflows (the order saga: throughput, single-saga latency, resumption
@@ -100,6 +105,18 @@ pub struct BenchArgs {
     /// --workflows: the lease of the resumption measurement's workers.
     #[arg(long, default_value_t = 1_000)]
     lease_ms: i64,
+    /// Measure the order saga over HTTP: a `tidemark serve` child process loaded by --clients
+    /// clients of this process, then the same saga in process (the --workflows throughput run),
+    /// with the ratios of the two. Uses --runs, --clients, --in-flight, --repeat, --dir, --quick
+    /// and --durability; the others are ignored.
+    #[arg(long, conflicts_with = "workflows")]
+    serve: bool,
+    /// --serve: order sagas started over HTTP (and run in process afterwards).
+    #[arg(long, default_value_t = 20_000)]
+    runs: u64,
+    /// --serve: concurrent HTTP clients (closed loop, keep-alive connections).
+    #[arg(long, default_value_t = 64)]
+    clients: usize,
 }
 
 /// How many operations share one transaction in each stage.
@@ -633,10 +650,31 @@ fn bench_dir(args: &BenchArgs, temp: &Path) -> Result<PathBuf> {
     })
 }
 
+/// `--serve`, with the server started by `command`.
+pub fn run_serve(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Result<Value> {
+    let mut params =
+        serve::Params { runs: args.runs, clients: args.clients, in_flight: args.in_flight, repeat: args.repeat };
+    if args.quick {
+        serve::quick(&mut params);
+    }
+    check_range("--runs", params.runs, 1, 10_000_000)?;
+    check_range("--clients", params.clients as u64, 1, 4_096)?;
+    check_range("--in-flight", params.in_flight as u64, 1, tidemark_core::workflow::CLAIM_BATCH_MAX as u64)?;
+    check_range("--repeat", params.repeat, 1, 20)?;
+    let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+    let dir = bench_dir(args, temp.path())?;
+    let mut out = serve::run(&dir, ctx.durability, &params, command)?;
+    out["params"]["files_kept"] = json!(args.dir.is_some());
+    Ok(out)
+}
+
 /// Run the benchmarks asked for and return their measurements with the exactly-once check of each
 /// run (`check.passed` false makes the command exit 1). An argument out of its range is
 /// `invalid_argument`; a `--dir` that is not empty is `already_exists`.
 pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
+    if args.serve {
+        return run_serve(ctx, &args, &ServerCommand::this_binary()?);
+    }
     if args.workflows {
         let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
         let dir = bench_dir(&args, temp.path())?;
@@ -906,6 +944,9 @@ mod tests {
             external_latency_ms: 0,
             resume_sagas: 0,
             lease_ms: 1_000,
+            serve: false,
+            runs: 1,
+            clients: 1,
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -967,6 +1008,9 @@ mod tests {
             external_latency_ms: 0,
             resume_sagas: 0,
             lease_ms: 1_000,
+            serve: false,
+            runs: 1,
+            clients: 1,
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());
@@ -1007,6 +1051,55 @@ mod tests {
             assert!(out["latency"]["ms"][q].as_f64().is_some_and(|ms| ms > 0.0), "{q}: {out:#}");
         }
         assert!(throughput["writer"]["per_saga"]["journal_writes"].as_f64().is_some_and(|w| w > 0.0));
+    }
+
+    /// Where the `--serve` test's server child finds its configuration.
+    const SERVE_CHILD_CONFIG: &str = "LAB_BENCH_SERVE_CHILD_CONFIG";
+
+    /// Not a test on its own: the server child of the `--serve` test below (this test binary run
+    /// again with only this test selected and `SERVE_CHILD_CONFIG` set) serves what `tidemark
+    /// serve` serves until SIGTERM. Without the variable it does nothing.
+    #[test]
+    fn serve_child() {
+        let Some(config) = std::env::var_os(SERVE_CHILD_CONFIG) else { return };
+        let config = tidemark_server::Config::load(Some(Path::new(&config)), &Default::default()).unwrap();
+        tidemark_builtins::service(config).unwrap().serve_blocking().unwrap();
+    }
+
+    #[test]
+    fn the_quick_serve_bench_completes_every_run_exactly_once_and_stops_its_server() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let bench_dir = dir.path().join("serve").display().to_string();
+        let args = Command::try_parse_from(["bench", "--serve", "--quick", "--dir", &bench_dir]).unwrap().args;
+        let server = ServerCommand {
+            program: std::env::current_exe().unwrap(),
+            args: ["bench::tests::serve_child", "--exact", "--nocapture", "--test-threads", "1"]
+                .map(String::from)
+                .into(),
+            config_env: Some(SERVE_CHILD_CONFIG.into()),
+        };
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let out = run_serve(&ctx, &args, &server).unwrap();
+        assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
+        let served = &out["serve"]["runs"][0];
+        assert_eq!(served["check"]["completed"], json!(200), "{out:#}");
+        assert_eq!(served["check"]["runs"], json!(200));
+        assert_eq!(served["check"]["ship_effects"], json!(200));
+        assert_eq!(served["check"]["charged_keys"], json!(200));
+        assert_eq!(served["starts"]["by_status"]["201"], json!(200), "{out:#}");
+        assert_eq!(served["stop"]["exit_code"], json!(0), "stopped by SIGTERM, not killed: {out:#}");
+        assert_eq!(served["stop"]["killed_after_wait"], json!(false));
+        assert_eq!(out["in_process"]["runs"][0]["check"]["completed"], json!(200), "{out:#}");
+        for key in ["end_to_end_sagas_per_s", "starts_per_s"] {
+            assert!(out["summary"]["ratios_to_in_process"][key].as_f64().is_some_and(|r| r > 0.0), "{key}: {out:#}");
+        }
+        assert!(served["starts"]["latency_ms"]["p50"].as_f64().is_some_and(|ms| ms > 0.0), "{out:#}");
     }
 
     #[test]

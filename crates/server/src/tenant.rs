@@ -302,3 +302,188 @@ fn open_consumer(path: &Path, durability: Durability) -> Result<SqliteConsumer> 
     drop(SqliteConsumer::init(path, RetentionPolicy::default())?);
     SqliteConsumer::open_with(path, durability)
 }
+
+#[cfg(test)]
+mod tests {
+    //! The start path of a tenant's worker (`POST /v1/runs`): starts queued while the writer
+    //! thread is busy share one transaction, due runs are claimed into the loop's free slots in
+    //! it, and the worker's concurrency holds.
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use serde_json::{json, Value};
+    use tidemark_core::workflow::{RunFilter, RunStatus, StartOutcome, StartRequest, WorkflowStore};
+    use tidemark_engine::workflow::{Worker, WorkerOptions, WorkflowOptions, Workflows, Writer};
+    use tidemark_store_sqlite::{Durability, SqliteWorkflows};
+
+    fn request(run_id: &str) -> StartRequest {
+        StartRequest {
+            run_id: run_id.to_string(),
+            workflow: "count".into(),
+            version: 1,
+            input: json!({}),
+            key: None,
+            start_at_ms: None,
+        }
+    }
+
+    /// `count`: holds the run for a moment and records how many runs were inside at once.
+    fn counting(inside: Arc<AtomicUsize>, most: Arc<AtomicUsize>) -> Workflows<SqliteWorkflows> {
+        let mut workflows = Workflows::new();
+        workflows
+            .register("count", 1, WorkflowOptions::default(), move |_ctx, _input: Value| {
+                let (inside, most) = (inside.clone(), most.clone());
+                async move {
+                    most.fetch_max(inside.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    Ok(json!({}))
+                }
+            })
+            .unwrap();
+        workflows
+    }
+
+    struct World {
+        _dir: tempfile::TempDir,
+        writer: Writer<SqliteWorkflows>,
+        worker: Arc<Worker<SqliteWorkflows>>,
+        most: Arc<AtomicUsize>,
+        runtime: tokio::runtime::Runtime,
+    }
+
+    fn world(concurrency: usize) -> World {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("workflows.db");
+        let writer = Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Full)).unwrap();
+        let (inside, most) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let options = WorkerOptions { concurrency, poll_interval_ms: 20, ..WorkerOptions::new("test") };
+        let worker = Arc::new(Worker::new(writer.clone(), counting(inside, most.clone()), options).unwrap());
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        World { _dir: dir, writer, worker, most, runtime }
+    }
+
+    impl World {
+        /// Run the worker's loop until the returned sender is dropped or sent to.
+        fn run_loop(&self) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let worker = self.worker.clone();
+            let handle = self.runtime.spawn(async move {
+                worker
+                    .run_until(async move {
+                        let _ = stopped.await;
+                    })
+                    .await
+                    .unwrap();
+            });
+            (stop, handle)
+        }
+
+        fn runs(&self) -> Vec<tidemark_core::workflow::RunRecord> {
+            self.writer.call_blocking(|store, _| store.list_runs(&RunFilter::default(), 1_000)).unwrap()
+        }
+
+        /// Wait (bounded) until `n` runs have completed.
+        fn completed(&self, n: usize) {
+            for _ in 0..3_000 {
+                if self.runs().iter().filter(|r| r.status == RunStatus::Completed).count() >= n {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            panic!("{n} runs did not complete: {:?}", self.runs());
+        }
+    }
+
+    #[test]
+    fn starts_queued_while_the_writer_is_busy_share_a_transaction_and_the_concurrency_holds() {
+        let w = world(4);
+        let (stop, handle) = w.run_loop();
+        // Once one run was started and claimed, the loop takes local starts.
+        let first = w.runtime.block_on(w.worker.start(vec![request("first")])).unwrap();
+        assert_eq!(first, [StartOutcome::Started { run_id: "first".into() }]);
+        w.completed(1);
+
+        // Hold the writer thread while 100 starts queue up behind it.
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let held = w.writer.call(move |_, _| {
+            hold.recv().ok();
+            Ok(())
+        });
+        let starts: Vec<_> = (0..100)
+            .map(|i| {
+                let worker = w.worker.clone();
+                w.runtime.spawn(async move { worker.start(vec![request(&format!("run-{i:03}"))]).await })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(50));
+        release.send(()).unwrap();
+        w.runtime.block_on(held).unwrap();
+        for (i, start) in starts.into_iter().enumerate() {
+            let outcome = w.runtime.block_on(start).unwrap().unwrap();
+            assert_eq!(outcome, [StartOutcome::Started { run_id: format!("run-{i:03}") }]);
+        }
+        w.completed(101);
+        let runs = w.runs();
+        let created: std::collections::BTreeSet<i64> =
+            runs.iter().filter(|r| r.run_id.starts_with("run-")).map(|r| r.created_at_ms).collect();
+        assert_eq!(created.len(), 1, "the queued starts were committed in one transaction: {created:?}");
+        let most = w.most.load(Ordering::SeqCst);
+        assert!((1..=4).contains(&most), "at most the concurrency in flight at once, saw {most}");
+        let _ = stop.send(());
+        w.runtime.block_on(handle).unwrap();
+    }
+
+    #[test]
+    fn an_invalid_start_is_refused_alone_and_writes_nothing() {
+        let w = world(8);
+        let (stop, handle) = w.run_loop();
+        w.runtime.block_on(w.worker.start(vec![request("first")])).unwrap();
+        w.completed(1);
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let held = w.writer.call(move |_, _| {
+            hold.recv().ok();
+            Ok(())
+        });
+        let ids = ["ok-1", "not an id", "ok-2"];
+        let starts: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let (worker, request) = (w.worker.clone(), request(id));
+                w.runtime.spawn(async move { worker.start(vec![request]).await })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(20));
+        release.send(()).unwrap();
+        w.runtime.block_on(held).unwrap();
+        let outcomes: Vec<_> = starts.into_iter().map(|s| w.runtime.block_on(s).unwrap()).collect();
+        assert!(outcomes[1].as_ref().unwrap_err().is_invalid_input(), "{outcomes:?}");
+        assert_eq!(outcomes[0].as_ref().unwrap(), &[StartOutcome::Started { run_id: "ok-1".into() }]);
+        assert_eq!(outcomes[2].as_ref().unwrap(), &[StartOutcome::Started { run_id: "ok-2".into() }]);
+        w.completed(3);
+        assert_eq!(w.runs().len(), 3, "nothing written for the invalid start");
+        let _ = stop.send(());
+        w.runtime.block_on(handle).unwrap();
+    }
+
+    #[test]
+    fn a_start_after_the_loop_stopped_waits_pending_for_the_next_loop() {
+        let w = world(8);
+        let (stop, handle) = w.run_loop();
+        w.runtime.block_on(w.worker.start(vec![request("first")])).unwrap();
+        w.completed(1);
+        let _ = stop.send(());
+        w.runtime.block_on(handle).unwrap();
+
+        let later = w.runtime.block_on(w.worker.start(vec![request("later")])).unwrap();
+        assert_eq!(later, [StartOutcome::Started { run_id: "later".into() }]);
+        let run = w.runs().into_iter().find(|r| r.run_id == "later").unwrap();
+        assert_eq!(run.status, RunStatus::Pending, "no loop claimed it");
+        assert!(run.lease_owner.is_none());
+        let report = w.runtime.block_on(w.worker.run_until_idle()).unwrap();
+        assert_eq!(report.completed, 1, "{report:?}");
+        w.completed(2);
+    }
+}

@@ -9,8 +9,10 @@
 //! is a deterministic in-process fake driven by the input (`fail`, `flaky_attempts`) that logs
 //! every call with its idempotency key in its own database.
 
+use std::future::Future;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::pin::Pin;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -129,6 +131,9 @@ impl OrderTx for rusqlite::Connection {
     }
 }
 
+/// The answer of a payment call, for async callers.
+pub type PaymentFuture = Pin<Box<dyn Future<Output = std::result::Result<Value, StepFailure>> + Send>>;
+
 /// The payment service (external: at least once, so it must honour the idempotency key).
 pub trait Payments: Send + Sync + 'static {
     /// Charge the order's amount under the idempotency `key`; a retry with the same key must not
@@ -137,6 +142,17 @@ pub trait Payments: Send + Sync + 'static {
     /// Refund a charge (the compensation of `charge_payment`; `charge` is that step's output),
     /// under its own idempotency `key`.
     fn refund(&self, key: &str, order: &OrderInput, charge: &Value) -> std::result::Result<Value, StepFailure>;
+
+    /// [`Payments::charge`] for async callers (the order saga). By default the same call; a
+    /// service that waits (for a disk, a network) answers without holding the caller's thread.
+    fn charge_async(self: Arc<Self>, key: String, order: OrderInput) -> PaymentFuture {
+        Box::pin(async move { self.charge(&key, &order) })
+    }
+
+    /// [`Payments::refund`] for async callers; see [`Payments::charge_async`].
+    fn refund_async(self: Arc<Self>, key: String, order: OrderInput, charge: Value) -> PaymentFuture {
+        Box::pin(async move { self.refund(&key, &order, &charge) })
+    }
 }
 
 /// A deterministic fake payment service with its own SQLite call log. For each idempotency key:
@@ -144,75 +160,228 @@ pub trait Payments: Send + Sync + 'static {
 /// declines (permanent), `fail: "refund_payment"` refuses every refund (permanent); once a call
 /// with a key succeeded, later calls with that key answer the same result (`duplicate`) without
 /// charging again.
+///
+/// A log in a file ([`FakePayments::open`], `synchronous=FULL`) is written by a thread of its
+/// own that commits the calls which arrive while it is busy together, one transaction (one
+/// fsync) for all of them, and answers each after that commit, as a payment service serving
+/// many callers does; an async caller waits without holding its thread
+/// ([`Payments::charge_async`]). A log in memory is written by the caller, at once.
 pub struct FakePayments {
-    conn: Mutex<rusqlite::Connection>,
+    log: PaymentLog,
 }
+
+enum PaymentLog {
+    Memory(Mutex<rusqlite::Connection>),
+    File(mpsc::Sender<Job>),
+}
+
+/// A call as the fake decides it: by the key's history and the order's knobs.
+struct PendingCall {
+    key: String,
+    op: &'static str,
+    order_id: String,
+    amount: i64,
+    declined: bool,
+    flaky_attempts: u32,
+    success: &'static str,
+}
+
+type CallAnswer = std::result::Result<(), StepFailure>;
+
+enum Reply {
+    Blocking(mpsc::SyncSender<CallAnswer>),
+    Async(tokio::sync::oneshot::Sender<CallAnswer>),
+}
+
+enum Job {
+    Call(PendingCall, Reply),
+    Calls(mpsc::SyncSender<Result<Vec<PaymentCall>>>),
+}
+
+/// Calls one transaction of the file log holds at most.
+const PAYMENT_BATCH_MAX: usize = 1_000;
 
 impl FakePayments {
     /// The fake with its call log in the SQLite file at `path` (created if missing), so the log
     /// survives the process for the crash tests.
     pub fn open(path: &Path) -> Result<FakePayments> {
-        Ok(FakePayments { conn: Mutex::new(sql::open_payments(path)?) })
+        let conn = sql::open_payments(path)?;
+        let (sender, jobs) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("fake-payments".into())
+            .spawn(move || commit_payments(conn, jobs))
+            .map_err(|e| tidemark::Error::io(format!("cannot start the fake payment service's thread: {e}")))?;
+        Ok(FakePayments { log: PaymentLog::File(sender) })
     }
 
     /// A fake whose call log is in memory (gone with the process).
     pub fn in_memory() -> Result<FakePayments> {
-        Ok(FakePayments { conn: Mutex::new(sql::open_payments_in_memory()?) })
+        Ok(FakePayments { log: PaymentLog::Memory(Mutex::new(sql::open_payments_in_memory()?)) })
     }
 
     /// Every call received, in order.
     pub fn calls(&self) -> Result<Vec<PaymentCall>> {
-        sql::payment_calls(&self.lock())
+        match &self.log {
+            PaymentLog::Memory(conn) => sql::payment_calls(&conn.lock().unwrap_or_else(|p| p.into_inner())),
+            PaymentLog::File(jobs) => {
+                let (reply, answer) = mpsc::sync_channel(1);
+                jobs.send(Job::Calls(reply)).map_err(|_| payments_gone_error())?;
+                answer.recv().map_err(|_| payments_gone_error())?
+            }
+        }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, rusqlite::Connection> {
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn call(
-        &self,
-        key: &str,
-        op: &str,
-        order: &OrderInput,
-        declined: bool,
-        success: &str,
-    ) -> std::result::Result<(), StepFailure> {
-        let conn = self.lock();
-        let (calls, succeeded) = sql::payment_history(&conn, key).map_err(db_failure)?;
-        let outcome = if succeeded {
-            "duplicate"
-        } else if declined {
-            "declined"
-        } else if calls < i64::from(order.flaky_attempts) {
-            "unavailable"
-        } else {
-            success
-        };
-        let record = PaymentCall {
-            idempotency_key: key.to_string(),
-            op: op.to_string(),
+    fn pending(key: &str, op: &'static str, order: &OrderInput, declined: bool, success: &'static str) -> PendingCall {
+        PendingCall {
+            key: key.to_string(),
+            op,
             order_id: order.order_id.clone(),
             amount: order.amount,
-            outcome: outcome.to_string(),
+            declined,
+            flaky_attempts: order.flaky_attempts,
+            success,
+        }
+    }
+
+    /// Make the call and wait for its answer on this thread.
+    fn call(&self, call: PendingCall) -> CallAnswer {
+        match &self.log {
+            PaymentLog::Memory(conn) => decide_and_record(&conn.lock().unwrap_or_else(|p| p.into_inner()), &call),
+            PaymentLog::File(jobs) => {
+                let (reply, answer) = mpsc::sync_channel(1);
+                jobs.send(Job::Call(call, Reply::Blocking(reply))).map_err(|_| payments_gone())?;
+                answer.recv().map_err(|_| payments_gone())?
+            }
+        }
+    }
+
+    /// Make the call; its answer, without holding the caller's thread while the log commits.
+    fn call_async(&self, call: PendingCall) -> impl Future<Output = CallAnswer> + Send + 'static {
+        let queued = match &self.log {
+            PaymentLog::Memory(conn) => Err(decide_and_record(&conn.lock().unwrap_or_else(|p| p.into_inner()), &call)),
+            PaymentLog::File(jobs) => {
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                match jobs.send(Job::Call(call, Reply::Async(reply))) {
+                    Ok(()) => Ok(answer),
+                    Err(_) => Err(Err(payments_gone())),
+                }
+            }
         };
-        sql::record_payment_call(&conn, &record).map_err(db_failure)?;
-        match outcome {
-            "declined" => Err(StepFailure::permanent(format!("{op} declined"))),
-            "unavailable" => Err(StepFailure::retryable(format!("payment service unavailable (call {})", calls + 1))),
-            _ => Ok(()),
+        async move {
+            match queued {
+                Ok(answer) => answer.await.map_err(|_| payments_gone())?,
+                Err(done) => done,
+            }
+        }
+    }
+}
+
+fn payments_gone() -> StepFailure {
+    StepFailure::retryable("the fake payment service's log stopped")
+}
+
+fn payments_gone_error() -> tidemark::Error {
+    tidemark::Error::io("the fake payment service's log stopped")
+}
+
+/// Decide a call by its key's history (in `conn`, which may be a transaction holding earlier
+/// calls of the same batch) and record it.
+fn decide_and_record(conn: &rusqlite::Connection, call: &PendingCall) -> CallAnswer {
+    let (calls, succeeded) = sql::payment_history(conn, &call.key).map_err(db_failure)?;
+    let outcome = if succeeded {
+        "duplicate"
+    } else if call.declined {
+        "declined"
+    } else if calls < i64::from(call.flaky_attempts) {
+        "unavailable"
+    } else {
+        call.success
+    };
+    let record = PaymentCall {
+        idempotency_key: call.key.clone(),
+        op: call.op.to_string(),
+        order_id: call.order_id.clone(),
+        amount: call.amount,
+        outcome: outcome.to_string(),
+    };
+    sql::record_payment_call(conn, &record).map_err(db_failure)?;
+    match outcome {
+        "declined" => Err(StepFailure::permanent(format!("{} declined", call.op))),
+        "unavailable" => Err(StepFailure::retryable(format!("payment service unavailable (call {})", calls + 1))),
+        _ => Ok(()),
+    }
+}
+
+/// The file log's thread: the calls queued while it committed go into the next transaction
+/// together; each is answered after that commit (a failed commit answers each with a retryable
+/// failure: nothing of it was recorded).
+fn commit_payments(mut conn: rusqlite::Connection, jobs: mpsc::Receiver<Job>) {
+    while let Ok(first) = jobs.recv() {
+        let mut calls = Vec::new();
+        let mut reads = Vec::new();
+        let mut next = Some(first);
+        while let Some(job) = next.take() {
+            match job {
+                Job::Call(call, reply) => calls.push((call, reply)),
+                Job::Calls(reply) => reads.push(reply),
+            }
+            if calls.len() < PAYMENT_BATCH_MAX {
+                next = jobs.try_recv().ok();
+            }
+        }
+        if !calls.is_empty() {
+            let committed = (|| -> Result<Vec<CallAnswer>> {
+                let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+                let answers = calls.iter().map(|(call, _)| decide_and_record(&tx, call)).collect();
+                tx.commit()?;
+                Ok(answers)
+            })();
+            let answers = match committed {
+                Ok(answers) => answers,
+                Err(error) => calls.iter().map(|_| Err(db_failure(error.clone()))).collect(),
+            };
+            for ((_, reply), answer) in calls.into_iter().zip(answers) {
+                match reply {
+                    Reply::Blocking(reply) => {
+                        let _ = reply.send(answer);
+                    }
+                    Reply::Async(reply) => {
+                        let _ = reply.send(answer);
+                    }
+                }
+            }
+        }
+        for reply in reads {
+            let _ = reply.send(sql::payment_calls(&conn));
         }
     }
 }
 
 impl Payments for FakePayments {
     fn charge(&self, key: &str, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
-        self.call(key, "charge", order, order.fails("charge_payment"), "charged")?;
+        self.call(Self::pending(key, "charge", order, order.fails("charge_payment"), "charged"))?;
         Ok(json!({"charge_id": format!("ch-{key}"), "amount": order.amount}))
     }
 
     fn refund(&self, key: &str, order: &OrderInput, charge: &Value) -> std::result::Result<Value, StepFailure> {
-        self.call(key, "refund", order, order.fails("refund_payment"), "refunded")?;
+        self.call(Self::pending(key, "refund", order, order.fails("refund_payment"), "refunded"))?;
         Ok(json!({"refund_id": format!("rf-{key}"), "charge_id": charge.get("charge_id"), "amount": order.amount}))
+    }
+
+    fn charge_async(self: Arc<Self>, key: String, order: OrderInput) -> PaymentFuture {
+        let answer = self.call_async(Self::pending(&key, "charge", &order, order.fails("charge_payment"), "charged"));
+        Box::pin(async move {
+            answer.await?;
+            Ok(json!({"charge_id": format!("ch-{key}"), "amount": order.amount}))
+        })
+    }
+
+    fn refund_async(self: Arc<Self>, key: String, order: OrderInput, charge: Value) -> PaymentFuture {
+        let answer = self.call_async(Self::pending(&key, "refund", &order, order.fails("refund_payment"), "refunded"));
+        Box::pin(async move {
+            answer.await?;
+            Ok(json!({"refund_id": format!("rf-{key}"), "charge_id": charge.get("charge_id"), "amount": order.amount}))
+        })
     }
 }
 
@@ -234,13 +403,13 @@ where
             "charge_payment",
             SagaAction::external(move |key, data| {
                 let payments = charge.clone();
-                async move { payments.charge(&key, &OrderInput::from_data(&data)?) }
+                async move { payments.charge_async(key, OrderInput::from_data(&data)?).await }
             }),
             Some(SagaAction::external(move |key, data| {
                 let payments = refund.clone();
                 async move {
                     let charge = data.outputs.get("charge_payment").cloned().unwrap_or(Value::Null);
-                    payments.refund(&key, &OrderInput::from_data(&data)?, &charge)
+                    payments.refund_async(key, OrderInput::from_data(&data)?, charge).await
                 }
             })),
         )
@@ -272,4 +441,63 @@ where
 /// workflow database, `<db stem>.payments.db`.
 pub fn payments_path(db: &std::path::Path) -> std::path::PathBuf {
     db.with_extension("payments.db")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(order_id: &str, extra: Value) -> OrderInput {
+        let mut input = json!({"order_id": order_id, "sku": "sku-1", "quantity": 1, "amount": 100});
+        if let (Some(input), Some(extra)) = (input.as_object_mut(), extra.as_object()) {
+            input.extend(extra.clone());
+        }
+        OrderInput::deserialize(&input).unwrap()
+    }
+
+    #[test]
+    fn concurrent_calls_on_a_file_log_are_decided_as_one_after_the_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let payments = Arc::new(FakePayments::open(&dir.path().join("payments.db")).unwrap());
+        let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        // 100 keys, each charged twice at once (from async callers), and a flaky key.
+        let charges: Vec<_> = (0..200)
+            .map(|i| {
+                let payments = payments.clone();
+                let key = format!("key-{}", i % 100);
+                runtime.spawn(async move { payments.charge_async(key.clone(), order(&key, json!({}))).await })
+            })
+            .collect();
+        for charge in charges {
+            let charged = runtime.block_on(charge).unwrap().unwrap();
+            assert!(charged["charge_id"].as_str().unwrap().starts_with("ch-key-"));
+        }
+        let flaky = order("flaky", json!({"flaky_attempts": 2}));
+        for expected_ok in [false, false, true, true] {
+            assert_eq!(payments.charge("flaky", &flaky).is_ok(), expected_ok);
+        }
+        let declined = payments.charge("declined", &order("declined", json!({"fail": "charge_payment"})));
+        assert!(declined.is_err());
+        let refunded =
+            runtime.block_on(payments.clone().refund_async("key-1".into(), order("key-1", json!({})), json!({})));
+        assert!(refunded.is_ok());
+
+        let calls = payments.calls().unwrap();
+        let outcome_of = |key: &str| -> Vec<String> {
+            calls.iter().filter(|c| c.idempotency_key == key).map(|c| c.outcome.clone()).collect()
+        };
+        for i in 0..100 {
+            let key = format!("key-{i}");
+            let outcomes = outcome_of(&key);
+            let charged = outcomes.iter().filter(|o| *o == "charged").count();
+            assert_eq!(charged, 1, "{key}: one charge, the other call a duplicate: {outcomes:?}");
+        }
+        assert_eq!(outcome_of("flaky"), ["unavailable", "unavailable", "charged", "duplicate"]);
+        assert_eq!(outcome_of("declined"), ["declined"]);
+        assert_eq!(calls.len(), 200 + 4 + 1 + 1);
+        drop(payments);
+        // Every answered call is on disk.
+        let reopened = FakePayments::open(&dir.path().join("payments.db")).unwrap();
+        assert_eq!(reopened.calls().unwrap(), calls);
+    }
 }

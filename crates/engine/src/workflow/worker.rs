@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -171,18 +171,121 @@ pub struct FinishedRun {
     pub status: FinishStatus,
 }
 
-/// A start handed to the worker's loop by [`Worker::start`].
+/// A start waiting for the writer thread, queued by [`Worker::start`].
 struct LocalStart {
     requests: Vec<StartRequest>,
     reply: oneshot::Sender<Result<Vec<StartOutcome>>>,
+}
+
+/// Runs claimed on the writer thread for a loop (with the local starts), on their way to it.
+type Claimed = Result<Vec<ClaimedRun>>;
+
+/// How a running loop takes local starts. [`Worker::start`] queues them here; one writer call at
+/// a time takes the whole queue when the writer thread gets to it (so every start that arrived
+/// meanwhile shares its transaction, without waiting for the loop), starts them and claims due
+/// runs into the loop's free slots in that one transaction, answers each starter after the
+/// commit, and hands the claimed runs to the loop.
+struct LocalStarts {
+    queue: Mutex<StartQueue>,
+    /// The loop's free slots. Claims take from it on the writer thread (the loop's own claims
+    /// and the local starts' claims alike, so together they never exceed the concurrency); the
+    /// loop gives a slot back when a run leaves it.
+    free: Arc<AtomicUsize>,
+    claimed: mpsc::UnboundedSender<Claimed>,
+    /// The loop's claim, without its limit.
+    claim: ClaimRequest,
+}
+
+#[derive(Default)]
+struct StartQueue {
+    starts: Vec<LocalStart>,
+    /// A writer call that takes the queue is on its way.
+    scheduled: bool,
+}
+
+impl LocalStarts {
+    /// On the writer thread: start everything queued (one transaction per `START_BATCH_MAX`
+    /// requests), claiming into the free slots while the loop takes runs, and answer each
+    /// starter after its commit.
+    fn commit<S: WorkflowStore>(&self, store: &mut S, now_ms: i64) {
+        let mut starts = {
+            let mut queue = lock(&self.queue);
+            queue.scheduled = false;
+            std::mem::take(&mut queue.starts)
+        };
+        while !starts.is_empty() {
+            let mut count = 0;
+            let split = starts
+                .iter()
+                .position(|start| {
+                    count += start.requests.len();
+                    count > START_BATCH_MAX
+                })
+                .unwrap_or(starts.len())
+                .max(1);
+            let rest = starts.split_off(split);
+            let mut requests = Vec::with_capacity(count);
+            let mut replies = Vec::with_capacity(starts.len());
+            for start in starts {
+                replies.push((start.requests.len(), start.reply));
+                requests.extend(start.requests);
+            }
+            let free = if self.claimed.is_closed() { 0 } else { self.free.load(Ordering::SeqCst) };
+            let answer = if free > 0 {
+                let claim = ClaimRequest { limit: free.min(CLAIM_BATCH_MAX), ..self.claim.clone() };
+                store.start_and_claim(&requests, &claim, now_ms)
+            } else {
+                store.start_runs(&requests, now_ms).map(|outcomes| (outcomes, Ok(Vec::new())))
+            };
+            match answer {
+                Ok((mut outcomes, claimed)) => {
+                    for (count, reply) in replies {
+                        let rest = outcomes.split_off(count.min(outcomes.len()));
+                        let _ = reply.send(Ok(std::mem::replace(&mut outcomes, rest)));
+                    }
+                    self.hand_over(store, claimed, now_ms);
+                }
+                Err(error) => {
+                    for (_, reply) in replies {
+                        let _ = reply.send(Err(error.clone()));
+                    }
+                }
+            }
+            starts = rest;
+        }
+    }
+
+    /// On the writer thread: runs claimed for the loop go to it, with their slots taken; if
+    /// the loop has stopped, their leases are released at once.
+    fn hand_over<S: WorkflowStore>(&self, store: &mut S, claimed: Claimed, now_ms: i64) {
+        if let Ok(runs) = &claimed {
+            if runs.is_empty() {
+                return;
+            }
+            self.free.fetch_sub(runs.len(), Ordering::SeqCst);
+        }
+        if let Err(mpsc::error::SendError(Ok(runs))) = self.claimed.send(claimed) {
+            self.free.fetch_add(runs.len(), Ordering::SeqCst);
+            let releases = runs
+                .into_iter()
+                .map(|run| JournalWrite {
+                    run_id: run.run.run_id,
+                    lease_token: run.lease_token,
+                    op: JournalOp::Release,
+                })
+                .collect();
+            // If this fails, the leases expire and the runs are taken over then.
+            let _ = store.commit(releases, now_ms);
+        }
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The next local start, or never when this loop takes none.
-async fn next_local(local: &mut Option<mpsc::UnboundedReceiver<LocalStart>>) -> Option<LocalStart> {
+/// The next runs claimed with local starts, or never when this loop takes none.
+async fn next_claimed(local: &mut Option<mpsc::UnboundedReceiver<Claimed>>) -> Option<Claimed> {
     match local {
         Some(receiver) => receiver.recv().await,
         None => std::future::pending().await,
@@ -209,8 +312,8 @@ pub struct Worker<S: WorkflowStore> {
     writer: Writer<S>,
     workflows: Arc<Workflows<S>>,
     options: WorkerOptions,
-    /// The running loop's inbox of local starts (`None` while no loop runs).
-    local: Mutex<Option<mpsc::UnboundedSender<LocalStart>>>,
+    /// Where the running loop takes local starts (`None` while no loop runs).
+    local: Mutex<Option<Arc<LocalStarts>>>,
     /// Where finished runs are reported, when someone subscribed.
     finished: Mutex<Option<mpsc::UnboundedSender<FinishedRun>>>,
     /// Told of claims, step attempts, finished runs and lost leases as they happen.
@@ -252,22 +355,34 @@ where
     }
 
     /// Start runs (idempotent per run id, one transaction, like [`WorkflowStore::start_runs`]).
-    /// While this worker's loop runs, the start goes through it: the loop claims due runs at
-    /// once (no poll wait) and runs them on this worker. Starts queued together share one
-    /// transaction.
+    /// While this worker's loop runs, due runs are claimed into its free slots in the same
+    /// transaction (no poll wait) and run on this worker. Starts queued while the writer thread
+    /// is busy share one transaction; each is answered after it committed. A start whose input
+    /// is invalid is refused alone (nothing written), so it cannot refuse the others.
     pub async fn start(&self, requests: Vec<StartRequest>) -> Result<Vec<StartOutcome>> {
-        let (reply, answer) = oneshot::channel();
-        let direct = {
-            let local = lock(&self.local);
-            match local.as_ref() {
-                Some(sender) => sender.send(LocalStart { requests, reply }).err().map(|e| e.0.requests),
-                None => Some(requests),
-            }
+        let local = lock(&self.local).clone();
+        let Some(local) = local else {
+            return self.writer.call(move |store, now| store.start_runs(&requests, now)).await;
         };
-        match direct {
-            None => answer.await.map_err(|_| Error::Invariant("the worker loop dropped a start".into()))?,
-            Some(requests) => self.writer.call(move |store, now| store.start_runs(&requests, now)).await,
+        requests.iter().try_for_each(StartRequest::validate)?;
+        let (reply, answer) = oneshot::channel();
+        let schedule = {
+            let mut queue = lock(&local.queue);
+            queue.starts.push(LocalStart { requests, reply });
+            !std::mem::replace(&mut queue.scheduled, true)
+        };
+        if schedule {
+            let taker = local.clone();
+            let queued = self.writer.call_ahead(move |store, now| taker.commit(store, now));
+            if let Err(error) = queued {
+                let mut queue = lock(&local.queue);
+                queue.scheduled = false;
+                for start in queue.starts.drain(..) {
+                    let _ = start.reply.send(Err(error.clone()));
+                }
+            }
         }
+        answer.await.map_err(|_| Error::Invariant("the writer thread dropped a start".into()))?
     }
 
     /// Report every run this worker finishes from now on (replaces an earlier subscription).
@@ -331,14 +446,20 @@ where
         let mut set: JoinSet<RunOutcome> = JoinSet::new();
         let mut in_flight: HashMap<TaskId, InFlight> = HashMap::new();
         let mut next_heartbeat = Instant::now() + heartbeat_every;
-        // Local starts come to this loop (unless another loop of this worker takes them).
+        let slots = Arc::new(AtomicUsize::new(self.options.concurrency));
+        // Local starts claim for this loop (unless another loop of this worker takes them).
         let mut local = {
             let mut slot = lock(&self.local);
             match slot.as_ref() {
                 Some(_) => None,
                 None => {
                     let (sender, receiver) = mpsc::unbounded_channel();
-                    *slot = Some(sender);
+                    *slot = Some(Arc::new(LocalStarts {
+                        queue: Mutex::new(StartQueue::default()),
+                        free: slots.clone(),
+                        claimed: sender,
+                        claim: self.claim_request(1),
+                    }));
                     Some(receiver)
                 }
             }
@@ -353,7 +474,7 @@ where
         let result = loop {
             let mut claimed = 0;
             let mut attempted = false;
-            let free = self.options.concurrency.saturating_sub(in_flight.len());
+            let free = slots.load(Ordering::SeqCst);
             let poll_due = match last_claim {
                 Some(at) => at.elapsed() >= poll,
                 None => true,
@@ -362,17 +483,14 @@ where
             if free > 0 && wanted {
                 attempted = true;
                 last_claim = Some(Instant::now());
-                match self.claim(free).await {
+                match self.claim(free, &slots).await {
                     Ok(runs) => {
                         claimed = runs.len();
                         backlog = claimed >= free.min(CLAIM_BATCH_MAX);
                         if in_flight.is_empty() && claimed > 0 {
                             next_heartbeat = Instant::now() + heartbeat_every;
                         }
-                        for run in runs {
-                            self.spawn(run, &mut set, &mut in_flight, &mut report).await;
-                        }
-                        report.max_in_flight = report.max_in_flight.max(in_flight.len());
+                        self.spawn_all(runs, &slots, &mut set, &mut in_flight, &mut report).await;
                     }
                     Err(error) => {
                         backlog = false;
@@ -383,10 +501,11 @@ where
                     }
                 }
             }
-            if idle_exit && attempted && claimed == 0 && in_flight.is_empty() {
+            let handed_over = local.as_ref().is_some_and(|receiver| !receiver.is_empty());
+            if idle_exit && attempted && claimed == 0 && in_flight.is_empty() && !handed_over {
                 break Ok(());
             }
-            let free = self.options.concurrency.saturating_sub(in_flight.len());
+            let free = slots.load(Ordering::SeqCst);
             let pause = if backlog && free >= claim_at_free {
                 Duration::ZERO
             } else {
@@ -396,28 +515,35 @@ where
                 biased;
                 _ = &mut shutdown => break Ok(()),
                 Some(joined) = set.join_next_with_id(), if !set.is_empty() => {
+                    let before = in_flight.len();
                     self.joined(joined, &mut in_flight, &mut report).await;
+                    slots.fetch_add(before - in_flight.len(), Ordering::SeqCst);
                 }
                 _ = tokio::time::sleep_until(next_heartbeat), if !in_flight.is_empty() => {
                     self.heartbeat(&mut in_flight, &mut report).await;
                     next_heartbeat = Instant::now() + heartbeat_every;
                 }
-                Some(first) = next_local(&mut local) => {
-                    if in_flight.is_empty() {
-                        next_heartbeat = Instant::now() + heartbeat_every;
+                Some(claimed) = next_claimed(&mut local) => match claimed {
+                    Ok(runs) => {
+                        if in_flight.is_empty() {
+                            next_heartbeat = Instant::now() + heartbeat_every;
+                        }
+                        self.spawn_all(runs, &slots, &mut set, &mut in_flight, &mut report).await;
                     }
-                    self.local_starts(first, &mut local, &mut set, &mut in_flight, &mut report).await;
-                }
+                    Err(error) => report.error(format!("claim: {error}")),
+                },
                 _ = tokio::time::sleep(pause) => {}
             }
         };
         if let Some(mut receiver) = local {
-            // No more local starts for this loop; those already queued start without a claim.
+            // No more claims for this loop: starts still queued start without one. Runs claimed
+            // for it before that are stopped and released below with the others.
             *lock(&self.local) = None;
             receiver.close();
-            while let Ok(start) = receiver.try_recv() {
-                let requests = start.requests;
-                let _ = start.reply.send(self.writer.call(move |store, now| store.start_runs(&requests, now)).await);
+            while let Ok(claimed) = receiver.try_recv() {
+                if let Ok(runs) = claimed {
+                    self.spawn_all(runs, &slots, &mut set, &mut in_flight, &mut report).await;
+                }
             }
         }
         self.stop_all(&mut set, &mut in_flight, &mut report).await;
@@ -437,82 +563,41 @@ where
         }
     }
 
-    async fn claim(&self, limit: usize) -> Result<Vec<ClaimedRun>> {
-        let request = self.claim_request(limit);
-        self.writer.call(move |store, now| store.claim(&request, now)).await
+    /// Claim due runs into at most `limit` of the free `slots` (taken on the writer thread, where
+    /// the local starts' claims take theirs too).
+    async fn claim(&self, limit: usize, slots: &Arc<AtomicUsize>) -> Result<Vec<ClaimedRun>> {
+        let mut request = self.claim_request(limit);
+        let slots = slots.clone();
+        self.writer
+            .call(move |store, now| {
+                request.limit = request.limit.min(slots.load(Ordering::SeqCst));
+                if request.limit == 0 {
+                    return Ok(Vec::new());
+                }
+                let runs = store.claim(&request, now)?;
+                slots.fetch_sub(runs.len(), Ordering::SeqCst);
+                Ok(runs)
+            })
+            .await
     }
 
-    /// Start the queued local starts together (one transaction), claim due runs into the free
-    /// slots right after, and answer each starter. A start whose input is invalid is answered
-    /// alone, so it cannot refuse the others.
-    async fn local_starts(
+    /// Run claimed runs; a slot whose run does not start is given back.
+    async fn spawn_all(
         &self,
-        first: LocalStart,
-        local: &mut Option<mpsc::UnboundedReceiver<LocalStart>>,
+        runs: Vec<ClaimedRun>,
+        slots: &AtomicUsize,
         set: &mut JoinSet<RunOutcome>,
         in_flight: &mut HashMap<TaskId, InFlight>,
         report: &mut WorkerReport,
     ) {
-        let mut batch = Vec::new();
-        let mut requests = Vec::new();
-        let mut next = Some(first);
-        while let Some(start) = next.take() {
-            if let Err(error) = start.requests.iter().try_for_each(StartRequest::validate) {
-                let _ = start.reply.send(Err(error));
-            } else if !batch.is_empty() && requests.len() + start.requests.len() > START_BATCH_MAX {
-                next = Some(start);
-                break;
-            } else {
-                requests.extend(start.requests.iter().cloned());
-                batch.push(start);
-            }
-            if let Some(receiver) = local.as_mut() {
-                next = receiver.try_recv().ok();
+        for run in runs {
+            let before = in_flight.len();
+            self.spawn(run, set, in_flight, report).await;
+            if in_flight.len() == before {
+                slots.fetch_add(1, Ordering::SeqCst);
             }
         }
-        let free = self.options.concurrency.saturating_sub(in_flight.len());
-        let claim = self.claim_request(free.max(1));
-        // One commit for the starts and the claim (where the store can).
-        let answer = self
-            .writer
-            .call(move |store, now| {
-                if free > 0 {
-                    store.start_and_claim(&requests, &claim, now)
-                } else {
-                    Ok((store.start_runs(&requests, now)?, Ok(Vec::new())))
-                }
-            })
-            .await;
-        let (outcomes, claimed) = match answer {
-            Ok((outcomes, claimed)) => (Ok(outcomes), claimed),
-            Err(error) => (Err(error), Ok(Vec::new())),
-        };
-        match outcomes {
-            Ok(mut outcomes) => {
-                for start in batch {
-                    let rest = outcomes.split_off(start.requests.len().min(outcomes.len()));
-                    let _ = start.reply.send(Ok(std::mem::replace(&mut outcomes, rest)));
-                }
-            }
-            Err(error) => {
-                for start in batch {
-                    let _ = start.reply.send(Err(error.clone()));
-                }
-            }
-        }
-        match claimed {
-            Ok(runs) => {
-                for run in runs {
-                    self.spawn(run, set, in_flight, report).await;
-                }
-                report.max_in_flight = report.max_in_flight.max(in_flight.len());
-            }
-            Err(error) => report.error(format!("claim: {error}")),
-        }
-        if let Some(start) = next {
-            // Over the batch limit: the rest goes in the next round.
-            Box::pin(self.local_starts(start, local, set, in_flight, report)).await;
-        }
+        report.max_in_flight = report.max_in_flight.max(in_flight.len());
     }
 
     async fn spawn(

@@ -27,6 +27,9 @@ enum Message<S: WorkflowStore> {
     /// Writes that go into the same batch (unless they are more than a batch holds).
     Writes(Vec<JournalWrite<S::Target>>, oneshot::Sender<Vec<Answer>>),
     Call(Call<S>),
+    /// A call that runs before the journal writes queued ahead of it are committed (they are
+    /// committed right after it).
+    CallAhead(Call<S>),
 }
 
 /// Counters of the writer thread (for tests and metrics).
@@ -53,7 +56,8 @@ struct Shared<S: WorkflowStore> {
 ///
 /// Journal writes ([`Writer::write`]) queued while the thread is busy are committed together in
 /// one `commit` call, up to `COMMIT_BATCH_MAX` per transaction. Calls ([`Writer::call`]) run
-/// between batches, in queue order.
+/// between batches, in queue order; [`Writer::call_ahead`] runs before the writes queued ahead
+/// of it are committed.
 pub struct Writer<S: WorkflowStore> {
     shared: Arc<Shared<S>>,
 }
@@ -177,6 +181,18 @@ where
         async move { answer?.await.map_err(|_| gone())? }
     }
 
+    /// Queue `f(store, now_ms)` for the writer thread without waiting for it (`f` answers
+    /// whoever waits for it itself), to run *ahead* of the journal writes queued before it: they
+    /// are committed right after it rather than before. For work that does not depend on
+    /// those writes (starting new runs), so that it does not wait for their commit. `Err` when
+    /// the writer thread has stopped (`f` never runs).
+    pub fn call_ahead<F>(&self, f: F) -> Result<()>
+    where
+        F: FnOnce(&mut S, i64) + Send + 'static,
+    {
+        self.shared.sender.send(Message::CallAhead(Box::new(f))).map_err(|_| gone())
+    }
+
     /// [`Writer::call`] from synchronous code (not from inside an async task).
     pub fn call_blocking<R, F>(&self, f: F) -> Result<R>
     where
@@ -251,6 +267,13 @@ fn writer_loop<S: WorkflowStore>(
                     let now = clock();
                     // A panicking call drops its reply: the caller gets an error, the thread lives.
                     let _ = catch_unwind(AssertUnwindSafe(|| call(&mut store, now)));
+                }
+                Message::CallAhead(call) => {
+                    stats.calls.fetch_add(1, Ordering::Relaxed);
+                    let now = clock();
+                    let _ = catch_unwind(AssertUnwindSafe(|| call(&mut store, now)));
+                    // The writes it went ahead of wait no longer than this call.
+                    flush(&mut store, &mut writes, &mut replies, &clock, &stats);
                 }
             }
             next = receiver.try_recv().ok();

@@ -267,7 +267,7 @@ impl WriterCounts {
 }
 
 /// CPU time of this process (user + system, all threads, from `/proc/self/stat`), in seconds.
-fn process_cpu_seconds() -> Option<f64> {
+pub(super) fn process_cpu_seconds() -> Option<f64> {
     let text = std::fs::read_to_string("/proc/self/stat").ok()?;
     // The fields after the command name (which may hold spaces) start after the last ')'.
     let rest = &text[text.rfind(')')? + 2..];
@@ -292,7 +292,7 @@ fn threads_on_cpu_ns(name: &str) -> Option<u64> {
     total
 }
 
-fn load_average() -> Option<String> {
+pub(super) fn load_average() -> Option<String> {
     std::fs::read_to_string("/proc/loadavg").ok().map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
 }
 
@@ -309,7 +309,7 @@ fn report_json(report: &WorkerReport) -> Value {
 }
 
 /// Start `sagas` runs, then run them with one worker, `in_flight` at once, until none is due.
-fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Duration) -> Result<Value> {
+pub(super) fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Duration) -> Result<Value> {
     let world = World::new(dir, durability, p.sagas as i64)?;
     let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
     let t = Instant::now();

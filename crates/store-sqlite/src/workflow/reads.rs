@@ -28,6 +28,18 @@ impl SqliteWorkflows {
         Ok((recovered as u64, completed as u64))
     }
 
+    /// `(finished, last_finished_at_ms)`: how many runs have reached a terminal status, and when
+    /// the last of them did (ms since the epoch; `None` when none has). Reads the partial index of
+    /// finished runs only, so a watcher can poll it often.
+    pub fn finished_runs(conn: &Connection) -> Result<(u64, Option<i64>)> {
+        let (finished, last): (i64, Option<i64>) = conn
+            .prepare_cached("SELECT count(*), max(finished_at_ms) FROM runs WHERE finished_at_ms IS NOT NULL")
+            .db()?
+            .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .db()?;
+        Ok((finished as u64, last))
+    }
+
     /// `(held, earliest, latest)`: how many runs hold a lease of worker `owner` (held until it
     /// expires, even if the worker is gone), and the earliest and latest expiry of those leases
     /// (ms since the epoch; `None` when it holds none).
