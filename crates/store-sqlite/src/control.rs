@@ -96,7 +96,8 @@ impl SqliteControl {
     /// Changes whenever another connection commits to this file (`PRAGMA data_version`): the
     /// server reloads its token cache when it moves.
     pub fn data_version(&self) -> Result<i64> {
-        self.conn.query_row("PRAGMA data_version", [], |r| r.get(0)).db()
+        // Asked on every request (for revocations): prepared once.
+        self.conn.prepare_cached("PRAGMA data_version").db()?.query_row([], |r| r.get(0)).db()
     }
 
     /// Record `tenant_id` (1..=64 characters of `[a-z0-9_-]`, else `invalid_id`); true when it was
