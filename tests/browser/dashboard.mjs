@@ -7,10 +7,9 @@
 // page says the run was retried. Prints one JSON line; exits non-zero on any failure (after
 // saving <artifact-dir>/failure.png). Started by crates/cli/tests/it/server_dashboard.rs.
 
-import { mkdtempSync, mkdirSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { mkdirSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+import { launch } from "./chromium.mjs";
 
 const [base, token, runId, artifactArg] = process.argv.slice(2);
 if (!base || !token || !runId || !artifactArg) {
@@ -20,26 +19,7 @@ if (!base || !token || !runId || !artifactArg) {
 const artifacts = resolve(artifactArg);
 mkdirSync(artifacts, { recursive: true });
 
-// A fresh profile every run; the flags keep Chromium off the network (this machine's closed
-// network otherwise stalls it) and out of first-run work.
-const profile = mkdtempSync(join(tmpdir(), "tidemark-chromium-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: "/usr/bin/chromium",
-  headless: true,
-  viewport: { width: 1280, height: 900 },
-  args: [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-});
-context.setDefaultTimeout(30_000);
-const page = context.pages()[0] ?? (await context.newPage());
+const { page, close } = await launch();
 const steps = [];
 
 function check(condition, message) {
@@ -94,6 +74,5 @@ try {
   console.log(JSON.stringify({ outcome: "failed", steps, error: String(error), url: page.url() }));
   process.exitCode = 1;
 } finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }

@@ -8,10 +8,9 @@
 // Prints one JSON line; exits non-zero on any failure (after saving <artifact-dir>/failure.png).
 // Started by crates/tidemark/tests/embedded.rs.
 
-import { mkdtempSync, mkdirSync, rmSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { mkdirSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { chromium } from "playwright-core";
+import { launch } from "./chromium.mjs";
 
 const [base, workflow, runId, stepList, artifactArg] = process.argv.slice(2);
 if (!base || !workflow || !runId || !stepList || !artifactArg) {
@@ -20,24 +19,7 @@ if (!base || !workflow || !runId || !stepList || !artifactArg) {
 }
 const artifacts = resolve(artifactArg);
 mkdirSync(artifacts, { recursive: true });
-const profile = mkdtempSync(join(tmpdir(), "tidemark-chromium-"));
-const context = await chromium.launchPersistentContext(profile, {
-  executablePath: "/usr/bin/chromium",
-  headless: true,
-  viewport: { width: 1280, height: 900 },
-  args: [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-  ],
-});
-context.setDefaultTimeout(30_000);
-const page = context.pages()[0] ?? (await context.newPage());
+const { page, close } = await launch();
 const steps = [];
 
 function check(condition, message) {
@@ -69,6 +51,5 @@ try {
   console.log(JSON.stringify({ outcome: "failed", steps, error: String(error), url: page.url() }));
   process.exitCode = 1;
 } finally {
-  await context.close();
-  rmSync(profile, { recursive: true, force: true });
+  await close();
 }

@@ -125,7 +125,8 @@ static LABEL_LOG: OnceLock<PathBuf> = OnceLock::new();
 fn log_label_call(key: &str) -> std::io::Result<()> {
     let path = LABEL_LOG.get().expect("the child set the log path");
     let mut file = std::fs::OpenOptions::new().create(true).append(true).open(path)?;
-    writeln!(file, "{key}")?;
+    // One write per line: concurrent steps append whole lines (O_APPEND), never interleaved.
+    file.write_all(format!("{key}\n").as_bytes())?;
     file.sync_all()
 }
 

@@ -340,14 +340,7 @@ where
     /// checked (`unknown_workflow`, `invalid_input`, or the request's own validation).
     pub fn start_request(&self, run_id: &str, workflow: &str, input: Value) -> Result<StartRequest> {
         let version = self.latest_version(workflow).ok_or_else(|| self.unknown(workflow))?;
-        let request = StartRequest {
-            run_id: run_id.to_string(),
-            workflow: workflow.to_string(),
-            version,
-            input,
-            key: None,
-            start_at_ms: None,
-        };
+        let request = StartRequest::new(run_id, workflow, version, input);
         self.check_start(&request)?;
         Ok(request)
     }
