@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tidemark_builtins::reservation::{self, ReservationHandler};
+use tidemark_core::endpoint::EndpointKind;
 use tidemark_core::error::codes;
 use tidemark_core::flow::AdvanceRequest;
 use tidemark_core::limits::{ENVELOPE_BYTES_MAX, PRUNE_BATCH_ROWS_MAX};
@@ -167,7 +168,9 @@ struct SubscribeArgs {
     producer: PathBuf,
     #[arg(long)]
     consumer_id: String,
-    /// The consumer database path.
+    /// The consumer database path, or a network endpoint URL (`http(s)://.../v1/consumers/{id}/inbox`,
+    /// `nats://`, `amqp://`, `kafka://`; docs/protocol.md, "Endpoints"), which `tidemark serve`
+    /// delivers to.
     #[arg(long)]
     endpoint: PathBuf,
     /// Also queue every event already in the outbox.
@@ -461,6 +464,16 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Subscribe(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            let given = args.endpoint.to_string_lossy().into_owned();
+            let kind = tidemark_core::endpoint::kind_of(&given)?;
+            if kind != EndpointKind::Sqlite {
+                // A network endpoint: nothing to open here; `tidemark serve` delivers to it.
+                let subscription = Subscription { consumer_id: args.consumer_id, endpoint: given };
+                let queued = producer.subscribe(&subscription, args.from_start, ctx.now_ms())?;
+                let endpoint = tidemark_core::endpoint::mask(&subscription.endpoint);
+                return Ok(json!({"outcome": "subscribed", "subscription": {"consumer_id": subscription.consumer_id,
+                    "endpoint": endpoint, "kind": kind}, "queued": queued}));
+            }
             // The endpoint must be an initialised consumer database. Whether it has received
             // anything of this subscriber decides whether an existing subscription may move there.
             let consumer = SqliteConsumer::open(&args.endpoint)?;
@@ -484,6 +497,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     backoff_max_ms: args.backoff_max_ms,
                 },
                 keep_answers: args.verbose,
+                consumers: None,
             };
             tidemark_core::id::validate_limit("--limit", options.limit, tidemark_core::limits::RELAY_BATCH_EVENTS_MAX)?;
             options.policy.validate()?;
@@ -492,6 +506,20 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
             let mut endpoints = SqliteEndpoints::new(ctx.durability);
+            // This command delivers to consumer database files; network endpoints are delivered
+            // by `tidemark serve`'s relay lanes, so their subscribers are left alone here (never
+            // failed, never quarantined by a relay that cannot reach them).
+            let mut options = options;
+            let subscriptions = producer.subscriptions()?;
+            let network: Vec<String> = subscriptions
+                .iter()
+                .filter(|s| tidemark_core::endpoint::kind_of(&s.endpoint).is_ok_and(|k| k != EndpointKind::Sqlite))
+                .map(|s| s.consumer_id.clone())
+                .collect();
+            if !network.is_empty() {
+                options.consumers =
+                    Some(subscriptions.into_iter().map(|s| s.consumer_id).filter(|c| !network.contains(c)).collect());
+            }
             // One pass unless --until-idle; an explicit --event is always one pass.
             let passes_max = if args.until_idle && options.event_id.is_none() { args.passes.max(1) } else { 1 };
             let (total, passes) = relay_until_idle(
@@ -505,6 +533,9 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             let mut out = to_json(&total);
             out["outcome"] = json!("relayed");
             out["passes"] = json!(passes);
+            if !network.is_empty() {
+                out["not_relayed_here"] = json!(network);
+            }
             Ok(out)
         }
         Command::Receive(args) => {

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tidemark_core::tenancy::{Scope, TokenText};
-use tidemark_core::Result;
+use tidemark_core::{Error, Result};
 use tidemark_server::{Config, Overrides, CONTROL_FILE};
 use tidemark_store_sqlite::SqliteControl;
 
@@ -85,6 +85,15 @@ pub fn config(command: ConfigCommand) -> Result<Value> {
     match command {
         ConfigCommand::Check { config } => {
             let loaded = Config::load(Some(&config), &Overrides::default())?;
+            let mut loaded = serde_json::to_value(&loaded).map_err(|e| Error::Invariant(e.to_string()))?;
+            // Tokens written in the file are secrets: shown masked (an `env:NAME` is shown as is).
+            if let Some(tokens) = loaded.pointer_mut("/relay/tokens").and_then(Value::as_object_mut) {
+                for token in tokens.values_mut() {
+                    if !token.as_str().is_some_and(|t| t.starts_with("env:")) {
+                        *token = json!("***");
+                    }
+                }
+            }
             Ok(json!({"outcome": "valid", "file": config, "config": loaded}))
         }
     }

@@ -31,6 +31,9 @@ pub mod codes {
     /// An argument is wrong in a way no more specific code names: an empty reason, a negative
     /// retention, an unknown status word, an open transaction expected but missing.
     pub const INVALID_ARGUMENT: &str = "invalid_argument";
+    /// A subscription's endpoint is not one of the kinds docs/protocol.md lists ("Endpoints"): an
+    /// unknown scheme, a malformed URL, credentials in the URL, a bad subject, exchange or topic.
+    pub const INVALID_ENDPOINT: &str = "invalid_endpoint";
     /// A batch, page or limit is larger than its bound in [`crate::limits`].
     pub const LIMIT_EXCEEDED: &str = "limit_exceeded";
     /// A file that should exist does not, or is not initialised for the role asked of it (not a

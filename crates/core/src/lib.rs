@@ -5,6 +5,7 @@
 
 pub mod crash;
 pub mod decode;
+pub mod endpoint;
 pub mod envelope;
 pub mod error;
 pub mod flow;

@@ -19,6 +19,11 @@ pub const ADVANCE_BATCH_MAX: usize = 10_000;
 pub const RELAY_BATCH_EVENTS_MAX: usize = 10_000;
 /// One receive batch (events in one consumer transaction).
 pub const RECEIVE_BATCH_EVENTS_MAX: usize = 10_000;
+/// One request to the HTTP batch receive route (`POST /v1/consumers/{id}/inbox/batch`): events.
+pub const HTTP_RECEIVE_BATCH_EVENTS_MAX: usize = 1_000;
+/// The JSON of the envelopes an HTTP relay lane puts in one batch request, at most (an envelope
+/// larger than this alone goes alone): under the server's default body limit of 256 KiB.
+pub const HTTP_RECEIVE_BATCH_BYTES_MAX: usize = 240 * 1024;
 /// One drain call (events applied in one consumer transaction).
 pub const DRAIN_BATCH_EVENTS_MAX: usize = 10_000;
 /// One prune batch (rows deleted in one transaction).
@@ -27,7 +32,7 @@ pub const PRUNE_BATCH_ROWS_MAX: usize = 10_000;
 pub const PAGE_SIZE_MAX: usize = 1_000;
 /// Free-text reasons given by operators.
 pub const REASON_BYTES_MAX: usize = 1_000;
-/// Endpoint strings (paths today, URLs later).
+/// Endpoint strings (a path or a URL, docs/protocol.md "Endpoints").
 pub const ENDPOINT_BYTES_MAX: usize = 4_096;
 /// Relay retry policy bounds.
 pub const RELAY_ATTEMPTS_MAX: u32 = 1_000;

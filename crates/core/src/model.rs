@@ -24,8 +24,8 @@ use crate::error::{codes, Error, Result};
 use crate::flow::{decide_advance, validate_request, AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
 use crate::id::{validate_id, validate_limit, validate_reason, validate_rename};
 use crate::limits::{
-    ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX,
-    RECEIVE_BATCH_EVENTS_MAX, RELAY_BATCH_EVENTS_MAX,
+    ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX,
+    RELAY_BATCH_EVENTS_MAX,
 };
 use crate::policy::{retention_walk_stops_at, RetentionPolicy};
 use crate::reservation::{decoders, project, ReservationEvent, ReservationProjection};
@@ -271,12 +271,7 @@ impl ProducerStore for ModelProducer {
 
     fn subscribe(&mut self, subscription: &Subscription, from_start: bool, _now_ms: i64) -> Result<u64> {
         validate_id("consumer_id", &subscription.consumer_id)?;
-        if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("endpoint must be 1..={ENDPOINT_BYTES_MAX} bytes"),
-            ));
-        }
+        crate::endpoint::Endpoint::parse(&subscription.endpoint)?;
         let consumer_id = subscription.consumer_id.clone();
         if let Some(endpoint) = self.state.subscriptions.get_mut(&consumer_id) {
             // Same endpoint: nothing to do; another endpoint: move the subscription there.
@@ -311,8 +306,15 @@ impl ProducerStore for ModelProducer {
             .collect())
     }
 
-    fn due_deliveries(&mut self, now_ms: i64, limit: usize, event_id: Option<&str>) -> Result<Vec<Delivery>> {
+    fn due_deliveries(
+        &mut self,
+        now_ms: i64,
+        limit: usize,
+        event_id: Option<&str>,
+        consumers: Option<&[String]>,
+    ) -> Result<Vec<Delivery>> {
         validate_limit("relay limit", limit, RELAY_BATCH_EVENTS_MAX * 4)?;
+        let wanted = |c: &String| consumers.is_none_or(|list| list.contains(c));
         // Candidates as (position, consumer_id), in the order SQLite reads them.
         let mut picked: Vec<(i64, &String, &DeliveryRow)> = match event_id {
             Some(event_id) => {
@@ -323,7 +325,9 @@ impl ProducerStore for ModelProducer {
                     .deliveries
                     .range((position, String::new())..)
                     .take_while(|((p, _), _)| *p == position)
-                    .filter(|(_, row)| matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined))
+                    .filter(|((_, c), row)| {
+                        wanted(c) && matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Quarantined)
+                    })
                     .map(|((p, c), row)| (*p, c, row))
                     .collect()
             }
@@ -332,7 +336,7 @@ impl ProducerStore for ModelProducer {
                 // consumer), and for each subscriber the first `limit` fresh deliveries (due since
                 // their commit) by position; then the `limit` smallest (due time, position,
                 // consumer) of those.
-                let subscribed = |c: &String| self.state.subscriptions.contains_key(c);
+                let subscribed = |c: &String| self.state.subscriptions.contains_key(c) && wanted(c);
                 let mut retries: Vec<(i64, &String, &DeliveryRow)> = self
                     .state
                     .deliveries
@@ -348,7 +352,7 @@ impl ProducerStore for ModelProducer {
                 retries.sort_by(|a, b| (a.2.next_attempt_at_ms, a.0, a.1).cmp(&(b.2.next_attempt_at_ms, b.0, b.1)));
                 retries.truncate(limit);
                 let mut due = retries;
-                for consumer_id in self.state.subscriptions.keys() {
+                for consumer_id in self.state.subscriptions.keys().filter(|c| wanted(c)) {
                     let fresh = self
                         .state
                         .deliveries
@@ -1334,12 +1338,11 @@ impl ModelEndpoints {
 }
 
 impl Endpoints for ModelEndpoints {
-    type Store = ModelConsumer;
-
-    fn store(&mut self, endpoint: &str) -> Result<&mut ModelConsumer> {
-        self.stores.get_mut(endpoint).ok_or_else(|| {
+    fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
+        let store = self.stores.get_mut(endpoint).ok_or_else(|| {
             Error::invalid(codes::NOT_INITIALIZED, format!("{endpoint} does not exist; run `tidemark init` first"))
-        })
+        })?;
+        store.receive_batch(items, now_ms)
     }
 }
 

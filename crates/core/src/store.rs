@@ -228,8 +228,16 @@ pub trait ProducerStore {
     /// Every subscriber, by consumer id.
     fn subscriptions(&self) -> Result<Vec<Subscription>>;
     /// Pending deliveries due at `now_ms`, oldest first, at most `limit`. With `event_id`, only
-    /// that event's pending or quarantined deliveries, due or not (explicit choice).
-    fn due_deliveries(&mut self, now_ms: i64, limit: usize, event_id: Option<&str>) -> Result<Vec<Delivery>>;
+    /// that event's pending or quarantined deliveries, due or not (explicit choice). With
+    /// `consumers`, only deliveries to those subscribers (a relay lane serves one endpoint's
+    /// subscribers, so that another endpoint's backlog never fills its window).
+    fn due_deliveries(
+        &mut self,
+        now_ms: i64,
+        limit: usize,
+        event_id: Option<&str>,
+        consumers: Option<&[String]>,
+    ) -> Result<Vec<Delivery>>;
     /// Record the relay's verdicts in one transaction.
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()>;
     /// Deliveries in outbox order (then by consumer id), only those in `status` when given, at most
@@ -269,7 +277,7 @@ pub trait ProducerStore {
 
 /// Outcome of receiving one event into one consumer's inbox (docs/protocol.md, "`receive`"). A
 /// malformed envelope is an error instead, and nothing is stored.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum ReceiveOutcome {
@@ -751,16 +759,16 @@ pub trait ConsumerStore {
     fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot>;
 }
 
-/// Resolves a subscription's endpoint to the consumer store that holds that inbox.
+/// Hands batches of events to the endpoints subscriptions name (docs/protocol.md, "Endpoints").
 /// Implementations open files (SQLite), connections or broker clients; an `Err` counts as a
-/// failed delivery attempt, never as an answer.
+/// failed delivery attempt for every event of the batch, never as an answer.
 pub trait Endpoints {
-    /// The consumer store behind an endpoint.
-    type Store: ConsumerStore;
-    /// The consumer store of `endpoint`, opened on first use and kept. An error (a file that does
-    /// not exist, a database that is not a consumer's) is a failed attempt for every delivery to
-    /// it.
-    fn store(&mut self, endpoint: &str) -> Result<&mut Self::Store>;
+    /// Hand `items` (the subscriber's consumer id and the envelope, in delivery order) to
+    /// `endpoint`, and answer one outcome per item in the same order, each only once the
+    /// endpoint has taken custody as its kind defines it (`accepted` / `duplicate`) or refused
+    /// the event (`conflict` / `expired`). An error (a file that does not exist, a server that
+    /// does not answer in time) is a failed attempt for every item.
+    fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>>;
 }
 
 #[cfg(test)]

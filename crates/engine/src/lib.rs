@@ -17,7 +17,10 @@
 pub mod relay;
 pub mod workflow;
 
-pub use relay::{relay_once, relay_until_idle, round_robin, RelayAnswer, RelayOptions, RelayReport};
+pub use relay::{
+    group_by_endpoint, judge, plan, relay_once, relay_until_idle, round_robin, EndpointAnswer, RelayAnswer,
+    RelayOptions, RelayReport,
+};
 
 /// Milliseconds since the Unix epoch, from the system clock.
 pub fn now_ms() -> i64 {

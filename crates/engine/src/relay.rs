@@ -13,9 +13,7 @@ use tidemark_core::crash;
 use tidemark_core::id::validate_limit;
 use tidemark_core::limits::RELAY_BATCH_EVENTS_MAX;
 use tidemark_core::policy::RelayPolicy;
-use tidemark_core::store::{
-    ConsumerStore, Delivery, DeliveryResult, DeliveryVerdict, Endpoints, ProducerStore, ReceiveOutcome,
-};
+use tidemark_core::store::{Delivery, DeliveryResult, DeliveryVerdict, Endpoints, ProducerStore, ReceiveOutcome};
 use tidemark_core::{Envelope, Result};
 
 /// Candidates read per relay pass, as a multiple of the batch limit: the window in which
@@ -95,11 +93,20 @@ pub struct RelayOptions {
     /// Keep each delivery's answer in [`RelayReport::answers`] (for the CLI's `--verbose` output
     /// and tests); off, only the counts are kept.
     pub keep_answers: bool,
+    /// Deliver only to these subscribers (`None`: to every subscriber). A relay lane of one
+    /// endpoint names that endpoint's subscribers.
+    pub consumers: Option<Vec<String>>,
 }
 
 impl Default for RelayOptions {
     fn default() -> Self {
-        RelayOptions { limit: 1_000, event_id: None, policy: RelayPolicy::default(), keep_answers: false }
+        RelayOptions {
+            limit: 1_000,
+            event_id: None,
+            policy: RelayPolicy::default(),
+            keep_answers: false,
+            consumers: None,
+        }
     }
 }
 
@@ -141,52 +148,47 @@ pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
     picked
 }
 
-/// Run one relay pass. `unit_random` yields uniform numbers in [0, 1) for backoff jitter.
-pub fn relay_once<P: ProducerStore, E: Endpoints>(
-    producer: &mut P,
-    endpoints: &mut E,
-    options: &RelayOptions,
-    now_ms: i64,
-    unit_random: &mut dyn FnMut() -> f64,
-) -> Result<RelayReport> {
+/// The first step of a relay pass: the due deliveries (to `options.consumers` when given), picked
+/// round-robin across flows, at most `options.limit`. A lane of an asynchronous relay calls this
+/// on the producer, delivers the batch with [`group_by_endpoint`], and records [`judge`]'s
+/// verdicts; [`relay_once`] does all three in one call.
+pub fn plan<P: ProducerStore>(producer: &mut P, options: &RelayOptions, now_ms: i64) -> Result<Vec<Delivery>> {
     validate_limit("relay limit", options.limit, RELAY_BATCH_EVENTS_MAX)?;
     options.policy.validate()?;
     let window = options.limit * if options.event_id.is_some() { 1 } else { RELAY_CANDIDATE_WINDOW_FACTOR };
-    let candidates = producer.due_deliveries(now_ms, window, options.event_id.as_deref())?;
-    let batch = round_robin(candidates, options.limit);
-    let mut report = RelayReport::default();
-    if batch.is_empty() {
-        return Ok(report);
-    }
+    let candidates =
+        producer.due_deliveries(now_ms, window, options.event_id.as_deref(), options.consumers.as_deref())?;
+    Ok(round_robin(candidates, options.limit))
+}
 
-    // One consumer transaction per endpoint.
+/// The indexes of `batch`'s deliveries by endpoint, each list in delivery order: one hand-over
+/// (one consumer transaction, one request, one publish batch) per endpoint.
+pub fn group_by_endpoint(batch: &[Delivery]) -> BTreeMap<&str, Vec<usize>> {
     let mut by_endpoint: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     for (index, delivery) in batch.iter().enumerate() {
         by_endpoint.entry(delivery.endpoint.as_str()).or_default().push(index);
     }
-    let mut answers: Vec<Option<std::result::Result<ReceiveOutcome, String>>> = vec![None; batch.len()];
-    for (endpoint, indexes) in &by_endpoint {
-        let items: Vec<(&str, &Envelope)> =
-            indexes.iter().map(|&i| (batch[i].consumer_id.as_str(), &batch[i].envelope)).collect();
-        let outcome = endpoints.store(endpoint).and_then(|store| store.receive_batch(&items, now_ms));
-        match outcome {
-            Ok(outcomes) => {
-                for (&i, outcome) in indexes.iter().zip(outcomes) {
-                    answers[i] = Some(Ok(outcome));
-                }
-            }
-            Err(error) => {
-                for &i in indexes {
-                    answers[i] = Some(Err(format!("consumer endpoint {endpoint} failed: {error}")));
-                }
-            }
-        }
-    }
-    crash::hit("relay.after_consumer_commit");
+    by_endpoint
+}
 
+/// One endpoint's answer to its part of a batch: one outcome per delivery, or an error (the
+/// endpoint's reason) that fails every one of them.
+pub type EndpointAnswer = std::result::Result<ReceiveOutcome, String>;
+
+/// The last step of a relay pass: turn each delivery's answer into its verdict (accepted; a
+/// retry with backoff and jitter; quarantined after `max_attempts`) and count them.
+/// `unit_random` yields uniform numbers in [0, 1) for the jitter. Record the results with
+/// [`ProducerStore::record_deliveries`].
+pub fn judge(
+    batch: &[Delivery],
+    answers: Vec<EndpointAnswer>,
+    options: &RelayOptions,
+    now_ms: i64,
+    unit_random: &mut dyn FnMut() -> f64,
+) -> (Vec<DeliveryResult>, RelayReport) {
+    let mut report = RelayReport::default();
     let mut results = Vec::with_capacity(batch.len());
     for (delivery, answer) in batch.iter().zip(answers) {
-        let answer = answer.expect("every delivery got an answer");
         report.attempted += 1;
         let (word, reason) = match &answer {
             Ok(outcome) => {
@@ -246,6 +248,53 @@ pub fn relay_once<P: ProducerStore, E: Endpoints>(
             verdict,
         });
     }
+    (results, report)
+}
+
+/// Run one relay pass: [`plan`], one hand-over per endpoint ([`Endpoints::deliver`], one after
+/// the other), [`judge`], and one producer transaction recording every verdict (group commit).
+/// `unit_random` yields uniform numbers in [0, 1) for backoff jitter.
+pub fn relay_once<P: ProducerStore, E: Endpoints>(
+    producer: &mut P,
+    endpoints: &mut E,
+    options: &RelayOptions,
+    now_ms: i64,
+    unit_random: &mut dyn FnMut() -> f64,
+) -> Result<RelayReport> {
+    let batch = plan(producer, options, now_ms)?;
+    if batch.is_empty() {
+        return Ok(RelayReport::default());
+    }
+    let mut answers: Vec<Option<EndpointAnswer>> = vec![None; batch.len()];
+    for (endpoint, indexes) in group_by_endpoint(&batch) {
+        let items: Vec<(&str, &Envelope)> =
+            indexes.iter().map(|&i| (batch[i].consumer_id.as_str(), &batch[i].envelope)).collect();
+        match endpoints.deliver(endpoint, &items, now_ms) {
+            Ok(outcomes) if outcomes.len() == indexes.len() => {
+                for (&i, outcome) in indexes.iter().zip(outcomes) {
+                    answers[i] = Some(Ok(outcome));
+                }
+            }
+            Ok(outcomes) => {
+                let message = format!(
+                    "consumer endpoint {endpoint} answered {} outcomes for {} events",
+                    outcomes.len(),
+                    indexes.len()
+                );
+                for &i in &indexes {
+                    answers[i] = Some(Err(message.clone()));
+                }
+            }
+            Err(error) => {
+                for &i in &indexes {
+                    answers[i] = Some(Err(format!("consumer endpoint {endpoint} failed: {error}")));
+                }
+            }
+        }
+    }
+    crash::hit("relay.after_consumer_commit");
+    let answers = answers.into_iter().map(|a| a.expect("every delivery got an answer")).collect();
+    let (results, report) = judge(&batch, answers, options, now_ms, unit_random);
     producer.record_deliveries(&results, now_ms)?;
     Ok(report)
 }

@@ -55,7 +55,7 @@ pub async fn stop_all(state: &AppState, grace: Duration) -> Value {
 }
 
 /// Sleep `ms`, or less if shutdown begins. Returns false once shutting down.
-async fn pause(state: &AppState, ms: u64) -> bool {
+pub(crate) async fn pause(state: &AppState, ms: u64) -> bool {
     let mut signal = state.shutdown_signal();
     if *signal.borrow() {
         return false;
@@ -94,22 +94,37 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
         event_id: None,
         policy: state.config.relay_policy(),
         keep_answers: false,
+        consumers: None,
     };
     let mut relayed = tidemark_engine::RelayReport::default();
-    for outbox in tenant.outboxes() {
-        let options = options.clone();
-        let (report, _) = outbox
+    for (index, outbox) in tenant.outboxes().into_iter().enumerate() {
+        let mut options = options.clone();
+        // File endpoints here, on the outbox's thread; each network endpoint in a lane of its own.
+        let (report, network) = outbox
             .call(move |p| {
-                relay_until_idle(
+                let subscriptions = p.store.subscriptions()?;
+                let network = crate::lanes::network_endpoints(&subscriptions);
+                let files: Vec<String> = subscriptions
+                    .into_iter()
+                    .filter(|s| !network.contains_key(&s.endpoint))
+                    .map(|s| s.consumer_id)
+                    .collect();
+                if files.is_empty() {
+                    return Ok((tidemark_engine::RelayReport::default(), network));
+                }
+                options.consumers = Some(files);
+                let (report, _) = relay_until_idle(
                     &mut p.store,
                     &mut p.endpoints,
                     &options,
                     RELAY_PASSES_PER_ROUND,
                     &mut now_ms,
                     &mut rand::random::<f64>,
-                )
+                )?;
+                Ok((report, network))
             })
             .await?;
+        crate::lanes::ensure(state, tenant, index, network);
         relayed.absorb(report);
     }
     state.metrics.record_relay(&tenant.id, &relayed);

@@ -93,6 +93,13 @@ pub struct RelayConfig {
     pub backoff_base_ms: i64,
     /// The longest delay between attempts, in ms (0..=24 h).
     pub backoff_max_ms: i64,
+    /// How long one delivery to a network endpoint (an HTTP request, a broker publish) may take
+    /// before it counts as a failed attempt, in ms (1..=600,000).
+    pub attempt_timeout_ms: u64,
+    /// Bearer tokens of HTTP endpoints, by origin (`"http://host:port"`, the port spelled out):
+    /// the token, or `env:NAME` to read it from the environment variable `NAME` when the lane
+    /// connects. Tokens live here, never in the producer database.
+    pub tokens: std::collections::BTreeMap<String, String>,
 }
 
 /// `[consumers]`: how each tenant's declared consumers apply their inboxes.
@@ -203,6 +210,8 @@ impl Default for RelayConfig {
             max_attempts: policy.max_attempts,
             backoff_base_ms: policy.backoff_base_ms,
             backoff_max_ms: policy.backoff_max_ms,
+            attempt_timeout_ms: 10_000,
+            tokens: Default::default(),
         }
     }
 }
@@ -308,6 +317,22 @@ impl Config {
         range("relay.interval_ms", self.relay.interval_ms.into(), 1, 3_600_000)?;
         range("relay.batch", self.relay.batch as i128, 1, RELAY_BATCH_EVENTS_MAX as i128)?;
         self.relay_policy().validate().map_err(|e| config_error(format!("relay: {e}")))?;
+        range("relay.attempt_timeout_ms", self.relay.attempt_timeout_ms.into(), 1, 600_000)?;
+        for (origin, token) in &self.relay.tokens {
+            let parsed = tidemark_core::endpoint::Endpoint::parse(&format!("{origin}/v1/consumers/c/inbox"));
+            match parsed {
+                Ok(tidemark_core::endpoint::Endpoint::Http { origin: canonical, .. }) if &canonical == origin => {}
+                _ => {
+                    return Err(config_error(format!(
+                    "relay.tokens: {origin:?} is not an origin such as \"http://host:port\" (scheme, host and port, \
+                         nothing else)"
+                )))
+                }
+            }
+            if token.is_empty() || token == "env:" {
+                return Err(config_error(format!("relay.tokens.{origin:?} is empty")));
+            }
+        }
         range("consumers.drain_interval_ms", self.consumers.drain_interval_ms.into(), 1, 3_600_000)?;
         range("consumers.drain_batch", self.consumers.drain_batch as i128, 1, DRAIN_BATCH_EVENTS_MAX as i128)?;
         range("workers.concurrency", self.workers.concurrency as i128, 1, 10_000)?;
@@ -348,6 +373,14 @@ impl Config {
             "full" => Ok(tidemark_store_sqlite::Durability::Full),
             "normal" => Ok(tidemark_store_sqlite::Durability::Normal),
             other => Err(config_error(format!("durability must be \"full\" or \"normal\", got {other:?}"))),
+        }
+    }
+
+    /// How the relay's lanes connect to network endpoints, from `[relay]`.
+    pub fn transport_config(&self) -> tidemark_transport::TransportConfig {
+        tidemark_transport::TransportConfig {
+            http_tokens: self.relay.tokens.clone(),
+            connect_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms.min(5_000)),
         }
     }
 
@@ -419,6 +452,10 @@ mod tests {
             ("durability = \"off\"", "durability"),
             ("[log]\notlp_endpoint = \"https://collector:4318\"", "log.otlp_endpoint"),
             ("[log]\notlp_endpoint = \"http://\"", "log.otlp_endpoint"),
+            ("[relay]\nattempt_timeout_ms = 0", "relay.attempt_timeout_ms"),
+            ("[relay.tokens]\n\"http://h\" = \"t\"", "relay.tokens"),
+            ("[relay.tokens]\n\"http://h:80/v1\" = \"t\"", "relay.tokens"),
+            ("[relay.tokens]\n\"http://h:80\" = \"\"", "relay.tokens"),
         ] {
             let error = load_text(text).unwrap_err();
             assert_eq!(error.code(), codes::INVALID_CONFIG, "{text}");

@@ -113,6 +113,8 @@ pub struct Tenant {
     pub machines: Arc<MachineSet>,
     /// Read-only connections for the counts of `/metrics` and the dashboard.
     pub stats: std::sync::Mutex<crate::stats::StatsReader>,
+    /// The relay lanes running for the network endpoints of its outboxes.
+    pub lanes: crate::lanes::Lanes,
 }
 
 impl Tenant {
@@ -215,6 +217,7 @@ impl Tenant {
             workflows,
             machines,
             stats,
+            lanes: Default::default(),
         })
     }
 

@@ -3,8 +3,10 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use tidemark_core::store::Endpoints;
-use tidemark_core::Result;
+use tidemark_core::endpoint::Endpoint;
+use tidemark_core::error::codes;
+use tidemark_core::store::{ConsumerStore, Endpoints, ReceiveOutcome};
+use tidemark_core::{Envelope, Error, Result};
 
 use crate::{Durability, SqliteConsumer};
 
@@ -23,14 +25,31 @@ impl SqliteEndpoints {
     }
 }
 
-impl Endpoints for SqliteEndpoints {
-    type Store = SqliteConsumer;
-
-    fn store(&mut self, endpoint: &str) -> Result<&mut SqliteConsumer> {
+impl SqliteEndpoints {
+    /// The consumer store of a file endpoint (a path or `sqlite:` URL), opened on first use and
+    /// kept. Any other kind is `invalid_endpoint`: this type delivers to files only.
+    pub fn store(&mut self, endpoint: &str) -> Result<&mut SqliteConsumer> {
         if !self.open.contains_key(endpoint) {
-            let consumer = SqliteConsumer::open_with(Path::new(endpoint), self.durability)?;
+            let Endpoint::Sqlite { path } = Endpoint::parse(endpoint)? else {
+                return Err(Error::invalid(
+                    codes::INVALID_ENDPOINT,
+                    format!(
+                        "{} is a {} endpoint; this relay delivers to consumer database files only \
+                         (`tidemark serve` delivers to every kind)",
+                        tidemark_core::endpoint::mask(endpoint),
+                        tidemark_core::endpoint::kind_of(endpoint)?
+                    ),
+                ));
+            };
+            let consumer = SqliteConsumer::open_with(Path::new(&path), self.durability)?;
             self.open.insert(endpoint.to_string(), consumer);
         }
         Ok(self.open.get_mut(endpoint).expect("just inserted"))
+    }
+}
+
+impl Endpoints for SqliteEndpoints {
+    fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
+        self.store(endpoint)?.receive_batch(items, now_ms)
     }
 }

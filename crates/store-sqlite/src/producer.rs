@@ -30,12 +30,11 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use tidemark_core::crash;
+use tidemark_core::endpoint::Endpoint;
 use tidemark_core::error::codes;
 use tidemark_core::flow::{decide_advance, validate_request, AdvanceOutcome, AdvanceRequest, FlowMachine, FlowState};
 use tidemark_core::id::{validate_id, validate_limit, validate_reason};
-use tidemark_core::limits::{
-    ADVANCE_BATCH_MAX, ENDPOINT_BYTES_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX,
-};
+use tidemark_core::limits::{ADVANCE_BATCH_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::policy::retention_walk_stops_at;
 use tidemark_core::store::{
     Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
@@ -579,12 +578,7 @@ impl SqliteProducer {
         new_endpoint_has_received: Option<bool>,
     ) -> Result<u64> {
         validate_id("consumer_id", &subscription.consumer_id)?;
-        if subscription.endpoint.is_empty() || subscription.endpoint.len() > ENDPOINT_BYTES_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("endpoint must be 1..={ENDPOINT_BYTES_MAX} bytes"),
-            ));
-        }
+        Endpoint::parse(&subscription.endpoint)?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         let existing: Option<String> = tx
             .query_row("SELECT endpoint FROM subscriptions WHERE consumer_id = ?1", [&subscription.consumer_id], |r| {
@@ -696,8 +690,17 @@ impl ProducerStore for SqliteProducer {
         rows.collect::<rusqlite::Result<Vec<_>>>().db()
     }
 
-    fn due_deliveries(&mut self, now_ms: i64, limit: usize, event_id: Option<&str>) -> Result<Vec<Delivery>> {
+    fn due_deliveries(
+        &mut self,
+        now_ms: i64,
+        limit: usize,
+        event_id: Option<&str>,
+        consumers: Option<&[String]>,
+    ) -> Result<Vec<Delivery>> {
         validate_limit("relay limit", limit, RELAY_BATCH_EVENTS_MAX * 4)?;
+        // The subscribers asked for, as a JSON array for `json_each` (NULL: every subscriber).
+        let wanted: Option<String> = consumers.map(|list| serde_json::to_string(list).expect("strings serialize"));
+        const WANTED: &str = "(?9 IS NULL OR {column} IN (SELECT value FROM json_each(?9)))";
         let identity = &self.identity;
         let map = |r: &rusqlite::Row<'_>| -> rusqlite::Result<Delivery> {
             Ok(Delivery {
@@ -718,13 +721,14 @@ impl ProducerStore for SqliteProducer {
                     "SELECT {EVENT_COLUMNS}, s.consumer_id, COALESCE(d.attempts, 0), s.endpoint, 0, o.position
                      FROM outbox o JOIN subscriptions s ON s.from_position <= o.position
                      LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
-                     WHERE o.event_id = ?1
+                     WHERE o.event_id = ?1 AND {wanted}
                        AND (d.status = 'pending' OR d.status = 'quarantined'
                             OR (d.status IS NULL AND o.position > s.delivered_position))
-                     ORDER BY s.consumer_id LIMIT ?2"
+                     ORDER BY s.consumer_id LIMIT ?2",
+                    wanted = WANTED.replace("{column}", "s.consumer_id").replace("?9", "?3")
                 ))
                 .db()?;
-            let rows = stmt.query_map(params![event_id, limit as i64], map).db()?;
+            let rows = stmt.query_map(params![event_id, limit as i64, wanted], map).db()?;
             return rows.collect::<rusqlite::Result<Vec<_>>>().db();
         }
         // Candidates are keyed (due time, position, consumer): retries from the exception rows,
@@ -745,11 +749,12 @@ impl ProducerStore for SqliteProducer {
                     "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint, d.next_attempt_at_ms, d.position
                      FROM deliveries d JOIN outbox o ON o.position = d.position
                      JOIN subscriptions s ON s.consumer_id = d.consumer_id
-                     WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1
-                     ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2"
+                     WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1 AND {wanted}
+                     ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2",
+                    wanted = WANTED.replace("{column}", "d.consumer_id").replace("?9", "?3")
                 ))
                 .db()?;
-            let rows = stmt.query_map(params![now_ms, limit as i64], keyed).db()?;
+            let rows = stmt.query_map(params![now_ms, limit as i64, wanted], keyed).db()?;
             for row in rows {
                 candidates.push(row.db()?);
             }
@@ -776,7 +781,9 @@ impl ProducerStore for SqliteProducer {
                  ORDER BY o.position LIMIT ?5"
             ))
             .db()?;
-        for (consumer_id, endpoint, delivered_position) in &cursors {
+        for (consumer_id, endpoint, delivered_position) in
+            cursors.iter().filter(|(c, _, _)| consumers.is_none_or(|list| list.contains(c)))
+        {
             let rows = fresh
                 .query_map(params![delivered_position, now_ms, consumer_id, endpoint, limit as i64], keyed)
                 .db()?;
@@ -1186,7 +1193,7 @@ mod tests {
         let outbox = producer.snapshot(10).unwrap().outbox;
         assert_eq!(outbox[0].generation, first, "an old event is redelivered unchanged after a rotation");
         assert_eq!(outbox[1].generation, second);
-        let due = producer.due_deliveries(10, 10, None).unwrap();
+        let due = producer.due_deliveries(10, 10, None, None).unwrap();
         assert!(due.is_empty(), "no subscribers, nothing due");
     }
 
@@ -1197,7 +1204,7 @@ mod tests {
         let subscription = Subscription { consumer_id: "audit".into(), endpoint: "a.db".into() };
         producer.subscribe(&subscription, true, 0).unwrap();
         producer.advance_batch(&ReservationMachine, &[reserve("a"), reserve("b")], 1).unwrap();
-        let due = producer.due_deliveries(10, 10, None).unwrap();
+        let due = producer.due_deliveries(10, 10, None, None).unwrap();
         let positions: Vec<i64> = due.iter().map(|d| d.position).collect();
         assert_eq!(positions, [1, 2]);
         let result = |d: &Delivery, position: i64, verdict: DeliveryVerdict| DeliveryResult {
@@ -1217,7 +1224,7 @@ mod tests {
         assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 1), ("pending".to_string(), 1)]);
         producer.record_deliveries(&[result(&due[0], 1, DeliveryVerdict::Accepted)], 3).unwrap();
         assert_eq!(producer.delivery_counts().unwrap(), [("accepted".to_string(), 2)]);
-        assert!(producer.due_deliveries(10, 10, None).unwrap().is_empty());
+        assert!(producer.due_deliveries(10, 10, None, None).unwrap().is_empty());
     }
 
     /// A subscription moves to an endpoint that has received nothing of it only while it has
@@ -1231,7 +1238,7 @@ mod tests {
         producer.subscribe(&at("a.db"), true, 0).unwrap();
         let requests = [reserve("a"), reserve("b"), reserve("c"), reserve("d")];
         producer.advance_batch(&ReservationMachine, &requests, 1).unwrap();
-        let due = producer.due_deliveries(10, 10, None).unwrap();
+        let due = producer.due_deliveries(10, 10, None, None).unwrap();
         let result = |i: usize, verdict: DeliveryVerdict| DeliveryResult {
             position: due[i].position,
             event_id: due[i].envelope.event_id.clone(),
@@ -1268,7 +1275,7 @@ mod tests {
         for (flow, now) in [("b", 2_000), ("c", 5_000), ("d", 3_000)] {
             producer.advance_batch(&ReservationMachine, &[reserve(flow)], now).unwrap();
         }
-        let due = producer.due_deliveries(10_000, 10, None).unwrap();
+        let due = producer.due_deliveries(10_000, 10, None, None).unwrap();
         let mut flows: Vec<&str> = due.iter().map(|d| d.envelope.flow_id.as_str()).collect();
         flows.sort();
         assert_eq!(flows, ["b", "c", "d"], "the subscription starts after a");

@@ -846,7 +846,7 @@ mod tests {
 
         // The relay goes on from the cursors: the fresh deliveries are due, the retry is not yet.
         let due: Vec<(String, String)> = producer
-            .due_deliveries(100, 10, None)
+            .due_deliveries(100, 10, None, None)
             .unwrap()
             .into_iter()
             .map(|d| (d.envelope.event_id, d.consumer_id))

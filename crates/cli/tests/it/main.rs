@@ -18,6 +18,7 @@ mod server_cli;
 mod server_dashboard;
 mod server_load;
 mod server_openapi;
+mod server_remote;
 mod server_tenancy;
 mod workflow_cli;
 mod workflow_inbox;

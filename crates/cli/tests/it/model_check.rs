@@ -57,7 +57,7 @@ use tidemark_core::policy::{RelayPolicy, RetentionPolicy};
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
     ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, DrainReport, DrainScope, Endpoints, HandleError,
-    Handler, InboxStatus, ProducerIdentity, ProducerSnapshot, ProducerStore, Subscription,
+    Handler, InboxStatus, ProducerIdentity, ProducerSnapshot, ProducerStore, ReceiveOutcome, Subscription,
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, RelayOptions, RelayReport};
@@ -148,6 +148,12 @@ enum Op {
     /// 1..=3 advance requests in one producer transaction.
     Advance(Vec<AdvanceSpec>),
     Relay {
+        limit: usize,
+    },
+    /// A relay lane's pass: only the deliveries to the subscribers of these slots (their current
+    /// producer-side ids), as `tidemark serve` runs one per network endpoint.
+    RelayTo {
+        slots: Vec<usize>,
         limit: usize,
     },
     /// `relay --event`: one chosen event (pending or quarantined), due or not. `patient` is an
@@ -285,6 +291,8 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         10 => prop::collection::vec(advance_spec(), 1..=3).prop_map(Op::Advance),
         10 => (1..=5_usize).prop_map(|limit| Op::Relay { limit }),
+        3 => (prop::collection::vec(slot.clone(), 0..=2), 1..=5_usize)
+            .prop_map(|(slots, limit)| Op::RelayTo { slots, limit }),
         2 => (pick.clone(), any::<bool>()).prop_map(|(pick, patient)| Op::RelayEvent { pick, patient }),
         3 => (slot.clone(), pick.clone()).prop_map(|(slot, pick)| Op::Redeliver { slot, pick }),
         2 => (slot.clone(), pick.clone(), 1..=3_usize).prop_map(|(slot, pick, count)| Op::Reorder { slot, pick, count }),
@@ -350,13 +358,11 @@ struct Unreachable<'a, E> {
 }
 
 impl<E: Endpoints> Endpoints for Unreachable<'_, E> {
-    type Store = E::Store;
-
-    fn store(&mut self, endpoint: &str) -> Result<&mut E::Store> {
+    fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
         if self.down == Some(endpoint) {
             return Err(Error::io(UNREACHABLE));
         }
-        self.inner.store(endpoint)
+        self.inner.deliver(endpoint, items, now_ms)
     }
 }
 
@@ -827,14 +833,32 @@ impl<B: Backend> Run<B> {
                 out(self.backend.producer().advance_batch(&ReservationMachine, &requests, now))
             }
             Op::Relay { limit } => {
-                let options = RelayOptions { limit: *limit, event_id: None, policy: POLICY, keep_answers: true };
+                let options = RelayOptions { limit: *limit, policy: POLICY, keep_answers: true, ..Default::default() };
                 out(self.backend.relay(&options, None, now))
+            }
+            Op::RelayTo { slots, limit } => {
+                let consumers: Vec<String> = slots.iter().map(|&slot| self.ctx.producer_names[slot].clone()).collect();
+                let options = RelayOptions {
+                    limit: *limit,
+                    policy: POLICY,
+                    keep_answers: true,
+                    consumers: Some(consumers.clone()),
+                    ..Default::default()
+                };
+                let result = self.backend.relay(&options, None, now);
+                if let Ok(report) = &result {
+                    if let Some(other) = report.answers.iter().find(|a| !consumers.contains(&a.consumer_id)) {
+                        self.ctx.violation =
+                            Some(format!("a relay to {consumers:?} delivered to {:?}", other.consumer_id));
+                    }
+                }
+                out(result)
             }
             Op::RelayUnreachable { db, limit } => {
                 let down = self.ctx.databases[*db].clone();
                 let before = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
                 let consumer_before = self.consumer_state(*db);
-                let options = RelayOptions { limit: *limit, event_id: None, policy: POLICY, keep_answers: true };
+                let options = RelayOptions { limit: *limit, policy: POLICY, keep_answers: true, ..Default::default() };
                 let result = self.backend.relay(&options, Some(&down), now);
                 if let Ok(report) = &result {
                     let after = self.backend.producer().snapshot(ROWS_MAX).expect("producer snapshot");
@@ -898,7 +922,13 @@ impl<B: Backend> Run<B> {
                     (n, _) => quarantined[pick % n].to_string(),
                 };
                 let policy = if *patient { RelayPolicy { max_attempts: 5, ..POLICY } } else { POLICY };
-                let options = RelayOptions { limit: 5, event_id: Some(event_id), policy, keep_answers: true };
+                let options = RelayOptions {
+                    limit: 5,
+                    event_id: Some(event_id),
+                    policy,
+                    keep_answers: true,
+                    ..Default::default()
+                };
                 out(self.backend.relay(&options, None, now))
             }
             Op::Redeliver { slot, pick } => {

@@ -31,9 +31,14 @@ impl Server {
     /// Start `tidemark serve --data DATA --listen 127.0.0.1:0 EXTRA` and wait (bounded) for its
     /// "listening" line.
     pub fn start(data: &Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::start_at(data, "127.0.0.1:0", extra, env)
+    }
+
+    /// [`Server::start`] on the address `listen` (to restart a server where its peers expect it).
+    pub fn start_at(data: &Path, listen: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(BIN);
         command
-            .args(["serve", "--data", path_str(data), "--listen", "127.0.0.1:0"])
+            .args(["serve", "--data", path_str(data), "--listen", listen])
             .args(extra)
             .env_remove("TIDEMARK_CRASH_AT")
             .env("TIDEMARK_LOG__LEVEL", "warn")

@@ -104,7 +104,7 @@ fn relay(producer: &mut SqliteProducer) -> RelayReport {
 /// What a relay that crashed after the consumer's commit, before recording its verdicts, did:
 /// every due delivery is in the consumer's inbox, and still pending at the producer.
 fn relay_losing_the_verdicts(producer: &mut SqliteProducer) -> Vec<ReceiveOutcome> {
-    let due = producer.due_deliveries(now_ms(), 100, None).expect("due deliveries");
+    let due = producer.due_deliveries(now_ms(), 100, None, None).expect("due deliveries");
     let mut outcomes = Vec::new();
     for delivery in due {
         let mut consumer = SqliteConsumer::open_with(Path::new(&delivery.endpoint), Durability::Normal).unwrap();

@@ -108,10 +108,8 @@ impl ConsumerStore for RemoteConsumer {
 struct RemoteEndpoints(RemoteConsumer);
 
 impl Endpoints for RemoteEndpoints {
-    type Store = RemoteConsumer;
-
-    fn store(&mut self, _endpoint: &str) -> Result<&mut RemoteConsumer> {
-        Ok(&mut self.0)
+    fn deliver(&mut self, _endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
+        self.0.receive_batch(items, now_ms)
     }
 }
 

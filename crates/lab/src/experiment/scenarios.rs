@@ -104,6 +104,7 @@ fn relay_with(max_attempts: u32, backoff_base_ms: i64, backoff_max_ms: i64, limi
         event_id: None,
         policy: RelayPolicy { max_attempts, backoff_base_ms, backoff_max_ms },
         keep_answers: true,
+        consumers: None,
     }
 }
 

@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
-use tidemark_core::limits::ENVELOPE_BYTES_MAX;
+use tidemark_core::limits::{ENVELOPE_BYTES_MAX, HTTP_RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::store::{
     ConsumerStore, FlowCursor, InboxEntry, InboxStatus, ProducerStore, ReceiveOutcome, Subscription,
 };
@@ -30,6 +30,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(declare))
         .routes(routes!(cursors))
         .routes(routes!(receive, records))
+        .routes(routes!(receive_batch))
         .routes(routes!(skip))
 }
 
@@ -271,6 +272,77 @@ async fn receive(
     state.metrics.record_receive(&caller.tenant.id, &outcome);
     let status = if outcome.is_custody() { StatusCode::OK } else { StatusCode::CONFLICT };
     Ok(typed::<ReceiveOutcome>(status, outcome))
+}
+
+/// The body of the batch receive route: envelopes in delivery order.
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"events": [{"event_id": "evt-1", "source": "partner", "generation": "g1", "flow_id": "order-7", "seq": 1, "event_type": "note.added", "schema_version": 1, "payload": {"text": "hi"}, "created_at_ms": 1700000000000_i64}]}))]
+pub struct ReceiveBatchBody {
+    /// 1..=1,000 envelopes (and the body limit, `limits.body_bytes_max`), each as a producer's
+    /// outbox holds it.
+    #[schema(min_items = 1, max_items = 1000)]
+    pub events: Vec<Envelope>,
+}
+
+/// One outcome per envelope of the batch, in the same order.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReceiveBatchAnswer {
+    pub outcomes: Vec<ReceiveOutcome>,
+}
+
+/// Store a batch of envelopes durably in the consumer's inbox, in one transaction: what another
+/// tidemark's relay calls for an `http(s)://.../v1/consumers/{id}/inbox` endpoint. The answer
+/// comes after the commit, one outcome per envelope (`accepted`, `duplicate`, `conflict`,
+/// `expired`); a malformed envelope anywhere is 400 and nothing is stored.
+#[utoipa::path(
+    post,
+    path = "/v1/consumers/{consumer_id}/inbox/batch",
+    tag = "consumers",
+    params(("consumer_id" = String, Path, description = "The consumer")),
+    request_body = ReceiveBatchBody,
+    responses(
+        (status = 200, description = "Every envelope's outcome, after the inbox transaction committed", body = ReceiveBatchAnswer),
+        (status = 400, description = "`invalid_envelope` (and the other envelope codes) or `limit_exceeded`: nothing stored", body = ErrorBody),
+        (status = 404, description = "`not_found`: no such consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn receive_batch(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(consumer_id): Path<String>,
+    Json(body): Json<ReceiveBatchBody>,
+) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    let (_, database) = consumer(&state, &caller, &consumer_id)?;
+    if body.events.is_empty() || body.events.len() > HTTP_RECEIVE_BATCH_EVENTS_MAX {
+        return Err(Error::invalid(
+            codes::LIMIT_EXCEEDED,
+            format!("a batch holds 1..={HTTP_RECEIVE_BATCH_EVENTS_MAX} events, got {}", body.events.len()),
+        )
+        .into());
+    }
+    for (index, envelope) in body.events.iter().enumerate() {
+        envelope.validate().map_err(|e| match e {
+            Error::Invalid { code, message } => Error::invalid(code, format!("events[{index}]: {message}")),
+            other => other,
+        })?;
+    }
+    let events = body.events;
+    let outcomes = caller
+        .tenant
+        .inbox_of(database)?
+        .call(move |t| {
+            let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id.as_str(), e)).collect();
+            t.store.receive_batch(&items, (t.clock)())
+        })
+        .await?;
+    for outcome in &outcomes {
+        state.metrics.record_receive(&caller.tenant.id, outcome);
+    }
+    Ok(typed(StatusCode::OK, ReceiveBatchAnswer { outcomes }))
 }
 
 #[derive(Deserialize, IntoParams)]

@@ -13,6 +13,7 @@ pub(crate) mod inbox;
 pub mod openapi;
 pub(crate) mod registry;
 pub(crate) mod runs;
+mod subscriptions;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
@@ -174,6 +175,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .routes(routes!(openapi::document))
         .merge(flows::routes())
         .merge(inbox::routes())
+        .merge(subscriptions::routes())
         .merge(runs::routes())
         .merge(registry::routes())
 }

@@ -1,0 +1,270 @@
+//! Two `tidemark serve` processes on loopback: the `orders` service's outbox delivers to the
+//! `shipping` service's inbox over HTTP (`PUT /v1/subscriptions/{id}` with an
+//! `http://.../v1/consumers/{id}/inbox` endpoint). The receiving server killed with SIGKILL
+//! mid-stream and restarted; an endpoint that never answers beside a healthy one; bad endpoints
+//! and a missing token.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::server_support::{token, Server};
+
+const FLOWS: usize = 20;
+const WAIT: Duration = Duration::from_secs(90);
+
+/// `shipping`: a server with consumer `ledger` (handler `record`, not subscribed to its own
+/// outboxes) and an `operate` token for the relay that delivers to it.
+fn shipping(data: &Path, listen: &str) -> (Server, String) {
+    let admin = token(data, "shipping", "admin");
+    let operate = token(data, "shipping", "operate");
+    let server = Server::start_at(data, listen, &[], &[]);
+    let (status, body) = server.call(
+        "PUT",
+        "/v1/consumers/ledger",
+        Some(&admin),
+        Some(&json!({"handler": "record", "subscribe": false})),
+    );
+    assert!(status == 201 || status == 200, "{status} {body}");
+    (server, operate)
+}
+
+/// `orders`: a server whose configuration holds the token for `shipping`'s origin (read from the
+/// environment, as `env:SHIPPING_TOKEN`) and the `extra_tokens` given literally, with
+/// `timeout_ms` per delivery attempt.
+fn orders(
+    data: &Path,
+    shipping: &Server,
+    shipping_token: &str,
+    extra_tokens: &[(&str, &str)],
+    timeout_ms: u64,
+) -> (Server, String) {
+    let admin = token(data, "orders", "admin");
+    let config = data.join("orders.toml");
+    let mut text = format!(
+        "[relay]\nattempt_timeout_ms = {timeout_ms}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\n\
+         max_attempts = 1000\n[relay.tokens]\n\"{}\" = \"env:SHIPPING_TOKEN\"\n",
+        shipping.base
+    );
+    for (origin, token) in extra_tokens {
+        text.push_str(&format!("\"{origin}\" = \"{token}\"\n"));
+    }
+    std::fs::write(&config, text).unwrap();
+    let server = Server::start(data, &["--config", config.to_str().unwrap()], &[("SHIPPING_TOKEN", shipping_token)]);
+    (server, admin)
+}
+
+fn append(server: &Server, token: &str, flow: &str, n: usize) {
+    for i in 0..n {
+        let (status, body) = server.call(
+            "POST",
+            &format!("/v1/streams/{flow}/events"),
+            Some(token),
+            Some(&json!({"event_type": "parcel.noted", "payload": {"i": i}})),
+        );
+        assert_eq!(status, 200, "{body}");
+    }
+}
+
+/// `ledger`'s applied records on `shipping`, as (flow, seq) -> count; None while any other
+/// record is pending.
+fn applied(server: &Server, token: &str) -> BTreeMap<(String, i64), usize> {
+    let (status, page) = server.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(token), None);
+    assert_eq!(status, 200, "{page}");
+    let mut seen = BTreeMap::new();
+    for record in page["records"].as_array().unwrap() {
+        if record["status"] == "applied" {
+            let envelope = &record["envelope"];
+            let key = (envelope["flow_id"].as_str().unwrap().to_string(), envelope["seq"].as_i64().unwrap());
+            *seen.entry(key).or_insert(0) += 1;
+        }
+    }
+    seen
+}
+
+fn subscribe(server: &Server, token: &str, consumer: &str, endpoint: &str) -> (u16, Value) {
+    server.call("PUT", &format!("/v1/subscriptions/{consumer}"), Some(token), Some(&json!({"endpoint": endpoint})))
+}
+
+fn lane<'a>(page: &'a Value, consumer: &str) -> Option<&'a Value> {
+    page["subscriptions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["consumer_id"] == consumer && s["outbox"] == "producer")
+        .map(|s| &s["lane"])
+}
+
+#[test]
+fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the_receiver() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+    let (mut ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+    let listen = ship.base.trim_start_matches("http://").to_string();
+    let (orders, orders_token) = orders(&orders_dir, &ship, &ship_token, &[], 10_000);
+    let endpoint = format!("{}/v1/consumers/ledger/inbox", ship.base);
+    let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["kind"], "http");
+
+    // Round 1: every event arrives and is applied once.
+    for f in 0..FLOWS {
+        append(&orders, &orders_token, &format!("parcel-{f}"), 3);
+    }
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_token);
+        (seen.len() == FLOWS * 3).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+
+    // Round 2: the receiver is killed with SIGKILL while events are on their way, then
+    // restarted where the sender expects it. Every event arrives once, in order per flow.
+    let writer = {
+        let (base, token) = (orders.base.clone(), orders_token.clone());
+        std::thread::spawn(move || {
+            let client = reqwest::blocking::Client::new();
+            for round in 0..10 {
+                for f in 0..FLOWS {
+                    let response = client
+                        .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                        .bearer_auth(&token)
+                        .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                        .send()
+                        .expect("orders answers");
+                    assert_eq!(response.status().as_u16(), 200);
+                }
+            }
+        })
+    };
+    ship.wait_for(WAIT, |s| (applied(s, &ship_token).len() > FLOWS * 3 + 10).then_some(()));
+    ship.kill9();
+    // While it is down, the lane reports what failed.
+    let down = orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+    });
+    assert!(down.contains("ledger/inbox/batch"), "{down}");
+    writer.join().unwrap();
+    let ship = Server::start_at(&ship_dir, &listen, &[], &[]);
+    let total = FLOWS * 13;
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_token);
+        (seen.len() == total).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+    for f in 0..FLOWS {
+        let seqs: BTreeSet<i64> =
+            seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
+        assert_eq!(seqs, (1..=13).collect(), "parcel-{f}");
+    }
+    // Each flow's high-water mark on the receiver is its last seq: applied in order, no gap.
+    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_token), None);
+    let cursors = cursors["cursors"].as_array().unwrap();
+    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+    assert!(cursors.iter().all(|c| c["high_water_seq"] == 13), "{cursors:?}");
+    // The sender has nothing left to deliver, nothing quarantined.
+    orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
+        page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
+    });
+    let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
+    assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+}
+
+#[test]
+fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+    let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+    // A black hole: the kernel completes the handshake into the backlog, nobody ever answers.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_addr = hole.local_addr().unwrap();
+    // A timeout far longer than this test's waits: if the relay waited for its slowest endpoint,
+    // nothing would reach `shipping` in time.
+    let hole_origin = format!("http://{hole_addr}");
+    let (orders, orders_token) = orders(&orders_dir, &ship, &ship_token, &[(&hole_origin, "tmk_whatever")], 600_000);
+
+    // Bad endpoints: typed errors, nothing subscribed.
+    for bad in [
+        "ftp://host/x",
+        "http://user:secret@127.0.0.1:9/v1/consumers/c/inbox",
+        "http://127.0.0.1:9/v1/runs",
+        "/etc/passwd",
+        "nats://127.0.0.1:4222/a..b",
+    ] {
+        let (status, body) = subscribe(&orders, &orders_token, "bad", bad);
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{bad}: {body}");
+        assert!(!body.to_string().contains("secret"), "{body}");
+    }
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+    assert_eq!(page["subscriptions"].as_array().map(Vec::len), Some(0), "{page}");
+
+    // Three subscribers: the black hole, an origin without a configured token, and `shipping`.
+    for (consumer, endpoint) in [
+        ("hole", format!("{hole_origin}/v1/consumers/ledger/inbox")),
+        ("untokened", "http://127.0.0.1:9/v1/consumers/ledger/inbox".to_string()),
+        ("ledger", format!("{}/v1/consumers/ledger/inbox", ship.base)),
+    ] {
+        let (status, body) = subscribe(&orders, &orders_token, consumer, &endpoint);
+        assert_eq!(status, 200, "{body}");
+    }
+    for f in 0..FLOWS {
+        append(&orders, &orders_token, &format!("parcel-{f}"), 3);
+    }
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_token);
+        (seen.len() == FLOWS * 3).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+    // The black hole's batch is still in flight (it never answers); the untokened subscriber's
+    // deliveries failed with the reason, and were never accepted.
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+    let hole_lane = lane(&page, "hole").expect("the hole's subscription");
+    assert_eq!(hole_lane["in_flight"], true, "{page}");
+    assert_eq!(hole_lane["delivered"], 0, "{page}");
+    let reason = orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        lane(&page, "untokened").and_then(|l| l["last_error"].as_str().map(str::to_string))
+    });
+    assert!(reason.contains("no bearer token"), "{reason}");
+    let (_, pending) = orders.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_token), None);
+    let pending = pending["deliveries"].as_array().unwrap();
+    let by_consumer: BTreeSet<&str> = pending.iter().map(|d| d["consumer_id"].as_str().unwrap()).collect();
+    assert_eq!(by_consumer, BTreeSet::from(["hole", "untokened"]), "{pending:?}");
+    assert_eq!(pending.len(), 2 * FLOWS * 3, "every event still pending for both, none for `ledger`");
+    drop(hole);
+}
+
+#[test]
+fn the_cli_subscribes_network_endpoints_and_its_file_relay_leaves_them_to_the_server() {
+    use crate::support::{ok, path_str, run};
+    let dir = tempfile::tempdir().unwrap();
+    let producer = dir.path().join("p.db");
+    let p = path_str(&producer);
+    ok(&["init", "--producer", p, "--source", "shop"]);
+    let subscribed = ok(&[
+        "subscribe",
+        "--producer",
+        p,
+        "--consumer-id",
+        "remote",
+        "--endpoint",
+        "http://127.0.0.1:9/v1/consumers/r/inbox",
+    ]);
+    assert_eq!(subscribed["subscription"]["kind"], "http", "{subscribed}");
+    for bad in ["ftp://h/x", "http://u:secret@h/v1/consumers/r/inbox", "kafka://h"] {
+        let r = run(&["subscribe", "--producer", p, "--consumer-id", "bad", "--endpoint", bad]);
+        assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_endpoint")), "{bad}: {}", r.stdout);
+        assert!(!r.stdout.contains("secret"), "{}", r.stdout);
+    }
+    ok(&["advance", "--producer", p, "--flow", "r1", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"]);
+    let relayed = ok(&["relay", "--producer", p, "--until-idle"]);
+    assert_eq!(relayed["attempted"], 0, "{relayed}");
+    assert_eq!(relayed["not_relayed_here"], json!(["remote"]), "{relayed}");
+    let listed = ok(&["outbox", "list", "--producer", p]);
+    let deliveries = listed["deliveries"].as_array().expect("deliveries");
+    assert_eq!(deliveries.len(), 1, "{listed}");
+    assert_eq!((deliveries[0]["status"].as_str(), deliveries[0]["attempts"].as_i64()), (Some("pending"), Some(0)));
+}

@@ -1,0 +1,237 @@
+//! Relay lanes: one asynchronous delivery loop per network endpoint of each outbox, so that an
+//! endpoint that is down, slow or black-holed never delays delivery to the others
+//! (docs/protocol.md, "Endpoints").
+//!
+//! A lane repeats: read the due deliveries of its endpoint's subscribers on the outbox's thread
+//! (the engine's `plan`, restricted to those subscribers, so another endpoint's backlog never fills
+//! its window), hand them to the endpoint's transport with `relay.attempt_timeout_ms` (the
+//! thread is free meanwhile), and record the verdicts on the outbox's thread (`judge`, then
+//! `record_deliveries`: the same backoff, jitter and quarantine as the file relay). One batch is
+//! in flight per lane at a time, which keeps each flow's events in order. A timeout or an error
+//! fails the batch's deliveries (retried; the remote answers `duplicate` for what it stored).
+//! File endpoints are delivered by the delivery loop on the outbox's thread, as before.
+//!
+//! The delivery loop starts a lane when it sees a network subscription without one; a lane ends
+//! when its endpoint has no subscriber left or shutdown begins.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use tidemark_core::crash;
+use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
+use tidemark_core::store::{Delivery, ProducerStore, Subscription};
+use tidemark_core::{Envelope, Result};
+use tidemark_engine::{judge, plan, EndpointAnswer, RelayOptions, RelayReport};
+use tidemark_transport::Transport;
+use utoipa::ToSchema;
+
+use crate::tenant::Tenant;
+use crate::{now_ms, AppState};
+
+/// What an operator sees of one lane (`GET /v1/subscriptions`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct LaneStatus {
+    /// The endpoint's kind.
+    pub kind: EndpointKind,
+    /// A batch is being delivered right now.
+    pub in_flight: bool,
+    /// Batches handed over since the lane started.
+    pub batches: u64,
+    /// Deliveries the endpoint answered `accepted` or `duplicate`.
+    pub delivered: u64,
+    /// Deliveries that failed (an error, a timeout, a `conflict` or `expired` answer).
+    pub failed: u64,
+    /// The last batch's error, if it failed (cleared by the next batch that does not).
+    pub last_error: Option<String>,
+    /// When the last batch was handed over, in ms since the Unix epoch.
+    pub last_attempt_at_ms: Option<i64>,
+    /// How long the last batch took, in ms.
+    pub last_batch_ms: Option<u64>,
+}
+
+/// The running lanes of one tenant, by (outbox index in [`Tenant::outboxes`], endpoint).
+pub type Lanes = std::sync::Mutex<BTreeMap<(usize, String), LaneStatus>>;
+
+/// The network subscriptions of an outbox, grouped by endpoint (file endpoints left out: and an
+/// endpoint that no longer parses is left to the file relay, which fails it with its reason).
+pub fn network_endpoints(subscriptions: &[Subscription]) -> BTreeMap<String, EndpointKind> {
+    subscriptions
+        .iter()
+        .filter_map(|s| match Endpoint::parse(&s.endpoint).map(|e| e.kind()) {
+            Ok(EndpointKind::Sqlite) | Err(_) => None,
+            Ok(kind) => Some((s.endpoint.clone(), kind)),
+        })
+        .collect()
+}
+
+/// Start a lane for each of `endpoints` of outbox `outbox` that has none.
+pub fn ensure(state: &AppState, tenant: &Arc<Tenant>, outbox: usize, endpoints: BTreeMap<String, EndpointKind>) {
+    if state.is_shutting_down() {
+        return;
+    }
+    let mut lanes = tenant.lanes.lock().unwrap_or_else(|p| p.into_inner());
+    for (endpoint, kind) in endpoints {
+        let key = (outbox, endpoint.clone());
+        if lanes.contains_key(&key) {
+            continue;
+        }
+        lanes.insert(
+            key,
+            LaneStatus {
+                kind,
+                in_flight: false,
+                batches: 0,
+                delivered: 0,
+                failed: 0,
+                last_error: None,
+                last_attempt_at_ms: None,
+                last_batch_ms: None,
+            },
+        );
+        let handle = tokio::spawn(lane(state.clone(), tenant.clone(), outbox, endpoint.clone()));
+        let name = format!("{}/lane/{outbox}/{}", tenant.id, mask(&endpoint));
+        state.tasks.lock().unwrap_or_else(|p| p.into_inner()).push((name, handle));
+    }
+}
+
+fn update(tenant: &Tenant, outbox: usize, endpoint: &str, f: impl FnOnce(&mut LaneStatus)) {
+    let mut lanes = tenant.lanes.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(status) = lanes.get_mut(&(outbox, endpoint.to_string())) {
+        f(status);
+    }
+}
+
+/// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left.
+async fn next_batch(
+    tenant: &Tenant,
+    outbox: usize,
+    endpoint: &str,
+    options: &RelayOptions,
+) -> Result<Option<Vec<Delivery>>> {
+    let (endpoint, mut options) = (endpoint.to_string(), options.clone());
+    tenant.outboxes()[outbox]
+        .call(move |p| {
+            let consumers: Vec<String> = p
+                .store
+                .subscriptions()?
+                .into_iter()
+                .filter(|s| s.endpoint == endpoint)
+                .map(|s| s.consumer_id)
+                .collect();
+            if consumers.is_empty() {
+                return Ok(None);
+            }
+            options.consumers = Some(consumers);
+            plan(&mut p.store, &options, (p.clock)()).map(Some)
+        })
+        .await
+}
+
+/// Hand `batch` to the transport (connecting first when there is none yet), within `timeout`.
+async fn hand_over(
+    transport: &mut Option<Arc<dyn Transport>>,
+    state: &AppState,
+    endpoint: &str,
+    batch: &[Delivery],
+    timeout: Duration,
+) -> Vec<EndpointAnswer> {
+    let fail_all = |reason: String| batch.iter().map(|_| Err(reason.clone())).collect();
+    if transport.is_none() {
+        match tidemark_transport::connect(endpoint, &state.config.transport_config()) {
+            Ok(connected) => *transport = Some(connected),
+            Err(error) => return fail_all(format!("endpoint {}: {error}", mask(endpoint))),
+        }
+    }
+    let connected = transport.as_ref().expect("connected above");
+    let items: Vec<(String, Envelope)> = batch.iter().map(|d| (d.consumer_id.clone(), d.envelope.clone())).collect();
+    match tokio::time::timeout(timeout, connected.deliver(&items)).await {
+        Ok(Ok(outcomes)) if outcomes.len() == batch.len() => outcomes.into_iter().map(Ok).collect(),
+        Ok(Ok(outcomes)) => fail_all(format!(
+            "endpoint {} answered {} outcomes for {} events",
+            mask(endpoint),
+            outcomes.len(),
+            batch.len()
+        )),
+        Ok(Err(error)) => fail_all(format!("endpoint {} failed: {error}", mask(endpoint))),
+        Err(_) => fail_all(format!("endpoint {} did not answer within {} ms", mask(endpoint), timeout.as_millis())),
+    }
+}
+
+async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: String) -> Value {
+    let options = RelayOptions {
+        limit: state.config.relay.batch,
+        event_id: None,
+        policy: state.config.relay_policy(),
+        keep_answers: false,
+        consumers: None,
+    };
+    let timeout = Duration::from_millis(state.config.relay.attempt_timeout_ms);
+    let mut transport: Option<Arc<dyn Transport>> = None;
+    let mut total = RelayReport::default();
+    let mut errors = 0_u64;
+    tracing::debug!(tenant = %tenant.id, endpoint = %mask(&endpoint), "relay lane started");
+    while !state.is_shutting_down() {
+        let batch = match next_batch(&tenant, outbox, &endpoint, &options).await {
+            Ok(Some(batch)) => batch,
+            Ok(None) => break,
+            Err(error) => {
+                errors += 1;
+                tracing::error!(tenant = %tenant.id, endpoint = %mask(&endpoint), code = error.code(), %error,
+                    "relay lane: reading the due deliveries failed");
+                if !crate::background::pause(&state, state.config.relay.interval_ms).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        if batch.is_empty() {
+            if !crate::background::pause(&state, state.config.relay.interval_ms).await {
+                break;
+            }
+            continue;
+        }
+        update(&tenant, outbox, &endpoint, |s| s.in_flight = true);
+        let started = Instant::now();
+        let answers = hand_over(&mut transport, &state, &endpoint, &batch, timeout).await;
+        crash::hit("relay.after_consumer_commit");
+        let now = now_ms();
+        let (results, report) = judge(&batch, answers, &options, now, &mut rand::random::<f64>);
+        let last_error = results.iter().find_map(|r| match &r.verdict {
+            tidemark_core::store::DeliveryVerdict::Accepted => None,
+            tidemark_core::store::DeliveryVerdict::Retry { reason, .. }
+            | tidemark_core::store::DeliveryVerdict::Quarantine { reason } => Some(reason.clone()),
+        });
+        if report.failed == report.attempted {
+            // Nothing got through: connect again next time (a restarted server, a new token).
+            transport = None;
+        }
+        let recorded = tenant.outboxes()[outbox].call(move |p| p.store.record_deliveries(&results, now)).await;
+        state.metrics.record_relay(&tenant.id, &report);
+        let took_ms = started.elapsed().as_millis() as u64;
+        update(&tenant, outbox, &endpoint, |s| {
+            s.in_flight = false;
+            s.batches += 1;
+            s.delivered += report.accepted + report.duplicate;
+            s.failed += report.attempted - report.accepted - report.duplicate;
+            s.last_error.clone_from(&last_error);
+            s.last_attempt_at_ms = Some(now);
+            s.last_batch_ms = Some(took_ms);
+        });
+        if let Some(error) = &last_error {
+            tracing::warn!(tenant = %tenant.id, endpoint = %mask(&endpoint), attempted = report.attempted,
+                failed = report.failed, quarantined = report.quarantined, %error, "relay lane: deliveries not accepted");
+        }
+        if let Err(error) = recorded {
+            errors += 1;
+            tracing::error!(tenant = %tenant.id, endpoint = %mask(&endpoint), code = error.code(), %error,
+                "relay lane: recording the verdicts failed (the deliveries stay pending and are sent again)");
+        }
+        total.absorb(report);
+    }
+    tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&(outbox, endpoint.clone()));
+    json!({"endpoint": mask(&endpoint), "attempted": total.attempted, "accepted": total.accepted,
+        "duplicate": total.duplicate, "failed": total.failed, "quarantined": total.quarantined, "errors": errors})
+}

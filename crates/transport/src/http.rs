@@ -1,0 +1,110 @@
+//! Another tidemark's inbox over HTTP(S): `POST {endpoint}/batch`.
+//!
+//! Custody: the receiving server answers `200 {"outcomes": [...]}` only after its inbox
+//! transaction committed the batch, one outcome per event in order (`accepted`, `duplicate`,
+//! `conflict`, `expired`); the relay records exactly those answers. Any other answer (a status
+//! other than 200, a body that is not that document, a count that does not match, a connection
+//! error) fails every event of the batch: it is retried, and the remote inbox answers
+//! `duplicate` for what it already stored.
+
+use serde::{Deserialize, Serialize};
+use tidemark_core::endpoint::EndpointKind;
+use tidemark_core::limits::{HTTP_RECEIVE_BATCH_BYTES_MAX, HTTP_RECEIVE_BATCH_EVENTS_MAX};
+use tidemark_core::store::ReceiveOutcome;
+use tidemark_core::{Envelope, Error, Result};
+
+use crate::{chunks, Delivered, Transport, TransportConfig};
+
+/// The body of `POST /v1/consumers/{id}/inbox/batch`.
+#[derive(Serialize)]
+struct BatchBody<'a> {
+    events: Vec<&'a Envelope>,
+}
+
+/// Its answer.
+#[derive(Deserialize)]
+struct BatchAnswer {
+    outcomes: Vec<ReceiveOutcome>,
+}
+
+/// The error body every tidemark route answers with.
+#[derive(Deserialize)]
+struct ErrorAnswer {
+    error: ErrorDetail,
+}
+
+#[derive(Deserialize)]
+struct ErrorDetail {
+    code: String,
+    message: String,
+}
+
+/// A tidemark inbox at an `http(s)://.../v1/consumers/{id}/inbox` endpoint, with its bearer token.
+pub struct HttpTransport {
+    client: reqwest::Client,
+    batch_url: String,
+    token: String,
+}
+
+impl HttpTransport {
+    /// A client for the inbox at `url` (its `/batch` route) that authenticates with `token`.
+    pub fn new(url: &str, token: String, config: &TransportConfig) -> Result<HttpTransport> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .pool_max_idle_per_host(2)
+            .build()
+            .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+        Ok(HttpTransport { client, batch_url: format!("{url}/batch"), token })
+    }
+
+    async fn post(&self, items: &[(String, Envelope)]) -> Result<Vec<ReceiveOutcome>> {
+        let body = BatchBody { events: items.iter().map(|(_, e)| e).collect() };
+        let response = self
+            .client
+            .post(&self.batch_url)
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .map_err(|e| Error::io(format!("POST {}: {e}", self.batch_url)))?;
+        let status = response.status();
+        let bytes = response.bytes().await.map_err(|e| Error::io(format!("POST {}: {e}", self.batch_url)))?;
+        if status != reqwest::StatusCode::OK {
+            let why = match serde_json::from_slice::<ErrorAnswer>(&bytes) {
+                Ok(answer) => format!("{} {}", answer.error.code, answer.error.message),
+                Err(_) => String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned(),
+            };
+            return Err(Error::io(format!("POST {} answered {status}: {why}", self.batch_url)));
+        }
+        let answer: BatchAnswer = serde_json::from_slice(&bytes).map_err(|e| {
+            Error::io(format!("POST {} answered 200 with a body that is not a batch answer: {e}", self.batch_url))
+        })?;
+        if answer.outcomes.len() != items.len() {
+            return Err(Error::io(format!(
+                "POST {} answered {} outcomes for {} events",
+                self.batch_url,
+                answer.outcomes.len(),
+                items.len()
+            )));
+        }
+        Ok(answer.outcomes)
+    }
+}
+
+impl Transport for HttpTransport {
+    fn kind(&self) -> EndpointKind {
+        EndpointKind::Http
+    }
+
+    fn deliver<'a>(&'a self, items: &'a [(String, Envelope)]) -> Delivered<'a> {
+        Box::pin(async move {
+            // One request per chunk, in order, each within the receiving side's limits; a failed
+            // chunk fails the whole batch (what earlier chunks stored is `duplicate` next time).
+            let mut outcomes = Vec::with_capacity(items.len());
+            for chunk in chunks(items, HTTP_RECEIVE_BATCH_EVENTS_MAX, HTTP_RECEIVE_BATCH_BYTES_MAX) {
+                outcomes.extend(self.post(chunk).await?);
+            }
+            Ok(outcomes)
+        })
+    }
+}

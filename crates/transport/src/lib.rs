@@ -1,0 +1,172 @@
+//! tidemark-transport: hand outbox events to endpoints on other machines.
+//!
+//! A [`Transport`] delivers one batch of events to one endpoint and answers one
+//! [`ReceiveOutcome`] per event, each only after the endpoint took custody as its kind defines it
+//! (docs/protocol.md, "Endpoints"). [`connect`] builds the transport an endpoint string names.
+//! The relay lanes of `tidemark serve` (one per endpoint, so that a slow or unreachable endpoint
+//! never delays the others) call them with a per-attempt timeout; an error or a timeout is a
+//! failed attempt, retried with the relay's backoff and quarantined after `max_attempts`, never
+//! an `accepted`.
+//!
+//! Kinds built here: `http(s)://` (another tidemark's inbox). File endpoints are delivered by
+//! `tidemark_store_sqlite::SqliteEndpoints`; the broker kinds parse ([`Endpoint::parse`]) but
+//! have no transport in this build yet, and a delivery to one fails with that reason.
+#![warn(missing_docs)]
+
+mod http;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tidemark_core::endpoint::{Endpoint, EndpointKind};
+use tidemark_core::error::codes;
+use tidemark_core::store::ReceiveOutcome;
+use tidemark_core::{Envelope, Error, Result};
+
+pub use http::HttpTransport;
+
+/// What a delivery resolves to: one outcome per event, in order, or the reason it failed.
+pub type Delivered<'a> = Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
+
+/// One endpoint's connection (a client, a broker channel), kept by its relay lane.
+pub trait Transport: Send + Sync {
+    /// The endpoint's kind.
+    fn kind(&self) -> EndpointKind;
+    /// Hand `items` (the subscriber's consumer id and the envelope, in delivery order) to the
+    /// endpoint. Resolves to one outcome per item once the endpoint took custody of it (or
+    /// refused it), or to an error that fails every item. Dropping the future (the lane's
+    /// timeout) abandons the attempt: what the endpoint did with it is learnt on the next attempt,
+    /// which it answers `duplicate` for what it already holds.
+    fn deliver<'a>(&'a self, items: &'a [(String, Envelope)]) -> Delivered<'a>;
+}
+
+/// How transports connect: the delivering side's configuration (`[relay]` in `tidemark serve`'s
+/// configuration file). Secrets live here, never in the producer database.
+#[derive(Debug, Clone)]
+pub struct TransportConfig {
+    /// Bearer tokens of HTTP endpoints by origin (`http://host:port`, the port always spelled
+    /// out): the token itself, or `env:NAME` to read it from the environment variable `NAME`.
+    pub http_tokens: BTreeMap<String, String>,
+    /// How long connecting may take, at most (the lane's attempt timeout bounds the whole
+    /// delivery).
+    pub connect_timeout: Duration,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig { http_tokens: BTreeMap::new(), connect_timeout: Duration::from_secs(5) }
+    }
+}
+
+impl TransportConfig {
+    /// The bearer token configured for `origin`: `invalid_config` when none is, or when it names
+    /// an environment variable that is not set.
+    pub fn http_token(&self, origin: &str) -> Result<String> {
+        let configured = self.http_tokens.get(origin).ok_or_else(|| {
+            Error::invalid(
+                codes::INVALID_CONFIG,
+                format!("no bearer token for {origin}: set relay.tokens.\"{origin}\" (the token, or env:NAME)"),
+            )
+        })?;
+        match configured.strip_prefix("env:") {
+            Some(name) => std::env::var(name).map_err(|_| {
+                Error::invalid(
+                    codes::INVALID_CONFIG,
+                    format!("relay.tokens.\"{origin}\" names the environment variable {name}, which is not set"),
+                )
+            }),
+            None => Ok(configured.clone()),
+        }
+    }
+}
+
+/// The transport of a network endpoint. A file endpoint is `invalid_endpoint` here (files are
+/// delivered on the producer's thread, by the store crate); a broker kind without a transport in
+/// this build is `unavailable`; a missing token is `invalid_config`.
+pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
+    match Endpoint::parse(endpoint)? {
+        Endpoint::Http { url, origin, .. } => {
+            Ok(Arc::new(HttpTransport::new(&url, config.http_token(&origin)?, config)?))
+        }
+        Endpoint::Sqlite { .. } => Err(Error::invalid(
+            codes::INVALID_ENDPOINT,
+            format!("{endpoint} is a consumer database file: the producer's own thread delivers to files"),
+        )),
+        other => Err(Error::Store {
+            code: codes::UNAVAILABLE,
+            message: format!("{} endpoints have no transport in this build yet", other.kind()),
+        }),
+    }
+}
+
+/// Split `items` into consecutive chunks of at most `max_items` items whose envelopes' JSON is at
+/// most `max_bytes` in all (an item larger than that alone is a chunk of its own).
+pub fn chunks(items: &[(String, Envelope)], max_items: usize, max_bytes: usize) -> Vec<&[(String, Envelope)]> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (_, envelope)) in items.iter().enumerate() {
+        let size = serde_json::to_vec(envelope).map(|v| v.len()).unwrap_or(0) + 1;
+        if i > start && (i - start == max_items || bytes + size > max_bytes) {
+            out.push(&items[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < items.len() {
+        out.push(&items[start..]);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn envelope(seq: i64, text: &str) -> Envelope {
+        Envelope {
+            event_id: format!("e{seq}"),
+            source: "s".into(),
+            generation: "g".into(),
+            flow_id: "f".into(),
+            seq,
+            event_type: "t".into(),
+            schema_version: 1,
+            payload: json!({"text": text}),
+            created_at_ms: 0,
+        }
+    }
+
+    #[test]
+    fn chunks_respect_both_bounds_and_keep_order() {
+        let items: Vec<(String, Envelope)> = (1..=7).map(|i| ("c".to_string(), envelope(i, "x"))).collect();
+        let sizes: Vec<usize> = chunks(&items, 3, usize::MAX).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, [3, 3, 1]);
+        let one = serde_json::to_vec(&items[0].1).unwrap().len() + 1;
+        let sizes: Vec<usize> = chunks(&items, 100, 2 * one).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, [2, 2, 2, 1]);
+        let flat: Vec<i64> = chunks(&items, 2, usize::MAX).concat().iter().map(|(_, e)| e.seq).collect();
+        assert_eq!(flat, (1..=7).collect::<Vec<_>>());
+        let big = vec![("c".to_string(), envelope(1, &"y".repeat(1000)))];
+        assert_eq!(chunks(&big, 10, 10).len(), 1, "an item over the byte bound is sent alone");
+        assert!(chunks(&[], 10, 10).is_empty());
+    }
+
+    #[test]
+    fn connect_refuses_what_it_cannot_deliver_with_typed_errors() {
+        let config = TransportConfig::default();
+        let code = |endpoint: &str, config: &TransportConfig| connect(endpoint, config).err().expect(endpoint).code();
+        assert_eq!(code("/tmp/inbox.db", &config), codes::INVALID_ENDPOINT);
+        assert_eq!(code("gopher://h/x", &config), codes::INVALID_ENDPOINT);
+        assert_eq!(code("http://127.0.0.1:9/v1/consumers/c/inbox", &config), codes::INVALID_CONFIG);
+        assert_eq!(code("kafka://h/t", &config), codes::UNAVAILABLE);
+        let mut config = TransportConfig::default();
+        config.http_tokens.insert("http://127.0.0.1:9".into(), "env:TIDEMARK_TEST_TOKEN_THAT_IS_NOT_SET".into());
+        assert_eq!(code("http://127.0.0.1:9/v1/consumers/c/inbox", &config), codes::INVALID_CONFIG);
+        config.http_tokens.insert("http://127.0.0.1:9".into(), "tok".into());
+        assert!(connect("http://127.0.0.1:9/v1/consumers/c/inbox", &config).is_ok());
+    }
+}
