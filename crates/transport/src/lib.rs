@@ -8,12 +8,14 @@
 //! failed attempt, retried with the relay's backoff and quarantined after `max_attempts`, never
 //! an `accepted`.
 //!
-//! Kinds built here: `http(s)://` (another tidemark's inbox). File endpoints are delivered by
-//! `tidemark_store_sqlite::SqliteEndpoints`; the broker kinds parse ([`Endpoint::parse`]) but
-//! have no transport in this build yet, and a delivery to one fails with that reason.
+//! Kinds built here: `http(s)://` (another tidemark's inbox) and `nats://` (JetStream). File
+//! endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`; `amqp://` and `kafka://`
+//! parse ([`Endpoint::parse`]) but have no transport in this build yet, and a delivery to one
+//! fails with that reason.
 #![warn(missing_docs)]
 
 mod http;
+mod nats;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -27,6 +29,7 @@ use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
 
 pub use http::HttpTransport;
+pub use nats::{subject as nats_subject, NatsTransport};
 
 /// What a delivery resolves to: one outcome per event, in order, or the reason it failed.
 pub type Delivered<'a> = Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
@@ -91,6 +94,7 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
         Endpoint::Http { url, origin, .. } => {
             Ok(Arc::new(HttpTransport::new(&url, config.http_token(&origin)?, config)?))
         }
+        Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
         Endpoint::Sqlite { .. } => Err(Error::invalid(
             codes::INVALID_ENDPOINT,
             format!("{endpoint} is a consumer database file: the producer's own thread delivers to files"),

@@ -268,3 +268,145 @@ fn the_cli_subscribes_network_endpoints_and_its_file_relay_leaves_them_to_the_se
     assert_eq!(deliveries.len(), 1, "{listed}");
     assert_eq!((deliveries[0]["status"].as_str(), deliveries[0]["attempts"].as_i64()), (Some("pending"), Some(0)));
 }
+
+/// A NATS server of this test's own (the machine's `nats-server` binary, JetStream on, its own
+/// store folder and port), so that it can be killed and restarted without touching anyone else's.
+struct Nats {
+    child: Option<std::process::Child>,
+    port: u16,
+    store: std::path::PathBuf,
+}
+
+const NATS_BIN: &str = "/usr/sbin/nats-server";
+
+impl Nats {
+    fn start(store: &Path, port: u16) -> Nats {
+        let child = std::process::Command::new(NATS_BIN)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd", store.to_str().unwrap()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn nats-server");
+        let nats = Nats { child: Some(child), port, store: store.to_path_buf() };
+        let started = std::time::Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(started.elapsed() < WAIT, "nats-server did not listen on {port}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        nats
+    }
+
+    fn kill9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    fn restart(&mut self) {
+        *self = Nats::start(&self.store.clone(), self.port);
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Run `f` with a JetStream context on the test's NATS server.
+fn with_jetstream<T>(port: u16, f: impl AsyncFnOnce(async_nats::jetstream::Context) -> T) -> T {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    runtime.block_on(async {
+        let client = async_nats::connect(format!("127.0.0.1:{port}")).await.expect("connect to NATS");
+        f(async_nats::jetstream::new(client)).await
+    })
+}
+
+/// Every message of the stream: its `Nats-Msg-Id`s, in stream order.
+fn stored_ids(port: u16, stream: &str) -> Vec<String> {
+    with_jetstream(port, async |js| {
+        let mut stream = js.get_stream(stream).await.expect("the stream");
+        let count = stream.info().await.unwrap().state.last_sequence;
+        let mut ids = Vec::new();
+        for seq in 1..=count {
+            let message = stream.get_raw_message(seq).await.expect("message");
+            let id = message.headers.get(async_nats::header::NATS_MESSAGE_ID).expect("Nats-Msg-Id");
+            ids.push(id.as_str().to_string());
+        }
+        ids
+    })
+}
+
+#[test]
+fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_relay() {
+    if !Path::new(NATS_BIN).exists() {
+        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut nats = Nats::start(&dir.path().join("nats"), port);
+    with_jetstream(port, async |js| {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "ORDERS".into(),
+            subjects: vec!["orders.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream")
+    });
+    let orders_dir = dir.path().join("orders");
+    let admin = token(&orders_dir, "orders", "admin");
+    let config = orders_dir.join("orders.toml");
+    std::fs::write(
+        &config,
+        "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+    )
+    .unwrap();
+    let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+    let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
+    assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
+    let pending = |o: &Server| {
+        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
+        page["deliveries"].as_array().map(Vec::len).unwrap()
+    };
+
+    for f in 0..FLOWS {
+        append(&orders, &admin, &format!("parcel-{f}"), 3);
+    }
+    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+    assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 3);
+
+    // The broker killed with SIGKILL while events are committed, then restarted on its files.
+    nats.kill9();
+    for f in 0..FLOWS {
+        append(&orders, &admin, &format!("parcel-{f}"), 2);
+    }
+    let down = orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
+        lane(&page, "stream").and_then(|l| l["last_error"].as_str().map(str::to_string))
+    });
+    assert!(down.contains(&format!("nats://127.0.0.1:{port}/orders")), "{down}");
+    assert_eq!(pending(&orders), FLOWS * 2, "nothing accepted while the broker is down");
+    nats.restart();
+    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+    let ids = stored_ids(port, "ORDERS");
+    assert_eq!(ids.len(), FLOWS * 5, "every event stored once");
+    assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), ids.len(), "no event stored twice");
+
+    // Every event handed over again (an operator's redeliver): the stream answers duplicate.
+    let (status, body) = orders.call("POST", "/v1/outbox/redeliver/stream", Some(&admin), Some(&json!({"all": true})));
+    assert_eq!(status, 200, "{body}");
+    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+    assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 5, "the duplicate window kept them out");
+    let (_, metrics) = orders.text("/metrics");
+    let duplicates: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("tidemark_relay_deliveries_total") && l.contains("outcome=\"duplicate\""))
+        .filter_map(|l| l.rsplit(" ").next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(duplicates as usize, FLOWS * 5, "{metrics}");
+}
