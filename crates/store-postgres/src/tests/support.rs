@@ -1,0 +1,116 @@
+//! The test database: connection string, one schema per test (dropped at the end), and the
+//! relay's endpoints on PostgreSQL (an endpoint is a consumer's schema name).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use postgres::{Client, NoTls};
+use tidemark_core::flow::AdvanceRequest;
+use tidemark_core::store::Endpoints;
+use tidemark_core::Result;
+
+use crate::PgConsumer;
+
+const DEFAULT_CONN: &str = "host=127.0.0.1 port=5432 user=postgres dbname=test";
+
+/// The test server's connection string.
+pub fn conn_str() -> String {
+    std::env::var("TIDEMARK_TEST_POSTGRES").unwrap_or_else(|_| DEFAULT_CONN.to_string())
+}
+
+/// Schemas made for one test: each name is unique to the process and the test, and every one is
+/// dropped when the `TestDb` goes (also when the test panics).
+pub struct TestDb {
+    pub conn: String,
+    prefix: String,
+    made: std::cell::RefCell<Vec<String>>,
+}
+
+static NEXT: AtomicU64 = AtomicU64::new(0);
+
+impl TestDb {
+    /// `None` (after printing why) when the server does not answer: the test then returns.
+    pub fn new(test: &str) -> Option<TestDb> {
+        let conn = conn_str();
+        if let Err(error) = Client::connect(&conn, NoTls) {
+            println!("skipped: PostgreSQL not reachable at {conn}: {error}");
+            return None;
+        }
+        let prefix = format!("t{}_{}_{test}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        Some(TestDb { conn, prefix, made: Default::default() })
+    }
+
+    /// A fresh schema name for this test (nothing is created).
+    pub fn schema(&self, role: &str) -> String {
+        let mut name = format!("{}_{role}", self.prefix);
+        name.truncate(crate::SCHEMA_NAME_BYTES_MAX);
+        self.made.borrow_mut().push(name.clone());
+        name
+    }
+
+    /// A plain connection of the test's own.
+    pub fn client(&self) -> Client {
+        Client::connect(&self.conn, NoTls).expect("the server answered a moment ago")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if let Ok(mut client) = Client::connect(&self.conn, NoTls) {
+            for schema in self.made.borrow().iter() {
+                let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"));
+            }
+        }
+    }
+}
+
+/// Skip the test (return) when the server does not answer.
+macro_rules! test_db {
+    ($name:expr) => {
+        match $crate::tests::support::TestDb::new($name) {
+            Some(db) => db,
+            None => return,
+        }
+    };
+}
+pub(crate) use test_db;
+
+/// Endpoints that are consumer schemas on the test server, opened once and kept.
+pub struct PgEndpoints {
+    conn: String,
+    open: HashMap<String, PgConsumer>,
+}
+
+impl PgEndpoints {
+    pub fn new(conn: &str) -> Self {
+        PgEndpoints { conn: conn.to_string(), open: HashMap::new() }
+    }
+}
+
+impl Endpoints for PgEndpoints {
+    type Store = PgConsumer;
+
+    fn store(&mut self, endpoint: &str) -> Result<&mut PgConsumer> {
+        if !self.open.contains_key(endpoint) {
+            let consumer = PgConsumer::open(&self.conn, endpoint)?;
+            self.open.insert(endpoint.to_string(), consumer);
+        }
+        Ok(self.open.get_mut(endpoint).expect("just inserted"))
+    }
+}
+
+/// The built-in reservation domain's first advance of `flow`.
+pub fn reserve(flow: &str) -> AdvanceRequest {
+    AdvanceRequest {
+        flow_id: flow.into(),
+        expected_seq: 0,
+        to_state: "reserved".into(),
+        input: serde_json::json!({"quantity": 3}),
+        schema_version: 1,
+    }
+}
+
+/// The advance of `flow` from `expected_seq` to `to_state` (reservation domain).
+pub fn advance(flow: &str, expected_seq: i64, to_state: &str) -> AdvanceRequest {
+    AdvanceRequest { expected_seq, to_state: to_state.into(), ..reserve(flow) }
+}
