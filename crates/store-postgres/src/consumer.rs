@@ -221,12 +221,12 @@ impl PgConsumer {
     }
 
     /// Whether this consumer has received anything for `consumer_id` from `source`.
-    pub fn has_received(&mut self, consumer_id: &str, source: &str) -> Result<bool> {
+    pub fn has_received(&self, consumer_id: &str, source: &str) -> Result<bool> {
         validate_id("consumer_id", consumer_id)?;
         validate_id("source", source)?;
         let query =
             sql(&self.apply.schema, "SELECT EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1 AND source = $2)");
-        col(&self.apply.client.get_mut().query_one(&query, &[&consumer_id, &source]).db()?, 0)
+        col(&self.apply.with(|c| c.query_one(&query, &[&consumer_id, &source])).db()?, 0)
     }
 
     /// [`ConsumerStore::snapshot`], and `also` (e.g. the handler's projection tables) read in the
