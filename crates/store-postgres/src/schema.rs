@@ -5,6 +5,7 @@ use std::str::FromStr;
 
 use postgres::{Client, GenericClient, NoTls, Statement};
 use tidemark_core::error::codes;
+use tidemark_core::limits::BUSY_TIMEOUT_MS;
 use tidemark_core::{Error, Result};
 
 use crate::{col, PgResult};
@@ -178,7 +179,9 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
     template.replace("{s}", &format!("\"{schema}\""))
 }
 
-/// Connect to `conn_str` (a libpq-style `host=... user=...` string or a `postgresql://` URL).
+/// Connect to `conn_str` (a libpq-style `host=... user=...` string or a `postgresql://` URL),
+/// with `lock_timeout` set to [`BUSY_TIMEOUT_MS`] for the session; nothing else of the server's
+/// settings is changed (durability stays the server's: `synchronous_commit` is not touched).
 /// A string that does not parse is `invalid_argument`; a server that does not answer or refuses
 /// is an `io` error. Nothing is written.
 pub(crate) fn connect(conn_str: &str) -> Result<Client> {
@@ -187,6 +190,11 @@ pub(crate) fn connect(conn_str: &str) -> Result<Client> {
     if config.get_application_name().is_none() {
         config.application_name("tidemark");
     }
+    // A store operation waits for another transaction's lock at most as long as a SQLite store
+    // waits for the write lock, then fails (a `store` error) instead of hanging: for example an
+    // advance behind a caller's transaction that holds the position counter and never ends.
+    let options = format!("{} -c lock_timeout={BUSY_TIMEOUT_MS}ms", config.get_options().unwrap_or_default());
+    config.options(options.trim_start());
     config.connect(NoTls).map_err(|e| Error::io(format!("cannot connect to PostgreSQL: {e}")))
 }
 

@@ -149,3 +149,22 @@ fn many_threads_initialising_one_schema_at_once_migrate_it_once() {
         handle.join().unwrap().unwrap();
     }
 }
+
+/// A store's connection keeps the server's durability (`synchronous_commit` and `fsync` on, as on
+/// the test server: tidemark never sets them) and waits for a lock at most the busy timeout.
+#[test]
+fn a_store_connection_keeps_the_servers_durability_and_bounds_its_lock_waits() {
+    let db = test_db!("settings");
+    let mut producer = PgProducer::init(&db.conn, &db.schema("p"), "shop").unwrap();
+    let show = |producer: &mut PgProducer, name: &str| -> String {
+        producer.client().query_one(&format!("SHOW {name}"), &[]).unwrap().get(0)
+    };
+    assert_eq!(show(&mut producer, "synchronous_commit"), "on");
+    assert_eq!(show(&mut producer, "fsync"), "on");
+    assert_eq!(show(&mut producer, "lock_timeout"), "10s");
+    // The caller's own options are kept beside it.
+    let conn = format!("{} options='-c work_mem=7MB'", db.conn);
+    let mut producer = PgProducer::open(&conn, producer.schema()).unwrap();
+    assert_eq!(show(&mut producer, "work_mem"), "7MB");
+    assert_eq!(show(&mut producer, "lock_timeout"), "10s");
+}
