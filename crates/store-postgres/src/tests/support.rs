@@ -22,8 +22,11 @@ pub fn conn_str() -> String {
 /// dropped when the `TestDb` goes (also when the test panics).
 pub struct TestDb {
     pub conn: String,
+    /// The connection string the test started with (where databases are created and dropped).
+    base: String,
     prefix: String,
     made: std::cell::RefCell<Vec<String>>,
+    databases: std::cell::RefCell<Vec<String>>,
 }
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -37,7 +40,7 @@ impl TestDb {
             return None;
         }
         let prefix = format!("t{}_{}_{test}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
-        Some(TestDb { conn, prefix, made: Default::default() })
+        Some(TestDb { base: conn.clone(), conn, prefix, made: Default::default(), databases: Default::default() })
     }
 
     /// A fresh schema name for this test (nothing is created).
@@ -46,6 +49,21 @@ impl TestDb {
         name.truncate(crate::SCHEMA_NAME_BYTES_MAX);
         self.made.borrow_mut().push(name.clone());
         name
+    }
+
+    /// A new, empty database on the server, dropped with the `TestDb`, and the connection string
+    /// that names it; `None` when the test's connection string is a URL (a key=value string
+    /// takes a second `dbname=`, which overrides the first).
+    pub fn empty_database(&self) -> Option<String> {
+        if self.base.contains("://") {
+            println!("note: TIDEMARK_TEST_POSTGRES is a URL; the empty-database part of this test is not run");
+            return None;
+        }
+        let name = self.prefix.clone();
+        let mut admin = Client::connect(&self.base, NoTls).expect("the server answered a moment ago");
+        admin.batch_execute(&format!("CREATE DATABASE \"{name}\"")).expect("create a database");
+        self.databases.borrow_mut().push(name.clone());
+        Some(format!("{} dbname={name}", self.base))
     }
 
     /// A plain connection of the test's own.
@@ -59,6 +77,12 @@ impl Drop for TestDb {
         if let Ok(mut client) = Client::connect(&self.conn, NoTls) {
             for schema in self.made.borrow().iter() {
                 let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"));
+            }
+        }
+        // A database the test made goes whole (with the schemas in it).
+        if let Ok(mut client) = Client::connect(&self.base, NoTls) {
+            for database in self.databases.borrow().iter() {
+                let _ = client.batch_execute(&format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)"));
             }
         }
     }
