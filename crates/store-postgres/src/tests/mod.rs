@@ -8,3 +8,11 @@ mod ordering;
 mod producer;
 mod schema;
 mod support;
+
+/// Store objects move to the thread that owns them (as SQLite's do), so they must be `Send`.
+#[test]
+fn store_objects_can_move_to_their_own_thread() {
+    fn send<T: Send>() {}
+    send::<crate::PgProducer>();
+    send::<crate::PgConsumer>();
+}
