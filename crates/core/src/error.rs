@@ -159,6 +159,18 @@ impl From<rusqlite::Error> for Error {
     }
 }
 
+/// A PostgreSQL failure in the user's own statements (inside a transaction tidemark handed them,
+/// or one they opened for `advance_in`) is a store failure, never bad input.
+#[cfg(feature = "postgres")]
+impl From<postgres::Error> for Error {
+    fn from(error: postgres::Error) -> Self {
+        match error.as_db_error() {
+            Some(db) => Error::store(format!("postgres: {} ({})", db.message(), db.code().code())),
+            None => Error::store(format!("postgres: {error}")),
+        }
+    }
+}
+
 /// Assert an invariant: on failure return `Error::Invariant` from the enclosing function.
 #[macro_export]
 macro_rules! ensure_invariant {

@@ -1,0 +1,1079 @@
+//! The consumer store on PostgreSQL: inboxes scoped by consumer, per-flow high-water marks,
+//! compact receipts, and the drain that runs the user's handler inside the transaction that marks
+//! events applied (the behaviour of `tidemark_store_sqlite`'s `consumer.rs`, statement for
+//! statement where PostgreSQL allows).
+//!
+//! Every write of one consumer schema (receive, drain, skip, prune, rename, retire) runs under a
+//! transaction-scoped advisory lock of that schema, one at a time, as SQLite's single writer ran
+//! them; reads (listings, snapshots) never wait for it.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use postgres::types::ToSql;
+use postgres::{Client, GenericClient, Row, Statement, Transaction};
+use tidemark_core::crash;
+use tidemark_core::error::codes;
+use tidemark_core::id::{validate_id, validate_limit, validate_reason, validate_rename};
+use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
+use tidemark_core::policy::{retention_walk_stops_at, RetentionPolicy};
+use tidemark_core::store::{
+    ApplyOutcome, ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, DrainStop, FlowCursor, HandleError,
+    Handler, InboxEntry, InboxStatus, PruneReport, Receipt, ReceiveOutcome, RenameReport,
+};
+use tidemark_core::{ensure_invariant, Envelope, Error, Result};
+
+use crate::schema::{self, lock, meta_get, meta_set, sql, validate_schema_name, Statements, LOCK_CONSUMER};
+use crate::{col, col_u32, PgResult};
+
+/// Rows a drain may look at beyond its apply limit (gapped or blocked flows' waiting rows).
+const DRAIN_SCAN_ROWS_EXTRA: usize = 4_096;
+/// Rows read per page while scanning open inbox records.
+const DRAIN_PAGE_ROWS: i64 = 1_024;
+/// Stuck flows reported by one drain.
+const DRAIN_STUCK_REPORTED_MAX: usize = 100;
+/// Inbox rows read per page by the retention walk.
+const PRUNE_PAGE_ROWS: i64 = 1_024;
+
+/// One page of the inbox retention walk: records after `$1` in receive order, at most `$2`, each
+/// with its receive time and whether it was applied or skipped at or before the cutoff `$3`.
+pub(crate) const PRUNE_PAGE_SQL: &str =
+    "SELECT record, received_at_ms, status IN ('applied', 'skipped') AND status_at_ms <= $3
+ FROM {s}.inbox WHERE record > $1 ORDER BY record LIMIT $2";
+
+/// Delete at most `$2` receipts created before `$1` (past the horizon), found by `receipts_age`.
+pub(crate) const EXPIRE_RECEIPTS_SQL: &str = "DELETE FROM {s}.receipts WHERE (consumer_id, source, flow_id, seq) IN
+    (SELECT consumer_id, source, flow_id, seq FROM {s}.receipts WHERE created_at_ms < $1 LIMIT $2)";
+
+/// The consumer's apply transaction as a handler sees it: the store's own connection while a
+/// drain's transaction is open on it. A handler writes its projection rows with
+/// [`ApplyTransaction::execute`] and reads with the `query` methods; they commit exactly when the
+/// event counts as applied. It cannot commit or roll back: the drain does (a handler that
+/// refuses an event returns [`HandleError::Blocked`], and its writes roll back to a savepoint).
+pub struct ApplyTransaction {
+    client: RefCell<Client>,
+    schema: String,
+}
+
+impl ApplyTransaction {
+    /// The consumer's PostgreSQL schema (where tidemark's tables are; the handler's own tables
+    /// may live there or anywhere in the same database).
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut Client) -> Result<R, postgres::Error>) -> Result<R, postgres::Error> {
+        // The store never hands the handler a borrow it still holds, and a handler cannot reach
+        // the store, so this borrow cannot fail.
+        f(&mut self.client.borrow_mut())
+    }
+
+    /// Run one statement and return the number of rows it changed.
+    pub fn execute(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, postgres::Error> {
+        self.with(|c| c.execute(statement, params))
+    }
+
+    /// Run one query and return its rows.
+    pub fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, postgres::Error> {
+        self.with(|c| c.query(statement, params))
+    }
+
+    /// Run a query that returns exactly one row.
+    pub fn query_one(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Row, postgres::Error> {
+        self.with(|c| c.query_one(statement, params))
+    }
+
+    /// Run a query that returns at most one row.
+    pub fn query_opt(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, postgres::Error> {
+        self.with(|c| c.query_opt(statement, params))
+    }
+
+    /// Run statements separated by `;` without parameters (for example DDL).
+    pub fn batch_execute(&self, statements: &str) -> Result<(), postgres::Error> {
+        self.with(|c| c.batch_execute(statements))
+    }
+
+    fn run(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+        self.with(|c| c.execute(statement, params)).db()
+    }
+
+    fn rows(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+        self.with(|c| c.query(statement, params)).db()
+    }
+}
+
+/// A consumer on PostgreSQL: the inbox, high-water marks, receipts and retired ids of every
+/// logical consumer it holds, in one schema, with the user's projection tables in the same
+/// database (so a handler's writes commit with the apply). Implements [`ConsumerStore`] with
+/// [`ApplyTransaction`] as the handlers' target.
+pub struct PgConsumer {
+    apply: ApplyTransaction,
+    statements: RefCell<Statements>,
+    retention: RetentionPolicy,
+}
+
+fn read_retention(client: &mut impl GenericClient, schema: &str) -> Result<Option<RetentionPolicy>> {
+    Ok(meta_get(client, schema, "consumer.horizon_ms")?
+        .and_then(|v| v.parse().ok())
+        .map(|horizon_ms| RetentionPolicy { horizon_ms }))
+}
+
+fn projection_tables(client: &mut impl GenericClient, schema: &str) -> Result<Vec<String>> {
+    let raw = meta_get(client, schema, "consumer.projection_tables")?.unwrap_or_else(|| "[]".into());
+    serde_json::from_str(&raw).map_err(|e| Error::store(format!("corrupt consumer.projection_tables: {e}")))
+}
+
+impl PgConsumer {
+    /// Create (or reopen) a consumer in `schema` of the database at `conn_str`, creating the
+    /// schema and migrating it. The retention horizon is set on first init and kept afterwards.
+    pub fn init(conn_str: &str, schema: &str, retention: RetentionPolicy) -> Result<PgConsumer> {
+        validate_schema_name(schema)?;
+        if retention.horizon_ms <= 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "horizon_ms must be positive"));
+        }
+        let mut client = schema::connect(conn_str)?;
+        schema::migrate(&mut client, schema, true)?;
+        let mut tx = client.transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, schema)?;
+        let retention = match read_retention(&mut tx, schema)? {
+            Some(existing) => existing,
+            None => {
+                meta_set(&mut tx, schema, "consumer.horizon_ms", &retention.horizon_ms.to_string())?;
+                retention
+            }
+        };
+        tx.commit().db()?;
+        Ok(Self::with(client, schema, retention))
+    }
+
+    /// Open the consumer in `schema` (migrating it forward if it is older). Never creates
+    /// anything: a missing schema, or one that is not a consumer's, is `not_initialized`.
+    pub fn open(conn_str: &str, schema: &str) -> Result<PgConsumer> {
+        validate_schema_name(schema)?;
+        let mut client = schema::connect(conn_str)?;
+        schema::migrate(&mut client, schema, false)?;
+        let retention = read_retention(&mut client, schema)?.ok_or_else(|| {
+            Error::invalid(
+                codes::NOT_INITIALIZED,
+                format!("PostgreSQL schema {schema} is not a consumer's; initialise it as a consumer first"),
+            )
+        })?;
+        Ok(Self::with(client, schema, retention))
+    }
+
+    fn with(client: Client, schema: &str, retention: RetentionPolicy) -> PgConsumer {
+        PgConsumer {
+            apply: ApplyTransaction { client: RefCell::new(client), schema: schema.to_string() },
+            statements: RefCell::new(Statements::new(schema)),
+            retention,
+        }
+    }
+
+    /// The PostgreSQL schema this consumer lives in.
+    pub fn schema(&self) -> &str {
+        &self.apply.schema
+    }
+
+    /// The retention horizon this consumer was initialised with.
+    pub fn retention(&self) -> RetentionPolicy {
+        self.retention
+    }
+
+    /// The connection, for reading projections and creating the handler's tables.
+    pub fn client(&mut self) -> &mut Client {
+        self.apply.client.get_mut()
+    }
+
+    /// Register a projection table of the user's in this consumer's schema (it must exist and
+    /// have a `consumer_id` column), so that renaming a consumer carries its rows over in the
+    /// same transaction as the dedup state. Idempotent.
+    pub fn register_projection_table(&mut self, table: &str) -> Result<()> {
+        validate_schema_name(table)?;
+        let schema = self.apply.schema.clone();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        let has_consumer_id: bool = col(
+            &tx.query_one(
+                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'consumer_id')",
+                &[&schema, &table],
+            )
+            .db()?,
+            0,
+        )?;
+        if !has_consumer_id {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("table {schema}.{table} does not exist or has no consumer_id column"),
+            ));
+        }
+        let mut tables = projection_tables(&mut tx, &schema)?;
+        if !tables.iter().any(|t| t == table) {
+            tables.push(table.to_string());
+            meta_set(
+                &mut tx,
+                &schema,
+                "consumer.projection_tables",
+                &serde_json::to_string(&tables).expect("strings serialise"),
+            )?;
+        }
+        tx.commit().db()
+    }
+
+    /// Whether this consumer has received anything for `consumer_id` from `source`.
+    pub fn has_received(&self, consumer_id: &str, source: &str) -> Result<bool> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_id("source", source)?;
+        let query =
+            sql(&self.apply.schema, "SELECT EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1 AND source = $2)");
+        col(&self.apply.with(|c| c.query_one(&query, &[&consumer_id, &source])).db()?, 0)
+    }
+
+    /// [`ConsumerStore::snapshot`], and `also` (e.g. the handler's projection tables) read in the
+    /// same read-only `REPEATABLE READ` transaction: what `also` sees is the state the snapshot
+    /// shows.
+    pub fn snapshot_with<T>(
+        &self,
+        rows_max: usize,
+        also: impl FnOnce(&mut Transaction<'_>) -> Result<T>,
+    ) -> Result<(ConsumerSnapshot, T)> {
+        let mut client = self.apply.client.borrow_mut();
+        let mut tx = client
+            .build_transaction()
+            .isolation_level(postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .db()?;
+        let snapshot = snapshot_in(&mut tx, &self.apply.schema, self.retention.horizon_ms, rows_max)?;
+        let also = also(&mut tx)?;
+        tx.commit().db()?;
+        Ok((snapshot, also))
+    }
+
+    /// The body of [`ConsumerStore::drain`], inside the transaction the caller opened on
+    /// `self.apply`.
+    #[allow(clippy::too_many_arguments)]
+    fn drain_in(
+        apply: &ApplyTransaction,
+        statements: &mut Statements,
+        consumer_id: &str,
+        scope: &DrainScope,
+        limit: usize,
+        handler: &mut dyn Handler<ApplyTransaction>,
+        now_ms: i64,
+    ) -> Result<DrainReport> {
+        let savepoints = !handler.refuses_before_writing();
+        let prepare = |statements: &mut Statements, template: &'static str| -> Result<Statement> {
+            apply.with(|c| Ok(statements.get(c, template))).db()?
+        };
+        let page_all = prepare(
+            statements,
+            "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record
+             FROM {s}.inbox i
+             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+             WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
+               AND (i.source, i.flow_id, i.seq) > ($2::text, $3::text, $4::bigint)
+             ORDER BY i.source, i.flow_id, i.seq LIMIT $5",
+        )?;
+        let page_flow = prepare(
+            statements,
+            "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record
+             FROM {s}.inbox i
+             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+             WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
+               AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4
+             ORDER BY i.seq LIMIT $5",
+        )?;
+        let mark_applied = prepare(
+            statements,
+            "UPDATE {s}.inbox SET status = 'applied', reason = NULL, status_at_ms = $2
+             WHERE record = $1 AND (status = 'pending' OR status = 'blocked')",
+        )?;
+        let mark_blocked = prepare(
+            statements,
+            "UPDATE {s}.inbox SET status = 'blocked', reason = $2, status_at_ms = $3
+             WHERE record = $1 AND NOT (status = 'blocked' AND reason IS NOT DISTINCT FROM $2)",
+        )?;
+        let cursor_update = prepare(
+            statements,
+            "UPDATE {s}.cursors SET high_water_seq = $4
+             WHERE consumer_id = $1 AND source = $2 AND flow_id = $3 AND high_water_seq < $4",
+        )?;
+        let cursor_insert = prepare(
+            statements,
+            "INSERT INTO {s}.cursors (consumer_id, source, flow_id, high_water_seq) VALUES ($1, $2, $3, $4)",
+        )?;
+        let savepoint = |command: &str| apply.with(|c| c.batch_execute(command)).db();
+        let finish = |walk: &FlowWalk| -> Result<()> {
+            let high_water = walk.next_seq - 1;
+            if high_water > walk.start_high_water {
+                let statement = if walk.start_high_water == 0 { &cursor_insert } else { &cursor_update };
+                let changed = apply.run(statement, &[&consumer_id, &walk.source, &walk.flow_id, &high_water])?;
+                ensure_invariant!(
+                    changed == 1,
+                    "moving the cursor of {}/{} changed {changed} rows",
+                    walk.source,
+                    walk.flow_id
+                );
+            }
+            Ok(())
+        };
+        let mut applied = 0_u64;
+        let mut stuck: Vec<ApplyOutcome> = Vec::new();
+        let mut last_applied: Option<ApplyOutcome> = None;
+        let mut walk: Option<FlowWalk> = None;
+        let mut after = match scope {
+            DrainScope::All => (String::new(), String::new(), 0_i64),
+            DrainScope::Flow { source, flow_id } => (source.clone(), flow_id.clone(), 0),
+        };
+        let scan_rows_max = limit + DRAIN_SCAN_ROWS_EXTRA;
+        let mut scanned = 0_usize;
+        let mut hit_limit = false;
+        'pages: loop {
+            let page = match scope {
+                DrainScope::All => {
+                    apply.rows(&page_all, &[&consumer_id, &after.0, &after.1, &after.2, &DRAIN_PAGE_ROWS])?
+                }
+                DrainScope::Flow { source, flow_id } => {
+                    apply.rows(&page_flow, &[&consumer_id, source, flow_id, &after.2, &DRAIN_PAGE_ROWS])?
+                }
+            };
+            let page_len = page.len() as i64;
+            for row in page {
+                if scanned == scan_rows_max {
+                    hit_limit = true;
+                    break 'pages;
+                }
+                scanned += 1;
+                let record: i64 = col(&row, 10)?;
+                let high_water_seq: i64 = col(&row, 9)?;
+                let event = open_event(&row)?;
+                after = (event.source.clone(), event.flow_id.clone(), event.seq);
+                let same_flow = walk.as_ref().is_some_and(|w| w.source == event.source && w.flow_id == event.flow_id);
+                if !same_flow {
+                    if let Some(previous) = walk.take() {
+                        finish(&previous)?;
+                    }
+                    walk = Some(FlowWalk {
+                        source: event.source.clone(),
+                        flow_id: event.flow_id.clone(),
+                        start_high_water: high_water_seq,
+                        next_seq: high_water_seq + 1,
+                    });
+                }
+                let current = walk.as_mut().expect("walk was just set");
+                ensure_invariant!(
+                    event.seq >= current.next_seq,
+                    "open inbox record {}/{}/{} is at or below the high-water mark {}",
+                    event.source,
+                    event.flow_id,
+                    event.seq,
+                    current.next_seq - 1
+                );
+                if event.seq > current.next_seq {
+                    if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
+                        stuck.push(ApplyOutcome::Gap {
+                            source: event.source.clone(),
+                            flow_id: event.flow_id.clone(),
+                            missing_seq: current.next_seq,
+                        });
+                    }
+                    after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
+                    continue 'pages;
+                }
+                if savepoints {
+                    savepoint("SAVEPOINT apply_one")?;
+                }
+                match handler.handle(apply, consumer_id, &event) {
+                    Ok(()) => {
+                        if savepoints {
+                            savepoint("RELEASE SAVEPOINT apply_one")?;
+                        }
+                        let changed = apply.run(&mark_applied, &[&record, &now_ms])?;
+                        ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
+                        current.next_seq += 1;
+                        applied += 1;
+                        if applied == 1 {
+                            crash::hit("apply.after_handler");
+                        }
+                        last_applied = Some(ApplyOutcome::Applied {
+                            source: event.source.clone(),
+                            flow_id: event.flow_id.clone(),
+                            seq: event.seq,
+                            event_id: event.event_id.clone(),
+                        });
+                        if applied as usize == limit {
+                            hit_limit = true;
+                            break 'pages;
+                        }
+                    }
+                    Err(HandleError::Blocked(reason)) => {
+                        if savepoints {
+                            savepoint("ROLLBACK TO SAVEPOINT apply_one; RELEASE SAVEPOINT apply_one")?;
+                        }
+                        // Blocked again for the same reason: nothing to write.
+                        apply.run(&mark_blocked, &[&record, &reason, &now_ms])?;
+                        if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
+                            stuck.push(ApplyOutcome::Blocked {
+                                source: event.source.clone(),
+                                flow_id: event.flow_id.clone(),
+                                seq: event.seq,
+                                event_id: event.event_id.clone(),
+                                reason,
+                            });
+                        }
+                        after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
+                        continue 'pages;
+                    }
+                    Err(HandleError::Failed(error)) => return Err(error),
+                }
+            }
+            if page_len < DRAIN_PAGE_ROWS {
+                break;
+            }
+        }
+        if let Some(current) = walk.take() {
+            finish(&current)?;
+        }
+        let outcome = if hit_limit {
+            DrainStop::Limit
+        } else {
+            match stuck.first() {
+                None => DrainStop::Idle,
+                Some(ApplyOutcome::Gap { .. }) => DrainStop::Gap,
+                Some(_) => DrainStop::Blocked,
+            }
+        };
+        Ok(DrainReport { outcome, applied, stuck, last_applied })
+    }
+}
+
+/// The walk of one flow during a drain.
+struct FlowWalk {
+    source: String,
+    flow_id: String,
+    start_high_water: i64,
+    next_seq: i64,
+}
+
+fn open_event(r: &Row) -> Result<Envelope> {
+    let payload: String = col(r, 7)?;
+    Ok(Envelope {
+        source: col(r, 0)?,
+        flow_id: col(r, 1)?,
+        seq: col(r, 2)?,
+        event_id: col(r, 3)?,
+        generation: col(r, 4)?,
+        event_type: col(r, 5)?,
+        schema_version: col_u32(r, 6)?,
+        payload: serde_json::from_str(&payload).map_err(|e| Error::store(format!("corrupt inbox payload: {e}")))?,
+        created_at_ms: col(r, 8)?,
+    })
+}
+
+fn consumer_has_state(tx: &mut Transaction<'_>, schema: &str, consumer_id: &str) -> Result<bool> {
+    let query = sql(
+        schema,
+        "SELECT EXISTS (SELECT 1 FROM {s}.inbox WHERE consumer_id = $1)
+             OR EXISTS (SELECT 1 FROM {s}.receipts WHERE consumer_id = $1)
+             OR EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1)",
+    );
+    col(&tx.query_one(&query, &[&consumer_id]).db()?, 0)
+}
+
+fn renamed_to(tx: &mut Transaction<'_>, schema: &str, consumer_id: &str) -> Result<Option<String>> {
+    let query = sql(schema, "SELECT renamed_to FROM {s}.retired_consumers WHERE consumer_id = $1");
+    tx.query_opt(&query, &[&consumer_id]).db()?.map(|r| col(&r, 0)).transpose()
+}
+
+fn retire(tx: &mut Transaction<'_>, schema: &str, from: &str, to: &str, now_ms: i64) -> Result<()> {
+    tx.execute(&sql(schema, "DELETE FROM {s}.retired_consumers WHERE consumer_id = $1"), &[&to]).db()?;
+    tx.execute(
+        &sql(
+            schema,
+            "INSERT INTO {s}.retired_consumers (consumer_id, renamed_to, retired_at_ms) VALUES ($1, $2, $3)
+             ON CONFLICT (consumer_id) DO UPDATE SET renamed_to = excluded.renamed_to, retired_at_ms = excluded.retired_at_ms",
+        ),
+        &[&from, &to, &now_ms],
+    )
+    .db()?;
+    Ok(())
+}
+
+struct ExistingRecord {
+    event_id: String,
+    content_hash: String,
+    generation: Option<String>,
+}
+
+fn conflict_reason(existing: &ExistingRecord, event: &Envelope, hash: &str, place: &str) -> Option<String> {
+    if existing.event_id == event.event_id && existing.content_hash == hash {
+        return None;
+    }
+    let mut reason = if existing.event_id != event.event_id {
+        format!(
+            "{}/{}/{} is already held ({place}) as event {}; got event {}",
+            event.source, event.flow_id, event.seq, existing.event_id, event.event_id
+        )
+    } else {
+        format!("event {} is already held ({place}) with different content", event.event_id)
+    };
+    if let Some(generation) = &existing.generation {
+        if generation != &event.generation {
+            reason.push_str(&format!(
+                "; producer generation changed from {generation} to {} (restored or re-created producer?)",
+                event.generation
+            ));
+        }
+    }
+    Some(reason)
+}
+
+/// The statements of one receive batch.
+struct ReceiveStatements {
+    any_receipts: bool,
+    probe: Statement,
+    high_water: Statement,
+    receipt_of_id: Statement,
+    insert: Statement,
+    insert_if_new: Statement,
+}
+
+/// One statement looks everything up: the record at this position (inbox, then receipt), the
+/// same event id at another position, and the flow's high-water mark.
+const RECEIVE_PROBE_SQL: &str = "SELECT 0, event_id, content_hash, generation, NULL::text, NULL::text, NULL::bigint
+   FROM {s}.inbox WHERE consumer_id = $1 AND source = $2 AND flow_id = $3 AND seq = $4
+ UNION ALL SELECT 1, event_id, content_hash, generation, NULL, NULL, NULL
+   FROM {s}.receipts WHERE consumer_id = $1 AND source = $2 AND flow_id = $3 AND seq = $4
+ UNION ALL SELECT 2, NULL, NULL, NULL, source, flow_id, seq FROM {s}.inbox WHERE consumer_id = $1 AND event_id = $5
+ UNION ALL SELECT 2, NULL, NULL, NULL, source, flow_id, seq FROM {s}.receipts WHERE consumer_id = $1 AND event_id = $5
+ UNION ALL SELECT 3, NULL, NULL, NULL, NULL, NULL, high_water_seq
+   FROM {s}.cursors WHERE consumer_id = $1 AND source = $2 AND flow_id = $3";
+
+const RECEIVE_INSERT_SQL: &str =
+    "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation, event_type,
+     schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
+ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12)";
+
+const RECEIVE_INSERT_IF_NEW_SQL: &str =
+    "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation,
+     event_type, schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
+ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12) ON CONFLICT DO NOTHING";
+
+fn receive_one(
+    tx: &mut Transaction<'_>,
+    statements: &ReceiveStatements,
+    consumer_id: &str,
+    event: &Envelope,
+    now_ms: i64,
+    retention: RetentionPolicy,
+) -> Result<ReceiveOutcome> {
+    let hash = event.content_hash();
+    let payload = event.payload.to_string();
+    let schema_version = i32::try_from(event.schema_version)
+        .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
+    let insert_params: [&(dyn ToSql + Sync); 12] = [
+        &consumer_id,
+        &event.source,
+        &event.flow_id,
+        &event.seq,
+        &event.event_id,
+        &event.generation,
+        &event.event_type,
+        &schema_version,
+        &payload,
+        &hash,
+        &event.created_at_ms,
+        &now_ms,
+    ];
+    // The fast path for a new event (see SQLite's `receive_one`): not expired, above the
+    // high-water mark, no receipt of its id, and an insert no uniqueness constraint refuses.
+    let expired = event.created_at_ms < now_ms.saturating_sub(retention.horizon_ms);
+    if !expired {
+        let high_water_seq: i64 = tx
+            .query_opt(&statements.high_water, &[&consumer_id, &event.source, &event.flow_id])
+            .db()?
+            .map(|r| col(&r, 0))
+            .transpose()?
+            .unwrap_or(0);
+        if event.seq > high_water_seq {
+            let receipt_holds_id = statements.any_receipts
+                && col::<bool>(&tx.query_one(&statements.receipt_of_id, &[&event.event_id, &consumer_id]).db()?, 0)?;
+            if !receipt_holds_id && tx.execute(&statements.insert_if_new, &insert_params).db()? == 1 {
+                return Ok(ReceiveOutcome::Accepted {
+                    consumer_id: consumer_id.to_string(),
+                    event_id: event.event_id.clone(),
+                });
+            }
+        }
+    }
+    let consumer = consumer_id.to_string();
+    let event_id = event.event_id.clone();
+    let duplicate = || ReceiveOutcome::Duplicate { consumer_id: consumer.clone(), event_id: event_id.clone() };
+    let conflict =
+        |reason: String| ReceiveOutcome::Conflict { consumer_id: consumer.clone(), event_id: event_id.clone(), reason };
+    let mut at_inbox: Option<ExistingRecord> = None;
+    let mut at_receipt: Option<ExistingRecord> = None;
+    let mut id_elsewhere: Option<(String, String, i64)> = None;
+    let mut high_water_seq = 0_i64;
+    let rows = tx
+        .query(&statements.probe, &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id])
+        .db()?;
+    for r in &rows {
+        match col::<i32>(r, 0)? {
+            kind @ (0 | 1) => {
+                let existing =
+                    ExistingRecord { event_id: col(r, 1)?, content_hash: col(r, 2)?, generation: col(r, 3)? };
+                if kind == 0 {
+                    at_inbox = Some(existing);
+                } else {
+                    at_receipt = Some(existing);
+                }
+            }
+            2 => {
+                let place: (String, String, i64) = (col(r, 4)?, col(r, 5)?, col(r, 6)?);
+                let same_position = place.0 == event.source && place.1 == event.flow_id && place.2 == event.seq;
+                if !same_position {
+                    id_elsewhere = Some(place);
+                }
+            }
+            _ => high_water_seq = col(r, 6)?,
+        }
+    }
+    for (existing, place) in [(at_inbox, "inbox"), (at_receipt, "receipt")] {
+        if let Some(existing) = existing {
+            return Ok(match conflict_reason(&existing, event, &hash, place) {
+                None => duplicate(),
+                Some(reason) => conflict(reason),
+            });
+        }
+    }
+    if let Some((source, flow, seq)) = id_elsewhere {
+        return Ok(conflict(format!(
+            "event id {} is already held for {source}/{flow}/{seq}; got it for {}/{}/{}",
+            event.event_id, event.source, event.flow_id, event.seq
+        )));
+    }
+    if expired {
+        return Ok(ReceiveOutcome::Expired { consumer_id: consumer, event_id, horizon_ms: retention.horizon_ms });
+    }
+    if event.seq <= high_water_seq {
+        return Ok(conflict(format!(
+            "seq {} is at or below the high-water mark {high_water_seq} of {}/{} but no record or receipt of it remains",
+            event.seq, event.source, event.flow_id
+        )));
+    }
+    tx.execute(&statements.insert, &insert_params).db()?;
+    Ok(ReceiveOutcome::Accepted { consumer_id: consumer, event_id })
+}
+
+const INBOX_COLUMNS: &str =
+    "consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version, payload,
+    content_hash, created_at_ms, received_at_ms, status, reason";
+
+fn inbox_entry(r: &Row) -> Result<InboxEntry> {
+    let payload: String = col(r, 8)?;
+    let status: String = col(r, 12)?;
+    Ok(InboxEntry {
+        consumer_id: col(r, 0)?,
+        envelope: Envelope {
+            source: col(r, 1)?,
+            flow_id: col(r, 2)?,
+            seq: col(r, 3)?,
+            event_id: col(r, 4)?,
+            generation: col(r, 5)?,
+            event_type: col(r, 6)?,
+            schema_version: col_u32(r, 7)?,
+            payload: serde_json::from_str(&payload).map_err(|e| Error::store(format!("corrupt inbox payload: {e}")))?,
+            created_at_ms: col(r, 10)?,
+        },
+        content_hash: col(r, 9)?,
+        status: InboxStatus::parse(&status).ok_or_else(|| Error::store(format!("unknown inbox status {status:?}")))?,
+        reason: col(r, 13)?,
+        received_at_ms: col(r, 11)?,
+    })
+}
+
+fn set_cursor(
+    tx: &mut Transaction<'_>,
+    schema: &str,
+    consumer_id: &str,
+    source: &str,
+    flow_id: &str,
+    high_water_seq: i64,
+) -> Result<()> {
+    tx.execute(
+        &sql(
+            schema,
+            "INSERT INTO {s}.cursors (consumer_id, source, flow_id, high_water_seq) VALUES ($1, $2, $3, $4)
+             ON CONFLICT (consumer_id, source, flow_id) DO UPDATE SET high_water_seq = excluded.high_water_seq
+             WHERE excluded.high_water_seq > {s}.cursors.high_water_seq",
+        ),
+        &[&consumer_id, &source, &flow_id, &high_water_seq],
+    )
+    .db()?;
+    Ok(())
+}
+
+fn high_water(tx: &mut Transaction<'_>, schema: &str, consumer_id: &str, source: &str, flow_id: &str) -> Result<i64> {
+    let query =
+        sql(schema, "SELECT high_water_seq FROM {s}.cursors WHERE consumer_id = $1 AND source = $2 AND flow_id = $3");
+    Ok(tx.query_opt(&query, &[&consumer_id, &source, &flow_id]).db()?.map(|r| col(&r, 0)).transpose()?.unwrap_or(0))
+}
+
+impl ConsumerStore for PgConsumer {
+    type Target = ApplyTransaction;
+
+    fn receive_batch(&mut self, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
+        validate_limit("receive batch", items.len(), RECEIVE_BATCH_EVENTS_MAX)?;
+        for (consumer_id, event) in items {
+            validate_id("consumer_id", consumer_id)?;
+            event.validate()?;
+        }
+        let retention = self.retention;
+        let schema = self.apply.schema.clone();
+        let cache = self.statements.get_mut();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        let any_receipts: bool =
+            col(&tx.query_one(&sql(&schema, "SELECT EXISTS (SELECT 1 FROM {s}.receipts)"), &[]).db()?, 0)?;
+        let statements = ReceiveStatements {
+            any_receipts,
+            probe: cache.get(&mut tx, RECEIVE_PROBE_SQL)?,
+            high_water: cache.get(
+                &mut tx,
+                "SELECT high_water_seq FROM {s}.cursors WHERE consumer_id = $1 AND source = $2 AND flow_id = $3",
+            )?,
+            receipt_of_id: cache
+                .get(&mut tx, "SELECT EXISTS (SELECT 1 FROM {s}.receipts WHERE event_id = $1 AND consumer_id = $2)")?,
+            insert: cache.get(&mut tx, RECEIVE_INSERT_SQL)?,
+            insert_if_new: cache.get(&mut tx, RECEIVE_INSERT_IF_NEW_SQL)?,
+        };
+        let mut retired: HashMap<&str, Option<String>> = HashMap::new();
+        let mut outcomes = Vec::with_capacity(items.len());
+        for (consumer_id, event) in items {
+            if !retired.contains_key(consumer_id) {
+                let renamed = renamed_to(&mut tx, &schema, consumer_id)?;
+                retired.insert(consumer_id, renamed);
+            }
+            if let Some(Some(renamed_to)) = retired.get(consumer_id) {
+                outcomes.push(ReceiveOutcome::Conflict {
+                    consumer_id: consumer_id.to_string(),
+                    event_id: event.event_id.clone(),
+                    reason: format!(
+                        "consumer {consumer_id} was renamed to {renamed_to}; rename the producer's subscription too"
+                    ),
+                });
+                continue;
+            }
+            outcomes.push(receive_one(&mut tx, &statements, consumer_id, event, now_ms, retention)?);
+        }
+        crash::hit("receive.before_commit");
+        tx.commit().db()?;
+        crash::hit("receive.after_commit");
+        Ok(outcomes)
+    }
+
+    fn drain(
+        &mut self,
+        consumer_id: &str,
+        scope: &DrainScope,
+        limit: usize,
+        handler: &mut dyn Handler<ApplyTransaction>,
+        now_ms: i64,
+    ) -> Result<DrainReport> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_limit("drain limit", limit, DRAIN_BATCH_EVENTS_MAX)?;
+        if let DrainScope::Flow { source, flow_id } = scope {
+            validate_id("source", source)?;
+            validate_id("flow_id", flow_id)?;
+        }
+        let apply = &self.apply;
+        let statements = self.statements.get_mut();
+        // The transaction is begun and ended by hand (not a `postgres::Transaction`), because the
+        // handler is handed the connection itself, wrapped so that it can run statements but not
+        // end the transaction.
+        apply.with(|c| c.batch_execute("BEGIN")).db()?;
+        let body = (|| {
+            lock(&mut *apply.client.borrow_mut(), LOCK_CONSUMER, &apply.schema)?;
+            Self::drain_in(apply, statements, consumer_id, scope, limit, handler, now_ms)
+        })();
+        match body {
+            Ok(report) => {
+                crash::hit("apply.before_commit");
+                apply.with(|c| c.batch_execute("COMMIT")).db()?;
+                crash::hit("apply.after_commit");
+                Ok(report)
+            }
+            Err(error) => {
+                // The error is what the caller needs; a failed rollback leaves the session broken,
+                // which the next call reports.
+                let _ = apply.with(|c| c.batch_execute("ROLLBACK"));
+                Err(error)
+            }
+        }
+    }
+
+    fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_limit("page size", limit, PAGE_SIZE_MAX)?;
+        let query = sql(
+            &self.apply.schema,
+            &format!(
+                "SELECT {INBOX_COLUMNS} FROM {{s}}.inbox WHERE consumer_id = $1 AND ($2::text IS NULL OR status = $2)
+                 ORDER BY source, flow_id, seq LIMIT $3"
+            ),
+        );
+        let rows = self
+            .apply
+            .with(|c| c.query(&query, &[&consumer_id, &status.map(InboxStatus::as_str), &(limit as i64)]))
+            .db()?;
+        rows.iter().map(inbox_entry).collect()
+    }
+
+    fn skip_blocked(&mut self, consumer_id: &str, event_id: &str, reason: &str, now_ms: i64) -> Result<InboxEntry> {
+        validate_id("consumer_id", consumer_id)?;
+        validate_id("event_id", event_id)?;
+        validate_reason(reason)?;
+        let schema = self.apply.schema.clone();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        let select =
+            sql(&schema, &format!("SELECT {INBOX_COLUMNS} FROM {{s}}.inbox WHERE consumer_id = $1 AND event_id = $2"));
+        let entry = tx
+            .query_opt(&select, &[&consumer_id, &event_id])
+            .db()?
+            .map(|r| inbox_entry(&r))
+            .transpose()?
+            .ok_or_else(|| Error::not_found(format!("consumer {consumer_id} holds no event {event_id}")))?;
+        if entry.status != InboxStatus::Blocked {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("only blocked records can be skipped; event {event_id} is {}", entry.status.as_str()),
+            ));
+        }
+        let event = &entry.envelope;
+        let high_water = high_water(&mut tx, &schema, consumer_id, &event.source, &event.flow_id)?;
+        ensure_invariant!(high_water + 1 == event.seq, "blocked seq {} is not high-water {high_water} + 1", event.seq);
+        tx.execute(
+            &sql(&schema, "UPDATE {s}.inbox SET status = 'skipped', reason = $3, status_at_ms = $4 WHERE consumer_id = $1 AND event_id = $2"),
+            &[&consumer_id, &event_id, &format!("skipped by operator: {reason}"), &now_ms],
+        )
+        .db()?;
+        set_cursor(&mut tx, &schema, consumer_id, &event.source, &event.flow_id, event.seq)?;
+        let skipped = inbox_entry(&tx.query_one(&select, &[&consumer_id, &event_id]).db()?)?;
+        crash::hit("resolve.before_commit");
+        tx.commit().db()?;
+        Ok(skipped)
+    }
+
+    fn prune(&mut self, applied_retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<PruneReport> {
+        validate_limit("prune batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
+        if applied_retention_ms < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "applied retention must be >= 0"));
+        }
+        let horizon_ms = self.retention.horizon_ms;
+        let schema = self.apply.schema.clone();
+        let statements = self.statements.get_mut();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        // Oldest first by record (receive order), in pages of one indexed range read each
+        // (`inbox_pkey`), stopping at the first record received after the cutoff; open records
+        // and records applied after the cutoff are passed over.
+        let cutoff = now_ms.saturating_sub(applied_retention_ms);
+        let page = statements.get(&mut tx, PRUNE_PAGE_SQL)?;
+        let mut done: Vec<i64> = Vec::new();
+        let mut after = 0_i64;
+        'pages: loop {
+            let rows = tx.query(&page, &[&after, &PRUNE_PAGE_ROWS, &cutoff]).db()?;
+            for row in &rows {
+                if done.len() == batch_rows {
+                    break 'pages;
+                }
+                let (record, received_at_ms): (i64, i64) = (col(row, 0)?, col(row, 1)?);
+                after = record;
+                if retention_walk_stops_at(received_at_ms, cutoff.saturating_add(1), now_ms) {
+                    break 'pages;
+                }
+                if col::<bool>(row, 2)? {
+                    done.push(record);
+                }
+            }
+            if (rows.len() as i64) < PRUNE_PAGE_ROWS {
+                break;
+            }
+        }
+        let copy = statements.get(
+            &mut tx,
+            "INSERT INTO {s}.receipts (consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms, generation)
+             SELECT consumer_id, source, flow_id, seq, event_id, content_hash, created_at_ms, generation
+             FROM {s}.inbox WHERE record = $1",
+        )?;
+        let remove = statements.get(&mut tx, "DELETE FROM {s}.inbox WHERE record = $1")?;
+        for record in &done {
+            let copied = tx.execute(&copy, &[record]).db()?;
+            let removed = tx.execute(&remove, &[record]).db()?;
+            ensure_invariant!(
+                copied == 1 && removed == 1,
+                "compacting inbox record {record} touched {copied}/{removed} rows"
+            );
+        }
+        let compacted = done.len();
+        let expire = statements.get(&mut tx, EXPIRE_RECEIPTS_SQL)?;
+        let receipts_deleted = tx.execute(&expire, &[&now_ms.saturating_sub(horizon_ms), &(batch_rows as i64)]).db()?;
+        crash::hit("prune.before_commit");
+        tx.commit().db()?;
+        crash::hit("prune.after_commit");
+        Ok(PruneReport {
+            compacted: compacted as u64,
+            receipts_deleted,
+            more: compacted == batch_rows || receipts_deleted as usize == batch_rows,
+        })
+    }
+
+    fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport> {
+        validate_rename(from, to)?;
+        let schema = self.apply.schema.clone();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        if !consumer_has_state(&mut tx, &schema, from)? {
+            if renamed_to(&mut tx, &schema, from)?.as_deref() == Some(to) {
+                return Ok(RenameReport { inbox: 0, receipts: 0, cursors: 0, projections: 0 });
+            }
+            return Err(Error::not_found(format!("consumer {from:?} has no state in this database")));
+        }
+        if consumer_has_state(&mut tx, &schema, to)? {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("consumer {to:?} already has state; pick an unused id"),
+            ));
+        }
+        let mut moved = |table: &str| -> Result<u64> {
+            tx.execute(
+                &sql(&schema, &format!("UPDATE {{s}}.\"{table}\" SET consumer_id = $2 WHERE consumer_id = $1")),
+                &[&from, &to],
+            )
+            .db()
+        };
+        let (inbox, receipts, cursors) = (moved("inbox")?, moved("receipts")?, moved("cursors")?);
+        let mut projections = 0;
+        for table in projection_tables(&mut tx, &schema)? {
+            validate_schema_name(&table)?;
+            projections += tx
+                .execute(
+                    &sql(&schema, &format!("UPDATE {{s}}.\"{table}\" SET consumer_id = $2 WHERE consumer_id = $1")),
+                    &[&from, &to],
+                )
+                .db()?;
+        }
+        retire(&mut tx, &schema, from, to, now_ms)?;
+        crash::hit("rename.before_commit");
+        tx.commit().db()?;
+        crash::hit("rename.after_commit");
+        Ok(RenameReport { inbox, receipts, cursors, projections })
+    }
+
+    fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()> {
+        validate_rename(from, to)?;
+        let schema = self.apply.schema.clone();
+        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        lock(&mut tx, LOCK_CONSUMER, &schema)?;
+        if consumer_has_state(&mut tx, &schema, from)? {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} has state in this database; rename it, which carries the state over"),
+            ));
+        }
+        if consumer_has_state(&mut tx, &schema, to)? {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("consumer {to:?} already has state; pick an unused id"),
+            ));
+        }
+        if let Some(other) = renamed_to(&mut tx, &schema, from)?.filter(|other| other != to) {
+            return Err(Error::invalid(
+                codes::INVALID_STATE_CHANGE,
+                format!("consumer {from:?} was already renamed to {other:?}; finish that rename instead"),
+            ));
+        }
+        retire(&mut tx, &schema, from, to, now_ms)?;
+        crash::hit("rename.before_commit");
+        tx.commit().db()?;
+        crash::hit("rename.after_commit");
+        Ok(())
+    }
+
+    fn cursors(&self, consumer_id: Option<&str>) -> Result<Vec<FlowCursor>> {
+        if let Some(id) = consumer_id {
+            validate_id("consumer_id", id)?;
+        }
+        let query = sql(
+            &self.apply.schema,
+            "SELECT consumer_id, source, flow_id, high_water_seq FROM {s}.cursors
+             WHERE $1::text IS NULL OR consumer_id = $1 ORDER BY consumer_id, source, flow_id LIMIT $2",
+        );
+        let rows = self.apply.with(|c| c.query(&query, &[&consumer_id, &(PAGE_SIZE_MAX as i64)])).db()?;
+        rows.iter().map(flow_cursor).collect()
+    }
+
+    fn snapshot(&self, rows_max: usize) -> Result<ConsumerSnapshot> {
+        Ok(self.snapshot_with(rows_max, |_| Ok(()))?.0)
+    }
+}
+
+fn flow_cursor(r: &Row) -> Result<FlowCursor> {
+    Ok(FlowCursor { consumer_id: col(r, 0)?, source: col(r, 1)?, flow_id: col(r, 2)?, high_water_seq: col(r, 3)? })
+}
+
+/// The dedup tables, read on `tx` (one read transaction the caller holds open).
+fn snapshot_in(tx: &mut Transaction<'_>, schema: &str, horizon_ms: i64, rows_max: usize) -> Result<ConsumerSnapshot> {
+    let limit = rows_max as i64;
+    let inbox = tx
+        .query(
+            &sql(
+                schema,
+                &format!("SELECT {INBOX_COLUMNS} FROM {{s}}.inbox ORDER BY consumer_id, source, flow_id, seq LIMIT $1"),
+            ),
+            &[&limit],
+        )
+        .db()?
+        .iter()
+        .map(inbox_entry)
+        .collect::<Result<Vec<_>>>()?;
+    let receipts = tx
+        .query(
+            &sql(
+                schema,
+                "SELECT consumer_id, event_id, source, flow_id, seq, content_hash, created_at_ms, generation FROM {s}.receipts
+                 ORDER BY consumer_id, source, flow_id, seq LIMIT $1",
+            ),
+            &[&limit],
+        )
+        .db()?
+        .iter()
+        .map(|r| {
+            Ok(Receipt {
+                consumer_id: col(r, 0)?,
+                event_id: col(r, 1)?,
+                source: col(r, 2)?,
+                flow_id: col(r, 3)?,
+                seq: col(r, 4)?,
+                content_hash: col(r, 5)?,
+                created_at_ms: col(r, 6)?,
+                generation: col(r, 7)?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let cursors = tx
+        .query(
+            &sql(schema, "SELECT consumer_id, source, flow_id, high_water_seq FROM {s}.cursors ORDER BY consumer_id, source, flow_id LIMIT $1"),
+            &[&limit],
+        )
+        .db()?
+        .iter()
+        .map(flow_cursor)
+        .collect::<Result<Vec<_>>>()?;
+    Ok(ConsumerSnapshot { horizon_ms, inbox, receipts, cursors })
+}

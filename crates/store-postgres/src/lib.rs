@@ -1,0 +1,60 @@
+//! tidemark-store-postgres: the producer (outbox) and consumer (inbox) stores on PostgreSQL 15+.
+//!
+//! Each store lives in its own PostgreSQL schema (namespace), named by the caller, so tenants and
+//! tests are isolated; every statement names its tables with that schema. One owned, blocking
+//! [`postgres::Client`] per store object, like SQLite's owned connection: a store object lives on
+//! a dedicated thread (never on a tokio worker: the blocking client runs its own small runtime
+//! and panics inside another one).
+//!
+//! **Architecture invariant:** this crate (and the other store crates) is the only place that
+//! writes SQL on tidemark's tables. PostgreSQL's durability defaults (`fsync`,
+//! `synchronous_commit=on`) are never weakened; opening never resets data; the schema is
+//! versioned and migrated forward in one transaction under an advisory lock.
+//!
+//! **Architecture invariant:** outbox positions are commit-ordered. Every advance locks the
+//! producer's counter row (`positions`) before it reads anything and allocates positions from it;
+//! the row lock is held until commit, so a position becomes visible only after every lower one
+//! has (see `producer.rs` and docs/protocol.md, "Delivery cursors").
+#![warn(missing_docs)]
+
+mod consumer;
+mod endpoints;
+mod producer;
+mod schema;
+
+pub use consumer::{ApplyTransaction, PgConsumer};
+pub use endpoints::PgEndpoints;
+pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
+pub use schema::{validate_schema_name, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
+
+use tidemark_core::Error;
+
+/// Convert a PostgreSQL error into the library error (a store failure, never bad input).
+pub(crate) fn db_err(error: postgres::Error) -> Error {
+    Error::from(error)
+}
+
+pub(crate) trait PgResult<T> {
+    fn db(self) -> Result<T, Error>;
+}
+
+impl<T> PgResult<T> for Result<T, postgres::Error> {
+    fn db(self) -> Result<T, Error> {
+        self.map_err(db_err)
+    }
+}
+
+/// Read column `index` of `row`, a store error if its type does not match (a corrupt or foreign
+/// table, never a panic).
+pub(crate) fn col<'a, T: postgres::types::FromSql<'a>>(row: &'a postgres::Row, index: usize) -> Result<T, Error> {
+    row.try_get(index).db()
+}
+
+/// A `u32` column stored as `integer` (schema versions, attempts).
+pub(crate) fn col_u32(row: &postgres::Row, index: usize) -> Result<u32, Error> {
+    let value: i32 = col(row, index)?;
+    u32::try_from(value).map_err(|_| Error::store(format!("column {index} holds {value}, not a u32")))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,324 @@
+//! Connecting, schema names, versioned migrations and the statement cache.
+
+use std::collections::HashMap;
+use std::str::FromStr;
+
+use postgres::{Client, GenericClient, NoTls, Statement};
+use tidemark_core::error::codes;
+use tidemark_core::limits::BUSY_TIMEOUT_MS;
+use tidemark_core::{Error, Result};
+
+use crate::{col, PgResult};
+
+/// Longest schema name accepted, in bytes (PostgreSQL truncates identifiers at 63 bytes; we refuse
+/// instead of truncating, so two names never meet in one schema).
+pub const SCHEMA_NAME_BYTES_MAX: usize = 63;
+
+/// The `classid` of the transaction-scoped advisory locks this crate takes (the `objid` is
+/// `hashtext(schema)`): migrations of one schema run once even when several processes start
+/// together.
+const LOCK_MIGRATE: i32 = 0x746d_0001;
+/// The advisory lock of a producer's delivery bookkeeping (record, resolve, redeliver, prune,
+/// subscribe): these run one at a time per producer, as SQLite's single writer runs them.
+/// Advances do not take it (they serialise on the counter row instead).
+pub(crate) const LOCK_DELIVERIES: i32 = 0x746d_0002;
+/// The advisory lock of a consumer schema's writes (receive, drain, skip, prune, rename): one
+/// writer at a time per consumer schema, as on SQLite.
+pub(crate) const LOCK_CONSUMER: i32 = 0x746d_0003;
+
+/// Migrations of one store schema, in order: index i migrates from version i to i+1. `{s}` is
+/// replaced by the quoted schema name. Never edit a shipped entry: append a new one (and a test
+/// that opens a schema of the previous version).
+///
+/// Identifier columns are `COLLATE "C"`: listings sort by them, and byte order is what SQLite and
+/// the model sort by (a database's default collation may be a locale's).
+const MIGRATIONS: &[&str] = &[
+    // v1: the producer tables (flows, outbox, subscriptions with their cursors, deliveries as
+    // exceptions, the position counter) and the consumer tables (inbox, receipts, cursors,
+    // retired ids), as SQLite's schema v8 has them. One schema may play either role or both.
+    r#"
+    CREATE TABLE {s}.meta (
+        key   text COLLATE "C" PRIMARY KEY,
+        value text NOT NULL
+    );
+
+    -- The position counter: one row, locked by every advance before it reads anything and
+    -- updated in the same transaction, so positions become visible in commit order.
+    CREATE TABLE {s}.positions (
+        only_row      boolean PRIMARY KEY DEFAULT true CHECK (only_row),
+        last_position bigint NOT NULL CHECK (last_position >= 0)
+    );
+    INSERT INTO {s}.positions (only_row, last_position) VALUES (true, 0);
+
+    CREATE TABLE {s}.flows (
+        flow_id       text COLLATE "C" PRIMARY KEY,
+        state         text NOT NULL,
+        state_data    text NOT NULL,
+        last_seq      bigint NOT NULL CHECK (last_seq >= 1),
+        updated_at_ms bigint NOT NULL
+    );
+
+    CREATE TABLE {s}.outbox (
+        position       bigint PRIMARY KEY CHECK (position >= 1),
+        event_id       text COLLATE "C" NOT NULL UNIQUE,
+        flow_id        text COLLATE "C" NOT NULL,
+        seq            bigint NOT NULL CHECK (seq >= 1),
+        event_type     text NOT NULL,
+        schema_version integer NOT NULL,
+        payload        text NOT NULL,
+        content_hash   text NOT NULL,
+        created_at_ms  bigint NOT NULL,
+        generation     text NOT NULL,
+        UNIQUE (flow_id, seq)
+    );
+    CREATE FUNCTION {s}.outbox_immutable() RETURNS trigger LANGUAGE plpgsql AS
+        $$ BEGIN RAISE EXCEPTION 'outbox events are immutable'; END $$;
+    CREATE TRIGGER outbox_immutable BEFORE UPDATE ON {s}.outbox
+        FOR EACH ROW EXECUTE FUNCTION {s}.outbox_immutable();
+
+    CREATE TABLE {s}.subscriptions (
+        consumer_id        text COLLATE "C" PRIMARY KEY,
+        endpoint           text NOT NULL,
+        created_at_ms      bigint NOT NULL,
+        from_position      bigint NOT NULL,
+        delivered_position bigint NOT NULL
+    );
+
+    CREATE TABLE {s}.deliveries (
+        position           bigint NOT NULL,
+        consumer_id        text COLLATE "C" NOT NULL,
+        status             text NOT NULL CHECK (status IN ('pending', 'accepted', 'quarantined', 'dismissed')),
+        attempts           integer NOT NULL DEFAULT 0,
+        next_attempt_at_ms bigint NOT NULL,
+        last_error         text,
+        updated_at_ms      bigint NOT NULL,
+        PRIMARY KEY (position, consumer_id)
+    );
+    CREATE INDEX deliveries_due ON {s}.deliveries (next_attempt_at_ms, position) WHERE status = 'pending';
+    CREATE INDEX deliveries_consumer ON {s}.deliveries (consumer_id, position);
+
+    CREATE TABLE {s}.inbox (
+        record         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        consumer_id    text COLLATE "C" NOT NULL,
+        source         text COLLATE "C" NOT NULL,
+        flow_id        text COLLATE "C" NOT NULL,
+        seq            bigint NOT NULL CHECK (seq >= 1),
+        event_id       text COLLATE "C" NOT NULL,
+        generation     text NOT NULL,
+        event_type     text NOT NULL,
+        schema_version integer NOT NULL,
+        payload        text NOT NULL,
+        content_hash   text NOT NULL,
+        created_at_ms  bigint NOT NULL,
+        received_at_ms bigint NOT NULL,
+        status         text NOT NULL CHECK (status IN ('pending', 'applied', 'blocked', 'skipped')),
+        reason         text,
+        status_at_ms   bigint NOT NULL,
+        UNIQUE (consumer_id, source, flow_id, seq),
+        UNIQUE (event_id, consumer_id)
+    );
+    CREATE INDEX inbox_open ON {s}.inbox (consumer_id, source, flow_id, seq) WHERE status IN ('pending', 'blocked');
+
+    CREATE TABLE {s}.receipts (
+        consumer_id   text COLLATE "C" NOT NULL,
+        source        text COLLATE "C" NOT NULL,
+        flow_id       text COLLATE "C" NOT NULL,
+        seq           bigint NOT NULL,
+        event_id      text COLLATE "C" NOT NULL,
+        content_hash  text NOT NULL,
+        created_at_ms bigint NOT NULL,
+        generation    text,
+        PRIMARY KEY (consumer_id, source, flow_id, seq),
+        UNIQUE (event_id, consumer_id)
+    );
+    CREATE INDEX receipts_age ON {s}.receipts (created_at_ms);
+
+    CREATE TABLE {s}.cursors (
+        consumer_id    text COLLATE "C" NOT NULL,
+        source         text COLLATE "C" NOT NULL,
+        flow_id        text COLLATE "C" NOT NULL,
+        high_water_seq bigint NOT NULL CHECK (high_water_seq >= 1),
+        PRIMARY KEY (consumer_id, source, flow_id)
+    );
+
+    CREATE TABLE {s}.retired_consumers (
+        consumer_id   text COLLATE "C" PRIMARY KEY,
+        renamed_to    text NOT NULL,
+        retired_at_ms bigint NOT NULL
+    );
+    "#,
+];
+
+/// The schema version this build writes.
+pub const SCHEMA_VERSION: i32 = MIGRATIONS.len() as i32;
+
+/// Check a schema name: 1..=63 bytes of `a-z`, `0-9` and `_`, starting with a letter or `_`, and
+/// not `pg_*` (PostgreSQL's reserved prefix). Lower case only, so the name needs no case folding
+/// rules and means the same quoted or not. `invalid_argument` otherwise.
+pub fn validate_schema_name(schema: &str) -> Result<()> {
+    let bytes = schema.as_bytes();
+    let well_formed = !bytes.is_empty()
+        && bytes.len() <= SCHEMA_NAME_BYTES_MAX
+        && (bytes[0].is_ascii_lowercase() || bytes[0] == b'_')
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_')
+        && !schema.starts_with("pg_");
+    if !well_formed {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!(
+                "schema name {schema:?} must be 1..={SCHEMA_NAME_BYTES_MAX} bytes of a-z, 0-9 and _, start with a \
+                 letter or _, and not start with pg_"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `template` with `{s}` replaced by the quoted (already validated) schema name.
+pub(crate) fn sql(schema: &str, template: &str) -> String {
+    template.replace("{s}", &format!("\"{schema}\""))
+}
+
+/// Connect to `conn_str` (a libpq-style `host=... user=...` string or a `postgresql://` URL),
+/// with `lock_timeout` set to [`BUSY_TIMEOUT_MS`] for the session; nothing else of the server's
+/// settings is changed (durability stays the server's: `synchronous_commit` is not touched).
+/// A string that does not parse is `invalid_argument`; a server that does not answer or refuses
+/// is an `io` error. Nothing is written.
+pub(crate) fn connect(conn_str: &str) -> Result<Client> {
+    let mut config = postgres::Config::from_str(conn_str)
+        .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("invalid PostgreSQL connection string: {e}")))?;
+    if config.get_application_name().is_none() {
+        config.application_name("tidemark");
+    }
+    // A store operation waits for another transaction's lock at most as long as a SQLite store
+    // waits for the write lock, then fails (a `store` error) instead of hanging: for example an
+    // advance behind a caller's transaction that holds the position counter and never ends.
+    let options = format!("{} -c lock_timeout={BUSY_TIMEOUT_MS}ms", config.get_options().unwrap_or_default());
+    config.options(options.trim_start());
+    config.connect(NoTls).map_err(|e| Error::io(format!("cannot connect to PostgreSQL: {e}")))
+}
+
+/// Bring `schema` to [`SCHEMA_VERSION`] in one transaction under the schema's migration lock,
+/// creating the schema when `create`. Without `create` a missing schema, or one that holds no
+/// tidemark tables, is `not_initialized` and nothing is created. A schema of a newer version is
+/// `schema_too_new` and nothing is written.
+pub(crate) fn migrate(client: &mut Client, schema: &str, create: bool) -> Result<()> {
+    migrate_to(client, schema, create, SCHEMA_VERSION)
+}
+
+/// [`migrate`] up to `target` (tests build older versions with it).
+pub(crate) fn migrate_to(client: &mut Client, schema: &str, create: bool, target: i32) -> Result<()> {
+    let mut tx = client.transaction().db()?;
+    tx.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", &[&LOCK_MIGRATE, &schema]).db()?;
+    let exists: bool =
+        col(&tx.query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[&schema]).db()?, 0)?;
+    let versioned = exists && {
+        let table = sql(schema, "{s}.schema_versions");
+        let found: Option<String> = col(&tx.query_one("SELECT to_regclass($1)::text", &[&table]).db()?, 0)?;
+        found.is_some()
+    };
+    let current: i32 = if versioned {
+        col(&tx.query_one(&sql(schema, "SELECT COALESCE(max(version), 0) FROM {s}.schema_versions"), &[]).db()?, 0)?
+    } else {
+        0
+    };
+    let latest = MIGRATIONS.len() as i32;
+    if current > latest {
+        return Err(Error::invalid(
+            codes::SCHEMA_TOO_NEW,
+            format!("schema {schema} is at version {current}, newer than this build ({latest}); upgrade tidemark"),
+        ));
+    }
+    if current == 0 && !create {
+        let what = if exists { "holds no tidemark tables" } else { "does not exist" };
+        return Err(Error::invalid(
+            codes::NOT_INITIALIZED,
+            format!("PostgreSQL schema {schema} {what}; initialise it first (init)"),
+        ));
+    }
+    if current >= target {
+        return tx.commit().db();
+    }
+    if !exists {
+        tx.batch_execute(&sql(schema, "CREATE SCHEMA {s}")).db()?;
+    }
+    if !versioned {
+        tx.batch_execute(&sql(
+            schema,
+            "CREATE TABLE {s}.schema_versions (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())",
+        ))
+        .db()?;
+    }
+    for (index, migration) in MIGRATIONS.iter().enumerate().take(target as usize).skip(current as usize) {
+        tx.batch_execute(&sql(schema, migration)).db()?;
+        let version = index as i32 + 1;
+        tx.execute(&sql(schema, "INSERT INTO {s}.schema_versions (version) VALUES ($1)"), &[&version]).db()?;
+    }
+    tx.commit().db()
+}
+
+/// A value of the schema's `meta` table.
+pub(crate) fn meta_get(client: &mut impl GenericClient, schema: &str, key: &str) -> Result<Option<String>> {
+    let row = client.query_opt(&sql(schema, "SELECT value FROM {s}.meta WHERE key = $1"), &[&key]).db()?;
+    row.map(|r| col(&r, 0)).transpose()
+}
+
+/// Set a value of the schema's `meta` table.
+pub(crate) fn meta_set(client: &mut impl GenericClient, schema: &str, key: &str, value: &str) -> Result<()> {
+    client
+        .execute(
+            &sql(
+                schema,
+                "INSERT INTO {s}.meta (key, value) VALUES ($1, $2) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            ),
+            &[&key, &value],
+        )
+        .db()?;
+    Ok(())
+}
+
+/// Take the transaction-scoped advisory lock `class` of `schema` (released at commit or rollback).
+pub(crate) fn lock(client: &mut impl GenericClient, class: i32, schema: &str) -> Result<()> {
+    client.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", &[&class, &schema]).db()?;
+    Ok(())
+}
+
+/// Prepared statements of one connection, by SQL template: each is parsed once per connection
+/// instead of once per call (a `&str` query costs a parse round trip every time). Protocol-level
+/// prepared statements outlive the transaction they were prepared in, rolled back or not.
+pub(crate) struct Statements {
+    schema: String,
+    prepared: HashMap<&'static str, Statement>,
+}
+
+impl Statements {
+    pub(crate) fn new(schema: &str) -> Self {
+        Statements { schema: schema.to_string(), prepared: HashMap::new() }
+    }
+
+    /// The statement of `template` (with `{s}` the schema), prepared on `client` the first time.
+    pub(crate) fn get(&mut self, client: &mut impl GenericClient, template: &'static str) -> Result<Statement> {
+        if let Some(statement) = self.prepared.get(template) {
+            return Ok(statement.clone());
+        }
+        let statement = client.prepare(&sql(&self.schema, template)).db()?;
+        self.prepared.insert(template, statement.clone());
+        Ok(statement)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schema_names_are_strict_lower_case_identifiers() {
+        for good in ["shop", "_t", "tenant_42", &"a".repeat(63)] {
+            validate_schema_name(good).unwrap();
+        }
+        for bad in ["", "Shop", "1shop", "shop-1", "sh\"op", "pg_catalog", "a b", &"a".repeat(64), "é"] {
+            let error = validate_schema_name(bad).unwrap_err();
+            assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{bad:?}");
+        }
+    }
+}
