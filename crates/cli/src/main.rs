@@ -81,6 +81,8 @@ enum Command {
     Relay(RelayArgs),
     /// Store one event (JSON envelope from --file or stdin) in a consumer's inbox.
     Receive(ReceiveArgs),
+    /// Consume a broker (NATS JetStream) into a consumer's inbox, acking after each inbox commit.
+    Consume(ConsumeArgs),
     /// Apply the next event (high-water + 1) of one flow.
     Apply(ApplyArgs),
     /// Apply across flows, bounded by --limit, in one transaction.
@@ -176,6 +178,32 @@ struct SubscribeArgs {
     /// Also queue every event already in the outbox.
     #[arg(long)]
     from_start: bool,
+}
+
+#[derive(Args)]
+struct ConsumeArgs {
+    /// `nats://host[:port]/<subject prefix>`: the subjects `<prefix>.>` are consumed.
+    #[arg(long)]
+    from: String,
+    /// The JetStream stream capturing them (never created here).
+    #[arg(long)]
+    stream: String,
+    /// The durable pull consumer's name (default `tidemark-<consumer id>`).
+    #[arg(long)]
+    durable: Option<String>,
+    #[arg(long)]
+    consumer_db: PathBuf,
+    #[arg(long)]
+    consumer_id: String,
+    /// Messages per pull (1..=1,000).
+    #[arg(long, default_value_t = 100)]
+    batch: usize,
+    /// How long the broker waits for an ack before redelivering, in ms.
+    #[arg(long, default_value_t = 30_000)]
+    ack_wait_ms: u64,
+    /// Stop when a pull finds nothing (else run until SIGINT or SIGTERM).
+    #[arg(long)]
+    until_idle: bool,
 }
 
 #[derive(Args)]
@@ -538,6 +566,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             Ok(out)
         }
+        Command::Consume(args) => consume(args, ctx.durability),
         Command::Receive(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             let path = file_arg(args.consumer_db, "--consumer-db")?;
@@ -823,4 +852,71 @@ fn main() {
             std::process::exit(if error.is_invalid_input() { 2 } else { 1 });
         }
     }
+}
+
+/// The inbox of one consumer database file, as `tidemark consume` stores into it.
+struct FileInbox(std::sync::Mutex<SqliteConsumer>);
+
+impl tidemark_transport::Inbox for FileInbox {
+    fn receive<'a>(
+        &'a self,
+        consumer_id: &'a str,
+        events: Vec<Envelope>,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = tidemark_core::Result<Vec<tidemark_core::store::ReceiveOutcome>>>
+                + Send
+                + 'a,
+        >,
+    > {
+        Box::pin(async move {
+            let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id, e)).collect();
+            let mut consumer = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            consumer.receive_batch(&items, tidemark_engine::now_ms())
+        })
+    }
+}
+
+/// `tidemark consume`: pull from the broker into the inbox until idle or a signal.
+fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<Value> {
+    tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
+    let config = tidemark_transport::NatsSourceConfig {
+        from: args.from,
+        stream: args.stream,
+        durable: args.durable.unwrap_or_else(|| format!("tidemark-{}", args.consumer_id)),
+        batch: args.batch,
+        ack_wait_ms: args.ack_wait_ms,
+    };
+    config.validate().map_err(|e| match e {
+        Error::Invalid { message, .. } => Error::invalid(codes::INVALID_ARGUMENT, message),
+        other => other,
+    })?;
+    let inbox = FileInbox(std::sync::Mutex::new(SqliteConsumer::open_with(&args.consumer_db, durability)?));
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io(format!("cannot start the runtime: {e}")))?;
+    runtime.block_on(async {
+        let source = tidemark_transport::NatsSource::connect(&config, std::time::Duration::from_secs(5)).await?;
+        let mut total = tidemark_transport::SourceReport::default();
+        let mut pulls = 0_u64;
+        let stop = tokio::signal::ctrl_c();
+        tokio::pin!(stop);
+        loop {
+            let report = tokio::select! {
+                report = source.pull(&inbox, &args.consumer_id, std::time::Duration::from_millis(500)) => report?,
+                _ = &mut stop => break,
+            };
+            pulls += 1;
+            let idle = report.fetched == 0;
+            total.absorb(report);
+            if idle && args.until_idle {
+                break;
+            }
+        }
+        let mut out = serde_json::to_value(&total).map_err(|e| Error::Invariant(e.to_string()))?;
+        out["outcome"] = json!("consumed");
+        out["pulls"] = json!(pulls);
+        Ok(out)
+    })
 }

@@ -210,6 +210,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
         Command::Serve(_) => Err(no_route("serve")),
         Command::Loadtest(_) => Err(no_route("loadtest")),
         Command::Config(_) => Err(no_route("config")),
+        Command::Consume(_) => Err(no_route("consume")),
         Command::Token(_) => Err(no_route("token")),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(_) => Err(no_route("unsafe-dual-write-advance")),

@@ -27,10 +27,13 @@ pub fn start(state: AppState, tenant: Arc<Tenant>) {
         ("worker", tokio::spawn(worker_loop(state.clone(), tenant.clone()))),
         ("retention", tokio::spawn(retention_loop(state.clone(), tenant.clone()))),
     ];
-    let mut tasks = state.tasks.lock().unwrap_or_else(|p| p.into_inner());
-    for (name, handle) in handles {
-        tasks.push((format!("{}/{name}", tenant.id), handle));
+    {
+        let mut tasks = state.tasks.lock().unwrap_or_else(|p| p.into_inner());
+        for (name, handle) in handles {
+            tasks.push((format!("{}/{name}", tenant.id), handle));
+        }
     }
+    crate::sources::start(&state, &tenant);
 }
 
 /// After shutdown began: wait (at most `grace`) for every loop to finish; report each.

@@ -48,6 +48,54 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     /// Logs and trace export (`[log]`).
     pub log: LogConfig,
+    /// Brokers consumed into declared consumers' inboxes (`[[sources]]`, one table each).
+    pub sources: Vec<SourceConfig>,
+}
+
+/// `[[sources]]`: one broker consumed into one declared consumer's inbox (docs/protocol.md,
+/// "Consuming from a broker"). Today: NATS JetStream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// The tenant whose consumer receives.
+    pub tenant: String,
+    /// The declared consumer (`PUT /v1/consumers/{id}`) whose inbox the events go to; its
+    /// handler's database holds that inbox, and its drain applies them.
+    pub consumer: String,
+    /// `nats://host[:port]/<subject prefix>`: the subjects `<prefix>.>` are consumed.
+    pub from: String,
+    /// The JetStream stream capturing them (the operator's; never created by tidemark).
+    pub stream: String,
+    /// The durable pull consumer's name (default `tidemark-<tenant>-<consumer>`).
+    #[serde(default)]
+    pub durable: Option<String>,
+    /// Messages per pull (1..=1,000; default 100).
+    #[serde(default = "default_source_batch")]
+    pub batch: usize,
+    /// How long the broker waits for an ack before redelivering, in ms (default 30,000).
+    #[serde(default = "default_source_ack_wait_ms")]
+    pub ack_wait_ms: u64,
+}
+
+fn default_source_batch() -> usize {
+    100
+}
+
+fn default_source_ack_wait_ms() -> u64 {
+    30_000
+}
+
+impl SourceConfig {
+    /// The transport's view of this source.
+    pub fn nats(&self) -> tidemark_transport::NatsSourceConfig {
+        tidemark_transport::NatsSourceConfig {
+            from: self.from.clone(),
+            stream: self.stream.clone(),
+            durable: self.durable.clone().unwrap_or_else(|| format!("tidemark-{}-{}", self.tenant, self.consumer)),
+            batch: self.batch,
+            ack_wait_ms: self.ack_wait_ms,
+        }
+    }
 }
 
 /// `[auth]`: how requests are authenticated and rate-limited.
@@ -185,6 +233,7 @@ impl Default for Config {
             retention: RetentionConfig::default(),
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
+            sources: Vec::new(),
         }
     }
 }
@@ -358,6 +407,12 @@ impl Config {
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| config_error(format!("log.level {:?}: {e}", self.log.level)))?;
         self.otlp_endpoint()?;
+        for (i, source) in self.sources.iter().enumerate() {
+            validate_tenant_id(&source.tenant).map_err(|e| config_error(format!("sources[{i}].tenant: {e}")))?;
+            tidemark_core::id::validate_id("consumer", &source.consumer)
+                .map_err(|e| config_error(format!("sources[{i}].consumer: {e}")))?;
+            source.nats().validate().map_err(|e| config_error(format!("sources[{i}]: {e}")))?;
+        }
         Ok(())
     }
 
@@ -453,6 +508,13 @@ mod tests {
             ("[log]\notlp_endpoint = \"https://collector:4318\"", "log.otlp_endpoint"),
             ("[log]\notlp_endpoint = \"http://\"", "log.otlp_endpoint"),
             ("[relay]\nattempt_timeout_ms = 0", "relay.attempt_timeout_ms"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"http://h/x\"\nstream = \"S\"", "sources[0]"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"nats://h/x\"\nstream = \"S.1\"", "sources[0]"),
+            (
+                "[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"nats://h/x\"\nstream = \"S\"\nbatch = 0",
+                "sources[0]",
+            ),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"nats://h/x\"", "stream"),
             ("[relay.tokens]\n\"http://h\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80/v1\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80\" = \"\"", "relay.tokens"),

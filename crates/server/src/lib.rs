@@ -6,7 +6,7 @@
 //! Code map: `service.rs` (the builder and the service's entry points), `registry.rs` (what it
 //! serves), `config.rs` (layered configuration), `auth.rs` (tokens, scopes, rate limits),
 //! `tenant.rs` (a tenant's files and store threads), `actor.rs` (a store thread with group
-//! commit), `background.rs` (the loops), `lanes.rs` (a relay lane per network endpoint), `api/` (HTTP routes and the error mapping),
+//! commit), `background.rs` (the loops), `lanes.rs` (a relay lane per network endpoint), `sources.rs` (brokers consumed into inboxes), `api/` (HTTP routes and the error mapping),
 //! `metrics.rs` (Prometheus), `dashboard/` (the HTML pages under `/ui` and their sampler).
 #![warn(missing_docs)]
 
@@ -20,6 +20,7 @@ pub mod lanes;
 pub mod metrics;
 pub mod registry;
 mod service;
+mod sources;
 pub mod stats;
 pub mod tenant;
 

@@ -16,6 +16,7 @@
 
 mod http;
 mod nats;
+mod source;
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -30,6 +31,7 @@ use tidemark_core::{Envelope, Error, Result};
 
 pub use http::HttpTransport;
 pub use nats::{subject as nats_subject, NatsTransport};
+pub use source::{Inbox, NatsSource, NatsSourceConfig, SourceReport};
 
 /// What a delivery resolves to: one outcome per event, in order, or the reason it failed.
 pub type Delivered<'a> = Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;

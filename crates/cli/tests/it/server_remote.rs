@@ -410,3 +410,151 @@ fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_rel
         .sum();
     assert_eq!(duplicates as usize, FLOWS * 5, "{metrics}");
 }
+
+#[test]
+fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill_and_a_poison_message() {
+    if !Path::new(NATS_BIN).exists() {
+        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _nats = Nats::start(&dir.path().join("nats"), port);
+    with_jetstream(port, async |js| {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "ORDERS".into(),
+            subjects: vec!["orders.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream")
+    });
+    // shipping consumes the stream into its `ledger` consumer's inbox.
+    let ship_dir = dir.path().join("shipping");
+    let ship_admin = token(&ship_dir, "shipping", "admin");
+    let ship_config = ship_dir.join("shipping.toml");
+    std::fs::write(
+        &ship_config,
+        format!(
+            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"nats://127.0.0.1:{port}/orders\"\n\
+             stream = \"ORDERS\"\nbatch = 20\nack_wait_ms = 2000\n"
+        ),
+    )
+    .unwrap();
+    let ship_args = ["--config", ship_config.to_str().unwrap()];
+    let mut ship = Server::start(&ship_dir, &ship_args, &[]);
+    let listen = ship.base.trim_start_matches("http://").to_string();
+    let (status, body) = ship.call(
+        "PUT",
+        "/v1/consumers/ledger",
+        Some(&ship_admin),
+        Some(&json!({"handler": "record", "subscribe": false})),
+    );
+    assert_eq!(status, 201, "{body}");
+    // orders relays its outbox to the stream.
+    let orders_dir = dir.path().join("orders");
+    let orders_admin = token(&orders_dir, "orders", "admin");
+    let orders = Server::start(&orders_dir, &[], &[]);
+    let (status, body) = subscribe(&orders, &orders_admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
+    assert_eq!(status, 200, "{body}");
+
+    for f in 0..FLOWS {
+        append(&orders, &orders_admin, &format!("parcel-{f}"), 3);
+    }
+    ship.wait_for(WAIT, |s| (applied(s, &ship_admin).len() == FLOWS * 3).then_some(()));
+
+    // A poison message on a consumed subject: terminated at the broker, never stored, never looping.
+    with_jetstream(port, async |js| {
+        js.publish("orders.elsewhere.poison", "not an envelope".into()).await.unwrap().await.expect("stored")
+    });
+    // The consumer killed with SIGKILL while events flow, then restarted.
+    for f in 0..FLOWS {
+        append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
+    }
+    ship.kill9();
+    for f in 0..FLOWS {
+        append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
+    }
+    let ship = Server::start_at(&ship_dir, &listen, &ship_args, &[]);
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_admin);
+        (seen.len() == FLOWS * 7).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
+    let cursors = cursors["cursors"].as_array().unwrap();
+    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+    assert!(cursors.iter().all(|c| c["high_water_seq"] == 7), "{cursors:?}");
+    // Nothing is left unacked at the broker: the poison message was terminated, not redelivered.
+    let info = with_jetstream(port, async |js| {
+        let stream = js.get_stream("ORDERS").await.unwrap();
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            stream.get_consumer("tidemark-shipping-ledger").await.expect("the durable consumer");
+        consumer.info().await.unwrap().clone()
+    });
+    assert_eq!((info.num_ack_pending, info.num_pending), (0, 0), "{info:?}");
+    let (_, records) = ship.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(&ship_admin), None);
+    assert_eq!(records["records"].as_array().unwrap().len(), FLOWS * 7, "the poison message is not in the inbox");
+}
+
+#[test]
+fn tidemark_consume_stores_a_stream_in_an_inbox_file_once_and_terminates_what_it_cannot_store() {
+    use crate::support::{ok, path_str, run};
+    if !Path::new(NATS_BIN).exists() {
+        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let _nats = Nats::start(&dir.path().join("nats"), port);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let envelope = |id: &str, seq: i64, text: &str| {
+        json!({"event_id": id, "source": "shop", "generation": "g1", "flow_id": "order-1", "seq": seq,
+            "event_type": "note.added", "schema_version": 1, "payload": {"text": text}, "created_at_ms": now})
+    };
+    with_jetstream(port, async |js| {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "NOTES".into(),
+            subjects: vec!["notes.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+        let messages = [
+            ("m1", envelope("e1", 1, "a").to_string()),
+            ("m2", envelope("e2", 2, "b").to_string()),
+            ("m3", envelope("e3", 3, "c").to_string()),
+            // The same event again under another message id (a redelivery past the duplicate window).
+            ("m4", envelope("e2", 2, "b").to_string()),
+            // The same position with other content: refused by the inbox.
+            ("m5", envelope("e9", 3, "other").to_string()),
+            ("m6", "not an envelope".to_string()),
+        ];
+        for (id, body) in messages {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(async_nats::header::NATS_MESSAGE_ID, id);
+            js.publish_with_headers("notes.shop.order-1", headers, body.into()).await.unwrap().await.unwrap();
+        }
+    });
+    let inbox = dir.path().join("inbox.db");
+    let c = path_str(&inbox);
+    ok(&["init", "--consumer-db", c]);
+    let from = format!("nats://127.0.0.1:{port}/notes");
+    let args =
+        ["consume", "--from", &from, "--stream", "NOTES", "--consumer-db", c, "--consumer-id", "audit", "--until-idle"];
+    let report = ok(&args);
+    assert_eq!(
+        (&report["fetched"], &report["accepted"], &report["duplicate"], &report["rejected"]),
+        (&json!(6), &json!(3), &json!(1), &json!(2)),
+        "{report}"
+    );
+    // Everything was acked or terminated: a second run finds nothing.
+    let again = ok(&args);
+    assert_eq!(again["fetched"], 0, "{again}");
+    let listed = ok(&["inbox", "list", "--consumer-db", c, "--consumer-id", "audit"]);
+    assert_eq!(listed["records"].as_array().map(Vec::len), Some(3), "{listed}");
+    // Bad input: a typed error, nothing consumed.
+    let r =
+        run(&["consume", "--from", "http://h/x", "--stream", "NOTES", "--consumer-db", c, "--consumer-id", "audit"]);
+    assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{}", r.stdout);
+}

@@ -1,0 +1,226 @@
+//! Consuming from a broker into a tidemark inbox: a JetStream durable pull consumer whose
+//! messages are stored in the inbox and acked to the broker only after the inbox transaction
+//! committed (docs/protocol.md, "Consuming from a broker").
+//!
+//! One pull: fetch up to `batch` messages (waiting at most `wait` for the first), parse each as
+//! an envelope, store the valid ones in one inbox call, then answer the broker per message:
+//! `accepted` and `duplicate` (a redelivery: the inbox already holds it) are acked; a message
+//! that is not an envelope, and an envelope the inbox refuses (`conflict`, `expired`), are
+//! terminated (`AckKind::Term`: the broker never redelivers it) with the reason logged by the
+//! caller and counted, so a poison message never loops. When the inbox call fails, nothing is
+//! acked: the broker redelivers after `ack_wait` and the inbox answers `duplicate` for what it did
+//! store. Events of one flow that arrive out of order (a redelivery after a later one) wait in the
+//! inbox as a `gap` until the missing seq arrives, as they do from any relay.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, AckKind};
+use futures_util::StreamExt;
+use serde::Serialize;
+use tidemark_core::endpoint::Endpoint;
+use tidemark_core::error::codes;
+use tidemark_core::store::ReceiveOutcome;
+use tidemark_core::{Envelope, Error, Result};
+
+/// Where a source's events go: one consumer's inbox. `receive` answers one outcome per envelope,
+/// in order, after the inbox transaction committed (`ConsumerStore::receive_batch`).
+pub trait Inbox: Send + Sync {
+    /// Store `events` for `consumer_id` in one transaction; one outcome per event.
+    fn receive<'a>(
+        &'a self,
+        consumer_id: &'a str,
+        events: Vec<Envelope>,
+    ) -> Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
+}
+
+/// What one pull (or several) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct SourceReport {
+    /// Messages fetched from the broker.
+    pub fetched: u64,
+    /// Stored in the inbox as new (and acked).
+    pub accepted: u64,
+    /// Already in the inbox (a broker redelivery; acked).
+    pub duplicate: u64,
+    /// Terminated at the broker: not an envelope, or refused by the inbox (`conflict`,
+    /// `expired`). Their reasons, at most 20 per report.
+    pub rejected: u64,
+    /// Why the last rejected messages were rejected.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub reasons: Vec<String>,
+}
+
+impl SourceReport {
+    /// Add another pull's counts to this one.
+    pub fn absorb(&mut self, other: SourceReport) {
+        self.fetched += other.fetched;
+        self.accepted += other.accepted;
+        self.duplicate += other.duplicate;
+        self.rejected += other.rejected;
+        for reason in other.reasons {
+            self.reject_reason(reason);
+        }
+    }
+
+    fn reject_reason(&mut self, reason: String) {
+        if self.reasons.len() == 20 {
+            self.reasons.remove(0);
+        }
+        self.reasons.push(reason);
+    }
+}
+
+/// Where to consume from: a JetStream stream and the durable pull consumer on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NatsSourceConfig {
+    /// `nats://host[:port]/<subject prefix>`: the server, and the subjects consumed
+    /// (`<prefix>.>`), as a relay publishes them.
+    pub from: String,
+    /// The stream that captures those subjects (the operator's; never created here).
+    pub stream: String,
+    /// The durable consumer's name on the stream (created on first use, then reused: the broker
+    /// keeps its position).
+    pub durable: String,
+    /// Messages per pull, and twice this is the consumer's `max_ack_pending` (1..=1,000).
+    pub batch: usize,
+    /// How long the broker waits for an ack before it redelivers, in ms (1,000..=3,600,000).
+    pub ack_wait_ms: u64,
+}
+
+impl NatsSourceConfig {
+    /// Check the configuration: `invalid_config` for anything out of range.
+    pub fn validate(&self) -> Result<(String, String)> {
+        let bad = |why: String| Error::invalid(codes::INVALID_CONFIG, why);
+        let Endpoint::Nats { server, subject_prefix } =
+            Endpoint::parse(&self.from).map_err(|e| bad(format!("source from {:?}: {e}", self.from)))?
+        else {
+            return Err(bad(format!("source from {:?}: only nats:// sources exist in this build", self.from)));
+        };
+        for (what, name) in [("stream", &self.stream), ("durable", &self.durable)] {
+            let ok = !name.is_empty()
+                && name.len() <= 100
+                && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+            if !ok {
+                return Err(bad(format!("source {what} {name:?} must be 1..=100 of A-Z a-z 0-9 _ -")));
+            }
+        }
+        if !(1..=1_000).contains(&self.batch) {
+            return Err(bad(format!("source batch must be 1..=1000, got {}", self.batch)));
+        }
+        if !(1_000..=3_600_000).contains(&self.ack_wait_ms) {
+            return Err(bad(format!("source ack_wait_ms must be 1000..=3600000, got {}", self.ack_wait_ms)));
+        }
+        Ok((server, subject_prefix))
+    }
+}
+
+/// A connected JetStream durable pull consumer.
+pub struct NatsSource {
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    batch: usize,
+}
+
+impl NatsSource {
+    /// Connect, find the stream, and create (or reuse) the durable consumer filtered on
+    /// `<prefix>.>` with explicit acks.
+    pub async fn connect(config: &NatsSourceConfig, connect_timeout: Duration) -> Result<NatsSource> {
+        let (server, prefix) = config.validate()?;
+        let client = async_nats::ConnectOptions::new()
+            .connection_timeout(connect_timeout)
+            .connect(server.as_str())
+            .await
+            .map_err(|e| Error::io(format!("cannot connect to NATS at {server}: {e}")))?;
+        let js = jetstream::new(client);
+        let stream = js
+            .get_stream(&config.stream)
+            .await
+            .map_err(|e| Error::io(format!("NATS stream {:?} at {server}: {e}", config.stream)))?;
+        let consumer = stream
+            .get_or_create_consumer(
+                &config.durable,
+                pull::Config {
+                    durable_name: Some(config.durable.clone()),
+                    filter_subject: format!("{prefix}.>"),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: Duration::from_millis(config.ack_wait_ms),
+                    max_ack_pending: (config.batch * 2) as i64,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| Error::io(format!("NATS consumer {:?} on {:?}: {e}", config.durable, config.stream)))?;
+        Ok(NatsSource { consumer, batch: config.batch })
+    }
+
+    /// One pull into `inbox` for `consumer_id` (see the module documentation), waiting at most
+    /// `wait` for messages. An error fetching, storing or acking is an `Err`; what was stored
+    /// stays stored, and what was not acked is redelivered by the broker.
+    pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
+        let mut report = SourceReport::default();
+        let mut messages = self
+            .consumer
+            .fetch()
+            .max_messages(self.batch)
+            .expires(wait)
+            .messages()
+            .await
+            .map_err(|e| Error::io(format!("NATS fetch: {e}")))?;
+        let mut fetched = Vec::new();
+        while let Some(message) = messages.next().await {
+            fetched.push(message.map_err(|e| Error::io(format!("NATS fetch: {e}")))?);
+        }
+        report.fetched = fetched.len() as u64;
+        if fetched.is_empty() {
+            return Ok(report);
+        }
+        let mut valid = Vec::with_capacity(fetched.len());
+        let mut envelopes = Vec::with_capacity(fetched.len());
+        for message in fetched {
+            match Envelope::parse(&message.payload) {
+                Ok(envelope) => {
+                    envelopes.push(envelope);
+                    valid.push(message);
+                }
+                Err(error) => {
+                    report.rejected += 1;
+                    report.reject_reason(format!("{}: not an envelope: {error}", message.subject));
+                    message.ack_with(AckKind::Term).await.map_err(|e| Error::io(format!("NATS term: {e}")))?;
+                }
+            }
+        }
+        if envelopes.is_empty() {
+            return Ok(report);
+        }
+        let outcomes = inbox.receive(consumer_id, envelopes).await?;
+        if outcomes.len() != valid.len() {
+            return Err(Error::Invariant(format!("{} outcomes for {} events", outcomes.len(), valid.len())));
+        }
+        for (message, outcome) in valid.into_iter().zip(outcomes) {
+            let kind = match &outcome {
+                ReceiveOutcome::Accepted { .. } => {
+                    report.accepted += 1;
+                    AckKind::Ack
+                }
+                ReceiveOutcome::Duplicate { .. } => {
+                    report.duplicate += 1;
+                    AckKind::Ack
+                }
+                ReceiveOutcome::Conflict { event_id, reason, .. } => {
+                    report.rejected += 1;
+                    report.reject_reason(format!("{event_id}: conflict: {reason}"));
+                    AckKind::Term
+                }
+                ReceiveOutcome::Expired { event_id, horizon_ms, .. } => {
+                    report.rejected += 1;
+                    report.reject_reason(format!("{event_id}: expired: older than the horizon of {horizon_ms} ms"));
+                    AckKind::Term
+                }
+            };
+            message.ack_with(kind).await.map_err(|e| Error::io(format!("NATS ack: {e}")))?;
+        }
+        Ok(report)
+    }
+}
