@@ -7,6 +7,8 @@
 //! nats://host:port/<subject prefix>                         NATS JetStream
 //! amqp://host:port/<exchange>                               RabbitMQ (the default virtual host)
 //! kafka://host:port[,host:port...]/<topic>                  Kafka
+//! pull:                                                     a pull consumer: nothing is pushed; it reads
+//!                                                           GET /v1/outbox/feed and commits what it stored
 //! ```
 //!
 //! Every endpoint is checked when it is subscribed ([`Endpoint::parse`]); anything else is
@@ -36,6 +38,8 @@ pub enum EndpointKind {
     Amqp,
     /// Kafka (custody: an `acks=all` produce of the idempotent producer).
     Kafka,
+    /// A pull consumer (custody: its commit call after it stored what it read from the feed).
+    Pull,
 }
 
 impl EndpointKind {
@@ -47,6 +51,7 @@ impl EndpointKind {
             EndpointKind::Nats => "nats",
             EndpointKind::Amqp => "amqp",
             EndpointKind::Kafka => "kafka",
+            EndpointKind::Pull => "pull",
         }
     }
 
@@ -101,6 +106,8 @@ pub enum Endpoint {
         /// The topic (key `<source>/<flow_id>`, so a flow stays in one partition).
         topic: String,
     },
+    /// A pull consumer: the relay never pushes to it; it reads the outbox feed.
+    Pull,
 }
 
 fn invalid(endpoint: &str, why: impl fmt::Display) -> Error {
@@ -193,6 +200,12 @@ impl Endpoint {
                 Ok(Endpoint::Sqlite { path: path.to_string() })
             }
             "http" | "https" => Self::parse_http(endpoint),
+            "pull" => {
+                if endpoint.len() > scheme_end + 1 {
+                    return Err(invalid(endpoint, "a pull endpoint is exactly `pull:`"));
+                }
+                Ok(Endpoint::Pull)
+            }
             "nats" => {
                 let url = parse_url(endpoint)?;
                 let server = server_of(endpoint, &url, 4222)?;
@@ -265,6 +278,7 @@ impl Endpoint {
             Endpoint::Nats { .. } => EndpointKind::Nats,
             Endpoint::Amqp { .. } => EndpointKind::Amqp,
             Endpoint::Kafka { .. } => EndpointKind::Kafka,
+            Endpoint::Pull => EndpointKind::Pull,
         }
     }
 }
@@ -324,6 +338,7 @@ mod tests {
             Endpoint::Kafka { bootstrap: vec!["k1:9093".into(), "k2:9092".into()], topic: "orders.v1".into() }
         );
         assert_eq!(kind_of("NATS://h/p").unwrap(), EndpointKind::Nats);
+        assert_eq!(Endpoint::parse("pull:").unwrap(), Endpoint::Pull);
     }
 
     #[test]
@@ -346,6 +361,7 @@ mod tests {
             "kafka://host/bad topic",
             "kafka://a:b:c/t",
             "sqlite:",
+            "pull:x",
             "file\u{0}.db",
         ] {
             assert_eq!(code(bad), codes::INVALID_ENDPOINT, "{bad:?}");

@@ -107,11 +107,7 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
             .call(move |p| {
                 let subscriptions = p.store.subscriptions()?;
                 let network = crate::lanes::network_endpoints(&subscriptions);
-                let files: Vec<String> = subscriptions
-                    .into_iter()
-                    .filter(|s| !network.contains_key(&s.endpoint))
-                    .map(|s| s.consumer_id)
-                    .collect();
+                let files = crate::lanes::file_subscribers(&subscriptions);
                 if files.is_empty() {
                     return Ok((tidemark_engine::RelayReport::default(), network));
                 }

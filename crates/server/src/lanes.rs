@@ -55,15 +55,26 @@ pub struct LaneStatus {
 /// The running lanes of one tenant, by (outbox index in [`Tenant::outboxes`], endpoint).
 pub type Lanes = std::sync::Mutex<BTreeMap<(usize, String), LaneStatus>>;
 
-/// The network subscriptions of an outbox, grouped by endpoint (file endpoints left out: and an
-/// endpoint that no longer parses is left to the file relay, which fails it with its reason).
+/// The network subscriptions of an outbox, grouped by endpoint: what lanes push to (file
+/// endpoints are the file relay's, pull consumers read the feed; an endpoint that no longer
+/// parses is left to the file relay, which fails it with its reason).
 pub fn network_endpoints(subscriptions: &[Subscription]) -> BTreeMap<String, EndpointKind> {
     subscriptions
         .iter()
         .filter_map(|s| match Endpoint::parse(&s.endpoint).map(|e| e.kind()) {
-            Ok(EndpointKind::Sqlite) | Err(_) => None,
+            Ok(EndpointKind::Sqlite | EndpointKind::Pull) | Err(_) => None,
             Ok(kind) => Some((s.endpoint.clone(), kind)),
         })
+        .collect()
+}
+
+/// The subscribers the file relay delivers to: file endpoints (and unparseable ones, which it
+/// fails with their reason).
+pub fn file_subscribers(subscriptions: &[Subscription]) -> Vec<String> {
+    subscriptions
+        .iter()
+        .filter(|s| matches!(Endpoint::parse(&s.endpoint).map(|e| e.kind()), Ok(EndpointKind::Sqlite) | Err(_)))
+        .map(|s| s.consumer_id.clone())
         .collect()
 }
 

@@ -97,6 +97,10 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
             Ok(Arc::new(HttpTransport::new(&url, config.http_token(&origin)?, config)?))
         }
         Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
+        Endpoint::Pull => Err(Error::invalid(
+            codes::INVALID_ENDPOINT,
+            "a pull consumer is never pushed to: it reads GET /v1/outbox/feed",
+        )),
         Endpoint::Sqlite { .. } => Err(Error::invalid(
             codes::INVALID_ENDPOINT,
             format!("{endpoint} is a consumer database file: the producer's own thread delivers to files"),

@@ -108,6 +108,8 @@ pub fn populate(server: &Server, token: &str, tenant: &str) -> Fixture {
             && ["sleepy-wait", "sleepy-wait-2", "sleepy-wait-3"].iter().all(|r| status_of(s, r) == "waiting");
         (quarantined && blocked && settled && runs).then_some(())
     });
+    // A pull consumer (after the wait above: its deliveries stay pending until it commits).
+    expect(server, "PUT", "/v1/subscriptions/reader", t, json!({"endpoint": "pull:", "from_start": true}), &[200]);
     let (_, detail) = server.call("GET", "/v1/runs/sleepy-fail-2", Some(t), None);
     let failed_step = detail["journal"]
         .as_array()
@@ -133,6 +135,7 @@ impl Fixture {
             // Not mirror: redelivering would drop the quarantined delivery `resolve` targets.
             ("consumer_id", _, "/v1/outbox/redeliver/{consumer_id}") => "audit",
             ("consumer_id", "POST", "/v1/consumers/{consumer_id}/inbox") => "audit",
+            ("consumer_id", _, p) if p.starts_with("/v1/outbox/feed/") => "reader",
             ("consumer_id", _, _) => "ledger",
             ("event_id", _, "/v1/outbox/{event_id}/{consumer_id}/resolve") => &self.quarantined_event,
             ("event_id", _, "/v1/consumers/{consumer_id}/inbox/{event_id}/skip") => &self.blocked_event,

@@ -443,7 +443,6 @@ fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill
     .unwrap();
     let ship_args = ["--config", ship_config.to_str().unwrap()];
     let mut ship = Server::start(&ship_dir, &ship_args, &[]);
-    let listen = ship.base.trim_start_matches("http://").to_string();
     let (status, body) = ship.call(
         "PUT",
         "/v1/consumers/ledger",
@@ -475,7 +474,8 @@ fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill
     for f in 0..FLOWS {
         append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
     }
-    let ship = Server::start_at(&ship_dir, &listen, &ship_args, &[]);
+    // Anywhere: nothing sends to shipping's HTTP port, it pulls from the broker.
+    let ship = Server::start(&ship_dir, &ship_args, &[]);
     let seen = ship.wait_for(WAIT, |s| {
         let seen = applied(s, &ship_admin);
         (seen.len() == FLOWS * 7).then_some(seen)
@@ -557,4 +557,77 @@ fn tidemark_consume_stores_a_stream_in_an_inbox_file_once_and_terminates_what_it
     let r =
         run(&["consume", "--from", "http://h/x", "--stream", "NOTES", "--consumer-db", c, "--consumer-id", "audit"]);
     assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{}", r.stdout);
+}
+
+#[test]
+fn a_pull_consumer_reads_the_feed_in_commit_order_and_commits_what_it_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("orders");
+    let admin = token(&data, "orders", "admin");
+    let orders = Server::start(&data, &[], &[]);
+    let (status, body) = subscribe(&orders, &admin, "search", "pull:");
+    assert_eq!((status, body["kind"].as_str()), (200, Some("pull")), "{body}");
+    for round in 0..3 {
+        for flow in ["a", "b"] {
+            let (status, body) = orders.call(
+                "POST",
+                &format!("/v1/streams/{flow}/events"),
+                Some(&admin),
+                Some(&json!({"event_type": "noted", "payload": {"round": round}})),
+            );
+            assert_eq!(status, 200, "{body}");
+        }
+    }
+    let feed = |query: &str| {
+        let (status, page) = orders.call("GET", &format!("/v1/outbox/feed/search?{query}"), Some(&admin), None);
+        assert_eq!(status, 200, "{page}");
+        page
+    };
+    let positions = |page: &Value| -> Vec<i64> {
+        page["events"].as_array().unwrap().iter().map(|e| e["position"].as_i64().unwrap()).collect()
+    };
+    let first = feed("limit=4");
+    assert_eq!(positions(&first), [1, 2, 3, 4], "{first}");
+    assert_eq!(first["events"][0]["envelope"]["flow_id"], "a");
+    let ahead = feed(&format!("after={}", first["next_after"]));
+    assert_eq!(positions(&ahead), [5, 6]);
+    // Nothing committed yet: the feed hands the same events out again (a reader that crashed).
+    assert_eq!(positions(&feed("limit=4")), [1, 2, 3, 4]);
+    let commit = |through: i64| {
+        let (status, body) = orders.call(
+            "POST",
+            "/v1/outbox/feed/search/commit",
+            Some(&admin),
+            Some(&json!({"through_position": through})),
+        );
+        assert_eq!(status, 200, "{body}");
+        body["committed"].as_u64().unwrap()
+    };
+    assert_eq!(commit(4), 4);
+    assert_eq!(positions(&feed("")), [5, 6]);
+    assert_eq!(commit(4), 0, "committing again changes nothing");
+    assert_eq!(commit(6), 2);
+    assert!(positions(&feed("")).is_empty());
+    let (_, pending) = orders.call("GET", "/v1/outbox?status=pending&limit=100", Some(&admin), None);
+    assert_eq!(pending["deliveries"].as_array().map(Vec::len), Some(0), "{pending}");
+    // The relay never pushes to it: no lane.
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
+    assert!(lane(&page, "search").is_some_and(Value::is_null), "{page}");
+
+    // Bad input: typed errors, nothing changed.
+    for (path, code) in [
+        ("/v1/outbox/feed/nobody", "not_found"),
+        ("/v1/outbox/feed/search?outbox=elsewhere", "invalid_argument"),
+        ("/v1/outbox/feed/search?after=-1", "invalid_argument"),
+        ("/v1/outbox/feed/search?limit=100000", "limit_exceeded"),
+    ] {
+        let (status, body) = orders.call("GET", path, Some(&admin), None);
+        assert_eq!((status >= 400, body["error"]["code"].as_str()), (true, Some(code)), "{path}: {body}");
+    }
+    let (_, body) = subscribe(&orders, &admin, "pushed", "http://127.0.0.1:9/v1/consumers/x/inbox");
+    assert_eq!(body["kind"], "http");
+    let (status, body) = orders.call("GET", "/v1/outbox/feed/pushed", Some(&admin), None);
+    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("invalid_state_change")), "{body}");
+    let (status, body) = subscribe(&orders, &admin, "bad", "pull:x");
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{body}");
 }

@@ -8,20 +8,22 @@ use serde::{Deserialize, Serialize};
 use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
-use tidemark_core::store::{ProducerStore, Subscription};
+use tidemark_core::limits::RELAY_BATCH_EVENTS_MAX;
+use tidemark_core::store::{DeliveryResult, DeliveryVerdict, ProducerStore, Subscription};
 use tidemark_core::tenancy::Scope;
+use tidemark_core::Envelope;
 use tidemark_core::Error;
-use utoipa::ToSchema;
+use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{typed, ApiResult, ErrorBody, Json, Path};
+use super::{page_size, typed, ApiResult, ErrorBody, Json, Path, Query};
 use crate::auth::Caller;
 use crate::lanes::LaneStatus;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
-    OpenApiRouter::new().routes(routes!(list)).routes(routes!(subscribe))
+    OpenApiRouter::new().routes(routes!(list)).routes(routes!(subscribe)).routes(routes!(feed)).routes(routes!(commit))
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -30,7 +32,8 @@ pub fn routes() -> OpenApiRouter<AppState> {
 pub struct SubscribeBody {
     /// Where the events go: `http(s)://host[:port][/prefix]/v1/consumers/{id}/inbox` (another
     /// tidemark's inbox; its token is `relay.tokens` in this server's configuration), or a
-    /// broker URL (`nats://`, `amqp://`, `kafka://`; see docs/protocol.md, "Endpoints"). File
+    /// broker URL (`nats://`, `amqp://`, `kafka://`), or `pull:` for a consumer that reads
+    /// `GET /v1/outbox/feed` (see docs/protocol.md, "Endpoints"). File
     /// endpoints are the tenant's own databases: declare a consumer (`PUT /v1/consumers/{id}`).
     #[schema(min_length = 1, max_length = 4096)]
     pub endpoint: String,
@@ -146,4 +149,202 @@ async fn list(State(_state): State<AppState>, caller: Caller) -> ApiResult {
         }
     }
     Ok(typed(StatusCode::OK, SubscriptionsPage { subscriptions }))
+}
+
+/// The outbox a feed reads: `producer` (default) or `workflows`.
+fn outbox_index(name: Option<&str>) -> Result<usize, Error> {
+    match name.unwrap_or("producer") {
+        "producer" => Ok(0),
+        "workflows" => Ok(1),
+        other => Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!("outbox must be \"producer\" or \"workflows\", got {other:?}"),
+        )),
+    }
+}
+
+/// `consumer_id` is a subscriber of `p`'s outbox at a `pull:` endpoint, or an error that says why not.
+fn check_pull(store: &impl ProducerStore, consumer_id: &str) -> tidemark_core::Result<()> {
+    let subscription = store
+        .subscriptions()?
+        .into_iter()
+        .find(|s| s.consumer_id == consumer_id)
+        .ok_or_else(|| Error::not_found(format!("no subscriber {consumer_id:?}")))?;
+    if Endpoint::parse(&subscription.endpoint).map(|e| e.kind()).ok() != Some(EndpointKind::Pull) {
+        return Err(Error::invalid(
+            codes::INVALID_STATE_CHANGE,
+            format!("{consumer_id:?} is pushed to (its endpoint is not `pull:`): the relay delivers its events"),
+        ));
+    }
+    Ok(())
+}
+
+/// How many unacked events `after` may skip: the feed reads at most this many times `limit`.
+const FEED_WINDOW_FACTOR: usize = 4;
+
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct FeedQuery {
+    /// `producer` (default) or `workflows`: which of the tenant's outboxes.
+    pub outbox: Option<String>,
+    /// Only events after this position (the last `position` already read but not yet committed);
+    /// it skips at most 3 x `limit` of them.
+    #[param(minimum = 0)]
+    pub after: Option<i64>,
+    /// Events to read, 1..=page_size_max (default 100).
+    #[param(minimum = 1)]
+    pub limit: Option<usize>,
+}
+
+/// One event of a feed, with its outbox position.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FeedEvent {
+    pub position: i64,
+    pub envelope: Envelope,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FeedPage {
+    /// In commit order (by position).
+    pub events: Vec<FeedEvent>,
+    /// The last position of this page (pass it as `after` to read on before committing), or
+    /// null when the page is empty.
+    pub next_after: Option<i64>,
+}
+
+/// A pull consumer's next events, in commit order: every event not yet committed by it. Read,
+/// store them durably, then commit with `POST /v1/outbox/feed/{consumer_id}/commit`; what is not committed is
+/// handed out again (so a crash between storing and committing gives duplicates, never losses:
+/// dedup by event id on the reading side).
+#[utoipa::path(
+    get,
+    path = "/v1/outbox/feed/{consumer_id}",
+    tag = "flows",
+    params(("consumer_id" = String, Path, description = "The pull consumer (subscribed with the endpoint `pull:`)"), FeedQuery),
+    responses(
+        (status = 200, body = FeedPage),
+        (status = 404, description = "`not_found`: no such subscriber", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the subscriber is not a pull consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn feed(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(consumer_id): Path<String>,
+    Query(query): Query<FeedQuery>,
+) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    validate_id("consumer_id", &consumer_id)?;
+    let index = outbox_index(query.outbox.as_deref())?;
+    let limit = page_size(&state, query.limit)?;
+    let after = query.after.unwrap_or(0);
+    if after < 0 {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, "after must be >= 0").into());
+    }
+    let events = caller.tenant.outboxes()[index]
+        .call(move |p| {
+            check_pull(&p.store, &consumer_id)?;
+            let window = (limit * FEED_WINDOW_FACTOR).min(RELAY_BATCH_EVENTS_MAX * 4);
+            let mut due =
+                p.store.due_deliveries((p.clock)(), window, None, Some(std::slice::from_ref(&consumer_id)))?;
+            due.sort_by_key(|d| d.position);
+            Ok(due
+                .into_iter()
+                .filter(|d| d.position > after)
+                .take(limit)
+                .map(|d| FeedEvent { position: d.position, envelope: d.envelope })
+                .collect::<Vec<_>>())
+        })
+        .await?;
+    let next_after = events.last().map(|e| e.position);
+    Ok(typed(StatusCode::OK, FeedPage { events, next_after }))
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"through_position": 42}))]
+pub struct CommitBody {
+    /// `producer` (default) or `workflows`.
+    pub outbox: Option<String>,
+    /// Every event of the feed at or below this position is now the consumer's (stored
+    /// durably on its side): its deliveries become `accepted`.
+    #[schema(minimum = 0)]
+    pub through_position: i64,
+}
+
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Committed {
+    /// `committed`.
+    #[schema(example = "committed")]
+    pub outcome: String,
+    /// Deliveries marked accepted by this call.
+    pub committed: u64,
+}
+
+/// A pull consumer takes custody of every event it read at or below `through_position`: their
+/// deliveries become `accepted` in one transaction per 40,000 (the feed hands them out no more).
+#[utoipa::path(
+    post,
+    path = "/v1/outbox/feed/{consumer_id}/commit",
+    tag = "flows",
+    params(("consumer_id" = String, Path, description = "The pull consumer")),
+    request_body = CommitBody,
+    responses(
+        (status = 200, body = Committed),
+        (status = 404, description = "`not_found`: no such subscriber", body = ErrorBody),
+        (status = 409, description = "`invalid_state_change`: the subscriber is not a pull consumer", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn commit(
+    State(_state): State<AppState>,
+    caller: Caller,
+    Path(consumer_id): Path<String>,
+    Json(body): Json<CommitBody>,
+) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    validate_id("consumer_id", &consumer_id)?;
+    let index = outbox_index(body.outbox.as_deref())?;
+    if body.through_position < 0 {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, "through_position must be >= 0").into());
+    }
+    let through = body.through_position;
+    let committed = caller.tenant.outboxes()[index]
+        .call(move |p| {
+            check_pull(&p.store, &consumer_id)?;
+            let mut committed = 0_u64;
+            // Bounded: each round takes up to 40,000 deliveries at or below `through`.
+            for _ in 0..1_000 {
+                let now = (p.clock)();
+                let due = p.store.due_deliveries(
+                    now,
+                    RELAY_BATCH_EVENTS_MAX * 4,
+                    None,
+                    Some(std::slice::from_ref(&consumer_id)),
+                )?;
+                let results: Vec<DeliveryResult> = due
+                    .into_iter()
+                    .filter(|d| d.position <= through)
+                    .map(|d| DeliveryResult {
+                        position: d.position,
+                        event_id: d.envelope.event_id,
+                        consumer_id: d.consumer_id,
+                        verdict: DeliveryVerdict::Accepted,
+                    })
+                    .collect();
+                if results.is_empty() {
+                    break;
+                }
+                committed += results.len() as u64;
+                p.store.record_deliveries(&results, now)?;
+            }
+            Ok(committed)
+        })
+        .await?;
+    Ok(typed(StatusCode::OK, Committed { outcome: "committed".into(), committed }))
 }
