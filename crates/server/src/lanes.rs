@@ -221,6 +221,8 @@ async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: Str
         }
         let recorded = tenant.outboxes()[outbox].call(move |p| p.store.record_deliveries(&results, now)).await;
         state.metrics.record_relay(&tenant.id, &report);
+        let kind = Endpoint::parse(&endpoint).map(|e| e.kind().as_str()).unwrap_or("unknown");
+        state.metrics.record_lane(&tenant.id, kind, &mask(&endpoint), &report, started.elapsed());
         let took_ms = started.elapsed().as_millis() as u64;
         update(&tenant, outbox, &endpoint, |s| {
             s.in_flight = false;

@@ -38,6 +38,31 @@ pub struct OutcomeLabels {
     pub outcome: String,
 }
 
+/// The labels of a per-endpoint metric (a relay lane's).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointLabels {
+    /// The tenant id.
+    pub tenant: String,
+    /// The endpoint's kind (`http`, `nats`, ...).
+    pub kind: String,
+    /// The endpoint, masked (it never carries credentials).
+    pub endpoint: String,
+}
+
+/// The labels of a per-endpoint count by outcome.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EndpointOutcomeLabels {
+    /// The tenant id.
+    pub tenant: String,
+    /// The endpoint's kind.
+    pub kind: String,
+    /// The endpoint, masked.
+    pub endpoint: String,
+    /// `accepted`, `duplicate`, `conflict`, `expired`, `failed` (quarantined ones are also
+    /// counted by `tidemark_relay_deliveries_total`).
+    pub outcome: String,
+}
+
 /// The labels of a per-consumer metric.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConsumerLabels {
@@ -186,6 +211,11 @@ pub struct Metrics {
     registry: Registry,
     /// `tidemark_relay_deliveries_total`: deliveries attempted by the relay, by tenant and outcome.
     pub relay_deliveries: Family<OutcomeLabels, Counter>,
+    /// `tidemark_endpoint_deliveries_total`: deliveries to a network endpoint, by outcome.
+    pub endpoint_deliveries: Family<EndpointOutcomeLabels, Counter>,
+    /// `tidemark_endpoint_batch_seconds`: how long one batch to a network endpoint took (until its
+    /// answers, a failure or the timeout).
+    pub endpoint_batch_seconds: Family<EndpointLabels, Histogram>,
     /// `tidemark_inbox_receipts_total`: events received into an inbox over HTTP, by tenant and
     /// outcome.
     pub inbox_receipts: Family<OutcomeLabels, Counter>,
@@ -221,6 +251,20 @@ impl Metrics {
             "relay_deliveries",
             "Deliveries attempted by the relay, by outcome (accepted, duplicate, conflict, expired, failed, quarantined)",
             relay_deliveries.clone(),
+        );
+        let endpoint_deliveries = Family::<EndpointOutcomeLabels, Counter>::default();
+        registry.register(
+            "endpoint_deliveries",
+            "Deliveries to a network endpoint by its relay lane, by outcome",
+            endpoint_deliveries.clone(),
+        );
+        let endpoint_batch_seconds = Family::<EndpointLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+        });
+        registry.register(
+            "endpoint_batch_seconds",
+            "Duration of one batch to a network endpoint (until its answers, a failure or the attempt timeout)",
+            endpoint_batch_seconds.clone(),
         );
         let inbox_receipts = Family::<OutcomeLabels, Counter>::default();
         registry.register(
@@ -285,6 +329,8 @@ impl Metrics {
         Metrics {
             registry,
             relay_deliveries,
+            endpoint_deliveries,
+            endpoint_batch_seconds,
             inbox_receipts,
             applies,
             drain_seconds,
@@ -294,6 +340,29 @@ impl Metrics {
             workflows,
             scrape_errors,
         }
+    }
+
+    /// Count one lane batch's deliveries to `endpoint` by outcome, and how long it took.
+    pub fn record_lane(&self, tenant: &str, kind: &str, endpoint: &str, report: &RelayReport, took: Duration) {
+        for (outcome, n) in [
+            ("accepted", report.accepted),
+            ("duplicate", report.duplicate),
+            ("conflict", report.conflict),
+            ("expired", report.expired),
+            ("failed", report.failed),
+        ] {
+            if n > 0 {
+                let labels = EndpointOutcomeLabels {
+                    tenant: tenant.into(),
+                    kind: kind.into(),
+                    endpoint: endpoint.into(),
+                    outcome: outcome.into(),
+                };
+                self.endpoint_deliveries.get_or_create(&labels).inc_by(n);
+            }
+        }
+        let labels = EndpointLabels { tenant: tenant.into(), kind: kind.into(), endpoint: endpoint.into() };
+        self.endpoint_batch_seconds.get_or_create(&labels).observe(took.as_secs_f64());
     }
 
     /// Count one relay pass's deliveries by outcome.
