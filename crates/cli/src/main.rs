@@ -913,6 +913,13 @@ fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<V
             if idle && args.until_idle {
                 break;
             }
+            if idle {
+                // A pull answers at once: wait before the next, as the relay does when idle.
+                tokio::select! {
+                    _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+                    _ = &mut stop => break,
+                }
+            }
         }
         let mut out = serde_json::to_value(&total).map_err(|e| Error::Invariant(e.to_string()))?;
         out["outcome"] = json!("consumed");

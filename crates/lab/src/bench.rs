@@ -29,6 +29,7 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod relay_to;
 mod serve;
 mod split;
 mod workflows;
@@ -117,6 +118,24 @@ pub struct BenchArgs {
     /// --serve: concurrent HTTP clients (closed loop, keep-alive connections).
     #[arg(long, default_value_t = 64)]
     clients: usize,
+    /// Measure delivery from one `tidemark serve` to another over `http` or through `nats`
+    /// (JetStream at --nats), beside the raw rate of the same transport in the same run (see
+    /// docs/benchmarks.md). Uses --relay-events, --relay-flows, --relay-batch, --dir, --quick and
+    /// --durability.
+    #[arg(long, value_parser = ["http", "nats"], conflicts_with_all = ["workflows", "serve"])]
+    relay_to: Option<String>,
+    /// --relay-to: events relayed.
+    #[arg(long, default_value_t = 20_000)]
+    relay_events: u64,
+    /// --relay-to: flows they are spread over.
+    #[arg(long, default_value_t = 100)]
+    relay_flows: u64,
+    /// --relay-to: the sender's relay batch (and the raw run's batch size).
+    #[arg(long, default_value_t = 1_000)]
+    relay_batch: usize,
+    /// --relay-to nats: the NATS server (`host:port`, JetStream on).
+    #[arg(long, default_value = "127.0.0.1:4222")]
+    nats: String,
 }
 
 /// How many operations share one transaction in each stage.
@@ -668,12 +687,39 @@ pub fn run_serve(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Re
     Ok(out)
 }
 
+/// `--relay-to`, with the servers started by `command`.
+pub fn run_relay_to(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Result<Value> {
+    let mut params = relay_to::Params {
+        kind: args.relay_to.clone().unwrap_or_default(),
+        events: args.relay_events,
+        flows: args.relay_flows,
+        batch: args.relay_batch,
+        nats: args.nats.clone(),
+    };
+    if args.quick {
+        params.events = 400;
+        params.flows = 20;
+        params.batch = 100;
+    }
+    check_range("--relay-events", params.events, 1, 10_000_000)?;
+    check_range("--relay-flows", params.flows, 1, 1_000_000)?;
+    check_range("--relay-batch", params.batch as u64, 1, RELAY_BATCH_EVENTS_MAX as u64)?;
+    let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+    let dir = bench_dir(args, temp.path())?;
+    let mut out = relay_to::run(&dir, ctx.durability, &params, command)?;
+    out["params"]["files_kept"] = json!(args.dir.is_some());
+    Ok(out)
+}
+
 /// Run the benchmarks asked for and return their measurements with the exactly-once check of each
 /// run (`check.passed` false makes the command exit 1). An argument out of its range is
 /// `invalid_argument`; a `--dir` that is not empty is `already_exists`.
 pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     if args.serve {
         return run_serve(ctx, &args, &ServerCommand::this_binary()?);
+    }
+    if args.relay_to.is_some() {
+        return run_relay_to(ctx, &args, &ServerCommand::this_binary()?);
     }
     if args.workflows {
         let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
@@ -947,6 +993,11 @@ mod tests {
             serve: false,
             runs: 1,
             clients: 1,
+            relay_to: None,
+            relay_events: 1,
+            relay_flows: 1,
+            relay_batch: 1,
+            nats: String::new(),
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -1011,6 +1062,11 @@ mod tests {
             serve: false,
             runs: 1,
             clients: 1,
+            relay_to: None,
+            relay_events: 1,
+            relay_flows: 1,
+            relay_batch: 1,
+            nats: String::new(),
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());

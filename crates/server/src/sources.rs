@@ -17,7 +17,7 @@ use crate::config::SourceConfig;
 use crate::tenant::Tenant;
 use crate::AppState;
 
-/// How long a pull waits for the broker's first message.
+/// The bound of one pull (it answers at once with what the stream holds, up to the batch).
 const PULL_WAIT: Duration = Duration::from_millis(500);
 /// The pause after a failed connect or pull.
 const RETRY_PAUSE_MS: u64 = 500;
@@ -72,6 +72,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
     let mut source: Option<NatsSource> = None;
     let mut total = SourceReport::default();
     let mut errors = 0_u64;
+    let mut pulls = 0_u64;
     let mut signal = state.shutdown_signal();
     while !state.is_shutting_down() {
         let result = match &source {
@@ -86,12 +87,18 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
         };
         match result {
             Ok(report) => {
+                // Nothing there: wait as the relay does when idle (a pull answers at once).
+                let idle = report.fetched == 0 && source.is_some();
+                pulls += u64::from(report.fetched > 0);
                 if report.rejected > 0 {
                     tracing::warn!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
                         rejected = report.rejected, reasons = ?report.reasons,
                         "source: messages terminated at the broker (not envelopes, or refused by the inbox)");
                 }
                 total.absorb(report);
+                if idle && !crate::background::pause(&state, state.config.relay.interval_ms).await {
+                    break;
+                }
             }
             Err(error) => {
                 errors += 1;
@@ -104,6 +111,6 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
             }
         }
     }
-    json!({"consumer": config.consumer, "from": config.from, "fetched": total.fetched, "accepted": total.accepted,
+    json!({"consumer": config.consumer, "from": config.from, "pulls_that_fetched": pulls, "fetched": total.fetched, "accepted": total.accepted,
         "duplicate": total.duplicate, "rejected": total.rejected, "errors": errors})
 }

@@ -2,7 +2,8 @@
 //! messages are stored in the inbox and acked to the broker only after the inbox transaction
 //! committed (docs/protocol.md, "Consuming from a broker").
 //!
-//! One pull: fetch up to `batch` messages (waiting at most `wait` for the first), parse each as
+//! One pull: fetch up to `batch` messages (what the stream holds now: a pull does not wait for
+//! more; the caller pauses when one finds nothing), parse each as
 //! an envelope, store the valid ones in one inbox call, then answer the broker per message:
 //! `accepted` and `duplicate` (a redelivery: the inbox already holds it) are acked; a message
 //! that is not an envelope, and an envelope the inbox refuses (`conflict`, `expired`), are
@@ -155,8 +156,8 @@ impl NatsSource {
         Ok(NatsSource { consumer, batch: config.batch })
     }
 
-    /// One pull into `inbox` for `consumer_id` (see the module documentation), waiting at most
-    /// `wait` for messages. An error fetching, storing or acking is an `Err`; what was stored
+    /// One pull into `inbox` for `consumer_id` (see the module documentation): what the stream
+    /// holds now, up to the batch, the request bounded by `wait`. An error fetching, storing or acking is an `Err`; what was stored
     /// stays stored, and what was not acked is redelivered by the broker.
     pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
         let mut report = SourceReport::default();

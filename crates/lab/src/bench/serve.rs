@@ -92,15 +92,15 @@ impl ServerCommand {
 }
 
 /// The child server: stopped with SIGTERM by [`Server::stop`], killed if dropped before that.
-struct Server {
+pub(super) struct Server {
     child: Option<Child>,
-    addr: String,
+    pub(super) addr: String,
     /// Lines of its stdout after the listening line (the stop report), once it exited.
     rest: Option<std::thread::JoinHandle<String>>,
 }
 
 impl Server {
-    fn start(command: &ServerCommand, config: &Path, log: &Path) -> Result<Server> {
+    pub(super) fn start(command: &ServerCommand, config: &Path, log: &Path) -> Result<Server> {
         let log = std::fs::File::create(log).map_err(|e| Error::io(format!("{}: {e}", log.display())))?;
         let mut child = command
             .command(config)
@@ -160,7 +160,7 @@ impl Server {
 
     /// SIGTERM, then wait (bounded); killed if it does not stop in time. Answers how it ended
     /// and its stop report.
-    fn stop(mut self) -> Result<Value> {
+    pub(super) fn stop(mut self) -> Result<Value> {
         let t = Instant::now();
         let Some(child) = self.child.as_mut() else { return Err(failed("the server was stopped already".into())) };
         let signalled = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
