@@ -380,6 +380,7 @@ impl Config {
     pub fn transport_config(&self) -> tidemark_transport::TransportConfig {
         tidemark_transport::TransportConfig {
             http_tokens: self.relay.tokens.clone(),
+            amqp_credentials: Default::default(),
             connect_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms.min(5_000)),
         }
     }
