@@ -86,11 +86,14 @@ pub fn config(command: ConfigCommand) -> Result<Value> {
         ConfigCommand::Check { config } => {
             let loaded = Config::load(Some(&config), &Overrides::default())?;
             let mut loaded = serde_json::to_value(&loaded).map_err(|e| Error::Invariant(e.to_string()))?;
-            // Tokens written in the file are secrets: shown masked (an `env:NAME` is shown as is).
-            if let Some(tokens) = loaded.pointer_mut("/relay/tokens").and_then(Value::as_object_mut) {
-                for token in tokens.values_mut() {
-                    if !token.as_str().is_some_and(|t| t.starts_with("env:")) {
-                        *token = json!("***");
+            // Tokens and AMQP credentials written in the file are secrets: shown masked (an
+            // `env:NAME` is shown as is).
+            for secrets in ["/relay/tokens", "/relay/amqp_credentials"] {
+                if let Some(values) = loaded.pointer_mut(secrets).and_then(Value::as_object_mut) {
+                    for value in values.values_mut() {
+                        if !value.as_str().is_some_and(|t| t.starts_with("env:")) {
+                            *value = json!("***");
+                        }
                     }
                 }
             }

@@ -148,6 +148,12 @@ pub struct RelayConfig {
     /// the token, or `env:NAME` to read it from the environment variable `NAME` when the lane
     /// connects. Tokens live here, never in the producer database.
     pub tokens: std::collections::BTreeMap<String, String>,
+    /// Credentials of RabbitMQ brokers, by server (`"host:port"`, the port spelled out, as the
+    /// `amqp://` endpoint names it): `user:password`, or `env:NAME` to read `user:password` from
+    /// the environment variable `NAME` when the lane connects. A broker with no entry is connected
+    /// to as `guest:guest`, which RabbitMQ accepts from loopback only. Like tokens, credentials
+    /// live here, never in the producer database.
+    pub amqp_credentials: std::collections::BTreeMap<String, String>,
 }
 
 /// `[consumers]`: how each tenant's declared consumers apply their inboxes.
@@ -261,6 +267,7 @@ impl Default for RelayConfig {
             backoff_max_ms: policy.backoff_max_ms,
             attempt_timeout_ms: 10_000,
             tokens: Default::default(),
+            amqp_credentials: Default::default(),
         }
     }
 }
@@ -382,6 +389,27 @@ impl Config {
                 return Err(config_error(format!("relay.tokens.{origin:?} is empty")));
             }
         }
+        for (server, credentials) in &self.relay.amqp_credentials {
+            match tidemark_core::endpoint::Endpoint::parse(&format!("amqp://{server}/x")) {
+                Ok(tidemark_core::endpoint::Endpoint::Amqp { server: canonical, .. }) if &canonical == server => {}
+                _ => {
+                    return Err(config_error(format!(
+                        "relay.amqp_credentials: {server:?} is not a broker such as \"host:5672\" (host and port, \
+                         nothing else)"
+                    )))
+                }
+            }
+            // Never print the value: it holds a password.
+            let valid = match credentials.strip_prefix("env:") {
+                Some(name) => !name.is_empty(),
+                None => credentials.split_once(':').is_some_and(|(user, _)| !user.is_empty()),
+            };
+            if !valid {
+                return Err(config_error(format!(
+                    "relay.amqp_credentials.{server:?} must be \"user:password\" or \"env:NAME\""
+                )));
+            }
+        }
         range("consumers.drain_interval_ms", self.consumers.drain_interval_ms.into(), 1, 3_600_000)?;
         range("consumers.drain_batch", self.consumers.drain_batch as i128, 1, DRAIN_BATCH_EVENTS_MAX as i128)?;
         range("workers.concurrency", self.workers.concurrency as i128, 1, 10_000)?;
@@ -435,6 +463,7 @@ impl Config {
     pub fn transport_config(&self) -> tidemark_transport::TransportConfig {
         tidemark_transport::TransportConfig {
             http_tokens: self.relay.tokens.clone(),
+            amqp_credentials: self.relay.amqp_credentials.clone(),
             connect_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms.min(5_000)),
         }
     }
@@ -518,6 +547,11 @@ mod tests {
             ("[relay.tokens]\n\"http://h\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80/v1\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80\" = \"\"", "relay.tokens"),
+            ("[relay.amqp_credentials]\n\"h\" = \"u:p\"", "relay.amqp_credentials"),
+            ("[relay.amqp_credentials]\n\"amqp://h:5672\" = \"u:p\"", "relay.amqp_credentials"),
+            ("[relay.amqp_credentials]\n\"h:5672/v\" = \"u:p\"", "relay.amqp_credentials"),
+            ("[relay.amqp_credentials]\n\"h:5672\" = \"secretwithoutuser\"", "relay.amqp_credentials"),
+            ("[relay.amqp_credentials]\n\"h:5672\" = \"env:\"", "relay.amqp_credentials"),
         ] {
             let error = load_text(text).unwrap_err();
             assert_eq!(error.code(), codes::INVALID_CONFIG, "{text}");
@@ -527,6 +561,18 @@ mod tests {
             Config::load(Some(Path::new("/nonexistent/t.toml")), &Overrides::default()).unwrap_err().code(),
             codes::INVALID_CONFIG
         );
+        let error = load_text("[relay.amqp_credentials]\n\"h:5672\" = \"secretwithoutuser\"").unwrap_err();
+        assert!(!error.to_string().contains("secretwithoutuser"), "never the value: {error}");
+    }
+
+    #[test]
+    fn amqp_credentials_reach_the_transports() {
+        let config =
+            load_text("[relay.amqp_credentials]\n\"localhost:5672\" = \"relay:pw\"\n\"[::1]:5673\" = \"env:AMQP\"\n")
+                .unwrap();
+        let transport = config.transport_config();
+        assert_eq!(transport.amqp_credentials("localhost:5672").unwrap(), ("relay".into(), "pw".into()));
+        assert_eq!(transport.amqp_credentials.get("[::1]:5673").map(String::as_str), Some("env:AMQP"));
     }
 
     #[test]

@@ -8,12 +8,13 @@
 //! failed attempt, retried with the relay's backoff and quarantined after `max_attempts`, never
 //! an `accepted`.
 //!
-//! Kinds built here: `http(s)://` (another tidemark's inbox) and `nats://` (JetStream). File
-//! endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`; `amqp://` and `kafka://`
-//! parse ([`Endpoint::parse`]) but have no transport in this build yet, and a delivery to one
-//! fails with that reason.
+//! Kinds built here: `http(s)://` (another tidemark's inbox), `nats://` (JetStream) and
+//! `amqp://` (RabbitMQ, publisher confirms). File endpoints are delivered by
+//! `tidemark_store_sqlite::SqliteEndpoints`; `kafka://` parses ([`Endpoint::parse`]) but has no
+//! transport in this build yet, and a delivery to one fails with that reason.
 #![warn(missing_docs)]
 
+mod amqp;
 mod http;
 mod nats;
 mod source;
@@ -29,6 +30,7 @@ use tidemark_core::error::codes;
 use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
 
+pub use amqp::{routing_key as amqp_routing_key, AmqpTransport};
 pub use http::HttpTransport;
 pub use nats::{subject as nats_subject, NatsTransport};
 pub use source::{Inbox, NatsSource, NatsSourceConfig, SourceReport};
@@ -55,6 +57,11 @@ pub struct TransportConfig {
     /// Bearer tokens of HTTP endpoints by origin (`http://host:port`, the port always spelled
     /// out): the token itself, or `env:NAME` to read it from the environment variable `NAME`.
     pub http_tokens: BTreeMap<String, String>,
+    /// Credentials of RabbitMQ brokers by server (`host:port`, as the endpoint's server is spelled:
+    /// the port always spelled out): `user:password`, or `env:NAME` to read `user:password` from
+    /// the environment variable `NAME`. A broker with no entry is connected to as `guest:guest`
+    /// (RabbitMQ's default user, which it accepts from loopback only).
+    pub amqp_credentials: BTreeMap<String, String>,
     /// How long connecting may take, at most (the lane's attempt timeout bounds the whole
     /// delivery).
     pub connect_timeout: Duration,
@@ -62,7 +69,11 @@ pub struct TransportConfig {
 
 impl Default for TransportConfig {
     fn default() -> Self {
-        TransportConfig { http_tokens: BTreeMap::new(), connect_timeout: Duration::from_secs(5) }
+        TransportConfig {
+            http_tokens: BTreeMap::new(),
+            amqp_credentials: BTreeMap::new(),
+            connect_timeout: Duration::from_secs(5),
+        }
     }
 }
 
@@ -86,17 +97,43 @@ impl TransportConfig {
             None => Ok(configured.clone()),
         }
     }
+
+    /// The user and password to connect to the RabbitMQ broker `server` (`host:port`) with:
+    /// `guest`/`guest` when none is configured; `invalid_config` when the entry names an
+    /// environment variable that is not set, or its value is not `user:password`.
+    pub fn amqp_credentials(&self, server: &str) -> Result<(String, String)> {
+        let Some(configured) = self.amqp_credentials.get(server) else {
+            return Ok(("guest".to_string(), "guest".to_string()));
+        };
+        let key = format!("relay.amqp_credentials.\"{server}\"");
+        let value = match configured.strip_prefix("env:") {
+            Some(name) => std::env::var(name).map_err(|_| {
+                Error::invalid(
+                    codes::INVALID_CONFIG,
+                    format!("{key} names the environment variable {name}, which is not set"),
+                )
+            })?,
+            None => configured.clone(),
+        };
+        match value.split_once(':') {
+            Some((user, password)) if !user.is_empty() => Ok((user.to_string(), password.to_string())),
+            // Never the value itself: it holds the password.
+            _ => Err(Error::invalid(codes::INVALID_CONFIG, format!("{key} is not user:password"))),
+        }
+    }
 }
 
 /// The transport of a network endpoint. A file endpoint is `invalid_endpoint` here (files are
 /// delivered on the producer's thread, by the store crate); a broker kind without a transport in
-/// this build is `unavailable`; a missing token is `invalid_config`.
+/// this build is `unavailable`; a missing token, or AMQP credentials from an unset variable, is
+/// `invalid_config`. Broker transports connect on their first delivery, not here.
 pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
     match Endpoint::parse(endpoint)? {
         Endpoint::Http { url, origin, .. } => {
             Ok(Arc::new(HttpTransport::new(&url, config.http_token(&origin)?, config)?))
         }
         Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
+        Endpoint::Amqp { server, exchange } => Ok(Arc::new(AmqpTransport::new(&server, &exchange, config)?)),
         Endpoint::Pull => Err(Error::invalid(
             codes::INVALID_ENDPOINT,
             "a pull consumer is never pushed to: it reads GET /v1/outbox/feed",
@@ -178,5 +215,26 @@ mod tests {
         assert_eq!(code("http://127.0.0.1:9/v1/consumers/c/inbox", &config), codes::INVALID_CONFIG);
         config.http_tokens.insert("http://127.0.0.1:9".into(), "tok".into());
         assert!(connect("http://127.0.0.1:9/v1/consumers/c/inbox", &config).is_ok());
+        assert!(connect("amqp://127.0.0.1:9/x", &config).is_ok(), "no credentials configured: guest");
+        config.amqp_credentials.insert("127.0.0.1:9".into(), "env:TIDEMARK_TEST_AMQP_THAT_IS_NOT_SET".into());
+        assert_eq!(code("amqp://127.0.0.1:9/x", &config), codes::INVALID_CONFIG);
+        config.amqp_credentials.insert("127.0.0.1:9".into(), "nopassword".into());
+        let error = connect("amqp://127.0.0.1:9/x", &config).err().unwrap();
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(!error.to_string().contains("nopassword"), "the value is never printed: {error}");
+    }
+
+    #[test]
+    fn amqp_credentials_are_configured_per_server_or_guest() {
+        let mut config = TransportConfig::default();
+        assert_eq!(config.amqp_credentials("h:5672").unwrap(), ("guest".into(), "guest".into()));
+        config.amqp_credentials.insert("h:5672".into(), "relay:s3:cr:et".into());
+        assert_eq!(config.amqp_credentials("h:5672").unwrap(), ("relay".into(), "s3:cr:et".into()));
+        assert_eq!(config.amqp_credentials("h:5673").unwrap().0, "guest", "keyed by host and port");
+        std::env::set_var("TIDEMARK_TEST_AMQP_CREDENTIALS_OF_THIS_TEST", "envuser:envpw");
+        config.amqp_credentials.insert("h:5672".into(), "env:TIDEMARK_TEST_AMQP_CREDENTIALS_OF_THIS_TEST".into());
+        assert_eq!(config.amqp_credentials("h:5672").unwrap(), ("envuser".into(), "envpw".into()));
+        config.amqp_credentials.insert("h:5672".into(), ":pw".into());
+        assert_eq!(config.amqp_credentials("h:5672").unwrap_err().code(), codes::INVALID_CONFIG);
     }
 }

@@ -298,6 +298,22 @@ fn config_check_names_the_bad_key() {
         assert_eq!((run.code, run.json["error"]["code"].as_str()), (2, Some("invalid_config")), "{}", run.stdout);
         assert!(run.json["error"]["message"].as_str().unwrap().contains(key), "{}", run.stdout);
     }
+    // Secrets written in the file are shown masked; `env:NAME` as is.
+    let secrets = write_config(
+        dir.path(),
+        "[relay.tokens]\n\"http://h:80\" = \"tok-in-file\"\n\"http://h:81\" = \"env:TOK\"\n\
+         [relay.amqp_credentials]\n\"h:5672\" = \"relay:pw-in-file\"\n\"h:5673\" = \"env:AMQP_CREDS\"\n",
+    );
+    let run = crate::support::run(&["config", "check", "--config", &secrets]);
+    assert_eq!(run.code, 0, "{}", run.stdout);
+    assert!(!run.stdout.contains("tok-in-file") && !run.stdout.contains("pw-in-file"), "{}", run.stdout);
+    let relay = &run.json["config"]["relay"];
+    assert_eq!(
+        (relay["tokens"]["http://h:80"].as_str(), relay["tokens"]["http://h:81"].as_str()),
+        (Some("***"), Some("env:TOK"))
+    );
+    let amqp = &relay["amqp_credentials"];
+    assert_eq!((amqp["h:5672"].as_str(), amqp["h:5673"].as_str()), (Some("***"), Some("env:AMQP_CREDS")));
     // The environment overrides the file, and is validated too.
     let good = write_config(dir.path(), "[workers]\nconcurrency = 8\n");
     let run = crate::support::run_with(

@@ -652,3 +652,157 @@ fn a_pull_consumer_reads_the_feed_in_commit_order_and_commits_what_it_stored() {
     let (status, body) = subscribe(&orders, &admin, "bad", "pull:x");
     assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{body}");
 }
+
+/// The machine's RabbitMQ (`TIDEMARK_TEST_AMQP` = `host:port`, else 127.0.0.1:5672, as guest).
+fn amqp_server() -> String {
+    std::env::var("TIDEMARK_TEST_AMQP").unwrap_or_else(|_| "127.0.0.1:5672".to_string())
+}
+
+/// Run `f` with a channel of the test's own on the broker (a runtime of its own, on a thread of
+/// its own, so that it also runs from a `Drop`); `Err` when the broker does not answer.
+fn with_amqp<T: Send + 'static>(f: impl AsyncFnOnce(&lapin::Channel) -> T + Send + 'static) -> Result<T, String> {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async {
+            let uri = format!("amqp://guest:guest@{}/%2f", amqp_server());
+            let connecting = async {
+                let connection = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default()).await?;
+                let channel = connection.create_channel().await?;
+                Ok::<_, lapin::Error>((connection, channel))
+            };
+            let (_connection, channel) = match tokio::time::timeout(Duration::from_secs(5), connecting).await {
+                Ok(Ok(connected)) => connected,
+                Ok(Err(e)) => return Err(e.to_string()),
+                Err(_) => return Err("no answer within 5 s".to_string()),
+            };
+            Ok(f(&channel).await)
+        })
+    })
+    .join()
+    .expect("the AMQP thread")
+}
+
+/// This test's exchanges and queues on the shared broker, deleted when it ends (passed or not).
+struct AmqpNames {
+    exchanges: Vec<String>,
+    queues: Vec<String>,
+}
+
+impl Drop for AmqpNames {
+    fn drop(&mut self) {
+        let (exchanges, queues) = (self.exchanges.clone(), self.queues.clone());
+        let _ = with_amqp(async move |channel| {
+            for queue in queues {
+                let _ = channel.queue_delete(queue.as_str().into(), Default::default()).await;
+            }
+            for exchange in exchanges {
+                let _ = channel.exchange_delete(exchange.as_str().into(), Default::default()).await;
+            }
+        });
+    }
+}
+
+/// Each message of `queue` (taken off it), in queue order: (message id, routing key, envelope).
+fn drain_queue(queue: &str) -> Vec<(String, String, Value)> {
+    let queue = queue.to_string();
+    with_amqp(async move |channel| {
+        let mut messages = Vec::new();
+        let options = lapin::options::BasicGetOptions { no_ack: true };
+        while let Some(got) = channel.basic_get(queue.as_str().into(), options).await.expect("basic.get") {
+            let delivery = got.delivery;
+            let id = delivery.properties.message_id().as_ref().expect("message_id").to_string();
+            let envelope: Value = serde_json::from_slice(&delivery.data).expect("an envelope");
+            messages.push((id, delivery.routing_key.to_string(), envelope));
+        }
+        messages
+    })
+    .expect("the broker answers")
+}
+
+#[test]
+fn events_reach_a_rabbitmq_quorum_queue_once_in_order_and_an_unroutable_exchange_is_never_accepted() {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+    let tag = format!("{}x{nanos}", std::process::id());
+    let (exchange, lonely, queue) =
+        (format!("tmkit.orders.{tag}"), format!("tmkit.lonely.{tag}"), format!("tmkit.q.{tag}"));
+    let names = AmqpNames { exchanges: vec![exchange.clone(), lonely.clone()], queues: vec![queue.clone()] };
+    let (x, l, q) = (exchange.clone(), lonely.clone(), queue.clone());
+    let declared = with_amqp(async move |channel| {
+        use lapin::types::{AMQPValue, FieldTable, LongString};
+        let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+        for name in [&x, &l] {
+            let kind = lapin::ExchangeKind::Topic;
+            channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
+        }
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+        let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+        channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
+        let bind = lapin::options::QueueBindOptions::default();
+        channel
+            .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
+            .await
+            .unwrap();
+    });
+    if let Err(e) = declared {
+        println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
+        std::mem::forget(names);
+        return;
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let orders_dir = dir.path().join("orders");
+    let admin = token(&orders_dir, "orders", "admin");
+    let config = orders_dir.join("orders.toml");
+    // A long attempt timeout: RabbitMQ has no dedup, so a timed-out batch would be published twice
+    // (which the inbox on the consuming side absorbs, but this test counts what the queue holds).
+    std::fs::write(
+        &config,
+        "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+    )
+    .unwrap();
+    let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+    let server = amqp_server();
+    for (consumer, name) in [("bus", &exchange), ("lonely", &lonely)] {
+        let (status, body) = subscribe(&orders, &admin, consumer, &format!("amqp://{server}/{name}"));
+        assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
+    }
+    let pending = |o: &Server, consumer: &str| {
+        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
+        page["deliveries"].as_array().unwrap().iter().filter(|d| d["consumer_id"] == consumer).count()
+    };
+
+    for f in 0..FLOWS {
+        append(&orders, &admin, &format!("parcel-{f}"), 3);
+    }
+    orders.wait_for(WAIT, |o| (pending(o, "bus") == 0).then_some(()));
+
+    // Each event once, on its documented routing key, each flow in order.
+    let messages = drain_queue(&queue);
+    assert_eq!(messages.len(), FLOWS * 3, "{messages:?}");
+    let ids: BTreeSet<&String> = messages.iter().map(|(id, _, _)| id).collect();
+    assert_eq!(ids.len(), messages.len(), "no event published twice");
+    let mut last_seq: BTreeMap<String, i64> = BTreeMap::new();
+    for (id, key, envelope) in &messages {
+        assert_eq!(envelope["event_id"].as_str(), Some(id.as_str()));
+        let (source, flow) = (envelope["source"].as_str().unwrap(), envelope["flow_id"].as_str().unwrap());
+        assert_eq!(key, &format!("{}.{}", source.replace('.', "_"), flow.replace('.', "_")));
+        let seq = envelope["seq"].as_i64().unwrap();
+        let last = last_seq.insert(flow.to_string(), seq).unwrap_or(0);
+        assert_eq!(seq, last + 1, "flow {flow} in order: {messages:?}");
+    }
+    assert!(last_seq.values().all(|&seq| seq == 3), "{last_seq:?}");
+
+    // No queue is bound to `lonely`: its deliveries fail with the reason, and stay pending.
+    let reason = orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
+        lane(&page, "lonely").and_then(|l| l["last_error"].as_str().map(str::to_string))
+    });
+    assert!(reason.contains("unroutable") && reason.contains(&lonely), "{reason}");
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
+    assert_eq!(lane(&page, "lonely").map(|l| l["delivered"].clone()), Some(json!(0)), "{page}");
+    assert!(lane(&page, "lonely").unwrap()["failed"].as_u64().unwrap() >= 1, "{page}");
+    assert_eq!(pending(&orders, "lonely"), FLOWS * 3, "never accepted");
+    assert!(drain_queue(&queue).is_empty(), "nothing more reached the bound queue");
+    drop(names);
+}
