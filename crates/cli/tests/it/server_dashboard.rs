@@ -26,7 +26,7 @@ fn client() -> Client {
 }
 
 /// Log in through the form; returns the `Cookie` header value to send.
-fn login(server: &Server, token: &str) -> String {
+pub(crate) fn login(server: &Server, token: &str) -> String {
     let response = client()
         .post(format!("{}/ui/login", server.base))
         .header("origin", &server.base)
@@ -58,7 +58,7 @@ fn answer(response: Response) -> (u16, String) {
 }
 
 /// `GET path` as a logged-in browser: 200 and the page.
-fn page(server: &Server, path: &str, cookie: &str) -> String {
+pub(crate) fn page(server: &Server, path: &str, cookie: &str) -> String {
     let (status, text) = get(server, path, Some(cookie));
     assert_eq!(status, 200, "GET {path}: {text}");
     text

@@ -234,6 +234,32 @@ fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_
     let by_consumer: BTreeSet<&str> = pending.iter().map(|d| d["consumer_id"].as_str().unwrap()).collect();
     assert_eq!(by_consumer, BTreeSet::from(["hole", "untokened"]), "{pending:?}");
     assert_eq!(pending.len(), 2 * FLOWS * 3, "every event still pending for both, none for `ledger`");
+    // The lag each subscription shows, over the API and on the dashboard.
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+    let view = |consumer: &str| {
+        page["subscriptions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["consumer_id"] == consumer && s["outbox"] == "producer")
+            .cloned()
+            .unwrap()
+    };
+    assert_eq!(
+        (view("hole")["pending"].as_u64(), view("untokened")["pending"].as_u64()),
+        (Some(60), Some(60)),
+        "{page}"
+    );
+    assert_eq!(view("ledger")["pending"], 0, "{page}");
+    assert!(
+        view("hole")["oldest_pending_at_ms"].is_i64() && view("ledger")["oldest_pending_at_ms"].is_null(),
+        "{page}"
+    );
+    let cookie = crate::server_dashboard::login(&orders, &orders_token);
+    let html = crate::server_dashboard::page(&orders, "/ui/subscriptions", &cookie);
+    for expected in [hole_origin.as_str(), "untokened", "no bearer token", "in flight", ">http<"] {
+        assert!(html.contains(expected), "{expected} missing from the page: {html}");
+    }
     drop(hole);
 }
 

@@ -13,7 +13,7 @@ pub(crate) mod inbox;
 pub mod openapi;
 pub(crate) mod registry;
 pub(crate) mod runs;
-mod subscriptions;
+pub(crate) mod subscriptions;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};

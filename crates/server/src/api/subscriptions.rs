@@ -9,7 +9,7 @@ use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::limits::RELAY_BATCH_EVENTS_MAX;
-use tidemark_core::store::{DeliveryResult, DeliveryVerdict, ProducerStore, Subscription};
+use tidemark_core::store::{DeliveryResult, DeliveryStatus, DeliveryVerdict, ProducerStore, Subscription};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::Envelope;
 use tidemark_core::Error;
@@ -57,6 +57,47 @@ pub struct SubscriptionView {
     pub kind: Option<EndpointKind>,
     /// The relay lane of a network endpoint while it runs.
     pub lane: Option<LaneStatus>,
+    /// Its lag: deliveries still pending (counted among the outbox's first 1,000 pending
+    /// deliveries of every subscriber; `pending_capped` says the count stopped there).
+    pub pending: u64,
+    /// True when `pending` stopped at the 1,000 pending deliveries read.
+    pub pending_capped: bool,
+    /// When its oldest pending event was committed (or last retried), in ms since the Unix epoch.
+    pub oldest_pending_at_ms: Option<i64>,
+}
+
+/// Pending deliveries read per outbox for the lag of `GET /v1/subscriptions`.
+const LAG_ROWS: usize = 1_000;
+
+/// Every subscription of the tenant's outboxes, with kind, lane and lag (shared with the
+/// dashboard).
+pub(crate) async fn views(caller: &Caller) -> Result<Vec<SubscriptionView>, Error> {
+    let mut subscriptions = Vec::new();
+    for (index, outbox) in caller.tenant.outboxes().into_iter().enumerate() {
+        let (listed, pending) = outbox
+            .call(|p| {
+                let listed = p.store.subscriptions()?;
+                let pending = p.store.deliveries(Some(DeliveryStatus::Pending), LAG_ROWS)?;
+                Ok((listed, pending))
+            })
+            .await?;
+        let capped = pending.len() == LAG_ROWS;
+        let lanes = caller.tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        for s in listed {
+            let mine: Vec<_> = pending.iter().filter(|d| d.consumer_id == s.consumer_id).collect();
+            subscriptions.push(SubscriptionView {
+                outbox: OUTBOX_NAMES[index].into(),
+                kind: Endpoint::parse(&s.endpoint).ok().map(|e| e.kind()),
+                endpoint: mask(&s.endpoint),
+                lane: lanes.get(&(index, s.endpoint.clone())).cloned(),
+                pending: mine.len() as u64,
+                pending_capped: capped,
+                oldest_pending_at_ms: mine.iter().map(|d| d.updated_at_ms).min(),
+                consumer_id: s.consumer_id,
+            });
+        }
+    }
+    Ok(subscriptions)
 }
 
 #[derive(Serialize, ToSchema)]
@@ -123,7 +164,7 @@ async fn subscribe(
 }
 
 /// Every subscription of the tenant's outboxes, with its endpoint's kind and, for a network
-/// endpoint, its relay lane (in flight, delivered, failed, last error).
+/// endpoint, its relay lane (in flight, delivered, failed, last error), and its lag.
 #[utoipa::path(
     get,
     path = "/v1/subscriptions",
@@ -133,21 +174,7 @@ async fn subscribe(
 )]
 async fn list(State(_state): State<AppState>, caller: Caller) -> ApiResult {
     caller.require(Scope::Read)?;
-    let mut subscriptions = Vec::new();
-    for (index, outbox) in caller.tenant.outboxes().into_iter().enumerate() {
-        let listed = outbox.call(|p| p.store.subscriptions()).await?;
-        let lanes = caller.tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for s in listed {
-            let lane = lanes.get(&(index, s.endpoint.clone())).cloned();
-            subscriptions.push(SubscriptionView {
-                outbox: OUTBOX_NAMES[index].into(),
-                kind: Endpoint::parse(&s.endpoint).ok().map(|e| e.kind()),
-                endpoint: mask(&s.endpoint),
-                consumer_id: s.consumer_id,
-                lane,
-            });
-        }
-    }
+    let subscriptions = views(&caller).await?;
     Ok(typed(StatusCode::OK, SubscriptionsPage { subscriptions }))
 }
 

@@ -281,6 +281,50 @@ pub async fn skip_record(
     })
 }
 
+/// Every subscription of the tenant's outboxes: where its events go (kind, masked endpoint),
+/// its lag, and for a network endpoint its relay lane.
+pub async fn subscriptions(Ui(caller): Ui) -> UiResult {
+    let views = crate::api::subscriptions::views(&caller).await?;
+    let body = html! {
+        h1 { "Subscriptions" }
+        section.card {
+            p { "Where each outbox's events go. File endpoints are the tenant's own consumers; network endpoints "
+                "(another tidemark over HTTP, NATS JetStream, RabbitMQ) each have a relay lane of their own, so a slow "
+                "or unreachable one delays only itself. Pending counts are read among the first 1,000 pending deliveries." }
+            @if views.is_empty() {
+                p.muted { "No subscriptions." }
+            } @else {
+                table {
+                    thead { tr { th { "Outbox" } th { "Consumer" } th { "Kind" } th { "Endpoint" } th.num { "Pending" }
+                        th { "Oldest pending" } th { "Lane" } th.num { "Delivered" } th.num { "Failed" } th { "Last error" } } }
+                    tbody {
+                        @for v in &views {
+                            tr {
+                                td { (v.outbox) }
+                                td { code { (v.consumer_id) } }
+                                td { @if let Some(kind) = v.kind { (badge(kind.as_str())) } @else { (badge("invalid")) } }
+                                td { code { (v.endpoint) } }
+                                td.num { (v.pending) @if v.pending_capped { "+" } }
+                                td { @if let Some(ms) = v.oldest_pending_at_ms { (when(ms)) } }
+                                @if let Some(lane) = &v.lane {
+                                    td { @if lane.in_flight { "in flight" } @else { "idle" }
+                                        @if let Some(ms) = lane.last_batch_ms { small { " (last batch " (ms) " ms)" } } }
+                                    td.num { (lane.delivered) }
+                                    td.num { (lane.failed) }
+                                    td.error { @if let Some(e) = &lane.last_error { (e) } }
+                                } @else {
+                                    td.muted { "-" } td.num { } td.num { } td { }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    Ok(page("Subscriptions", Some(&Viewer::from(&caller)), body).into_response())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,6 +29,7 @@ pub fn page(title: &str, viewer: Option<&Viewer>, body: Markup) -> Markup {
                         a href="/ui/runs" { "Runs" }
                         a href="/ui/flows" { "Flows" }
                         a href="/ui/quarantine" { "Quarantine" }
+                        a href="/ui/subscriptions" { "Subscriptions" }
                         a href="/ui/dead-letters" { "Dead letters" }
                     }
                     @if let Some(viewer) = viewer {

@@ -61,6 +61,7 @@ pub fn routes() -> Router<AppState> {
         .route("/ui/flows", get(flows::lookup))
         .route("/ui/flows/{flow_id}", get(flows::show))
         .route("/ui/quarantine", get(flows::quarantine))
+        .route("/ui/subscriptions", get(flows::subscriptions))
         .route("/ui/outbox/{event_id}/{consumer_id}/resolve", post(flows::resolve))
         .route("/ui/dead-letters", get(runs::dead_letters))
         .route("/ui/consumers/{consumer_id}/inbox/{event_id}/skip", post(flows::skip_record))
