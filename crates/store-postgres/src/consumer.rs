@@ -224,8 +224,13 @@ impl PgConsumer {
     pub fn has_received(&self, consumer_id: &str, source: &str) -> Result<bool> {
         validate_id("consumer_id", consumer_id)?;
         validate_id("source", source)?;
-        let query =
-            sql(&self.apply.schema, "SELECT EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1 AND source = $2)");
+        // A record (received, applied or not), a receipt (a pruned record) or a high-water mark.
+        let query = sql(
+            &self.apply.schema,
+            "SELECT EXISTS (SELECT 1 FROM {s}.inbox WHERE consumer_id = $1 AND source = $2)
+                 OR EXISTS (SELECT 1 FROM {s}.receipts WHERE consumer_id = $1 AND source = $2)
+                 OR EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1 AND source = $2)",
+        );
         col(&self.apply.with(|c| c.query_one(&query, &[&consumer_id, &source])).db()?, 0)
     }
 

@@ -135,14 +135,17 @@ impl SqliteConsumer {
         Ok((snapshot, also))
     }
 
-    /// Whether this file has received anything for `consumer_id` from `source` (a high-water mark
-    /// exists: marks are written by every accepted receive and never pruned).
+    /// Whether this file has received anything for `consumer_id` from `source`: an inbox record
+    /// (received, applied or not), a receipt (a pruned record) or a high-water mark (written by
+    /// applies and skips, never pruned).
     pub fn has_received(&self, consumer_id: &str, source: &str) -> Result<bool> {
         validate_id("consumer_id", consumer_id)?;
         validate_id("source", source)?;
         self.conn
             .query_row(
-                "SELECT EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1 AND source = ?2)",
+                "SELECT EXISTS (SELECT 1 FROM inbox WHERE consumer_id = ?1 AND source = ?2)
+                     OR EXISTS (SELECT 1 FROM receipts WHERE consumer_id = ?1 AND source = ?2)
+                     OR EXISTS (SELECT 1 FROM cursors WHERE consumer_id = ?1 AND source = ?2)",
                 [consumer_id, source],
                 |r| r.get(0),
             )
@@ -1067,6 +1070,19 @@ mod tests {
             payload: serde_json::json!({}),
             created_at_ms: 1,
         }
+    }
+
+    /// A consumer "has received" from a source as soon as a record of it is stored, before any
+    /// apply (the subscribe-move check relies on it), and per source.
+    #[test]
+    fn has_received_counts_records_before_they_are_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        assert!(!consumer.has_received("a", "shop").unwrap());
+        consumer.receive_batch(&[("a", &event())], 1).unwrap();
+        assert!(consumer.has_received("a", "shop").unwrap());
+        assert!(!consumer.has_received("a", "other").unwrap());
+        assert!(!consumer.has_received("b", "shop").unwrap());
     }
 
     #[test]

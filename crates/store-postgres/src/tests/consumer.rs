@@ -276,10 +276,15 @@ fn a_drain_commits_the_handlers_rows_with_the_apply_and_stops_only_stuck_flows()
         ]
     );
     assert_eq!(logged(&mut consumer), ["e-a-1", "e-a-2"], "the blocked event's row rolled back");
-    // Whether a consumer "has received" from a source is read from its high-water marks, as on
-    // SQLite: written by applies and skips (not by receives), never pruned.
+    // Whether a consumer "has received" from a source: a record, a receipt or a high-water mark.
     assert!(consumer.has_received("x", "shop").unwrap());
     assert!(!consumer.has_received("x", "other").unwrap());
+    let mut from_other = at("o", 1);
+    from_other.source = "other".into();
+    from_other.event_id = "e-other-1".into();
+    assert!(!consumer.has_received("y", "other").unwrap());
+    consumer.receive_batch(&[("y", &from_other)], 12).unwrap();
+    assert!(consumer.has_received("y", "other").unwrap(), "received, not applied yet");
     // An infrastructure failure rolls back everything the drain did, the applies included.
     consumer.receive_batch(&[("x", &at("boom", 1)), ("x", &at("a", 3))], 12).unwrap();
     let error = consumer.drain("x", &DrainScope::All, 100, &mut Project, 13).unwrap_err();
