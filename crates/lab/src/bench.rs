@@ -1159,6 +1159,40 @@ mod tests {
     }
 
     #[test]
+    fn the_quick_relay_to_bench_applies_every_event_once_on_the_other_server() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let server = ServerCommand {
+            program: std::env::current_exe().unwrap(),
+            args: ["bench::tests::serve_child", "--exact", "--nocapture", "--test-threads", "1"]
+                .map(String::from)
+                .into(),
+            config_env: Some(SERVE_CHILD_CONFIG.into()),
+        };
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let nats_up = std::net::TcpStream::connect("127.0.0.1:4222").is_ok();
+        if !nats_up {
+            println!("skipped the nats half: NATS not reachable at 127.0.0.1:4222");
+        }
+        for kind in ["http", "nats"].into_iter().filter(|k| *k == "http" || nats_up) {
+            let dir = tempfile::tempdir().unwrap();
+            let bench_dir = dir.path().join("relay").display().to_string();
+            let args =
+                Command::try_parse_from(["bench", "--relay-to", kind, "--quick", "--dir", &bench_dir]).unwrap().args;
+            let out = run_relay_to(&ctx, &args, &server).unwrap();
+            assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
+            assert_eq!(out["check"]["applied_seqs"], json!(400), "{out:#}");
+            assert_eq!(out["raw_transport"]["events"], json!(400), "{out:#}");
+            assert!(out["ratio_to_raw"].as_f64().is_some_and(|r| r > 0.0), "{out:#}");
+            assert_eq!(out["stop"]["orders"]["exit_code"], json!(0), "{out:#}");
+        }
+    }
+
+    #[test]
     fn bad_workflow_parameters_are_invalid_input() {
         let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
         for flags in [&["--sagas", "0"][..], &["--in-flight", "0"], &["--lease-ms", "50"], &["--repeat", "0"]] {
