@@ -18,7 +18,7 @@ pub mod relay;
 pub mod workflow;
 
 pub use relay::{
-    group_by_endpoint, judge, plan, relay_once, relay_until_idle, round_robin, EndpointAnswer, RelayAnswer,
+    answers_of, group_by_endpoint, judge, plan, relay_once, relay_until_idle, round_robin, EndpointAnswer, RelayAnswer,
     RelayOptions, RelayReport,
 };
 

@@ -175,6 +175,19 @@ pub fn group_by_endpoint(batch: &[Delivery]) -> BTreeMap<&str, Vec<usize>> {
 /// endpoint's reason) that fails every one of them.
 pub type EndpointAnswer = std::result::Result<ReceiveOutcome, String>;
 
+/// One endpoint's hand-over of `count` deliveries turned into one answer per delivery: its
+/// outcomes when it gave exactly one per delivery, otherwise the reason (a wrong count, or the
+/// endpoint's error) for every one of them. `endpoint` is named in the reasons as given (callers
+/// pass it masked where it could carry a secret).
+pub fn answers_of(endpoint: &str, count: usize, delivered: Result<Vec<ReceiveOutcome>>) -> Vec<EndpointAnswer> {
+    let reason = match delivered {
+        Ok(outcomes) if outcomes.len() == count => return outcomes.into_iter().map(Ok).collect(),
+        Ok(outcomes) => format!("consumer endpoint {endpoint} answered {} outcomes for {count} events", outcomes.len()),
+        Err(error) => format!("consumer endpoint {endpoint} failed: {error}"),
+    };
+    vec![Err(reason); count]
+}
+
 /// The last step of a relay pass: turn each delivery's answer into its verdict (accepted; a
 /// retry with backoff and jitter; quarantined after `max_attempts`) and count them.
 /// `unit_random` yields uniform numbers in [0, 1) for the jitter. Record the results with
@@ -269,27 +282,9 @@ pub fn relay_once<P: ProducerStore, E: Endpoints>(
     for (endpoint, indexes) in group_by_endpoint(&batch) {
         let items: Vec<(&str, &Envelope)> =
             indexes.iter().map(|&i| (batch[i].consumer_id.as_str(), &batch[i].envelope)).collect();
-        match endpoints.deliver(endpoint, &items, now_ms) {
-            Ok(outcomes) if outcomes.len() == indexes.len() => {
-                for (&i, outcome) in indexes.iter().zip(outcomes) {
-                    answers[i] = Some(Ok(outcome));
-                }
-            }
-            Ok(outcomes) => {
-                let message = format!(
-                    "consumer endpoint {endpoint} answered {} outcomes for {} events",
-                    outcomes.len(),
-                    indexes.len()
-                );
-                for &i in &indexes {
-                    answers[i] = Some(Err(message.clone()));
-                }
-            }
-            Err(error) => {
-                for &i in &indexes {
-                    answers[i] = Some(Err(format!("consumer endpoint {endpoint} failed: {error}")));
-                }
-            }
+        let delivered = answers_of(endpoint, indexes.len(), endpoints.deliver(endpoint, &items, now_ms));
+        for (&i, answer) in indexes.iter().zip(delivered) {
+            answers[i] = Some(answer);
         }
     }
     crash::hit("relay.after_consumer_commit");

@@ -24,7 +24,7 @@ use tidemark_core::crash;
 use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::store::{Delivery, ProducerStore, Subscription};
 use tidemark_core::{Envelope, Result};
-use tidemark_engine::{judge, plan, EndpointAnswer, RelayOptions, RelayReport};
+use tidemark_engine::{answers_of, judge, plan, EndpointAnswer, RelayOptions, RelayReport};
 use tidemark_transport::Transport;
 use utoipa::ToSchema;
 
@@ -142,33 +142,26 @@ async fn next_batch(
 }
 
 /// Hand `batch` to the transport (connecting first when there is none yet), within `timeout`.
+/// `masked` is the endpoint as reasons name it.
 async fn hand_over(
     transport: &mut Option<Arc<dyn Transport>>,
     state: &AppState,
-    endpoint: &str,
+    (endpoint, masked): (&str, &str),
     batch: &[Delivery],
     timeout: Duration,
 ) -> Vec<EndpointAnswer> {
-    let fail_all = |reason: String| batch.iter().map(|_| Err(reason.clone())).collect();
     if transport.is_none() {
         match tidemark_transport::connect(endpoint, &state.config.transport_config()) {
             Ok(connected) => *transport = Some(connected),
-            Err(error) => return fail_all(format!("endpoint {}: {error}", mask(endpoint))),
+            Err(error) => return answers_of(masked, batch.len(), Err(error)),
         }
     }
     let connected = transport.as_ref().expect("connected above");
     let items: Vec<(String, Envelope)> = batch.iter().map(|d| (d.consumer_id.clone(), d.envelope.clone())).collect();
-    match tokio::time::timeout(timeout, connected.deliver(&items)).await {
-        Ok(Ok(outcomes)) if outcomes.len() == batch.len() => outcomes.into_iter().map(Ok).collect(),
-        Ok(Ok(outcomes)) => fail_all(format!(
-            "endpoint {} answered {} outcomes for {} events",
-            mask(endpoint),
-            outcomes.len(),
-            batch.len()
-        )),
-        Ok(Err(error)) => fail_all(format!("endpoint {} failed: {error}", mask(endpoint))),
-        Err(_) => fail_all(format!("endpoint {} did not answer within {} ms", mask(endpoint), timeout.as_millis())),
-    }
+    let delivered = tokio::time::timeout(timeout, connected.deliver(&items))
+        .await
+        .unwrap_or_else(|_| Err(tidemark_core::Error::io(format!("no answer within {} ms", timeout.as_millis()))));
+    answers_of(masked, batch.len(), delivered)
 }
 
 async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: String) -> Value {
@@ -180,17 +173,19 @@ async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: Str
         consumers: None,
     };
     let timeout = Duration::from_millis(state.config.relay.attempt_timeout_ms);
+    let masked = mask(&endpoint);
+    let kind = Endpoint::parse(&endpoint).map(|e| e.kind().as_str()).unwrap_or("unknown");
     let mut transport: Option<Arc<dyn Transport>> = None;
     let mut total = RelayReport::default();
     let mut errors = 0_u64;
-    tracing::debug!(tenant = %tenant.id, endpoint = %mask(&endpoint), "relay lane started");
+    tracing::debug!(tenant = %tenant.id, endpoint = %masked, "relay lane started");
     while !state.is_shutting_down() {
         let batch = match next_batch(&tenant, outbox, &endpoint, &options).await {
             Ok(Some(batch)) => batch,
             Ok(None) => break,
             Err(error) => {
                 errors += 1;
-                tracing::error!(tenant = %tenant.id, endpoint = %mask(&endpoint), code = error.code(), %error,
+                tracing::error!(tenant = %tenant.id, endpoint = %masked, code = error.code(), %error,
                     "relay lane: reading the due deliveries failed");
                 if !crate::background::pause(&state, state.config.relay.interval_ms).await {
                     break;
@@ -206,7 +201,7 @@ async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: Str
         }
         update(&tenant, outbox, &endpoint, |s| s.in_flight = true);
         let started = Instant::now();
-        let answers = hand_over(&mut transport, &state, &endpoint, &batch, timeout).await;
+        let answers = hand_over(&mut transport, &state, (&endpoint, &masked), &batch, timeout).await;
         crash::hit("relay.after_consumer_commit");
         let now = now_ms();
         let (results, report) = judge(&batch, answers, &options, now, &mut rand::random::<f64>);
@@ -221,8 +216,7 @@ async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: Str
         }
         let recorded = tenant.outboxes()[outbox].call(move |p| p.store.record_deliveries(&results, now)).await;
         state.metrics.record_relay(&tenant.id, &report);
-        let kind = Endpoint::parse(&endpoint).map(|e| e.kind().as_str()).unwrap_or("unknown");
-        state.metrics.record_lane(&tenant.id, kind, &mask(&endpoint), &report, started.elapsed());
+        state.metrics.record_lane(&tenant.id, kind, &masked, &report, started.elapsed());
         let took_ms = started.elapsed().as_millis() as u64;
         update(&tenant, outbox, &endpoint, |s| {
             s.in_flight = false;
@@ -234,17 +228,17 @@ async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: Str
             s.last_batch_ms = Some(took_ms);
         });
         if let Some(error) = &last_error {
-            tracing::warn!(tenant = %tenant.id, endpoint = %mask(&endpoint), attempted = report.attempted,
+            tracing::warn!(tenant = %tenant.id, endpoint = %masked, attempted = report.attempted,
                 failed = report.failed, quarantined = report.quarantined, %error, "relay lane: deliveries not accepted");
         }
         if let Err(error) = recorded {
             errors += 1;
-            tracing::error!(tenant = %tenant.id, endpoint = %mask(&endpoint), code = error.code(), %error,
+            tracing::error!(tenant = %tenant.id, endpoint = %masked, code = error.code(), %error,
                 "relay lane: recording the verdicts failed (the deliveries stay pending and are sent again)");
         }
         total.absorb(report);
     }
     tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&(outbox, endpoint.clone()));
-    json!({"endpoint": mask(&endpoint), "attempted": total.attempted, "accepted": total.accepted,
+    json!({"endpoint": masked, "attempted": total.attempted, "accepted": total.accepted,
         "duplicate": total.duplicate, "failed": total.failed, "quarantined": total.quarantined, "errors": errors})
 }

@@ -7,19 +7,13 @@
 //! error) fails every event of the batch: it is retried, and the remote inbox answers
 //! `duplicate` for what it already stored.
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tidemark_core::endpoint::EndpointKind;
 use tidemark_core::limits::{HTTP_RECEIVE_BATCH_BYTES_MAX, HTTP_RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
 
-use crate::{chunks, Delivered, Transport, TransportConfig};
-
-/// The body of `POST /v1/consumers/{id}/inbox/batch`.
-#[derive(Serialize)]
-struct BatchBody<'a> {
-    events: Vec<&'a Envelope>,
-}
+use crate::{chunk_ranges, Delivered, Transport, TransportConfig};
 
 /// Its answer.
 #[derive(Deserialize)]
@@ -57,13 +51,23 @@ impl HttpTransport {
         Ok(HttpTransport { client, batch_url: format!("{url}/batch"), token })
     }
 
-    async fn post(&self, items: &[(String, Envelope)]) -> Result<Vec<ReceiveOutcome>> {
-        let body = BatchBody { events: items.iter().map(|(_, e)| e).collect() };
+    /// POST the body `{"events": [...]}` of `encoded` envelopes (each's JSON, encoded once).
+    async fn post(&self, encoded: &[Vec<u8>]) -> Result<Vec<ReceiveOutcome>> {
+        let mut body = Vec::with_capacity(encoded.iter().map(|e| e.len() + 1).sum::<usize>() + 12);
+        body.extend_from_slice(b"{\"events\":[");
+        for (i, envelope) in encoded.iter().enumerate() {
+            if i > 0 {
+                body.push(b',');
+            }
+            body.extend_from_slice(envelope);
+        }
+        body.extend_from_slice(b"]}");
         let response = self
             .client
             .post(&self.batch_url)
             .bearer_auth(&self.token)
-            .json(&body)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
             .send()
             .await
             .map_err(|e| Error::io(format!("POST {}: {e}", self.batch_url)))?;
@@ -79,12 +83,12 @@ impl HttpTransport {
         let answer: BatchAnswer = serde_json::from_slice(&bytes).map_err(|e| {
             Error::io(format!("POST {} answered 200 with a body that is not a batch answer: {e}", self.batch_url))
         })?;
-        if answer.outcomes.len() != items.len() {
+        if answer.outcomes.len() != encoded.len() {
             return Err(Error::io(format!(
                 "POST {} answered {} outcomes for {} events",
                 self.batch_url,
                 answer.outcomes.len(),
-                items.len()
+                encoded.len()
             )));
         }
         Ok(answer.outcomes)
@@ -100,9 +104,15 @@ impl Transport for HttpTransport {
         Box::pin(async move {
             // One request per chunk, in order, each within the receiving side's limits; a failed
             // chunk fails the whole batch (what earlier chunks stored is `duplicate` next time).
+            let encoded = items
+                .iter()
+                .map(|(_, envelope)| serde_json::to_vec(envelope))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|e| Error::Invariant(format!("an envelope did not encode: {e}")))?;
+            let sizes: Vec<usize> = encoded.iter().map(|e| e.len() + 1).collect();
             let mut outcomes = Vec::with_capacity(items.len());
-            for chunk in chunks(items, HTTP_RECEIVE_BATCH_EVENTS_MAX, HTTP_RECEIVE_BATCH_BYTES_MAX) {
-                outcomes.extend(self.post(chunk).await?);
+            for range in chunk_ranges(&sizes, HTTP_RECEIVE_BATCH_EVENTS_MAX, HTTP_RECEIVE_BATCH_BYTES_MAX) {
+                outcomes.extend(self.post(&encoded[range]).await?);
             }
             Ok(outcomes)
         })

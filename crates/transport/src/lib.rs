@@ -149,21 +149,21 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
     }
 }
 
-/// Split `items` into consecutive chunks of at most `max_items` items whose envelopes' JSON is at
-/// most `max_bytes` in all (an item larger than that alone is a chunk of its own).
-pub fn chunks(items: &[(String, Envelope)], max_items: usize, max_bytes: usize) -> Vec<&[(String, Envelope)]> {
+/// Split items of the given encoded `sizes` (in bytes) into consecutive ranges of at most
+/// `max_items` items and at most `max_bytes` in all (an item larger than that alone is a range of
+/// its own).
+pub fn chunk_ranges(sizes: &[usize], max_items: usize, max_bytes: usize) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
-    for (i, (_, envelope)) in items.iter().enumerate() {
-        let size = serde_json::to_vec(envelope).map(|v| v.len()).unwrap_or(0) + 1;
+    for (i, &size) in sizes.iter().enumerate() {
         if i > start && (i - start == max_items || bytes + size > max_bytes) {
-            out.push(&items[start..i]);
+            out.push(start..i);
             (start, bytes) = (i, 0);
         }
         bytes += size;
     }
-    if start < items.len() {
-        out.push(&items[start..]);
+    if start < sizes.len() {
+        out.push(start..sizes.len());
     }
     out
 }
@@ -171,35 +171,19 @@ pub fn chunks(items: &[(String, Envelope)], max_items: usize, max_bytes: usize) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    fn envelope(seq: i64, text: &str) -> Envelope {
-        Envelope {
-            event_id: format!("e{seq}"),
-            source: "s".into(),
-            generation: "g".into(),
-            flow_id: "f".into(),
-            seq,
-            event_type: "t".into(),
-            schema_version: 1,
-            payload: json!({"text": text}),
-            created_at_ms: 0,
-        }
-    }
 
     #[test]
     fn chunks_respect_both_bounds_and_keep_order() {
-        let items: Vec<(String, Envelope)> = (1..=7).map(|i| ("c".to_string(), envelope(i, "x"))).collect();
-        let sizes: Vec<usize> = chunks(&items, 3, usize::MAX).iter().map(|c| c.len()).collect();
-        assert_eq!(sizes, [3, 3, 1]);
-        let one = serde_json::to_vec(&items[0].1).unwrap().len() + 1;
-        let sizes: Vec<usize> = chunks(&items, 100, 2 * one).iter().map(|c| c.len()).collect();
-        assert_eq!(sizes, [2, 2, 2, 1]);
-        let flat: Vec<i64> = chunks(&items, 2, usize::MAX).concat().iter().map(|(_, e)| e.seq).collect();
-        assert_eq!(flat, (1..=7).collect::<Vec<_>>());
-        let big = vec![("c".to_string(), envelope(1, &"y".repeat(1000)))];
-        assert_eq!(chunks(&big, 10, 10).len(), 1, "an item over the byte bound is sent alone");
-        assert!(chunks(&[], 10, 10).is_empty());
+        let lens = |ranges: Vec<std::ops::Range<usize>>| ranges.iter().map(|r| r.len()).collect::<Vec<_>>();
+        let sizes = [10; 7];
+        assert_eq!(lens(chunk_ranges(&sizes, 3, usize::MAX)), [3, 3, 1]);
+        assert_eq!(lens(chunk_ranges(&sizes, 100, 20)), [2, 2, 2, 1]);
+        assert_eq!(
+            chunk_ranges(&sizes, 2, usize::MAX).into_iter().flatten().collect::<Vec<_>>(),
+            (0..7).collect::<Vec<_>>()
+        );
+        assert_eq!(chunk_ranges(&[1000], 10, 10).len(), 1, "an item over the byte bound is sent alone");
+        assert!(chunk_ranges(&[], 10, 10).is_empty());
     }
 
     #[test]
