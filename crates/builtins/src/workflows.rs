@@ -1,7 +1,8 @@
 //! The workflows built into the `tidemark` binary: the reference order saga ([`crate::order`])
 //! and `sleepy_order`, a plain code workflow over the same
 //! order tables that can hold its lease in a slow external step, wait for an approval event and
-//! sleep on a durable timer (for demos, operators and crash tests).
+//! sleep on a durable timer (for demos, operators and crash tests); and `order_batch`, which runs
+//! each order of a batch as a child `order_saga` and stamps the batch with journaled values.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,8 +31,16 @@ const APPROVAL_TIMEOUT_MS_DEFAULT: u64 = 24 * 60 * 60 * 1000;
 /// `COMPENSATION_ATTEMPTS`).
 const COMPENSATION_ATTEMPTS: u32 = 10_000;
 
+/// The registered name of `order_batch`.
+pub const ORDER_BATCH: &str = "order_batch";
+/// The version of `order_batch`.
+pub const ORDER_BATCH_VERSION: u32 = 1;
+/// The most orders one `order_batch` run takes.
+pub const ORDER_BATCH_ORDERS_MAX: usize = 100;
+
 /// The built-in workflows and their versions (what `start` pins a run to).
-pub const BUILTINS: &[(&str, u32)] = &[(ORDER_SAGA, ORDER_SAGA_VERSION), (SLEEPY_ORDER, SLEEPY_ORDER_VERSION)];
+pub const BUILTINS: &[(&str, u32)] =
+    &[(ORDER_SAGA, ORDER_SAGA_VERSION), (SLEEPY_ORDER, SLEEPY_ORDER_VERSION), (ORDER_BATCH, ORDER_BATCH_VERSION)];
 
 /// The registered version of a built-in workflow.
 pub fn version(workflow: &str) -> Option<u32> {
@@ -66,6 +75,29 @@ struct SleepyInput {
     approval: Option<String>,
     #[serde(default = "approval_timeout_default")]
     approval_timeout_ms: u64,
+}
+
+/// `order_batch`'s input: the orders (each an `order_saga` input, with distinct order ids).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BatchInput {
+    orders: Vec<Value>,
+}
+
+fn batch_of(input: &Value) -> std::result::Result<BatchInput, String> {
+    let batch: BatchInput = serde_json::from_value(input.clone()).map_err(|e| format!("invalid input: {e}"))?;
+    if batch.orders.is_empty() || batch.orders.len() > ORDER_BATCH_ORDERS_MAX {
+        return Err(format!("orders must hold 1..={ORDER_BATCH_ORDERS_MAX} orders, got {}", batch.orders.len()));
+    }
+    let mut ids = std::collections::BTreeSet::new();
+    for (i, order) in batch.orders.iter().enumerate() {
+        validate_input(ORDER_SAGA, order).map_err(|e| format!("orders[{i}]: {e}"))?;
+        let id = order_of(order).map_err(|f| f.message)?.order_id;
+        if !ids.insert(id.clone()) {
+            return Err(format!("orders[{i}]: order_id {id:?} appears twice"));
+        }
+    }
+    Ok(batch)
 }
 
 fn approval_timeout_default() -> u64 {
@@ -109,6 +141,7 @@ pub fn validate_input(workflow: &str, input: &Value) -> Result<()> {
             Ok(())
         }
         SLEEPY_ORDER => sleepy_of(input).map(drop).map_err(invalid_input),
+        ORDER_BATCH => batch_of(input).map(drop).map_err(invalid_input),
         other => Err(Error::invalid(
             workflow_codes::UNKNOWN_WORKFLOW,
             format!("workflow {other:?} is not built in; known: {}", names()),
@@ -160,9 +193,35 @@ pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<V
     let sleepy = Workflow::new(SLEEPY_ORDER, SLEEPY_ORDER_VERSION, move |ctx, input: Value| {
         sleepy_order(ctx, input, payments.clone())
     })
-    .options(options)
+    .options(options.clone())
     .check_input(|input| validate_input(SLEEPY_ORDER, input));
-    Ok(vec![saga, sleepy])
+    let batch = Workflow::new(ORDER_BATCH, ORDER_BATCH_VERSION, order_batch)
+        .options(options)
+        .check_input(|input| validate_input(ORDER_BATCH, input));
+    Ok(vec![saga, sleepy, batch])
+}
+
+/// `order_batch`: stamps the batch with journaled values (`now`, `uuid`: a replay after a crash
+/// sees the same ones), then runs each order as a child `order_saga`, one after the other, and
+/// completes with each child's end. A child that compensated is reported, not a failure of the
+/// batch; cancelling the batch cancels the child in flight.
+async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std::result::Result<Value, WorkflowError> {
+    let batch = batch_of(&input).map_err(WorkflowError::Failed)?;
+    let started_at_ms = ctx.now()?;
+    let batch_token = ctx.uuid()?;
+    let mut orders = Vec::with_capacity(batch.orders.len());
+    for order in &batch.orders {
+        let order_id = order.get("order_id").cloned().unwrap_or(Value::Null);
+        let end = match ctx.child::<_, Value>(ORDER_SAGA, order).await {
+            Ok(result) => json!({"order_id": order_id, "status": "completed", "result": result}),
+            Err(WorkflowError::StepFailed { message, .. }) => {
+                json!({"order_id": order_id, "status": "not_completed", "error": message})
+            }
+            Err(other) => return Err(other),
+        };
+        orders.push(end);
+    }
+    Ok(json!({"started_at_ms": started_at_ms, "batch_token": batch_token, "orders": orders}))
 }
 
 /// `sleepy_order`: `reserve_inventory` (transactional) -> `hold` (external, lasts until

@@ -20,6 +20,13 @@ pub mod workflow_codes {
     pub const UNKNOWN_WORKFLOW: &str = "unknown_workflow";
     /// The input is not valid JSON or is too large.
     pub const INVALID_INPUT: &str = "invalid_input";
+    /// Awaiting a run's result: the run ended without one (failed, compensated, cancelled or
+    /// parked); the message names its status and error.
+    pub const RUN_NOT_COMPLETED: &str = "run_not_completed";
+    /// Awaiting a run's result: its output does not decode into the type the caller asked for.
+    pub const INVALID_OUTPUT: &str = "invalid_output";
+    /// Awaiting a run's result: the wait ended before the run did.
+    pub const RESULT_TIMEOUT: &str = "result_timeout";
 }
 
 /// A run's input (and an event's payload), as JSON: 256 KiB. (Run ids, workflow names and step
@@ -206,6 +213,11 @@ pub enum StepKind {
     Wait,
     /// A saga compensation (external or transactional, recorded as its own step).
     Compensation,
+    /// A deterministic value taken on first execution (`ctx.now()`, `ctx.random()`,
+    /// `ctx.uuid()`) and replayed thereafter.
+    Value,
+    /// A child run started by this run (`ctx.child`), with its end once it came.
+    Child,
 }
 
 impl StepKind {
@@ -217,14 +229,25 @@ impl StepKind {
             StepKind::Sleep => "sleep",
             StepKind::Wait => "wait",
             StepKind::Compensation => "compensation",
+            StepKind::Value => "value",
+            StepKind::Child => "child",
         }
     }
 
+    /// Every kind.
+    pub const ALL: [StepKind; 7] = [
+        StepKind::External,
+        StepKind::Transactional,
+        StepKind::Sleep,
+        StepKind::Wait,
+        StepKind::Compensation,
+        StepKind::Value,
+        StepKind::Child,
+    ];
+
     /// The kind named by `value` (one of the words of [`StepKind::as_str`]), or `None`.
     pub fn parse(value: &str) -> Option<StepKind> {
-        [StepKind::External, StepKind::Transactional, StepKind::Sleep, StepKind::Wait, StepKind::Compensation]
-            .into_iter()
-            .find(|k| k.as_str() == value)
+        StepKind::ALL.into_iter().find(|k| k.as_str() == value)
     }
 }
 
@@ -503,6 +526,30 @@ pub fn validate_json_size(field: &str, value: &Value, max: usize, code: &'static
     Ok(())
 }
 
+/// The run id of the child a run starts at journal position `seq` (`ctx.child`): derived, so a
+/// replay names the same child and never starts a second one. `{parent}.{seq}` while that fits
+/// an identifier (100 characters); else `child-{32 hex digits of the parent id's SHA-256}.{seq}`.
+pub fn child_run_id(parent_run_id: &str, seq: u32) -> String {
+    let plain = format!("{parent_run_id}.{seq}");
+    if plain.len() <= crate::limits::ID_BYTES_MAX {
+        return plain;
+    }
+    let hash = crate::envelope::hash_hex(parent_run_id.as_bytes());
+    format!("child-{}.{seq}", &hash[..32])
+}
+
+/// The name (and id) of the event that tells a parent run how its child at journal position `seq`
+/// ended. The `/` is outside the identifier alphabet, so no sender of events (API, CLI, inbox
+/// handler) can forge one; only the store writes it, when the child ends.
+pub fn child_event(seq: u32) -> String {
+    format!("child/{seq}")
+}
+
+/// Is `name` an event name [`child_event`] makes?
+pub fn is_child_event(name: &str) -> bool {
+    name.strip_prefix("child/").is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()))
+}
+
 /// The answer to one start request.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -557,6 +604,9 @@ pub struct RunRecord {
     pub cancel_requested: bool,
     /// The run this one was forked from, if any.
     pub forked_from: Option<String>,
+    /// The run that started this one as its child (`ctx.child`), if any; it learns how this run
+    /// ended.
+    pub parent_run_id: Option<String>,
     /// The worker id that holds the lease, while one does.
     pub lease_owner: Option<String>,
     /// When the lease expires, in ms since the Unix epoch; after that another worker may claim the
@@ -769,6 +819,25 @@ pub enum JournalOp<T: ?Sized> {
         /// epoch; `None` when this is the last attempt.
         retry_at_ms: Option<i64>,
     },
+    /// Start a child run and journal the parent's wait for it (kind `Child`, `waiting`, its
+    /// event name [`child_event`]`(seq)`), in one transaction: a replay finds the entry and never
+    /// starts the child twice. When the child ends (completed, compensated, failed or cancelled;
+    /// not parked, which waits for an operator), the store sends the parent that event with
+    /// `{"run_id", "status", "result", "error"}`, in the child's last transaction. Answered
+    /// [`WriteResult::TxResult`]: `Ok(null)` when the child was started (or already existed
+    /// with the same workflow and input), a permanent failure (recorded as the entry's failure)
+    /// when the child's run id is taken by another run.
+    StartChild {
+        /// The journal position of the child step.
+        seq: u32,
+        /// The step's name (the child's workflow name).
+        name: String,
+        /// The child's start (its run id is [`child_run_id`]`(parent, seq)`).
+        request: StartRequest,
+        /// When the parent's wait is next looked at (a child has no deadline; the parent waits
+        /// again when it passes).
+        wake_at_ms: i64,
+    },
     /// Journal a timer (`Sleep`) or a wait (`Wait`) that has not fired yet.
     TimerStarted {
         /// The journal position of the timer or wait.
@@ -782,7 +851,8 @@ pub enum JournalOp<T: ?Sized> {
         /// The event name a wait waits for (`None` for a timer).
         event_name: Option<String>,
     },
-    /// A timer fired, or a wait ended: with the consumed event, or by timeout (`event_id` None).
+    /// A timer fired, or a wait ended: with the consumed event, or by timeout (`event_id` None);
+    /// or a child step (`Child`) ended with its child's end event.
     TimerFinished {
         /// The journal position of the timer or wait.
         seq: u32,
@@ -990,6 +1060,20 @@ mod tests {
             let d = p.delay_ms(2, unit);
             assert!((2_500..=5_000).contains(&d), "{d}");
         }
+    }
+
+    #[test]
+    fn child_ids_are_derived_identifiers_and_child_events_cannot_be_sent() {
+        assert_eq!(child_run_id("order-1", 3), "order-1.3");
+        let long = "p".repeat(100);
+        let derived = child_run_id(&long, 7);
+        assert!(derived.starts_with("child-") && derived.ends_with(".7"), "{derived}");
+        validate_id("run_id", &derived).unwrap();
+        assert_ne!(child_run_id(&long, 7), child_run_id(&"q".repeat(100), 7));
+        assert_eq!(child_event(4), "child/4");
+        assert!(is_child_event("child/4") && !is_child_event("child/") && !is_child_event("child/x"));
+        // Nobody can send an event of that name: it is not an identifier.
+        assert!(validate_id("event name", &child_event(4)).is_err());
     }
 
     #[test]

@@ -618,6 +618,7 @@ mod tests {
             waiting_for: None,
             cancel_requested: false,
             forked_from: None,
+            parent_run_id: None,
             lease_owner: None,
             lease_expires_at_ms: None,
             recoveries: 1,

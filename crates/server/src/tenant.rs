@@ -25,7 +25,7 @@ use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, ProducerStore, ReceiveOutcome};
 use tidemark_core::workflow::{RunDetail, StartOutcome, StartRequest, WorkflowStore};
 use tidemark_core::{Envelope, Error, Result};
-use tidemark_engine::workflow::{Worker, WorkerObserver, WorkerOptions, Workflows, Writer};
+use tidemark_engine::workflow::{RunHandle, Worker, WorkerObserver, WorkerOptions, Workflows, Writer};
 use tidemark_store_sqlite::{
     apply_migrations, Durability, ProducerTransaction, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
 };
@@ -281,6 +281,27 @@ impl Tenant {
             self.workflows.check_start(request)?;
         }
         self.worker()?.start(requests).await
+    }
+
+    /// Start one run and hand out its [`RunHandle`], to await its result
+    /// (`handle.result::<O>().await`). The same checks and idempotency as [`Tenant::start`]: the
+    /// same run id with the same input is the existing run's handle; with another input or
+    /// workflow it is `run_conflict`.
+    pub async fn start_run(&self, request: StartRequest) -> Result<RunHandle<SqliteWorkflows>> {
+        let outcome = self.start(vec![request]).await?.remove(0);
+        match outcome {
+            StartOutcome::Started { run_id } | StartOutcome::Existing { run_id, .. } => self.handle(&run_id),
+            StartOutcome::Conflict { run_id, reason } => Err(Error::invalid(
+                tidemark_core::workflow::workflow_codes::RUN_CONFLICT,
+                format!("run {run_id:?}: {reason}"),
+            )),
+        }
+    }
+
+    /// The handle of run `run_id` (started earlier, by anyone), to await its end.
+    pub fn handle(&self, run_id: &str) -> Result<RunHandle<SqliteWorkflows>> {
+        tidemark_core::id::validate_id("run_id", run_id)?;
+        Ok(RunHandle::new(self.worker()?.clone(), run_id))
     }
 
     /// The worker, or `unknown_workflow` when the service registers no workflow.

@@ -392,6 +392,41 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE receipts ADD COLUMN generation TEXT;
     "#,
+    // v9: child workflows and deterministic values (docs/workflows.md). The journal takes two
+    // more kinds, `value` (ctx.now/random/uuid) and `child` (ctx.child): SQLite cannot change a
+    // CHECK, so the table is rebuilt with every entry copied as it is. A run knows the parent that
+    // started it and the parent's journal position, so its end reaches the parent in the child's
+    // last transaction; the partial index finds a parent's children (the cancel cascade).
+    r#"
+    CREATE TABLE journal_v9 (
+        run_id             TEXT NOT NULL REFERENCES runs (run_id),
+        seq                INTEGER NOT NULL CHECK (seq >= 0),
+        name               TEXT NOT NULL,
+        kind               TEXT NOT NULL CHECK ((kind = 'external' OR kind = 'transactional' OR kind = 'sleep' OR kind = 'wait' OR kind = 'compensation' OR kind = 'value' OR kind = 'child')),
+        status             TEXT NOT NULL CHECK ((status = 'retrying' OR status = 'waiting' OR status = 'completed' OR status = 'failed' OR status = 'skipped')),
+        output             TEXT,
+        error              TEXT,
+        attempts           INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+        next_attempt_at_ms INTEGER,
+        -- A timer's fire time, a wait's deadline, or when a child step's wait is looked at again.
+        wake_at_ms         INTEGER,
+        -- The event name a wait waits for; `child/<seq>` for a child step (its child's end).
+        event_name         TEXT,
+        reason             TEXT,
+        updated_at_ms      INTEGER NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    );
+    INSERT INTO journal_v9 (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms,
+                            wake_at_ms, event_name, reason, updated_at_ms)
+      SELECT run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms,
+             wake_at_ms, event_name, reason, updated_at_ms FROM journal;
+    DROP TABLE journal;
+    ALTER TABLE journal_v9 RENAME TO journal;
+    -- The run that started this one with ctx.child, and the journal position it waits at.
+    ALTER TABLE runs ADD COLUMN parent_run_id TEXT;
+    ALTER TABLE runs ADD COLUMN parent_seq INTEGER CHECK (parent_seq IS NULL OR parent_seq >= 0);
+    CREATE INDEX runs_children ON runs (parent_run_id, run_id) WHERE parent_run_id IS NOT NULL;
+    "#,
 ];
 
 /// The schema version this build writes.

@@ -129,10 +129,13 @@ pub mod store {
 pub mod workflow {
     pub use tidemark_core::workflow::*;
     pub use tidemark_engine::workflow::{
-        system_clock, Clock, FinishedRun, IntoWorkflow, Saga, SagaAction, SagaData, StepAttempt, StepAttemptEnd,
-        Suspended, Worker, WorkerObserver, WorkerOptions, WorkerReport, Workflow, WorkflowContext, WorkflowError,
-        WorkflowInfo, WorkflowOptions, Workflows, Writer, WriterStats,
+        system_clock, Clock, FinishedRun, IntoWorkflow, RunHandle as GenericRunHandle, Saga, SagaAction, SagaData,
+        StepAttempt, StepAttemptEnd, Suspended, Worker, WorkerObserver, WorkerOptions, WorkerReport, Workflow,
+        WorkflowContext, WorkflowError, WorkflowInfo, WorkflowOptions, Workflows, Writer, WriterStats,
+        CHILD_RECHECK_MS, RESULT_POLL_MS,
     };
+    /// A started run of a service on SQLite, to await its result ([`crate::service::Tenant::start_run`]).
+    pub type RunHandle = GenericRunHandle<tidemark_store_sqlite::SqliteWorkflows>;
 }
 
 /// The relay: moves committed events from an outbox to every subscriber's inbox.
@@ -218,7 +221,7 @@ pub mod prelude {
     pub use crate::service::{Caller, Config, Database, Service, Tenant};
     pub use crate::sqlite::{Committed, Durability, Migration};
     pub use crate::store::{EventHandler, HandleError, Handler, Typed};
-    pub use crate::workflow::{RetryPolicy, RunStatus, StartRequest, StepFailure, WorkflowError};
+    pub use crate::workflow::{RetryPolicy, RunHandle, RunStatus, StartRequest, StepFailure, WorkflowError};
     pub use crate::{Context, Envelope, Error, Saga, Workflow};
     pub use rusqlite::Connection;
 }

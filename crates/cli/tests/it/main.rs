@@ -21,6 +21,7 @@ mod server_openapi;
 mod server_remote;
 mod server_tenancy;
 mod workflow_cli;
+mod workflow_features;
 mod workflow_inbox;
 mod workflow_model;
 mod workflow_runtime;

@@ -24,14 +24,14 @@ use tidemark_engine::workflow::{
 };
 use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
-type Store = SqliteWorkflows;
+pub(crate) type Store = SqliteWorkflows;
 
 /// Rounds of `run_until_idle` (with a short pause between) before a test gives up.
 const ROUNDS_MAX: usize = 1_000;
 /// How long a test waits for a signal from inside a workflow before it gives up.
 const SIGNAL_WAIT: Duration = Duration::from_secs(60);
 
-fn runtime() -> Runtime {
+pub(crate) fn runtime() -> Runtime {
     Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
@@ -41,7 +41,7 @@ fn open_writer(path: &Path) -> Writer<Store> {
 }
 
 /// Few attempts, 20 ms apart: retries happen within a test.
-fn fast_retry(max_attempts: u32) -> RetryPolicy {
+pub(crate) fn fast_retry(max_attempts: u32) -> RetryPolicy {
     RetryPolicy {
         max_attempts,
         backoff: Backoff::Schedule { delays_ms: vec![20] },
@@ -50,32 +50,36 @@ fn fast_retry(max_attempts: u32) -> RetryPolicy {
     }
 }
 
-fn fast_options() -> WorkflowOptions {
+pub(crate) fn fast_options() -> WorkflowOptions {
     WorkflowOptions { concurrency_max: None, retry: fast_retry(3) }
 }
 
-fn worker_options(id: &str) -> WorkerOptions {
+pub(crate) fn worker_options(id: &str) -> WorkerOptions {
     WorkerOptions { poll_interval_ms: 10, lease_ms: 10_000, ..WorkerOptions::new(id) }
 }
 
-fn worker(writer: &Writer<Store>, workflows: Workflows<Store>, options: WorkerOptions) -> Arc<Worker<Store>> {
+pub(crate) fn worker(
+    writer: &Writer<Store>,
+    workflows: Workflows<Store>,
+    options: WorkerOptions,
+) -> Arc<Worker<Store>> {
     Arc::new(Worker::new(writer.clone(), workflows, options).expect("worker"))
 }
 
-fn request(run_id: &str, workflow: &str, version: u32, input: Value) -> StartRequest {
+pub(crate) fn request(run_id: &str, workflow: &str, version: u32, input: Value) -> StartRequest {
     StartRequest { run_id: run_id.into(), workflow: workflow.into(), version, input, key: None, start_at_ms: None }
 }
 
 /// A workflow database (with the order tables, 10 units of `sku-1`) and a fake payment service.
-struct Env {
+pub(crate) struct Env {
     _dir: tempfile::TempDir,
     path: PathBuf,
-    writer: Writer<Store>,
-    payments: Arc<FakePayments>,
+    pub(crate) writer: Writer<Store>,
+    pub(crate) payments: Arc<FakePayments>,
 }
 
 impl Env {
-    fn new() -> Env {
+    pub(crate) fn new() -> Env {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("workflows.db");
         let writer = open_writer(&path);
@@ -90,50 +94,50 @@ impl Env {
         Env { _dir: dir, path, writer, payments }
     }
 
-    fn start(&self, request: StartRequest) -> StartOutcome {
+    pub(crate) fn start(&self, request: StartRequest) -> StartOutcome {
         self.writer.call_blocking(move |store, now| store.start_runs(&[request], now)).expect("start").remove(0)
     }
 
-    fn start_new(&self, run_id: &str, workflow: &str, version: u32, input: Value) {
+    pub(crate) fn start_new(&self, run_id: &str, workflow: &str, version: u32, input: Value) {
         let outcome = self.start(request(run_id, workflow, version, input));
         assert_eq!(outcome, StartOutcome::Started { run_id: run_id.into() });
     }
 
-    fn detail(&self, run_id: &str) -> RunDetail {
+    pub(crate) fn detail(&self, run_id: &str) -> RunDetail {
         let id = run_id.to_string();
         self.writer.call_blocking(move |store, _| store.run(&id)).expect("read run").expect("run exists")
     }
 
-    fn send(&self, run_id: &str, event_id: &str, name: &str, payload: Value) -> bool {
+    pub(crate) fn send(&self, run_id: &str, event_id: &str, name: &str, payload: Value) -> bool {
         let (run_id, event_id, name) = (run_id.to_string(), event_id.to_string(), name.to_string());
         self.writer
             .call_blocking(move |store, now| store.send_event(&run_id, &event_id, &name, &payload, now))
             .expect("send event")
     }
 
-    fn cancel(&self, run_id: &str, reason: &str) -> RunRecord {
+    pub(crate) fn cancel(&self, run_id: &str, reason: &str) -> RunRecord {
         let (run_id, reason) = (run_id.to_string(), reason.to_string());
         self.writer.call_blocking(move |store, now| store.cancel(&run_id, &reason, now)).expect("cancel")
     }
 
-    fn stock(&self) -> i64 {
+    pub(crate) fn stock(&self) -> i64 {
         self.writer.call_blocking(|store, _| order_sql::stock(store.connection(), "sku-1")).unwrap().unwrap()
     }
 
     /// "kind:order" per applied order effect, in order.
-    fn effects(&self) -> Vec<String> {
+    pub(crate) fn effects(&self) -> Vec<String> {
         let effects = self.writer.call_blocking(|store, _| order_sql::effects(store.connection())).unwrap();
         effects.into_iter().map(|e| format!("{}:{}", e.kind, e.order_id)).collect()
     }
 
     /// (op, idempotency key, outcome) of every payment call.
-    fn payment_calls(&self) -> Vec<(String, String, String)> {
+    pub(crate) fn payment_calls(&self) -> Vec<(String, String, String)> {
         self.payments.calls().unwrap().into_iter().map(|c| (c.op, c.idempotency_key, c.outcome)).collect()
     }
 }
 
 /// Run the workers until nothing is due, again and again, until every run satisfies `done`.
-fn drive_all(
+pub(crate) fn drive_all(
     rt: &Runtime,
     workers: &[Arc<Worker<Store>>],
     env: &Env,
@@ -161,7 +165,7 @@ fn drive_all(
     panic!("runs did not get there in {ROUNDS_MAX} rounds: {states:#?}");
 }
 
-fn drive(
+pub(crate) fn drive(
     rt: &Runtime,
     worker: &Arc<Worker<Store>>,
     env: &Env,
@@ -171,19 +175,19 @@ fn drive(
     drive_all(rt, std::slice::from_ref(worker), env, run_ids, done)
 }
 
-fn settle(rt: &Runtime, worker: &Arc<Worker<Store>>, env: &Env, run_ids: &[&str]) -> WorkerReport {
+pub(crate) fn settle(rt: &Runtime, worker: &Arc<Worker<Store>>, env: &Env, run_ids: &[&str]) -> WorkerReport {
     drive(rt, worker, env, run_ids, |run| run.status.is_terminal())
 }
 
-fn names(detail: &RunDetail) -> Vec<&str> {
+pub(crate) fn names(detail: &RunDetail) -> Vec<&str> {
     detail.journal.iter().map(|e| e.name.as_str()).collect()
 }
 
-fn statuses(detail: &RunDetail) -> Vec<StepStatus> {
+pub(crate) fn statuses(detail: &RunDetail) -> Vec<StepStatus> {
     detail.journal.iter().map(|e| e.status).collect()
 }
 
-fn order_input(order_id: &str, extra: Value) -> Value {
+pub(crate) fn order_input(order_id: &str, extra: Value) -> Value {
     let mut input = json!({"order_id": order_id, "sku": "sku-1", "quantity": 2, "amount": 500});
     for (k, v) in extra.as_object().expect("object") {
         input[k] = v.clone();
@@ -191,7 +195,7 @@ fn order_input(order_id: &str, extra: Value) -> Value {
     input
 }
 
-fn order_workflows(env: &Env) -> Workflows<Store> {
+pub(crate) fn order_workflows(env: &Env) -> Workflows<Store> {
     let mut workflows = Workflows::new();
     order_saga::<Store>(env.payments.clone())
         .compensation_policy(fast_retry(5))

@@ -12,17 +12,21 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    ClaimedRun, FinishStatus, JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent, RunStatus, StepFailure,
-    StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+    child_event, child_run_id, ClaimedRun, FinishStatus, JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent,
+    RunStatus, StepFailure, StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX,
+    RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
 };
 use tidemark_core::Error;
 
 use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
-use super::{WorkflowError, Writer};
+use super::{WorkflowError, Workflows, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
 pub const SLEEP_STEP: &str = "sleep";
+
+/// How long a parent waits for a child before it looks again (a child has no deadline of its own:
+/// the parent waits again), in ms: one day.
+pub const CHILD_RECHECK_MS: i64 = 24 * 60 * 60 * 1000;
 
 /// The context of one run, handed to the workflow function. Cheap to clone; every clone is the
 /// same run.
@@ -51,6 +55,8 @@ struct RunShared<S: WorkflowStore> {
     cancel_reason: Option<String>,
     state: Mutex<RunState<S::Target>>,
     observer: Option<Arc<dyn WorkerObserver>>,
+    /// The worker's registry: children start pinned to their workflow's latest version here.
+    workflows: Arc<Workflows<S>>,
 }
 
 struct RunState<T: ?Sized> {
@@ -152,6 +158,7 @@ where
         retry: RetryPolicy,
         cancel: Arc<AtomicBool>,
         observer: Option<Arc<dyn WorkerObserver>>,
+        workflows: Arc<Workflows<S>>,
     ) -> Self {
         let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
         events.sort_by_key(|e| e.received_at_ms);
@@ -177,6 +184,7 @@ where
                 cancel_reason: claimed.run.error.clone().filter(|_| claimed.run.cancel_requested),
                 state: Mutex::new(state),
                 observer,
+                workflows,
             }),
         }
     }
@@ -197,9 +205,144 @@ where
         self.lock().status == RunStatus::Compensating
     }
 
-    /// The time of the run's clock.
-    pub fn now_ms(&self) -> i64 {
+    /// The live clock, in ms since the Unix epoch: **not journaled**, so a replay reads another
+    /// time. For logs and metrics only; never branch on it or pass it to a step (use
+    /// [`Self::now`], which is recorded).
+    pub fn live_clock_ms(&self) -> i64 {
+        self.now_ms()
+    }
+
+    fn now_ms(&self) -> i64 {
         self.inner.writer.now_ms()
+    }
+
+    /// The time, in ms since the Unix epoch, as the first execution read it: journaled (kind
+    /// `value`, step name `now`) and replayed thereafter, so a branch on it takes the same way
+    /// after a crash. Recorded with the run's next write (no commit of its own), and always before
+    /// the next external step runs.
+    pub fn now(&self) -> Result<i64, WorkflowError> {
+        self.value("now", || json!(self.now_ms()))
+    }
+
+    /// A random `u64`, journaled like [`Self::now`] (step name `random`).
+    pub fn random(&self) -> Result<u64, WorkflowError> {
+        self.value("random", || json!(rand::random::<u64>()))
+    }
+
+    /// A random (v4) UUID in its hyphenated form, journaled like [`Self::now`] (step name `uuid`).
+    pub fn uuid(&self) -> Result<String, WorkflowError> {
+        self.value("uuid", || json!(uuid::Uuid::new_v4().to_string()))
+    }
+
+    /// Take the next position for a deterministic value: replay the recorded one, or make it and
+    /// journal it with the run's next write.
+    fn value<T: DeserializeOwned>(&self, name: &str, make: impl FnOnce() -> Value) -> Result<T, WorkflowError> {
+        match self.begin(name, StepKind::Value)? {
+            Slot::Journaled(seq, entry) => match entry.status {
+                StepStatus::Completed | StepStatus::Skipped => self.decode(name, entry.output.unwrap_or(Value::Null)),
+                other => Err(self.park(format!("value {name} at position {seq} is journaled as {}", other.as_str()))),
+            },
+            Slot::New(seq) => {
+                let value = make();
+                self.lock().pending.push(JournalOp::StepAttempt {
+                    seq,
+                    name: name.to_string(),
+                    kind: StepKind::Value,
+                    attempt: 1,
+                    result: Ok(value.clone()),
+                    retry_at_ms: None,
+                });
+                self.decode(name, value)
+            }
+        }
+    }
+
+    /// Run the registered workflow `workflow` (its latest version) as a child of this run, with
+    /// `input`, and wait for its end durably. The child's run id is derived from this run's id and
+    /// the journal position ([`child_run_id`]): the start is journaled in the same transaction as
+    /// the child's creation, so a replay never starts it twice. While the child runs, this run is
+    /// suspended (`waiting`, lease released): propagate the suspension with `?`. The child's
+    /// output decodes into `O`; a child that failed, compensated or was cancelled is this step's
+    /// failure ([`WorkflowError::StepFailed`], step name = the workflow's name), so a saga can
+    /// compensate. A parked child keeps its parent waiting until an operator settles it. An
+    /// unknown workflow or an input it refuses fails this run with that error's code, before
+    /// anything is written. Cancelling this run cancels its children (docs/workflows.md, "Child
+    /// workflows").
+    pub async fn child<I, O>(&self, workflow: &str, input: &I) -> Result<O, WorkflowError>
+    where
+        I: Serialize,
+        O: DeserializeOwned,
+    {
+        let seq = match self.begin(workflow, StepKind::Child)? {
+            Slot::Journaled(seq, entry) => match entry.status {
+                StepStatus::Completed | StepStatus::Skipped => {
+                    return self.child_output(workflow, entry.output.unwrap_or(Value::Null))
+                }
+                StepStatus::Failed => return Err(self.recorded_failure(&entry)),
+                StepStatus::Waiting => seq,
+                StepStatus::Retrying => {
+                    return Err(self.park(format!("child {workflow} at position {seq} is journaled as retrying")))
+                }
+            },
+            Slot::New(seq) => {
+                let input = serde_json::to_value(input).map_err(|e| {
+                    WorkflowError::Failed(format!("the input of child {workflow} does not serialise: {e}"))
+                })?;
+                let run_id = child_run_id(&self.inner.run_id, seq);
+                let request = self
+                    .inner
+                    .workflows
+                    .start_request(&run_id, workflow, input)
+                    .map_err(|e| WorkflowError::Failed(format!("{}: {}", e.code(), e)))?;
+                let wake_at_ms = self.now_ms().saturating_add(CHILD_RECHECK_MS);
+                let op = JournalOp::StartChild { seq, name: workflow.to_string(), request, wake_at_ms };
+                match self.write(op).await? {
+                    WriteResult::TxResult(Ok(_)) => seq,
+                    WriteResult::TxResult(Err(failure)) => {
+                        return Err(WorkflowError::StepFailed { step: workflow.to_string(), message: failure.message })
+                    }
+                    other => {
+                        let error = Error::Invariant(format!("a child start was answered {other:?}"));
+                        self.lock().store_error = Some(error.clone());
+                        return Err(WorkflowError::Store(error));
+                    }
+                }
+            }
+        };
+        let name = child_event(seq);
+        let event = {
+            let mut state = self.lock();
+            let position = state.events.iter().position(|e| e.name == name);
+            position.map(|i| state.events.remove(i))
+        };
+        match event {
+            Some(event) => {
+                let output = event.payload;
+                self.write(JournalOp::TimerFinished { seq, event_id: Some(event.event_id), output: output.clone() })
+                    .await?;
+                self.child_output(workflow, output)
+            }
+            None => {
+                Err(self.suspend(SuspendStatus::Waiting, self.now_ms().saturating_add(CHILD_RECHECK_MS), Some(name)))
+            }
+        }
+    }
+
+    /// A child's end as journaled: its output when it completed, else this step's failure.
+    fn child_output<O: DeserializeOwned>(&self, workflow: &str, end: Value) -> Result<O, WorkflowError> {
+        match end.get("status").and_then(Value::as_str) {
+            Some("completed") => self.decode(workflow, end.get("result").cloned().unwrap_or(Value::Null)),
+            // An operator's skip output is the child's output as it is.
+            None => self.decode(workflow, end),
+            Some(status) => {
+                let run_id = end.get("run_id").and_then(Value::as_str).unwrap_or("?");
+                let error = end.get("error").and_then(Value::as_str).unwrap_or("");
+                Err(WorkflowError::StepFailed {
+                    step: workflow.to_string(),
+                    message: format!("child run {run_id} ended {status}: {error}"),
+                })
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, RunState<S::Target>> {

@@ -37,6 +37,7 @@
 //! `cancelled`; a plain workflow that propagates the error ends `cancelled`.
 
 mod context;
+mod handle;
 mod observer;
 mod registry;
 mod saga;
@@ -46,7 +47,8 @@ mod writer;
 use std::fmt;
 use std::sync::Arc;
 
-pub use context::WorkflowContext;
+pub use context::{WorkflowContext, CHILD_RECHECK_MS};
+pub use handle::{RunHandle, RESULT_POLL_MS};
 pub use observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
 pub use registry::{IntoWorkflow, Workflow, WorkflowInfo, WorkflowOptions, Workflows};
 pub use saga::{Saga, SagaAction, SagaData};

@@ -19,6 +19,7 @@ use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
 use tokio::time::Instant;
 
 use super::context::RunOutcome;
+use super::handle::EndWaiters;
 use super::observer::WorkerObserver;
 use super::registry::Registered;
 use super::{WorkflowContext, Workflows, Writer};
@@ -318,6 +319,8 @@ pub struct Worker<S: WorkflowStore> {
     finished: Mutex<Option<mpsc::UnboundedSender<FinishedRun>>>,
     /// Told of claims, step attempts, finished runs and lost leases as they happen.
     observer: Option<Arc<dyn WorkerObserver>>,
+    /// Callers awaiting a run's end ([`Worker::wait_for_end`]).
+    end_waiters: EndWaiters,
 }
 
 impl<S> Worker<S>
@@ -339,6 +342,7 @@ where
             local: Mutex::new(None),
             finished: Mutex::new(None),
             observer: None,
+            end_waiters: EndWaiters::default(),
         })
     }
 
@@ -392,8 +396,13 @@ where
         receiver
     }
 
+    pub(crate) fn end_waiters(&self) -> &EndWaiters {
+        &self.end_waiters
+    }
+
     fn tell_finished(&self, run_id: &str, outcome: &RunOutcome) {
         if let RunOutcome::Finished(status) = outcome {
+            self.end_waiters.ended(run_id);
             if let Some(sender) = lock(&self.finished).as_ref() {
                 let _ = sender.send(FinishedRun { run_id: run_id.to_string(), status: *status });
             }
@@ -625,7 +634,9 @@ where
         let cancel = Arc::new(AtomicBool::new(claimed.run.cancel_requested));
         let concluding = Arc::new(AtomicBool::new(false));
         let observer = self.observer.clone();
-        let task = execute(self.writer.clone(), registered, claimed, cancel.clone(), concluding.clone(), observer);
+        let workflows = self.workflows.clone();
+        let task =
+            execute(self.writer.clone(), registered, claimed, cancel.clone(), concluding.clone(), observer, workflows);
         let abort = set.spawn(task);
         in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, concluding, abort, lost: false });
     }
@@ -793,13 +804,20 @@ async fn execute<S>(
     cancel: Arc<AtomicBool>,
     concluding: Arc<AtomicBool>,
     observer: Option<Arc<dyn WorkerObserver>>,
+    workflows: Arc<Workflows<S>>,
 ) -> RunOutcome
 where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
-    let ctx =
-        WorkflowContext::new(writer.clone(), &claimed, registered.options.retry.clone(), cancel, observer.clone());
+    let ctx = WorkflowContext::new(
+        writer.clone(),
+        &claimed,
+        registered.options.retry.clone(),
+        cancel,
+        observer.clone(),
+        workflows,
+    );
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
         ctx.mark_running();
     }

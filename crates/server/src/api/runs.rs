@@ -26,6 +26,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::new()
         .routes(routes!(start, list))
         .routes(routes!(show))
+        .routes(routes!(result))
         .routes(routes!(cancel))
         .routes(routes!(retry))
         .routes(routes!(abandon))
@@ -216,6 +217,90 @@ pub(crate) async fn run_detail(caller: &Caller, run_id: String) -> Result<RunDet
     let id = run_id.clone();
     let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
     Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
+}
+
+/// The longest `wait_ms` of `GET /v1/runs/{run_id}/result`: one minute.
+pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
+
+#[derive(Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct ResultQuery {
+    /// How long to wait for the run to end, in ms (0..=60000; default 0: answer at once).
+    #[param(minimum = 0, maximum = 60000)]
+    pub wait_ms: Option<u64>,
+}
+
+/// How a run ended, or that it has not yet.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunResult {
+    pub run_id: String,
+    /// True once the run has a terminal status (completed, compensated, failed, cancelled,
+    /// parked).
+    pub done: bool,
+    pub status: RunStatus,
+    /// The workflow's output, when `completed`.
+    pub result: Option<Value>,
+    /// Why the run failed, compensated, was cancelled or parked.
+    pub error: Option<String>,
+}
+
+/// Await a run's result: 200 with the output or the terminal error once the run has ended,
+/// waiting up to `wait_ms` for that (a long poll); 202 with the status it has when the wait ends
+/// first (ask again). A server shutting down answers at once.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{run_id}/result",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run"), ResultQuery),
+    responses(
+        (status = 200, description = "The run has ended", body = RunResult),
+        (status = 202, description = "The run has not ended yet", body = RunResult),
+        (status = 404, description = "`not_found`: no such run", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
+async fn result(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(run_id): Path<String>,
+    Query(query): Query<ResultQuery>,
+) -> ApiResult {
+    caller.require(Scope::Read)?;
+    validate_id("run_id", &run_id)?;
+    let wait_ms = query.wait_ms.unwrap_or(0);
+    if wait_ms > RESULT_WAIT_MS_MAX {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
+        )
+        .into());
+    }
+    let worker = caller.tenant.worker()?.clone();
+    let mut shutdown = state.shutdown_signal();
+    let ended = tokio::select! {
+        ended = worker.wait_for_end(&run_id, Some(std::time::Duration::from_millis(wait_ms))) => ended?,
+        _ = shutdown.wait_for(|down| *down) => None,
+    };
+    let (status, run) = match ended {
+        Some(run) => (StatusCode::OK, run),
+        None => {
+            let id = run_id.clone();
+            let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
+            let run = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?.run;
+            // It may have ended between the wait and this read.
+            (if run.status.is_terminal() { StatusCode::OK } else { StatusCode::ACCEPTED }, run)
+        }
+    };
+    let body = RunResult {
+        run_id: run.run_id,
+        done: run.status.is_terminal(),
+        status: run.status,
+        result: run.result,
+        error: run.error,
+    };
+    Ok(typed(status, body))
 }
 
 #[derive(Deserialize, ToSchema)]

@@ -12,7 +12,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use tidemark_core::error::codes;
 use tidemark_core::tenancy::Scope;
-use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunDetail, RunRecord, RunStatus, StepKind, StepStatus};
+use tidemark_core::workflow::{
+    child_run_id, AttemptRecord, JournalEntry, RunDetail, RunRecord, RunStatus, StepKind, StepStatus,
+};
 use tidemark_core::Error;
 
 use super::layout::{badge, done_banner, json_block, page, reason_input, when};
@@ -162,6 +164,8 @@ fn step_kind(kind: StepKind) -> &'static str {
         StepKind::Sleep => "timer",
         StepKind::Wait => "wait for event",
         StepKind::Compensation => "compensation",
+        StepKind::Value => "recorded value",
+        StepKind::Child => "child workflow",
     }
 }
 
@@ -192,6 +196,7 @@ fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
                 dt { "Created" } dd { (when(run.created_at_ms)) }
                 dt { "Updated" } dd { (when(run.updated_at_ms)) }
                 @if let Some(key) = &run.key { dt { "Key" } dd { code { (key) } } }
+                @if let Some(parent) = &run.parent_run_id { dt { "Child of" } dd { a href=(format!("/ui/runs/{parent}")) { code { (parent) } } } }
                 @if let Some(from) = &run.forked_from { dt { "Forked from" } dd { a href=(format!("/ui/runs/{from}")) { code { (from) } } } }
                 @if let Some(waiting) = &run.waiting_for { dt { "Waiting for event" } dd { code { (waiting) } " until " (when(run.wake_at_ms)) } }
                 @if matches!(run.status, RunStatus::Sleeping | RunStatus::Pending) { dt { "Wakes" } dd { (when(run.wake_at_ms)) } }
@@ -259,17 +264,21 @@ fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
                             b { (entry.name) }
                             span.kind { (step_kind(entry.kind)) }
                             (badge(entry.status.as_str()))
-                            @if !matches!(entry.kind, StepKind::Sleep | StepKind::Wait) {
+                            @if entry.kind == StepKind::Child {
+                                @let child = child_run_id(&run.run_id, entry.seq);
+                                a href=(format!("/ui/runs/{child}")) { "run " code { (child) } }
+                            }
+                            @if !matches!(entry.kind, StepKind::Sleep | StepKind::Wait | StepKind::Child | StepKind::Value) {
                                 span.muted { (entry.attempts) " attempt" @if entry.attempts != 1 { "s" } }
                             }
                         }
                         @if let Some(error) = &entry.error { p.error { (error) } }
                         @if let Some(reason) = &entry.reason { p.reason { "Operator: " (reason) } }
                         @if let Some(at) = entry.next_attempt_at_ms { @if entry.status == StepStatus::Retrying { p.muted { "Next attempt " (when(at)) } } }
-                        @if let Some(at) = entry.wake_at_ms {
+                        @if let (Some(at), false) = (entry.wake_at_ms, entry.kind == StepKind::Child) {
                             p.muted { @if entry.kind == StepKind::Wait { "Times out " } @else { "Timer: wakes " } (when(at)) }
                         }
-                        @if let Some(name) = &entry.event_name { p.muted { "Waits for event " code { (name) } } }
+                        @if let (Some(name), false) = (&entry.event_name, entry.kind == StepKind::Child) { p.muted { "Waits for event " code { (name) } } }
                         @if let Some(list) = attempts.get(&entry.seq) {
                             details {
                                 summary { (list.len()) " recorded attempt" @if list.len() != 1 { "s" } }

@@ -7,8 +7,8 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    JournalOp, JournalWrite, RunStatus, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult,
-    COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+    child_event, child_run_id, is_child_event, JournalOp, JournalWrite, RunStatus, StartOutcome, StepFailure, StepKind,
+    StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -70,8 +70,11 @@ fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) ->
         }
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
             validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
-            if !matches!(kind, StepKind::External | StepKind::Compensation) {
+            if !matches!(kind, StepKind::External | StepKind::Compensation | StepKind::Value) {
                 return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
+            }
+            if *kind == StepKind::Value && (*attempt != 1 || result.is_err()) {
+                return Err(invalid_arg("a value is recorded once, by a first successful attempt"));
             }
             if let Ok(output) = result {
                 return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
@@ -93,9 +96,22 @@ fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) ->
                 _ => return Err(invalid_arg("a timer is a sleep without an event name or a wait with one")),
             }
         }
+        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            request.validate()?;
+            if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
+                return Err(invalid_arg(format!(
+                    "the child at step {seq} of run {} is run {:?}, due at once",
+                    write.run_id,
+                    child_run_id(&write.run_id, *seq)
+                )));
+            }
+        }
         JournalOp::TimerFinished { seq, event_id, output } => {
             validate_seq(*seq)?;
-            if let Some(event_id) = event_id {
+            if let Some(event_id) = event_id.as_deref().filter(|id| !is_child_event(id)) {
                 validate_id("event_id", event_id)?;
             }
             return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
@@ -103,6 +119,7 @@ fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) ->
         JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
             validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
             match (status, waiting_for) {
+                (SuspendStatus::Waiting, Some(name)) if is_child_event(name) => {}
                 (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
                 (SuspendStatus::Waiting, None) => return Err(invalid_arg("a waiting run needs waiting_for")),
                 (_, Some(_)) => return Err(invalid_arg("only a waiting run waits for an event")),
@@ -139,6 +156,10 @@ enum Sql {
     ConsumeEvent,
     EventWaiting,
     Suspend,
+    ChildOf,
+    NotifyParent,
+    WakeParent,
+    CancelChildren,
     Savepoint,
     RollbackToSavepoint,
     ReleaseSavepoint,
@@ -204,19 +225,64 @@ impl Sql {
                 "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2"
             }
             Sql::ConsumeEvent => "UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2",
+            // The event waited for, or the end of any child (a parent may await several at once).
             Sql::EventWaiting => {
-                "SELECT count(*) FROM run_events WHERE run_id = ?1 AND name = ?2 AND consumed_by_seq IS NULL"
+                "SELECT count(*) FROM run_events WHERE run_id = ?1 AND (name = ?2 OR name LIKE 'child/%')
+                     AND consumed_by_seq IS NULL"
             }
             Sql::Suspend => {
                 "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
                      lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
                  WHERE run_id = ?1"
             }
+            Sql::ChildOf => {
+                "UPDATE runs SET parent_run_id = ?2, parent_seq = ?3 WHERE run_id = ?1 AND parent_run_id IS NULL"
+            }
+            Sql::NotifyParent => NOTIFY_PARENT_SQL,
+            Sql::WakeParent => WAKE_PARENT_SQL,
+            Sql::CancelChildren => CANCEL_CHILDREN_SQL,
             Sql::Savepoint => "SAVEPOINT wf_tx_step",
             Sql::RollbackToSavepoint => "ROLLBACK TO wf_tx_step",
             Sql::ReleaseSavepoint => "RELEASE wf_tx_step",
         }
     }
+}
+
+/// A child that ended (not parked: that waits for an operator) tells its parent how, as the event
+/// `child/<seq>` (`child_event`): `{"run_id", "status", "result", "error"}`. Only while the parent
+/// is active (a purged or finished parent takes no more events); at most once (an operator retry
+/// of a child that already told its parent tells it nothing new). Parameters: the child's run id,
+/// now.
+pub(super) const NOTIFY_PARENT_SQL: &str = "INSERT INTO run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)
+     SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
+            json_object('run_id', c.run_id, 'status', c.status, 'result', json(c.result), 'error', c.error), ?2, NULL
+     FROM runs c JOIN runs p ON p.run_id = c.parent_run_id
+     WHERE c.run_id = ?1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked'
+       AND (p.status = 'pending' OR p.status = 'running' OR p.status = 'sleeping' OR p.status = 'waiting' OR p.status = 'compensating')
+     ON CONFLICT (run_id, event_id) DO NOTHING";
+
+/// The parent of a child that ended is due now, if it waits (for this child or another: a
+/// parent that awaits several looks again). Parameters: the child's run id, now.
+pub(super) const WAKE_PARENT_SQL: &str = "UPDATE runs SET wake_at_ms = min(wake_at_ms, ?2), updated_at_ms = ?2
+     WHERE run_id = (SELECT parent_run_id FROM runs WHERE run_id = ?1 AND status <> 'parked') AND status = 'waiting'";
+
+/// The cancel cascade: a run that ended (not parked) has cancellation requested for each of its
+/// children still active; each stops at its next step boundary (compensating as its workflow
+/// does), and its own end cascades to its children. Parameters: the parent's run id, now.
+pub(super) const CANCEL_CHILDREN_SQL: &str = "UPDATE runs SET cancel_requested = 1,
+         error = 'cancel requested: its parent run ended', wake_at_ms = min(wake_at_ms, ?2), updated_at_ms = ?2
+     WHERE parent_run_id = ?1 AND cancel_requested = 0
+       AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating')
+       AND (SELECT status FROM runs WHERE run_id = ?1) <> 'parked'";
+
+/// What a run's end does to its family, in the transaction that ended it: its parent learns of
+/// it, and its children still running are cancelled. For the operator changes that end a run
+/// (the commit path uses the same statements through its cache).
+pub(super) fn run_ended(tx: &Connection, run_id: &str, now_ms: i64) -> Result<()> {
+    for text in [NOTIFY_PARENT_SQL, WAKE_PARENT_SQL, CANCEL_CHILDREN_SQL] {
+        tx.prepare_cached(text).db()?.execute(params![run_id, now_ms]).db()?;
+    }
+    Ok(())
 }
 
 /// The prepared statements of one commit, taken from the cache at first use.
@@ -365,6 +431,48 @@ fn apply(
             record_attempt(sql, &step, recorded, retry_at_ms, now_ms)?;
             WriteResult::TxResult(outcome.map(|(output, _)| output))
         }
+        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+            let (existing, next) = position(sql, run_id, seq, &name, StepKind::Child, StepStatus::Waiting, next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run_id} step {seq}: its child was started already");
+            let outcome = super::start_in(tx, std::slice::from_ref(&request), now_ms)?;
+            let conflict = match outcome.into_iter().next() {
+                Some(StartOutcome::Started { .. }) => None,
+                Some(StartOutcome::Existing { .. }) => {
+                    // A run of that id (same workflow and input) was there already: adopted; if it
+                    // has ended, the parent learns of it now (the event keeps the parent due).
+                    sql.get(Sql::ChildOf)?.execute(params![request.run_id, run_id, seq]).db()?;
+                    sql.get(Sql::NotifyParent)?.execute(params![request.run_id, now_ms]).db()?;
+                    None
+                }
+                Some(StartOutcome::Conflict { reason, .. }) => Some(reason),
+                None => return Err(Error::Invariant("a start answered nothing".into())),
+            };
+            let result = match conflict {
+                None => {
+                    sql.get(Sql::ChildOf)?.execute(params![request.run_id, run_id, seq]).db()?;
+                    sql.get(Sql::TimerStarted)?
+                        .execute(params![
+                            run_id,
+                            seq,
+                            name,
+                            StepKind::Child.as_str(),
+                            wake_at_ms,
+                            child_event(seq),
+                            now_ms
+                        ])
+                        .db()?;
+                    Ok(Value::Null)
+                }
+                Some(reason) => {
+                    let failure = StepFailure::permanent(format!("the child run id is taken: {reason}"));
+                    let step = Step { run_id, seq, name: &name, kind: StepKind::Child, attempt: 1, new: true };
+                    record_attempt(sql, &step, Err(&failure), None, now_ms)?;
+                    Err(failure)
+                }
+            };
+            seen = Some(Some(next));
+            WriteResult::TxResult(result)
+        }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             let (_, next) = position(sql, run_id, seq, &name, kind, StepStatus::Waiting, next_seq)?;
             sql.get(Sql::TimerStarted)?
@@ -385,7 +493,10 @@ fn apply(
                 entry.status.as_str()
             );
             if let Some(event_id) = &event_id {
-                ensure_invariant!(entry.kind == StepKind::Wait, "run {run_id} step {seq} is a sleep, not a wait");
+                ensure_invariant!(
+                    matches!(entry.kind, StepKind::Wait | StepKind::Child),
+                    "run {run_id} step {seq} is a sleep, not a wait"
+                );
                 let event = rows::event(tx, run_id, event_id)?;
                 let Some(event) = event else {
                     return Err(Error::Invariant(format!("run {run_id} has no event {event_id}")));
@@ -455,17 +566,26 @@ fn apply_to_run(
             }
             return Ok((WriteResult::Done, true));
         }
-        JournalOp::Finish { status, result: _, error } => sql
-            .get(Sql::Finish)?
-            .execute(params![
-                run_id,
-                token,
-                status.run_status().as_str(),
-                text,
-                error.as_deref().map(clip_error),
-                now_ms
-            ])
-            .db()?,
+        JournalOp::Finish { status, result: _, error } => {
+            let changed = sql
+                .get(Sql::Finish)?
+                .execute(params![
+                    run_id,
+                    token,
+                    status.run_status().as_str(),
+                    text,
+                    error.as_deref().map(clip_error),
+                    now_ms
+                ])
+                .db()?;
+            if changed == 1 {
+                // The run's family learns of its end in the same transaction.
+                for family in [Sql::NotifyParent, Sql::WakeParent, Sql::CancelChildren] {
+                    sql.get(family)?.execute(params![run_id, now_ms]).db()?;
+                }
+            }
+            changed
+        }
         JournalOp::Release => sql.get(Sql::Release)?.execute(params![run_id, token, now_ms]).db()?,
         _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
     };

@@ -296,7 +296,7 @@ fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
 }
 
 /// Start validated requests in the caller's transaction.
-fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
+pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
     let mut outcomes = Vec::with_capacity(requests.len());
     for request in requests {
         let hash = request.input_hash();
@@ -401,7 +401,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
             }
             let found = stmt
                 .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
-                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(17)? })
+                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(18)? })
                 })
                 .db()?;
             for candidate in found {

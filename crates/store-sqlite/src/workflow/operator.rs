@@ -208,6 +208,7 @@ pub(super) fn abandon(conn: &mut Connection, run_id: &str, reason: &str, now_ms:
     .db()?
     .execute(params![run_id, now_ms, format!("abandoned: {reason}")])
     .db()?;
+    super::commit::run_ended(&tx, run_id, now_ms)?;
     finish(tx, run_id)
 }
 

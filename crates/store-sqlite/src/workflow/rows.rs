@@ -22,7 +22,7 @@ pub(super) fn active(column: &str) -> String {
 
 pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms, \
-     updated_at_ms";
+     updated_at_ms, parent_run_id";
 
 const JOURNAL_COLUMNS: &str =
     "seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms, event_name, reason, updated_at_ms";
@@ -75,6 +75,7 @@ pub(super) fn run_record_without_input(r: &Row<'_>) -> rusqlite::Result<RunRecor
         recoveries: r.get(14)?,
         created_at_ms: r.get(15)?,
         updated_at_ms: r.get(16)?,
+        parent_run_id: r.get(17)?,
     })
 }
 

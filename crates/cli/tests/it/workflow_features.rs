@@ -1,0 +1,266 @@
+//! Workflow features on the real SQLite workflow store, in process: deterministic values replayed
+//! across executions, child workflows (started once, awaited durably, in parallel, failing,
+//! cancelled with their parent, of an unknown workflow), and awaiting a run's result through its
+//! handle. Every wait is bounded; no test asserts on wall-clock time. (The same features across a
+//! killed worker process: `crash.rs`, `order_batch`.)
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tidemark_core::workflow::{
+    child_run_id, workflow_codes, RunFilter, RunStatus, StepFailure, StepKind, StepStatus, WorkflowStore,
+};
+use tidemark_engine::workflow::{RunHandle, WorkflowError, Workflows};
+
+use crate::workflow_runtime::{
+    drive, fast_options, names, runtime, settle, statuses, worker, worker_options, Env, Store,
+};
+
+/// What each execution of `stamped` saw: (now, random, uuid).
+type Seen = Arc<Mutex<Vec<(i64, u64, String)>>>;
+
+/// `stamped` takes the three deterministic values, then a step that fails once (the run suspends
+/// and executes again); `double` doubles its input; `parent` runs `double` as a child (and a step
+/// after it that fails once); `pair` runs two children at once; `failing` fails; `waits` waits an
+/// hour for an event; `orphan` starts a child of a workflow nobody registered.
+fn feature_workflows(seen: Seen) -> Workflows<Store> {
+    let mut workflows = Workflows::new();
+    let attempts = Arc::new(Mutex::new(0u32));
+    workflows
+        .register("stamped", 1, fast_options(), move |ctx, _input: Value| {
+            let (seen, attempts) = (seen.clone(), attempts.clone());
+            async move {
+                let (now, random, uuid) = (ctx.now()?, ctx.random()?, ctx.uuid()?);
+                seen.lock().unwrap().push((now, random, uuid.clone()));
+                let _: Value = ctx
+                    .step("flaky", None, move |_key| async move {
+                        let mut n = attempts.lock().unwrap();
+                        *n += 1;
+                        if *n == 1 {
+                            return Err(StepFailure::retryable("first attempt fails"));
+                        }
+                        Ok(json!(null))
+                    })
+                    .await?;
+                Ok(json!({"now": now, "random": random, "uuid": uuid}))
+            }
+        })
+        .unwrap();
+    workflows
+        .register("double", 1, fast_options(), |_ctx, input: Value| async move {
+            Ok(json!({"y": input["x"].as_i64().unwrap_or(0) * 2}))
+        })
+        .unwrap();
+    let after = Arc::new(Mutex::new(0u32));
+    workflows
+        .register("parent", 1, fast_options(), move |ctx, input: Value| {
+            let after = after.clone();
+            async move {
+                let doubled: Value = ctx.child("double", &json!({"x": input["x"]})).await?;
+                let _: Value = ctx
+                    .step("after_child", None, move |_key| async move {
+                        let mut n = after.lock().unwrap();
+                        *n += 1;
+                        if *n == 1 {
+                            return Err(StepFailure::retryable("fails once, so the parent executes again"));
+                        }
+                        Ok(json!(null))
+                    })
+                    .await?;
+                Ok(doubled)
+            }
+        })
+        .unwrap();
+    workflows
+        .register("pair", 1, fast_options(), |ctx, _input: Value| async move {
+            let (one, two) = (json!({"x": 1}), json!({"x": 2}));
+            let (a, b) = tokio::join!(ctx.child::<_, Value>("double", &one), ctx.child::<_, Value>("double", &two));
+            Ok(json!([a?, b?]))
+        })
+        .unwrap();
+    workflows
+        .register("failing", 1, fast_options(), |_ctx, _input: Value| async move {
+            Err::<Value, _>(WorkflowError::failed("the child gives up"))
+        })
+        .unwrap();
+    workflows
+        .register("calls_failing", 1, fast_options(), |ctx, _input: Value| async move {
+            match ctx.child::<_, Value>("failing", &json!({})).await {
+                Err(WorkflowError::StepFailed { step, message }) => Ok(json!({"step": step, "message": message})),
+                other => Ok(json!({"unexpected": format!("{other:?}")})),
+            }
+        })
+        .unwrap();
+    workflows
+        .register("waits", 1, fast_options(), |ctx, _input: Value| async move {
+            let got = ctx.wait_for_event("never", Duration::from_secs(3_600)).await?;
+            Ok(json!({"got": got}))
+        })
+        .unwrap();
+    workflows
+        .register("waits_for_child", 1, fast_options(), |ctx, _input: Value| async move {
+            let end: Value = ctx.child("waits", &json!({})).await?;
+            Ok(end)
+        })
+        .unwrap();
+    workflows
+        .register("orphan", 1, fast_options(), |ctx, _input: Value| async move {
+            let end: Value = ctx.child("nobody_registered_this", &json!({})).await?;
+            Ok(end)
+        })
+        .unwrap();
+    workflows
+}
+
+fn all_runs(env: &Env) -> Vec<tidemark_core::workflow::RunRecord> {
+    env.writer.call_blocking(|store, _| store.list_runs(&RunFilter::default(), 1_000)).expect("list runs")
+}
+
+#[test]
+fn deterministic_values_are_journaled_once_and_replayed_by_the_next_execution() {
+    let (env, rt) = (Env::new(), runtime());
+    let seen: Seen = Arc::default();
+    let w = worker(&env.writer, feature_workflows(seen.clone()), worker_options("w1"));
+    env.start_new("s1", "stamped", 1, json!({}));
+    settle(&rt, &w, &env, &["s1"]);
+
+    let d = env.detail("s1");
+    assert_eq!(d.run.status, RunStatus::Completed, "{:?}", d.run.error);
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "the failed step made the run execute twice: {seen:?}");
+    assert_eq!(seen[0], seen[1], "the second execution replayed the values of the first");
+    let (now, random, uuid) = seen[0].clone();
+    assert_eq!(d.run.result, Some(json!({"now": now, "random": random, "uuid": uuid})));
+    assert_eq!(names(&d), ["now", "random", "uuid", "flaky"]);
+    let kinds: Vec<StepKind> = d.journal.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, [StepKind::Value, StepKind::Value, StepKind::Value, StepKind::External]);
+    assert_eq!(d.journal[0].output, Some(json!(now)));
+    assert_eq!(d.journal[1].output, Some(json!(random)));
+    assert_eq!(d.journal[2].output, Some(json!(uuid)));
+    assert_eq!(uuid::Uuid::parse_str(&uuid).map(|u| u.get_version_num()).ok(), Some(4), "{uuid}");
+}
+
+#[test]
+fn a_child_is_started_once_awaited_durably_and_its_output_returned() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    env.start_new("p1", "parent", 1, json!({"x": 21}));
+    settle(&rt, &w, &env, &["p1"]);
+
+    let parent = env.detail("p1");
+    assert_eq!(parent.run.status, RunStatus::Completed, "{:?}", parent.run.error);
+    assert_eq!(parent.run.result, Some(json!({"y": 42})));
+    assert_eq!(names(&parent), ["double", "after_child"]);
+    assert_eq!(parent.journal[0].kind, StepKind::Child);
+    assert_eq!(statuses(&parent), [StepStatus::Completed, StepStatus::Completed]);
+    let child_id = child_run_id("p1", 0);
+    assert_eq!(child_id, "p1.0");
+    let child = env.detail(&child_id);
+    assert_eq!(child.run.status, RunStatus::Completed);
+    assert_eq!(child.run.parent_run_id.as_deref(), Some("p1"));
+    assert_eq!(child.run.input, json!({"x": 21}));
+    // The parent executed again after its failed step (replaying the child's entry): still one
+    // child.
+    let ids: Vec<String> = all_runs(&env).into_iter().map(|r| r.run_id).collect();
+    assert_eq!(ids, ["p1", "p1.0"]);
+    // The child's end reached the parent as the unforgeable event child/0, consumed by the step.
+    assert_eq!(parent.events.len(), 1);
+    assert_eq!(parent.events[0].name, "child/0");
+    assert_eq!(parent.events[0].consumed_by_seq, Some(0));
+    assert_eq!(parent.events[0].payload["status"], "completed");
+}
+
+#[test]
+fn children_awaited_together_each_wake_the_parent() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    env.start_new("pair-1", "pair", 1, json!({}));
+    settle(&rt, &w, &env, &["pair-1"]);
+    let d = env.detail("pair-1");
+    assert_eq!(d.run.status, RunStatus::Completed, "{:?}", d.run.error);
+    assert_eq!(d.run.result, Some(json!([{"y": 2}, {"y": 4}])));
+    assert_eq!(names(&d), ["double", "double"]);
+    assert_eq!(env.detail("pair-1.0").run.input, json!({"x": 1}));
+    assert_eq!(env.detail("pair-1.1").run.input, json!({"x": 2}));
+}
+
+#[test]
+fn a_failed_child_is_a_step_failure_of_its_parent() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    env.start_new("cf", "calls_failing", 1, json!({}));
+    settle(&rt, &w, &env, &["cf"]);
+    let d = env.detail("cf");
+    assert_eq!(d.run.status, RunStatus::Completed, "{:?}", d.run.error);
+    let result = d.run.result.unwrap();
+    assert_eq!(result["step"], "failing");
+    let message = result["message"].as_str().unwrap();
+    assert!(message.contains("child run cf.0 ended failed") && message.contains("the child gives up"), "{message}");
+    assert_eq!(env.detail("cf.0").run.status, RunStatus::Failed);
+}
+
+#[test]
+fn cancelling_a_parent_cancels_the_child_it_waits_for() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    env.start_new("wp", "waits_for_child", 1, json!({}));
+    drive(&rt, &w, &env, &["wp", "wp.0"], |run| run.status == RunStatus::Waiting);
+    assert_eq!(env.detail("wp").run.waiting_for.as_deref(), Some("child/0"));
+    env.cancel("wp", "the customer left");
+    settle(&rt, &w, &env, &["wp", "wp.0"]);
+    let (parent, child) = (env.detail("wp").run, env.detail("wp.0").run);
+    assert_eq!(parent.status, RunStatus::Cancelled, "{:?}", parent.error);
+    assert_eq!(child.status, RunStatus::Cancelled, "{:?}", child.error);
+    assert!(child.error.as_deref().unwrap_or("").contains("its parent run ended"), "{:?}", child.error);
+}
+
+#[test]
+fn a_child_of_an_unknown_workflow_fails_its_parent_and_writes_no_child() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    env.start_new("o1", "orphan", 1, json!({}));
+    settle(&rt, &w, &env, &["o1"]);
+    let d = env.detail("o1");
+    assert_eq!(d.run.status, RunStatus::Failed);
+    let error = d.run.error.unwrap();
+    assert!(error.starts_with(workflow_codes::UNKNOWN_WORKFLOW), "{error}");
+    assert!(d.journal.is_empty(), "{:?}", d.journal);
+    assert_eq!(all_runs(&env).len(), 1);
+}
+
+#[test]
+fn a_handle_awaits_the_result_the_terminal_error_or_times_out() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, feature_workflows(Arc::default()), worker_options("w1"));
+    let (stop, stopped) = tidemark_engine::workflow::tokio::sync::oneshot::channel::<()>();
+    let looping = {
+        let w = w.clone();
+        rt.spawn(async move { w.run_until(async { drop(stopped.await) }).await })
+    };
+    env.start_new("p2", "parent", 1, json!({"x": 5}));
+    env.start_new("f2", "failing", 1, json!({}));
+    env.start_new("w2", "waits", 1, json!({}));
+    rt.block_on(async {
+        let bound = Duration::from_secs(60);
+        let doubled: Value = RunHandle::new(w.clone(), "p2").result_within(bound).await.expect("p2's result");
+        assert_eq!(doubled, json!({"y": 10}));
+
+        let typed = RunHandle::new(w.clone(), "p2").result::<Vec<String>>().await.unwrap_err();
+        assert_eq!(typed.code(), workflow_codes::INVALID_OUTPUT, "{typed}");
+
+        let failed = RunHandle::new(w.clone(), "f2").result_within::<Value>(bound).await.unwrap_err();
+        assert_eq!(failed.code(), workflow_codes::RUN_NOT_COMPLETED, "{failed}");
+        assert!(failed.to_string().contains("ended failed") && failed.to_string().contains("gives up"), "{failed}");
+
+        let waiting = RunHandle::new(w.clone(), "w2");
+        let early = waiting.result_within::<Value>(Duration::from_millis(50)).await.unwrap_err();
+        assert_eq!(early.code(), workflow_codes::RESULT_TIMEOUT, "{early}");
+        assert_eq!(waiting.wait(Some(Duration::from_millis(10))).await.unwrap(), None);
+
+        let unknown = RunHandle::new(w.clone(), "nobody").wait(None).await.unwrap_err();
+        assert_eq!(unknown.code(), "not_found", "{unknown}");
+    });
+    stop.send(()).unwrap();
+    rt.block_on(looping).expect("worker task").expect("worker");
+}
