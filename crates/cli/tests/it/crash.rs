@@ -904,6 +904,66 @@ fn workflow_commit(point: &str) {
     }
 }
 
+/// The worker killed at each commit of `order_batch` in turn: a parent stamping itself with
+/// journaled values (`now`, `uuid`) and running two orders as child `order_saga`s (one completes,
+/// one compensates), then fresh workers. Each child is started exactly once (its start commits
+/// with the parent's journal entry), the parent sees both ends, and the values it reports are the
+/// ones journaled at its first execution, whichever execution finished it.
+fn workflow_commit_children(point: &str) {
+    let mut crashes = 0;
+    for n in 1..=WORKFLOW_COMMITS_MAX {
+        let w = Wf::new();
+        let orders: Vec<Value> = [wf_order("b-ok", 2, json!({})), wf_order("b-undo", 3, json!({"fail": "ship_order"}))]
+            .iter()
+            .map(|o| serde_json::from_str(o).unwrap())
+            .collect();
+        w.start("order_batch", "batch", &json!({"orders": orders}).to_string());
+        let spec = format!("{point}@{n}");
+        let doomed = w.worker_cmd(&["--until-idle", "--worker-id", "doomed", "--concurrency", "1"]);
+        let r = run_env(&doomed, &[("TIDEMARK_CRASH_AT", &spec)]);
+        if r.code == 0 {
+            assert!(n > 8, "only {n} commits for a batch of two children? {}", r.stdout);
+            break;
+        }
+        assert_eq!(r.code, exit_code(point), "worker at {spec}:\n{}\n{}", r.stdout, r.stderr);
+        crashes += 1;
+        w.drive(&["batch", "batch.2", "batch.3"], &[]);
+        let batch = w.show("batch");
+        assert_eq!(batch["run"]["status"], "completed", "after a crash at {spec}: {batch}");
+        let result = &batch["run"]["result"];
+        let ends: Vec<(&str, &str)> = result["orders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| (o["order_id"].as_str().unwrap(), o["status"].as_str().unwrap()))
+            .collect();
+        assert_eq!(ends, [("b-ok", "completed"), ("b-undo", "not_completed")], "after a crash at {spec}");
+        let journal = batch["journal"].as_array().unwrap();
+        let shape: Vec<(&str, &str)> =
+            journal.iter().map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap())).collect();
+        assert_eq!(
+            shape,
+            [("value", "now"), ("value", "uuid"), ("child", "order_saga"), ("child", "order_saga")],
+            "after a crash at {spec}"
+        );
+        assert_eq!(journal[0]["output"], result["started_at_ms"], "after a crash at {spec}");
+        assert_eq!(journal[1]["output"], result["batch_token"], "after a crash at {spec}");
+        // Exactly the two children, each a child of the batch, each run to its end once.
+        let runs = w.wf("list", &[])["runs"].as_array().unwrap().clone();
+        let ids: BTreeSet<&str> = runs.iter().map(|r| r["run_id"].as_str().unwrap()).collect();
+        assert_eq!(ids, BTreeSet::from(["batch", "batch.2", "batch.3"]), "after a crash at {spec}");
+        for (child, status) in [("batch.2", "completed"), ("batch.3", "compensated")] {
+            let run = w.show(child)["run"].clone();
+            assert_eq!((run["status"].as_str(), run["parent_run_id"].as_str()), (Some(status), Some("batch")));
+        }
+        assert_eq!(w.effects_of("b-ok"), ["reserve", "ship"], "after a crash at {spec}");
+        assert_eq!(w.effects_of("b-undo"), ["reserve", "release"], "after a crash at {spec}");
+        w.assert_consistent();
+    }
+    eprintln!("  {point} (order_batch): killed at {crashes} commits");
+    assert!(crashes > 8, "the worker was killed at only {crashes} commits of the batch");
+}
+
 /// Each operator command killed before its commit changes nothing; run again, it takes effect,
 /// and the runs finish as the operator asked.
 fn workflow_operator_before_commit(point: &str) {
@@ -1045,6 +1105,19 @@ fn every_crash_point_recovers_without_loss_or_double_apply() {
     for point in CRASH_POINTS {
         eprintln!("crash scenario: {point}");
         scenario(point)(point);
+    }
+}
+
+/// The journal commit points again, for child workflows and journaled values (its own test, so it
+/// runs beside the others).
+#[test]
+fn child_workflows_and_values_survive_a_worker_killed_at_every_journal_commit() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
+        workflow_commit_children(point);
     }
 }
 

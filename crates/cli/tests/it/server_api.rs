@@ -91,6 +91,62 @@ fn advance_relay_drain_and_a_workflow_over_http() {
     assert!(metrics.ends_with("# EOF\n"));
 }
 
+/// `GET /v1/runs/{id}/result`: a long poll answered when the run ends (here a batch of child
+/// workflows, each shown on its own run page and linked to its parent), 202 when the wait ends
+/// first, and typed errors for an unknown run and a wait over the limit.
+#[test]
+fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+    assert_eq!(status, 200);
+    let orders: Vec<Value> =
+        ["b1", "b2"].iter().map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100})).collect();
+    let start = json!({"workflow": "order_batch", "run_id": "batch-1", "input": {"orders": orders}});
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
+    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+
+    // Each long poll waits at most 5 s; the loop is bounded.
+    let done = server.wait_for(WAIT, |s| {
+        let (status, body) = s.call("GET", "/v1/runs/batch-1/result?wait_ms=5000", t, None);
+        assert!(status == 200 || status == 202, "{status} {body}");
+        assert_eq!(body["done"], status == 200, "{body}");
+        (status == 200).then_some(body)
+    });
+    assert_eq!(done["status"], "completed", "{done}");
+    let ends: Vec<&str> =
+        done["result"]["orders"].as_array().unwrap().iter().map(|o| o["status"].as_str().unwrap()).collect();
+    assert_eq!(ends, ["completed", "completed"], "{done}");
+    assert!(done["result"]["batch_token"].is_string(), "{done}");
+    let (_, child) = server.call("GET", "/v1/runs/batch-1.2", t, None);
+    assert_eq!(
+        (child["run"]["status"].as_str(), child["run"]["parent_run_id"].as_str()),
+        (Some("completed"), Some("batch-1"))
+    );
+    let (status, page) = server.text_with("/ui/runs/batch-1.2", t);
+    assert_eq!(status, 200);
+    assert!(page.contains("Child of") && page.contains("/ui/runs/batch-1"), "the child links its parent");
+    let (status, page) = server.text_with("/ui/runs/batch-1", t);
+    assert_eq!(status, 200);
+    assert!(page.contains("child workflow") && page.contains("/ui/runs/batch-1.3"), "the parent links its children");
+
+    // A run waiting for an approval that never comes: 202 once the short wait is over.
+    let sleepy = json!({"workflow": "sleepy_order", "run_id": "nap-1",
+        "input": {"order_id": "nap-1", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "approve"}});
+    let (status, _) = server.call("POST", "/v1/runs", t, Some(&sleepy));
+    assert_eq!(status, 201);
+    let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=50", t, None);
+    assert_eq!((status, body["done"].as_bool()), (202, Some(false)), "{body}");
+
+    let (status, body) = server.call("GET", "/v1/runs/nobody/result", t, None);
+    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("not_found")), "{body}");
+    let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=60001", t, None);
+    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
+}
+
 #[test]
 fn bad_requests_get_stable_codes_and_write_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -122,6 +122,16 @@ impl Server {
         (response.status().as_u16(), response.text().unwrap_or_default())
     }
 
+    /// A GET with a bearer token, as text (a dashboard page).
+    pub fn text_with(&self, path: &str, token: Option<&str>) -> (u16, String) {
+        let mut request = self.client.get(format!("{}{}", self.base, path));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().expect("the server answers");
+        (response.status().as_u16(), response.text().unwrap_or_default())
+    }
+
     /// Poll `check` every 20 ms until it returns Some, for at most `limit`.
     pub fn wait_for<T>(&self, limit: Duration, mut check: impl FnMut(&Server) -> Option<T>) -> T {
         let started = Instant::now();
