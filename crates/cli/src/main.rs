@@ -14,6 +14,7 @@
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod remote;
+mod schedule_cmd;
 mod server_cmd;
 #[cfg(feature = "failpoints")]
 mod unsafe_cmd;
@@ -111,6 +112,9 @@ enum Command {
     /// Durable workflow runs: start, list, show, operator controls, purge (see docs/cli.md).
     #[command(subcommand)]
     Workflow(workflow_cmd::WorkflowCommand),
+    /// Schedules of the built-in workflows: put, list, show, pause, resume, delete, tick.
+    #[command(subcommand)]
+    Schedule(schedule_cmd::ScheduleCommand),
     /// Run the service: HTTP API, dashboard, metrics, and every tenant's relay, consumers,
     /// workers and retention (see docs/operations.md).
     Serve(server_cmd::ServeArgs),
@@ -797,6 +801,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Bench(args) => bench::run(&ctx, args),
         Command::Worker(args) => workflow_cmd::worker::run(&ctx, args),
         Command::Workflow(command) => workflow_cmd::run(&ctx, command),
+        Command::Schedule(command) => schedule_cmd::run(&ctx, command),
         Command::Serve(args) => server_cmd::serve(&ctx, args),
         Command::Config(command) => server_cmd::config(command),
         Command::Token(command) => server_cmd::token(&ctx, command),

@@ -16,6 +16,7 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::{Error, Result};
 
+use crate::schedule_cmd::ScheduleCommand;
 use crate::workflow_cmd::WorkflowCommand;
 use crate::{ActionArg, Command, InboxCommand, OutboxCommand};
 
@@ -196,6 +197,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
             Ok(with_outcome(answer, "listed"))
         }
         Command::Workflow(command) => workflow(remote, command),
+        Command::Schedule(command) => schedule(remote, command),
         Command::Init(_) => Err(no_route("init")),
         Command::Subscribe(_) => Err(no_route("subscribe (declare a consumer: PUT /v1/consumers/{id})")),
         Command::Relay(_) => Err(no_route("relay (the server relays by itself)")),
@@ -214,6 +216,52 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
         Command::Token(_) => Err(no_route("token")),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(_) => Err(no_route("unsafe-dual-write-advance")),
+    }
+}
+
+/// `tidemark schedule ...` against the server's `/v1/schedules` routes (the server ticks its
+/// schedules itself: `tick` has no route).
+fn schedule(remote: &Remote, command: ScheduleCommand) -> Result<Value> {
+    match command {
+        ScheduleCommand::Put {
+            schedule_id,
+            workflow,
+            cron,
+            interval_ms,
+            timezone,
+            catch_up,
+            input,
+            input_file,
+            ..
+        } => {
+            let id = segment("schedule_id", &schedule_id)?;
+            let input = crate::workflow_cmd::read_input(input.as_deref(), input_file.as_deref())?;
+            let body = json!({"workflow": workflow, "input": input, "cron": cron, "interval_ms": interval_ms,
+                "timezone": timezone, "catch_up": catch_up});
+            let answer = remote.send(Method::PUT, &format!("/v1/schedules/{id}"), &[], Some(body))?;
+            Ok(json!({"outcome": "scheduled", "schedule": answer}))
+        }
+        ScheduleCommand::List { .. } => remote.send(Method::GET, "/v1/schedules", &[], None),
+        ScheduleCommand::Show { schedule_id, .. } => {
+            let id = segment("schedule_id", &schedule_id)?;
+            Ok(json!({"schedule": remote.send(Method::GET, &format!("/v1/schedules/{id}"), &[], None)?}))
+        }
+        ScheduleCommand::Pause { schedule_id, .. } => {
+            let id = segment("schedule_id", &schedule_id)?;
+            let answer = remote.send(Method::POST, &format!("/v1/schedules/{id}/pause"), &[], None)?;
+            Ok(json!({"outcome": "paused", "schedule": answer}))
+        }
+        ScheduleCommand::Resume { schedule_id, .. } => {
+            let id = segment("schedule_id", &schedule_id)?;
+            let answer = remote.send(Method::POST, &format!("/v1/schedules/{id}/resume"), &[], None)?;
+            Ok(json!({"outcome": "resumed", "schedule": answer}))
+        }
+        ScheduleCommand::Delete { schedule_id, .. } => {
+            let id = segment("schedule_id", &schedule_id)?;
+            remote.send(Method::DELETE, &format!("/v1/schedules/{id}"), &[], None)?;
+            Ok(json!({"outcome": "deleted", "schedule_id": schedule_id}))
+        }
+        ScheduleCommand::Tick { .. } => Err(no_route("schedule tick (the server ticks its schedules every second)")),
     }
 }
 

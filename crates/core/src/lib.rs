@@ -14,6 +14,7 @@ pub mod limits;
 pub mod model;
 pub mod policy;
 pub mod reservation;
+pub mod schedule;
 pub mod store;
 pub mod tenancy;
 pub mod workflow;

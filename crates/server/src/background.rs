@@ -26,6 +26,7 @@ pub fn start(state: AppState, tenant: Arc<Tenant>) {
         ("delivery", tokio::spawn(delivery_loop(state.clone(), tenant.clone()))),
         ("worker", tokio::spawn(worker_loop(state.clone(), tenant.clone()))),
         ("retention", tokio::spawn(retention_loop(state.clone(), tenant.clone()))),
+        ("schedules", tokio::spawn(schedule_loop(state.clone(), tenant.clone()))),
     ];
     {
         let mut tasks = state.tasks.lock().unwrap_or_else(|p| p.into_inner());
@@ -199,6 +200,37 @@ async fn worker_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
             json!({"error": error.to_string()})
         }
     }
+}
+
+/// How often a tenant's schedule loop ticks its schedules, in ms (a tick is started at most this
+/// late, plus the worker's poll).
+pub const SCHEDULE_TICK_MS: u64 = 1_000;
+
+/// Tick the tenant's schedules every [`SCHEDULE_TICK_MS`] (only when it registers workflows).
+async fn schedule_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+    if tenant.worker.is_none() {
+        return json!({"workflows": 0});
+    }
+    let (mut rounds, mut started, mut errors) = (0_u64, 0_u64, 0_u64);
+    while pause(&state, SCHEDULE_TICK_MS).await {
+        rounds += 1;
+        match tidemark_engine::workflow::tick_schedules(&tenant.writer, &tenant.workflows).await {
+            Ok(report) => {
+                started += report.started;
+                if report.fired > 0 || !report.unregistered.is_empty() {
+                    tracing::info!(tenant = %tenant.id, fired = report.fired, started = report.started,
+                        existing = report.existing, skipped = report.skipped, conflicts = report.conflicts,
+                        unregistered = ?report.unregistered, "schedules ticked");
+                }
+            }
+            Err(error) => {
+                errors += 1;
+                state.metrics.loop_errors.get_or_create(&crate::metrics::LoopLabels::new("schedules")).inc();
+                tracing::error!(tenant = %tenant.id, code = error.code(), %error, "schedule tick failed");
+            }
+        }
+    }
+    json!({"rounds": rounds, "started": started, "errors": errors})
 }
 
 async fn retention_loop(state: AppState, tenant: Arc<Tenant>) -> Value {

@@ -392,7 +392,7 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE receipts ADD COLUMN generation TEXT;
     "#,
-    // v9: child workflows and deterministic values (docs/workflows.md). The journal takes two
+    // v9: child workflows, deterministic values and schedules (docs/workflows.md). The journal takes two
     // more kinds, `value` (ctx.now/random/uuid) and `child` (ctx.child): SQLite cannot change a
     // CHECK, so the table is rebuilt with every entry copied as it is. A run knows the parent that
     // started it and the parent's journal position, so its end reaches the parent in the child's
@@ -426,6 +426,30 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE runs ADD COLUMN parent_run_id TEXT;
     ALTER TABLE runs ADD COLUMN parent_seq INTEGER CHECK (parent_seq IS NULL OR parent_seq >= 0);
     CREATE INDEX runs_children ON runs (parent_run_id, run_id) WHERE parent_run_id IS NOT NULL;
+    -- Schedules (docs/workflows.md, "Schedules"): each tick an idempotent start of run
+    -- `<schedule_id>:<tick ms>`; `fire` starts a tick's runs and moves next_tick_at_ms in one
+    -- transaction, only if next_tick_at_ms is still what the plan was made from.
+    CREATE TABLE schedules (
+        schedule_id          TEXT PRIMARY KEY,
+        workflow             TEXT NOT NULL,
+        input                TEXT NOT NULL,
+        -- Exactly one of a cron expression and an interval.
+        cron                 TEXT,
+        interval_ms          INTEGER CHECK (interval_ms IS NULL OR interval_ms >= 1000),
+        timezone             TEXT NOT NULL,
+        catch_up             TEXT NOT NULL CHECK ((catch_up = 'skip' OR catch_up = 'one' OR catch_up = 'all')),
+        paused               INTEGER NOT NULL DEFAULT 0 CHECK (paused IN (0, 1)),
+        -- NULL: the expression never matches again.
+        next_tick_at_ms      INTEGER,
+        last_started_tick_ms INTEGER,
+        ticks_started        INTEGER NOT NULL DEFAULT 0,
+        ticks_skipped        INTEGER NOT NULL DEFAULT 0,
+        created_at_ms        INTEGER NOT NULL,
+        updated_at_ms        INTEGER NOT NULL,
+        CHECK ((cron IS NULL) <> (interval_ms IS NULL))
+    ) WITHOUT ROWID;
+    -- The ticker's read: due schedules, soonest first.
+    CREATE INDEX schedules_due ON schedules (next_tick_at_ms) WHERE paused = 0 AND next_tick_at_ms IS NOT NULL;
     "#,
 ];
 

@@ -225,7 +225,7 @@ fn open(ctx: &Context, db: &Path) -> Result<SqliteWorkflows> {
 }
 
 /// `--db`, which only `--server` does without.
-fn open_db(ctx: &Context, db: Option<PathBuf>) -> Result<SqliteWorkflows> {
+pub(crate) fn open_db(ctx: &Context, db: Option<PathBuf>) -> Result<SqliteWorkflows> {
     open(ctx, &crate::file_arg(db, "--db")?)
 }
 

@@ -41,6 +41,7 @@ mod handle;
 mod observer;
 mod registry;
 mod saga;
+mod schedules;
 mod worker;
 mod writer;
 
@@ -52,6 +53,7 @@ pub use handle::{RunHandle, RESULT_POLL_MS};
 pub use observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
 pub use registry::{IntoWorkflow, Workflow, WorkflowInfo, WorkflowOptions, Workflows};
 pub use saga::{Saga, SagaAction, SagaData};
+pub use schedules::tick_schedules;
 pub use worker::{FinishedRun, Worker, WorkerOptions, WorkerReport};
 pub use writer::{Writer, WriterStats};
 

@@ -29,7 +29,8 @@ use tidemark_builtins::order::{
 use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{
-    FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowOptions, Workflows, Writer,
+    FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowContext, WorkflowError,
+    WorkflowOptions, Workflows, Writer,
 };
 use tidemark_store_sqlite::{open_reader, probe, stats, Durability, SqliteWorkflows};
 use tokio::runtime::Runtime;
@@ -126,6 +127,12 @@ impl World {
 
     /// The end state of `sagas` order sagas that should all have completed.
     fn check(&self, sagas: u64) -> Result<Value> {
+        self.check_with_parents(sagas, 0)
+    }
+
+    /// [`World::check`] when `parents` more runs (each the parent of some of the sagas, as
+    /// children) should have completed too.
+    fn check_with_parents(&self, sagas: u64, parents: u64) -> Result<Value> {
         let stock = self.stock;
         let db = self.writer.call_blocking(move |store, _| {
             let conn = store.connection();
@@ -153,8 +160,9 @@ impl World {
         let repeated = calls.iter().filter(|c| c.outcome == "duplicate").count() as u64;
         let other = calls.iter().filter(|c| !matches!(c.outcome.as_str(), "charged" | "duplicate")).count() as u64;
         let n = json!(sagas);
-        let passed = db["runs"] == n
-            && db["completed"] == n
+        let all = json!(sagas + parents);
+        let passed = db["runs"] == all
+            && db["completed"] == all
             && db["reserve_effects"] == n
             && db["ship_effects"] == n
             && db["other_effects"] == json!(0)
@@ -363,6 +371,64 @@ pub(super) fn throughput(dir: &Path, durability: Durability, p: &Params, charge_
         "writer": writer,
         "worker": report_json(&report),
         "check": check,
+    }))
+}
+
+/// Children per parent of the child-workflow run.
+pub const CHILDREN_PER_PARENT: u64 = 10;
+
+/// The parent of the child-workflow run: its orders, each run as a child order saga, one after
+/// the other.
+async fn fan_out(ctx: WorkflowContext<Store>, orders: Vec<Value>) -> std::result::Result<Value, WorkflowError> {
+    let mut done = 0;
+    for order in &orders {
+        let _: Value = ctx.child(ORDER_SAGA, order).await?;
+        done += 1;
+    }
+    Ok(json!({"children": done}))
+}
+
+/// The same order sagas as [`throughput`], but each run as one of the `CHILDREN_PER_PARENT`
+/// children of a parent (`sagas / 10` parents started, the children started by them).
+pub(super) fn children(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let parents = (p.sagas / CHILDREN_PER_PARENT).max(1);
+    let sagas = parents * CHILDREN_PER_PARENT;
+    let world = World::new(dir, durability, sagas as i64)?;
+    let requests: Vec<StartRequest> = (0..parents)
+        .map(|i| {
+            let orders: Vec<Value> = (0..CHILDREN_PER_PARENT).map(|j| input(&format!("order-{i:06}-{j:02}"))).collect();
+            StartRequest::new(&format!("parent-{i:06}"), "fan_out", 1, json!(orders))
+        })
+        .collect();
+    for chunk in requests.chunks(START_BATCH_MAX) {
+        let chunk = chunk.to_vec();
+        world.writer.call_blocking(move |store, now| store.start_runs(&chunk, now))?;
+    }
+    let mut registry = workflows(real_saga(&world.payments))?;
+    registry.add(tidemark_engine::workflow::Workflow::new("fan_out", 1, fan_out))?;
+    let options = WorkerOptions { concurrency: p.in_flight, poll_interval_ms: 10, ..WorkerOptions::new("bench") };
+    let worker = Worker::new(world.writer.clone(), registry, options)?;
+    let rt = runtime()?;
+    let counts = WriterCounts::of(&world.writer);
+    let t = Instant::now();
+    let report = rt.block_on(worker.run_until_idle())?;
+    let seconds = t.elapsed().as_secs_f64();
+    let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, sagas);
+    drop(worker);
+    drop(rt);
+    let check = world.check_with_parents(sagas, parents)?;
+    Ok(json!({
+        "parents": parents,
+        "children_per_parent": CHILDREN_PER_PARENT,
+        "sagas": sagas,
+        "in_flight": p.in_flight,
+        "seconds": round3(seconds),
+        "sagas_per_s": round1(sagas as f64 / seconds.max(1e-9)),
+        "writer": writer,
+        "worker": report_json(&report),
+        "check": check,
+        "what": "each order saga a child (ctx.child) of a parent that runs its 10 children one after the other; \
+                 sagas_per_s counts the children",
     }))
 }
 
@@ -586,6 +652,8 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
         }
         runs.push(run);
     }
+    let child_run = children(&dir.join("children"), durability, p)?;
+    passed(&child_run);
     let latent = if p.external_latency_ms > 0 {
         let run =
             throughput(&dir.join("throughput-latent"), durability, p, Duration::from_millis(p.external_latency_ms))?;
@@ -609,6 +677,7 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
         None
     };
     let rate = median(&rates);
+    let plain_commits = runs.last().map(|r| r["writer"]["per_saga"]["commits"].clone());
     let p50 = latency.as_ref().and_then(|l| l["ms"]["p50"].as_f64());
     Ok(json!({
         "outcome": "bench",
@@ -636,12 +705,17 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "sagas_per_cpu_s_median": (!cpu_rates.is_empty()).then(|| median(&cpu_rates)),
             "runs": runs,
         },
+        "children": child_run,
         "throughput_with_external_latency": latent,
         "latency": latency,
         "resumption": resumption,
         "summary": {
             "sagas_per_s": rate,
             "sagas_per_s_with_external_latency": latent.as_ref().map(|l| l["sagas_per_s"].clone()),
+            "child_sagas_per_s": child_run["sagas_per_s"].clone(),
+            "child_to_plain_ratio": child_run["sagas_per_s"].as_f64().map(|c| round3(c / rate.max(1e-9))),
+            "commits_per_child_saga": child_run["writer"]["per_saga"]["commits"].clone(),
+            "commits_per_plain_saga": plain_commits,
             "latency_ms": latency.as_ref().map(|l| l["ms"].clone()),
             "resumption_ms_from_kill": resumption.as_ref().map(|r| r["ms_from_kill"].clone()),
             "lease_ms": p.lease_ms,

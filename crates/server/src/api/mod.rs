@@ -13,6 +13,7 @@ pub(crate) mod inbox;
 pub mod openapi;
 pub(crate) mod registry;
 pub(crate) mod runs;
+pub(crate) mod schedules;
 pub(crate) mod subscriptions;
 
 use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
@@ -177,6 +178,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .merge(inbox::routes())
         .merge(subscriptions::routes())
         .merge(runs::routes())
+        .merge(schedules::routes())
         .merge(registry::routes())
 }
 

@@ -11,6 +11,7 @@ use maud::{html, Markup};
 use serde::Deserialize;
 use serde_json::Value;
 use tidemark_core::error::codes;
+use tidemark_core::schedule::{tick_run_id, Timing};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{
     child_run_id, AttemptRecord, JournalEntry, RunDetail, RunRecord, RunStatus, StepKind, StepStatus,
@@ -439,4 +440,66 @@ pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q
         }
     };
     Ok(page("Dead letters", Some(&Viewer::from(&caller)), body).into_response())
+}
+
+/// `/ui/schedules`: every schedule with its timing, next tick and counters; pause and resume.
+pub async fn schedules(Ui(caller): Ui, Query(q): Query<DoneQuery>) -> UiResult {
+    let list = crate::api::schedules::schedules(&caller).await?;
+    let can_operate = caller.scope.allows(Scope::Operate);
+    let body = html! {
+        h1 { "Schedules" }
+        (done_banner(q.done.as_deref()))
+        section.card {
+            p { "Each tick starts run " code { "<schedule>:<tick ms>" } " of the schedule's workflow (once: a repeated start is the same run). "
+                "Ticks more than 60 s late count as missed and follow the schedule's catch-up policy." }
+            @if list.is_empty() {
+                p.muted { "No schedules. Create one with " code { "PUT /v1/schedules/{id}" } " or " code { "tidemark schedule put" } "." }
+            } @else {
+                table {
+                    thead { tr { th { "Schedule" } th { "Workflow" } th { "Timing" } th { "Catch-up" } th { "Next tick" }
+                        th { "Last started" } th.num { "Started" } th.num { "Skipped" } th { "State" } @if can_operate { th { } } } }
+                    tbody {
+                        @for s in &list {
+                            tr {
+                                td { code { (s.spec.schedule_id) } }
+                                td { (s.spec.workflow) }
+                                td { @match &s.spec.timing {
+                                    Timing::Cron(cron) => { code { (cron) } " " small.muted { (s.spec.timezone) } },
+                                    Timing::IntervalMs(ms) => { "every " (ms) " ms" },
+                                } }
+                                td { (s.spec.catch_up.as_str()) }
+                                td { @if let Some(at) = s.next_tick_at_ms { (when(at)) } @else { span.muted { "never" } } }
+                                td { @if let Some(at) = s.last_started_tick_ms {
+                                    a href=(format!("/ui/runs/{}", tick_run_id(&s.spec.schedule_id, at))) { (when(at)) } } }
+                                td.num { (s.ticks_started) }
+                                td.num { (s.ticks_skipped) }
+                                td { @if s.paused { (badge("paused")) } @else { (badge("active")) } }
+                                @if can_operate {
+                                    td {
+                                        @let action = if s.paused { "resume" } else { "pause" };
+                                        form.inline method="post" action=(format!("/ui/schedules/{}/{action}", s.spec.schedule_id)) {
+                                            button type="submit" { (if s.paused { "Resume" } else { "Pause" }) }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    Ok(page("Schedules", Some(&Viewer::from(&caller)), body).into_response())
+}
+
+/// Pause a schedule from the dashboard.
+pub async fn pause_schedule(Ui(caller): Ui, Path(schedule_id): Path<String>) -> UiResult {
+    crate::api::schedules::set_paused(&caller, schedule_id, true).await?;
+    Ok(see_other("/ui/schedules?done=paused"))
+}
+
+/// Resume a schedule from the dashboard.
+pub async fn resume_schedule(Ui(caller): Ui, Path(schedule_id): Path<String>) -> UiResult {
+    crate::api::schedules::set_paused(&caller, schedule_id, false).await?;
+    Ok(see_other("/ui/schedules?done=resumed"))
 }

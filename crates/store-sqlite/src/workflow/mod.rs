@@ -35,6 +35,7 @@ mod commit;
 mod operator;
 mod reads;
 mod rows;
+mod schedules;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -284,7 +285,7 @@ struct Candidate {
 }
 
 /// Start requests are validated before any transaction begins.
-fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
+pub(super) fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
     validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
     for request in requests {
         request.validate()?;

@@ -1,0 +1,196 @@
+//! Schedules: a registered workflow started on a cron expression or a fixed interval, each tick
+//! an idempotent start of run `<schedule_id>:<tick ms>` (docs/workflows.md, "Schedules"). The
+//! tenant's schedule loop ticks them.
+
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tidemark_core::id::validate_id;
+use tidemark_core::schedule::{schedule_codes, tick_run_id, CatchUp, Schedule, ScheduleSpec, ScheduleStore, Timing};
+use tidemark_core::tenancy::Scope;
+use tidemark_core::workflow::{workflow_codes, StartRequest};
+use tidemark_core::Error;
+use utoipa::ToSchema;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
+
+use super::{typed, ApiError, ApiResult, ErrorBody, Json, Path};
+use crate::auth::Caller;
+use crate::AppState;
+
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list))
+        .routes(routes!(put, show, delete))
+        .routes(routes!(pause))
+        .routes(routes!(resume))
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+#[schema(example = json!({"workflow": "order_saga", "cron": "0 9 * * MON-FRI", "timezone": "Europe/Paris",
+    "catch_up": "one", "input": {"order_id": "daily", "sku": "sku-1", "quantity": 1, "amount": 100}}))]
+pub struct ScheduleBody {
+    /// A registered workflow (`GET /v1/registry`); each tick starts its latest version.
+    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    pub workflow: String,
+    /// The input of every run (checked against the workflow now; at most 256 KiB of JSON).
+    pub input: Value,
+    /// A cron expression (5 fields, or 6 with seconds first, or `@hourly`-style aliases; at most
+    /// 200 bytes). Exactly one of `cron` and `interval_ms`.
+    #[schema(min_length = 1, max_length = 200)]
+    pub cron: Option<String>,
+    /// A fixed interval in ms, counted from the schedule's creation (1,000..=31,622,400,000).
+    #[schema(minimum = 1000, maximum = 31_622_400_000_i64)]
+    pub interval_ms: Option<i64>,
+    /// The IANA time zone the cron expression is read in (default `UTC`).
+    pub timezone: Option<String>,
+    /// Missed ticks (more than 60 s late): `skip`, `one` (default: the latest) or `all`.
+    pub catch_up: Option<CatchUp>,
+}
+
+/// The tenant's schedules.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulesPage {
+    /// By id.
+    pub schedules: Vec<Schedule>,
+}
+
+fn spec_of(schedule_id: String, body: ScheduleBody) -> Result<ScheduleSpec, Error> {
+    let timing = match (body.cron, body.interval_ms) {
+        (Some(cron), None) => Timing::Cron(cron),
+        (None, Some(ms)) => Timing::IntervalMs(ms),
+        _ => {
+            return Err(Error::invalid(
+                schedule_codes::INVALID_SCHEDULE,
+                "a schedule takes exactly one of cron and interval_ms",
+            ))
+        }
+    };
+    Ok(ScheduleSpec {
+        schedule_id,
+        workflow: body.workflow,
+        input: body.input,
+        timing,
+        timezone: body.timezone.unwrap_or_else(|| "UTC".to_string()),
+        catch_up: body.catch_up.unwrap_or_default(),
+    })
+}
+
+/// Create or replace a schedule. 200 with the schedule and its next tick.
+#[utoipa::path(
+    put,
+    path = "/v1/schedules/{schedule_id}",
+    tag = "schedules",
+    params(("schedule_id" = String, Path, description = "The schedule (an identifier of at most 80 characters)")),
+    request_body = ScheduleBody,
+    responses(
+        (status = 200, body = Schedule),
+        (status = 400, description = "`invalid_schedule`, `unknown_workflow`, `invalid_input`", body = ErrorBody),
+    ),
+    security(("bearer" = ["operate"]))
+)]
+async fn put(caller: Caller, Path(schedule_id): Path<String>, Json(body): Json<ScheduleBody>) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    let spec = spec_of(schedule_id, body)?;
+    spec.validate()?;
+    // The workflow must be registered and take the input: checked as a tick's start would be.
+    let workflows = &caller.tenant.workflows;
+    let version = workflows.latest_version(&spec.workflow).ok_or_else(|| {
+        Error::invalid(
+            workflow_codes::UNKNOWN_WORKFLOW,
+            format!("workflow {:?} is not registered; registered: {}", spec.workflow, workflows.names()),
+        )
+    })?;
+    let probe = tick_run_id(&spec.schedule_id, 0);
+    workflows.check_start(&StartRequest::new(&probe, &spec.workflow, version, spec.input.clone()))?;
+    let schedule = caller.tenant.writer.call(move |store, now| store.put_schedule(&spec, now)).await?;
+    Ok(typed(StatusCode::OK, schedule))
+}
+
+/// Every schedule of the tenant.
+#[utoipa::path(get, path = "/v1/schedules", tag = "schedules", responses((status = 200, body = SchedulesPage)),
+    security(("bearer" = ["read"])))]
+async fn list(caller: Caller) -> ApiResult {
+    let schedules = schedules(&caller).await?;
+    Ok(typed(StatusCode::OK, SchedulesPage { schedules }))
+}
+
+/// Every schedule of the tenant (shared with the dashboard).
+pub(crate) async fn schedules(caller: &Caller) -> Result<Vec<Schedule>, ApiError> {
+    caller.require(Scope::Read)?;
+    Ok(caller.tenant.writer.call(|store, _| store.schedules()).await?)
+}
+
+/// One schedule.
+#[utoipa::path(
+    get,
+    path = "/v1/schedules/{schedule_id}",
+    tag = "schedules",
+    params(("schedule_id" = String, Path, description = "The schedule")),
+    responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
+    security(("bearer" = ["read"]))
+)]
+async fn show(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+    caller.require(Scope::Read)?;
+    validate_id("schedule_id", &schedule_id)?;
+    let id = schedule_id.clone();
+    let schedule = caller.tenant.writer.call(move |store, _| store.schedule(&id)).await?;
+    let schedule = schedule.ok_or_else(|| Error::not_found(format!("no schedule {schedule_id:?}")))?;
+    Ok(typed(StatusCode::OK, schedule))
+}
+
+/// Delete a schedule (the runs it started stay). 204, or 404.
+#[utoipa::path(
+    delete,
+    path = "/v1/schedules/{schedule_id}",
+    tag = "schedules",
+    params(("schedule_id" = String, Path, description = "The schedule")),
+    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`", body = ErrorBody)),
+    security(("bearer" = ["operate"]))
+)]
+async fn delete(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    validate_id("schedule_id", &schedule_id)?;
+    let id = schedule_id.clone();
+    if !caller.tenant.writer.call(move |store, _| store.delete_schedule(&id)).await? {
+        return Err(Error::not_found(format!("no schedule {schedule_id:?}")).into());
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Pause a schedule: it does not tick until resumed.
+#[utoipa::path(
+    post,
+    path = "/v1/schedules/{schedule_id}/pause",
+    tag = "schedules",
+    params(("schedule_id" = String, Path, description = "The schedule")),
+    responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
+    security(("bearer" = ["operate"]))
+)]
+async fn pause(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+    set_paused(&caller, schedule_id, true).await
+}
+
+/// Resume a paused schedule from its next tick after now (the ticks of the pause are not started).
+#[utoipa::path(
+    post,
+    path = "/v1/schedules/{schedule_id}/resume",
+    tag = "schedules",
+    params(("schedule_id" = String, Path, description = "The schedule")),
+    responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
+    security(("bearer" = ["operate"]))
+)]
+async fn resume(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+    set_paused(&caller, schedule_id, false).await
+}
+
+/// Pause or resume (shared with the dashboard).
+pub(crate) async fn set_paused(caller: &Caller, schedule_id: String, paused: bool) -> ApiResult {
+    caller.require(Scope::Operate)?;
+    validate_id("schedule_id", &schedule_id)?;
+    let schedule = caller.tenant.writer.call(move |store, now| store.pause_schedule(&schedule_id, paused, now)).await?;
+    Ok(typed(StatusCode::OK, schedule))
+}
