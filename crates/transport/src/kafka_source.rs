@@ -53,8 +53,8 @@ use crate::source::{Inbox, SourceReport};
 const GROUP_BYTES_MAX: usize = 249;
 /// Records per pull, at most.
 const KAFKA_SOURCE_BATCH_MAX: usize = 1_000;
-/// The session timeout's bounds, in ms (brokers clamp it further to their
-/// `group.min.session.timeout.ms` .. `group.max.session.timeout.ms`, by default 6 s .. 30 min).
+/// The session timeout's bounds, in ms (a broker also refuses a member whose timeout is outside
+/// its `group.min.session.timeout.ms` .. `group.max.session.timeout.ms`, by default 6 s .. 30 min).
 const SESSION_TIMEOUT_MS_RANGE: std::ops::RangeInclusive<u64> = 1_000..=1_800_000;
 /// The longest librdkafka lets a member go between two polls before it leaves the group, in ms
 /// (its default): a pull stores at most one batch between polls. Raised to the session timeout
