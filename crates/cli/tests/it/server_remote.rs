@@ -895,7 +895,9 @@ fn events_cross_kafka_from_a_serve_relay_to_a_serve_source_and_tidemark_consume_
     });
     let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_admin), None);
     let lane = lane(&page, "bus").expect("a lane for the kafka endpoint");
-    assert_eq!((lane["kind"].as_str(), lane["delivered"].as_u64()), (Some("kafka"), Some(total as u64)), "{page}");
+    // At least once each (a batch that timed out would be produced again: Kafka has no dedup).
+    assert_eq!(lane["kind"].as_str(), Some("kafka"), "{page}");
+    assert!(lane["delivered"].as_u64().unwrap() >= total as u64, "{page}");
 
     // shipping applied every event once; its cursors say each flow is applied through seq 3 (the
     // record handler applies only high-water + 1).
@@ -946,10 +948,13 @@ fn events_cross_kafka_from_a_serve_relay_to_a_serve_source_and_tidemark_consume_
         crate::support::skip("the kill between inbox and offset commit needs --features failpoints");
     }
     let report = ok(&args);
-    assert_eq!(report["fetched"], total, "{report}");
-    assert_eq!(report["duplicate"], stored_by_the_killed, "{report}");
-    assert_eq!(report["accepted"], total - stored_by_the_killed, "{report}");
-    assert_eq!(report["rejected"], 0, "{report}");
+    let count = |key: &str| report[key].as_u64().unwrap() as usize;
+    // What the killed run stored is read again and answered duplicate (so is any record the relay
+    // produced twice); every other event is accepted once.
+    assert_eq!(count("accepted"), total - stored_by_the_killed, "{report}");
+    assert!(count("duplicate") >= stored_by_the_killed, "{report}");
+    assert_eq!(count("fetched"), count("accepted") + count("duplicate"), "{report}");
+    assert_eq!(count("rejected"), 0, "{report}");
     let drained = ok(&["drain", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"]);
     assert_eq!(
         (drained["applied"].as_u64(), drained["outcome"].as_str()),
