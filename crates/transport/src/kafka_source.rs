@@ -33,7 +33,7 @@
 //! A new group starts at the earliest offset (`auto.offset.reset=earliest`), so that what the
 //! relay produced before the consumer first joined is consumed too.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -120,16 +120,19 @@ impl KafkaSourceConfig {
 /// What the source learns from librdkafka's rebalance callbacks (run inside its polls).
 #[derive(Default)]
 struct GroupContext {
-    /// Assignments received (an empty one counts: the member joined and owns nothing).
-    assignments: AtomicU64,
+    /// The member holds an assignment (an empty one counts: it joined and owns nothing); false
+    /// before the first and while a rebalance has revoked it.
+    assigned: AtomicBool,
 }
 
 impl ClientContext for GroupContext {}
 
 impl ConsumerContext for GroupContext {
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(_) = rebalance {
-            self.assignments.fetch_add(1, Ordering::SeqCst);
+        match rebalance {
+            Rebalance::Assign(_) => self.assigned.store(true, Ordering::SeqCst),
+            Rebalance::Revoke(_) => self.assigned.store(false, Ordering::SeqCst),
+            Rebalance::Error(_) => {}
         }
     }
 }
@@ -184,15 +187,17 @@ impl KafkaSource {
             let metadata = checking
                 .fetch_metadata(Some(&name), connect_timeout)
                 .map_err(|e| Error::io(format!("cannot reach Kafka at {servers}: {e}")))?;
-            match metadata.topics().iter().find(|t| t.name() == name) {
-                Some(found) if found.error().is_none() && !found.partitions().is_empty() => Ok(()),
-                Some(found) => Err(Error::io(format!(
-                    "Kafka at {servers} has no topic {name:?} ({:?}; topics are the operator's, never created \
-                     here)",
-                    found.error()
-                ))),
-                None => Err(Error::io(format!("Kafka at {servers} has no topic {name:?}"))),
-            }
+            let why = match metadata.topics().iter().find(|t| t.name() == name) {
+                Some(found) if found.error().is_none() && !found.partitions().is_empty() => return Ok(()),
+                Some(found) => match found.error() {
+                    Some(code) => rdkafka::error::RDKafkaErrorCode::from(code).to_string(),
+                    None => "it has no partitions".to_string(),
+                },
+                None => "not in the cluster's metadata".to_string(),
+            };
+            Err(Error::io(format!(
+                "Kafka at {servers} has no topic {name:?} ({why}; topics are the operator's, never created here)"
+            )))
         })
         .await?;
         consumer.subscribe(&[&topic]).map_err(|e| Error::io(format!("Kafka subscribe to {topic}: {e}")))?;
@@ -206,10 +211,11 @@ impl KafkaSource {
         })
     }
 
-    /// True once the group assigned this member its partitions (maybe none, when the group has
-    /// more members than the topic has partitions).
+    /// True while the group has this member's partitions assigned to it (maybe none, when the
+    /// group has more members than the topic has partitions): false before its first assignment
+    /// and during a rebalance.
     pub fn joined(&self) -> bool {
-        self.consumer.context().assignments.load(Ordering::SeqCst) > 0
+        self.consumer.context().assigned.load(Ordering::SeqCst)
     }
 
     /// One pull into `inbox` for `consumer_id` (see the module documentation), waiting at most
