@@ -82,7 +82,8 @@ enum Command {
     Relay(RelayArgs),
     /// Store one event (JSON envelope from --file or stdin) in a consumer's inbox.
     Receive(ReceiveArgs),
-    /// Consume a broker (NATS JetStream) into a consumer's inbox, acking after each inbox commit.
+    /// Consume a broker (NATS JetStream, Kafka) into a consumer's inbox, acking (or committing offsets)
+    /// after each inbox commit.
     Consume(ConsumeArgs),
     /// Apply the next event (high-water + 1) of one flow.
     Apply(ApplyArgs),
@@ -186,13 +187,16 @@ struct SubscribeArgs {
 
 #[derive(Args)]
 struct ConsumeArgs {
-    /// `nats://host[:port]/<subject prefix>`: the subjects `<prefix>.>` are consumed.
+    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed) or
+    /// `kafka://host:port[,host:port...]/<topic>`.
     #[arg(long)]
     from: String,
-    /// The JetStream stream capturing them (never created here).
+    /// NATS only, and required there: the JetStream stream capturing the subjects (never
+    /// created here).
     #[arg(long)]
-    stream: String,
-    /// The durable pull consumer's name (default `tidemark-<consumer id>`).
+    stream: Option<String>,
+    /// The durable pull consumer's name (NATS) or the consumer group (Kafka's `group.id`);
+    /// default `tidemark-<consumer id>`.
     #[arg(long)]
     durable: Option<String>,
     #[arg(long)]
@@ -202,10 +206,16 @@ struct ConsumeArgs {
     /// Messages per pull (1..=1,000).
     #[arg(long, default_value_t = 100)]
     batch: usize,
-    /// How long the broker waits for an ack before redelivering, in ms.
-    #[arg(long, default_value_t = 30_000)]
-    ack_wait_ms: u64,
-    /// Stop when a pull finds nothing (else run until SIGINT or SIGTERM).
+    /// NATS only: how long the broker waits for an ack before redelivering, in ms (default
+    /// 30,000).
+    #[arg(long)]
+    ack_wait_ms: Option<u64>,
+    /// Kafka only: the group's session timeout, in ms (default 45,000): how long after this
+    /// process stops heartbeating its partitions go to the other members of the group.
+    #[arg(long)]
+    session_timeout_ms: Option<u64>,
+    /// Stop when a pull finds nothing more (for Kafka: once the group assigned this consumer its
+    /// partitions and each is committed up to its end); else run until SIGINT or SIGTERM.
     #[arg(long)]
     until_idle: bool,
 }
@@ -885,24 +895,34 @@ impl tidemark_transport::Inbox for FileInbox {
 /// `tidemark consume`: pull from the broker into the inbox until idle or a signal.
 fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<Value> {
     tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
-    let config = tidemark_transport::NatsSourceConfig {
+    let spec = tidemark_transport::SourceSettings {
         from: args.from,
         stream: args.stream,
         durable: args.durable.unwrap_or_else(|| format!("tidemark-{}", args.consumer_id)),
         batch: args.batch,
         ack_wait_ms: args.ack_wait_ms,
-    };
-    config.validate().map_err(|e| match e {
+        session_timeout_ms: args.session_timeout_ms,
+    }
+    .check()
+    .map_err(|e| match e {
         Error::Invalid { message, .. } => Error::invalid(codes::INVALID_ARGUMENT, message),
         other => other,
     })?;
+    // The longest a Kafka group may take to assign this consumer its partitions (a rebalance
+    // waits up to the members' poll interval for the others to rejoin): `--until-idle` gives up
+    // after it rather than wait for a cluster that never assigns.
+    let join_bound = std::time::Duration::from_millis(match &spec {
+        tidemark_transport::SourceSpec::Kafka(config) => config.session_timeout_ms.max(300_000),
+        tidemark_transport::SourceSpec::Nats(_) => 0,
+    });
     let inbox = FileInbox(std::sync::Mutex::new(SqliteConsumer::open_with(&args.consumer_db, durability)?));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| Error::io(format!("cannot start the runtime: {e}")))?;
     runtime.block_on(async {
-        let source = tidemark_transport::NatsSource::connect(&config, std::time::Duration::from_secs(5)).await?;
+        let source = tidemark_transport::Source::connect(&spec, std::time::Duration::from_secs(5)).await?;
+        let started = std::time::Instant::now();
         let mut total = tidemark_transport::SourceReport::default();
         let mut pulls = 0_u64;
         let stop = tokio::signal::ctrl_c();
@@ -916,7 +936,19 @@ fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<V
             let idle = report.fetched == 0;
             total.absorb(report);
             if idle && args.until_idle {
-                break;
+                if source.caught_up().await? {
+                    break;
+                }
+                if let tidemark_transport::Source::Kafka(kafka) = &source {
+                    if !kafka.joined() && started.elapsed() > join_bound {
+                        return Err(Error::io(format!(
+                            "the Kafka group assigned this consumer no partitions within {} ms",
+                            join_bound.as_millis()
+                        )));
+                    }
+                }
+                // Kafka: not yet assigned, or records still to fetch; pull again at once.
+                continue;
             }
             if idle {
                 // A pull answers at once: wait before the next, as the relay does when idle.

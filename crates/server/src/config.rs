@@ -53,7 +53,7 @@ pub struct Config {
 }
 
 /// `[[sources]]`: one broker consumed into one declared consumer's inbox (docs/protocol.md,
-/// "Consuming from a broker"). Today: NATS JetStream.
+/// "Consuming from a broker"): a NATS JetStream stream or a Kafka topic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
@@ -62,39 +62,50 @@ pub struct SourceConfig {
     /// The declared consumer (`PUT /v1/consumers/{id}`) whose inbox the events go to; its
     /// handler's database holds that inbox, and its drain applies them.
     pub consumer: String,
-    /// `nats://host[:port]/<subject prefix>`: the subjects `<prefix>.>` are consumed.
+    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed) or
+    /// `kafka://host:port[,host:port...]/<topic>`.
     pub from: String,
-    /// The JetStream stream capturing them (the operator's; never created by tidemark).
-    pub stream: String,
-    /// The durable pull consumer's name (default `tidemark-<tenant>-<consumer>`).
+    /// NATS only (and required there): the JetStream stream capturing the subjects (the
+    /// operator's; never created by tidemark).
+    #[serde(default)]
+    pub stream: Option<String>,
+    /// The durable pull consumer's name (NATS) or the consumer group (Kafka's `group.id`);
+    /// default `tidemark-<tenant>-<consumer>`.
     #[serde(default)]
     pub durable: Option<String>,
     /// Messages per pull (1..=1,000; default 100).
     #[serde(default = "default_source_batch")]
     pub batch: usize,
-    /// How long the broker waits for an ack before redelivering, in ms (default 30,000).
-    #[serde(default = "default_source_ack_wait_ms")]
-    pub ack_wait_ms: u64,
+    /// NATS only: how long the broker waits for an ack before redelivering, in ms
+    /// (1,000..=3,600,000; default 30,000).
+    #[serde(default)]
+    pub ack_wait_ms: Option<u64>,
+    /// Kafka only: the group's session timeout, how long after a member stops heartbeating its
+    /// partitions go to the other members (which read again from the last committed offset), in
+    /// ms (1,000..=1,800,000; default 45,000).
+    #[serde(default)]
+    pub session_timeout_ms: Option<u64>,
 }
 
 fn default_source_batch() -> usize {
     100
 }
 
-fn default_source_ack_wait_ms() -> u64 {
-    30_000
-}
-
 impl SourceConfig {
-    /// The transport's view of this source.
-    pub fn nats(&self) -> tidemark_transport::NatsSourceConfig {
-        tidemark_transport::NatsSourceConfig {
+    /// The transport's view of this source, checked
+    /// ([`tidemark_transport::SourceSettings::check`]): `invalid_config` for a `from` that is
+    /// no broker this build consumes, a setting of the other kind, a missing `stream` (NATS) or a
+    /// value out of range.
+    pub fn spec(&self) -> Result<tidemark_transport::SourceSpec> {
+        tidemark_transport::SourceSettings {
             from: self.from.clone(),
             stream: self.stream.clone(),
             durable: self.durable.clone().unwrap_or_else(|| format!("tidemark-{}-{}", self.tenant, self.consumer)),
             batch: self.batch,
             ack_wait_ms: self.ack_wait_ms,
+            session_timeout_ms: self.session_timeout_ms,
         }
+        .check()
     }
 }
 
@@ -439,7 +450,7 @@ impl Config {
             validate_tenant_id(&source.tenant).map_err(|e| config_error(format!("sources[{i}].tenant: {e}")))?;
             tidemark_core::id::validate_id("consumer", &source.consumer)
                 .map_err(|e| config_error(format!("sources[{i}].consumer: {e}")))?;
-            source.nats().validate().map_err(|e| config_error(format!("sources[{i}]: {e}")))?;
+            source.spec().map_err(|e| config_error(format!("sources[{i}]: {e}")))?;
         }
         Ok(())
     }
@@ -465,6 +476,9 @@ impl Config {
             http_tokens: self.relay.tokens.clone(),
             amqp_credentials: self.relay.amqp_credentials.clone(),
             connect_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms.min(5_000)),
+            // A broker client gives up on a message a little before the lane does, so that the lane
+            // records the broker's reason rather than its own timeout.
+            message_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms * 9 / 10),
         }
     }
 
@@ -544,6 +558,19 @@ mod tests {
                 "sources[0]",
             ),
             ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"nats://h/x\"", "stream"),
+            (
+                "[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"nats://h/x\"\nstream = \"S\"\nsession_timeout_ms = 9000",
+                "session_timeout_ms",
+            ),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092/t\"\nstream = \"S\"", "stream"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092/t\"\nack_wait_ms = 5000", "ack_wait_ms"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092\"", "sources[0]"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092/t\"\ndurable = \"a b\"", "group"),
+            (
+                "[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092/t\"\nsession_timeout_ms = 10",
+                "session_timeout_ms",
+            ),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/x\"", "not consumed from"),
             ("[relay.tokens]\n\"http://h\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80/v1\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80\" = \"\"", "relay.tokens"),
@@ -563,6 +590,37 @@ mod tests {
         );
         let error = load_text("[relay.amqp_credentials]\n\"h:5672\" = \"secretwithoutuser\"").unwrap_err();
         assert!(!error.to_string().contains("secretwithoutuser"), "never the value: {error}");
+    }
+
+    #[test]
+    fn sources_of_each_kind_reach_the_transport_with_their_defaults() {
+        let config = load_text(
+            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"nats://h/orders\"\nstream = \"ORDERS\"\n\
+             [[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"kafka://k1:9092,k2:9092/orders\"\n\
+             batch = 50\n",
+        )
+        .unwrap();
+        let specs: Vec<tidemark_transport::SourceSpec> = config.sources.iter().map(|s| s.spec().unwrap()).collect();
+        assert_eq!(
+            specs,
+            [
+                tidemark_transport::SourceSpec::Nats(tidemark_transport::NatsSourceConfig {
+                    from: "nats://h/orders".into(),
+                    stream: "ORDERS".into(),
+                    durable: "tidemark-shipping-ledger".into(),
+                    batch: 100,
+                    ack_wait_ms: 30_000,
+                }),
+                tidemark_transport::SourceSpec::Kafka(tidemark_transport::KafkaSourceConfig {
+                    from: "kafka://k1:9092,k2:9092/orders".into(),
+                    group: "tidemark-shipping-ledger".into(),
+                    batch: 50,
+                    session_timeout_ms: 45_000,
+                }),
+            ]
+        );
+        let transport = config.transport_config();
+        assert!(transport.message_timeout < std::time::Duration::from_millis(config.relay.attempt_timeout_ms));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Broker sources: for each `[[sources]]` entry of an open tenant, a loop that pulls from the
-//! broker into the declared consumer's inbox and acks only after the inbox commit
-//! (`tidemark_transport::NatsSource`). The consumer's drain, in the delivery loop, applies what
-//! arrives, in seq order per flow, as for any relay's deliveries.
+//! broker into the declared consumer's inbox and acks (JetStream) or commits offsets (Kafka) only
+//! after the inbox commit (`tidemark_transport::NatsSource`, `KafkaSource`). The consumer's drain,
+//! in the delivery loop, applies what arrives, in seq order per flow, as for any relay's
+//! deliveries.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -11,13 +12,14 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tidemark_core::store::{ConsumerStore, ReceiveOutcome};
 use tidemark_core::{Envelope, Error, Result};
-use tidemark_transport::{Inbox, NatsSource, SourceReport};
+use tidemark_transport::{Inbox, Source, SourceReport};
 
 use crate::config::SourceConfig;
 use crate::tenant::Tenant;
 use crate::AppState;
 
-/// The bound of one pull (it answers at once with what the stream holds, up to the batch).
+/// The bound of one pull (JetStream answers at once with what the stream holds, up to the batch;
+/// a Kafka pull waits this long for a first record).
 const PULL_WAIT: Duration = Duration::from_millis(500);
 /// The pause after a failed connect or pull.
 const RETRY_PAUSE_MS: u64 = 500;
@@ -69,14 +71,23 @@ impl Inbox for ConsumerInbox {
 async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig) -> Value {
     let inbox = ConsumerInbox { state: state.clone(), tenant: tenant.clone() };
     let connect_timeout = state.config.transport_config().connect_timeout;
-    let mut source: Option<NatsSource> = None;
+    // Checked when the configuration was loaded.
+    let spec = match config.spec() {
+        Ok(spec) => spec,
+        Err(error) => {
+            tracing::error!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
+                code = error.code(), %error, "source: not started");
+            return json!({"consumer": config.consumer, "from": config.from, "error": error.to_string()});
+        }
+    };
+    let mut source: Option<Source> = None;
     let mut total = SourceReport::default();
     let mut errors = 0_u64;
     let mut pulls = 0_u64;
     let mut signal = state.shutdown_signal();
     while !state.is_shutting_down() {
         let result = match &source {
-            None => NatsSource::connect(&config.nats(), connect_timeout).await.map(|s| {
+            None => Source::connect(&spec, connect_timeout).await.map(|s| {
                 source = Some(s);
                 SourceReport::default()
             }),
@@ -93,7 +104,8 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
                 if report.rejected > 0 {
                     tracing::warn!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
                         rejected = report.rejected, reasons = ?report.reasons,
-                        "source: messages terminated at the broker (not envelopes, or refused by the inbox)");
+                        "source: messages rejected: terminated at the broker or committed past (not envelopes, or \
+                         refused by the inbox)");
                 }
                 total.absorb(report);
                 if idle && !crate::background::pause(&state, state.config.relay.interval_ms).await {
@@ -102,14 +114,21 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
             }
             Err(error) => {
                 errors += 1;
-                source = None;
+                // Closing a Kafka consumer waits for it to leave its group: off the async threads.
+                if let Some(failed) = source.take() {
+                    tokio::task::spawn_blocking(move || drop(failed));
+                }
                 tracing::error!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
-                    code = error.code(), %error, "source: pull failed (nothing unacked is lost: the broker redelivers)");
+                    code = error.code(), %error,
+                    "source: pull failed (nothing unacked or uncommitted is lost: the broker redelivers)");
                 if !crate::background::pause(&state, RETRY_PAUSE_MS).await {
                     break;
                 }
             }
         }
+    }
+    if let Some(done) = source.take() {
+        let _ = tokio::task::spawn_blocking(move || drop(done)).await;
     }
     json!({"consumer": config.consumer, "from": config.from, "pulls_that_fetched": pulls, "fetched": total.fetched, "accepted": total.accepted,
         "duplicate": total.duplicate, "rejected": total.rejected, "errors": errors})

@@ -8,14 +8,19 @@
 //! failed attempt, retried with the relay's backoff and quarantined after `max_attempts`, never
 //! an `accepted`.
 //!
-//! Kinds built here: `http(s)://` (another tidemark's inbox), `nats://` (JetStream) and
-//! `amqp://` (RabbitMQ, publisher confirms). File endpoints are delivered by
-//! `tidemark_store_sqlite::SqliteEndpoints`; `kafka://` parses ([`Endpoint::parse`]) but has no
-//! transport in this build yet, and a delivery to one fails with that reason.
+//! Kinds built here: `http(s)://` (another tidemark's inbox), `nats://` (JetStream),
+//! `amqp://` (RabbitMQ, publisher confirms) and `kafka://` (librdkafka's idempotent producer,
+//! `acks=all`). File endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`.
+//!
+//! The consuming side of the brokers ([`Source`]): a JetStream durable pull consumer
+//! ([`NatsSource`]) or a Kafka consumer group ([`KafkaSource`]) read into an [`Inbox`], acking or
+//! committing offsets only after the inbox transaction committed.
 #![warn(missing_docs)]
 
 mod amqp;
 mod http;
+mod kafka;
+mod kafka_source;
 mod nats;
 mod source;
 
@@ -32,8 +37,13 @@ use tidemark_core::{Envelope, Error, Result};
 
 pub use amqp::{routing_key as amqp_routing_key, AmqpTransport};
 pub use http::HttpTransport;
+pub use kafka::{headers as kafka_headers, key as kafka_key, KafkaTransport};
+pub use kafka_source::{KafkaSource, KafkaSourceConfig};
 pub use nats::{subject as nats_subject, NatsTransport};
-pub use source::{Inbox, NatsSource, NatsSourceConfig, SourceReport};
+pub use source::{
+    Inbox, NatsSource, NatsSourceConfig, Source, SourceReport, SourceSettings, SourceSpec,
+    KAFKA_SESSION_TIMEOUT_MS_DEFAULT, NATS_ACK_WAIT_MS_DEFAULT,
+};
 
 /// What a delivery resolves to: one outcome per event, in order, or the reason it failed.
 pub type Delivered<'a> = Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
@@ -63,8 +73,14 @@ pub struct TransportConfig {
     /// (RabbitMQ's default user, which it accepts from loopback only).
     pub amqp_credentials: BTreeMap<String, String>,
     /// How long connecting may take, at most (the lane's attempt timeout bounds the whole
-    /// delivery).
+    /// delivery). For Kafka, also how long a topic the cluster does not know may take to
+    /// appear before its records fail as "unknown topic".
     pub connect_timeout: Duration,
+    /// How long a broker client may keep trying to hand one message over before it reports it
+    /// failed (Kafka: librdkafka's `message.timeout.ms`, at least 100 ms). `tidemark serve` sets
+    /// it a little under `relay.attempt_timeout_ms`, so that a lane records the broker's reason
+    /// (a broker down, a message timed out) rather than its own timeout.
+    pub message_timeout: Duration,
 }
 
 impl Default for TransportConfig {
@@ -73,6 +89,7 @@ impl Default for TransportConfig {
             http_tokens: BTreeMap::new(),
             amqp_credentials: BTreeMap::new(),
             connect_timeout: Duration::from_secs(5),
+            message_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -124,9 +141,9 @@ impl TransportConfig {
 }
 
 /// The transport of a network endpoint. A file endpoint is `invalid_endpoint` here (files are
-/// delivered on the producer's thread, by the store crate); a broker kind without a transport in
-/// this build is `unavailable`; a missing token, or AMQP credentials from an unset variable, is
-/// `invalid_config`. Broker transports connect on their first delivery, not here.
+/// delivered on the producer's thread, by the store crate), and so is a pull consumer (it reads
+/// the feed); a missing token, or AMQP credentials from an unset variable, is `invalid_config`.
+/// Broker transports connect on their first delivery, not here.
 pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Transport>> {
     match Endpoint::parse(endpoint)? {
         Endpoint::Http { url, origin, .. } => {
@@ -134,6 +151,7 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
         }
         Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
         Endpoint::Amqp { server, exchange } => Ok(Arc::new(AmqpTransport::new(&server, &exchange, config)?)),
+        Endpoint::Kafka { bootstrap, topic } => Ok(Arc::new(KafkaTransport::new(&bootstrap, &topic, config))),
         Endpoint::Pull => Err(Error::invalid(
             codes::INVALID_ENDPOINT,
             "a pull consumer is never pushed to: it reads GET /v1/outbox/feed",
@@ -142,10 +160,6 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
             codes::INVALID_ENDPOINT,
             format!("{endpoint} is a consumer database file: the producer's own thread delivers to files"),
         )),
-        other => Err(Error::Store {
-            code: codes::UNAVAILABLE,
-            message: format!("{} endpoints have no transport in this build yet", other.kind()),
-        }),
     }
 }
 
@@ -193,7 +207,10 @@ mod tests {
         assert_eq!(code("/tmp/inbox.db", &config), codes::INVALID_ENDPOINT);
         assert_eq!(code("gopher://h/x", &config), codes::INVALID_ENDPOINT);
         assert_eq!(code("http://127.0.0.1:9/v1/consumers/c/inbox", &config), codes::INVALID_CONFIG);
-        assert_eq!(code("kafka://h/t", &config), codes::UNAVAILABLE);
+        assert_eq!(code("pull:", &config), codes::INVALID_ENDPOINT);
+        assert_eq!(code("kafka://h", &config), codes::INVALID_ENDPOINT, "no topic");
+        let kafka = connect("kafka://127.0.0.1:9,127.0.0.1:10/orders.v1", &config).expect("kafka has a transport");
+        assert_eq!(kafka.kind(), EndpointKind::Kafka);
         let mut config = TransportConfig::default();
         config.http_tokens.insert("http://127.0.0.1:9".into(), "env:TIDEMARK_TEST_TOKEN_THAT_IS_NOT_SET".into());
         assert_eq!(code("http://127.0.0.1:9/v1/consumers/c/inbox", &config), codes::INVALID_CONFIG);

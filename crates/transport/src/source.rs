@@ -1,6 +1,7 @@
 //! Consuming from a broker into a tidemark inbox: a JetStream durable pull consumer whose
 //! messages are stored in the inbox and acked to the broker only after the inbox transaction
-//! committed (docs/protocol.md, "Consuming from a broker").
+//! committed (docs/protocol.md, "Consuming from a broker"). The Kafka consumer group is
+//! `kafka_source.rs`; [`Source`] is either, and [`Inbox`] and [`SourceReport`] are shared.
 //!
 //! One pull: fetch up to `batch` messages (what the stream holds now: a pull does not wait for
 //! more; the caller pauses when one finds nothing), parse each as
@@ -20,7 +21,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull, AckKind};
 use futures_util::StreamExt;
 use serde::Serialize;
-use tidemark_core::endpoint::Endpoint;
+use tidemark_core::endpoint::{Endpoint, EndpointKind};
 use tidemark_core::error::codes;
 use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
@@ -34,6 +35,128 @@ pub trait Inbox: Send + Sync {
         consumer_id: &'a str,
         events: Vec<Envelope>,
     ) -> Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
+}
+
+/// A connected broker source of either kind: what `tidemark serve`'s `[[sources]]` and
+/// `tidemark consume` run.
+pub enum Source {
+    /// A JetStream durable pull consumer (boxed: its client is large beside the Kafka member).
+    Nats(Box<NatsSource>),
+    /// A member of a Kafka consumer group.
+    Kafka(crate::KafkaSource),
+}
+
+/// A source as an operator gives it (`[[sources]]` in `tidemark serve`'s configuration,
+/// `tidemark consume`'s flags), before it is checked: the settings of both kinds side by side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SourceSettings {
+    /// `nats://host[:port]/<subject prefix>` or `kafka://host:port[,host:port...]/<topic>`.
+    pub from: String,
+    /// NATS only, and required there: the JetStream stream capturing the subjects.
+    pub stream: Option<String>,
+    /// The durable pull consumer's name (NATS) or the consumer group, `group.id` (Kafka).
+    pub durable: String,
+    /// Messages per pull.
+    pub batch: usize,
+    /// NATS only: how long the broker waits for an ack before it redelivers, in ms (default
+    /// [`NATS_ACK_WAIT_MS_DEFAULT`]).
+    pub ack_wait_ms: Option<u64>,
+    /// Kafka only: the group's session timeout, in ms (default
+    /// [`KAFKA_SESSION_TIMEOUT_MS_DEFAULT`]).
+    pub session_timeout_ms: Option<u64>,
+}
+
+/// JetStream's redelivery delay for a source that sets none, in ms.
+pub const NATS_ACK_WAIT_MS_DEFAULT: u64 = 30_000;
+/// A Kafka source's session timeout when it sets none, in ms (librdkafka's default).
+pub const KAFKA_SESSION_TIMEOUT_MS_DEFAULT: u64 = 45_000;
+
+/// A checked source, one kind each.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceSpec {
+    /// A JetStream durable pull consumer.
+    Nats(NatsSourceConfig),
+    /// A Kafka consumer group.
+    Kafka(crate::KafkaSourceConfig),
+}
+
+impl SourceSettings {
+    /// Check the settings for the kind `from` names: `invalid_config` for a `from` that is no
+    /// broker (or a broker kind not consumed from), a setting of the other kind, a NATS source
+    /// without `stream`, or a value out of range.
+    pub fn check(self) -> Result<SourceSpec> {
+        let bad = |why: String| Error::invalid(codes::INVALID_CONFIG, why);
+        let kind = Endpoint::parse(&self.from).map_err(|e| bad(format!("source from {:?}: {e}", self.from)))?.kind();
+        match kind {
+            EndpointKind::Nats => {
+                if self.session_timeout_ms.is_some() {
+                    return Err(bad("session_timeout_ms is a Kafka setting; a nats:// source has ack_wait_ms".into()));
+                }
+                let stream = self.stream.ok_or_else(|| {
+                    bad("a nats:// source needs stream, the JetStream stream capturing its subjects".into())
+                })?;
+                let config = NatsSourceConfig {
+                    from: self.from,
+                    stream,
+                    durable: self.durable,
+                    batch: self.batch,
+                    ack_wait_ms: self.ack_wait_ms.unwrap_or(NATS_ACK_WAIT_MS_DEFAULT),
+                };
+                config.validate()?;
+                Ok(SourceSpec::Nats(config))
+            }
+            EndpointKind::Kafka => {
+                if self.stream.is_some() || self.ack_wait_ms.is_some() {
+                    return Err(bad("stream and ack_wait_ms are JetStream settings; a kafka:// source has a \
+                                    consumer group (durable) and session_timeout_ms"
+                        .into()));
+                }
+                let config = crate::KafkaSourceConfig {
+                    from: self.from,
+                    group: self.durable,
+                    batch: self.batch,
+                    session_timeout_ms: self.session_timeout_ms.unwrap_or(KAFKA_SESSION_TIMEOUT_MS_DEFAULT),
+                };
+                config.validate()?;
+                Ok(SourceSpec::Kafka(config))
+            }
+            other => Err(bad(format!(
+                "source from {:?}: {other} endpoints are not consumed from; a source is nats:// or kafka://",
+                self.from
+            ))),
+        }
+    }
+}
+
+impl Source {
+    /// Connect the source `spec` describes ([`NatsSource::connect`],
+    /// [`crate::KafkaSource::connect`]).
+    pub async fn connect(spec: &SourceSpec, connect_timeout: Duration) -> Result<Source> {
+        Ok(match spec {
+            SourceSpec::Nats(config) => Source::Nats(Box::new(NatsSource::connect(config, connect_timeout).await?)),
+            SourceSpec::Kafka(config) => Source::Kafka(crate::KafkaSource::connect(config, connect_timeout).await?),
+        })
+    }
+
+    /// One pull into `inbox` for `consumer_id`, waiting at most `wait` (see [`NatsSource::pull`]
+    /// and [`crate::KafkaSource::pull`]). After an `Err`, drop the source and connect anew.
+    pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
+        match self {
+            Source::Nats(source) => source.pull(inbox, consumer_id, wait).await,
+            Source::Kafka(source) => source.pull(inbox, consumer_id, wait).await,
+        }
+    }
+
+    /// True when a pull that found nothing means the broker holds nothing more for this
+    /// consumer: at once for JetStream (a pull answers with what the stream holds); for Kafka,
+    /// once the group assigned this member its partitions and each is committed up to its end
+    /// ([`crate::KafkaSource::caught_up`]).
+    pub async fn caught_up(&self) -> Result<bool> {
+        match self {
+            Source::Nats(_) => Ok(true),
+            Source::Kafka(source) => source.caught_up().await,
+        }
+    }
 }
 
 /// What one pull (or several) did.
@@ -65,7 +188,7 @@ impl SourceReport {
         }
     }
 
-    fn reject_reason(&mut self, reason: String) {
+    pub(crate) fn reject_reason(&mut self, reason: String) {
         if self.reasons.len() == 20 {
             self.reasons.remove(0);
         }
@@ -98,7 +221,7 @@ impl NatsSourceConfig {
         let Endpoint::Nats { server, subject_prefix } =
             Endpoint::parse(&self.from).map_err(|e| bad(format!("source from {:?}: {e}", self.from)))?
         else {
-            return Err(bad(format!("source from {:?}: only nats:// sources exist in this build", self.from)));
+            return Err(bad(format!("source from {:?} is not a nats:// endpoint", self.from)));
         };
         for (what, name) in [("stream", &self.stream), ("durable", &self.durable)] {
             let ok = !name.is_empty()
