@@ -242,7 +242,7 @@ impl Schedule {
             CatchUp::All => due.clone(),
             CatchUp::Skip => due.iter().copied().filter(|at| !missed(at)).collect(),
             CatchUp::One => {
-                let latest_missed = due.iter().copied().filter(missed).last();
+                let latest_missed = due.iter().copied().rfind(missed);
                 latest_missed.into_iter().chain(due.iter().copied().filter(|at| !missed(at))).collect()
             }
         };

@@ -1121,6 +1121,56 @@ fn child_workflows_and_values_survive_a_worker_killed_at_every_journal_commit() 
     }
 }
 
+/// A schedule tick killed before its commit (`workflow.start.before_commit`, the commit that
+/// starts a tick's runs and moves the schedule's next tick) starts nothing and leaves the next
+/// tick where it was; the next pass starts each due tick exactly once.
+#[test]
+fn a_schedule_tick_killed_before_its_commit_starts_nothing_and_the_next_pass_starts_each_tick_once() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    let w = Wf::new();
+    let at = |ms: i64| ms.to_string();
+    let schedule = |now: i64, args: &[&str]| -> Vec<String> {
+        let mut all = vec!["--now-ms".to_string(), at(now), "schedule".to_string()];
+        all.extend(args.iter().map(|a| a.to_string()));
+        all.extend(["--db".to_string(), w.d().to_string()]);
+        all
+    };
+    let input = wf_order("beat", 1, json!({}));
+    let put = schedule(
+        1_000_000,
+        &["put", "--schedule-id", "beat", "--workflow", "order_saga", "--interval-ms", "10000", "--input", &input],
+    );
+    let out = ok(&refs(&put));
+    assert_eq!(out["schedule"]["next_tick_at_ms"], 1_010_000, "{out}");
+    let tick = schedule(1_030_000, &["tick"]);
+    let r = run_env(&tick, &[("TIDEMARK_CRASH_AT", "workflow.start.before_commit")]);
+    assert_eq!(r.code, exit_code("workflow.start.before_commit"), "{}\n{}", r.stdout, r.stderr);
+    let shown = ok(&refs(&schedule(1_030_000, &["show", "--schedule-id", "beat"])));
+    assert_eq!(shown["schedule"]["next_tick_at_ms"], 1_010_000, "the killed tick moved nothing: {shown}");
+    assert_eq!(shown["schedule"]["ticks_started"], 0);
+    assert_eq!(w.wf("list", &[])["runs"], json!([]), "the killed tick started nothing");
+
+    let out = ok(&refs(&tick));
+    assert_eq!((out["report"]["fired"].as_u64(), out["report"]["started"].as_u64()), (Some(1), Some(3)), "{out}");
+    let again = ok(&refs(&tick));
+    assert_eq!(again["report"]["fired"], 0, "{again}");
+    let runs: Vec<String> = w.wf("list", &[])["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["run_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(runs, ["beat:1010000", "beat:1020000", "beat:1030000"]);
+    let shown = ok(&refs(&schedule(1_030_000, &["show", "--schedule-id", "beat"])));
+    assert_eq!(
+        (shown["schedule"]["next_tick_at_ms"].as_i64(), shown["last_run_id"].as_str()),
+        (Some(1_040_000), Some("beat:1030000"))
+    );
+}
+
 /// `<name>@<n>` dies on the n-th hit: the earlier passes and batches stay committed.
 #[test]
 fn crash_on_the_nth_hit_keeps_the_earlier_commits() {

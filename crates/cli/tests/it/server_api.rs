@@ -147,6 +147,73 @@ fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
     assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
 }
 
+/// Schedules over HTTP: created, ticked by the tenant's loop into runs `<id>:<tick ms>`, paused
+/// (no more ticks), listed on the dashboard, deleted; bad schedules are typed errors that write
+/// nothing.
+#[test]
+fn a_schedule_ticks_into_runs_until_paused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+    let body = json!({"workflow": "sleepy_order", "interval_ms": 1000, "catch_up": "skip",
+        "input": {"order_id": "beat", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "never"}});
+    let (status, created) = server.call("PUT", "/v1/schedules/beat", t, Some(&body));
+    assert_eq!(status, 200, "{created}");
+    assert_eq!(
+        (created["workflow"].as_str(), created["interval_ms"].as_i64()),
+        (Some("sleepy_order"), None),
+        "{created}"
+    );
+    assert_eq!(created["timing"]["interval_ms"], 1000, "{created}");
+    assert!(created["next_tick_at_ms"].as_i64().unwrap() > created["created_at_ms"].as_i64().unwrap());
+
+    // The schedule loop starts a run per tick (bounded wait).
+    let runs = server.wait_for(WAIT, |s| {
+        let (_, page) = s.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
+        let ids: Vec<String> =
+            page["runs"].as_array().unwrap().iter().map(|r| r["run_id"].as_str().unwrap().to_string()).collect();
+        (ids.len() >= 2).then_some(ids)
+    });
+    assert!(runs.iter().all(|id| id.starts_with("beat:")), "{runs:?}");
+    let (status, paused) = server.call("POST", "/v1/schedules/beat/pause", t, None);
+    assert_eq!((status, paused["paused"].as_bool()), (200, Some(true)), "{paused}");
+    let (_, page) = server.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
+    let count = page["runs"].as_array().unwrap().len();
+    let started = server.call("GET", "/v1/schedules/beat", t, None).1["ticks_started"].as_u64().unwrap();
+    assert_eq!(started as usize, count, "each started tick is one run");
+    let (status, page) = server.text_with("/ui/schedules", t);
+    assert_eq!(status, 200);
+    assert!(page.contains("beat") && page.contains("paused") && page.contains("Resume"), "{page}");
+    let (status, list) = server.call("GET", "/v1/schedules", t, None);
+    assert_eq!((status, list["schedules"].as_array().map(Vec::len)), (200, Some(1)), "{list}");
+
+    for (body, code) in [
+        (json!({"workflow": "sleepy_order", "input": {}, "cron": "61 * * * *"}), "invalid_schedule"),
+        (
+            json!({"workflow": "sleepy_order", "input": {}, "cron": "* * * * *", "interval_ms": 1000}),
+            "invalid_schedule",
+        ),
+        (json!({"workflow": "sleepy_order", "input": {}, "interval_ms": 5}), "invalid_schedule"),
+        (
+            json!({"workflow": "order_saga", "input": {"order_id": "x"}, "interval_ms": 1000, "timezone": "Mars/Base"}),
+            "invalid_schedule",
+        ),
+        (json!({"workflow": "nope", "input": {}, "interval_ms": 1000}), "unknown_workflow"),
+        (json!({"workflow": "order_saga", "input": {"nonsense": true}, "interval_ms": 1000}), "invalid_input"),
+    ] {
+        let (status, answer) = server.call("PUT", "/v1/schedules/bad", t, Some(&body));
+        assert_eq!((status, answer["error"]["code"].as_str()), (400, Some(code)), "{body}: {answer}");
+    }
+    let (status, _) = server.call("GET", "/v1/schedules/bad", t, None);
+    assert_eq!(status, 404, "a refused schedule wrote nothing");
+    let (status, deleted) = server.call("DELETE", "/v1/schedules/beat", t, None);
+    assert_eq!((status, deleted["outcome"].as_str()), (200, Some("deleted")), "{deleted}");
+    let (status, _) = server.call("DELETE", "/v1/schedules/beat", t, None);
+    assert_eq!(status, 404);
+}
+
 #[test]
 fn bad_requests_get_stable_codes_and_write_nothing() {
     let dir = tempfile::tempdir().unwrap();

@@ -108,6 +108,14 @@ pub fn populate(server: &Server, token: &str, tenant: &str) -> Fixture {
             && ["sleepy-wait", "sleepy-wait-2", "sleepy-wait-3"].iter().all(|r| status_of(s, r) == "waiting");
         (quarantined && blocked && settled && runs).then_some(())
     });
+    // Schedules that never tick during a test (daily, far from now is not needed: a tick only
+    // starts a waiting sleepy_order), one of them for the DELETE route.
+    for id in ["nightly", "doomed"] {
+        let mut schedule = sleepy(id, wait.clone(), &marker);
+        schedule.as_object_mut().unwrap().remove("run_id");
+        schedule["cron"] = json!("0 3 1 1 *");
+        expect(server, "PUT", &format!("/v1/schedules/{id}"), t, schedule, &[200]);
+    }
     // A pull consumer (after the wait above: its deliveries stay pending until it commits).
     expect(server, "PUT", "/v1/subscriptions/reader", t, json!({"endpoint": "pull:", "from_start": true}), &[200]);
     let (_, detail) = server.call("GET", "/v1/runs/sleepy-fail-2", Some(t), None);
@@ -146,6 +154,9 @@ impl Fixture {
             ("run_id", _, "/v1/runs/{run_id}/abandon") => "sleepy-wait-3",
             ("run_id", _, _) => "order-ok",
             ("sku", _, _) => "sku-1",
+            ("schedule_id", "PUT", _) => "fresh-schedule",
+            ("schedule_id", "DELETE", _) => "doomed",
+            ("schedule_id", _, _) => "nightly",
             _ => panic!("the fixture has no value for path parameter {param:?} of {method} {path}: add one"),
         };
         value.to_string()

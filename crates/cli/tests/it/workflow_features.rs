@@ -8,6 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tidemark_core::schedule::{
+    schedule_codes, CatchUp, Fired, Schedule, ScheduleSpec, ScheduleStore, TickReport, Timing,
+};
 use tidemark_core::workflow::{
     child_run_id, workflow_codes, RunFilter, RunStatus, StepFailure, StepKind, StepStatus, WorkflowStore,
 };
@@ -263,4 +266,139 @@ fn a_handle_awaits_the_result_the_terminal_error_or_times_out() {
     });
     stop.send(()).unwrap();
     rt.block_on(looping).expect("worker task").expect("worker");
+}
+
+/// A workflow database on a clock the test moves, with the feature workflows registered.
+struct Clocked {
+    _dir: tempfile::TempDir,
+    now: Arc<std::sync::atomic::AtomicI64>,
+    writer: tidemark_engine::workflow::Writer<Store>,
+    workflows: Workflows<Store>,
+}
+
+impl Clocked {
+    fn new(start_ms: i64) -> Clocked {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("wf.db");
+        let now = Arc::new(std::sync::atomic::AtomicI64::new(start_ms));
+        let clock_now = now.clone();
+        let clock: tidemark_engine::workflow::Clock =
+            Arc::new(move || clock_now.load(std::sync::atomic::Ordering::SeqCst));
+        let writer = tidemark_engine::workflow::Writer::spawn_with_clock(
+            move || tidemark_store_sqlite::SqliteWorkflows::init(&path),
+            clock,
+        )
+        .unwrap();
+        Clocked { _dir: dir, now, writer, workflows: feature_workflows(Arc::default()) }
+    }
+
+    fn at(&self, ms: i64) {
+        self.now.store(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn put(&self, spec: ScheduleSpec) -> tidemark_core::Result<Schedule> {
+        self.writer.call_blocking(move |store, now| store.put_schedule(&spec, now))
+    }
+
+    fn tick(&self, rt: &tidemark_engine::workflow::tokio::runtime::Runtime) -> TickReport {
+        rt.block_on(tidemark_engine::workflow::tick_schedules(&self.writer, &self.workflows)).unwrap()
+    }
+
+    fn run_ids(&self) -> Vec<String> {
+        let runs = self.writer.call_blocking(|store, _| store.list_runs(&RunFilter::default(), 1_000)).unwrap();
+        runs.into_iter().map(|r| r.run_id).collect()
+    }
+
+    fn schedule(&self, id: &str) -> Schedule {
+        let id = id.to_string();
+        self.writer.call_blocking(move |store, _| store.schedule(&id)).unwrap().unwrap()
+    }
+}
+
+fn every(id: &str, ms: i64, catch_up: CatchUp) -> ScheduleSpec {
+    ScheduleSpec {
+        schedule_id: id.into(),
+        workflow: "double".into(),
+        input: json!({"x": 1}),
+        timing: Timing::IntervalMs(ms),
+        timezone: "UTC".into(),
+        catch_up,
+    }
+}
+
+#[test]
+fn a_schedule_starts_each_tick_once_and_catches_up_by_its_policy() {
+    let rt = runtime();
+    let c = Clocked::new(1_000_000);
+    let created = c.put(every("beat", 10_000, CatchUp::One)).unwrap();
+    assert_eq!(created.next_tick_at_ms, Some(1_010_000));
+    c.at(1_009_999);
+    assert_eq!(c.tick(&rt).fired, 0, "nothing is due before the first tick");
+    c.at(1_010_000);
+    let report = c.tick(&rt);
+    assert_eq!((report.fired, report.started), (1, 1), "{report:?}");
+    assert_eq!(c.tick(&rt).fired, 0, "the same tick is not started twice");
+    assert_eq!(c.run_ids(), ["beat:1010000"]);
+    // A tick made from a stale view (another ticker fired first) writes nothing.
+    c.at(1_020_000);
+    let stale = {
+        let s = c.schedule("beat");
+        s.plan(1_020_000, 1).unwrap().unwrap()
+    };
+    assert_eq!(c.tick(&rt).started, 1);
+    let answer = c.writer.call_blocking(move |store, now| store.fire(&stale, now)).unwrap();
+    assert_eq!(answer, Fired::Stale);
+    assert_eq!(c.run_ids(), ["beat:1010000", "beat:1020000"]);
+
+    // Down for 100 s: of the missed ticks only the latest starts, then the on-time ones.
+    c.at(1_120_000);
+    let report = c.tick(&rt);
+    // Due: 1,030,000..=1,120,000; missed (over 60 s late): 1,030,000 to 1,050,000.
+    assert_eq!((report.started, report.skipped), (8, 2), "{report:?}");
+    let ids = c.run_ids();
+    assert_eq!(ids.len(), 10);
+    assert!(ids.contains(&"beat:1050000".to_string()) && !ids.contains(&"beat:1040000".to_string()), "{ids:?}");
+    let s = c.schedule("beat");
+    assert_eq!((s.ticks_started, s.ticks_skipped, s.next_tick_at_ms), (10, 2, Some(1_130_000)));
+    assert_eq!(s.last_started_tick_ms, Some(1_120_000));
+
+    // Paused: no tick; resumed: from the next tick after now, the pause's ticks not started.
+    let paused = c.writer.call_blocking(|store, now| store.pause_schedule("beat", true, now)).unwrap();
+    assert!(paused.paused);
+    c.at(1_200_000);
+    assert_eq!(c.tick(&rt).fired, 0);
+    let resumed = c.writer.call_blocking(|store, now| store.pause_schedule("beat", false, now)).unwrap();
+    assert_eq!(resumed.next_tick_at_ms, Some(1_210_000));
+    c.at(1_210_000);
+    assert_eq!(c.tick(&rt).started, 1);
+    assert_eq!(c.run_ids().len(), 11);
+
+    // `all` starts every missed tick; `skip` none of them.
+    c.put(every("all", 10_000, CatchUp::All)).unwrap();
+    c.put(every("skip", 10_000, CatchUp::Skip)).unwrap();
+    c.at(1_210_000 + 200_000);
+    let report = c.tick(&rt);
+    let ids = c.run_ids();
+    let of = |prefix: &str| ids.iter().filter(|id| id.starts_with(prefix)).count();
+    assert_eq!((of("all:"), of("skip:")), (20, 7), "{report:?}");
+
+    // A schedule of a workflow this registry does not know stays due and is reported.
+    c.put(ScheduleSpec { workflow: "nobody".into(), ..every("orphan", 10_000, CatchUp::One) }).unwrap();
+    c.at(1_210_000 + 220_000);
+    assert_eq!(c.tick(&rt).unregistered, ["orphan"]);
+    assert!(!c.run_ids().iter().any(|id| id.starts_with("orphan:")));
+}
+
+#[test]
+fn bad_schedules_are_refused_and_write_nothing() {
+    let c = Clocked::new(0);
+    for bad in [
+        ScheduleSpec { timing: Timing::Cron("not a cron".into()), ..every("bad", 1_000, CatchUp::One) },
+        ScheduleSpec { timing: Timing::IntervalMs(10), ..every("bad", 1_000, CatchUp::One) },
+        ScheduleSpec { timezone: "Nowhere/City".into(), ..every("bad", 1_000, CatchUp::One) },
+    ] {
+        let error = c.put(bad).unwrap_err();
+        assert_eq!(error.code(), schedule_codes::INVALID_SCHEDULE, "{error}");
+    }
+    assert!(c.writer.call_blocking(|store, _| store.schedules()).unwrap().is_empty());
 }

@@ -3,7 +3,6 @@
 //! tenant's schedule loop ticks them.
 
 use axum::http::StatusCode;
-use axum::response::IntoResponse;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tidemark_core::id::validate_id;
@@ -142,13 +141,23 @@ async fn show(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
     Ok(typed(StatusCode::OK, schedule))
 }
 
-/// Delete a schedule (the runs it started stay). 204, or 404.
+/// What `DELETE /v1/schedules/{id}` did.
+#[derive(Serialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleDeleted {
+    /// `deleted`.
+    #[schema(example = "deleted")]
+    pub outcome: String,
+    pub schedule_id: String,
+}
+
+/// Delete a schedule (the runs it started stay).
 #[utoipa::path(
     delete,
     path = "/v1/schedules/{schedule_id}",
     tag = "schedules",
     params(("schedule_id" = String, Path, description = "The schedule")),
-    responses((status = 204, description = "Deleted"), (status = 404, description = "`not_found`", body = ErrorBody)),
+    responses((status = 200, body = ScheduleDeleted), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["operate"]))
 )]
 async fn delete(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
@@ -158,7 +167,7 @@ async fn delete(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
     if !caller.tenant.writer.call(move |store, _| store.delete_schedule(&id)).await? {
         return Err(Error::not_found(format!("no schedule {schedule_id:?}")).into());
     }
-    Ok(StatusCode::NO_CONTENT.into_response())
+    Ok(typed(StatusCode::OK, ScheduleDeleted { outcome: "deleted".into(), schedule_id }))
 }
 
 /// Pause a schedule: it does not tick until resumed.
