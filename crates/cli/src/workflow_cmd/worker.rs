@@ -1,6 +1,7 @@
 //! `tidemark worker`: runs the built-in workflows on a workflow database.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -10,7 +11,7 @@ use tidemark_builtins::order::tables as order_sql;
 use tidemark_builtins::order::{FakePayments, Payments};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
-use tidemark_engine::workflow::{system_clock, Clock, Worker, WorkerOptions, WorkerReport, Writer};
+use tidemark_engine::workflow::{system_clock, tick_schedules, Clock, Worker, WorkerOptions, WorkerReport, Writer};
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use super::{ensure_exists, payments_path};
@@ -19,6 +20,8 @@ use tidemark_builtins::workflows as builtin;
 
 /// Upper bound of `--idle-wait-ms` (an hour).
 const IDLE_WAIT_MS_MAX: u64 = 3_600_000;
+/// How often a long-running worker ticks the database's schedules, in ms (as `tidemark serve`).
+const SCHEDULE_TICK_MS: u64 = 1_000;
 /// Upper bound of `--max-seconds` (a year).
 const MAX_SECONDS_MAX: u64 = 366 * 24 * 60 * 60;
 
@@ -107,6 +110,7 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
 
     let stopped_by = Arc::new(Mutex::new("idle"));
+    let (ticks_started, tick_errors) = (AtomicU64::new(0), AtomicU64::new(0));
     let report = runtime.block_on(async {
         if args.until_idle {
             // A signal stops the worker gracefully here too: the round in progress stops its
@@ -142,7 +146,20 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             }
         }
         let stop = shutdown(args.max_seconds.map(Duration::from_secs), stopped_by.clone())?;
-        worker.run_until(stop).await
+        // A long-running worker also ticks the database's schedules, as `tidemark serve` does.
+        let ticking = async {
+            loop {
+                tokio::time::sleep(Duration::from_millis(SCHEDULE_TICK_MS)).await;
+                match tick_schedules(worker.writer(), worker.workflows()).await {
+                    Ok(report) => ticks_started.fetch_add(report.started, Ordering::Relaxed),
+                    Err(_) => tick_errors.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        };
+        tokio::select! {
+            report = worker.run_until(stop) => report,
+            never = ticking => never,
+        }
     })?;
     drop(worker);
     let left = writer.call_blocking(|store, _| left(store.connection()))?;
@@ -154,6 +171,10 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
     out["worker_id"] = json!(options.worker_id);
     out["stopped_by"] = json!(*stopped_by.lock().unwrap_or_else(|p| p.into_inner()));
     out["left"] = left;
+    out["schedules"] = json!({
+        "runs_started": ticks_started.load(Ordering::Relaxed),
+        "tick_errors": tick_errors.load(Ordering::Relaxed),
+    });
     out["files"] = json!({"db": args.db, "payments_db": payments_db});
     Ok(out)
 }

@@ -924,3 +924,110 @@ fn the_demo_narrates_the_facts_of_its_own_run() {
 pub(crate) fn run_env(args: &[String], env: &[(&str, &str)]) -> support::Run {
     run_with(&refs(args), env, None)
 }
+
+/// `tidemark schedule`: bad schedules exit 2 with their code and write nothing; a long-running
+/// `tidemark worker` ticks the database's schedules and runs what they start.
+#[test]
+fn schedules_are_validated_and_a_running_worker_ticks_them() {
+    let w = Wf::new();
+    let sched = |args: &[&str]| -> Vec<String> {
+        let mut all = strings(&["schedule"]);
+        all.extend(strings(args));
+        all.extend(strings(&["--db", w.d()]));
+        all
+    };
+    let input = order("tick", 1, json!({}));
+    for (args, code) in [
+        (
+            vec!["put", "--schedule-id", "s", "--workflow", "order_saga", "--cron", "61 * * * *", "--input", &input],
+            "invalid_schedule",
+        ),
+        (
+            vec!["put", "--schedule-id", "s", "--workflow", "order_saga", "--interval-ms", "10", "--input", &input],
+            "invalid_schedule",
+        ),
+        (
+            vec![
+                "put",
+                "--schedule-id",
+                "s",
+                "--workflow",
+                "order_saga",
+                "--interval-ms",
+                "1000",
+                "--timezone",
+                "Nowhere/Land",
+                "--input",
+                &input,
+            ],
+            "invalid_schedule",
+        ),
+        (
+            vec![
+                "put",
+                "--schedule-id",
+                "s",
+                "--workflow",
+                "order_saga",
+                "--interval-ms",
+                "1000",
+                "--catch-up",
+                "some",
+                "--input",
+                &input,
+            ],
+            "invalid_schedule",
+        ),
+        (
+            vec!["put", "--schedule-id", "s", "--workflow", "nope", "--interval-ms", "1000", "--input", &input],
+            "unknown_workflow",
+        ),
+        (
+            vec!["put", "--schedule-id", "s", "--workflow", "order_saga", "--interval-ms", "1000", "--input", "{}"],
+            "invalid_input",
+        ),
+        (
+            vec![
+                "put",
+                "--schedule-id",
+                "bad id",
+                "--workflow",
+                "order_saga",
+                "--interval-ms",
+                "1000",
+                "--input",
+                &input,
+            ],
+            "invalid_id",
+        ),
+        (vec!["show", "--schedule-id", "s"], "not_found"),
+        (vec!["delete", "--schedule-id", "s"], "not_found"),
+    ] {
+        refused(&sched(&args), code);
+    }
+    assert_eq!(ok(&refs(&sched(&["list"])))["schedules"], json!([]), "nothing was written");
+
+    // Created ten seconds in the past: its ticks are due at once (none over 60 s late).
+    let past = (now_ms() - 10_000).to_string();
+    let mut put = strings(&["--now-ms", &past]);
+    put.extend(sched(&[
+        "put",
+        "--schedule-id",
+        "tick",
+        "--workflow",
+        "order_saga",
+        "--interval-ms",
+        "5000",
+        "--input",
+        &input,
+    ]));
+    ok(&refs(&put));
+    let out = ok(&refs(&w.worker_cmd(&["--max-seconds", "3", "--worker-id", "ticker"])));
+    assert!(out["schedules"]["runs_started"].as_u64().unwrap() >= 1, "{out}");
+    assert_eq!(out["schedules"]["tick_errors"], 0, "{out}");
+    let runs = w.wf("list", &[])["runs"].as_array().unwrap().clone();
+    assert!(!runs.is_empty() && runs.iter().all(|r| r["run_id"].as_str().unwrap().starts_with("tick:")), "{runs:?}");
+    let shown = ok(&refs(&sched(&["show", "--schedule-id", "tick"])));
+    assert_eq!(shown["schedule"]["ticks_started"].as_u64(), Some(runs.len() as u64), "{shown}");
+    assert_eq!(ok(&refs(&sched(&["delete", "--schedule-id", "tick"])))["outcome"], "deleted");
+}
