@@ -187,13 +187,15 @@ impl Tenant {
         )?;
 
         let workflows = registry.workflows_for(&info)?;
-        let writer = Writer::spawn(move || SqliteWorkflows::open_with(&workflows_path, durability))?;
+        // The registered queues are declared as the writer thread opens the store (never a
+        // blocking call from here: a tenant may open inside an async task).
         let queues = registry.queues.clone();
-        writer.call_blocking(move |store, now| {
+        let writer = Writer::spawn(move || {
+            let mut store = SqliteWorkflows::open_with(&workflows_path, durability)?;
             for queue in &queues {
-                tidemark_core::queue::QueueStore::put_queue(store, queue, now)?;
+                tidemark_core::queue::QueueStore::put_queue(&mut store, queue, clock())?;
             }
-            Ok(())
+            Ok(store)
         })?;
         let options = WorkerOptions {
             worker_id: format!("serve-{}-{id}", std::process::id()),

@@ -482,8 +482,13 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX runs_queue_waiting ON runs (queue, priority, created_at_ms, run_id)
         WHERE queue IS NOT NULL AND admitted_at_ms IS NULL
           AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
-    -- The limits: a queue's admitted runs, by admission time.
+    -- The rate limit: a queue's admissions, by admission time (a range from the period's start).
     CREATE INDEX runs_queue_admitted ON runs (queue, admitted_at_ms) WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL;
+    -- The concurrency limit: a queue's admitted runs not finished yet (the count reads only these,
+    -- not every run the queue ever admitted).
+    CREATE INDEX runs_queue_in_progress ON runs (queue)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     -- Deduplication: one unfinished run per (queue, dedup_id).
     CREATE UNIQUE INDEX runs_queue_dedup ON runs (queue, dedup_id)
         WHERE dedup_id IS NOT NULL

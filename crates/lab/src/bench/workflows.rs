@@ -433,6 +433,41 @@ pub(super) fn children(dir: &Path, durability: Durability, p: &Params) -> Result
     }))
 }
 
+/// The same order sagas as [`throughput`], each started through a queue whose concurrency limit
+/// is the worker's (so the limit never binds): what admission costs.
+pub(super) fn queued(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let world = World::new(dir, durability, p.sagas as i64)?;
+    let limit = u32::try_from(p.in_flight).unwrap_or(u32::MAX);
+    let spec = tidemark_core::queue::QueueSpec::new("bench").concurrency(limit);
+    world.writer.call_blocking(move |store, now| tidemark_core::queue::QueueStore::put_queue(store, &spec, now))?;
+    let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
+    for chunk in ids.chunks(START_BATCH_MAX) {
+        let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id).in_queue("bench", 0, None)).collect();
+        world.writer.call_blocking(move |store, now| store.start_runs(&requests, now))?;
+    }
+    let options = WorkerOptions { concurrency: p.in_flight, poll_interval_ms: 10, ..WorkerOptions::new("bench") };
+    let worker = Worker::new(world.writer.clone(), workflows(real_saga(&world.payments))?, options)?;
+    let rt = runtime()?;
+    let counts = WriterCounts::of(&world.writer);
+    let t = Instant::now();
+    let report = rt.block_on(worker.run_until_idle())?;
+    let seconds = t.elapsed().as_secs_f64();
+    let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.sagas);
+    drop(worker);
+    drop(rt);
+    let check = world.check(p.sagas)?;
+    Ok(json!({
+        "sagas": p.sagas,
+        "queue_concurrency_max": limit,
+        "seconds": round3(seconds),
+        "sagas_per_s": round1(p.sagas as f64 / seconds.max(1e-9)),
+        "writer": writer,
+        "worker": report_json(&report),
+        "check": check,
+        "what": "every saga through one queue whose limit is the worker's in-flight count",
+    }))
+}
+
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
@@ -655,6 +690,8 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     }
     let child_run = children(&dir.join("children"), durability, p)?;
     passed(&child_run);
+    let queued_run = queued(&dir.join("queued"), durability, p)?;
+    passed(&queued_run);
     let latent = if p.external_latency_ms > 0 {
         let run =
             throughput(&dir.join("throughput-latent"), durability, p, Duration::from_millis(p.external_latency_ms))?;
@@ -707,6 +744,7 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "runs": runs,
         },
         "children": child_run,
+        "queued": queued_run,
         "throughput_with_external_latency": latent,
         "latency": latency,
         "resumption": resumption,
@@ -717,6 +755,9 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "child_to_plain_ratio": child_run["sagas_per_s"].as_f64().map(|c| round3(c / rate.max(1e-9))),
             "commits_per_child_saga": child_run["writer"]["per_saga"]["commits"].clone(),
             "commits_per_plain_saga": plain_commits,
+            "queued_sagas_per_s": queued_run["sagas_per_s"].clone(),
+            "queued_to_plain_ratio": queued_run["sagas_per_s"].as_f64().map(|c| round3(c / rate.max(1e-9))),
+            "commits_per_queued_saga": queued_run["writer"]["per_saga"]["commits"].clone(),
             "latency_ms": latency.as_ref().map(|l| l["ms"].clone()),
             "resumption_ms_from_kill": resumption.as_ref().map(|r| r["ms_from_kill"].clone()),
             "lease_ms": p.lease_ms,

@@ -729,5 +729,8 @@ mod tests {
         assert_uses(&by(RunFilter { workflow: Some("w".into()), ..RunFilter::default() }), "INDEX runs_workflow");
         assert_uses(&plan(conn, operator::PURGE_SELECT_SQL), "INDEX runs_finished");
         assert_uses(&plan(conn, operator::RECEIPTS_EXPIRED_DELETE_SQL), "INDEX run_receipts_expiry");
+        assert_uses(&plan(conn, &queues::in_progress_sql()), "INDEX runs_queue_in_progress");
+        assert_uses(&plan(conn, queues::ADMITTED_SINCE_SQL), "INDEX runs_queue_admitted");
+        assert_uses(&plan(conn, &queues::waiting_sql()), "INDEX runs_queue_waiting");
     }
 }

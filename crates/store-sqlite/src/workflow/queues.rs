@@ -62,19 +62,37 @@ pub(super) fn check_enqueue(tx: &Connection, enqueue: &Enqueue) -> Result<()> {
     Ok(())
 }
 
+/// A queue's admitted runs not finished yet (parameter: the queue). `INDEXED BY`: without
+/// statistics the planner would take the admissions index and walk every run the queue ever
+/// admitted (measured: the queued saga bench ran at 0.16 of the plain one); this index holds only
+/// the unfinished ones, and a schema without it fails loudly instead of slowly.
+pub(super) fn in_progress_sql() -> String {
+    format!(
+        "SELECT count(*) FROM runs INDEXED BY runs_queue_in_progress
+         WHERE queue = ?1 AND admitted_at_ms IS NOT NULL AND {}",
+        active("status")
+    )
+}
+
+/// A queue's admissions since a time (parameters: the queue, the time).
+pub(super) const ADMITTED_SINCE_SQL: &str = "SELECT count(*) FROM runs WHERE queue = ?1 AND admitted_at_ms > ?2";
+
+/// A queue's waiting runs in admission order (parameters: the queue, a limit).
+pub(super) fn waiting_sql() -> String {
+    format!(
+        "SELECT run_id, workflow, priority, created_at_ms FROM runs
+         WHERE queue = ?1 AND admitted_at_ms IS NULL AND {}
+         ORDER BY priority, created_at_ms, run_id LIMIT ?2",
+        active("status")
+    )
+}
+
 /// (admitted and unfinished, admitted in the rate period) of a queue.
 fn counts(conn: &Connection, spec: &QueueSpec, now_ms: i64) -> Result<(u64, u64)> {
-    let in_progress: i64 = conn
-        .prepare_cached(&format!(
-            "SELECT count(*) FROM runs WHERE queue = ?1 AND admitted_at_ms IS NOT NULL AND {}",
-            active("status")
-        ))
-        .db()?
-        .query_row([&spec.name], |r| r.get(0))
-        .db()?;
+    let in_progress: i64 = conn.prepare_cached(&in_progress_sql()).db()?.query_row([&spec.name], |r| r.get(0)).db()?;
     let in_period: i64 = match spec.rate {
         Some(rate) => conn
-            .prepare_cached("SELECT count(*) FROM runs WHERE queue = ?1 AND admitted_at_ms > ?2")
+            .prepare_cached(ADMITTED_SINCE_SQL)
             .db()?
             .query_row(params![spec.name, now_ms.saturating_sub(rate.period_ms)], |r| r.get(0))
             .db()?,
@@ -98,17 +116,17 @@ pub(super) fn admissible(
     slots: &HashMap<&str, usize>,
     now_ms: i64,
 ) -> Result<Vec<(RunRecord, String)>> {
-    let names: Vec<String> = {
+    // The declared queues (at most 1,000), not a DISTINCT over the waiting runs: that walks the
+    // whole waiting index on every claim (measured: 0.25 of the plain saga rate with 20,000
+    // queued runs).
+    let specs: Vec<QueueSpec> = {
         let mut stmt = tx
-            .prepare_cached(&format!(
-                "SELECT DISTINCT queue FROM runs WHERE queue IS NOT NULL AND admitted_at_ms IS NULL AND {}",
-                active("status")
-            ))
+            .prepare_cached("SELECT name, concurrency_max, rate_limit, rate_period_ms FROM queues ORDER BY name")
             .db()?;
-        let rows = stmt.query_map([], |r| r.get(0)).db()?;
+        let rows = stmt.query_map([], spec_row).db()?;
         rows.collect::<rusqlite::Result<Vec<_>>>().db()?
     };
-    if names.is_empty() || workflows.is_empty() {
+    if specs.is_empty() || workflows.is_empty() {
         return Ok(Vec::new());
     }
     let largest = slots.values().copied().max().unwrap_or(0);
@@ -122,8 +140,8 @@ pub(super) fn admissible(
         wanted.join(" OR ")
     );
     let mut out = Vec::new();
-    for name in names {
-        let Some(spec) = load_spec(tx, &name)? else { continue };
+    for spec in specs {
+        let name = spec.name.clone();
         let (in_progress, in_period) = counts(tx, &spec, now_ms)?;
         let room = room(&spec, in_progress, in_period).min(largest as u64);
         if room == 0 {
@@ -157,14 +175,7 @@ fn state(conn: &Connection, spec: QueueSpec, shown: usize, now_ms: i64) -> Resul
         .query_row([&spec.name], |r| r.get(0))
         .db()?;
     let next = {
-        let mut stmt = conn
-            .prepare_cached(&format!(
-                "SELECT run_id, workflow, priority, created_at_ms FROM runs
-                 WHERE queue = ?1 AND admitted_at_ms IS NULL AND {}
-                 ORDER BY priority, created_at_ms, run_id LIMIT ?2",
-                active("status")
-            ))
-            .db()?;
+        let mut stmt = conn.prepare_cached(&waiting_sql()).db()?;
         let rows = stmt
             .query_map(params![spec.name, shown.min(QUEUE_WAITING_SHOWN_MAX) as i64], |r| {
                 Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i32>(2)?, r.get::<_, i64>(3)?))
