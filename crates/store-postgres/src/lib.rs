@@ -17,12 +17,14 @@
 //! has (see `producer.rs` and docs/protocol.md, "Delivery cursors").
 #![warn(missing_docs)]
 
+mod apply;
 mod consumer;
 mod endpoints;
 mod producer;
 mod schema;
 
-pub use consumer::{ApplyTransaction, PgConsumer};
+pub use apply::ApplyTransaction;
+pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
 pub use schema::{validate_schema_name, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
