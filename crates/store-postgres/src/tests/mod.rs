@@ -8,6 +8,7 @@ mod ordering;
 mod producer;
 mod schema;
 mod support;
+mod workflow;
 
 /// Store objects move to the thread that owns them (as SQLite's do), so they must be `Send`.
 #[test]
@@ -15,4 +16,5 @@ fn store_objects_can_move_to_their_own_thread() {
     fn send<T: Send>() {}
     send::<crate::PgProducer>();
     send::<crate::PgConsumer>();
+    send::<crate::PgWorkflows>();
 }
