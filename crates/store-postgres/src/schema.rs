@@ -209,6 +209,11 @@ const MIGRATIONS: &[&str] = &[
         WHERE key IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
     -- Purge: finished runs, oldest first.
     CREATE INDEX runs_finished ON {s}.runs (finished_at_ms, run_id) WHERE finished_at_ms IS NOT NULL;
+    -- The per-type budget: the leased runs of a type, counted under the type's lock by every claim
+    -- that honours a limit. (Not in SQLite's schema, whose single writer counts through runs_due:
+    -- here the count must not read a type's whole backlog on every claim. It holds only leased
+    -- runs, and a heartbeat, which changes only lease_expires_at_ms, stays a HOT update.)
+    CREATE INDEX runs_leased ON {s}.runs (workflow) WHERE lease_token IS NOT NULL;
     -- A parent's children (the cancel cascade).
     CREATE INDEX runs_children ON {s}.runs (parent_run_id, run_id) WHERE parent_run_id IS NOT NULL;
 

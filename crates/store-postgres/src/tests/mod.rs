@@ -6,6 +6,7 @@
 mod consumer;
 mod ordering;
 mod producer;
+mod schedules;
 mod schema;
 mod support;
 mod workflow;

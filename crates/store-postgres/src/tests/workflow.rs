@@ -1688,3 +1688,231 @@ fn a_version_1_schema_is_migrated_to_the_workflow_tables_with_its_rows_kept() {
     let producer = crate::PgProducer::open(&d.db.conn, &old).unwrap();
     assert_eq!(tidemark_core::store::ProducerStore::identity(&producer).source, "shop");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Property: random claims, heartbeats, writes, suspends, releases and finishes by three workers,
+// each with its own store (connection), against a model of who holds which run. After every
+// step: a write is fenced exactly when its token is not the run's current one; per-type limits
+// and per-key serialization hold; journals are contiguous; finished runs are never handed out.
+
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        // xorshift64*: deterministic per seed, no wall clock.
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) % n
+    }
+}
+
+/// What one simulation exercised: (fenced writes, recoveries, finished runs).
+fn simulate(d: &Db, seed: u64) -> (u32, u32, usize) {
+    use std::collections::{BTreeMap, BTreeSet};
+    let mut stores: Vec<PgWorkflows> = (0..3).map(|_| d.another()).collect();
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let keys = [Some("k1"), Some("k2"), None];
+    let mut now = 1_000;
+    let prefix = format!("s{seed}-");
+    for i in 0..12 {
+        let workflow = if i % 2 == 0 { "alpha" } else { "beta" };
+        let key = keys[rng.below(3) as usize].map(|k| format!("{prefix}{k}"));
+        let request = StartRequest { workflow: workflow.into(), key, ..req(&format!("{prefix}r{i:02}")) };
+        start(&mut stores[0], &[request], now);
+        now += 1;
+    }
+    let workflows = || vec![version("alpha", 1, Some(2)), version("beta", 1, None)];
+    let workers = ["w0", "w1", "w2"];
+    let mut current: BTreeMap<String, Option<String>> = BTreeMap::new();
+    let mut held: Vec<BTreeMap<String, String>> = vec![BTreeMap::new(); 3];
+    let mut finished: BTreeSet<String> = BTreeSet::new();
+    let (mut fenced, mut recoveries) = (0, 0);
+    for _ in 0..200 {
+        now += rng.below(400) as i64;
+        let w = rng.below(3) as usize;
+        let worker = workers[w];
+        let action = rng.below(6);
+        if action == 0 || held[w].is_empty() {
+            let limit = 1 + rng.below(3) as usize;
+            let request = ClaimRequest { worker_id: worker.into(), workflows: workflows(), limit, lease_ms: LEASE_MS };
+            for c in stores[w].claim(&request, now).unwrap() {
+                assert!(!finished.contains(&c.run.run_id), "seed {seed}: a finished run was claimed");
+                recoveries += u32::from(c.recovered);
+                let seqs: Vec<u32> = c.journal.iter().map(|e| e.seq).collect();
+                assert_eq!(seqs, (0..c.journal.len() as u32).collect::<Vec<_>>(), "seed {seed}: journal has gaps");
+                current.insert(c.run.run_id.clone(), Some(c.lease_token.clone()));
+                held[w].insert(c.run.run_id, c.lease_token);
+            }
+        } else if action == 1 {
+            let leases: Vec<(String, String)> = held[w].iter().map(|(r, t)| (r.clone(), t.clone())).collect();
+            let states = stores[w].heartbeat(worker, &leases, LEASE_MS, now).unwrap();
+            for ((run_id, _), state) in leases.iter().zip(states) {
+                if state == LeaseState::Lost {
+                    held[w].remove(run_id);
+                }
+            }
+        } else {
+            let pick = rng.below(held[w].len() as u64) as usize;
+            let (run_id, token) = held[w].iter().nth(pick).map(|(r, t)| (r.clone(), t.clone())).unwrap();
+            let before = detail(&stores[w], &run_id);
+            let next = before.journal.len() as u32;
+            let op = match action {
+                2 => step_ok(next, &format!("step{next}"), 1, json!(next)),
+                3 => JournalOp::Suspend {
+                    status: SuspendStatus::Sleeping,
+                    wake_at_ms: now + rng.below(2_000) as i64,
+                    waiting_for: None,
+                },
+                4 => JournalOp::Release,
+                _ => finish(FinishStatus::Completed, Some(json!(run_id)), None),
+            };
+            let result = commit_one(&mut stores[w], &run_id, &token, op, now);
+            let expected_fenced = current[&run_id].as_deref() != Some(token.as_str());
+            assert_eq!(result == WriteResult::Fenced, expected_fenced, "seed {seed}: fencing of {run_id}");
+            if expected_fenced {
+                fenced += 1;
+                assert_eq!(detail(&stores[w], &run_id), before, "seed {seed}: a fenced write changed {run_id}");
+                held[w].remove(&run_id);
+            } else if action != 2 {
+                current.insert(run_id.clone(), None);
+                held[w].remove(&run_id);
+                if action == 5 {
+                    finished.insert(run_id.clone());
+                }
+            }
+        }
+        check_claim_invariants(d, &prefix, now, seed);
+    }
+    (fenced, recoveries, finished.len())
+}
+
+fn check_claim_invariants(d: &Db, prefix: &str, now: i64, seed: u64) {
+    let mut client = d.db.client();
+    let active = "status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+    let q = |sql: &str| crate::schema::sql(&d.schema, sql);
+    let like = format!("{prefix}%");
+    let live_alpha: i64 = client
+        .query_one(
+            &q(&format!(
+                "SELECT count(*) FROM {{s}}.runs WHERE run_id LIKE $1 AND workflow = 'alpha' AND {active}
+                   AND lease_expires_at_ms > $2"
+            )),
+            &[&like, &now],
+        )
+        .unwrap()
+        .get(0);
+    assert!(live_alpha <= 2, "seed {seed}: {live_alpha} live leases of alpha (limit 2)");
+    let per_key = client
+        .query(
+            &q(&format!(
+                "SELECT key, count(*) FROM {{s}}.runs WHERE key LIKE $1 AND {active} AND lease_expires_at_ms > $2
+                 GROUP BY key"
+            )),
+            &[&like, &now],
+        )
+        .unwrap();
+    for row in per_key {
+        let (key, leased): (String, i64) = (row.get(0), row.get(1));
+        assert!(leased <= 1, "seed {seed}: {leased} live leases on key {key}");
+        let row = client
+            .query_one(
+                &q(&format!(
+                    "SELECT (SELECT run_id FROM {{s}}.runs WHERE key = $1 AND {active} ORDER BY created_at_ms, run_id LIMIT 1),
+                            (SELECT run_id FROM {{s}}.runs WHERE key = $1 AND {active} AND lease_expires_at_ms > $2)"
+                )),
+                &[&key, &now],
+            )
+            .unwrap();
+        let (oldest, holder): (String, String) = (row.get(0), row.get(1));
+        assert_eq!(holder, oldest, "seed {seed}: key {key} is held by a run that is not its oldest active one");
+    }
+}
+
+#[test]
+fn random_workers_on_three_connections_never_break_fencing_limits_or_key_order() {
+    let d = db!("wf_simulate");
+    let (mut fenced, mut recoveries, mut finished) = (0, 0, 0);
+    for seed in 1..=4 {
+        let (f, r, done) = simulate(&d, seed);
+        (fenced, recoveries, finished) = (fenced + f, recoveries + r, finished + done);
+    }
+    eprintln!("simulated: {fenced} fenced writes, {recoveries} recoveries, {finished} finished runs");
+    assert!(
+        fenced > 0 && recoveries > 0 && finished > 0,
+        "the simulation must exercise fencing, recovery and finishing"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Query plans
+
+/// On 60,000 runs (a third finished, a third keyed, journals, receipts and schedules) after
+/// `ANALYZE`, the
+/// claim, its budget count and key check, the commit's lock, the purge and the receipts' expiry
+/// each read their index, never the whole table. `--nocapture` prints the plans (docs/postgres.md
+/// shows them).
+#[test]
+fn workflow_queries_use_their_indexes() {
+    let d = db!("wf_explain");
+    let mut client = d.db.client();
+    let s = format!("\"{}\"", d.schema);
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
+                                   created_at_ms, updated_at_ms, finished_at_ms, parent_run_id, parent_seq)
+               SELECT 'r' || g, CASE WHEN g % 4 = 0 THEN 'refund' ELSE 'order_saga' END, 1, '{{}}', 'h',
+                      CASE WHEN g % 3 = 0 THEN 'k' || (g % 5000) END,
+                      CASE WHEN g % 3 = 1 THEN 'completed' ELSE 'pending' END, g, g, g,
+                      CASE WHEN g % 3 = 1 THEN g END,
+                      CASE WHEN g % 10 = 0 THEN 'r' || (g - 1) END, CASE WHEN g % 10 = 0 THEN 0 END
+               FROM generate_series(1, 60000) g;
+             INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, updated_at_ms)
+               SELECT 'r' || g, s, 'step', 'external', 'completed', 1, g
+               FROM generate_series(1, 60000) g, generate_series(0, 2) s;
+             INSERT INTO {s}.run_receipts (run_id, workflow, input_hash, status, finished_at_ms, expires_at_ms)
+               SELECT 'old' || g, 'order_saga', 'h', 'completed', g, g + 1000 FROM generate_series(1, 60000) g;
+             INSERT INTO {s}.schedules (schedule_id, workflow, input, interval_ms, timezone, catch_up, paused,
+                                        next_tick_at_ms, created_at_ms, updated_at_ms)
+               SELECT 's' || g, 'report', '{{}}', 60000, 'UTC', 'one', g % 7 = 0, g * 10, 0, 0
+               FROM generate_series(1, 10000) g;
+             ANALYZE {s}.runs; ANALYZE {s}.journal; ANALYZE {s}.run_receipts; ANALYZE {s}.schedules;"
+        ))
+        .unwrap();
+    let plan = |client: &mut postgres::Client, template: &str, args: &str| -> String {
+        let statement = crate::schema::sql(&d.schema, template);
+        client.batch_execute("DEALLOCATE ALL").unwrap();
+        client.batch_execute(&format!("PREPARE p AS {statement}")).unwrap();
+        let rows = client.query(&format!("EXPLAIN EXECUTE p({args})"), &[]).unwrap();
+        let text = rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n");
+        println!("---- {}\n{text}", template.lines().next().unwrap_or(""));
+        text
+    };
+    let no_seq_scan = |plan: &str, table: &str| {
+        assert!(!plan.contains(&format!("Seq Scan on {table}")), "a full scan of {table}:\n{plan}");
+    };
+    let claim = plan(&mut client, crate::workflow::CLAIM_CANDIDATES_SQL, "'order_saga', 1, 30000, 64");
+    assert!(claim.contains("runs_due"), "{claim}");
+    assert!(claim.contains("runs_key"), "{claim}");
+    assert!(claim.contains("LockRows"), "{claim}");
+    no_seq_scan(&claim, "runs");
+    let count = plan(&mut client, crate::workflow::LEASED_COUNT_SQL, "'order_saga', 30000");
+    assert!(count.contains("runs_leased"), "{count}");
+    no_seq_scan(&count, "runs");
+    let keys = plan(&mut client, crate::workflow::KEYS_STILL_FREE_SQL, "ARRAY['r3', 'r6'], 30000");
+    assert!(keys.contains("runs_pkey") && keys.contains("runs_key"), "{keys}");
+    no_seq_scan(&keys, "runs");
+    let lock = plan(&mut client, crate::workflow::commit::LOCK_BATCH_SQL, "ARRAY['r1', 'r2'], ARRAY['r10']");
+    assert!(lock.contains("runs_pkey") && lock.contains("runs_children"), "{lock}");
+    no_seq_scan(&lock, "runs");
+    let purge = plan(&mut client, crate::workflow::operator::PURGE_SELECT_SQL, "30000, 1000");
+    assert!(purge.contains("runs_finished"), "{purge}");
+    no_seq_scan(&purge, "runs");
+    let journal = plan(&mut client, "DELETE FROM {s}.journal WHERE run_id = ANY($1)", "ARRAY['r1', 'r4']");
+    assert!(journal.contains("journal_pkey"), "{journal}");
+    let expire = plan(&mut client, crate::workflow::operator::RECEIPTS_EXPIRED_DELETE_SQL, "5000, 1000");
+    assert!(expire.contains("run_receipts_expiry"), "{expire}");
+    no_seq_scan(&expire, "run_receipts");
+    let due = plan(&mut client, crate::workflow::schedules::DUE_SQL, "5000, 1000");
+    assert!(due.contains("schedules_due"), "{due}");
+}

@@ -149,10 +149,13 @@ fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<Stri
 /// cancels), in run id order: two commits, a commit and a heartbeat, or a commit and an
 /// operator's `abandon` never wait for each other in a cycle. The lease token and the cancel
 /// request read here are the run's as of this transaction: nobody can change them until it ends.
+/// (The family's ids are gathered first, by `runs_pkey` and `runs_children`, so that the rows to
+/// lock are one primary-key probe each.)
 pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token, cancel_requested FROM {s}.runs
- WHERE run_id = ANY($1)
-    OR run_id IN (SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
-    OR (parent_run_id = ANY($2) AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating'))
+ WHERE run_id = ANY($1::text[]
+     || ARRAY(SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
+     || ARRAY(SELECT run_id FROM {s}.runs WHERE parent_run_id = ANY($2)
+                AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')))
  ORDER BY run_id
  FOR UPDATE";
 

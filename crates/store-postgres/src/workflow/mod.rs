@@ -47,10 +47,10 @@
 //!   wait for a row lock, so lock waits cannot form a cycle. Every wait is bounded by the
 //!   session's `lock_timeout` (10 s; a `store` error after it).
 
-mod commit;
-mod operator;
+pub(crate) mod commit;
+pub(crate) mod operator;
 mod rows;
-mod schedules;
+pub(crate) mod schedules;
 
 use std::cell::{RefCell, RefMut};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -281,9 +281,9 @@ pub(crate) const KEYS_STILL_FREE_SQL: &str = "SELECT r.run_id FROM {s}.runs r
                      AND o.run_id <> r.run_id AND o.lease_token IS NOT NULL AND o.lease_expires_at_ms > $2)";
 
 /// Runs of a workflow type holding a live lease (parameters: workflow, now_ms), counted under the
-/// type's advisory lock.
+/// type's advisory lock, by `runs_leased` (only leased runs; a run holding a lease is active, a
+/// CHECK of the table says so).
 pub(crate) const LEASED_COUNT_SQL: &str = "SELECT count(*) FROM {s}.runs WHERE workflow = $1
-   AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
    AND lease_token IS NOT NULL AND lease_expires_at_ms > $2";
 
 /// Lease the chosen runs in one statement: `$1` run ids, `$5` their new tokens, `$6` whether

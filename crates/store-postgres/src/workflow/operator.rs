@@ -254,10 +254,12 @@ pub(crate) const PURGE_SELECT_SQL: &str = "SELECT run_id, workflow, input_hash, 
  ORDER BY finished_at_ms, run_id LIMIT $2
  FOR UPDATE SKIP LOCKED";
 
-/// Expired receipts, a bounded batch (parameters: now_ms, limit), by `run_receipts_expiry`.
-pub(crate) const RECEIPTS_EXPIRED_DELETE_SQL: &str = "DELETE FROM {s}.run_receipts WHERE run_id IN
- (SELECT run_id FROM {s}.run_receipts WHERE expires_at_ms <= $1 ORDER BY expires_at_ms LIMIT $2
-  FOR UPDATE SKIP LOCKED)";
+/// Expired receipts, a bounded batch (parameters: now_ms, limit): found by `run_receipts_expiry`
+/// (rows another purge holds are passed over), then deleted by `run_receipts_pkey` (the ids are
+/// gathered first: a join of the table with its own batch would read the whole table).
+pub(crate) const RECEIPTS_EXPIRED_DELETE_SQL: &str = "DELETE FROM {s}.run_receipts WHERE run_id = ANY(ARRAY(
+     SELECT run_id FROM {s}.run_receipts WHERE expires_at_ms <= $1 ORDER BY expires_at_ms LIMIT $2
+     FOR UPDATE SKIP LOCKED))";
 
 /// The receipts of the runs a purge batch deletes (those still inside their window).
 const RECEIPTS_INSERT_SQL: &str = "INSERT INTO {s}.run_receipts (run_id, workflow, input_hash, status,
