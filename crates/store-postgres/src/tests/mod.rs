@@ -10,6 +10,8 @@ mod schedules;
 mod schema;
 mod support;
 mod workflow;
+mod workflow_kill;
+mod workflow_runtime;
 
 /// Store objects move to the thread that owns them (as SQLite's do), so they must be `Send`.
 #[test]
