@@ -1848,13 +1848,17 @@ fn random_workers_on_three_connections_never_break_fencing_limits_or_key_order()
 // Query plans
 
 /// On 60,000 runs (a third finished, a third keyed, journals, receipts and schedules) after
-/// `ANALYZE`, the
-/// claim, its budget count and key check, the commit's lock, the purge and the receipts' expiry
-/// each read their index, never the whole table. `--nocapture` prints the plans (docs/postgres.md
-/// shows them).
+/// `ANALYZE`, the claim, its budget count and key check, the commit's lock, the purge and the
+/// receipts' expiry each read their index, never the whole table. `--nocapture` prints the plans
+/// (docs/postgres.md shows them); `TIDEMARK_EXPLAIN_RUNS=1000000` makes the tables that large,
+/// and `TIDEMARK_EXPLAIN_ANALYZE=1` runs each statement (`EXPLAIN (ANALYZE, BUFFERS)`, rolled
+/// back) to show what it read and how long it took.
 #[test]
 fn workflow_queries_use_their_indexes() {
     let d = db!("wf_explain");
+    let runs: i64 = std::env::var("TIDEMARK_EXPLAIN_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(60_000);
+    let analyze = std::env::var_os("TIDEMARK_EXPLAIN_ANALYZE").is_some();
+    let half = runs / 2;
     let mut client = d.db.client();
     let s = format!("\"{}\"", d.schema);
     client
@@ -1866,12 +1870,12 @@ fn workflow_queries_use_their_indexes() {
                       CASE WHEN g % 3 = 1 THEN 'completed' ELSE 'pending' END, g, g, g,
                       CASE WHEN g % 3 = 1 THEN g END,
                       CASE WHEN g % 10 = 0 THEN 'r' || (g - 1) END, CASE WHEN g % 10 = 0 THEN 0 END
-               FROM generate_series(1, 60000) g;
+               FROM generate_series(1, {runs}) g;
              INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, updated_at_ms)
                SELECT 'r' || g, s, 'step', 'external', 'completed', 1, g
-               FROM generate_series(1, 60000) g, generate_series(0, 2) s;
+               FROM generate_series(1, {runs}) g, generate_series(0, 2) s;
              INSERT INTO {s}.run_receipts (run_id, workflow, input_hash, status, finished_at_ms, expires_at_ms)
-               SELECT 'old' || g, 'order_saga', 'h', 'completed', g, g + 1000 FROM generate_series(1, 60000) g;
+               SELECT 'old' || g, 'order_saga', 'h', 'completed', g, g + 1000 FROM generate_series(1, {runs}) g;
              INSERT INTO {s}.schedules (schedule_id, workflow, input, interval_ms, timezone, catch_up, paused,
                                         next_tick_at_ms, created_at_ms, updated_at_ms)
                SELECT 's' || g, 'report', '{{}}', 60000, 'UTC', 'one', g % 7 = 0, g * 10, 0, 0
@@ -1883,7 +1887,10 @@ fn workflow_queries_use_their_indexes() {
         let statement = crate::schema::sql(&d.schema, template);
         client.batch_execute("DEALLOCATE ALL").unwrap();
         client.batch_execute(&format!("PREPARE p AS {statement}")).unwrap();
-        let rows = client.query(&format!("EXPLAIN EXECUTE p({args})"), &[]).unwrap();
+        let explain = if analyze { "EXPLAIN (ANALYZE, BUFFERS)" } else { "EXPLAIN" };
+        let mut tx = client.transaction().unwrap();
+        let rows = tx.query(&format!("{explain} EXECUTE p({args})"), &[]).unwrap();
+        tx.rollback().unwrap();
         let text = rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n");
         println!("---- {}\n{text}", template.lines().next().unwrap_or(""));
         text
@@ -1891,21 +1898,21 @@ fn workflow_queries_use_their_indexes() {
     let no_seq_scan = |plan: &str, table: &str| {
         assert!(!plan.contains(&format!("Seq Scan on {table}")), "a full scan of {table}:\n{plan}");
     };
-    let claim = plan(&mut client, crate::workflow::CLAIM_CANDIDATES_SQL, "'order_saga', 1, 30000, 64");
+    let claim = plan(&mut client, crate::workflow::CLAIM_CANDIDATES_SQL, &format!("'order_saga', 1, {half}, 64"));
     assert!(claim.contains("runs_due"), "{claim}");
     assert!(claim.contains("runs_key"), "{claim}");
     assert!(claim.contains("LockRows"), "{claim}");
     no_seq_scan(&claim, "runs");
-    let count = plan(&mut client, crate::workflow::LEASED_COUNT_SQL, "'order_saga', 30000");
+    let count = plan(&mut client, crate::workflow::LEASED_COUNT_SQL, &format!("'order_saga', {half}"));
     assert!(count.contains("runs_leased"), "{count}");
     no_seq_scan(&count, "runs");
-    let keys = plan(&mut client, crate::workflow::KEYS_STILL_FREE_SQL, "ARRAY['r3', 'r6'], 30000");
+    let keys = plan(&mut client, crate::workflow::KEYS_STILL_FREE_SQL, &format!("ARRAY['r3', 'r6'], {half}"));
     assert!(keys.contains("runs_pkey") && keys.contains("runs_key"), "{keys}");
     no_seq_scan(&keys, "runs");
     let lock = plan(&mut client, crate::workflow::commit::LOCK_BATCH_SQL, "ARRAY['r1', 'r2'], ARRAY['r10']");
     assert!(lock.contains("runs_pkey") && lock.contains("runs_children"), "{lock}");
     no_seq_scan(&lock, "runs");
-    let purge = plan(&mut client, crate::workflow::operator::PURGE_SELECT_SQL, "30000, 1000");
+    let purge = plan(&mut client, crate::workflow::operator::PURGE_SELECT_SQL, &format!("{half}, 1000"));
     assert!(purge.contains("runs_finished"), "{purge}");
     no_seq_scan(&purge, "runs");
     let journal = plan(&mut client, "DELETE FROM {s}.journal WHERE run_id = ANY($1)", "ARRAY['r1', 'r4']");
