@@ -1240,6 +1240,25 @@ fn a_parents_end_cancels_its_active_children_and_a_parked_child_tells_nobody() {
     assert!(detail(&d.store, "p").events.is_empty());
 }
 
+/// A parent that ends and its child that suspends, in one batch (one worker runs both): the
+/// cancel the parent's end requests keeps the child due (the suspension reads the flag as the
+/// batch left it, not as it was when the batch began).
+#[test]
+fn a_child_suspending_in_the_batch_that_ends_its_parent_stays_due() {
+    let mut d = db!("wf_cascade_batch");
+    let t = started_and_claimed(&mut d.store, "p", 1_000);
+    let started = d.store.commit(vec![write("p", &t, start_child("p", 0, "double", json!({})))], 1_010).unwrap();
+    assert_eq!(started, [WriteResult::TxResult(Ok(json!(null)))]);
+    let c = claim_child(&mut d.store, 1_020);
+    let sleep = JournalOp::Suspend { status: SuspendStatus::Sleeping, wake_at_ms: 90_000, waiting_for: None };
+    let batch =
+        vec![write("p", &t, finish(FinishStatus::Failed, None, Some("gave up"))), write("p.0", &c.lease_token, sleep)];
+    assert_eq!(d.store.commit(batch, 1_030).unwrap(), [WriteResult::Done, WriteResult::Done]);
+    let child = detail(&d.store, "p.0").run;
+    assert!(child.cancel_requested);
+    assert_eq!((child.status, child.wake_at_ms), (RunStatus::Sleeping, 1_030), "the cancel keeps it due");
+}
+
 #[test]
 fn abandoning_a_parent_cancels_its_children_and_abandoning_a_child_wakes_its_parent() {
     let mut d = db!("wf_abandon_cascade");

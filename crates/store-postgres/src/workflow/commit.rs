@@ -147,11 +147,11 @@ fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<Stri
 /// Lock, before anything is written, every run of the batch (`$1`), and for the runs it may
 /// finish (`$2`) their parent and their active children (whom the end notifies, wakes or
 /// cancels), in run id order: two commits, a commit and a heartbeat, or a commit and an
-/// operator's `abandon` never wait for each other in a cycle. The lease token and the cancel
-/// request read here are the run's as of this transaction: nobody can change them until it ends.
+/// operator's `abandon` never wait for each other in a cycle. The lease token read here is the
+/// run's as of this transaction: nobody else can change it until the transaction ends.
 /// (The family's ids are gathered first, by `runs_pkey` and `runs_children`, so that the rows to
 /// lock are one primary-key probe each.)
-pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token, cancel_requested FROM {s}.runs
+pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token FROM {s}.runs
  WHERE run_id = ANY($1::text[]
      || ARRAY(SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
      || ARRAY(SELECT run_id FROM {s}.runs WHERE parent_run_id = ANY($2)
@@ -198,16 +198,17 @@ const TIMER_STARTED_SQL: &str = "INSERT INTO {s}.journal (run_id, seq, name, kin
 const TIMER_FINISHED_SQL: &str =
     "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4 WHERE run_id = $1 AND seq = $2";
 const CONSUME_EVENT_SQL: &str = "UPDATE {s}.run_events SET consumed_by_seq = $3 WHERE run_id = $1 AND event_id = $2";
-/// Release the lease and wait. Due now instead of at `$3` when a cancel was requested (`$5`) or
-/// an unconsumed event the run waits for (`$4`), or any child's end (a parent may await several
-/// at once), is already there: read by this statement, after the run's lock was granted, so an
-/// event sent meanwhile is either seen here or wakes the suspended run itself.
+/// Release the lease and wait. Due now (`$5`) instead of at `$3` when a cancel was requested (the
+/// row's own flag, as this transaction left it: a parent's end earlier in the batch may have set
+/// it) or an unconsumed event the run waits for (`$4`), or any child's end (a parent may await
+/// several at once), is already there: read by this statement, after the run's lock was granted,
+/// so an event sent meanwhile is either seen here or wakes the suspended run itself.
 const SUSPEND_SQL: &str = "UPDATE {s}.runs SET status = $2, waiting_for = $4,
      lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
-     wake_at_ms = CASE WHEN $5::boolean OR ($4::text IS NOT NULL AND EXISTS (
+     wake_at_ms = CASE WHEN cancel_requested OR ($4::text IS NOT NULL AND EXISTS (
              SELECT 1 FROM {s}.run_events WHERE run_id = $1 AND (name = $4 OR name LIKE 'child/%')
                AND consumed_by_seq IS NULL))
-         THEN least($3::bigint, $6::bigint) ELSE $3::bigint END
+         THEN least($3::bigint, $5::bigint) ELSE $3::bigint END
  WHERE run_id = $1";
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
@@ -262,7 +263,6 @@ const NOTIFY_ADOPTED_SQL: &str = "INSERT INTO {s}.run_events (run_id, event_id, 
 struct RunState {
     /// The run's lease token now (`None`: released, finished or suspended in this batch).
     token: Option<String>,
-    cancel_requested: bool,
     /// The run's next free journal position, when a write of this batch established it.
     next_seq: Option<u32>,
     /// A transactional step's body ran for this run since its row was read: read it again
@@ -308,13 +308,7 @@ pub(super) fn commit(
         for row in c.query(&lock, &[&run_ids, &finishing]).db()? {
             let run_id: String = col(&row, 0)?;
             if run_ids.binary_search(&run_id.as_str()).is_ok() {
-                let state = RunState {
-                    token: col(&row, 1)?,
-                    cancel_requested: col(&row, 2)?,
-                    next_seq: None,
-                    stale: false,
-                    touched: false,
-                };
+                let state = RunState { token: col(&row, 1)?, next_seq: None, stale: false, touched: false };
                 runs.insert(run_id, state);
             }
         }
@@ -354,10 +348,7 @@ fn apply_write(
         let mut c = apply.client_mut();
         let row = c
             .query_opt(
-                &crate::schema::sql(
-                    apply.schema(),
-                    "SELECT lease_token, cancel_requested FROM {s}.runs WHERE run_id = $1",
-                ),
+                &crate::schema::sql(apply.schema(), "SELECT lease_token FROM {s}.runs WHERE run_id = $1"),
                 &[&run_id],
             )
             .db()?;
@@ -365,7 +356,6 @@ fn apply_write(
             return Err(Error::Invariant(format!("run {run_id} vanished inside its own commit")));
         };
         state.token = col(&row, 0)?;
-        state.cancel_requested = col(&row, 1)?;
         state.next_seq = None;
         state.stale = false;
     }
@@ -541,12 +531,8 @@ fn apply_write(
         JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
             let mut c = apply.client_mut();
             let suspend = st.get(&mut *c, SUSPEND_SQL)?;
-            let changed = c
-                .execute(
-                    &suspend,
-                    &[&run, &status.run_status().as_str(), &wake_at_ms, &waiting_for, &state.cancel_requested, &now_ms],
-                )
-                .db()?;
+            let changed =
+                c.execute(&suspend, &[&run, &status.run_status().as_str(), &wake_at_ms, &waiting_for, &now_ms]).db()?;
             ensure_invariant!(changed == 1, "run {run}: its locked row did not suspend");
             state.token = None;
             Ok(WriteResult::Done)
