@@ -1090,6 +1090,66 @@ fn send_event_refuses_unknown_finished_runs_and_bad_input() {
     assert!(before.events.is_empty());
 }
 
+/// An inbox handler on a consumer of the same database sends the event inside its apply
+/// transaction: a refused apply leaves no event, an applied one wakes the run with it.
+#[test]
+fn an_inbox_handler_can_send_an_event_inside_its_apply_transaction() {
+    use tidemark_core::store::{ConsumerStore, DrainScope, HandleError, Handler, ReceiveOutcome};
+    struct ToRun {
+        schema: String,
+        refuse: bool,
+    }
+    impl Handler<ApplyTransaction> for ToRun {
+        fn handle(
+            &mut self,
+            tx: &ApplyTransaction,
+            _consumer: &str,
+            event: &tidemark_core::Envelope,
+        ) -> Result<(), HandleError> {
+            // Bad input is refused before any statement (the apply transaction goes on).
+            let bad = crate::send_event_in(tx, "Bad", "r1", "e", "approved", &event.payload, 2_000);
+            assert_eq!(bad.unwrap_err().code(), codes::INVALID_ARGUMENT);
+            let bad = crate::send_event_in(tx, &self.schema, "r1", "bad id", "approved", &event.payload, 2_000);
+            assert_eq!(bad.unwrap_err().code(), codes::INVALID_ID);
+            let sent = crate::send_event_in(tx, &self.schema, "r1", &event.event_id, "approved", &event.payload, 2_000)
+                .map_err(HandleError::Failed)?;
+            assert!(sent);
+            if self.refuse {
+                return Err(HandleError::Blocked("refused after sending".into()));
+            }
+            Ok(())
+        }
+    }
+    let mut d = db!("wf_inbox_event");
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    wait_for_approval(&mut d.store, "r1", &t, 1_010);
+    let mut consumer =
+        crate::PgConsumer::init(&d.db.conn, &d.db.schema("inbox"), tidemark_core::policy::RetentionPolicy::default())
+            .unwrap();
+    let event = tidemark_core::Envelope {
+        event_id: "e1".into(),
+        source: "shop".into(),
+        generation: "g1".into(),
+        flow_id: "f".into(),
+        seq: 1,
+        event_type: "approved".into(),
+        schema_version: 1,
+        payload: json!({"by": "ann"}),
+        created_at_ms: 1_500,
+    };
+    let received = consumer.receive_batch(&[("c", &event)], 1_600).unwrap();
+    assert!(matches!(received[0], ReceiveOutcome::Accepted { .. }));
+    let mut refusing = ToRun { schema: d.schema.clone(), refuse: true };
+    consumer.drain("c", &DrainScope::All, 10, &mut refusing, 1_700).unwrap();
+    assert!(detail(&d.store, "r1").events.is_empty(), "rolled back with the refused apply");
+    assert_eq!(detail(&d.store, "r1").run.wake_at_ms, 100_000);
+    let mut applying = ToRun { schema: d.schema.clone(), refuse: false };
+    assert_eq!(consumer.drain("c", &DrainScope::All, 10, &mut applying, 1_800).unwrap().applied, 1);
+    let run = detail(&d.store, "r1");
+    assert_eq!((run.events.len(), run.run.wake_at_ms), (1, 2_000));
+    assert_eq!(run.events[0].payload, json!({"by": "ann"}));
+}
+
 #[test]
 fn finish_ends_the_run_releases_the_lease_and_fences_later_writes() {
     let mut d = db!("wf_finish");

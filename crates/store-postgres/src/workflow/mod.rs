@@ -197,6 +197,27 @@ fn validate_event(run_id: &str, event_id: &str, name: &str, payload: &Value) -> 
     validate_json_size("event payload", payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
 }
 
+/// Deliver an event to a run of the workflow store in schema `workflow_schema` inside the
+/// transaction the store handed `tx` (an inbox handler's apply transaction on a `PgConsumer` of
+/// the same database, or a transactional step's): the event, and the run's wake-up, commit exactly
+/// when that transaction does. Same rules and answers as [`WorkflowStore::send_event`]; the run is
+/// locked until the transaction ends.
+pub fn send_event_in(
+    tx: &ApplyTransaction,
+    workflow_schema: &str,
+    run_id: &str,
+    event_id: &str,
+    name: &str,
+    payload: &Value,
+    now_ms: i64,
+) -> Result<bool> {
+    validate_schema_name(workflow_schema)?;
+    validate_event(run_id, event_id, name, payload)?;
+    // Prepared for this call only: the handle's statement cache belongs to its own store.
+    let mut st = Statements::new(workflow_schema);
+    send_event_validated(&mut *tx.client_mut(), &mut st, run_id, event_id, name, payload, now_ms)
+}
+
 /// Lock the run (a `send_event` and a `Suspend` of it then wait for each other), then insert the
 /// event and wake the run if it waits for that name. In the caller's transaction.
 fn send_event_validated(
