@@ -13,6 +13,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod queue_cmd;
 mod remote;
 mod schedule_cmd;
 mod server_cmd;
@@ -116,6 +117,9 @@ enum Command {
     /// Schedules of the built-in workflows: put, list, show, pause, resume, delete, tick.
     #[command(subcommand)]
     Schedule(schedule_cmd::ScheduleCommand),
+    /// Queues of a workflow database: put (concurrency and rate limits), list, show (positions).
+    #[command(subcommand)]
+    Queue(queue_cmd::QueueCommand),
     /// Run the service: HTTP API, dashboard, metrics, and every tenant's relay, consumers,
     /// workers and retention (see docs/operations.md).
     Serve(server_cmd::ServeArgs),
@@ -812,6 +816,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Worker(args) => workflow_cmd::worker::run(&ctx, args),
         Command::Workflow(command) => workflow_cmd::run(&ctx, command),
         Command::Schedule(command) => schedule_cmd::run(&ctx, command),
+        Command::Queue(command) => queue_cmd::run(&ctx, command),
         Command::Serve(args) => server_cmd::serve(&ctx, args),
         Command::Config(command) => server_cmd::config(command),
         Command::Token(command) => server_cmd::token(&ctx, command),

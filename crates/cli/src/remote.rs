@@ -16,6 +16,7 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::{Error, Result};
 
+use crate::queue_cmd::QueueCommand;
 use crate::schedule_cmd::ScheduleCommand;
 use crate::workflow_cmd::WorkflowCommand;
 use crate::{ActionArg, Command, InboxCommand, OutboxCommand};
@@ -198,6 +199,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
         }
         Command::Workflow(command) => workflow(remote, command),
         Command::Schedule(command) => schedule(remote, command),
+        Command::Queue(command) => queue(remote, command),
         Command::Init(_) => Err(no_route("init")),
         Command::Subscribe(_) => Err(no_route("subscribe (declare a consumer: PUT /v1/consumers/{id})")),
         Command::Relay(_) => Err(no_route("relay (the server relays by itself)")),
@@ -265,6 +267,23 @@ fn schedule(remote: &Remote, command: ScheduleCommand) -> Result<Value> {
     }
 }
 
+/// `tidemark queue ...` against `/v1/queues`.
+fn queue(remote: &Remote, command: QueueCommand) -> Result<Value> {
+    match command {
+        QueueCommand::Put { name, concurrency, rate_limit, rate_period_ms, .. } => {
+            let spec = crate::queue_cmd::spec_of(name, concurrency, rate_limit, rate_period_ms)?;
+            let body = json!({"concurrency_max": spec.concurrency_max, "rate": spec.rate});
+            let answer = remote.send(Method::PUT, &format!("/v1/queues/{}", spec.name), &[], Some(body))?;
+            Ok(json!({"outcome": "declared", "queue": answer}))
+        }
+        QueueCommand::List { .. } => remote.send(Method::GET, "/v1/queues", &[], None),
+        QueueCommand::Show { name, .. } => {
+            let name = segment("queue", &name)?;
+            Ok(json!({"queue": remote.send(Method::GET, &format!("/v1/queues/{name}"), &[], None)?}))
+        }
+    }
+}
+
 fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
     let reason_route = |run_id: &str, action: &str, reason: String| -> Result<Value> {
         let run = segment("run_id", run_id)?;
@@ -276,7 +295,18 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
             let sku = segment("sku", &sku)?;
             remote.send(Method::PUT, &format!("/v1/stock/{sku}"), &[], Some(json!({"quantity": quantity})))
         }
-        WorkflowCommand::Start { workflow, run_id, input, input_file, key, start_at_ms, .. } => {
+        WorkflowCommand::Start {
+            workflow,
+            run_id,
+            input,
+            input_file,
+            key,
+            start_at_ms,
+            queue,
+            priority,
+            dedup_id,
+            ..
+        } => {
             validate_id("run_id", &run_id)?;
             validate_id("workflow", &workflow)?;
             let input = crate::workflow_cmd::read_input(input.as_deref(), input_file.as_deref())?;
@@ -286,6 +316,9 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
             }
             if let Some(at) = start_at_ms {
                 body["start_at_ms"] = json!(at);
+            }
+            if let Some(queue) = queue {
+                body["queue"] = json!({"queue": queue, "priority": priority, "dedup_id": dedup_id});
             }
             remote.send(Method::POST, "/v1/runs", &[], Some(body))
         }

@@ -13,6 +13,7 @@ pub mod id;
 pub mod limits;
 pub mod model;
 pub mod policy;
+pub mod queue;
 pub mod reservation;
 pub mod schedule;
 pub mod store;

@@ -480,6 +480,10 @@ pub struct StartRequest {
     pub key: Option<String>,
     /// Do not run before this time (durable start-at timer).
     pub start_at_ms: Option<i64>,
+    /// Run through a named queue (its concurrency and rate limits, priority, deduplication):
+    /// `None` runs as soon as a worker has a slot.
+    #[serde(default)]
+    pub queue: Option<crate::queue::Enqueue>,
 }
 
 impl StartRequest {
@@ -492,16 +496,33 @@ impl StartRequest {
             input,
             key: None,
             start_at_ms: None,
+            queue: None,
         }
     }
 
+    /// Run through queue `queue` with `priority` (lower first) and an optional deduplication id.
+    pub fn in_queue(mut self, queue: &str, priority: i32, dedup_id: Option<&str>) -> Self {
+        self.queue =
+            Some(crate::queue::Enqueue { queue: queue.to_string(), priority, dedup_id: dedup_id.map(str::to_string) });
+        self
+    }
+
     /// Check the request before any transaction: identifiers (`invalid_id`), a version of at least
-    /// 1 (`invalid_argument`), an input of at most 256 KiB (`invalid_input`).
+    /// 1 (`invalid_argument`), an input of at most 256 KiB (`invalid_input`), the queue's fields.
     pub fn validate(&self) -> Result<()> {
         validate_id("run_id", &self.run_id)?;
         validate_id("workflow", &self.workflow)?;
         if let Some(key) = &self.key {
             validate_id("key", key)?;
+        }
+        if let Some(enqueue) = &self.queue {
+            enqueue.validate()?;
+            if self.key.is_some() {
+                return Err(Error::invalid(
+                    codes::INVALID_ARGUMENT,
+                    "a run goes through a queue or is serialized by a key, not both",
+                ));
+            }
         }
         if self.version == 0 {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "workflow version must be >= 1"));
@@ -607,6 +628,13 @@ pub struct RunRecord {
     /// The run that started this one as its child (`ctx.child`), if any; it learns how this run
     /// ended.
     pub parent_run_id: Option<String>,
+    /// The queue the run goes through, if any.
+    pub queue: Option<String>,
+    /// Its priority in the queue (lower first).
+    pub priority: Option<i32>,
+    /// When its queue admitted it (its first claim), in ms since the Unix epoch; until then it
+    /// waits in the queue.
+    pub admitted_at_ms: Option<i64>,
     /// The worker id that holds the lease, while one does.
     pub lease_owner: Option<String>,
     /// When the lease expires, in ms since the Unix epoch; after that another worker may claim the
@@ -832,8 +860,9 @@ pub enum JournalOp<T: ?Sized> {
         seq: u32,
         /// The step's name (the child's workflow name).
         name: String,
-        /// The child's start (its run id is [`child_run_id`]`(parent, seq)`).
-        request: StartRequest,
+        /// The child's start (its run id is [`child_run_id`]`(parent, seq)`), boxed: a
+        /// journal write stays small.
+        request: Box<StartRequest>,
         /// When the parent's wait is next looked at (a child has no deadline; the parent waits
         /// again when it passes).
         wake_at_ms: i64,
@@ -1085,8 +1114,13 @@ mod tests {
             input: serde_json::json!({}),
             key: None,
             start_at_ms: None,
+            queue: None,
         };
         r.validate().unwrap();
+        let queued = r.clone().in_queue("emails", 0, None);
+        queued.validate().unwrap();
+        let both = StartRequest { key: Some("k".into()), ..queued };
+        assert_eq!(both.validate().unwrap_err().code(), codes::INVALID_ARGUMENT, "a queue and a key");
         r.run_id = "bad id".into();
         assert_eq!(r.validate().unwrap_err().code(), codes::INVALID_ID);
     }

@@ -524,6 +524,7 @@ mod workflow_demo {
             input,
             key: None,
             start_at_ms: None,
+            queue: None,
         };
         writer.call_blocking(move |store, now| store.start_runs(&[request], now))?;
         Ok(())

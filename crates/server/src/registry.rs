@@ -103,6 +103,8 @@ pub struct Registry {
     pub(crate) workflows: Workflows<SqliteWorkflows>,
     pub(crate) tenant_workflows: Vec<TenantWorkflows>,
     pub(crate) migrations: BTreeMap<Database, Vec<Migration>>,
+    /// Queues declared in every tenant's workflow database when it opens.
+    pub(crate) queues: Vec<tidemark_core::queue::QueueSpec>,
 }
 
 /// A registered machine as `GET /v1/registry` lists it.
@@ -192,12 +194,20 @@ impl Registry {
         for list in migrations.values() {
             validate_migrations(list)?;
         }
+        let mut queue_names = BTreeSet::new();
+        for queue in &parts.queues {
+            queue.validate()?;
+            if !queue_names.insert(queue.name.clone()) {
+                return Err(Error::invalid(codes::ALREADY_EXISTS, format!("queue {:?} is declared twice", queue.name)));
+            }
+        }
         Ok(Registry {
             machines,
             handlers,
             consumers: parts.consumers,
             workflows,
             tenant_workflows: parts.tenant_workflows,
+            queues: parts.queues,
             migrations,
         })
     }
@@ -291,4 +301,5 @@ pub(crate) struct RegistryParts {
     pub(crate) workflows: Vec<Result<Workflow<SqliteWorkflows>>>,
     pub(crate) tenant_workflows: Vec<TenantWorkflows>,
     pub(crate) migrations: Vec<(Database, Migration)>,
+    pub(crate) queues: Vec<tidemark_core::queue::QueueSpec>,
 }

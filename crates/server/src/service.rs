@@ -292,6 +292,14 @@ impl ServiceBuilder {
         self
     }
 
+    /// Declare a queue in every tenant (its concurrency and rate limits hold across every
+    /// worker on the tenant's database): runs started with `StartRequest::in_queue` go through
+    /// it. A queue declared twice is `already_exists` at build; a zero limit `invalid_argument`.
+    pub fn queue(mut self, queue: tidemark_core::queue::QueueSpec) -> Self {
+        self.parts.queues.push(queue);
+        self
+    }
+
     /// Workflows made per tenant when it opens (for a resource of their own per tenant).
     /// `declared` names every `(workflow, version)` that `make` makes, so that clashes are found
     /// at build.

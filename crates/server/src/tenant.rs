@@ -188,6 +188,13 @@ impl Tenant {
 
         let workflows = registry.workflows_for(&info)?;
         let writer = Writer::spawn(move || SqliteWorkflows::open_with(&workflows_path, durability))?;
+        let queues = registry.queues.clone();
+        writer.call_blocking(move |store, now| {
+            for queue in &queues {
+                tidemark_core::queue::QueueStore::put_queue(store, queue, now)?;
+            }
+            Ok(())
+        })?;
         let options = WorkerOptions {
             worker_id: format!("serve-{}-{id}", std::process::id()),
             concurrency: config.workers.concurrency,
@@ -350,6 +357,7 @@ mod tests {
             input: json!({}),
             key: None,
             start_at_ms: None,
+            queue: None,
         }
     }
 

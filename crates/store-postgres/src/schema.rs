@@ -157,7 +157,7 @@ const MIGRATIONS: &[&str] = &[
         retired_at_ms bigint NOT NULL
     );
     "#,
-    // v2: durable workflows and schedules (`workflow/`), the tables of SQLite's v3 and v9 with the
+    // v2: durable workflows, schedules and queues (`workflow/`), the tables of SQLite's v3 and v9 with the
     // same columns, checks and indexes (SQLite's `schema.rs` gives every column's reason). The
     // active statuses are written `status IN ('pending', 'running', 'sleeping', 'waiting',
     // 'compensating')` exactly like this in the partial indexes and in every query that must use
@@ -192,6 +192,13 @@ const MIGRATIONS: &[&str] = &[
         -- The run that started this one with ctx.child, and the journal position it waits at.
         parent_run_id       text COLLATE "C",
         parent_seq          integer CHECK (parent_seq IS NULL OR parent_seq >= 0),
+        -- The queue a run goes through (docs/workflows.md, "Queues"), its priority there (lower
+        -- first), its deduplication id, and when a claim admitted it (its first lease); until
+        -- then it waits in the queue.
+        queue               text COLLATE "C",
+        priority            integer,
+        dedup_id            text COLLATE "C",
+        admitted_at_ms      bigint,
         CHECK ((lease_owner IS NULL) = (lease_token IS NULL)
                AND (lease_token IS NULL) = (lease_expires_at_ms IS NULL)),
         CHECK (lease_token IS NULL OR status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')),
@@ -284,6 +291,29 @@ const MIGRATIONS: &[&str] = &[
         CHECK ((cron IS NULL) <> (interval_ms IS NULL))
     );
     CREATE INDEX schedules_due ON {s}.schedules (next_tick_at_ms) WHERE NOT paused AND next_tick_at_ms IS NOT NULL;
+
+    -- Queues: a run started through one waits until a claim admits it, only while the queue has
+    -- room (concurrency_max admitted unfinished runs; rate_limit admissions per rate_period_ms),
+    -- by priority (lower first), then oldest first.
+    CREATE TABLE {s}.queues (
+        name            text COLLATE "C" PRIMARY KEY,
+        concurrency_max integer CHECK (concurrency_max IS NULL OR concurrency_max >= 1),
+        rate_limit      integer CHECK (rate_limit IS NULL OR rate_limit >= 1),
+        rate_period_ms  bigint CHECK (rate_period_ms IS NULL OR rate_period_ms >= 1),
+        created_at_ms   bigint NOT NULL,
+        updated_at_ms   bigint NOT NULL,
+        CHECK ((rate_limit IS NULL) = (rate_period_ms IS NULL))
+    );
+    -- The admission: a queue's waiting runs in admission order.
+    CREATE INDEX runs_queue_waiting ON {s}.runs (queue, priority, created_at_ms, run_id)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NULL
+          AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- The limits: a queue's admitted runs, by admission time.
+    CREATE INDEX runs_queue_admitted ON {s}.runs (queue, admitted_at_ms)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL;
+    -- Deduplication: one unfinished run per (queue, dedup_id).
+    CREATE UNIQUE INDEX runs_queue_dedup ON {s}.runs (queue, dedup_id)
+        WHERE dedup_id IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
     "#,
 ];
 

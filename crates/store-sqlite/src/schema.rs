@@ -392,7 +392,7 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE receipts ADD COLUMN generation TEXT;
     "#,
-    // v9: child workflows, deterministic values and schedules (docs/workflows.md). The journal takes two
+    // v9: child workflows, deterministic values, schedules and queues (docs/workflows.md). The journal takes two
     // more kinds, `value` (ctx.now/random/uuid) and `child` (ctx.child): SQLite cannot change a
     // CHECK, so the table is rebuilt with every entry copied as it is. A run knows the parent that
     // started it and the parent's journal position, so its end reaches the parent in the child's
@@ -450,6 +450,33 @@ const MIGRATIONS: &[&str] = &[
     ) WITHOUT ROWID;
     -- The ticker's read: due schedules, soonest first.
     CREATE INDEX schedules_due ON schedules (next_tick_at_ms) WHERE paused = 0 AND next_tick_at_ms IS NOT NULL;
+    -- Queues (docs/workflows.md, "Queues"): a run started through one waits until a claim admits
+    -- it (admitted_at_ms, set with its first lease, in the claim's transaction), only while the
+    -- queue has room (concurrency_max admitted unfinished runs; rate_limit admissions per
+    -- rate_period_ms), by priority (lower first), then oldest first.
+    CREATE TABLE queues (
+        name            TEXT PRIMARY KEY,
+        concurrency_max INTEGER CHECK (concurrency_max IS NULL OR concurrency_max >= 1),
+        rate_limit      INTEGER CHECK (rate_limit IS NULL OR rate_limit >= 1),
+        rate_period_ms  INTEGER CHECK (rate_period_ms IS NULL OR rate_period_ms >= 1),
+        created_at_ms   INTEGER NOT NULL,
+        updated_at_ms   INTEGER NOT NULL,
+        CHECK ((rate_limit IS NULL) = (rate_period_ms IS NULL))
+    ) WITHOUT ROWID;
+    ALTER TABLE runs ADD COLUMN queue TEXT;
+    ALTER TABLE runs ADD COLUMN priority INTEGER;
+    ALTER TABLE runs ADD COLUMN dedup_id TEXT;
+    ALTER TABLE runs ADD COLUMN admitted_at_ms INTEGER;
+    -- The admission: a queue's waiting runs in admission order.
+    CREATE INDEX runs_queue_waiting ON runs (queue, priority, created_at_ms, run_id)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    -- The limits: a queue's admitted runs, by admission time.
+    CREATE INDEX runs_queue_admitted ON runs (queue, admitted_at_ms) WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL;
+    -- Deduplication: one unfinished run per (queue, dedup_id).
+    CREATE UNIQUE INDEX runs_queue_dedup ON runs (queue, dedup_id)
+        WHERE dedup_id IS NOT NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     "#,
 ];
 

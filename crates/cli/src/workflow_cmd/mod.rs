@@ -78,6 +78,15 @@ pub enum WorkflowCommand {
         /// Do not run before this time (ms since the epoch).
         #[arg(long)]
         start_at_ms: Option<i64>,
+        /// Run through this declared queue (`tidemark queue put`).
+        #[arg(long)]
+        queue: Option<String>,
+        /// Its priority in the queue (lower first).
+        #[arg(long, requires = "queue", default_value_t = 0, allow_negative_numbers = true)]
+        priority: i32,
+        /// At most one unfinished run of the queue holds this id.
+        #[arg(long, requires = "queue")]
+        dedup_id: Option<String>,
     },
     /// List runs, oldest first, a page at a time (`next_after` is the next page's cursor).
     List {
@@ -304,7 +313,18 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             let stock = seed(&mut store, &sku, quantity)?;
             Ok(json!({"outcome": "stocked", "stock": stock}))
         }
-        WorkflowCommand::Start { db, workflow, run_id, input, input_file, key, start_at_ms } => {
+        WorkflowCommand::Start {
+            db,
+            workflow,
+            run_id,
+            input,
+            input_file,
+            key,
+            start_at_ms,
+            queue,
+            priority,
+            dedup_id,
+        } => {
             validate_id("run_id", &run_id)?;
             validate_id("workflow", &workflow)?;
             let version = builtin::version(&workflow).ok_or_else(|| {
@@ -314,7 +334,8 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
                 )
             })?;
             let input = read_input(input.as_deref(), input_file.as_deref())?;
-            let request = StartRequest { run_id, workflow, version, input, key, start_at_ms };
+            let queue = queue.map(|queue| tidemark_core::queue::Enqueue { queue, priority, dedup_id });
+            let request = StartRequest { run_id, workflow, version, input, key, start_at_ms, queue };
             request.validate()?;
             builtin::validate_input(&request.workflow, &request.input)?;
             if let Some(at) = request.start_at_ms {

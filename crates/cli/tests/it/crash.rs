@@ -1171,6 +1171,46 @@ fn a_schedule_tick_killed_before_its_commit_starts_nothing_and_the_next_pass_sta
     );
 }
 
+/// A queue admission commits with the claim that leases the run: a worker killed right after
+/// that commit (`workflow.claim.after_commit`) leaves the run admitted and leased; the queue's one
+/// slot stays taken until the lease runs out and another worker finishes the run, and only then is
+/// the next run admitted (its admission comes after the first run's end).
+#[test]
+fn a_queue_admission_survives_a_worker_killed_after_its_claim_and_the_limit_holds() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    let w = Wf::new();
+    ok(&["queue", "put", "--db", w.d(), "--name", "single", "--concurrency", "1"]);
+    for run in ["first", "second"] {
+        let mut start = w.start_cmd("order_saga", run, &wf_order(run, 1, json!({})));
+        start.extend(["--queue".to_string(), "single".to_string()]);
+        let out = ok(&refs(&start));
+        assert_eq!(out["outcome"], "started", "{out}");
+    }
+    let doomed = w.worker_cmd(&["--until-idle", "--worker-id", "doomed", "--concurrency", "4"]);
+    let r = run_env(&doomed, &[("TIDEMARK_CRASH_AT", "workflow.claim.after_commit")]);
+    assert_eq!(r.code, exit_code("workflow.claim.after_commit"), "{}\n{}", r.stdout, r.stderr);
+    let first = w.show("first")["run"].clone();
+    assert_eq!(first["lease_owner"], "doomed", "the dead worker's claim committed: {first}");
+    assert!(first["admitted_at_ms"].is_i64(), "{first}");
+    assert!(w.show("second")["run"]["admitted_at_ms"].is_null(), "the queue had room for one only");
+
+    w.drive(&["first", "second"], &[]);
+    let (first, second) = (w.show("first")["run"].clone(), w.show("second")["run"].clone());
+    assert_eq!((first["status"].as_str(), second["status"].as_str()), (Some("completed"), Some("completed")));
+    assert!(
+        second["admitted_at_ms"].as_i64().unwrap() >= first["updated_at_ms"].as_i64().unwrap(),
+        "the second run was admitted only after the first ended: {first} {second}"
+    );
+    assert_eq!(first["recoveries"], 1, "{first}");
+    let queue = ok(&["queue", "show", "--db", w.d(), "--name", "single"]);
+    assert_eq!((queue["queue"]["in_progress"].as_u64(), queue["queue"]["waiting"].as_u64()), (Some(0), Some(0)));
+    assert_eq!(w.effects_of("first"), ["reserve", "ship"]);
+    w.assert_consistent();
+}
+
 /// `<name>@<n>` dies on the n-th hit: the earlier passes and batches stay committed.
 #[test]
 fn crash_on_the_nth_hit_keeps_the_earlier_commits() {

@@ -116,6 +116,13 @@ pub fn populate(server: &Server, token: &str, tenant: &str) -> Fixture {
         schedule["cron"] = json!("0 3 1 1 *");
         expect(server, "PUT", &format!("/v1/schedules/{id}"), t, schedule, &[200]);
     }
+    // A queue with a run waiting in it (its single slot is held by a run that waits a day).
+    expect(server, "PUT", "/v1/queues/mail", t, json!({"concurrency_max": 1}), &[200]);
+    for run in ["queued-hold", "queued-next"] {
+        let mut start = sleepy(run, wait.clone(), &marker);
+        start["queue"] = json!({"queue": "mail", "priority": 0});
+        expect(server, "POST", "/v1/runs", t, start, &[201]);
+    }
     // A pull consumer (after the wait above: its deliveries stay pending until it commits).
     expect(server, "PUT", "/v1/subscriptions/reader", t, json!({"endpoint": "pull:", "from_start": true}), &[200]);
     let (_, detail) = server.call("GET", "/v1/runs/sleepy-fail-2", Some(t), None);
@@ -157,6 +164,8 @@ impl Fixture {
             ("schedule_id", "PUT", _) => "fresh-schedule",
             ("schedule_id", "DELETE", _) => "doomed",
             ("schedule_id", _, _) => "nightly",
+            ("name", "PUT", p) if p.starts_with("/v1/queues/") => "fresh-queue",
+            ("name", _, p) if p.starts_with("/v1/queues/") => "mail",
             _ => panic!("the fixture has no value for path parameter {param:?} of {method} {path}: add one"),
         };
         value.to_string()

@@ -697,6 +697,7 @@ fn runs_of_unknown_workflows_are_reported_unclaimable() {
         input: json!({}),
         key: None,
         start_at_ms: None,
+        queue: None,
     };
     store.start_runs(&[legacy("legacy", 1), legacy("order_saga", 7)], 1_000).unwrap();
     drop(store);

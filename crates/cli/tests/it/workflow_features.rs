@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tidemark_core::queue::{queue_codes, QueueSpec, QueueState, QueueStore};
 use tidemark_core::schedule::{
     schedule_codes, CatchUp, Fired, Schedule, ScheduleSpec, ScheduleStore, TickReport, Timing,
 };
@@ -401,4 +402,135 @@ fn bad_schedules_are_refused_and_write_nothing() {
         assert_eq!(error.code(), schedule_codes::INVALID_SCHEDULE, "{error}");
     }
     assert!(c.writer.call_blocking(|store, _| store.schedules()).unwrap().is_empty());
+}
+
+/// `hold` holds its run in an external step for 30 ms and records how many runs were inside at
+/// once and in which order they entered.
+struct Inside {
+    now: std::sync::atomic::AtomicUsize,
+    most: std::sync::atomic::AtomicUsize,
+    order: Mutex<Vec<String>>,
+}
+
+fn queue_workflows(inside: Arc<Inside>) -> Workflows<Store> {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut workflows = Workflows::new();
+    workflows
+        .register("hold", 1, fast_options(), move |ctx, _input: Value| {
+            let inside = inside.clone();
+            async move {
+                let run_id = ctx.run_id().to_string();
+                let _: Value = ctx
+                    .step("hold", None, move |_key| async move {
+                        inside.order.lock().unwrap().push(run_id);
+                        let n = inside.now.fetch_add(1, SeqCst) + 1;
+                        inside.most.fetch_max(n, SeqCst);
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        inside.now.fetch_sub(1, SeqCst);
+                        Ok(json!(null))
+                    })
+                    .await?;
+                Ok(json!(null))
+            }
+        })
+        .unwrap();
+    workflows
+}
+
+fn inside() -> Arc<Inside> {
+    Arc::new(Inside { now: Default::default(), most: Default::default(), order: Mutex::default() })
+}
+
+fn hold(run_id: &str) -> tidemark_core::workflow::StartRequest {
+    crate::workflow_runtime::request(run_id, "hold", 1, json!({}))
+}
+
+fn declare(env: &Env, spec: QueueSpec) {
+    env.writer.call_blocking(move |store, now| store.put_queue(&spec, now)).expect("declare the queue");
+}
+
+fn queue_state(env: &Env, name: &str) -> QueueState {
+    let name = name.to_string();
+    env.writer.call_blocking(move |store, now| store.queue(&name, 100, now)).unwrap().expect("the queue")
+}
+
+#[test]
+fn a_queue_s_concurrency_limit_holds_across_two_workers_on_their_own_connections() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (env, rt) = (Env::new(), runtime());
+    declare(&env, QueueSpec::new("narrow").concurrency(2));
+    let ids: Vec<String> = (0..10).map(|i| format!("q{i}")).collect();
+    for id in &ids {
+        env.start_new_request(hold(id).in_queue("narrow", 0, None));
+    }
+    // The control: the same runs without a queue, with the same workers, go wider.
+    let control: Vec<String> = (0..10).map(|i| format!("c{i}")).collect();
+    let (queued, free) = (inside(), inside());
+    let second = crate::workflow_runtime::open_writer(&env.path);
+    let w1 = worker(&env.writer, queue_workflows(queued.clone()), worker_options("w1"));
+    let w2 = worker(&second, queue_workflows(queued.clone()), worker_options("w2"));
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    crate::workflow_runtime::drive_all(&rt, &[w1, w2], &env, &refs, |run| run.status.is_terminal());
+    assert!(refs.iter().all(|id| env.detail(id).run.status == RunStatus::Completed));
+    assert!(queued.most.load(SeqCst) <= 2, "at most 2 runs of the queue at once, saw {}", queued.most.load(SeqCst));
+    for id in &control {
+        env.start_new_request(hold(id));
+    }
+    let w3 = worker(&env.writer, queue_workflows(free.clone()), worker_options("w3"));
+    let control_refs: Vec<&str> = control.iter().map(String::as_str).collect();
+    settle(&rt, &w3, &env, &control_refs);
+    assert!(free.most.load(SeqCst) > 2, "without the queue more run at once: {}", free.most.load(SeqCst));
+    let state = queue_state(&env, "narrow");
+    assert_eq!((state.in_progress, state.waiting), (0, 0), "{state:?}");
+}
+
+#[test]
+fn a_queue_admits_by_priority_then_age_and_its_rate_limit_makes_runs_wait_with_a_position() {
+    let (env, rt) = (Env::new(), runtime());
+    declare(&env, QueueSpec::new("single").concurrency(1));
+    for (id, priority) in [("low", 5), ("urgent", -1), ("mid", 3), ("mid-later", 3)] {
+        env.start_new_request(hold(id).in_queue("single", priority, None));
+    }
+    let order = inside();
+    let w = worker(&env.writer, queue_workflows(order.clone()), worker_options("w1"));
+    settle(&rt, &w, &env, &["low", "urgent", "mid", "mid-later"]);
+    assert_eq!(*order.order.lock().unwrap(), ["urgent", "mid", "mid-later", "low"]);
+    let admitted = env.detail("urgent").run;
+    assert_eq!((admitted.queue.as_deref(), admitted.priority), (Some("single"), Some(-1)));
+    assert!(admitted.admitted_at_ms.is_some());
+
+    // Two admissions an hour: the third and later runs wait, in order, with their positions.
+    declare(&env, QueueSpec::new("trickle").rate(2, 3_600_000));
+    for i in 0..5 {
+        env.start_new_request(hold(&format!("t{i}")).in_queue("trickle", 0, None));
+    }
+    let w = worker(&env.writer, queue_workflows(inside()), worker_options("w2"));
+    rt.block_on(w.run_until_idle()).unwrap();
+    let statuses: Vec<RunStatus> = (0..5).map(|i| env.detail(&format!("t{i}")).run.status).collect();
+    assert_eq!(statuses[..2], [RunStatus::Completed, RunStatus::Completed]);
+    assert_eq!(statuses[2..], [RunStatus::Pending, RunStatus::Pending, RunStatus::Pending]);
+    let state = queue_state(&env, "trickle");
+    assert_eq!((state.admitted_in_period, state.waiting, state.in_progress), (2, 3, 0), "{state:?}");
+    let positions: Vec<(u64, &str)> = state.next.iter().map(|r| (r.position, r.run_id.as_str())).collect();
+    assert_eq!(positions, [(1, "t2"), (2, "t3"), (3, "t4")]);
+    assert!(env.detail("t2").run.admitted_at_ms.is_none(), "a waiting run is not admitted");
+}
+
+#[test]
+fn a_dedup_id_is_held_until_its_run_ends_and_an_unknown_queue_is_refused() {
+    let (env, rt) = (Env::new(), runtime());
+    declare(&env, QueueSpec::new("mail"));
+    env.start_new_request(hold("first").in_queue("mail", 0, Some("welcome-42")));
+    let again = hold("second").in_queue("mail", 0, Some("welcome-42"));
+    let refused = env.writer.call_blocking(move |store, now| store.start_runs(&[again], now)).unwrap_err();
+    assert_eq!(refused.code(), queue_codes::DEDUPLICATED, "{refused}");
+    assert!(refused.to_string().contains("first"), "names the run that holds it: {refused}");
+    let unknown = hold("third").in_queue("nowhere", 0, None);
+    let refused = env.writer.call_blocking(move |store, now| store.start_runs(&[unknown], now)).unwrap_err();
+    assert_eq!(refused.code(), queue_codes::UNKNOWN_QUEUE, "{refused}");
+    assert_eq!(all_runs(&env).len(), 1, "nothing was written");
+    let w = worker(&env.writer, queue_workflows(inside()), worker_options("w1"));
+    settle(&rt, &w, &env, &["first"]);
+    // Its run ended: the id is free again.
+    env.start_new_request(hold("second").in_queue("mail", 0, Some("welcome-42")));
 }

@@ -150,6 +150,7 @@ impl Env {
             input: json!({}),
             key: None,
             start_at_ms: None,
+            queue: None,
         };
         let outcome = self.writer.call_blocking(move |s, now| s.start_runs(&[request], now)).unwrap().remove(0);
         assert_eq!(outcome, StartOutcome::Started { run_id: run_id.into() });

@@ -660,6 +660,7 @@ fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
             input: json!({"run": run}),
             key: None,
             start_at_ms: None,
+            queue: None,
         })
         .collect()
 }

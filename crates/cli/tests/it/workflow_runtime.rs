@@ -35,7 +35,7 @@ pub(crate) fn runtime() -> Runtime {
     Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
-fn open_writer(path: &Path) -> Writer<Store> {
+pub(crate) fn open_writer(path: &Path) -> Writer<Store> {
     let path = path.to_path_buf();
     Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Normal)).expect("open the workflow store")
 }
@@ -67,13 +67,21 @@ pub(crate) fn worker(
 }
 
 pub(crate) fn request(run_id: &str, workflow: &str, version: u32, input: Value) -> StartRequest {
-    StartRequest { run_id: run_id.into(), workflow: workflow.into(), version, input, key: None, start_at_ms: None }
+    StartRequest {
+        run_id: run_id.into(),
+        workflow: workflow.into(),
+        version,
+        input,
+        key: None,
+        start_at_ms: None,
+        queue: None,
+    }
 }
 
 /// A workflow database (with the order tables, 10 units of `sku-1`) and a fake payment service.
 pub(crate) struct Env {
     _dir: tempfile::TempDir,
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     pub(crate) writer: Writer<Store>,
     pub(crate) payments: Arc<FakePayments>,
 }
@@ -96,6 +104,11 @@ impl Env {
 
     pub(crate) fn start(&self, request: StartRequest) -> StartOutcome {
         self.writer.call_blocking(move |store, now| store.start_runs(&[request], now)).expect("start").remove(0)
+    }
+
+    pub(crate) fn start_new_request(&self, request: StartRequest) {
+        let run_id = request.run_id.clone();
+        assert_eq!(self.start(request), StartOutcome::Started { run_id });
     }
 
     pub(crate) fn start_new(&self, run_id: &str, workflow: &str, version: u32, input: Value) {

@@ -45,6 +45,7 @@ fn req(run_id: &str) -> StartRequest {
         input: json!({"order": run_id}),
         key: None,
         start_at_ms: None,
+        queue: None,
     }
 }
 

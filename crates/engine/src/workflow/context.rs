@@ -295,7 +295,8 @@ where
                     .start_request(&run_id, workflow, input)
                     .map_err(|e| WorkflowError::Failed(format!("{}: {}", e.code(), e)))?;
                 let wake_at_ms = self.now_ms().saturating_add(CHILD_RECHECK_MS);
-                let op = JournalOp::StartChild { seq, name: workflow.to_string(), request, wake_at_ms };
+                let op =
+                    JournalOp::StartChild { seq, name: workflow.to_string(), request: Box::new(request), wake_at_ms };
                 match self.write(op).await? {
                     WriteResult::TxResult(Ok(_)) => seq,
                     WriteResult::TxResult(Err(failure)) => {

@@ -79,6 +79,7 @@ fn request(run_id: &str) -> StartRequest {
         input: input(run_id),
         key: None,
         start_at_ms: None,
+        queue: None,
     }
 }
 

@@ -11,6 +11,7 @@
 pub(crate) mod flows;
 pub(crate) mod inbox;
 pub mod openapi;
+pub(crate) mod queues;
 pub(crate) mod registry;
 pub(crate) mod runs;
 pub(crate) mod schedules;
@@ -179,6 +180,7 @@ pub fn documented_routes() -> OpenApiRouter<AppState> {
         .merge(subscriptions::routes())
         .merge(runs::routes())
         .merge(schedules::routes())
+        .merge(queues::routes())
         .merge(registry::routes())
 }
 

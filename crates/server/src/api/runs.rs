@@ -52,6 +52,9 @@ pub struct StartBody {
     pub key: Option<String>,
     /// Do not run before this time (ms since the epoch; at most 366 days ahead).
     pub start_at_ms: Option<i64>,
+    /// Run through a declared queue (`PUT /v1/queues/{name}`), with a priority (lower first)
+    /// and an optional deduplication id; not with `key`.
+    pub queue: Option<tidemark_core::queue::Enqueue>,
 }
 
 /// A registered workflow's name (documentation of `StartBody::workflow`; the served document
@@ -91,6 +94,7 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         input: body.input,
         key: body.key,
         start_at_ms: body.start_at_ms,
+        queue: body.queue,
     };
     workflows.check_start(&request)?;
     if let Some(at) = request.start_at_ms {

@@ -28,6 +28,7 @@ pub fn page(title: &str, viewer: Option<&Viewer>, body: Markup) -> Markup {
                         a href="/ui" { "Overview" }
                         a href="/ui/runs" { "Runs" }
                         a href="/ui/schedules" { "Schedules" }
+                        a href="/ui/queues" { "Queues" }
                         a href="/ui/flows" { "Flows" }
                         a href="/ui/quarantine" { "Quarantine" }
                         a href="/ui/subscriptions" { "Subscriptions" }

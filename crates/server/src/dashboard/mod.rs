@@ -65,6 +65,7 @@ pub fn routes() -> Router<AppState> {
         .route("/ui/outbox/{event_id}/{consumer_id}/resolve", post(flows::resolve))
         .route("/ui/dead-letters", get(runs::dead_letters))
         .route("/ui/schedules", get(runs::schedules))
+        .route("/ui/queues", get(runs::queues))
         .route("/ui/schedules/{schedule_id}/pause", post(runs::pause_schedule))
         .route("/ui/schedules/{schedule_id}/resume", post(runs::resume_schedule))
         .route("/ui/consumers/{consumer_id}/inbox/{event_id}/skip", post(flows::skip_record))

@@ -197,6 +197,10 @@ fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
                 dt { "Created" } dd { (when(run.created_at_ms)) }
                 dt { "Updated" } dd { (when(run.updated_at_ms)) }
                 @if let Some(key) = &run.key { dt { "Key" } dd { code { (key) } } }
+                @if let Some(queue) = &run.queue {
+                    dt { "Queue" } dd { a href="/ui/queues" { code { (queue) } } " priority " (run.priority.unwrap_or(0))
+                        @if let Some(at) = run.admitted_at_ms { ", admitted " (when(at)) } @else { ", waiting" } }
+                }
                 @if let Some(parent) = &run.parent_run_id { dt { "Child of" } dd { a href=(format!("/ui/runs/{parent}")) { code { (parent) } } } }
                 @if let Some(from) = &run.forked_from { dt { "Forked from" } dd { a href=(format!("/ui/runs/{from}")) { code { (from) } } } }
                 @if let Some(waiting) = &run.waiting_for { dt { "Waiting for event" } dd { code { (waiting) } " until " (when(run.wake_at_ms)) } }
@@ -502,4 +506,50 @@ pub async fn pause_schedule(Ui(caller): Ui, Path(schedule_id): Path<String>) -> 
 pub async fn resume_schedule(Ui(caller): Ui, Path(schedule_id): Path<String>) -> UiResult {
     crate::api::schedules::set_paused(&caller, schedule_id, false).await?;
     Ok(see_other("/ui/schedules?done=resumed"))
+}
+
+/// `/ui/queues`: each queue's limits, runs in progress, admitted in the rate period, waiting, and
+/// its next waiting runs with their positions.
+pub async fn queues(Ui(caller): Ui) -> UiResult {
+    let list = crate::api::queues::queues(&caller).await?;
+    let mut detailed = Vec::with_capacity(list.len());
+    for q in list {
+        detailed.push(crate::api::queues::queue(&caller, q.spec.name.clone()).await?);
+    }
+    let body = html! {
+        h1 { "Queues" }
+        section.card {
+            p { "A run started through a queue waits until a claim admits it, while the queue has room (its concurrency "
+                "limit counts admitted runs not finished yet, across every worker; its rate limit counts admissions in the "
+                "last period), by priority (lower first), then oldest first." }
+            @if detailed.is_empty() { p.muted { "No queues." } }
+        }
+        @for q in &detailed {
+            section.card {
+                h2 { code { (q.spec.name) } }
+                dl.facts {
+                    dt { "Concurrency" } dd { @if let Some(n) = q.spec.concurrency_max { (q.in_progress) " of " (n) } @else { (q.in_progress) " (no limit)" } }
+                    dt { "Rate" } dd { @if let Some(rate) = q.spec.rate { (q.admitted_in_period) " of " (rate.limit) " per " (rate.period_ms) " ms" } @else { "no limit" } }
+                    dt { "Waiting" } dd { (q.waiting) }
+                }
+                @if !q.next.is_empty() {
+                    table {
+                        thead { tr { th.num { "Position" } th { "Run" } th { "Workflow" } th.num { "Priority" } th { "Started" } } }
+                        tbody {
+                            @for r in q.next.iter().take(20) {
+                                tr {
+                                    td.num { (r.position) }
+                                    td { a href=(format!("/ui/runs/{}", r.run_id)) { code { (r.run_id) } } }
+                                    td { (r.workflow) }
+                                    td.num { (r.priority) }
+                                    td { (when(r.created_at_ms)) }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    Ok(page("Queues", Some(&Viewer::from(&caller)), body).into_response())
 }

@@ -64,6 +64,7 @@ fn req(run_id: &str) -> StartRequest {
         input: json!({"order": run_id}),
         key: None,
         start_at_ms: None,
+        queue: None,
     }
 }
 
@@ -799,7 +800,7 @@ fn bad_journal_writes_are_refused_before_anything_runs() {
             JournalOp::StartChild {
                 seq: 0,
                 name: "child".into(),
-                request: StartRequest::new("not-derived", "double", 1, json!({})),
+                request: Box::new(StartRequest::new("not-derived", "double", 1, json!({}))),
                 wake_at_ms: 5_000,
             },
             codes::INVALID_ARGUMENT,
@@ -1171,7 +1172,7 @@ fn start_child(parent: &str, seq: u32, workflow: &str, input: Value) -> Op {
     JournalOp::StartChild {
         seq,
         name: workflow.into(),
-        request: StartRequest::new(&child_run_id(parent, seq), workflow, 1, input),
+        request: Box::new(StartRequest::new(&child_run_id(parent, seq), workflow, 1, input)),
         wake_at_ms: 50_000,
     }
 }

@@ -437,7 +437,7 @@ fn apply_write(
             let (existing, next) =
                 position(&mut c, st, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
-            let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&request), now_ms)?;
+            let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
             let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
             let conflict = match outcome.into_iter().next() {
                 Some(StartOutcome::Started { .. }) => None,

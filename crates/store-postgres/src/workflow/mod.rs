@@ -271,12 +271,13 @@ fn send_event_validated(
 /// workflow, version, now_ms, limit. (`runs_due` for the runs, `runs_key` for the key checks.)
 pub(crate) const CLAIM_CANDIDATES_SQL: &str = "SELECT r.run_id, r.workflow, r.version, r.input, r.key, r.status,
         r.result, r.error, r.wake_at_ms, r.waiting_for, r.cancel_requested, r.forked_from, r.lease_owner,
-        r.lease_expires_at_ms, r.recoveries, r.created_at_ms, r.updated_at_ms, r.parent_run_id,
-        r.lease_token IS NOT NULL
+        r.lease_expires_at_ms, r.recoveries, r.created_at_ms, r.updated_at_ms, r.parent_run_id, r.queue,
+        r.priority, r.admitted_at_ms, r.lease_token IS NOT NULL
  FROM {s}.runs r
  WHERE r.workflow = $1 AND r.version = $2
    AND r.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating') AND r.wake_at_ms <= $3
    AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= $3)
+   AND (r.queue IS NULL OR r.admitted_at_ms IS NOT NULL)
    AND (r.key IS NULL OR (
          NOT EXISTS (SELECT 1 FROM {s}.runs o WHERE o.key = r.key
                        AND o.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
@@ -414,6 +415,12 @@ pub(super) fn start_in(
         }
         found.insert(run_id, (col(&row, 1)?, col(&row, 2)?, rows::run_status_column(&row, 3)?));
     }
+    if let Some(queued) = requests.iter().find(|r| r.queue.is_some()) {
+        return Err(Error::invalid(
+            tidemark_core::queue::queue_codes::UNKNOWN_QUEUE,
+            format!("run {:?}: queues are not available on PostgreSQL yet", queued.run_id),
+        ));
+    }
     let mut outcomes = Vec::with_capacity(requests.len());
     let mut new: BTreeMap<&str, usize> = BTreeMap::new();
     for (index, (request, hash)) in requests.iter().zip(&hashes).enumerate() {
@@ -534,7 +541,7 @@ fn claim_in(
             candidates.push(Candidate {
                 run: rows::run_record_without_input(row)?,
                 input: col(row, 3)?,
-                had_lease: col(row, 18)?,
+                had_lease: col(row, 21)?,
             });
         }
     }

@@ -434,7 +434,7 @@ fn apply(
         JournalOp::StartChild { seq, name, request, wake_at_ms } => {
             let (existing, next) = position(sql, run_id, seq, &name, StepKind::Child, StepStatus::Waiting, next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run_id} step {seq}: its child was started already");
-            let outcome = super::start_in(tx, std::slice::from_ref(&request), now_ms)?;
+            let outcome = super::start_in(tx, std::slice::from_ref(&*request), now_ms)?;
             let conflict = match outcome.into_iter().next() {
                 Some(StartOutcome::Started { .. }) => None,
                 Some(StartOutcome::Existing { .. }) => {

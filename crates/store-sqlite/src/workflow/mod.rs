@@ -33,6 +33,7 @@
 
 mod commit;
 mod operator;
+mod queues;
 mod reads;
 mod rows;
 mod schedules;
@@ -227,6 +228,7 @@ fn claim_candidates_sql() -> String {
                      FROM runs r
                      WHERE r.workflow = ?1 AND r.version = ?2 AND {r_active} AND r.wake_at_ms <= ?3
                        AND (r.lease_token IS NULL OR r.lease_expires_at_ms <= ?3)
+                       AND (r.queue IS NULL OR r.admitted_at_ms IS NOT NULL)
                        AND (r.key IS NULL OR (
                              NOT EXISTS (SELECT 1 FROM runs o WHERE o.key = r.key AND {o_active}
                                            AND (o.created_at_ms < r.created_at_ms
@@ -326,12 +328,16 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
             });
             continue;
         }
+        if let Some(enqueue) = &request.queue {
+            queues::check_enqueue(tx, enqueue)?;
+        }
         // An expired receipt no longer counts: the id may be used again.
         tx.prepare_cached("DELETE FROM run_receipts WHERE run_id = ?1").db()?.execute([&request.run_id]).db()?;
+        let enqueue = request.queue.as_ref();
         tx.prepare_cached(
             "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
-                               created_at_ms, updated_at_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8)",
+                               created_at_ms, updated_at_ms, queue, priority, dedup_id)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8, ?9, ?10, ?11)",
         )
         .db()?
         .execute(params![
@@ -342,7 +348,10 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
             hash,
             request.key,
             request.start_at_ms.unwrap_or(now_ms),
-            now_ms
+            now_ms,
+            enqueue.map(|e| e.queue.as_str()),
+            enqueue.map(|e| e.priority),
+            enqueue.and_then(|e| e.dedup_id.as_deref()),
         ])
         .db()?;
         outcomes.push(StartOutcome::Started { run_id: request.run_id.clone() });
@@ -402,13 +411,18 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
             }
             let found = stmt
                 .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
-                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(18)? })
+                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(21)? })
                 })
                 .db()?;
             for candidate in found {
                 candidates.push(candidate.db()?);
             }
         }
+    }
+    // Runs waiting in queues, admitted (in this transaction, with their lease) while their queue
+    // has room: by priority, then oldest first.
+    for (run, input) in queues::admissible(tx, &request.workflows, &slots, now_ms)? {
+        candidates.push(Candidate { run, input, had_lease: false });
     }
     candidates.sort_by(|a, b| {
         (a.run.wake_at_ms, a.run.created_at_ms, &a.run.run_id).cmp(&(
@@ -427,6 +441,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
              WHERE run_id = ?1",
         )
         .db()?;
+    let mut admit = tx.prepare_cached("UPDATE runs SET admitted_at_ms = ?2 WHERE run_id = ?1").db()?;
     let mut journal = rows::journal_statement(tx)?;
     let mut events = rows::events_statement(tx)?;
     for candidate in candidates {
@@ -441,6 +456,10 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
         let Candidate { mut run, input, had_lease } = candidate;
         let token = new_token();
         let changed = lease.execute(params![run.run_id, request.worker_id, token, expires, had_lease, now_ms]).db()?;
+        if run.queue.is_some() && run.admitted_at_ms.is_none() {
+            admit.execute(params![run.run_id, now_ms]).db()?;
+            run.admitted_at_ms = Some(now_ms);
+        }
         tidemark_core::ensure_invariant!(changed == 1, "claiming {} changed {changed} rows", run.run_id);
         // The row as the candidate query read it, with what this UPDATE changed (the same
         // transaction: nothing else can have written it in between). Not UPDATE ... RETURNING:
