@@ -35,6 +35,12 @@ pub(crate) const LOCK_WORKFLOW_TYPE: i32 = 0x746d_0004;
 pub(crate) const LOCK_RUN_KEY: i32 = 0x746d_0005;
 /// The schedules of a schema (`put_schedule`'s count of schedules against `SCHEDULES_MAX`).
 pub(crate) const LOCK_SCHEDULES: i32 = 0x746d_0006;
+/// A queue's room (`objid` is `hashtext(schema || '/' || queue)`): a claim holds it while it
+/// counts the queue's admitted runs and admits more. Claims only, queues in name order, after the
+/// per-type locks.
+pub(crate) const LOCK_QUEUE: i32 = 0x746d_0007;
+/// The queue declarations of a schema (`put_queue`'s count of queues against `QUEUES_MAX`).
+pub(crate) const LOCK_QUEUES: i32 = 0x746d_0008;
 
 /// Migrations of one store schema, in order: index i migrates from version i to i+1. `{s}` is
 /// replaced by the quoted schema name. Never edit a shipped entry: append a new one (and a test

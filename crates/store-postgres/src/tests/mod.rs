@@ -6,6 +6,7 @@
 mod consumer;
 mod ordering;
 mod producer;
+mod queues;
 mod schedules;
 mod schema;
 mod support;

@@ -364,3 +364,61 @@ fn two_workers_on_two_connections_share_the_runs_and_run_none_twice() {
 async fn tokio_sleep(duration: Duration) {
     tidemark_engine::workflow::tokio::time::sleep(duration).await;
 }
+
+/// A queue with room for two, ten runs in it, two workers with their own connections: every run
+/// completes, and never more than two are inside their step at once (without the queue, the same
+/// workers run more at once).
+#[test]
+fn a_queues_concurrency_limit_holds_across_two_workers_on_their_own_connections() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use tidemark_core::queue::{QueueSpec, QueueStore};
+    let env = Env::new(test_db!("rt_queue"));
+    let rt = runtime();
+    env.writer.call_blocking(|store, now| store.put_queue(&QueueSpec::new("narrow").concurrency(2), now)).unwrap();
+    // (runs inside their step now, the most inside at once)
+    type Inside = Arc<(AtomicUsize, AtomicUsize)>;
+    let make = |worker_id: &str, writer: Writer<Store>, inside: Inside| {
+        let mut workflows: Workflows<Store> = Workflows::new();
+        workflows
+            .register("hold", 1, fast_options(), move |ctx, _input: Value| {
+                let inside = inside.clone();
+                async move {
+                    let _: Value = ctx
+                        .step("hold", None, move |_key| async move {
+                            let n = inside.0.fetch_add(1, SeqCst) + 1;
+                            inside.1.fetch_max(n, SeqCst);
+                            tokio_sleep(Duration::from_millis(30)).await;
+                            inside.0.fetch_sub(1, SeqCst);
+                            Ok(json!(null))
+                        })
+                        .await?;
+                    Ok(json!(null))
+                }
+            })
+            .unwrap();
+        Arc::new(Worker::new(writer, workflows, worker_options(worker_id, 8)).unwrap())
+    };
+    let (queued, free): (Inside, Inside) = Default::default();
+    let second = Env::writer_on(&env.db, &env.schema);
+    let workers = [make("wa", env.writer.clone(), queued.clone()), make("wb", second.clone(), queued.clone())];
+    let ids: Vec<String> = (0..10).map(|i| format!("q{i}")).collect();
+    let requests: Vec<StartRequest> =
+        ids.iter().map(|id| StartRequest::new(id, "hold", 1, json!({})).in_queue("narrow", 0, None)).collect();
+    env.writer.call_blocking(move |store, now| store.start_runs(&requests, now)).unwrap();
+    let refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let report = drive(&rt, &workers, &env, &refs);
+    assert_eq!(report.completed, 10, "{report:?}");
+    let most = queued.1.load(SeqCst);
+    assert!((1..=2).contains(&most), "at most 2 runs of the queue at once, saw {most}");
+    // The control: the same runs without the queue go wider on the same two workers.
+    let control: Vec<String> = (0..10).map(|i| format!("c{i}")).collect();
+    for id in &control {
+        env.start(id, "hold", json!({}));
+    }
+    let workers = [make("wc", env.writer.clone(), free.clone()), make("wd", second, free.clone())];
+    let refs: Vec<&str> = control.iter().map(String::as_str).collect();
+    drive(&rt, &workers, &env, &refs);
+    assert!(free.1.load(SeqCst) > 2, "without the queue more run at once: {}", free.1.load(SeqCst));
+    let state = env.writer.call_blocking(|store, now| store.queue("narrow", 10, now)).unwrap().unwrap();
+    assert_eq!((state.in_progress, state.waiting), (0, 0), "{state:?}");
+}

@@ -1,5 +1,6 @@
-//! The PostgreSQL [`WorkflowStore`] and [`ScheduleStore`](tidemark_core::schedule::ScheduleStore):
-//! runs, their journal, step attempts, events, idempotency receipts and schedules (migration v2
+//! The PostgreSQL [`WorkflowStore`], [`ScheduleStore`](tidemark_core::schedule::ScheduleStore) and
+//! [`QueueStore`](tidemark_core::queue::QueueStore): runs, their journal, step attempts, events,
+//! idempotency receipts, schedules and queues (migration v2
 //! of `schema.rs`, the tables of SQLite's v3 and v9), for the durable workflow runtime
 //! (`docs/workflows.md`), shared by any number of worker processes on any number of machines.
 //!
@@ -43,12 +44,14 @@
 //!   again, after the lock, that no other run of the key holds a live lease. At most one run per
 //!   key holds a live lease, whatever the clocks of the starting machines say about creation
 //!   times.
-//! - Advisory locks are taken only by claims, in one order (types, then keys), and claims never
-//!   wait for a row lock, so lock waits cannot form a cycle. Every wait is bounded by the
-//!   session's `lock_timeout` (10 s; a `store` error after it).
+//! - Queues (`queues.rs`): a queue's room is spent the same way, under the queue's advisory lock.
+//! - Advisory locks are taken only by claims, in one order (types, then queues, then keys), and
+//!   claims never wait for a row lock, so lock waits cannot form a cycle. Every wait is bounded by
+//!   the session's `lock_timeout` (10 s; a `store` error after it).
 
 pub(crate) mod commit;
 pub(crate) mod operator;
+pub(crate) mod queues;
 mod rows;
 pub(crate) mod schedules;
 
@@ -80,8 +83,8 @@ pub const RECEIPT_WINDOW_MS_DEFAULT: i64 = 30 * 24 * 60 * 60 * 1000;
 
 /// The workflow store in one schema of a PostgreSQL database: any number of `PgWorkflows`, in
 /// any number of processes, may share the schema (each with its own connection); claims, leases,
-/// limits and keys hold across all of them. Implements [`WorkflowStore`] with
-/// [`ApplyTransaction`] as the transactional steps' target, and `ScheduleStore`.
+/// limits, queues and keys hold across all of them. Implements [`WorkflowStore`] with
+/// [`ApplyTransaction`] as the transactional steps' target, `ScheduleStore` and `QueueStore`.
 pub struct PgWorkflows {
     apply: ApplyTransaction,
     statements: RefCell<Statements>,
@@ -309,9 +312,10 @@ pub(crate) const LEASED_COUNT_SQL: &str = "SELECT count(*) FROM {s}.runs WHERE w
    AND lease_token IS NOT NULL AND lease_expires_at_ms > $2";
 
 /// Lease the chosen runs in one statement: `$1` run ids, `$5` their new tokens, `$6` whether
-/// each took over an expired lease.
+/// each took over an expired lease. A queued run's first lease admits it.
 const LEASE_SQL: &str = "UPDATE {s}.runs r SET lease_owner = $2, lease_token = c.token, lease_expires_at_ms = $3,
-     recoveries = r.recoveries + CASE WHEN c.recovered THEN 1 ELSE 0 END, updated_at_ms = $4
+     recoveries = r.recoveries + CASE WHEN c.recovered THEN 1 ELSE 0 END, updated_at_ms = $4,
+     admitted_at_ms = CASE WHEN r.queue IS NOT NULL AND r.admitted_at_ms IS NULL THEN $4 ELSE r.admitted_at_ms END
  FROM unnest($1::text[], $5::text[], $6::boolean[]) AS c(run_id, token, recovered)
  WHERE r.run_id = c.run_id";
 
@@ -382,13 +386,16 @@ const STARTS_FOUND_SQL: &str = "SELECT run_id, workflow, input_hash, status, 0 F
  SELECT run_id, workflow, input_hash, status, 1 FROM {s}.run_receipts WHERE run_id = ANY($1) AND expires_at_ms > $2";
 
 /// New runs, in run id order (two batches that share ids wait for each other in one order).
-/// A run id another transaction inserted meanwhile is left out of `RETURNING`.
+/// A run id another transaction inserted meanwhile, or a queue's deduplication id another
+/// transaction took meanwhile, leaves its run out of `RETURNING` (any unique index is an arbiter).
 const STARTS_INSERT_SQL: &str = "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status,
-     wake_at_ms, created_at_ms, updated_at_ms)
- SELECT n.run_id, n.workflow, n.version, n.input, n.input_hash, n.key, 'pending', n.wake_at_ms, $8, $8
- FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::bigint[])
-      AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms)
- ON CONFLICT (run_id) DO NOTHING RETURNING run_id";
+     wake_at_ms, created_at_ms, updated_at_ms, queue, priority, dedup_id)
+ SELECT n.run_id, n.workflow, n.version, n.input, n.input_hash, n.key, 'pending', n.wake_at_ms, $8, $8,
+        n.queue, n.priority, n.dedup_id
+ FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::bigint[],
+             $9::text[], $10::integer[], $11::text[])
+      AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id)
+ ON CONFLICT DO NOTHING RETURNING run_id";
 
 /// Start validated requests in the caller's transaction: one read of what the ids hold, one
 /// insert of the new runs. Idempotent per run id, also against concurrent starts of the same id
@@ -415,12 +422,6 @@ pub(super) fn start_in(
         }
         found.insert(run_id, (col(&row, 1)?, col(&row, 2)?, rows::run_status_column(&row, 3)?));
     }
-    if let Some(queued) = requests.iter().find(|r| r.queue.is_some()) {
-        return Err(Error::invalid(
-            tidemark_core::queue::queue_codes::UNKNOWN_QUEUE,
-            format!("run {:?}: queues are not available on PostgreSQL yet", queued.run_id),
-        ));
-    }
     let mut outcomes = Vec::with_capacity(requests.len());
     let mut new: BTreeMap<&str, usize> = BTreeMap::new();
     for (index, (request, hash)) in requests.iter().zip(&hashes).enumerate() {
@@ -438,23 +439,37 @@ pub(super) fn start_in(
         return Ok(outcomes);
     }
     let new_ids: Vec<String> = new.keys().map(|id| id.to_string()).collect();
+    let chosen: Vec<&StartRequest> = new.values().map(|index| &requests[*index]).collect();
+    queues::check_enqueues(c, st, &chosen)?;
     // An expired receipt no longer counts: the id may be used again.
     let forget = st.get(c, "DELETE FROM {s}.run_receipts WHERE run_id = ANY($1)")?;
     c.execute(&forget, &[&new_ids]).db()?;
-    let chosen: Vec<&StartRequest> = new.values().map(|index| &requests[*index]).collect();
     let workflows: Vec<&str> = chosen.iter().map(|r| r.workflow.as_str()).collect();
     let versions: Vec<i64> = chosen.iter().map(|r| i64::from(r.version)).collect();
     let inputs: Vec<String> = chosen.iter().map(|r| rows::json_text(&r.input)).collect();
     let input_hashes: Vec<&str> = new.values().map(|index| hashes[*index].as_str()).collect();
     let keys: Vec<Option<&str>> = chosen.iter().map(|r| r.key.as_deref()).collect();
     let wakes: Vec<i64> = chosen.iter().map(|r| r.start_at_ms.unwrap_or(now_ms)).collect();
+    let queue_names: Vec<Option<&str>> = chosen.iter().map(|r| r.queue.as_ref().map(|q| q.queue.as_str())).collect();
+    let priorities: Vec<Option<i32>> = chosen.iter().map(|r| r.queue.as_ref().map(|q| q.priority)).collect();
+    let dedups: Vec<Option<&str>> =
+        chosen.iter().map(|r| r.queue.as_ref().and_then(|q| q.dedup_id.as_deref())).collect();
     let insert = st.get(c, STARTS_INSERT_SQL)?;
-    let inserted: BTreeSet<String> = c
-        .query(&insert, &[&new_ids, &workflows, &versions, &inputs, &input_hashes, &keys, &wakes, &now_ms])
-        .db()?
-        .iter()
-        .map(|row| col(row, 0))
-        .collect::<Result<_>>()?;
+    let params: [&(dyn ToSql + Sync); 11] = [
+        &new_ids,
+        &workflows,
+        &versions,
+        &inputs,
+        &input_hashes,
+        &keys,
+        &wakes,
+        &now_ms,
+        &queue_names,
+        &priorities,
+        &dedups,
+    ];
+    let inserted: BTreeSet<String> =
+        c.query(&insert, &params).db()?.iter().map(|row| col(row, 0)).collect::<Result<_>>()?;
     let raced: Vec<String> = new_ids.into_iter().filter(|id| !inserted.contains(id)).collect();
     if raced.is_empty() {
         return Ok(outcomes);
@@ -469,6 +484,9 @@ pub(super) fn start_in(
     for (index, request) in requests.iter().enumerate() {
         if raced.contains(&request.run_id) {
             let Some(winner) = winners.get(&request.run_id) else {
+                // Not there: the insert met the deduplication id of a concurrent start (committed:
+                // the insert waited for it), which the check names.
+                queues::check_enqueues(c, st, &[request])?;
                 return Err(Error::Invariant(format!("run {:?} was neither inserted nor found", request.run_id)));
             };
             outcomes[index] = outcome_of(request, &hashes[index], winner);
@@ -545,6 +563,11 @@ fn claim_in(
             });
         }
     }
+    // Runs waiting in queues, admitted (in this transaction, with their lease) while their queue
+    // has room: by priority, then oldest first.
+    for (run, input) in queues::admissible(c, st, schema, &request.workflows, &slots, now_ms)? {
+        candidates.push(Candidate { run, input, had_lease: false });
+    }
     candidates.sort_by(|a, b| {
         (a.run.wake_at_ms, a.run.created_at_ms, &a.run.run_id).cmp(&(
             b.run.wake_at_ms,
@@ -599,6 +622,9 @@ fn claim_in(
         run.lease_expires_at_ms = Some(expires);
         run.recoveries += u32::from(had_lease);
         run.updated_at_ms = now_ms;
+        if run.queue.is_some() && run.admitted_at_ms.is_none() {
+            run.admitted_at_ms = Some(now_ms);
+        }
         let journal = journals.remove(&run.run_id).unwrap_or_default();
         let events = events.remove(&run.run_id).unwrap_or_default();
         claimed.push(ClaimedRun { run, lease_token: token, journal, events, recovered: had_lease });
