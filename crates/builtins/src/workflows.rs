@@ -202,7 +202,8 @@ pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<V
 }
 
 /// `order_batch`: stamps the batch with journaled values (`now`, `uuid`: a replay after a crash
-/// sees the same ones), then runs each order as a child `order_saga`, one after the other, and
+/// sees the same ones), then runs each order as a child `order_saga`, one after the other,
+/// publishing its progress after each (`ctx.set_event("progress", {"done", "of"})`), and
 /// completes with each child's end. A child that compensated is reported, not a failure of the
 /// batch; cancelling the batch cancels the child in flight.
 async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std::result::Result<Value, WorkflowError> {
@@ -220,6 +221,8 @@ async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std
             Err(other) => return Err(other),
         };
         orders.push(end);
+        // Readable from outside while the batch runs: GET /v1/runs/{id}/events/progress.
+        ctx.set_event("progress", &json!({"done": orders.len(), "of": batch.orders.len()})).await?;
     }
     Ok(json!({"started_at_ms": started_at_ms, "batch_token": batch_token, "orders": orders}))
 }

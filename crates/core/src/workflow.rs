@@ -218,6 +218,10 @@ pub enum StepKind {
     Value,
     /// A child run started by this run (`ctx.child`), with its end once it came.
     Child,
+    /// A value the run published under a key (`ctx.set_event`), readable from outside.
+    Publish,
+    /// A message the run sent to another run (`ctx.send`).
+    Send,
 }
 
 impl StepKind {
@@ -231,11 +235,13 @@ impl StepKind {
             StepKind::Compensation => "compensation",
             StepKind::Value => "value",
             StepKind::Child => "child",
+            StepKind::Publish => "publish",
+            StepKind::Send => "send",
         }
     }
 
     /// Every kind.
-    pub const ALL: [StepKind; 7] = [
+    pub const ALL: [StepKind; 9] = [
         StepKind::External,
         StepKind::Transactional,
         StepKind::Sleep,
@@ -243,6 +249,8 @@ impl StepKind {
         StepKind::Compensation,
         StepKind::Value,
         StepKind::Child,
+        StepKind::Publish,
+        StepKind::Send,
     ];
 
     /// The kind named by `value` (one of the words of [`StepKind::as_str`]), or `None`.
@@ -571,6 +579,44 @@ pub fn is_child_event(name: &str) -> bool {
     name.strip_prefix("child/").is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()))
 }
 
+/// The event id of the message run `sender` sends at journal position `seq` (`ctx.send`):
+/// `msg/<seq>/<16 hex digits of the sender's SHA-256>`. The `/` keeps it apart from every id an
+/// API or CLI sender can give, and the id is the same on every replay (a message is sent once).
+pub fn message_event_id(sender: &str, seq: u32) -> String {
+    let hash = crate::envelope::hash_hex(sender.as_bytes());
+    format!("msg/{seq}/{}", &hash[..16])
+}
+
+/// Is `id` an event id the store makes itself ([`child_event`], [`message_event_id`]), outside
+/// the identifier alphabet that senders are held to?
+pub fn is_store_event_id(id: &str) -> bool {
+    if is_child_event(id) {
+        return true;
+    }
+    let Some(rest) = id.strip_prefix("msg/") else { return false };
+    let Some((seq, hash)) = rest.split_once('/') else { return false };
+    !seq.is_empty()
+        && seq.bytes().all(|b| b.is_ascii_digit())
+        && hash.len() == 16
+        && hash.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// A value a run published (`ctx.set_event`), as read from outside.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PublishedValue {
+    /// The run.
+    pub run_id: String,
+    /// The key.
+    pub key: String,
+    /// The latest value published under it.
+    pub value: Value,
+    /// The journal position that published it.
+    pub seq: u32,
+    /// When, in ms since the Unix epoch.
+    pub updated_at_ms: i64,
+}
+
 /// The answer to one start request.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -867,6 +913,32 @@ pub enum JournalOp<T: ?Sized> {
         /// again when it passes).
         wake_at_ms: i64,
     },
+    /// Publish `value` under `key` (kind `Publish`, step name = the key): the run's published
+    /// value of that key is replaced in the same transaction (readable from outside while the
+    /// run exists).
+    Publish {
+        /// The journal position.
+        seq: u32,
+        /// The key (an identifier).
+        key: String,
+        /// The value (at most 256 KiB of JSON).
+        value: Value,
+    },
+    /// Send `payload` to run `to` as an event named `topic` (kind `Send`, step name = the
+    /// topic), in the same transaction as the journal entry: exactly once. The event's id is
+    /// [`message_event_id`]`(sender, seq)`. Answered [`WriteResult::TxResult`]: `Ok` with
+    /// `{"to", "event_id"}`, or a permanent failure (recorded as the entry's) when run `to` does not
+    /// exist or has ended.
+    Send {
+        /// The journal position.
+        seq: u32,
+        /// The receiving run.
+        to: String,
+        /// The event name the receiver waits for (`ctx.recv(topic)`).
+        topic: String,
+        /// The message (at most 256 KiB of JSON).
+        payload: Value,
+    },
     /// Journal a timer (`Sleep`) or a wait (`Wait`) that has not fired yet.
     TimerStarted {
         /// The journal position of the timer or wait.
@@ -1042,6 +1114,8 @@ pub trait WorkflowStore {
     /// The run with its journal, attempts and events, read in one read transaction, or `None` for
     /// an unknown run id.
     fn run(&self, run_id: &str) -> Result<Option<RunDetail>>;
+    /// The value run `run_id` last published under `key` (`ctx.set_event`), or `None`.
+    fn published(&self, run_id: &str, key: &str) -> Result<Option<PublishedValue>>;
     /// Runs that match `filter`, by (creation time, run id), at most `limit` (1..=1,000, else
     /// `limit_exceeded`); page on with [`RunFilter::next_page`].
     fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>>;
@@ -1103,6 +1177,10 @@ mod tests {
         assert!(is_child_event("child/4") && !is_child_event("child/") && !is_child_event("child/x"));
         // Nobody can send an event of that name: it is not an identifier.
         assert!(validate_id("event name", &child_event(4)).is_err());
+        let message = message_event_id("sender", 3);
+        assert!(is_store_event_id(&message) && is_store_event_id("child/4"), "{message}");
+        assert!(validate_id("event_id", &message).is_err());
+        assert!(!is_store_event_id("msg/1/xyz") && !is_store_event_id("order-1"));
     }
 
     #[test]

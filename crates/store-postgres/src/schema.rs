@@ -163,7 +163,8 @@ const MIGRATIONS: &[&str] = &[
         retired_at_ms bigint NOT NULL
     );
     "#,
-    // v2: durable workflows, schedules and queues (`workflow/`), the tables of SQLite's v3 and v9 with the
+    // v2: durable workflows, schedules, queues and published values (`workflow/`), the tables of
+    // SQLite's v3 and v9 with the
     // same columns, checks and indexes (SQLite's `schema.rs` gives every column's reason). The
     // active statuses are written `status IN ('pending', 'running', 'sleeping', 'waiting',
     // 'compensating')` exactly like this in the partial indexes and in every query that must use
@@ -235,7 +236,7 @@ const MIGRATIONS: &[&str] = &[
         seq                integer NOT NULL CHECK (seq >= 0),
         name               text COLLATE "C" NOT NULL,
         kind               text NOT NULL CHECK (kind IN ('external', 'transactional', 'sleep', 'wait',
-                               'compensation', 'value', 'child')),
+                               'compensation', 'value', 'child', 'publish', 'send')),
         status             text NOT NULL CHECK (status IN ('retrying', 'waiting', 'completed', 'failed', 'skipped')),
         output             text,
         error              text,
@@ -267,6 +268,17 @@ const MIGRATIONS: &[&str] = &[
         received_at_ms  bigint NOT NULL,
         consumed_by_seq integer,
         PRIMARY KEY (run_id, event_id)
+    );
+
+    -- What runs published (ctx.set_event), by key: the latest value, readable from outside while
+    -- the run exists (purged with it).
+    CREATE TABLE {s}.run_published (
+        run_id        text COLLATE "C" NOT NULL REFERENCES {s}.runs (run_id),
+        key           text COLLATE "C" NOT NULL,
+        value         text NOT NULL,
+        seq           integer NOT NULL,
+        updated_at_ms bigint NOT NULL,
+        PRIMARY KEY (run_id, key)
     );
 
     CREATE TABLE {s}.run_receipts (

@@ -392,7 +392,8 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE receipts ADD COLUMN generation TEXT;
     "#,
-    // v9: child workflows, deterministic values, schedules and queues (docs/workflows.md). The journal takes two
+    // v9: child workflows, deterministic values, schedules, queues and messages between runs
+    // (docs/workflows.md). The journal takes two
     // more kinds, `value` (ctx.now/random/uuid) and `child` (ctx.child): SQLite cannot change a
     // CHECK, so the table is rebuilt with every entry copied as it is. A run knows the parent that
     // started it and the parent's journal position, so its end reaches the parent in the child's
@@ -402,7 +403,7 @@ const MIGRATIONS: &[&str] = &[
         run_id             TEXT NOT NULL REFERENCES runs (run_id),
         seq                INTEGER NOT NULL CHECK (seq >= 0),
         name               TEXT NOT NULL,
-        kind               TEXT NOT NULL CHECK ((kind = 'external' OR kind = 'transactional' OR kind = 'sleep' OR kind = 'wait' OR kind = 'compensation' OR kind = 'value' OR kind = 'child')),
+        kind               TEXT NOT NULL CHECK ((kind = 'external' OR kind = 'transactional' OR kind = 'sleep' OR kind = 'wait' OR kind = 'compensation' OR kind = 'value' OR kind = 'child' OR kind = 'publish' OR kind = 'send')),
         status             TEXT NOT NULL CHECK ((status = 'retrying' OR status = 'waiting' OR status = 'completed' OR status = 'failed' OR status = 'skipped')),
         output             TEXT,
         error              TEXT,
@@ -467,6 +468,16 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE runs ADD COLUMN priority INTEGER;
     ALTER TABLE runs ADD COLUMN dedup_id TEXT;
     ALTER TABLE runs ADD COLUMN admitted_at_ms INTEGER;
+    -- What runs published (ctx.set_event), by key: the latest value, readable from outside while
+    -- the run exists (purged with it).
+    CREATE TABLE run_published (
+        run_id        TEXT NOT NULL REFERENCES runs (run_id),
+        key           TEXT NOT NULL,
+        value         TEXT NOT NULL,
+        seq           INTEGER NOT NULL,
+        updated_at_ms INTEGER NOT NULL,
+        PRIMARY KEY (run_id, key)
+    ) WITHOUT ROWID;
     -- The admission: a queue's waiting runs in admission order.
     CREATE INDEX runs_queue_waiting ON runs (queue, priority, created_at_ms, run_id)
         WHERE queue IS NOT NULL AND admitted_at_ms IS NULL

@@ -927,7 +927,7 @@ fn workflow_commit_children(point: &str) {
         }
         assert_eq!(r.code, exit_code(point), "worker at {spec}:\n{}\n{}", r.stdout, r.stderr);
         crashes += 1;
-        w.drive(&["batch", "batch.2", "batch.3"], &[]);
+        w.drive(&["batch", "batch.2", "batch.4"], &[]);
         let batch = w.show("batch");
         assert_eq!(batch["run"]["status"], "completed", "after a crash at {spec}: {batch}");
         let result = &batch["run"]["result"];
@@ -943,7 +943,14 @@ fn workflow_commit_children(point: &str) {
             journal.iter().map(|e| (e["kind"].as_str().unwrap(), e["name"].as_str().unwrap())).collect();
         assert_eq!(
             shape,
-            [("value", "now"), ("value", "uuid"), ("child", "order_saga"), ("child", "order_saga")],
+            [
+                ("value", "now"),
+                ("value", "uuid"),
+                ("child", "order_saga"),
+                ("publish", "progress"),
+                ("child", "order_saga"),
+                ("publish", "progress")
+            ],
             "after a crash at {spec}"
         );
         assert_eq!(journal[0]["output"], result["started_at_ms"], "after a crash at {spec}");
@@ -951,8 +958,8 @@ fn workflow_commit_children(point: &str) {
         // Exactly the two children, each a child of the batch, each run to its end once.
         let runs = w.wf("list", &[])["runs"].as_array().unwrap().clone();
         let ids: BTreeSet<&str> = runs.iter().map(|r| r["run_id"].as_str().unwrap()).collect();
-        assert_eq!(ids, BTreeSet::from(["batch", "batch.2", "batch.3"]), "after a crash at {spec}");
-        for (child, status) in [("batch.2", "completed"), ("batch.3", "compensated")] {
+        assert_eq!(ids, BTreeSet::from(["batch", "batch.2", "batch.4"]), "after a crash at {spec}");
+        for (child, status) in [("batch.2", "completed"), ("batch.4", "compensated")] {
             let run = w.show(child)["run"].clone();
             assert_eq!((run["status"].as_str(), run["parent_run_id"].as_str()), (Some(status), Some("batch")));
         }

@@ -131,7 +131,11 @@ fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
     assert!(page.contains("Child of") && page.contains("/ui/runs/batch-1"), "the child links its parent");
     let (status, page) = server.text_with("/ui/runs/batch-1", t);
     assert_eq!(status, 200);
-    assert!(page.contains("child workflow") && page.contains("/ui/runs/batch-1.3"), "the parent links its children");
+    assert!(page.contains("child workflow") && page.contains("/ui/runs/batch-1.4"), "the parent links its children");
+    let (status, progress) = server.call("GET", "/v1/runs/batch-1/events/progress?wait_ms=100", t, None);
+    assert_eq!((status, progress["value"].clone()), (200, json!({"done": 2, "of": 2})), "{progress}");
+    let (status, none) = server.call("GET", "/v1/runs/batch-1/events/nothing", t, None);
+    assert_eq!((status, none["error"]["code"].as_str()), (404, Some("not_found")), "{none}");
 
     // A run waiting for an approval that never comes: 202 once the short wait is over.
     let sleepy = json!({"workflow": "sleepy_order", "run_id": "nap-1",

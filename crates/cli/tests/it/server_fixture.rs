@@ -81,6 +81,12 @@ pub fn populate(server: &Server, token: &str, tenant: &str) -> Fixture {
     let quarantined = expect(server, "POST", "/v1/streams/forged/events", t, note, &[200]);
 
     expect(server, "POST", "/v1/runs", t, order("order-ok", 1, &marker), &[201]);
+    // A batch of one child order: it publishes its progress (GET /v1/runs/{id}/events/{key}).
+    let child = order("unused", 1, &marker)["input"].clone();
+    let mut child = child;
+    child["order_id"] = json!(format!("batch-child-{marker}"));
+    let batch = json!({"workflow": "order_batch", "run_id": "batch-ok", "input": {"orders": [child]}});
+    expect(server, "POST", "/v1/runs", t, batch, &[201]);
     let fail = json!({"fail": "charge_payment"});
     for run in ["sleepy-fail", "sleepy-fail-2"] {
         expect(server, "POST", "/v1/runs", t, sleepy(run, fail.clone(), &marker), &[201]);
@@ -104,6 +110,7 @@ pub fn populate(server: &Server, token: &str, tenant: &str) -> Fixture {
         let (_, pending) = s.call("GET", "/v1/outbox?status=pending", Some(t), None);
         let settled = pending["deliveries"].as_array()?.is_empty();
         let runs = status_of(s, "order-ok") == "completed"
+            && status_of(s, "batch-ok") == "completed"
             && ["sleepy-fail", "sleepy-fail-2"].iter().all(|r| status_of(s, r) == "failed")
             && ["sleepy-wait", "sleepy-wait-2", "sleepy-wait-3"].iter().all(|r| status_of(s, r) == "waiting");
         (quarantined && blocked && settled && runs).then_some(())
@@ -159,6 +166,8 @@ impl Fixture {
             ("run_id", _, "/v1/runs/{run_id}/retry") => "sleepy-fail",
             ("run_id", _, "/v1/runs/{run_id}/skip") => "sleepy-fail-2",
             ("run_id", _, "/v1/runs/{run_id}/abandon") => "sleepy-wait-3",
+            ("run_id", _, "/v1/runs/{run_id}/events/{key}") => "batch-ok",
+            ("key", _, _) => "progress",
             ("run_id", _, _) => "order-ok",
             ("sku", _, _) => "sku-1",
             ("schedule_id", "PUT", _) => "fresh-schedule",

@@ -534,3 +534,86 @@ fn a_dedup_id_is_held_until_its_run_ends_and_an_unknown_queue_is_refused() {
     // Its run ended: the id is free again.
     env.start_new_request(hold("second").in_queue("mail", 0, Some("welcome-42")));
 }
+
+/// `inbox` publishes its stage, waits for a message `go`, publishes again and returns the message;
+/// `poster` sends `go` to the run its input names (and fails once after sending, so that it
+/// executes again and replays the send); `stray` sends to a run that does not exist.
+fn message_workflows() -> Workflows<Store> {
+    let mut workflows = Workflows::new();
+    workflows
+        .register("inbox", 1, fast_options(), |ctx, _input: Value| async move {
+            ctx.set_event("stage", &json!("waiting")).await?;
+            let message = ctx.recv("go", Duration::from_secs(3_600)).await?;
+            ctx.set_event("stage", &json!("done")).await?;
+            Ok(json!({"message": message}))
+        })
+        .unwrap();
+    let failed_once = Arc::new(Mutex::new(false));
+    workflows
+        .register("poster", 1, fast_options(), move |ctx, input: Value| {
+            let failed_once = failed_once.clone();
+            async move {
+                let to = input["to"].as_str().unwrap_or_default().to_string();
+                ctx.send(&to, "go", &json!({"from": ctx.run_id()})).await?;
+                let _: Value = ctx
+                    .step("after_send", None, move |_key| async move {
+                        let mut failed = failed_once.lock().unwrap();
+                        if !*failed {
+                            *failed = true;
+                            return Err(StepFailure::retryable("fails once after the send"));
+                        }
+                        Ok(json!(null))
+                    })
+                    .await?;
+                Ok(json!({"sent_to": to}))
+            }
+        })
+        .unwrap();
+    workflows
+        .register("stray", 1, fast_options(), |ctx, _input: Value| async move {
+            match ctx.send("nobody-home", "go", &json!(1)).await {
+                Err(WorkflowError::StepFailed { message, .. }) => Ok(json!({"failed": message})),
+                other => Ok(json!({"unexpected": format!("{other:?}")})),
+            }
+        })
+        .unwrap();
+    workflows
+}
+
+#[test]
+fn runs_publish_values_and_send_each_other_messages_exactly_once() {
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, message_workflows(), worker_options("w1"));
+    env.start_new("in-1", "inbox", 1, json!({}));
+    drive(&rt, &w, &env, &["in-1"], |run| run.status == RunStatus::Waiting);
+    let handle = RunHandle::new(w.clone(), "in-1");
+    let stage: Option<String> = rt.block_on(handle.get_event("stage", Duration::ZERO)).unwrap();
+    assert_eq!(stage.as_deref(), Some("waiting"));
+    let nothing: Option<Value> = rt.block_on(handle.get_event("other", Duration::from_millis(20))).unwrap();
+    assert_eq!(nothing, None);
+    let unknown = rt.block_on(RunHandle::new(w.clone(), "nobody").get_event::<Value>("stage", Duration::ZERO));
+    assert_eq!(unknown.unwrap_err().code(), "not_found");
+
+    env.start_new("post-1", "poster", 1, json!({"to": "in-1"}));
+    settle(&rt, &w, &env, &["in-1", "post-1"]);
+    let receiver = env.detail("in-1");
+    assert_eq!(receiver.run.status, RunStatus::Completed, "{:?}", receiver.run.error);
+    assert_eq!(receiver.run.result, Some(json!({"message": {"from": "post-1"}})));
+    // The poster executed twice (its step failed once): still one message.
+    assert_eq!(receiver.events.len(), 1, "{:?}", receiver.events);
+    assert_eq!(receiver.events[0].event_id, tidemark_core::workflow::message_event_id("post-1", 0));
+    let stage: Option<String> = rt.block_on(handle.get_event("stage", Duration::ZERO)).unwrap();
+    assert_eq!(stage.as_deref(), Some("done"), "the latest value of a key wins");
+    let kinds: Vec<StepKind> = receiver.journal.iter().map(|e| e.kind).collect();
+    assert_eq!(kinds, [StepKind::Publish, StepKind::Wait, StepKind::Publish]);
+    let sender = env.detail("post-1");
+    assert_eq!((sender.journal[0].kind, sender.journal[0].name.as_str()), (StepKind::Send, "go"));
+    assert_eq!(sender.run.status, RunStatus::Completed);
+
+    env.start_new("stray-1", "stray", 1, json!({}));
+    settle(&rt, &w, &env, &["stray-1"]);
+    let stray = env.detail("stray-1");
+    let message = stray.run.result.unwrap()["failed"].as_str().unwrap_or_default().to_string();
+    assert!(message.contains("nobody-home"), "{message}");
+    assert_eq!(stray.journal[0].status, StepStatus::Failed);
+}

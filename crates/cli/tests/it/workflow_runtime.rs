@@ -1084,6 +1084,13 @@ impl WorkflowStore for FailingHeartbeats {
     fn run(&self, run_id: &str) -> tidemark_core::Result<Option<RunDetail>> {
         self.inner.run(run_id)
     }
+    fn published(
+        &self,
+        run_id: &str,
+        key: &str,
+    ) -> tidemark_core::Result<Option<tidemark_core::workflow::PublishedValue>> {
+        self.inner.published(run_id, key)
+    }
     fn list_runs(&self, f: &RunFilter, limit: usize) -> tidemark_core::Result<Vec<RunRecord>> {
         self.inner.list_runs(f, limit)
     }

@@ -329,6 +329,57 @@ where
         }
     }
 
+    /// Publish `value` under `key`, readable from outside while the run exists
+    /// (`GET /v1/runs/{id}/events/{key}`, `RunHandle::get_event`): the latest value of a key wins.
+    /// Journaled (kind `publish`, step name = the key) in the same transaction as the value:
+    /// exactly once, and a replay does not publish again.
+    pub async fn set_event<T: Serialize>(&self, key: &str, value: &T) -> Result<(), WorkflowError> {
+        let value = serde_json::to_value(value)
+            .map_err(|e| WorkflowError::Failed(format!("the value of event {key} does not serialise: {e}")))?;
+        match self.begin(key, StepKind::Publish)? {
+            Slot::Journaled(..) => Ok(()),
+            Slot::New(seq) => self.write(JournalOp::Publish { seq, key: key.to_string(), value }).await.map(drop),
+        }
+    }
+
+    /// Send `payload` to run `to` as an event named `topic` (it receives it with
+    /// [`Self::recv`]`(topic, ...)` or [`Self::wait_for_event`]). Journaled (kind `send`, step name =
+    /// the topic) in the same transaction as the event: exactly once, whatever crashes. A run
+    /// `to` that does not exist or has ended is this step's failure
+    /// ([`WorkflowError::StepFailed`]).
+    pub async fn send<T: Serialize>(&self, to: &str, topic: &str, payload: &T) -> Result<(), WorkflowError> {
+        let payload = serde_json::to_value(payload)
+            .map_err(|e| WorkflowError::Failed(format!("the message {topic} does not serialise: {e}")))?;
+        let seq = match self.begin(topic, StepKind::Send)? {
+            Slot::Journaled(_, entry) => {
+                return match entry.status {
+                    StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                    _ => Ok(()),
+                }
+            }
+            Slot::New(seq) => seq,
+        };
+        let op = JournalOp::Send { seq, to: to.to_string(), topic: topic.to_string(), payload };
+        match self.write(op).await? {
+            WriteResult::TxResult(Ok(_)) => Ok(()),
+            WriteResult::TxResult(Err(failure)) => {
+                Err(WorkflowError::StepFailed { step: topic.to_string(), message: failure.message })
+            }
+            other => {
+                let error = Error::Invariant(format!("a send was answered {other:?}"));
+                self.lock().store_error = Some(error.clone());
+                Err(WorkflowError::Store(error))
+            }
+        }
+    }
+
+    /// Receive the next message sent to this run under `topic` ([`Self::send`] from another run,
+    /// or any event of that name), or `None` after `timeout`: [`Self::wait_for_event`] under the
+    /// name of the exchange.
+    pub async fn recv(&self, topic: &str, timeout: Duration) -> Result<Option<Value>, WorkflowError> {
+        self.wait_for_event(topic, timeout).await
+    }
+
     /// A child's end as journaled: its output when it completed, else this step's failure.
     fn child_output<O: DeserializeOwned>(&self, workflow: &str, end: Value) -> Result<O, WorkflowError> {
         match end.get("status").and_then(Value::as_str) {
@@ -432,7 +483,7 @@ where
     /// Send the pending writes and then `ops` in one batch; the answer of the first write that
     /// was fenced or failed (the rest of the batch is then fenced or failed too), else the last
     /// write's answer.
-    async fn send(&self, ops: Vec<JournalOp<S::Target>>) -> tidemark_core::Result<WriteResult> {
+    async fn send_writes(&self, ops: Vec<JournalOp<S::Target>>) -> tidemark_core::Result<WriteResult> {
         let mut writes: Vec<JournalWrite<S::Target>> =
             std::mem::take(&mut self.lock().pending).into_iter().map(|op| self.journal_write(op)).collect();
         writes.extend(ops.into_iter().map(|op| self.journal_write(op)));
@@ -789,7 +840,7 @@ where
 
     /// Send the pending writes and `ops` together; a fenced or failed write stops the run.
     async fn write_ops(&self, ops: Vec<JournalOp<S::Target>>) -> Result<WriteResult, WorkflowError> {
-        match self.send(ops).await {
+        match self.send_writes(ops).await {
             Ok(WriteResult::Fenced) => {
                 self.lock().lost = true;
                 Err(WorkflowError::LeaseLost)
@@ -853,7 +904,7 @@ where
             JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
             _ => RunOutcome::Released,
         };
-        match self.send(vec![op]).await {
+        match self.send_writes(vec![op]).await {
             Ok(WriteResult::Fenced) => RunOutcome::Lost,
             Ok(_) => outcome,
             Err(error) => RunOutcome::Error(error.to_string()),

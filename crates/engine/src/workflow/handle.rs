@@ -156,6 +156,50 @@ where
     }
 }
 
+impl<S> RunHandle<S>
+where
+    S: WorkflowStore + Send + 'static,
+    S::Target: 'static,
+{
+    /// The value the run published under `key` (`ctx.set_event`), waiting up to `timeout` for it
+    /// to be published (polled every [`EVENT_POLL_MS`]); `Ok(None)` when it was not by then. An
+    /// unknown run is `not_found`.
+    pub async fn get_event<T: DeserializeOwned>(&self, key: &str, timeout: Duration) -> Result<Option<T>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let (id, k) = (self.run_id.clone(), key.to_string());
+            let (published, exists) = self
+                .worker
+                .writer()
+                .call(move |store, _| {
+                    let published = store.published(&id, &k)?;
+                    let exists = published.is_some() || store.run(&id)?.is_some();
+                    Ok((published, exists))
+                })
+                .await?;
+            if let Some(published) = published {
+                return serde_json::from_value(published.value).map(Some).map_err(|e| {
+                    Error::invalid(
+                        workflow_codes::INVALID_OUTPUT,
+                        format!("event {key} of run {:?} does not decode into the type asked for: {e}", self.run_id),
+                    )
+                });
+            }
+            if !exists {
+                return Err(Error::not_found(format!("no run {:?}", self.run_id)));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(None);
+            }
+            tokio::time::sleep(left.min(Duration::from_millis(EVENT_POLL_MS))).await;
+        }
+    }
+}
+
+/// How often [`RunHandle::get_event`] reads a value not published yet.
+pub const EVENT_POLL_MS: u64 = 50;
+
 fn decode_result<O: DeserializeOwned>(run: RunRecord) -> Result<O> {
     if run.status != RunStatus::Completed {
         return Err(Error::invalid(

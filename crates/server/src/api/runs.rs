@@ -27,6 +27,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
         .routes(routes!(start, list))
         .routes(routes!(show))
         .routes(routes!(result))
+        .routes(routes!(published))
         .routes(routes!(cancel))
         .routes(routes!(retry))
         .routes(routes!(abandon))
@@ -305,6 +306,52 @@ async fn result(
         error: run.error,
     };
     Ok(typed(status, body))
+}
+
+/// Read what a run published under a key (`ctx.set_event`): 200 with the latest value, waiting up
+/// to `wait_ms` (0..=60000) for it to be published; 404 `not_found` when the run is unknown or the
+/// key was not published by then.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{run_id}/events/{key}",
+    tag = "runs",
+    params(("run_id" = String, Path, description = "The run"), ("key" = String, Path, description = "The key"), ResultQuery),
+    responses(
+        (status = 200, body = tidemark_core::workflow::PublishedValue),
+        (status = 404, description = "`not_found`: no such run, or nothing published under the key yet", body = ErrorBody),
+    ),
+    security(("bearer" = ["read"]))
+)]
+async fn published(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((run_id, key)): Path<(String, String)>,
+    Query(query): Query<ResultQuery>,
+) -> ApiResult {
+    caller.require(Scope::Read)?;
+    validate_id("run_id", &run_id)?;
+    validate_id("key", &key)?;
+    let wait_ms = query.wait_ms.unwrap_or(0);
+    if wait_ms > RESULT_WAIT_MS_MAX {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
+        )
+        .into());
+    }
+    let handle = caller.tenant.handle(&run_id)?;
+    let mut shutdown = state.shutdown_signal();
+    let found: Option<Value> = tokio::select! {
+        found = handle.get_event(&key, std::time::Duration::from_millis(wait_ms)) => found?,
+        _ = shutdown.wait_for(|down| *down) => None,
+    };
+    if found.is_none() {
+        return Err(Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")).into());
+    }
+    let (id, k) = (run_id.clone(), key.clone());
+    let value = caller.tenant.writer.call(move |store, _| store.published(&id, &k)).await?;
+    let value = value.ok_or_else(|| Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")))?;
+    Ok(typed(StatusCode::OK, value))
 }
 
 #[derive(Deserialize, ToSchema)]

@@ -167,6 +167,8 @@ fn step_kind(kind: StepKind) -> &'static str {
         StepKind::Compensation => "compensation",
         StepKind::Value => "recorded value",
         StepKind::Child => "child workflow",
+        StepKind::Publish => "published event",
+        StepKind::Send => "message sent",
     }
 }
 

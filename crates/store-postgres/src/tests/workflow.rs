@@ -1371,6 +1371,115 @@ fn a_child_id_taken_by_another_run_fails_the_step_for_good_and_an_equal_one_is_a
 }
 
 // ---------------------------------------------------------------------------------------------
+// Messages: published values and messages between runs
+
+#[test]
+fn a_run_publishes_the_latest_value_of_a_key_and_sends_messages_once() {
+    let mut d = db!("wf_messages");
+    start(&mut d.store, &[req("sender"), req("receiver")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let token = |id: &str| claimed.iter().find(|c| c.run.run_id == id).unwrap().lease_token.clone();
+    let (ts, tr) = (token("sender"), token("receiver"));
+    // The receiver waits for "ping".
+    let wait = JournalOp::TimerStarted {
+        seq: 0,
+        name: "ping".into(),
+        kind: StepKind::Wait,
+        wake_at_ms: 100_000,
+        event_name: Some("ping".into()),
+    };
+    let suspend =
+        JournalOp::Suspend { status: SuspendStatus::Waiting, wake_at_ms: 100_000, waiting_for: Some("ping".into()) };
+    d.store.commit(vec![write("receiver", &tr, wait), write("receiver", &tr, suspend)], 1_010).unwrap();
+    let batch = vec![
+        write("sender", &ts, JournalOp::Publish { seq: 0, key: "progress".into(), value: json!({"done": 1}) }),
+        write("sender", &ts, JournalOp::Publish { seq: 1, key: "progress".into(), value: json!({"done": 2}) }),
+        write(
+            "sender",
+            &ts,
+            JournalOp::Send { seq: 2, to: "receiver".into(), topic: "ping".into(), payload: json!("hi") },
+        ),
+        write("sender", &ts, JournalOp::Send { seq: 3, to: "nobody".into(), topic: "ping".into(), payload: json!(1) }),
+    ];
+    let results = d.store.commit(batch, 1_020).unwrap();
+    let message_id = tidemark_core::workflow::message_event_id("sender", 2);
+    assert_eq!(results[0], WriteResult::Done);
+    assert_eq!(results[2], WriteResult::TxResult(Ok(json!({"to": "receiver", "event_id": message_id}))));
+    assert!(
+        matches!(&results[3], WriteResult::TxResult(Err(f)) if !f.retryable && f.message.contains("nobody")),
+        "{results:?}"
+    );
+    let published = d.store.published("sender", "progress").unwrap().unwrap();
+    assert_eq!((published.value, published.seq, published.updated_at_ms), (json!({"done": 2}), 1, 1_020));
+    assert!(d.store.published("sender", "other").unwrap().is_none());
+    assert_eq!(code(d.store.published("sender", "bad key").unwrap_err()), codes::INVALID_ID);
+    let sender = detail(&d.store, "sender");
+    let kinds: Vec<(StepKind, StepStatus)> = sender.journal.iter().map(|e| (e.kind, e.status)).collect();
+    assert_eq!(
+        kinds,
+        [
+            (StepKind::Publish, StepStatus::Completed),
+            (StepKind::Publish, StepStatus::Completed),
+            (StepKind::Send, StepStatus::Completed),
+            (StepKind::Send, StepStatus::Failed)
+        ]
+    );
+    // The receiver is due at once, with the message under the store's own id, and consumes it.
+    let receiver = detail(&d.store, "receiver");
+    assert_eq!(receiver.run.wake_at_ms, 1_020);
+    assert_eq!(
+        (receiver.events[0].event_id.as_str(), &receiver.events[0].payload),
+        (message_id.as_str(), &json!("hi"))
+    );
+    let done = JournalOp::TimerFinished { seq: 0, event_id: Some(message_id.clone()), output: json!("hi") };
+    let tr = claim(&mut d.store, "w2", 1_030).into_iter().find(|c| c.run.run_id == "receiver").unwrap().lease_token;
+    assert_eq!(commit_one(&mut d.store, "receiver", &tr, done, 1_040), WriteResult::Done);
+    assert_eq!(detail(&d.store, "receiver").events[0].consumed_by_seq, Some(0));
+    // Bad input is refused before anything runs.
+    let bad = JournalOp::Send { seq: 4, to: "bad id".into(), topic: "ping".into(), payload: json!(1) };
+    assert_eq!(code(d.store.commit(vec![write("sender", &ts, bad)], 1_050).unwrap_err()), codes::INVALID_ID);
+    let big = JournalOp::Publish { seq: 4, key: "k".into(), value: json!("x".repeat(300 * 1024)) };
+    assert_eq!(code(d.store.commit(vec![write("sender", &ts, big)], 1_050).unwrap_err()), codes::PAYLOAD_TOO_LARGE);
+    // A purged run's published values go with it.
+    let end = finish(FinishStatus::Completed, None, None);
+    assert_eq!(commit_one(&mut d.store, "sender", &ts, end, 1_060), WriteResult::Done);
+    d.store.purge(i64::MAX, 10, 2_000).unwrap();
+    assert!(d.store.published("sender", "progress").unwrap().is_none());
+}
+
+/// Two runs messaging each other from two workers' commits at the same moment, again and again:
+/// each commit locks its receiver with its batch, in one order, so neither waits for the other in
+/// a cycle (no deadlock for the server to break) and every message arrives.
+#[test]
+fn two_runs_messaging_each_other_from_two_connections_never_deadlock() {
+    let mut d = db!("wf_messages_race");
+    start(&mut d.store, &[req("a"), req("b")], 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let token = |id: &str| claimed.iter().find(|c| c.run.run_id == id).unwrap().lease_token.clone();
+    let (ta, tb) = (token("a"), token("b"));
+    let mut other = d.another();
+    for seq in 0..15_u32 {
+        let barrier = Arc::new(Barrier::new(2));
+        let (gate, tb) = (barrier.clone(), tb.clone());
+        let b_side = std::thread::spawn(move || {
+            gate.wait();
+            let send = JournalOp::Send { seq, to: "a".into(), topic: "note".into(), payload: json!(seq) };
+            let result = other.commit(vec![write("b", &tb, send)], 1_100);
+            (other, result)
+        });
+        barrier.wait();
+        let send = JournalOp::Send { seq, to: "b".into(), topic: "note".into(), payload: json!(seq) };
+        let mine = d.store.commit(vec![write("a", &ta, send)], 1_100).unwrap();
+        let (back, theirs) = b_side.join().unwrap();
+        other = back;
+        assert!(matches!(mine[0], WriteResult::TxResult(Ok(_))), "{mine:?}");
+        assert!(matches!(theirs.unwrap()[0], WriteResult::TxResult(Ok(_))));
+    }
+    assert_eq!(detail(&d.store, "a").events.len(), 15);
+    assert_eq!(detail(&d.store, "b").events.len(), 15);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Operator controls
 
 /// r1: step 0 completed, step 1 failed on its second attempt, and the run failed.

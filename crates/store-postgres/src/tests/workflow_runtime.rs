@@ -422,3 +422,39 @@ fn a_queues_concurrency_limit_holds_across_two_workers_on_their_own_connections(
     let state = env.writer.call_blocking(|store, now| store.queue("narrow", 10, now)).unwrap().unwrap();
     assert_eq!((state.in_progress, state.waiting), (0, 0), "{state:?}");
 }
+
+/// Messages between runs under the runtime: `ponger` waits for a `ping` (ctx.recv), `pinger`
+/// publishes its progress (ctx.set_event) and sends the ping (ctx.send) to it; the ping arrives
+/// once, the published value is read from outside (RunHandle::get_event).
+#[test]
+fn runs_message_each_other_and_publish_values_on_postgres() {
+    use tidemark_engine::workflow::RunHandle;
+    let env = Env::new(test_db!("rt_messages"));
+    let rt = runtime();
+    let mut workflows: Workflows<Store> = Workflows::new();
+    workflows
+        .register("ponger", 1, fast_options(), |ctx, _input: Value| async move {
+            let got = ctx.recv("ping", Duration::from_secs(3_600)).await?;
+            Ok(json!({"got": got}))
+        })
+        .unwrap();
+    workflows
+        .register("pinger", 1, fast_options(), |ctx, input: Value| async move {
+            ctx.set_event("progress", &json!({"step": "sending"})).await?;
+            let to = input["to"].as_str().unwrap_or_default().to_string();
+            ctx.send(&to, "ping", &json!({"from": ctx.run_id()})).await?;
+            ctx.set_event("progress", &json!({"step": "sent"})).await?;
+            Ok(json!("sent"))
+        })
+        .unwrap();
+    let worker = Arc::new(Worker::new(env.writer.clone(), workflows, worker_options("w1", 4)).unwrap());
+    env.start("pong", "ponger", json!({}));
+    drive(&rt, std::slice::from_ref(&worker), &env, &[]);
+    env.start("ping", "pinger", json!({"to": "pong"}));
+    drive(&rt, std::slice::from_ref(&worker), &env, &["ping", "pong"]);
+    assert_eq!(env.detail("pong").run.result, Some(json!({"got": {"from": "ping"}})));
+    assert_eq!(env.detail("pong").events.len(), 1, "the ping arrived once");
+    let published: Option<Value> =
+        rt.block_on(RunHandle::new(worker, "ping").get_event("progress", Duration::from_secs(5))).unwrap();
+    assert_eq!(published, Some(json!({"step": "sent"})));
+}

@@ -12,8 +12,9 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, is_child_event, JournalOp, JournalWrite, RunStatus, StartOutcome, StepFailure, StepKind,
-    StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+    child_event, child_run_id, is_child_event, is_store_event_id, message_event_id, JournalOp, JournalWrite, RunStatus,
+    StartOutcome, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -117,9 +118,20 @@ fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<Stri
                 )));
             }
         }
+        JournalOp::Publish { seq, key, value } => {
+            validate_seq(*seq)?;
+            validate_id("event key", key)?;
+            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            validate_seq(*seq)?;
+            validate_id("to", to)?;
+            validate_id("topic", topic)?;
+            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
         JournalOp::TimerFinished { seq, event_id, output } => {
             validate_seq(*seq)?;
-            if let Some(event_id) = event_id.as_deref().filter(|id| !is_child_event(id)) {
+            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
                 validate_id("event_id", event_id)?;
             }
             return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
@@ -144,7 +156,8 @@ fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<Stri
     Ok(None)
 }
 
-/// Lock, before anything is written, every run of the batch (`$1`), and for the runs it may
+/// Lock, before anything is written, every run of the batch and every run it sends a message to
+/// (`$1`), and for the runs it may
 /// finish (`$2`) their parent and their active children (whom the end notifies, wakes or
 /// cancels), in run id order: two commits, a commit and a heartbeat, or a commit and an
 /// operator's `abandon` never wait for each other in a cycle. The lease token read here is the
@@ -210,6 +223,11 @@ const SUSPEND_SQL: &str = "UPDATE {s}.runs SET status = $2, waiting_for = $4,
                AND consumed_by_seq IS NULL))
          THEN least($3::bigint, $5::bigint) ELSE $3::bigint END
  WHERE run_id = $1";
+/// The run's latest value under a key (`ctx.set_event`), replaced in the journal's transaction.
+const PUBLISH_SQL: &str =
+    "INSERT INTO {s}.run_published (run_id, key, value, seq, updated_at_ms) VALUES ($1, $2, $3, $4, $5)
+ ON CONFLICT (run_id, key) DO UPDATE SET value = excluded.value, seq = excluded.seq,
+     updated_at_ms = excluded.updated_at_ms";
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
 
@@ -293,6 +311,19 @@ pub(super) fn commit(
         return Ok(Vec::new());
     }
     let run_ids: Vec<&str> = writes.iter().map(|w| w.run_id.as_str()).collect::<BTreeSet<_>>().into_iter().collect();
+    // The runs the batch's messages go to are locked with the batch (a message locks its
+    // receiver, as `send_event` does): in the same order, so two runs messaging each other from
+    // two workers' commits never wait for each other in a cycle.
+    let locked: Vec<&str> = writes
+        .iter()
+        .map(|w| match &w.op {
+            JournalOp::Send { to, .. } => to.as_str(),
+            _ => w.run_id.as_str(),
+        })
+        .chain(writes.iter().map(|w| w.run_id.as_str()))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
     let finishing: Vec<&str> = writes
         .iter()
         .filter(|w| matches!(w.op, JournalOp::Finish { .. }))
@@ -305,7 +336,7 @@ pub(super) fn commit(
     {
         let mut c = apply.client_mut();
         let lock = st.get(&mut *c, LOCK_BATCH_SQL)?;
-        for row in c.query(&lock, &[&run_ids, &finishing]).db()? {
+        for row in c.query(&lock, &[&locked, &finishing]).db()? {
             let run_id: String = col(&row, 0)?;
             if run_ids.binary_search(&run_id.as_str()).is_ok() {
                 let state = RunState { token: col(&row, 1)?, next_seq: None, stale: false, touched: false };
@@ -480,6 +511,43 @@ fn apply_write(
             };
             state.next_seq = Some(next);
             Ok(WriteResult::TxResult(result))
+        }
+        JournalOp::Publish { seq, key, value: _ } => {
+            let mut c = apply.client_mut();
+            let (existing, next) =
+                position(&mut c, st, run, seq, &key, StepKind::Publish, StepStatus::Waiting, state.next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run} step {seq}: published already");
+            let text = text.unwrap_or_else(|| "null".into());
+            let publish = st.get(&mut *c, PUBLISH_SQL)?;
+            c.execute(&publish, &[&run, &key, &text, &seq_param(seq), &now_ms]).db()?;
+            let step = Step { run_id: run, seq, name: &key, kind: StepKind::Publish, attempt: 1, new: true };
+            record_attempt(&mut c, st, &step, Ok("null"), None, now_ms)?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::Done)
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            let mut c = apply.client_mut();
+            let (existing, next) =
+                position(&mut c, st, run, seq, &topic, StepKind::Send, StepStatus::Waiting, state.next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run} step {seq}: sent already");
+            let event_id = message_event_id(run, seq);
+            // The receiver was locked with the batch; an unknown or ended receiver fails the step.
+            let delivered = match super::send_event_locked(&mut *c, st, &to, &event_id, &topic, &payload, now_ms) {
+                Ok(_) => Ok(serde_json::json!({"to": to, "event_id": event_id})),
+                Err(Error::Invalid { message, .. }) => {
+                    Err(StepFailure::permanent(format!("cannot send to run {to:?}: {message}")))
+                }
+                Err(other) => return Err(other),
+            };
+            let output = delivered.as_ref().map(json_text);
+            let recorded = match &output {
+                Ok(text) => Ok(text.as_str()),
+                Err(failure) => Err(*failure),
+            };
+            let step = Step { run_id: run, seq, name: &topic, kind: StepKind::Send, attempt: 1, new: true };
+            record_attempt(&mut c, st, &step, recorded, None, now_ms)?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::TxResult(delivered))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             let mut c = apply.client_mut();

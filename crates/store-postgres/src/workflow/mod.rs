@@ -66,9 +66,9 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PurgeReport, RunDetail, RunFilter,
-    RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult,
-    CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX, TIMER_MS_MAX,
+    validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PublishedValue, PurgeReport, RunDetail,
+    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion,
+    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX, TIMER_MS_MAX,
     WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
@@ -219,6 +219,23 @@ pub fn send_event_in(
     // Prepared for this call only: the handle's statement cache belongs to its own store.
     let mut st = Statements::new(workflow_schema);
     send_event_validated(&mut *tx.client_mut(), &mut st, run_id, event_id, name, payload, now_ms)
+}
+
+/// A message of one run to another (`JournalOp::Send`), in the sender's journal transaction
+/// (which locked the receiver with its batch): the receiver must exist and be active; the event
+/// id is the store's own (`msg/...`).
+pub(super) fn send_event_locked(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    run_id: &str,
+    event_id: &str,
+    name: &str,
+    payload: &Value,
+    now_ms: i64,
+) -> Result<bool> {
+    validate_id("run_id", run_id)?;
+    validate_id("event name", name)?;
+    send_event_validated(c, st, run_id, event_id, name, payload, now_ms)
 }
 
 /// Lock the run (a `send_event` and a `Suspend` of it then wait for each other), then insert the
@@ -765,6 +782,27 @@ impl WorkflowStore for PgWorkflows {
         };
         tx.commit().db()?;
         Ok(Some(detail))
+    }
+
+    fn published(&self, run_id: &str, key: &str) -> Result<Option<PublishedValue>> {
+        validate_id("run_id", run_id)?;
+        validate_id("event key", key)?;
+        let (mut client, mut st) = self.reader();
+        let statement = st.get(
+            &mut *client,
+            "SELECT value, seq, updated_at_ms FROM {s}.run_published WHERE run_id = $1 AND key = $2",
+        )?;
+        let Some(row) = client.query_opt(&statement, &[&run_id, &key]).db()? else { return Ok(None) };
+        let text: String = col(&row, 0)?;
+        let value = serde_json::from_str(&text)
+            .map_err(|e| Error::store(format!("run {run_id:?} published a corrupt value: {e}")))?;
+        Ok(Some(PublishedValue {
+            run_id: run_id.to_string(),
+            key: key.to_string(),
+            value,
+            seq: crate::col_u32(&row, 1)?,
+            updated_at_ms: col(&row, 2)?,
+        }))
     }
 
     fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>> {

@@ -320,6 +320,7 @@ pub(super) fn purge(
             "DELETE FROM {s}.journal WHERE run_id = ANY($1)",
             "DELETE FROM {s}.step_attempts WHERE run_id = ANY($1)",
             "DELETE FROM {s}.run_events WHERE run_id = ANY($1)",
+            "DELETE FROM {s}.run_published WHERE run_id = ANY($1)",
         ] {
             let delete = st.get(&mut tx, template)?;
             let deleted = tx.execute(&delete, &[&run_ids]).db()?;

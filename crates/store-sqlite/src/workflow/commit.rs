@@ -7,8 +7,9 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, is_child_event, JournalOp, JournalWrite, RunStatus, StartOutcome, StepFailure, StepKind,
-    StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+    child_event, child_run_id, is_child_event, is_store_event_id, message_event_id, JournalOp, JournalWrite, RunStatus,
+    StartOutcome, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -109,9 +110,20 @@ fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) ->
                 )));
             }
         }
+        JournalOp::Publish { seq, key, value } => {
+            validate_seq(*seq)?;
+            validate_id("event key", key)?;
+            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            validate_seq(*seq)?;
+            validate_id("to", to)?;
+            validate_id("topic", topic)?;
+            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
         JournalOp::TimerFinished { seq, event_id, output } => {
             validate_seq(*seq)?;
-            if let Some(event_id) = event_id.as_deref().filter(|id| !is_child_event(id)) {
+            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
                 validate_id("event_id", event_id)?;
             }
             return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
@@ -472,6 +484,44 @@ fn apply(
             };
             seen = Some(Some(next));
             WriteResult::TxResult(result)
+        }
+        JournalOp::Publish { seq, key, value: _ } => {
+            let (existing, next) = position(sql, run_id, seq, &key, StepKind::Publish, StepStatus::Waiting, next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run_id} step {seq}: published already");
+            let text = text.unwrap_or_else(|| "null".into());
+            tx.prepare_cached(
+                "INSERT INTO run_published (run_id, key, value, seq, updated_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (run_id, key) DO UPDATE SET value = excluded.value, seq = excluded.seq,
+                     updated_at_ms = excluded.updated_at_ms",
+            )
+            .db()?
+            .execute(params![run_id, key, text, seq, now_ms])
+            .db()?;
+            let step = Step { run_id, seq, name: &key, kind: StepKind::Publish, attempt: 1, new: true };
+            record_attempt(sql, &step, Ok("null"), None, now_ms)?;
+            seen = Some(Some(next));
+            WriteResult::Done
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            let (existing, next) = position(sql, run_id, seq, &topic, StepKind::Send, StepStatus::Waiting, next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run_id} step {seq}: sent already");
+            let event_id = message_event_id(run_id, seq);
+            let delivered = match super::send_event_checked(tx, &to, &event_id, &topic, &payload, now_ms) {
+                Ok(_) => Ok(serde_json::json!({"to": to, "event_id": event_id})),
+                Err(Error::Invalid { message, .. }) => {
+                    Err(StepFailure::permanent(format!("cannot send to run {to:?}: {message}")))
+                }
+                Err(other) => return Err(other),
+            };
+            let output = delivered.as_ref().map(rows::json_text);
+            let step = Step { run_id, seq, name: &topic, kind: StepKind::Send, attempt: 1, new: true };
+            let recorded = match &output {
+                Ok(text) => Ok(text.as_str()),
+                Err(failure) => Err(*failure),
+            };
+            record_attempt(sql, &step, recorded, None, now_ms)?;
+            seen = Some(Some(next));
+            WriteResult::TxResult(delivered)
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             let (_, next) = position(sql, run_id, seq, &name, kind, StepStatus::Waiting, next_seq)?;

@@ -169,6 +169,21 @@ pub fn send_event_in(
     send_event_validated(tx, run_id, event_id, name, payload, now_ms)
 }
 
+/// A message of one run to another (`JournalOp::Send`), in the sender's journal transaction:
+/// the receiver must exist and be active; the event id is the store's own (`msg/...`).
+pub(super) fn send_event_checked(
+    tx: &Connection,
+    run_id: &str,
+    event_id: &str,
+    name: &str,
+    payload: &Value,
+    now_ms: i64,
+) -> Result<bool> {
+    validate_id("run_id", run_id)?;
+    validate_id("event name", name)?;
+    send_event_validated(tx, run_id, event_id, name, payload, now_ms)
+}
+
 fn validate_event(run_id: &str, event_id: &str, name: &str, payload: &Value) -> Result<()> {
     validate_id("run_id", run_id)?;
     validate_id("event_id", event_id)?;
@@ -588,6 +603,29 @@ impl WorkflowStore for SqliteWorkflows {
         };
         tx.finish().db()?;
         Ok(Some(detail))
+    }
+
+    fn published(&self, run_id: &str, key: &str) -> Result<Option<tidemark_core::workflow::PublishedValue>> {
+        validate_id("run_id", run_id)?;
+        validate_id("event key", key)?;
+        self.conn
+            .prepare_cached("SELECT value, seq, updated_at_ms FROM run_published WHERE run_id = ?1 AND key = ?2")
+            .db()?
+            .query_row([run_id, key], |r| Ok((r.get::<_, String>(0)?, r.get::<_, u32>(1)?, r.get::<_, i64>(2)?)))
+            .optional()
+            .db()?
+            .map(|(text, seq, updated_at_ms)| {
+                let value = serde_json::from_str(&text)
+                    .map_err(|e| Error::store(format!("run {run_id:?} published a corrupt value: {e}")))?;
+                Ok(tidemark_core::workflow::PublishedValue {
+                    run_id: run_id.to_string(),
+                    key: key.to_string(),
+                    value,
+                    seq,
+                    updated_at_ms,
+                })
+            })
+            .transpose()
     }
 
     fn list_runs(&self, filter: &RunFilter, limit: usize) -> Result<Vec<RunRecord>> {

@@ -258,6 +258,7 @@ pub(super) fn purge(
             tx.prepare_cached("DELETE FROM journal WHERE run_id = ?1").db()?.execute([run_id]).db()? as u64;
         tx.prepare_cached("DELETE FROM step_attempts WHERE run_id = ?1").db()?.execute([run_id]).db()?;
         tx.prepare_cached("DELETE FROM run_events WHERE run_id = ?1").db()?.execute([run_id]).db()?;
+        tx.prepare_cached("DELETE FROM run_published WHERE run_id = ?1").db()?.execute([run_id]).db()?;
         let deleted = tx.prepare_cached("DELETE FROM runs WHERE run_id = ?1").db()?.execute([run_id]).db()?;
         ensure_invariant!(deleted == 1, "purging run {run_id} deleted {deleted} rows");
     }
