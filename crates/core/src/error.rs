@@ -171,6 +171,17 @@ impl From<postgres::Error> for Error {
     }
 }
 
+/// A PostgreSQL failure in a transactional step's own statements: retried (the step's savepoint
+/// is rolled back, its journal entry records the attempt), like `From<rusqlite::Error>` for
+/// `StepFailure` on SQLite. (Here rather than beside `StepFailure` in `workflow.rs`: the
+/// PostgreSQL conversions of core stay together.)
+#[cfg(feature = "postgres")]
+impl From<postgres::Error> for crate::workflow::StepFailure {
+    fn from(error: postgres::Error) -> Self {
+        crate::workflow::StepFailure::retryable(Error::from(error).to_string())
+    }
+}
+
 /// Assert an invariant: on failure return `Error::Invariant` from the enclosing function.
 #[macro_export]
 macro_rules! ensure_invariant {

@@ -160,7 +160,8 @@ pub struct QueueState {
     pub next: Vec<QueuedRun>,
 }
 
-/// Where queues are declared (the workflow database). Implemented by the SQLite workflow store.
+/// Where queues are declared (the workflow database). Implemented by the SQLite and PostgreSQL
+/// workflow stores.
 pub trait QueueStore {
     /// Declare or change a queue (validated). Its runs are untouched; new limits apply from the
     /// next claim.

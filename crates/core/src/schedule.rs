@@ -278,7 +278,8 @@ pub enum Fired {
     Stale,
 }
 
-/// Where schedules are kept (the workflow database). Implemented by the SQLite workflow store.
+/// Where schedules are kept (the workflow database). Implemented by the SQLite and PostgreSQL
+/// workflow stores.
 pub trait ScheduleStore {
     /// Create or replace a schedule (validated; the caller checked its workflow is registered).
     /// Replacing keeps its counters and computes its next tick from now.

@@ -23,6 +23,7 @@ use tidemark_core::store::{
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
+use crate::apply::{ApplyTransaction, OpenTransaction};
 use crate::schema::{self, lock, meta_get, meta_set, sql, validate_schema_name, Statements, LOCK_CONSUMER};
 use crate::{col, col_u32, PgResult};
 
@@ -44,63 +45,6 @@ pub(crate) const PRUNE_PAGE_SQL: &str =
 /// Delete at most `$2` receipts created before `$1` (past the horizon), found by `receipts_age`.
 pub(crate) const EXPIRE_RECEIPTS_SQL: &str = "DELETE FROM {s}.receipts WHERE (consumer_id, source, flow_id, seq) IN
     (SELECT consumer_id, source, flow_id, seq FROM {s}.receipts WHERE created_at_ms < $1 LIMIT $2)";
-
-/// The consumer's apply transaction as a handler sees it: the store's own connection while a
-/// drain's transaction is open on it. A handler writes its projection rows with
-/// [`ApplyTransaction::execute`] and reads with the `query` methods; they commit exactly when the
-/// event counts as applied. It cannot commit or roll back: the drain does (a handler that
-/// refuses an event returns [`HandleError::Blocked`], and its writes roll back to a savepoint).
-pub struct ApplyTransaction {
-    client: RefCell<Client>,
-    schema: String,
-}
-
-impl ApplyTransaction {
-    /// The consumer's PostgreSQL schema (where tidemark's tables are; the handler's own tables
-    /// may live there or anywhere in the same database).
-    pub fn schema(&self) -> &str {
-        &self.schema
-    }
-
-    fn with<R>(&self, f: impl FnOnce(&mut Client) -> Result<R, postgres::Error>) -> Result<R, postgres::Error> {
-        // The store never hands the handler a borrow it still holds, and a handler cannot reach
-        // the store, so this borrow cannot fail.
-        f(&mut self.client.borrow_mut())
-    }
-
-    /// Run one statement and return the number of rows it changed.
-    pub fn execute(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, postgres::Error> {
-        self.with(|c| c.execute(statement, params))
-    }
-
-    /// Run one query and return its rows.
-    pub fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, postgres::Error> {
-        self.with(|c| c.query(statement, params))
-    }
-
-    /// Run a query that returns exactly one row.
-    pub fn query_one(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Row, postgres::Error> {
-        self.with(|c| c.query_one(statement, params))
-    }
-
-    /// Run a query that returns at most one row.
-    pub fn query_opt(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, postgres::Error> {
-        self.with(|c| c.query_opt(statement, params))
-    }
-
-    /// Run statements separated by `;` without parameters (for example DDL).
-    pub fn batch_execute(&self, statements: &str) -> Result<(), postgres::Error> {
-        self.with(|c| c.batch_execute(statements))
-    }
-
-    fn run(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
-        self.with(|c| c.execute(statement, params)).db()
-    }
-
-    fn rows(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
-        self.with(|c| c.query(statement, params)).db()
-    }
-}
 
 /// A consumer on PostgreSQL: the inbox, high-water marks, receipts and retired ids of every
 /// logical consumer it holds, in one schema, with the user's projection tables in the same
@@ -163,7 +107,7 @@ impl PgConsumer {
 
     fn with(client: Client, schema: &str, retention: RetentionPolicy) -> PgConsumer {
         PgConsumer {
-            apply: ApplyTransaction { client: RefCell::new(client), schema: schema.to_string() },
+            apply: ApplyTransaction::new(client, schema),
             statements: RefCell::new(Statements::new(schema)),
             retention,
         }
@@ -171,7 +115,7 @@ impl PgConsumer {
 
     /// The PostgreSQL schema this consumer lives in.
     pub fn schema(&self) -> &str {
-        &self.apply.schema
+        self.apply.schema()
     }
 
     /// The retention horizon this consumer was initialised with.
@@ -181,7 +125,7 @@ impl PgConsumer {
 
     /// The connection, for reading projections and creating the handler's tables.
     pub fn client(&mut self) -> &mut Client {
-        self.apply.client.get_mut()
+        self.apply.client_get_mut()
     }
 
     /// Register a projection table of the user's in this consumer's schema (it must exist and
@@ -189,8 +133,8 @@ impl PgConsumer {
     /// same transaction as the dedup state. Idempotent.
     pub fn register_projection_table(&mut self, table: &str) -> Result<()> {
         validate_schema_name(table)?;
-        let schema = self.apply.schema.clone();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let schema = self.apply.schema().to_string();
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         let has_consumer_id: bool = col(
             &tx.query_one(
@@ -226,7 +170,7 @@ impl PgConsumer {
         validate_id("source", source)?;
         // A record (received, applied or not), a receipt (a pruned record) or a high-water mark.
         let query = sql(
-            &self.apply.schema,
+            self.apply.schema(),
             "SELECT EXISTS (SELECT 1 FROM {s}.inbox WHERE consumer_id = $1 AND source = $2)
                  OR EXISTS (SELECT 1 FROM {s}.receipts WHERE consumer_id = $1 AND source = $2)
                  OR EXISTS (SELECT 1 FROM {s}.cursors WHERE consumer_id = $1 AND source = $2)",
@@ -242,14 +186,14 @@ impl PgConsumer {
         rows_max: usize,
         also: impl FnOnce(&mut Transaction<'_>) -> Result<T>,
     ) -> Result<(ConsumerSnapshot, T)> {
-        let mut client = self.apply.client.borrow_mut();
+        let mut client = self.apply.client_mut();
         let mut tx = client
             .build_transaction()
             .isolation_level(postgres::IsolationLevel::RepeatableRead)
             .read_only(true)
             .start()
             .db()?;
-        let snapshot = snapshot_in(&mut tx, &self.apply.schema, self.retention.horizon_ms, rows_max)?;
+        let snapshot = snapshot_in(&mut tx, self.apply.schema(), self.retention.horizon_ms, rows_max)?;
         let also = also(&mut tx)?;
         tx.commit().db()?;
         Ok((snapshot, also))
@@ -738,9 +682,9 @@ impl ConsumerStore for PgConsumer {
             event.validate()?;
         }
         let retention = self.retention;
-        let schema = self.apply.schema.clone();
+        let schema = self.apply.schema().to_string();
         let cache = self.statements.get_mut();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         let any_receipts: bool =
             col(&tx.query_one(&sql(&schema, "SELECT EXISTS (SELECT 1 FROM {s}.receipts)"), &[]).db()?, 0)?;
@@ -799,33 +743,21 @@ impl ConsumerStore for PgConsumer {
         let statements = self.statements.get_mut();
         // The transaction is begun and ended by hand (not a `postgres::Transaction`), because the
         // handler is handed the connection itself, wrapped so that it can run statements but not
-        // end the transaction.
-        apply.with(|c| c.batch_execute("BEGIN")).db()?;
-        let body = (|| {
-            lock(&mut *apply.client.borrow_mut(), LOCK_CONSUMER, &apply.schema)?;
-            Self::drain_in(apply, statements, consumer_id, scope, limit, handler, now_ms)
-        })();
-        match body {
-            Ok(report) => {
-                crash::hit("apply.before_commit");
-                apply.with(|c| c.batch_execute("COMMIT")).db()?;
-                crash::hit("apply.after_commit");
-                Ok(report)
-            }
-            Err(error) => {
-                // The error is what the caller needs; a failed rollback leaves the session broken,
-                // which the next call reports.
-                let _ = apply.with(|c| c.batch_execute("ROLLBACK"));
-                Err(error)
-            }
-        }
+        // end the transaction. A handler that panics unwinds through `open`, which rolls back.
+        let open = OpenTransaction::begin(apply)?;
+        lock(&mut *apply.client_mut(), LOCK_CONSUMER, apply.schema())?;
+        let report = Self::drain_in(apply, statements, consumer_id, scope, limit, handler, now_ms)?;
+        crash::hit("apply.before_commit");
+        open.commit()?;
+        crash::hit("apply.after_commit");
+        Ok(report)
     }
 
     fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>> {
         validate_id("consumer_id", consumer_id)?;
         validate_limit("page size", limit, PAGE_SIZE_MAX)?;
         let query = sql(
-            &self.apply.schema,
+            self.apply.schema(),
             &format!(
                 "SELECT {INBOX_COLUMNS} FROM {{s}}.inbox WHERE consumer_id = $1 AND ($2::text IS NULL OR status = $2)
                  ORDER BY source, flow_id, seq LIMIT $3"
@@ -842,8 +774,8 @@ impl ConsumerStore for PgConsumer {
         validate_id("consumer_id", consumer_id)?;
         validate_id("event_id", event_id)?;
         validate_reason(reason)?;
-        let schema = self.apply.schema.clone();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let schema = self.apply.schema().to_string();
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         let select =
             sql(&schema, &format!("SELECT {INBOX_COLUMNS} FROM {{s}}.inbox WHERE consumer_id = $1 AND event_id = $2"));
@@ -880,9 +812,9 @@ impl ConsumerStore for PgConsumer {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "applied retention must be >= 0"));
         }
         let horizon_ms = self.retention.horizon_ms;
-        let schema = self.apply.schema.clone();
+        let schema = self.apply.schema().to_string();
         let statements = self.statements.get_mut();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         // Oldest first by record (receive order), in pages of one indexed range read each
         // (`inbox_pkey`), stopping at the first record received after the cutoff; open records
@@ -940,8 +872,8 @@ impl ConsumerStore for PgConsumer {
 
     fn rename_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<RenameReport> {
         validate_rename(from, to)?;
-        let schema = self.apply.schema.clone();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let schema = self.apply.schema().to_string();
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         if !consumer_has_state(&mut tx, &schema, from)? {
             if renamed_to(&mut tx, &schema, from)?.as_deref() == Some(to) {
@@ -982,8 +914,8 @@ impl ConsumerStore for PgConsumer {
 
     fn retire_consumer(&mut self, from: &str, to: &str, now_ms: i64) -> Result<()> {
         validate_rename(from, to)?;
-        let schema = self.apply.schema.clone();
-        let mut tx = self.apply.client.get_mut().transaction().db()?;
+        let schema = self.apply.schema().to_string();
+        let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
         if consumer_has_state(&mut tx, &schema, from)? {
             return Err(Error::invalid(
@@ -1015,7 +947,7 @@ impl ConsumerStore for PgConsumer {
             validate_id("consumer_id", id)?;
         }
         let query = sql(
-            &self.apply.schema,
+            self.apply.schema(),
             "SELECT consumer_id, source, flow_id, high_water_seq FROM {s}.cursors
              WHERE $1::text IS NULL OR consumer_id = $1 ORDER BY consumer_id, source, flow_id LIMIT $2",
         );

@@ -1,4 +1,5 @@
-//! tidemark-store-postgres: the producer (outbox) and consumer (inbox) stores on PostgreSQL 15+.
+//! tidemark-store-postgres: the producer (outbox), consumer (inbox) and workflow stores on
+//! PostgreSQL 15+.
 //!
 //! Each store lives in its own PostgreSQL schema (namespace), named by the caller, so tenants and
 //! tests are isolated; every statement names its tables with that schema. One owned, blocking
@@ -15,17 +16,26 @@
 //! producer's counter row (`positions`) before it reads anything and allocates positions from it;
 //! the row lock is held until commit, so a position becomes visible only after every lower one
 //! has (see `producer.rs` and docs/protocol.md, "Delivery cursors").
+//!
+//! **Architecture invariant:** workflow runs are shared by every process on the schema. A claim
+//! leases only rows it locked with `FOR UPDATE SKIP LOCKED`; per-type limits are spent under the
+//! type's advisory lock and per-key leases under the key's; every write that reads a run first
+//! locks it, several runs always in `run_id` order (see `workflow/mod.rs`).
 #![warn(missing_docs)]
 
+mod apply;
 mod consumer;
 mod endpoints;
 mod producer;
 mod schema;
+mod workflow;
 
-pub use consumer::{ApplyTransaction, PgConsumer};
+pub use apply::ApplyTransaction;
+pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
 pub use schema::{validate_schema_name, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
+pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;
 

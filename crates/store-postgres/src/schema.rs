@@ -25,6 +25,22 @@ pub(crate) const LOCK_DELIVERIES: i32 = 0x746d_0002;
 /// The advisory lock of a consumer schema's writes (receive, drain, skip, prune, rename): one
 /// writer at a time per consumer schema, as on SQLite.
 pub(crate) const LOCK_CONSUMER: i32 = 0x746d_0003;
+/// A workflow type's concurrency budget (`objid` is `hashtext(schema || '/' || workflow)`): a
+/// claim that honours a per-type limit holds it while it counts the type's live leases and
+/// leases more, so two claims never spend one budget twice. Claims only.
+pub(crate) const LOCK_WORKFLOW_TYPE: i32 = 0x746d_0004;
+/// A serialization key of runs (`objid` is `hashtext(schema || '/' || key)`): a claim that
+/// leases a keyed run holds it while it checks, with a fresh snapshot, that no other run of the
+/// key holds a live lease. Claims only, taken in key order.
+pub(crate) const LOCK_RUN_KEY: i32 = 0x746d_0005;
+/// The schedules of a schema (`put_schedule`'s count of schedules against `SCHEDULES_MAX`).
+pub(crate) const LOCK_SCHEDULES: i32 = 0x746d_0006;
+/// A queue's room (`objid` is `hashtext(schema || '/' || queue)`): a claim holds it while it
+/// counts the queue's admitted runs and admits more. Claims only, queues in name order, after the
+/// per-type locks.
+pub(crate) const LOCK_QUEUE: i32 = 0x746d_0007;
+/// The queue declarations of a schema (`put_queue`'s count of queues against `QUEUES_MAX`).
+pub(crate) const LOCK_QUEUES: i32 = 0x746d_0008;
 
 /// Migrations of one store schema, in order: index i migrates from version i to i+1. `{s}` is
 /// replaced by the quoted schema name. Never edit a shipped entry: append a new one (and a test
@@ -146,6 +162,176 @@ const MIGRATIONS: &[&str] = &[
         renamed_to    text NOT NULL,
         retired_at_ms bigint NOT NULL
     );
+    "#,
+    // v2: durable workflows, schedules, queues and published values (`workflow/`), the tables of
+    // SQLite's v3 and v9 with the
+    // same columns, checks and indexes (SQLite's `schema.rs` gives every column's reason). The
+    // active statuses are written `status IN ('pending', 'running', 'sleeping', 'waiting',
+    // 'compensating')` exactly like this in the partial indexes and in every query that must use
+    // them (the planner proves a partial index's predicate from an identical clause). Versions
+    // are `bigint` (any `u32`), positions and attempts `integer`; JSON is `text`, the canonical
+    // text serde_json writes, read back as it was written (not `jsonb`, which would renormalise
+    // it). Every foreign key has the index its checks and the purge's deletes need (the
+    // primary keys lead with `run_id`).
+    r#"
+    CREATE TABLE {s}.runs (
+        run_id              text COLLATE "C" PRIMARY KEY,
+        workflow            text COLLATE "C" NOT NULL,
+        version             bigint NOT NULL CHECK (version >= 1),
+        input               text NOT NULL,
+        input_hash          text NOT NULL,
+        key                 text COLLATE "C",
+        status              text NOT NULL CHECK (status IN ('pending', 'running', 'sleeping', 'waiting',
+                                'compensating', 'completed', 'compensated', 'failed', 'cancelled', 'parked')),
+        result              text,
+        error               text,
+        wake_at_ms          bigint NOT NULL,
+        waiting_for         text COLLATE "C",
+        cancel_requested    boolean NOT NULL DEFAULT false,
+        forked_from         text COLLATE "C",
+        lease_owner         text COLLATE "C",
+        lease_token         text COLLATE "C",
+        lease_expires_at_ms bigint,
+        recoveries          integer NOT NULL DEFAULT 0 CHECK (recoveries >= 0),
+        created_at_ms       bigint NOT NULL,
+        updated_at_ms       bigint NOT NULL,
+        finished_at_ms      bigint,
+        -- The run that started this one with ctx.child, and the journal position it waits at.
+        parent_run_id       text COLLATE "C",
+        parent_seq          integer CHECK (parent_seq IS NULL OR parent_seq >= 0),
+        -- The queue a run goes through (docs/workflows.md, "Queues"), its priority there (lower
+        -- first), its deduplication id, and when a claim admitted it (its first lease); until
+        -- then it waits in the queue.
+        queue               text COLLATE "C",
+        priority            integer,
+        dedup_id            text COLLATE "C",
+        admitted_at_ms      bigint,
+        CHECK ((lease_owner IS NULL) = (lease_token IS NULL)
+               AND (lease_token IS NULL) = (lease_expires_at_ms IS NULL)),
+        CHECK (lease_token IS NULL OR status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')),
+        CHECK ((finished_at_ms IS NULL) = (status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')))
+    );
+    -- The claim: due active runs of one (workflow, version), oldest due first.
+    CREATE INDEX runs_due ON {s}.runs (workflow, version, wake_at_ms, created_at_ms, run_id)
+        WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- Listing by status, by workflow, or all, in creation order (keyset pages).
+    CREATE INDEX runs_status ON {s}.runs (status, created_at_ms, run_id);
+    CREATE INDEX runs_workflow ON {s}.runs (workflow, created_at_ms, run_id);
+    CREATE INDEX runs_created ON {s}.runs (created_at_ms, run_id);
+    -- Per-key serialization: the oldest active run of a key, and whether one holds a lease.
+    CREATE INDEX runs_key ON {s}.runs (key, created_at_ms, run_id)
+        WHERE key IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- Purge: finished runs, oldest first.
+    CREATE INDEX runs_finished ON {s}.runs (finished_at_ms, run_id) WHERE finished_at_ms IS NOT NULL;
+    -- The per-type budget: the leased runs of a type, counted under the type's lock by every claim
+    -- that honours a limit. (Not in SQLite's schema, whose single writer counts through runs_due:
+    -- here the count must not read a type's whole backlog on every claim. It holds only leased
+    -- runs, and a heartbeat, which changes only lease_expires_at_ms, stays a HOT update.)
+    CREATE INDEX runs_leased ON {s}.runs (workflow) WHERE lease_token IS NOT NULL;
+    -- A parent's children (the cancel cascade).
+    CREATE INDEX runs_children ON {s}.runs (parent_run_id, run_id) WHERE parent_run_id IS NOT NULL;
+
+    CREATE TABLE {s}.journal (
+        run_id             text COLLATE "C" NOT NULL REFERENCES {s}.runs (run_id),
+        seq                integer NOT NULL CHECK (seq >= 0),
+        name               text COLLATE "C" NOT NULL,
+        kind               text NOT NULL CHECK (kind IN ('external', 'transactional', 'sleep', 'wait',
+                               'compensation', 'value', 'child', 'publish', 'send')),
+        status             text NOT NULL CHECK (status IN ('retrying', 'waiting', 'completed', 'failed', 'skipped')),
+        output             text,
+        error              text,
+        attempts           integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+        next_attempt_at_ms bigint,
+        wake_at_ms         bigint,
+        -- The event name a wait waits for; `child/<seq>` for a child step (its child's end).
+        event_name         text COLLATE "C",
+        reason             text,
+        updated_at_ms      bigint NOT NULL,
+        PRIMARY KEY (run_id, seq)
+    );
+
+    CREATE TABLE {s}.step_attempts (
+        run_id         text COLLATE "C" NOT NULL REFERENCES {s}.runs (run_id),
+        seq            integer NOT NULL,
+        attempt        integer NOT NULL CHECK (attempt >= 1),
+        ok             boolean NOT NULL,
+        error          text,
+        finished_at_ms bigint NOT NULL,
+        PRIMARY KEY (run_id, seq, attempt)
+    );
+
+    CREATE TABLE {s}.run_events (
+        run_id          text COLLATE "C" NOT NULL REFERENCES {s}.runs (run_id),
+        event_id        text COLLATE "C" NOT NULL,
+        name            text COLLATE "C" NOT NULL,
+        payload         text NOT NULL,
+        received_at_ms  bigint NOT NULL,
+        consumed_by_seq integer,
+        PRIMARY KEY (run_id, event_id)
+    );
+
+    -- What runs published (ctx.set_event), by key: the latest value, readable from outside while
+    -- the run exists (purged with it).
+    CREATE TABLE {s}.run_published (
+        run_id        text COLLATE "C" NOT NULL REFERENCES {s}.runs (run_id),
+        key           text COLLATE "C" NOT NULL,
+        value         text NOT NULL,
+        seq           integer NOT NULL,
+        updated_at_ms bigint NOT NULL,
+        PRIMARY KEY (run_id, key)
+    );
+
+    CREATE TABLE {s}.run_receipts (
+        run_id         text COLLATE "C" PRIMARY KEY,
+        workflow       text COLLATE "C" NOT NULL,
+        input_hash     text NOT NULL,
+        status         text NOT NULL,
+        finished_at_ms bigint NOT NULL,
+        expires_at_ms  bigint NOT NULL
+    );
+    CREATE INDEX run_receipts_expiry ON {s}.run_receipts (expires_at_ms);
+
+    CREATE TABLE {s}.schedules (
+        schedule_id          text COLLATE "C" PRIMARY KEY,
+        workflow             text COLLATE "C" NOT NULL,
+        input                text NOT NULL,
+        cron                 text,
+        interval_ms          bigint CHECK (interval_ms IS NULL OR interval_ms >= 1000),
+        timezone             text NOT NULL,
+        catch_up             text NOT NULL CHECK (catch_up IN ('skip', 'one', 'all')),
+        paused               boolean NOT NULL DEFAULT false,
+        next_tick_at_ms      bigint,
+        last_started_tick_ms bigint,
+        ticks_started        bigint NOT NULL DEFAULT 0,
+        ticks_skipped        bigint NOT NULL DEFAULT 0,
+        created_at_ms        bigint NOT NULL,
+        updated_at_ms        bigint NOT NULL,
+        CHECK ((cron IS NULL) <> (interval_ms IS NULL))
+    );
+    CREATE INDEX schedules_due ON {s}.schedules (next_tick_at_ms) WHERE NOT paused AND next_tick_at_ms IS NOT NULL;
+
+    -- Queues: a run started through one waits until a claim admits it, only while the queue has
+    -- room (concurrency_max admitted unfinished runs; rate_limit admissions per rate_period_ms),
+    -- by priority (lower first), then oldest first.
+    CREATE TABLE {s}.queues (
+        name            text COLLATE "C" PRIMARY KEY,
+        concurrency_max integer CHECK (concurrency_max IS NULL OR concurrency_max >= 1),
+        rate_limit      integer CHECK (rate_limit IS NULL OR rate_limit >= 1),
+        rate_period_ms  bigint CHECK (rate_period_ms IS NULL OR rate_period_ms >= 1),
+        created_at_ms   bigint NOT NULL,
+        updated_at_ms   bigint NOT NULL,
+        CHECK ((rate_limit IS NULL) = (rate_period_ms IS NULL))
+    );
+    -- The admission: a queue's waiting runs in admission order.
+    CREATE INDEX runs_queue_waiting ON {s}.runs (queue, priority, created_at_ms, run_id)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NULL
+          AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
+    -- The limits: a queue's admitted runs, by admission time.
+    CREATE INDEX runs_queue_admitted ON {s}.runs (queue, admitted_at_ms)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL;
+    -- Deduplication: one unfinished run per (queue, dedup_id).
+    CREATE UNIQUE INDEX runs_queue_dedup ON {s}.runs (queue, dedup_id)
+        WHERE dedup_id IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
     "#,
 ];
 

@@ -701,7 +701,7 @@ impl Backend for ModelBackend {
 
 /// The test server (`TIDEMARK_TEST_POSTGRES`, default the local one); `None` when it does not
 /// answer (the PostgreSQL model checks then print why and pass).
-fn postgres_server() -> Option<String> {
+pub(crate) fn postgres_server() -> Option<String> {
     let conn = std::env::var("TIDEMARK_TEST_POSTGRES")
         .unwrap_or_else(|_| "host=127.0.0.1 port=5432 user=postgres dbname=test".to_string());
     match postgres::Client::connect(&conn, postgres::NoTls) {

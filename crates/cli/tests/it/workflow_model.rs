@@ -13,8 +13,14 @@
 //! Up to two workers run at once (each with its own connection), and a transactional body may
 //! stall the writer thread past a lease, so live workers lose leases and are fenced too.
 //!
-//! Bounded: `PROPTEST_CASES` cases (default 32), each a few runs; every wait is a bounded loop.
-//! `MODEL_VERBOSE=1` prints one line per case (crashes, stalls, final statuses).
+//! Bounded: `PROPTEST_CASES` cases (default 32 on SQLite, 16 on PostgreSQL), each a few runs;
+//! every wait is a bounded loop. `MODEL_VERBOSE=1` prints one line per case (crashes, stalls,
+//! final statuses).
+//!
+//! The same cases run on the PostgreSQL store (`runs_end_as_the_model_says_on_postgres`, a schema
+//! of its own per case on the server of `TIDEMARK_TEST_POSTGRES`, skipped when it does not
+//! answer): each worker's writer is a connection of its own, as each process has, and the crash
+//! of a transactional body ends the PostgreSQL transaction the same way.
 //!
 //! How a crash is made: an external body blocks for ever and the driver shuts the incarnation's
 //! tokio runtime down (its leases stay and expire); a transactional body blocks on the writer
@@ -24,12 +30,11 @@
 //! (an attempt cut short by a crash is not counted), so the model needs no knowledge of timing.
 
 use std::collections::HashSet;
-use std::path::Path;
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use rusqlite::{params, Connection};
+use rusqlite::params;
 use serde_json::{json, Map, Value};
 use tidemark_core::workflow::{
     Backoff, RetryPolicy, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind,
@@ -41,9 +46,104 @@ use tidemark_engine::workflow::tokio::sync::oneshot;
 use tidemark_engine::workflow::{
     Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkflowOptions, Workflows, Writer,
 };
+use tidemark_store_postgres::{ApplyTransaction, PgWorkflows};
 use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
-type Store = SqliteWorkflows;
+/// What the model needs of a backend besides the store trait: a transactional body's own
+/// statements on the store's handle (read the journal's attempts of its step, write its row, end
+/// the transaction the way a crash before the commit leaves it), and the test's table of rows.
+trait ModelStore: WorkflowStore + Send + 'static
+where
+    Self::Target: 'static,
+{
+    /// Attempts the journal records for step `name` of `run_id`, read in the journal's transaction.
+    fn journaled_attempts(tx: &Self::Target, run_id: &str, name: &str) -> u32;
+    /// One `model_rows` row, in the journal's transaction.
+    fn insert_row(tx: &Self::Target, run_id: &str, name: &str, attempt: u32) -> Result<(), StepFailure>;
+    /// End the journal's transaction without committing (the store then refuses the batch).
+    fn end_transaction(tx: &Self::Target);
+    fn create_rows_table(&mut self);
+    /// Every `model_rows` row: (run_id, name, attempt), in insertion order.
+    fn rows(&mut self) -> Vec<(String, String, u32)>;
+}
+
+impl ModelStore for SqliteWorkflows {
+    fn journaled_attempts(tx: &rusqlite::Connection, run_id: &str, name: &str) -> u32 {
+        tx.query_row(
+            "SELECT coalesce(max(attempts), 0) FROM journal WHERE run_id = ?1 AND name = ?2",
+            params![run_id, name],
+            |r| r.get(0),
+        )
+        .expect("read the journal")
+    }
+
+    fn insert_row(tx: &rusqlite::Connection, run_id: &str, name: &str, attempt: u32) -> Result<(), StepFailure> {
+        tx.execute("INSERT INTO model_rows (run_id, name, attempt) VALUES (?1, ?2, ?3)", params![run_id, name, attempt])
+            .map(drop)
+            .map_err(|e| StepFailure::retryable(e.to_string()))
+    }
+
+    fn end_transaction(tx: &rusqlite::Connection) {
+        tx.execute_batch("ROLLBACK").expect("end the transaction");
+    }
+
+    fn create_rows_table(&mut self) {
+        self.connection()
+            .execute_batch(
+                "CREATE TABLE model_rows (run_id TEXT NOT NULL, name TEXT NOT NULL, attempt INTEGER NOT NULL)",
+            )
+            .unwrap();
+    }
+
+    fn rows(&mut self) -> Vec<(String, String, u32)> {
+        let conn = self.connection();
+        let mut stmt = conn.prepare("SELECT run_id, name, attempt FROM model_rows ORDER BY rowid").unwrap();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap();
+        rows.collect::<rusqlite::Result<Vec<_>>>().unwrap()
+    }
+}
+
+impl ModelStore for PgWorkflows {
+    fn journaled_attempts(tx: &ApplyTransaction, run_id: &str, name: &str) -> u32 {
+        let query = format!(
+            "SELECT coalesce(max(attempts), 0) FROM \"{}\".journal WHERE run_id = $1 AND name = $2",
+            tx.schema()
+        );
+        let attempts: i32 = tx.query_one(&query, &[&run_id, &name]).expect("read the journal").get(0);
+        attempts as u32
+    }
+
+    fn insert_row(tx: &ApplyTransaction, run_id: &str, name: &str, attempt: u32) -> Result<(), StepFailure> {
+        let insert = format!("INSERT INTO \"{}\".model_rows (run_id, name, attempt) VALUES ($1, $2, $3)", tx.schema());
+        tx.execute(&insert, &[&run_id, &name, &(attempt as i32)]).map(drop).map_err(StepFailure::from)
+    }
+
+    fn end_transaction(tx: &ApplyTransaction) {
+        tx.batch_execute("ROLLBACK").expect("end the transaction");
+    }
+
+    fn create_rows_table(&mut self) {
+        let schema = self.schema().to_string();
+        self.client()
+            .batch_execute(&format!(
+                "CREATE TABLE \"{schema}\".model_rows (n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                     run_id text NOT NULL, name text NOT NULL, attempt integer NOT NULL)"
+            ))
+            .unwrap();
+    }
+
+    fn rows(&mut self) -> Vec<(String, String, u32)> {
+        let schema = self.schema().to_string();
+        let rows = self
+            .client()
+            .query(&format!("SELECT run_id, name, attempt FROM \"{schema}\".model_rows ORDER BY n"), &[])
+            .unwrap();
+        rows.iter().map(|r| (r.get(0), r.get(1), r.get::<_, i32>(2) as u32)).collect()
+    }
+}
+
+/// Opens another store (connection) on the case's database: one per worker's writer.
+type Opener<S> = Arc<dyn Fn() -> tidemark_core::Result<S> + Send + Sync>;
 
 /// Attempts of a forward step, and of a compensation.
 const STEP_ATTEMPTS: u32 = 3;
@@ -352,10 +452,9 @@ impl Shared {
 }
 
 /// Where a body is: which incarnation runs it, for which run, element and step.
-#[derive(Clone)]
-struct Site {
+struct Site<S: WorkflowStore> {
     shared: Arc<Shared>,
-    writer: Writer<Store>,
+    writer: Writer<S>,
     incarnation: u32,
     run: usize,
     elem: usize,
@@ -364,7 +463,26 @@ struct Site {
     action: Action,
 }
 
-impl Site {
+impl<S: WorkflowStore> Clone for Site<S> {
+    fn clone(&self) -> Self {
+        Site {
+            shared: self.shared.clone(),
+            writer: self.writer.clone(),
+            incarnation: self.incarnation,
+            run: self.run,
+            elem: self.elem,
+            undo: self.undo,
+            name: self.name.clone(),
+            action: self.action.clone(),
+        }
+    }
+}
+
+impl<S> Site<S>
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
     /// An external attempt: its number is the journal's attempts + 1 (read through the writer,
     /// so a crash that cut an attempt short does not count it).
     async fn external(self, key: String) -> Result<Value, StepFailure> {
@@ -388,16 +506,9 @@ impl Site {
 
     /// A transactional attempt, inside the journal's transaction: one `model_rows` row per
     /// attempt, which rolls back with a failed one.
-    fn tx(&self, conn: &Connection) -> Result<Value, StepFailure> {
+    fn tx(&self, tx: &S::Target) -> Result<Value, StepFailure> {
         let run_id = run_id(self.run);
-        let journaled: u32 = conn
-            .query_row(
-                "SELECT coalesce(max(attempts), 0) FROM journal WHERE run_id = ?1 AND name = ?2",
-                params![run_id, self.name],
-                |r| r.get(0),
-            )
-            .expect("read the journal");
-        let attempt = journaled + 1;
+        let attempt = S::journaled_attempts(tx, &run_id, &self.name) + 1;
         if self.action.stall && lock(&self.shared.stalled).insert((self.run, self.name.clone())) {
             std::thread::sleep(STALL);
         }
@@ -406,14 +517,10 @@ impl Site {
             // The worker dies now; its transaction never commits (what a crash between the
             // body and the commit leaves: nothing of the batch).
             let _ = released.recv_timeout(SIGNAL_WAIT);
-            conn.execute_batch("ROLLBACK").expect("end the transaction");
+            S::end_transaction(tx);
             return Err(StepFailure::retryable("the worker died before the commit"));
         }
-        conn.execute(
-            "INSERT INTO model_rows (run_id, name, attempt) VALUES (?1, ?2, ?3)",
-            params![run_id, self.name, attempt],
-        )
-        .map_err(|e| StepFailure::retryable(e.to_string()))?;
+        S::insert_row(tx, &run_id, &self.name, attempt)?;
         behave(&run_id, &self.name, &self.action, attempt)
     }
 }
@@ -432,7 +539,11 @@ fn options() -> WorkflowOptions {
 }
 
 /// The workflows of a case, as incarnation `incarnation` runs them: one workflow per run.
-fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> Workflows<Store> {
+fn workflows<S>(shared: &Arc<Shared>, writer: &Writer<S>, incarnation: u32) -> Workflows<S>
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
     let mut workflows = Workflows::new();
     for (run, spec) in shared.case.runs.iter().enumerate() {
         let site = |elem: usize, undo: bool, action: &Action| Site {
@@ -447,7 +558,7 @@ fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> 
         };
         if spec.saga {
             let mut saga =
-                Saga::<Store>::new(&workflow_name(run), 1).compensation_policy(fast_retry(COMPENSATION_ATTEMPTS));
+                Saga::<S>::new(&workflow_name(run), 1).compensation_policy(fast_retry(COMPENSATION_ATTEMPTS));
             for (i, elem) in spec.elems.iter().enumerate() {
                 match elem {
                     Elem::Sleep { ms } => {
@@ -463,7 +574,7 @@ fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> 
             }
             saga.register(&mut workflows, options()).expect("register the saga");
         } else {
-            let sites: Vec<Option<Site>> = spec
+            let sites: Vec<Option<Site<S>>> = spec
                 .elems
                 .iter()
                 .enumerate()
@@ -484,7 +595,7 @@ fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> 
                                 (Elem::Step { action, .. }, Some(site)) => {
                                     let name = site.name.clone();
                                     let value: Value = if action.tx {
-                                        ctx.tx_step(&name, None, move |conn| site.tx(conn)).await?
+                                        ctx.tx_step(&name, None, move |tx: &S::Target| site.tx(tx)).await?
                                     } else {
                                         ctx.step(&name, None, move |key| site.external(key)).await?
                                     };
@@ -502,9 +613,13 @@ fn workflows(shared: &Arc<Shared>, writer: &Writer<Store>, incarnation: u32) -> 
     workflows
 }
 
-fn saga_action(site: Site) -> SagaAction<Connection> {
+fn saga_action<S>(site: Site<S>) -> SagaAction<S::Target>
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
     if site.action.tx {
-        SagaAction::tx(move |conn: &Connection, _data: &SagaData| site.tx(conn))
+        SagaAction::tx(move |tx: &S::Target, _data: &SagaData| site.tx(tx))
     } else {
         SagaAction::external(move |key, _data| site.clone().external(key))
     }
@@ -517,9 +632,13 @@ fn runtime() -> Runtime {
     Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
-fn open_writer(path: &Path) -> Writer<Store> {
-    let path = path.to_path_buf();
-    Writer::spawn(move || SqliteWorkflows::init_with(&path, Durability::Normal)).expect("open the workflow store")
+fn open_writer<S>(opener: &Opener<S>) -> Writer<S>
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
+    let opener = opener.clone();
+    Writer::spawn(move || opener()).expect("open the workflow store")
 }
 
 fn worker_options(worker_id: &str, concurrency: usize) -> WorkerOptions {
@@ -546,13 +665,19 @@ fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
         .collect()
 }
 
-fn start(store: &mut SqliteWorkflows, runs: &[usize]) {
+fn start<S: ModelStore>(store: &mut S, runs: &[usize])
+where
+    S::Target: 'static,
+{
     for outcome in store.start_runs(&start_requests(runs), now_ms()).expect("start") {
         assert!(matches!(outcome, StartOutcome::Started { .. }), "{outcome:?}");
     }
 }
 
-fn all_finished(store: &SqliteWorkflows, runs: usize) -> bool {
+fn all_finished<S: ModelStore>(store: &S, runs: usize) -> bool
+where
+    S::Target: 'static,
+{
     let listed = store.list_runs(&RunFilter::default(), 100).expect("list runs");
     listed.len() == runs && listed.iter().all(|r| r.status.is_terminal())
 }
@@ -565,13 +690,17 @@ enum Ending {
 
 /// Run the case to the end through crashing workers; return how many times a worker stopped
 /// working on a run abruptly (incarnations that died, leases lost).
-fn drive(
+fn drive<S>(
     case: &Case,
-    path: &Path,
-    store: &mut SqliteWorkflows,
+    opener: &Opener<S>,
+    store: &mut S,
     shared: &Arc<Shared>,
     signals: &mpsc::Receiver<Signal>,
-) -> u32 {
+) -> u32
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
     let n = case.runs.len();
     start(store, &case.order[..case.first_batch]);
     let mut started = case.first_batch;
@@ -586,7 +715,7 @@ fn drive(
         let mut handles = Vec::new();
         lock(&shared.gate).alive = incarnation;
         for k in 0..case.workers {
-            let writer = open_writer(path);
+            let writer = open_writer(opener);
             let options = worker_options(&format!("worker-{incarnation}-{k}"), case.concurrency);
             let worker = Arc::new(
                 Worker::new(writer.clone(), workflows(shared, &writer, incarnation), options).expect("worker"),
@@ -668,14 +797,6 @@ fn drive(
     panic!("more than {INCARNATIONS_MAX} workers died");
 }
 
-/// Every `model_rows` row: (run_id, name, attempt).
-fn rows(store: &mut SqliteWorkflows) -> Vec<(String, String, u32)> {
-    let conn = store.connection();
-    let mut stmt = conn.prepare("SELECT run_id, name, attempt FROM model_rows ORDER BY rowid").unwrap();
-    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).unwrap();
-    rows.collect::<rusqlite::Result<Vec<_>>>().unwrap()
-}
-
 /// Compare the real run with the model.
 fn check_run(
     spec: &RunSpec,
@@ -741,14 +862,43 @@ fn check_run(
     assert!(calls.iter().filter(|c| c.run_id == run_id).all(|c| journaled.contains(c.name.as_str())), "{context}");
 }
 
+/// One case on a SQLite file.
 fn run_case(case: Case) {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("workflows.db");
-    let mut store = SqliteWorkflows::init_with(&path, Durability::Normal).expect("open");
-    store
-        .connection()
-        .execute_batch("CREATE TABLE model_rows (run_id TEXT NOT NULL, name TEXT NOT NULL, attempt INTEGER NOT NULL)")
-        .unwrap();
+    let store = SqliteWorkflows::init_with(&path, Durability::Normal).expect("open");
+    let opener: Opener<SqliteWorkflows> = Arc::new(move || SqliteWorkflows::init_with(&path, Durability::Normal));
+    run_case_on(case, store, &opener);
+}
+
+static PG_CASES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// One case in a schema of its own on the PostgreSQL server `conn` (dropped afterwards, also
+/// when the case fails).
+fn run_case_postgres(conn: &str, case: Case) {
+    struct Dropped(String, String);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            if let Ok(mut client) = postgres::Client::connect(&self.0, postgres::NoTls) {
+                let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{}\" CASCADE", self.1));
+            }
+        }
+    }
+    let n = PG_CASES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let schema = format!("wfmodel_{}_{n}", std::process::id());
+    let _dropped = Dropped(conn.to_string(), schema.clone());
+    let store = PgWorkflows::init(conn, &schema).expect("open");
+    let conn = conn.to_string();
+    let opener: Opener<PgWorkflows> = Arc::new(move || PgWorkflows::open(&conn, &schema));
+    run_case_on(case, store, &opener);
+}
+
+fn run_case_on<S>(case: Case, mut store: S, opener: &Opener<S>)
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
+    store.create_rows_table();
     let (signals_tx, signals) = mpsc::channel();
     let shared = Arc::new(Shared {
         case: case.clone(),
@@ -757,7 +907,7 @@ fn run_case(case: Case) {
         stalled: Mutex::new(HashSet::new()),
     });
     // A stall may make the stalled worker lose its leases: count it like a crash.
-    let interruptions = drive(&case, &path, &mut store, &shared, &signals) + lock(&shared.stalled).len() as u32;
+    let interruptions = drive(&case, opener, &mut store, &shared, &signals) + lock(&shared.stalled).len() as u32;
     if std::env::var_os("MODEL_VERBOSE").is_some() {
         let fired: Vec<String> = lock(&shared.gate)
             .fired
@@ -790,7 +940,7 @@ fn run_case(case: Case) {
         );
     }
 
-    let rows = rows(&mut store);
+    let rows = store.rows();
     let calls = lock(&shared.calls).clone();
     let mut tx_completed = 0;
     for (run, spec) in case.runs.iter().enumerate() {
@@ -806,7 +956,11 @@ fn run_case(case: Case) {
 }
 
 fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32);
+    config_with(32)
+}
+
+fn config_with(cases_default: u32) -> ProptestConfig {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases_default);
     ProptestConfig { cases, max_shrink_iters: 16, failure_persistence: None, ..ProptestConfig::default() }
 }
 
@@ -816,6 +970,20 @@ proptest! {
     #[test]
     fn runs_end_as_the_model_says_through_crashing_workers(case in case()) {
         run_case(case);
+    }
+}
+
+/// The same random cases on the PostgreSQL store (fewer by default: every commit is a durable
+/// commit on the server, and each case makes and drops a schema).
+#[test]
+fn runs_end_as_the_model_says_on_postgres() {
+    let Some(conn) = crate::model_check::postgres_server() else { return };
+    let mut runner = proptest::test_runner::TestRunner::new(config_with(16));
+    if let Err(error) = runner.run(&case(), |case| {
+        run_case_postgres(&conn, case);
+        Ok(())
+    }) {
+        panic!("{error}");
     }
 }
 

@@ -6,8 +6,13 @@
 mod consumer;
 mod ordering;
 mod producer;
+mod queues;
+mod schedules;
 mod schema;
 mod support;
+mod workflow;
+mod workflow_kill;
+mod workflow_runtime;
 
 /// Store objects move to the thread that owns them (as SQLite's do), so they must be `Send`.
 #[test]
@@ -15,4 +20,5 @@ fn store_objects_can_move_to_their_own_thread() {
     fn send<T: Send>() {}
     send::<crate::PgProducer>();
     send::<crate::PgConsumer>();
+    send::<crate::PgWorkflows>();
 }

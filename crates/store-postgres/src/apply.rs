@@ -1,0 +1,126 @@
+//! The transactional handle the stores give the user's code: an inbox handler during a drain,
+//! and a transactional workflow step's body during a journal commit, both get an
+//! [`ApplyTransaction`] (the store's own connection, inside the transaction the store opened).
+
+use std::cell::{RefCell, RefMut};
+
+use postgres::types::ToSql;
+use postgres::{Client, Row, Statement};
+use tidemark_core::Result;
+
+use crate::PgResult;
+
+/// The store's connection while one of its transactions is open on it, as the user's code
+/// sees it: an inbox handler during `PgConsumer::drain` (the apply transaction), and a
+/// transactional workflow step's body during `PgWorkflows`'s journal commit (inside a savepoint
+/// of the commit's transaction). Write your rows with [`ApplyTransaction::execute`] and read with
+/// the `query` methods; they commit exactly when the event counts as applied, or with the step's
+/// journal entry. Do not end the transaction (`COMMIT`, `ROLLBACK`): the store does. A handler
+/// that refuses an event returns `HandleError::Blocked`, and a step body that fails returns a
+/// `StepFailure`; either way its writes roll back to a savepoint.
+///
+/// The same type in both places (as SQLite's stores give both a `rusqlite::Connection`), so a
+/// function that writes the user's rows serves an inbox handler and a transactional step alike.
+pub struct ApplyTransaction {
+    client: RefCell<Client>,
+    schema: String,
+}
+
+impl ApplyTransaction {
+    pub(crate) fn new(client: Client, schema: &str) -> Self {
+        ApplyTransaction { client: RefCell::new(client), schema: schema.to_string() }
+    }
+
+    /// The store's PostgreSQL schema (where tidemark's tables are; the user's own tables may live
+    /// there or anywhere in the same database).
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The connection, borrowed for one or more statements of the store. The store never holds
+    /// this borrow while the user's code runs, and the user's code cannot reach the store, so it
+    /// cannot fail.
+    pub(crate) fn client_mut(&self) -> RefMut<'_, Client> {
+        self.client.borrow_mut()
+    }
+
+    /// The connection, without a run-time borrow (the store holds `&mut self`).
+    pub(crate) fn client_get_mut(&mut self) -> &mut Client {
+        self.client.get_mut()
+    }
+
+    pub(crate) fn with<R>(
+        &self,
+        f: impl FnOnce(&mut Client) -> Result<R, postgres::Error>,
+    ) -> Result<R, postgres::Error> {
+        f(&mut self.client.borrow_mut())
+    }
+
+    /// Run one statement and return the number of rows it changed.
+    pub fn execute(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, postgres::Error> {
+        self.with(|c| c.execute(statement, params))
+    }
+
+    /// Run one query and return its rows.
+    pub fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, postgres::Error> {
+        self.with(|c| c.query(statement, params))
+    }
+
+    /// Run a query that returns exactly one row.
+    pub fn query_one(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Row, postgres::Error> {
+        self.with(|c| c.query_one(statement, params))
+    }
+
+    /// Run a query that returns at most one row.
+    pub fn query_opt(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, postgres::Error> {
+        self.with(|c| c.query_opt(statement, params))
+    }
+
+    /// Run statements separated by `;` without parameters (for example DDL).
+    pub fn batch_execute(&self, statements: &str) -> Result<(), postgres::Error> {
+        self.with(|c| c.batch_execute(statements))
+    }
+
+    pub(crate) fn run(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+        self.with(|c| c.execute(statement, params)).db()
+    }
+
+    pub(crate) fn rows(&self, statement: &Statement, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+        self.with(|c| c.query(statement, params)).db()
+    }
+}
+
+/// A transaction begun by hand on an [`ApplyTransaction`]'s connection (not a
+/// `postgres::Transaction`, which would hold the connection's `&mut` for its whole life while
+/// the user's code needs the connection too). Dropped without [`OpenTransaction::commit`] (an
+/// error returned with `?`, or a panic of the user's code unwinding through it), it rolls back,
+/// so the session is never left idle in a transaction.
+pub(crate) struct OpenTransaction<'a> {
+    apply: &'a ApplyTransaction,
+    open: bool,
+}
+
+impl<'a> OpenTransaction<'a> {
+    pub(crate) fn begin(apply: &'a ApplyTransaction) -> Result<Self> {
+        apply.batch_execute("BEGIN").db()?;
+        Ok(OpenTransaction { apply, open: true })
+    }
+
+    pub(crate) fn commit(mut self) -> Result<()> {
+        self.open = false;
+        self.apply.batch_execute("COMMIT").db()
+    }
+}
+
+impl Drop for OpenTransaction<'_> {
+    fn drop(&mut self) {
+        if self.open {
+            // A borrow still held here would mean a panic inside the store's own statement code;
+            // the session is then dropped with the store. A failed rollback leaves the session
+            // broken, which the next call reports.
+            if let Ok(mut client) = self.apply.client.try_borrow_mut() {
+                let _ = client.batch_execute("ROLLBACK");
+            }
+        }
+    }
+}

@@ -1,0 +1,758 @@
+//! Group commit of journal writes: one transaction for many writes of many runs, each fenced by
+//! its run's lease token alone; transactional step bodies run in a savepoint each (the behaviour
+//! of `tidemark_store_sqlite`'s `workflow/commit.rs`, with the fences decided on rows this
+//! transaction locked first).
+
+use std::collections::{BTreeSet, HashMap};
+
+use postgres::error::SqlState;
+use postgres::Client;
+use serde_json::Value;
+use tidemark_core::crash;
+use tidemark_core::error::codes;
+use tidemark_core::id::validate_id;
+use tidemark_core::workflow::{
+    child_event, child_run_id, is_child_event, is_store_event_id, message_event_id, JournalOp, JournalWrite, RunStatus,
+    StartOutcome, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
+};
+use tidemark_core::{ensure_invariant, Error, Result};
+
+use super::rows::{self, json_text};
+use super::{clip_error, invalid_arg, seq_param, validate_not_too_far};
+use crate::apply::{ApplyTransaction, OpenTransaction};
+use crate::schema::Statements;
+use crate::{col, PgResult};
+
+type Write = JournalWrite<ApplyTransaction>;
+
+fn validate_seq(seq: u32) -> Result<()> {
+    if seq >= RUN_STEPS_MAX {
+        return Err(Error::invalid(
+            codes::LIMIT_EXCEEDED,
+            format!("step position {seq} is beyond the {RUN_STEPS_MAX} steps a run may take"),
+        ));
+    }
+    Ok(())
+}
+
+/// The JSON text of `value` as stored, refused (like `validate_json_size`) when over `max` bytes.
+fn json_within(field: &str, value: &Value, max: usize) -> Result<String> {
+    let text = json_text(value);
+    if text.len() > max {
+        return Err(Error::invalid(
+            codes::PAYLOAD_TOO_LARGE,
+            format!("{field} is {} bytes of JSON, limit is {max}", text.len()),
+        ));
+    }
+    Ok(text)
+}
+
+fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
+    validate_seq(seq)?;
+    validate_id("step name", name)?;
+    if attempt == 0 {
+        return Err(invalid_arg("attempt numbers start at 1"));
+    }
+    if let Some(at) = retry_at_ms {
+        validate_not_too_far("retry_at_ms", at, now_ms)?;
+    }
+    Ok(())
+}
+
+/// Bad input in any write refuses the whole batch before anything runs (the checks of SQLite's
+/// commit, one for one). Returns the JSON text the write stores (a step's output, a timer's
+/// output, a run's result), serialised once here.
+fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
+    if !ids_checked {
+        validate_id("run_id", &write.run_id)?;
+        validate_id("lease_token", &write.lease_token)?;
+    }
+    match &write.op {
+        JournalOp::SetStatus { status } => {
+            if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
+                return Err(invalid_arg(format!(
+                    "SetStatus takes running or compensating, not {} (use Suspend or Finish)",
+                    status.as_str()
+                )));
+            }
+        }
+        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::External | StepKind::Compensation | StepKind::Value) {
+                return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
+            }
+            if *kind == StepKind::Value && (*attempt != 1 || result.is_err()) {
+                return Err(invalid_arg("a value is recorded once, by a first successful attempt"));
+            }
+            if let Ok(output) = result {
+                return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
+            }
+        }
+        JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::Transactional | StepKind::Compensation) {
+                return Err(invalid_arg(format!("a transactional step cannot be of kind {}", kind.as_str())));
+            }
+        }
+        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (kind, event_name) {
+                (StepKind::Sleep, None) => {}
+                (StepKind::Wait, Some(event_name)) => validate_id("event name", event_name)?,
+                _ => return Err(invalid_arg("a timer is a sleep without an event name or a wait with one")),
+            }
+        }
+        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            request.validate()?;
+            if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
+                return Err(invalid_arg(format!(
+                    "the child at step {seq} of run {} is run {:?}, due at once",
+                    write.run_id,
+                    child_run_id(&write.run_id, *seq)
+                )));
+            }
+        }
+        JournalOp::Publish { seq, key, value } => {
+            validate_seq(*seq)?;
+            validate_id("event key", key)?;
+            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            validate_seq(*seq)?;
+            validate_id("to", to)?;
+            validate_id("topic", topic)?;
+            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::TimerFinished { seq, event_id, output } => {
+            validate_seq(*seq)?;
+            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
+                validate_id("event_id", event_id)?;
+            }
+            return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (status, waiting_for) {
+                (SuspendStatus::Waiting, Some(name)) if is_child_event(name) => {}
+                (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
+                (SuspendStatus::Waiting, None) => return Err(invalid_arg("a waiting run needs waiting_for")),
+                (_, Some(_)) => return Err(invalid_arg("only a waiting run waits for an event")),
+                (_, None) => {}
+            }
+        }
+        JournalOp::Finish { result, .. } => {
+            if let Some(result) = result {
+                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
+            }
+        }
+        JournalOp::Release => {}
+    }
+    Ok(None)
+}
+
+/// Lock, before anything is written, every run of the batch and every run it sends a message to
+/// (`$1`), and for the runs it may
+/// finish (`$2`) their parent and their active children (whom the end notifies, wakes or
+/// cancels), in run id order: two commits, a commit and a heartbeat, or a commit and an
+/// operator's `abandon` never wait for each other in a cycle. The lease token read here is the
+/// run's as of this transaction: nobody else can change it until the transaction ends.
+/// (The family's ids are gathered first, by `runs_pkey` and `runs_children`, so that the rows to
+/// lock are one primary-key probe each.)
+pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token FROM {s}.runs
+ WHERE run_id = ANY($1::text[]
+     || ARRAY(SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
+     || ARRAY(SELECT run_id FROM {s}.runs WHERE parent_run_id = ANY($2)
+                AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')))
+ ORDER BY run_id
+ FOR UPDATE";
+
+const SET_STATUS_SQL: &str = "UPDATE {s}.runs SET status = $3, waiting_for = NULL, updated_at_ms = $4
+ WHERE run_id = $1 AND lease_token = $2";
+const FINISH_SQL: &str = "UPDATE {s}.runs SET status = $3, result = $4, error = $5, finished_at_ms = $6,
+     updated_at_ms = $6, waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+ WHERE run_id = $1 AND lease_token = $2";
+const RELEASE_SQL: &str = "UPDATE {s}.runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
+     updated_at_ms = $3
+ WHERE run_id = $1 AND lease_token = $2";
+/// Touch the runs the batch wrote for (a write whose token matched sets `updated_at_ms`, as
+/// SQLite's fence does), in one statement at the end.
+const TOUCH_SQL: &str = "UPDATE {s}.runs SET updated_at_ms = $2 WHERE run_id = ANY($1) AND updated_at_ms <> $2";
+/// The entry at `$2` (if any) and the run's next free position, in one statement.
+const POSITION_SQL: &str = "SELECT j.name, j.kind, j.status, j.attempts,
+        (SELECT coalesce(max(seq) + 1, 0) FROM {s}.journal WHERE run_id = $1)
+ FROM (SELECT 1) AS one LEFT JOIN {s}.journal j ON j.run_id = $1 AND j.seq = $2";
+/// A step attempt at a new position: its journal entry and its first attempt, in one statement.
+const NEW_ATTEMPT_SQL: &str = "WITH entry AS (
+     INSERT INTO {s}.journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms,
+                              updated_at_ms)
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10))
+ INSERT INTO {s}.step_attempts (run_id, seq, attempt, ok, error, finished_at_ms) VALUES ($1, $2, 1, $11, $7, $10)";
+/// A further attempt at an unsettled position: the entry updated, the attempt appended with the
+/// next ordinal of the position's whole history (an operator retry resets only the entry's
+/// budget).
+const NEXT_ATTEMPT_SQL: &str = "WITH entry AS (
+     UPDATE {s}.journal SET status = $5, output = $6, error = $7, attempts = $8, next_attempt_at_ms = $9,
+         updated_at_ms = $10
+     WHERE run_id = $1 AND seq = $2 AND name = $3 AND kind = $4)
+ INSERT INTO {s}.step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
+ VALUES ($1, $2, (SELECT coalesce(max(attempt), 0) + 1 FROM {s}.step_attempts WHERE run_id = $1 AND seq = $2),
+         $11, $7, $10)";
+const TIMER_STARTED_SQL: &str = "INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, wake_at_ms,
+     event_name, updated_at_ms)
+ VALUES ($1, $2, $3, $4, 'waiting', 0, $5, $6, $7)
+ ON CONFLICT (run_id, seq) DO UPDATE SET wake_at_ms = excluded.wake_at_ms, event_name = excluded.event_name,
+     updated_at_ms = excluded.updated_at_ms";
+const TIMER_FINISHED_SQL: &str =
+    "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4 WHERE run_id = $1 AND seq = $2";
+const CONSUME_EVENT_SQL: &str = "UPDATE {s}.run_events SET consumed_by_seq = $3 WHERE run_id = $1 AND event_id = $2";
+/// Release the lease and wait. Due now (`$5`) instead of at `$3` when a cancel was requested (the
+/// row's own flag, as this transaction left it: a parent's end earlier in the batch may have set
+/// it) or an unconsumed event the run waits for (`$4`), or any child's end (a parent may await
+/// several at once), is already there: read by this statement, after the run's lock was granted,
+/// so an event sent meanwhile is either seen here or wakes the suspended run itself.
+const SUSPEND_SQL: &str = "UPDATE {s}.runs SET status = $2, waiting_for = $4,
+     lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
+     wake_at_ms = CASE WHEN cancel_requested OR ($4::text IS NOT NULL AND EXISTS (
+             SELECT 1 FROM {s}.run_events WHERE run_id = $1 AND (name = $4 OR name LIKE 'child/%')
+               AND consumed_by_seq IS NULL))
+         THEN least($3::bigint, $5::bigint) ELSE $3::bigint END
+ WHERE run_id = $1";
+/// The run's latest value under a key (`ctx.set_event`), replaced in the journal's transaction.
+const PUBLISH_SQL: &str =
+    "INSERT INTO {s}.run_published (run_id, key, value, seq, updated_at_ms) VALUES ($1, $2, $3, $4, $5)
+ ON CONFLICT (run_id, key) DO UPDATE SET value = excluded.value, seq = excluded.seq,
+     updated_at_ms = excluded.updated_at_ms";
+const CHILD_OF_SQL: &str =
+    "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
+
+/// What a run's end does to its family, in the transaction that ended it (one statement; `$1` the
+/// run that ended, `$2` now):
+/// - a child that ended (not parked: that waits for an operator) tells its parent how, as the
+///   event `child/<seq>` (`child_event`): `{"run_id", "status", "result", "error"}`, only while
+///   the parent is active and at most once (an operator retry of a child that already told its
+///   parent tells it nothing new);
+/// - the parent is due now if it waits (for this child or another: a parent awaiting several
+///   looks again);
+/// - each of its own children still active has cancellation requested (each stops at its next
+///   step boundary, and its end cascades to its children).
+///
+/// The parent and the children were locked by the caller first (`LOCK_BATCH_SQL`, or the
+/// operator's lock), so a parent's `Suspend` and this notification wait for each other.
+pub(crate) const RUN_ENDED_SQL: &str = "WITH ended AS (
+     SELECT run_id, status, result, error, parent_run_id, parent_seq, finished_at_ms
+     FROM {s}.runs WHERE run_id = $1 AND finished_at_ms IS NOT NULL AND status <> 'parked'),
+ notify AS (
+     INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)
+     SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
+            json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json,
+                              'error', c.error)::text,
+            $2, NULL
+     FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id
+     WHERE p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+     ON CONFLICT (run_id, event_id) DO NOTHING),
+ wake AS (
+     UPDATE {s}.runs SET wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
+     WHERE run_id = (SELECT parent_run_id FROM ended) AND status = 'waiting')
+ UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
+     wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
+ WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
+   AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+
+/// A child run that was there already (same workflow and input) and has ended tells its new
+/// parent now (`$1` the child, `$2` now): the event keeps the parent due.
+const NOTIFY_ADOPTED_SQL: &str = "INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms,
+     consumed_by_seq)
+ SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
+        json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json, 'error', c.error)::text,
+        $2, NULL
+ FROM {s}.runs c JOIN {s}.runs p ON p.run_id = c.parent_run_id
+ WHERE c.run_id = $1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked'
+   AND p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+ ON CONFLICT (run_id, event_id) DO NOTHING";
+
+/// What the batch knows of one of its runs, from the rows it locked and the writes it applied
+/// since.
+struct RunState {
+    /// The run's lease token now (`None`: released, finished or suspended in this batch).
+    token: Option<String>,
+    /// The run's next free journal position, when a write of this batch established it.
+    next_seq: Option<u32>,
+    /// A transactional step's body ran for this run since its row was read: read it again
+    /// before the next write (the body's statements could have changed anything).
+    stale: bool,
+    /// A write with the run's token was applied: `updated_at_ms` is touched at the end.
+    touched: bool,
+}
+
+pub(super) fn commit(
+    apply: &ApplyTransaction,
+    st: &mut Statements,
+    writes: Vec<Write>,
+    now_ms: i64,
+) -> Result<Vec<WriteResult>> {
+    if writes.len() > COMMIT_BATCH_MAX {
+        return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("at most {COMMIT_BATCH_MAX} writes per commit")));
+    }
+    let mut previous: Option<(&str, &str)> = None;
+    let texts = writes
+        .iter()
+        .map(|write| {
+            let ids = (write.run_id.as_str(), write.lease_token.as_str());
+            validate(write, previous.replace(ids) == Some(ids), now_ms)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if writes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let run_ids: Vec<&str> = writes.iter().map(|w| w.run_id.as_str()).collect::<BTreeSet<_>>().into_iter().collect();
+    // The runs the batch's messages go to are locked with the batch (a message locks its
+    // receiver, as `send_event` does): in the same order, so two runs messaging each other from
+    // two workers' commits never wait for each other in a cycle.
+    let locked: Vec<&str> = writes
+        .iter()
+        .map(|w| match &w.op {
+            JournalOp::Send { to, .. } => to.as_str(),
+            _ => w.run_id.as_str(),
+        })
+        .chain(writes.iter().map(|w| w.run_id.as_str()))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let finishing: Vec<&str> = writes
+        .iter()
+        .filter(|w| matches!(w.op, JournalOp::Finish { .. }))
+        .map(|w| w.run_id.as_str())
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let open = OpenTransaction::begin(apply)?;
+    let mut runs: HashMap<String, RunState> = HashMap::new();
+    {
+        let mut c = apply.client_mut();
+        let lock = st.get(&mut *c, LOCK_BATCH_SQL)?;
+        for row in c.query(&lock, &[&locked, &finishing]).db()? {
+            let run_id: String = col(&row, 0)?;
+            if run_ids.binary_search(&run_id.as_str()).is_ok() {
+                let state = RunState { token: col(&row, 1)?, next_seq: None, stale: false, touched: false };
+                runs.insert(run_id, state);
+            }
+        }
+    }
+    let mut results = Vec::with_capacity(writes.len());
+    for (write, text) in writes.into_iter().zip(texts) {
+        results.push(apply_write(apply, st, &mut runs, write, text, now_ms)?);
+    }
+    let touched: Vec<&str> = runs.iter().filter(|(_, s)| s.touched).map(|(id, _)| id.as_str()).collect();
+    if !touched.is_empty() {
+        let mut c = apply.client_mut();
+        let touch = st.get(&mut *c, TOUCH_SQL)?;
+        c.execute(&touch, &[&touched, &now_ms]).db()?;
+    }
+    crash::hit("workflow.commit.before_commit");
+    open.commit()?;
+    crash::hit("workflow.commit.after_commit");
+    Ok(results)
+}
+
+/// Apply one write: fenced (nothing written, the batch goes on) unless its token is the run's
+/// token now; a broken journal invariant refuses the whole batch.
+fn apply_write(
+    apply: &ApplyTransaction,
+    st: &mut Statements,
+    runs: &mut HashMap<String, RunState>,
+    write: Write,
+    text: Option<String>,
+    now_ms: i64,
+) -> Result<WriteResult> {
+    let JournalWrite { run_id, lease_token, op } = write;
+    let Some(state) = runs.get_mut(&run_id) else {
+        // No such run (or purged): nobody holds it.
+        return Ok(WriteResult::Fenced);
+    };
+    if state.stale {
+        let mut c = apply.client_mut();
+        let row = c
+            .query_opt(
+                &crate::schema::sql(apply.schema(), "SELECT lease_token FROM {s}.runs WHERE run_id = $1"),
+                &[&run_id],
+            )
+            .db()?;
+        let Some(row) = row else {
+            return Err(Error::Invariant(format!("run {run_id} vanished inside its own commit")));
+        };
+        state.token = col(&row, 0)?;
+        state.next_seq = None;
+        state.stale = false;
+    }
+    if state.token.as_deref() != Some(lease_token.as_str()) {
+        return Ok(WriteResult::Fenced);
+    }
+    state.touched = true;
+    let run = run_id.as_str();
+    let token = lease_token.as_str();
+    match op {
+        JournalOp::SetStatus { status } => {
+            let mut c = apply.client_mut();
+            let statement = st.get(&mut *c, SET_STATUS_SQL)?;
+            let changed = c.execute(&statement, &[&run, &token, &status.as_str(), &now_ms]).db()?;
+            ensure_invariant!(changed == 1, "run {run}: its locked row took no status change");
+            Ok(WriteResult::Done)
+        }
+        JournalOp::Finish { status, result: _, error } => {
+            let mut c = apply.client_mut();
+            let statement = st.get(&mut *c, FINISH_SQL)?;
+            let error = error.as_deref().map(clip_error);
+            let changed =
+                c.execute(&statement, &[&run, &token, &status.run_status().as_str(), &text, &error, &now_ms]).db()?;
+            ensure_invariant!(changed == 1, "run {run}: its locked row did not finish");
+            // The run's family learns of its end in the same transaction.
+            let ended = st.get(&mut *c, RUN_ENDED_SQL)?;
+            c.execute(&ended, &[&run, &now_ms]).db()?;
+            state.token = None;
+            Ok(WriteResult::Done)
+        }
+        JournalOp::Release => {
+            let mut c = apply.client_mut();
+            let statement = st.get(&mut *c, RELEASE_SQL)?;
+            let changed = c.execute(&statement, &[&run, &token, &now_ms]).db()?;
+            ensure_invariant!(changed == 1, "run {run}: its locked row was not released");
+            state.token = None;
+            Ok(WriteResult::Done)
+        }
+        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
+            let mut c = apply.client_mut();
+            let (existing, next) = position(&mut c, st, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
+            check_attempt(run, seq, attempt, existing)?;
+            let recorded = match &result {
+                Ok(_) => Ok(text.as_deref().unwrap_or("null")),
+                Err(failure) => Err(failure),
+            };
+            let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(&mut c, st, &step, recorded, retry_at_ms, now_ms)?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::Done)
+        }
+        JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
+            let existing = {
+                let mut c = apply.client_mut();
+                let (existing, _) = position(&mut c, st, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
+                check_attempt(run, seq, attempt, existing)?;
+                c.batch_execute("SAVEPOINT wf_tx_step").db()?;
+                existing
+            };
+            // The body gets the connection with no borrow of the store's held.
+            let outcome = body(apply);
+            state.stale = true;
+            let outcome = match outcome {
+                Ok(output) => match json_within("step output", &output, STEP_OUTPUT_BYTES_MAX) {
+                    Ok(text) => Ok((output, text)),
+                    Err(e) => Err(StepFailure::permanent(e.to_string())),
+                },
+                Err(failure) => Err(failure),
+            };
+            let mut c = apply.client_mut();
+            let outcome = end_savepoint(&mut c, run, &name, outcome)?;
+            let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
+            let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
+            record_attempt(&mut c, st, &step, recorded, retry_at_ms, now_ms)?;
+            Ok(WriteResult::TxResult(outcome.map(|(output, _)| output)))
+        }
+        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+            let mut c = apply.client_mut();
+            let (existing, next) =
+                position(&mut c, st, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
+            let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
+            let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
+            let conflict = match outcome.into_iter().next() {
+                Some(StartOutcome::Started { .. }) => None,
+                Some(StartOutcome::Existing { .. }) => {
+                    // A run of that id (same workflow and input) was there already: adopted; if it
+                    // has ended, the parent learns of it now (the event keeps the parent due).
+                    c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
+                    let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
+                    c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
+                    None
+                }
+                Some(StartOutcome::Conflict { reason, .. }) => Some(reason),
+                None => return Err(Error::Invariant("a start answered nothing".into())),
+            };
+            let result = match conflict {
+                None => {
+                    c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
+                    let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
+                    c.execute(
+                        &timer,
+                        &[
+                            &run,
+                            &seq_param(seq),
+                            &name,
+                            &StepKind::Child.as_str(),
+                            &wake_at_ms,
+                            &child_event(seq),
+                            &now_ms,
+                        ],
+                    )
+                    .db()?;
+                    Ok(Value::Null)
+                }
+                Some(reason) => {
+                    let failure = StepFailure::permanent(format!("the child run id is taken: {reason}"));
+                    let step = Step { run_id: run, seq, name: &name, kind: StepKind::Child, attempt: 1, new: true };
+                    record_attempt(&mut c, st, &step, Err(&failure), None, now_ms)?;
+                    Err(failure)
+                }
+            };
+            state.next_seq = Some(next);
+            Ok(WriteResult::TxResult(result))
+        }
+        JournalOp::Publish { seq, key, value: _ } => {
+            let mut c = apply.client_mut();
+            let (existing, next) =
+                position(&mut c, st, run, seq, &key, StepKind::Publish, StepStatus::Waiting, state.next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run} step {seq}: published already");
+            let text = text.unwrap_or_else(|| "null".into());
+            let publish = st.get(&mut *c, PUBLISH_SQL)?;
+            c.execute(&publish, &[&run, &key, &text, &seq_param(seq), &now_ms]).db()?;
+            let step = Step { run_id: run, seq, name: &key, kind: StepKind::Publish, attempt: 1, new: true };
+            record_attempt(&mut c, st, &step, Ok("null"), None, now_ms)?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::Done)
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            let mut c = apply.client_mut();
+            let (existing, next) =
+                position(&mut c, st, run, seq, &topic, StepKind::Send, StepStatus::Waiting, state.next_seq)?;
+            ensure_invariant!(existing.is_none(), "run {run} step {seq}: sent already");
+            let event_id = message_event_id(run, seq);
+            // The receiver was locked with the batch; an unknown or ended receiver fails the step.
+            let delivered = match super::send_event_locked(&mut *c, st, &to, &event_id, &topic, &payload, now_ms) {
+                Ok(_) => Ok(serde_json::json!({"to": to, "event_id": event_id})),
+                Err(Error::Invalid { message, .. }) => {
+                    Err(StepFailure::permanent(format!("cannot send to run {to:?}: {message}")))
+                }
+                Err(other) => return Err(other),
+            };
+            let output = delivered.as_ref().map(json_text);
+            let recorded = match &output {
+                Ok(text) => Ok(text.as_str()),
+                Err(failure) => Err(*failure),
+            };
+            let step = Step { run_id: run, seq, name: &topic, kind: StepKind::Send, attempt: 1, new: true };
+            record_attempt(&mut c, st, &step, recorded, None, now_ms)?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::TxResult(delivered))
+        }
+        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
+            let mut c = apply.client_mut();
+            let (_, next) = position(&mut c, st, run, seq, &name, kind, StepStatus::Waiting, state.next_seq)?;
+            let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
+            c.execute(&timer, &[&run, &seq_param(seq), &name, &kind.as_str(), &wake_at_ms, &event_name, &now_ms])
+                .db()?;
+            state.next_seq = Some(next);
+            Ok(WriteResult::Done)
+        }
+        JournalOp::TimerFinished { seq, event_id, output } => {
+            let mut c = apply.client_mut();
+            let Some(entry) = rows::journal_at(&mut *c, st, run, seq)? else {
+                return Err(Error::Invariant(format!("run {run}: no timer at step {seq} to finish")));
+            };
+            ensure_invariant!(
+                entry.status == StepStatus::Waiting,
+                "run {run} step {seq} ({}) is {}, not a pending timer",
+                entry.name,
+                entry.status.as_str()
+            );
+            if let Some(event_id) = &event_id {
+                ensure_invariant!(
+                    matches!(entry.kind, StepKind::Wait | StepKind::Child),
+                    "run {run} step {seq} is a sleep, not a wait"
+                );
+                let Some(event) = rows::event(&mut *c, st, run, event_id)? else {
+                    return Err(Error::Invariant(format!("run {run} has no event {event_id}")));
+                };
+                ensure_invariant!(
+                    event.consumed_by_seq.is_none(),
+                    "run {run} event {event_id} was already consumed by step {:?}",
+                    event.consumed_by_seq
+                );
+                ensure_invariant!(
+                    Some(&event.name) == entry.event_name.as_ref(),
+                    "run {run} event {event_id} is {:?}; step {seq} waits for {:?}",
+                    event.name,
+                    entry.event_name
+                );
+                let consume = st.get(&mut *c, CONSUME_EVENT_SQL)?;
+                c.execute(&consume, &[&run, event_id, &seq_param(seq)]).db()?;
+            }
+            let finished = st.get(&mut *c, TIMER_FINISHED_SQL)?;
+            let output = text.unwrap_or_else(|| json_text(&output));
+            c.execute(&finished, &[&run, &seq_param(seq), &output, &now_ms]).db()?;
+            Ok(WriteResult::Done)
+        }
+        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
+            let mut c = apply.client_mut();
+            let suspend = st.get(&mut *c, SUSPEND_SQL)?;
+            let changed =
+                c.execute(&suspend, &[&run, &status.run_status().as_str(), &wake_at_ms, &waiting_for, &now_ms]).db()?;
+            ensure_invariant!(changed == 1, "run {run}: its locked row did not suspend");
+            state.token = None;
+            Ok(WriteResult::Done)
+        }
+    }
+}
+
+/// End a transactional step's savepoint: kept when the body succeeded, rolled back when it
+/// failed. A body whose own statement failed leaves the transaction aborted even if it returned
+/// `Ok`: its writes cannot commit, so they are rolled back and the attempt counts as failed. A
+/// body that ended the transaction (`COMMIT` or `ROLLBACK` on the connection it was handed)
+/// leaves nothing this batch could commit together: the whole batch is refused.
+fn end_savepoint(
+    c: &mut Client,
+    run_id: &str,
+    name: &str,
+    outcome: std::result::Result<(Value, String), StepFailure>,
+) -> Result<std::result::Result<(Value, String), StepFailure>> {
+    let ended = |error: postgres::Error| {
+        Error::store(format!(
+            "the journal's transaction ended inside the body of step {name} of run {run_id}: {}",
+            Error::from(error)
+        ))
+    };
+    let outcome = match outcome {
+        Ok(done) => match c.batch_execute("RELEASE SAVEPOINT wf_tx_step") {
+            Ok(()) => return Ok(Ok(done)),
+            Err(error) if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(StepFailure::retryable(
+                format!("a statement of the step failed (the step returned success anyway): {}", Error::from(error)),
+            )),
+            Err(error) => return Err(ended(error)),
+        },
+        Err(failure) => Err(failure),
+    };
+    c.batch_execute("ROLLBACK TO SAVEPOINT wf_tx_step; RELEASE SAVEPOINT wf_tx_step").map_err(ended)?;
+    Ok(outcome)
+}
+
+/// A write at `seq` either opens the next position or continues the unsettled entry there
+/// (which must be the same step, in `unsettled` status). A settled entry is never rewritten.
+/// Returns the attempts recorded at the position (`None`: a new position) and the run's next
+/// free position after the write. One statement, or none when `known_next` (established by this
+/// batch) is `seq`.
+#[allow(clippy::too_many_arguments)]
+fn position(
+    c: &mut Client,
+    st: &mut Statements,
+    run_id: &str,
+    seq: u32,
+    name: &str,
+    kind: StepKind,
+    unsettled: StepStatus,
+    known_next: Option<u32>,
+) -> Result<(Option<u32>, u32)> {
+    if known_next == Some(seq) {
+        return Ok((None, seq + 1));
+    }
+    let statement = st.get(c, POSITION_SQL)?;
+    let row = c.query_one(&statement, &[&run_id, &seq_param(seq)]).db()?;
+    let (found_name, found_kind, found_status, attempts, next): (
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i32>,
+        i32,
+    ) = (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?, col(&row, 3)?, col(&row, 4)?);
+    let (Some(found_name), Some(found_kind), Some(found_status), Some(attempts)) =
+        (found_name, found_kind, found_status, attempts)
+    else {
+        ensure_invariant!(
+            i64::from(seq) == i64::from(next),
+            "run {run_id}: a new step at {seq}, but the next position is {next}"
+        );
+        return Ok((None, seq + 1));
+    };
+    let status = StepStatus::parse(&found_status)
+        .ok_or_else(|| Error::Invariant(format!("run {run_id} step {seq}: unknown step status {found_status:?}")))?;
+    ensure_invariant!(
+        !status.is_settled(),
+        "run {run_id} step {seq} ({found_name}) is {}: a settled entry is never rewritten",
+        status.as_str()
+    );
+    ensure_invariant!(
+        found_name == name && found_kind == kind.as_str(),
+        "run {run_id} step {seq} is {found_name} ({found_kind}), not {name} ({})",
+        kind.as_str()
+    );
+    ensure_invariant!(
+        status == unsettled,
+        "run {run_id} step {seq} ({name}) is {}, expected {}",
+        status.as_str(),
+        unsettled.as_str()
+    );
+    let attempts =
+        u32::try_from(attempts).map_err(|_| Error::Invariant(format!("run {run_id}: attempts {attempts}")))?;
+    let next = u32::try_from(next).map_err(|_| Error::Invariant(format!("run {run_id}: next position {next}")))?;
+    Ok((Some(attempts), next))
+}
+
+/// Attempts count from 1 and follow the entry's recorded attempts one by one.
+fn check_attempt(run_id: &str, seq: u32, attempt: u32, recorded: Option<u32>) -> Result<()> {
+    let expected = recorded.unwrap_or(0) + 1;
+    ensure_invariant!(attempt == expected, "run {run_id} step {seq}: attempt {attempt}, expected attempt {expected}");
+    Ok(())
+}
+
+/// The step an attempt is recorded for.
+struct Step<'a> {
+    run_id: &'a str,
+    seq: u32,
+    name: &'a str,
+    kind: StepKind,
+    attempt: u32,
+    /// A new journal position (nothing recorded at `seq` yet).
+    new: bool,
+}
+
+fn record_attempt(
+    c: &mut Client,
+    st: &mut Statements,
+    step: &Step<'_>,
+    outcome: std::result::Result<&str, &StepFailure>,
+    retry_at_ms: Option<i64>,
+    now_ms: i64,
+) -> Result<()> {
+    let ok = outcome.is_ok();
+    let (status, output, error, next_attempt_at_ms) = match outcome {
+        Ok(text) => (StepStatus::Completed, Some(text), None, None),
+        Err(failure) if failure.retryable && retry_at_ms.is_some() => {
+            (StepStatus::Retrying, None, Some(clip_error(&failure.message)), retry_at_ms)
+        }
+        Err(failure) => (StepStatus::Failed, None, Some(clip_error(&failure.message)), None),
+    };
+    let Step { run_id, seq, name, kind, attempt, new } = *step;
+    let attempts = i32::try_from(attempt).map_err(|_| Error::Invariant(format!("run {run_id}: attempt {attempt}")))?;
+    let statement = st.get(c, if new { NEW_ATTEMPT_SQL } else { NEXT_ATTEMPT_SQL })?;
+    c.execute(
+        &statement,
+        &[
+            &run_id,
+            &seq_param(seq),
+            &name,
+            &kind.as_str(),
+            &status.as_str(),
+            &output,
+            &error,
+            &attempts,
+            &next_attempt_at_ms,
+            &now_ms,
+            &ok,
+        ],
+    )
+    .db()?;
+    Ok(())
+}
