@@ -127,6 +127,8 @@ pub mod store {
 /// [`workflow::WorkflowContext`] a workflow talks to the world through, [`workflow::Saga`],
 /// retry policies, run records, and the writer and worker that run them.
 pub mod workflow {
+    pub use tidemark_core::queue::{Enqueue, QueueSpec, QueueState, QueueStore, QueuedRun, RateLimit};
+    pub use tidemark_core::schedule::{CatchUp, Schedule, ScheduleSpec, ScheduleStore, Timing};
     pub use tidemark_core::workflow::*;
     pub use tidemark_engine::workflow::{
         system_clock, Clock, FinishedRun, IntoWorkflow, RunHandle as GenericRunHandle, Saga, SagaAction, SagaData,

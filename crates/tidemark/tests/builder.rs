@@ -65,6 +65,18 @@ fn bad_registrations_are_typed_errors_at_build_and_create_nothing() {
             "already_exists",
         ),
         (
+            "a queue declared twice",
+            Service::builder()
+                .queue(tidemark::workflow::QueueSpec::new("mail"))
+                .queue(tidemark::workflow::QueueSpec::new("mail").concurrency(2)),
+            "already_exists",
+        ),
+        (
+            "a queue that could never admit a run",
+            Service::builder().queue(tidemark::workflow::QueueSpec::new("mail").concurrency(0)),
+            "invalid_argument",
+        ),
+        (
             "a per-tenant workflow clashing with a shared one",
             Service::builder()
                 .workflow(tidemark::workflow("checkout", 2, noop))
