@@ -630,7 +630,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "8", "this downgrade is written for schema v8 -> v4");
+    assert_eq!(version, "9", "this downgrade is written for schema v9 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -667,6 +667,20 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
          INSERT INTO cursors_v4 SELECT * FROM cursors;
          DROP TABLE cursors;
          ALTER TABLE cursors_v4 RENAME TO cursors;
+         DROP INDEX runs_children;
+         DROP INDEX runs_queue_waiting;
+         DROP INDEX runs_queue_admitted;
+         DROP INDEX runs_queue_in_progress;
+         DROP INDEX runs_queue_dedup;
+         DROP TABLE schedules;
+         DROP TABLE queues;
+         DROP TABLE run_published;
+         ALTER TABLE runs DROP COLUMN parent_run_id;
+         ALTER TABLE runs DROP COLUMN parent_seq;
+         ALTER TABLE runs DROP COLUMN queue;
+         ALTER TABLE runs DROP COLUMN priority;
+         ALTER TABLE runs DROP COLUMN dedup_id;
+         ALTER TABLE runs DROP COLUMN admitted_at_ms;
          UPDATE meta SET value = '4' WHERE key = 'schema_version';
          COMMIT;",
     )
@@ -712,7 +726,7 @@ fn migrate_before_commit(point: &str) {
         receipt["generation"] = Value::Null;
     }
     assert_eq!(consumer_snapshot(&s), expected, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("8".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("9".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
