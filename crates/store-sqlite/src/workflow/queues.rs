@@ -140,8 +140,17 @@ pub(super) fn admissible(
         wanted.join(" OR ")
     );
     let mut out = Vec::new();
+    let waits = format!(
+        "SELECT EXISTS (SELECT 1 FROM runs WHERE queue = ?1 AND admitted_at_ms IS NULL AND {})",
+        active("status")
+    );
     for spec in specs {
         let name = spec.name.clone();
+        // A queue nobody waits in costs a claim one index probe, not its counts.
+        let waiting: bool = tx.prepare_cached(&waits).db()?.query_row([&name], |r| r.get(0)).db()?;
+        if !waiting {
+            continue;
+        }
         let (in_progress, in_period) = counts(tx, &spec, now_ms)?;
         let room = room(&spec, in_progress, in_period).min(largest as u64);
         if room == 0 {
