@@ -35,6 +35,8 @@ const COMPENSATION_ATTEMPTS: u32 = 10_000;
 pub const ORDER_BATCH: &str = "order_batch";
 /// The version of `order_batch`.
 pub const ORDER_BATCH_VERSION: u32 = 1;
+/// The topic `order_batch` tells its `notify` run on (`ctx.send`).
+pub const BATCH_DONE: &str = "batch_done";
 /// The most orders one `order_batch` run takes.
 pub const ORDER_BATCH_ORDERS_MAX: usize = 100;
 
@@ -77,17 +79,37 @@ struct SleepyInput {
     approval_timeout_ms: u64,
 }
 
-/// `order_batch`'s input: the orders (each an `order_saga` input, with distinct order ids).
+/// `order_batch`'s input: the orders (each an `order_saga` input, with distinct order ids); at
+/// most `per_run` of them in one run, the rest continued as a new run (`ctx.continue_as_new`)
+/// that carries the ends so far in `done`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct BatchInput {
     orders: Vec<Value>,
+    #[serde(default)]
+    per_run: Option<usize>,
+    #[serde(default)]
+    done: Vec<Value>,
+    /// A run told when the batch is done (`ctx.send`, topic `batch_done`, payload
+    /// `{"approved": true, "orders": N}`: a `sleepy_order` waiting for approval `batch_done` goes
+    /// on).
+    #[serde(default)]
+    notify: Option<String>,
 }
 
 fn batch_of(input: &Value) -> std::result::Result<BatchInput, String> {
     let batch: BatchInput = serde_json::from_value(input.clone()).map_err(|e| format!("invalid input: {e}"))?;
     if batch.orders.is_empty() || batch.orders.len() > ORDER_BATCH_ORDERS_MAX {
         return Err(format!("orders must hold 1..={ORDER_BATCH_ORDERS_MAX} orders, got {}", batch.orders.len()));
+    }
+    if batch.per_run.is_some_and(|n| n == 0 || n > ORDER_BATCH_ORDERS_MAX) {
+        return Err(format!("per_run must be 1..={ORDER_BATCH_ORDERS_MAX}"));
+    }
+    if batch.done.len() + batch.orders.len() > ORDER_BATCH_ORDERS_MAX {
+        return Err(format!("done and orders together must hold at most {ORDER_BATCH_ORDERS_MAX} orders"));
+    }
+    if let Some(notify) = &batch.notify {
+        validate_id("notify", notify).map_err(|e| e.to_string())?;
     }
     let mut ids = std::collections::BTreeSet::new();
     for (i, order) in batch.orders.iter().enumerate() {
@@ -205,13 +227,18 @@ pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<V
 /// sees the same ones), then runs each order as a child `order_saga`, one after the other,
 /// publishing its progress after each (`ctx.set_event("progress", {"done", "of"})`), and
 /// completes with each child's end. A child that compensated is reported, not a failure of the
-/// batch; cancelling the batch cancels the child in flight.
+/// batch; cancelling the batch cancels the child in flight. With `per_run`, a run takes that
+/// many orders and continues as a new run with the rest (the chain's last run completes with
+/// every order's end). With `notify`, the last run sends that run a `batch_done` message.
 async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std::result::Result<Value, WorkflowError> {
     let batch = batch_of(&input).map_err(WorkflowError::Failed)?;
     let started_at_ms = ctx.now()?;
     let batch_token = ctx.uuid()?;
-    let mut orders = Vec::with_capacity(batch.orders.len());
-    for order in &batch.orders {
+    let per_run = batch.per_run.unwrap_or(batch.orders.len()).min(batch.orders.len());
+    let (now, rest) = batch.orders.split_at(per_run);
+    let of = batch.done.len() + batch.orders.len();
+    let mut orders = batch.done.clone();
+    for order in now {
         let order_id = order.get("order_id").cloned().unwrap_or(Value::Null);
         let end = match ctx.child::<_, Value>(ORDER_SAGA, order).await {
             Ok(result) => json!({"order_id": order_id, "status": "completed", "result": result}),
@@ -222,7 +249,16 @@ async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std
         };
         orders.push(end);
         // Readable from outside while the batch runs: GET /v1/runs/{id}/events/progress.
-        ctx.set_event("progress", &json!({"done": orders.len(), "of": batch.orders.len()})).await?;
+        ctx.set_event("progress", &json!({"done": orders.len(), "of": of})).await?;
+    }
+    if !rest.is_empty() {
+        // The next orders in a new run, with a journal of their own.
+        let next = json!({"orders": rest, "per_run": per_run, "done": orders, "notify": batch.notify});
+        return Err(ctx.continue_as_new(&next));
+    }
+    if let Some(notify) = &batch.notify {
+        // Sent once, with this journal entry, whatever crashes.
+        ctx.send(notify, BATCH_DONE, &json!({"approved": true, "orders": orders.len()})).await?;
     }
     Ok(json!({"started_at_ms": started_at_ms, "batch_token": batch_token, "orders": orders}))
 }

@@ -305,6 +305,7 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
             queue,
             priority,
             dedup_id,
+            timeout_ms,
             ..
         } => {
             validate_id("run_id", &run_id)?;
@@ -319,6 +320,9 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
             }
             if let Some(queue) = queue {
                 body["queue"] = json!({"queue": queue, "priority": priority, "dedup_id": dedup_id});
+            }
+            if let Some(timeout_ms) = timeout_ms {
+                body["timeout_ms"] = json!(timeout_ms);
             }
             remote.send(Method::POST, "/v1/runs", &[], Some(body))
         }
@@ -338,6 +342,14 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
         WorkflowCommand::Show { run_id, .. } => {
             let run = segment("run_id", &run_id)?;
             Ok(with_outcome(remote.send(Method::GET, &format!("/v1/runs/{run}"), &[], None)?, "found"))
+        }
+        WorkflowCommand::Result { run_id, wait_ms, .. } => {
+            let run = segment("run_id", &run_id)?;
+            crate::workflow_cmd::validate_wait_ms(wait_ms)?;
+            let query = [("wait_ms", wait_ms.to_string())];
+            let answer = remote.send(Method::GET, &format!("/v1/runs/{run}/result"), &query, None)?;
+            let outcome = if answer["done"] == json!(true) { "ended" } else { "not_ended" };
+            Ok(with_outcome(answer, outcome))
         }
         WorkflowCommand::Cancel { run_id, reason, .. } => reason_route(&run_id, "cancel", reason),
         WorkflowCommand::Retry { run_id, reason, .. } => reason_route(&run_id, "retry", reason),

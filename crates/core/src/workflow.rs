@@ -27,6 +27,11 @@ pub mod workflow_codes {
     pub const INVALID_OUTPUT: &str = "invalid_output";
     /// Awaiting a run's result: the wait ended before the run did.
     pub const RESULT_TIMEOUT: &str = "result_timeout";
+    /// A run reached [`super::RUN_STEPS_MAX`] journal entries: it fails with this code rather
+    /// than fill the disk (a run that needs more continues as a new run, `ctx.continue_as_new`).
+    pub const JOURNAL_FULL: &str = "journal_full";
+    /// A run's deadline passed: it was cancelled (a saga compensates first).
+    pub const DEADLINE_PASSED: &str = "deadline_passed";
 }
 
 /// A run's input (and an event's payload), as JSON: 256 KiB. (Run ids, workflow names and step
@@ -51,6 +56,9 @@ pub const LEASE_MS_MIN: i64 = 100;
 pub const LEASE_MS_MAX: i64 = 60 * 60 * 1000;
 /// Longest timer or wait.
 pub const TIMER_MS_MAX: i64 = 366 * 24 * 60 * 60 * 1000;
+/// The longest wait of one request for a run's result or published value (API `wait_ms`, CLI
+/// `--wait-ms`), in ms.
+pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
 
 /// The status of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -78,11 +86,15 @@ pub enum RunStatus {
     /// Dead letter: needs an operator (a compensation that kept failing, a non-deterministic
     /// replay, an abandoned step). `error` says why.
     Parked,
+    /// The workflow continued as a new run (`ctx.continue_as_new`), started in the same
+    /// transaction under [`continuation_run_id`]; that run carries on (its result is the
+    /// chain's).
+    Continued,
 }
 
 impl RunStatus {
     /// Every status, in the order of the enum.
-    pub const ALL: [RunStatus; 10] = [
+    pub const ALL: [RunStatus; 11] = [
         RunStatus::Pending,
         RunStatus::Running,
         RunStatus::Sleeping,
@@ -93,6 +105,7 @@ impl RunStatus {
         RunStatus::Failed,
         RunStatus::Cancelled,
         RunStatus::Parked,
+        RunStatus::Continued,
     ];
 
     /// The word stored in the `runs` table and shown by listings and the API.
@@ -108,6 +121,7 @@ impl RunStatus {
             RunStatus::Failed => "failed",
             RunStatus::Cancelled => "cancelled",
             RunStatus::Parked => "parked",
+            RunStatus::Continued => "continued",
         }
     }
 
@@ -125,6 +139,7 @@ impl RunStatus {
                 | RunStatus::Failed
                 | RunStatus::Cancelled
                 | RunStatus::Parked
+                | RunStatus::Continued
         )
     }
 
@@ -183,6 +198,8 @@ pub enum FinishStatus {
     /// Dead letter: an operator must look (a compensation out of attempts, a non-deterministic
     /// replay).
     Parked,
+    /// Continued as a new run (written by [`JournalOp::ContinueAsNew`], never by `Finish`).
+    Continued,
 }
 
 impl FinishStatus {
@@ -194,6 +211,7 @@ impl FinishStatus {
             FinishStatus::Failed => RunStatus::Failed,
             FinishStatus::Cancelled => RunStatus::Cancelled,
             FinishStatus::Parked => RunStatus::Parked,
+            FinishStatus::Continued => RunStatus::Continued,
         }
     }
 }
@@ -492,6 +510,12 @@ pub struct StartRequest {
     /// `None` runs as soon as a worker has a slot.
     #[serde(default)]
     pub queue: Option<crate::queue::Enqueue>,
+    /// The run's deadline, in ms since the Unix epoch (at most a year ahead): when it passes, the
+    /// run is cancelled at its next step boundary (a saga compensates first) and ends
+    /// `cancelled` with [`workflow_codes::DEADLINE_PASSED`]. Children inherit it; a continuation
+    /// keeps it (the deadline spans the chain).
+    #[serde(default)]
+    pub deadline_ms: Option<i64>,
 }
 
 impl StartRequest {
@@ -505,7 +529,14 @@ impl StartRequest {
             key: None,
             start_at_ms: None,
             queue: None,
+            deadline_ms: None,
         }
+    }
+
+    /// End the run (cancelled, compensating first) if it has not ended by `deadline_ms`.
+    pub fn with_deadline(mut self, deadline_ms: i64) -> Self {
+        self.deadline_ms = Some(deadline_ms);
+        self
     }
 
     /// Run through queue `queue` with `priority` (lower first) and an optional deduplication id.
@@ -536,6 +567,9 @@ impl StartRequest {
             return Err(Error::invalid(codes::INVALID_ARGUMENT, "workflow version must be >= 1"));
         }
         validate_json_size("input", &self.input, WORKFLOW_INPUT_BYTES_MAX, workflow_codes::INVALID_INPUT)?;
+        if self.deadline_ms.is_some_and(|d| d < 0) {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "deadline_ms must be >= 0"));
+        }
         Ok(())
     }
 
@@ -544,6 +578,31 @@ impl StartRequest {
         let canonical = serde_json::to_vec(&(&self.workflow, &self.input)).expect("json serialises");
         crate::envelope::hash_hex(&canonical)
     }
+}
+
+/// `at_ms` must not be further ahead of `now_ms` than the longest timer (`invalid_argument`).
+pub fn validate_not_too_far(field: &str, at_ms: i64, now_ms: i64) -> Result<()> {
+    if at_ms.saturating_sub(now_ms) > TIMER_MS_MAX {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("{field} is more than {TIMER_MS_MAX} ms ahead")));
+    }
+    Ok(())
+}
+
+/// Check a batch of starts before any transaction, the same on every store: at most
+/// [`START_BATCH_MAX`] requests (`limit_exceeded`), each valid ([`StartRequest::validate`]), its
+/// start-at time and deadline at most a year ahead of `now_ms`.
+pub fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
+    crate::id::validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
+    for request in requests {
+        request.validate()?;
+        if let Some(at) = request.start_at_ms {
+            validate_not_too_far("start_at_ms", at, now_ms)?;
+        }
+        if let Some(at) = request.deadline_ms {
+            validate_not_too_far("deadline_ms", at, now_ms)?;
+        }
+    }
+    Ok(())
 }
 
 /// Check that `value` is at most `max` bytes of JSON; the error `code` (naming `field`) otherwise.
@@ -574,6 +633,31 @@ pub fn child_event(seq: u32) -> String {
     format!("child/{seq}")
 }
 
+/// The run id a run continues as (`ctx.continue_as_new`): `{base}.c{n+1}` for a run
+/// `{base}.c{n}`, else `{run_id}.c1` (a child's id ends in digits alone, so the two never meet);
+/// past 100 characters, `cont-{32 hex digits of the base's SHA-256}.c{n+1}`. Derived, so the
+/// chain of a run is known from its first id, and a handle follows it.
+pub fn continuation_run_id(run_id: &str) -> String {
+    let (base, n) = match run_id.rsplit_once(".c") {
+        Some((base, n)) if !base.is_empty() && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => {
+            (base, n.parse::<u64>().unwrap_or(u64::MAX - 1))
+        }
+        _ => (run_id, 0),
+    };
+    let next = n.saturating_add(1);
+    let plain = format!("{base}.c{next}");
+    if plain.len() <= crate::limits::ID_BYTES_MAX {
+        return plain;
+    }
+    let hash = crate::envelope::hash_hex(base.as_bytes());
+    format!("cont-{}.c{next}", &hash[..32])
+}
+
+/// The step name of a patch marker (`ctx.patched(id)`): `patch:{id}`.
+pub fn patch_step_name(patch_id: &str) -> String {
+    format!("patch:{patch_id}")
+}
+
 /// Is `name` an event name [`child_event`] makes?
 pub fn is_child_event(name: &str) -> bool {
     name.strip_prefix("child/").is_some_and(|seq| !seq.is_empty() && seq.bytes().all(|b| b.is_ascii_digit()))
@@ -599,6 +683,165 @@ pub fn is_store_event_id(id: &str) -> bool {
         && seq.bytes().all(|b| b.is_ascii_digit())
         && hash.len() == 16
         && hash.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn invalid_argument(message: impl Into<String>) -> Error {
+    Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+/// A journal position within [`RUN_STEPS_MAX`] (`limit_exceeded` beyond it).
+pub fn validate_seq(seq: u32) -> Result<()> {
+    if seq >= RUN_STEPS_MAX {
+        return Err(Error::invalid(
+            codes::LIMIT_EXCEEDED,
+            format!("step position {seq} is beyond the {RUN_STEPS_MAX} steps a run may take"),
+        ));
+    }
+    Ok(())
+}
+
+/// The JSON text of `value` as stored, refused (like `validate_json_size`) when over `max` bytes.
+/// Serialised once: validation and the write share the text.
+pub fn json_within(field: &str, value: &Value, max: usize) -> Result<String> {
+    let text = serde_json::to_string(value).expect("a JSON value always serialises");
+    if text.len() > max {
+        return Err(Error::invalid(
+            codes::PAYLOAD_TOO_LARGE,
+            format!("{field} is {} bytes of JSON, limit is {max}", text.len()),
+        ));
+    }
+    Ok(text)
+}
+
+fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
+    validate_seq(seq)?;
+    validate_id("step name", name)?;
+    if attempt == 0 {
+        return Err(invalid_argument("attempt numbers start at 1"));
+    }
+    if let Some(at) = retry_at_ms {
+        validate_not_too_far("retry_at_ms", at, now_ms)?;
+    }
+    Ok(())
+}
+
+/// Check one journal write before a store's commit begins, the same on every store (bad input in
+/// any write refuses the whole batch before anything runs): identifiers, positions within
+/// [`RUN_STEPS_MAX`] (`limit_exceeded`), times at most a year ahead, sizes within their limits
+/// (`payload_too_large`), and the shape each op must have (`invalid_argument`). Returns the JSON
+/// text the write stores (a step's output, a timer's output, a run's result), serialised once
+/// here. `ids_checked`: the previous write of the batch had the same run id and token (checked
+/// then).
+pub fn validate_write<T: ?Sized>(write: &JournalWrite<T>, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
+    if !ids_checked {
+        validate_id("run_id", &write.run_id)?;
+        validate_id("lease_token", &write.lease_token)?;
+    }
+    match &write.op {
+        JournalOp::SetStatus { status } => {
+            if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
+                return Err(invalid_argument(format!(
+                    "SetStatus takes running or compensating, not {} (use Suspend or Finish)",
+                    status.as_str()
+                )));
+            }
+        }
+        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::External | StepKind::Compensation | StepKind::Value) {
+                return Err(invalid_argument(format!("a step attempt cannot be of kind {}", kind.as_str())));
+            }
+            if *kind == StepKind::Value && (*attempt != 1 || result.is_err()) {
+                return Err(invalid_argument("a value is recorded once, by a first successful attempt"));
+            }
+            if let Ok(output) = result {
+                return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
+            }
+        }
+        JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
+            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
+            if !matches!(kind, StepKind::Transactional | StepKind::Compensation) {
+                return Err(invalid_argument(format!("a transactional step cannot be of kind {}", kind.as_str())));
+            }
+        }
+        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (kind, event_name) {
+                (StepKind::Sleep, None) => {}
+                (StepKind::Wait, Some(event_name)) => validate_id("event name", event_name)?,
+                _ => return Err(invalid_argument("a timer is a sleep without an event name or a wait with one")),
+            }
+        }
+        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+            validate_seq(*seq)?;
+            validate_id("step name", name)?;
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            request.validate()?;
+            if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
+                return Err(invalid_argument(format!(
+                    "the child at step {seq} of run {} is run {:?}, due at once",
+                    write.run_id,
+                    child_run_id(&write.run_id, *seq)
+                )));
+            }
+        }
+        JournalOp::Publish { seq, key, value } => {
+            validate_seq(*seq)?;
+            validate_id("event key", key)?;
+            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Send { seq, to, topic, payload } => {
+            validate_seq(*seq)?;
+            validate_id("to", to)?;
+            validate_id("topic", topic)?;
+            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::TimerFinished { seq, event_id, output } => {
+            validate_seq(*seq)?;
+            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
+                validate_id("event_id", event_id)?;
+            }
+            return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
+            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
+            match (status, waiting_for) {
+                (SuspendStatus::Waiting, Some(name)) if is_child_event(name) => {}
+                (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
+                (SuspendStatus::Waiting, None) => return Err(invalid_argument("a waiting run needs waiting_for")),
+                (_, Some(_)) => return Err(invalid_argument("only a waiting run waits for an event")),
+                (_, None) => {}
+            }
+        }
+        JournalOp::ContinueAsNew { request } => {
+            request.validate()?;
+            if request.run_id != continuation_run_id(&write.run_id) || request.start_at_ms.is_some() {
+                return Err(invalid_argument(format!(
+                    "run {} continues as run {:?}, due at once",
+                    write.run_id,
+                    continuation_run_id(&write.run_id)
+                )));
+            }
+            if request.queue.as_ref().is_some_and(|q| q.dedup_id.is_some()) {
+                return Err(invalid_argument("a continuation carries no deduplication id"));
+            }
+            if let Some(at) = request.deadline_ms {
+                validate_not_too_far("deadline_ms", at, now_ms)?;
+            }
+        }
+        JournalOp::Finish { status: FinishStatus::Continued, .. } => {
+            return Err(invalid_argument("a run ends continued by ContinueAsNew, not by Finish"));
+        }
+        JournalOp::Finish { result, .. } => {
+            if let Some(result) = result {
+                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
+            }
+        }
+        JournalOp::Release => {}
+    }
+    Ok(None)
 }
 
 /// A value a run published (`ctx.set_event`), as read from outside.
@@ -681,6 +924,8 @@ pub struct RunRecord {
     /// When its queue admitted it (its first claim), in ms since the Unix epoch; until then it
     /// waits in the queue.
     pub admitted_at_ms: Option<i64>,
+    /// When the run is cancelled if it has not ended, in ms since the Unix epoch.
+    pub deadline_ms: Option<i64>,
     /// The worker id that holds the lease, while one does.
     pub lease_owner: Option<String>,
     /// When the lease expires, in ms since the Unix epoch; after that another worker may claim the
@@ -984,6 +1229,17 @@ pub enum JournalOp<T: ?Sized> {
         /// Why the run failed, was parked or cancelled.
         error: Option<String>,
     },
+    /// End the run `continued` and start its continuation `request` (run id
+    /// [`continuation_run_id`]`(run)`) in the same transaction: the continuation takes over the
+    /// run's parent (its end is what the parent learns), and the run's children still running
+    /// are cancelled as at any end. The run's `result` records `{"continued_as": <run id>}`.
+    /// Answered [`WriteResult::TxResult`]: `Ok` with that object, or a permanent failure (nothing
+    /// written) when the continuation's id is taken by another run.
+    ContinueAsNew {
+        /// The continuation's start (its input is the new input), boxed: a journal write stays
+        /// small.
+        request: Box<StartRequest>,
+    },
     /// Release the lease without changing the status (worker shutting down).
     Release,
 }
@@ -1184,6 +1440,21 @@ mod tests {
     }
 
     #[test]
+    fn continuations_are_derived_identifiers_apart_from_children() {
+        assert_eq!(continuation_run_id("order-1"), "order-1.c1");
+        assert_eq!(continuation_run_id("order-1.c1"), "order-1.c2");
+        assert_eq!(continuation_run_id("order-1.c9"), "order-1.c10");
+        assert_eq!(continuation_run_id("order-1.3"), "order-1.3.c1", "a child continues under its own id");
+        assert_eq!(continuation_run_id(".c"), ".c.c1");
+        let long = "p".repeat(99);
+        let next = continuation_run_id(&long);
+        assert!(next.starts_with("cont-") && next.ends_with(".c1"), "{next}");
+        validate_id("run_id", &next).unwrap();
+        assert_eq!(continuation_run_id(&next), next.replace(".c1", ".c2"));
+        assert_ne!(continuation_run_id(&next), child_run_id(&long, 1));
+    }
+
+    #[test]
     fn start_requests_are_validated() {
         let mut r = StartRequest {
             run_id: "order-1".into(),
@@ -1193,6 +1464,7 @@ mod tests {
             key: None,
             start_at_ms: None,
             queue: None,
+            deadline_ms: None,
         };
         r.validate().unwrap();
         let queued = r.clone().in_queue("emails", 0, None);

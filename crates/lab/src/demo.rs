@@ -517,15 +517,7 @@ mod workflow_demo {
     }
 
     fn start(writer: &Writer<SqliteWorkflows>, workflow: &str, version: u32, run_id: &str, input: Value) -> Result<()> {
-        let request = StartRequest {
-            run_id: run_id.into(),
-            workflow: workflow.into(),
-            version,
-            input,
-            key: None,
-            start_at_ms: None,
-            queue: None,
-        };
+        let request = StartRequest::new(run_id, workflow, version, input);
         writer.call_blocking(move |store, now| store.start_runs(&[request], now))?;
         Ok(())
     }

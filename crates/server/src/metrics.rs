@@ -622,6 +622,7 @@ mod tests {
             queue: None,
             priority: None,
             admitted_at_ms: None,
+            deadline_ms: None,
             lease_owner: None,
             lease_expires_at_ms: None,
             recoveries: 1,

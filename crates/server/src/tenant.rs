@@ -352,15 +352,7 @@ mod tests {
     use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
     fn request(run_id: &str) -> StartRequest {
-        StartRequest {
-            run_id: run_id.to_string(),
-            workflow: "count".into(),
-            version: 1,
-            input: json!({}),
-            key: None,
-            start_at_ms: None,
-            queue: None,
-        }
+        StartRequest::new(run_id, "count", 1, json!({}))
     }
 
     /// `count`: holds the run for a moment and records how many runs were inside at once.

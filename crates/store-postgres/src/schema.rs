@@ -333,6 +333,14 @@ const MIGRATIONS: &[&str] = &[
     CREATE UNIQUE INDEX runs_queue_dedup ON {s}.runs (queue, dedup_id)
         WHERE dedup_id IS NOT NULL AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating');
     "#,
+    // v3: long-lived runs (SQLite's v10): a run's deadline, and the status `continued` of a run
+    // that continued as a new one (`ctx.continue_as_new`).
+    r#"
+    ALTER TABLE {s}.runs ADD COLUMN deadline_ms bigint;
+    ALTER TABLE {s}.runs DROP CONSTRAINT runs_status_check;
+    ALTER TABLE {s}.runs ADD CONSTRAINT runs_status_check CHECK (status IN ('pending', 'running', 'sleeping',
+        'waiting', 'compensating', 'completed', 'compensated', 'failed', 'cancelled', 'parked', 'continued'));
+    "#,
 ];
 
 /// The schema version this build writes.

@@ -5,7 +5,7 @@ use std::path::Path;
 use rusqlite::{Connection, OpenFlags, OptionalExtension};
 use tidemark_core::error::codes;
 use tidemark_core::limits::BUSY_TIMEOUT_MS;
-use tidemark_core::{Error, Result};
+use tidemark_core::{ensure_invariant, Error, Result};
 
 use crate::SqlResult;
 
@@ -494,6 +494,77 @@ const MIGRATIONS: &[&str] = &[
         WHERE dedup_id IS NOT NULL
           AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     "#,
+    // v10: long-lived runs (docs/workflows.md, "Deadlines" and "Continue as new"). A run may have
+    // a deadline, and a run that continued as a new one ends `continued`. SQLite cannot change a
+    // CHECK, so `runs` is rebuilt with every row copied as it is and its indexes made again (the
+    // migration runs with foreign keys off, as SQLite's documented procedure for rebuilding a
+    // referenced table says, and checks them before it commits).
+    r#"
+    CREATE TABLE runs_v10 (
+        run_id              TEXT PRIMARY KEY,
+        workflow            TEXT NOT NULL,
+        version             INTEGER NOT NULL CHECK (version >= 1),
+        input               TEXT NOT NULL,
+        input_hash          TEXT NOT NULL,
+        key                 TEXT,
+        status              TEXT NOT NULL CHECK ((status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating' OR status = 'completed' OR status = 'compensated' OR status = 'failed' OR status = 'cancelled' OR status = 'parked' OR status = 'continued')),
+        result              TEXT,
+        error               TEXT,
+        wake_at_ms          INTEGER NOT NULL,
+        waiting_for         TEXT,
+        cancel_requested    INTEGER NOT NULL DEFAULT 0 CHECK (cancel_requested IN (0, 1)),
+        forked_from         TEXT,
+        lease_owner         TEXT,
+        lease_token         TEXT,
+        lease_expires_at_ms INTEGER,
+        recoveries          INTEGER NOT NULL DEFAULT 0 CHECK (recoveries >= 0),
+        created_at_ms       INTEGER NOT NULL,
+        updated_at_ms       INTEGER NOT NULL,
+        finished_at_ms      INTEGER,
+        parent_run_id       TEXT,
+        parent_seq          INTEGER CHECK (parent_seq IS NULL OR parent_seq >= 0),
+        queue               TEXT,
+        priority            INTEGER,
+        dedup_id            TEXT,
+        admitted_at_ms      INTEGER,
+        -- When the run is cancelled if it has not ended (the worker observes it at the next step
+        -- boundary, and no suspension sleeps past it).
+        deadline_ms         INTEGER,
+        CHECK ((lease_owner IS NULL) = (lease_token IS NULL)
+               AND (lease_token IS NULL) = (lease_expires_at_ms IS NULL)),
+        CHECK (lease_token IS NULL OR (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating')),
+        CHECK ((finished_at_ms IS NULL) = ((status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating')))
+    );
+    INSERT INTO runs_v10 (run_id, workflow, version, input, input_hash, key, status, result, error, wake_at_ms,
+                          waiting_for, cancel_requested, forked_from, lease_owner, lease_token, lease_expires_at_ms,
+                          recoveries, created_at_ms, updated_at_ms, finished_at_ms, parent_run_id, parent_seq,
+                          queue, priority, dedup_id, admitted_at_ms)
+      SELECT run_id, workflow, version, input, input_hash, key, status, result, error, wake_at_ms,
+             waiting_for, cancel_requested, forked_from, lease_owner, lease_token, lease_expires_at_ms,
+             recoveries, created_at_ms, updated_at_ms, finished_at_ms, parent_run_id, parent_seq,
+             queue, priority, dedup_id, admitted_at_ms FROM runs;
+    DROP TABLE runs;
+    ALTER TABLE runs_v10 RENAME TO runs;
+    CREATE INDEX runs_due ON runs (workflow, version, wake_at_ms, created_at_ms, run_id)
+        WHERE (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    CREATE INDEX runs_status ON runs (status, created_at_ms, run_id);
+    CREATE INDEX runs_workflow ON runs (workflow, created_at_ms, run_id);
+    CREATE INDEX runs_created ON runs (created_at_ms, run_id);
+    CREATE INDEX runs_key ON runs (key, created_at_ms, run_id)
+        WHERE key IS NOT NULL AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    CREATE INDEX runs_finished ON runs (finished_at_ms, run_id) WHERE finished_at_ms IS NOT NULL;
+    CREATE INDEX runs_children ON runs (parent_run_id, run_id) WHERE parent_run_id IS NOT NULL;
+    CREATE INDEX runs_queue_waiting ON runs (queue, priority, created_at_ms, run_id)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    CREATE INDEX runs_queue_admitted ON runs (queue, admitted_at_ms) WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL;
+    CREATE INDEX runs_queue_in_progress ON runs (queue)
+        WHERE queue IS NOT NULL AND admitted_at_ms IS NOT NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    CREATE UNIQUE INDEX runs_queue_dedup ON runs (queue, dedup_id)
+        WHERE dedup_id IS NOT NULL
+          AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -623,6 +694,16 @@ fn migrate(conn: &mut Connection) -> Result<()> {
 
 /// Bring the schema up to `target` (tests create files of older versions with it).
 fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
+    // A migration may rebuild a table other tables reference (v10 rebuilds `runs`): SQLite's
+    // procedure for that runs with foreign keys off (the pragma is a no-op inside a transaction)
+    // and checks them before the commit.
+    conn.execute_batch("PRAGMA foreign_keys=OFF").db()?;
+    let migrated = migrate_without_foreign_keys(conn, target);
+    let restored = conn.execute_batch("PRAGMA foreign_keys=ON").db();
+    migrated.and(restored)
+}
+
+fn migrate_without_foreign_keys(conn: &mut Connection, target: i64) -> Result<()> {
     let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).db()?;
     let current = schema_version(&tx)?;
     if current == 0 {
@@ -630,6 +711,8 @@ fn migrate_to(conn: &mut Connection, target: i64) -> Result<()> {
             .db()?;
     }
     apply_migrations(&tx, "meta", "database", MIGRATIONS, current, target)?;
+    let violations: i64 = tx.query_row("SELECT count(*) FROM pragma_foreign_key_check", [], |r| r.get(0)).db()?;
+    ensure_invariant!(violations == 0, "the migration to version {target} left {violations} foreign key violations");
     if current > 0 && current < target {
         tidemark_core::crash::hit("migrate.before_commit");
     }

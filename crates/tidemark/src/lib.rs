@@ -131,9 +131,9 @@ pub mod workflow {
     pub use tidemark_core::schedule::{CatchUp, Schedule, ScheduleSpec, ScheduleStore, Timing};
     pub use tidemark_core::workflow::*;
     pub use tidemark_engine::workflow::{
-        system_clock, Clock, FinishedRun, IntoWorkflow, RunHandle as GenericRunHandle, Saga, SagaAction, SagaData,
-        StepAttempt, StepAttemptEnd, Suspended, Worker, WorkerObserver, WorkerOptions, WorkerReport, Workflow,
-        WorkflowContext, WorkflowError, WorkflowInfo, WorkflowOptions, Workflows, Writer, WriterStats,
+        system_clock, Clock, Continuation, FinishedRun, IntoWorkflow, RunHandle as GenericRunHandle, Saga, SagaAction,
+        SagaData, StepAttempt, StepAttemptEnd, Suspended, Worker, WorkerObserver, WorkerOptions, WorkerReport,
+        Workflow, WorkflowContext, WorkflowError, WorkflowInfo, WorkflowOptions, Workflows, Writer, WriterStats,
         CHILD_RECHECK_MS, RESULT_POLL_MS,
     };
     /// A started run of a service on SQLite, to await its result ([`crate::service::Tenant::start_run`]).

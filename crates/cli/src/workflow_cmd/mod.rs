@@ -20,8 +20,9 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX};
 use tidemark_core::policy::DAY_MS;
 use tidemark_core::workflow::{
-    validate_json_size, workflow_codes, RunFilter, RunStatus, StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    continuation_run_id, validate_json_size, validate_starts, workflow_codes, RunFilter, RunStatus, StartOutcome,
+    StartRequest, WorkflowStore, RESULT_WAIT_MS_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+    WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::SqliteWorkflows;
@@ -87,6 +88,10 @@ pub enum WorkflowCommand {
         /// At most one unfinished run of the queue holds this id.
         #[arg(long, requires = "queue")]
         dedup_id: Option<String>,
+        /// Cancel the run (a saga compensates first) if it has not ended this many ms after the
+        /// start (1..=366 days); its children inherit the deadline.
+        #[arg(long)]
+        timeout_ms: Option<i64>,
     },
     /// List runs, oldest first, a page at a time (`next_after` is the next page's cursor).
     List {
@@ -114,6 +119,17 @@ pub enum WorkflowCommand {
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
+    },
+    /// A run's result: its output or terminal error once it has ended, waiting up to
+    /// `--wait-ms` (0..=60000) for that; a run that continued as new is followed to the last run
+    /// of its chain. `outcome` is `ended` or `not_ended` (ask again).
+    Result {
+        #[arg(long)]
+        db: Option<PathBuf>,
+        #[arg(long)]
+        run_id: String,
+        #[arg(long, default_value_t = 0)]
+        wait_ms: u64,
     },
     /// Request cancellation: a saga compensates first, then the run ends `cancelled`.
     Cancel {
@@ -292,6 +308,24 @@ fn run_out(outcome: &str, run: impl serde::Serialize) -> Value {
     json!({"outcome": outcome, "run": run})
 }
 
+/// How often `workflow result` reads a run that has not ended.
+const RESULT_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+pub(crate) fn validate_wait_ms(wait_ms: u64) -> Result<()> {
+    if wait_ms > RESULT_WAIT_MS_MAX {
+        return Err(invalid(format!("--wait-ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}")));
+    }
+    Ok(())
+}
+
+/// The deadline `timeout_ms` after `now` (1..=366 days; `invalid_argument` otherwise).
+pub(crate) fn deadline_after(now: i64, timeout_ms: Option<i64>) -> Result<Option<i64>> {
+    match timeout_ms {
+        Some(t) if !(1..=TIMER_MS_MAX).contains(&t) => Err(invalid(format!("--timeout-ms must be 1..={TIMER_MS_MAX}"))),
+        other => Ok(other.map(|t| now.saturating_add(t))),
+    }
+}
+
 pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
     let now = ctx.now_ms();
     match command {
@@ -324,9 +358,11 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             queue,
             priority,
             dedup_id,
+            timeout_ms,
         } => {
             validate_id("run_id", &run_id)?;
             validate_id("workflow", &workflow)?;
+            let deadline_ms = deadline_after(now, timeout_ms)?;
             let version = builtin::version(&workflow).ok_or_else(|| {
                 Error::invalid(
                     workflow_codes::UNKNOWN_WORKFLOW,
@@ -335,14 +371,9 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             })?;
             let input = read_input(input.as_deref(), input_file.as_deref())?;
             let queue = queue.map(|queue| tidemark_core::queue::Enqueue { queue, priority, dedup_id });
-            let request = StartRequest { run_id, workflow, version, input, key, start_at_ms, queue };
-            request.validate()?;
+            let request = StartRequest { run_id, workflow, version, input, key, start_at_ms, queue, deadline_ms };
+            validate_starts(std::slice::from_ref(&request), now)?;
             builtin::validate_input(&request.workflow, &request.input)?;
-            if let Some(at) = request.start_at_ms {
-                if at.saturating_sub(now) > TIMER_MS_MAX {
-                    return Err(invalid(format!("--start-at-ms is more than {TIMER_MS_MAX} ms ahead")));
-                }
-            }
             let mut store = open_db(ctx, db)?;
             match store.start_runs(&[request], now)?.remove(0) {
                 StartOutcome::Conflict { run_id, reason } => {
@@ -378,6 +409,32 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             let mut out = serde_json::to_value(&detail).expect("runs serialise");
             out["outcome"] = json!("found");
             Ok(out)
+        }
+        WorkflowCommand::Result { db, run_id, wait_ms } => {
+            validate_id("run_id", &run_id)?;
+            validate_wait_ms(wait_ms)?;
+            let store = open_db(ctx, db)?;
+            let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
+            let mut id = run_id;
+            loop {
+                let run = store.run(&id)?.ok_or_else(|| Error::not_found(format!("no run {id:?}")))?.run;
+                if run.status == RunStatus::Continued {
+                    id = continuation_run_id(&id);
+                    continue;
+                }
+                let done = run.status.is_terminal();
+                if done || std::time::Instant::now() >= deadline {
+                    return Ok(json!({
+                        "outcome": if done { "ended" } else { "not_ended" },
+                        "run_id": run.run_id,
+                        "done": done,
+                        "status": run.status,
+                        "result": run.result,
+                        "error": run.error,
+                    }));
+                }
+                std::thread::sleep(RESULT_POLL.min(deadline.saturating_duration_since(std::time::Instant::now())));
+            }
         }
         WorkflowCommand::Cancel { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;

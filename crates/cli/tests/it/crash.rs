@@ -630,7 +630,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "9", "this downgrade is written for schema v9 -> v4");
+    assert_eq!(version, "10", "this downgrade is written for schema v10 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -681,6 +681,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
          ALTER TABLE runs DROP COLUMN priority;
          ALTER TABLE runs DROP COLUMN dedup_id;
          ALTER TABLE runs DROP COLUMN admitted_at_ms;
+         ALTER TABLE runs DROP COLUMN deadline_ms;
          UPDATE meta SET value = '4' WHERE key = 'schema_version';
          COMMIT;",
     )
@@ -726,7 +727,7 @@ fn migrate_before_commit(point: &str) {
         receipt["generation"] = Value::Null;
     }
     assert_eq!(consumer_snapshot(&s), expected, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("9".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("10".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
@@ -985,6 +986,72 @@ fn workflow_commit_children(point: &str) {
     assert!(crashes > 8, "the worker was killed at only {crashes} commits of the batch");
 }
 
+/// The worker killed at each commit of an `order_batch` that takes one order per run and
+/// continues as a new run with the other (`ctx.continue_as_new`), then tells a waiting
+/// `sleepy_order` it is done (`ctx.send`): the run that ends `continued` and its continuation's
+/// start commit together, and the message commits with its journal entry, so after any crash
+/// there is exactly one continuation, each order's child is started once, the chain's last run
+/// completes with both ends, and the waiting order got one message and shipped.
+fn workflow_commit_continued(point: &str) {
+    let mut crashes = 0;
+    for n in 1..=WORKFLOW_COMMITS_MAX {
+        let w = Wf::new();
+        let orders: Vec<Value> = [wf_order("c-ok", 2, json!({})), wf_order("c-undo", 3, json!({"fail": "ship_order"}))]
+            .iter()
+            .map(|o| serde_json::from_str(o).unwrap())
+            .collect();
+        w.start("sleepy_order", "ship", &wf_order("ship", 1, json!({"approval": "batch_done"})));
+        let batch = json!({"orders": orders, "per_run": 1, "notify": "ship"});
+        w.start("order_batch", "chain", &batch.to_string());
+        let spec = format!("{point}@{n}");
+        let doomed = w.worker_cmd(&["--until-idle", "--worker-id", "doomed", "--concurrency", "1"]);
+        let r = run_env(&doomed, &[("TIDEMARK_CRASH_AT", &spec)]);
+        if r.code == 0 {
+            assert!(n > 8, "only {n} commits for a chain of two runs? {}", r.stdout);
+            break;
+        }
+        assert_eq!(r.code, exit_code(point), "worker at {spec}:\n{}\n{}", r.stdout, r.stderr);
+        crashes += 1;
+        w.drive(&["chain", "chain.2", "chain.c1", "chain.c1.2", "ship"], &[]);
+        let first = w.show("chain")["run"].clone();
+        assert_eq!(first["status"], "continued", "after a crash at {spec}: {first}");
+        assert_eq!(first["result"], json!({"continued_as": "chain.c1"}), "after a crash at {spec}");
+        let last = w.show("chain.c1");
+        assert_eq!(last["run"]["status"], "completed", "after a crash at {spec}: {last}");
+        let ends: Vec<(&str, &str)> = last["run"]["result"]["orders"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| (o["order_id"].as_str().unwrap(), o["status"].as_str().unwrap()))
+            .collect();
+        assert_eq!(ends, [("c-ok", "completed"), ("c-undo", "not_completed")], "after a crash at {spec}");
+        for (run, shape) in [
+            ("chain", vec!["now", "uuid", "order_saga", "progress"]),
+            ("chain.c1", vec!["now", "uuid", "order_saga", "progress", "batch_done"]),
+        ] {
+            let journal = w.show(run)["journal"].as_array().unwrap().clone();
+            let names: Vec<&str> = journal.iter().map(|e| e["name"].as_str().unwrap()).collect();
+            assert_eq!(names, shape, "{run} after a crash at {spec}");
+        }
+        // The message reached the waiting order once, and it went on.
+        let ship = w.show("ship");
+        assert_eq!(ship["run"]["status"], "completed", "after a crash at {spec}: {ship}");
+        let events = ship["events"].as_array().unwrap();
+        assert_eq!(events.len(), 1, "one message after a crash at {spec}: {events:?}");
+        assert!(events[0]["event_id"].as_str().unwrap().starts_with("msg/4/"), "{events:?}");
+        assert_eq!(events[0]["payload"], json!({"approved": true, "orders": 2}));
+        let runs = w.wf("list", &[])["runs"].as_array().unwrap().clone();
+        let ids: BTreeSet<&str> = runs.iter().map(|r| r["run_id"].as_str().unwrap()).collect();
+        let expected = BTreeSet::from(["chain", "chain.2", "chain.c1", "chain.c1.2", "ship"]);
+        assert_eq!(ids, expected, "after a crash at {spec}");
+        assert_eq!(w.effects_of("c-ok"), ["reserve", "ship"], "after a crash at {spec}");
+        assert_eq!(w.effects_of("c-undo"), ["reserve", "release"], "after a crash at {spec}");
+        w.assert_consistent();
+    }
+    eprintln!("  {point} (order_batch, continued as new): killed at {crashes} commits");
+    assert!(crashes > 8, "the worker was killed at only {crashes} commits of the chain");
+}
+
 /// Each operator command killed before its commit changes nothing; run again, it takes effect,
 /// and the runs finish as the operator asked.
 fn workflow_operator_before_commit(point: &str) {
@@ -1139,6 +1206,18 @@ fn child_workflows_and_values_survive_a_worker_killed_at_every_journal_commit() 
     }
     for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
         workflow_commit_children(point);
+    }
+}
+
+/// The journal commit points again, for a run that continues as a new run.
+#[test]
+fn a_run_continued_as_new_survives_a_worker_killed_at_every_journal_commit() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
+        workflow_commit_continued(point);
     }
 }
 

@@ -23,6 +23,7 @@ mod server_tenancy;
 mod workflow_cli;
 mod workflow_features;
 mod workflow_inbox;
+mod workflow_long_lived;
 mod workflow_model;
 mod workflow_runtime;
 mod workflow_store;

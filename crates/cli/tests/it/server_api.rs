@@ -151,6 +151,57 @@ fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
     assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
 }
 
+/// Long-lived runs over HTTP: a batch that continues as a new run per order is awaited through
+/// its first id (the result route follows the chain to its last run), and a start with
+/// `timeout_ms` is cancelled when its deadline passes; a timeout out of bounds is refused.
+#[test]
+fn a_chain_is_awaited_through_its_first_run_and_a_timeout_cancels_a_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+    assert_eq!(status, 200);
+    let orders: Vec<Value> =
+        ["k1", "k2"].iter().map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100})).collect();
+    let start = json!({"workflow": "order_batch", "run_id": "chain-1", "input": {"orders": orders, "per_run": 1}});
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
+    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+    let done = server.wait_for(WAIT, |s| {
+        let (status, body) = s.call("GET", "/v1/runs/chain-1/result?wait_ms=5000", t, None);
+        assert!(status == 200 || status == 202, "{status} {body}");
+        assert_eq!(body["done"], status == 200, "{body}");
+        (status == 200).then_some(body)
+    });
+    assert_eq!((done["run_id"].as_str(), done["status"].as_str()), (Some("chain-1.c1"), Some("completed")), "{done}");
+    assert_eq!(done["result"]["orders"].as_array().map(Vec::len), Some(2), "{done}");
+    let (_, first) = server.call("GET", "/v1/runs/chain-1", t, None);
+    assert_eq!(first["run"]["status"], "continued", "{first}");
+    let (status, page) = server.text_with("/ui/runs/chain-1", t);
+    assert_eq!(status, 200);
+    assert!(page.contains("Continued as") && page.contains("/ui/runs/chain-1.c1"), "the page links the continuation");
+
+    let nap = json!({"workflow": "sleepy_order", "run_id": "nap-2", "timeout_ms": 300,
+        "input": {"order_id": "nap-2", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "approve"}});
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&nap));
+    assert_eq!(status, 201, "{body}");
+    let ended = server.wait_for(WAIT, |s| {
+        let (status, body) = s.call("GET", "/v1/runs/nap-2/result?wait_ms=5000", t, None);
+        (status == 200).then_some(body)
+    });
+    assert_eq!(ended["status"], "cancelled", "{ended}");
+    assert!(ended["error"].as_str().unwrap_or("").starts_with("deadline_passed"), "{ended}");
+    for bad in [0, 31_622_400_001_i64] {
+        let far = json!({"workflow": "sleepy_order", "run_id": "nap-3", "timeout_ms": bad,
+            "input": {"order_id": "nap-3", "sku": "sku-1", "quantity": 1, "amount": 100}});
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&far));
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
+    }
+    let (status, _) = server.call("GET", "/v1/runs/nap-3", t, None);
+    assert_eq!(status, 404, "a refused start writes nothing");
+}
+
 /// Schedules over HTTP: created, ticked by the tenant's loop into runs `<id>:<tick ms>`, paused
 /// (no more ticks), listed on the dashboard, deleted; bad schedules are typed errors that write
 /// nothing.

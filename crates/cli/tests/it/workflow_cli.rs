@@ -41,7 +41,7 @@ pub(crate) fn order(run_id: &str, quantity: i64, extra: Value) -> String {
 }
 
 pub(crate) fn is_terminal(status: &Value) -> bool {
-    ["completed", "compensated", "failed", "cancelled", "parked"].contains(&status.as_str().unwrap_or(""))
+    ["completed", "compensated", "failed", "cancelled", "parked", "continued"].contains(&status.as_str().unwrap_or(""))
 }
 
 /// A workflow database (`wf.db`, `STOCK` units of `SKU`) and its payment log in a fresh folder.
@@ -440,6 +440,41 @@ fn a_missing_database_is_never_created() {
     assert_eq!(ok(&["workflow", "list", "--db", d])["runs"].as_array().unwrap().len(), 1);
 }
 
+/// `workflow result` follows a chain of runs continued as new to its last run, says `not_ended`
+/// while the run goes on, and refuses a wait over its bound; `--timeout-ms` gives a run a
+/// deadline that cancels it.
+#[test]
+fn result_follows_a_chain_and_timeout_ms_sets_a_deadline() {
+    let w = Wf::new();
+    let orders: Vec<Value> =
+        ["r1", "r2"].iter().map(|id| serde_json::from_str(&order(id, 1, json!({}))).unwrap()).collect();
+    w.start("order_batch", "chain", &json!({"orders": orders, "per_run": 1}).to_string());
+    let early = w.wf("result", &["--run-id", "chain"]);
+    assert_eq!((early["outcome"].as_str(), early["done"].as_bool()), (Some("not_ended"), Some(false)), "{early}");
+    w.drive(&["chain", "chain.c1"], &[]);
+    let done = w.wf("result", &["--run-id", "chain", "--wait-ms", "1000"]);
+    assert_eq!((done["outcome"].as_str(), done["run_id"].as_str()), (Some("ended"), Some("chain.c1")), "{done}");
+    assert_eq!(done["status"], "completed", "{done}");
+    assert_eq!(done["result"]["orders"].as_array().map(Vec::len), Some(2), "{done}");
+    refused(&w.cmd("result", &["--run-id", "chain", "--wait-ms", "60001"]), "invalid_argument");
+    refused(&w.cmd("result", &["--run-id", "nobody"]), "not_found");
+
+    let sleepy = order("late", 1, json!({"approval": "approve"}));
+    let started =
+        w.wf("start", &["--workflow", "sleepy_order", "--run-id", "late", "--input", &sleepy, "--timeout-ms", "200"]);
+    assert_eq!(started["outcome"], "started");
+    assert!(w.show("late")["run"]["deadline_ms"].is_i64());
+    w.drive(&["late"], &[]);
+    let late = w.wf("result", &["--run-id", "late"]);
+    assert_eq!(late["status"], "cancelled", "{late}");
+    assert!(late["error"].as_str().unwrap_or("").starts_with("deadline_passed"), "{late}");
+    refused(
+        &w.cmd("start", &["--workflow", "sleepy_order", "--run-id", "bad", "--input", &sleepy, "--timeout-ms", "0"]),
+        "invalid_argument",
+    );
+    refused(&w.cmd("show", &["--run-id", "bad"]), "not_found");
+}
+
 #[test]
 fn start_is_idempotent_per_run_id() {
     let w = Wf::new();
@@ -698,6 +733,7 @@ fn runs_of_unknown_workflows_are_reported_unclaimable() {
         key: None,
         start_at_ms: None,
         queue: None,
+        deadline_ms: None,
     };
     store.start_runs(&[legacy("legacy", 1), legacy("order_saga", 7)], 1_000).unwrap();
     drop(store);

@@ -151,6 +151,7 @@ impl Env {
             key: None,
             start_at_ms: None,
             queue: None,
+            deadline_ms: None,
         };
         let outcome = self.writer.call_blocking(move |s, now| s.start_runs(&[request], now)).unwrap().remove(0);
         assert_eq!(outcome, StartOutcome::Started { run_id: run_id.into() });

@@ -661,6 +661,7 @@ fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
             key: None,
             start_at_ms: None,
             queue: None,
+            deadline_ms: None,
         })
         .collect()
 }

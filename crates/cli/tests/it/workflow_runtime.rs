@@ -75,6 +75,7 @@ pub(crate) fn request(run_id: &str, workflow: &str, version: u32, input: Value) 
         key: None,
         start_at_ms: None,
         queue: None,
+        deadline_ms: None,
     }
 }
 

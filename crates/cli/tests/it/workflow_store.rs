@@ -46,6 +46,7 @@ fn req(run_id: &str) -> StartRequest {
         key: None,
         start_at_ms: None,
         queue: None,
+        deadline_ms: None,
     }
 }
 

@@ -12,14 +12,15 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, ClaimedRun, FinishStatus, JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent,
-    RunStatus, StepFailure, StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX,
-    RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+    child_event, child_run_id, continuation_run_id, patch_step_name, workflow_codes, ClaimedRun, FinishStatus,
+    JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent, RunRecord, RunStatus, StartRequest, StepFailure,
+    StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX, RUN_STEPS_MAX,
+    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
 };
 use tidemark_core::Error;
 
 use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
-use super::{WorkflowError, Workflows, Writer};
+use super::{Continuation, WorkflowError, Workflows, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
 pub const SLEEP_STEP: &str = "sleep";
@@ -57,6 +58,11 @@ struct RunShared<S: WorkflowStore> {
     observer: Option<Arc<dyn WorkerObserver>>,
     /// The worker's registry: children start pinned to their workflow's latest version here.
     workflows: Arc<Workflows<S>>,
+    /// When the run is cancelled if it has not ended (ms since the Unix epoch).
+    deadline_ms: Option<i64>,
+    /// What a continuation keeps of the run: its key, and its queue with its priority.
+    key: Option<String>,
+    queue: Option<(String, i32)>,
 }
 
 struct RunState<T: ?Sized> {
@@ -73,6 +79,8 @@ struct RunState<T: ?Sized> {
     parked: Option<String>,
     lost: bool,
     store_error: Option<Error>,
+    /// The run continues as this new run (`continue_as_new`): written when the function returns.
+    continuation: Option<StartRequest>,
 }
 
 #[derive(Debug, Clone)]
@@ -96,6 +104,9 @@ impl<T: ?Sized> RunState<T> {
         }
         if self.suspension.is_some() {
             return Err(WorkflowError::suspended());
+        }
+        if self.continuation.is_some() {
+            return Err(WorkflowError::ContinuedAsNew(Continuation::new()));
         }
         Ok(())
     }
@@ -172,7 +183,9 @@ where
             parked: None,
             lost: false,
             store_error: None,
+            continuation: None,
         };
+        let RunRecord { deadline_ms, key, queue, priority, .. } = &claimed.run;
         WorkflowContext {
             inner: Arc::new(RunShared {
                 writer,
@@ -185,6 +198,9 @@ where
                 state: Mutex::new(state),
                 observer,
                 workflows,
+                deadline_ms: *deadline_ms,
+                key: key.clone(),
+                queue: queue.clone().map(|q| (q, priority.unwrap_or(0))),
             }),
         }
     }
@@ -194,10 +210,106 @@ where
         &self.inner.run_id
     }
 
-    /// Has cancellation been requested? (Steps observe it by themselves; this is for workflows
-    /// that want to look.)
+    /// Has cancellation been requested, or has the run's deadline passed? (Steps observe it by
+    /// themselves; this is for workflows that want to look.)
     pub fn cancel_requested(&self) -> bool {
-        self.inner.cancel.load(Ordering::SeqCst)
+        self.inner.cancel.load(Ordering::SeqCst) || self.deadline_passed()
+    }
+
+    /// The run's deadline (ms since the Unix epoch), if it was started with one.
+    pub fn deadline_ms(&self) -> Option<i64> {
+        self.inner.deadline_ms
+    }
+
+    fn deadline_passed(&self) -> bool {
+        self.inner.deadline_ms.is_some_and(|deadline| self.now_ms() >= deadline)
+    }
+
+    /// End this run and continue as a new run of the same workflow (its latest registered
+    /// version) with `input`, so that a run that loops for ever keeps a short journal: the new
+    /// run's id is [`continuation_run_id`] of this one, it keeps this run's key, queue (and
+    /// priority), deadline and parent, and is started in the same transaction that ends this run
+    /// `continued` (nothing lost, never two). Return the error this gives (with `?` or as it is);
+    /// every step called after it returns the same error without running. A handle's `result`
+    /// follows the chain to its last run. An input the workflow refuses fails this run with that
+    /// error's code; a cancel request (or a passed deadline) cancels it instead.
+    pub fn continue_as_new<I: Serialize>(&self, input: &I) -> WorkflowError {
+        if self.cancel_requested() {
+            return WorkflowError::Cancelled;
+        }
+        let input = match serde_json::to_value(input) {
+            Ok(input) => input,
+            Err(e) => return WorkflowError::Failed(format!("the input to continue with does not serialise: {e}")),
+        };
+        let run_id = continuation_run_id(&self.inner.run_id);
+        let mut request = match self.inner.workflows.start_request(&run_id, &self.inner.workflow, input) {
+            Ok(request) => request,
+            Err(e) => return WorkflowError::Failed(format!("{}: {}", e.code(), e)),
+        };
+        request.key = self.inner.key.clone();
+        request.queue = self.inner.queue.as_ref().map(|(queue, priority)| tidemark_core::queue::Enqueue {
+            queue: queue.clone(),
+            priority: *priority,
+            dedup_id: None,
+        });
+        request.deadline_ms = self.inner.deadline_ms;
+        let mut state = self.lock();
+        if let Err(error) = state.usable() {
+            return error;
+        }
+        state.continuation = Some(request);
+        WorkflowError::ContinuedAsNew(Continuation::new())
+    }
+
+    /// A patch point: `true` when this run takes the code after patch `patch_id`, `false` when
+    /// its journal was written by code from before it. Roll a fix out to runs in flight without
+    /// parking them:
+    /// `if ctx.patched("fee-v2")? { new steps } else { old steps }`. A run that reaches the patch
+    /// point on new code journals a marker (kind `value`, step name `patch:<id>`, no commit of
+    /// its own) and takes the new branch, on every replay too; a run whose journal holds another
+    /// step at that position (it went past the point on old code) takes the old branch, and the
+    /// marker is not written. Once no run from before the patch is left, keep only the new branch
+    /// and call [`Self::deprecate_patch`] in its place (runs that journaled the marker replay).
+    pub fn patched(&self, patch_id: &str) -> Result<bool, WorkflowError> {
+        self.patch_point(patch_id, true)
+    }
+
+    /// The patch point of a patch whose old branch is gone ([`Self::patched`]): consumes the
+    /// marker when the journal has it at this position, and writes nothing otherwise.
+    pub fn deprecate_patch(&self, patch_id: &str) -> Result<(), WorkflowError> {
+        self.patch_point(patch_id, false).map(drop)
+    }
+
+    fn patch_point(&self, patch_id: &str, record: bool) -> Result<bool, WorkflowError> {
+        let name = patch_step_name(patch_id);
+        validate_id("patch id", &name).map_err(|e| WorkflowError::Failed(e.to_string()))?;
+        let mut state = self.lock();
+        state.usable()?;
+        let seq = state.next_seq;
+        match state.journal.get(&seq) {
+            Some(entry) if entry.name == name && entry.kind == StepKind::Value => {
+                state.next_seq += 1;
+                Ok(true)
+            }
+            // Journaled by code from before the patch: the old branch.
+            Some(_) => Ok(false),
+            None if !record => Ok(true),
+            None => {
+                if seq >= RUN_STEPS_MAX {
+                    return Err(journal_full());
+                }
+                state.next_seq += 1;
+                state.pending.push(JournalOp::StepAttempt {
+                    seq,
+                    name,
+                    kind: StepKind::Value,
+                    attempt: 1,
+                    result: Ok(Value::Bool(true)),
+                    retry_at_ms: None,
+                });
+                Ok(true)
+            }
+        }
     }
 
     /// Is the run rolling back (a saga compensating)?
@@ -293,6 +405,7 @@ where
                     .inner
                     .workflows
                     .start_request(&run_id, workflow, input)
+                    .map(|request| StartRequest { deadline_ms: self.inner.deadline_ms, ..request })
                     .map_err(|e| WorkflowError::Failed(format!("{}: {}", e.code(), e)))?;
                 let wake_at_ms = self.now_ms().saturating_add(CHILD_RECHECK_MS);
                 let op =
@@ -751,14 +864,12 @@ where
     /// compensations take the next free positions) and the replay after a cancel is the same.
     fn begin(&self, name: &str, kind: StepKind) -> Result<Slot, WorkflowError> {
         validate_id("step name", name).map_err(|e| WorkflowError::Failed(e.to_string()))?;
-        let cancelled = kind != StepKind::Compensation && self.inner.cancel.load(Ordering::SeqCst);
+        let cancelled = kind != StepKind::Compensation && self.cancel_requested();
         let mut state = self.lock();
         state.usable()?;
         let seq = state.next_seq;
         if seq >= RUN_STEPS_MAX {
-            return Err(WorkflowError::Failed(format!(
-                "a run takes at most {RUN_STEPS_MAX} steps; continue as a new run"
-            )));
+            return Err(journal_full());
         }
         match state.journal.get(&seq) {
             None if cancelled => Err(WorkflowError::Cancelled),
@@ -819,6 +930,12 @@ where
     /// Remember that the run must wait; the worker writes the suspension when the function
     /// returns (the earliest wake wins if several steps wait at once).
     fn suspend(&self, status: SuspendStatus, wake_at_ms: i64, waiting_for: Option<String>) -> WorkflowError {
+        // No suspension sleeps past a deadline still ahead: the run wakes then and is cancelled
+        // (one that has passed no longer bounds anything: its compensations wait as they must).
+        let wake_at_ms = match self.inner.deadline_ms {
+            Some(deadline) if deadline > self.now_ms() => wake_at_ms.min(deadline),
+            _ => wake_at_ms,
+        };
         let mut state = self.lock();
         let status = match status {
             SuspendStatus::Pending if state.status == RunStatus::Compensating => SuspendStatus::Compensating,
@@ -866,6 +983,8 @@ where
                 JournalOp::Suspend { status: s.status, wake_at_ms: s.wake_at_ms, waiting_for: s.waiting_for.clone() }
             } else if state.store_error.is_some() {
                 JournalOp::Release
+            } else if let Some(request) = &state.continuation {
+                JournalOp::ContinueAsNew { request: Box::new(request.clone()) }
             } else {
                 match result {
                     Ok(value) => match state.journal.range(state.next_seq..).next() {
@@ -886,10 +1005,12 @@ where
                         finish(FinishStatus::Failed, None, Some(format!("step {step} failed: {message}")))
                     }
                     Err(WorkflowError::Failed(message)) => finish(FinishStatus::Failed, None, Some(message)),
-                    Err(WorkflowError::Cancelled) => finish(
-                        FinishStatus::Cancelled,
+                    Err(WorkflowError::Cancelled) => finish(FinishStatus::Cancelled, None, Some(self.cancel_reason())),
+                    // Not made by this run's context (it would have remembered the continuation).
+                    Err(WorkflowError::ContinuedAsNew(_)) => finish(
+                        FinishStatus::Failed,
                         None,
-                        Some(self.inner.cancel_reason.clone().unwrap_or_else(|| "cancel requested".into())),
+                        Some("the workflow returned ContinuedAsNew that continue_as_new did not make".into()),
                     ),
                     Err(WorkflowError::Parked(message)) => finish(FinishStatus::Parked, None, Some(message)),
                     Err(WorkflowError::Compensated(message)) => finish(FinishStatus::Compensated, None, Some(message)),
@@ -902,12 +1023,34 @@ where
         let outcome = match &op {
             JournalOp::Finish { status, .. } => RunOutcome::Finished(*status),
             JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
+            JournalOp::ContinueAsNew { .. } => RunOutcome::Finished(FinishStatus::Continued),
             _ => RunOutcome::Released,
         };
         match self.send_writes(vec![op]).await {
             Ok(WriteResult::Fenced) => RunOutcome::Lost,
+            // The continuation's id is taken by another run: this run fails, saying so.
+            Ok(WriteResult::TxResult(Err(failure))) => {
+                match self.send_writes(vec![finish(FinishStatus::Failed, None, Some(failure.message))]).await {
+                    Ok(WriteResult::Fenced) => RunOutcome::Lost,
+                    Ok(_) => RunOutcome::Finished(FinishStatus::Failed),
+                    Err(error) => RunOutcome::Error(error.to_string()),
+                }
+            }
             Ok(_) => outcome,
             Err(error) => RunOutcome::Error(error.to_string()),
+        }
+    }
+
+    /// Why a cancelled run ended: the operator's reason, its parent's end, or its deadline.
+    fn cancel_reason(&self) -> String {
+        if let Some(reason) = &self.inner.cancel_reason {
+            return reason.clone();
+        }
+        match self.inner.deadline_ms {
+            Some(deadline) if !self.inner.cancel.load(Ordering::SeqCst) && self.now_ms() >= deadline => {
+                format!("{}: the run's deadline {deadline} passed", workflow_codes::DEADLINE_PASSED)
+            }
+            _ => "cancel requested".into(),
         }
     }
 }
@@ -915,6 +1058,13 @@ where
 enum Attempt {
     Replayed(Value),
     Run(u32),
+}
+
+fn journal_full() -> WorkflowError {
+    WorkflowError::Failed(format!(
+        "{}: a run takes at most {RUN_STEPS_MAX} journal entries; continue as a new run (ctx.continue_as_new)",
+        workflow_codes::JOURNAL_FULL
+    ))
 }
 
 fn finish<T: ?Sized>(status: FinishStatus, result: Option<Value>, error: Option<String>) -> JournalOp<T> {

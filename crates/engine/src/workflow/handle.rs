@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::de::DeserializeOwned;
-use tidemark_core::workflow::{workflow_codes, RunRecord, RunStatus, WorkflowStore};
+use tidemark_core::workflow::{continuation_run_id, workflow_codes, RunRecord, RunStatus, WorkflowStore};
 use tidemark_core::{Error, Result};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -58,9 +58,20 @@ where
 {
     /// The run once it has ended (a terminal status: completed, compensated, failed, cancelled
     /// or parked), waiting up to `timeout` for that (`None`: as long as it takes); `Ok(None)` when
-    /// the time is up first. An unknown run is `not_found`.
+    /// the time is up first. An unknown run is `not_found`. A run that continued as a new run is
+    /// followed to the end of its chain: the record returned is the last run's.
     pub async fn wait_for_end(&self, run_id: &str, timeout: Option<Duration>) -> Result<Option<RunRecord>> {
         let deadline = timeout.map(|t| Instant::now() + t);
+        let mut run_id = run_id.to_string();
+        loop {
+            match self.wait_for_one_end(&run_id, deadline).await? {
+                Some(run) if run.status == RunStatus::Continued => run_id = continuation_run_id(&run.run_id),
+                other => return Ok(other),
+            }
+        }
+    }
+
+    async fn wait_for_one_end(&self, run_id: &str, deadline: Option<Instant>) -> Result<Option<RunRecord>> {
         let notify = self.end_waiters().watch(run_id);
         let answer = loop {
             // Registered before the read: an end committed after it wakes this wait.
@@ -129,7 +140,8 @@ where
     }
 
     /// The run once it has ended, waiting up to `timeout` (`None`: as long as it takes);
-    /// `Ok(None)` when the time is up first.
+    /// `Ok(None)` when the time is up first. A run that continued as new is followed to the last
+    /// run of its chain (whose record this is).
     pub async fn wait(&self, timeout: Option<Duration>) -> Result<Option<RunRecord>> {
         self.worker.wait_for_end(&self.run_id, timeout).await
     }

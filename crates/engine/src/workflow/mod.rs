@@ -98,6 +98,21 @@ pub enum WorkflowError {
     LeaseLost,
     /// The store failed. The run's lease is released and it is replayed later.
     Store(Error),
+    /// The workflow continues as a new run ([`WorkflowContext::continue_as_new`]): return it
+    /// (with `?` or as it is). The variant cannot be built outside this module.
+    ContinuedAsNew(Continuation),
+}
+
+/// The marker of a continuation; only [`WorkflowContext::continue_as_new`] makes one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Continuation {
+    _private: (),
+}
+
+impl Continuation {
+    pub(crate) fn new() -> Self {
+        Continuation { _private: () }
+    }
 }
 
 /// The marker of a suspension; only the runtime makes one.
@@ -139,6 +154,7 @@ impl fmt::Display for WorkflowError {
             WorkflowError::Compensated(message) => write!(f, "compensated after: {message}"),
             WorkflowError::LeaseLost => f.write_str("lease lost"),
             WorkflowError::Store(error) => write!(f, "store: {error}"),
+            WorkflowError::ContinuedAsNew(_) => f.write_str("continued as a new run (return it)"),
         }
     }
 }

@@ -99,6 +99,8 @@ pub struct WorkerReport {
     pub cancelled: u64,
     /// Runs that ended `parked` (dead letters for an operator).
     pub parked: u64,
+    /// Runs that continued as a new run (`continued`).
+    pub continued: u64,
     /// Executions that ended suspended (retry backoff, timer, wait).
     pub suspended: u64,
     /// Executions whose lease was released without a status change (store errors, shutdown).
@@ -130,6 +132,7 @@ impl WorkerReport {
         self.failed += other.failed;
         self.cancelled += other.cancelled;
         self.parked += other.parked;
+        self.continued += other.continued;
         self.suspended += other.suspended;
         self.released += other.released;
         self.lost += other.lost;
@@ -150,6 +153,7 @@ impl WorkerReport {
             RunOutcome::Finished(FinishStatus::Failed) => self.failed += 1,
             RunOutcome::Finished(FinishStatus::Cancelled) => self.cancelled += 1,
             RunOutcome::Finished(FinishStatus::Parked) => self.parked += 1,
+            RunOutcome::Finished(FinishStatus::Continued) => self.continued += 1,
             RunOutcome::Suspended(_) => self.suspended += 1,
             RunOutcome::Released => self.released += 1,
             RunOutcome::Lost => self.lost += 1,

@@ -72,15 +72,7 @@ fn input(order_id: &str) -> Value {
 }
 
 fn request(run_id: &str) -> StartRequest {
-    StartRequest {
-        run_id: run_id.to_string(),
-        workflow: ORDER_SAGA.to_string(),
-        version: ORDER_SAGA_VERSION,
-        input: input(run_id),
-        key: None,
-        start_at_ms: None,
-        queue: None,
-    }
+    StartRequest::new(run_id, ORDER_SAGA, ORDER_SAGA_VERSION, input(run_id))
 }
 
 /// A workflow database with the order tables and `stock` units of the SKU, behind a writer,

@@ -10,8 +10,8 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{
-    validate_json_size, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest,
-    WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    validate_json_size, validate_starts, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome,
+    StartRequest, WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::Error;
 use utoipa::{IntoParams, ToSchema};
@@ -56,6 +56,11 @@ pub struct StartBody {
     /// Run through a declared queue (`PUT /v1/queues/{name}`), with a priority (lower first)
     /// and an optional deduplication id; not with `key`.
     pub queue: Option<tidemark_core::queue::Enqueue>,
+    /// The run's deadline, this many ms after the start is received (1..=366 days): when it
+    /// passes, the run is cancelled at its next step boundary (a saga compensates first) and ends
+    /// `cancelled` with `deadline_passed`. Its children inherit it.
+    #[schema(minimum = 1, maximum = 31_622_400_000_i64)]
+    pub timeout_ms: Option<i64>,
 }
 
 /// A registered workflow's name (documentation of `StartBody::workflow`; the served document
@@ -88,6 +93,10 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
             format!("workflow {:?} is not registered; registered: {}", body.workflow, workflows.names()),
         )
     })?;
+    if body.timeout_ms.is_some_and(|t| !(1..=TIMER_MS_MAX).contains(&t)) {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("timeout_ms must be 1..={TIMER_MS_MAX}")).into());
+    }
+    let now = now_ms();
     let request = StartRequest {
         run_id: body.run_id,
         workflow: body.workflow,
@@ -96,17 +105,10 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         key: body.key,
         start_at_ms: body.start_at_ms,
         queue: body.queue,
+        deadline_ms: body.timeout_ms.map(|t| now.saturating_add(t)),
     };
     workflows.check_start(&request)?;
-    if let Some(at) = request.start_at_ms {
-        if at.saturating_sub(now_ms()) > TIMER_MS_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("start_at_ms is more than {TIMER_MS_MAX} ms ahead"),
-            )
-            .into());
-        }
-    }
+    validate_starts(std::slice::from_ref(&request), now)?;
     let outcome = caller.tenant.worker()?.start(vec![request]).await?.remove(0);
     let status = match &outcome {
         StartOutcome::Started { .. } => StatusCode::CREATED,
@@ -225,7 +227,7 @@ pub(crate) async fn run_detail(caller: &Caller, run_id: String) -> Result<RunDet
 }
 
 /// The longest `wait_ms` of `GET /v1/runs/{run_id}/result`: one minute.
-pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
+pub use tidemark_core::workflow::RESULT_WAIT_MS_MAX;
 
 #[derive(Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
@@ -240,15 +242,22 @@ pub struct ResultQuery {
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RunResult {
+    /// The run that ended: the one asked for, or the last run of its chain when it continued as
+    /// new (`continued` runs are followed).
     pub run_id: String,
-    /// True once the run has a terminal status (completed, compensated, failed, cancelled,
-    /// parked).
+    /// True once the run (its chain's last run) has a terminal status (completed, compensated,
+    /// failed, cancelled, parked).
     pub done: bool,
     pub status: RunStatus,
     /// The workflow's output, when `completed`.
     pub result: Option<Value>,
     /// Why the run failed, compensated, was cancelled or parked.
     pub error: Option<String>,
+}
+
+/// Has the run (or its chain) ended? A `continued` run goes on as its continuation.
+fn ended_for_good(run: &RunRecord) -> bool {
+    run.status.is_terminal() && run.status != RunStatus::Continued
 }
 
 /// Await a run's result: 200 with the output or the terminal error once the run has ended,
@@ -294,13 +303,14 @@ async fn result(
             let id = run_id.clone();
             let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
             let run = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?.run;
-            // It may have ended between the wait and this read.
-            (if run.status.is_terminal() { StatusCode::OK } else { StatusCode::ACCEPTED }, run)
+            // It may have ended between the wait and this read (a run that continued as new has
+            // not: its chain goes on).
+            (if ended_for_good(&run) { StatusCode::OK } else { StatusCode::ACCEPTED }, run)
         }
     };
     let body = RunResult {
+        done: ended_for_good(&run),
         run_id: run.run_id,
-        done: run.status.is_terminal(),
         status: run.status,
         result: run.result,
         error: run.error,

@@ -204,6 +204,11 @@ fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
                         @if let Some(at) = run.admitted_at_ms { ", admitted " (when(at)) } @else { ", waiting" } }
                 }
                 @if let Some(parent) = &run.parent_run_id { dt { "Child of" } dd { a href=(format!("/ui/runs/{parent}")) { code { (parent) } } } }
+                @if let Some(deadline) = run.deadline_ms { dt { "Deadline" } dd { (when(deadline)) } }
+                @if run.status == RunStatus::Continued {
+                    @let next = tidemark_core::workflow::continuation_run_id(&run.run_id);
+                    dt { "Continued as" } dd { a href=(format!("/ui/runs/{next}")) { code { (next) } } }
+                }
                 @if let Some(from) = &run.forked_from { dt { "Forked from" } dd { a href=(format!("/ui/runs/{from}")) { code { (from) } } } }
                 @if let Some(waiting) = &run.waiting_for { dt { "Waiting for event" } dd { code { (waiting) } " until " (when(run.wake_at_ms)) } }
                 @if matches!(run.status, RunStatus::Sleeping | RunStatus::Pending) { dt { "Wakes" } dd { (when(run.wake_at_ms)) } }

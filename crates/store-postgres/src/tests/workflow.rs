@@ -11,9 +11,10 @@ use std::sync::{Arc, Barrier};
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
-    child_event, child_run_id, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunDetail,
-    RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, SuspendStatus, TxBody,
-    WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, RUN_STEPS_MAX,
+    child_event, child_run_id, continuation_run_id, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite,
+    LeaseState, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus,
+    SuspendStatus, TxBody, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX,
+    RUN_STEPS_MAX,
 };
 use tidemark_core::Error;
 
@@ -65,6 +66,7 @@ fn req(run_id: &str) -> StartRequest {
         key: None,
         start_at_ms: None,
         queue: None,
+        deadline_ms: None,
     }
 }
 
@@ -1870,8 +1872,8 @@ fn a_version_1_schema_is_migrated_to_the_workflow_tables_with_its_rows_kept() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1, 2]);
-    assert_eq!(crate::SCHEMA_VERSION, 2);
+    assert_eq!(versions, [1, 2, 3]);
+    assert_eq!(crate::SCHEMA_VERSION, 3);
     let flows: i64 = client.query_one(&format!("SELECT count(*) FROM {s}.flows"), &[]).unwrap().get(0);
     assert_eq!(flows, 1);
     let producer = crate::PgProducer::open(&d.db.conn, &old).unwrap();
@@ -2111,4 +2113,64 @@ fn workflow_queries_use_their_indexes() {
     no_seq_scan(&expire, "run_receipts");
     let due = plan(&mut client, crate::workflow::schedules::DUE_SQL, "5000, 1000");
     assert!(due.contains("schedules_due"), "{due}");
+}
+
+/// A schema of the previous version (2: workflows without deadlines or `continued`) with a run in
+/// it is migrated forward on open: the run stays as it was (no deadline), and the new status and
+/// column take writes.
+#[test]
+fn a_version_2_schema_is_migrated_with_its_runs_kept() {
+    let d = db!("wf_migrate_v2");
+    let old = d.db.schema("v2");
+    let mut client = d.db.client();
+    crate::schema::migrate_to(&mut client, &old, true, 2).unwrap();
+    let s = format!("\"{old}\"");
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, status, result, wake_at_ms,
+                                   created_at_ms, updated_at_ms, finished_at_ms)
+             VALUES ('old-1', '{WF}', 1, '{{}}', 'h', 'completed', '1', 5, 5, 5, 5)"
+        ))
+        .unwrap();
+    let mut store = PgWorkflows::open(&d.db.conn, &old).unwrap();
+    let kept = detail(&store, "old-1").run;
+    assert_eq!((kept.status, kept.result, kept.deadline_ms), (RunStatus::Completed, Some(json!(1)), None));
+    start(&mut store, &[StartRequest { deadline_ms: Some(9_000), ..req("new-1") }], 1_000);
+    assert_eq!(detail(&store, "new-1").run.deadline_ms, Some(9_000));
+    let versions: i64 =
+        client.query_one(&format!("SELECT count(*) FROM {s}.schema_versions WHERE version = 3"), &[]).unwrap().get(0);
+    assert_eq!(versions, 1);
+}
+
+/// `ContinueAsNew` ends the run `continued` and starts its continuation in one transaction; the
+/// continuation takes the run's parent; a taken continuation id is a permanent failure that
+/// changes nothing; a `Finish` into `continued` or a continuation under another id is refused.
+#[test]
+fn continue_as_new_ends_the_run_and_starts_its_continuation_together() {
+    let mut d = db!("wf_continue");
+    let store = &mut d.store;
+    let token = started_and_claimed(store, "c", 1_000);
+    let next = StartRequest { deadline_ms: Some(50_000), ..req(&continuation_run_id("c")) };
+    let answer = commit_one(store, "c", &token, Op::ContinueAsNew { request: Box::new(next) }, 1_100);
+    assert_eq!(answer, WriteResult::TxResult(Ok(json!({"continued_as": "c.c1"}))));
+    let (first, second) = (detail(store, "c").run, detail(store, "c.c1").run);
+    assert_eq!(first.status, RunStatus::Continued);
+    assert_eq!(first.result, Some(json!({"continued_as": "c.c1"})));
+    assert_eq!((second.status, second.deadline_ms), (RunStatus::Pending, Some(50_000)));
+
+    // The id of the next continuation is taken by another run: nothing changes.
+    start(store, &[StartRequest { input: json!({"other": true}), ..req("c.c2") }], 1_200);
+    let claimed = claim(store, "w", 1_300);
+    let token = claimed.into_iter().find(|c| c.run.run_id == "c.c1").expect("c.c1 claimed").lease_token;
+    let taken = commit_one(store, "c.c1", &token, Op::ContinueAsNew { request: Box::new(req("c.c2")) }, 1_400);
+    assert!(matches!(taken, WriteResult::TxResult(Err(ref f)) if !f.retryable), "{taken:?}");
+    let still = detail(store, "c.c1").run;
+    assert_eq!((still.status, still.lease_owner.as_deref()), (RunStatus::Pending, Some("w")));
+
+    let refused =
+        store.commit(vec![write("c.c1", &token, finish(FinishStatus::Continued, None, None))], 1_500).unwrap_err();
+    assert_eq!(code(refused), codes::INVALID_ARGUMENT);
+    let elsewhere = Op::ContinueAsNew { request: Box::new(req("somewhere-else")) };
+    let refused = store.commit(vec![write("c.c1", &token, elsewhere)], 1_500).unwrap_err();
+    assert_eq!(code(refused), codes::INVALID_ARGUMENT);
 }

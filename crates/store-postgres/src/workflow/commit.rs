@@ -10,151 +10,19 @@ use postgres::Client;
 use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
-use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, is_child_event, is_store_event_id, message_event_id, JournalOp, JournalWrite, RunStatus,
-    StartOutcome, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    child_event, json_within, message_event_id, validate_write, JournalOp, JournalWrite, RunStatus, StartOutcome,
+    StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
 use super::rows::{self, json_text};
-use super::{clip_error, invalid_arg, seq_param, validate_not_too_far};
+use super::{clip_error, seq_param};
 use crate::apply::{ApplyTransaction, OpenTransaction};
 use crate::schema::Statements;
 use crate::{col, PgResult};
 
 type Write = JournalWrite<ApplyTransaction>;
-
-fn validate_seq(seq: u32) -> Result<()> {
-    if seq >= RUN_STEPS_MAX {
-        return Err(Error::invalid(
-            codes::LIMIT_EXCEEDED,
-            format!("step position {seq} is beyond the {RUN_STEPS_MAX} steps a run may take"),
-        ));
-    }
-    Ok(())
-}
-
-/// The JSON text of `value` as stored, refused (like `validate_json_size`) when over `max` bytes.
-fn json_within(field: &str, value: &Value, max: usize) -> Result<String> {
-    let text = json_text(value);
-    if text.len() > max {
-        return Err(Error::invalid(
-            codes::PAYLOAD_TOO_LARGE,
-            format!("{field} is {} bytes of JSON, limit is {max}", text.len()),
-        ));
-    }
-    Ok(text)
-}
-
-fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
-    validate_seq(seq)?;
-    validate_id("step name", name)?;
-    if attempt == 0 {
-        return Err(invalid_arg("attempt numbers start at 1"));
-    }
-    if let Some(at) = retry_at_ms {
-        validate_not_too_far("retry_at_ms", at, now_ms)?;
-    }
-    Ok(())
-}
-
-/// Bad input in any write refuses the whole batch before anything runs (the checks of SQLite's
-/// commit, one for one). Returns the JSON text the write stores (a step's output, a timer's
-/// output, a run's result), serialised once here.
-fn validate(write: &Write, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
-    if !ids_checked {
-        validate_id("run_id", &write.run_id)?;
-        validate_id("lease_token", &write.lease_token)?;
-    }
-    match &write.op {
-        JournalOp::SetStatus { status } => {
-            if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
-                return Err(invalid_arg(format!(
-                    "SetStatus takes running or compensating, not {} (use Suspend or Finish)",
-                    status.as_str()
-                )));
-            }
-        }
-        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
-            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
-            if !matches!(kind, StepKind::External | StepKind::Compensation | StepKind::Value) {
-                return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
-            }
-            if *kind == StepKind::Value && (*attempt != 1 || result.is_err()) {
-                return Err(invalid_arg("a value is recorded once, by a first successful attempt"));
-            }
-            if let Ok(output) = result {
-                return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
-            }
-        }
-        JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
-            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
-            if !matches!(kind, StepKind::Transactional | StepKind::Compensation) {
-                return Err(invalid_arg(format!("a transactional step cannot be of kind {}", kind.as_str())));
-            }
-        }
-        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
-            validate_seq(*seq)?;
-            validate_id("step name", name)?;
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            match (kind, event_name) {
-                (StepKind::Sleep, None) => {}
-                (StepKind::Wait, Some(event_name)) => validate_id("event name", event_name)?,
-                _ => return Err(invalid_arg("a timer is a sleep without an event name or a wait with one")),
-            }
-        }
-        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
-            validate_seq(*seq)?;
-            validate_id("step name", name)?;
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            request.validate()?;
-            if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
-                return Err(invalid_arg(format!(
-                    "the child at step {seq} of run {} is run {:?}, due at once",
-                    write.run_id,
-                    child_run_id(&write.run_id, *seq)
-                )));
-            }
-        }
-        JournalOp::Publish { seq, key, value } => {
-            validate_seq(*seq)?;
-            validate_id("event key", key)?;
-            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::Send { seq, to, topic, payload } => {
-            validate_seq(*seq)?;
-            validate_id("to", to)?;
-            validate_id("topic", topic)?;
-            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::TimerFinished { seq, event_id, output } => {
-            validate_seq(*seq)?;
-            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
-                validate_id("event_id", event_id)?;
-            }
-            return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            match (status, waiting_for) {
-                (SuspendStatus::Waiting, Some(name)) if is_child_event(name) => {}
-                (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
-                (SuspendStatus::Waiting, None) => return Err(invalid_arg("a waiting run needs waiting_for")),
-                (_, Some(_)) => return Err(invalid_arg("only a waiting run waits for an event")),
-                (_, None) => {}
-            }
-        }
-        JournalOp::Finish { result, .. } => {
-            if let Some(result) = result {
-                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
-            }
-        }
-        JournalOp::Release => {}
-    }
-    Ok(None)
-}
 
 /// Lock, before anything is written, every run of the batch and every run it sends a message to
 /// (`$1`), and for the runs it may
@@ -228,12 +96,18 @@ const PUBLISH_SQL: &str =
     "INSERT INTO {s}.run_published (run_id, key, value, seq, updated_at_ms) VALUES ($1, $2, $3, $4, $5)
  ON CONFLICT (run_id, key) DO UPDATE SET value = excluded.value, seq = excluded.seq,
      updated_at_ms = excluded.updated_at_ms";
+/// A continuation takes over its predecessor's parent (`$1` the continuation, `$2` the
+/// predecessor): its end is the one the parent learns of.
+const CONTINUATION_SQL: &str = "UPDATE {s}.runs SET (parent_run_id, parent_seq) =
+     (SELECT parent_run_id, parent_seq FROM {s}.runs WHERE run_id = $2)
+ WHERE run_id = $1";
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
 
 /// What a run's end does to its family, in the transaction that ended it (one statement; `$1` the
 /// run that ended, `$2` now):
-/// - a child that ended (not parked: that waits for an operator) tells its parent how, as the
+/// - a child that ended (not parked: that waits for an operator; not continued: its continuation
+///   tells the parent when the chain ends) tells its parent how, as the
 ///   event `child/<seq>` (`child_event`): `{"run_id", "status", "result", "error"}`, only while
 ///   the parent is active and at most once (an operator retry of a child that already told its
 ///   parent tells it nothing new);
@@ -254,11 +128,11 @@ pub(crate) const RUN_ENDED_SQL: &str = "WITH ended AS (
                               'error', c.error)::text,
             $2, NULL
      FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id
-     WHERE p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+     WHERE c.status <> 'continued' AND p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
      ON CONFLICT (run_id, event_id) DO NOTHING),
  wake AS (
      UPDATE {s}.runs SET wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
-     WHERE run_id = (SELECT parent_run_id FROM ended) AND status = 'waiting')
+     WHERE run_id = (SELECT parent_run_id FROM ended WHERE status <> 'continued') AND status = 'waiting')
  UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
      wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
  WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
@@ -272,7 +146,7 @@ const NOTIFY_ADOPTED_SQL: &str = "INSERT INTO {s}.run_events (run_id, event_id, 
         json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json, 'error', c.error)::text,
         $2, NULL
  FROM {s}.runs c JOIN {s}.runs p ON p.run_id = c.parent_run_id
- WHERE c.run_id = $1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked'
+ WHERE c.run_id = $1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked' AND c.status <> 'continued'
    AND p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
  ON CONFLICT (run_id, event_id) DO NOTHING";
 
@@ -304,7 +178,7 @@ pub(super) fn commit(
         .iter()
         .map(|write| {
             let ids = (write.run_id.as_str(), write.lease_token.as_str());
-            validate(write, previous.replace(ids) == Some(ids), now_ms)
+            validate_write(write, previous.replace(ids) == Some(ids), now_ms)
         })
         .collect::<Result<Vec<_>>>()?;
     if writes.is_empty() {
@@ -326,7 +200,7 @@ pub(super) fn commit(
         .collect();
     let finishing: Vec<&str> = writes
         .iter()
-        .filter(|w| matches!(w.op, JournalOp::Finish { .. }))
+        .filter(|w| matches!(w.op, JournalOp::Finish { .. } | JournalOp::ContinueAsNew { .. }))
         .map(|w| w.run_id.as_str())
         .collect::<BTreeSet<_>>()
         .into_iter()
@@ -416,6 +290,32 @@ fn apply_write(
             c.execute(&ended, &[&run, &now_ms]).db()?;
             state.token = None;
             Ok(WriteResult::Done)
+        }
+        JournalOp::ContinueAsNew { request } => {
+            let mut c = apply.client_mut();
+            let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
+            match outcome.into_iter().next() {
+                Some(StartOutcome::Started { .. }) => {
+                    let continuation = st.get(&mut *c, CONTINUATION_SQL)?;
+                    c.execute(&continuation, &[&request.run_id, &run]).db()?;
+                    let result = serde_json::json!({"continued_as": request.run_id});
+                    let statement = st.get(&mut *c, FINISH_SQL)?;
+                    let status = RunStatus::Continued.as_str();
+                    let text = Some(json_text(&result));
+                    let changed =
+                        c.execute(&statement, &[&run, &token, &status, &text, &None::<String>, &now_ms]).db()?;
+                    ensure_invariant!(changed == 1, "run {run}: its locked row did not finish");
+                    // Its children still running are cancelled, as at any end.
+                    let ended = st.get(&mut *c, RUN_ENDED_SQL)?;
+                    c.execute(&ended, &[&run, &now_ms]).db()?;
+                    state.token = None;
+                    Ok(WriteResult::TxResult(Ok(result)))
+                }
+                Some(StartOutcome::Existing { .. } | StartOutcome::Conflict { .. }) => Ok(WriteResult::TxResult(Err(
+                    StepFailure::permanent(format!("the continuation's run id {:?} is taken", request.run_id)),
+                ))),
+                None => Err(Error::Invariant("a start answered nothing".into())),
+            }
         }
         JournalOp::Release => {
             let mut c = apply.client_mut();

@@ -68,8 +68,7 @@ use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
     validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PublishedValue, PurgeReport, RunDetail,
     RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion,
-    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX, TIMER_MS_MAX,
-    WORKFLOW_INPUT_BYTES_MAX,
+    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -152,14 +151,6 @@ impl PgWorkflows {
 
 pub(crate) fn invalid_arg(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
-}
-
-/// `at_ms` must not be further ahead of `now_ms` than the longest timer.
-pub(crate) fn validate_not_too_far(field: &str, at_ms: i64, now_ms: i64) -> Result<()> {
-    if at_ms.saturating_sub(now_ms) > TIMER_MS_MAX {
-        return Err(invalid_arg(format!("{field} is more than {TIMER_MS_MAX} ms ahead")));
-    }
-    Ok(())
 }
 
 /// Error texts are kept to [`ERROR_BYTES_MAX`] bytes (cut at a character boundary).
@@ -292,7 +283,7 @@ fn send_event_validated(
 pub(crate) const CLAIM_CANDIDATES_SQL: &str = "SELECT r.run_id, r.workflow, r.version, r.input, r.key, r.status,
         r.result, r.error, r.wake_at_ms, r.waiting_for, r.cancel_requested, r.forked_from, r.lease_owner,
         r.lease_expires_at_ms, r.recoveries, r.created_at_ms, r.updated_at_ms, r.parent_run_id, r.queue,
-        r.priority, r.admitted_at_ms, r.lease_token IS NOT NULL
+        r.priority, r.admitted_at_ms, r.deadline_ms, r.lease_token IS NOT NULL
  FROM {s}.runs r
  WHERE r.workflow = $1 AND r.version = $2
    AND r.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating') AND r.wake_at_ms <= $3
@@ -365,16 +356,7 @@ fn list_sql(filter: &RunFilter, limit: usize) -> (String, Vec<Box<dyn ToSql + Sy
 }
 
 /// Start requests are validated before any transaction begins.
-pub(super) fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
-    validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
-    for request in requests {
-        request.validate()?;
-        if let Some(at) = request.start_at_ms {
-            validate_not_too_far("start_at_ms", at, now_ms)?;
-        }
-    }
-    Ok(())
-}
+pub(super) use tidemark_core::workflow::validate_starts;
 
 /// What a start found under a run id: (workflow, input hash, status).
 type Found = (String, String, RunStatus);
@@ -406,12 +388,12 @@ const STARTS_FOUND_SQL: &str = "SELECT run_id, workflow, input_hash, status, 0 F
 /// A run id another transaction inserted meanwhile, or a queue's deduplication id another
 /// transaction took meanwhile, leaves its run out of `RETURNING` (any unique index is an arbiter).
 const STARTS_INSERT_SQL: &str = "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status,
-     wake_at_ms, created_at_ms, updated_at_ms, queue, priority, dedup_id)
+     wake_at_ms, created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms)
  SELECT n.run_id, n.workflow, n.version, n.input, n.input_hash, n.key, 'pending', n.wake_at_ms, $8, $8,
-        n.queue, n.priority, n.dedup_id
+        n.queue, n.priority, n.dedup_id, n.deadline_ms
  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::bigint[],
-             $9::text[], $10::integer[], $11::text[])
-      AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id)
+             $9::text[], $10::integer[], $11::text[], $12::bigint[])
+      AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id, deadline_ms)
  ON CONFLICT DO NOTHING RETURNING run_id";
 
 /// Start validated requests in the caller's transaction: one read of what the ids hold, one
@@ -471,8 +453,9 @@ pub(super) fn start_in(
     let priorities: Vec<Option<i32>> = chosen.iter().map(|r| r.queue.as_ref().map(|q| q.priority)).collect();
     let dedups: Vec<Option<&str>> =
         chosen.iter().map(|r| r.queue.as_ref().and_then(|q| q.dedup_id.as_deref())).collect();
+    let deadlines: Vec<Option<i64>> = chosen.iter().map(|r| r.deadline_ms).collect();
     let insert = st.get(c, STARTS_INSERT_SQL)?;
-    let params: [&(dyn ToSql + Sync); 11] = [
+    let params: [&(dyn ToSql + Sync); 12] = [
         &new_ids,
         &workflows,
         &versions,
@@ -484,6 +467,7 @@ pub(super) fn start_in(
         &queue_names,
         &priorities,
         &dedups,
+        &deadlines,
     ];
     let inserted: BTreeSet<String> =
         c.query(&insert, &params).db()?.iter().map(|row| col(row, 0)).collect::<Result<_>>()?;
@@ -576,7 +560,7 @@ fn claim_in(
             candidates.push(Candidate {
                 run: rows::run_record_without_input(row)?,
                 input: col(row, 3)?,
-                had_lease: col(row, 21)?,
+                had_lease: col(row, 22)?,
             });
         }
     }

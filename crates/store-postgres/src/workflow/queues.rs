@@ -57,7 +57,7 @@ const IN_PERIOD_SQL: &str = "SELECT count(*) FROM {s}.runs WHERE queue = $1 AND 
 pub(crate) const ADMISSIBLE_SQL: &str = "SELECT r.run_id, r.workflow, r.version, r.input, r.key, r.status,
         r.result, r.error, r.wake_at_ms, r.waiting_for, r.cancel_requested, r.forked_from, r.lease_owner,
         r.lease_expires_at_ms, r.recoveries, r.created_at_ms, r.updated_at_ms, r.parent_run_id, r.queue,
-        r.priority, r.admitted_at_ms
+        r.priority, r.admitted_at_ms, r.deadline_ms
  FROM {s}.runs r
  WHERE r.queue = $1 AND r.admitted_at_ms IS NULL
    AND r.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')

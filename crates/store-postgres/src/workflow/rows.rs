@@ -14,15 +14,15 @@ use crate::{col, col_u32, PgResult};
 /// The columns of a run as [`run_record`] reads them (prefix `r.` where a query joins).
 pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms, \
-     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms";
+     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms, deadline_ms";
 
 /// One run by id (`FOR UPDATE` variants lock it for an operator change).
 const RUN_SQL: &str = "SELECT run_id, workflow, version, input, key, status, result, error, wake_at_ms,
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms,
-     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms FROM {s}.runs WHERE run_id = $1";
+     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms, deadline_ms FROM {s}.runs WHERE run_id = $1";
 const RUN_LOCKED_SQL: &str = "SELECT run_id, workflow, version, input, key, status, result, error, wake_at_ms,
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms,
-     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms FROM {s}.runs WHERE run_id = $1 FOR UPDATE";
+     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms, deadline_ms FROM {s}.runs WHERE run_id = $1 FOR UPDATE";
 const JOURNAL_SQL: &str = "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
      event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 ORDER BY seq";
 const JOURNAL_AT_SQL: &str = "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
@@ -103,6 +103,7 @@ pub(super) fn run_record_without_input(row: &Row) -> Result<RunRecord> {
         queue: col(row, 18)?,
         priority: col(row, 19)?,
         admitted_at_ms: col(row, 20)?,
+        deadline_ms: col(row, 21)?,
     })
 }
 

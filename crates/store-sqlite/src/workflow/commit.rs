@@ -5,148 +5,15 @@ use rusqlite::{params, CachedStatement, Connection, TransactionBehavior};
 use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
-use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, is_child_event, is_store_event_id, message_event_id, JournalOp, JournalWrite, RunStatus,
-    StartOutcome, StepFailure, StepKind, StepStatus, SuspendStatus, WriteResult, COMMIT_BATCH_MAX, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    child_event, json_within, message_event_id, validate_write, JournalOp, JournalWrite, RunStatus, StartOutcome,
+    StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
+use super::clip_error;
 use super::rows::{self, json_text};
-use super::{clip_error, invalid_arg, validate_not_too_far};
 use crate::SqlResult;
-
-fn validate_seq(seq: u32) -> Result<()> {
-    if seq >= RUN_STEPS_MAX {
-        return Err(Error::invalid(
-            codes::LIMIT_EXCEEDED,
-            format!("step position {seq} is beyond the {RUN_STEPS_MAX} steps a run may take"),
-        ));
-    }
-    Ok(())
-}
-
-/// The JSON text of `value` as stored, refused (like `validate_json_size`) when over `max` bytes.
-/// Serialised once: validation and the write share the text.
-fn json_within(field: &str, value: &Value, max: usize) -> Result<String> {
-    let text = json_text(value);
-    if text.len() > max {
-        return Err(Error::invalid(
-            codes::PAYLOAD_TOO_LARGE,
-            format!("{field} is {} bytes of JSON, limit is {max}", text.len()),
-        ));
-    }
-    Ok(text)
-}
-
-fn validate_step(seq: u32, name: &str, attempt: u32, retry_at_ms: Option<i64>, now_ms: i64) -> Result<()> {
-    validate_seq(seq)?;
-    validate_id("step name", name)?;
-    if attempt == 0 {
-        return Err(invalid_arg("attempt numbers start at 1"));
-    }
-    if let Some(at) = retry_at_ms {
-        validate_not_too_far("retry_at_ms", at, now_ms)?;
-    }
-    Ok(())
-}
-
-/// Bad input in any write refuses the whole batch before anything runs. Returns the JSON text the
-/// write stores (a step's output, a timer's output, a run's result), serialised once here.
-/// `ids_checked`: the previous write of the batch had the same run id and token (checked then).
-fn validate(write: &JournalWrite<Connection>, ids_checked: bool, now_ms: i64) -> Result<Option<String>> {
-    if !ids_checked {
-        validate_id("run_id", &write.run_id)?;
-        validate_id("lease_token", &write.lease_token)?;
-    }
-    match &write.op {
-        JournalOp::SetStatus { status } => {
-            if !matches!(status, RunStatus::Running | RunStatus::Compensating) {
-                return Err(invalid_arg(format!(
-                    "SetStatus takes running or compensating, not {} (use Suspend or Finish)",
-                    status.as_str()
-                )));
-            }
-        }
-        JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
-            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
-            if !matches!(kind, StepKind::External | StepKind::Compensation | StepKind::Value) {
-                return Err(invalid_arg(format!("a step attempt cannot be of kind {}", kind.as_str())));
-            }
-            if *kind == StepKind::Value && (*attempt != 1 || result.is_err()) {
-                return Err(invalid_arg("a value is recorded once, by a first successful attempt"));
-            }
-            if let Ok(output) = result {
-                return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
-            }
-        }
-        JournalOp::TxStep { seq, name, kind, attempt, retry_at_ms, .. } => {
-            validate_step(*seq, name, *attempt, *retry_at_ms, now_ms)?;
-            if !matches!(kind, StepKind::Transactional | StepKind::Compensation) {
-                return Err(invalid_arg(format!("a transactional step cannot be of kind {}", kind.as_str())));
-            }
-        }
-        JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
-            validate_seq(*seq)?;
-            validate_id("step name", name)?;
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            match (kind, event_name) {
-                (StepKind::Sleep, None) => {}
-                (StepKind::Wait, Some(event_name)) => validate_id("event name", event_name)?,
-                _ => return Err(invalid_arg("a timer is a sleep without an event name or a wait with one")),
-            }
-        }
-        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
-            validate_seq(*seq)?;
-            validate_id("step name", name)?;
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            request.validate()?;
-            if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
-                return Err(invalid_arg(format!(
-                    "the child at step {seq} of run {} is run {:?}, due at once",
-                    write.run_id,
-                    child_run_id(&write.run_id, *seq)
-                )));
-            }
-        }
-        JournalOp::Publish { seq, key, value } => {
-            validate_seq(*seq)?;
-            validate_id("event key", key)?;
-            return json_within("published value", value, WORKFLOW_INPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::Send { seq, to, topic, payload } => {
-            validate_seq(*seq)?;
-            validate_id("to", to)?;
-            validate_id("topic", topic)?;
-            return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::TimerFinished { seq, event_id, output } => {
-            validate_seq(*seq)?;
-            if let Some(event_id) = event_id.as_deref().filter(|id| !is_store_event_id(id)) {
-                validate_id("event_id", event_id)?;
-            }
-            return json_within("step output", output, STEP_OUTPUT_BYTES_MAX).map(Some);
-        }
-        JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
-            validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
-            match (status, waiting_for) {
-                (SuspendStatus::Waiting, Some(name)) if is_child_event(name) => {}
-                (SuspendStatus::Waiting, Some(name)) => validate_id("waiting_for", name)?,
-                (SuspendStatus::Waiting, None) => return Err(invalid_arg("a waiting run needs waiting_for")),
-                (_, Some(_)) => return Err(invalid_arg("only a waiting run waits for an event")),
-                (_, None) => {}
-            }
-        }
-        JournalOp::Finish { result, .. } => {
-            if let Some(result) = result {
-                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
-            }
-        }
-        JournalOp::Release => {}
-    }
-    Ok(None)
-}
 
 /// The statements of a commit. Each is taken from the connection's statement cache once per
 /// batch and kept until the batch ends: `prepare_cached` trims, copies and hashes the SQL text
@@ -169,6 +36,7 @@ enum Sql {
     EventWaiting,
     Suspend,
     ChildOf,
+    Continuation,
     NotifyParent,
     WakeParent,
     CancelChildren,
@@ -250,6 +118,12 @@ impl Sql {
             Sql::ChildOf => {
                 "UPDATE runs SET parent_run_id = ?2, parent_seq = ?3 WHERE run_id = ?1 AND parent_run_id IS NULL"
             }
+            // A continuation takes over its predecessor's parent (its end is the one the parent
+            // learns of). Parameters: the continuation's run id, the predecessor's.
+            Sql::Continuation => {
+                "UPDATE runs SET (parent_run_id, parent_seq) = (SELECT parent_run_id, parent_seq FROM runs WHERE run_id = ?2)
+                 WHERE run_id = ?1"
+            }
             Sql::NotifyParent => NOTIFY_PARENT_SQL,
             Sql::WakeParent => WAKE_PARENT_SQL,
             Sql::CancelChildren => CANCEL_CHILDREN_SQL,
@@ -260,7 +134,8 @@ impl Sql {
     }
 }
 
-/// A child that ended (not parked: that waits for an operator) tells its parent how, as the event
+/// A child that ended (not parked: that waits for an operator; not continued: its continuation
+/// tells the parent when the chain ends) tells its parent how, as the event
 /// `child/<seq>` (`child_event`): `{"run_id", "status", "result", "error"}`. Only while the parent
 /// is active (a purged or finished parent takes no more events); at most once (an operator retry
 /// of a child that already told its parent tells it nothing new). Parameters: the child's run id,
@@ -269,14 +144,15 @@ pub(super) const NOTIFY_PARENT_SQL: &str = "INSERT INTO run_events (run_id, even
      SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
             json_object('run_id', c.run_id, 'status', c.status, 'result', json(c.result), 'error', c.error), ?2, NULL
      FROM runs c JOIN runs p ON p.run_id = c.parent_run_id
-     WHERE c.run_id = ?1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked'
+     WHERE c.run_id = ?1 AND c.finished_at_ms IS NOT NULL AND c.status <> 'parked' AND c.status <> 'continued'
        AND (p.status = 'pending' OR p.status = 'running' OR p.status = 'sleeping' OR p.status = 'waiting' OR p.status = 'compensating')
      ON CONFLICT (run_id, event_id) DO NOTHING";
 
 /// The parent of a child that ended is due now, if it waits (for this child or another: a
 /// parent that awaits several looks again). Parameters: the child's run id, now.
 pub(super) const WAKE_PARENT_SQL: &str = "UPDATE runs SET wake_at_ms = min(wake_at_ms, ?2), updated_at_ms = ?2
-     WHERE run_id = (SELECT parent_run_id FROM runs WHERE run_id = ?1 AND status <> 'parked') AND status = 'waiting'";
+     WHERE run_id = (SELECT parent_run_id FROM runs WHERE run_id = ?1 AND status <> 'parked' AND status <> 'continued')
+       AND status = 'waiting'";
 
 /// The cancel cascade: a run that ended (not parked) has cancellation requested for each of its
 /// children still active; each stops at its next step boundary (compensating as its workflow
@@ -330,7 +206,7 @@ pub(super) fn commit(
         .iter()
         .map(|write| {
             let ids = (write.run_id.as_str(), write.lease_token.as_str());
-            validate(write, previous.replace(ids) == Some(ids), now_ms)
+            validate_write(write, previous.replace(ids) == Some(ids), now_ms)
         })
         .collect::<Result<Vec<_>>>()?;
     if writes.is_empty() {
@@ -522,6 +398,34 @@ fn apply(
             record_attempt(sql, &step, recorded, None, now_ms)?;
             seen = Some(Some(next));
             WriteResult::TxResult(delivered)
+        }
+        JournalOp::ContinueAsNew { request } => {
+            let outcome = super::start_in(tx, std::slice::from_ref(&*request), now_ms)?;
+            match outcome.into_iter().next() {
+                Some(StartOutcome::Started { .. }) => {
+                    sql.get(Sql::Continuation)?.execute(params![request.run_id, run_id]).db()?;
+                    let result = serde_json::json!({"continued_as": request.run_id});
+                    let finished = sql
+                        .get(Sql::Finish)?
+                        .execute(params![
+                            run_id,
+                            lease_token,
+                            RunStatus::Continued.as_str(),
+                            json_text(&result),
+                            None::<String>,
+                            now_ms
+                        ])
+                        .db()?;
+                    ensure_invariant!(finished == 1, "run {run_id}: fenced above, yet its finish changed nothing");
+                    // Its children still running are cancelled, as at any end.
+                    sql.get(Sql::CancelChildren)?.execute(params![run_id, now_ms]).db()?;
+                    WriteResult::TxResult(Ok(result))
+                }
+                Some(StartOutcome::Existing { .. } | StartOutcome::Conflict { .. }) => WriteResult::TxResult(Err(
+                    StepFailure::permanent(format!("the continuation's run id {:?} is taken", request.run_id)),
+                )),
+                None => return Err(Error::Invariant("a start answered nothing".into())),
+            }
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             let (_, next) = position(sql, run_id, seq, &name, kind, StepStatus::Waiting, next_seq)?;

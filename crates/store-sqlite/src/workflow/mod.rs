@@ -50,8 +50,7 @@ use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
     validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PurgeReport, RunDetail, RunFilter,
     RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult,
-    CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX, TIMER_MS_MAX,
-    WORKFLOW_INPUT_BYTES_MAX,
+    CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
 
@@ -115,14 +114,6 @@ impl SqliteWorkflows {
 
 pub(crate) fn invalid_arg(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
-}
-
-/// `at_ms` must not be further ahead of `now_ms` than the longest timer.
-pub(crate) fn validate_not_too_far(field: &str, at_ms: i64, now_ms: i64) -> Result<()> {
-    if at_ms.saturating_sub(now_ms) > TIMER_MS_MAX {
-        return Err(invalid_arg(format!("{field} is more than {TIMER_MS_MAX} ms ahead")));
-    }
-    Ok(())
 }
 
 /// Error texts are kept to [`ERROR_BYTES_MAX`] bytes (cut at a character boundary).
@@ -301,17 +292,7 @@ struct Candidate {
     had_lease: bool,
 }
 
-/// Start requests are validated before any transaction begins.
-pub(super) fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
-    validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
-    for request in requests {
-        request.validate()?;
-        if let Some(at) = request.start_at_ms {
-            validate_not_too_far("start_at_ms", at, now_ms)?;
-        }
-    }
-    Ok(())
-}
+pub(super) use tidemark_core::workflow::validate_starts;
 
 /// Start validated requests in the caller's transaction.
 pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
@@ -351,8 +332,8 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
         let enqueue = request.queue.as_ref();
         tx.prepare_cached(
             "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
-                               created_at_ms, updated_at_ms, queue, priority, dedup_id)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8, ?9, ?10, ?11)",
+                               created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8, ?9, ?10, ?11, ?12)",
         )
         .db()?
         .execute(params![
@@ -367,6 +348,7 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
             enqueue.map(|e| e.queue.as_str()),
             enqueue.map(|e| e.priority),
             enqueue.and_then(|e| e.dedup_id.as_deref()),
+            request.deadline_ms,
         ])
         .db()?;
         outcomes.push(StartOutcome::Started { run_id: request.run_id.clone() });
@@ -426,7 +408,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
             }
             let found = stmt
                 .query_map(params![w.workflow, w.version, now_ms, free as i64], |r| {
-                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(21)? })
+                    Ok(Candidate { run: rows::run_record_without_input(r)?, input: r.get(3)?, had_lease: r.get(22)? })
                 })
                 .db()?;
             for candidate in found {

@@ -22,7 +22,7 @@ pub(super) fn active(column: &str) -> String {
 
 pub(super) const RUN_COLUMNS: &str = "run_id, workflow, version, input, key, status, result, error, wake_at_ms, \
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms, \
-     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms";
+     updated_at_ms, parent_run_id, queue, priority, admitted_at_ms, deadline_ms";
 
 const JOURNAL_COLUMNS: &str =
     "seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms, event_name, reason, updated_at_ms";
@@ -79,6 +79,7 @@ pub(super) fn run_record_without_input(r: &Row<'_>) -> rusqlite::Result<RunRecor
         queue: r.get(18)?,
         priority: r.get(19)?,
         admitted_at_ms: r.get(20)?,
+        deadline_ms: r.get(21)?,
     })
 }
 
