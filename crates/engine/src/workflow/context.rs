@@ -19,6 +19,7 @@ use tidemark_core::workflow::{
 use tidemark_core::Error;
 
 use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
+use super::registry::REPLAY_END;
 use super::{WorkflowError, Workflows, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
@@ -760,8 +761,10 @@ where
                 "a run takes at most {RUN_STEPS_MAX} steps; continue as a new run"
             )));
         }
+        let replay_only = self.inner.workflows.replays_only();
         match state.journal.get(&seq) {
             None if cancelled => Err(WorkflowError::Cancelled),
+            None if replay_only => Err(replay_end(&mut state, seq, kind, name)),
             None => {
                 state.next_seq += 1;
                 Ok(Slot::New(seq))
@@ -771,6 +774,9 @@ where
                 state.next_seq += 1;
                 if cancelled && !entry.status.is_settled() {
                     return Err(WorkflowError::Cancelled);
+                }
+                if replay_only && !entry.status.is_settled() {
+                    return Err(replay_end(&mut state, seq, kind, name));
                 }
                 Ok(Slot::Journaled(seq, entry))
             }
@@ -915,6 +921,14 @@ where
 enum Attempt {
     Replayed(Value),
     Run(u32),
+}
+
+/// A replay-only run ([`Workflows::replay_only`]) reached a position its journal has not
+/// settled: park it there, running nothing.
+fn replay_end<T: ?Sized>(state: &mut RunState<T>, seq: u32, kind: StepKind, name: &str) -> WorkflowError {
+    let message = format!("{REPLAY_END} at position {seq}, where the workflow calls {} step {name:?}", kind.as_str());
+    state.parked = Some(message.clone());
+    WorkflowError::Parked(message)
 }
 
 fn finish<T: ?Sized>(status: FinishStatus, result: Option<Value>, error: Option<String>) -> JournalOp<T> {
