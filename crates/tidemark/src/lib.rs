@@ -239,3 +239,8 @@ pub struct ReadmeDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/library.md")]
 pub struct LibraryGuideDoctests;
+
+/// And docs/testing.md's (the test kit's guide).
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/testing.md")]
+pub struct TestingGuideDoctests;
