@@ -167,3 +167,77 @@ fn validate_detail(detail: &RunDetail) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use tidemark_core::workflow::{RunDetail, RunStatus, WorkflowStore};
+
+    use super::*;
+
+    fn recorded() -> RunDetail {
+        serde_json::from_value(json!({
+            "run": {
+                "run_id": "order-1", "workflow": "order", "version": 2, "input": {"sku": "w"}, "key": "k",
+                "status": "sleeping", "result": null, "error": null, "wake_at_ms": 9_000, "waiting_for": null,
+                "cancel_requested": false, "forked_from": null, "parent_run_id": "parent-1", "queue": "q",
+                "priority": 1, "admitted_at_ms": 5, "lease_owner": "w-1", "lease_expires_at_ms": 8_000,
+                "recoveries": 1, "created_at_ms": 1_000, "updated_at_ms": 2_000
+            },
+            "journal": [
+                {"seq": 0, "name": "reserve", "kind": "external", "status": "completed", "output": "r",
+                 "error": "timed out", "attempts": 2, "next_attempt_at_ms": null, "wake_at_ms": null,
+                 "event_name": null, "reason": null, "updated_at_ms": 1_500},
+                {"seq": 1, "name": "sleep", "kind": "sleep", "status": "waiting", "output": null, "error": null,
+                 "attempts": 0, "next_attempt_at_ms": null, "wake_at_ms": 9_000, "event_name": null,
+                 "reason": null, "updated_at_ms": 1_600}
+            ],
+            "attempts": [
+                {"seq": 0, "attempt": 1, "ok": false, "error": "timed out", "finished_at_ms": 1_200},
+                {"seq": 0, "attempt": 2, "ok": true, "error": null, "finished_at_ms": 1_500}
+            ],
+            "events": [
+                {"event_id": "e-1", "name": "approved", "payload": {"by": "ann"}, "received_at_ms": 1_100,
+                 "consumed_by_seq": null}
+            ]
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_recorded_run_is_imported_as_it_was_recorded_and_due_now() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SqliteWorkflows::init(&dir.path().join("wf.db")).unwrap();
+        let detail = recorded();
+        store.import_run(&detail, 3_000).unwrap();
+        let imported = store.run("order-1").unwrap().unwrap();
+        assert_eq!(
+            (imported.journal.clone(), imported.attempts.clone()),
+            (detail.journal.clone(), detail.attempts.clone())
+        );
+        assert_eq!(imported.events, detail.events);
+        let run = &imported.run;
+        assert_eq!((run.status, run.wake_at_ms, run.input.clone()), (RunStatus::Pending, 3_000, json!({"sku": "w"})));
+        assert_eq!((run.lease_owner.as_deref(), run.key.as_deref(), run.parent_run_id.as_deref()), (None, None, None));
+        assert_eq!((run.queue.as_deref(), run.created_at_ms, run.recoveries), (None, 1_000, 1));
+        // The same run again is refused, nothing written.
+        let error = store.import_run(&detail, 3_000).unwrap_err();
+        assert_eq!(error.code(), codes::ALREADY_EXISTS);
+    }
+
+    #[test]
+    fn a_broken_recording_is_refused_before_anything_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = SqliteWorkflows::init(&dir.path().join("wf.db")).unwrap();
+        let mut gapped = recorded();
+        gapped.journal.remove(0);
+        assert_eq!(store.import_run(&gapped, 3_000).unwrap_err().code(), codes::INVALID_ARGUMENT);
+        let mut stray = recorded();
+        stray.attempts[0].seq = 7;
+        assert_eq!(store.import_run(&stray, 3_000).unwrap_err().code(), codes::INVALID_ARGUMENT);
+        let mut bad_id = recorded();
+        bad_id.run.run_id = "not an id".into();
+        assert_eq!(store.import_run(&bad_id, 3_000).unwrap_err().code(), codes::INVALID_ID);
+        assert!(store.run("order-1").unwrap().is_none());
+    }
+}
