@@ -532,7 +532,8 @@ impl fmt::Display for Report {
         }
         let problems = self.problems().count();
         let notes = self.findings.len() - problems;
-        writeln!(f, "  {problems} problems, {notes} notes")?;
+        let plural = |n: usize, word: &str| if n == 1 { format!("1 {word}") } else { format!("{n} {word}s") };
+        writeln!(f, "  {}, {}", plural(problems, "problem"), plural(notes, "note"))?;
         let mut shown: Vec<&Finding> = self.problems().collect();
         shown.extend(self.findings.iter().filter(|finding| !finding.kind.is_problem()));
         for finding in shown.iter().take(FINDINGS_SHOWN_MAX) {
