@@ -887,7 +887,7 @@ pub enum StartOutcome {
 }
 
 /// One run, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunRecord {
     /// The caller-chosen run id.
@@ -940,7 +940,7 @@ pub struct RunRecord {
 }
 
 /// One journal entry.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct JournalEntry {
     /// The entry's position in the run's journal (0, 1, 2, ... in the order the workflow called its
@@ -973,7 +973,7 @@ pub struct JournalEntry {
 }
 
 /// One attempt of one step (every attempt and its error is recorded).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AttemptRecord {
     /// The journal position of the step attempted.
@@ -990,7 +990,7 @@ pub struct AttemptRecord {
 }
 
 /// An event sent to a run (by API, CLI or an inbox handler).
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunEvent {
     /// The event's id, chosen by the sender: sending the same id again is idempotent.
@@ -1006,7 +1006,7 @@ pub struct RunEvent {
 }
 
 /// A run with everything recorded about it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RunDetail {
     /// The run's record.

@@ -134,7 +134,7 @@ pub mod workflow {
         system_clock, Clock, Continuation, FinishedRun, IntoWorkflow, RunHandle as GenericRunHandle, Saga, SagaAction,
         SagaData, StepAttempt, StepAttemptEnd, Suspended, Worker, WorkerObserver, WorkerOptions, WorkerReport,
         Workflow, WorkflowContext, WorkflowError, WorkflowInfo, WorkflowOptions, Workflows, Writer, WriterStats,
-        CHILD_RECHECK_MS, RESULT_POLL_MS,
+        CHILD_RECHECK_MS, REPLAY_END, RESULT_POLL_MS,
     };
     /// A started run of a service on SQLite, to await its result ([`crate::service::Tenant::start_run`]).
     pub type RunHandle = GenericRunHandle<tidemark_store_sqlite::SqliteWorkflows>;
@@ -195,6 +195,8 @@ pub mod reservation {
 
 pub use service::{Database, Service, ServiceBuilder};
 
+pub mod testing;
+
 /// The context of a workflow run on the SQLite store (a transactional step gets a
 /// `&rusqlite::Connection` of the workflow database).
 pub type Context = tidemark_engine::workflow::WorkflowContext<tidemark_store_sqlite::SqliteWorkflows>;
@@ -237,3 +239,8 @@ pub struct ReadmeDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../../../docs/library.md")]
 pub struct LibraryGuideDoctests;
+
+/// And docs/testing.md's (the test kit's guide).
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/testing.md")]
+pub struct TestingGuideDoctests;

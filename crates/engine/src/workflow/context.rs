@@ -20,6 +20,7 @@ use tidemark_core::workflow::{
 use tidemark_core::Error;
 
 use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
+use super::registry::REPLAY_END;
 use super::{Continuation, WorkflowError, Workflows, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
@@ -294,6 +295,7 @@ where
             // Journaled by code from before the patch: the old branch.
             Some(_) => Ok(false),
             None if !record => Ok(true),
+            None if self.inner.workflows.replays_only() => Err(replay_end(&mut state, seq, StepKind::Value, &name)),
             None => {
                 if seq >= RUN_STEPS_MAX {
                     return Err(journal_full());
@@ -871,8 +873,10 @@ where
         if seq >= RUN_STEPS_MAX {
             return Err(journal_full());
         }
+        let replay_only = self.inner.workflows.replays_only();
         match state.journal.get(&seq) {
             None if cancelled => Err(WorkflowError::Cancelled),
+            None if replay_only => Err(replay_end(&mut state, seq, kind, name)),
             None => {
                 state.next_seq += 1;
                 Ok(Slot::New(seq))
@@ -882,6 +886,9 @@ where
                 state.next_seq += 1;
                 if cancelled && !entry.status.is_settled() {
                     return Err(WorkflowError::Cancelled);
+                }
+                if replay_only && !entry.status.is_settled() {
+                    return Err(replay_end(&mut state, seq, kind, name));
                 }
                 Ok(Slot::Journaled(seq, entry))
             }
@@ -1065,6 +1072,14 @@ fn journal_full() -> WorkflowError {
         "{}: a run takes at most {RUN_STEPS_MAX} journal entries; continue as a new run (ctx.continue_as_new)",
         workflow_codes::JOURNAL_FULL
     ))
+}
+
+/// A replay-only run ([`Workflows::replay_only`]) reached a position its journal has not
+/// settled: park it there, running nothing.
+fn replay_end<T: ?Sized>(state: &mut RunState<T>, seq: u32, kind: StepKind, name: &str) -> WorkflowError {
+    let message = format!("{REPLAY_END} at position {seq}, where the workflow calls {} step {name:?}", kind.as_str());
+    state.parked = Some(message.clone());
+    WorkflowError::Parked(message)
 }
 
 fn finish<T: ?Sized>(status: FinishStatus, result: Option<Value>, error: Option<String>) -> JournalOp<T> {

@@ -51,7 +51,7 @@ use std::sync::Arc;
 pub use context::{WorkflowContext, CHILD_RECHECK_MS};
 pub use handle::{RunHandle, RESULT_POLL_MS};
 pub use observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
-pub use registry::{IntoWorkflow, Workflow, WorkflowInfo, WorkflowOptions, Workflows};
+pub use registry::{IntoWorkflow, Workflow, WorkflowInfo, WorkflowOptions, Workflows, REPLAY_END};
 pub use saga::{Saga, SagaAction, SagaData};
 pub use schedules::tick_schedules;
 pub use worker::{FinishedRun, Worker, WorkerOptions, WorkerReport};

@@ -234,21 +234,29 @@ pub struct WorkflowInfo {
     pub input_schema: Option<Value>,
 }
 
+/// How a run executed by a [`Workflows::replay_only`] registry is parked when its function
+/// reaches a journal position that its journal has not settled (the message goes on with the
+/// position and the call, e.g. `... at position 3, where the workflow calls external step
+/// "ship"`).
+pub const REPLAY_END: &str = "replay reached the end of the recorded journal";
+
 /// Named, versioned workflow functions. A worker claims only the `(name, version)` pairs
 /// registered here; runs pinned to other versions are left alone and reported.
 pub struct Workflows<S: WorkflowStore> {
     entries: BTreeMap<(String, u32), Arc<Registered<S>>>,
+    /// Runs only replay their journals (see [`Workflows::replay_only`]).
+    replay_only: bool,
 }
 
 impl<S: WorkflowStore> Default for Workflows<S> {
     fn default() -> Self {
-        Workflows { entries: BTreeMap::new() }
+        Workflows { entries: BTreeMap::new(), replay_only: false }
     }
 }
 
 impl<S: WorkflowStore> Clone for Workflows<S> {
     fn clone(&self) -> Self {
-        Workflows { entries: self.entries.clone() }
+        Workflows { entries: self.entries.clone(), replay_only: self.replay_only }
     }
 }
 
@@ -282,6 +290,23 @@ where
         };
         self.entries.insert(key, Arc::new(registered));
         Ok(())
+    }
+
+    /// The same workflows, for checking recorded journals against this code: a run executed with
+    /// this registry replays its journal as usual (a call that differs from the journal parks it
+    /// as non-deterministic, so does a function that returns before its journaled steps), and at
+    /// the first position the journal has not settled (none recorded, or a retry, timer, wait or
+    /// child still open) it is parked with [`REPLAY_END`] instead of running anything: no step
+    /// runs, no timer starts, no child starts. `tidemark::testing` replays production journals
+    /// with it on a throwaway store. Never give it to a worker of a real database.
+    pub fn replay_only(mut self) -> Self {
+        self.replay_only = true;
+        self
+    }
+
+    /// True for a [`Workflows::replay_only`] registry.
+    pub fn replays_only(&self) -> bool {
+        self.replay_only
     }
 
     /// Register `f` as `name` version `version`, with JSON input and output (see

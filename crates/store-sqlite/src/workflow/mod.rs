@@ -32,6 +32,7 @@
 //!   (default [`RECEIPT_WINDOW_MS_DEFAULT`], 30 days); an expired receipt no longer counts.
 
 mod commit;
+mod import;
 mod operator;
 mod queues;
 mod reads;
