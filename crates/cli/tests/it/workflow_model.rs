@@ -1,11 +1,16 @@
 //! The workflow runtime against a model: random workflows (external and transactional steps that
 //! fail a few times, then succeed or fail for good; durable sleeps; sagas whose compensations may
-//! fail too), started in a random order, on workers that crash at random points (a step's body
+//! fail too; child workflows, whose failure is their parent's; runs that continue as new once or
+//! twice, each generation doing the same steps; all of a case's runs through one queue with a
+//! concurrency limit of 1 or 2, sampled in every poll's listing to stay within it), started in a
+//! random order, on workers that crash at random points (a step's body
 //! blocks and the worker's runtime is torn down; a transactional step's body runs and its
 //! transaction never commits; a worker killed at a random moment). A new worker (another id)
 //! takes the runs over once the leases have expired. A pure model says what each run must end
 //! as: `completed` with its outputs, `failed`, `compensated` with exactly the compensations of
-//! the completed steps in reverse order, or `parked` (a compensation out of attempts). The real
+//! the completed steps in reverse order, `parked` (a compensation out of attempts), or
+//! `continued` (and what its continuation must end as); which children and continuations exist,
+//! with their own journals, and nothing else. The real
 //! SQLite store must agree: status, journal (names, kinds, statuses, attempts, in order), the
 //! attempt history, each transactional step's row written exactly once, every external attempt
 //! of a step with the same idempotency key, nothing left leased.
@@ -36,9 +41,10 @@ use std::time::Duration;
 use proptest::prelude::*;
 use rusqlite::params;
 use serde_json::{json, Map, Value};
+use tidemark_core::queue::{Enqueue, QueueSpec, QueueStore};
 use tidemark_core::workflow::{
-    Backoff, RetryPolicy, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind,
-    StepStatus, WorkflowStore,
+    child_run_id, continuation_run_id, Backoff, RetryPolicy, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome,
+    StartRequest, StepFailure, StepKind, StepStatus, WorkflowStore,
 };
 use tidemark_engine::now_ms;
 use tidemark_engine::workflow::tokio::runtime::{Builder, Runtime};
@@ -52,7 +58,7 @@ use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 /// What the model needs of a backend besides the store trait: a transactional body's own
 /// statements on the store's handle (read the journal's attempts of its step, write its row, end
 /// the transaction the way a crash before the commit leaves it), and the test's table of rows.
-trait ModelStore: WorkflowStore + Send + 'static
+trait ModelStore: WorkflowStore + QueueStore + Send + 'static
 where
     Self::Target: 'static,
 {
@@ -192,6 +198,11 @@ enum Elem {
     Sleep {
         ms: u64,
     },
+    /// (Plain workflows only.) A child workflow `wf-{run}-c{i}` of these steps, awaited with
+    /// `ctx.child`; its failure is this step's.
+    Child {
+        steps: Vec<Action>,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -201,6 +212,9 @@ struct RunSpec {
     /// Crash the worker the first time the body of element `.0` (its compensation when `.1`)
     /// runs.
     crash: Option<(usize, bool)>,
+    /// (Plain workflows only.) After its elements, the run continues as a new run this many
+    /// times (`ctx.continue_as_new`), each generation doing the same elements.
+    continues: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -215,6 +229,9 @@ struct Case {
     /// Workers per incarnation (each with its own connection), and runs in flight per worker.
     workers: usize,
     concurrency: usize,
+    /// Every run (and continuation) goes through queue `q` with this concurrency limit, the
+    /// run's index mod 3 as its priority.
+    queue: Option<u32>,
 }
 
 fn action(undo: bool) -> impl Strategy<Value = Action> {
@@ -228,9 +245,10 @@ fn action(undo: bool) -> impl Strategy<Value = Action> {
 
 fn elem() -> impl Strategy<Value = Elem> {
     prop_oneof![
-        4 => (action(false), proptest::option::weighted(0.7, action(true)))
+        8 => (action(false), proptest::option::weighted(0.7, action(true)))
             .prop_map(|(action, undo)| Elem::Step { action, undo }),
-        1 => (0_u64..=3).prop_map(|ms| Elem::Sleep { ms }),
+        2 => (0_u64..=3).prop_map(|ms| Elem::Sleep { ms }),
+        1 => proptest::collection::vec(action(false), 1..=2).prop_map(|steps| Elem::Child { steps }),
     ]
 }
 
@@ -239,11 +257,15 @@ fn run_spec() -> impl Strategy<Value = RunSpec> {
         any::<bool>(),
         proptest::collection::vec(elem(), 1..=4),
         proptest::option::weighted(0.6, (0_usize..4, any::<bool>())),
+        prop_oneof![6 => Just(0_u32), 1 => Just(1), 1 => Just(2)],
     )
-        .prop_map(|(saga, elems, crash)| {
-            // A saga needs at least one step.
+        .prop_map(|(saga, mut elems, crash, continues)| {
+            // A saga needs at least one step, and has neither children nor continuations.
             let saga = saga && elems.iter().any(|e| matches!(e, Elem::Step { .. }));
-            RunSpec { saga, elems, crash }
+            if saga {
+                elems.retain(|e| !matches!(e, Elem::Child { .. }));
+            }
+            RunSpec { saga, elems, crash, continues: if saga { 0 } else { continues } }
         })
 }
 
@@ -257,14 +279,16 @@ fn case() -> impl Strategy<Value = Case> {
             proptest::collection::vec(1_u64..40, 0..=2),
             1_usize..=2,
             prop_oneof![Just(1_usize), Just(2), Just(8)],
+            proptest::option::weighted(0.3, 1_u32..=2),
         )
-            .prop_map(|(runs, order, first_batch, kills, workers, concurrency)| Case {
+            .prop_map(|(runs, order, first_batch, kills, workers, concurrency, queue)| Case {
                 runs,
                 order,
                 first_batch,
                 kills,
                 workers,
                 concurrency,
+                queue,
             })
     })
 }
@@ -274,6 +298,12 @@ fn case() -> impl Strategy<Value = Case> {
 
 fn run_id(run: usize) -> String {
     format!("run-{run}")
+}
+
+/// The top-level run a run id belongs to (`run-3`, `run-3.c1`, `run-3.2`, ...: 3).
+fn run_index(run_id: &str) -> usize {
+    let digits: String = run_id.trim_start_matches("run-").chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().expect("a model run id")
 }
 
 fn workflow_name(run: usize) -> String {
@@ -287,6 +317,13 @@ fn step_name(elem: usize) -> String {
 fn compensation_name(elem: usize) -> String {
     format!("compensate:s{elem}")
 }
+
+fn child_workflow_name(run: usize, elem: usize) -> String {
+    format!("wf-{run}-c{elem}")
+}
+
+/// The queue of a case's runs.
+const QUEUE: &str = "q";
 
 /// What a successful attempt returns.
 fn output(run_id: &str, name: &str, attempt: u32) -> Value {
@@ -333,14 +370,66 @@ fn status_of(ok: bool) -> StepStatus {
     }
 }
 
-/// What a run of `spec` must end as, whatever crashed on the way.
+/// What a run of `spec` must end as, whatever crashed on the way (its children's expectations
+/// are pushed to `children`, the generation it is of the run's chain aside: a continuation is
+/// expected by [`expect_chain`]).
 fn expect(run_id: &str, spec: &RunSpec) -> Expected {
+    expect_with_children(run_id, 0, spec, &mut Vec::new())
+}
+
+/// Every run a top-level run `run` makes (its generations and their children), with what each
+/// must end as and the spec it executes.
+fn expect_chain(run: usize, spec: &RunSpec) -> Vec<(String, Expected, RunSpec)> {
+    let mut all = Vec::new();
+    let mut id = run_id(run);
+    for generation in 0..=spec.continues {
+        let mut children = Vec::new();
+        let expected = expect_with_children(&id, generation, spec, &mut children);
+        let continues = expected.status == RunStatus::Continued;
+        all.push((id.clone(), expected, spec.clone()));
+        all.extend(children);
+        if !continues {
+            break;
+        }
+        id = continuation_run_id(&id);
+    }
+    all
+}
+
+/// The spec a child of element `steps` executes.
+fn child_spec(steps: &[Action]) -> RunSpec {
+    let elems = steps.iter().map(|action| Elem::Step { action: action.clone(), undo: None }).collect();
+    RunSpec { saga: false, elems, crash: None, continues: 0 }
+}
+
+fn expect_with_children(
+    run_id: &str,
+    generation: u32,
+    spec: &RunSpec,
+    children: &mut Vec<(String, Expected, RunSpec)>,
+) -> Expected {
     let mut journal: Vec<Entry> = Vec::new();
     let mut outputs = Map::new();
     let mut completed = Vec::new();
     let mut failed = None;
     for (i, elem) in spec.elems.iter().enumerate() {
         match elem {
+            Elem::Child { steps } => {
+                let child_id = child_run_id(run_id, journal.len() as u32);
+                let child = child_spec(steps);
+                let child_expected = expect(&child_id, &child);
+                let name = child_workflow_name(run_index(run_id), i);
+                let ok = child_expected.status == RunStatus::Completed;
+                let result = child_expected.result.clone();
+                // The parent's entry completes with the child's end, whatever it was.
+                journal.push((name.clone(), StepKind::Child, StepStatus::Completed, 0));
+                children.push((child_id, child_expected, child));
+                if !ok {
+                    failed = Some(name);
+                    break;
+                }
+                outputs.insert(name, result.unwrap_or(Value::Null));
+            }
             // A saga's zero-length sleep takes no position; a workflow's does.
             Elem::Sleep { ms: 0 } if spec.saga => {}
             Elem::Sleep { .. } => journal.push(("sleep".into(), StepKind::Sleep, StepStatus::Completed, 0)),
@@ -359,6 +448,10 @@ fn expect(run_id: &str, spec: &RunSpec) -> Expected {
         }
     }
     let Some(failed) = failed else {
+        if generation < spec.continues {
+            let next = json!({"continued_as": continuation_run_id(run_id)});
+            return Expected { status: RunStatus::Continued, journal, result: Some(next), error: None };
+        }
         return Expected { status: RunStatus::Completed, journal, result: Some(Value::Object(outputs)), error: None };
     };
     let error = Some(format!("step {failed} failed"));
@@ -456,6 +549,8 @@ struct Site<S: WorkflowStore> {
     shared: Arc<Shared>,
     writer: Writer<S>,
     incarnation: u32,
+    /// The run executing it (a top-level run, one of its continuations, or a child).
+    run_id: String,
     run: usize,
     elem: usize,
     undo: bool,
@@ -469,6 +564,7 @@ impl<S: WorkflowStore> Clone for Site<S> {
             shared: self.shared.clone(),
             writer: self.writer.clone(),
             incarnation: self.incarnation,
+            run_id: self.run_id.clone(),
             run: self.run,
             elem: self.elem,
             undo: self.undo,
@@ -486,7 +582,7 @@ where
     /// An external attempt: its number is the journal's attempts + 1 (read through the writer,
     /// so a crash that cut an attempt short does not count it).
     async fn external(self, key: String) -> Result<Value, StepFailure> {
-        let run_id = run_id(self.run);
+        let run_id = self.run_id.clone();
         let (id, name) = (run_id.clone(), self.name.clone());
         let detail = self.writer.call(move |store, _| store.run(&id)).await.expect("read the run");
         let journaled = detail.and_then(|d| d.journal.into_iter().find(|e| e.name == name)).map_or(0, |e| e.attempts);
@@ -507,7 +603,7 @@ where
     /// A transactional attempt, inside the journal's transaction: one `model_rows` row per
     /// attempt, which rolls back with a failed one.
     fn tx(&self, tx: &S::Target) -> Result<Value, StepFailure> {
-        let run_id = run_id(self.run);
+        let run_id = self.run_id.clone();
         let attempt = S::journaled_attempts(tx, &run_id, &self.name) + 1;
         if self.action.stall && lock(&self.shared.stalled).insert((self.run, self.name.clone())) {
             std::thread::sleep(STALL);
@@ -550,12 +646,28 @@ where
             shared: shared.clone(),
             writer: writer.clone(),
             incarnation,
+            run_id: run_id(run),
             run,
             elem,
             undo,
             name: if undo { compensation_name(elem) } else { step_name(elem) },
             action: action.clone(),
         };
+        // Each child element's workflow: its steps, never crashing the worker themselves.
+        for (i, elem) in spec.elems.iter().enumerate() {
+            let Elem::Child { steps } = elem else { continue };
+            let sites: Vec<Site<S>> = steps
+                .iter()
+                .enumerate()
+                .map(|(j, action)| Site { elem: usize::MAX, name: step_name(j), ..site(j, false, action) })
+                .collect();
+            register_plain(
+                &mut workflows,
+                &child_workflow_name(run, i),
+                child_spec(steps),
+                sites.into_iter().map(Some).collect(),
+            );
+        }
         if spec.saga {
             let mut saga =
                 Saga::<S>::new(&workflow_name(run), 1).compensation_policy(fast_retry(COMPENSATION_ATTEMPTS));
@@ -570,6 +682,7 @@ where
                         let compensation = undo.as_ref().map(|undo| saga_action(site(i, true, undo)));
                         saga = saga.step(&step_name(i), forward, compensation);
                     }
+                    Elem::Child { .. } => unreachable!("a saga has no children (run_spec)"),
                 }
             }
             saga.register(&mut workflows, options()).expect("register the saga");
@@ -580,37 +693,57 @@ where
                 .enumerate()
                 .map(|(i, elem)| match elem {
                     Elem::Step { action, .. } => Some(site(i, false, action)),
-                    Elem::Sleep { .. } => None,
+                    Elem::Sleep { .. } | Elem::Child { .. } => None,
                 })
                 .collect();
-            let elems = spec.elems.clone();
-            workflows
-                .register(&workflow_name(run), 1, options(), move |ctx, _input| {
-                    let (elems, sites) = (elems.clone(), sites.clone());
-                    async move {
-                        let mut outputs = Map::new();
-                        for (elem, site) in elems.iter().zip(sites) {
-                            match (elem, site) {
-                                (Elem::Sleep { ms }, _) => ctx.sleep(Duration::from_millis(*ms)).await?,
-                                (Elem::Step { action, .. }, Some(site)) => {
-                                    let name = site.name.clone();
-                                    let value: Value = if action.tx {
-                                        ctx.tx_step(&name, None, move |tx: &S::Target| site.tx(tx)).await?
-                                    } else {
-                                        ctx.step(&name, None, move |key| site.external(key)).await?
-                                    };
-                                    outputs.insert(name, value);
-                                }
-                                (Elem::Step { .. }, None) => unreachable!("every step has its site"),
-                            }
-                        }
-                        Ok(Value::Object(outputs))
-                    }
-                })
-                .expect("register the workflow");
+            register_plain(&mut workflows, &workflow_name(run), spec.clone(), sites);
         }
     }
     workflows
+}
+
+/// A plain workflow of `spec`'s elements (`sites`: each step's), continuing as new while its
+/// input's generation is below `spec.continues`.
+fn register_plain<S>(workflows: &mut Workflows<S>, name: &str, spec: RunSpec, sites: Vec<Option<Site<S>>>)
+where
+    S: ModelStore,
+    S::Target: 'static,
+{
+    let run = sites.iter().flatten().next().map(|s| s.run);
+    workflows
+        .register(name, 1, options(), move |ctx, input: Value| {
+            let (spec, sites) = (spec.clone(), sites.clone());
+            async move {
+                let generation = input["gen"].as_u64().unwrap_or(0) as u32;
+                let mut outputs = Map::new();
+                for (i, (elem, site)) in spec.elems.iter().zip(sites).enumerate() {
+                    match (elem, site) {
+                        (Elem::Sleep { ms }, _) => ctx.sleep(Duration::from_millis(*ms)).await?,
+                        (Elem::Child { .. }, _) => {
+                            let child = child_workflow_name(run_index(ctx.run_id()), i);
+                            let value: Value = ctx.child(&child, &json!({})).await?;
+                            outputs.insert(child, value);
+                        }
+                        (Elem::Step { action, .. }, Some(site)) => {
+                            let site = Site { run_id: ctx.run_id().to_string(), ..site };
+                            let name = site.name.clone();
+                            let value: Value = if action.tx {
+                                ctx.tx_step(&name, None, move |tx: &S::Target| site.tx(tx)).await?
+                            } else {
+                                ctx.step(&name, None, move |key| site.external(key)).await?
+                            };
+                            outputs.insert(name, value);
+                        }
+                        (Elem::Step { .. }, None) => unreachable!("every step has its site"),
+                    }
+                }
+                if generation < spec.continues {
+                    return Err(ctx.continue_as_new(&json!({"run": run, "gen": generation + 1})));
+                }
+                Ok(Value::Object(outputs))
+            }
+        })
+        .expect("register the workflow");
 }
 
 fn saga_action<S>(site: Site<S>) -> SagaAction<S::Target>
@@ -651,7 +784,7 @@ fn worker_options(worker_id: &str, concurrency: usize) -> WorkerOptions {
     }
 }
 
-fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
+fn start_requests(runs: &[usize], queued: bool) -> Vec<StartRequest> {
     runs.iter()
         .map(|&run| StartRequest {
             run_id: run_id(run),
@@ -660,26 +793,39 @@ fn start_requests(runs: &[usize]) -> Vec<StartRequest> {
             input: json!({"run": run}),
             key: None,
             start_at_ms: None,
-            queue: None,
+            queue: queued.then(|| Enqueue { queue: QUEUE.into(), priority: (run % 3) as i32, dedup_id: None }),
             deadline_ms: None,
         })
         .collect()
 }
 
-fn start<S: ModelStore>(store: &mut S, runs: &[usize])
+fn start<S: ModelStore>(store: &mut S, runs: &[usize], queued: bool)
 where
     S::Target: 'static,
 {
-    for outcome in store.start_runs(&start_requests(runs), now_ms()).expect("start") {
+    for outcome in store.start_runs(&start_requests(runs, queued), now_ms()).expect("start") {
         assert!(matches!(outcome, StartOutcome::Started { .. }), "{outcome:?}");
     }
 }
 
-fn all_finished<S: ModelStore>(store: &S, runs: usize) -> bool
+/// Have all `runs` runs the case makes ended? And, read in the same listing (one snapshot), do
+/// the queue's admitted, unfinished runs stay within its limit?
+fn all_finished<S: ModelStore>(store: &S, runs: usize, queue: Option<u32>) -> bool
 where
     S::Target: 'static,
 {
-    let listed = store.list_runs(&RunFilter::default(), 100).expect("list runs");
+    let listed = store.list_runs(&RunFilter::default(), 1_000).expect("list runs");
+    if let Some(limit) = queue {
+        let inside: Vec<&RunRecord> = listed
+            .iter()
+            .filter(|r| r.queue.as_deref() == Some(QUEUE) && r.admitted_at_ms.is_some() && !r.status.is_terminal())
+            .collect();
+        assert!(
+            inside.len() as u32 <= limit,
+            "queue {QUEUE} (limit {limit}) has {} runs admitted: {inside:#?}",
+            inside.len()
+        );
+    }
     listed.len() == runs && listed.iter().all(|r| r.status.is_terminal())
 }
 
@@ -703,7 +849,13 @@ where
     S::Target: 'static,
 {
     let n = case.runs.len();
-    start(store, &case.order[..case.first_batch]);
+    let queued = case.queue.is_some();
+    if let Some(limit) = case.queue {
+        store.put_queue(&QueueSpec::new(QUEUE).concurrency(limit), now_ms()).expect("declare the queue");
+    }
+    // Every run the case makes: its top-level runs, their continuations and children.
+    let total: usize = case.runs.iter().enumerate().map(|(run, spec)| expect_chain(run, spec).len()).sum();
+    start(store, &case.order[..case.first_batch], queued);
     let mut started = case.first_batch;
     let mut kills = case.kills.iter().copied();
     let mut deaths = 0;
@@ -740,7 +892,7 @@ where
             if started < n && tick == 3 {
                 // Through the worker's writer: queued behind whatever it is doing (a body may be
                 // blocked in the journal's transaction), committed even if the worker dies.
-                let requests = start_requests(&case.order[started..]);
+                let requests = start_requests(&case.order[started..], queued);
                 drop(writers[0].call(move |store, now| store.start_runs(&requests, now)));
                 started = n;
             }
@@ -752,7 +904,7 @@ where
                 ending = Some(Ending::Crashed(None));
                 break;
             }
-            if started == n && tick % 5 == 0 && all_finished(store, n) {
+            if started == n && tick % 5 == 0 && all_finished(store, total, case.queue) {
                 ending = Some(Ending::Finished);
                 break;
             }
@@ -800,22 +952,21 @@ where
 
 /// Compare the real run with the model.
 fn check_run(
+    run_id: &str,
+    expected: &Expected,
     spec: &RunSpec,
-    run: usize,
     d: &RunDetail,
     rows: &[(String, String, u32)],
     calls: &[Call],
     interruptions: u32,
 ) {
-    let run_id = run_id(run);
-    let expected = expect(&run_id, spec);
     let context = format!("run {run_id}: {spec:?}\nexpected {expected:#?}\ngot {d:#?}");
     assert_eq!(d.run.status, expected.status, "{context}");
     let journal: Vec<Entry> = d.journal.iter().map(|e| (e.name.clone(), e.kind, e.status, e.attempts)).collect();
     assert_eq!(journal, expected.journal, "{context}");
     let seqs: Vec<u32> = d.journal.iter().map(|e| e.seq).collect();
     assert_eq!(seqs, (0..d.journal.len() as u32).collect::<Vec<_>>(), "a gapless journal: {context}");
-    if expected.status == RunStatus::Completed {
+    if matches!(expected.status, RunStatus::Completed | RunStatus::Continued) {
         assert_eq!(d.run.result, expected.result, "{context}");
     }
     if let Some(part) = &expected.error {
@@ -923,7 +1074,7 @@ where
                             action.tx
                         }
                     }
-                    Elem::Sleep { .. } => unreachable!(),
+                    Elem::Sleep { .. } | Elem::Child { .. } => unreachable!(),
                 };
                 format!("{}{}", if tx { "tx" } else { "ext" }, if undo { "-undo" } else { "" })
             })
@@ -932,11 +1083,13 @@ where
             .map(|r| store.run(&run_id(r)).unwrap().unwrap().run.status.as_str().to_string())
             .collect();
         let stalls = lock(&shared.stalled).len();
+        let made: usize = case.runs.iter().enumerate().map(|(run, spec)| expect_chain(run, spec).len()).sum();
         eprintln!(
-            "case: {} runs, {} workers x {}, interruptions {interruptions}, stalls {stalls}, crashes fired {fired:?}, kills {:?}, {statuses:?}",
+            "case: {} runs ({made} with continuations and children), {} workers x {}, queue {:?}, interruptions {interruptions}, stalls {stalls}, crashes fired {fired:?}, kills {:?}, {statuses:?}",
             case.runs.len(),
             case.workers,
             case.concurrency,
+            case.queue,
             case.kills
         );
     }
@@ -945,13 +1098,18 @@ where
     let calls = lock(&shared.calls).clone();
     let mut tx_completed = 0;
     for (run, spec) in case.runs.iter().enumerate() {
-        let d = store.run(&run_id(run)).expect("read").expect("the run exists");
-        check_run(spec, run, &d, &rows, &calls, interruptions);
-        tx_completed += d
-            .journal
-            .iter()
-            .filter(|e| e.status == StepStatus::Completed && action_named(spec, &e.name).is_some_and(|a| a.tx))
-            .count();
+        for (id, expected, spec) in expect_chain(run, spec) {
+            let d = store.run(&id).expect("read").unwrap_or_else(|| panic!("run {id} exists"));
+            check_run(&id, &expected, &spec, &d, &rows, &calls, interruptions);
+            if let Some(queue) = case.queue.filter(|_| d.run.parent_run_id.is_none()) {
+                assert_eq!(d.run.queue.as_deref(), Some(QUEUE), "{id} went through the queue (limit {queue})");
+            }
+            tx_completed += d
+                .journal
+                .iter()
+                .filter(|e| e.status == StepStatus::Completed && action_named(&spec, &e.name).is_some_and(|a| a.tx))
+                .count();
+        }
     }
     assert_eq!(rows.len(), tx_completed, "no stray rows: {rows:?}");
 }
@@ -1001,6 +1159,7 @@ fn the_model_expects_reverse_compensations_and_parks_on_a_failed_one() {
             Elem::Step { action: Action { tx: false, fails: 1, end: End::Permanent, stall: false }, undo: None },
         ],
         crash: None,
+        continues: 0,
     };
     let e = expect("r", &spec);
     assert_eq!(e.status, RunStatus::Compensated);

@@ -248,11 +248,14 @@ fn claim_candidates_sql() -> String {
     )
 }
 
-/// Runs of a workflow type holding a live lease (parameters: workflow, now_ms).
+/// Runs of a workflow type holding a live lease (parameters: workflow, now_ms). Pinned to
+/// `runs_due`, which holds only active runs: without statistics the planner may take
+/// `runs_workflow` (every run the type ever had) as an equal choice, and did once `runs` was
+/// rebuilt (schema v10).
 fn leased_count_sql() -> String {
     let active = active("status");
     format!(
-        "SELECT count(*) FROM runs WHERE workflow = ?1 AND {active}
+        "SELECT count(*) FROM runs INDEXED BY runs_due WHERE workflow = ?1 AND {active}
            AND lease_token IS NOT NULL AND lease_expires_at_ms > ?2"
     )
 }
