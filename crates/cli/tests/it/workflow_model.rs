@@ -2,7 +2,9 @@
 //! fail a few times, then succeed or fail for good; durable sleeps; sagas whose compensations may
 //! fail too; child workflows, whose failure is their parent's; runs that continue as new once or
 //! twice, each generation doing the same steps; all of a case's runs through one queue with a
-//! concurrency limit of 1 or 2, sampled in every poll's listing to stay within it), started in a
+//! concurrency limit of 1 or 2, sampled in every poll's listing to stay within it; a schedule of
+//! one plain run's workflow ticked one to three times, each tick twice, by a ticker on a virtual
+//! clock while the workers run and crash: exactly one run per tick), started in a
 //! random order, on workers that crash at random points (a step's body
 //! blocks and the worker's runtime is torn down; a transactional step's body runs and its
 //! transaction never commits; a worker killed at a random moment). A new worker (another id)
@@ -42,6 +44,7 @@ use proptest::prelude::*;
 use rusqlite::params;
 use serde_json::{json, Map, Value};
 use tidemark_core::queue::{Enqueue, QueueSpec, QueueStore};
+use tidemark_core::schedule::{CatchUp, ScheduleSpec, ScheduleStore, Timing};
 use tidemark_core::workflow::{
     child_run_id, continuation_run_id, Backoff, RetryPolicy, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome,
     StartRequest, StepFailure, StepKind, StepStatus, WorkflowStore,
@@ -58,7 +61,7 @@ use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 /// What the model needs of a backend besides the store trait: a transactional body's own
 /// statements on the store's handle (read the journal's attempts of its step, write its row, end
 /// the transaction the way a crash before the commit leaves it), and the test's table of rows.
-trait ModelStore: WorkflowStore + QueueStore + Send + 'static
+trait ModelStore: WorkflowStore + QueueStore + ScheduleStore + Send + 'static
 where
     Self::Target: 'static,
 {
@@ -232,6 +235,10 @@ struct Case {
     /// Every run (and continuation) goes through queue `q` with this concurrency limit, the
     /// run's index mod 3 as its priority.
     queue: Option<u32>,
+    /// A schedule `run-{.0}-tick` every second of the workflow of (plain) run `.0`, ticked `.1` times
+    /// (each tick twice, by two tickers) while the workers run and crash: each tick starts one run
+    /// `run-{.0}-tick:<ms>`, which must end as run `.0` does.
+    schedule: Option<(usize, u32)>,
 }
 
 fn action(undo: bool) -> impl Strategy<Value = Action> {
@@ -280,15 +287,16 @@ fn case() -> impl Strategy<Value = Case> {
             1_usize..=2,
             prop_oneof![Just(1_usize), Just(2), Just(8)],
             proptest::option::weighted(0.3, 1_u32..=2),
+            proptest::option::weighted(0.3, (0..n, 1_u32..=3)),
         )
-            .prop_map(|(runs, order, first_batch, kills, workers, concurrency, queue)| Case {
-                runs,
-                order,
-                first_batch,
-                kills,
-                workers,
-                concurrency,
-                queue,
+            .prop_map(|(runs, order, first_batch, kills, workers, concurrency, queue, schedule)| {
+                // A plain run's workflow (a saga's actions learn their run id only from the
+                // idempotency key, and the model's transactional rows need it).
+                let schedule = schedule.and_then(|(run, ticks)| {
+                    let plain = (run..runs.len()).chain(0..run).find(|&r| !runs[r].saga)?;
+                    Some((plain, ticks))
+                });
+                Case { runs, order, first_batch, kills, workers, concurrency, queue, schedule }
             })
     })
 }
@@ -324,6 +332,28 @@ fn child_workflow_name(run: usize, elem: usize) -> String {
 
 /// The queue of a case's runs.
 const QUEUE: &str = "q";
+
+/// The schedule of a case (on the workflow of run `run`).
+fn schedule_id(run: usize) -> String {
+    format!("run-{run}-tick")
+}
+
+/// The interval of a case's schedule; its virtual clock starts this long before the case.
+const TICK_MS: i64 = 1_000;
+const TICKER_BEHIND_MS: i64 = 60_000;
+
+/// Every run the case makes, with what each must end as and the spec it executes: the
+/// top-level runs' chains, and the runs of the schedule's ticks (created at `ticker_t0`).
+fn expect_case(case: &Case, ticker_t0: i64) -> Vec<(String, Expected, RunSpec)> {
+    let mut all: Vec<_> = case.runs.iter().enumerate().flat_map(|(run, spec)| expect_chain(run, spec)).collect();
+    if let Some((run, ticks)) = case.schedule {
+        for k in 1..=i64::from(ticks) {
+            let root = tidemark_core::schedule::tick_run_id(&schedule_id(run), ticker_t0 + k * TICK_MS);
+            all.extend(expect_chain_from(&root, &case.runs[run]));
+        }
+    }
+    all
+}
 
 /// What a successful attempt returns.
 fn output(run_id: &str, name: &str, attempt: u32) -> Value {
@@ -380,8 +410,13 @@ fn expect(run_id: &str, spec: &RunSpec) -> Expected {
 /// Every run a top-level run `run` makes (its generations and their children), with what each
 /// must end as and the spec it executes.
 fn expect_chain(run: usize, spec: &RunSpec) -> Vec<(String, Expected, RunSpec)> {
+    expect_chain_from(&run_id(run), spec)
+}
+
+/// [`expect_chain`] of a run `root` of `spec` (a top-level run, or a schedule's tick).
+fn expect_chain_from(root: &str, spec: &RunSpec) -> Vec<(String, Expected, RunSpec)> {
     let mut all = Vec::new();
-    let mut id = run_id(run);
+    let mut id = root.to_string();
     for generation in 0..=spec.continues {
         let mut children = Vec::new();
         let expected = expect_with_children(&id, generation, spec, &mut children);
@@ -843,6 +878,7 @@ fn drive<S>(
     store: &mut S,
     shared: &Arc<Shared>,
     signals: &mpsc::Receiver<Signal>,
+    ticker_t0: i64,
 ) -> u32
 where
     S: ModelStore,
@@ -853,8 +889,29 @@ where
     if let Some(limit) = case.queue {
         store.put_queue(&QueueSpec::new(QUEUE).concurrency(limit), now_ms()).expect("declare the queue");
     }
-    // Every run the case makes: its top-level runs, their continuations and children.
-    let total: usize = case.runs.iter().enumerate().map(|(run, spec)| expect_chain(run, spec).len()).sum();
+    // Every run the case makes: its top-level runs, their continuations and children, the
+    // schedule's ticks.
+    let total = expect_case(case, ticker_t0).len();
+    // The ticker: a writer of its own on a virtual clock that starts a minute in the past and
+    // moves a tick at a time (so the runs it starts are due at once), through every
+    // incarnation; each tick is ticked twice (the second finds nothing due).
+    let virtual_now = Arc::new(std::sync::atomic::AtomicI64::new(ticker_t0));
+    let ticker = case.schedule.map(|(run, _)| {
+        let (opener, now) = (opener.clone(), virtual_now.clone());
+        let clock: tidemark_engine::workflow::Clock = Arc::new(move || now.load(std::sync::atomic::Ordering::SeqCst));
+        let ticker = Writer::spawn_with_clock(move || opener(), clock).expect("the ticker's writer");
+        let spec = ScheduleSpec {
+            schedule_id: schedule_id(run),
+            workflow: workflow_name(run),
+            input: json!({}),
+            timing: Timing::IntervalMs(TICK_MS),
+            timezone: "UTC".into(),
+            catch_up: CatchUp::All,
+        };
+        ticker.call_blocking(move |store, now| store.put_schedule(&spec, now)).expect("put the schedule");
+        (ticker, std::collections::BTreeMap::from([(workflow_name(run), 1_u32)]))
+    });
+    let mut ticked = 0;
     start(store, &case.order[..case.first_batch], queued);
     let mut started = case.first_batch;
     let mut kills = case.kills.iter().copied();
@@ -896,6 +953,23 @@ where
                 drop(writers[0].call(move |store, now| store.start_runs(&requests, now)));
                 started = n;
             }
+            if let (Some((ticker, versions)), Some((_, ticks))) = (&ticker, case.schedule) {
+                if tick % 9 == 7 {
+                    if ticked < ticks {
+                        ticked += 1;
+                        let at = ticker_t0 + i64::from(ticked) * TICK_MS;
+                        virtual_now.store(at, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    // Queued on the ticker's thread, not awaited (a crashed transactional body
+                    // may hold the file's write lock until this loop lets it go). A pass that
+                    // fails (the file busy) is made up by the next: the schedule catches up on
+                    // every due tick, and passes go on until every tick's run exists.
+                    for _ in 0..2 {
+                        let versions = versions.clone();
+                        drop(ticker.call(move |store, now| tidemark_core::schedule::tick(store, &versions, now)));
+                    }
+                }
+            }
             if let Ok(signal) = signals.try_recv() {
                 ending = Some(Ending::Crashed(Some(signal)));
                 break;
@@ -904,7 +978,8 @@ where
                 ending = Some(Ending::Crashed(None));
                 break;
             }
-            if started == n && tick % 5 == 0 && all_finished(store, total, case.queue) {
+            let ticks_done = !matches!(case.schedule, Some((_, ticks)) if ticked != ticks);
+            if started == n && ticks_done && tick % 5 == 0 && all_finished(store, total, case.queue) {
                 ending = Some(Ending::Finished);
                 break;
             }
@@ -1059,7 +1134,9 @@ where
         stalled: Mutex::new(HashSet::new()),
     });
     // A stall may make the stalled worker lose its leases: count it like a crash.
-    let interruptions = drive(&case, opener, &mut store, &shared, &signals) + lock(&shared.stalled).len() as u32;
+    let ticker_t0 = now_ms() - TICKER_BEHIND_MS;
+    let interruptions =
+        drive(&case, opener, &mut store, &shared, &signals, ticker_t0) + lock(&shared.stalled).len() as u32;
     if std::env::var_os("MODEL_VERBOSE").is_some() {
         let fired: Vec<String> = lock(&shared.gate)
             .fired
@@ -1083,13 +1160,14 @@ where
             .map(|r| store.run(&run_id(r)).unwrap().unwrap().run.status.as_str().to_string())
             .collect();
         let stalls = lock(&shared.stalled).len();
-        let made: usize = case.runs.iter().enumerate().map(|(run, spec)| expect_chain(run, spec).len()).sum();
+        let made = expect_case(&case, ticker_t0).len();
         eprintln!(
-            "case: {} runs ({made} with continuations and children), {} workers x {}, queue {:?}, interruptions {interruptions}, stalls {stalls}, crashes fired {fired:?}, kills {:?}, {statuses:?}",
+            "case: {} runs ({made} with continuations, children and ticks), {} workers x {}, queue {:?}, schedule {:?}, interruptions {interruptions}, stalls {stalls}, crashes fired {fired:?}, kills {:?}, {statuses:?}",
             case.runs.len(),
             case.workers,
             case.concurrency,
             case.queue,
+            case.schedule,
             case.kills
         );
     }
@@ -1097,19 +1175,18 @@ where
     let rows = store.rows();
     let calls = lock(&shared.calls).clone();
     let mut tx_completed = 0;
-    for (run, spec) in case.runs.iter().enumerate() {
-        for (id, expected, spec) in expect_chain(run, spec) {
-            let d = store.run(&id).expect("read").unwrap_or_else(|| panic!("run {id} exists"));
-            check_run(&id, &expected, &spec, &d, &rows, &calls, interruptions);
-            if let Some(queue) = case.queue.filter(|_| d.run.parent_run_id.is_none()) {
-                assert_eq!(d.run.queue.as_deref(), Some(QUEUE), "{id} went through the queue (limit {queue})");
-            }
-            tx_completed += d
-                .journal
-                .iter()
-                .filter(|e| e.status == StepStatus::Completed && action_named(&spec, &e.name).is_some_and(|a| a.tx))
-                .count();
+    for (id, expected, spec) in expect_case(&case, ticker_t0) {
+        let d = store.run(&id).expect("read").unwrap_or_else(|| panic!("run {id} exists"));
+        check_run(&id, &expected, &spec, &d, &rows, &calls, interruptions);
+        let started_by_the_case = d.run.parent_run_id.is_none() && !id.contains("-tick");
+        if let Some(queue) = case.queue.filter(|_| started_by_the_case) {
+            assert_eq!(d.run.queue.as_deref(), Some(QUEUE), "{id} went through the queue (limit {queue})");
         }
+        tx_completed += d
+            .journal
+            .iter()
+            .filter(|e| e.status == StepStatus::Completed && action_named(&spec, &e.name).is_some_and(|a| a.tx))
+            .count();
     }
     assert_eq!(rows.len(), tx_completed, "no stray rows: {rows:?}");
 }

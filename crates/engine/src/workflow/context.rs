@@ -64,6 +64,9 @@ struct RunShared<S: WorkflowStore> {
     /// What a continuation keeps of the run: its key, and its queue with its priority.
     key: Option<String>,
     queue: Option<(String, i32)>,
+    /// Told when this run makes another due now (a child started, a message sent), so that the
+    /// worker claims it without waiting for its poll.
+    due: Arc<tokio::sync::Notify>,
 }
 
 struct RunState<T: ?Sized> {
@@ -171,6 +174,7 @@ where
         cancel: Arc<AtomicBool>,
         observer: Option<Arc<dyn WorkerObserver>>,
         workflows: Arc<Workflows<S>>,
+        due: Arc<tokio::sync::Notify>,
     ) -> Self {
         let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
         events.sort_by_key(|e| e.received_at_ms);
@@ -202,6 +206,7 @@ where
                 deadline_ms: *deadline_ms,
                 key: key.clone(),
                 queue: queue.clone().map(|q| (q, priority.unwrap_or(0))),
+                due,
             }),
         }
     }
@@ -413,7 +418,10 @@ where
                 let op =
                     JournalOp::StartChild { seq, name: workflow.to_string(), request: Box::new(request), wake_at_ms };
                 match self.write(op).await? {
-                    WriteResult::TxResult(Ok(_)) => seq,
+                    WriteResult::TxResult(Ok(_)) => {
+                        self.inner.due.notify_one();
+                        seq
+                    }
                     WriteResult::TxResult(Err(failure)) => {
                         return Err(WorkflowError::StepFailed { step: workflow.to_string(), message: failure.message })
                     }
@@ -476,7 +484,10 @@ where
         };
         let op = JournalOp::Send { seq, to: to.to_string(), topic: topic.to_string(), payload };
         match self.write(op).await? {
-            WriteResult::TxResult(Ok(_)) => Ok(()),
+            WriteResult::TxResult(Ok(_)) => {
+                self.inner.due.notify_one();
+                Ok(())
+            }
             WriteResult::TxResult(Err(failure)) => {
                 Err(WorkflowError::StepFailed { step: topic.to_string(), message: failure.message })
             }

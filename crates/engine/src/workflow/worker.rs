@@ -14,7 +14,7 @@ use tidemark_core::workflow::{
     UnclaimableRuns, WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX,
 };
 use tidemark_core::{Error, Result};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
 use tokio::time::Instant;
 
@@ -325,6 +325,10 @@ pub struct Worker<S: WorkflowStore> {
     observer: Option<Arc<dyn WorkerObserver>>,
     /// Callers awaiting a run's end ([`Worker::wait_for_end`]).
     end_waiters: EndWaiters,
+    /// A run of this worker made another run due now (a child it started, the parent its end
+    /// woke, its continuation, the receiver of its message): the loop claims without waiting for
+    /// its next poll.
+    due_now: Arc<Notify>,
 }
 
 impl<S> Worker<S>
@@ -347,6 +351,7 @@ where
             finished: Mutex::new(None),
             observer: None,
             end_waiters: EndWaiters::default(),
+            due_now: Arc::new(Notify::new()),
         })
     }
 
@@ -484,6 +489,8 @@ where
         let claim_at_free = (self.options.concurrency / 4).max(1);
         let mut backlog = true;
         let mut last_claim: Option<Instant> = None;
+        // A run made another due now: claim at once, unless a backlog batches the claims anyway.
+        let mut nudged = false;
         let result = loop {
             let mut claimed = 0;
             let mut attempted = false;
@@ -492,9 +499,13 @@ where
                 Some(at) => at.elapsed() >= poll,
                 None => true,
             };
-            let wanted = poll_due || (backlog && free >= claim_at_free) || (idle_exit && in_flight.is_empty());
+            let wanted = poll_due
+                || (nudged && !backlog)
+                || (backlog && free >= claim_at_free)
+                || (idle_exit && in_flight.is_empty());
             if free > 0 && wanted {
                 attempted = true;
+                nudged = false;
                 last_claim = Some(Instant::now());
                 match self.claim(free, &slots).await {
                     Ok(runs) => {
@@ -545,6 +556,7 @@ where
                     }
                     Err(error) => report.error(format!("claim: {error}")),
                 },
+                _ = self.due_now.notified(), if !nudged => nudged = true,
                 _ = tokio::time::sleep(pause) => {}
             }
         };
@@ -639,8 +651,8 @@ where
         let concluding = Arc::new(AtomicBool::new(false));
         let observer = self.observer.clone();
         let workflows = self.workflows.clone();
-        let task =
-            execute(self.writer.clone(), registered, claimed, cancel.clone(), concluding.clone(), observer, workflows);
+        let signals = RunSignals { cancel: cancel.clone(), concluding: concluding.clone(), due: self.due_now.clone() };
+        let task = execute(self.writer.clone(), registered, claimed, signals, observer, workflows);
         let abort = set.spawn(task);
         in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, concluding, abort, lost: false });
     }
@@ -800,13 +812,20 @@ where
     }
 }
 
+/// What an execution shares with its worker's loop: the cancel request it observes, whether it
+/// is concluding (a heartbeat no longer aborts it), and the loop's "due now" nudge.
+struct RunSignals {
+    cancel: Arc<AtomicBool>,
+    concluding: Arc<AtomicBool>,
+    due: Arc<Notify>,
+}
+
 /// One execution of a claimed run: mark it running, call the function, write how it ended.
 async fn execute<S>(
     writer: Writer<S>,
     registered: Arc<Registered<S>>,
     mut claimed: ClaimedRun,
-    cancel: Arc<AtomicBool>,
-    concluding: Arc<AtomicBool>,
+    signals: RunSignals,
     observer: Option<Arc<dyn WorkerObserver>>,
     workflows: Arc<Workflows<S>>,
 ) -> RunOutcome
@@ -814,6 +833,8 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
+    let RunSignals { cancel, concluding, due } = signals;
+    let has_parent = claimed.run.parent_run_id.is_some();
     let ctx = WorkflowContext::new(
         writer.clone(),
         &claimed,
@@ -821,6 +842,7 @@ where
         cancel,
         observer.clone(),
         workflows,
+        due.clone(),
     );
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
         ctx.mark_running();
@@ -830,6 +852,10 @@ where
     // No step of this run runs after this point, so a heartbeat need not abort it any more.
     concluding.store(true, Ordering::SeqCst);
     let outcome = ctx.conclude(result).await;
+    // Its end woke its parent, or started its continuation: due now.
+    if matches!(outcome, RunOutcome::Finished(status) if has_parent || status == FinishStatus::Continued) {
+        due.notify_one();
+    }
     if let (Some(observer), RunOutcome::Finished(status)) = (&observer, &outcome) {
         observer.run_finished(&claimed.run, *status, writer.now_ms().saturating_sub(claimed.run.created_at_ms));
     }
