@@ -83,8 +83,8 @@ enum Command {
     Relay(RelayArgs),
     /// Store one event (JSON envelope from --file or stdin) in a consumer's inbox.
     Receive(ReceiveArgs),
-    /// Consume a broker (NATS JetStream, Kafka) into a consumer's inbox, acking (or committing offsets)
-    /// after each inbox commit.
+    /// Consume a broker (NATS JetStream, Kafka, RabbitMQ) into a consumer's inbox, acking (or committing
+    /// offsets) after each inbox commit.
     Consume(ConsumeArgs),
     /// Apply the next event (high-water + 1) of one flow.
     Apply(ApplyArgs),
@@ -191,23 +191,30 @@ struct SubscribeArgs {
 
 #[derive(Args)]
 struct ConsumeArgs {
-    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed) or
-    /// `kafka://host:port[,host:port...]/<topic>`.
+    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed),
+    /// `kafka://host:port[,host:port...]/<topic>` or `amqp://host[:port]/<queue>` (a RabbitMQ
+    /// queue on the default virtual host, never declared here).
     #[arg(long)]
     from: String,
     /// NATS only, and required there: the JetStream stream capturing the subjects (never
     /// created here).
     #[arg(long)]
     stream: Option<String>,
-    /// The durable pull consumer's name (NATS) or the consumer group (Kafka's `group.id`);
-    /// default `tidemark-<consumer id>`.
+    /// The durable pull consumer's name (NATS), the consumer group (Kafka's `group.id`) or the
+    /// consumer tag (RabbitMQ); default `tidemark-<consumer id>`.
     #[arg(long)]
     durable: Option<String>,
+    /// RabbitMQ only: `env:NAME`, the environment variable holding `user:password` to connect
+    /// as (or `user:password` itself, which other users of the machine can see in the process
+    /// list); default `guest:guest`, which RabbitMQ accepts from loopback only.
+    #[arg(long)]
+    amqp_credentials: Option<String>,
     #[arg(long)]
     consumer_db: PathBuf,
     #[arg(long)]
     consumer_id: String,
-    /// Messages per pull (1..=1,000).
+    /// Messages per pull (1..=1,000); for NATS and RabbitMQ, twice this is the most the broker
+    /// hands over unacked.
     #[arg(long, default_value_t = 100)]
     batch: usize,
     /// NATS only: how long the broker waits for an ack before redelivering, in ms (default
@@ -219,7 +226,8 @@ struct ConsumeArgs {
     #[arg(long)]
     session_timeout_ms: Option<u64>,
     /// Stop when a pull finds nothing more (for Kafka: once the group assigned this consumer its
-    /// partitions and each is committed up to its end); else run until SIGINT or SIGTERM.
+    /// partitions and each is committed up to its end; for RabbitMQ: once the queue also holds
+    /// no message ready); else run until SIGINT or SIGTERM.
     #[arg(long)]
     until_idle: bool,
 }
@@ -913,12 +921,31 @@ fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<V
         Error::Invalid { message, .. } => Error::invalid(codes::INVALID_ARGUMENT, message),
         other => other,
     })?;
+    let mut transport = tidemark_transport::TransportConfig {
+        connect_timeout: std::time::Duration::from_secs(5),
+        ..Default::default()
+    };
+    match (&spec, args.amqp_credentials) {
+        (tidemark_transport::SourceSpec::Amqp(config), Some(credentials)) => {
+            let (server, _) = config.validate()?;
+            transport.amqp_credentials.insert(server.clone(), credentials);
+            // Checked before anything connects; the message never holds the value.
+            transport.amqp_credentials(&server).map_err(|e| {
+                let key = format!("relay.amqp_credentials.\"{server}\"");
+                Error::invalid(codes::INVALID_ARGUMENT, e.to_string().replace(&key, "--amqp-credentials"))
+            })?;
+        }
+        (_, None) => {}
+        (_, Some(_)) => {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "--amqp-credentials is for amqp:// sources only"))
+        }
+    }
     // The longest a Kafka group may take to assign this consumer its partitions (a rebalance
     // waits up to the members' poll interval for the others to rejoin): `--until-idle` gives up
     // after it rather than wait for a cluster that never assigns.
     let join_bound = std::time::Duration::from_millis(match &spec {
         tidemark_transport::SourceSpec::Kafka(config) => config.session_timeout_ms.max(300_000),
-        tidemark_transport::SourceSpec::Nats(_) => 0,
+        tidemark_transport::SourceSpec::Nats(_) | tidemark_transport::SourceSpec::Amqp(_) => 0,
     });
     let inbox = FileInbox(std::sync::Mutex::new(SqliteConsumer::open_with(&args.consumer_db, durability)?));
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -926,7 +953,7 @@ fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<V
         .build()
         .map_err(|e| Error::io(format!("cannot start the runtime: {e}")))?;
     runtime.block_on(async {
-        let source = tidemark_transport::Source::connect(&spec, std::time::Duration::from_secs(5)).await?;
+        let source = tidemark_transport::Source::connect(&spec, &transport).await?;
         let started = std::time::Instant::now();
         let mut total = tidemark_transport::SourceReport::default();
         let mut pulls = 0_u64;

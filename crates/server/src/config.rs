@@ -53,7 +53,7 @@ pub struct Config {
 }
 
 /// `[[sources]]`: one broker consumed into one declared consumer's inbox (docs/protocol.md,
-/// "Consuming from a broker"): a NATS JetStream stream or a Kafka topic.
+/// "Consuming from a broker"): a NATS JetStream stream, a Kafka topic or a RabbitMQ queue.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceConfig {
@@ -62,18 +62,20 @@ pub struct SourceConfig {
     /// The declared consumer (`PUT /v1/consumers/{id}`) whose inbox the events go to; its
     /// handler's database holds that inbox, and its drain applies them.
     pub consumer: String,
-    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed) or
-    /// `kafka://host:port[,host:port...]/<topic>`.
+    /// `nats://host[:port]/<subject prefix>` (the subjects `<prefix>.>` are consumed),
+    /// `kafka://host:port[,host:port...]/<topic>` or `amqp://host[:port]/<queue>` (a queue on the
+    /// default virtual host, connected to with `relay.amqp_credentials` for `host:port`).
     pub from: String,
     /// NATS only (and required there): the JetStream stream capturing the subjects (the
     /// operator's; never created by tidemark).
     #[serde(default)]
     pub stream: Option<String>,
-    /// The durable pull consumer's name (NATS) or the consumer group (Kafka's `group.id`);
-    /// default `tidemark-<tenant>-<consumer>`.
+    /// The durable pull consumer's name (NATS), the consumer group (Kafka's `group.id`) or the
+    /// consumer tag (RabbitMQ); default `tidemark-<tenant>-<consumer>`.
     #[serde(default)]
     pub durable: Option<String>,
-    /// Messages per pull (1..=1,000; default 100).
+    /// Messages per pull (1..=1,000; default 100); for NATS and RabbitMQ, twice this is the
+    /// most the broker hands over unacked.
     #[serde(default = "default_source_batch")]
     pub batch: usize,
     /// NATS only: how long the broker waits for an ack before redelivering, in ms
@@ -94,7 +96,7 @@ fn default_source_batch() -> usize {
 impl SourceConfig {
     /// The transport's view of this source, checked
     /// ([`tidemark_transport::SourceSettings::check`]): `invalid_config` for a `from` that is
-    /// no broker this build consumes, a setting of the other kind, a missing `stream` (NATS) or a
+    /// no broker this build consumes, a setting of another kind, a missing `stream` (NATS) or a
     /// value out of range.
     pub fn spec(&self) -> Result<tidemark_transport::SourceSpec> {
         tidemark_transport::SourceSettings {
@@ -570,7 +572,17 @@ mod tests {
                 "[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"kafka://h:9092/t\"\nsession_timeout_ms = 10",
                 "session_timeout_ms",
             ),
-            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/x\"", "not consumed from"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"pull:\"", "not consumed from"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/x\"\nstream = \"S\"", "stream"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/x\"\nack_wait_ms = 5000", "ack_wait_ms"),
+            (
+                "[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/x\"\nsession_timeout_ms = 9000",
+                "session_timeout_ms",
+            ),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/vhost/q\"", "sources[0]"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://u:p@h/q\"", "sources[0]"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/q\"\nbatch = 1001", "batch"),
+            ("[[sources]]\ntenant = \"t\"\nconsumer = \"c\"\nfrom = \"amqp://h/q\"\ndurable = \"a b\"", "consumer tag"),
             ("[relay.tokens]\n\"http://h\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80/v1\" = \"t\"", "relay.tokens"),
             ("[relay.tokens]\n\"http://h:80\" = \"\"", "relay.tokens"),
@@ -597,7 +609,8 @@ mod tests {
         let config = load_text(
             "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"nats://h/orders\"\nstream = \"ORDERS\"\n\
              [[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"kafka://k1:9092,k2:9092/orders\"\n\
-             batch = 50\n",
+             batch = 50\n\
+             [[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"amqp://rabbit/shipping.orders\"\n",
         )
         .unwrap();
         let specs: Vec<tidemark_transport::SourceSpec> = config.sources.iter().map(|s| s.spec().unwrap()).collect();
@@ -616,6 +629,11 @@ mod tests {
                     group: "tidemark-shipping-ledger".into(),
                     batch: 50,
                     session_timeout_ms: 45_000,
+                }),
+                tidemark_transport::SourceSpec::Amqp(tidemark_transport::AmqpSourceConfig {
+                    from: "amqp://rabbit/shipping.orders".into(),
+                    consumer_tag: "tidemark-shipping-ledger".into(),
+                    batch: 100,
                 }),
             ]
         );

@@ -1,6 +1,7 @@
 //! Broker sources: for each `[[sources]]` entry of an open tenant, a loop that pulls from the
-//! broker into the declared consumer's inbox and acks (JetStream) or commits offsets (Kafka) only
-//! after the inbox commit (`tidemark_transport::NatsSource`, `KafkaSource`). The consumer's drain,
+//! broker into the declared consumer's inbox and acks (JetStream, RabbitMQ) or commits offsets
+//! (Kafka) only after the inbox commit (`tidemark_transport::NatsSource`, `KafkaSource`,
+//! `AmqpSource`). The consumer's drain,
 //! in the delivery loop, applies what arrives, in seq order per flow, as for any relay's
 //! deliveries.
 
@@ -19,7 +20,7 @@ use crate::tenant::Tenant;
 use crate::AppState;
 
 /// The bound of one pull (JetStream answers at once with what the stream holds, up to the batch;
-/// a Kafka pull waits this long for a first record).
+/// a Kafka or RabbitMQ pull waits this long for a first record or delivery).
 const PULL_WAIT: Duration = Duration::from_millis(500);
 /// The pause after a failed connect or pull.
 const RETRY_PAUSE_MS: u64 = 500;
@@ -70,7 +71,7 @@ impl Inbox for ConsumerInbox {
 
 async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig) -> Value {
     let inbox = ConsumerInbox { state: state.clone(), tenant: tenant.clone() };
-    let connect_timeout = state.config.transport_config().connect_timeout;
+    let transport = state.config.transport_config();
     // Checked when the configuration was loaded.
     let spec = match config.spec() {
         Ok(spec) => spec,
@@ -87,7 +88,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
     let mut signal = state.shutdown_signal();
     while !state.is_shutting_down() {
         let result = match &source {
-            None => Source::connect(&spec, connect_timeout).await.map(|s| {
+            None => Source::connect(&spec, &transport).await.map(|s| {
                 source = Some(s);
                 SourceReport::default()
             }),
@@ -104,7 +105,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
                 if report.rejected > 0 {
                     tracing::warn!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
                         rejected = report.rejected, reasons = ?report.reasons,
-                        "source: messages rejected: terminated at the broker or committed past (not envelopes, or \
+                        "source: messages rejected: terminated or rejected at the broker, or committed past (not envelopes, or \
                          refused by the inbox)");
                 }
                 total.absorb(report);

@@ -44,6 +44,26 @@ use crate::{Delivered, Transport, TransportConfig};
 /// The longest routing key AMQP 0-9-1 carries (a short string).
 const ROUTING_KEY_BYTES_MAX: usize = 255;
 
+/// The URI of the broker `server` (`host:port`) on the default virtual host `/`, without TLS, as
+/// `user`; `invalid_endpoint` when `server` is not `host:port`. Shared by [`AmqpTransport`] and
+/// the consuming side, [`crate::AmqpSource`].
+pub(crate) fn broker_uri(server: &str, user: &str, password: &str, connect_timeout: Duration) -> Result<AMQPUri> {
+    let (host, port) = server
+        .rsplit_once(':')
+        .and_then(|(host, port)| Some((host.trim_start_matches('[').trim_end_matches(']'), port.parse().ok()?)))
+        .ok_or_else(|| Error::invalid(codes::INVALID_ENDPOINT, format!("{server} is not host:port")))?;
+    Ok(AMQPUri {
+        scheme: AMQPScheme::AMQP,
+        authority: AMQPAuthority {
+            userinfo: AMQPUserInfo { username: user.to_string(), password: password.to_string() },
+            host: host.to_string(),
+            port,
+        },
+        vhost: "/".to_string(),
+        query: AMQPQueryString { connection_timeout: Some(connect_timeout.as_millis() as u64), ..Default::default() },
+    })
+}
+
 /// A confirmed publisher to one `amqp://host:port/<exchange>` endpoint, connected on first use.
 pub struct AmqpTransport {
     server: String,
@@ -76,24 +96,7 @@ impl AmqpTransport {
     }
 
     fn uri(&self) -> Result<AMQPUri> {
-        let (host, port) = self
-            .server
-            .rsplit_once(':')
-            .and_then(|(host, port)| Some((host.trim_start_matches('[').trim_end_matches(']'), port.parse().ok()?)))
-            .ok_or_else(|| Error::invalid(codes::INVALID_ENDPOINT, format!("{} is not host:port", self.server)))?;
-        Ok(AMQPUri {
-            scheme: AMQPScheme::AMQP,
-            authority: AMQPAuthority {
-                userinfo: AMQPUserInfo { username: self.user.clone(), password: self.password.clone() },
-                host: host.to_string(),
-                port,
-            },
-            vhost: "/".to_string(),
-            query: AMQPQueryString {
-                connection_timeout: Some(self.connect_timeout.as_millis() as u64),
-                ..Default::default()
-            },
-        })
+        broker_uri(&self.server, &self.user, &self.password, self.connect_timeout)
     }
 
     async fn channel(&self) -> Result<&Channel> {

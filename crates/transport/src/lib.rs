@@ -13,11 +13,13 @@
 //! `acks=all`). File endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`.
 //!
 //! The consuming side of the brokers ([`Source`]): a JetStream durable pull consumer
-//! ([`NatsSource`]) or a Kafka consumer group ([`KafkaSource`]) read into an [`Inbox`], acking or
-//! committing offsets only after the inbox transaction committed.
+//! ([`NatsSource`]), a Kafka consumer group ([`KafkaSource`]) or a RabbitMQ queue
+//! ([`AmqpSource`]) read into an [`Inbox`], acking or committing offsets only after the inbox
+//! transaction committed.
 #![warn(missing_docs)]
 
 mod amqp;
+mod amqp_source;
 mod http;
 mod kafka;
 mod kafka_source;
@@ -36,6 +38,7 @@ use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
 
 pub use amqp::{routing_key as amqp_routing_key, AmqpTransport};
+pub use amqp_source::{AmqpSource, AmqpSourceConfig};
 pub use http::HttpTransport;
 pub use kafka::{headers as kafka_headers, key as kafka_key, KafkaTransport};
 pub use kafka_source::{KafkaSource, KafkaSourceConfig};
@@ -67,8 +70,9 @@ pub struct TransportConfig {
     /// Bearer tokens of HTTP endpoints by origin (`http://host:port`, the port always spelled
     /// out): the token itself, or `env:NAME` to read it from the environment variable `NAME`.
     pub http_tokens: BTreeMap<String, String>,
-    /// Credentials of RabbitMQ brokers by server (`host:port`, as the endpoint's server is spelled:
-    /// the port always spelled out): `user:password`, or `env:NAME` to read `user:password` from
+    /// Credentials of RabbitMQ brokers by server (`host:port`, as the endpoint's or source's
+    /// server is spelled: the port always spelled out), for the relay's `amqp://` endpoints and
+    /// for `amqp://` sources alike: `user:password`, or `env:NAME` to read `user:password` from
     /// the environment variable `NAME`. A broker with no entry is connected to as `guest:guest`
     /// (RabbitMQ's default user, which it accepts from loopback only).
     pub amqp_credentials: BTreeMap<String, String>,

@@ -1,7 +1,8 @@
 //! Consuming from a broker into a tidemark inbox: a JetStream durable pull consumer whose
 //! messages are stored in the inbox and acked to the broker only after the inbox transaction
 //! committed (docs/protocol.md, "Consuming from a broker"). The Kafka consumer group is
-//! `kafka_source.rs`; [`Source`] is either, and [`Inbox`] and [`SourceReport`] are shared.
+//! `kafka_source.rs` and the RabbitMQ queue consumer `amqp_source.rs`; [`Source`] is any of them,
+//! and [`Inbox`] and [`SourceReport`] are shared.
 //!
 //! One pull: fetch up to `batch` messages (what the stream holds now: a pull does not wait for
 //! more; the caller pauses when one finds nothing), parse each as
@@ -37,24 +38,28 @@ pub trait Inbox: Send + Sync {
     ) -> Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>>;
 }
 
-/// A connected broker source of either kind: what `tidemark serve`'s `[[sources]]` and
+/// A connected broker source of any kind: what `tidemark serve`'s `[[sources]]` and
 /// `tidemark consume` run.
 pub enum Source {
     /// A JetStream durable pull consumer (boxed: its client is large beside the Kafka member).
     Nats(Box<NatsSource>),
     /// A member of a Kafka consumer group.
     Kafka(crate::KafkaSource),
+    /// A consumer of a RabbitMQ queue (boxed, as the NATS member).
+    Amqp(Box<crate::AmqpSource>),
 }
 
 /// A source as an operator gives it (`[[sources]]` in `tidemark serve`'s configuration,
-/// `tidemark consume`'s flags), before it is checked: the settings of both kinds side by side.
+/// `tidemark consume`'s flags), before it is checked: the settings of every kind side by side.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SourceSettings {
-    /// `nats://host[:port]/<subject prefix>` or `kafka://host:port[,host:port...]/<topic>`.
+    /// `nats://host[:port]/<subject prefix>`, `kafka://host:port[,host:port...]/<topic>` or
+    /// `amqp://host[:port]/<queue>`.
     pub from: String,
     /// NATS only, and required there: the JetStream stream capturing the subjects.
     pub stream: Option<String>,
-    /// The durable pull consumer's name (NATS) or the consumer group, `group.id` (Kafka).
+    /// The durable pull consumer's name (NATS), the consumer group, `group.id` (Kafka), or the
+    /// consumer tag (RabbitMQ, where the queue itself keeps what is not acked yet).
     pub durable: String,
     /// Messages per pull.
     pub batch: usize,
@@ -78,15 +83,30 @@ pub enum SourceSpec {
     Nats(NatsSourceConfig),
     /// A Kafka consumer group.
     Kafka(crate::KafkaSourceConfig),
+    /// A RabbitMQ queue.
+    Amqp(crate::AmqpSourceConfig),
+}
+
+/// The endpoint a source's `from` names, or `invalid_config` saying why not. An `amqp://` source's
+/// path names a queue where an endpoint's names an exchange (the same name rules): the message
+/// says which.
+pub(crate) fn parse_from(from: &str) -> Result<Endpoint> {
+    Endpoint::parse(from).map_err(|e| {
+        let mut why = e.to_string();
+        if from.get(..7).is_some_and(|scheme| scheme.eq_ignore_ascii_case("amqp://")) {
+            why = why.replace("the exchange", "the queue");
+        }
+        Error::invalid(codes::INVALID_CONFIG, format!("source from {from:?}: {why}"))
+    })
 }
 
 impl SourceSettings {
     /// Check the settings for the kind `from` names: `invalid_config` for a `from` that is no
-    /// broker (or a broker kind not consumed from), a setting of the other kind, a NATS source
+    /// broker (or a broker kind not consumed from), a setting of another kind, a NATS source
     /// without `stream`, or a value out of range.
     pub fn check(self) -> Result<SourceSpec> {
         let bad = |why: String| Error::invalid(codes::INVALID_CONFIG, why);
-        let kind = Endpoint::parse(&self.from).map_err(|e| bad(format!("source from {:?}: {e}", self.from)))?.kind();
+        let kind = parse_from(&self.from)?.kind();
         match kind {
             EndpointKind::Nats => {
                 if self.session_timeout_ms.is_some() {
@@ -120,8 +140,20 @@ impl SourceSettings {
                 config.validate()?;
                 Ok(SourceSpec::Kafka(config))
             }
+            EndpointKind::Amqp => {
+                if self.stream.is_some() || self.ack_wait_ms.is_some() || self.session_timeout_ms.is_some() {
+                    return Err(bad(
+                        "stream and ack_wait_ms are JetStream settings and session_timeout_ms a Kafka \
+                                    one; an amqp:// source has a queue (in from), a consumer tag (durable) and batch"
+                            .into(),
+                    ));
+                }
+                let config = crate::AmqpSourceConfig { from: self.from, consumer_tag: self.durable, batch: self.batch };
+                config.validate()?;
+                Ok(SourceSpec::Amqp(config))
+            }
             other => Err(bad(format!(
-                "source from {:?}: {other} endpoints are not consumed from; a source is nats:// or kafka://",
+                "source from {:?}: {other} endpoints are not consumed from; a source is nats://, kafka:// or amqp://",
                 self.from
             ))),
         }
@@ -130,31 +162,38 @@ impl SourceSettings {
 
 impl Source {
     /// Connect the source `spec` describes ([`NatsSource::connect`],
-    /// [`crate::KafkaSource::connect`]).
-    pub async fn connect(spec: &SourceSpec, connect_timeout: Duration) -> Result<Source> {
+    /// [`crate::KafkaSource::connect`], [`crate::AmqpSource::connect`]), within `transport`'s
+    /// connect timeout; a RabbitMQ source takes its broker's credentials from it.
+    pub async fn connect(spec: &SourceSpec, transport: &crate::TransportConfig) -> Result<Source> {
+        let connect_timeout = transport.connect_timeout;
         Ok(match spec {
             SourceSpec::Nats(config) => Source::Nats(Box::new(NatsSource::connect(config, connect_timeout).await?)),
             SourceSpec::Kafka(config) => Source::Kafka(crate::KafkaSource::connect(config, connect_timeout).await?),
+            SourceSpec::Amqp(config) => Source::Amqp(Box::new(crate::AmqpSource::connect(config, transport).await?)),
         })
     }
 
-    /// One pull into `inbox` for `consumer_id`, waiting at most `wait` (see [`NatsSource::pull`]
-    /// and [`crate::KafkaSource::pull`]). After an `Err`, drop the source and connect anew.
+    /// One pull into `inbox` for `consumer_id`, waiting at most `wait` (see [`NatsSource::pull`],
+    /// [`crate::KafkaSource::pull`] and [`crate::AmqpSource::pull`]). After an `Err`, drop the
+    /// source and connect anew.
     pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
         match self {
             Source::Nats(source) => source.pull(inbox, consumer_id, wait).await,
             Source::Kafka(source) => source.pull(inbox, consumer_id, wait).await,
+            Source::Amqp(source) => source.pull(inbox, consumer_id, wait).await,
         }
     }
 
     /// True when a pull that found nothing means the broker holds nothing more for this
     /// consumer: at once for JetStream (a pull answers with what the stream holds); for Kafka,
     /// once the group assigned this member its partitions and each is committed up to its end
-    /// ([`crate::KafkaSource::caught_up`]).
+    /// ([`crate::KafkaSource::caught_up`]); for RabbitMQ, once the queue holds no message ready
+    /// for delivery ([`crate::AmqpSource::caught_up`]).
     pub async fn caught_up(&self) -> Result<bool> {
         match self {
             Source::Nats(_) => Ok(true),
             Source::Kafka(source) => source.caught_up().await,
+            Source::Amqp(source) => source.caught_up().await,
         }
     }
 }
@@ -168,8 +207,9 @@ pub struct SourceReport {
     pub accepted: u64,
     /// Already in the inbox (a broker redelivery; acked).
     pub duplicate: u64,
-    /// Terminated at the broker: not an envelope, or refused by the inbox (`conflict`,
-    /// `expired`). Their reasons, at most 20 per report.
+    /// Terminated (JetStream), rejected without requeue (RabbitMQ) or committed past (Kafka):
+    /// not an envelope, or refused by the inbox (`conflict`, `expired`). Their reasons, at most
+    /// 20 per report.
     pub rejected: u64,
     /// Why the last rejected messages were rejected.
     #[serde(skip_serializing_if = "Vec::is_empty")]
