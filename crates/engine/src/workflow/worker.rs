@@ -489,7 +489,8 @@ where
         let claim_at_free = (self.options.concurrency / 4).max(1);
         let mut backlog = true;
         let mut last_claim: Option<Instant> = None;
-        // A run made another due now: claim at once, unless a backlog batches the claims anyway.
+        // A run made another due now: claim at once, unless the worker is busy (a backlog, or
+        // more than half its slots taken), when its own claims come soon enough.
         let mut nudged = false;
         let result = loop {
             let mut claimed = 0;
@@ -499,8 +500,12 @@ where
                 Some(at) => at.elapsed() >= poll,
                 None => true,
             };
+            // A nudge claims at once only while at most half the slots are busy: a busy worker
+            // claims often enough by itself, and a claim of its own per nudge would cost a
+            // commit each.
+            let quiet = in_flight.len() * 2 <= self.options.concurrency;
             let wanted = poll_due
-                || (nudged && !backlog)
+                || (nudged && !backlog && quiet)
                 || (backlog && free >= claim_at_free)
                 || (idle_exit && in_flight.is_empty());
             if free > 0 && wanted {
