@@ -301,3 +301,41 @@ fn a_patch_replays_old_journals_on_the_old_branch_and_new_runs_on_the_new_one() 
     let ran = ran.lock().unwrap().clone();
     assert_eq!(ran, ["old_fee", "old_fee", "new_fee", "new_fee", "new_fee"], "{ran:?}");
 }
+
+/// A message to a run id that is not an identifier, and a published value over its limit, are
+/// bad input every store refuses: the run that asked fails with the code (nothing of it was
+/// written, and the group commit it would have shared with other runs goes on), once, without
+/// being claimed again and again.
+#[test]
+fn a_write_a_store_would_refuse_fails_its_run_and_nothing_else() {
+    let mut workflows = long_lived_workflows();
+    workflows
+        .register("bad_send", 1, fast_options(), |ctx, _input: Value| async move {
+            ctx.send("not an id!", "hello", &json!({})).await?;
+            Ok(json!("sent"))
+        })
+        .unwrap();
+    workflows
+        .register("big_event", 1, fast_options(), |ctx, _input: Value| async move {
+            let big = "x".repeat(tidemark_core::workflow::WORKFLOW_INPUT_BYTES_MAX + 1);
+            ctx.set_event("progress", &big).await?;
+            Ok(json!("published"))
+        })
+        .unwrap();
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    env.start_new("bad", "bad_send", 1, json!({}));
+    env.start_new("big", "big_event", 1, json!({}));
+    env.start_new("good", "countdown", 1, json!({"n": 0}));
+    let report = settle(&rt, &w, &env, &["bad", "big", "good"]);
+    let bad = env.detail("bad").run;
+    assert_eq!(bad.status, RunStatus::Failed);
+    assert!(bad.error.as_deref().unwrap_or("").starts_with("invalid_id"), "{:?}", bad.error);
+    let big = env.detail("big").run;
+    assert_eq!(big.status, RunStatus::Failed);
+    assert!(big.error.as_deref().unwrap_or("").starts_with("payload_too_large"), "{:?}", big.error);
+    assert!(env.detail("big").journal.is_empty() && env.detail("bad").journal.is_empty());
+    assert_eq!(env.detail("good").run.status, RunStatus::Completed);
+    assert_eq!(report.claimed, 3, "each run claimed once: {report:?}");
+    assert_eq!(report.errors, 0, "{report:?}");
+}

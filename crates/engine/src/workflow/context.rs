@@ -12,10 +12,10 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    child_event, child_run_id, continuation_run_id, patch_step_name, workflow_codes, ClaimedRun, FinishStatus,
-    JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent, RunRecord, RunStatus, StartRequest, StepFailure,
-    StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+    child_event, child_run_id, continuation_run_id, patch_step_name, validate_write, workflow_codes, ClaimedRun,
+    FinishStatus, JournalEntry, JournalOp, JournalWrite, RetryPolicy, RunEvent, RunRecord, RunStatus, StartRequest,
+    StepFailure, StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WriteResult, ERROR_BYTES_MAX,
+    RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
 };
 use tidemark_core::Error;
 
@@ -85,6 +85,11 @@ struct RunState<T: ?Sized> {
     store_error: Option<Error>,
     /// The run continues as this new run (`continue_as_new`): written when the function returns.
     continuation: Option<StartRequest>,
+    /// A write this run asked for is bad input a store would refuse (a message to a run id that
+    /// is not one, a value over its limit): nothing of it was sent, and the run fails with this
+    /// (the code first) rather than have the store refuse the group commit it would share with
+    /// other runs, again at every replay.
+    refused: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -105,6 +110,9 @@ impl<T: ?Sized> RunState<T> {
         }
         if let Some(error) = &self.store_error {
             return Err(WorkflowError::Store(error.clone()));
+        }
+        if let Some(message) = &self.refused {
+            return Err(WorkflowError::Failed(message.clone()));
         }
         if self.suspension.is_some() {
             return Err(WorkflowError::suspended());
@@ -189,6 +197,7 @@ where
             lost: false,
             store_error: None,
             continuation: None,
+            refused: None,
         };
         let RunRecord { deadline_ms, key, queue, priority, .. } = &claimed.run;
         WorkflowContext {
@@ -461,7 +470,10 @@ where
             .map_err(|e| WorkflowError::Failed(format!("the value of event {key} does not serialise: {e}")))?;
         match self.begin(key, StepKind::Publish)? {
             Slot::Journaled(..) => Ok(()),
-            Slot::New(seq) => self.write(JournalOp::Publish { seq, key: key.to_string(), value }).await.map(drop),
+            Slot::New(seq) => {
+                let op = self.checked(JournalOp::Publish { seq, key: key.to_string(), value })?;
+                self.write(op).await.map(drop)
+            }
         }
     }
 
@@ -482,7 +494,7 @@ where
             }
             Slot::New(seq) => seq,
         };
-        let op = JournalOp::Send { seq, to: to.to_string(), topic: topic.to_string(), payload };
+        let op = self.checked(JournalOp::Send { seq, to: to.to_string(), topic: topic.to_string(), payload })?;
         match self.write(op).await? {
             WriteResult::TxResult(Ok(_)) => {
                 self.inner.due.notify_one();
@@ -519,6 +531,20 @@ where
                     step: workflow.to_string(),
                     message: format!("child run {run_id} ended {status}: {error}"),
                 })
+            }
+        }
+    }
+
+    /// Check a write that carries what the workflow gave (a message, a published value) as every
+    /// store will ([`validate_write`]); bad input fails the run (see `RunState::refused`).
+    fn checked(&self, op: JournalOp<S::Target>) -> Result<JournalOp<S::Target>, WorkflowError> {
+        let write = self.journal_write(op);
+        match validate_write(&write, false, self.now_ms()) {
+            Ok(_) => Ok(write.op),
+            Err(error) => {
+                let message = truncate(format!("{}: {error}", error.code()));
+                self.lock().refused = Some(message.clone());
+                Err(WorkflowError::Failed(message))
             }
         }
     }
@@ -1001,6 +1027,8 @@ where
                 JournalOp::Suspend { status: s.status, wake_at_ms: s.wake_at_ms, waiting_for: s.waiting_for.clone() }
             } else if state.store_error.is_some() {
                 JournalOp::Release
+            } else if let Some(message) = &state.refused {
+                finish(FinishStatus::Failed, None, Some(message.clone()))
             } else if let Some(request) = &state.continuation {
                 JournalOp::ContinueAsNew { request: Box::new(request.clone()) }
             } else {
