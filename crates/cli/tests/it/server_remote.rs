@@ -1,8 +1,9 @@
 //! Two `tidemark serve` processes on loopback: the `orders` service's outbox delivers to the
 //! `shipping` service's inbox over HTTP (`PUT /v1/subscriptions/{id}` with an
 //! `http://.../v1/consumers/{id}/inbox` endpoint). The receiving server killed with SIGKILL
-//! mid-stream and restarted; an endpoint that never answers beside a healthy one; bad endpoints
-//! and a missing token.
+//! mid-stream and restarted; an endpoint that never answers beside a healthy one; the network
+//! between them cut, black-holed, flapping and losing the receiver's answers after its commit (an
+//! in-test TCP proxy); bad endpoints and a missing token.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -36,7 +37,7 @@ fn shipping(data: &Path, listen: &str) -> (Server, String) {
 /// `timeout_ms` per delivery attempt.
 fn orders(
     data: &Path,
-    shipping: &Server,
+    shipping_origin: &str,
     shipping_token: &str,
     extra_tokens: &[(&str, &str)],
     timeout_ms: u64,
@@ -45,8 +46,7 @@ fn orders(
     let config = data.join("orders.toml");
     let mut text = format!(
         "[relay]\nattempt_timeout_ms = {timeout_ms}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\n\
-         max_attempts = 1000\n[relay.tokens]\n\"{}\" = \"env:SHIPPING_TOKEN\"\n",
-        shipping.base
+         max_attempts = 1000\n[relay.tokens]\n\"{shipping_origin}\" = \"env:SHIPPING_TOKEN\"\n"
     );
     for (origin, token) in extra_tokens {
         text.push_str(&format!("\"{origin}\" = \"{token}\"\n"));
@@ -103,7 +103,7 @@ fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the
     let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
     let (mut ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
     let listen = ship.base.trim_start_matches("http://").to_string();
-    let (orders, orders_token) = orders(&orders_dir, &ship, &ship_token, &[], 10_000);
+    let (orders, orders_token) = orders(&orders_dir, &ship.base, &ship_token, &[], 10_000);
     let endpoint = format!("{}/v1/consumers/ledger/inbox", ship.base);
     let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
     assert_eq!(status, 200, "{body}");
@@ -184,7 +184,8 @@ fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_
     // A timeout far longer than this test's waits: if the relay waited for its slowest endpoint,
     // nothing would reach `shipping` in time.
     let hole_origin = format!("http://{hole_addr}");
-    let (orders, orders_token) = orders(&orders_dir, &ship, &ship_token, &[(&hole_origin, "tmk_whatever")], 600_000);
+    let (orders, orders_token) =
+        orders(&orders_dir, &ship.base, &ship_token, &[(&hole_origin, "tmk_whatever")], 600_000);
 
     // Bad endpoints: typed errors, nothing subscribed.
     for bad in [
@@ -1246,4 +1247,191 @@ fn events_cross_kafka_from_a_serve_relay_to_a_serve_source_and_tidemark_consume_
     let r = run(&["consume", "--from", "nats://127.0.0.1:4222/x", "--consumer-db", c, "--consumer-id", "audit"]);
     assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "no --stream: {}", r.stdout);
     assert_eq!(records(None), total, "nothing more was stored");
+}
+
+/// What the in-test proxy between a relay and the receiving server does with its traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+enum Wire {
+    /// Bytes pass both ways.
+    Pass = 0,
+    /// Requests pass, answers are thrown away and the connection closed: the receiver committed
+    /// a batch the sender never hears about.
+    LoseAnswers = 1,
+    /// Every connection is closed at once (a cut cable, a reset).
+    Cut = 2,
+    /// Nothing passes and nothing is closed (a black hole): the sender's attempt times out.
+    BlackHole = 3,
+}
+
+/// A TCP proxy on loopback in front of `target`, its behaviour switched at run time; it counts
+/// the answers it threw away. Every loop is bounded by `stop`.
+struct Proxy {
+    addr: String,
+    wire: std::sync::Arc<std::sync::atomic::AtomicU8>,
+    lost_answers: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Proxy {
+    fn start(target: &str) -> Proxy {
+        use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (wire, lost, stop) =
+            (Arc::new(AtomicU8::new(0)), Arc::new(AtomicUsize::new(0)), Arc::new(AtomicBool::new(false)));
+        let target = target.to_string();
+        let (w, l, s) = (wire.clone(), lost.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !s.load(Ordering::SeqCst) {
+                let Ok((client, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                if w.load(Ordering::SeqCst) == Wire::Cut as u8 {
+                    drop(client);
+                    continue;
+                }
+                let Ok(server) = std::net::TcpStream::connect(&target) else { continue };
+                for (from, to, answers) in
+                    [(client.try_clone().unwrap(), server.try_clone().unwrap(), false), (server, client, true)]
+                {
+                    let (w, l, s) = (w.clone(), l.clone(), s.clone());
+                    std::thread::spawn(move || pipe(from, to, answers, &w, &l, &s));
+                }
+            }
+        });
+        Proxy { addr: format!("http://{addr}"), wire, lost_answers: lost, stop }
+    }
+
+    fn set(&self, wire: Wire) {
+        self.wire.store(wire as u8, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Copy `from` to `to` while the wire lets it; `answers`: this is the receiver-to-sender side.
+fn pipe(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    answers: bool,
+    wire: &std::sync::atomic::AtomicU8,
+    lost: &std::sync::atomic::AtomicUsize,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::Ordering;
+    from.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut buf = [0_u8; 16 * 1024];
+    let close = |a: &std::net::TcpStream, b: &std::net::TcpStream| {
+        let _ = a.shutdown(std::net::Shutdown::Both);
+        let _ = b.shutdown(std::net::Shutdown::Both);
+    };
+    while !stop.load(Ordering::SeqCst) {
+        let mode = wire.load(Ordering::SeqCst);
+        if mode == Wire::Cut as u8 {
+            return close(&from, &to);
+        }
+        if mode == Wire::BlackHole as u8 {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        let n = match from.read(&mut buf) {
+            Ok(0) => return close(&from, &to),
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => continue,
+            Err(_) => return close(&from, &to),
+        };
+        if answers && wire.load(Ordering::SeqCst) == Wire::LoseAnswers as u8 {
+            lost.fetch_add(1, Ordering::SeqCst);
+            return close(&from, &to);
+        }
+        if to.write_all(&buf[..n]).is_err() {
+            return close(&from, &to);
+        }
+    }
+    close(&from, &to);
+}
+
+/// The network between the relay and the receiving server cut, black-holed, flapping, and losing
+/// the receiver's answers after it committed (an in-test TCP proxy in between), while events are
+/// produced: every event is applied once and in order per flow, the batches whose answers were
+/// lost come back `duplicate`, and the relay catches up by itself, nothing quarantined.
+#[test]
+fn events_cross_a_cut_flapping_network_that_loses_answers_exactly_once_and_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+    let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+    let proxy = Proxy::start(ship.base.trim_start_matches("http://"));
+    // The relay's token is for the origin it sends to: the proxy's.
+    let (orders, orders_token) = orders(&orders_dir, &proxy.addr, &ship_token, &[], 1_000);
+    let (status, body) =
+        subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", proxy.addr));
+    assert_eq!(status, 200, "{body}");
+
+    let writer = {
+        let (base, token) = (orders.base.clone(), orders_token.clone());
+        std::thread::spawn(move || {
+            let client = reqwest::blocking::Client::new();
+            for round in 0..8 {
+                for f in 0..FLOWS {
+                    let response = client
+                        .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                        .bearer_auth(&token)
+                        .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                        .send()
+                        .expect("orders answers");
+                    assert_eq!(response.status().as_u16(), 200);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    // Flap through every fault, a fixed number of times, then heal.
+    for _ in 0..4 {
+        for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
+            proxy.set(wire);
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+    // Answers must have been lost after a commit at least once, or the test proved nothing.
+    let mut extra = 0;
+    let lose_until_one = (0..40).any(|_| {
+        proxy.set(Wire::LoseAnswers);
+        append(&orders, &orders_token, "parcel-extra", 1);
+        extra += 1;
+        std::thread::sleep(Duration::from_millis(100));
+        proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
+    });
+    assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
+    proxy.set(Wire::Pass);
+    writer.join().unwrap();
+
+    let total = FLOWS * 8 + extra;
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_token);
+        (seen.len() == total).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+    for f in 0..FLOWS {
+        let seqs: BTreeSet<i64> =
+            seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
+        assert_eq!(seqs, (1..=8).collect(), "parcel-{f}");
+    }
+    orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
+        page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
+    });
+    let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
+    assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+    // The lost answers came back as duplicates: the receiver answered them, and applied nothing twice.
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+    assert!(lane(&page, "ledger").is_some(), "{page}");
 }
