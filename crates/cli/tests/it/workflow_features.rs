@@ -96,6 +96,18 @@ fn feature_workflows(seen: Seen) -> Workflows<Store> {
             }
         })
         .unwrap();
+    register_waiting(&mut workflows);
+    workflows
+        .register("orphan", 1, fast_options(), |ctx, _input: Value| async move {
+            let end: Value = ctx.child("nobody_registered_this", &json!({})).await?;
+            Ok(end)
+        })
+        .unwrap();
+    workflows
+}
+
+/// `waits` waits an hour for an event; `waits_for_child` runs `waits` as a child.
+pub(crate) fn register_waiting(workflows: &mut Workflows<Store>) {
     workflows
         .register("waits", 1, fast_options(), |ctx, _input: Value| async move {
             let got = ctx.wait_for_event("never", Duration::from_secs(3_600)).await?;
@@ -108,13 +120,6 @@ fn feature_workflows(seen: Seen) -> Workflows<Store> {
             Ok(end)
         })
         .unwrap();
-    workflows
-        .register("orphan", 1, fast_options(), |ctx, _input: Value| async move {
-            let end: Value = ctx.child("nobody_registered_this", &json!({})).await?;
-            Ok(end)
-        })
-        .unwrap();
-    workflows
 }
 
 fn all_runs(env: &Env) -> Vec<tidemark_core::workflow::RunRecord> {

@@ -44,18 +44,7 @@ fn long_lived_workflows() -> Workflows<Store> {
             }
         })
         .unwrap();
-    workflows
-        .register("waits", 1, fast_options(), |ctx, _input: Value| async move {
-            let got = ctx.wait_for_event("never", Duration::from_secs(3_600)).await?;
-            Ok(json!({"got": got}))
-        })
-        .unwrap();
-    workflows
-        .register("waits_for_child", 1, fast_options(), |ctx, _input: Value| async move {
-            let end: Value = ctx.child("waits", &json!({})).await?;
-            Ok(end)
-        })
-        .unwrap();
+    crate::workflow_features::register_waiting(&mut workflows);
     workflows
         .register("countdown", 1, fast_options(), |ctx, input: Value| async move {
             let n = input["n"].as_i64().unwrap_or(0);
