@@ -563,7 +563,7 @@ fn verify(args: &VerifyArgs) -> Result<Value> {
                     Some((status, leased)) => {
                         runs_leased += u64::from(leased);
                         let terminal =
-                            matches!(status.as_str(), "completed" | "compensated" | "failed" | "cancelled" | "parked");
+                            tidemark_core::workflow::RunStatus::parse(&status).is_some_and(|s| s.is_terminal());
                         if !terminal {
                             unfinished += 1;
                         } else if status != expect {
