@@ -41,11 +41,12 @@ fn violations(report: &Value, kind: &str) -> u64 {
 
 #[test]
 fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
+    let mut kinds = std::collections::BTreeSet::new();
     for seed in CI_SEEDS {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = dir.path().join("run");
         let r = chaos(&out, seed, 8, 3);
-        println!("tidemark chaos --seed {seed}: {}", r.stdout);
+        println!("tidemark chaos --seed {seed}: {}", r.json);
         assert_eq!(r.code, 0, "seed {seed}:\n{}\n{}", r.stdout, r.stderr);
         let report = &r.json;
         assert_eq!(report["outcome"], "passed", "seed {seed}: {report:#}");
@@ -63,8 +64,11 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         for (planned, done) in schedule.as_array().unwrap().iter().zip(injected) {
             assert_eq!(planned["kind"], done["kind"]);
             assert_eq!(planned["process"], done["process"]);
+            kinds.insert(done["kind"].as_str().unwrap().to_string());
         }
     }
+    // The seeds are chosen so that the CI mode kills and pauses.
+    assert_eq!(kinds.into_iter().collect::<Vec<_>>(), ["sigkill", "sigstop"]);
 }
 
 #[test]
@@ -97,7 +101,9 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
         r#"{"kind":"advance","flow_id":"never-1","seq":1,"event_id":"0190-none","state":"reserved","quantity":1,"process":0,"at_ms":1}"#,
     );
     text.push('\n');
-    text.push_str(r#"{"kind":"start","run_id":"never-run","fail":null,"expect":"completed","quantity":1,"process":1,"at_ms":2}"#);
+    text.push_str(
+        r#"{"kind":"start","run_id":"never-run","fail":null,"expect":"completed","quantity":1,"process":1,"at_ms":2}"#,
+    );
     text.push('\n');
     std::fs::write(&ledger, text).expect("ledger");
     let lost = check(&out);

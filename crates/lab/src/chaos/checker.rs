@@ -105,6 +105,9 @@ pub struct CheckReport {
     pub runs_by_status: BTreeMap<String, u64>,
     /// Runs parked with a reason (allowed: an operator decides).
     pub parked: u64,
+    /// Takeovers of runs whose holder's lease expired (the sum of `runs.recoveries`): evidence
+    /// that the faults hit runs in flight.
+    pub run_recoveries: i64,
 }
 
 impl CheckReport {
@@ -139,6 +142,7 @@ impl CheckReport {
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
             "runs_parked": self.parked,
+            "run_recoveries": self.run_recoveries,
         })
     }
 }
@@ -184,8 +188,8 @@ fn sql(e: rusqlite::Error) -> Error {
 
 /// Read a JSONL ledger of [`Acknowledged`] entries (bounded).
 pub fn read_ledger(path: &Path) -> Result<Vec<Acknowledged>> {
-    let file = std::fs::File::open(path)
-        .map_err(|e| invalid(format!("cannot read the ledger {}: {e}", path.display())))?;
+    let file =
+        std::fs::File::open(path).map_err(|e| invalid(format!("cannot read the ledger {}: {e}", path.display())))?;
     let mut reader = BufReader::new(file);
     let (mut line, mut entries) = (String::new(), Vec::new());
     loop {
@@ -210,7 +214,11 @@ pub fn read_ledger(path: &Path) -> Result<Vec<Acknowledged>> {
 }
 
 /// Rows of `query` (bounded by [`TABLE_ROWS_MAX`]).
-fn rows<T>(conn: &Connection, query: &str, map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>) -> Result<Vec<T>> {
+fn rows<T>(
+    conn: &Connection,
+    query: &str,
+    map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>> {
     let mut stmt = conn.prepare(query).map_err(sql)?;
     let mut out = Vec::new();
     for row in stmt.query_map([], map).map_err(sql)? {
@@ -275,7 +283,8 @@ fn check_events(
         }
     }
     // Each flow's outbox seqs are 1..=last_seq, and flows.last_seq says the same.
-    let flows: Vec<(String, i64)> = rows(producer, "SELECT flow_id, last_seq FROM flows", |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let flows: Vec<(String, i64)> =
+        rows(producer, "SELECT flow_id, last_seq FROM flows", |r| Ok((r.get(0)?, r.get(1)?)))?;
     let mut seqs: HashMap<&str, Vec<i64>> = HashMap::new();
     for (_, flow, seq, _) in &outbox {
         seqs.entry(flow.as_str()).or_default().push(*seq);
@@ -378,7 +387,10 @@ fn check_events(
             );
         }
         if !by_key.contains_key(&(flow.as_str(), *seq)) {
-            report.violation("unknown_effect", format!("{SHIPPING_CONSUMER} applied {flow}#{seq}, which the outbox never held"));
+            report.violation(
+                "unknown_effect",
+                format!("{SHIPPING_CONSUMER} applied {flow}#{seq}, which the outbox never held"),
+            );
         }
     }
     for (_, flow, seq, event_id) in &outbox {
@@ -418,19 +430,16 @@ fn expected_effects(status: &str) -> Option<&'static [&'static str]> {
 /// Returns the acknowledged runs that ended as they must.
 fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
     let mut ended = HashSet::new();
-    let mut run_stmt = workflows
-        .prepare("SELECT status, error, lease_owner FROM runs WHERE run_id = ?1")
-        .map_err(sql)?;
+    let mut run_stmt =
+        workflows.prepare("SELECT status, error, lease_owner FROM runs WHERE run_id = ?1").map_err(sql)?;
     let mut effects_stmt = workflows
         .prepare("SELECT kind, quantity FROM order_effects WHERE order_id = ?1 ORDER BY effect_id")
         .map_err(sql)?;
     for entry in ledger {
         let Acknowledged::Start { run_id, expect, process, quantity, .. } = entry else { continue };
         report.starts += 1;
-        let run: Option<(String, Option<String>, Option<String>)> = run_stmt
-            .query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .optional()
-            .map_err(sql)?;
+        let run: Option<(String, Option<String>, Option<String>)> =
+            run_stmt.query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional().map_err(sql)?;
         let Some((status, error, lease_owner)) = run else {
             report.violation("lost", format!("run {run_id} acknowledged by process {process} is not in the database"));
             continue;
@@ -467,7 +476,8 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
             _ => {}
         }
         if status != *expect {
-            report.violation("unexpected_end", format!("run {run_id} ended {status} ({error:?}); it must end {expect}"));
+            report
+                .violation("unexpected_end", format!("run {run_id} ended {status} ({error:?}); it must end {expect}"));
         } else if expected_effects(&status).is_some_and(|want| kinds != want) {
             report.violation("wrong_effects", format!("run {run_id} ended {status} with the effects {kinds:?}"));
         } else {
@@ -482,14 +492,19 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
             |r| r.get(0),
         )
         .map_err(sql)?;
-    let acknowledged_unfinished =
-        report.counts.get("run_unfinished").copied().unwrap_or(0) + report.counts.get("run_leased").copied().unwrap_or(0);
+    let acknowledged_unfinished = report.counts.get("run_unfinished").copied().unwrap_or(0)
+        + report.counts.get("run_leased").copied().unwrap_or(0);
     if unfinished as u64 > acknowledged_unfinished {
         report.violation(
             "run_unfinished",
-            format!("{} runs that were not acknowledged are unfinished or leased", unfinished as u64 - acknowledged_unfinished),
+            format!(
+                "{} runs that were not acknowledged are unfinished or leased",
+                unfinished as u64 - acknowledged_unfinished
+            ),
         );
     }
+    report.run_recoveries =
+        workflows.query_row("SELECT coalesce(sum(recoveries), 0) FROM runs", [], |r| r.get(0)).map_err(sql)?;
     // Stock: what is reserved or shipped (not released) was taken from it, by acknowledged runs
     // and by starts whose answer was lost alike.
     let taken: i64 = workflows
@@ -525,7 +540,10 @@ fn check_payments(
         let Acknowledged::Start { run_id, fail, .. } = entry else { continue };
         let (charged, refunded): (i64, i64) = stmt.query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?))).map_err(sql)?;
         if charged > 1 || refunded > 1 {
-            report.violation("applied_twice", format!("run {run_id}: charged {charged} times, refunded {refunded} times"));
+            report.violation(
+                "applied_twice",
+                format!("run {run_id}: charged {charged} times, refunded {refunded} times"),
+            );
             continue;
         }
         // Only the payments of a run that ended as it must are final (the others are reported).

@@ -242,7 +242,8 @@ impl Serve {
     }
 
     fn try_start(&mut self) -> Result<()> {
-        let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
+        let log =
+            std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
         let mut child = Command::new(&self.exe)
             .args(["serve", "--data"])
             .arg(&self.data)
@@ -294,10 +295,8 @@ impl Serve {
 
     fn signal(&self, signal: &str) -> Result<()> {
         let Some(child) = &self.child else { return Ok(()) };
-        let status = Command::new("kill")
-            .args([signal, &child.id().to_string()])
-            .status()
-            .map_err(io("cannot run kill"))?;
+        let status =
+            Command::new("kill").args([signal, &child.id().to_string()]).status().map_err(io("cannot run kill"))?;
         if !status.success() {
             return Err(Error::io(format!("kill {signal} {} failed", child.id())));
         }
@@ -407,6 +406,9 @@ struct OwnedFlow {
     quantity: i64,
 }
 
+/// Turns a 2xx answer (and its time, ms after the start) into what it acknowledged, if it did.
+type Acknowledge = Box<dyn Fn(&Value, u64) -> Option<Acknowledged> + Send>;
+
 async fn client(
     index: usize,
     http: reqwest::Client,
@@ -421,7 +423,7 @@ async fn client(
         let process = rng.gen_range(0..shared.bases.len());
         let start = rng.gen_range(0..3) == 0;
         // What a 2xx answer acknowledges, given the answer.
-        let (path, body, pending): (String, Value, Box<dyn Fn(&Value, u64) -> Option<Acknowledged> + Send>) = if start {
+        let (path, body, pending): (String, Value, Acknowledge) = if start {
             runs += 1;
             let run_id = format!("c{}-r{index}-{runs}", shared.seed);
             let quantity = rng.gen_range(1..=3_i64);
@@ -519,7 +521,8 @@ async fn client(
                 // A 5xx (a busy or stopping server) may have committed; a 4xx is unexpected.
                 if status < 500 {
                     stats.unexpected += 1;
-                    stats.last_unexpected = Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
+                    stats.last_unexpected =
+                        Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
                 }
                 if !start {
                     flow = None;
@@ -655,9 +658,8 @@ fn chaos(args: RunArgs) -> Result<Value> {
             stats.last_unexpected = one.last_unexpected;
         }
     }
-    let written = runtime
-        .block_on(writer)
-        .map_err(|e| Error::Invariant(format!("the ledger writer panicked: {e}")))??;
+    let written =
+        runtime.block_on(writer).map_err(|e| Error::Invariant(format!("the ledger writer panicked: {e}")))??;
     if let Some(error) = fault_error {
         return Err(error);
     }
