@@ -432,9 +432,16 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
     let mut ended = HashSet::new();
     let mut run_stmt =
         workflows.prepare("SELECT status, error, lease_owner FROM runs WHERE run_id = ?1").map_err(sql)?;
-    let mut effects_stmt = workflows
-        .prepare("SELECT kind, quantity FROM order_effects WHERE order_id = ?1 ORDER BY effect_id")
-        .map_err(sql)?;
+    // One pass over the effects (`order_effects` has no index on the order: a query per run
+    // would scan the table once per run).
+    let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
+    for (order_id, kind, quantity) in
+        rows(workflows, "SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })?
+    {
+        effects_of.entry(order_id).or_default().push((kind, quantity));
+    }
     for entry in ledger {
         let Acknowledged::Start { run_id, expect, process, quantity, .. } = entry else { continue };
         report.starts += 1;
@@ -445,12 +452,7 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
             continue;
         };
         *report.runs_by_status.entry(status.clone()).or_default() += 1;
-        let effects: Vec<(String, i64)> = effects_stmt
-            .query_map([run_id], |r| Ok((r.get(0)?, r.get(1)?)))
-            .map_err(sql)?
-            .take(16)
-            .collect::<rusqlite::Result<_>>()
-            .map_err(sql)?;
+        let effects: &[(String, i64)] = effects_of.get(run_id).map(Vec::as_slice).unwrap_or_default();
         let kinds: Vec<&str> = effects.iter().map(|(k, _)| k.as_str()).collect();
         for kind in ["reserve", "ship", "release"] {
             let n = kinds.iter().filter(|k| **k == kind).count();
@@ -530,15 +532,17 @@ fn check_payments(
     ledger: &[Acknowledged],
     ended: &HashSet<String>,
 ) -> Result<()> {
-    let mut stmt = payments
-        .prepare(
-            "SELECT coalesce(sum(outcome = 'charged'), 0), coalesce(sum(outcome = 'refunded'), 0)
-             FROM payment_calls WHERE order_id = ?1",
-        )
-        .map_err(sql)?;
+    // One pass, grouped (the log's only index is on the idempotency key).
+    let by_order: HashMap<String, (i64, i64)> = rows(
+        payments,
+        "SELECT order_id, sum(outcome = 'charged'), sum(outcome = 'refunded') FROM payment_calls GROUP BY order_id",
+        |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))),
+    )?
+    .into_iter()
+    .collect();
     for entry in ledger {
         let Acknowledged::Start { run_id, fail, .. } = entry else { continue };
-        let (charged, refunded): (i64, i64) = stmt.query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?))).map_err(sql)?;
+        let (charged, refunded) = by_order.get(run_id).copied().unwrap_or((0, 0));
         if charged > 1 || refunded > 1 {
             report.violation(
                 "applied_twice",
