@@ -38,7 +38,7 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error};
 use tidemark_engine::{relay_until_idle, RelayOptions};
-use tidemark_lab::{bench, demo, experiment, loadtest, open_consumer, progress, Context};
+use tidemark_lab::{bench, chaos, demo, experiment, loadtest, open_consumer, progress, Context};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 #[derive(Parser)]
@@ -132,6 +132,10 @@ enum Command {
     /// Load a running server from this process and write a ledger of what it accepted;
     /// `loadtest verify` checks the ledger against the server's files (see docs/cli.md).
     Loadtest(loadtest::LoadtestArgs),
+    /// Several `tidemark serve` processes on one data folder under seeded faults (SIGKILL,
+    /// SIGSTOP), then an independent check of the files against what was acknowledged;
+    /// `chaos check` runs the checker alone (see docs/reliability.md).
+    Chaos(chaos::ChaosArgs),
     /// Test-only: the deliberately wrong dual write (state and event in two commits).
     #[cfg(feature = "failpoints")]
     #[command(hide = true)]
@@ -464,6 +468,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
     // `loadtest` always talks to a server: it takes the global --server and --token.
     let command = match cli.command {
         Command::Loadtest(args) => return loadtest::run(args, cli.server, cli.token),
+        // `chaos` starts its own servers and ignores the global file and server options.
+        Command::Chaos(args) => return chaos::run(args),
         command => command,
     };
     if let Some(server) = &cli.server {
@@ -828,7 +834,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Serve(args) => server_cmd::serve(&ctx, args),
         Command::Config(command) => server_cmd::config(command),
         Command::Token(command) => server_cmd::token(&ctx, command),
-        Command::Loadtest(_) => unreachable!("handled above"),
+        Command::Loadtest(_) | Command::Chaos(_) => unreachable!("handled above"),
         #[cfg(feature = "failpoints")]
         Command::UnsafeDualWriteAdvance(args) => unsafe_cmd::run(&ctx, args),
     }

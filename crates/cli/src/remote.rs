@@ -213,6 +213,7 @@ pub fn run(remote: &Remote, command: Command) -> Result<Value> {
         Command::Worker(_) => Err(no_route("worker (the server runs workers by itself)")),
         Command::Serve(_) => Err(no_route("serve")),
         Command::Loadtest(_) => Err(no_route("loadtest")),
+        Command::Chaos(_) => Err(no_route("chaos")),
         Command::Config(_) => Err(no_route("config")),
         Command::Consume(_) => Err(no_route("consume")),
         Command::Token(_) => Err(no_route("token")),

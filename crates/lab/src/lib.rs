@@ -4,10 +4,12 @@
 //! - [`experiment`]: every scenario of the seed documents, with `--check` against golden state.
 //! - [`bench`](mod@bench): throughput and latency benchmarks (docs/benchmarks.md).
 //! - [`loadtest`]: load a running server from another process and verify what it acknowledged.
+//! - [`chaos`]: several servers on one data folder under seeded faults, and an independent checker.
 //! - [`pipeline`]: an in-process producer and consumer on files, shared by the three above.
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod chaos;
 pub mod demo;
 pub mod experiment;
 pub mod loadtest;

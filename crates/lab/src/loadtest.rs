@@ -345,7 +345,11 @@ fn sku(settings: &Settings) -> String {
 
 /// Write entries as they come; flush whenever the queue is empty, so that the file is current
 /// while the load runs (a test may read it to time a crash).
-fn write_ledger(file: std::fs::File, mut receiver: tokio::sync::mpsc::UnboundedReceiver<LedgerEntry>) -> Result<u64> {
+/// Also the ledger writer of `tidemark chaos`, whose entries are its own.
+pub(crate) fn write_ledger<T: Serialize>(
+    file: std::fs::File,
+    mut receiver: tokio::sync::mpsc::UnboundedReceiver<T>,
+) -> Result<u64> {
     let mut out = std::io::BufWriter::new(file);
     let mut written = 0_u64;
     let io = |e: std::io::Error| Error::io(format!("cannot write the ledger: {e}"));
@@ -370,7 +374,8 @@ struct OwnedFlow {
     seq: i64,
 }
 
-const FLOW_STATES: [&str; 3] = ["reserved", "confirmed", "released"];
+/// The states a reservation flow goes through, one advance each (also `tidemark chaos`'s).
+pub(crate) const FLOW_STATES: [&str; 3] = ["reserved", "confirmed", "released"];
 
 async fn client(
     index: usize,

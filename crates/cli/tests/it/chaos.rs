@@ -1,0 +1,175 @@
+//! `tidemark chaos`: the short CI mode (a fixed set of seeds, a few faults each, on real
+//! `tidemark serve` processes; the independent checker finds nothing), the checker's teeth (an
+//! acknowledged operation the files do not hold, a doubled effect row and a doubled charge are
+//! each reported) and the typed errors of bad input. No assertion is about wall-clock time;
+//! every wait is the command's own bounded one.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::support::{path_str, run, Run};
+
+/// The CI mode's seeds: each schedules SIGKILLs and SIGSTOPs on both processes.
+const CI_SEEDS: [u64; 3] = [1, 2, 3];
+
+fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
+    run(&[
+        "chaos",
+        "--seed",
+        &seed.to_string(),
+        "--duration-s",
+        &duration_s.to_string(),
+        "--faults",
+        &faults.to_string(),
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--out",
+        path_str(out),
+    ])
+}
+
+fn check(out: &Path) -> Run {
+    run(&["chaos", "check", "--out", path_str(out), "--seed", "9"])
+}
+
+fn violations(report: &Value, kind: &str) -> u64 {
+    report["check"]["by_kind"][kind].as_u64().unwrap_or_else(|| panic!("no {kind} count: {report:#}"))
+}
+
+#[test]
+fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
+    let mut kinds = std::collections::BTreeSet::new();
+    for seed in CI_SEEDS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("run");
+        let r = chaos(&out, seed, 8, 3);
+        println!("tidemark chaos --seed {seed}: {}", r.json);
+        assert_eq!(r.code, 0, "seed {seed}:\n{}\n{}", r.stdout, r.stderr);
+        let report = &r.json;
+        assert_eq!(report["outcome"], "passed", "seed {seed}: {report:#}");
+        assert_eq!(report["check"]["passed"], true, "seed {seed}: {report:#}");
+        assert_eq!(report["faults"]["injected"], 3, "seed {seed}: {report:#}");
+        assert_eq!(report["operations"]["lost"], 0, "seed {seed}: {report:#}");
+        assert_eq!(report["operations"]["applied_twice"], 0, "seed {seed}: {report:#}");
+        assert!(report["operations"]["advances"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        assert_eq!(report["operations"]["ledger_entries"], report["operations"]["acknowledged"]);
+        // The schedule is the seed's: a second derivation prints the same one.
+        let schedule: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("schedule.json")).expect("schedule")).unwrap();
+        let injected = report["faults"]["schedule"].as_array().unwrap();
+        for (planned, done) in schedule.as_array().unwrap().iter().zip(injected) {
+            assert_eq!(planned["kind"], done["kind"]);
+            assert_eq!(planned["process"], done["process"]);
+            kinds.insert(done["kind"].as_str().unwrap().to_string());
+        }
+    }
+    // The seeds are chosen so that the CI mode kills and pauses.
+    assert_eq!(kinds.into_iter().collect::<Vec<_>>(), ["sigkill", "sigstop"]);
+}
+
+#[test]
+fn chaos_schedule_is_derived_from_the_seed_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // Two short runs of one seed write the same schedule (the faults' due times included).
+    for out in [&a, &b] {
+        let r = chaos(out, 42, 1, 2);
+        assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    }
+    let read = |out: &Path| std::fs::read_to_string(out.join("schedule.json")).expect("schedule");
+    assert_eq!(read(&a), read(&b));
+}
+
+#[test]
+fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = chaos(&out, 7, 3, 0);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let clean = check(&out);
+    assert_eq!(clean.code, 0, "{}", clean.stdout);
+    assert_eq!(clean.json["check"]["passed"], true, "{}", clean.stdout);
+
+    // An acknowledged advance the store does not hold is lost.
+    let ledger = out.join("ledger.jsonl");
+    let mut text = std::fs::read_to_string(&ledger).expect("ledger");
+    text.push_str(
+        r#"{"kind":"advance","flow_id":"never-1","seq":1,"event_id":"0190-none","state":"reserved","quantity":1,"process":0,"at_ms":1}"#,
+    );
+    text.push('\n');
+    text.push_str(
+        r#"{"kind":"start","run_id":"never-run","fail":null,"expect":"completed","quantity":1,"process":1,"at_ms":2}"#,
+    );
+    text.push('\n');
+    std::fs::write(&ledger, text).expect("ledger");
+    let lost = check(&out);
+    assert_eq!(lost.code, 1, "{}", lost.stdout);
+    assert_eq!(lost.json["outcome"], "violations");
+    assert_eq!(violations(&lost.json, "lost"), 2, "{}", lost.stdout);
+    assert_eq!(lost.json["lost"], 2);
+    let listed = lost.json["check"]["first_violations"].to_string();
+    assert!(listed.contains("never-1#1") && listed.contains("never-run"), "{listed}");
+    assert!(listed.contains("(seed 9)"), "each violation names the seed: {listed}");
+
+    // A doubled effect row of the reservation consumer and a doubled charge, in the files.
+    let tenant = out.join("data").join("tenants").join("chaos");
+    let inbox = rusqlite::Connection::open(tenant.join("inbox.db")).expect("inbox.db");
+    let doubled = inbox
+        .execute(
+            "INSERT INTO reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
+             SELECT consumer_id, source, flow_id, seq, event_id, kind, quantity FROM reservation_effects
+             ORDER BY effect_id LIMIT 1",
+            [],
+        )
+        .expect("double an effect");
+    assert_eq!(doubled, 1);
+    drop(inbox);
+    let payments = rusqlite::Connection::open(tenant.join("payments.db")).expect("payments.db");
+    let charged = payments
+        .execute(
+            "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome)
+             SELECT idempotency_key, op, order_id, amount, outcome FROM payment_calls
+             WHERE outcome = 'charged' ORDER BY call_id LIMIT 1",
+            [],
+        )
+        .expect("double a charge");
+    assert_eq!(charged, 1);
+    drop(payments);
+    let twice = check(&out);
+    assert_eq!(twice.code, 1, "{}", twice.stdout);
+    // The doubled row is also out of order (its seq repeats).
+    assert_eq!(violations(&twice.json, "applied_twice"), 2, "{}", twice.stdout);
+    assert!(violations(&twice.json, "out_of_order") >= 1, "{}", twice.stdout);
+}
+
+#[test]
+fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let out_str = path_str(&out);
+    let cases: [&[&str]; 6] = [
+        &["chaos", "--seed", "not-a-number", "--out", out_str],
+        &["chaos", "--out", out_str],
+        &["chaos", "--seed", "1", "--processes", "0", "--out", out_str],
+        &["chaos", "--seed", "1", "--processes", "17", "--out", out_str],
+        &["chaos", "--seed", "1", "--faults", "10001", "--out", out_str],
+        &["chaos", "--seed", "1", "--duration-s", "0", "--out", out_str],
+    ];
+    for args in cases {
+        let r = run(args);
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stdout);
+        assert_eq!(r.json["error"]["code"], "invalid_argument", "{args:?}: {}", r.stdout);
+    }
+    assert!(!out.exists(), "nothing was created");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("something"), "x").unwrap();
+    let r = run(&["chaos", "--seed", "1", "--out", out_str]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+    assert_eq!(r.json["error"]["code"], "already_exists", "{}", r.stdout);
+    let r = run(&["chaos", "check", "--out", path_str(&dir.path().join("nothing"))]);
+    assert_eq!(r.code, 2, "{}", r.stdout);
+}

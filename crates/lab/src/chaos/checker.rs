@@ -1,0 +1,570 @@
+//! The independent checker of a chaos run: it opens the tenant's SQLite files read-only with
+//! plain `rusqlite` and SQL of its own (never the store crates under test), reads the ledger of
+//! what the servers acknowledged, and lists every way the files disagree with it or with the
+//! protocol. The paths and tables it reads are the documented ones (docs/serve.md, "The data
+//! folder"; the schemas in `crates/store-sqlite/src/schema.rs` and `crates/builtins`).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use rusqlite::{Connection, OpenFlags, OptionalExtension};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tidemark_core::{Error, Result};
+
+use super::{invalid, AUDIT_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK};
+
+/// Longest ledger line the checker reads (a line is under 300 bytes).
+const LEDGER_LINE_BYTES_MAX: usize = 64 * 1024;
+/// Most ledger entries the checker reads.
+const LEDGER_ENTRIES_MAX: usize = 10_000_000;
+/// Most rows the checker reads from one table (outbox events, inbox records, effects, runs).
+const TABLE_ROWS_MAX: usize = 20_000_000;
+/// Violations the report lists (it counts them all).
+const VIOLATIONS_LISTED_MAX: usize = 50;
+
+/// One operation a server acknowledged (2xx) to the harness: a line of the ledger.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Acknowledged {
+    /// `POST /v1/flows/{flow}/advance` answered 200 `committed`.
+    Advance {
+        /// The reservation flow.
+        flow_id: String,
+        /// The seq the server answered.
+        seq: i64,
+        /// The event id the server answered.
+        event_id: String,
+        /// The state the flow moved to (`reserved`, `confirmed`, `released`).
+        state: String,
+        /// The reservation's quantity.
+        quantity: i64,
+        /// The process (0-based) that answered.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
+    /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for an `order_saga`.
+    Start {
+        /// The run id (also the order id).
+        run_id: String,
+        /// The step the order's input makes fail for good (`charge_payment`, `ship_order`), if any.
+        fail: Option<String>,
+        /// How the run must end: `completed`, or `compensated` when a step fails.
+        expect: String,
+        /// The quantity the order reserves.
+        quantity: i64,
+        /// The process (0-based) that answered.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
+}
+
+/// Every kind of violation the checker counts. The first group are the losses and doubles the
+/// harness exists to catch; the second group also holds while the system is still converging
+/// (the harness waits for them to reach 0 before it checks).
+pub const VIOLATION_KINDS: [&str; 14] = [
+    "lost",
+    "applied_twice",
+    "out_of_order",
+    "outbox_gap",
+    "unexpected_end",
+    "wrong_effects",
+    "stock_mismatch",
+    "unknown_effect",
+    // Convergence: what the relay, drains and workers finish by themselves.
+    "not_applied",
+    "relay_behind",
+    "cursor_behind",
+    "run_unfinished",
+    "run_leased",
+    "inbox_open",
+];
+
+/// The kinds that only say the system has not converged yet.
+const CONVERGENCE_KINDS: [&str; 6] =
+    ["not_applied", "relay_behind", "cursor_behind", "run_unfinished", "run_leased", "inbox_open"];
+
+/// What the checker found.
+#[derive(Debug, Default)]
+pub struct CheckReport {
+    /// Violations by kind (every kind of [`VIOLATION_KINDS`], 0 included).
+    pub counts: BTreeMap<&'static str, u64>,
+    /// The first violations, each a sentence.
+    pub listed: Vec<String>,
+    /// Acknowledged advances in the ledger.
+    pub advances: u64,
+    /// Acknowledged run starts in the ledger.
+    pub starts: u64,
+    /// Events in the producer's outbox (acknowledged or not: an advance whose answer was lost
+    /// in a crash may have committed).
+    pub outbox_events: u64,
+    /// The ledger's runs by final status.
+    pub runs_by_status: BTreeMap<String, u64>,
+    /// Runs parked with a reason (allowed: an operator decides).
+    pub parked: u64,
+    /// Takeovers of runs whose holder's lease expired (the sum of `runs.recoveries`): evidence
+    /// that the faults hit runs in flight.
+    pub run_recoveries: i64,
+}
+
+impl CheckReport {
+    fn violation(&mut self, kind: &'static str, text: String) {
+        debug_assert!(VIOLATION_KINDS.contains(&kind), "{kind}");
+        *self.counts.entry(kind).or_default() += 1;
+        if self.listed.len() < VIOLATIONS_LISTED_MAX {
+            self.listed.push(format!("{kind}: {text}"));
+        }
+    }
+
+    /// All violations.
+    pub fn total(&self) -> u64 {
+        self.counts.values().sum()
+    }
+
+    /// True when only convergence kinds are left (or nothing at all).
+    pub fn converged(&self) -> bool {
+        CONVERGENCE_KINDS.iter().all(|kind| self.counts.get(kind).copied().unwrap_or(0) == 0)
+    }
+
+    /// The report as JSON, every message suffixed with the seed when one is given.
+    pub fn to_json(&self, seed: Option<u64>) -> Value {
+        let suffix = seed.map(|s| format!(" (seed {s})")).unwrap_or_default();
+        let listed: Vec<String> = self.listed.iter().map(|v| format!("{v}{suffix}")).collect();
+        json!({
+            "passed": self.total() == 0,
+            "violations": self.total(),
+            "by_kind": self.counts,
+            "first_violations": listed,
+            "ledger": {"advances": self.advances, "starts": self.starts},
+            "outbox_events": self.outbox_events,
+            "runs_by_status": self.runs_by_status,
+            "runs_parked": self.parked,
+            "run_recoveries": self.run_recoveries,
+        })
+    }
+}
+
+/// The tenant's files, as docs/serve.md names them.
+pub struct TenantFiles {
+    producer: PathBuf,
+    inbox: PathBuf,
+    workflows: PathBuf,
+    payments: PathBuf,
+}
+
+impl TenantFiles {
+    /// The files of `tenant` under the data folder `data`.
+    pub fn new(data: &Path, tenant: &str) -> TenantFiles {
+        let dir = data.join("tenants").join(tenant);
+        TenantFiles {
+            producer: dir.join("producer.db"),
+            inbox: dir.join("inbox.db"),
+            workflows: dir.join("workflows.db"),
+            payments: dir.join("payments.db"),
+        }
+    }
+}
+
+fn read_only(path: &Path) -> Result<Connection> {
+    if !path.is_file() {
+        return Err(Error::invalid(
+            tidemark_core::error::codes::NOT_INITIALIZED,
+            format!("{} does not exist (wrong --out?)", path.display()),
+        ));
+    }
+    let conn = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        .map_err(|e| Error::io(format!("cannot open {} read-only: {e}", path.display())))?;
+    // The servers may still be writing while the harness waits for convergence.
+    conn.busy_timeout(std::time::Duration::from_secs(10)).map_err(sql)?;
+    Ok(conn)
+}
+
+fn sql(e: rusqlite::Error) -> Error {
+    Error::store(format!("checker query: {e}"))
+}
+
+/// Read a JSONL ledger of [`Acknowledged`] entries (bounded).
+pub fn read_ledger(path: &Path) -> Result<Vec<Acknowledged>> {
+    let file =
+        std::fs::File::open(path).map_err(|e| invalid(format!("cannot read the ledger {}: {e}", path.display())))?;
+    let mut reader = BufReader::new(file);
+    let (mut line, mut entries) = (String::new(), Vec::new());
+    loop {
+        line.clear();
+        let read = (&mut reader)
+            .take(LEDGER_LINE_BYTES_MAX as u64 + 1)
+            .read_line(&mut line)
+            .map_err(|e| invalid(format!("cannot read the ledger: {e}")))?;
+        if read == 0 {
+            return Ok(entries);
+        }
+        if read > LEDGER_LINE_BYTES_MAX || entries.len() >= LEDGER_ENTRIES_MAX {
+            return Err(invalid(format!(
+                "ledger line {}: lines are at most {LEDGER_LINE_BYTES_MAX} bytes, ledgers at most {LEDGER_ENTRIES_MAX} lines",
+                entries.len() + 1
+            )));
+        }
+        let entry: Acknowledged = serde_json::from_str(line.trim_end())
+            .map_err(|e| invalid(format!("ledger line {} is not a chaos ledger entry: {e}", entries.len() + 1)))?;
+        entries.push(entry);
+    }
+}
+
+/// Rows of `query` (bounded by [`TABLE_ROWS_MAX`]).
+fn rows<T>(
+    conn: &Connection,
+    query: &str,
+    map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+) -> Result<Vec<T>> {
+    let mut stmt = conn.prepare(query).map_err(sql)?;
+    let mut out = Vec::new();
+    for row in stmt.query_map([], map).map_err(sql)? {
+        out.push(row.map_err(sql)?);
+        if out.len() > TABLE_ROWS_MAX {
+            return Err(Error::invalid(
+                tidemark_core::error::codes::LIMIT_EXCEEDED,
+                format!("the checker reads at most {TABLE_ROWS_MAX} rows of a table"),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Check the tenant's files against the ledger.
+pub fn check(files: &TenantFiles, tenant: &str, ledger: &[Acknowledged]) -> Result<CheckReport> {
+    let mut report = CheckReport::default();
+    for kind in VIOLATION_KINDS {
+        report.counts.insert(kind, 0);
+    }
+    let producer = read_only(&files.producer)?;
+    let inbox = read_only(&files.inbox)?;
+    let workflows = read_only(&files.workflows)?;
+    check_events(&mut report, &producer, &inbox, tenant, ledger)?;
+    let ended = check_runs(&mut report, &workflows, ledger)?;
+    // The payments file appears with the first charge: no orders, no file.
+    if files.payments.is_file() {
+        check_payments(&mut report, &read_only(&files.payments)?, ledger, &ended)?;
+    }
+    Ok(report)
+}
+
+fn check_events(
+    report: &mut CheckReport,
+    producer: &Connection,
+    inbox: &Connection,
+    tenant: &str,
+    ledger: &[Acknowledged],
+) -> Result<()> {
+    // The outbox: (flow, seq) -> (position, event id).
+    let outbox: Vec<(i64, String, i64, String)> =
+        rows(producer, "SELECT position, flow_id, seq, event_id FROM outbox ORDER BY position", |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+        })?;
+    report.outbox_events = outbox.len() as u64;
+    let by_key: HashMap<(&str, i64), (i64, &str)> =
+        outbox.iter().map(|(p, f, s, e)| ((f.as_str(), *s), (*p, e.as_str()))).collect();
+    for entry in ledger {
+        if let Acknowledged::Advance { flow_id, seq, event_id, process, .. } = entry {
+            report.advances += 1;
+            match by_key.get(&(flow_id.as_str(), *seq)) {
+                Some((_, found)) if *found == event_id.as_str() => {}
+                Some((_, found)) => report.violation(
+                    "lost",
+                    format!("advance {flow_id}#{seq} acknowledged by process {process} as event {event_id}; the outbox holds {found}"),
+                ),
+                None => report.violation(
+                    "lost",
+                    format!("advance {flow_id}#{seq} (event {event_id}) acknowledged by process {process} is not in the outbox"),
+                ),
+            }
+        }
+    }
+    // Each flow's outbox seqs are 1..=last_seq, and flows.last_seq says the same.
+    let flows: Vec<(String, i64)> =
+        rows(producer, "SELECT flow_id, last_seq FROM flows", |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let mut seqs: HashMap<&str, Vec<i64>> = HashMap::new();
+    for (_, flow, seq, _) in &outbox {
+        seqs.entry(flow.as_str()).or_default().push(*seq);
+    }
+    for (flow, last_seq) in &flows {
+        let mut held = seqs.get(flow.as_str()).cloned().unwrap_or_default();
+        held.sort_unstable();
+        if held != (1..=*last_seq).collect::<Vec<_>>() {
+            report.violation("outbox_gap", format!("flow {flow} is at seq {last_seq}; its outbox seqs are {held:?}"));
+        }
+    }
+
+    // Deliveries: every (event, subscriber) accepted.
+    let not_accepted: Vec<(i64, String, String)> = rows(
+        producer,
+        "SELECT position, consumer_id, status FROM deliveries WHERE status <> 'accepted' ORDER BY position LIMIT 1000",
+        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+    )?;
+    for (position, consumer, status) in not_accepted {
+        report.violation("relay_behind", format!("delivery of outbox position {position} to {consumer} is {status}"));
+    }
+
+    for consumer in [SHIPPING_CONSUMER, AUDIT_CONSUMER] {
+        // The consumer's inbox: (flow, seq) -> (event id, status).
+        let records: Vec<(String, i64, String, String)> = {
+            let mut stmt = inbox
+                .prepare("SELECT flow_id, seq, event_id, status FROM inbox WHERE consumer_id = ?1 AND source = ?2")
+                .map_err(sql)?;
+            let mapped = stmt
+                .query_map([consumer, tenant], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .map_err(sql)?;
+            mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
+        };
+        let records: HashMap<(&str, i64), (&str, &str)> =
+            records.iter().map(|(f, s, e, st)| ((f.as_str(), *s), (e.as_str(), st.as_str()))).collect();
+        for (_, flow, seq, event_id) in &outbox {
+            match records.get(&(flow.as_str(), *seq)) {
+                None => report.violation("not_applied", format!("{consumer} has no inbox record of {flow}#{seq}")),
+                Some((found, _)) if *found != event_id.as_str() => report.violation(
+                    "lost",
+                    format!("{consumer}'s inbox holds event {found} at {flow}#{seq}; the outbox holds {event_id}"),
+                ),
+                Some((_, "applied")) => {}
+                Some((_, status)) => {
+                    report.violation("not_applied", format!("{consumer}'s record of {flow}#{seq} is {status}"))
+                }
+            }
+        }
+        let open: i64 = inbox
+            .query_row(
+                "SELECT count(*) FROM inbox WHERE consumer_id = ?1 AND (status = 'pending' OR status = 'blocked')",
+                [consumer],
+                |r| r.get(0),
+            )
+            .map_err(sql)?;
+        if open > 0 {
+            report.violation("inbox_open", format!("{consumer} has {open} pending or blocked inbox records"));
+        }
+        // Cursors at each flow's last seq.
+        let cursors: HashMap<String, i64> = {
+            let mut stmt = inbox
+                .prepare("SELECT flow_id, high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2")
+                .map_err(sql)?;
+            let mapped = stmt.query_map([consumer, tenant], |r| Ok((r.get(0)?, r.get(1)?))).map_err(sql)?;
+            mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
+        };
+        for (flow, last_seq) in &flows {
+            let cursor = cursors.get(flow).copied().unwrap_or(0);
+            if cursor != *last_seq {
+                report.violation(
+                    "cursor_behind",
+                    format!("{consumer}'s cursor of {flow} is at {cursor}; the flow is at {last_seq}"),
+                );
+            }
+        }
+    }
+
+    // The reservation handler's effects: one row per applied event, in seq order per flow.
+    let effects: Vec<(String, i64, String, String, i64)> = {
+        let mut stmt = inbox
+            .prepare(
+                "SELECT flow_id, seq, event_id, kind, quantity FROM reservation_effects
+                 WHERE consumer_id = ?1 AND source = ?2 ORDER BY effect_id",
+            )
+            .map_err(sql)?;
+        let mapped = stmt
+            .query_map([SHIPPING_CONSUMER, tenant], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+            .map_err(sql)?;
+        mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
+    };
+    let mut applied: HashMap<&str, u64> = HashMap::new();
+    let mut last_applied: HashMap<&str, i64> = HashMap::new();
+    for (flow, seq, event_id, _, _) in &effects {
+        *applied.entry(event_id.as_str()).or_default() += 1;
+        let previous = last_applied.insert(flow.as_str(), *seq).unwrap_or(0);
+        if *seq != previous + 1 {
+            report.violation(
+                "out_of_order",
+                format!("{SHIPPING_CONSUMER} applied {flow}#{seq} right after {flow}#{previous}"),
+            );
+        }
+        if !by_key.contains_key(&(flow.as_str(), *seq)) {
+            report.violation(
+                "unknown_effect",
+                format!("{SHIPPING_CONSUMER} applied {flow}#{seq}, which the outbox never held"),
+            );
+        }
+    }
+    for (_, flow, seq, event_id) in &outbox {
+        match applied.get(event_id.as_str()).copied().unwrap_or(0) {
+            0 => report.violation("not_applied", format!("{SHIPPING_CONSUMER} never applied {flow}#{seq}")),
+            1 => {}
+            n => report.violation("applied_twice", format!("{SHIPPING_CONSUMER} applied {flow}#{seq} {n} times")),
+        }
+    }
+    // The effect of each acknowledged advance is the state and quantity acknowledged.
+    let effect_of: HashMap<&str, (&str, i64)> =
+        effects.iter().map(|(_, _, e, k, q)| (e.as_str(), (k.as_str(), *q))).collect();
+    for entry in ledger {
+        if let Acknowledged::Advance { flow_id, seq, event_id, state, quantity, .. } = entry {
+            if let Some((kind, applied_quantity)) = effect_of.get(event_id.as_str()) {
+                if *kind != state.as_str() || applied_quantity != quantity {
+                    report.violation(
+                        "wrong_effects",
+                        format!("{flow_id}#{seq} was acknowledged as {state} x{quantity}; {SHIPPING_CONSUMER} applied {kind} x{applied_quantity}"),
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The effects an order leaves, by how it ended: the order tables' rows in order.
+fn expected_effects(status: &str) -> Option<&'static [&'static str]> {
+    match status {
+        "completed" => Some(&["reserve", "ship"]),
+        "compensated" => Some(&["reserve", "release"]),
+        _ => None,
+    }
+}
+
+/// Returns the acknowledged runs that ended as they must.
+fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
+    let mut ended = HashSet::new();
+    let mut run_stmt =
+        workflows.prepare("SELECT status, error, lease_owner FROM runs WHERE run_id = ?1").map_err(sql)?;
+    // One pass over the effects (`order_effects` has no index on the order: a query per run
+    // would scan the table once per run).
+    let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
+    for (order_id, kind, quantity) in
+        rows(workflows, "SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+        })?
+    {
+        effects_of.entry(order_id).or_default().push((kind, quantity));
+    }
+    for entry in ledger {
+        let Acknowledged::Start { run_id, expect, process, quantity, .. } = entry else { continue };
+        report.starts += 1;
+        let run: Option<(String, Option<String>, Option<String>)> =
+            run_stmt.query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional().map_err(sql)?;
+        let Some((status, error, lease_owner)) = run else {
+            report.violation("lost", format!("run {run_id} acknowledged by process {process} is not in the database"));
+            continue;
+        };
+        *report.runs_by_status.entry(status.clone()).or_default() += 1;
+        let effects: &[(String, i64)] = effects_of.get(run_id).map(Vec::as_slice).unwrap_or_default();
+        let kinds: Vec<&str> = effects.iter().map(|(k, _)| k.as_str()).collect();
+        for kind in ["reserve", "ship", "release"] {
+            let n = kinds.iter().filter(|k| **k == kind).count();
+            if n > 1 {
+                report.violation("applied_twice", format!("run {run_id}: {n} {kind} effects"));
+            }
+        }
+        if effects.iter().any(|(_, q)| q != quantity) {
+            report.violation("wrong_effects", format!("run {run_id} reserved {quantity}; its effects are {effects:?}"));
+        }
+        if lease_owner.is_some() {
+            report.violation("run_leased", format!("run {run_id} ({status}) is still leased by {lease_owner:?}"));
+        }
+        match status.as_str() {
+            "pending" | "running" | "sleeping" | "waiting" | "compensating" => {
+                report.violation("run_unfinished", format!("run {run_id} is {status}"));
+                continue;
+            }
+            "parked" if error.is_some() => {
+                report.parked += 1;
+                continue;
+            }
+            _ => {}
+        }
+        if status != *expect {
+            report
+                .violation("unexpected_end", format!("run {run_id} ended {status} ({error:?}); it must end {expect}"));
+        } else if expected_effects(&status).is_some_and(|want| kinds != want) {
+            report.violation("wrong_effects", format!("run {run_id} ended {status} with the effects {kinds:?}"));
+        } else {
+            ended.insert(run_id.clone());
+        }
+    }
+    // Every run, not only the acknowledged ones (a start whose answer was lost may have run).
+    let unfinished: i64 = workflows
+        .query_row(
+            "SELECT count(*) FROM runs WHERE (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating') OR lease_owner IS NOT NULL",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(sql)?;
+    let acknowledged_unfinished = report.counts.get("run_unfinished").copied().unwrap_or(0)
+        + report.counts.get("run_leased").copied().unwrap_or(0);
+    if unfinished as u64 > acknowledged_unfinished {
+        report.violation(
+            "run_unfinished",
+            format!(
+                "{} runs that were not acknowledged are unfinished or leased",
+                unfinished as u64 - acknowledged_unfinished
+            ),
+        );
+    }
+    report.run_recoveries =
+        workflows.query_row("SELECT coalesce(sum(recoveries), 0) FROM runs", [], |r| r.get(0)).map_err(sql)?;
+    // Stock: what is reserved or shipped (not released) was taken from it, by acknowledged runs
+    // and by starts whose answer was lost alike.
+    let taken: i64 = workflows
+        .query_row(
+            "SELECT coalesce(sum(quantity), 0) FROM order_reservations WHERE sku = ?1 AND status <> 'released'",
+            [SKU],
+            |r| r.get(0),
+        )
+        .map_err(sql)?;
+    let stock: Option<i64> = workflows
+        .query_row("SELECT stock FROM order_stock WHERE sku = ?1", [SKU], |r| r.get(0))
+        .optional()
+        .map_err(sql)?;
+    if report.starts > 0 && stock != Some(STOCK - taken) {
+        report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
+    }
+    Ok(ended)
+}
+
+fn check_payments(
+    report: &mut CheckReport,
+    payments: &Connection,
+    ledger: &[Acknowledged],
+    ended: &HashSet<String>,
+) -> Result<()> {
+    // One pass, grouped (the log's only index is on the idempotency key).
+    let by_order: HashMap<String, (i64, i64)> = rows(
+        payments,
+        "SELECT order_id, sum(outcome = 'charged'), sum(outcome = 'refunded') FROM payment_calls GROUP BY order_id",
+        |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))),
+    )?
+    .into_iter()
+    .collect();
+    for entry in ledger {
+        let Acknowledged::Start { run_id, fail, .. } = entry else { continue };
+        let (charged, refunded) = by_order.get(run_id).copied().unwrap_or((0, 0));
+        if charged > 1 || refunded > 1 {
+            report.violation(
+                "applied_twice",
+                format!("run {run_id}: charged {charged} times, refunded {refunded} times"),
+            );
+            continue;
+        }
+        // Only the payments of a run that ended as it must are final (the others are reported).
+        if !ended.contains(run_id) {
+            continue;
+        }
+        let want = match fail.as_deref() {
+            None => (1, 0),
+            Some("charge_payment") => (0, 0),
+            Some(_) => (1, 1),
+        };
+        if (charged, refunded) != want {
+            report.violation(
+                "wrong_effects",
+                format!("run {run_id} (fail {fail:?}): charged {charged}, refunded {refunded}; expected {want:?}"),
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,780 @@
+//! `tidemark chaos`: a mixed workload over HTTP against several real `tidemark serve` processes
+//! on one data folder, with faults injected on a schedule derived from a seed (SIGKILL and
+//! restart, SIGSTOP past the worker lease and SIGCONT), a ledger of every acknowledged operation,
+//! a clean restart and a bounded wait for convergence, and then the independent
+//! [`checker`] on the files. `tidemark chaos check` runs the checker alone on a run's folder.
+//!
+//! The processes share the data folder the way workers share work: every one of them relays,
+//! drains and runs workflow workers on the same SQLite files, serialised by SQLite's write lock
+//! and fenced by the run leases. See docs/reliability.md, "Chaos harness".
+
+pub mod checker;
+pub mod schedule;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Args, Subcommand};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+use tidemark_core::error::codes;
+use tidemark_core::{Error, Result};
+
+use checker::{Acknowledged, TenantFiles};
+use schedule::{Fault, FaultKind};
+
+use crate::loadtest::{write_ledger, FLOW_STATES};
+
+/// The tenant every request acts in (`auth.mode = "none"`, `auth.dev_tenant`).
+pub const TENANT: &str = "chaos";
+/// The consumer declared with the `reservation` handler (projection and one effect row per event).
+pub(crate) const SHIPPING_CONSUMER: &str = "shipping";
+/// The consumer declared with the `record` handler (the inbox only).
+pub(crate) const AUDIT_CONSUMER: &str = "audit";
+/// The SKU every order takes from.
+pub(crate) const SKU: &str = "chaos-sku";
+/// Its stock, set before the workload (never runs out).
+pub(crate) const STOCK: i64 = 1_000_000_000;
+/// The servers' worker lease (`workers.lease_ms`): a pause is longer than this.
+const LEASE_MS: u64 = 1_000;
+/// The servers' fixed step retry delay (`workers.retry_delay_ms`), so that retries after a crash
+/// do not wait the default exponential backoff.
+const RETRY_DELAY_MS: u64 = 50;
+/// The servers' step attempts (`workers.max_attempts`): a step interrupted by a kill or a lost
+/// lease is attempted again, so a few crashes must not use a step's attempts up.
+const MAX_ATTEMPTS: u32 = 10;
+/// Most server processes.
+const PROCESSES_MAX: usize = 16;
+/// Most faults in one run.
+const FAULTS_MAX: usize = 10_000;
+/// Longest workload.
+const DURATION_S_MAX: u64 = 24 * 3_600;
+/// Most concurrent clients.
+const CLIENTS_MAX: usize = 256;
+/// Longest wait for convergence after the clean restart.
+const CONVERGE_TIMEOUT_S_MAX: u64 = 3_600;
+/// How long a server may take to print its listening line.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// Attempts to restart a server on its address (the port may still be held for a moment).
+const START_ATTEMPTS_MAX: u32 = 20;
+/// How long a server may take to stop after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client's request timeout: shorter than a pause, so that clients whose request went to a
+/// paused process give up on it (the request may or may not commit: it is not in the ledger) and
+/// go on with the other processes, instead of every closed-loop client ending up waiting for the
+/// paused one (with 10 s, the whole workload stalled for the length of each pause).
+const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_millis(1_000);
+/// The timeout of the setup and convergence requests.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// A client's pause after a failed request.
+const RETRY_PAUSE: Duration = Duration::from_millis(20);
+/// How often the harness reads the files while it waits for convergence.
+const CONVERGE_POLL: Duration = Duration::from_millis(250);
+
+/// The arguments of `tidemark chaos` (a run) and `tidemark chaos check` (the checker alone).
+#[derive(Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct ChaosArgs {
+    #[command(subcommand)]
+    command: Option<ChaosCommand>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum ChaosCommand {
+    /// Run the independent checker on the folder of a run (its data and ledger).
+    Check(CheckArgs),
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// The seed of the fault schedule and of the clients' choices (0..=2^64-1).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Seconds of workload (1..=86400); the workload also lasts until the last fault ended.
+    #[arg(long, default_value_t = 20)]
+    duration_s: u64,
+    /// Faults to inject (0..=10000).
+    #[arg(long, default_value_t = 4)]
+    faults: usize,
+    /// `tidemark serve` processes on the one data folder (2..=16).
+    #[arg(long, default_value_t = 2)]
+    processes: usize,
+    /// Concurrent HTTP clients (1..=256).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Seconds to wait for convergence after the clean restart (1..=3600).
+    #[arg(long, default_value_t = 120)]
+    converge_timeout_s: u64,
+    /// The run's folder (created; must not exist or be empty): data/, ledger.jsonl,
+    /// schedule.json, logs/. Default: tidemark-chaos-<seed>.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    /// The folder of a chaos run.
+    #[arg(long)]
+    out: PathBuf,
+    /// The seed to name in the violations (the run's; optional).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+pub(crate) fn invalid(message: impl Into<String>) -> Error {
+    Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::io(format!("{what}: {e}"))
+}
+
+/// Run `tidemark chaos` or `tidemark chaos check`.
+pub fn run(args: ChaosArgs) -> Result<Value> {
+    match args.command {
+        Some(ChaosCommand::Check(check_args)) => check_only(&check_args),
+        None => chaos(args.run),
+    }
+}
+
+fn check_only(args: &CheckArgs) -> Result<Value> {
+    let ledger = checker::read_ledger(&args.out.join("ledger.jsonl"))?;
+    let report = checker::check(&TenantFiles::new(&args.out.join("data"), TENANT), TENANT, &ledger)?;
+    let check = report.to_json(args.seed);
+    Ok(json!({
+        "outcome": if report.total() == 0 { "passed" } else { "violations" },
+        "out": args.out,
+        "lost": report.counts["lost"],
+        "applied_twice": report.counts["applied_twice"],
+        "check": check,
+    }))
+}
+
+/// The validated settings of a run.
+struct Settings {
+    seed: u64,
+    duration_ms: u64,
+    faults: usize,
+    processes: usize,
+    clients: usize,
+    converge_timeout: Duration,
+    out: PathBuf,
+}
+
+fn validate(args: RunArgs) -> Result<Settings> {
+    let seed = args.seed.ok_or_else(|| invalid("--seed N is required (the fault schedule derives from it)"))?;
+    if !(2..=PROCESSES_MAX).contains(&args.processes) {
+        return Err(invalid(format!("--processes must be 2..={PROCESSES_MAX}, got {}", args.processes)));
+    }
+    if args.faults > FAULTS_MAX {
+        return Err(invalid(format!("--faults must be 0..={FAULTS_MAX}, got {}", args.faults)));
+    }
+    if !(1..=DURATION_S_MAX).contains(&args.duration_s) {
+        return Err(invalid(format!("--duration-s must be 1..={DURATION_S_MAX}, got {}", args.duration_s)));
+    }
+    if !(1..=CLIENTS_MAX).contains(&args.clients) {
+        return Err(invalid(format!("--clients must be 1..={CLIENTS_MAX}, got {}", args.clients)));
+    }
+    if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
+        return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
+    }
+    let out = args.out.unwrap_or_else(|| PathBuf::from(format!("tidemark-chaos-{seed}")));
+    if out.exists() && std::fs::read_dir(&out).map_err(io("cannot read --out"))?.next().is_some() {
+        return Err(Error::invalid(
+            codes::ALREADY_EXISTS,
+            format!("{} is not empty: a chaos run starts from an empty folder", out.display()),
+        ));
+    }
+    Ok(Settings {
+        seed,
+        duration_ms: args.duration_s * 1_000,
+        faults: args.faults,
+        processes: args.processes,
+        clients: args.clients,
+        converge_timeout: Duration::from_secs(args.converge_timeout_s),
+        out,
+    })
+}
+
+/// One `tidemark serve` child process on a fixed loopback address (chosen by the OS at its
+/// first start, kept across restarts so that clients find it again).
+struct Serve {
+    index: usize,
+    exe: PathBuf,
+    data: PathBuf,
+    log: PathBuf,
+    addr: String,
+    child: Option<Child>,
+    stopped: bool,
+}
+
+impl Serve {
+    fn new(index: usize, exe: &Path, out: &Path) -> Serve {
+        Serve {
+            index,
+            exe: exe.to_path_buf(),
+            data: out.join("data"),
+            log: out.join("logs").join(format!("serve-{index}.log")),
+            addr: "127.0.0.1:0".into(),
+            child: None,
+            stopped: false,
+        }
+    }
+
+    fn base(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Start (or restart) the process and wait for its listening line (bounded).
+    fn start(&mut self) -> Result<()> {
+        let mut last_error = String::new();
+        for _ in 0..START_ATTEMPTS_MAX {
+            match self.try_start() {
+                Ok(()) => return Ok(()),
+                Err(e) => last_error = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Err(Error::io(format!("process {} did not start on {}: {last_error}", self.index, self.addr)))
+    }
+
+    fn try_start(&mut self) -> Result<()> {
+        let log =
+            std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
+        let mut child = Command::new(&self.exe)
+            .args(["serve", "--data"])
+            .arg(&self.data)
+            .args(["--listen", &self.addr])
+            .env_remove("TIDEMARK_CRASH_AT")
+            .env_remove("TIDEMARK_SERVER")
+            .env_remove("TIDEMARK_TOKEN")
+            .env("TIDEMARK_AUTH__MODE", "none")
+            .env("TIDEMARK_AUTH__DEV_TENANT", TENANT)
+            .env("TIDEMARK_LOG__LEVEL", "warn")
+            .env("TIDEMARK_WORKERS__LEASE_MS", LEASE_MS.to_string())
+            .env("TIDEMARK_WORKERS__RETRY_DELAY_MS", RETRY_DELAY_MS.to_string())
+            .env("TIDEMARK_WORKERS__MAX_ATTEMPTS", MAX_ATTEMPTS.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(io("cannot start tidemark serve"))?;
+        let stdout = child.stdout.take().ok_or_else(|| Error::io("no stdout"))?;
+        let (sender, receiver) = std::sync::mpsc::channel::<String>();
+        // The first line is the listening line; the rest (the stop report) is read and dropped so
+        // that the pipe never fills.
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(line)) = lines.next() {
+                let _ = sender.send(line);
+            }
+            for _ in lines {}
+        });
+        let line = match receiver.recv_timeout(START_TIMEOUT) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(Error::io("no listening line (see its log)"));
+            }
+        };
+        let first: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        let Some(addr) = first["addr"].as_str().filter(|_| first["outcome"] == "listening") else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(Error::io(format!("unexpected first line {line:?}")));
+        };
+        self.addr = addr.to_string();
+        self.child = Some(child);
+        self.stopped = false;
+        Ok(())
+    }
+
+    fn signal(&self, signal: &str) -> Result<()> {
+        let Some(child) = &self.child else { return Ok(()) };
+        let status =
+            Command::new("kill").args([signal, &child.id().to_string()]).status().map_err(io("cannot run kill"))?;
+        if !status.success() {
+            return Err(Error::io(format!("kill {signal} {} failed", child.id())));
+        }
+        Ok(())
+    }
+
+    fn sigkill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        self.stopped = false;
+    }
+
+    fn sigstop(&mut self) -> Result<()> {
+        self.signal("-STOP")?;
+        self.stopped = true;
+        Ok(())
+    }
+
+    fn sigcont(&mut self) -> Result<()> {
+        self.signal("-CONT")?;
+        self.stopped = false;
+        Ok(())
+    }
+
+    /// A graceful stop (SIGCONT first if paused), bounded; killed when it takes too long.
+    fn terminate(&mut self) -> Result<()> {
+        if self.stopped {
+            self.sigcont()?;
+        }
+        if self.signal("-TERM").is_err() {
+            self.sigkill();
+            return Ok(());
+        }
+        let Some(mut child) = self.child.take() else { return Ok(()) };
+        let began = Instant::now();
+        while began.elapsed() < STOP_TIMEOUT {
+            if child.try_wait().map_err(io("cannot wait for a server"))?.is_some() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        Ok(())
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.stopped {
+            let _ = self.sigcont();
+        }
+        self.sigkill();
+    }
+}
+
+/// Faults whose process is back and has not acknowledged an operation yet, and the recovery
+/// times measured so far: the time from the restart's listening line (or the SIGCONT) to the
+/// first 2xx answer of that process.
+#[derive(Default)]
+struct Recovery {
+    waiting: BTreeMap<usize, (usize, Instant)>,
+    measured_ms: Vec<f64>,
+    unobserved: u64,
+}
+
+impl Recovery {
+    fn back(&mut self, process: usize, fault: usize) {
+        if self.waiting.insert(process, (fault, Instant::now())).is_some() {
+            self.unobserved += 1;
+        }
+    }
+
+    fn acknowledged(&mut self, process: usize) {
+        if let Some((_, back_at)) = self.waiting.remove(&process) {
+            self.measured_ms.push(back_at.elapsed().as_secs_f64() * 1_000.0);
+        }
+    }
+}
+
+struct Shared {
+    bases: Vec<String>,
+    seed: u64,
+    stop: AtomicBool,
+    started: Instant,
+    recovery: Mutex<Recovery>,
+}
+
+/// What one client did.
+#[derive(Default)]
+struct ClientStats {
+    requests: u64,
+    by_status: BTreeMap<u16, u64>,
+    connection_errors: u64,
+    advances: u64,
+    starts: u64,
+    unexpected: u64,
+    last_unexpected: Option<String>,
+}
+
+/// A reservation flow a client owns: it always knows the expected seq.
+struct OwnedFlow {
+    flow_id: String,
+    seq: i64,
+    quantity: i64,
+}
+
+/// Turns a 2xx answer (and its time, ms after the start) into what it acknowledged, if it did.
+type Acknowledge = Box<dyn Fn(&Value, u64) -> Option<Acknowledged> + Send>;
+
+async fn client(
+    index: usize,
+    http: reqwest::Client,
+    shared: Arc<Shared>,
+    ledger: tokio::sync::mpsc::UnboundedSender<Acknowledged>,
+    mut rng: StdRng,
+) -> ClientStats {
+    let mut stats = ClientStats::default();
+    let (mut runs, mut flows) = (0_u64, 0_u64);
+    let mut flow: Option<OwnedFlow> = None;
+    while !shared.stop.load(Ordering::Relaxed) {
+        let process = rng.gen_range(0..shared.bases.len());
+        let start = rng.gen_range(0..3) == 0;
+        // What a 2xx answer acknowledges, given the answer.
+        let (path, body, pending): (String, Value, Acknowledge) = if start {
+            runs += 1;
+            let run_id = format!("c{}-r{index}-{runs}", shared.seed);
+            let quantity = rng.gen_range(1..=3_i64);
+            let mut input = json!({"order_id": run_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity});
+            let fail = match rng.gen_range(0..100) {
+                0..=9 => Some("charge_payment"),
+                10..=19 => Some("ship_order"),
+                20..=34 => {
+                    input["flaky_attempts"] = json!(1);
+                    None
+                }
+                _ => None,
+            };
+            if let Some(step) = fail {
+                input["fail"] = json!(step);
+            }
+            let body = json!({"workflow": "order_saga", "run_id": run_id, "input": input});
+            let expect = if fail.is_some() { "compensated" } else { "completed" };
+            let entry = Acknowledged::Start {
+                run_id,
+                fail: fail.map(str::to_string),
+                expect: expect.into(),
+                quantity,
+                process,
+                at_ms: 0,
+            };
+            ("/v1/runs".into(), body, Box::new(move |_: &Value, at_ms: u64| Some(with_time(entry.clone(), at_ms))))
+        } else {
+            let owned = flow.get_or_insert_with(|| {
+                flows += 1;
+                OwnedFlow {
+                    flow_id: format!("c{}-f{index}-{flows}", shared.seed),
+                    seq: 0,
+                    quantity: rng.gen_range(1..=5),
+                }
+            });
+            let state = FLOW_STATES[owned.seq as usize];
+            let body = json!({"expected_seq": owned.seq, "to": state, "quantity": owned.quantity});
+            let (flow_id, quantity) = (owned.flow_id.clone(), owned.quantity);
+            let accept = move |answer: &Value, at_ms: u64| -> Option<Acknowledged> {
+                if answer["outcome"] != "committed" || answer["flow_id"] != flow_id.as_str() {
+                    return None;
+                }
+                Some(Acknowledged::Advance {
+                    flow_id: flow_id.clone(),
+                    seq: answer["seq"].as_i64()?,
+                    event_id: answer["event_id"].as_str()?.to_string(),
+                    state: state.into(),
+                    quantity,
+                    process,
+                    at_ms,
+                })
+            };
+            (format!("/v1/flows/{}/advance", owned.flow_id), body, Box::new(accept))
+        };
+        let sent = http.post(format!("{}{path}", shared.bases[process])).json(&body).send().await;
+        let answered = match sent {
+            Ok(response) => {
+                let status = response.status().as_u16();
+                response.text().await.ok().map(|text| (status, text))
+            }
+            Err(_) => None,
+        };
+        let Some((status, text)) = answered else {
+            // No answer: whether it committed is unknown, so the flow is given up.
+            stats.connection_errors += 1;
+            flow = None;
+            tokio::time::sleep(RETRY_PAUSE).await;
+            continue;
+        };
+        stats.requests += 1;
+        *stats.by_status.entry(status).or_default() += 1;
+        let answer: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+        let at_ms = shared.started.elapsed().as_millis() as u64;
+        let acknowledged = if (200..300).contains(&status) { pending(&answer, at_ms) } else { None };
+        match acknowledged {
+            Some(entry) => {
+                shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
+                match &entry {
+                    Acknowledged::Start { .. } => stats.starts += 1,
+                    Acknowledged::Advance { .. } => {
+                        stats.advances += 1;
+                        if let Some(owned) = flow.as_mut() {
+                            owned.seq += 1;
+                            if owned.seq as usize == FLOW_STATES.len() {
+                                flow = None;
+                            }
+                        }
+                    }
+                }
+                // The writer lives until every client is done.
+                let _ = ledger.send(entry);
+            }
+            None => {
+                // A 5xx (a busy or stopping server) may have committed; a 4xx is unexpected.
+                if status < 500 {
+                    stats.unexpected += 1;
+                    stats.last_unexpected =
+                        Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
+                }
+                if !start {
+                    flow = None;
+                }
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+        }
+    }
+    stats
+}
+
+fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
+    let (Acknowledged::Start { at_ms, .. } | Acknowledged::Advance { at_ms, .. }) = &mut entry;
+    *at_ms = at;
+    entry
+}
+
+/// Declare the two consumers and set the stock, through process 0 (blocking HTTP).
+fn setup(base: &str) -> Result<()> {
+    let http = reqwest::blocking::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+    let requests = [
+        (format!("{base}/v1/consumers/{SHIPPING_CONSUMER}"), json!({"handler": "reservation"})),
+        (format!("{base}/v1/consumers/{AUDIT_CONSUMER}"), json!({"handler": "record"})),
+        (format!("{base}/v1/stock/{SKU}"), json!({"quantity": STOCK})),
+    ];
+    for (url, body) in requests {
+        let response = http.put(&url).json(&body).send().map_err(|e| Error::io(format!("PUT {url}: {e}")))?;
+        let status = response.status();
+        if !status.is_success() {
+            let text = response.text().unwrap_or_default();
+            return Err(Error::io(format!("PUT {url} answered {status}: {text}")));
+        }
+    }
+    Ok(())
+}
+
+/// Nearest-rank percentile of sorted values (0 when there are none).
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    (sorted[rank - 1] * 10.0).round() / 10.0
+}
+
+fn chaos(args: RunArgs) -> Result<Value> {
+    let settings = validate(args)?;
+    let exe = std::env::current_exe().map_err(io("cannot find the tidemark binary"))?;
+    std::fs::create_dir_all(settings.out.join("logs")).map_err(io("cannot create --out"))?;
+    let faults = schedule::schedule(settings.seed, settings.faults, settings.processes, settings.duration_ms, LEASE_MS);
+    let schedule_json = serde_json::to_string_pretty(&faults).map_err(|e| Error::io(e.to_string()))?;
+    std::fs::write(settings.out.join("schedule.json"), &schedule_json).map_err(io("cannot write schedule.json"))?;
+    eprintln!(
+        "tidemark chaos: seed {} schedule {}",
+        settings.seed,
+        serde_json::to_string(&faults).map_err(|e| Error::io(e.to_string()))?
+    );
+
+    let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings.out)).collect();
+    servers[0].start()?;
+    setup(&servers[0].base())?;
+    for server in servers.iter_mut().skip(1) {
+        server.start()?;
+    }
+
+    let ledger_path = settings.out.join("ledger.jsonl");
+    let ledger = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&ledger_path)
+        .map_err(io("cannot create the ledger"))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(io("cannot start the async runtime"))?;
+    let http = reqwest::Client::builder()
+        .timeout(CLIENT_REQUEST_TIMEOUT)
+        .build()
+        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+    let shared = Arc::new(Shared {
+        bases: servers.iter().map(Serve::base).collect(),
+        seed: settings.seed,
+        stop: AtomicBool::new(false),
+        started: Instant::now(),
+        recovery: Mutex::new(Recovery::default()),
+    });
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel::<Acknowledged>();
+    let writer = runtime.spawn_blocking(move || write_ledger(ledger, receiver));
+    let mut tasks = Vec::with_capacity(settings.clients);
+    for index in 0..settings.clients {
+        let rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_add(index as u64));
+        tasks.push(runtime.spawn(client(index, http.clone(), shared.clone(), sender.clone(), rng)));
+    }
+    drop(sender);
+
+    // The faults, one after the other, on this thread.
+    let mut injected: Vec<Value> = Vec::with_capacity(faults.len());
+    let mut fault_error: Option<Error> = None;
+    for fault in &faults {
+        let due = Duration::from_millis(fault.at_ms);
+        if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
+            std::thread::sleep(wait);
+        }
+        match inject(&mut servers[fault.process], fault, &shared) {
+            Ok(done) => injected.push(done),
+            Err(e) => {
+                fault_error = Some(e);
+                break;
+            }
+        }
+    }
+    if let Some(wait) = Duration::from_millis(settings.duration_ms).checked_sub(shared.started.elapsed()) {
+        std::thread::sleep(wait);
+    }
+    shared.stop.store(true, Ordering::Relaxed);
+    let workload_ms = shared.started.elapsed().as_millis() as u64;
+    let mut stats = ClientStats::default();
+    for task in tasks {
+        let one = runtime.block_on(task).map_err(|e| Error::Invariant(format!("a chaos client panicked: {e}")))?;
+        stats.requests += one.requests;
+        for (status, n) in one.by_status {
+            *stats.by_status.entry(status).or_default() += n;
+        }
+        stats.connection_errors += one.connection_errors;
+        stats.advances += one.advances;
+        stats.starts += one.starts;
+        stats.unexpected += one.unexpected;
+        if one.last_unexpected.is_some() {
+            stats.last_unexpected = one.last_unexpected;
+        }
+    }
+    let written =
+        runtime.block_on(writer).map_err(|e| Error::Invariant(format!("the ledger writer panicked: {e}")))??;
+    if let Some(error) = fault_error {
+        return Err(error);
+    }
+
+    // A clean restart of every process, then a bounded wait for the relay, the drains and the
+    // workers to finish by themselves.
+    for server in &mut servers {
+        server.terminate()?;
+    }
+    let ledger_entries = checker::read_ledger(&ledger_path)?;
+    let files = TenantFiles::new(&settings.out.join("data"), TENANT);
+    let restarted = Instant::now();
+    for server in &mut servers {
+        server.start()?;
+    }
+    // A tenant opens (and its loops start) with its first request.
+    let poke = reqwest::blocking::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+    for server in &servers {
+        let _ = poke.get(format!("{}/v1/runs?limit=1", server.base())).send();
+    }
+    let mut converged = false;
+    while restarted.elapsed() < settings.converge_timeout {
+        if checker::check(&files, TENANT, &ledger_entries)?.converged() {
+            converged = true;
+            break;
+        }
+        std::thread::sleep(CONVERGE_POLL);
+    }
+    let convergence_ms = restarted.elapsed().as_millis() as u64;
+    for server in &mut servers {
+        server.terminate()?;
+    }
+    let report = checker::check(&files, TENANT, &ledger_entries)?;
+
+    let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
+    let unobserved = recovery.unobserved + recovery.waiting.len() as u64;
+    recovery.measured_ms.sort_by(f64::total_cmp);
+    let measured = &recovery.measured_ms;
+    let by_kind = |kind: FaultKind| faults.iter().take(injected.len()).filter(|f| f.kind == kind).count();
+    let passed = report.total() == 0 && converged;
+    let mut check = report.to_json(Some(settings.seed));
+    check["passed"] = json!(passed);
+    check["converged"] = json!(converged);
+    let statuses: BTreeMap<String, u64> = stats.by_status.iter().map(|(s, n)| (s.to_string(), *n)).collect();
+    Ok(json!({
+        "outcome": if passed { "passed" } else { "violations" },
+        "seed": settings.seed,
+        "reproduce": format!(
+            "tidemark chaos --seed {} --duration-s {} --faults {} --processes {} --clients {}",
+            settings.seed, settings.duration_ms / 1_000, settings.faults, settings.processes, settings.clients
+        ),
+        "processes": settings.processes,
+        "clients": settings.clients,
+        "workload_ms": workload_ms,
+        "faults": {
+            "scheduled": faults.len(),
+            "injected": injected.len(),
+            "sigkill": by_kind(FaultKind::Sigkill),
+            "sigstop": by_kind(FaultKind::Sigstop),
+            "schedule": injected,
+        },
+        "operations": {
+            "requests": stats.requests,
+            "acknowledged": stats.advances + stats.starts,
+            "advances": stats.advances,
+            "starts": stats.starts,
+            "ledger_entries": written,
+            "lost": report.counts["lost"],
+            "applied_twice": report.counts["applied_twice"],
+            "no_answer": stats.connection_errors,
+            "by_status": statuses,
+            "unexpected_answers": stats.unexpected,
+            "last_unexpected_answer": stats.last_unexpected,
+        },
+        "recovery_ms": {
+            "definition": "from a killed process's restart (its listening line) or a paused process's SIGCONT to the first operation that process acknowledges",
+            "observed": measured.len(),
+            "unobserved": unobserved,
+            "median": percentile(measured, 0.5),
+            "p99": percentile(measured, 0.99),
+            "max": percentile(measured, 1.0),
+        },
+        "convergence_ms": convergence_ms,
+        "out": settings.out,
+        "check": check,
+    }))
+}
+
+/// Inject one fault and bring the process back; returns what was done, with its times.
+fn inject(server: &mut Serve, fault: &Fault, shared: &Shared) -> Result<Value> {
+    let began_ms = shared.started.elapsed().as_millis() as u64;
+    match fault.kind {
+        FaultKind::Sigkill => {
+            server.sigkill();
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            server.start()?;
+        }
+        FaultKind::Sigstop => {
+            server.sigstop()?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            server.sigcont()?;
+        }
+    }
+    shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).back(fault.process, fault.index);
+    let back_ms = shared.started.elapsed().as_millis() as u64;
+    Ok(json!({
+        "index": fault.index, "kind": fault.kind, "process": fault.process,
+        "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
+    }))
+}

@@ -1,0 +1,92 @@
+//! The fault schedule of a chaos run: derived from the seed alone (a `StdRng` seeded with it),
+//! so a failing seed replays the same faults, at the same offsets, on the same processes.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+/// Percent of the faults that are a SIGKILL (the rest are a SIGSTOP/SIGCONT pause).
+const SIGKILL_PERCENT: u32 = 60;
+/// Shortest and longest pause between a SIGKILL and the restart of the process.
+const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
+/// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
+/// runs are taken over while it is stopped).
+const PAUSE_PAST_LEASE_MS_RANGE: (u64, u64) = (200, 1_500);
+
+/// What a fault does to its process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// SIGKILL (a crash), then a restart on the same address after `hold_ms`.
+    Sigkill,
+    /// SIGSTOP, then SIGCONT after `hold_ms` (longer than the worker lease).
+    Sigstop,
+}
+
+/// One scheduled fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Fault {
+    /// Its position in the schedule (0-based).
+    pub index: usize,
+    /// When it is due, in ms after the workload started. Faults run one after the other: a
+    /// fault due while the previous one is still held starts when that one ends.
+    pub at_ms: u64,
+    /// What it does.
+    pub kind: FaultKind,
+    /// The process it hits (0-based).
+    pub process: usize,
+    /// How long the process stays down (killed) or stopped, in ms.
+    pub hold_ms: u64,
+}
+
+/// The schedule of `faults` faults on `processes` processes during `duration_ms` of workload:
+/// due times spread over the middle 80% of the workload, in order.
+pub fn schedule(seed: u64, faults: usize, processes: usize, duration_ms: u64, lease_ms: u64) -> Vec<Fault> {
+    // Another stream than the clients' (they seed from the seed times a prime plus their index).
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_c4a0_5eed_c4a0);
+    let (from, to) = (duration_ms / 10, duration_ms - duration_ms / 10);
+    let mut due: Vec<u64> = (0..faults).map(|_| rng.gen_range(from..=to.max(from))).collect();
+    due.sort_unstable();
+    due.into_iter()
+        .enumerate()
+        .map(|(index, at_ms)| {
+            let kind = if rng.gen_range(0..100) < SIGKILL_PERCENT { FaultKind::Sigkill } else { FaultKind::Sigstop };
+            let process = rng.gen_range(0..processes);
+            let hold_ms = match kind {
+                FaultKind::Sigkill => rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1),
+                FaultKind::Sigstop => {
+                    lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
+                }
+            };
+            Fault { index, at_ms, kind, process, hold_ms }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_gives_the_same_schedule_every_time_and_another_seed_another() {
+        let first = schedule(7, 20, 3, 30_000, 1_000);
+        assert_eq!(first, schedule(7, 20, 3, 30_000, 1_000));
+        assert_ne!(first, schedule(8, 20, 3, 30_000, 1_000));
+        assert_eq!(first.len(), 20);
+        assert!(first.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
+        for fault in &first {
+            assert!(fault.process < 3);
+            assert!((3_000..=27_000).contains(&fault.at_ms), "{fault:?}");
+            if fault.kind == FaultKind::Sigstop {
+                assert!(fault.hold_ms > 1_000, "a pause outlasts the lease: {fault:?}");
+            }
+        }
+        assert!(first.iter().any(|f| f.kind == FaultKind::Sigkill));
+        assert!(first.iter().any(|f| f.kind == FaultKind::Sigstop));
+    }
+
+    #[test]
+    fn no_faults_is_an_empty_schedule() {
+        assert!(schedule(1, 0, 2, 1_000, 1_000).is_empty());
+    }
+}
