@@ -22,8 +22,19 @@ use crate::AppState;
 /// The bound of one pull (JetStream answers at once with what the stream holds, up to the batch;
 /// a Kafka or RabbitMQ pull waits this long for a first record or delivery).
 const PULL_WAIT: Duration = Duration::from_millis(500);
-/// The pause after a failed connect or pull.
+/// The pause after a failed connect or pull, doubled after each further failure in a row up to
+/// [`RETRY_PAUSE_MAX_MS`]: an inbox or broker that stays down is not asked again every half
+/// second (each failed RabbitMQ pull returns its batch to the queue, and a quorum queue counts
+/// those returns against its delivery limit).
 const RETRY_PAUSE_MS: u64 = 500;
+/// The longest pause between failed attempts.
+const RETRY_PAUSE_MAX_MS: u64 = 30_000;
+
+/// The pause after the `failures`-th failure in a row (1-based): 0.5 s, 1 s, 2 s, ... 30 s.
+fn retry_pause_ms(failures: u32) -> u64 {
+    let doublings = failures.saturating_sub(1).min(16);
+    RETRY_PAUSE_MS.saturating_mul(1 << doublings).min(RETRY_PAUSE_MAX_MS)
+}
 
 /// Start the loops of the sources configured for `tenant`.
 pub fn start(state: &AppState, tenant: &Arc<Tenant>) {
@@ -84,6 +95,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
     let mut source: Option<Source> = None;
     let mut total = SourceReport::default();
     let mut errors = 0_u64;
+    let mut failures_in_a_row = 0_u32;
     let mut pulls = 0_u64;
     let mut signal = state.shutdown_signal();
     while !state.is_shutting_down() {
@@ -99,6 +111,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
         };
         match result {
             Ok(report) => {
+                failures_in_a_row = 0;
                 // Nothing there: wait as the relay does when idle (a pull answers at once).
                 let idle = report.fetched == 0 && source.is_some();
                 pulls += u64::from(report.fetched > 0);
@@ -115,6 +128,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
             }
             Err(error) => {
                 errors += 1;
+                failures_in_a_row = failures_in_a_row.saturating_add(1);
                 // Closing a Kafka consumer waits for it to leave its group: off the async threads.
                 if let Some(failed) = source.take() {
                     tokio::task::spawn_blocking(move || drop(failed));
@@ -122,7 +136,7 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
                 tracing::error!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,
                     code = error.code(), %error,
                     "source: pull failed (nothing unacked or uncommitted is lost: the broker redelivers)");
-                if !crate::background::pause(&state, RETRY_PAUSE_MS).await {
+                if !crate::background::pause(&state, retry_pause_ms(failures_in_a_row)).await {
                     break;
                 }
             }
@@ -133,4 +147,17 @@ async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig)
     }
     json!({"consumer": config.consumer, "from": config.from, "pulls_that_fetched": pulls, "fetched": total.fetched, "accepted": total.accepted,
         "duplicate": total.duplicate, "rejected": total.rejected, "errors": errors})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn failed_pulls_back_off_from_half_a_second_to_thirty() {
+        let pauses: Vec<u64> = (1..=8).map(retry_pause_ms).collect();
+        assert_eq!(pauses, [500, 1_000, 2_000, 4_000, 8_000, 16_000, 30_000, 30_000]);
+        assert_eq!(retry_pause_ms(u32::MAX), RETRY_PAUSE_MAX_MS);
+        assert_eq!(retry_pause_ms(0), RETRY_PAUSE_MS);
+    }
 }
