@@ -588,6 +588,17 @@ pub fn validate_not_too_far(field: &str, at_ms: i64, now_ms: i64) -> Result<()> 
     Ok(())
 }
 
+/// The deadline `timeout_ms` after `now_ms` (a start's `timeout_ms` over HTTP, `--timeout-ms` in
+/// the CLI): 1..=[`TIMER_MS_MAX`] ms, `invalid_argument` otherwise; `None` without a timeout.
+pub fn deadline_after(now_ms: i64, timeout_ms: Option<i64>) -> Result<Option<i64>> {
+    match timeout_ms {
+        Some(t) if !(1..=TIMER_MS_MAX).contains(&t) => {
+            Err(Error::invalid(codes::INVALID_ARGUMENT, format!("timeout_ms must be 1..={TIMER_MS_MAX}")))
+        }
+        other => Ok(other.map(|t| now_ms.saturating_add(t))),
+    }
+}
+
 /// Check a batch of starts before any transaction, the same on every store: at most
 /// [`START_BATCH_MAX`] requests (`limit_exceeded`), each valid ([`StartRequest::validate`]), its
 /// start-at time and deadline at most a year ahead of `now_ms`.

@@ -20,8 +20,8 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX};
 use tidemark_core::policy::DAY_MS;
 use tidemark_core::workflow::{
-    continuation_run_id, validate_json_size, validate_starts, workflow_codes, RunFilter, RunStatus, StartOutcome,
-    StartRequest, WorkflowStore, RESULT_WAIT_MS_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX,
+    continuation_run_id, deadline_after, validate_json_size, validate_starts, workflow_codes, RunFilter, RunStatus,
+    StartOutcome, StartRequest, WorkflowStore, RESULT_WAIT_MS_MAX, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
     WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
@@ -316,14 +316,6 @@ pub(crate) fn validate_wait_ms(wait_ms: u64) -> Result<()> {
         return Err(invalid(format!("--wait-ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}")));
     }
     Ok(())
-}
-
-/// The deadline `timeout_ms` after `now` (1..=366 days; `invalid_argument` otherwise).
-pub(crate) fn deadline_after(now: i64, timeout_ms: Option<i64>) -> Result<Option<i64>> {
-    match timeout_ms {
-        Some(t) if !(1..=TIMER_MS_MAX).contains(&t) => Err(invalid(format!("--timeout-ms must be 1..={TIMER_MS_MAX}"))),
-        other => Ok(other.map(|t| now.saturating_add(t))),
-    }
 }
 
 pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {

@@ -10,8 +10,8 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{
-    validate_json_size, validate_starts, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome,
-    StartRequest, WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, TIMER_MS_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    deadline_after, validate_json_size, validate_starts, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus,
+    StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::Error;
 use utoipa::{IntoParams, ToSchema};
@@ -93,9 +93,6 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
             format!("workflow {:?} is not registered; registered: {}", body.workflow, workflows.names()),
         )
     })?;
-    if body.timeout_ms.is_some_and(|t| !(1..=TIMER_MS_MAX).contains(&t)) {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("timeout_ms must be 1..={TIMER_MS_MAX}")).into());
-    }
     let now = now_ms();
     let request = StartRequest {
         run_id: body.run_id,
@@ -105,7 +102,7 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         key: body.key,
         start_at_ms: body.start_at_ms,
         queue: body.queue,
-        deadline_ms: body.timeout_ms.map(|t| now.saturating_add(t)),
+        deadline_ms: deadline_after(now, body.timeout_ms)?,
     };
     workflows.check_start(&request)?;
     validate_starts(std::slice::from_ref(&request), now)?;
