@@ -469,7 +469,13 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
     let command = match cli.command {
         Command::Loadtest(args) => return loadtest::run(args, cli.server, cli.token),
         // `chaos` starts its own servers and ignores the global file and server options.
-        Command::Chaos(args) => return chaos::run(args),
+        Command::Chaos(args) => {
+            let durability = match cli.durability {
+                DurabilityArg::Full => "full",
+                DurabilityArg::Normal => "normal",
+            };
+            return chaos::run(args, durability);
+        }
         command => command,
     };
     if let Some(server) = &cli.server {

@@ -79,6 +79,10 @@ pub mod codes {
     pub const UNAVAILABLE: &str = "unavailable";
     /// A SQLite or other storage failure: the operation's transaction was rolled back.
     pub const STORE: &str = "store";
+    /// The disk (the file system of the data folder) is full: the operation's transaction was
+    /// rolled back and nothing changed. The same operation succeeds once space is freed; the
+    /// service's own loops go on by themselves then (HTTP 507).
+    pub const STORAGE_FULL: &str = "storage_full";
     /// A file-system, process or network failure outside SQLite (creating a folder, starting the
     /// async runtime, reaching a server).
     pub const IO: &str = "io";
@@ -100,7 +104,8 @@ pub enum Error {
     /// A storage or I/O failure. Propagated as is; the operation's transaction was rolled back.
     #[error("{message}")]
     Store {
-        /// [`codes::STORE`] or [`codes::IO`] (or the code a remote server answered with).
+        /// [`codes::STORE`], [`codes::STORAGE_FULL`] or [`codes::IO`] (or the code a remote server
+        /// answered with).
         code: &'static str,
         /// What failed, for a person.
         message: String,
@@ -150,12 +155,17 @@ impl Error {
     }
 }
 
-/// A SQLite failure in the user's own statements (inside a transaction tidemark handed them) is
-/// a store failure, never bad input.
+/// A SQLite failure (in tidemark's statements, or in the user's own inside a transaction
+/// tidemark handed them) is a store failure, never bad input: `storage_full` when the disk is
+/// full, `store` otherwise.
 #[cfg(feature = "rusqlite")]
 impl From<rusqlite::Error> for Error {
     fn from(error: rusqlite::Error) -> Self {
-        Error::store(format!("sqlite: {error}"))
+        let code = match error.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::DiskFull) => codes::STORAGE_FULL,
+            _ => codes::STORE,
+        };
+        Error::Store { code, message: format!("sqlite: {error}") }
     }
 }
 

@@ -9,6 +9,9 @@ mod consumer;
 mod control;
 mod endpoints;
 pub mod example;
+/// Simulated power loss and injected I/O errors under SQLite (a VFS). Failpoints builds only.
+#[cfg(feature = "failpoints")]
+pub mod faultfs;
 mod migrations;
 pub mod probe;
 mod producer;
@@ -34,9 +37,10 @@ pub use workflow::{send_event_in, SqliteWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;
 
-/// Convert a rusqlite error into the library error (a store failure, never bad input).
+/// Convert a rusqlite error into the library error (a store failure, never bad input; a full
+/// disk is `storage_full`).
 pub(crate) fn db_err(error: rusqlite::Error) -> Error {
-    Error::store(format!("sqlite: {error}"))
+    Error::from(error)
 }
 
 pub(crate) trait SqlResult<T> {

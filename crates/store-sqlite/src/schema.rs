@@ -599,6 +599,8 @@ fn configure_library() {
         unsafe {
             let _ = rusqlite::ffi::sqlite3_config(rusqlite::ffi::SQLITE_CONFIG_MEMSTATUS, 0 as std::os::raw::c_int);
         }
+        #[cfg(feature = "failpoints")]
+        crate::faultfs::install_from_env();
     });
 }
 
@@ -770,10 +772,30 @@ pub(crate) fn connect(path: &Path, create: bool, durability: Durability, hint: &
         return Err(Error::invalid(codes::NOT_INITIALIZED, format!("{} does not exist; {hint}", path.display())));
     }
     configure_library();
+    let new = create && !path.exists();
     let conn = Connection::open_with_flags(path, flags)
         .map_err(|e| Error::io(format!("cannot open {}: {e}", path.display())))?;
     configure(&conn, durability)?;
+    if new {
+        sync_parent(path)?;
+    }
     Ok(conn)
+}
+
+/// Make a file's creation durable: fsync the folder that holds its entry (SQLite fsyncs the
+/// folder of a WAL it creates, never that of a database file). Without it a power loss soon
+/// after `tidemark init` could take the new file, and every commit in it, away.
+fn sync_parent(path: &Path) -> Result<()> {
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| Error::io(format!("cannot fsync the folder {}: {e}", dir.display())))?;
+    #[cfg(feature = "failpoints")]
+    crate::faultfs::directory_synced(dir);
+    Ok(())
 }
 
 /// A connection to a file of the user's own (a fake service's log, a side database) configured

@@ -31,6 +31,32 @@ fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
     ])
 }
 
+/// A run whose faults are power losses (and, with `sigkill`, kills), on servers of the given
+/// durability.
+fn power_chaos(out: &Path, seed: u64, kinds: &str, durability: &str, faults: u32) -> Run {
+    run(&[
+        "chaos",
+        "--seed",
+        &seed.to_string(),
+        "--duration-s",
+        "8",
+        "--faults",
+        &faults.to_string(),
+        "--kinds",
+        kinds,
+        "--durability",
+        durability,
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--converge-timeout-s",
+        "30",
+        "--out",
+        path_str(out),
+    ])
+}
+
 fn check(out: &Path) -> Run {
     run(&["chaos", "check", "--out", path_str(out), "--seed", "9"])
 }
@@ -147,17 +173,59 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
 }
 
 #[test]
+fn chaos_power_losses_with_durability_full_lose_nothing_acknowledged() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("power losses need --features failpoints (the fault VFS)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = power_chaos(&out, 13, "sigkill,power-loss", "full", 3);
+    println!("tidemark chaos --kinds sigkill,power-loss: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["operations"]["lost"], 0, "{report:#}");
+    assert_eq!(report["operations"]["applied_twice"], 0, "{report:#}");
+    assert!(report["faults"]["power_loss"].as_u64().unwrap() >= 1, "the seed schedules a power loss: {report:#}");
+    assert!(report["operations"]["acknowledged"].as_u64().unwrap() > 0, "{report:#}");
+    // The layer threw writes away: what the servers had not fsynced when the power went.
+    assert!(report["faults"]["unsynced_writes_lost"].as_u64().unwrap() > 0, "{report:#}");
+}
+
+#[test]
+fn chaos_power_losses_with_durability_normal_lose_acknowledged_operations_and_the_checker_says_so() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("power losses need --features failpoints (the fault VFS)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = power_chaos(&out, 5, "power-loss", "normal", 1);
+    println!("tidemark --durability normal chaos --kinds power-loss: {}", r.json);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "violations", "{report:#}");
+    assert_eq!(report["faults"]["power_loss"], 1, "{report:#}");
+    // synchronous=NORMAL fsyncs a WAL only at its checkpoints: what was acknowledged since the
+    // last one was in the page cache only.
+    assert!(report["operations"]["lost"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(violations(report, "lost") > 0, "{report:#}");
+}
+
+#[test]
 fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 6] = [
+    let cases: [&[&str]; 7] = [
         &["chaos", "--seed", "not-a-number", "--out", out_str],
         &["chaos", "--out", out_str],
         &["chaos", "--seed", "1", "--processes", "0", "--out", out_str],
         &["chaos", "--seed", "1", "--processes", "17", "--out", out_str],
         &["chaos", "--seed", "1", "--faults", "10001", "--out", out_str],
         &["chaos", "--seed", "1", "--duration-s", "0", "--out", out_str],
+        &["chaos", "--seed", "1", "--kinds", "meteor", "--out", out_str],
     ];
     for args in cases {
         let r = run(args);

@@ -12,6 +12,7 @@ mod cli_contract;
 mod concurrency;
 mod crash;
 mod experiment;
+mod io_faults;
 mod model_check;
 mod outbox_transaction;
 mod server_api;

@@ -104,6 +104,10 @@ struct RunArgs {
     /// Faults to inject (0..=10000).
     #[arg(long, default_value_t = 4)]
     faults: usize,
+    /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`
+    /// (power losses need a build with the `failpoints` feature: the servers run on the fault VFS).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
+    kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
     #[arg(long, default_value_t = 2)]
     processes: usize,
@@ -137,11 +141,13 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
     move |e| Error::io(format!("{what}: {e}"))
 }
 
-/// Run `tidemark chaos` or `tidemark chaos check`.
-pub fn run(args: ChaosArgs) -> Result<Value> {
+/// Run `tidemark chaos` or `tidemark chaos check`. `durability` (the global `--durability`,
+/// `full` or `normal`) is the servers': with `normal` a power loss loses acknowledged commits,
+/// as documented, and the checker says so.
+pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
     match args.command {
         Some(ChaosCommand::Check(check_args)) => check_only(&check_args),
-        None => chaos(args.run),
+        None => chaos(args.run, durability),
     }
 }
 
@@ -163,13 +169,15 @@ struct Settings {
     seed: u64,
     duration_ms: u64,
     faults: usize,
+    kinds: Vec<FaultKind>,
+    durability: String,
     processes: usize,
     clients: usize,
     converge_timeout: Duration,
     out: PathBuf,
 }
 
-fn validate(args: RunArgs) -> Result<Settings> {
+fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     let seed = args.seed.ok_or_else(|| invalid("--seed N is required (the fault schedule derives from it)"))?;
     if !(2..=PROCESSES_MAX).contains(&args.processes) {
         return Err(invalid(format!("--processes must be 2..={PROCESSES_MAX}, got {}", args.processes)));
@@ -182,6 +190,20 @@ fn validate(args: RunArgs) -> Result<Settings> {
     }
     if !(1..=CLIENTS_MAX).contains(&args.clients) {
         return Err(invalid(format!("--clients must be 1..={CLIENTS_MAX}, got {}", args.clients)));
+    }
+    let mut kinds = args.kinds;
+    kinds.sort_by_key(|k| *k as u8);
+    kinds.dedup();
+    if kinds.is_empty() {
+        return Err(invalid("--kinds names no kind of fault"));
+    }
+    if kinds.contains(&FaultKind::PowerLoss) && !cfg!(feature = "failpoints") {
+        return Err(invalid(
+            "--kinds power-loss needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
+        ));
+    }
+    if !["full", "normal"].contains(&durability) {
+        return Err(invalid(format!("--durability must be full or normal, got {durability:?}")));
     }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
@@ -197,6 +219,8 @@ fn validate(args: RunArgs) -> Result<Settings> {
         seed,
         duration_ms: args.duration_s * 1_000,
         faults: args.faults,
+        kinds,
+        durability: durability.to_string(),
         processes: args.processes,
         clients: args.clients,
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
@@ -211,18 +235,27 @@ struct Serve {
     exe: PathBuf,
     data: PathBuf,
     log: PathBuf,
+    durability: String,
+    /// The fault VFS's state folder when the run injects power losses.
+    faultfs: Option<PathBuf>,
+    /// The run's seed (power losses draw what reached the disk from it).
+    seed: u64,
     addr: String,
     child: Option<Child>,
     stopped: bool,
 }
 
 impl Serve {
-    fn new(index: usize, exe: &Path, out: &Path) -> Serve {
+    fn new(index: usize, exe: &Path, settings: &Settings) -> Serve {
+        let out = &settings.out;
         Serve {
             index,
             exe: exe.to_path_buf(),
             data: out.join("data"),
             log: out.join("logs").join(format!("serve-{index}.log")),
+            durability: settings.durability.clone(),
+            faultfs: settings.kinds.contains(&FaultKind::PowerLoss).then(|| out.join("faultfs")),
+            seed: settings.seed,
             addr: "127.0.0.1:0".into(),
             child: None,
             stopped: false,
@@ -249,7 +282,12 @@ impl Serve {
     fn try_start(&mut self) -> Result<()> {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let mut child = Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        match &self.faultfs {
+            Some(state) => command.env(faultfs_env(), state),
+            None => command.env_remove(faultfs_env()),
+        };
+        let mut child = command
             .args(["serve", "--data"])
             .arg(&self.data)
             .args(["--listen", &self.addr])
@@ -259,6 +297,7 @@ impl Serve {
             .env("TIDEMARK_AUTH__MODE", "none")
             .env("TIDEMARK_AUTH__DEV_TENANT", TENANT)
             .env("TIDEMARK_LOG__LEVEL", "warn")
+            .env("TIDEMARK_DURABILITY", &self.durability)
             .env("TIDEMARK_WORKERS__LEASE_MS", LEASE_MS.to_string())
             .env("TIDEMARK_WORKERS__RETRY_DELAY_MS", RETRY_DELAY_MS.to_string())
             .env("TIDEMARK_WORKERS__MAX_ATTEMPTS", MAX_ATTEMPTS.to_string())
@@ -349,6 +388,12 @@ impl Serve {
         let _ = child.wait();
         Ok(())
     }
+}
+
+/// The fault VFS's environment variable (named here also in builds without it, so that a
+/// harness run never passes one of its own on to the servers by accident).
+fn faultfs_env() -> &'static str {
+    "TIDEMARK_FAULTFS"
 }
 
 impl Drop for Serve {
@@ -576,11 +621,18 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     (sorted[rank - 1] * 10.0).round() / 10.0
 }
 
-fn chaos(args: RunArgs) -> Result<Value> {
-    let settings = validate(args)?;
+fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
+    let settings = validate(args, durability)?;
     let exe = std::env::current_exe().map_err(io("cannot find the tidemark binary"))?;
     std::fs::create_dir_all(settings.out.join("logs")).map_err(io("cannot create --out"))?;
-    let faults = schedule::schedule(settings.seed, settings.faults, settings.processes, settings.duration_ms, LEASE_MS);
+    let faults = schedule::schedule(
+        settings.seed,
+        settings.faults,
+        &settings.kinds,
+        settings.processes,
+        settings.duration_ms,
+        LEASE_MS,
+    );
     let schedule_json = serde_json::to_string_pretty(&faults).map_err(|e| Error::io(e.to_string()))?;
     std::fs::write(settings.out.join("schedule.json"), &schedule_json).map_err(io("cannot write schedule.json"))?;
     eprintln!(
@@ -589,7 +641,7 @@ fn chaos(args: RunArgs) -> Result<Value> {
         serde_json::to_string(&faults).map_err(|e| Error::io(e.to_string()))?
     );
 
-    let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings.out)).collect();
+    let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings)).collect();
     servers[0].start()?;
     setup(&servers[0].base())?;
     for server in servers.iter_mut().skip(1) {
@@ -635,7 +687,7 @@ fn chaos(args: RunArgs) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers[fault.process], fault, &shared) {
+        match inject(&mut servers, fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -707,6 +759,12 @@ fn chaos(args: RunArgs) -> Result<Value> {
     recovery.measured_ms.sort_by(f64::total_cmp);
     let measured = &recovery.measured_ms;
     let by_kind = |kind: FaultKind| faults.iter().take(injected.len()).filter(|f| f.kind == kind).count();
+    let kinds: Vec<String> = settings
+        .kinds
+        .iter()
+        .filter_map(|k| clap::ValueEnum::to_possible_value(k).map(|v| v.get_name().to_string()))
+        .collect();
+    let writes_lost: u64 = injected.iter().filter_map(|f| f["power_loss"]["writes_lost"].as_u64()).sum();
     let passed = report.total() == 0 && converged;
     let mut check = report.to_json(Some(settings.seed));
     check["passed"] = json!(passed);
@@ -716,9 +774,11 @@ fn chaos(args: RunArgs) -> Result<Value> {
         "outcome": if passed { "passed" } else { "violations" },
         "seed": settings.seed,
         "reproduce": format!(
-            "tidemark chaos --seed {} --duration-s {} --faults {} --processes {} --clients {}",
-            settings.seed, settings.duration_ms / 1_000, settings.faults, settings.processes, settings.clients
+            "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}",
+            settings.seed, settings.duration_ms / 1_000, settings.faults, kinds.join(","), settings.durability,
+            settings.processes, settings.clients
         ),
+        "durability": settings.durability,
         "processes": settings.processes,
         "clients": settings.clients,
         "workload_ms": workload_ms,
@@ -727,6 +787,8 @@ fn chaos(args: RunArgs) -> Result<Value> {
             "injected": injected.len(),
             "sigkill": by_kind(FaultKind::Sigkill),
             "sigstop": by_kind(FaultKind::Sigstop),
+            "power_loss": by_kind(FaultKind::PowerLoss),
+            "unsynced_writes_lost": writes_lost,
             "schedule": injected,
         },
         "operations": {
@@ -756,25 +818,60 @@ fn chaos(args: RunArgs) -> Result<Value> {
     }))
 }
 
-/// Inject one fault and bring the process back; returns what was done, with its times.
-fn inject(server: &mut Serve, fault: &Fault, shared: &Shared) -> Result<Value> {
+/// Inject one fault and bring the process (or, after a power loss, every process) back;
+/// returns what was done, with its times.
+fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value> {
     let began_ms = shared.started.elapsed().as_millis() as u64;
+    let mut lost = Value::Null;
     match fault.kind {
         FaultKind::Sigkill => {
+            let server = &mut servers[fault.process];
             server.sigkill();
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.start()?;
         }
         FaultKind::Sigstop => {
+            let server = &mut servers[fault.process];
             server.sigstop()?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.sigcont()?;
         }
+        FaultKind::PowerLoss => {
+            for server in servers.iter_mut() {
+                server.sigkill();
+            }
+            lost = power_loss(servers, fault)?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            for server in servers.iter_mut() {
+                server.start()?;
+            }
+        }
     }
-    shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).back(fault.process, fault.index);
+    let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
+    match fault.kind {
+        FaultKind::PowerLoss => (0..servers.len()).for_each(|process| recovery.back(process, fault.index)),
+        _ => recovery.back(fault.process, fault.index),
+    }
     let back_ms = shared.started.elapsed().as_millis() as u64;
     Ok(json!({
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
+        "power_loss": lost,
     }))
+}
+
+/// Throw away what the (dead) servers' files had not made durable: in each file a prefix of its
+/// unsynced writes, drawn from the seed and the fault's index, reached the disk.
+#[cfg(feature = "failpoints")]
+fn power_loss(servers: &[Serve], fault: &Fault) -> Result<Value> {
+    use tidemark_store_sqlite::faultfs::{power_loss, Writeback};
+    let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("a power loss needs the fault VFS"))?;
+    let seed = servers[0].seed ^ (fault.index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    let report = power_loss(state, Writeback::Prefix(seed))?;
+    serde_json::to_value(report).map_err(|e| Error::io(e.to_string()))
+}
+
+#[cfg(not(feature = "failpoints"))]
+fn power_loss(_servers: &[Serve], _fault: &Fault) -> Result<Value> {
+    Err(invalid("power losses need a build with the failpoints feature"))
 }

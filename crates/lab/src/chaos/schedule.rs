@@ -7,6 +7,9 @@ use serde::Serialize;
 
 /// Percent of the faults that are a SIGKILL (the rest are a SIGSTOP/SIGCONT pause).
 const SIGKILL_PERCENT: u32 = 60;
+/// Percent of the faults that are a power loss, when power losses are among the kinds asked
+/// for beside others.
+const POWER_LOSS_PERCENT: u32 = 25;
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -14,13 +17,18 @@ const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 const PAUSE_PAST_LEASE_MS_RANGE: (u64, u64) = (200, 1_500);
 
 /// What a fault does to its process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultKind {
     /// SIGKILL (a crash), then a restart on the same address after `hold_ms`.
     Sigkill,
     /// SIGSTOP, then SIGCONT after `hold_ms` (longer than the worker lease).
     Sigstop,
+    /// A simulated power loss of the machine: every process is killed at once, what the files
+    /// had not made durable is thrown away (`faultfs`), and every process restarts after
+    /// `hold_ms`. `process` is 0 and means all of them.
+    #[value(name = "power-loss")]
+    PowerLoss,
 }
 
 /// One scheduled fault.
@@ -39,9 +47,20 @@ pub struct Fault {
     pub hold_ms: u64,
 }
 
-/// The schedule of `faults` faults on `processes` processes during `duration_ms` of workload:
-/// due times spread over the middle 80% of the workload, in order.
-pub fn schedule(seed: u64, faults: usize, processes: usize, duration_ms: u64, lease_ms: u64) -> Vec<Fault> {
+/// The schedule of `faults` faults of the given `kinds` (at least one) on `processes` processes
+/// during `duration_ms` of workload: due times spread over the middle 80% of the workload, in
+/// order. With the kinds SIGKILL and SIGSTOP (the default) the schedule of a seed is the one
+/// earlier builds made; power losses draw from the same stream after the other choices.
+pub fn schedule(
+    seed: u64,
+    faults: usize,
+    kinds: &[FaultKind],
+    processes: usize,
+    duration_ms: u64,
+    lease_ms: u64,
+) -> Vec<Fault> {
+    let has = |kind: FaultKind| kinds.contains(&kind);
+    let signals = [FaultKind::Sigkill, FaultKind::Sigstop].into_iter().filter(|k| has(*k)).count();
     // Another stream than the clients' (they seed from the seed times a prime plus their index).
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_c4a0_5eed_c4a0);
     let (from, to) = (duration_ms / 10, duration_ms - duration_ms / 10);
@@ -50,10 +69,24 @@ pub fn schedule(seed: u64, faults: usize, processes: usize, duration_ms: u64, le
     due.into_iter()
         .enumerate()
         .map(|(index, at_ms)| {
-            let kind = if rng.gen_range(0..100) < SIGKILL_PERCENT { FaultKind::Sigkill } else { FaultKind::Sigstop };
-            let process = rng.gen_range(0..processes);
+            let drawn = if rng.gen_range(0..100) < SIGKILL_PERCENT { FaultKind::Sigkill } else { FaultKind::Sigstop };
+            let mut kind = match signals {
+                2 => drawn,
+                1 if has(FaultKind::Sigkill) => FaultKind::Sigkill,
+                1 => FaultKind::Sigstop,
+                _ => FaultKind::PowerLoss,
+            };
+            let mut process = rng.gen_range(0..processes);
+            if signals > 0 && has(FaultKind::PowerLoss) && rng.gen_range(0..100) < POWER_LOSS_PERCENT {
+                kind = FaultKind::PowerLoss;
+            }
+            if kind == FaultKind::PowerLoss {
+                process = 0;
+            }
             let hold_ms = match kind {
-                FaultKind::Sigkill => rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1),
+                FaultKind::Sigkill | FaultKind::PowerLoss => {
+                    rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1)
+                }
                 FaultKind::Sigstop => {
                     lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
                 }
@@ -67,11 +100,13 @@ pub fn schedule(seed: u64, faults: usize, processes: usize, duration_ms: u64, le
 mod tests {
     use super::*;
 
+    const SIGNALS: [FaultKind; 2] = [FaultKind::Sigkill, FaultKind::Sigstop];
+
     #[test]
     fn a_seed_gives_the_same_schedule_every_time_and_another_seed_another() {
-        let first = schedule(7, 20, 3, 30_000, 1_000);
-        assert_eq!(first, schedule(7, 20, 3, 30_000, 1_000));
-        assert_ne!(first, schedule(8, 20, 3, 30_000, 1_000));
+        let first = schedule(7, 20, &SIGNALS, 3, 30_000, 1_000);
+        assert_eq!(first, schedule(7, 20, &SIGNALS, 3, 30_000, 1_000));
+        assert_ne!(first, schedule(8, 20, &SIGNALS, 3, 30_000, 1_000));
         assert_eq!(first.len(), 20);
         assert!(first.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
         for fault in &first {
@@ -83,10 +118,28 @@ mod tests {
         }
         assert!(first.iter().any(|f| f.kind == FaultKind::Sigkill));
         assert!(first.iter().any(|f| f.kind == FaultKind::Sigstop));
+        assert!(first.iter().all(|f| f.kind != FaultKind::PowerLoss));
+    }
+
+    #[test]
+    fn power_losses_join_the_signals_at_the_same_times_and_hit_every_process() {
+        let all = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::PowerLoss];
+        let mixed = schedule(7, 40, &all, 3, 30_000, 1_000);
+        assert_eq!(mixed, schedule(7, 40, &all, 3, 30_000, 1_000));
+        let signals_only = schedule(7, 40, &SIGNALS, 3, 30_000, 1_000);
+        let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
+        assert_eq!(due(&mixed), due(&signals_only), "the due times do not depend on the kinds");
+        assert!(mixed.iter().any(|f| f.kind == FaultKind::PowerLoss));
+        assert!(mixed.iter().any(|f| f.kind != FaultKind::PowerLoss));
+        assert!(mixed.iter().filter(|f| f.kind == FaultKind::PowerLoss).all(|f| f.process == 0));
+        let power_only = schedule(7, 10, &[FaultKind::PowerLoss], 3, 30_000, 1_000);
+        assert!(power_only.iter().all(|f| f.kind == FaultKind::PowerLoss && f.process == 0));
+        let kills_only = schedule(7, 10, &[FaultKind::Sigkill], 3, 30_000, 1_000);
+        assert!(kills_only.iter().all(|f| f.kind == FaultKind::Sigkill));
     }
 
     #[test]
     fn no_faults_is_an_empty_schedule() {
-        assert!(schedule(1, 0, 2, 1_000, 1_000).is_empty());
+        assert!(schedule(1, 0, &SIGNALS, 2, 1_000, 1_000).is_empty());
     }
 }

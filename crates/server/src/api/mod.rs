@@ -74,6 +74,9 @@ impl From<Error> for ApiError {
 
 /// The HTTP status of an error code.
 pub fn status_of(error: &Error) -> StatusCode {
+    if error.code() == codes::STORAGE_FULL {
+        return StatusCode::INSUFFICIENT_STORAGE;
+    }
     if !error.is_invalid_input() {
         return StatusCode::INTERNAL_SERVER_ERROR;
     }
