@@ -486,28 +486,36 @@ struct UndoRecord {
     old: Vec<u8>,
 }
 
-fn read_undo(path: &Path) -> std::io::Result<(PathBuf, Vec<UndoRecord>)> {
+/// An undo log as read back: the tracked file and its records, oldest first. A log cut short
+/// by the kill (a process dies inside the `write` that appends a record, or that writes the
+/// header of a log it just created) ends at its last whole record: each record is whole before
+/// the write it protects begins (under the log's lock), so a cut record's write never happened.
+/// `None` for a log cut inside its header (no write was ever recorded in it).
+fn read_undo(path: &Path) -> std::io::Result<Option<(PathBuf, Vec<UndoRecord>)>> {
     let mut bytes = Vec::new();
     File::open(path)?.read_to_end(&mut bytes)?;
-    let corrupt = || std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{}: bad undo log", path.display()));
-    if bytes.len() < 16 || &bytes[..8] != UNDO_MAGIC {
-        return Err(corrupt());
+    if bytes.len() >= UNDO_MAGIC.len() && &bytes[..UNDO_MAGIC.len()] != UNDO_MAGIC {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: not an undo log", path.display()),
+        ));
     }
-    let name_len = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes")) as usize;
-    let target = bytes.get(16..16 + name_len).ok_or_else(corrupt)?;
+    let Some(name_len) = bytes.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize) else {
+        return Ok(None);
+    };
+    let Some(target) = bytes.get(16..16 + name_len) else { return Ok(None) };
     let target = PathBuf::from(std::ffi::OsStr::from_bytes(target));
     let mut records = Vec::new();
     let mut at = 16 + name_len;
-    while at < bytes.len() {
-        let head = bytes.get(at..at + RECORD_HEADER).ok_or_else(corrupt)?;
+    while let Some(head) = bytes.get(at..at + RECORD_HEADER) {
         let field = |i: usize| u64::from_le_bytes(head[i..i + 8].try_into().expect("8 bytes"));
         let (offset, length, size_before) = (field(1), field(9), field(17));
         let kept = size_before.saturating_sub(offset).min(length) as usize;
-        let old = bytes.get(at + RECORD_HEADER..at + RECORD_HEADER + kept).ok_or_else(corrupt)?.to_vec();
-        records.push(UndoRecord { kind: head[0], offset, length, size_before, old });
+        let Some(old) = bytes.get(at + RECORD_HEADER..at + RECORD_HEADER + kept) else { break };
+        records.push(UndoRecord { kind: head[0], offset, length, size_before, old: old.to_vec() });
         at += RECORD_HEADER + kept;
     }
-    Ok((target, records))
+    Ok(Some((target, records)))
 }
 
 /// Throw away what was not made durable in the files tracked under `state` (see the module's
@@ -523,7 +531,7 @@ pub fn power_loss(state: &Path, writeback: Writeback) -> Result<PowerLossReport>
         Writeback::Prefix(seed) => seed ^ 0x9e37_79b9_7f4a_7c15,
     };
     for undo_path in entries.iter().filter(|p| p.extension().is_some_and(|e| e == "undo")) {
-        let (target, records) = read_undo(undo_path).map_err(io)?;
+        let (target, records) = read_undo(undo_path).map_err(io)?.unwrap_or_default();
         if !records.is_empty() {
             report.files_with_unsynced_writes += 1;
             let kept = match writeback {
@@ -571,4 +579,48 @@ fn split_mix(state: &mut u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A log whose last record, or whose header, the kill cut short reads as the whole records
+    /// before the cut: the cut record's write never began.
+    #[test]
+    fn an_undo_log_cut_by_the_kill_ends_at_its_last_whole_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("app.db");
+        std::fs::write(&target, b"0123456789").unwrap();
+        let mut log = Vec::new();
+        log.extend_from_slice(UNDO_MAGIC);
+        let name = target.as_os_str().as_bytes();
+        log.extend_from_slice(&(name.len() as u64).to_le_bytes());
+        log.extend_from_slice(name);
+        let header = log.len();
+        // Two writes of 4 bytes at offset 2 of the 10-byte file, each keeping the 4 old bytes.
+        for old in [b"2345", b"abcd"] {
+            log.push(RECORD_WRITE);
+            for value in [2_u64, 4, 10] {
+                log.extend_from_slice(&value.to_le_bytes());
+            }
+            log.extend_from_slice(old);
+        }
+        let undo = dir.path().join("x.undo");
+        let read = |bytes: &[u8]| {
+            std::fs::write(&undo, bytes).unwrap();
+            read_undo(&undo).unwrap()
+        };
+        let (path, whole) = read(&log).unwrap();
+        assert_eq!((path, whole.len()), (target.clone(), 2));
+        let cut = read(&log[..log.len() - 1]).unwrap().1;
+        assert_eq!(cut.len(), 1, "the cut last record is not read");
+        assert_eq!(cut[0].old, b"2345");
+        assert_eq!(read(&log[..header + 3]).unwrap().1.len(), 0, "a cut record header");
+        assert!(read(&log[..header - 2]).is_none(), "a cut log header: nothing recorded");
+        assert!(read(&log[..5]).is_none());
+        assert!(read(&[]).is_none());
+        std::fs::write(&undo, b"something else entirely").unwrap();
+        assert!(read_undo(&undo).is_err(), "not an undo log");
+    }
 }
