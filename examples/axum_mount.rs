@@ -36,6 +36,7 @@ async fn add_note(State(app): State<App>, axum::Json(body): axum::Json<Value>) -
         to_state: StreamMachine::STATE.into(),
         input: json!({"event_type": "note.added", "payload": {"text": body["text"]}}),
         schema_version: 1,
+        traceparent: None,
     };
     match app.notes.advance(request).await {
         Ok(outcome) => axum::Json(serde_json::to_value(outcome).unwrap_or_default()),

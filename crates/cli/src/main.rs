@@ -519,6 +519,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 to_state: args.to,
                 input: Value::Object(input),
                 schema_version: args.schema_version,
+                traceparent: None,
             };
             // Validate before opening so that bad input never touches the file.
             tidemark_core::flow::validate_request(&ReservationMachine, &request)?;

@@ -40,6 +40,7 @@ pub fn run(ctx: &Context, args: UnsafeDualWriteArgs) -> Result<Value> {
         to_state: args.to,
         input,
         schema_version: args.schema_version,
+        traceparent: None,
     };
     tidemark_core::flow::validate_request(&ReservationMachine, &request)?;
     let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;

@@ -1,7 +1,8 @@
 //! The event envelope: what leaves a producer's outbox and lands in a consumer's inbox.
 //!
 //! Identity is two-fold: `event_id`, and `(source, flow_id, seq)`. Content is compared by a
-//! canonical SHA-256 hash over the whole envelope, on every path that finds an existing record.
+//! canonical SHA-256 hash over the whole envelope but its trace context, on every path that
+//! finds an existing record.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -37,6 +38,28 @@ pub struct Envelope {
     pub payload: serde_json::Value,
     /// Producer clock at commit, milliseconds since the Unix epoch.
     pub created_at_ms: i64,
+    /// The W3C trace context (`traceparent`) of the request that committed the event, when it
+    /// had one: a trace follows the event from its advance to its apply on another machine.
+    /// Not part of the content (excluded from [`Envelope::content_hash`]): the same event sent
+    /// again with another trace context is the same event. Absent from the encoding when
+    /// `None`, so envelopes without one encode as they did before the field existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
+/// The fields of an [`Envelope`] that are its content, in declaration order: what the canonical
+/// encoding and the content hash cover (every field but the trace context).
+#[derive(Serialize)]
+struct Content<'a> {
+    event_id: &'a str,
+    source: &'a str,
+    generation: &'a str,
+    flow_id: &'a str,
+    seq: i64,
+    event_type: &'a str,
+    schema_version: u32,
+    payload: &'a serde_json::Value,
+    created_at_ms: i64,
 }
 
 impl Envelope {
@@ -68,23 +91,75 @@ impl Envelope {
             return Err(Error::invalid(codes::INVALID_ENVELOPE, "created_at_ms must be >= 0"));
         }
         validate_payload(&self.payload)?;
+        if let Some(traceparent) = &self.traceparent {
+            validate_traceparent(traceparent)?;
+        }
         Ok(())
     }
 
-    /// The canonical encoding: fields in declaration order, object keys sorted, no whitespace.
+    /// The envelope's content: every field but the trace context.
+    fn content(&self) -> Content<'_> {
+        Content {
+            event_id: &self.event_id,
+            source: &self.source,
+            generation: &self.generation,
+            flow_id: &self.flow_id,
+            seq: self.seq,
+            event_type: &self.event_type,
+            schema_version: self.schema_version,
+            payload: &self.payload,
+            created_at_ms: self.created_at_ms,
+        }
+    }
+
+    /// The canonical encoding of the content: fields in declaration order, object keys sorted,
+    /// no whitespace, the trace context left out.
     pub fn canonical_bytes(&self) -> Vec<u8> {
         // serde_json's Value keeps object keys in a BTreeMap (the `preserve_order` feature is not
         // enabled anywhere in the workspace; `canonical_encoding_sorts_keys` guards that).
-        serde_json::to_vec(self).expect("an envelope always serialises")
+        serde_json::to_vec(&self.content()).expect("an envelope always serialises")
     }
 
     /// Hex SHA-256 of the canonical encoding, streamed into the hasher: the bytes of
     /// [`Envelope::canonical_bytes`] without building them.
     pub fn content_hash(&self) -> String {
         let mut hasher = Sha256::new();
-        serde_json::to_writer(&mut hasher, self).expect("an envelope always serialises");
+        serde_json::to_writer(&mut hasher, &self.content()).expect("an envelope always serialises");
         hex(&hasher.finalize())
     }
+}
+
+/// Length of a W3C `traceparent` of version `00`: `00-<32 hex>-<16 hex>-<2 hex>`.
+pub const TRACEPARENT_LEN: usize = 55;
+
+/// Check a W3C trace context `traceparent` (version `00`, lowercase hex, trace id and parent id
+/// not all zeros); `invalid_envelope` otherwise.
+pub fn validate_traceparent(value: &str) -> Result<()> {
+    if parse_traceparent(value).is_none() {
+        let shown: String = value.chars().take(80).collect();
+        return Err(Error::invalid(
+            codes::INVALID_ENVELOPE,
+            format!("traceparent must be a W3C trace context of version 00 (00-<32 hex>-<16 hex>-<2 hex>, lowercase, ids not all zeros), got {shown:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The trace id and parent id of a valid `traceparent` (see [`validate_traceparent`]).
+pub fn parse_traceparent(value: &str) -> Option<(&str, &str)> {
+    let lower_hex = |s: &str| s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+    let not_zero = |s: &str| s.bytes().any(|b| b != b'0');
+    if value.len() != TRACEPARENT_LEN {
+        return None;
+    }
+    let mut parts = value.split('-');
+    let (version, trace_id, parent_id, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let shaped = version == "00" && trace_id.len() == 32 && parent_id.len() == 16 && flags.len() == 2;
+    let valid = shaped
+        && [trace_id, parent_id, flags].iter().all(|p| lower_hex(p))
+        && not_zero(trace_id)
+        && not_zero(parent_id);
+    valid.then_some((trace_id, parent_id))
 }
 
 /// Hex SHA-256 of `bytes` (lowercase, 64 characters).
@@ -171,6 +246,47 @@ mod tests {
             schema_version: 1,
             payload: json!({"amount": 3}),
             created_at_ms: 1,
+            traceparent: None,
+        }
+    }
+
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn the_trace_context_travels_with_the_event_but_is_not_its_content() {
+        // The hash of an envelope is the one builds before the trace context had: the SHA-256 of
+        // its encoding as it was then (stored hashes stay comparable).
+        let plain = sample();
+        let pinned = "c010401501e52129767aef55448e2bf563cc50434a9815059809494381968666";
+        assert_eq!(plain.content_hash(), pinned);
+        let mut traced = sample();
+        traced.traceparent = Some(TRACEPARENT.into());
+        assert_eq!(traced.content_hash(), pinned, "the trace context is not content");
+        assert_eq!(traced.canonical_bytes(), plain.canonical_bytes());
+        // It is on the wire when there is one, and absent when there is none.
+        let wire = serde_json::to_string(&traced).unwrap();
+        assert!(wire.contains(TRACEPARENT), "{wire}");
+        assert!(!serde_json::to_string(&plain).unwrap().contains("traceparent"));
+        assert_eq!(Envelope::parse(wire.as_bytes()).unwrap(), traced);
+        assert_eq!(parse_traceparent(TRACEPARENT), Some(("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")));
+    }
+
+    #[test]
+    fn a_malformed_trace_context_is_an_invalid_envelope() {
+        let bad = [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0g",
+            "00_4bf92f3577b34da6a3ce929d0e0e4736_00f067aa0ba902b7_01",
+        ];
+        for value in bad {
+            let mut e = sample();
+            e.traceparent = Some(value.into());
+            assert_eq!(e.validate().unwrap_err().code(), codes::INVALID_ENVELOPE, "{value:?}");
         }
     }
 

@@ -39,6 +39,10 @@ pub struct AdvanceRequest {
     pub input: Value,
     /// Schema version of the event payload to emit.
     pub schema_version: u32,
+    /// The W3C trace context (`traceparent`) the committed event carries to its consumers
+    /// (the API takes it from the request's `traceparent` header). Not part of the event's
+    /// content hash.
+    pub traceparent: Option<String>,
 }
 
 impl AdvanceRequest {
@@ -51,7 +55,15 @@ impl AdvanceRequest {
             to_state: to_state.to_string(),
             input,
             schema_version: 1,
+            traceparent: None,
         }
+    }
+
+    /// The same request, its event carrying the trace context `traceparent` (a W3C
+    /// `traceparent` of version 00; checked with the request).
+    pub fn with_traceparent(mut self, traceparent: impl Into<String>) -> Self {
+        self.traceparent = Some(traceparent.into());
+        self
     }
 }
 
@@ -159,6 +171,9 @@ pub fn validate_request(machine: &dyn FlowMachine, request: &AdvanceRequest) -> 
         ));
     }
     crate::envelope::validate_schema_version(request.schema_version)?;
+    if let Some(traceparent) = &request.traceparent {
+        crate::envelope::validate_traceparent(traceparent)?;
+    }
     machine.validate(request)
 }
 
@@ -579,6 +594,7 @@ mod tests {
             to_state: StreamMachine::STATE.into(),
             input,
             schema_version: 1,
+            traceparent: None,
         }
     }
 

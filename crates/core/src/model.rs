@@ -142,6 +142,7 @@ impl ModelProducer {
             schema_version: row.schema_version,
             payload: row.payload.clone(),
             created_at_ms: row.created_at_ms,
+            traceparent: None,
         }
     }
 
@@ -659,6 +660,7 @@ fn envelope_of(key: &SeqKey, row: &InboxRow) -> Envelope {
         schema_version: row.schema_version,
         payload: row.payload.clone(),
         created_at_ms: row.created_at_ms,
+        traceparent: None,
     }
 }
 
@@ -1354,8 +1356,14 @@ mod tests {
 
     fn advance(producer: &mut ModelProducer, flow: &str, expected_seq: i64, to: &str, now_ms: i64) -> AdvanceOutcome {
         let input = if to == "reserved" { json!({"quantity": 2}) } else { json!({}) };
-        let request =
-            AdvanceRequest { flow_id: flow.into(), expected_seq, to_state: to.into(), input, schema_version: 1 };
+        let request = AdvanceRequest {
+            flow_id: flow.into(),
+            expected_seq,
+            to_state: to.into(),
+            input,
+            schema_version: 1,
+            traceparent: None,
+        };
         producer.advance_batch(&ReservationMachine, &[request], now_ms).unwrap().remove(0)
     }
 

@@ -200,7 +200,14 @@ mod tests {
     use crate::flow::{decide_advance, validate_request, AdvanceOutcome};
 
     fn request(to: &str, input: Value, expected_seq: i64) -> AdvanceRequest {
-        AdvanceRequest { flow_id: "r1".into(), expected_seq, to_state: to.into(), input, schema_version: 1 }
+        AdvanceRequest {
+            flow_id: "r1".into(),
+            expected_seq,
+            to_state: to.into(),
+            input,
+            schema_version: 1,
+            traceparent: None,
+        }
     }
 
     #[test]

@@ -811,6 +811,7 @@ mod tests {
             schema_version: 1,
             payload,
             created_at_ms: 1,
+            traceparent: None,
         }
     }
 

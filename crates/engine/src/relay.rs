@@ -336,6 +336,7 @@ mod tests {
                 schema_version: 1,
                 payload: json!({}),
                 created_at_ms: 0,
+                traceparent: None,
             },
             consumer_id: "c".into(),
             endpoint: "e".into(),

@@ -265,6 +265,7 @@ fn request(prefix: &str, index: u64, round: u64) -> AdvanceRequest {
         to_state: STATES[round as usize + 1].to_string(),
         input: if round == 0 { json!({"quantity": 1 + (index % 1_000) as i64}) } else { json!({}) },
         schema_version: 1,
+        traceparent: None,
     }
 }
 

@@ -70,7 +70,14 @@ impl Pipeline {
             Some(q) => json!({"quantity": q}),
             None => json!({}),
         };
-        let request = AdvanceRequest { flow_id: flow.into(), expected_seq, to_state: to.into(), input, schema_version };
+        let request = AdvanceRequest {
+            flow_id: flow.into(),
+            expected_seq,
+            to_state: to.into(),
+            input,
+            schema_version,
+            traceparent: None,
+        };
         Ok(self.producer.advance_batch(&ReservationMachine, &[request], now_ms)?.remove(0))
     }
 

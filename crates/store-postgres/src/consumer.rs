@@ -218,7 +218,7 @@ impl PgConsumer {
         let page_all = prepare(
             statements,
             "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record
+                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
              FROM {s}.inbox i
              LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
              WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
@@ -228,7 +228,7 @@ impl PgConsumer {
         let page_flow = prepare(
             statements,
             "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record
+                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
              FROM {s}.inbox i
              LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
              WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
@@ -419,6 +419,7 @@ fn open_event(r: &Row) -> Result<Envelope> {
         schema_version: col_u32(r, 6)?,
         payload: serde_json::from_str(&payload).map_err(|e| Error::store(format!("corrupt inbox payload: {e}")))?,
         created_at_ms: col(r, 8)?,
+        traceparent: col(r, 11)?,
     })
 }
 
@@ -503,13 +504,14 @@ const RECEIVE_PROBE_SQL: &str = "SELECT 0, event_id, content_hash, generation, N
 
 const RECEIVE_INSERT_SQL: &str =
     "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation, event_type,
-     schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
- VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12)";
+     schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms, traceparent)
+ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12, $13)";
 
 const RECEIVE_INSERT_IF_NEW_SQL: &str =
     "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation,
-     event_type, schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
- VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12) ON CONFLICT DO NOTHING";
+     event_type, schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms,
+     traceparent)
+ VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12, $13) ON CONFLICT DO NOTHING";
 
 fn receive_one(
     tx: &mut Transaction<'_>,
@@ -523,7 +525,7 @@ fn receive_one(
     let payload = event.payload.to_string();
     let schema_version = i32::try_from(event.schema_version)
         .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
-    let insert_params: [&(dyn ToSql + Sync); 12] = [
+    let insert_params: [&(dyn ToSql + Sync); 13] = [
         &consumer_id,
         &event.source,
         &event.flow_id,
@@ -536,6 +538,7 @@ fn receive_one(
         &hash,
         &event.created_at_ms,
         &now_ms,
+        &event.traceparent,
     ];
     // The fast path for a new event (see SQLite's `receive_one`): not expired, above the
     // high-water mark, no receipt of its id, and an insert no uniqueness constraint refuses.
@@ -620,7 +623,7 @@ fn receive_one(
 
 const INBOX_COLUMNS: &str =
     "consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version, payload,
-    content_hash, created_at_ms, received_at_ms, status, reason";
+    content_hash, created_at_ms, received_at_ms, status, reason, traceparent";
 
 fn inbox_entry(r: &Row) -> Result<InboxEntry> {
     let payload: String = col(r, 8)?;
@@ -637,6 +640,7 @@ fn inbox_entry(r: &Row) -> Result<InboxEntry> {
             schema_version: col_u32(r, 7)?,
             payload: serde_json::from_str(&payload).map_err(|e| Error::store(format!("corrupt inbox payload: {e}")))?,
             created_at_ms: col(r, 10)?,
+            traceparent: col(r, 14)?,
         },
         content_hash: col(r, 9)?,
         status: InboxStatus::parse(&status).ok_or_else(|| Error::store(format!("unknown inbox status {status:?}")))?,

@@ -480,6 +480,7 @@ fn advance_validated(
         schema_version: request.schema_version,
         payload: decision.payload,
         created_at_ms: now_ms,
+        traceparent: request.traceparent.clone(),
     };
     let state_data = decision.next.data.to_string();
     let write_flow = statements.get(
@@ -499,8 +500,8 @@ fn advance_validated(
     let insert = statements.get(
         tx,
         "INSERT INTO {s}.outbox (position, event_id, flow_id, seq, event_type, schema_version, payload,
-             content_hash, created_at_ms, generation)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+             content_hash, created_at_ms, generation, traceparent)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
     )?;
     let schema_version = i32::try_from(event.schema_version)
         .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
@@ -517,6 +518,7 @@ fn advance_validated(
             &event.content_hash(),
             &event.created_at_ms,
             &event.generation,
+            &event.traceparent,
         ],
     )
     .db()?;
@@ -525,7 +527,10 @@ fn advance_validated(
 }
 
 const EVENT_COLUMNS: &str =
-    "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms, o.generation";
+    "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms, o.generation, o.traceparent";
+/// The number of columns in [`EVENT_COLUMNS`]: the first index of the columns a query selects
+/// after them.
+const EVENT_COLUMN_COUNT: usize = 9;
 
 fn event_from_row(identity: &ProducerIdentity, r: &Row, at: usize) -> Result<Envelope> {
     let payload: String = col(r, at + 5)?;
@@ -539,6 +544,7 @@ fn event_from_row(identity: &ProducerIdentity, r: &Row, at: usize) -> Result<Env
         schema_version: col_u32(r, at + 4)?,
         payload: serde_json::from_str(&payload).map_err(|e| Error::store(format!("corrupt outbox payload: {e}")))?,
         created_at_ms: col(r, at + 6)?,
+        traceparent: col(r, at + 8)?,
     })
 }
 
@@ -696,16 +702,17 @@ impl ProducerStore for PgProducer {
         let identity = self.identity.clone();
         let schema = self.schema.clone();
         let limit_rows = limit as i64;
-        // Columns: the event (0..8), consumer id, attempts, endpoint, due time, position.
+        // Columns: the event (0..EVENT_COLUMN_COUNT), consumer id, attempts, endpoint, due
+        // time, position.
         let map = |r: &Row| -> Result<((i64, i64, String), Delivery)> {
             let delivery = Delivery {
-                position: col(r, 12)?,
+                position: col(r, EVENT_COLUMN_COUNT + 4)?,
                 envelope: event_from_row(&identity, r, 0)?,
-                consumer_id: col(r, 8)?,
-                attempts: col_u32(r, 9)?,
-                endpoint: col(r, 10)?,
+                consumer_id: col(r, EVENT_COLUMN_COUNT)?,
+                attempts: col_u32(r, EVENT_COLUMN_COUNT + 1)?,
+                endpoint: col(r, EVENT_COLUMN_COUNT + 2)?,
             };
-            Ok(((col(r, 11)?, delivery.position, delivery.consumer_id.clone()), delivery))
+            Ok(((col(r, EVENT_COLUMN_COUNT + 3)?, delivery.position, delivery.consumer_id.clone()), delivery))
         };
         // One read-only snapshot, so that cursors and exception rows are read as of one moment.
         let mut tx = self

@@ -341,6 +341,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE {s}.runs ADD CONSTRAINT runs_status_check CHECK (status IN ('pending', 'running', 'sleeping',
         'waiting', 'compensating', 'completed', 'compensated', 'failed', 'cancelled', 'parked', 'continued'));
     "#,
+    // v4: an event carries the W3C trace context of the request that committed it (SQLite's
+    // v11), from the outbox to the inbox that applies it; NULL without one.
+    r#"
+    ALTER TABLE {s}.outbox ADD COLUMN traceparent text;
+    ALTER TABLE {s}.inbox ADD COLUMN traceparent text;
+    "#,
 ];
 
 /// The schema version this build writes.

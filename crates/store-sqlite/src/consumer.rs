@@ -273,8 +273,8 @@ const RECEIVE_PROBE_NO_RECEIPTS_SQL: &str = "SELECT 0, event_id, content_hash, g
 
 const RECEIVE_INSERT_SQL: &str =
     "INSERT INTO inbox (consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version,
-     payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms)
- VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 'pending', ?12)";
+     payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms, traceparent)
+ VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 'pending', ?12, ?13)";
 
 fn receive_one(
     statements: &mut ReceiveStatements<'_>,
@@ -296,7 +296,8 @@ fn receive_one(
         event.payload.to_string(),
         hash,
         event.created_at_ms,
-        now_ms
+        now_ms,
+        event.traceparent
     ];
     // The fast path, for a new event: not expired, above the flow's high-water mark, no receipt
     // of its event id, and an insert that no uniqueness constraint refuses (so no record holds
@@ -404,7 +405,7 @@ struct OpenRecord {
 
 const OPEN_COLUMNS: &str =
     "i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record";
+    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent";
 
 fn open_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<OpenRecord> {
     let payload: String = r.get(7)?;
@@ -421,6 +422,7 @@ fn open_record(r: &rusqlite::Row<'_>) -> rusqlite::Result<OpenRecord> {
             payload: serde_json::from_str(&payload)
                 .map_err(|e| rusqlite::Error::FromSqlConversionFailure(7, rusqlite::types::Type::Text, Box::new(e)))?,
             created_at_ms: r.get(8)?,
+            traceparent: r.get(11)?,
         },
         high_water_seq: r.get(9)?,
     })
@@ -541,7 +543,7 @@ impl FlowWalk {
 
 const INBOX_COLUMNS: &str =
     "consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version, payload,
-    content_hash, created_at_ms, received_at_ms, status, reason";
+    content_hash, created_at_ms, received_at_ms, status, reason, traceparent";
 
 fn inbox_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
     let payload: String = r.get(8)?;
@@ -559,6 +561,7 @@ fn inbox_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<InboxEntry> {
             payload: serde_json::from_str(&payload)
                 .map_err(|e| rusqlite::Error::FromSqlConversionFailure(8, rusqlite::types::Type::Text, Box::new(e)))?,
             created_at_ms: r.get(10)?,
+            traceparent: r.get(14)?,
         },
         content_hash: r.get(9)?,
         status: InboxStatus::parse(&status).unwrap_or(InboxStatus::Pending),
@@ -1069,6 +1072,7 @@ mod tests {
             schema_version: 1,
             payload: serde_json::json!({}),
             created_at_ms: 1,
+            traceparent: None,
         }
     }
 

@@ -138,13 +138,7 @@ impl SqliteProducer {
     /// # let dir = tempfile::tempdir().unwrap();
     /// # let mut producer = tidemark_store_sqlite::SqliteProducer::init(&dir.path().join("shop.db"), "shop").unwrap();
     /// # producer.connection().execute_batch("CREATE TABLE orders (id TEXT PRIMARY KEY, total INTEGER)").unwrap();
-    /// let request = AdvanceRequest {
-    ///     flow_id: "order-1".into(),
-    ///     expected_seq: 0,
-    ///     to_state: "reserved".into(),
-    ///     input: serde_json::json!({"quantity": 3}),
-    ///     schema_version: 1,
-    /// };
+    /// let request = AdvanceRequest::new("order-1", 0, "reserved", serde_json::json!({"quantity": 3}));
     /// let committed = producer.transaction(1_000, |tx| -> tidemark_core::Result<_> {
     ///     tx.execute("INSERT INTO orders (id, total) VALUES (?1, ?2)", ("order-1", 300))?;
     ///     tx.advance(&ReservationMachine, &request)
@@ -356,8 +350,8 @@ impl<'c> AdvanceStatements<'c> {
             insert_event: tx
                 .prepare_cached(
                     "INSERT INTO outbox (position, event_id, flow_id, seq, event_type, schema_version, payload,
-                         content_hash, created_at_ms, generation)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+                         content_hash, created_at_ms, generation, traceparent)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
                 )
                 .db()?,
         })
@@ -399,6 +393,7 @@ fn advance_validated(
         schema_version: request.schema_version,
         payload: decision.payload,
         created_at_ms: now_ms,
+        traceparent: request.traceparent.clone(),
     };
     let state_data = decision.next.data.to_string();
     let write_flow = if flow_exists { &mut statements.update_flow } else { &mut statements.insert_flow };
@@ -418,7 +413,8 @@ fn advance_validated(
             event.payload.to_string(),
             event.content_hash(),
             event.created_at_ms,
-            event.generation
+            event.generation,
+            event.traceparent
         ])
         .db()?;
     *last_position = position;
@@ -441,11 +437,15 @@ fn event_from_row(identity: &ProducerIdentity, r: &rusqlite::Row<'_>, at: usize)
         payload: serde_json::from_str(&payload)
             .map_err(|e| rusqlite::Error::FromSqlConversionFailure(at + 5, rusqlite::types::Type::Text, Box::new(e)))?,
         created_at_ms: r.get(at + 6)?,
+        traceparent: r.get(at + 8)?,
     })
 }
 
 const EVENT_COLUMNS: &str =
-    "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms, o.generation";
+    "o.event_id, o.flow_id, o.seq, o.event_type, o.schema_version, o.payload, o.created_at_ms, o.generation, o.traceparent";
+/// The number of columns in [`EVENT_COLUMNS`]: the first index of the columns a query selects
+/// after them.
+const EVENT_COLUMN_COUNT: usize = 9;
 
 fn delivery_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<DeliveryEntry> {
     let status: String = r.get(4)?;
@@ -704,11 +704,11 @@ impl ProducerStore for SqliteProducer {
         let identity = &self.identity;
         let map = |r: &rusqlite::Row<'_>| -> rusqlite::Result<Delivery> {
             Ok(Delivery {
-                position: r.get(12)?,
+                position: r.get(EVENT_COLUMN_COUNT + 4)?,
                 envelope: event_from_row(identity, r, 0)?,
-                consumer_id: r.get(8)?,
-                attempts: r.get(9)?,
-                endpoint: r.get(10)?,
+                consumer_id: r.get(EVENT_COLUMN_COUNT)?,
+                attempts: r.get(EVENT_COLUMN_COUNT + 1)?,
+                endpoint: r.get(EVENT_COLUMN_COUNT + 2)?,
             })
         };
         if let Some(event_id) = event_id {
@@ -741,7 +741,10 @@ impl ProducerStore for SqliteProducer {
         let mut candidates: Vec<((i64, i64, String), Delivery)> = Vec::new();
         let keyed = |r: &rusqlite::Row<'_>| -> rusqlite::Result<((i64, i64, String), Delivery)> {
             let delivery = map(r)?;
-            Ok(((r.get(11)?, r.get(12)?, delivery.consumer_id.clone()), delivery))
+            Ok((
+                (r.get(EVENT_COLUMN_COUNT + 3)?, r.get(EVENT_COLUMN_COUNT + 4)?, delivery.consumer_id.clone()),
+                delivery,
+            ))
         };
         {
             let mut stmt = read
@@ -1179,7 +1182,47 @@ mod tests {
             to_state: "reserved".into(),
             input: serde_json::json!({"quantity": 3}),
             schema_version: 1,
+            traceparent: None,
         }
+    }
+
+    /// The trace context of an advance rides with its event: outbox, delivery, inbox, handler;
+    /// it is not content, so the same event with another trace context is a duplicate.
+    #[test]
+    fn a_trace_context_travels_from_the_advance_to_the_handler() {
+        use crate::SqliteConsumer;
+        use tidemark_core::policy::RetentionPolicy;
+        use tidemark_core::store::{ConsumerStore, DrainScope, HandleError, Handler, ReceiveOutcome};
+        const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        struct Seen(Vec<Option<String>>);
+        impl Handler<Connection> for Seen {
+            fn handle(&mut self, _: &Connection, _: &str, event: &Envelope) -> Result<(), HandleError> {
+                self.0.push(event.traceparent.clone());
+                Ok(())
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut producer = SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+        producer.subscribe(&Subscription { consumer_id: "audit".into(), endpoint: "a.db".into() }, true, 0).unwrap();
+        let traced = reserve("a").with_traceparent(TRACEPARENT);
+        producer.advance_batch(&ReservationMachine, &[traced, reserve("b")], 1).unwrap();
+        let due = producer.due_deliveries(10, 10, None, None).unwrap();
+        let carried: Vec<_> = due.iter().map(|d| d.envelope.traceparent.as_deref()).collect();
+        assert_eq!(carried, [Some(TRACEPARENT), None]);
+        let mut consumer = SqliteConsumer::init(&dir.path().join("c.db"), RetentionPolicy::default()).unwrap();
+        let items: Vec<(&str, &Envelope)> = due.iter().map(|d| ("audit", &d.envelope)).collect();
+        let outcomes = consumer.receive_batch(&items, 2).unwrap();
+        assert!(outcomes.iter().all(|o| matches!(o, ReceiveOutcome::Accepted { .. })), "{outcomes:?}");
+        // The same event again with another trace context is the same event: a duplicate.
+        let mut again = due[1].envelope.clone();
+        again.traceparent = Some(TRACEPARENT.into());
+        let outcome = consumer.receive_batch(&[("audit", &again)], 3).unwrap();
+        assert!(matches!(outcome[0], ReceiveOutcome::Duplicate { .. }), "{outcome:?}");
+        let mut seen = Seen(Vec::new());
+        consumer.drain("audit", &DrainScope::All, 10, &mut seen, 4).unwrap();
+        assert_eq!(seen.0, [Some(TRACEPARENT.to_string()), None]);
+        let records = consumer.inbox("audit", None, 10).unwrap();
+        assert_eq!(records[0].envelope.traceparent.as_deref(), Some(TRACEPARENT));
     }
 
     #[test]

@@ -565,6 +565,13 @@ const MIGRATIONS: &[&str] = &[
         WHERE dedup_id IS NOT NULL
           AND (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating');
     "#,
+    // v11: an event carries the W3C trace context of the request that committed it, from the
+    // outbox to the inbox that applies it (NULL for events without one, and for every event
+    // written before v11). Not part of the content hash.
+    r#"
+    ALTER TABLE outbox ADD COLUMN traceparent TEXT;
+    ALTER TABLE inbox ADD COLUMN traceparent TEXT;
+    "#,
 ];
 
 /// The schema version this build writes.
@@ -1105,6 +1112,7 @@ mod tests {
             schema_version: 1,
             payload: serde_json::json!({ "amount": amount }),
             created_at_ms: 1_000,
+            traceparent: None,
         };
         {
             let mut conn = Connection::open(&path).unwrap();

@@ -196,6 +196,7 @@ mod tests {
                 to_state: "reserved".into(),
                 input: serde_json::json!({"quantity": 1}),
                 schema_version: 1,
+                traceparent: None,
             })
             .collect();
         producer.advance_batch(&ReservationMachine, &requests, 100).unwrap();

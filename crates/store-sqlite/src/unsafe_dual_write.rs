@@ -82,6 +82,7 @@ pub fn unsafe_dual_write_advance(
         schema_version: request.schema_version,
         payload: decision.payload,
         created_at_ms: now_ms,
+        traceparent: None,
     };
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
     // The event becomes due for every subscriber through its delivery cursor.

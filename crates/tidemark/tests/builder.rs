@@ -187,6 +187,7 @@ fn a_registered_user_projection_moves_with_its_consumer() {
         schema_version: 1,
         payload: json!({"amount": 7}),
         created_at_ms: 1,
+        traceparent: None,
     };
     consumer.receive_batch(&[("ledger-v1", &event)], 2).unwrap();
     let report = consumer.drain("ledger-v1", &DrainScope::All, 10, &mut Typed(Ledger), 3).unwrap();

@@ -130,6 +130,9 @@ impl AmqpTransport {
         headers.insert("tidemark-seq".into(), AMQPValue::LongLongInt(envelope.seq));
         headers.insert("tidemark-generation".into(), text(&envelope.generation));
         headers.insert("tidemark-content-hash".into(), text(&envelope.content_hash()));
+        if let Some(traceparent) = &envelope.traceparent {
+            headers.insert("traceparent".into(), text(traceparent));
+        }
         BasicProperties::default()
             .with_message_id(ShortString::from(envelope.event_id.as_str()))
             .with_content_type("application/json".into())

@@ -65,16 +65,20 @@ pub fn key(envelope: &Envelope) -> String {
 
 /// The headers an event's record carries, in this order: `tidemark-event-id`,
 /// `tidemark-source`, `tidemark-flow`, `tidemark-seq`, `tidemark-generation`,
-/// `tidemark-content-hash`.
+/// `tidemark-content-hash`, and `traceparent` when the event has a trace context.
 pub fn headers(envelope: &Envelope) -> Vec<(&'static str, String)> {
-    vec![
+    let mut headers = vec![
         ("tidemark-event-id", envelope.event_id.clone()),
         ("tidemark-source", envelope.source.clone()),
         ("tidemark-flow", envelope.flow_id.clone()),
         ("tidemark-seq", envelope.seq.to_string()),
         ("tidemark-generation", envelope.generation.clone()),
         ("tidemark-content-hash", envelope.content_hash()),
-    ]
+    ];
+    if let Some(traceparent) = &envelope.traceparent {
+        headers.push(("traceparent", traceparent.clone()));
+    }
+    headers
 }
 
 impl KafkaTransport {

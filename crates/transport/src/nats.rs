@@ -68,7 +68,7 @@ impl NatsTransport {
         let mut pending = Vec::with_capacity(items.len());
         for (_, envelope) in items {
             let payload = serde_json::to_vec(envelope).map_err(|e| Error::Invariant(e.to_string()))?;
-            let publish = jetstream::context::Publish::build()
+            let mut publish = jetstream::context::Publish::build()
                 .payload(bytes::Bytes::from(payload))
                 .message_id(&envelope.event_id)
                 .header("Tidemark-Source", envelope.source.as_str())
@@ -76,6 +76,11 @@ impl NatsTransport {
                 .header("Tidemark-Seq", envelope.seq.to_string().as_str())
                 .header("Tidemark-Generation", envelope.generation.as_str())
                 .header("Tidemark-Content-Hash", envelope.content_hash().as_str());
+            // The W3C trace context also as the header messaging tools read it (the body's
+            // envelope carries it for the receiving inbox).
+            if let Some(traceparent) = &envelope.traceparent {
+                publish = publish.header("traceparent", traceparent.as_str());
+            }
             let subject = subject(&self.prefix, envelope);
             let ack = context
                 .send_publish(subject.clone(), publish)

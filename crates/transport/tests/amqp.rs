@@ -61,6 +61,7 @@ fn envelope(flow: &str, seq: i64) -> Envelope {
         schema_version: 1,
         payload: json!({"seq": seq}),
         created_at_ms: 1,
+        traceparent: None,
     }
 }
 

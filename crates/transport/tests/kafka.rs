@@ -47,6 +47,7 @@ fn envelope(flow: &str, seq: i64) -> Envelope {
         schema_version: 1,
         payload: json!({"seq": seq}),
         created_at_ms: now_ms(),
+        traceparent: None,
     }
 }
 

@@ -537,6 +537,7 @@ impl Backend for SqliteBackend {
                     to_state: next_state(&state).into(),
                     input: json!({"quantity": 2}),
                     schema_version: 1,
+                    traceparent: None,
                 };
                 let tx = producer.begin().expect("begin producer transaction");
                 let _ = tx.advance(&ReservationMachine, &request, now_ms);
@@ -958,6 +959,7 @@ impl Backend for PostgresBackend {
                     to_state: next_state(&state).into(),
                     input: json!({"quantity": 2}),
                     schema_version: 1,
+                    traceparent: None,
                 };
                 let mut tx = producer.client().transaction().expect("begin producer transaction");
                 let _ = advance_in(&mut tx, &schema, &ReservationMachine, &request, now_ms);
@@ -1196,6 +1198,7 @@ impl<B: Backend> Run<B> {
                         to_state: to_state.into(),
                         input,
                         schema_version,
+                        traceparent: None,
                     });
                 }
                 out(self.backend.producer().advance_batch(&ReservationMachine, &requests, now))

@@ -14,6 +14,7 @@ fn reserve(flow: &str) -> AdvanceRequest {
         to_state: "reserved".into(),
         input: json!({"quantity": 3}),
         schema_version: 1,
+        traceparent: None,
     }
 }
 

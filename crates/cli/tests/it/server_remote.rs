@@ -173,6 +173,45 @@ fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the
     assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
 }
 
+/// A W3C trace context given with an advance travels with its event to another server's inbox
+/// (its record shows it; the handler gets it in the envelope); a malformed one is ignored, as
+/// W3C Trace Context says, and an event without one carries none.
+#[test]
+fn a_trace_context_travels_with_its_event_to_another_server_and_a_malformed_one_is_ignored() {
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let dir = tempfile::tempdir().unwrap();
+    let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
+    let (orders, orders_token) = orders(&dir.path().join("orders"), &ship.base, &ship_token, &[], 10_000);
+    let (status, body) =
+        subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", ship.base));
+    assert_eq!(status, 200, "{body}");
+    let traces = [Some(TRACEPARENT), None, Some("00-not-a-trace-context-01")];
+    for (i, traceparent) in traces.iter().enumerate() {
+        let mut request = orders
+            .client
+            .post(format!("{}/v1/streams/traced/events", orders.base))
+            .bearer_auth(&orders_token)
+            .json(&json!({"event_type": "parcel.noted", "payload": {"i": i}}));
+        if let Some(value) = traceparent {
+            request = request.header("traceparent", *value);
+        }
+        let response = request.send().unwrap();
+        assert_eq!(response.status().as_u16(), 200, "{:?}", response.text());
+    }
+    let records = ship.wait_for(WAIT, |s| {
+        let (_, page) = s.call("GET", "/v1/consumers/ledger/inbox?limit=10", Some(&ship_token), None);
+        let records = page["records"].as_array().cloned().unwrap_or_default();
+        (records.len() == 3 && records.iter().all(|r| r["status"] == "applied")).then_some(records)
+    });
+    let carried: BTreeMap<i64, Value> = records
+        .iter()
+        .map(|r| (r["envelope"]["seq"].as_i64().unwrap(), r["envelope"]["traceparent"].clone()))
+        .collect();
+    assert_eq!(carried[&1], json!(TRACEPARENT), "{records:?}");
+    assert_eq!(carried[&2], Value::Null, "no header, no trace context: {records:?}");
+    assert_eq!(carried[&3], Value::Null, "a malformed header is ignored: {records:?}");
+}
+
 #[test]
 fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_are_refused() {
     let dir = tempfile::tempdir().unwrap();

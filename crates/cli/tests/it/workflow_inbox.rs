@@ -79,6 +79,7 @@ fn message(flow_id: &str, expected_seq: i64, event_type: &str, payload: Value) -
         to_state: event_type.into(),
         input: payload,
         schema_version: 1,
+        traceparent: None,
     }
 }
 

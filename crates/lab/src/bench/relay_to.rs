@@ -147,6 +147,7 @@ fn raw_rate(runtime: &tokio::runtime::Runtime, endpoint: &str, config: &Transpor
                 schema_version: 1,
                 payload: json!({"i": i}),
                 created_at_ms: now,
+                traceparent: None,
             };
             ("raw".to_string(), envelope)
         })

@@ -133,6 +133,7 @@ fn foreign_event(flow: &str, seq: i64, quantity: i64, t: i64) -> Envelope {
         schema_version: 1,
         payload: json!({"amount": quantity}),
         created_at_ms: t,
+        traceparent: None,
     }
 }
 

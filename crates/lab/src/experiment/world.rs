@@ -198,7 +198,7 @@ pub fn request(flow: &str, expected_seq: i64, to: &str, quantity: Option<i64>, s
         Some(q) => json!({"quantity": q}),
         None => json!({}),
     };
-    AdvanceRequest { flow_id: flow.into(), expected_seq, to_state: to.into(), input, schema_version }
+    AdvanceRequest { flow_id: flow.into(), expected_seq, to_state: to.into(), input, schema_version, traceparent: None }
 }
 
 /// The command line of `tidemark advance`.

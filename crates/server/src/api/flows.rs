@@ -2,10 +2,11 @@
 //! consumer's high-water mark, and the outbox (backlog, quarantine, requeue/dismiss, redeliver).
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
+use tidemark_core::envelope::parse_traceparent;
 use tidemark_core::error::codes;
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
@@ -100,6 +101,18 @@ async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
     Ok(advanced(outcome))
 }
 
+/// The request's W3C `traceparent` header when it is a valid one (version 00). A malformed or
+/// repeated header is ignored, as W3C Trace Context asks of a receiver: the event then carries
+/// no trace context, and the request is served as usual.
+fn traceparent_of(headers: &HeaderMap) -> Option<String> {
+    let mut values = headers.get_all("traceparent").iter();
+    let value = values.next()?.to_str().ok()?.trim();
+    if values.next().is_some() {
+        return None;
+    }
+    parse_traceparent(value).map(|_| value.to_string())
+}
+
 /// The advance's input: `input` (an object) with the `quantity` shorthand merged in.
 fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
     let mut input = match &body.input {
@@ -129,7 +142,10 @@ fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
     post,
     path = "/v1/flows/{flow_id}/advance",
     tag = "flows",
-    params(("flow_id" = String, Path, description = "The flow (an id: 1..=100 of A-Z a-z 0-9 _ - . :)")),
+    params(
+        ("flow_id" = String, Path, description = "The flow (an id: 1..=100 of A-Z a-z 0-9 _ - . :)"),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context (`00-<32 hex>-<16 hex>-<2 hex>`): the committed event carries it to its consumers; a malformed one is ignored, as W3C Trace Context says"),
+    ),
     request_body = AdvanceBody,
     responses(
         (status = 200, description = "`committed`", body = AdvanceOutcome),
@@ -137,7 +153,12 @@ fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AdvanceBody>) -> ApiResult {
+async fn advance(
+    caller: Caller,
+    headers: HeaderMap,
+    Path(flow_id): Path<String>,
+    Json(body): Json<AdvanceBody>,
+) -> ApiResult {
     caller.require(Scope::Operate)?;
     if body.to == StreamMachine::STATE {
         return Err(
@@ -166,6 +187,7 @@ async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<A
         to_state: body.to,
         input,
         schema_version: body.schema_version,
+        traceparent: traceparent_of(&headers),
     };
     submit(&caller, request).await
 }
@@ -175,7 +197,10 @@ async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<A
     post,
     path = "/v1/streams/{flow_id}/events",
     tag = "flows",
-    params(("flow_id" = String, Path, description = "The stream")),
+    params(
+        ("flow_id" = String, Path, description = "The stream"),
+        ("traceparent" = Option<String>, Header, description = "W3C trace context: the event carries it to its consumers (a malformed one is ignored)"),
+    ),
     request_body = AppendBody,
     responses(
         (status = 200, description = "`committed`", body = AdvanceOutcome),
@@ -183,7 +208,12 @@ async fn advance(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<A
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<AppendBody>) -> ApiResult {
+async fn append(
+    caller: Caller,
+    headers: HeaderMap,
+    Path(flow_id): Path<String>,
+    Json(body): Json<AppendBody>,
+) -> ApiResult {
     caller.require(Scope::Operate)?;
     let expected_seq = match body.expected_seq {
         Some(seq) if seq < 0 => {
@@ -198,6 +228,7 @@ async fn append(caller: Caller, Path(flow_id): Path<String>, Json(body): Json<Ap
         to_state: StreamMachine::STATE.into(),
         input: json!({"event_type": body.event_type, "payload": body.payload}),
         schema_version: 1,
+        traceparent: traceparent_of(&headers),
     };
     submit(&caller, request).await
 }

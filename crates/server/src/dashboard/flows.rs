@@ -343,6 +343,7 @@ mod tests {
                 schema_version: 1,
                 payload: serde_json::Value::Null,
                 created_at_ms: 0,
+                traceparent: None,
             },
             content_hash: String::new(),
             status: InboxStatus::Pending,

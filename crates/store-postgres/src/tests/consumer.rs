@@ -23,6 +23,7 @@ fn event() -> Envelope {
         schema_version: 1,
         payload: serde_json::json!({}),
         created_at_ms: 1,
+        traceparent: None,
     }
 }
 

@@ -154,6 +154,7 @@ fn concurrent_writers_and_a_running_relay_deliver_every_event_once_in_order() {
                         to_state: state.into(),
                         input: serde_json::json!({"quantity": 3}),
                         schema_version: 1,
+                        traceparent: None,
                     };
                     // Work of a different length per writer between the advance and the commit:
                     // with positions allocated before commit (a sequence), later positions would

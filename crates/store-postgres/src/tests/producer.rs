@@ -333,3 +333,41 @@ fn retention_reads_use_their_indexes() {
     let expire = plan(&mut client, crate::consumer::EXPIRE_RECEIPTS_SQL, "100, 1000");
     assert!(expire.contains("receipts_age"), "{expire}");
 }
+
+/// The trace context of an advance rides with its event on PostgreSQL as on SQLite: outbox,
+/// delivery, inbox, handler; the same event with another trace context is a duplicate.
+#[test]
+fn a_trace_context_travels_from_the_advance_to_the_handler() {
+    use tidemark_core::policy::RetentionPolicy;
+    use tidemark_core::store::{ConsumerStore, DrainScope, HandleError, Handler, ReceiveOutcome};
+    use tidemark_core::Envelope;
+    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    struct Seen(Vec<Option<String>>);
+    impl Handler<crate::ApplyTransaction> for Seen {
+        fn handle(&mut self, _: &crate::ApplyTransaction, _: &str, event: &Envelope) -> Result<(), HandleError> {
+            self.0.push(event.traceparent.clone());
+            Ok(())
+        }
+    }
+    let db = test_db!("traceparent");
+    let mut producer = PgProducer::init(&db.conn, &db.schema("p"), "shop").unwrap();
+    producer.subscribe(&Subscription { consumer_id: "audit".into(), endpoint: "x".into() }, true, 0).unwrap();
+    producer
+        .advance_batch(&ReservationMachine, &[reserve("a").with_traceparent(TRACEPARENT), reserve("b")], 1)
+        .unwrap();
+    let due = producer.due_deliveries(10, 10, None, None).unwrap();
+    let carried: Vec<_> = due.iter().map(|d| d.envelope.traceparent.as_deref()).collect();
+    assert_eq!(carried, [Some(TRACEPARENT), None]);
+    let mut consumer = crate::PgConsumer::init(&db.conn, &db.schema("c"), RetentionPolicy::default()).unwrap();
+    let items: Vec<(&str, &Envelope)> = due.iter().map(|d| ("audit", &d.envelope)).collect();
+    let outcomes = consumer.receive_batch(&items, 2).unwrap();
+    assert!(outcomes.iter().all(|o| matches!(o, ReceiveOutcome::Accepted { .. })), "{outcomes:?}");
+    let mut again = due[1].envelope.clone();
+    again.traceparent = Some(TRACEPARENT.into());
+    let outcome = consumer.receive_batch(&[("audit", &again)], 3).unwrap();
+    assert!(matches!(outcome[0], ReceiveOutcome::Duplicate { .. }), "{outcome:?}");
+    let mut seen = Seen(Vec::new());
+    consumer.drain("audit", &DrainScope::All, 10, &mut seen, 4).unwrap();
+    assert_eq!(seen.0, [Some(TRACEPARENT.to_string()), None]);
+    assert_eq!(consumer.inbox("audit", None, 10).unwrap()[0].envelope.traceparent.as_deref(), Some(TRACEPARENT));
+}

@@ -102,6 +102,7 @@ pub fn reserve(flow: &str) -> AdvanceRequest {
         to_state: "reserved".into(),
         input: serde_json::json!({"quantity": 3}),
         schema_version: 1,
+        traceparent: None,
     }
 }
 

@@ -1139,6 +1139,7 @@ fn an_inbox_handler_can_send_an_event_inside_its_apply_transaction() {
         schema_version: 1,
         payload: json!({"by": "ann"}),
         created_at_ms: 1_500,
+        traceparent: None,
     };
     let received = consumer.receive_batch(&[("c", &event)], 1_600).unwrap();
     assert!(matches!(received[0], ReceiveOutcome::Accepted { .. }));
@@ -1872,8 +1873,8 @@ fn a_version_1_schema_is_migrated_to_the_workflow_tables_with_its_rows_kept() {
         .iter()
         .map(|r| r.get(0))
         .collect();
-    assert_eq!(versions, [1, 2, 3]);
-    assert_eq!(crate::SCHEMA_VERSION, 3);
+    assert_eq!(versions, [1, 2, 3, 4]);
+    assert_eq!(crate::SCHEMA_VERSION, 4);
     let flows: i64 = client.query_one(&format!("SELECT count(*) FROM {s}.flows"), &[]).unwrap().get(0);
     assert_eq!(flows, 1);
     let producer = crate::PgProducer::open(&d.db.conn, &old).unwrap();
