@@ -23,9 +23,9 @@ pub mod reservation;
 pub mod routes;
 pub mod workflows;
 
-/// Milliseconds since the Unix epoch, from the system clock.
+/// Milliseconds since the Unix epoch, from the system clock (`tidemark::now_ms`).
 pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    tidemark::now_ms()
 }
 
 /// How the built-ins are set up (from the configuration of `tidemark serve`).

@@ -1,8 +1,10 @@
 //! tidemark-core: the pure heart of tidemark. Identifiers and limits, the event envelope and its
 //! canonical hash, flow state machines, decoders, policies, protocol outcomes and the storage
-//! traits. **Architecture invariant:** this crate performs no I/O.
+//! traits. **Architecture invariant:** this crate performs no I/O, but for the wall clock
+//! ([`clock::now_ms`]) and the crash points of failpoints builds.
 #![warn(missing_docs)]
 
+pub mod clock;
 pub mod crash;
 pub mod decode;
 pub mod endpoint;

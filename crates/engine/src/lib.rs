@@ -22,7 +22,7 @@ pub use relay::{
     RelayOptions, RelayReport,
 };
 
-/// Milliseconds since the Unix epoch, from the system clock.
+/// Milliseconds since the Unix epoch, from the system clock (`tidemark_core::clock::now_ms`).
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    tidemark_core::clock::now_ms()
 }

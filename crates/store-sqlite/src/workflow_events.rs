@@ -50,10 +50,7 @@ impl Default for RunEventHandler {
 }
 
 fn system_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
+    tidemark_core::clock::now_ms()
 }
 
 impl RunEventHandler {

@@ -99,6 +99,9 @@
 //! ```
 #![warn(missing_docs)]
 
+/// Milliseconds since the Unix epoch: the wall clock every tidemark loop and request reads
+/// (outside a workflow; inside one, `ctx.now()` is the journaled, replay-safe clock).
+pub use tidemark_core::clock::now_ms;
 pub use tidemark_core::error::codes;
 pub use tidemark_core::{Envelope, Error, Result};
 

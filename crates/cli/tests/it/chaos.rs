@@ -12,6 +12,8 @@ use crate::support::{path_str, run, Run};
 
 /// The CI mode's seeds: each schedules SIGKILLs and SIGSTOPs on both processes.
 const CI_SEEDS: [u64; 3] = [1, 2, 3];
+/// A seed whose 4 faults of the kinds SIGKILL and clock jump jump a clock forward and one back.
+const CLOCK_SEED: u64 = 16;
 
 fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
     run(&[
@@ -211,6 +213,66 @@ fn chaos_power_losses_with_durability_normal_lose_acknowledged_operations_and_th
     // last one was in the page cache only.
     assert!(report["operations"]["lost"].as_u64().unwrap() > 0, "{report:#}");
     assert!(violations(report, "lost") > 0, "{report:#}");
+}
+
+/// The clock jumps' mechanism: a process adds the offset its file holds to the system clock.
+#[test]
+fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("clock jumps need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let producer = dir.path().join("p.db");
+    let clock = dir.path().join("clock.offset_ms");
+    std::fs::write(&clock, "86400000").unwrap();
+    crate::support::ok(&["init", "--producer", path_str(&producer), "--source", "shop"]);
+    let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let env = [("TIDEMARK_CLOCK_OFFSET_FILE", path_str(&clock))];
+    let args = [
+        "advance",
+        "--producer",
+        path_str(&producer),
+        "--flow",
+        "f",
+        "--expected-seq",
+        "0",
+        "--to",
+        "reserved",
+        "--quantity",
+        "1",
+    ];
+    let r = crate::support::run_with(&args, &env, None);
+    assert_eq!(r.code, 0, "{}", r.stdout);
+    let after = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let conn = rusqlite::Connection::open(&producer).unwrap();
+    let stamped: i64 = conn.query_row("SELECT created_at_ms FROM outbox", [], |r| r.get(0)).unwrap();
+    assert!((before + 86_400_000..=after + 86_400_000).contains(&stamped), "{before} {stamped} {after}");
+}
+
+#[test]
+fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("clock jumps need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = power_chaos(&out, CLOCK_SEED, "sigkill,clock-jump", "full", 4);
+    println!("tidemark chaos --kinds sigkill,clock-jump: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["operations"]["lost"], 0, "{report:#}");
+    assert_eq!(report["operations"]["applied_twice"], 0, "{report:#}");
+    let jumps: Vec<i64> = report["faults"]["schedule"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "clock_jump")
+        .map(|f| f["jump_ms"].as_i64().unwrap())
+        .collect();
+    assert!(jumps.iter().any(|j| *j > 0) && jumps.iter().any(|j| *j < 0), "the seed jumps both ways: {jumps:?}");
 }
 
 #[test]

@@ -104,8 +104,8 @@ struct RunArgs {
     /// Faults to inject (0..=10000).
     #[arg(long, default_value_t = 4)]
     faults: usize,
-    /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`
-    /// (power losses need a build with the `failpoints` feature: the servers run on the fault VFS).
+    /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`,
+    /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -202,6 +202,11 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds power-loss needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
     }
+    if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
+        return Err(invalid(
+            "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
+        ));
+    }
     if !["full", "normal"].contains(&durability) {
         return Err(invalid(format!("--durability must be full or normal, got {durability:?}")));
     }
@@ -240,6 +245,8 @@ struct Serve {
     faultfs: Option<PathBuf>,
     /// The run's seed (power losses draw what reached the disk from it).
     seed: u64,
+    /// The file its wall-clock offset is read from, when the run jumps clocks.
+    clock_file: Option<PathBuf>,
     addr: String,
     child: Option<Child>,
     stopped: bool,
@@ -256,6 +263,10 @@ impl Serve {
             durability: settings.durability.clone(),
             faultfs: settings.kinds.contains(&FaultKind::PowerLoss).then(|| out.join("faultfs")),
             seed: settings.seed,
+            clock_file: settings
+                .kinds
+                .contains(&FaultKind::ClockJump)
+                .then(|| out.join("clocks").join(format!("serve-{index}.offset_ms"))),
             addr: "127.0.0.1:0".into(),
             child: None,
             stopped: false,
@@ -286,6 +297,10 @@ impl Serve {
         match &self.faultfs {
             Some(state) => command.env(faultfs_env(), state),
             None => command.env_remove(faultfs_env()),
+        };
+        match &self.clock_file {
+            Some(file) => command.env(clock_env(), file),
+            None => command.env_remove(clock_env()),
         };
         let mut child = command
             .args(["serve", "--data"])
@@ -394,6 +409,21 @@ impl Serve {
 /// harness run never passes one of its own on to the servers by accident).
 fn faultfs_env() -> &'static str {
     "TIDEMARK_FAULTFS"
+}
+
+/// The clock offset file's environment variable (`tidemark_core::clock::OFFSET_FILE_ENV`).
+fn clock_env() -> &'static str {
+    tidemark_core::clock::OFFSET_FILE_ENV
+}
+
+impl Serve {
+    /// Step the process's wall clock by `offset_ms` from the system clock (0: back to it). The
+    /// process reads the file again within `OFFSET_REREAD_MS`.
+    fn set_clock_offset(&self, offset_ms: i64) -> Result<()> {
+        let file = self.clock_file.as_ref().ok_or_else(|| invalid("a clock jump needs --kinds clock-jump"))?;
+        std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create clocks/"))?;
+        std::fs::write(file, offset_ms.to_string()).map_err(io("cannot write a clock offset"))
+    }
 }
 
 impl Drop for Serve {
@@ -788,6 +818,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "sigkill": by_kind(FaultKind::Sigkill),
             "sigstop": by_kind(FaultKind::Sigstop),
             "power_loss": by_kind(FaultKind::PowerLoss),
+            "clock_jump": by_kind(FaultKind::ClockJump),
             "unsynced_writes_lost": writes_lost,
             "schedule": injected,
         },
@@ -836,6 +867,12 @@ fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.sigcont()?;
         }
+        FaultKind::ClockJump => {
+            let server = &servers[fault.process];
+            server.set_clock_offset(fault.jump_ms)?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            server.set_clock_offset(0)?;
+        }
         FaultKind::PowerLoss => {
             for server in servers.iter_mut() {
                 server.sigkill();
@@ -856,7 +893,7 @@ fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value
     Ok(json!({
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
-        "power_loss": lost,
+        "jump_ms": fault.jump_ms, "power_loss": lost,
     }))
 }
 

@@ -10,6 +10,11 @@ const SIGKILL_PERCENT: u32 = 60;
 /// Percent of the faults that are a power loss, when power losses are among the kinds asked
 /// for beside others.
 const POWER_LOSS_PERCENT: u32 = 25;
+/// Percent of the faults that are a clock jump, when clock jumps are among the kinds asked for
+/// beside others.
+const CLOCK_JUMP_PERCENT: u32 = 25;
+/// The size of a clock jump, in leases (either direction): from one lease to this many.
+const CLOCK_JUMP_LEASES_MAX: u64 = 5;
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -29,6 +34,11 @@ pub enum FaultKind {
     /// `hold_ms`. `process` is 0 and means all of them.
     #[value(name = "power-loss")]
     PowerLoss,
+    /// The process's wall clock steps by `jump_ms` (forward or back, one to five leases) for
+    /// `hold_ms` (longer than the lease), then back: its leases look expired to the others, or
+    /// theirs to it. Monotonic clocks are not touched. Needs a failpoints build.
+    #[value(name = "clock-jump")]
+    ClockJump,
 }
 
 /// One scheduled fault.
@@ -43,14 +53,17 @@ pub struct Fault {
     pub kind: FaultKind,
     /// The process it hits (0-based).
     pub process: usize,
-    /// How long the process stays down (killed) or stopped, in ms.
+    /// How long the process stays down (killed), stopped or skewed, in ms.
     pub hold_ms: u64,
+    /// A clock jump's step, in ms (negative: back); 0 for the other kinds.
+    pub jump_ms: i64,
 }
 
 /// The schedule of `faults` faults of the given `kinds` (at least one) on `processes` processes
 /// during `duration_ms` of workload: due times spread over the middle 80% of the workload, in
 /// order. With the kinds SIGKILL and SIGSTOP (the default) the schedule of a seed is the one
-/// earlier builds made; power losses draw from the same stream after the other choices.
+/// earlier builds made; power losses and clock jumps draw from the same stream after the other
+/// choices (a schedule without clock jumps is the one builds before them made).
 pub fn schedule(
     seed: u64,
     faults: usize,
@@ -74,11 +87,23 @@ pub fn schedule(
                 2 => drawn,
                 1 if has(FaultKind::Sigkill) => FaultKind::Sigkill,
                 1 => FaultKind::Sigstop,
-                _ => FaultKind::PowerLoss,
+                _ if has(FaultKind::PowerLoss) => FaultKind::PowerLoss,
+                _ => FaultKind::ClockJump,
             };
             let mut process = rng.gen_range(0..processes);
             if signals > 0 && has(FaultKind::PowerLoss) && rng.gen_range(0..100) < POWER_LOSS_PERCENT {
                 kind = FaultKind::PowerLoss;
+            }
+            // Without signals a fault is a power loss or a clock jump; with them, also a clock
+            // jump one time in four (each draw only when clock jumps are asked for).
+            if has(FaultKind::ClockJump) {
+                let jump_instead = match signals {
+                    0 => has(FaultKind::PowerLoss) && rng.gen_range(0..100) < 50,
+                    _ => kind != FaultKind::PowerLoss && rng.gen_range(0..100) < CLOCK_JUMP_PERCENT,
+                };
+                if jump_instead {
+                    kind = FaultKind::ClockJump;
+                }
             }
             if kind == FaultKind::PowerLoss {
                 process = 0;
@@ -87,11 +112,22 @@ pub fn schedule(
                 FaultKind::Sigkill | FaultKind::PowerLoss => {
                     rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1)
                 }
-                FaultKind::Sigstop => {
+                FaultKind::Sigstop | FaultKind::ClockJump => {
                     lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
                 }
             };
-            Fault { index, at_ms, kind, process, hold_ms }
+            let jump_ms = match kind {
+                FaultKind::ClockJump => {
+                    let size = rng.gen_range(lease_ms..=lease_ms * CLOCK_JUMP_LEASES_MAX) as i64;
+                    if rng.gen_range(0..2) == 0 {
+                        size
+                    } else {
+                        -size
+                    }
+                }
+                _ => 0,
+            };
+            Fault { index, at_ms, kind, process, hold_ms, jump_ms }
         })
         .collect()
 }
@@ -136,6 +172,26 @@ mod tests {
         assert!(power_only.iter().all(|f| f.kind == FaultKind::PowerLoss && f.process == 0));
         let kills_only = schedule(7, 10, &[FaultKind::Sigkill], 3, 30_000, 1_000);
         assert!(kills_only.iter().all(|f| f.kind == FaultKind::Sigkill));
+    }
+
+    #[test]
+    fn clock_jumps_step_one_to_five_leases_either_way_and_leave_other_schedules_alone() {
+        let with_jumps = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::ClockJump];
+        let mixed = schedule(9, 60, &with_jumps, 3, 60_000, 1_000);
+        let jumps: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::ClockJump).collect();
+        assert!(!jumps.is_empty() && jumps.len() < mixed.len(), "{mixed:?}");
+        assert!(jumps.iter().all(|f| (1_000..=5_000).contains(&f.jump_ms.abs()) && f.hold_ms > 1_000), "{jumps:?}");
+        assert!(jumps.iter().any(|f| f.jump_ms > 0) && jumps.iter().any(|f| f.jump_ms < 0), "{jumps:?}");
+        assert!(mixed.iter().filter(|f| f.kind != FaultKind::ClockJump).all(|f| f.jump_ms == 0));
+        let only = schedule(9, 10, &[FaultKind::ClockJump], 3, 60_000, 1_000);
+        assert!(only.iter().all(|f| f.kind == FaultKind::ClockJump));
+        // Power-loss schedules are the ones builds before clock jumps made (seed 13 of the CI
+        // test: a power loss, a kill, a power loss).
+        let kinds: Vec<FaultKind> = schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, 1_000)
+            .iter()
+            .map(|f| f.kind)
+            .collect();
+        assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
     }
 
     #[test]
