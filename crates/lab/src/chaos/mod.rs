@@ -243,7 +243,9 @@ struct Serve {
     durability: String,
     /// The fault VFS's state folder when the run injects power losses.
     faultfs: Option<PathBuf>,
-    /// The run's seed (power losses draw what reached the disk from it).
+    /// The run's seed (power losses draw what reached the disk from it; read only in failpoints
+    /// builds, the only ones that inject them).
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     seed: u64,
     /// The file its wall-clock offset is read from, when the run jumps clocks.
     clock_file: Option<PathBuf>,
