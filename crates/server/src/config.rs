@@ -137,6 +137,17 @@ pub struct LimitsConfig {
     pub page_size_max: usize,
     /// Requests in one group commit of advances or receives.
     pub group_commit_max: usize,
+    /// How long a client may take to send a request's headers, in ms (100..=600,000): a
+    /// connection that trickles them (or sends nothing) is closed after it, so that slow clients
+    /// cannot hold connections open.
+    pub header_read_timeout_ms: u64,
+    /// Largest request head (request line and headers), in bytes (8,192..=1,048,576): a larger
+    /// one is answered 431 and the connection closed.
+    pub header_bytes_max: usize,
+    /// Open client connections at most (1..=100,000): once that many are open, new ones wait in
+    /// the listen backlog until one closes (a connection idle past `header_read_timeout_ms`
+    /// closes by itself).
+    pub connections_max: usize,
 }
 
 /// `[relay]`: how each tenant's relay hands its outbox to the subscribers.
@@ -265,7 +276,14 @@ impl Default for AuthConfig {
 
 impl Default for LimitsConfig {
     fn default() -> Self {
-        LimitsConfig { body_bytes_max: 256 * 1024, page_size_max: PAGE_SIZE_MAX, group_commit_max: 1_000 }
+        LimitsConfig {
+            body_bytes_max: 256 * 1024,
+            page_size_max: PAGE_SIZE_MAX,
+            group_commit_max: 1_000,
+            header_read_timeout_ms: 10_000,
+            header_bytes_max: 64 * 1024,
+            connections_max: 1_024,
+        }
     }
 }
 
@@ -381,6 +399,9 @@ impl Config {
         range("auth.rate_per_second", self.auth.rate_per_second.into(), 1, 1_000_000)?;
         range("auth.burst", self.auth.burst.into(), 1, 10_000_000)?;
         range("limits.body_bytes_max", self.limits.body_bytes_max as i128, 1024, BODY_BYTES_CEILING as i128)?;
+        range("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms as i128, 100, 600_000)?;
+        range("limits.header_bytes_max", self.limits.header_bytes_max as i128, 8_192, 1_048_576)?;
+        range("limits.connections_max", self.limits.connections_max as i128, 1, 100_000)?;
         range("limits.page_size_max", self.limits.page_size_max as i128, 1, PAGE_SIZE_MAX as i128)?;
         range("limits.group_commit_max", self.limits.group_commit_max as i128, 1, 10_000)?;
         range("relay.interval_ms", self.relay.interval_ms.into(), 1, 3_600_000)?;

@@ -131,12 +131,14 @@ impl Service {
         let app = self.router();
         let stop = self.state.clone();
         tracing::info!(addr = ?listener.local_addr().ok(), "listening");
-        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+        let limits = self.state.config.limits.clone();
+        let grace = Duration::from_millis(self.state.config.shutdown.grace_ms);
+        serve_connections(listener, app, &limits, grace, async move {
             shutdown.await;
             tracing::info!("shutting down: no new requests, no new claims");
             stop.shutdown.send_replace(true);
-        });
-        server.await.map_err(|e| Error::io(format!("the HTTP server failed: {e}")))?;
+        })
+        .await;
         let released = self.shutdown().await;
         Ok(json!({"outcome": "stopped", "workers": released}))
     }
@@ -190,6 +192,170 @@ impl Service {
         drop(runtime);
         drop(logs);
         report
+    }
+}
+
+/// Accept and serve HTTP/1.1 and HTTP/2 connections on `listener` until `shutdown` resolves,
+/// within the configured limits (docs/serve.md, "Limits"): at most `limits.connections_max` open
+/// at once (the next waits in the listen backlog), each client given
+/// `limits.header_read_timeout_ms` to send a request's head (a slow or silent one is closed) and
+/// at most `limits.header_bytes_max` bytes of it (431 beyond). Then no new connections; the open
+/// ones finish their requests (at most `grace`).
+async fn serve_connections(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    limits: &crate::config::LimitsConfig,
+    grace: Duration,
+    shutdown: impl Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+    use hyper_util::server::conn::auto::Builder;
+    use hyper_util::service::TowerToHyperService;
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_millis(limits.header_read_timeout_ms))
+        .max_buf_size(limits.header_bytes_max);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(limits.header_bytes_max).unwrap_or(u32::MAX));
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let permit = tokio::select! {
+            () = &mut shutdown => break,
+            permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+        };
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors, or a connection reset before it was accepted: go on.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let (io, activity) = IdleWatch::new(stream);
+        let service = TowerToHyperService::new(app.clone());
+        let connection = graceful.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned());
+        let idle_limit = Duration::from_millis(limits.header_read_timeout_ms);
+        tokio::spawn(async move {
+            // A connection's end (the client went away, a timeout, a protocol error) is its own.
+            tokio::select! {
+                _ = connection => {}
+                () = activity.idle_for(idle_limit) => {}
+            }
+            drop(permit);
+        });
+    }
+    drop(listener);
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!(grace_ms = grace.as_millis() as u64, "connections still open after the grace period");
+    }
+}
+
+/// A connection's stream that notes when it last read and last wrote, so that a connection
+/// waiting for a request head (a new one that sent nothing, or a kept-alive one whose last
+/// response is written) is closed after the header timeout. hyper's own header timeout starts
+/// only with the first byte of a head; a request being served (read, not yet answered) is never
+/// idle, however long its handler waits.
+struct IdleWatch {
+    stream: tokio::net::TcpStream,
+    activity: std::sync::Arc<Activity>,
+}
+
+/// When a connection last read and wrote, in ms after it opened.
+struct Activity {
+    opened: std::time::Instant,
+    read_ms: std::sync::atomic::AtomicU64,
+    written_ms: std::sync::atomic::AtomicU64,
+}
+
+impl IdleWatch {
+    fn new(stream: tokio::net::TcpStream) -> (IdleWatch, std::sync::Arc<Activity>) {
+        let activity = std::sync::Arc::new(Activity {
+            opened: std::time::Instant::now(),
+            read_ms: std::sync::atomic::AtomicU64::new(0),
+            written_ms: std::sync::atomic::AtomicU64::new(0),
+        });
+        (IdleWatch { stream, activity: activity.clone() }, activity)
+    }
+}
+
+impl Activity {
+    fn now_ms(&self) -> u64 {
+        self.opened.elapsed().as_millis() as u64
+    }
+
+    /// Resolves once the connection has waited `limit` for a request head: nothing read since
+    /// its last write (or since it opened).
+    async fn idle_for(&self, limit: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let limit_ms = limit.as_millis() as u64;
+        loop {
+            let (read, written) = (self.read_ms.load(Relaxed), self.written_ms.load(Relaxed));
+            let waiting_since = (read <= written).then_some(written);
+            let wait_ms = match waiting_since {
+                Some(since) if self.now_ms().saturating_sub(since) >= limit_ms => return,
+                Some(since) => limit_ms - self.now_ms().saturating_sub(since),
+                None => limit_ms,
+            };
+            tokio::time::sleep(Duration::from_millis(wait_ms.max(1))).await;
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for IdleWatch {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.stream).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            // Strictly after the last write, so that a read in the same millisecond counts.
+            let now =
+                self.activity.now_ms().max(self.activity.written_ms.load(std::sync::atomic::Ordering::Relaxed) + 1);
+            self.activity.read_ms.store(now, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+}
+
+impl tokio::io::AsyncWrite for IdleWatch {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let polled = std::pin::Pin::new(&mut self.stream).poll_write(cx, buf);
+        if matches!(polled, std::task::Poll::Ready(Ok(n)) if n > 0) {
+            let now = self.activity.now_ms().max(self.activity.read_ms.load(std::sync::atomic::Ordering::Relaxed));
+            self.activity.written_ms.store(now, std::sync::atomic::Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.stream).poll_shutdown(cx)
     }
 }
 

@@ -18,6 +18,7 @@ mod outbox_transaction;
 mod server_api;
 mod server_cli;
 mod server_dashboard;
+mod server_hostile;
 mod server_load;
 mod server_openapi;
 mod server_remote;
