@@ -23,6 +23,7 @@ mod service;
 mod sources;
 pub mod stats;
 pub mod tenant;
+mod trace;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

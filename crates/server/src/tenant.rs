@@ -74,7 +74,7 @@ impl InboxThread {
         let handler = self.handlers.get_mut(handler).ok_or_else(|| {
             Error::invalid(codes::UNKNOWN_HANDLER, format!("handler {handler:?} is not registered on this database"))
         })?;
-        self.store.drain(consumer_id, scope, limit, handler.as_mut(), now)
+        self.store.drain(consumer_id, scope, limit, &mut crate::trace::Traced(handler.as_mut()), now)
     }
 }
 

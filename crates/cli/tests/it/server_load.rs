@@ -254,6 +254,33 @@ fn spans_are_exported_to_an_otlp_collector() {
     assert!(text.contains("request") && text.contains("/healthz"), "the request spans are in the export");
 }
 
+/// A request's `traceparent` makes its span a child of the caller's trace: the exported span
+/// carries the caller's trace id (the 16 bytes, as OTLP's protobuf holds them).
+#[cfg(feature = "otel")]
+#[test]
+fn a_request_span_joins_the_trace_its_traceparent_names() {
+    let (collector, received) = fake_collector();
+    let dir = tempfile::tempdir().unwrap();
+    let env = [("TIDEMARK_LOG__OTLP_ENDPOINT", collector.as_str()), ("TIDEMARK_LOG__LEVEL", "info")];
+    let mut server = Server::start(&dir.path().join("data"), &[], &env);
+    let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let response = server
+        .client
+        .get(format!("{}/healthz", server.base))
+        .header("traceparent", format!("00-{trace_id}-00f067aa0ba902b7-01"))
+        .send()
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let (code, stderr) = server.terminate();
+    assert_eq!(code, 0, "{stderr}");
+    let bytes: Vec<u8> = (0..16).map(|i| u8::from_str_radix(&trace_id[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let mut exported = Vec::new();
+    while let Ok((_, _, body)) = received.recv_timeout(Duration::from_secs(if exported.is_empty() { 60 } else { 2 })) {
+        exported.extend(body);
+    }
+    assert!(exported.windows(16).any(|w| w == bytes.as_slice()), "the caller's trace id is in the exported spans");
+}
+
 #[cfg(not(feature = "otel"))]
 #[test]
 fn an_otlp_endpoint_needs_the_otel_feature() {

@@ -101,16 +101,20 @@ async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
     Ok(advanced(outcome))
 }
 
-/// The request's W3C `traceparent` header when it is a valid one (version 00). A malformed or
-/// repeated header is ignored, as W3C Trace Context asks of a receiver: the event then carries
-/// no trace context, and the request is served as usual.
+/// The trace context the committed event carries: with the `otel` feature and spans exported,
+/// the request's own span (a child of the caller's `traceparent` when it sent one); otherwise
+/// the request's W3C `traceparent` header when it is a valid one (version 00). A malformed or
+/// repeated header is ignored, as W3C Trace Context asks of a receiver.
 fn traceparent_of(headers: &HeaderMap) -> Option<String> {
-    let mut values = headers.get_all("traceparent").iter();
-    let value = values.next()?.to_str().ok()?.trim();
-    if values.next().is_some() {
-        return None;
-    }
-    parse_traceparent(value).map(|_| value.to_string())
+    let given = || {
+        let mut values = headers.get_all("traceparent").iter();
+        let value = values.next()?.to_str().ok()?.trim();
+        if values.next().is_some() {
+            return None;
+        }
+        parse_traceparent(value).map(|_| value.to_string())
+    };
+    crate::trace::current().or_else(given)
 }
 
 /// The advance's input: `input` (an object) with the `quantity` shorthand merged in.

@@ -211,6 +211,9 @@ async fn count_requests(State(state): State<AppState>, request: Request, next: N
     let route = request.extensions().get::<MatchedPath>().map_or("unmatched", |p| p.as_str()).to_string();
     // Every log line of the request carries its path (and so its flow, run or consumer id).
     let span = tracing::info_span!("request", method = %method, route = %route, path = %request.uri().path());
+    // With the `otel` feature the span joins the caller's trace, when it sent one.
+    let traceparent = request.headers().get("traceparent").and_then(|v| v.to_str().ok());
+    crate::trace::join(&span, traceparent);
     let response = next.run(request).instrument(span).await;
     let labels = crate::metrics::RequestLabels {
         method: method.as_str().to_string(),
