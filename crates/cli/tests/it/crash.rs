@@ -630,7 +630,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "10", "this downgrade is written for schema v10 -> v4");
+    assert_eq!(version, "11", "this downgrade is written for schema v11 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -682,6 +682,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
          ALTER TABLE runs DROP COLUMN dedup_id;
          ALTER TABLE runs DROP COLUMN admitted_at_ms;
          ALTER TABLE runs DROP COLUMN deadline_ms;
+         ALTER TABLE outbox DROP COLUMN traceparent;
          UPDATE meta SET value = '4' WHERE key = 'schema_version';
          COMMIT;",
     )
@@ -727,7 +728,7 @@ fn migrate_before_commit(point: &str) {
         receipt["generation"] = Value::Null;
     }
     assert_eq!(consumer_snapshot(&s), expected, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("10".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("11".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
