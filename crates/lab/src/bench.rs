@@ -118,11 +118,12 @@ pub struct BenchArgs {
     /// --serve: concurrent HTTP clients (closed loop, keep-alive connections).
     #[arg(long, default_value_t = 64)]
     clients: usize,
-    /// Measure delivery from one `tidemark serve` to another over `http` or through `nats`
-    /// (JetStream at --nats), beside the raw rate of the same transport in the same run (see
-    /// docs/benchmarks.md). Uses --relay-events, --relay-flows, --relay-batch, --dir, --quick and
-    /// --durability.
-    #[arg(long, value_parser = ["http", "nats"], conflicts_with_all = ["workflows", "serve"])]
+    /// Measure delivery from one `tidemark serve` to another over `http`, through `nats`
+    /// (JetStream at --nats) or through `rabbitmq` (at --amqp), beside the raw rate of the same
+    /// transport in the same run (see docs/benchmarks.md; no `kafka`: there is no Kafka broker to
+    /// measure against here). Uses --relay-events, --relay-flows, --relay-batch, --black-hole,
+    /// --dir, --quick and --durability.
+    #[arg(long, value_parser = ["http", "nats", "rabbitmq"], conflicts_with_all = ["workflows", "serve"])]
     relay_to: Option<String>,
     /// --relay-to: events relayed.
     #[arg(long, default_value_t = 20_000)]
@@ -136,6 +137,15 @@ pub struct BenchArgs {
     /// --relay-to nats: the NATS server (`host:port`, JetStream on).
     #[arg(long, default_value = "127.0.0.1:4222")]
     nats: String,
+    /// --relay-to rabbitmq: the RabbitMQ broker (`host:port`, connected to as `guest`, which it
+    /// accepts from loopback only); the bench declares its exchanges and quorum queues and deletes
+    /// them afterwards.
+    #[arg(long, default_value = "127.0.0.1:5672")]
+    amqp: String,
+    /// --relay-to http: then measure a second healthy subscriber beside a subscription to an
+    /// endpoint that accepts connections and never answers, against the first one's rate alone.
+    #[arg(long, requires = "relay_to")]
+    black_hole: bool,
 }
 
 /// How many operations share one transaction in each stage.
@@ -696,6 +706,8 @@ pub fn run_relay_to(ctx: &Context, args: &BenchArgs, command: &ServerCommand) ->
         flows: args.relay_flows,
         batch: args.relay_batch,
         nats: args.nats.clone(),
+        amqp: args.amqp.clone(),
+        black_hole: args.black_hole,
     };
     if args.quick {
         params.events = 400;
@@ -999,6 +1011,8 @@ mod tests {
             relay_flows: 1,
             relay_batch: 1,
             nats: String::new(),
+            amqp: String::new(),
+            black_hole: false,
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -1068,6 +1082,8 @@ mod tests {
             relay_flows: 1,
             relay_batch: 1,
             nats: String::new(),
+            amqp: String::new(),
+            black_hole: false,
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());
@@ -1177,9 +1193,18 @@ mod tests {
         let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
         let nats_up = std::net::TcpStream::connect("127.0.0.1:4222").is_ok();
         if !nats_up {
-            println!("skipped the nats half: NATS not reachable at 127.0.0.1:4222");
+            println!("skipped the nats part: NATS not reachable at 127.0.0.1:4222");
         }
-        for kind in ["http", "nats"].into_iter().filter(|k| *k == "http" || nats_up) {
+        let rabbitmq_up = std::net::TcpStream::connect("127.0.0.1:5672").is_ok();
+        if !rabbitmq_up {
+            println!("skipped the rabbitmq part: RabbitMQ not reachable at 127.0.0.1:5672");
+        }
+        let up = |kind: &&str| match *kind {
+            "nats" => nats_up,
+            "rabbitmq" => rabbitmq_up,
+            _ => true,
+        };
+        for kind in ["http", "nats", "rabbitmq"].into_iter().filter(up) {
             let dir = tempfile::tempdir().unwrap();
             let bench_dir = dir.path().join("relay").display().to_string();
             let args =
@@ -1191,6 +1216,41 @@ mod tests {
             assert!(out["ratio_to_raw"].as_f64().is_some_and(|r| r > 0.0), "{out:#}");
             assert_eq!(out["stop"]["orders"]["exit_code"], json!(0), "{out:#}");
         }
+    }
+
+    #[test]
+    fn the_quick_black_hole_bench_delivers_everything_to_the_healthy_beside_an_endpoint_that_never_answers() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Command {
+            #[command(flatten)]
+            args: BenchArgs,
+        }
+        let server = ServerCommand {
+            program: std::env::current_exe().unwrap(),
+            args: ["bench::tests::serve_child", "--exact", "--nocapture", "--test-threads", "1"]
+                .map(String::from)
+                .into(),
+            config_env: Some(SERVE_CHILD_CONFIG.into()),
+        };
+        let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
+        let dir = tempfile::tempdir().unwrap();
+        let bench_dir = dir.path().join("relay").display().to_string();
+        let flags = ["bench", "--relay-to", "http", "--black-hole", "--quick", "--dir", &bench_dir];
+        let out = run_relay_to(&ctx, &Command::try_parse_from(flags).unwrap().args, &server).unwrap();
+        assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
+        let black_hole = &out["black_hole"];
+        assert_eq!(black_hole["healthy_beside_the_black_hole"]["applied_seqs"], json!(400), "{out:#}");
+        assert!(black_hole["black_hole"]["connections_accepted"].as_u64().is_some_and(|n| n >= 1), "{out:#}");
+        let lane = &black_hole["black_hole"]["subscription"]["lane"];
+        assert_eq!(lane["delivered"], json!(0), "nothing is ever delivered to a black hole: {out:#}");
+        assert!(black_hole["black_hole"]["subscription"]["pending"].as_u64().is_some_and(|n| n > 0), "{out:#}");
+        assert!(black_hole["ratio"].as_f64().is_some_and(|r| r > 0.0), "{out:#}");
+
+        // Only over HTTP.
+        let flags = ["bench", "--relay-to", "nats", "--black-hole", "--quick"];
+        let error = run_relay_to(&ctx, &Command::try_parse_from(flags).unwrap().args, &server).unwrap_err();
+        assert!(error.is_invalid_input(), "{error}");
     }
 
     #[test]

@@ -141,12 +141,18 @@ impl AppState {
         Ok(tenant)
     }
 
-    /// Declare (once) the consumers the registry names in this tenant, and subscribe each to the
-    /// tenant's outboxes (the producer's and the workflow database's) from their first event.
+    /// Declare (once) the consumers the registry names in this tenant, and subscribe each (unless
+    /// its events come from other services only) to the tenant's outboxes (the producer's and the
+    /// workflow database's) from their first event; then subscribe the registry's network
+    /// endpoints to both outboxes, from their first event too (again: nothing; another endpoint
+    /// than the stored one: the subscription moves there).
     async fn declare_registered_consumers(&self, tenant: &Arc<Tenant>) -> Result<()> {
         for consumer in &self.registry.consumers {
             let database = self.registry.handler_database(&consumer.handler)?;
             self.control(|c| c.declare_consumer(&tenant.id, &consumer.consumer_id, &consumer.handler, now_ms()))?;
+            if !consumer.subscribe {
+                continue;
+            }
             for outbox in tenant.outboxes() {
                 let subscription = tidemark_core::store::Subscription {
                     consumer_id: consumer.consumer_id.clone(),
@@ -158,6 +164,17 @@ impl AppState {
                         if p.store.subscriptions()?.iter().any(|s| s.consumer_id == subscription.consumer_id) {
                             return Ok(0);
                         }
+                        p.store.subscribe(&subscription, true, now_ms())
+                    })
+                    .await?;
+            }
+        }
+        for subscription in &self.registry.subscriptions {
+            for outbox in tenant.outboxes() {
+                let subscription = subscription.clone();
+                outbox
+                    .call(move |p| {
+                        use tidemark_core::store::ProducerStore;
                         p.store.subscribe(&subscription, true, now_ms())
                     })
                     .await?;

@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use rusqlite::Connection;
 use serde::Serialize;
+use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{FlowMachine, MachineSet, StreamMachine};
 use tidemark_core::id::validate_id;
-use tidemark_core::store::Handler;
+use tidemark_core::store::{Handler, Subscription};
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{Workflow, Workflows};
 use tidemark_store_sqlite::{validate_migrations, Durability, Migration, SqliteWorkflows};
@@ -83,11 +84,14 @@ pub(crate) struct HandlerEntry {
     pub(crate) make: MakeHandler,
 }
 
-/// A consumer the service declares in every tenant (and subscribes to the tenant's producer).
+/// A consumer the service declares in every tenant (and, unless its events come from other
+/// services only, subscribes to the tenant's outboxes).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ConsumerDeclaration {
     pub(crate) consumer_id: String,
     pub(crate) handler: String,
+    /// Subscribed to the tenant's own outboxes (false: fed by other services' relays or a source).
+    pub(crate) subscribe: bool,
 }
 
 pub(crate) struct TenantWorkflows {
@@ -100,6 +104,8 @@ pub struct Registry {
     pub(crate) machines: MachineSet,
     pub(crate) handlers: BTreeMap<String, HandlerEntry>,
     pub(crate) consumers: Vec<ConsumerDeclaration>,
+    /// Network endpoints subscribed to every tenant's outboxes when it opens.
+    pub(crate) subscriptions: Vec<Subscription>,
     pub(crate) workflows: Workflows<SqliteWorkflows>,
     pub(crate) tenant_workflows: Vec<TenantWorkflows>,
     pub(crate) migrations: BTreeMap<Database, Vec<Migration>>,
@@ -168,6 +174,34 @@ impl Registry {
                 ));
             }
         }
+        // A subscriber id names one subscription of the outboxes: a declared consumer fed by them
+        // has one already. (A consumer fed from elsewhere may share its id with a subscriber: its
+        // id is the dedup identity of an inbox here, the subscriber's of someone else's.)
+        let mut subscribers: BTreeSet<&str> =
+            parts.consumers.iter().filter(|c| c.subscribe).map(|c| c.consumer_id.as_str()).collect();
+        for subscription in &parts.subscriptions {
+            validate_id("consumer_id", &subscription.consumer_id)?;
+            // A file endpoint is one of the tenant's own databases: a declared consumer.
+            if Endpoint::parse(&subscription.endpoint)?.kind() == EndpointKind::Sqlite {
+                return Err(Error::invalid(
+                    codes::INVALID_ENDPOINT,
+                    format!(
+                        "subscription {:?}: {} is a file; declare a consumer for the tenant's own databases",
+                        subscription.consumer_id,
+                        mask(&subscription.endpoint)
+                    ),
+                ));
+            }
+            if !subscribers.insert(&subscription.consumer_id) {
+                return Err(Error::invalid(
+                    codes::ALREADY_EXISTS,
+                    format!(
+                        "subscriber {:?} is subscribed twice (or also a declared consumer fed by the outboxes)",
+                        subscription.consumer_id
+                    ),
+                ));
+            }
+        }
         let mut workflows = Workflows::new();
         for workflow in parts.workflows {
             workflows.add(workflow?)?;
@@ -205,6 +239,7 @@ impl Registry {
             machines,
             handlers,
             consumers: parts.consumers,
+            subscriptions: parts.subscriptions,
             workflows,
             tenant_workflows: parts.tenant_workflows,
             queues: parts.queues,
@@ -298,6 +333,7 @@ pub(crate) struct RegistryParts {
     pub(crate) machines: Vec<Arc<dyn FlowMachine>>,
     pub(crate) handlers: Vec<(String, HandlerEntry)>,
     pub(crate) consumers: Vec<ConsumerDeclaration>,
+    pub(crate) subscriptions: Vec<Subscription>,
     pub(crate) workflows: Vec<Result<Workflow<SqliteWorkflows>>>,
     pub(crate) tenant_workflows: Vec<TenantWorkflows>,
     pub(crate) migrations: Vec<(Database, Migration)>,

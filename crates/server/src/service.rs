@@ -445,9 +445,50 @@ impl ServiceBuilder {
     /// subscribed to the tenant's producer from its first event. A handler that is not
     /// registered is `unknown_handler` at build.
     pub fn declare_consumer(mut self, consumer_id: &str, handler: &str) -> Self {
-        self.parts
-            .consumers
-            .push(ConsumerDeclaration { consumer_id: consumer_id.to_string(), handler: handler.to_string() });
+        self.parts.consumers.push(ConsumerDeclaration {
+            consumer_id: consumer_id.to_string(),
+            handler: handler.to_string(),
+            subscribe: true,
+        });
+        self
+    }
+
+    /// Declare consumer `consumer_id` with the registered handler `handler` in every tenant, fed
+    /// by other services only: never subscribed to the tenant's own outboxes (the API's
+    /// `PUT /v1/consumers/{id}` with `"subscribe": false`). Its events arrive through its inbox
+    /// routes (another service's relay posts to `/v1/consumers/{id}/inbox/batch`) or from a
+    /// broker source ([`ServiceBuilder::source`]).
+    pub fn declare_consumer_unsubscribed(mut self, consumer_id: &str, handler: &str) -> Self {
+        self.parts.consumers.push(ConsumerDeclaration {
+            consumer_id: consumer_id.to_string(),
+            handler: handler.to_string(),
+            subscribe: false,
+        });
+        self
+    }
+
+    /// Subscribe `consumer_id` at a network `endpoint` (another service's inbox
+    /// `http(s)://host:port/v1/consumers/{id}/inbox`, `nats://`, `amqp://`, `kafka://`, or
+    /// `pull:`; docs/protocol.md, "Endpoints") to both outboxes of every tenant when it opens,
+    /// from their first event: the API's `PUT /v1/subscriptions/{id}` with `"from_start": true`,
+    /// made by the service itself. Opening again changes nothing; another endpoint than the
+    /// stored one moves the subscription there. An HTTP endpoint's token is the configuration's
+    /// (`relay.tokens`). A file endpoint, or a consumer id declared or subscribed twice, is an
+    /// error at build.
+    pub fn subscribe(mut self, consumer_id: &str, endpoint: &str) -> Self {
+        self.parts.subscriptions.push(tidemark_core::store::Subscription {
+            consumer_id: consumer_id.to_string(),
+            endpoint: endpoint.to_string(),
+        });
+        self
+    }
+
+    /// Consume a broker into a declared consumer's inbox (a `[[sources]]` entry of the
+    /// configuration: a JetStream stream, a Kafka topic or a RabbitMQ queue; docs/serve.md,
+    /// "Consuming from a broker"). Checked at build like the configuration's own entries. Call it
+    /// after [`ServiceBuilder::config`], which replaces the sources too.
+    pub fn source(mut self, source: crate::config::SourceConfig) -> Self {
+        self.config.sources.push(source);
         self
     }
 

@@ -170,7 +170,7 @@ pub mod service {
     }
     pub use tidemark_core::tenancy::Scope;
     pub use tidemark_server::api::{ApiError, ApiResult};
-    pub use tidemark_server::config::Config;
+    pub use tidemark_server::config::{Config, SourceConfig};
     pub use tidemark_server::registry::{Database, HandlerInfo, MachineInfo, Registry, TenantInfo};
     pub use tidemark_server::{AppState, Caller, Service, ServiceBuilder, Tenant};
 }

@@ -124,6 +124,40 @@ fn bad_registrations_are_typed_errors_at_build_and_create_nothing() {
             "already_exists",
         ),
         ("a saga without steps", Service::builder().workflow(tidemark::Saga::new("empty", 1)), "invalid_argument"),
+        (
+            "a consumer fed from elsewhere whose handler is not registered",
+            Service::builder().declare_consumer_unsubscribed("ledger", "ledger_handler"),
+            "unknown_handler",
+        ),
+        ("a subscription to a file", Service::builder().subscribe("audit", "/var/audit.db"), "invalid_endpoint"),
+        ("a subscription to no endpoint kind", Service::builder().subscribe("audit", "ftp://h/x"), "invalid_endpoint"),
+        (
+            "one subscriber subscribed twice",
+            Service::builder().subscribe("audit", "pull:").subscribe("audit", "nats://127.0.0.1:4222/audit"),
+            "already_exists",
+        ),
+        (
+            "a subscriber that is also a declared consumer fed by the outboxes",
+            Service::builder()
+                .handler("h", tidemark::store::RecordHandler)
+                .declare_consumer("ledger", "h")
+                .subscribe("ledger", "pull:"),
+            "already_exists",
+        ),
+        (
+            "a source that is no broker",
+            Service::builder().source(tidemark::service::SourceConfig {
+                tenant: "shipping".into(),
+                consumer: "ledger".into(),
+                from: "http://127.0.0.1:7400/v1/consumers/ledger/inbox".into(),
+                stream: None,
+                durable: None,
+                batch: 100,
+                ack_wait_ms: None,
+                session_timeout_ms: None,
+            }),
+            "invalid_config",
+        ),
     ];
     for (what, builder, code) in cases {
         assert_eq!(code_of(builder, &data), code, "{what}");
@@ -207,4 +241,57 @@ fn a_registered_user_projection_moves_with_its_consumer() {
     // Registering a table without a consumer_id column is refused.
     consumer.connection().execute_batch("CREATE TABLE notes (text TEXT)").unwrap();
     assert_eq!(register_projection_table(consumer.connection(), "notes").unwrap_err().code(), "invalid_argument");
+}
+
+/// A consumer declared with `declare_consumer_unsubscribed` is not fed by the tenant's own
+/// outboxes; a subscription declared with `subscribe` is made once in both, and moves when the
+/// service is built again with another endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_fed_from_elsewhere_is_not_subscribed_and_a_declared_subscription_is_made_once() {
+    use tidemark::store::ProducerStore;
+    let dir = tempfile::tempdir().unwrap();
+    let build = |endpoint: &str| {
+        Service::builder()
+            .data_dir(dir.path())
+            .without_auth("t")
+            .handler("h", tidemark::store::RecordHandler)
+            .declare_consumer("local", "h")
+            .declare_consumer_unsubscribed("remote", "h")
+            // The same id as the consumer fed from elsewhere: as in examples/two-services, where
+            // shipping's inbox `orders` receives orders' commands and its subscriber `orders`
+            // is orders' inbox for the replies.
+            .subscribe("remote", endpoint)
+            .build()
+            .unwrap()
+    };
+    async fn subscriptions(service: &Service) -> Vec<Vec<(String, String)>> {
+        let tenant = service.tenant("t").await.unwrap();
+        let mut all = Vec::new();
+        for outbox in tenant.outboxes() {
+            let listed = outbox.call(|p| p.store.subscriptions()).await.unwrap();
+            let mut listed: Vec<(String, String)> = listed.into_iter().map(|s| (s.consumer_id, s.endpoint)).collect();
+            // A file endpoint's path is the tenant's own database: only its kind matters here.
+            for (_, endpoint) in listed.iter_mut().filter(|(_, e)| e.ends_with(".db")) {
+                *endpoint = "a file".into();
+            }
+            all.push(listed);
+        }
+        all
+    }
+
+    let service = build("pull:");
+    service.start().await.unwrap();
+    let expected = vec![("local".to_string(), "a file".to_string()), ("remote".to_string(), "pull:".to_string())];
+    assert_eq!(subscriptions(&service).await, [expected.clone(), expected]);
+    let declared: Vec<String> = service.state().consumers("t").unwrap().into_iter().map(|c| c.consumer_id).collect();
+    assert_eq!(declared, ["local", "remote"], "declared, but only `local` is subscribed to its own outboxes");
+    service.shutdown().await;
+    drop(service);
+
+    let http = "http://127.0.0.1:9/v1/consumers/remote/inbox";
+    let service = build(http);
+    service.start().await.unwrap();
+    let expected = vec![("local".to_string(), "a file".to_string()), ("remote".to_string(), http.to_string())];
+    assert_eq!(subscriptions(&service).await, [expected.clone(), expected], "the subscription moved");
+    service.shutdown().await;
 }

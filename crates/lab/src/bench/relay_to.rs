@@ -1,22 +1,32 @@
-//! `tidemark bench --relay-to http|nats`: events from one `tidemark serve` (orders) to another
-//! (shipping), over HTTP or through NATS JetStream, against the raw rate of the same transport
-//! in the same run.
+//! `tidemark bench --relay-to http|nats|rabbitmq`: events from one `tidemark serve` (orders) to
+//! another (shipping), over HTTP, through NATS JetStream or through RabbitMQ, against the raw rate
+//! of the same transport in the same run.
 //!
 //! Two child servers, each with its own data folder and token. `--relay-events` events over
 //! `--relay-flows` flows are appended to orders' outbox first (not measured); then orders
-//! subscribes shipping's `ledger` consumer (`http://.../v1/consumers/ledger/inbox`, or
-//! `nats://<--nats>/<prefix>` with shipping consuming the stream through `[[sources]]`) from the
-//! start, and the clock runs until shipping has **applied** every event (the sum of its
-//! high-water marks, polled every 20 ms over its API). That is the relay (read, hand over,
-//! record), the transport, the receiving inbox's commit and its drain.
+//! subscribes shipping's `ledger` consumer (`http://.../v1/consumers/ledger/inbox`;
+//! `nats://<--nats>/<prefix>` with shipping consuming the stream through `[[sources]]`; or
+//! `amqp://<--amqp>/<exchange>` with shipping consuming a quorum queue bound to it through
+//! `[[sources]]`) from the start, and the clock runs until shipping has **applied** every event
+//! (the sum of its high-water marks, polled every 20 ms over its API). That is the relay (read,
+//! hand over, record), the transport, the receiving inbox's commit and its drain. The bench
+//! creates the stream, or the exchanges and queues, it runs on, and deletes them afterwards.
 //!
 //! The raw rate, in the same invocation: this process hands the same number of fresh envelopes,
 //! in batches of the relay's batch size, one batch in flight as a lane has, through the same
 //! transport (`HttpTransport` to shipping's batch receive route of another consumer, answered
-//! after its inbox commit; `NatsTransport` publishes with PubAcks to the stream): the ceiling of
-//! the hop itself, without tidemark's outbox on the sending side or the drain on the receiving
-//! side. Checked: every event applied once on shipping (each flow's high-water mark is its
-//! last seq), nothing left pending or quarantined on orders.
+//! after its inbox commit; `NatsTransport` publishes with PubAcks to the stream;
+//! `AmqpTransport` confirmed, persistent, mandatory publishes to an exchange of their own, bound
+//! to a quorum queue of their own): the ceiling of the hop itself, without tidemark's outbox on
+//! the sending side or the drain on the receiving side. Checked: every event applied once on
+//! shipping (each flow's high-water mark is its last seq), nothing left pending or quarantined on
+//! orders.
+//!
+//! `--black-hole` (HTTP only): after that first delivery, orders subscribes an endpoint that
+//! accepts connections and never answers (a listener of this process that reads and never
+//! writes), waits until its lane holds a batch in flight, then subscribes a second healthy
+//! consumer (`ledger2`) from the start and measures it the same way: the healthy rate beside a
+//! black hole against the rate alone, in one run.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -35,7 +45,7 @@ use super::{durability_word, failed, round1, round3};
 /// What `--relay-to` measures.
 #[derive(Debug, Clone)]
 pub struct Params {
-    /// `http` or `nats`.
+    /// `http`, `nats` or `rabbitmq`.
     pub kind: String,
     pub events: u64,
     pub flows: u64,
@@ -43,6 +53,183 @@ pub struct Params {
     pub batch: usize,
     /// `host:port` of the NATS server (JetStream on).
     pub nats: String,
+    /// `host:port` of the RabbitMQ broker (as `guest`, which it accepts from loopback).
+    pub amqp: String,
+    /// Also measure the healthy rate beside a subscription to an endpoint that never answers.
+    pub black_hole: bool,
+}
+
+/// The broker names of one run (unique per run, created by it and deleted after it).
+struct Names {
+    /// NATS: the subject prefix of the relay (`<prefix>.>`) and of the raw run (`<prefix>raw.>`).
+    prefix: String,
+    /// NATS: the stream capturing both.
+    stream: String,
+    /// RabbitMQ: the relay's exchange and shipping's queue bound to it; the raw run's exchange and
+    /// queue.
+    exchange: String,
+    queue: String,
+    raw_exchange: String,
+    raw_queue: String,
+}
+
+impl Names {
+    fn new() -> Names {
+        let prefix = format!("tmkbench{}", uuid::Uuid::new_v4().simple());
+        Names {
+            stream: prefix.to_uppercase(),
+            exchange: format!("{prefix}.orders"),
+            queue: format!("{prefix}.shipping"),
+            raw_exchange: format!("{prefix}.raw"),
+            raw_queue: format!("{prefix}.rawq"),
+            prefix,
+        }
+    }
+}
+
+/// Run `f` with a channel on the RabbitMQ broker at `server` (as `guest`).
+fn with_amqp<T>(
+    runtime: &tokio::runtime::Runtime,
+    server: &str,
+    f: impl AsyncFnOnce(&lapin::Channel) -> std::result::Result<T, lapin::Error>,
+) -> Result<T> {
+    runtime.block_on(async {
+        let uri = format!("amqp://guest:guest@{server}/%2f");
+        let connection = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default())
+            .await
+            .map_err(|e| Error::io(format!("cannot connect to RabbitMQ at {server}: {e}")))?;
+        let channel = connection.create_channel().await.map_err(|e| Error::io(format!("RabbitMQ channel: {e}")))?;
+        let out = f(&channel).await.map_err(|e| Error::io(format!("RabbitMQ at {server}: {e}")));
+        let _ = connection.close(200, "bench done".into()).await;
+        out
+    })
+}
+
+/// Create what the run needs on the broker: the stream (NATS), or two topic exchanges, each bound
+/// (`#`) to a durable quorum queue of its own (RabbitMQ: the relay's, which shipping consumes, and
+/// the raw run's, which only fills).
+fn create_broker_names(runtime: &tokio::runtime::Runtime, p: &Params, names: &Names) -> Result<()> {
+    match p.kind.as_str() {
+        "nats" => runtime.block_on(async {
+            let client = async_nats::connect(p.nats.as_str())
+                .await
+                .map_err(|e| Error::io(format!("cannot connect to NATS at {}: {e}", p.nats)))?;
+            async_nats::jetstream::new(client)
+                .create_stream(async_nats::jetstream::stream::Config {
+                    name: names.stream.clone(),
+                    subjects: vec![format!("{}.>", names.prefix), format!("{}raw.>", names.prefix)],
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| Error::io(format!("cannot create the stream {}: {e}", names.stream)))?;
+            Ok(())
+        }),
+        "rabbitmq" => {
+            let pairs =
+                [(names.exchange.clone(), names.queue.clone()), (names.raw_exchange.clone(), names.raw_queue.clone())];
+            with_amqp(runtime, &p.amqp, async move |channel| {
+                use lapin::types::{AMQPValue, FieldTable, LongString};
+                for (exchange, queue) in &pairs {
+                    let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+                    let kind = lapin::ExchangeKind::Topic;
+                    channel.exchange_declare(exchange.as_str().into(), kind, durable, FieldTable::default()).await?;
+                    let mut arguments = FieldTable::default();
+                    arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+                    let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+                    channel.queue_declare(queue.as_str().into(), options, arguments).await?;
+                    let bind = lapin::options::QueueBindOptions::default();
+                    channel
+                        .queue_bind(
+                            queue.as_str().into(),
+                            exchange.as_str().into(),
+                            "#".into(),
+                            bind,
+                            FieldTable::default(),
+                        )
+                        .await?;
+                }
+                Ok(())
+            })
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Delete what [`create_broker_names`] created (best effort: the run's answer does not depend on it).
+fn delete_broker_names(runtime: &tokio::runtime::Runtime, p: &Params, names: &Names) {
+    match p.kind.as_str() {
+        "nats" => {
+            let _ = runtime.block_on(async {
+                let client = async_nats::connect(p.nats.as_str()).await.ok()?;
+                async_nats::jetstream::new(client).delete_stream(&names.stream).await.ok()
+            });
+        }
+        "rabbitmq" => {
+            let queues = [names.queue.clone(), names.raw_queue.clone()];
+            let exchanges = [names.exchange.clone(), names.raw_exchange.clone()];
+            let _ = with_amqp(runtime, &p.amqp, async move |channel| {
+                for queue in &queues {
+                    channel.queue_delete(queue.as_str().into(), Default::default()).await?;
+                }
+                for exchange in &exchanges {
+                    channel.exchange_delete(exchange.as_str().into(), Default::default()).await?;
+                }
+                Ok(())
+            });
+        }
+        _ => {}
+    }
+}
+
+/// An endpoint that accepts TCP connections and never answers: each connection is read until the
+/// peer closes it (the lane's attempt timeout), and nothing is ever written. Stops accepting when
+/// dropped.
+struct BlackHole {
+    addr: std::net::SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    accepted: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl BlackHole {
+    /// How often the accepting thread looks at its stop flag.
+    const POLL: Duration = Duration::from_millis(10);
+
+    fn start() -> Result<BlackHole> {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| Error::io(e.to_string()))?;
+        listener.set_nonblocking(true).map_err(|e| Error::io(e.to_string()))?;
+        let addr = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
+        let (stop, accepted) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+        let (stopping, counting) = (stop.clone(), accepted.clone());
+        std::thread::spawn(move || {
+            while !stopping.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        counting.fetch_add(1, Ordering::SeqCst);
+                        std::thread::spawn(move || {
+                            use std::io::Read;
+                            let _ = stream.set_nonblocking(false);
+                            let mut buffer = [0_u8; 64 * 1024];
+                            // Until the peer closes (0) or resets (an error): never a byte back.
+                            while stream.read(&mut buffer).is_ok_and(|n| n > 0) {}
+                        });
+                    }
+                    Err(_) => std::thread::sleep(Self::POLL),
+                }
+            }
+        });
+        Ok(BlackHole { addr, stop, accepted })
+    }
+
+    fn accepted(&self) -> u64 {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// How long the whole delivery may take.
@@ -121,11 +308,76 @@ fn preload(api: &Api, events: u64, flows: u64) -> Result<()> {
     Ok(())
 }
 
-/// The sum of `ledger`'s high-water marks on shipping, and the number of flows it has seen.
-fn applied(api: &Api) -> Result<(u64, u64)> {
-    let page = api.call(reqwest::Method::GET, "/v1/consumers/ledger/cursors", None)?;
+/// The sum of `consumer`'s high-water marks on shipping, and the number of flows it has seen.
+fn applied(api: &Api, consumer: &str) -> Result<(u64, u64)> {
+    let page = api.call(reqwest::Method::GET, &format!("/v1/consumers/{consumer}/cursors"), None)?;
     let cursors = page["cursors"].as_array().cloned().unwrap_or_default();
     Ok((cursors.iter().filter_map(|c| c["high_water_seq"].as_u64()).sum(), cursors.len() as u64))
+}
+
+/// One measured delivery: subscribe `consumer` at `endpoint` from the start of an outbox holding
+/// every event, and wait until shipping applied them all.
+struct Delivery {
+    seconds: f64,
+    polls: u64,
+    applied_seqs: u64,
+    flows_seen: u64,
+}
+
+impl Delivery {
+    fn measure(orders: &Api, ship: &Api, consumer: &str, endpoint: &str, p: &Params) -> Result<Delivery> {
+        let t = Instant::now();
+        orders.call(
+            reqwest::Method::PUT,
+            &format!("/v1/subscriptions/{consumer}"),
+            Some(json!({"endpoint": endpoint, "from_start": true})),
+        )?;
+        let mut polls = 0_u64;
+        loop {
+            let (applied_seqs, flows_seen) = applied(ship, consumer)?;
+            polls += 1;
+            if applied_seqs >= p.events {
+                return Ok(Delivery { seconds: t.elapsed().as_secs_f64(), polls, applied_seqs, flows_seen });
+            }
+            if t.elapsed() > DELIVER_WAIT {
+                return Err(failed(format!(
+                    "{applied_seqs} of {} events applied for {consumer} within {DELIVER_WAIT:?}",
+                    p.events
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn rate(&self, p: &Params) -> f64 {
+        p.events as f64 / self.seconds
+    }
+
+    fn passed(&self, p: &Params) -> bool {
+        self.applied_seqs == p.events && self.flows_seen == p.flows.min(p.events)
+    }
+
+    fn json(&self, p: &Params) -> Value {
+        json!({
+            "events": p.events,
+            "seconds": round3(self.seconds),
+            "events_per_s": round1(self.rate(p)),
+            "watcher_polls": self.polls,
+            "applied_seqs": self.applied_seqs,
+            "flows": self.flows_seen,
+        })
+    }
+}
+
+/// The lane of `consumer`'s subscription to orders' producer outbox, as `GET /v1/subscriptions` shows it.
+fn lane(orders: &Api, consumer: &str) -> Result<Value> {
+    let page = orders.call(reqwest::Method::GET, "/v1/subscriptions", None)?;
+    let subscriptions = page["subscriptions"].as_array().cloned().unwrap_or_default();
+    Ok(subscriptions
+        .into_iter()
+        .find(|s| s["consumer_id"] == consumer && s["outbox"] == "producer")
+        .map(|s| json!({"lane": s["lane"], "pending": s["pending"], "pending_capped": s["pending_capped"]}))
+        .unwrap_or(Value::Null))
 }
 
 /// The raw transport: `events` fresh envelopes in batches of `batch`, one batch in flight.
@@ -169,48 +421,52 @@ fn raw_rate(runtime: &tokio::runtime::Runtime, endpoint: &str, config: &Transpor
 }
 
 pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
-    let load_at_start = load_average();
+    if p.black_hole && p.kind != "http" {
+        return Err(crate::invalid("--black-hole measures delivery over HTTP: use it with --relay-to http"));
+    }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
-    let prefix = format!("tmkbench{}", uuid::Uuid::new_v4().simple());
-    let stream = prefix.to_uppercase();
-    let nats_from = format!("nats://{}/{prefix}", p.nats);
-    if p.kind == "nats" {
-        runtime.block_on(async {
-            let client = async_nats::connect(p.nats.as_str())
-                .await
-                .map_err(|e| Error::io(format!("cannot connect to NATS at {}: {e}", p.nats)))?;
-            async_nats::jetstream::new(client)
-                .create_stream(async_nats::jetstream::stream::Config {
-                    name: stream.clone(),
-                    subjects: vec![format!("{prefix}.>"), format!("{prefix}raw.>")],
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| Error::io(format!("cannot create the stream {stream}: {e}")))?;
-            Ok::<(), Error>(())
-        })?;
-    }
+    let names = Names::new();
+    create_broker_names(&runtime, p, &names)?;
+    let out = measure(dir, durability, p, command, &runtime, &names);
+    delete_broker_names(&runtime, p, &names);
+    out
+}
 
-    // shipping: consumer `ledger` (and `raw`, for the raw HTTP run), fed by HTTP or the stream.
+fn measure(
+    dir: &Path,
+    durability: Durability,
+    p: &Params,
+    command: &ServerCommand,
+    runtime: &tokio::runtime::Runtime,
+    names: &Names,
+) -> Result<Value> {
+    let load_at_start = load_average();
+    let nats_from = format!("nats://{}/{}", p.nats, names.prefix);
+
+    // shipping: consumer `ledger` (and `raw`, for the raw HTTP run; `ledger2`, beside the black
+    // hole), fed over HTTP or by a source.
     let ship_data = dir.join("shipping");
     let ship_token = token(&ship_data, "shipping", durability)?;
-    let sources = if p.kind == "nats" {
+    let source = |from: &str, stream: &str| {
         format!(
-            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"{nats_from}\"\nstream = \"{stream}\"\n\
-             batch = {}\n",
+            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"{from}\"\n{stream}batch = {}\n",
             p.batch.min(1_000)
         )
-    } else {
-        String::new()
+    };
+    let sources = match p.kind.as_str() {
+        "nats" => source(&nats_from, &format!("stream = \"{}\"\n", names.stream)),
+        "rabbitmq" => source(&format!("amqp://{}/{}", p.amqp, names.queue), ""),
+        _ => String::new(),
     };
     let ship_config = dir.join("shipping.toml");
     std::fs::write(&ship_config, config(&ship_data, durability, &sources)).map_err(|e| Error::io(e.to_string()))?;
     let shipping = Server::start(command, &ship_config, &dir.join("shipping.log"))?;
     let ship = Api::new(&shipping, &ship_token)?;
-    for consumer in ["ledger", "raw"] {
+    let consumers: &[&str] = if p.black_hole { &["ledger", "raw", "ledger2"] } else { &["ledger", "raw"] };
+    for consumer in consumers {
         ship.call(
             reqwest::Method::PUT,
             &format!("/v1/consumers/{consumer}"),
@@ -219,10 +475,15 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
     }
 
     // orders: the outbox, relayed with `relay.batch` = --relay-batch.
+    let black_hole = if p.black_hole { Some(BlackHole::start()?) } else { None };
     let orders_data = dir.join("orders");
     let orders_token = token(&orders_data, "orders", durability)?;
     let origin = format!("http://{}", shipping.addr);
-    let relay = format!("[relay]\nbatch = {}\n[relay.tokens]\n\"{origin}\" = \"{ship_token}\"\n", p.batch);
+    let mut tokens = format!("\"{origin}\" = \"{ship_token}\"\n");
+    if let Some(hole) = &black_hole {
+        tokens.push_str(&format!("\"http://{}\" = \"no one checks it\"\n", hole.addr));
+    }
+    let relay = format!("[relay]\nbatch = {}\n[relay.tokens]\n{tokens}", p.batch);
     let orders_config = dir.join("orders.toml");
     std::fs::write(&orders_config, config(&orders_data, durability, &relay)).map_err(|e| Error::io(e.to_string()))?;
     let orders_server = Server::start(command, &orders_config, &dir.join("orders.log"))?;
@@ -231,34 +492,61 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
 
     let endpoint = match p.kind.as_str() {
         "http" => format!("{origin}/v1/consumers/ledger/inbox"),
-        _ => nats_from.clone(),
+        "nats" => nats_from.clone(),
+        _ => format!("amqp://{}/{}", p.amqp, names.exchange),
     };
-    let t = Instant::now();
-    orders.call(
-        reqwest::Method::PUT,
-        "/v1/subscriptions/ledger",
-        Some(json!({"endpoint": endpoint, "from_start": true})),
-    )?;
-    let mut polls = 0_u64;
-    let (applied_seqs, flows_seen) = loop {
-        let (seqs, flows) = applied(&ship)?;
-        polls += 1;
-        if seqs >= p.events {
-            break (seqs, flows);
+    let alone = Delivery::measure(&orders, &ship, "ledger", &endpoint, p)?;
+
+    // Beside a black hole: its lane holds a batch (and waits out the attempt timeout) while a
+    // second healthy subscriber receives everything from the start.
+    let mut healthy = vec!["ledger"];
+    let black_hole_out = match &black_hole {
+        Some(hole) => {
+            let void = format!("http://{}/v1/consumers/void/inbox", hole.addr);
+            orders.call(
+                reqwest::Method::PUT,
+                "/v1/subscriptions/void",
+                Some(json!({"endpoint": void, "from_start": true})),
+            )?;
+            let t = Instant::now();
+            while lane(&orders, "void")?["lane"]["in_flight"] != json!(true) {
+                if t.elapsed() > DELIVER_WAIT {
+                    return Err(failed(format!(
+                        "the black hole's lane had no batch in flight within {DELIVER_WAIT:?}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let beside =
+                Delivery::measure(&orders, &ship, "ledger2", &format!("{origin}/v1/consumers/ledger2/inbox"), p)?;
+            healthy.push("ledger2");
+            let ratio = beside.rate(p) / alone.rate(p);
+            Some(json!({
+                "healthy_alone": alone.json(p),
+                "healthy_beside_the_black_hole": beside.json(p),
+                "ratio": round3(ratio),
+                "cost": round3(1.0 - ratio),
+                "targets": {"costs_the_healthy_less_than_10_percent": 1.0 - ratio < 0.10},
+                "black_hole": {"connections_accepted": hole.accepted(), "subscription": lane(&orders, "void")?},
+                "passed": beside.passed(p),
+                "what": "the same delivery to a second healthy consumer (ledger2), from the start, while the \
+                         lane of a subscription to an endpoint that accepts connections and never answers holds a \
+                         batch until relay.attempt_timeout_ms, then backs off and tries again",
+            }))
         }
-        if t.elapsed() > DELIVER_WAIT {
-            return Err(failed(format!("{seqs} of {} events applied within {DELIVER_WAIT:?}", p.events)));
-        }
-        std::thread::sleep(Duration::from_millis(20));
+        None => None,
     };
-    let seconds = t.elapsed().as_secs_f64();
-    let pending = orders.call(reqwest::Method::GET, "/v1/outbox?status=pending&limit=10", None)?;
-    let quarantined = orders.call(reqwest::Method::GET, "/v1/outbox?status=quarantined&limit=10", None)?;
-    let nothing_left = |page: &Value| page["deliveries"].as_array().is_some_and(Vec::is_empty);
-    let passed = applied_seqs == p.events
-        && flows_seen == p.flows.min(p.events)
-        && nothing_left(&pending)
-        && nothing_left(&quarantined);
+
+    // Nothing pending or quarantined for the healthy subscribers (the black hole keeps its own).
+    let mut nothing_left = true;
+    for consumer in &healthy {
+        nothing_left &= lane(&orders, consumer)?["pending"] == json!(0);
+    }
+    let quarantined = orders.call(reqwest::Method::GET, "/v1/outbox?status=quarantined&limit=1000", None)?;
+    nothing_left &= quarantined["deliveries"]
+        .as_array()
+        .is_some_and(|all| all.iter().all(|d| !healthy.iter().any(|c| d["consumer_id"] == *c)));
+    let passed = alone.passed(p) && nothing_left && black_hole_out.as_ref().is_none_or(|b| b["passed"] == json!(true));
 
     let transport_config = TransportConfig {
         http_tokens: [(origin.clone(), ship_token.clone())].into_iter().collect(),
@@ -266,45 +554,44 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
     };
     let raw_endpoint = match p.kind.as_str() {
         "http" => format!("{origin}/v1/consumers/raw/inbox"),
-        _ => format!("nats://{}/{prefix}raw", p.nats),
+        "nats" => format!("nats://{}/{}raw", p.nats, names.prefix),
+        _ => format!("amqp://{}/{}", p.amqp, names.raw_exchange),
     };
-    let raw = raw_rate(&runtime, &raw_endpoint, &transport_config, p)?;
+    let raw = raw_rate(runtime, &raw_endpoint, &transport_config, p)?;
+    drop(black_hole);
     let orders_stop = orders_server.stop()?;
     let shipping_stop = shipping.stop()?;
-    if p.kind == "nats" {
-        let _ = runtime.block_on(async {
-            let client = async_nats::connect(p.nats.as_str()).await.ok()?;
-            async_nats::jetstream::new(client).delete_stream(&stream).await.ok()
-        });
-    }
-    let rate = p.events as f64 / seconds;
+    let rate = alone.rate(p);
     let raw_rate = raw["events_per_s"].as_f64().unwrap_or(0.0);
     let ratio = if raw_rate > 0.0 { rate / raw_rate } else { 0.0 };
-    Ok(json!({
+    let mut tidemark = alone.json(p);
+    tidemark["what"] = json!(
+        "from the subscription (from the start) of an outbox holding every event to the receiving server's apply \
+         of the last one: relay, transport, the receiving inbox's commit, its drain"
+    );
+    let mut out = json!({
         "outcome": "bench",
         "kind": "relay_to",
         "transport": p.kind,
         "durability": durability_word(durability),
-        "params": {"events": p.events, "flows": p.flows, "batch": p.batch, "nats": p.nats,
-                   "load_average_at_start": load_at_start},
-        "tidemark": {
-            "events": p.events,
-            "seconds": round3(seconds),
-            "events_per_s": round1(rate),
-            "watcher_polls": polls,
-            "what": "from the subscription (from the start) of an outbox holding every event to the receiving \
-                     server's apply of the last one: relay, transport, the receiving inbox's commit, its drain",
-        },
+        "params": {"events": p.events, "flows": p.flows, "batch": p.batch, "nats": p.nats, "amqp": p.amqp,
+                   "black_hole": p.black_hole, "load_average_at_start": load_at_start},
+        "tidemark": tidemark,
         "raw_transport": raw,
         "ratio_to_raw": round3(ratio),
         "targets": {"at_least_half_of_the_raw_transport": ratio >= 0.5},
         "stop": {"orders": orders_stop, "shipping": shipping_stop},
         "check": {
             "passed": passed,
-            "applied_seqs": applied_seqs,
-            "flows": flows_seen,
+            "applied_seqs": alone.applied_seqs,
+            "flows": alone.flows_seen,
             "what": "every event applied once on the receiver (the sum of its flows' high-water marks is the \
-                     number of events, over every flow); nothing pending or quarantined on the sender",
+                     number of events, over every flow), for each healthy consumer; nothing pending or \
+                     quarantined for them on the sender",
         },
-    }))
+    });
+    if let Some(black_hole) = black_hole_out {
+        out["black_hole"] = black_hole;
+    }
+    Ok(out)
 }
