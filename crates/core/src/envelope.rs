@@ -40,7 +40,9 @@ pub struct Envelope {
 }
 
 impl Envelope {
-    /// Parse an envelope from external bytes (file, stdin, HTTP). Malformed input is an error.
+    /// Parse an envelope from external bytes (file, stdin, HTTP, a broker). Malformed input is an
+    /// error, and so is a number the canonical encoding cannot keep exactly (`inexact_number`,
+    /// [`crate::json::check_numbers`]).
     pub fn parse(bytes: &[u8]) -> Result<Envelope> {
         if bytes.len() > ENVELOPE_BYTES_MAX {
             return Err(Error::invalid(
@@ -50,6 +52,8 @@ impl Envelope {
         }
         let envelope: Envelope = serde_json::from_slice(bytes)
             .map_err(|e| Error::invalid(codes::INVALID_ENVELOPE, format!("malformed envelope: {e}")))?;
+        // A payload number the canonical encoding would change is refused, never rounded.
+        crate::json::check_numbers(bytes)?;
         envelope.validate()?;
         Ok(envelope)
     }

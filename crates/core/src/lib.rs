@@ -10,6 +10,7 @@ pub mod envelope;
 pub mod error;
 pub mod flow;
 pub mod id;
+pub mod json;
 pub mod limits;
 pub mod model;
 pub mod policy;
