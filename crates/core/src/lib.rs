@@ -9,6 +9,7 @@ pub mod endpoint;
 pub mod envelope;
 pub mod error;
 pub mod flow;
+pub mod fuzz;
 pub mod id;
 pub mod json;
 pub mod limits;

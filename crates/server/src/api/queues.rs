@@ -32,6 +32,15 @@ pub struct QueueBody {
     pub rate: Option<RateLimit>,
 }
 
+impl QueueBody {
+    /// The queue `name` this body declares, checked (`QueueSpec::validate`).
+    pub fn spec(self, name: String) -> Result<QueueSpec, Error> {
+        let spec = QueueSpec { name, concurrency_max: self.concurrency_max, rate: self.rate };
+        spec.validate()?;
+        Ok(spec)
+    }
+}
+
 /// The tenant's queues.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -52,8 +61,7 @@ pub struct QueuesPage {
 )]
 async fn put(caller: Caller, Path(name): Path<String>, Json(body): Json<QueueBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let spec = QueueSpec { name, concurrency_max: body.concurrency_max, rate: body.rate };
-    spec.validate()?;
+    let spec = body.spec(name)?;
     let spec = caller.tenant.writer.call(move |store, now| store.put_queue(&spec, now)).await?;
     Ok(typed(StatusCode::OK, spec))
 }

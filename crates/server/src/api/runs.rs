@@ -63,6 +63,26 @@ pub struct StartBody {
     pub timeout_ms: Option<i64>,
 }
 
+impl StartBody {
+    /// The start this body asks for, of `version` of its workflow, received at `now`, checked as
+    /// every store checks a start (`validate_starts`: ids, input size, `start_at_ms`, queue,
+    /// deadline). Whether the workflow is registered and takes the input is the caller's check.
+    pub fn request(self, version: u32, now: i64) -> Result<StartRequest, Error> {
+        let request = StartRequest {
+            run_id: self.run_id,
+            workflow: self.workflow,
+            version,
+            input: self.input,
+            key: self.key,
+            start_at_ms: self.start_at_ms,
+            queue: self.queue,
+            deadline_ms: deadline_after(now, self.timeout_ms)?,
+        };
+        validate_starts(std::slice::from_ref(&request), now)?;
+        Ok(request)
+    }
+}
+
 /// A registered workflow's name (documentation of `StartBody::workflow`; the served document
 /// lists the workflows this server registers).
 #[derive(ToSchema)]
@@ -94,18 +114,8 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         )
     })?;
     let now = now_ms();
-    let request = StartRequest {
-        run_id: body.run_id,
-        workflow: body.workflow,
-        version,
-        input: body.input,
-        key: body.key,
-        start_at_ms: body.start_at_ms,
-        queue: body.queue,
-        deadline_ms: deadline_after(now, body.timeout_ms)?,
-    };
+    let request = body.request(version, now)?;
     workflows.check_start(&request)?;
-    validate_starts(std::slice::from_ref(&request), now)?;
     let outcome = caller.tenant.worker()?.start(vec![request]).await?.remove(0);
     let status = match &outcome {
         StartOutcome::Started { .. } => StatusCode::CREATED,
@@ -490,6 +500,17 @@ pub struct ForkBody {
     pub new_run_id: String,
 }
 
+impl ForkBody {
+    /// `new_run_id` is an id and `from_step` at most the longest journal (`invalid_seq`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_id("new_run_id", &self.new_run_id)?;
+        if self.from_step > RUN_STEPS_MAX {
+            return Err(Error::invalid(codes::INVALID_SEQ, format!("from_step must be 0..={RUN_STEPS_MAX}")));
+        }
+        Ok(())
+    }
+}
+
 /// Start a new run as a copy of this one whose journal keeps the steps before `from_step`.
 #[utoipa::path(
     post,
@@ -513,10 +534,7 @@ async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkB
 pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_id("new_run_id", &body.new_run_id)?;
-    if body.from_step > RUN_STEPS_MAX {
-        return Err(Error::invalid(codes::INVALID_SEQ, format!("from_step must be 0..={RUN_STEPS_MAX}")).into());
-    }
+    body.check()?;
     Ok(caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?)
 }
 
@@ -532,6 +550,18 @@ pub struct SkipStepBody {
     pub output: Value,
     #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
+}
+
+impl SkipStepBody {
+    /// The reason, `step` below the longest journal (`invalid_seq`) and the output's size
+    /// (`payload_too_large`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_reason(&self.reason)?;
+        if self.step >= RUN_STEPS_MAX {
+            return Err(Error::invalid(codes::INVALID_SEQ, format!("step must be 0..{RUN_STEPS_MAX}")));
+        }
+        validate_json_size("output", &self.output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+    }
 }
 
 /// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
@@ -557,11 +587,7 @@ async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipS
 pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipStepBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_reason(&body.reason)?;
-    if body.step >= RUN_STEPS_MAX {
-        return Err(Error::invalid(codes::INVALID_SEQ, format!("step must be 0..{RUN_STEPS_MAX}")).into());
-    }
-    validate_json_size("output", &body.output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+    body.check()?;
     Ok(caller
         .tenant
         .writer
@@ -581,6 +607,15 @@ pub struct EventBody {
     pub event_id: String,
     #[serde(default)]
     pub payload: Value,
+}
+
+impl EventBody {
+    /// The name and event id are ids, the payload at most 256 KiB (`payload_too_large`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_id("event name", &self.name)?;
+        validate_id("event_id", &self.event_id)?;
+        validate_json_size("payload", &self.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+    }
 }
 
 #[derive(Serialize, ToSchema)]
@@ -611,9 +646,7 @@ pub struct EventSent {
 async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json<EventBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_id("event name", &body.name)?;
-    validate_id("event_id", &body.event_id)?;
-    validate_json_size("payload", &body.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+    body.check()?;
     let (rid, eid, name) = (run_id.clone(), body.event_id.clone(), body.name.clone());
     let new =
         caller.tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;

@@ -42,6 +42,21 @@ pub struct SubscribeBody {
     pub from_start: bool,
 }
 
+impl SubscribeBody {
+    /// The endpoint's kind: any endpoint [`Endpoint::parse`] accepts but a file
+    /// (`invalid_endpoint`: a file endpoint is one of the tenant's own databases).
+    pub fn kind(&self) -> Result<EndpointKind, Error> {
+        let kind = Endpoint::parse(&self.endpoint)?.kind();
+        if kind == EndpointKind::Sqlite {
+            return Err(Error::invalid(
+                codes::INVALID_ENDPOINT,
+                "a file endpoint is one of the tenant's own databases: declare a consumer with PUT /v1/consumers/{id}",
+            ));
+        }
+        Ok(kind)
+    }
+}
+
 /// One subscription of one of the tenant's outboxes.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -143,14 +158,7 @@ async fn subscribe(
 ) -> ApiResult {
     caller.require(Scope::Admin)?;
     validate_id("consumer_id", &consumer_id)?;
-    let kind = Endpoint::parse(&body.endpoint)?.kind();
-    if kind == EndpointKind::Sqlite {
-        return Err(Error::invalid(
-            codes::INVALID_ENDPOINT,
-            "a file endpoint is one of the tenant's own databases: declare a consumer with PUT /v1/consumers/{id}",
-        )
-        .into());
-    }
+    let kind = body.kind()?;
     let mut queued = 0;
     for outbox in caller.tenant.outboxes() {
         let subscription = Subscription { consumer_id: consumer_id.clone(), endpoint: body.endpoint.clone() };
@@ -303,6 +311,18 @@ pub struct CommitBody {
     pub through_position: i64,
 }
 
+impl CommitBody {
+    /// The index of the outbox it commits in (0 the producer's, 1 the workflow database's;
+    /// `invalid_argument` for another name or a negative `through_position`).
+    pub fn outbox_index(&self) -> Result<usize, Error> {
+        let index = outbox_index(self.outbox.as_deref())?;
+        if self.through_position < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "through_position must be >= 0"));
+        }
+        Ok(index)
+    }
+}
+
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Committed {
@@ -336,10 +356,7 @@ async fn commit(
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("consumer_id", &consumer_id)?;
-    let index = outbox_index(body.outbox.as_deref())?;
-    if body.through_position < 0 {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, "through_position must be >= 0").into());
-    }
+    let index = body.outbox_index()?;
     let through = body.through_position;
     let committed = caller.tenant.outboxes()[index]
         .call(move |p| {
