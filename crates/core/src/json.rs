@@ -119,6 +119,71 @@ pub fn check_numbers(text: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// Integer fields of bodies read from JSON, as JSON Schema's `integer` has them: any number
+/// whose fraction is zero, so `344.0` and `3.44e2` are the integer 344 (a plain `i64` field
+/// refuses them). Use with `#[serde(deserialize_with = "tidemark_core::json::integer")]`, or
+/// [`optional_integer`] for an `Option` (with `#[serde(default)]`). A number outside the field's
+/// type is refused as serde refuses it; whether the text kept its value exactly is
+/// [`check_numbers`]'s question.
+pub fn integer<'de, D, T>(deserializer: D) -> std::result::Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    deserializer.deserialize_any(IntegerVisitor(std::marker::PhantomData))
+}
+
+/// [`integer`] for an optional field: `null` (or, with `#[serde(default)]`, an absent field)
+/// is `None`.
+pub fn optional_integer<'de, D, T>(deserializer: D) -> std::result::Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: TryFrom<i64> + TryFrom<u64>,
+{
+    struct Integral<T>(T);
+    impl<'de, T: TryFrom<i64> + TryFrom<u64>> serde::Deserialize<'de> for Integral<T> {
+        fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+            integer(deserializer).map(Integral)
+        }
+    }
+    let value: Option<Integral<T>> = serde::Deserialize::deserialize(deserializer)?;
+    Ok(value.map(|Integral(value)| value))
+}
+
+struct IntegerVisitor<T>(std::marker::PhantomData<T>);
+
+impl<'de, T: TryFrom<i64> + TryFrom<u64>> serde::de::Visitor<'de> for IntegerVisitor<T> {
+    type Value = T;
+
+    fn expecting(&self, formatter: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(formatter, "an integer in the range of {}", std::any::type_name::<T>())
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, value: i64) -> std::result::Result<T, E> {
+        T::try_from(value).map_err(|_| E::invalid_value(serde::de::Unexpected::Signed(value), &self))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, value: u64) -> std::result::Result<T, E> {
+        T::try_from(value).map_err(|_| E::invalid_value(serde::de::Unexpected::Unsigned(value), &self))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, value: f64) -> std::result::Result<T, E> {
+        // 2^63 and 2^64 are exact doubles; a double with a zero fraction below them in magnitude
+        // is exactly one i64 (or u64).
+        const TWO_63: f64 = 9_223_372_036_854_775_808.0;
+        if value.fract() != 0.0 || !value.is_finite() {
+            return Err(E::invalid_type(serde::de::Unexpected::Float(value), &self));
+        }
+        if (-TWO_63..TWO_63).contains(&value) {
+            self.visit_i64(value as i64)
+        } else if (0.0..2.0 * TWO_63).contains(&value) {
+            self.visit_u64(value as u64)
+        } else {
+            Err(E::invalid_value(serde::de::Unexpected::Float(value), &self))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,6 +236,31 @@ mod tests {
         }
         let message = check_numbers(b"[18446744073709551616]").unwrap_err().to_string();
         assert!(message.contains("18446744073709551616") && message.contains("1.8446744073709552e+19"), "{message}");
+    }
+
+    #[test]
+    fn integer_fields_take_integers_written_with_a_zero_fraction() {
+        #[derive(serde::Deserialize, Debug, PartialEq)]
+        struct Body {
+            #[serde(deserialize_with = "super::integer")]
+            seq: i64,
+            #[serde(default, deserialize_with = "super::optional_integer")]
+            step: Option<u32>,
+        }
+        let body = |text: &str| serde_json::from_str::<Body>(text);
+        assert_eq!(body(r#"{"seq": 344.0, "step": 3.0}"#).unwrap(), Body { seq: 344, step: Some(3) });
+        assert_eq!(body(r#"{"seq": -3.44e2}"#).unwrap(), Body { seq: -344, step: None });
+        assert_eq!(body(r#"{"seq": 9223372036854775807, "step": null}"#).unwrap().seq, i64::MAX);
+        for bad in [
+            r#"{"seq": 344.5}"#,
+            r#"{"seq": "344"}"#,
+            r#"{"seq": 9223372036854775808}"#,
+            r#"{"seq": 1e300}"#,
+            r#"{"seq": 1, "step": -1}"#,
+            r#"{"seq": 1, "step": 4294967296.0}"#,
+        ] {
+            assert!(body(bad).is_err(), "{bad}");
+        }
     }
 
     /// serde_json's default float parser reads some doubles back one ULP off (so a stored

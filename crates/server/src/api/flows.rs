@@ -38,6 +38,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
     #[schema(minimum = 0)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub expected_seq: i64,
     /// The state to move to: a state of a registered machine (`GET /v1/registry`). It tells
     /// which machine decides.
@@ -53,10 +54,11 @@ pub struct AdvanceBody {
     /// Shorthand for `input.quantity` (the built-in reservation machine: 1..=1,000,000,
     /// required to reserve, optional later, must match).
     #[schema(minimum = 1, maximum = 1_000_000)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub quantity: Option<i64>,
     /// Payload schema of the event (the machine says which it emits; the reservation machine
     /// 1 (`amount`) or 2 (`units`)). Default 1.
-    #[serde(default = "one")]
+    #[serde(default = "one", deserialize_with = "tidemark_core::json::integer")]
     #[schema(default = 1, minimum = 1, maximum = 2)]
     pub schema_version: u32,
 }
@@ -83,6 +85,7 @@ pub struct AppendBody {
     pub payload: Value,
     /// Optimistic concurrency: the seq last seen. Absent: append at whatever seq is next.
     #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub expected_seq: Option<i64>,
 }
 
@@ -330,6 +333,7 @@ pub struct OutboxQuery {
     pub status: Option<String>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 

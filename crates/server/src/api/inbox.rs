@@ -362,6 +362,7 @@ pub struct RecordsQuery {
     pub status: Option<String>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 

@@ -175,6 +175,24 @@ impl From<PathRejection> for ApiError {
 #[from_request(via(axum::extract::Path), rejection(ApiError))]
 pub struct Path<T>(pub T);
 
+/// `deserialize_with` for an optional integer query parameter: `344`, or `344.0` (a number with
+/// a zero fraction is an integer to JSON Schema, which the document speaks), nothing else.
+pub(crate) fn query_integer<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    use serde::de::Error as _;
+    let Some(text) = <Option<String> as serde::Deserialize>::deserialize(deserializer)? else { return Ok(None) };
+    let digits = match text.split_once('.') {
+        Some((whole, zeros)) if !zeros.is_empty() && zeros.bytes().all(|b| b == b'0') => whole,
+        Some(_) => return Err(D::Error::custom(format!("{text:?} is not an integer"))),
+        None => text.as_str(),
+    };
+    digits.parse().map(Some).map_err(|e| D::Error::custom(format!("{text:?} is not an integer: {e}")))
+}
+
 /// `axum::extract::Query` whose rejections are JSON errors with stable codes.
 #[derive(FromRequestParts)]
 #[from_request(via(axum::extract::Query), rejection(ApiError))]

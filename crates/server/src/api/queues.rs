@@ -27,6 +27,7 @@ pub struct QueueBody {
     /// At most this many admitted, unfinished runs at once across every worker (1..=1,000,000;
     /// absent: no limit).
     #[schema(minimum = 1, maximum = 1_000_000)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub concurrency_max: Option<u32>,
     /// At most `limit` (1..=1,000,000) admissions per `period_ms` (1..=31,622,400,000).
     pub rate: Option<RateLimit>,

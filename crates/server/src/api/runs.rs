@@ -52,6 +52,7 @@ pub struct StartBody {
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub key: Option<String>,
     /// Do not run before this time (ms since the epoch; at most 366 days ahead).
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub start_at_ms: Option<i64>,
     /// Run through a declared queue (`PUT /v1/queues/{name}`), with a priority (lower first)
     /// and an optional deduplication id; not with `key`.
@@ -60,6 +61,7 @@ pub struct StartBody {
     /// passes, the run is cancelled at its next step boundary (a saga compensates first) and ends
     /// `cancelled` with `deadline_passed`. Its children inherit it.
     #[schema(minimum = 1, maximum = 31_622_400_000_i64)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub timeout_ms: Option<i64>,
 }
 
@@ -138,11 +140,14 @@ pub struct ListQuery {
     #[param(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub workflow: Option<String>,
     /// Runs created strictly after this time (ms since the epoch).
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub created_after_ms: Option<i64>,
     /// Runs created strictly before this time (ms since the epoch).
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub created_before_ms: Option<i64>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
     /// The `next_after` of the previous page.
     pub after: Option<String>,
@@ -242,6 +247,7 @@ pub use tidemark_core::workflow::RESULT_WAIT_MS_MAX;
 pub struct ResultQuery {
     /// How long to wait for the run to end, in ms (0..=60000; default 0: answer at once).
     #[param(minimum = 0, maximum = 60000)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub wait_ms: Option<u64>,
 }
 
@@ -495,6 +501,7 @@ async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<Re
 pub struct ForkBody {
     /// The new run keeps the journal entries before this step.
     #[schema(maximum = 10_000)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub from_step: u32,
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub new_run_id: String,
@@ -544,6 +551,7 @@ pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) ->
 pub struct SkipStepBody {
     /// The journal seq of the step to skip.
     #[schema(maximum = 9_999)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub step: u32,
     /// The output the step is recorded with (default null).
     #[serde(default)]

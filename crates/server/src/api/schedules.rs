@@ -32,7 +32,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
     "catch_up": "one", "input": {"order_id": "daily", "sku": "sku-1", "quantity": 1, "amount": 100}}))]
 pub struct ScheduleBody {
     /// A registered workflow (`GET /v1/registry`); each tick starts its latest version.
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    #[schema(value_type = super::runs::WorkflowName)]
     pub workflow: String,
     /// The input of every run (checked against the workflow now; at most 256 KiB of JSON).
     pub input: Value,
@@ -42,6 +42,7 @@ pub struct ScheduleBody {
     pub cron: Option<String>,
     /// A fixed interval in ms, counted from the schedule's creation (1,000..=31,622,400,000).
     #[schema(minimum = 1000, maximum = 31_622_400_000_i64)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub interval_ms: Option<i64>,
     /// The IANA time zone the cron expression is read in (default `UTC`).
     pub timezone: Option<String>,

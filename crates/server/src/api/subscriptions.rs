@@ -35,6 +35,9 @@ pub struct SubscribeBody {
     /// broker URL (`nats://`, `amqp://`, `kafka://`), or `pull:` for a consumer that reads
     /// `GET /v1/outbox/feed` (see docs/protocol.md, "Endpoints"). File
     /// endpoints are the tenant's own databases: declare a consumer (`PUT /v1/consumers/{id}`).
+    /// The document's `pattern` (`openapi::endpoint_pattern`) is a part of what the server
+    /// accepts: every endpoint it matches is accepted (the server also takes longer names, IPv6
+    /// hosts, more Kafka servers).
     #[schema(min_length = 1, max_length = 4096)]
     pub endpoint: String,
     /// Also queue every event the outboxes still hold (default false: events committed from now on).
@@ -226,9 +229,11 @@ pub struct FeedQuery {
     /// Only events after this position (the last `position` already read but not yet committed);
     /// it skips at most 3 x `limit` of them.
     #[param(minimum = 0)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub after: Option<i64>,
     /// Events to read, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 
@@ -308,6 +313,7 @@ pub struct CommitBody {
     /// Every event of the feed at or below this position is now the consumer's (stored
     /// durably on its side): its deliveries become `accepted`.
     #[schema(minimum = 0)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub through_position: i64,
 }
 
