@@ -30,6 +30,7 @@ pub fn stock() -> OpenApiRouter<AppState> {
 pub struct StockBody {
     /// 0..=10^12.
     #[schema(minimum = 0, maximum = 1_000_000_000_000_i64)]
+    #[serde(deserialize_with = "tidemark::json::integer")]
     pub quantity: i64,
 }
 

@@ -18,25 +18,37 @@ use crate::limits::{ENVELOPE_BYTES_MAX, PAYLOAD_BYTES_MAX, SCHEMA_VERSION_MAX};
 pub struct Envelope {
     /// The event's own identity: a UUIDv7 (32 hex characters), unique per producer. The first of
     /// the two dedup identities.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub event_id: String,
     /// The producer namespace (one per producer database).
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub source: String,
     /// The producer database incarnation; a re-created or rotated producer has a new one.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub generation: String,
     /// The flow (aggregate) the event belongs to; with `source` and `seq`, the second dedup
     /// identity.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub flow_id: String,
     /// Position in the flow: exactly previous + 1, starting at 1.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 9_223_372_036_854_775_807_i64))]
+    #[serde(deserialize_with = "crate::json::integer")]
     pub seq: i64,
     /// What happened, as the flow machine named it (e.g. `reservation.reserved`); consumers pick
     /// their decoder by it and `schema_version`.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub event_type: String,
     /// The version of the payload's schema (1..=65,535), so consumers can decode old and new
     /// payloads side by side.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 65_535))]
+    #[serde(deserialize_with = "crate::json::integer")]
     pub schema_version: u32,
     /// The event's data: a JSON object of at most 64 KiB in canonical encoding.
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
     pub payload: serde_json::Value,
     /// Producer clock at commit, milliseconds since the Unix epoch.
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 9_223_372_036_854_775_807_i64))]
+    #[serde(deserialize_with = "crate::json::integer")]
     pub created_at_ms: i64,
     /// The W3C trace context (`traceparent`) of the request that committed the event, when it
     /// had one: a trace follows the event from its advance to its apply on another machine.
@@ -63,7 +75,9 @@ struct Content<'a> {
 }
 
 impl Envelope {
-    /// Parse an envelope from external bytes (file, stdin, HTTP). Malformed input is an error.
+    /// Parse an envelope from external bytes (file, stdin, HTTP, a broker). Malformed input is an
+    /// error, and so is a number the canonical encoding cannot keep exactly (`inexact_number`,
+    /// [`crate::json::check_numbers`]).
     pub fn parse(bytes: &[u8]) -> Result<Envelope> {
         if bytes.len() > ENVELOPE_BYTES_MAX {
             return Err(Error::invalid(
@@ -73,6 +87,8 @@ impl Envelope {
         }
         let envelope: Envelope = serde_json::from_slice(bytes)
             .map_err(|e| Error::invalid(codes::INVALID_ENVELOPE, format!("malformed envelope: {e}")))?;
+        // A payload number the canonical encoding would change is refused, never rounded.
+        crate::json::check_numbers(bytes)?;
         envelope.validate()?;
         Ok(envelope)
     }

@@ -20,6 +20,10 @@ pub mod codes {
     /// An input or payload is not the JSON object its machine or route expects (not an object, an
     /// unknown field, a value that does not decode).
     pub const INVALID_PAYLOAD: &str = "invalid_payload";
+    /// A JSON number the canonical encoding cannot keep exactly: an integer outside
+    /// -2^63..=2^64-1 (2^64 would become a float), or a decimal with more digits than a double
+    /// holds (`0.10000000000000000001`). Refused, never rounded (see [`crate::json`]).
+    pub const INEXACT_NUMBER: &str = "inexact_number";
     /// The reservation domain's quantity is missing, not an integer or outside 1..=1,000,000.
     pub const INVALID_QUANTITY: &str = "invalid_quantity";
     /// An advance names a state its machine does not have.

@@ -35,13 +35,15 @@ pub const QUEUE_WAITING_SHOWN_MAX: usize = 1_000;
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Enqueue {
     /// The declared queue.
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub queue: String,
     /// Lower first (default 0); ties are admitted oldest first.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "crate::json::integer")]
     pub priority: i32,
     /// At most one unfinished run of the queue holds a deduplication id: another start with it
     /// is refused (`deduplicated`, naming the run that holds it).
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
     pub dedup_id: Option<String>,
 }
 
@@ -61,8 +63,12 @@ impl Enqueue {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RateLimit {
     /// Runs per period, 1..=1,000,000.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]
+    #[serde(deserialize_with = "crate::json::integer")]
     pub limit: u32,
     /// The period in ms, 1..=366 days.
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 31_622_400_000_i64))]
+    #[serde(deserialize_with = "crate::json::integer")]
     pub period_ms: i64,
 }
 

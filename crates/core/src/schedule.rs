@@ -135,6 +135,12 @@ impl ScheduleSpec {
         Ok(())
     }
 
+    /// Every time zone a schedule may be read in (the IANA names of chrono-tz's database), for
+    /// the OpenAPI document's `enum`.
+    pub fn time_zone_names() -> Vec<&'static str> {
+        chrono_tz::TZ_VARIANTS.iter().map(|zone| zone.name()).collect()
+    }
+
     fn zone(&self) -> Result<chrono_tz::Tz> {
         chrono_tz::Tz::from_str(&self.timezone).map_err(|_| {
             invalid(format!("unknown time zone {:?} (an IANA name such as UTC or Europe/Paris)", self.timezone))

@@ -371,6 +371,18 @@ impl Config {
         figment = figment
             .merge(Env::prefixed("TIDEMARK_").ignore(ENV_NOT_CONFIG).split("__"))
             .merge(Serialized::defaults(overrides));
+        Self::extract(figment)
+    }
+
+    /// Defaults < the TOML `text`, then [`Config::validate`]: what [`Config::load`] makes of a
+    /// file holding `text` (without the environment and flags layers). The fuzz target `config`
+    /// runs it.
+    pub fn parse_toml(text: &str) -> Result<Config> {
+        Self::extract(Figment::from(Serialized::defaults(Config::default())).merge(Toml::string(text)))
+    }
+
+    /// The layers merged into a [`Config`], validated.
+    fn extract(figment: Figment) -> Result<Config> {
         let config: Config = figment.extract().map_err(|e| {
             let e = e.into_iter().next().map(|e| e.to_string()).unwrap_or_default();
             config_error(format!("bad configuration: {e}"))

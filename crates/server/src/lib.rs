@@ -16,6 +16,7 @@ mod auth;
 mod background;
 pub mod config;
 mod dashboard;
+pub mod fuzz;
 pub mod lanes;
 pub mod metrics;
 pub mod registry;

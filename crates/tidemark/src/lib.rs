@@ -180,6 +180,13 @@ pub mod id {
     pub use tidemark_core::id::*;
 }
 
+/// JSON from outside: the numbers the canonical encoding keeps exactly (`check_numbers`), and
+/// integer fields that take `344.0` as JSON Schema's `integer` does (`integer`,
+/// `optional_integer`).
+pub mod json {
+    pub use tidemark_core::json::*;
+}
+
 /// Every limit, with its unit in its name.
 pub mod limits {
     pub use tidemark_core::limits::*;

@@ -258,10 +258,13 @@ fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
 
-/// A JSON argument, or `invalid_input`.
+/// A JSON argument, or `invalid_input`; `inexact_number` for a number the canonical encoding
+/// would change (`tidemark_core::json`).
 pub(crate) fn parse_json(field: &str, text: &str) -> Result<Value> {
-    serde_json::from_str(text)
-        .map_err(|e| Error::invalid(workflow_codes::INVALID_INPUT, format!("{field} is not valid JSON: {e}")))
+    let value = serde_json::from_str(text)
+        .map_err(|e| Error::invalid(workflow_codes::INVALID_INPUT, format!("{field} is not valid JSON: {e}")))?;
+    tidemark_core::json::check_numbers(text.as_bytes())?;
+    Ok(value)
 }
 
 pub(crate) fn read_input(text: Option<&str>, file: Option<&Path>) -> Result<Value> {
@@ -281,9 +284,11 @@ pub(crate) fn read_input(text: Option<&str>, file: Option<&Path>) -> Result<Valu
                     format!("{} is larger than {WORKFLOW_INPUT_BYTES_MAX} bytes", path.display()),
                 ));
             }
-            serde_json::from_slice(&bytes).map_err(|e| {
+            let value = serde_json::from_slice(&bytes).map_err(|e| {
                 Error::invalid(workflow_codes::INVALID_INPUT, format!("{} is not valid JSON: {e}", path.display()))
-            })
+            })?;
+            tidemark_core::json::check_numbers(&bytes)?;
+            Ok(value)
         }
         _ => Err(invalid("give exactly one of --input and --input-file")),
     }

@@ -357,12 +357,113 @@ fn bad_requests_get_stable_codes_and_write_nothing() {
         ("POST", "/v1/outbox/redeliver/c1", Some(&reader), br#"{"all":true}"#.to_vec(), 403, "forbidden"),
         ("GET", "/v1/nowhere", t, vec![], 404, "not_found"),
         ("DELETE", "/v1/runs", t, vec![], 405, "method_not_allowed"),
+        // Numbers the canonical encoding cannot keep exactly (2^64 would be stored as a float):
+        // refused wherever a payload or an input enters, never rounded.
+        (
+            "POST",
+            "/v1/flows/f1/advance",
+            t,
+            br#"{"expected_seq":0,"to":"reserved","quantity":1,"input":{"n":18446744073709551616}}"#.to_vec(),
+            400,
+            "inexact_number",
+        ),
+        (
+            "POST",
+            "/v1/streams/s1/events",
+            t,
+            br#"{"event_type":"note.added","payload":{"n":18446744073709551616}}"#.to_vec(),
+            400,
+            "inexact_number",
+        ),
+        (
+            "POST",
+            "/v1/streams/s1/events",
+            t,
+            br#"{"event_type":"note.added","payload":{"n":[0.10000000000000000001]}}"#.to_vec(),
+            400,
+            "inexact_number",
+        ),
+        ("POST", "/v1/consumers/c1/inbox", t, envelope_with(b"-9223372036854775809"), 400, "inexact_number"),
+        (
+            "POST",
+            "/v1/consumers/c1/inbox/batch",
+            t,
+            [&b"{\"events\":["[..], &envelope_with(b"18446744073709551616")[..], &b"]}"[..]].concat(),
+            400,
+            "inexact_number",
+        ),
+        (
+            "POST",
+            "/v1/runs",
+            t,
+            br#"{"workflow":"order_saga","run_id":"r1","input":{"order_id":"o","sku":"sku-1","quantity":1,"amount":18446744073709551616}}"#.to_vec(),
+            400,
+            "inexact_number",
+        ),
+        (
+            "POST",
+            "/v1/runs/r1/events",
+            t,
+            br#"{"name":"approval","event_id":"e1","payload":{"n":1e400}}"#.to_vec(),
+            400,
+            "invalid_argument",
+        ),
+        (
+            "PUT",
+            "/v1/schedules/s1",
+            t,
+            br#"{"workflow":"order_saga","interval_ms":60000,"input":{"amount":100000000000000000000001}}"#.to_vec(),
+            400,
+            "inexact_number",
+        ),
     ];
     for (method, path, token, body, status, code) in cases {
         let (got, answer) = server.call_raw(method, path, token, body);
         assert_eq!((got, answer["error"]["code"].as_str()), (status, Some(code)), "{method} {path}: {answer}");
     }
     assert_eq!(snapshot(&data), before, "a refused request changed the files");
+}
+
+/// An envelope for `POST /v1/consumers/{id}/inbox` whose payload holds the number `number`.
+fn envelope_with(number: &[u8]) -> Vec<u8> {
+    let head = br#"{"event_id":"e-num","source":"partner","generation":"g1","flow_id":"f-num","seq":1,"event_type":"note.added","schema_version":1,"created_at_ms":1,"payload":{"n":"#;
+    [&head[..], number, &b"}}"[..]].concat()
+}
+
+#[test]
+fn payload_numbers_at_the_limits_are_kept_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+    let (status, body) = server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+    assert_eq!(status, 201, "{body}");
+    // The largest and smallest integers the encoding holds, and doubles given in their shortest
+    // form or in another form of the same value (1e2 is written 100.0: the form may change, the
+    // value never does).
+    let numbers = br#"{"max":18446744073709551615,"min":-9223372036854775808,"tenth":0.1,"tiny":5e-324,"hundred":1e2}"#;
+    let expected = json!({"max": u64::MAX, "min": i64::MIN, "tenth": 0.1, "tiny": 5e-324, "hundred": 100.0});
+    let append = [&br#"{"event_type":"note.added","payload":"#[..], &numbers[..], &b"}"[..]].concat();
+    let (status, body) = server.call_raw("POST", "/v1/streams/limits/events", t, append);
+    assert_eq!(status, 200, "{body}");
+    // Within the consumer's retention horizon (an older event is `expired`).
+    let head = format!(
+        r#"{{"event_id":"e-limits","source":"partner","generation":"g1","flow_id":"f-limits","seq":1,"event_type":"note.added","schema_version":1,"created_at_ms":{},"payload":"#,
+        crate::server_fixture::now_ms()
+    );
+    let envelope = [head.as_bytes(), &numbers[..], &b"}"[..]].concat();
+    let (status, body) = server.call_raw("POST", "/v1/consumers/audit/inbox", t, envelope);
+    assert_eq!((status, body["outcome"].as_str()), (200, Some("accepted")), "{body}");
+    // Both reach audit's inbox (the stream's through the relay) with every number as it was sent.
+    let records = server.wait_for(WAIT, |s| {
+        let (_, page) = s.call("GET", "/v1/consumers/audit/inbox", t, None);
+        let records = page["records"].as_array().cloned().unwrap_or_default();
+        (records.len() == 2).then_some(records)
+    });
+    for record in &records {
+        assert_eq!(record["envelope"]["payload"], expected, "{record}");
+    }
 }
 
 #[test]

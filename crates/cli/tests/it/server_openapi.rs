@@ -11,7 +11,8 @@ use crate::server_support::{token, Server};
 
 /// Make every object schema refuse properties it does not name. `unevaluatedProperties` (not
 /// `additionalProperties`) so that a schema built with `allOf` (a flattened struct) still sees
-/// the properties of all its parts; the parts themselves are left open for the same reason.
+/// the properties of all its parts; the parts themselves (and those of `oneOf`, `anyOf`, `not`)
+/// are left open for the same reason.
 fn strict(schema: &mut Value, in_all_of: bool) {
     match schema {
         Value::Object(object) => {
@@ -20,7 +21,9 @@ fn strict(schema: &mut Value, in_all_of: bool) {
                 object.insert("unevaluatedProperties".into(), json!(false));
             }
             for (key, child) in object.iter_mut() {
-                strict(child, key == "allOf");
+                // The parts of a composition stay open: the properties of the whole are
+                // evaluated where they are declared, not in each part.
+                strict(child, matches!(key.as_str(), "allOf" | "oneOf" | "anyOf" | "not"));
             }
         }
         Value::Array(items) => items.iter_mut().for_each(|item| strict(item, in_all_of)),
@@ -184,4 +187,83 @@ fn the_openapi_document_is_true_of_the_running_server() {
     let reference = json!({"$ref": "#/components/schemas/ErrorBody"});
     let error_body = resolve(&document, &reference);
     assert_eq!(error_body["required"], json!(["error"]), "{error_body}");
+}
+
+/// Every integer schema under `schema` (following references), with where it is.
+fn integer_schemas(document: &Value, schema: &Value, at: &str, out: &mut Vec<(String, Value)>, depth: usize) {
+    if depth > 12 {
+        return;
+    }
+    let schema = resolve(document, schema);
+    let kinds = match &schema["type"] {
+        Value::String(kind) => vec![kind.clone()],
+        Value::Array(kinds) => kinds.iter().filter_map(|k| k.as_str().map(str::to_string)).collect(),
+        _ => vec![],
+    };
+    if kinds.iter().any(|k| k == "integer") {
+        out.push((at.to_string(), schema.clone()));
+    }
+    for (name, child) in schema["properties"].as_object().into_iter().flatten() {
+        integer_schemas(document, child, &format!("{at}.{name}"), out, depth + 1);
+    }
+    for key in ["items", "additionalProperties"] {
+        if schema[key].is_object() {
+            integer_schemas(document, &schema[key], &format!("{at}[]"), out, depth + 1);
+        }
+    }
+    for key in ["allOf", "oneOf", "anyOf"] {
+        for part in schema[key].as_array().into_iter().flatten() {
+            integer_schemas(document, part, at, out, depth + 1);
+        }
+    }
+}
+
+/// The document states the bounds the server enforces (schemathesis found operations refused
+/// although the document allowed them: `start_at_ms` near `i64::MAX`, integers beyond 64 bits):
+/// every integer a request may carry has a `minimum` and a `maximum`, and the server accepts
+/// the documented extremes of the bounds it checks against its clock.
+#[test]
+fn the_documented_bounds_are_the_servers() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let (_, document) = server.call("GET", "/openapi.json", None, None);
+    let mut integers = Vec::new();
+    for (method, path, operation) in Fixture::operations(&document) {
+        let what = format!("{method} {path}");
+        for parameter in operation["parameters"].as_array().into_iter().flatten() {
+            let at = format!("{what} ?{}", parameter["name"].as_str().unwrap_or_default());
+            integer_schemas(&document, &parameter["schema"], &at, &mut integers, 0);
+        }
+        let body = &operation["requestBody"]["content"]["application/json"]["schema"];
+        if body.is_object() {
+            integer_schemas(&document, body, &format!("{what} body"), &mut integers, 0);
+        }
+    }
+    assert!(integers.len() > 20, "integers found: {integers:?}");
+    for (at, schema) in &integers {
+        assert!(
+            schema["minimum"].is_i64() && schema["maximum"].is_i64(),
+            "{at}: an integer without its bounds: {schema}"
+        );
+    }
+
+    let start = &document["components"]["schemas"]["StartBody"]["properties"];
+    let latest = start["start_at_ms"]["maximum"].as_i64().expect("start_at_ms has a maximum");
+    let longest = start["timeout_ms"]["maximum"].as_i64().expect("timeout_ms has a maximum");
+    let run = |run_id: &str, extra: Value| {
+        let mut body = json!({"workflow": "order_saga", "run_id": run_id,
+            "input": {"order_id": run_id, "sku": "sku-1", "quantity": 1, "amount": 500}});
+        for (key, value) in extra.as_object().unwrap() {
+            body[key] = value.clone();
+        }
+        server.call("POST", "/v1/runs", Some(&admin), Some(&body))
+    };
+    let (status, answer) = run("latest", json!({"start_at_ms": latest, "timeout_ms": longest}));
+    assert_eq!(status, 201, "the documented latest start and longest timeout are accepted: {answer}");
+    let (status, answer) = run("too-late", json!({"start_at_ms": latest + 2 * 86_400_000}));
+    assert_eq!((status, answer["error"]["code"].as_str()), (400, Some("invalid_argument")), "{answer}");
+    let (status, answer) = run("too-long", json!({"timeout_ms": longest + 1}));
+    assert_eq!((status, answer["error"]["code"].as_str()), (400, Some("invalid_argument")), "{answer}");
 }

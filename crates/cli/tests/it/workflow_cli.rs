@@ -275,6 +275,22 @@ fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
         (w.start_cmd("no_such_workflow", "r9", &good), "unknown_workflow"),
         (w.start_cmd("order_saga", "r9", "{\"order_id\": "), "invalid_input"),
         (w.start_cmd("order_saga", "r9", "[1, 2]"), "invalid_input"),
+        // 2^64 would be stored as a float: refused, never rounded.
+        (
+            w.start_cmd(
+                "order_saga",
+                "r9",
+                r#"{"order_id": "r9", "sku": "s", "quantity": 1, "amount": 18446744073709551616}"#,
+            ),
+            "inexact_number",
+        ),
+        (
+            w.cmd(
+                "send-event",
+                &["--run-id", "waiting", "--name", "approve", "--payload", r#"{"n": 0.10000000000000000001}"#],
+            ),
+            "inexact_number",
+        ),
         (
             w.start_cmd(
                 "order_saga",

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tidemark_core::envelope::parse_traceparent;
 use tidemark_core::error::codes;
-use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, StreamMachine, APPEND_AT_ANY_SEQ};
+use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, MachineSet, StreamMachine, APPEND_AT_ANY_SEQ};
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::store::{
     ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, FlowRecord, InboxEntry, InboxStatus, ProducerStore,
@@ -39,6 +39,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
 pub struct AdvanceBody {
     /// The seq last seen (0 for a new flow).
     #[schema(minimum = 0)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub expected_seq: i64,
     /// The state to move to: a state of a registered machine (`GET /v1/registry`). It tells
     /// which machine decides.
@@ -54,10 +55,11 @@ pub struct AdvanceBody {
     /// Shorthand for `input.quantity` (the built-in reservation machine: 1..=1,000,000,
     /// required to reserve, optional later, must match).
     #[schema(minimum = 1, maximum = 1_000_000)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub quantity: Option<i64>,
     /// Payload schema of the event (the machine says which it emits; the reservation machine
     /// 1 (`amount`) or 2 (`units`)). Default 1.
-    #[serde(default = "one")]
+    #[serde(default = "one", deserialize_with = "tidemark_core::json::integer")]
     #[schema(default = 1, minimum = 1, maximum = 2)]
     pub schema_version: u32,
 }
@@ -84,6 +86,7 @@ pub struct AppendBody {
     pub payload: Value,
     /// Optimistic concurrency: the seq last seen. Absent: append at whatever seq is next.
     #[schema(minimum = 0)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub expected_seq: Option<i64>,
 }
 
@@ -164,36 +167,47 @@ async fn advance(
     Json(body): Json<AdvanceBody>,
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
-    if body.to == StreamMachine::STATE {
-        return Err(
-            Error::invalid(codes::UNKNOWN_STATE, "append to a stream with POST /v1/streams/{flow_id}/events").into()
-        );
-    }
-    if let Some(name) = &body.machine {
-        validate_id("machine", name)?;
-        let machines = &caller.tenant.machines;
-        let machine = machines.get(name).ok_or_else(|| {
-            let known: Vec<&str> = machines.machines().iter().map(|m| m.name()).collect();
-            Error::invalid(codes::UNKNOWN_MACHINE, format!("no machine {name:?}; machines are {known:?}"))
-        })?;
-        if !machine.states().contains(&body.to.as_str()) {
+    let mut request = body.request(flow_id, &caller.tenant.machines)?;
+    request.traceparent = traceparent_of(&headers);
+    submit(&caller, request).await
+}
+
+impl AdvanceBody {
+    /// The advance this body asks for, checked against `machines` (the stream's state and a
+    /// `machine` that does not own `to` are refused here; [`Tenant::advance`] checks the rest
+    /// with `tidemark_core::flow::validate_request`).
+    ///
+    /// [`Tenant::advance`]: crate::Tenant::advance
+    pub fn request(self, flow_id: String, machines: &MachineSet) -> Result<AdvanceRequest, Error> {
+        if self.to == StreamMachine::STATE {
             return Err(Error::invalid(
                 codes::UNKNOWN_STATE,
-                format!("{:?} is not a state of machine {name}; its states are {:?}", body.to, machine.states()),
-            )
-            .into());
+                "append to a stream with POST /v1/streams/{flow_id}/events",
+            ));
         }
+        if let Some(name) = &self.machine {
+            validate_id("machine", name)?;
+            let machine = machines.get(name).ok_or_else(|| {
+                let known: Vec<&str> = machines.machines().iter().map(|m| m.name()).collect();
+                Error::invalid(codes::UNKNOWN_MACHINE, format!("no machine {name:?}; machines are {known:?}"))
+            })?;
+            if !machine.states().contains(&self.to.as_str()) {
+                return Err(Error::invalid(
+                    codes::UNKNOWN_STATE,
+                    format!("{:?} is not a state of machine {name}; its states are {:?}", self.to, machine.states()),
+                ));
+            }
+        }
+        let input = advance_input(&self)?;
+        Ok(AdvanceRequest {
+            flow_id,
+            expected_seq: self.expected_seq,
+            to_state: self.to,
+            input,
+            schema_version: self.schema_version,
+            traceparent: None,
+        })
     }
-    let input = advance_input(&body)?;
-    let request = AdvanceRequest {
-        flow_id,
-        expected_seq: body.expected_seq,
-        to_state: body.to,
-        input,
-        schema_version: body.schema_version,
-        traceparent: traceparent_of(&headers),
-    };
-    submit(&caller, request).await
 }
 
 /// Append an event to a plain event stream (a flow whose state is `stream`).
@@ -219,22 +233,31 @@ async fn append(
     Json(body): Json<AppendBody>,
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let expected_seq = match body.expected_seq {
-        Some(seq) if seq < 0 => {
-            return Err(Error::invalid(codes::INVALID_SEQ, format!("expected_seq must be >= 0, got {seq}")).into())
-        }
-        Some(seq) => seq,
-        None => APPEND_AT_ANY_SEQ,
-    };
-    let request = AdvanceRequest {
-        flow_id,
-        expected_seq,
-        to_state: StreamMachine::STATE.into(),
-        input: json!({"event_type": body.event_type, "payload": body.payload}),
-        schema_version: 1,
-        traceparent: traceparent_of(&headers),
-    };
+    let mut request = body.request(flow_id)?;
+    request.traceparent = traceparent_of(&headers);
     submit(&caller, request).await
+}
+
+impl AppendBody {
+    /// The append this body asks for: an advance of the stream machine (`expected_seq` below 0
+    /// is `invalid_seq`; absent, the append goes at whatever seq is next).
+    pub fn request(self, flow_id: String) -> Result<AdvanceRequest, Error> {
+        let expected_seq = match self.expected_seq {
+            Some(seq) if seq < 0 => {
+                return Err(Error::invalid(codes::INVALID_SEQ, format!("expected_seq must be >= 0, got {seq}")))
+            }
+            Some(seq) => seq,
+            None => APPEND_AT_ANY_SEQ,
+        };
+        Ok(AdvanceRequest {
+            flow_id,
+            expected_seq,
+            to_state: StreamMachine::STATE.into(),
+            input: json!({"event_type": self.event_type, "payload": self.payload}),
+            schema_version: 1,
+            traceparent: None,
+        })
+    }
 }
 
 /// A flow as one consumer sees it.
@@ -348,6 +371,7 @@ pub struct OutboxQuery {
     pub status: Option<String>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 
@@ -425,6 +449,13 @@ pub struct ResolveBody {
     pub reason: String,
 }
 
+impl ResolveBody {
+    /// The reason is 1..=1,000 bytes with a non-blank character (`invalid_argument`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_reason(&self.reason)
+    }
+}
+
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Resolved {
@@ -470,7 +501,7 @@ pub(crate) async fn resolve_delivery(
     caller.require(Scope::Operate)?;
     validate_id("event_id", &event_id)?;
     validate_id("consumer_id", &consumer_id)?;
-    validate_reason(&body.reason)?;
+    body.check()?;
     let action = body.action;
     Ok(on_the_outbox_of_the_event(caller, move |p| {
         p.store.resolve_delivery(&event_id, &consumer_id, action, &body.reason, now_ms())
@@ -488,6 +519,24 @@ pub struct RedeliverBody {
     pub from_event: Option<String>,
     /// `true`: from the oldest event the outbox holds. Exactly one of `from_event` and `all`.
     pub all: Option<bool>,
+}
+
+impl RedeliverBody {
+    /// The first event to send again (`None`: from the oldest): exactly one of `from_event` (an
+    /// id) and `all: true`, else `invalid_argument`.
+    pub fn first_event(self) -> Result<Option<String>, Error> {
+        match (self.from_event, self.all) {
+            (Some(event_id), None) => {
+                validate_id("event_id", &event_id)?;
+                Ok(Some(event_id))
+            }
+            (None, Some(true)) => Ok(None),
+            _ => Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                "give exactly one of {\"from_event\": \"<event id>\"} and {\"all\": true}",
+            )),
+        }
+    }
 }
 
 #[derive(Serialize, ToSchema)]
@@ -524,20 +573,7 @@ pub struct Redelivered {
 async fn redeliver(caller: Caller, Path(consumer_id): Path<String>, Json(body): Json<RedeliverBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("consumer_id", &consumer_id)?;
-    let from_event = match (body.from_event, body.all) {
-        (Some(event_id), None) => {
-            validate_id("event_id", &event_id)?;
-            Some(event_id)
-        }
-        (None, Some(true)) => None,
-        _ => {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                "give exactly one of {\"from_event\": \"<event id>\"} and {\"all\": true}",
-            )
-            .into())
-        }
-    };
+    let from_event = body.first_event()?;
     let id = consumer_id.clone();
     let report = match from_event {
         // From one event on: in the outbox that holds it.

@@ -285,6 +285,26 @@ pub struct ReceiveBatchBody {
     pub events: Vec<Envelope>,
 }
 
+impl ReceiveBatchBody {
+    /// 1..=1,000 envelopes (`limit_exceeded`), each valid (`Envelope::validate`, its error
+    /// naming the envelope's index).
+    pub fn check(&self) -> Result<(), Error> {
+        if self.events.is_empty() || self.events.len() > HTTP_RECEIVE_BATCH_EVENTS_MAX {
+            return Err(Error::invalid(
+                codes::LIMIT_EXCEEDED,
+                format!("a batch holds 1..={HTTP_RECEIVE_BATCH_EVENTS_MAX} events, got {}", self.events.len()),
+            ));
+        }
+        for (index, envelope) in self.events.iter().enumerate() {
+            envelope.validate().map_err(|e| match e {
+                Error::Invalid { code, message } => Error::invalid(code, format!("events[{index}]: {message}")),
+                other => other,
+            })?;
+        }
+        Ok(())
+    }
+}
+
 /// One outcome per envelope of the batch, in the same order.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -317,19 +337,7 @@ async fn receive_batch(
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
     let (_, database) = consumer(&state, &caller, &consumer_id)?;
-    if body.events.is_empty() || body.events.len() > HTTP_RECEIVE_BATCH_EVENTS_MAX {
-        return Err(Error::invalid(
-            codes::LIMIT_EXCEEDED,
-            format!("a batch holds 1..={HTTP_RECEIVE_BATCH_EVENTS_MAX} events, got {}", body.events.len()),
-        )
-        .into());
-    }
-    for (index, envelope) in body.events.iter().enumerate() {
-        envelope.validate().map_err(|e| match e {
-            Error::Invalid { code, message } => Error::invalid(code, format!("events[{index}]: {message}")),
-            other => other,
-        })?;
-    }
+    body.check()?;
     let events = body.events;
     let outcomes = caller
         .tenant
@@ -354,6 +362,7 @@ pub struct RecordsQuery {
     pub status: Option<String>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 

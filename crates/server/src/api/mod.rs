@@ -17,12 +17,14 @@ pub(crate) mod runs;
 pub(crate) mod schedules;
 pub(crate) mod subscriptions;
 
-use axum::extract::rejection::{JsonRejection, PathRejection, QueryRejection};
+use axum::body::Bytes;
+use axum::extract::rejection::{PathRejection, QueryRejection};
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
@@ -107,27 +109,57 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<JsonRejection> for ApiError {
-    fn from(rejection: JsonRejection) -> Self {
-        let code = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            codes::PAYLOAD_TOO_LARGE
-        } else {
-            codes::INVALID_ARGUMENT
-        };
-        ApiError(Error::invalid(code, format!("bad JSON body: {}", rejection.body_text())))
-    }
-}
-
 impl From<QueryRejection> for ApiError {
     fn from(rejection: QueryRejection) -> Self {
         ApiError(Error::invalid(codes::INVALID_ARGUMENT, format!("bad query string: {}", rejection.body_text())))
     }
 }
 
-/// `axum::Json` whose rejections are JSON errors with stable codes.
-#[derive(FromRequest)]
-#[from_request(via(axum::Json), rejection(ApiError))]
+/// A JSON request body, decoded by [`decode_body`]: its rejections are JSON errors with stable
+/// codes (`invalid_argument`, `payload_too_large`, `inexact_number`).
 pub struct Json<T>(pub T);
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Json<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
+        if !is_json(request.headers()) {
+            return Err(ApiError(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                "bad JSON body: expected a request with `Content-Type: application/json`",
+            )));
+        }
+        let bytes = Bytes::from_request(request, state).await.map_err(|rejection| {
+            let code = if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                codes::PAYLOAD_TOO_LARGE
+            } else {
+                codes::INVALID_ARGUMENT
+            };
+            ApiError(Error::invalid(code, format!("bad JSON body: {}", rejection.body_text())))
+        })?;
+        Ok(Json(decode_body(&bytes)?))
+    }
+}
+
+/// `application/json`, or an `application/...+json` type, as axum's own `Json` accepts.
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    let Some(value) = headers.get(axum::http::header::CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let essence = value.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+    essence == "application/json" || (essence.starts_with("application/") && essence.ends_with("+json"))
+}
+
+/// Decode a request body as every JSON route does: `T` from the bytes (`invalid_argument` for
+/// malformed JSON, a missing or unknown field, a value of the wrong type), then every number of
+/// the body checked by [`tidemark_core::json::check_numbers`] (`inexact_number` for one the
+/// canonical encoding would change, such as 2^64). The routes' own checks come after it.
+pub fn decode_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Error> {
+    let body = serde_json::from_slice(bytes)
+        .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("bad JSON body: {e}")))?;
+    tidemark_core::json::check_numbers(bytes)?;
+    Ok(body)
+}
 
 impl<T: serde::Serialize> IntoResponse for Json<T> {
     fn into_response(self) -> Response {
@@ -145,6 +177,24 @@ impl From<PathRejection> for ApiError {
 #[derive(FromRequestParts)]
 #[from_request(via(axum::extract::Path), rejection(ApiError))]
 pub struct Path<T>(pub T);
+
+/// `deserialize_with` for an optional integer query parameter: `344`, or `344.0` (a number with
+/// a zero fraction is an integer to JSON Schema, which the document speaks), nothing else.
+pub(crate) fn query_integer<'de, D, T>(deserializer: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: std::str::FromStr,
+    T::Err: std::fmt::Display,
+{
+    use serde::de::Error as _;
+    let Some(text) = <Option<String> as serde::Deserialize>::deserialize(deserializer)? else { return Ok(None) };
+    let digits = match text.split_once('.') {
+        Some((whole, zeros)) if !zeros.is_empty() && zeros.bytes().all(|b| b == b'0') => whole,
+        Some(_) => return Err(D::Error::custom(format!("{text:?} is not an integer"))),
+        None => text.as_str(),
+    };
+    digits.parse().map(Some).map_err(|e| D::Error::custom(format!("{text:?} is not an integer: {e}")))
+}
 
 /// `axum::extract::Query` whose rejections are JSON errors with stable codes.
 #[derive(FromRequestParts)]

@@ -81,6 +81,53 @@ pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config, registry: &Registr
             component["enum"] = json!(names);
         }
     }
+    // A start may be due at most a year after the request: the bound as of this server's start is
+    // one every later request accepts too (the server's clock only moves on).
+    if let Some(start_at) = doc["components"]["schemas"]["StartBody"]["properties"].get_mut("start_at_ms") {
+        start_at["maximum"] = json!(crate::now_ms().saturating_add(tidemark_core::workflow::TIMER_MS_MAX));
+    }
+    // A schedule's zone is one of the IANA names the server knows (or null: UTC).
+    if let Some(zone) = doc["components"]["schemas"]["ScheduleBody"]["properties"].get_mut("timezone") {
+        let mut names = vec![Value::Null];
+        names.extend(tidemark_core::schedule::ScheduleSpec::time_zone_names().into_iter().map(Value::from));
+        zone["enum"] = Value::Array(names);
+    }
+    // The rules between fields that the routes check before anything else.
+    let exactly_one = |given: &str, given_schema: Value, other: &str| json!({"required": [given], "properties": {given: given_schema, other: {"type": "null"}}});
+    for (schema, constraint) in [
+        // Redeliver: exactly one of `from_event` and `all: true`.
+        (
+            "RedeliverBody",
+            json!({"oneOf": [
+                exactly_one("from_event", json!({"type": "string"}), "all"),
+                exactly_one("all", json!({"const": true}), "from_event"),
+            ]}),
+        ),
+        // A schedule: exactly one of `cron` and `interval_ms`.
+        (
+            "ScheduleBody",
+            json!({"oneOf": [
+                exactly_one("cron", json!({"type": "string"}), "interval_ms"),
+                exactly_one("interval_ms", json!({"type": "integer"}), "cron"),
+            ]}),
+        ),
+        // A start: a queue or a key, not both.
+        (
+            "StartBody",
+            json!({"not": {"required": ["key", "queue"],
+                "properties": {"key": {"type": "string"}, "queue": {"type": "object"}}}}),
+        ),
+    ] {
+        if let Some(Value::Object(component)) = doc["components"]["schemas"].get_mut(schema) {
+            if let Value::Object(constraint) = constraint {
+                component.extend(constraint);
+            }
+        }
+    }
+    if let Some(endpoint) = doc["components"]["schemas"]["SubscribeBody"]["properties"].get_mut("endpoint") {
+        endpoint["pattern"] = json!(endpoint_pattern());
+    }
+    bound_integers(&mut doc);
     let limits = &config.limits;
     let description = format!(
         "{} Every error answer is `{{\"error\": {{\"code\", \"message\"}}}}` with a stable code. Limits of this \
@@ -144,6 +191,61 @@ pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config, registry: &Registr
     Document(Bytes::from(doc.to_string()))
 }
 
+/// The endpoints `PUT /v1/subscriptions/{id}` is documented to take: a part of what
+/// `tidemark_core::endpoint::Endpoint::parse` accepts, written so that every string it matches is
+/// accepted (`pull:`; an HTTP inbox, a NATS subject prefix, a RabbitMQ exchange, a Kafka topic on
+/// 1..=3 servers; hosts are names whose labels start with a letter, with single hyphens, or
+/// dotted IPv4 addresses).
+pub fn endpoint_pattern() -> String {
+    let label = "[A-Za-z]([A-Za-z0-9]|-[A-Za-z0-9]){0,20}";
+    let octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])";
+    let port = "(:(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[1-9][0-9]{0,3}))?";
+    let server = format!("({label}(\\.{label}){{0,3}}|({octet}\\.){{3}}{octet}){port}");
+    let name = "[A-Za-z0-9_-]{1,60}(\\.[A-Za-z0-9_-]{1,60}){0,2}";
+    let http = format!(
+        "[Hh][Tt][Tt][Pp][Ss]?://{server}(/[A-Za-z0-9_-]{{1,20}}){{0,2}}/v1/consumers/[A-Za-z0-9_-]{{1,100}}/inbox"
+    );
+    let nats = format!("[Nn][Aa][Tt][Ss]://{server}/{name}");
+    let amqp = format!("[Aa][Mm][Qq][Pp]://{server}/{name}");
+    let kafka = format!("[Kk][Aa][Ff][Kk][Aa]://{server}(,{server}){{0,2}}/{name}");
+    format!("^(pull:|{http}|{nats}|{amqp}|{kafka})$")
+}
+
+/// Every integer schema states its range: where its declaration gave no `minimum` or `maximum`,
+/// the bounds of its format (`int32`, else a 64-bit integer), so a client never sends a number
+/// the server cannot read as that integer.
+fn bound_integers(value: &mut Value) {
+    match value {
+        Value::Object(object) => {
+            let is_integer = match object.get("type") {
+                Some(Value::String(kind)) => kind == "integer",
+                Some(Value::Array(kinds)) => kinds.iter().any(|kind| kind == "integer"),
+                _ => false,
+            };
+            if is_integer {
+                let (min, max) = match object.get("format").and_then(Value::as_str) {
+                    Some("int32") => (i64::from(i32::MIN), i64::from(i32::MAX)),
+                    _ => (i64::MIN, i64::MAX),
+                };
+                object.entry("minimum").or_insert(json!(min));
+                object.entry("maximum").or_insert(json!(max));
+                // utoipa writes the implicit minimum of an unsigned type as `0.0`: an integer
+                // bound is written as an integer.
+                for key in ["minimum", "maximum"] {
+                    if let Some(bound) = object[key].as_f64().filter(|b| object[key].is_f64() && b.fract() == 0.0) {
+                        if bound.abs() < 9.0e18 {
+                            object.insert(key.into(), json!(bound as i64));
+                        }
+                    }
+                }
+            }
+            object.values_mut().for_each(bound_integers);
+        }
+        Value::Array(items) => items.iter_mut().for_each(bound_integers),
+        _ => {}
+    }
+}
+
 /// This document (OpenAPI 3.1).
 #[utoipa::path(
     get,
@@ -153,4 +255,48 @@ pub fn finish(doc: utoipa::openapi::OpenApi, config: &Config, registry: &Registr
 )]
 pub async fn document(Extension(document): Extension<Document>) -> Response {
     ([(CONTENT_TYPE, "application/json")], document.0).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::endpoint_pattern;
+    use crate::api::subscriptions::SubscribeBody;
+
+    /// Strings of the pattern without its anchors (proptest generates from the rest; it matches
+    /// the whole string all the same).
+    fn generated() -> proptest::string::RegexGeneratorStrategy<String> {
+        let pattern = endpoint_pattern();
+        let inner = pattern.strip_prefix('^').and_then(|p| p.strip_suffix('$')).expect("an anchored pattern");
+        proptest::string::string_regex(inner).expect("a pattern proptest generates from")
+    }
+
+    proptest! {
+        /// Every endpoint the document allows is one the server subscribes (so the pattern never
+        /// promises what `PUT /v1/subscriptions/{id}` refuses).
+        #[test]
+        fn every_endpoint_the_pattern_allows_is_accepted(endpoint in generated()) {
+            let body = SubscribeBody { endpoint: endpoint.clone(), from_start: false };
+            prop_assert!(body.kind().is_ok(), "{endpoint}: {:?}", body.kind());
+        }
+    }
+
+    #[test]
+    fn the_pattern_matches_each_kind_and_refuses_files() {
+        let pattern = regex::Regex::new(&endpoint_pattern()).unwrap();
+        for endpoint in [
+            "pull:",
+            "http://127.0.0.1:7401/v1/consumers/shipping/inbox",
+            "https://svc.example/api/v1/consumers/c-1/inbox",
+            "nats://nats-1:4222/orders.events",
+            "amqp://rabbit/orders",
+            "kafka://k1:9093,k2/orders.v1",
+        ] {
+            assert!(pattern.is_match(endpoint), "{endpoint}");
+        }
+        for endpoint in ["/data/inbox.db", "sqlite:/x.db", "http://h/v1/runs", "ftp://h/x", "pull:x"] {
+            assert!(!pattern.is_match(endpoint), "{endpoint}");
+        }
+    }
 }

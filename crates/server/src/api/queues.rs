@@ -27,9 +27,19 @@ pub struct QueueBody {
     /// At most this many admitted, unfinished runs at once across every worker (1..=1,000,000;
     /// absent: no limit).
     #[schema(minimum = 1, maximum = 1_000_000)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub concurrency_max: Option<u32>,
     /// At most `limit` (1..=1,000,000) admissions per `period_ms` (1..=31,622,400,000).
     pub rate: Option<RateLimit>,
+}
+
+impl QueueBody {
+    /// The queue `name` this body declares, checked (`QueueSpec::validate`).
+    pub fn spec(self, name: String) -> Result<QueueSpec, Error> {
+        let spec = QueueSpec { name, concurrency_max: self.concurrency_max, rate: self.rate };
+        spec.validate()?;
+        Ok(spec)
+    }
 }
 
 /// The tenant's queues.
@@ -52,8 +62,7 @@ pub struct QueuesPage {
 )]
 async fn put(caller: Caller, Path(name): Path<String>, Json(body): Json<QueueBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let spec = QueueSpec { name, concurrency_max: body.concurrency_max, rate: body.rate };
-    spec.validate()?;
+    let spec = body.spec(name)?;
     let spec = caller.tenant.writer.call(move |store, now| store.put_queue(&spec, now)).await?;
     Ok(typed(StatusCode::OK, spec))
 }

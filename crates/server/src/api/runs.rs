@@ -52,6 +52,7 @@ pub struct StartBody {
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub key: Option<String>,
     /// Do not run before this time (ms since the epoch; at most 366 days ahead).
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub start_at_ms: Option<i64>,
     /// Run through a declared queue (`PUT /v1/queues/{name}`), with a priority (lower first)
     /// and an optional deduplication id; not with `key`.
@@ -60,7 +61,28 @@ pub struct StartBody {
     /// passes, the run is cancelled at its next step boundary (a saga compensates first) and ends
     /// `cancelled` with `deadline_passed`. Its children inherit it.
     #[schema(minimum = 1, maximum = 31_622_400_000_i64)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub timeout_ms: Option<i64>,
+}
+
+impl StartBody {
+    /// The start this body asks for, of `version` of its workflow, received at `now`, checked as
+    /// every store checks a start (`validate_starts`: ids, input size, `start_at_ms`, queue,
+    /// deadline). Whether the workflow is registered and takes the input is the caller's check.
+    pub fn request(self, version: u32, now: i64) -> Result<StartRequest, Error> {
+        let request = StartRequest {
+            run_id: self.run_id,
+            workflow: self.workflow,
+            version,
+            input: self.input,
+            key: self.key,
+            start_at_ms: self.start_at_ms,
+            queue: self.queue,
+            deadline_ms: deadline_after(now, self.timeout_ms)?,
+        };
+        validate_starts(std::slice::from_ref(&request), now)?;
+        Ok(request)
+    }
 }
 
 /// A registered workflow's name (documentation of `StartBody::workflow`; the served document
@@ -94,18 +116,8 @@ async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
         )
     })?;
     let now = now_ms();
-    let request = StartRequest {
-        run_id: body.run_id,
-        workflow: body.workflow,
-        version,
-        input: body.input,
-        key: body.key,
-        start_at_ms: body.start_at_ms,
-        queue: body.queue,
-        deadline_ms: deadline_after(now, body.timeout_ms)?,
-    };
+    let request = body.request(version, now)?;
     workflows.check_start(&request)?;
-    validate_starts(std::slice::from_ref(&request), now)?;
     let outcome = caller.tenant.worker()?.start(vec![request]).await?.remove(0);
     let status = match &outcome {
         StartOutcome::Started { .. } => StatusCode::CREATED,
@@ -128,11 +140,14 @@ pub struct ListQuery {
     #[param(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub workflow: Option<String>,
     /// Runs created strictly after this time (ms since the epoch).
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub created_after_ms: Option<i64>,
     /// Runs created strictly before this time (ms since the epoch).
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub created_before_ms: Option<i64>,
     /// Page size, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
     /// The `next_after` of the previous page.
     pub after: Option<String>,
@@ -232,6 +247,7 @@ pub use tidemark_core::workflow::RESULT_WAIT_MS_MAX;
 pub struct ResultQuery {
     /// How long to wait for the run to end, in ms (0..=60000; default 0: answer at once).
     #[param(minimum = 0, maximum = 60000)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub wait_ms: Option<u64>,
 }
 
@@ -485,9 +501,21 @@ async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<Re
 pub struct ForkBody {
     /// The new run keeps the journal entries before this step.
     #[schema(maximum = 10_000)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub from_step: u32,
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub new_run_id: String,
+}
+
+impl ForkBody {
+    /// `new_run_id` is an id and `from_step` at most the longest journal (`invalid_seq`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_id("new_run_id", &self.new_run_id)?;
+        if self.from_step > RUN_STEPS_MAX {
+            return Err(Error::invalid(codes::INVALID_SEQ, format!("from_step must be 0..={RUN_STEPS_MAX}")));
+        }
+        Ok(())
+    }
 }
 
 /// Start a new run as a copy of this one whose journal keeps the steps before `from_step`.
@@ -513,10 +541,7 @@ async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkB
 pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_id("new_run_id", &body.new_run_id)?;
-    if body.from_step > RUN_STEPS_MAX {
-        return Err(Error::invalid(codes::INVALID_SEQ, format!("from_step must be 0..={RUN_STEPS_MAX}")).into());
-    }
+    body.check()?;
     Ok(caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?)
 }
 
@@ -526,12 +551,25 @@ pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) ->
 pub struct SkipStepBody {
     /// The journal seq of the step to skip.
     #[schema(maximum = 9_999)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub step: u32,
     /// The output the step is recorded with (default null).
     #[serde(default)]
     pub output: Value,
     #[schema(min_length = 1, max_length = 1000, pattern = "\\S")]
     pub reason: String,
+}
+
+impl SkipStepBody {
+    /// The reason, `step` below the longest journal (`invalid_seq`) and the output's size
+    /// (`payload_too_large`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_reason(&self.reason)?;
+        if self.step >= RUN_STEPS_MAX {
+            return Err(Error::invalid(codes::INVALID_SEQ, format!("step must be 0..{RUN_STEPS_MAX}")));
+        }
+        validate_json_size("output", &self.output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+    }
 }
 
 /// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
@@ -557,11 +595,7 @@ async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipS
 pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipStepBody) -> Result<RunRecord, ApiError> {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_reason(&body.reason)?;
-    if body.step >= RUN_STEPS_MAX {
-        return Err(Error::invalid(codes::INVALID_SEQ, format!("step must be 0..{RUN_STEPS_MAX}")).into());
-    }
-    validate_json_size("output", &body.output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+    body.check()?;
     Ok(caller
         .tenant
         .writer
@@ -581,6 +615,15 @@ pub struct EventBody {
     pub event_id: String,
     #[serde(default)]
     pub payload: Value,
+}
+
+impl EventBody {
+    /// The name and event id are ids, the payload at most 256 KiB (`payload_too_large`).
+    pub fn check(&self) -> Result<(), Error> {
+        validate_id("event name", &self.name)?;
+        validate_id("event_id", &self.event_id)?;
+        validate_json_size("payload", &self.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)
+    }
 }
 
 #[derive(Serialize, ToSchema)]
@@ -611,9 +654,7 @@ pub struct EventSent {
 async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json<EventBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("run_id", &run_id)?;
-    validate_id("event name", &body.name)?;
-    validate_id("event_id", &body.event_id)?;
-    validate_json_size("payload", &body.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+    body.check()?;
     let (rid, eid, name) = (run_id.clone(), body.event_id.clone(), body.name.clone());
     let new =
         caller.tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;

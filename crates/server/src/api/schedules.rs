@@ -32,7 +32,7 @@ pub fn routes() -> OpenApiRouter<AppState> {
     "catch_up": "one", "input": {"order_id": "daily", "sku": "sku-1", "quantity": 1, "amount": 100}}))]
 pub struct ScheduleBody {
     /// A registered workflow (`GET /v1/registry`); each tick starts its latest version.
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    #[schema(value_type = super::runs::WorkflowName)]
     pub workflow: String,
     /// The input of every run (checked against the workflow now; at most 256 KiB of JSON).
     pub input: Value,
@@ -42,6 +42,7 @@ pub struct ScheduleBody {
     pub cron: Option<String>,
     /// A fixed interval in ms, counted from the schedule's creation (1,000..=31,622,400,000).
     #[schema(minimum = 1000, maximum = 31_622_400_000_i64)]
+    #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub interval_ms: Option<i64>,
     /// The IANA time zone the cron expression is read in (default `UTC`).
     pub timezone: Option<String>,
@@ -57,25 +58,32 @@ pub struct SchedulesPage {
     pub schedules: Vec<Schedule>,
 }
 
-fn spec_of(schedule_id: String, body: ScheduleBody) -> Result<ScheduleSpec, Error> {
-    let timing = match (body.cron, body.interval_ms) {
-        (Some(cron), None) => Timing::Cron(cron),
-        (None, Some(ms)) => Timing::IntervalMs(ms),
-        _ => {
-            return Err(Error::invalid(
-                schedule_codes::INVALID_SCHEDULE,
-                "a schedule takes exactly one of cron and interval_ms",
-            ))
-        }
-    };
-    Ok(ScheduleSpec {
-        schedule_id,
-        workflow: body.workflow,
-        input: body.input,
-        timing,
-        timezone: body.timezone.unwrap_or_else(|| "UTC".to_string()),
-        catch_up: body.catch_up.unwrap_or_default(),
-    })
+impl ScheduleBody {
+    /// The schedule `schedule_id` this body creates or replaces, checked (`ScheduleSpec::validate`:
+    /// exactly one of `cron` and `interval_ms`, the expression, the interval, the zone, the
+    /// input's size). Whether the workflow is registered and takes the input is the caller's check.
+    pub fn spec(self, schedule_id: String) -> Result<ScheduleSpec, Error> {
+        let timing = match (self.cron, self.interval_ms) {
+            (Some(cron), None) => Timing::Cron(cron),
+            (None, Some(ms)) => Timing::IntervalMs(ms),
+            _ => {
+                return Err(Error::invalid(
+                    schedule_codes::INVALID_SCHEDULE,
+                    "a schedule takes exactly one of cron and interval_ms",
+                ))
+            }
+        };
+        let spec = ScheduleSpec {
+            schedule_id,
+            workflow: self.workflow,
+            input: self.input,
+            timing,
+            timezone: self.timezone.unwrap_or_else(|| "UTC".to_string()),
+            catch_up: self.catch_up.unwrap_or_default(),
+        };
+        spec.validate()?;
+        Ok(spec)
+    }
 }
 
 /// Create or replace a schedule. 200 with the schedule and its next tick.
@@ -93,8 +101,7 @@ fn spec_of(schedule_id: String, body: ScheduleBody) -> Result<ScheduleSpec, Erro
 )]
 async fn put(caller: Caller, Path(schedule_id): Path<String>, Json(body): Json<ScheduleBody>) -> ApiResult {
     caller.require(Scope::Operate)?;
-    let spec = spec_of(schedule_id, body)?;
-    spec.validate()?;
+    let spec = body.spec(schedule_id)?;
     // The workflow must be registered and take the input: checked as a tick's start would be.
     let workflows = &caller.tenant.workflows;
     let version = workflows.latest_version(&spec.workflow).ok_or_else(|| {

@@ -35,11 +35,29 @@ pub struct SubscribeBody {
     /// broker URL (`nats://`, `amqp://`, `kafka://`), or `pull:` for a consumer that reads
     /// `GET /v1/outbox/feed` (see docs/protocol.md, "Endpoints"). File
     /// endpoints are the tenant's own databases: declare a consumer (`PUT /v1/consumers/{id}`).
+    /// The document's `pattern` (`openapi::endpoint_pattern`) is a part of what the server
+    /// accepts: every endpoint it matches is accepted (the server also takes longer names, IPv6
+    /// hosts, more Kafka servers).
     #[schema(min_length = 1, max_length = 4096)]
     pub endpoint: String,
     /// Also queue every event the outboxes still hold (default false: events committed from now on).
     #[serde(default)]
     pub from_start: bool,
+}
+
+impl SubscribeBody {
+    /// The endpoint's kind: any endpoint [`Endpoint::parse`] accepts but a file
+    /// (`invalid_endpoint`: a file endpoint is one of the tenant's own databases).
+    pub fn kind(&self) -> Result<EndpointKind, Error> {
+        let kind = Endpoint::parse(&self.endpoint)?.kind();
+        if kind == EndpointKind::Sqlite {
+            return Err(Error::invalid(
+                codes::INVALID_ENDPOINT,
+                "a file endpoint is one of the tenant's own databases: declare a consumer with PUT /v1/consumers/{id}",
+            ));
+        }
+        Ok(kind)
+    }
 }
 
 /// One subscription of one of the tenant's outboxes.
@@ -143,14 +161,7 @@ async fn subscribe(
 ) -> ApiResult {
     caller.require(Scope::Admin)?;
     validate_id("consumer_id", &consumer_id)?;
-    let kind = Endpoint::parse(&body.endpoint)?.kind();
-    if kind == EndpointKind::Sqlite {
-        return Err(Error::invalid(
-            codes::INVALID_ENDPOINT,
-            "a file endpoint is one of the tenant's own databases: declare a consumer with PUT /v1/consumers/{id}",
-        )
-        .into());
-    }
+    let kind = body.kind()?;
     let mut queued = 0;
     for outbox in caller.tenant.outboxes() {
         let subscription = Subscription { consumer_id: consumer_id.clone(), endpoint: body.endpoint.clone() };
@@ -218,9 +229,11 @@ pub struct FeedQuery {
     /// Only events after this position (the last `position` already read but not yet committed);
     /// it skips at most 3 x `limit` of them.
     #[param(minimum = 0)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub after: Option<i64>,
     /// Events to read, 1..=page_size_max (default 100).
     #[param(minimum = 1)]
+    #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 
@@ -300,7 +313,20 @@ pub struct CommitBody {
     /// Every event of the feed at or below this position is now the consumer's (stored
     /// durably on its side): its deliveries become `accepted`.
     #[schema(minimum = 0)]
+    #[serde(deserialize_with = "tidemark_core::json::integer")]
     pub through_position: i64,
+}
+
+impl CommitBody {
+    /// The index of the outbox it commits in (0 the producer's, 1 the workflow database's;
+    /// `invalid_argument` for another name or a negative `through_position`).
+    pub fn outbox_index(&self) -> Result<usize, Error> {
+        let index = outbox_index(self.outbox.as_deref())?;
+        if self.through_position < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "through_position must be >= 0"));
+        }
+        Ok(index)
+    }
 }
 
 #[derive(Serialize, ToSchema)]
@@ -336,10 +362,7 @@ async fn commit(
 ) -> ApiResult {
     caller.require(Scope::Operate)?;
     validate_id("consumer_id", &consumer_id)?;
-    let index = outbox_index(body.outbox.as_deref())?;
-    if body.through_position < 0 {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, "through_position must be >= 0").into());
-    }
+    let index = body.outbox_index()?;
     let through = body.through_position;
     let committed = caller.tenant.outboxes()[index]
         .call(move |p| {

@@ -379,8 +379,10 @@ pub async fn skip(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<S
     let output = if form.output.trim().is_empty() {
         Value::Null
     } else {
-        serde_json::from_str(&form.output)
-            .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("output is not JSON: {e}")))?
+        let output = serde_json::from_str(&form.output)
+            .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("output is not JSON: {e}")))?;
+        tidemark_core::json::check_numbers(form.output.as_bytes())?;
+        output
     };
     let body = SkipBody { step: form.step, output, reason: form.reason };
     let run = api::skip_step(&caller, run_id, body).await?;
