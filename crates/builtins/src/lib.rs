@@ -23,11 +23,6 @@ pub mod reservation;
 pub mod routes;
 pub mod workflows;
 
-/// Milliseconds since the Unix epoch, from the system clock (`tidemark::now_ms`).
-pub(crate) fn now_ms() -> i64 {
-    tidemark::now_ms()
-}
-
 /// How the built-ins are set up (from the configuration of `tidemark serve`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct BuiltinOptions {

@@ -286,7 +286,7 @@ async fn sleepy_order(
     let held: Value = ctx
         .step("hold", None, move |_key| async move {
             if let Some(until) = until {
-                let left = until.saturating_sub(crate::now_ms());
+                let left = until.saturating_sub(tidemark::now_ms());
                 if left > 0 {
                     tokio::time::sleep(Duration::from_millis(left as u64)).await;
                 }
