@@ -62,7 +62,7 @@ pub fn register(builder: ServiceBuilder, options: &BuiltinOptions) -> ServiceBui
         .migration(Database::Workflows, order::tables::migration())
         .tenant_workflows(workflows::BUILTINS, move |tenant| {
             let payments = order::FakePayments::open(&tenant.dir.join("payments.db"))?;
-            workflows::definitions(Arc::new(payments), &retry)
+            workflows::definitions::<tidemark::sqlite::SqliteWorkflows>(Arc::new(payments), &retry)
         })
         .routes(routes::stock())
 }

@@ -11,13 +11,11 @@ use crate::order::{order_saga, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tidemark::id::validate_id;
-use tidemark::rusqlite;
-use tidemark::sqlite::SqliteWorkflows;
 use tidemark::workflow::{
-    workflow_codes, Backoff, IntoWorkflow, RetryPolicy, SagaData, StepFailure, WorkflowContext, WorkflowError,
-    WorkflowOptions, WorkflowVersion, Workflows,
+    workflow_codes, Backoff, IntoWorkflow, RetryPolicy, SagaData, StepFailure, Workflow, WorkflowContext,
+    WorkflowError, WorkflowOptions, WorkflowStore, WorkflowVersion, Workflows,
 };
-use tidemark::{Error, Result, Workflow};
+use tidemark::{Error, Result};
 
 /// The registered name of `sleepy_order`.
 pub const SLEEPY_ORDER: &str = "sleepy_order";
@@ -194,10 +192,16 @@ pub fn compensation_policy(step: &RetryPolicy) -> RetryPolicy {
     RetryPolicy { max_attempts: COMPENSATION_ATTEMPTS, ..step.clone() }
 }
 
-/// Register every built-in workflow with `payments` as the payment service.
-pub fn workflows(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Workflows<SqliteWorkflows>> {
+/// Register every built-in workflow with `payments` as the payment service, for any store whose
+/// transactional handle runs the order steps (SQLite's connection, PostgreSQL's
+/// `ApplyTransaction`).
+pub fn workflows<S>(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Workflows<S>>
+where
+    S: WorkflowStore + 'static,
+    S::Target: OrderTx + 'static,
+{
     let mut workflows = Workflows::new();
-    for definition in definitions(payments, retry)? {
+    for definition in definitions::<S>(payments, retry)? {
         workflows.add(definition)?;
     }
     Ok(workflows)
@@ -205,9 +209,13 @@ pub fn workflows(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Wor
 
 /// The built-in workflows' definitions with `payments` as the payment service: what a service
 /// registers (each refuses, at start, an input it could never run: [`validate_input`]).
-pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Vec<Workflow>> {
+pub fn definitions<S>(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<Vec<Workflow<S>>>
+where
+    S: WorkflowStore + 'static,
+    S::Target: OrderTx + 'static,
+{
     let options = WorkflowOptions { concurrency_max: None, retry: retry.clone() };
-    let saga = order_saga::<SqliteWorkflows>(payments.clone())
+    let saga = order_saga::<S>(payments.clone())
         .compensation_policy(compensation_policy(retry))
         .into_workflow()?
         .options(options.clone())
@@ -217,7 +225,7 @@ pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<V
     })
     .options(options.clone())
     .check_input(|input| validate_input(SLEEPY_ORDER, input));
-    let batch = Workflow::new(ORDER_BATCH, ORDER_BATCH_VERSION, order_batch)
+    let batch = Workflow::new(ORDER_BATCH, ORDER_BATCH_VERSION, order_batch::<S>)
         .options(options)
         .check_input(|input| validate_input(ORDER_BATCH, input));
     Ok(vec![saga, sleepy, batch])
@@ -230,7 +238,10 @@ pub fn definitions(payments: Arc<dyn Payments>, retry: &RetryPolicy) -> Result<V
 /// batch; cancelling the batch cancels the child in flight. With `per_run`, a run takes that
 /// many orders and continues as a new run with the rest (the chain's last run completes with
 /// every order's end). With `notify`, the last run sends that run a `batch_done` message.
-async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std::result::Result<Value, WorkflowError> {
+async fn order_batch<S: WorkflowStore + 'static>(
+    ctx: WorkflowContext<S>,
+    input: Value,
+) -> std::result::Result<Value, WorkflowError> {
     let batch = batch_of(&input).map_err(WorkflowError::Failed)?;
     let started_at_ms = ctx.now()?;
     let batch_token = ctx.uuid()?;
@@ -270,17 +281,21 @@ async fn order_batch(ctx: WorkflowContext<SqliteWorkflows>, input: Value) -> std
 /// A plain workflow, not a saga: a step that fails for good fails the run (`failed`), and its
 /// reservation stays for an operator to `retry`, `skip` or `abandon`. A rejected or timed-out
 /// approval releases the reservation itself and completes with `"approved": false`.
-async fn sleepy_order(
-    ctx: WorkflowContext<SqliteWorkflows>,
+async fn sleepy_order<S>(
+    ctx: WorkflowContext<S>,
     input: Value,
     payments: Arc<dyn Payments>,
-) -> std::result::Result<Value, WorkflowError> {
+) -> std::result::Result<Value, WorkflowError>
+where
+    S: WorkflowStore + 'static,
+    S::Target: OrderTx + 'static,
+{
     let sleepy = sleepy_of(&input).map_err(WorkflowError::Failed)?;
     let order = sleepy.order.clone();
 
     let o = order.clone();
     let reserved: Value =
-        ctx.tx_step("reserve_inventory", None, move |tx: &rusqlite::Connection| tx.reserve_inventory(&o)).await?;
+        ctx.tx_step("reserve_inventory", None, move |tx: &S::Target| tx.reserve_inventory(&o)).await?;
 
     let until = sleepy.hold_until_ms;
     let held: Value = ctx
@@ -300,9 +315,8 @@ async fn sleepy_order(
         let approved = decision.as_ref().and_then(|p| p.get("approved")).and_then(Value::as_bool) == Some(true);
         if !approved {
             let o = order.clone();
-            let released: Value = ctx
-                .tx_step("release_inventory", None, move |tx: &rusqlite::Connection| tx.release_inventory(&o))
-                .await?;
+            let released: Value =
+                ctx.tx_step("release_inventory", None, move |tx: &S::Target| tx.release_inventory(&o)).await?;
             return Ok(json!({
                 "approved": false,
                 "timed_out": decision.is_none(),
@@ -320,7 +334,7 @@ async fn sleepy_order(
     }
 
     let o = order.clone();
-    let shipped: Value = ctx.tx_step("ship_order", None, move |tx: &rusqlite::Connection| tx.ship_order(&o)).await?;
+    let shipped: Value = ctx.tx_step("ship_order", None, move |tx: &S::Target| tx.ship_order(&o)).await?;
     Ok(json!({
         "reserve_inventory": reserved,
         "hold": held,

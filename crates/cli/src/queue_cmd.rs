@@ -11,7 +11,7 @@ use tidemark_core::id::validate_id;
 use tidemark_core::queue::{QueueSpec, QueueStore, RateLimit, QUEUE_WAITING_SHOWN_MAX};
 use tidemark_core::{Error, Result};
 
-use crate::workflow_cmd::open_db;
+use crate::workflow_cmd::{on_store, open_db, Store};
 use crate::Context;
 
 #[derive(Subcommand)]
@@ -67,20 +67,21 @@ pub fn run(ctx: &Context, command: QueueCommand) -> Result<Value> {
     match command {
         QueueCommand::Put { db, name, concurrency, rate_limit, rate_period_ms } => {
             let spec = spec_of(name, concurrency, rate_limit, rate_period_ms)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(json!({"outcome": "declared", "queue": store.put_queue(&spec, now)?}))
+            on_store!(open_db(ctx, db)?, |store| {
+                Ok(json!({"outcome": "declared", "queue": store.put_queue(&spec, now)?}))
+            })
         }
         QueueCommand::List { db } => {
-            let store = open_db(ctx, db)?;
-            Ok(json!({"queues": store.queues(now)?}))
+            on_store!(open_db(ctx, db)?, |store| Ok(json!({"queues": store.queues(now)?})))
         }
         QueueCommand::Show { db, name } => {
             validate_id("queue", &name)?;
-            let store = open_db(ctx, db)?;
-            let state = store
-                .queue(&name, QUEUE_WAITING_SHOWN_MAX, now)?
-                .ok_or_else(|| Error::not_found(format!("no queue {name:?}")))?;
-            Ok(json!({"queue": state}))
+            on_store!(open_db(ctx, db)?, |store| {
+                let state = store
+                    .queue(&name, QUEUE_WAITING_SHOWN_MAX, now)?
+                    .ok_or_else(|| Error::not_found(format!("no queue {name:?}")))?;
+                Ok(json!({"queue": state}))
+            })
         }
     }
 }

@@ -14,7 +14,7 @@ use tidemark_core::schedule::{schedule_codes, tick, tick_run_id, CatchUp, Schedu
 use tidemark_core::workflow::workflow_codes;
 use tidemark_core::{Error, Result};
 
-use crate::workflow_cmd::{open_db, read_input};
+use crate::workflow_cmd::{on_store, open_db, read_input, Store};
 use crate::Context;
 
 #[derive(Subcommand)]
@@ -129,47 +129,52 @@ pub fn run(ctx: &Context, command: ScheduleCommand) -> Result<Value> {
             spec.validate()?;
             builtin_version(&spec.workflow)?;
             builtin::validate_input(&spec.workflow, &spec.input)?;
-            let mut store = open_db(ctx, db)?;
-            let schedule = store.put_schedule(&spec, now)?;
-            Ok(json!({"outcome": "scheduled", "schedule": schedule}))
+            on_store!(open_db(ctx, db)?, |store| {
+                let schedule = store.put_schedule(&spec, now)?;
+                Ok(json!({"outcome": "scheduled", "schedule": schedule}))
+            })
         }
         ScheduleCommand::List { db } => {
-            let store = open_db(ctx, db)?;
-            Ok(json!({"schedules": store.schedules()?}))
+            on_store!(open_db(ctx, db)?, |store| Ok(json!({"schedules": store.schedules()?})))
         }
         ScheduleCommand::Show { db, schedule_id } => {
             validate_id("schedule_id", &schedule_id)?;
-            let store = open_db(ctx, db)?;
-            let schedule = store
-                .schedule(&schedule_id)?
-                .ok_or_else(|| Error::not_found(format!("no schedule {schedule_id:?}")))?;
-            let last_run = schedule.last_started_tick_ms.map(|at| tick_run_id(&schedule_id, at));
-            Ok(json!({"schedule": schedule, "last_run_id": last_run}))
+            on_store!(open_db(ctx, db)?, |store| {
+                let schedule = store
+                    .schedule(&schedule_id)?
+                    .ok_or_else(|| Error::not_found(format!("no schedule {schedule_id:?}")))?;
+                let last_run = schedule.last_started_tick_ms.map(|at| tick_run_id(&schedule_id, at));
+                Ok(json!({"schedule": schedule, "last_run_id": last_run}))
+            })
         }
         ScheduleCommand::Pause { db, schedule_id } => {
             validate_id("schedule_id", &schedule_id)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(json!({"outcome": "paused", "schedule": store.pause_schedule(&schedule_id, true, now)?}))
+            on_store!(open_db(ctx, db)?, |store| {
+                Ok(json!({"outcome": "paused", "schedule": store.pause_schedule(&schedule_id, true, now)?}))
+            })
         }
         ScheduleCommand::Resume { db, schedule_id } => {
             validate_id("schedule_id", &schedule_id)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(json!({"outcome": "resumed", "schedule": store.pause_schedule(&schedule_id, false, now)?}))
+            on_store!(open_db(ctx, db)?, |store| {
+                Ok(json!({"outcome": "resumed", "schedule": store.pause_schedule(&schedule_id, false, now)?}))
+            })
         }
         ScheduleCommand::Delete { db, schedule_id } => {
             validate_id("schedule_id", &schedule_id)?;
-            let mut store = open_db(ctx, db)?;
-            if !store.delete_schedule(&schedule_id)? {
-                return Err(Error::not_found(format!("no schedule {schedule_id:?}")));
-            }
-            Ok(json!({"outcome": "deleted", "schedule_id": schedule_id}))
+            on_store!(open_db(ctx, db)?, |store| {
+                if !store.delete_schedule(&schedule_id)? {
+                    return Err(Error::not_found(format!("no schedule {schedule_id:?}")));
+                }
+                Ok(json!({"outcome": "deleted", "schedule_id": schedule_id}))
+            })
         }
         ScheduleCommand::Tick { db } => {
-            let mut store = open_db(ctx, db)?;
-            let versions: BTreeMap<String, u32> =
-                builtin::BUILTINS.iter().map(|(name, version)| (name.to_string(), *version)).collect();
-            let report = tick(&mut store, &versions, now)?;
-            Ok(json!({"outcome": "ticked", "report": report}))
+            on_store!(open_db(ctx, db)?, |store| {
+                let versions: BTreeMap<String, u32> =
+                    builtin::BUILTINS.iter().map(|(name, version)| (name.to_string(), *version)).collect();
+                let report = tick(&mut store, &versions, now)?;
+                Ok(json!({"outcome": "ticked", "report": report}))
+            })
         }
     }
 }

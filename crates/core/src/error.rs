@@ -38,6 +38,9 @@ pub mod codes {
     /// A subscription's endpoint is not one of the kinds docs/protocol.md lists ("Endpoints"): an
     /// unknown scheme, a malformed URL, credentials in the URL, a bad subject, exchange or topic.
     pub const INVALID_ENDPOINT: &str = "invalid_endpoint";
+    /// A `--store` is not a SQLite path, `sqlite:<path>` or a `postgres://` URL
+    /// (`tidemark_core::location`), or is longer than its bound.
+    pub const INVALID_STORE: &str = "invalid_store";
     /// A batch, page or limit is larger than its bound in [`crate::limits`].
     pub const LIMIT_EXCEEDED: &str = "limit_exceeded";
     /// A file that should exist does not, or is not initialised for the role asked of it (not a

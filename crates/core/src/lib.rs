@@ -15,6 +15,7 @@ pub mod fuzz;
 pub mod id;
 pub mod json;
 pub mod limits;
+pub mod location;
 pub mod model;
 pub mod policy;
 pub mod queue;

@@ -3,9 +3,10 @@
 //! [`ApplyTransaction`] (the store's own connection, inside the transaction the store opened).
 
 use std::cell::{RefCell, RefMut};
+use std::collections::HashMap;
 
 use postgres::types::ToSql;
-use postgres::{Client, Row, Statement};
+use postgres::{Client, Row, Statement, ToStatement};
 use tidemark_core::Result;
 
 use crate::PgResult;
@@ -24,11 +25,34 @@ use crate::PgResult;
 pub struct ApplyTransaction {
     client: RefCell<Client>,
     schema: String,
+    /// The user's statements prepared by [`ApplyTransaction::prepare_cached`].
+    prepared: RefCell<HashMap<String, Statement>>,
 }
+
+/// The most statements [`ApplyTransaction::prepare_cached`] keeps (past it, the cache starts
+/// over: a program that formats values into its SQL text cannot grow it without bound).
+pub const PREPARED_STATEMENTS_MAX: usize = 256;
 
 impl ApplyTransaction {
     pub(crate) fn new(client: Client, schema: &str) -> Self {
-        ApplyTransaction { client: RefCell::new(client), schema: schema.to_string() }
+        ApplyTransaction { client: RefCell::new(client), schema: schema.to_string(), prepared: Default::default() }
+    }
+
+    /// `statement` prepared once per connection and kept (at most [`PREPARED_STATEMENTS_MAX`]):
+    /// pass the answer to [`ApplyTransaction::execute`] or a `query` method to save the
+    /// round trip a statement given as text costs to be parsed on every call. A statement whose
+    /// tables change shape afterwards (DDL) fails as PostgreSQL says; prepare it again then.
+    pub fn prepare_cached(&self, statement: &str) -> Result<Statement, postgres::Error> {
+        if let Some(prepared) = self.prepared.borrow().get(statement) {
+            return Ok(prepared.clone());
+        }
+        let prepared = self.with(|c| c.prepare(statement))?;
+        let mut cache = self.prepared.borrow_mut();
+        if cache.len() >= PREPARED_STATEMENTS_MAX {
+            cache.clear();
+        }
+        cache.insert(statement.to_string(), prepared.clone());
+        Ok(prepared)
     }
 
     /// The store's PostgreSQL schema (where tidemark's tables are; the user's own tables may live
@@ -57,22 +81,38 @@ impl ApplyTransaction {
     }
 
     /// Run one statement and return the number of rows it changed.
-    pub fn execute(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64, postgres::Error> {
+    pub fn execute<T: ?Sized + ToStatement>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<u64, postgres::Error> {
         self.with(|c| c.execute(statement, params))
     }
 
     /// Run one query and return its rows.
-    pub fn query(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, postgres::Error> {
+    pub fn query<T: ?Sized + ToStatement>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<Row>, postgres::Error> {
         self.with(|c| c.query(statement, params))
     }
 
     /// Run a query that returns exactly one row.
-    pub fn query_one(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Row, postgres::Error> {
+    pub fn query_one<T: ?Sized + ToStatement>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Row, postgres::Error> {
         self.with(|c| c.query_one(statement, params))
     }
 
     /// Run a query that returns at most one row.
-    pub fn query_opt(&self, statement: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, postgres::Error> {
+    pub fn query_opt<T: ?Sized + ToStatement>(
+        &self,
+        statement: &T,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, postgres::Error> {
         self.with(|c| c.query_opt(statement, params))
     }
 

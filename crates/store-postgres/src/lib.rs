@@ -30,7 +30,7 @@ mod producer;
 mod schema;
 mod workflow;
 
-pub use apply::ApplyTransaction;
+pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
 pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};

@@ -160,6 +160,25 @@ pub mod sqlite {
     };
 }
 
+/// The PostgreSQL stores (producer, consumer, workflows) on a schema of a PostgreSQL 15+ server,
+/// the same contracts and outcomes as [`sqlite`]'s (docs/postgres.md). A transactional step or
+/// an inbox handler gets an [`postgres::ApplyTransaction`]; [`postgres::advance_in`] commits a
+/// flow's event with your business rows in one PostgreSQL transaction.
+pub mod postgres {
+    /// `postgres` (the blocking client), at the version tidemark links.
+    pub use postgres as client;
+    pub use tidemark_core::location::{PostgresLocation, StoreLocation, POSTGRES_SCHEMA_DEFAULT};
+    pub use tidemark_store_postgres::*;
+
+    /// The context of a workflow run on PostgreSQL (a transactional step gets an
+    /// [`ApplyTransaction`]).
+    pub type Context = tidemark_engine::workflow::WorkflowContext<PgWorkflows>;
+    /// A workflow definition on PostgreSQL.
+    pub type Workflow = tidemark_engine::workflow::Workflow<PgWorkflows>;
+    /// A saga on PostgreSQL.
+    pub type Saga = tidemark_engine::workflow::Saga<PgWorkflows>;
+}
+
 /// The service: its builder, configuration, registry, tenants, and the HTTP API's pieces for
 /// routes of your own.
 pub mod service {

@@ -18,10 +18,12 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark::id::validate_id;
+use tidemark::postgres::ApplyTransaction;
 use tidemark::rusqlite;
 use tidemark::workflow::{Saga, SagaAction, SagaData, StepFailure, WorkflowOptions, WorkflowStore, Workflows};
 use tidemark::Result;
 
+pub mod postgres;
 pub mod tables;
 
 use tables::{self as sql, PaymentCall, ReserveOutcome};
@@ -89,45 +91,78 @@ fn db_failure(error: tidemark::Error) -> StepFailure {
     StepFailure::retryable(error.to_string())
 }
 
+/// What a reservation attempt answers: its output, or the permanent failure its outcome is.
+fn reserved(order: &OrderInput, outcome: ReserveOutcome) -> std::result::Result<Value, StepFailure> {
+    match outcome {
+        ReserveOutcome::Reserved { stock_left } => Ok(json!({"reserved": order.quantity, "stock_left": stock_left})),
+        ReserveOutcome::UnknownSku => Err(StepFailure::permanent(format!("unknown sku {}", order.sku))),
+        ReserveOutcome::Insufficient { stock } => Err(StepFailure::permanent(format!(
+            "insufficient stock of {}: {stock} left, {} wanted",
+            order.sku, order.quantity
+        ))),
+        ReserveOutcome::AlreadyReserved { status } => {
+            Err(StepFailure::permanent(format!("order {} already has a reservation ({status})", order.order_id)))
+        }
+    }
+}
+
+fn refused(order: &OrderInput, step: &str, message: &str) -> std::result::Result<(), StepFailure> {
+    if order.fails(step) {
+        return Err(StepFailure::permanent(message));
+    }
+    Ok(())
+}
+
+const RESERVE_REFUSED: &str = "inventory refused (requested by the input)";
+const RELEASE_REFUSED: &str = "release refused (requested by the input)";
+const SHIP_REFUSED: &str = "carrier refused the shipment (requested by the input)";
+
+fn shipped(order: &OrderInput, shipped: bool) -> std::result::Result<Value, StepFailure> {
+    if !shipped {
+        return Err(StepFailure::permanent(format!("order {} is not reserved", order.order_id)));
+    }
+    Ok(json!({"shipped": order.quantity}))
+}
+
 impl OrderTx for rusqlite::Connection {
     fn reserve_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
-        if order.fails("reserve_inventory") {
-            return Err(StepFailure::permanent("inventory refused (requested by the input)"));
-        }
+        refused(order, "reserve_inventory", RESERVE_REFUSED)?;
         if !sql::is_installed(self) {
             sql::install(self).map_err(db_failure)?;
         }
-        match sql::reserve(self, &order.order_id, &order.sku, order.quantity).map_err(db_failure)? {
-            ReserveOutcome::Reserved { stock_left } => {
-                Ok(json!({"reserved": order.quantity, "stock_left": stock_left}))
-            }
-            ReserveOutcome::UnknownSku => Err(StepFailure::permanent(format!("unknown sku {}", order.sku))),
-            ReserveOutcome::Insufficient { stock } => Err(StepFailure::permanent(format!(
-                "insufficient stock of {}: {stock} left, {} wanted",
-                order.sku, order.quantity
-            ))),
-            ReserveOutcome::AlreadyReserved { status } => {
-                Err(StepFailure::permanent(format!("order {} already has a reservation ({status})", order.order_id)))
-            }
-        }
+        reserved(order, sql::reserve(self, &order.order_id, &order.sku, order.quantity).map_err(db_failure)?)
     }
 
     fn release_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
-        if order.fails("release_inventory") {
-            return Err(StepFailure::permanent("release refused (requested by the input)"));
-        }
+        refused(order, "release_inventory", RELEASE_REFUSED)?;
         let released = sql::release(self, &order.order_id).map_err(db_failure)?;
         Ok(json!({"released": released}))
     }
 
     fn ship_order(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
-        if order.fails("ship_order") {
-            return Err(StepFailure::permanent("carrier refused the shipment (requested by the input)"));
-        }
-        if !sql::ship(self, &order.order_id).map_err(db_failure)? {
-            return Err(StepFailure::permanent(format!("order {} is not reserved", order.order_id)));
-        }
-        Ok(json!({"shipped": order.quantity}))
+        refused(order, "ship_order", SHIP_REFUSED)?;
+        shipped(order, sql::ship(self, &order.order_id).map_err(db_failure)?)
+    }
+}
+
+/// The same steps on PostgreSQL, in the workflow store's schema (the tables are installed by
+/// `workflow init` or [`postgres::install`]; a step on a schema without them fails and is
+/// retried).
+impl OrderTx for ApplyTransaction {
+    fn reserve_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
+        refused(order, "reserve_inventory", RESERVE_REFUSED)?;
+        reserved(order, postgres::reserve(self, &order.order_id, &order.sku, order.quantity).map_err(db_failure)?)
+    }
+
+    fn release_inventory(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
+        refused(order, "release_inventory", RELEASE_REFUSED)?;
+        let released = postgres::release(self, &order.order_id).map_err(db_failure)?;
+        Ok(json!({"released": released}))
+    }
+
+    fn ship_order(&self, order: &OrderInput) -> std::result::Result<Value, StepFailure> {
+        refused(order, "ship_order", SHIP_REFUSED)?;
+        shipped(order, postgres::ship(self, &order.order_id).map_err(db_failure)?)
     }
 }
 

@@ -13,11 +13,13 @@ use std::path::{Path, PathBuf};
 
 use clap::{ArgGroup, Subcommand};
 use serde_json::{json, Value};
+use tidemark_builtins::order::postgres as order_pg;
 use tidemark_builtins::order::tables as order_sql;
 use tidemark_builtins::workflows as builtin;
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX};
+use tidemark_core::location::StoreLocation;
 use tidemark_core::policy::DAY_MS;
 use tidemark_core::workflow::{
     continuation_run_id, deadline_after, validate_json_size, validate_starts, workflow_codes, RunFilter, RunStatus,
@@ -25,7 +27,8 @@ use tidemark_core::workflow::{
     WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
-use tidemark_store_sqlite::SqliteWorkflows;
+use tidemark_store_postgres::PgWorkflows;
+use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
 use crate::Context;
 
@@ -41,7 +44,8 @@ pub enum WorkflowCommand {
     /// Create (or reopen, never reset) a workflow database with the order tables; optionally
     /// stock one SKU.
     Init {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: PathBuf,
         #[arg(long, requires = "quantity")]
         sku: Option<String>,
@@ -50,7 +54,8 @@ pub enum WorkflowCommand {
     },
     /// Set the stock of a SKU in the order tables.
     SeedStock {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         sku: String,
@@ -60,7 +65,8 @@ pub enum WorkflowCommand {
     /// Start a run (idempotent per run id: `started` or `existing`).
     #[command(group(ArgGroup::new("input_source").required(true).args(["input", "input_file"])))]
     Start {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         /// A built-in workflow: order_saga or sleepy_order.
         #[arg(long)]
@@ -95,7 +101,8 @@ pub enum WorkflowCommand {
     },
     /// List runs, oldest first, a page at a time (`next_after` is the next page's cursor).
     List {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         status: Option<String>,
@@ -115,7 +122,8 @@ pub enum WorkflowCommand {
     },
     /// One run with its journal, every attempt with its error, and its events.
     Show {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -124,7 +132,8 @@ pub enum WorkflowCommand {
     /// `--wait-ms` (0..=60000) for that; a run that continued as new is followed to the last run
     /// of its chain. `outcome` is `ended` or `not_ended` (ask again).
     Result {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -133,7 +142,8 @@ pub enum WorkflowCommand {
     },
     /// Request cancellation: a saga compensates first, then the run ends `cancelled`.
     Cancel {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -142,7 +152,8 @@ pub enum WorkflowCommand {
     },
     /// Retry a failed or parked run from its failed step (fresh attempt budget).
     Retry {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -151,7 +162,8 @@ pub enum WorkflowCommand {
     },
     /// Give up on a run: it ends `cancelled`, nothing compensated.
     Abandon {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -160,7 +172,8 @@ pub enum WorkflowCommand {
     },
     /// Start a new run as a copy of a run whose journal keeps the steps before --from-step.
     Fork {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -172,7 +185,8 @@ pub enum WorkflowCommand {
     },
     /// Mark a failed, retrying or waiting step as skipped with an operator-supplied output.
     Skip {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -187,7 +201,8 @@ pub enum WorkflowCommand {
     },
     /// Send an event to a run (idempotent by --event-id; a fresh id when absent).
     SendEvent {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         run_id: String,
@@ -201,7 +216,8 @@ pub enum WorkflowCommand {
     },
     /// Delete finished runs older than --older-than-ms with their journals (receipts stay).
     Purge {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: PathBuf,
         #[arg(long, default_value_t = 7 * DAY_MS)]
         older_than_ms: i64,
@@ -210,17 +226,20 @@ pub enum WorkflowCommand {
     },
     /// Active runs of workflows or versions this binary does not have.
     Unclaimable {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: PathBuf,
     },
     /// The order tables: stock, reservations, and every applied effect.
     Orders {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: PathBuf,
     },
     /// Every call the fake payment service received, with its idempotency key.
     Payments {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL (docs/cli.md, "Stores").
+        #[arg(long, visible_alias = "store")]
         db: PathBuf,
         /// Default: `<db stem>.payments.db` beside the database.
         #[arg(long)]
@@ -244,14 +263,75 @@ pub(crate) fn ensure_exists(db: &Path) -> Result<()> {
     Ok(())
 }
 
-fn open(ctx: &Context, db: &Path) -> Result<SqliteWorkflows> {
-    ensure_exists(db)?;
-    SqliteWorkflows::open_with(db, ctx.durability)
+/// A workflow store a command works on: a SQLite file or a schema on a PostgreSQL server.
+pub(crate) enum Store {
+    Sqlite(SqliteWorkflows),
+    Postgres(Box<PgWorkflows>),
+}
+
+/// Run `$body` with `$s` bound to the store, whichever backend it is (the body is compiled once
+/// per backend).
+macro_rules! on_store {
+    ($store:expr, |$s:ident| $body:expr) => {
+        match $store {
+            #[allow(unused_mut)]
+            Store::Sqlite(mut $s) => $body,
+            Store::Postgres(boxed) => {
+                #[allow(unused_mut)]
+                let mut $s = *boxed;
+                $body
+            }
+        }
+    };
+    (ref $store:expr, |$s:ident| $body:expr) => {
+        match $store {
+            Store::Sqlite($s) => $body,
+            Store::Postgres($s) => $body,
+        }
+    };
+}
+pub(crate) use on_store;
+
+/// What `--db` / `--store` names (a path that is not UTF-8 is a SQLite file).
+pub(crate) fn location(ctx: &Context, db: &Path) -> Result<StoreLocation> {
+    let location = match db.to_str() {
+        Some(text) => StoreLocation::parse(text)?,
+        None => StoreLocation::Sqlite(db.to_path_buf()),
+    };
+    if matches!(location, StoreLocation::Postgres(_)) && ctx.durability != Durability::Full {
+        return Err(invalid(
+            "--durability applies to SQLite files only; a PostgreSQL store commits with the server's own \
+             durability (fsync, synchronous_commit)",
+        ));
+    }
+    Ok(location)
+}
+
+fn open(ctx: &Context, db: &Path) -> Result<Store> {
+    match location(ctx, db)? {
+        StoreLocation::Sqlite(path) => {
+            ensure_exists(&path)?;
+            Ok(Store::Sqlite(SqliteWorkflows::open_with(&path, ctx.durability)?))
+        }
+        StoreLocation::Postgres(pg) => Ok(Store::Postgres(Box::new(PgWorkflows::open(&pg.conn, &pg.schema)?))),
+    }
 }
 
 /// `--db`, which only `--server` does without.
-pub(crate) fn open_db(ctx: &Context, db: Option<PathBuf>) -> Result<SqliteWorkflows> {
+pub(crate) fn open_db(ctx: &Context, db: Option<PathBuf>) -> Result<Store> {
     open(ctx, &crate::file_arg(db, "--db")?)
+}
+
+/// The fake payment service's log of a store: `--payments-db`, or beside a SQLite file; a
+/// PostgreSQL store has no file to put it beside, so it must be given.
+pub(crate) fn payments_of(location: &StoreLocation, given: Option<PathBuf>) -> Result<PathBuf> {
+    match (given, location) {
+        (Some(path), _) => Ok(path),
+        (None, StoreLocation::Sqlite(db)) => Ok(payments_path(db)),
+        (None, StoreLocation::Postgres(_)) => {
+            Err(invalid("--payments-db is required with a PostgreSQL store (the fake payment service's log is a file)"))
+        }
+    }
 }
 
 fn invalid(message: impl Into<String>) -> Error {
@@ -302,11 +382,32 @@ fn validate_stock(sku: &str, quantity: i64) -> Result<()> {
     Ok(())
 }
 
-fn seed(store: &mut SqliteWorkflows, sku: &str, quantity: i64) -> Result<Value> {
-    let conn = store.connection();
-    order_sql::install(conn)?;
-    order_sql::set_stock(conn, sku, quantity)?;
-    Ok(json!({"sku": sku, "stock": order_sql::stock(conn, sku)?}))
+/// Install the order tables (idempotent).
+fn install(store: &mut Store) -> Result<()> {
+    match store {
+        Store::Sqlite(store) => order_sql::install(store.connection()),
+        Store::Postgres(store) => {
+            let schema = store.schema().to_string();
+            order_pg::install(store.client(), &schema)
+        }
+    }
+}
+
+fn seed(store: &mut Store, sku: &str, quantity: i64) -> Result<Value> {
+    install(store)?;
+    let stock = match store {
+        Store::Sqlite(store) => {
+            let conn = store.connection();
+            order_sql::set_stock(conn, sku, quantity)?;
+            order_sql::stock(conn, sku)?
+        }
+        Store::Postgres(store) => {
+            let schema = store.schema().to_string();
+            order_pg::set_stock(store.client(), &schema, sku, quantity)?;
+            order_pg::stock(store.client(), &schema, sku)?
+        }
+    };
+    Ok(json!({"sku": sku, "stock": stock}))
 }
 
 fn run_out(outcome: &str, run: impl serde::Serialize) -> Value {
@@ -330,9 +431,18 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             if let (Some(sku), Some(quantity)) = (&sku, quantity) {
                 validate_stock(sku, quantity)?;
             }
-            let mut store = SqliteWorkflows::init_with(&db, ctx.durability)?;
-            order_sql::install(store.connection())?;
-            let mut out = json!({"outcome": "initialized", "db": db, "payments_db": payments_path(&db)});
+            let location = location(ctx, &db)?;
+            let (mut store, mut out) = match &location {
+                StoreLocation::Sqlite(path) => (
+                    Store::Sqlite(SqliteWorkflows::init_with(path, ctx.durability)?),
+                    json!({"outcome": "initialized", "db": path, "payments_db": payments_path(path)}),
+                ),
+                StoreLocation::Postgres(pg) => (
+                    Store::Postgres(Box::new(PgWorkflows::init(&pg.conn, &pg.schema)?)),
+                    json!({"outcome": "initialized", "db": pg.masked, "schema": pg.schema}),
+                ),
+            };
+            install(&mut store)?;
             if let (Some(sku), Some(quantity)) = (sku, quantity) {
                 out["stock"] = seed(&mut store, &sku, quantity)?;
             }
@@ -371,8 +481,8 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             let request = StartRequest { run_id, workflow, version, input, key, start_at_ms, queue, deadline_ms };
             validate_starts(std::slice::from_ref(&request), now)?;
             builtin::validate_input(&request.workflow, &request.input)?;
-            let mut store = open_db(ctx, db)?;
-            match store.start_runs(&[request], now)?.remove(0) {
+            let outcome = on_store!(open_db(ctx, db)?, |store| store.start_runs(&[request], now)?.remove(0));
+            match outcome {
                 StartOutcome::Conflict { run_id, reason } => {
                     Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")))
                 }
@@ -394,15 +504,14 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             validate_limit("--limit", limit, PAGE_SIZE_MAX)?;
             let after = after.as_deref().map(RunFilter::parse_page).transpose()?;
             let filter = RunFilter { status, workflow, created_after_ms, created_before_ms, after };
-            let store = open_db(ctx, db)?;
-            let runs = store.list_runs(&filter, limit)?;
+            let runs = on_store!(open_db(ctx, db)?, |store| store.list_runs(&filter, limit)?);
             let next_after = RunFilter::next_page(&runs, limit);
             Ok(json!({"outcome": "listed", "runs": runs, "next_after": next_after}))
         }
         WorkflowCommand::Show { db, run_id } => {
             validate_id("run_id", &run_id)?;
-            let store = open_db(ctx, db)?;
-            let detail = store.run(&run_id)?.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
+            let detail = on_store!(open_db(ctx, db)?, |store| store.run(&run_id)?)
+                .ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
             let mut out = serde_json::to_value(&detail).expect("runs serialise");
             out["outcome"] = json!("found");
             Ok(out)
@@ -414,7 +523,9 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             let deadline = std::time::Instant::now() + std::time::Duration::from_millis(wait_ms);
             let mut id = run_id;
             loop {
-                let run = store.run(&id)?.ok_or_else(|| Error::not_found(format!("no run {id:?}")))?.run;
+                let run = on_store!(ref &store, |store| store.run(&id)?)
+                    .ok_or_else(|| Error::not_found(format!("no run {id:?}")))?
+                    .run;
                 if run.status == RunStatus::Continued {
                     id = continuation_run_id(&id);
                     continue;
@@ -436,20 +547,17 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
         WorkflowCommand::Cancel { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(run_out("cancel_requested", store.cancel(&run_id, &reason, now)?))
+            Ok(run_out("cancel_requested", on_store!(open_db(ctx, db)?, |store| store.cancel(&run_id, &reason, now)?)))
         }
         WorkflowCommand::Retry { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(run_out("retried", store.retry(&run_id, &reason, now)?))
+            Ok(run_out("retried", on_store!(open_db(ctx, db)?, |store| store.retry(&run_id, &reason, now)?)))
         }
         WorkflowCommand::Abandon { db, run_id, reason } => {
             validate_id("run_id", &run_id)?;
             validate_reason(&reason)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(run_out("abandoned", store.abandon(&run_id, &reason, now)?))
+            Ok(run_out("abandoned", on_store!(open_db(ctx, db)?, |store| store.abandon(&run_id, &reason, now)?)))
         }
         WorkflowCommand::Fork { db, run_id, from_step, new_run_id } => {
             validate_id("run_id", &run_id)?;
@@ -457,8 +565,10 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             if from_step > RUN_STEPS_MAX {
                 return Err(Error::invalid(codes::INVALID_SEQ, format!("--from-step must be 0..={RUN_STEPS_MAX}")));
             }
-            let mut store = open_db(ctx, db)?;
-            Ok(run_out("forked", store.fork(&run_id, from_step, &new_run_id, now)?))
+            Ok(run_out(
+                "forked",
+                on_store!(open_db(ctx, db)?, |store| store.fork(&run_id, from_step, &new_run_id, now)?),
+            ))
         }
         WorkflowCommand::Skip { db, run_id, step, output, reason } => {
             validate_id("run_id", &run_id)?;
@@ -471,8 +581,9 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
                 None => Value::Null,
             };
             validate_json_size("--output", &output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-            let mut store = open_db(ctx, db)?;
-            Ok(run_out("skipped", store.skip_step(&run_id, step, &output, &reason, now)?))
+            let skipped =
+                on_store!(open_db(ctx, db)?, |store| store.skip_step(&run_id, step, &output, &reason, now)?);
+            Ok(run_out("skipped", skipped))
         }
         WorkflowCommand::SendEvent { db, run_id, name, event_id, payload } => {
             validate_id("run_id", &run_id)?;
@@ -481,8 +592,8 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             validate_id("event_id", &event_id)?;
             let payload = parse_json("--payload", &payload)?;
             validate_json_size("--payload", &payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-            let mut store = open_db(ctx, db)?;
-            let new = store.send_event(&run_id, &event_id, &name, &payload, now)?;
+            let new =
+                on_store!(open_db(ctx, db)?, |store| store.send_event(&run_id, &event_id, &name, &payload, now)?);
             Ok(json!({
                 "outcome": if new { "sent" } else { "duplicate" },
                 "run_id": run_id,
@@ -501,7 +612,7 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             // Bounded: every batch that reports `more` deleted rows.
             loop {
                 batches += 1;
-                let report = store.purge(finished_before_ms, batch_rows, now)?;
+                let report = on_store!(ref &mut store, |store| store.purge(finished_before_ms, batch_rows, now)?);
                 runs_deleted += report.runs_deleted;
                 journal_deleted += report.journal_deleted;
                 if !report.more {
@@ -517,20 +628,26 @@ pub fn run(ctx: &Context, command: WorkflowCommand) -> Result<Value> {
             }))
         }
         WorkflowCommand::Unclaimable { db } => {
-            let store = open(ctx, &db)?;
-            Ok(
-                json!({"outcome": "listed", "known": builtin::versions(), "unclaimable": store.unclaimable(&builtin::versions())?}),
-            )
+            let unclaimable = on_store!(open(ctx, &db)?, |store| store.unclaimable(&builtin::versions())?);
+            Ok(json!({"outcome": "listed", "known": builtin::versions(), "unclaimable": unclaimable}))
         }
         WorkflowCommand::Orders { db } => {
-            let mut store = open(ctx, &db)?;
-            let mut out = order_sql::tables(store.connection(), ROWS_MAX)?;
+            let mut out = match open(ctx, &db)? {
+                Store::Sqlite(mut store) => order_sql::tables(store.connection(), ROWS_MAX)?,
+                Store::Postgres(mut store) => {
+                    let schema = store.schema().to_string();
+                    order_pg::tables(store.client(), &schema, ROWS_MAX)?
+                }
+            };
             out["outcome"] = json!("listed");
             Ok(out)
         }
         WorkflowCommand::Payments { db, payments_db } => {
-            ensure_exists(&db)?;
-            let path = payments_db.unwrap_or_else(|| payments_path(&db));
+            let location = location(ctx, &db)?;
+            if let StoreLocation::Sqlite(path) = &location {
+                ensure_exists(path)?;
+            }
+            let path = payments_of(&location, payments_db)?;
             // A missing log means no call yet; it is not created here.
             let calls =
                 if path.exists() { order_sql::payment_calls(&order_sql::open_payments(&path)?)? } else { Vec::new() };

@@ -7,14 +7,20 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use serde_json::{json, Value};
+use tidemark_builtins::order::postgres as order_pg;
 use tidemark_builtins::order::tables as order_sql;
+use tidemark_builtins::order::OrderTx;
 use tidemark_builtins::order::{FakePayments, Payments};
 use tidemark_core::error::codes;
+use tidemark_core::location::StoreLocation;
+use tidemark_core::schedule::ScheduleStore;
+use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{system_clock, tick_schedules, Clock, Worker, WorkerOptions, WorkerReport, Writer};
+use tidemark_store_postgres::PgWorkflows;
 use tidemark_store_sqlite::SqliteWorkflows;
 
-use super::{ensure_exists, payments_path};
+use super::{ensure_exists, location, payments_of};
 use crate::Context;
 use tidemark_builtins::workflows as builtin;
 
@@ -27,11 +33,12 @@ const MAX_SECONDS_MAX: u64 = 366 * 24 * 60 * 60;
 
 #[derive(Args)]
 pub struct WorkerArgs {
-    /// The workflow database (created by `tidemark workflow init`).
-    #[arg(long)]
+    /// The workflow store (created by `tidemark workflow init`): a SQLite file or a
+    /// `postgres://` URL, where any number of workers on any number of machines share the runs.
+    #[arg(long, visible_alias = "store")]
     db: PathBuf,
     /// The fake payment service's call log (created if missing); default: `<db stem>.payments.db`
-    /// beside the database.
+    /// beside a SQLite database (required with a PostgreSQL store).
     #[arg(long)]
     payments_db: Option<PathBuf>,
     /// The lease owner's name; default `worker-<pid>`.
@@ -90,18 +97,54 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             ));
         }
     }
-    ensure_exists(&args.db)?;
-    let payments_db = args.payments_db.clone().unwrap_or_else(|| payments_path(&args.db));
-
+    let location = location(ctx, &args.db)?;
+    if let StoreLocation::Sqlite(path) = &location {
+        ensure_exists(path)?;
+    }
+    let payments_db = payments_of(&location, args.payments_db.clone())?;
     let payments: Arc<dyn Payments> = Arc::new(FakePayments::open(&payments_db)?);
-    let workflows = builtin::workflows(payments, &retry)?;
     let clock: Clock = match ctx.fixed_now_ms {
         Some(now) => Arc::new(move || now),
         None => system_clock(),
     };
-    let (path, durability) = (args.db.clone(), ctx.durability);
-    let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&path, durability), clock)?;
-    writer.call_blocking(|store, _| order_sql::install(store.connection()))?;
+    let mut out = match location {
+        StoreLocation::Sqlite(path) => {
+            let durability = ctx.durability;
+            let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&path, durability), clock)?;
+            writer.call_blocking(|store, _| order_sql::install(store.connection()))?;
+            let left = |store: &mut SqliteWorkflows| tidemark_store_sqlite::stats::active_runs(store.connection());
+            work(writer, payments, &retry, &options, &args, left)?
+        }
+        StoreLocation::Postgres(pg) => {
+            let writer = Writer::spawn_with_clock(move || PgWorkflows::open(&pg.conn, &pg.schema), clock)?;
+            writer.call_blocking(|store, _| {
+                let schema = store.schema().to_string();
+                order_pg::install(store.client(), &schema)
+            })?;
+            work(writer, payments, &retry, &options, &args, PgWorkflows::active_runs)?
+        }
+    };
+    out["files"] = json!({"db": args.db, "payments_db": payments_db});
+    Ok(out)
+}
+
+/// Runs still active, by status, and the earliest time one of them is due.
+type ActiveRuns = (std::collections::BTreeMap<String, u64>, Option<i64>);
+
+/// The worker loop on a store behind `writer`; `left` reads what is still active at the end.
+fn work<S>(
+    writer: Writer<S>,
+    payments: Arc<dyn Payments>,
+    retry: &tidemark_core::workflow::RetryPolicy,
+    options: &WorkerOptions,
+    args: &WorkerArgs,
+    left: fn(&mut S) -> Result<ActiveRuns>,
+) -> Result<Value>
+where
+    S: WorkflowStore + ScheduleStore + Send + 'static,
+    S::Target: OrderTx + 'static,
+{
+    let workflows = builtin::workflows::<S>(payments, retry)?;
     let worker = Worker::new(writer.clone(), workflows, options.clone())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -162,7 +205,7 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
         }
     })?;
     drop(worker);
-    let left = writer.call_blocking(|store, _| left(store.connection()))?;
+    let (active, next_wake_at_ms) = writer.call_blocking(move |store, _| left(store))?;
     drop(writer);
     drop(runtime);
 
@@ -170,12 +213,11 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
     out["outcome"] = json!("worked");
     out["worker_id"] = json!(options.worker_id);
     out["stopped_by"] = json!(*stopped_by.lock().unwrap_or_else(|p| p.into_inner()));
-    out["left"] = left;
+    out["left"] = json!({"active": active, "next_wake_at_ms": next_wake_at_ms});
     out["schedules"] = json!({
         "runs_started": ticks_started.load(Ordering::Relaxed),
         "tick_errors": tick_errors.load(Ordering::Relaxed),
     });
-    out["files"] = json!({"db": args.db, "payments_db": payments_db});
     Ok(out)
 }
 
@@ -216,10 +258,4 @@ fn shutdown(
         };
         *stopped_by.lock().unwrap_or_else(|p| p.into_inner()) = why;
     })
-}
-
-/// Runs still active, by status, and the earliest time one of them is due.
-fn left(conn: &mut rusqlite::Connection) -> Result<Value> {
-    let (active, next_wake_at_ms) = tidemark_store_sqlite::stats::active_runs(conn)?;
-    Ok(json!({"active": active, "next_wake_at_ms": next_wake_at_ms}))
 }

@@ -143,6 +143,26 @@ impl PgWorkflows {
         self.apply.client_get_mut()
     }
 
+    /// Runs still active, counted by status, and the earliest time one of them is due (what
+    /// `tidemark worker` reports as left when it stops; SQLite's `stats::active_runs`).
+    pub fn active_runs(&mut self) -> Result<(BTreeMap<String, u64>, Option<i64>)> {
+        let statement = format!(
+            r#"SELECT status, count(*), min(wake_at_ms) FROM "{}".runs
+               WHERE status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
+               GROUP BY status ORDER BY status"#,
+            self.schema()
+        );
+        let rows = self.client().query(&statement, &[]).db()?;
+        let mut active = BTreeMap::new();
+        let mut next_wake_at_ms: Option<i64> = None;
+        for row in &rows {
+            let (status, count, wake): (String, i64, i64) = (col(row, 0)?, col(row, 1)?, col(row, 2)?);
+            active.insert(status, count as u64);
+            next_wake_at_ms = Some(next_wake_at_ms.map_or(wake, |w| w.min(wake)));
+        }
+        Ok((active, next_wake_at_ms))
+    }
+
     /// The connection and the statement cache, for a read through `&self`.
     fn reader(&self) -> (RefMut<'_, Client>, RefMut<'_, Statements>) {
         (self.apply.client_mut(), self.statements.borrow_mut())
