@@ -18,7 +18,8 @@ use crate::Context;
 pub enum QueueCommand {
     /// Declare or change a queue.
     Put {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         name: String,
@@ -33,12 +34,14 @@ pub enum QueueCommand {
     },
     /// Every queue with its counts.
     List {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
     },
     /// One queue with its next waiting runs in admission order, with their positions.
     Show {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         name: String,

@@ -23,7 +23,8 @@ pub enum ScheduleCommand {
     #[command(group(ArgGroup::new("timing").required(true).args(["cron", "interval_ms"])))]
     #[command(group(ArgGroup::new("input_source").required(true).args(["input", "input_file"])))]
     Put {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         /// The schedule's id (at most 80 characters); its ticks are runs `<id>:<tick ms>`.
         #[arg(long)]
@@ -52,40 +53,46 @@ pub enum ScheduleCommand {
     },
     /// Every schedule, by id.
     List {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
     },
     /// One schedule.
     Show {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         schedule_id: String,
     },
     /// Stop a schedule's ticks until it is resumed.
     Pause {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         schedule_id: String,
     },
     /// Go on from the next tick after now (the ticks of the pause are not started).
     Resume {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         schedule_id: String,
     },
     /// Delete a schedule (the runs it started stay).
     Delete {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
         #[arg(long)]
         schedule_id: String,
     },
     /// One pass of the ticker: start the runs of every due schedule (a worker runs them).
     Tick {
-        #[arg(long)]
+        /// The workflow store: a SQLite file or a `postgres://` URL.
+        #[arg(long, visible_alias = "store")]
         db: Option<PathBuf>,
     },
 }

@@ -1344,6 +1344,16 @@ pub trait WorkflowStore {
     /// The transactional handle given to transactional steps.
     type Target: ?Sized;
 
+    /// Called by the writer before each round of work: a store on a network database opens a
+    /// new connection here when the server closed the old one (a restart, a failover, an
+    /// administrator's `pg_terminate_backend`), so that a worker outlives the outage instead of
+    /// failing every call from then on. A failed reconnect is an `Err` (the round's calls then
+    /// fail as they would have; the next round tries again). Default: nothing to do (a file
+    /// cannot be disconnected).
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Start runs (idempotent per run id), in one transaction.
     fn start_runs(&mut self, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>>;
     /// Lease up to `limit` due runs of the given workflows and versions, honouring per-type

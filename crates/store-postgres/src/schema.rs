@@ -14,6 +14,9 @@ use crate::{col, PgResult};
 /// instead of truncating, so two names never meet in one schema).
 pub const SCHEMA_NAME_BYTES_MAX: usize = 63;
 
+/// How long connecting may take when the connection string sets no `connect_timeout`, in ms.
+pub const CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+
 /// The `classid` of the transaction-scoped advisory locks this crate takes (the `objid` is
 /// `hashtext(schema)`): migrations of one schema run once even when several processes start
 /// together.
@@ -395,7 +398,15 @@ pub(crate) fn connect(conn_str: &str) -> Result<Client> {
     // advance behind a caller's transaction that holds the position counter and never ends.
     let options = format!("{} -c lock_timeout={BUSY_TIMEOUT_MS}ms", config.get_options().unwrap_or_default());
     config.options(options.trim_start());
-    config.connect(NoTls).map_err(|e| Error::io(format!("cannot connect to PostgreSQL: {e}")))
+    // An unreachable host (a black-holed address) fails after this long instead of hanging.
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(std::time::Duration::from_millis(CONNECT_TIMEOUT_MS_DEFAULT));
+    }
+    config.connect(NoTls).map_err(|e| {
+        // The driver's own text is terse ("error connecting to server"); its cause says why.
+        let cause = std::error::Error::source(&e).map(|c| format!(": {c}")).unwrap_or_default();
+        Error::io(format!("cannot connect to PostgreSQL: {e}{cause}"))
+    })
 }
 
 /// Bring `schema` to [`SCHEMA_VERSION`] in one transaction under the schema's migration lock,

@@ -15,6 +15,7 @@ mod experiment;
 mod io_faults;
 mod model_check;
 mod outbox_transaction;
+mod pg_workers;
 mod server_api;
 mod server_cli;
 mod server_dashboard;

@@ -229,6 +229,9 @@ fn writer_loop<S: WorkflowStore>(
     let mut writes = Vec::new();
     let mut replies: Vec<Reply> = Vec::new();
     while let Some(first) = receiver.blocking_recv() {
+        // A store whose server closed the connection opens a new one first; if that fails, this
+        // round's calls fail as they would have, and the next round tries again.
+        let _ = store.reconnect_if_closed();
         let mut next = Some(first);
         while let Some(message) = next.take() {
             match message {

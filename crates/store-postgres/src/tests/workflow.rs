@@ -2175,3 +2175,23 @@ fn continue_as_new_ends_the_run_and_starts_its_continuation_together() {
     let refused = store.commit(vec![write("c.c1", &token, elsewhere)], 1_500).unwrap_err();
     assert_eq!(code(refused), codes::INVALID_ARGUMENT);
 }
+
+#[test]
+fn a_store_whose_session_the_server_ended_reconnects_and_goes_on() {
+    let mut d = db!("reconnect");
+    start(&mut d.store, &[req("r1")], 1_000);
+    // Nothing to do while the session is alive.
+    d.store.reconnect_if_closed().unwrap();
+    let pid: i32 = d.store.client().query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    d.db.client().execute("SELECT pg_terminate_backend($1)", &[&pid]).unwrap();
+    // The first call after the server ended the session fails (a store error, not a panic)...
+    let error = d.store.run("r1").unwrap_err();
+    assert_eq!(error.code(), codes::STORE, "{error}");
+    // ...and the writer's reconnect opens a new one, with fresh statement caches.
+    d.store.reconnect_if_closed().unwrap();
+    let pid_after: i32 = d.store.client().query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    assert_ne!(pid, pid_after);
+    assert_eq!(d.store.run("r1").unwrap().unwrap().run.status, RunStatus::Pending);
+    start(&mut d.store, &[req("r2")], 2_000);
+    assert_eq!(d.store.list_runs(&RunFilter::default(), 10).unwrap().len(), 2);
+}

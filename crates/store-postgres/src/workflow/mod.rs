@@ -88,6 +88,8 @@ pub struct PgWorkflows {
     apply: ApplyTransaction,
     statements: RefCell<Statements>,
     receipt_window_ms: i64,
+    /// Where it connected, to reconnect after the server closed the connection.
+    conn_str: String,
 }
 
 impl PgWorkflows {
@@ -99,7 +101,7 @@ impl PgWorkflows {
         validate_schema_name(schema)?;
         let mut client = schema::connect(conn_str)?;
         schema::migrate(&mut client, schema, true)?;
-        Ok(Self::with(client, schema))
+        Ok(Self::with(client, schema, conn_str))
     }
 
     /// Open the workflow store in `schema` (migrating it forward if it is older). Never creates
@@ -108,14 +110,15 @@ impl PgWorkflows {
         validate_schema_name(schema)?;
         let mut client = schema::connect(conn_str)?;
         schema::migrate(&mut client, schema, false)?;
-        Ok(Self::with(client, schema))
+        Ok(Self::with(client, schema, conn_str))
     }
 
-    fn with(client: Client, schema: &str) -> PgWorkflows {
+    fn with(client: Client, schema: &str, conn_str: &str) -> PgWorkflows {
         PgWorkflows {
             apply: ApplyTransaction::new(client, schema),
             statements: RefCell::new(Statements::new(schema)),
             receipt_window_ms: RECEIPT_WINDOW_MS_DEFAULT,
+            conn_str: conn_str.to_string(),
         }
     }
 
@@ -665,6 +668,20 @@ const HEARTBEAT_SQL: &str = "UPDATE {s}.runs r SET lease_expires_at_ms = $4
 
 impl WorkflowStore for PgWorkflows {
     type Target = ApplyTransaction;
+
+    /// A closed connection (the server restarted or ended the session) is replaced by a new
+    /// one, with the statement caches started over; the schema is opened as [`PgWorkflows::open`]
+    /// does. Nothing was lost with the old session: no transaction stays open between calls.
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        if !self.apply.client_get_mut().is_closed() {
+            return Ok(());
+        }
+        let receipt_window_ms = self.receipt_window_ms;
+        let schema = self.schema().to_string();
+        *self = PgWorkflows::open(&self.conn_str, &schema)?;
+        self.receipt_window_ms = receipt_window_ms;
+        Ok(())
+    }
 
     fn start_runs(&mut self, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
         validate_starts(requests, now_ms)?;

@@ -1,0 +1,478 @@
+//! Many `tidemark worker` processes on one PostgreSQL database (issue "PostgreSQL"): workers
+//! killed with SIGKILL at random moments from a seed, and the database itself stopped with
+//! `pg_ctl stop -m immediate` in the middle of the load, then started again. Afterwards every
+//! start the command line acknowledged is there and has completed, every order was reserved and
+//! shipped exactly once, every order was charged once, and the stock adds up.
+//!
+//! The database is a private cluster this test creates with `initdb` (as the `postgres` user
+//! when the test runs as root, which `initdb` refuses), on a port of its own, so that stopping
+//! it disturbs no other test. Skipped, saying why, when PostgreSQL's programs are not installed.
+//! `TIDEMARK_PG_FAULT_SEED` replays a fault schedule (the seed is printed).
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use crate::support::{path_str, run, skip, BIN};
+
+/// The folder of `initdb`, `postgres` and `pg_ctl`: `pg_config --bindir`, else Debian's
+/// versioned folders, newest first.
+fn pg_bindir() -> Option<PathBuf> {
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if dir.join("initdb").exists() && dir.join("postgres").exists() {
+            return Some(dir);
+        }
+    }
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+        .filter(|bin| bin.join("initdb").exists() && bin.join("postgres").exists())
+        .collect();
+    versions.sort();
+    versions.pop()
+}
+
+/// A PostgreSQL cluster of this test's own: its data folder, port and postmaster.
+struct Cluster {
+    dir: tempfile::TempDir,
+    bin: PathBuf,
+    port: u16,
+    /// `initdb` and `postgres` refuse to run as root: run them as this user then.
+    run_as: Option<String>,
+    server: Option<Child>,
+}
+
+impl Cluster {
+    fn create() -> Option<Cluster> {
+        let Some(bin) = pg_bindir() else {
+            skip("PostgreSQL's programs (initdb, postgres) are not installed; the database-crash test needs its own cluster");
+            return None;
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
+        let run_as = root.then(|| "postgres".to_string());
+        if let Some(user) = &run_as {
+            let id = |flag: &str| -> Option<u32> {
+                let out = Command::new("id").args([flag, user]).output().ok()?;
+                String::from_utf8_lossy(&out.stdout).trim().parse().ok()
+            };
+            let (Some(uid), Some(gid)) = (id("-u"), id("-g")) else {
+                skip("running as root and there is no `postgres` user to run initdb as");
+                return None;
+            };
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown the cluster folder");
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let cluster = Cluster { dir, bin, port, run_as, server: None };
+        let data = cluster.data();
+        let out = cluster
+            .command("initdb", &["-D", path_str(&data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
+            .output()
+            .expect("run initdb");
+        assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        Some(cluster)
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn command(&self, program: &str, args: &[&str]) -> Command {
+        let program = self.bin.join(program);
+        let mut command = match &self.run_as {
+            Some(user) => {
+                let mut c = Command::new("runuser");
+                c.args(["-u", user, "--"]).arg(program);
+                c
+            }
+            None => Command::new(program),
+        };
+        command.args(args).stdin(Stdio::null());
+        command
+    }
+
+    /// Start the postmaster and wait until it answers (bounded).
+    fn start(&mut self) {
+        let data = self.data();
+        let log =
+            std::fs::File::create(self.dir.path().join(format!("server-{}.log", Instant::now().elapsed().as_nanos())))
+                .expect("server log");
+        let child = self
+            .command(
+                "postgres",
+                &[
+                    "-D",
+                    path_str(&data),
+                    "-p",
+                    &self.port.to_string(),
+                    "-k",
+                    path_str(self.dir.path()),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "max_connections=60",
+                ],
+            )
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start postgres");
+        self.server = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if postgres::Client::connect(&self.conn(), postgres::NoTls).is_ok() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the test cluster did not answer within 60 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `pg_ctl stop -m immediate`: every backend is killed, nothing is flushed or checkpointed;
+    /// the next start replays the WAL (crash recovery).
+    fn crash(&mut self) {
+        let out = self.command("pg_ctl", &["-D", path_str(&self.data()), "stop", "-m", "immediate", "-w"]).output();
+        let out = out.expect("run pg_ctl");
+        assert!(out.status.success(), "pg_ctl stop failed: {}", String::from_utf8_lossy(&out.stderr));
+        if let Some(mut child) = self.server.take() {
+            let _ = child.wait();
+        }
+    }
+
+    fn conn(&self) -> String {
+        format!("host=127.0.0.1 port={} user=postgres dbname=postgres connect_timeout=5", self.port)
+    }
+
+    fn url(&self, schema: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres?schema={schema}&connect_timeout=5", self.port)
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if self.server.is_some() {
+            self.crash();
+        }
+    }
+}
+
+/// A `tidemark worker` process of slot `slot`.
+fn spawn_worker(url: &str, payments: &Path, slot: usize, generation: usize) -> Child {
+    Command::new(BIN)
+        .args([
+            "worker",
+            "--store",
+            url,
+            "--payments-db",
+            path_str(payments),
+            "--worker-id",
+            &format!("w{slot}-{generation}"),
+            "--concurrency",
+            "8",
+            "--lease-ms",
+            "1500",
+            "--poll-ms",
+            "50",
+            "--retry-delay-ms",
+            "100",
+            "--max-attempts",
+            "50",
+            "--max-seconds",
+            "600",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn a worker")
+}
+
+fn order(order_id: &str, extra: Value) -> Value {
+    let mut input = json!({"order_id": order_id, "sku": "sku-1", "quantity": 1, "amount": 100});
+    input.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    input
+}
+
+/// `workflow start`; true when the command line acknowledged it (exit 0).
+fn start(url: &str, workflow: &str, run_id: &str, input: &Value) -> bool {
+    let input = input.to_string();
+    let r = run(&["workflow", "start", "--store", url, "--workflow", workflow, "--run-id", run_id, "--input", &input]);
+    r.code == 0
+}
+
+/// Every run's status (runs of the order saga and the batches, children included).
+fn statuses(url: &str) -> Option<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let mut after: Option<String> = None;
+    loop {
+        let mut args = vec!["workflow", "list", "--store", url, "--limit", "1000"];
+        if let Some(after) = &after {
+            args.extend(["--after", after.as_str()]);
+        }
+        let r = run(&args);
+        if r.code != 0 {
+            return None;
+        }
+        for run in r.json["runs"].as_array()? {
+            out.insert(run["run_id"].as_str()?.to_string(), run["status"].as_str()?.to_string());
+        }
+        match r.json["next_after"].as_str() {
+            Some(next) => after = Some(next.to_string()),
+            None => return Some(out),
+        }
+    }
+}
+
+#[test]
+fn four_workers_killed_at_random_and_a_database_crash_lose_no_acknowledged_start_and_apply_nothing_twice() {
+    let Some(mut cluster) = Cluster::create() else { return };
+    cluster.start();
+    let url = cluster.url("shop");
+    let work = tempfile::tempdir().unwrap();
+    let payments = work.path().join("payments.db");
+    const STOCK: i64 = 1_000_000;
+    let init = run(&["workflow", "init", "--store", &url, "--sku", "sku-1", "--quantity", &STOCK.to_string()]);
+    assert_eq!(init.code, 0, "{}{}", init.stdout, init.stderr);
+
+    // Acknowledged before the faults: sagas (a few with a flaky payment service) and batches
+    // whose orders run as child sagas.
+    let mut acked: Vec<String> = Vec::new();
+    let mut orders = 0_i64;
+    for i in 0..12 {
+        let id = format!("saga-{i}");
+        // Some with a flaky payment service, most with a durable timer before the shipment, so
+        // that runs are in flight (leased, sleeping, retrying) when the faults come.
+        let extra = if i % 4 == 0 { json!({"flaky_attempts": 2}) } else { json!({"ship_after_ms": 300 * (i % 5)}) };
+        assert!(start(&url, "order_saga", &id, &order(&id, extra)));
+        acked.push(id);
+        orders += 1;
+    }
+    for b in 0..8 {
+        let id = format!("batch-{b}");
+        let batch: Vec<Value> = (0..6).map(|o| order(&format!("{id}-o{o}"), json!({"ship_after_ms": 250}))).collect();
+        assert!(start(&url, "order_batch", &id, &json!({"orders": batch})));
+        acked.push(id);
+        orders += 6;
+    }
+
+    let seed: u64 = std::env::var("TIDEMARK_PG_FAULT_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 % 100_000
+    });
+    println!("fault seed {seed} (TIDEMARK_PG_FAULT_SEED={seed} replays the schedule)");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+
+    let mut generation = 0;
+    let mut workers: Vec<Child> = (0..4).map(|slot| spawn_worker(&url, &payments, slot, 0)).collect();
+    let (mut kills, mut restarts, mut late_acked, mut late_refused) = (0, 0, 0, 0);
+    let crash_at = rng.gen_range(2..6);
+    // Faults while the load runs: a worker killed every 200-700 ms (and started again, as a
+    // supervisor would), one database crash, and more starts, some of them while the database
+    // is down (those are refused, never acknowledged).
+    for round in 0..14 {
+        std::thread::sleep(Duration::from_millis(rng.gen_range(200..700)));
+        let slot = rng.gen_range(0..workers.len());
+        let _ = workers[slot].kill();
+        let _ = workers[slot].wait();
+        kills += 1;
+        generation += 1;
+        if round == crash_at {
+            // Runs that cannot have ended when the database goes down (their timer is longer
+            // than the wait before the crash): claimed, reserved, sleeping or about to be.
+            for k in 0..3 {
+                let id = format!("pre-crash-{k}");
+                assert!(start(&url, "order_saga", &id, &order(&id, json!({"ship_after_ms": 1_000}))));
+                acked.push(id);
+                orders += 1;
+            }
+            std::thread::sleep(Duration::from_millis(rng.gen_range(50..400)));
+            let in_flight = statuses(&url).expect("the store answers").values().filter(|s| *s != "completed").count();
+            println!("runs not completed when the database crashes: {in_flight}");
+            assert!(in_flight >= 3, "{in_flight}");
+            cluster.crash();
+            let id = format!("late-down-{round}");
+            // The database is down: this start must not be acknowledged.
+            if start(&url, "order_saga", &id, &order(&id, json!({}))) {
+                panic!("a start was acknowledged while the database was down");
+            }
+            late_refused += 1;
+            std::thread::sleep(Duration::from_millis(rng.gen_range(100..1_500)));
+            cluster.start();
+            restarts += 1;
+        }
+        workers[slot] = spawn_worker(&url, &payments, slot, generation);
+        // A worker that exited by itself (it should not) is started again too, and counted.
+        for (other, worker) in workers.iter_mut().enumerate() {
+            if let Ok(Some(status)) = worker.try_wait() {
+                println!("worker slot {other} exited by itself ({status}); started again");
+                generation += 1;
+                *worker = spawn_worker(&url, &payments, other, generation);
+            }
+        }
+        let id = format!("late-{round}");
+        if start(&url, "order_saga", &id, &order(&id, json!({}))) {
+            acked.push(id);
+            orders += 1;
+            late_acked += 1;
+        }
+    }
+    println!("faults: {kills} workers killed, {restarts} database crash(es); late starts: {late_acked} acknowledged, {late_refused} refused");
+
+    // The faults stop; the surviving workers converge by themselves (bounded).
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let final_statuses = loop {
+        if let Some(statuses) = statuses(&url) {
+            if statuses.values().all(|s| s == "completed") && acked.iter().all(|id| statuses.contains_key(id)) {
+                break statuses;
+            }
+            if Instant::now() >= deadline {
+                let open: Vec<_> = statuses.iter().filter(|(_, s)| *s != "completed").collect();
+                panic!("runs did not all complete within 240 s after the faults (seed {seed}): {open:?}");
+            }
+        }
+        assert!(Instant::now() < deadline, "the store did not answer after the faults (seed {seed})");
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    for worker in &mut workers {
+        let _ = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status();
+    }
+    for worker in &mut workers {
+        let _ = worker.wait();
+    }
+
+    // Every acknowledged start is there and completed (the late one refused while the database
+    // was down is not there); every child saga of the batches too.
+    for id in &acked {
+        assert_eq!(final_statuses.get(id).map(String::as_str), Some("completed"), "{id} (seed {seed})");
+    }
+    assert!(final_statuses.keys().all(|id| !id.starts_with("late-down-")), "{final_statuses:?}");
+    // The sagas: each top-level saga, each batch's children (`<batch>.<seq>`).
+    let sagas = final_statuses.keys().filter(|id| !id.starts_with("batch-") || id.contains('.')).count() as i64;
+    assert_eq!(sagas, orders, "one saga run per order (seed {seed}): {final_statuses:?}");
+
+    // Effects: one reserve and one ship per order, nothing released; stock adds up.
+    let tables = run(&["workflow", "orders", "--store", &url]);
+    assert_eq!(tables.code, 0, "{}", tables.stderr);
+    let mut effects: BTreeMap<(String, String), u64> = BTreeMap::new();
+    for effect in tables.json["effects"].as_array().unwrap() {
+        let key = (effect["order_id"].as_str().unwrap().to_string(), effect["kind"].as_str().unwrap().to_string());
+        *effects.entry(key).or_default() += 1;
+    }
+    let twice: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
+    assert!(twice.is_empty(), "an effect applied more than once (seed {seed}): {twice:?}");
+    let count = |kind: &str| effects.keys().filter(|(_, k)| k == kind).count() as i64;
+    assert_eq!((count("reserve"), count("ship"), count("release")), (orders, orders, 0), "(seed {seed})");
+    let stock = tables.json["stock"][0]["stock"].as_i64().unwrap();
+    assert_eq!(stock, STOCK - orders, "(seed {seed})");
+
+    // Payments: each order charged exactly once (a retried call answered `duplicate`).
+    let calls = run(&["workflow", "payments", "--store", &url, "--payments-db", path_str(&payments)]);
+    assert_eq!(calls.code, 0, "{}", calls.stderr);
+    let mut charged: BTreeMap<String, u64> = BTreeMap::new();
+    for call in calls.json["calls"].as_array().unwrap() {
+        if call["outcome"] == "charged" {
+            *charged.entry(call["order_id"].as_str().unwrap().to_string()).or_default() += 1;
+        }
+    }
+    assert_eq!(charged.len() as i64, orders, "every order charged (seed {seed})");
+    assert!(charged.values().all(|n| *n == 1), "an order charged twice (seed {seed}): {charged:?}");
+    println!(
+        "{} runs completed ({orders} orders) after {kills} SIGKILLs and {restarts} database crash(es)",
+        final_statuses.len()
+    );
+}
+
+/// The shared test server as a `--store` URL (`TIDEMARK_TEST_POSTGRES_URL`, default the local
+/// one) and a connection to it; `None`, after saying why, when it does not answer.
+fn shared_server(schema: &str) -> Option<(String, postgres::Client)> {
+    let base = std::env::var("TIDEMARK_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    match postgres::Client::connect(&base, postgres::NoTls) {
+        Ok(mut client) => {
+            client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).unwrap();
+            let sep = if base.contains('?') { '&' } else { '?' };
+            Some((format!("{base}{sep}schema={schema}"), client))
+        }
+        Err(error) => {
+            skip(&format!("PostgreSQL not reachable at {base}: {error}"));
+            None
+        }
+    }
+}
+
+#[test]
+fn the_workflow_commands_run_on_a_postgres_store_and_refuse_bad_stores_with_typed_errors() {
+    let schema = format!("cli_{}", std::process::id());
+    let Some((url, mut admin)) = shared_server(&schema) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let payments = dir.path().join("payments.db");
+    let code = |r: &crate::support::Run| r.json["error"]["code"].as_str().unwrap_or_default().to_string();
+
+    // Bad stores, each before anything is written.
+    let r = run(&["workflow", "list", "--store", "mysql://127.0.0.1/test"]);
+    assert_eq!((r.code, code(&r)), (2, "invalid_store".into()), "{}", r.stdout);
+    let r = run(&["workflow", "list", "--store", "postgres://postgres@127.0.0.1:1/test?connect_timeout=2"]);
+    assert_eq!((r.code, code(&r)), (1, "io".into()), "{}", r.stdout);
+    assert!(r.stdout.contains("Connection refused"), "{}", r.stdout);
+    let r = run(&["workflow", "list", "--store", &url]);
+    assert_eq!((r.code, code(&r)), (2, "not_initialized".into()), "{}", r.stdout);
+    let r = run(&["--durability", "normal", "workflow", "init", "--store", &url]);
+    assert_eq!((r.code, code(&r)), (2, "invalid_argument".into()), "{}", r.stdout);
+    let exists = |admin: &mut postgres::Client| -> bool {
+        admin.query_one("SELECT count(*) FROM pg_namespace WHERE nspname = $1", &[&schema]).unwrap().get::<_, i64>(0)
+            == 1
+    };
+    assert!(!exists(&mut admin), "a refused command created the schema");
+    let secret = url.replace("postgres@", "postgres:hunter2@");
+    let r = run(&["workflow", "list", "--store", &secret]);
+    assert!(!r.stdout.contains("hunter2") && !r.stderr.contains("hunter2"), "{}{}", r.stdout, r.stderr);
+
+    // The commands on PostgreSQL, as on a file.
+    let r = run(&["workflow", "init", "--store", &url, "--sku", "sku-1", "--quantity", "10"]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert_eq!((r.json["schema"].as_str(), r.json["stock"]["stock"].as_i64()), (Some(schema.as_str()), Some(10)));
+    assert!(start(&url, "order_saga", "o1", &order("o1", json!({}))));
+    assert!(start(&url, "order_saga", "o2", &order("o2", json!({"fail": "ship_order"}))));
+    let other = order("o1", json!({"amount": 7})).to_string();
+    let r =
+        run(&["workflow", "start", "--store", &url, "--workflow", "order_saga", "--run-id", "o1", "--input", &other]);
+    assert_eq!(code(&r), "run_conflict", "the same run id with another input: {}", r.stdout);
+    let r = run(&["worker", "--store", &url]);
+    assert_eq!((r.code, code(&r)), (2, "invalid_argument".into()), "no --payments-db: {}", r.stdout);
+    let r = run(&[
+        "worker",
+        "--store",
+        &url,
+        "--payments-db",
+        path_str(&payments),
+        "--until-idle",
+        "--retry-delay-ms",
+        "10",
+    ]);
+    assert_eq!(r.code, 0, "{}{}", r.stdout, r.stderr);
+    assert_eq!((r.json["completed"].as_u64(), r.json["compensated"].as_u64()), (Some(1), Some(1)), "{}", r.stdout);
+    let result = |run_id: &str| run(&["workflow", "result", "--store", &url, "--run-id", run_id]).json;
+    assert_eq!(result("o1")["status"], "completed");
+    assert_eq!(result("o2")["status"], "compensated");
+    let shown = run(&["workflow", "show", "--store", &url, "--run-id", "o1"]).json;
+    let steps: Vec<&str> = shown["journal"].as_array().unwrap().iter().filter_map(|s| s["name"].as_str()).collect();
+    assert!(steps.contains(&"reserve_inventory") && steps.contains(&"ship_order"), "{shown}");
+    let tables = run(&["workflow", "orders", "--store", &url]).json;
+    assert_eq!(tables["stock"][0]["stock"], 9, "o1 shipped one unit, o2's reservation was released: {tables}");
+    let r = run(&["workflow", "cancel", "--store", &url, "--run-id", "nope", "--reason", "test"]);
+    assert_eq!(code(&r), "not_found", "{}", r.stdout);
+    let queue = run(&["queue", "put", "--store", &url, "--name", "q1", "--concurrency", "2"]);
+    assert_eq!(queue.code, 0, "{}", queue.stdout);
+    assert_eq!(run(&["queue", "list", "--store", &url]).json["queues"][0]["name"], "q1");
+
+    // A schema written by a newer tidemark is refused, never downgraded.
+    admin.execute(&format!("INSERT INTO {schema}.schema_versions (version) VALUES (1000)"), &[]).unwrap();
+    let r = run(&["workflow", "list", "--store", &url]);
+    assert_eq!((r.code, code(&r)), (2, "schema_too_new".into()), "{}", r.stdout);
+    admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).unwrap();
+}
