@@ -1197,6 +1197,37 @@ fn every_crash_point_recovers_without_loss_or_double_apply() {
     }
 }
 
+/// The workflow store's crash points on PostgreSQL: the same scenarios as on SQLite files (each
+/// `Wf` a fresh schema of the test server), a `tidemark worker --store postgres://...` killed at
+/// each of them. Skipped, saying why, without a server.
+#[test]
+fn every_workflow_crash_point_recovers_on_postgres() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints (cargo test --workspace --all-features)");
+        return;
+    }
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    for point in CRASH_POINTS.iter().filter(|p| p.starts_with("workflow.")) {
+        eprintln!("crash scenario on PostgreSQL: {point}");
+        scenario(point)(point);
+    }
+}
+
+/// Child workflows, journaled values and continue-as-new on PostgreSQL, a worker killed at every
+/// journal commit.
+#[test]
+fn child_workflows_and_continued_runs_survive_a_worker_killed_at_every_journal_commit_on_postgres() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
+        workflow_commit_children(point);
+        workflow_commit_continued(point);
+    }
+}
+
 /// The journal commit points again, for child workflows and journaled values (its own test, so it
 /// runs beside the others).
 #[test]
@@ -1231,6 +1262,22 @@ fn a_schedule_tick_killed_before_its_commit_starts_nothing_and_the_next_pass_sta
         support::skip("crash tests need --features failpoints");
         return;
     }
+    schedule_tick_before_commit();
+}
+
+/// The schedule tick and the queue admission crash scenarios on PostgreSQL.
+#[test]
+fn a_schedule_tick_and_a_queue_admission_survive_their_crash_points_on_postgres() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints");
+        return;
+    }
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    schedule_tick_before_commit();
+    queue_admission_after_claim();
+}
+
+fn schedule_tick_before_commit() {
     let w = Wf::new();
     let at = |ms: i64| ms.to_string();
     let schedule = |now: i64, args: &[&str]| -> Vec<String> {
@@ -1282,6 +1329,10 @@ fn a_queue_admission_survives_a_worker_killed_after_its_claim_and_the_limit_hold
         support::skip("crash tests need --features failpoints");
         return;
     }
+    queue_admission_after_claim();
+}
+
+fn queue_admission_after_claim() {
     let w = Wf::new();
     ok(&["queue", "put", "--db", w.d(), "--name", "single", "--concurrency", "1"]);
     for run in ["first", "second"] {

@@ -44,22 +44,76 @@ pub(crate) fn is_terminal(status: &Value) -> bool {
     ["completed", "compensated", "failed", "cancelled", "parked", "continued"].contains(&status.as_str().unwrap_or(""))
 }
 
-/// A workflow database (`wf.db`, `STOCK` units of `SKU`) and its payment log in a fresh folder.
+/// A workflow store (`STOCK` units of `SKU`) and its payment log in a fresh folder: a SQLite
+/// file (`wf.db`), or, inside [`on_postgres`], a fresh schema of the test server.
 pub(crate) struct Wf {
     pub dir: tempfile::TempDir,
+    /// The store: a file path, or a `postgres://` URL.
     pub db: PathBuf,
     pub payments: PathBuf,
+    /// The PostgreSQL schema this `Wf` made (dropped with it).
+    schema: Option<(String, String)>,
 }
+
+thread_local! {
+    /// The PostgreSQL server `Wf::new` makes its stores on, inside [`on_postgres`] (a test runs on
+    /// one thread; the same scenario code then runs on both backends).
+    static POSTGRES: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// While the guard lives, every [`Wf::new`] of this thread makes its store in a fresh schema of
+/// the test server (`TIDEMARK_TEST_POSTGRES_URL`, default the local one); `None`, after saying
+/// why, when it does not answer.
+pub(crate) fn on_postgres() -> Option<OnPostgres> {
+    let base = std::env::var("TIDEMARK_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    if let Err(error) = postgres::Client::connect(&base, postgres::NoTls) {
+        support::skip(&format!("PostgreSQL not reachable at {base}: {error}"));
+        return None;
+    }
+    POSTGRES.with(|pg| *pg.borrow_mut() = Some(base));
+    Some(OnPostgres)
+}
+
+/// See [`on_postgres`].
+pub(crate) struct OnPostgres;
+
+impl Drop for OnPostgres {
+    fn drop(&mut self) {
+        POSTGRES.with(|pg| *pg.borrow_mut() = None);
+    }
+}
+
+/// Run `scenario` on a SQLite file, then again on PostgreSQL (skipped, saying why, without a
+/// server): one test body, both backends.
+pub(crate) fn on_both_backends(scenario: fn()) {
+    scenario();
+    if let Some(_postgres) = on_postgres() {
+        scenario();
+    }
+}
+
+static SCHEMAS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl Wf {
     pub(crate) fn new() -> Wf {
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("wf.db");
         let payments = dir.path().join("wf.payments.db");
+        let (db, schema) = match POSTGRES.with(|pg| pg.borrow().clone()) {
+            None => (dir.path().join("wf.db"), None),
+            Some(base) => {
+                let n = SCHEMAS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let schema = format!("wf_{}_{n}", std::process::id());
+                let sep = if base.contains('?') { '&' } else { '?' };
+                (PathBuf::from(format!("{base}{sep}schema={schema}")), Some((base, schema)))
+            }
+        };
         let out = ok(&["workflow", "init", "--db", path_str(&db), "--sku", SKU, "--quantity", &STOCK.to_string()]);
         assert_eq!((out["outcome"].as_str(), out["stock"]["stock"].as_i64()), (Some("initialized"), Some(STOCK)));
-        assert_eq!(out["payments_db"], path_str(&payments));
-        Wf { dir, db, payments }
+        if schema.is_none() {
+            assert_eq!(out["payments_db"], path_str(&payments));
+        }
+        Wf { dir, db, payments, schema }
     }
 
     pub(crate) fn d(&self) -> &str {
@@ -461,6 +515,10 @@ fn a_missing_database_is_never_created() {
 /// deadline that cancels it.
 #[test]
 fn result_follows_a_chain_and_timeout_ms_sets_a_deadline() {
+    on_both_backends(result_follows_a_chain_and_timeout_ms_sets_a_deadline_on);
+}
+
+fn result_follows_a_chain_and_timeout_ms_sets_a_deadline_on() {
     let w = Wf::new();
     let orders: Vec<Value> =
         ["r1", "r2"].iter().map(|id| serde_json::from_str(&order(id, 1, json!({}))).unwrap()).collect();
@@ -493,6 +551,10 @@ fn result_follows_a_chain_and_timeout_ms_sets_a_deadline() {
 
 #[test]
 fn start_is_idempotent_per_run_id() {
+    on_both_backends(start_is_idempotent_per_run_id_on);
+}
+
+fn start_is_idempotent_per_run_id_on() {
     let w = Wf::new();
     let input = order("o1", 2, json!({}));
     w.start("order_saga", "o1", &input);
@@ -524,6 +586,10 @@ fn start_is_idempotent_per_run_id() {
 
 #[test]
 fn list_filters_and_pages() {
+    on_both_backends(list_filters_and_pages_on);
+}
+
+fn list_filters_and_pages_on() {
     let w = Wf::new();
     for (i, (workflow, id)) in
         [("order_saga", "a"), ("sleepy_order", "b"), ("order_saga", "c"), ("sleepy_order", "d"), ("order_saga", "e")]
@@ -565,6 +631,10 @@ fn list_filters_and_pages() {
 
 #[test]
 fn a_failed_run_is_retried_from_its_failed_step() {
+    on_both_backends(a_failed_run_is_retried_from_its_failed_step_on);
+}
+
+fn a_failed_run_is_retried_from_its_failed_step_on() {
     let w = Wf::new();
     // The payment service is down for the first three calls; two attempts per step.
     w.start("sleepy_order", "r1", &order("r1", 2, json!({"flaky_attempts": 3})));
@@ -614,6 +684,10 @@ fn a_failed_run_is_retried_from_its_failed_step() {
 
 #[test]
 fn a_failed_step_is_skipped_with_an_operator_output() {
+    on_both_backends(a_failed_step_is_skipped_with_an_operator_output_on);
+}
+
+fn a_failed_step_is_skipped_with_an_operator_output_on() {
     let w = Wf::new();
     w.start("sleepy_order", "s1", &order("s1", 1, json!({"fail": "charge_payment"})));
     w.drive(&["s1"], &[]);
@@ -643,6 +717,10 @@ fn a_failed_step_is_skipped_with_an_operator_output() {
 
 #[test]
 fn a_fork_reuses_the_journal_before_its_step() {
+    on_both_backends(a_fork_reuses_the_journal_before_its_step_on);
+}
+
+fn a_fork_reuses_the_journal_before_its_step_on() {
     let w = Wf::new();
     w.start("sleepy_order", "src", &order("src", 4, json!({"flaky_attempts": 3})));
     w.drive(&["src"], &["--max-attempts", "2"]);
@@ -663,6 +741,10 @@ fn a_fork_reuses_the_journal_before_its_step() {
 
 #[test]
 fn events_wake_a_waiting_run() {
+    on_both_backends(events_wake_a_waiting_run_on);
+}
+
+fn events_wake_a_waiting_run_on() {
     let w = Wf::new();
     w.start("sleepy_order", "yes", &order("yes", 1, json!({"approval": "approve"})));
     w.start("sleepy_order", "no", &order("no", 1, json!({"approval": "approve"})));
@@ -699,6 +781,10 @@ fn events_wake_a_waiting_run() {
 
 #[test]
 fn cancel_compensates_a_saga_and_stops_a_plain_workflow() {
+    on_both_backends(cancel_compensates_a_saga_and_stops_a_plain_workflow_on);
+}
+
+fn cancel_compensates_a_saga_and_stops_a_plain_workflow_on() {
     let w = Wf::new();
     // The saga sleeps a day between the charge and the shipment.
     w.start("order_saga", "saga", &order("saga", 2, json!({"ship_after_ms": 86_400_000})));
@@ -768,6 +854,10 @@ fn runs_of_unknown_workflows_are_reported_unclaimable() {
 
 #[test]
 fn purge_deletes_finished_runs_in_batches() {
+    on_both_backends(purge_deletes_finished_runs_in_batches_on);
+}
+
+fn purge_deletes_finished_runs_in_batches_on() {
     let w = Wf::new();
     let ids = ["p1", "p2", "p3"];
     for id in ids {
@@ -788,6 +878,10 @@ fn purge_deletes_finished_runs_in_batches() {
 #[cfg(unix)]
 #[test]
 fn sigterm_stops_a_worker_gracefully_and_releases_its_leases() {
+    on_both_backends(sigterm_stops_a_worker_gracefully_and_releases_its_leases_on);
+}
+
+fn sigterm_stops_a_worker_gracefully_and_releases_its_leases_on() {
     let w = Wf::new();
     // Long enough for the worker to be stopped inside the step even on a loaded machine.
     w.start("sleepy_order", "h1", &order("h1", 1, json!({"hold_until_ms": now_ms() + 4_000})));
@@ -982,6 +1076,10 @@ pub(crate) fn run_env(args: &[String], env: &[(&str, &str)]) -> support::Run {
 /// `tidemark worker` ticks the database's schedules and runs what they start.
 #[test]
 fn schedules_are_validated_and_a_running_worker_ticks_them() {
+    on_both_backends(schedules_are_validated_and_a_running_worker_ticks_them_on);
+}
+
+fn schedules_are_validated_and_a_running_worker_ticks_them_on() {
     let w = Wf::new();
     let sched = |args: &[&str]| -> Vec<String> {
         let mut all = strings(&["schedule"]);
@@ -1083,4 +1181,14 @@ fn schedules_are_validated_and_a_running_worker_ticks_them() {
     let shown = ok(&refs(&sched(&["show", "--schedule-id", "tick"])));
     assert_eq!(shown["schedule"]["ticks_started"].as_u64(), Some(runs.len() as u64), "{shown}");
     assert_eq!(ok(&refs(&sched(&["delete", "--schedule-id", "tick"])))["outcome"], "deleted");
+}
+
+impl Drop for Wf {
+    fn drop(&mut self) {
+        if let Some((base, schema)) = &self.schema {
+            if let Ok(mut client) = postgres::Client::connect(base, postgres::NoTls) {
+                let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+            }
+        }
+    }
 }
