@@ -26,6 +26,7 @@
 mod apply;
 mod consumer;
 mod endpoints;
+mod listen;
 mod producer;
 mod schema;
 mod workflow;
@@ -33,6 +34,7 @@ mod workflow;
 pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
 pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
+pub use listen::{wake_channel, DueRunListener};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
 pub use schema::{validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};

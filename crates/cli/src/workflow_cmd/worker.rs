@@ -17,7 +17,7 @@ use tidemark_core::schedule::ScheduleStore;
 use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{system_clock, tick_schedules, Clock, Worker, WorkerOptions, WorkerReport, Writer};
-use tidemark_store_postgres::PgWorkflows;
+use tidemark_store_postgres::{DueRunListener, PgWorkflows};
 use tidemark_store_sqlite::SqliteWorkflows;
 
 use super::{ensure_exists, location, payments_of};
@@ -113,20 +113,27 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&path, durability), clock)?;
             writer.call_blocking(|store, _| order_sql::install(store.connection()))?;
             let left = |store: &mut SqliteWorkflows| tidemark_store_sqlite::stats::active_runs(store.connection());
-            work(writer, payments, &retry, &options, &args, left)?
+            work(writer, payments, &retry, &options, &args, left, |_| Ok(None))?
         }
         StoreLocation::Postgres(pg) => {
-            let writer = Writer::spawn_with_clock(move || PgWorkflows::open(&pg.conn, &pg.schema), clock)?;
+            let (conn, schema) = (pg.conn.clone(), pg.schema.clone());
+            let writer = Writer::spawn_with_clock(move || PgWorkflows::open(&conn, &schema), clock)?;
             writer.call_blocking(|store, _| {
                 let schema = store.schema().to_string();
                 order_pg::install(store.client(), &schema)
             })?;
-            work(writer, payments, &retry, &options, &args, PgWorkflows::active_runs)?
+            // Starts and events from other processes wake this worker at once (LISTEN/NOTIFY, a
+            // hint: its polls still find every due run).
+            let listen = move |wake: Waker| DueRunListener::spawn(&pg.conn, &pg.schema, wake).map(Some);
+            work(writer, payments, &retry, &options, &args, PgWorkflows::active_runs, listen)?
         }
     };
     out["files"] = json!({"db": args.db, "payments_db": payments_db});
     Ok(out)
 }
+
+/// What wakes the worker from outside.
+type Waker = Box<dyn Fn() + Send + 'static>;
 
 /// Runs still active, by status, and the earliest time one of them is due.
 type ActiveRuns = (std::collections::BTreeMap<String, u64>, Option<i64>);
@@ -139,6 +146,7 @@ fn work<S>(
     options: &WorkerOptions,
     args: &WorkerArgs,
     left: fn(&mut S) -> Result<ActiveRuns>,
+    listen: impl FnOnce(Waker) -> Result<Option<DueRunListener>>,
 ) -> Result<Value>
 where
     S: WorkflowStore + ScheduleStore + Send + 'static,
@@ -146,6 +154,7 @@ where
 {
     let workflows = builtin::workflows::<S>(payments, retry)?;
     let worker = Worker::new(writer.clone(), workflows, options.clone())?;
+    let listener = listen(Box::new(worker.waker()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -204,6 +213,7 @@ where
             never = ticking => never,
         }
     })?;
+    drop(listener);
     drop(worker);
     let (active, next_wake_at_ms) = writer.call_blocking(move |store, _| left(store))?;
     drop(writer);

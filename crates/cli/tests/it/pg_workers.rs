@@ -476,3 +476,66 @@ fn the_workflow_commands_run_on_a_postgres_store_and_refuse_bad_stores_with_type
     assert_eq!((r.code, code(&r)), (2, "schema_too_new".into()), "{}", r.stdout);
     admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).unwrap();
 }
+
+/// `LISTEN/NOTIFY` as a wake-up hint: a worker that polls once an hour runs a saga started by
+/// another process, and a run waiting for an event goes on when another process sends it, each
+/// long before its next poll (the waits are bounded at a minute; without the hint they would
+/// take an hour).
+#[test]
+fn a_worker_that_polls_once_an_hour_is_woken_by_starts_and_events_from_other_processes() {
+    let schema = format!("wake_{}", std::process::id());
+    let Some((url, mut admin)) = shared_server(&schema) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let payments = dir.path().join("payments.db");
+    let init = run(&["workflow", "init", "--store", &url, "--sku", "sku-1", "--quantity", "10"]);
+    assert_eq!(init.code, 0, "{}", init.stderr);
+    let mut worker = Command::new(BIN)
+        .args(["worker", "--store", &url, "--payments-db", path_str(&payments), "--poll-ms", "3600000"])
+        .args(["--max-seconds", "300"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The worker's first claim (at its start) finds nothing; everything after is woken.
+    std::thread::sleep(Duration::from_millis(500));
+    let ended = |run_id: &str| {
+        let r = run(&["workflow", "result", "--store", &url, "--run-id", run_id, "--wait-ms", "60000"]);
+        (
+            r.json["outcome"].as_str().unwrap_or_default().to_string(),
+            r.json["status"].as_str().unwrap_or_default().to_string(),
+        )
+    };
+    assert!(start(&url, "order_saga", "woken", &order("woken", json!({}))));
+    assert_eq!(ended("woken"), ("ended".to_string(), "completed".to_string()));
+    assert!(start(&url, "sleepy_order", "approve-me", &order("approve-me", json!({"approval": "ok"}))));
+    // It runs to its wait (woken by the start), then waits for the event.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let shown = run(&["workflow", "show", "--store", &url, "--run-id", "approve-me"]).json;
+        if shown["run"]["status"] == "waiting" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the run never reached its wait: {shown}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let sent = run(&[
+        "workflow",
+        "send-event",
+        "--store",
+        &url,
+        "--run-id",
+        "approve-me",
+        "--name",
+        "ok",
+        "--payload",
+        r#"{"approved": true}"#,
+    ]);
+    assert_eq!(sent.code, 0, "{}", sent.stdout);
+    assert_eq!(ended("approve-me"), ("ended".to_string(), "completed".to_string()));
+    let _ = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status();
+    let out = worker.wait_with_output().unwrap();
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["stopped_by"], "signal", "{report}");
+    admin.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).unwrap();
+}

@@ -355,6 +355,15 @@ where
         })
     }
 
+    /// What makes this worker claim now instead of at its next poll, for a wake-up hint from
+    /// outside (a PostgreSQL `LISTEN` beside the worker): the same "due now" nudge a run of this
+    /// worker gives when it makes another run due. A hint only: an idle worker (at most half its
+    /// slots busy, no backlog) claims at once; a busy one claims soon enough by itself.
+    pub fn waker(&self) -> impl Fn() + Send + Sync + 'static {
+        let due_now = self.due_now.clone();
+        move || due_now.notify_one()
+    }
+
     /// Tell `observer` what this worker does (see [`WorkerObserver`]).
     pub fn with_observer(mut self, observer: Arc<dyn WorkerObserver>) -> Self {
         self.observer = Some(observer);

@@ -685,9 +685,14 @@ impl WorkflowStore for PgWorkflows {
 
     fn start_runs(&mut self, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
         validate_starts(requests, now_ms)?;
+        let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
         let mut tx = self.apply.client_get_mut().transaction().db()?;
         let outcomes = start_in(&mut tx, st, requests, now_ms)?;
+        if outcomes.iter().any(|o| matches!(o, StartOutcome::Started { .. })) {
+            // A wake-up hint for listening workers (`DueRunListener`); polling stays the truth.
+            crate::listen::notify(&mut tx, &schema)?;
+        }
         crash::hit("workflow.start.before_commit");
         tx.commit().db()?;
         Ok(outcomes)
@@ -775,9 +780,14 @@ impl WorkflowStore for PgWorkflows {
 
     fn send_event(&mut self, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool> {
         validate_event(run_id, event_id, name, payload)?;
+        let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
         let mut tx = self.apply.client_get_mut().transaction().db()?;
         let added = send_event_validated(&mut tx, st, run_id, event_id, name, payload, now_ms)?;
+        if added {
+            // The run may be due now: a hint for listening workers.
+            crate::listen::notify(&mut tx, &schema)?;
+        }
         tx.commit().db()?;
         Ok(added)
     }
