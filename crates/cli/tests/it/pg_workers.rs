@@ -489,7 +489,7 @@ fn a_worker_that_polls_once_an_hour_is_woken_by_starts_and_events_from_other_pro
     let payments = dir.path().join("payments.db");
     let init = run(&["workflow", "init", "--store", &url, "--sku", "sku-1", "--quantity", "10"]);
     assert_eq!(init.code, 0, "{}", init.stderr);
-    let mut worker = Command::new(BIN)
+    let worker = Command::new(BIN)
         .args(["worker", "--store", &url, "--payments-db", path_str(&payments), "--poll-ms", "3600000"])
         .args(["--max-seconds", "300"])
         .stdin(Stdio::null())
