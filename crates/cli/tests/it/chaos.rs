@@ -14,6 +14,9 @@ use crate::support::{path_str, run, Run};
 const CI_SEEDS: [u64; 3] = [1, 2, 3];
 /// A seed whose 4 faults of the kinds SIGKILL and clock jump jump a clock forward and one back.
 const CLOCK_SEED: u64 = 16;
+/// A seed whose 5 partitions fail the link in every way: a flap, answers lost twice, a black
+/// hole, a cut.
+const PARTITION_SEED: u64 = 1;
 
 fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
     run(&[
@@ -273,6 +276,55 @@ fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
         .map(|f| f["jump_ms"].as_i64().unwrap())
         .collect();
     assert!(jumps.iter().any(|j| *j > 0) && jumps.iter().any(|j| *j < 0), "the seed jumps both ways: {jumps:?}");
+}
+
+/// Partitions between the servers' relays and a remote consumer's server (another `tidemark
+/// serve` behind the harness's TCP proxy): after cuts, a black hole, lost answers and a flap,
+/// every acknowledged event is in the remote inbox once, applied in order, and the relays caught
+/// up by themselves. The remote inbox is part of the independent check (a record deleted from it
+/// is reported `not_applied`).
+#[test]
+fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &PARTITION_SEED.to_string(),
+        "--duration-s",
+        "12",
+        "--faults",
+        "5",
+        "--kinds",
+        "partition",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds partition: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let modes: std::collections::BTreeSet<&str> =
+        report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
+    assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
+    assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
+    // The checker reads the remote inbox: a record taken out of it is reported.
+    let inbox = out.join("remote").join("tenants").join("chaos").join("inbox.db");
+    let conn = rusqlite::Connection::open(&inbox).unwrap();
+    let removed = conn.execute("DELETE FROM inbox WHERE rowid IN (SELECT rowid FROM inbox LIMIT 2)", []).unwrap();
+    assert_eq!(removed, 2);
+    drop(conn);
+    let checked = check(&out);
+    assert_eq!(checked.json["outcome"], "violations", "{}", checked.stdout);
+    assert_eq!(violations(&checked.json, "not_applied"), 2, "{}", checked.stdout);
 }
 
 #[test]

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
 
-use super::{invalid, AUDIT_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK};
+use super::{invalid, AUDIT_CONSUMER, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK};
 
 /// Longest ledger line the checker reads (a line is under 300 bytes).
 const LEDGER_LINE_BYTES_MAX: usize = 64 * 1024;
@@ -233,8 +233,15 @@ fn rows<T>(
     Ok(out)
 }
 
-/// Check the tenant's files against the ledger.
-pub fn check(files: &TenantFiles, tenant: &str, ledger: &[Acknowledged]) -> Result<CheckReport> {
+/// Check the tenant's files against the ledger; with `remote`, also the remote consumer's inbox
+/// on the remote server's files (the relays deliver to it over HTTP through the partitioned
+/// link).
+pub fn check(
+    files: &TenantFiles,
+    tenant: &str,
+    ledger: &[Acknowledged],
+    remote: Option<&TenantFiles>,
+) -> Result<CheckReport> {
     let mut report = CheckReport::default();
     for kind in VIOLATION_KINDS {
         report.counts.insert(kind, 0);
@@ -242,7 +249,16 @@ pub fn check(files: &TenantFiles, tenant: &str, ledger: &[Acknowledged]) -> Resu
     let producer = read_only(&files.producer)?;
     let inbox = read_only(&files.inbox)?;
     let workflows = read_only(&files.workflows)?;
-    check_events(&mut report, &producer, &inbox, tenant, ledger)?;
+    // The remote tenant's inbox appears with the remote server's first request.
+    let remote_inbox = match remote {
+        Some(remote) if remote.inbox.is_file() => Some(read_only(&remote.inbox)?),
+        Some(remote) => {
+            report.violation("not_applied", format!("the remote inbox {} does not exist yet", remote.inbox.display()));
+            None
+        }
+        None => None,
+    };
+    check_events(&mut report, &producer, &inbox, remote_inbox.as_ref(), tenant, ledger)?;
     let ended = check_runs(&mut report, &workflows, ledger)?;
     // The payments file appears with the first charge: no orders, no file.
     if files.payments.is_file() {
@@ -255,6 +271,7 @@ fn check_events(
     report: &mut CheckReport,
     producer: &Connection,
     inbox: &Connection,
+    remote_inbox: Option<&Connection>,
     tenant: &str,
     ledger: &[Acknowledged],
 ) -> Result<()> {
@@ -307,7 +324,9 @@ fn check_events(
         report.violation("relay_behind", format!("delivery of outbox position {position} to {consumer} is {status}"));
     }
 
-    for consumer in [SHIPPING_CONSUMER, AUDIT_CONSUMER] {
+    let mut consumers = vec![(SHIPPING_CONSUMER, inbox), (AUDIT_CONSUMER, inbox)];
+    consumers.extend(remote_inbox.map(|remote| (REMOTE_CONSUMER, remote)));
+    for (consumer, inbox) in consumers {
         // The consumer's inbox: (flow, seq) -> (event id, status).
         let records: Vec<(String, i64, String, String)> = {
             let mut stmt = inbox

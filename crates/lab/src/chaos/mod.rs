@@ -9,6 +9,7 @@
 //! and fenced by the run leases. See docs/reliability.md, "Chaos harness".
 
 pub mod checker;
+mod proxy;
 pub mod schedule;
 
 use std::collections::BTreeMap;
@@ -27,7 +28,8 @@ use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 
 use checker::{Acknowledged, TenantFiles};
-use schedule::{Fault, FaultKind};
+use proxy::{Link, Proxy};
+use schedule::{Fault, FaultKind, PartitionMode};
 
 use crate::loadtest::{write_ledger, FLOW_STATES};
 
@@ -37,6 +39,12 @@ pub const TENANT: &str = "chaos";
 pub(crate) const SHIPPING_CONSUMER: &str = "shipping";
 /// The consumer declared with the `record` handler (the inbox only).
 pub(crate) const AUDIT_CONSUMER: &str = "audit";
+/// The consumer on the remote server (its own data folder) that the servers' relays deliver to
+/// over HTTP through the harness's proxy, when the run partitions the network.
+pub(crate) const REMOTE_CONSUMER: &str = "remote";
+/// The bearer token the relays send the remote server (which runs without auth, as the servers
+/// do; the relay still needs one configured for the origin).
+const REMOTE_TOKEN: &str = "chaos-remote";
 /// The SKU every order takes from.
 pub(crate) const SKU: &str = "chaos-sku";
 /// Its stock, set before the workload (never runs out).
@@ -105,7 +113,9 @@ struct RunArgs {
     #[arg(long, default_value_t = 4)]
     faults: usize,
     /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`,
-    /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature).
+    /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature),
+    /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
+    /// answers or flaps).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -153,7 +163,10 @@ pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
 
 fn check_only(args: &CheckArgs) -> Result<Value> {
     let ledger = checker::read_ledger(&args.out.join("ledger.jsonl"))?;
-    let report = checker::check(&TenantFiles::new(&args.out.join("data"), TENANT), TENANT, &ledger)?;
+    // A run that partitioned the network has the remote server's folder beside its own.
+    let remote = args.out.join("remote");
+    let remote = remote.is_dir().then(|| TenantFiles::new(&remote, TENANT));
+    let report = checker::check(&TenantFiles::new(&args.out.join("data"), TENANT), TENANT, &ledger, remote.as_ref())?;
     let check = report.to_json(args.seed);
     Ok(json!({
         "outcome": if report.total() == 0 { "passed" } else { "violations" },
@@ -162,6 +175,13 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
         "applied_twice": report.counts["applied_twice"],
         "check": check,
     }))
+}
+
+impl Settings {
+    /// Does the run partition the network (a remote consumer behind the proxy)?
+    fn partitions(&self) -> bool {
+        self.kinds.contains(&FaultKind::Partition)
+    }
 }
 
 /// The validated settings of a run.
@@ -249,6 +269,9 @@ struct Serve {
     seed: u64,
     /// The file its wall-clock offset is read from, when the run jumps clocks.
     clock_file: Option<PathBuf>,
+    /// Its configuration file (the relay's settings and token for the remote consumer), when
+    /// the run partitions the network.
+    config: Option<PathBuf>,
     addr: String,
     child: Option<Child>,
     stopped: bool,
@@ -262,6 +285,7 @@ impl Serve {
             exe: exe.to_path_buf(),
             data: out.join("data"),
             log: out.join("logs").join(format!("serve-{index}.log")),
+            config: settings.partitions().then(|| out.join("serve.toml")),
             durability: settings.durability.clone(),
             faultfs: settings.kinds.contains(&FaultKind::PowerLoss).then(|| out.join("faultfs")),
             seed: settings.seed,
@@ -269,6 +293,25 @@ impl Serve {
                 .kinds
                 .contains(&FaultKind::ClockJump)
                 .then(|| out.join("clocks").join(format!("serve-{index}.offset_ms"))),
+            addr: "127.0.0.1:0".into(),
+            child: None,
+            stopped: false,
+        }
+    }
+
+    /// The remote consumer's server: its own data folder and log, no faults of its own.
+    fn remote(exe: &Path, settings: &Settings) -> Serve {
+        let out = &settings.out;
+        Serve {
+            index: settings.processes,
+            exe: exe.to_path_buf(),
+            data: out.join("remote"),
+            log: out.join("logs").join("remote.log"),
+            config: None,
+            durability: settings.durability.clone(),
+            faultfs: None,
+            seed: settings.seed,
+            clock_file: None,
             addr: "127.0.0.1:0".into(),
             child: None,
             stopped: false,
@@ -304,8 +347,12 @@ impl Serve {
             Some(file) => command.env(clock_env(), file),
             None => command.env_remove(clock_env()),
         };
+        command.arg("serve");
+        if let Some(config) = &self.config {
+            command.arg("--config").arg(config);
+        }
         let mut child = command
-            .args(["serve", "--data"])
+            .arg("--data")
             .arg(&self.data)
             .args(["--listen", &self.addr])
             .env_remove("TIDEMARK_CRASH_AT")
@@ -622,19 +669,29 @@ fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
     entry
 }
 
-/// Declare the two consumers and set the stock, through process 0 (blocking HTTP).
-fn setup(base: &str) -> Result<()> {
-    let http = reqwest::blocking::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .build()
-        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
-    let requests = [
+/// Declare the two consumers and set the stock, through process 0 (blocking HTTP); with a
+/// remote consumer, subscribe it at the proxy's address.
+fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
+    let mut requests = vec![
         (format!("{base}/v1/consumers/{SHIPPING_CONSUMER}"), json!({"handler": "reservation"})),
         (format!("{base}/v1/consumers/{AUDIT_CONSUMER}"), json!({"handler": "record"})),
         (format!("{base}/v1/stock/{SKU}"), json!({"quantity": STOCK})),
     ];
+    if let Some(remote) = remote {
+        let endpoint = format!("http://{}/v1/consumers/{REMOTE_CONSUMER}/inbox", remote.proxy.addr());
+        requests.push((format!("{base}/v1/subscriptions/{REMOTE_CONSUMER}"), json!({"endpoint": endpoint})));
+    }
+    put_all(&requests)
+}
+
+/// PUT each body to its URL, in order; any answer but 2xx is an error.
+fn put_all(requests: &[(String, Value)]) -> Result<()> {
+    let http = reqwest::blocking::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
     for (url, body) in requests {
-        let response = http.put(&url).json(&body).send().map_err(|e| Error::io(format!("PUT {url}: {e}")))?;
+        let response = http.put(url).json(body).send().map_err(|e| Error::io(format!("PUT {url}: {e}")))?;
         let status = response.status();
         if !status.is_success() {
             let text = response.text().unwrap_or_default();
@@ -642,6 +699,62 @@ fn setup(base: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The remote consumer's server and the link to it, when the run partitions the network.
+struct Remote {
+    server: Serve,
+    proxy: Proxy,
+}
+
+impl Remote {
+    /// Start the proxy, write the servers' configuration (the relay's token for the proxy's
+    /// origin, short backoffs so that delivery resumes soon after a partition heals), start the
+    /// remote server behind the proxy and declare its consumer.
+    fn start(exe: &Path, settings: &Settings) -> Result<Remote> {
+        let proxy = Proxy::start()?;
+        let config = format!(
+            "[relay]\nattempt_timeout_ms = {}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n\
+             [relay.tokens]\n\"http://{}\" = \"{REMOTE_TOKEN}\"\n",
+            CLIENT_REQUEST_TIMEOUT.as_millis(),
+            proxy.addr()
+        );
+        std::fs::write(settings.out.join("serve.toml"), config).map_err(io("cannot write serve.toml"))?;
+        let mut server = Serve::remote(exe, settings);
+        server.start()?;
+        proxy.set_target(&server.addr);
+        let consumer = format!("{}/v1/consumers/{REMOTE_CONSUMER}", server.base());
+        put_all(&[(consumer, json!({"handler": "record"}))])?;
+        Ok(Remote { server, proxy })
+    }
+
+    fn files(&self) -> TenantFiles {
+        TenantFiles::new(&self.server.data, TENANT)
+    }
+
+    /// Fail the link as `mode` says for `hold_ms`, then heal it. A flap's rhythm comes from the
+    /// run's seed and the fault's index.
+    fn partition(&self, mode: PartitionMode, hold_ms: u64, seed: u64, index: usize) {
+        let link = match mode {
+            PartitionMode::Cut | PartitionMode::Flap => Link::Cut,
+            PartitionMode::BlackHole => Link::BlackHole,
+            PartitionMode::LoseAnswers => Link::LoseAnswers,
+        };
+        let until = Instant::now() + Duration::from_millis(hold_ms);
+        if mode == PartitionMode::Flap {
+            let mut rng = StdRng::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
+            let mut up = false;
+            while let Some(left) = until.checked_duration_since(Instant::now()) {
+                self.proxy.set(if up { Link::Pass } else { link });
+                up = !up;
+                std::thread::sleep(Duration::from_millis(rng.gen_range(100..=400)).min(left));
+            }
+        } else {
+            self.proxy.set(link);
+            std::thread::sleep(until.saturating_duration_since(Instant::now()));
+        }
+        self.proxy.set(Link::Pass);
+    }
 }
 
 /// Nearest-rank percentile of sorted values (0 when there are none).
@@ -673,9 +786,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         serde_json::to_string(&faults).map_err(|e| Error::io(e.to_string()))?
     );
 
+    let mut remote = if settings.partitions() { Some(Remote::start(&exe, &settings)?) } else { None };
     let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings)).collect();
     servers[0].start()?;
-    setup(&servers[0].base())?;
+    setup(&servers[0].base(), remote.as_ref())?;
     for server in servers.iter_mut().skip(1) {
         server.start()?;
     }
@@ -719,7 +833,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers, fault, &shared) {
+        match inject(&mut servers, remote.as_ref(), fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -760,6 +874,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     }
     let ledger_entries = checker::read_ledger(&ledger_path)?;
     let files = TenantFiles::new(&settings.out.join("data"), TENANT);
+    let remote_files = remote.as_ref().map(Remote::files);
     let restarted = Instant::now();
     for server in &mut servers {
         server.start()?;
@@ -774,7 +889,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     }
     let mut converged = false;
     while restarted.elapsed() < settings.converge_timeout {
-        if checker::check(&files, TENANT, &ledger_entries)?.converged() {
+        if checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?.converged() {
             converged = true;
             break;
         }
@@ -784,7 +899,12 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     for server in &mut servers {
         server.terminate()?;
     }
-    let report = checker::check(&files, TENANT, &ledger_entries)?;
+    let link =
+        remote.as_ref().map(|r| json!({"connections": r.proxy.connections(), "answers_lost": r.proxy.answers_lost()}));
+    if let Some(remote) = remote.as_mut() {
+        remote.server.terminate()?;
+    }
+    let report = checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?;
 
     let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
     let unobserved = recovery.unobserved + recovery.waiting.len() as u64;
@@ -821,6 +941,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "sigstop": by_kind(FaultKind::Sigstop),
             "power_loss": by_kind(FaultKind::PowerLoss),
             "clock_jump": by_kind(FaultKind::ClockJump),
+            "partition": by_kind(FaultKind::Partition),
+            "link": link,
             "unsynced_writes_lost": writes_lost,
             "schedule": injected,
         },
@@ -853,7 +975,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
 
 /// Inject one fault and bring the process (or, after a power loss, every process) back;
 /// returns what was done, with its times.
-fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value> {
+fn inject(servers: &mut [Serve], remote: Option<&Remote>, fault: &Fault, shared: &Shared) -> Result<Value> {
     let began_ms = shared.started.elapsed().as_millis() as u64;
     let mut lost = Value::Null;
     match fault.kind {
@@ -875,6 +997,11 @@ fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.set_clock_offset(0)?;
         }
+        FaultKind::Partition => {
+            let remote = remote.ok_or_else(|| invalid("a partition needs the remote consumer (--kinds partition)"))?;
+            let mode = fault.partition.ok_or_else(|| Error::Invariant("a partition fault without a mode".into()))?;
+            remote.partition(mode, fault.hold_ms, shared.seed, fault.index);
+        }
         FaultKind::PowerLoss => {
             for server in servers.iter_mut() {
                 server.sigkill();
@@ -889,13 +1016,16 @@ fn inject(servers: &mut [Serve], fault: &Fault, shared: &Shared) -> Result<Value
     let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
     match fault.kind {
         FaultKind::PowerLoss => (0..servers.len()).for_each(|process| recovery.back(process, fault.index)),
+        // The processes never stopped: nothing of theirs to recover (the relays catch up, which
+        // the convergence wait and the checker see).
+        FaultKind::Partition => {}
         _ => recovery.back(fault.process, fault.index),
     }
     let back_ms = shared.started.elapsed().as_millis() as u64;
     Ok(json!({
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
-        "jump_ms": fault.jump_ms, "power_loss": lost,
+        "jump_ms": fault.jump_ms, "partition": fault.partition, "power_loss": lost,
     }))
 }
 

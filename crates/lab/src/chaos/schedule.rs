@@ -15,6 +15,11 @@ const POWER_LOSS_PERCENT: u32 = 25;
 const CLOCK_JUMP_PERCENT: u32 = 25;
 /// The size of a clock jump, in leases (either direction): from one lease to this many.
 const CLOCK_JUMP_LEASES_MAX: u64 = 5;
+/// Percent of the faults that are a partition, when partitions are among the kinds asked for
+/// beside others.
+const PARTITION_PERCENT: u32 = 25;
+/// Shortest and longest partition, in ms.
+const PARTITION_MS_RANGE: (u64, u64) = (300, 3_000);
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -39,6 +44,27 @@ pub enum FaultKind {
     /// theirs to it. Monotonic clocks are not touched. Needs a failpoints build.
     #[value(name = "clock-jump")]
     ClockJump,
+    /// The network between the servers' relays and the remote consumer's server (an in-harness
+    /// TCP proxy) fails for `hold_ms` as `partition` says, then heals. `process` is 0 (the
+    /// link, not a process).
+    Partition,
+}
+
+/// How a partition fails the link (the harness's TCP proxy between the relays and the remote
+/// server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PartitionMode {
+    /// Connections are cut and new ones refused (reset at once).
+    Cut,
+    /// Connections are accepted and what is sent is swallowed: nothing comes back, the relay's
+    /// attempt times out.
+    BlackHole,
+    /// One way: requests reach the remote server (which commits them), its answers are lost
+    /// (the relay sees a failed attempt and delivers again: the remote answers `duplicate`).
+    LoseAnswers,
+    /// The link goes up and down every 100-400 ms.
+    Flap,
 }
 
 /// One scheduled fault.
@@ -57,6 +83,8 @@ pub struct Fault {
     pub hold_ms: u64,
     /// A clock jump's step, in ms (negative: back); 0 for the other kinds.
     pub jump_ms: i64,
+    /// A partition's way of failing the link; `None` for the other kinds.
+    pub partition: Option<PartitionMode>,
 }
 
 /// The schedule of `faults` faults of the given `kinds` (at least one) on `processes` processes
@@ -105,7 +133,18 @@ pub fn schedule(
                     kind = FaultKind::ClockJump;
                 }
             }
-            if kind == FaultKind::PowerLoss {
+            // With other kinds, a partition one time in four instead of a signal (drawn only when
+            // partitions are asked for, so other schedules stay the ones earlier builds made).
+            if has(FaultKind::Partition) {
+                let only = signals == 0 && !has(FaultKind::PowerLoss) && !has(FaultKind::ClockJump);
+                let instead = only
+                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
+                        && rng.gen_range(0..100) < PARTITION_PERCENT);
+                if instead {
+                    kind = FaultKind::Partition;
+                }
+            }
+            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition) {
                 process = 0;
             }
             let hold_ms = match kind {
@@ -115,7 +154,14 @@ pub fn schedule(
                 FaultKind::Sigstop | FaultKind::ClockJump => {
                     lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
                 }
+                FaultKind::Partition => rng.gen_range(PARTITION_MS_RANGE.0..=PARTITION_MS_RANGE.1),
             };
+            let partition = (kind == FaultKind::Partition).then(|| match rng.gen_range(0..4) {
+                0 => PartitionMode::Cut,
+                1 => PartitionMode::BlackHole,
+                2 => PartitionMode::LoseAnswers,
+                _ => PartitionMode::Flap,
+            });
             let jump_ms = match kind {
                 FaultKind::ClockJump => {
                     let size = rng.gen_range(lease_ms..=lease_ms * CLOCK_JUMP_LEASES_MAX) as i64;
@@ -127,7 +173,7 @@ pub fn schedule(
                 }
                 _ => 0,
             };
-            Fault { index, at_ms, kind, process, hold_ms, jump_ms }
+            Fault { index, at_ms, kind, process, hold_ms, jump_ms, partition }
         })
         .collect()
 }
@@ -192,6 +238,23 @@ mod tests {
             .map(|f| f.kind)
             .collect();
         assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
+    }
+
+    #[test]
+    fn partitions_join_the_other_kinds_in_every_mode_and_leave_other_schedules_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::Partition];
+        let mixed = schedule(11, 80, &with, 3, 60_000, 1_000);
+        let cuts: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::Partition).collect();
+        assert!(!cuts.is_empty() && cuts.len() < mixed.len(), "{mixed:?}");
+        assert!(cuts.iter().all(|f| f.process == 0 && (300..=3_000).contains(&f.hold_ms)), "{cuts:?}");
+        for mode in [PartitionMode::Cut, PartitionMode::BlackHole, PartitionMode::LoseAnswers, PartitionMode::Flap] {
+            assert!(cuts.iter().any(|f| f.partition == Some(mode)), "no {mode:?} in {cuts:?}");
+        }
+        assert!(mixed.iter().filter(|f| f.kind != FaultKind::Partition).all(|f| f.partition.is_none()));
+        let only = schedule(11, 10, &[FaultKind::Partition], 3, 60_000, 1_000);
+        assert!(only.iter().all(|f| f.kind == FaultKind::Partition));
+        let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
+        assert_eq!(due(&mixed), due(&schedule(11, 80, &SIGNALS, 3, 60_000, 1_000)));
     }
 
     #[test]
