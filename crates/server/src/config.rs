@@ -178,6 +178,10 @@ pub struct RelayConfig {
     /// to as `guest:guest`, which RabbitMQ accepts from loopback only. Like tokens, credentials
     /// live here, never in the producer database.
     pub amqp_credentials: std::collections::BTreeMap<String, String>,
+    /// A PEM file of root certificates the relay trusts for `https://` endpoints besides the
+    /// system's (a private CA, a receiver's self-signed certificate). Checked at start: it must
+    /// hold at least one certificate and be at most 1 MiB.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 /// `[consumers]`: how each tenant's declared consumers apply their inboxes.
@@ -299,6 +303,7 @@ impl Default for RelayConfig {
             attempt_timeout_ms: 10_000,
             tokens: Default::default(),
             amqp_credentials: Default::default(),
+            ca_file: None,
         }
     }
 }
@@ -456,6 +461,9 @@ impl Config {
                 )));
             }
         }
+        if let Some(path) = &self.relay.ca_file {
+            tidemark_transport::http::load_roots(path)?;
+        }
         range("consumers.drain_interval_ms", self.consumers.drain_interval_ms.into(), 1, 3_600_000)?;
         range("consumers.drain_batch", self.consumers.drain_batch as i128, 1, DRAIN_BATCH_EVENTS_MAX as i128)?;
         range("workers.concurrency", self.workers.concurrency as i128, 1, 10_000)?;
@@ -514,6 +522,7 @@ impl Config {
             // A broker client gives up on a message a little before the lane does, so that the lane
             // records the broker's reason rather than its own timeout.
             message_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms * 9 / 10),
+            http_ca_file: self.relay.ca_file.clone(),
         }
     }
 

@@ -9,6 +9,7 @@
 
 use serde::Deserialize;
 use tidemark_core::endpoint::EndpointKind;
+use tidemark_core::error::codes;
 use tidemark_core::limits::{HTTP_RECEIVE_BATCH_BYTES_MAX, HTTP_RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
@@ -19,6 +20,45 @@ use crate::{chunk_ranges, Delivered, Transport, TransportConfig};
 #[derive(Deserialize)]
 struct BatchAnswer {
     outcomes: Vec<ReceiveOutcome>,
+}
+
+/// An error and its causes, innermost last (reqwest's own text says only "error sending
+/// request"; the cause says why: a refused connection, an unknown certificate issuer).
+fn with_causes(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(inner) = cause {
+        let more = inner.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        cause = inner.source();
+    }
+    text
+}
+
+/// The longest CA file read, in bytes.
+pub const CA_FILE_BYTES_MAX: u64 = 1024 * 1024;
+
+/// The root certificates of a PEM file (`relay.ca_file`): at least one, at most
+/// [`CA_FILE_BYTES_MAX`] bytes; anything else is `invalid_config`, with the file named.
+pub fn load_roots(path: &std::path::Path) -> Result<Vec<reqwest::Certificate>> {
+    let invalid =
+        |why: String| Error::invalid(codes::INVALID_CONFIG, format!("relay.ca_file {}: {why}", path.display()));
+    let file = std::fs::File::open(path).map_err(|e| invalid(format!("cannot be read: {e}")))?;
+    let mut pem = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::Read::take(file, CA_FILE_BYTES_MAX + 1), &mut pem)
+        .map_err(|e| invalid(format!("cannot be read: {e}")))?;
+    if pem.len() as u64 > CA_FILE_BYTES_MAX {
+        return Err(invalid(format!("is larger than {CA_FILE_BYTES_MAX} bytes")));
+    }
+    let roots =
+        reqwest::Certificate::from_pem_bundle(&pem).map_err(|e| invalid(format!("is not PEM certificates: {e}")))?;
+    if roots.is_empty() {
+        return Err(invalid("holds no PEM certificate".into()));
+    }
+    Ok(roots)
 }
 
 /// The error body every tidemark route answers with.
@@ -43,11 +83,13 @@ pub struct HttpTransport {
 impl HttpTransport {
     /// A client for the inbox at `url` (its `/batch` route) that authenticates with `token`.
     pub fn new(url: &str, token: String, config: &TransportConfig) -> Result<HttpTransport> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(config.connect_timeout)
-            .pool_max_idle_per_host(2)
-            .build()
-            .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+        let mut builder = reqwest::Client::builder().connect_timeout(config.connect_timeout).pool_max_idle_per_host(2);
+        if let Some(path) = &config.http_ca_file {
+            for root in load_roots(path)? {
+                builder = builder.add_root_certificate(root);
+            }
+        }
+        let client = builder.build().map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
         Ok(HttpTransport { client, batch_url: format!("{url}/batch"), token })
     }
 
@@ -70,7 +112,7 @@ impl HttpTransport {
             .body(body)
             .send()
             .await
-            .map_err(|e| Error::io(format!("POST {}: {e}", self.batch_url)))?;
+            .map_err(|e| Error::io(format!("POST {}: {}", self.batch_url, with_causes(&e))))?;
         let status = response.status();
         let bytes = response.bytes().await.map_err(|e| Error::io(format!("POST {}: {e}", self.batch_url)))?;
         if status != reqwest::StatusCode::OK {

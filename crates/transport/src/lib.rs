@@ -20,7 +20,7 @@
 
 mod amqp;
 mod amqp_source;
-mod http;
+pub mod http;
 mod kafka;
 mod kafka_source;
 mod nats;
@@ -85,6 +85,9 @@ pub struct TransportConfig {
     /// it a little under `relay.attempt_timeout_ms`, so that a lane records the broker's reason
     /// (a broker down, a message timed out) rather than its own timeout.
     pub message_timeout: Duration,
+    /// A PEM file of root certificates trusted for `https://` endpoints besides the system's
+    /// (a private CA, a self-signed receiver); read when a lane connects.
+    pub http_ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for TransportConfig {
@@ -94,6 +97,7 @@ impl Default for TransportConfig {
             amqp_credentials: BTreeMap::new(),
             connect_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(30),
+            http_ca_file: None,
         }
     }
 }

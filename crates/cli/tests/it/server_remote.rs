@@ -1474,3 +1474,108 @@ fn events_cross_a_cut_flapping_network_that_loses_answers_exactly_once_and_in_or
     let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
     assert!(lane(&page, "ledger").is_some(), "{page}");
 }
+
+/// A TLS terminator on loopback in front of `target` (plain HTTP), with a self-signed certificate
+/// for `localhost`; the returned PEM is the certificate, which a relay must be told to trust.
+fn tls_terminator(target: String) -> (String, String) {
+    use std::sync::Arc;
+    use tokio_rustls::rustls;
+    let certified = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let pem = certified.cert.pem();
+    let cert = certified.cert.der().clone();
+    let key = rustls::pki_types::PrivateKeyDer::try_from(certified.key_pair.serialize_der()).unwrap();
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert], key)
+        .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            // Ends with the test process (the thread is detached; every connection is bounded by
+            // its peers closing it).
+            while let Ok((tcp, _)) = listener.accept().await {
+                let (acceptor, target) = (acceptor.clone(), target.clone());
+                tokio::spawn(async move {
+                    let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                    let Ok(mut plain) = tokio::net::TcpStream::connect(&target).await else { return };
+                    let _ = tokio::io::copy_bidirectional(&mut tls, &mut plain).await;
+                });
+            }
+        });
+    });
+    (format!("https://localhost:{port}"), pem)
+}
+
+/// Delivery to an `https://` endpoint: a relay that trusts the receiver's certificate
+/// (`relay.ca_file`) delivers every event once; one that does not refuses the connection, keeps
+/// the events pending with the TLS error as the lane's reason, and accepts nothing; a CA file
+/// that holds no certificate stops the server at start with `invalid_config`.
+#[test]
+fn events_cross_over_https_only_to_a_certificate_the_relay_trusts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
+    let (origin, pem) = tls_terminator(ship.base.trim_start_matches("http://").to_string());
+    let ca = dir.path().join("ca.pem");
+    std::fs::write(&ca, &pem).unwrap();
+    let endpoint = format!("{origin}/v1/consumers/ledger/inbox");
+    let start_orders = |name: &str, ca_file: Option<&Path>| {
+        let data = dir.path().join(name);
+        let admin = token(&data, "orders", "admin");
+        let mut text = format!(
+            "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 300\nmax_attempts = 1000\n"
+        );
+        if let Some(ca) = ca_file {
+            text.push_str(&format!("ca_file = {:?}\n", ca.to_str().unwrap()));
+        }
+        text.push_str(&format!("[relay.tokens]\n\"{origin}\" = \"{ship_token}\"\n"));
+        let config = data.join("orders.toml");
+        std::fs::write(&config, text).unwrap();
+        (Server::start(&data, &["--config", config.to_str().unwrap()], &[]), admin)
+    };
+
+    // Not trusted: the TLS handshake fails; the events stay pending with the reason.
+    let (untrusting, untrusting_token) = start_orders("orders-untrusting", None);
+    let (status, body) = subscribe(&untrusting, &untrusting_token, "ledger", &endpoint);
+    assert_eq!((status, body["kind"].as_str()), (200, Some("http")), "{body}");
+    append(&untrusting, &untrusting_token, "refused", 3);
+    let reason = untrusting.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&untrusting_token), None);
+        lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+    });
+    assert!(reason.contains("ledger/inbox/batch") && reason.contains("certificate"), "{reason}");
+    let (_, accepted) = untrusting.call("GET", "/v1/outbox?status=accepted&limit=10", Some(&untrusting_token), None);
+    assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(0), "{accepted}");
+    drop(untrusting);
+
+    // Trusted: every event arrives once.
+    let (orders, orders_token) = start_orders("orders", Some(&ca));
+    let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
+    assert_eq!(status, 200, "{body}");
+    for f in 0..5 {
+        append(&orders, &orders_token, &format!("secure-{f}"), 2);
+    }
+    let seen = ship.wait_for(WAIT, |s| {
+        let seen = applied(s, &ship_token);
+        (seen.keys().filter(|(flow, _)| flow.starts_with("secure-")).count() == 10).then_some(seen)
+    });
+    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+    assert!(!seen.keys().any(|(flow, _)| flow == "refused"), "the untrusting relay delivered nothing: {seen:?}");
+
+    // A CA file without a certificate: the server does not start.
+    let bad = dir.path().join("bad.pem");
+    std::fs::write(&bad, "not a certificate\n").unwrap();
+    let config = dir.path().join("bad.toml");
+    std::fs::write(&config, format!("[relay]\nca_file = {:?}\n", bad.to_str().unwrap())).unwrap();
+    let checked = crate::support::run(&["config", "check", "--config", config.to_str().unwrap()]);
+    assert_eq!(checked.code, 2, "{}{}", checked.stdout, checked.stderr);
+    assert_eq!(checked.json["error"]["code"], "invalid_config", "{}", checked.stdout);
+    assert!(checked.stdout.contains("relay.ca_file"), "{}", checked.stdout);
+}
