@@ -1529,9 +1529,9 @@ fn events_cross_over_https_only_to_a_certificate_the_relay_trusts() {
     let start_orders = |name: &str, ca_file: Option<&Path>| {
         let data = dir.path().join(name);
         let admin = token(&data, "orders", "admin");
-        let mut text = format!(
+        let mut text =
             "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 300\nmax_attempts = 1000\n"
-        );
+                .to_string();
         if let Some(ca) = ca_file {
             text.push_str(&format!("ca_file = {:?}\n", ca.to_str().unwrap()));
         }
