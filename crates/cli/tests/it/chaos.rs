@@ -14,6 +14,8 @@ use crate::support::{path_str, run, Run};
 const CI_SEEDS: [u64; 3] = [1, 2, 3];
 /// A seed whose 4 faults of the kinds SIGKILL and clock jump jump a clock forward and one back.
 const CLOCK_SEED: u64 = 16;
+/// A seed whose 6 faults on 2 servers and 2 worker processes hit the worker processes 3 times.
+const WORKERS_SEED: u64 = 5;
 /// A seed whose 5 partitions fail the link in every way: a flap, answers lost twice, a black
 /// hole, a cut.
 const PARTITION_SEED: u64 = 1;
@@ -278,6 +280,41 @@ fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
     assert!(jumps.iter().any(|j| *j > 0) && jumps.iter().any(|j| *j < 0), "the seed jumps both ways: {jumps:?}");
 }
 
+/// `tidemark worker` processes beside the servers, on the tenant's workflow database, killed and
+/// paused like the servers: the runs they held are taken over, nothing lost or applied twice.
+#[test]
+fn chaos_worker_processes_beside_the_servers_lose_nothing_and_apply_nothing_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &WORKERS_SEED.to_string(),
+        "--duration-s",
+        "12",
+        "--faults",
+        "6",
+        "--workers",
+        "2",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --workers 2: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(report["faults"]["on_workers"].as_u64().unwrap() > 0, "no fault hit a worker process: {report:#}");
+    assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
+}
+
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark
 /// serve` behind the harness's TCP proxy): after cuts, a black hole, lost answers and a flap,
 /// every acknowledged event is in the remote inbox once, applied in order, and the relays caught
@@ -332,7 +369,9 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 7] = [
+    let cases: [&[&str]; 9] = [
+        &["chaos", "--seed", "1", "--workers", "9", "--out", out_str],
+        &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,clock-jump", "--out", out_str],
         &["chaos", "--seed", "not-a-number", "--out", out_str],
         &["chaos", "--out", out_str],
         &["chaos", "--seed", "1", "--processes", "0", "--out", out_str],

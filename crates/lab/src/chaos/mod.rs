@@ -65,6 +65,8 @@ const FAULTS_MAX: usize = 10_000;
 const DURATION_S_MAX: u64 = 24 * 3_600;
 /// Most concurrent clients.
 const CLIENTS_MAX: usize = 256;
+/// Most worker processes beside the servers.
+const WORKERS_MAX: usize = 8;
 /// Longest wait for convergence after the clean restart.
 const CONVERGE_TIMEOUT_S_MAX: u64 = 3_600;
 /// How long a server may take to print its listening line.
@@ -124,6 +126,11 @@ struct RunArgs {
     /// Concurrent HTTP clients (1..=256).
     #[arg(long, default_value_t = 8)]
     clients: usize,
+    /// `tidemark worker` processes on the tenant's workflow database beside the servers
+    /// (0..=8), sharing their runs; SIGKILLs and SIGSTOPs hit them too (not with power losses or
+    /// clock jumps).
+    #[arg(long, default_value_t = 0)]
+    workers: usize,
     /// Seconds to wait for convergence after the clean restart (1..=3600).
     #[arg(long, default_value_t = 120)]
     converge_timeout_s: u64,
@@ -193,6 +200,7 @@ struct Settings {
     durability: String,
     processes: usize,
     clients: usize,
+    workers: usize,
     converge_timeout: Duration,
     out: PathBuf,
 }
@@ -207,6 +215,9 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     }
     if !(1..=DURATION_S_MAX).contains(&args.duration_s) {
         return Err(invalid(format!("--duration-s must be 1..={DURATION_S_MAX}, got {}", args.duration_s)));
+    }
+    if args.workers > WORKERS_MAX {
+        return Err(invalid(format!("--workers must be 0..={WORKERS_MAX}, got {}", args.workers)));
     }
     if !(1..=CLIENTS_MAX).contains(&args.clients) {
         return Err(invalid(format!("--clients must be 1..={CLIENTS_MAX}, got {}", args.clients)));
@@ -225,6 +236,11 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
+        ));
+    }
+    if args.workers > 0 && (kinds.contains(&FaultKind::PowerLoss) || kinds.contains(&FaultKind::ClockJump)) {
+        return Err(invalid(
+            "--workers runs worker processes outside the fault VFS and the clock offset files: combine them with sigkill, sigstop and partition only",
         ));
     }
     if !["full", "normal"].contains(&durability) {
@@ -248,6 +264,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         durability: durability.to_string(),
         processes: args.processes,
         clients: args.clients,
+        workers: args.workers,
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
         out,
     })
@@ -273,8 +290,7 @@ struct Serve {
     /// the run partitions the network.
     config: Option<PathBuf>,
     addr: String,
-    child: Option<Child>,
-    stopped: bool,
+    process: Proc,
 }
 
 impl Serve {
@@ -294,8 +310,7 @@ impl Serve {
                 .contains(&FaultKind::ClockJump)
                 .then(|| out.join("clocks").join(format!("serve-{index}.offset_ms"))),
             addr: "127.0.0.1:0".into(),
-            child: None,
-            stopped: false,
+            process: Proc::default(),
         }
     }
 
@@ -313,8 +328,7 @@ impl Serve {
             seed: settings.seed,
             clock_file: None,
             addr: "127.0.0.1:0".into(),
-            child: None,
-            stopped: false,
+            process: Proc::default(),
         }
     }
 
@@ -396,11 +410,35 @@ impl Serve {
             return Err(Error::io(format!("unexpected first line {line:?}")));
         };
         self.addr = addr.to_string();
-        self.child = Some(child);
-        self.stopped = false;
+        self.process = Proc { child: Some(child), stopped: false };
         Ok(())
     }
 
+    fn sigkill(&mut self) {
+        self.process.sigkill();
+    }
+
+    fn sigstop(&mut self) -> Result<()> {
+        self.process.sigstop()
+    }
+
+    fn sigcont(&mut self) -> Result<()> {
+        self.process.sigcont()
+    }
+
+    fn terminate(&mut self) -> Result<()> {
+        self.process.terminate()
+    }
+}
+
+/// A child process the harness signals: killed, paused, resumed, stopped gracefully.
+#[derive(Default)]
+struct Proc {
+    child: Option<Child>,
+    stopped: bool,
+}
+
+impl Proc {
     fn signal(&self, signal: &str) -> Result<()> {
         let Some(child) = &self.child else { return Ok(()) };
         let status =
@@ -443,13 +481,80 @@ impl Serve {
         let Some(mut child) = self.child.take() else { return Ok(()) };
         let began = Instant::now();
         while began.elapsed() < STOP_TIMEOUT {
-            if child.try_wait().map_err(io("cannot wait for a server"))?.is_some() {
+            if child.try_wait().map_err(io("cannot wait for a process"))?.is_some() {
                 return Ok(());
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = child.kill();
         let _ = child.wait();
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.stopped {
+            let _ = self.sigcont();
+        }
+        self.sigkill();
+    }
+}
+
+/// A `tidemark worker` process on the tenant's workflow database and payment log, beside the
+/// servers (`--workers`): it shares their runs under the same leases and fences.
+struct WorkerProcess {
+    index: usize,
+    exe: PathBuf,
+    data: PathBuf,
+    log: PathBuf,
+    durability: String,
+    process: Proc,
+}
+
+impl WorkerProcess {
+    fn reports_path(&self) -> PathBuf {
+        self.log.with_extension("reports.json")
+    }
+
+    /// Where each start's report goes (the report a graceful stop prints; a killed process
+    /// prints none), appended.
+    fn reports(&self) -> Result<std::fs::File> {
+        std::fs::OpenOptions::new().create(true).append(true).open(self.reports_path()).map_err(io("cannot open a log"))
+    }
+
+    /// Runs claimed by this worker's processes that stopped gracefully (a killed one's claims
+    /// are not counted: it printed no report).
+    fn claimed(&self) -> u64 {
+        let text = std::fs::read_to_string(self.reports_path()).unwrap_or_default();
+        serde_json::Deserializer::from_str(&text)
+            .into_iter::<Value>()
+            .filter_map(|report| report.ok()?["claimed"].as_u64())
+            .sum()
+    }
+
+    fn start(&mut self) -> Result<()> {
+        let tenant = self.data.join("tenants").join(TENANT);
+        let log =
+            std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
+        let child = Command::new(&self.exe)
+            .args(["--durability", &self.durability, "worker", "--db"])
+            .arg(tenant.join("workflows.db"))
+            .arg("--payments-db")
+            .arg(tenant.join("payments.db"))
+            .args(["--worker-id", &format!("chaos-worker-{}", self.index)])
+            .args(["--lease-ms", &LEASE_MS.to_string(), "--poll-ms", "50"])
+            .args(["--retry-delay-ms", &RETRY_DELAY_MS.to_string(), "--max-attempts", &MAX_ATTEMPTS.to_string()])
+            .args(["--max-seconds", &DURATION_S_MAX.to_string()])
+            .env_remove("TIDEMARK_CRASH_AT")
+            .env_remove(faultfs_env())
+            .env_remove(clock_env())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(self.reports()?))
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(io("cannot start tidemark worker"))?;
+        self.process = Proc { child: Some(child), stopped: false };
         Ok(())
     }
 }
@@ -472,15 +577,6 @@ impl Serve {
         let file = self.clock_file.as_ref().ok_or_else(|| invalid("a clock jump needs --kinds clock-jump"))?;
         std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create clocks/"))?;
         std::fs::write(file, offset_ms.to_string()).map_err(io("cannot write a clock offset"))
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        if self.stopped {
-            let _ = self.sigcont();
-        }
-        self.sigkill();
     }
 }
 
@@ -774,7 +870,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         settings.seed,
         settings.faults,
         &settings.kinds,
-        settings.processes,
+        // Worker processes are faulted too: processes `processes..` of the schedule.
+        settings.processes + settings.workers,
         settings.duration_ms,
         LEASE_MS,
     );
@@ -792,6 +889,19 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     setup(&servers[0].base(), remote.as_ref())?;
     for server in servers.iter_mut().skip(1) {
         server.start()?;
+    }
+    let mut workers: Vec<WorkerProcess> = (0..settings.workers)
+        .map(|index| WorkerProcess {
+            index,
+            exe: exe.clone(),
+            data: settings.out.join("data"),
+            log: settings.out.join("logs").join(format!("worker-{index}.log")),
+            durability: settings.durability.clone(),
+            process: Proc::default(),
+        })
+        .collect();
+    for worker in &mut workers {
+        worker.start()?;
     }
 
     let ledger_path = settings.out.join("ledger.jsonl");
@@ -833,7 +943,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers, remote.as_ref(), fault, &shared) {
+        match inject(&mut servers, &mut workers, remote.as_ref(), fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -867,8 +977,12 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         return Err(error);
     }
 
-    // A clean restart of every process, then a bounded wait for the relay, the drains and the
-    // workers to finish by themselves.
+    // A clean restart of every server (the worker processes stop for good), then a bounded
+    // wait for the relay, the drains and the workers to finish by themselves.
+    for worker in &mut workers {
+        worker.process.terminate()?;
+    }
+    let worker_claims: u64 = workers.iter().map(WorkerProcess::claimed).sum();
     for server in &mut servers {
         server.terminate()?;
     }
@@ -926,12 +1040,15 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         "outcome": if passed { "passed" } else { "violations" },
         "seed": settings.seed,
         "reproduce": format!(
-            "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}",
+            "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}{}",
             settings.seed, settings.duration_ms / 1_000, settings.faults, kinds.join(","), settings.durability,
-            settings.processes, settings.clients
+            settings.processes, settings.clients,
+            if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() }
         ),
         "durability": settings.durability,
         "processes": settings.processes,
+        "workers": settings.workers,
+        "worker_claims": worker_claims,
         "clients": settings.clients,
         "workload_ms": workload_ms,
         "faults": {
@@ -942,6 +1059,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "power_loss": by_kind(FaultKind::PowerLoss),
             "clock_jump": by_kind(FaultKind::ClockJump),
             "partition": by_kind(FaultKind::Partition),
+            "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
             "schedule": injected,
@@ -975,9 +1093,40 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
 
 /// Inject one fault and bring the process (or, after a power loss, every process) back;
 /// returns what was done, with its times.
-fn inject(servers: &mut [Serve], remote: Option<&Remote>, fault: &Fault, shared: &Shared) -> Result<Value> {
+fn inject(
+    servers: &mut [Serve],
+    workers: &mut [WorkerProcess],
+    remote: Option<&Remote>,
+    fault: &Fault,
+    shared: &Shared,
+) -> Result<Value> {
     let began_ms = shared.started.elapsed().as_millis() as u64;
     let mut lost = Value::Null;
+    // A fault on a worker process (the schedule numbers them after the servers).
+    if let Some(worker) = fault.process.checked_sub(servers.len()).and_then(|i| workers.get_mut(i)) {
+        match fault.kind {
+            FaultKind::Sigkill => {
+                worker.process.sigkill();
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                worker.start()?;
+            }
+            FaultKind::Sigstop => {
+                worker.process.sigstop()?;
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                worker.process.sigcont()?;
+            }
+            // Validated away: power losses and clock jumps come with no worker processes, and a
+            // partition is the link's (process 0).
+            FaultKind::PowerLoss | FaultKind::ClockJump | FaultKind::Partition => {
+                return Err(Error::Invariant(format!("a {:?} fault on a worker process", fault.kind)));
+            }
+        }
+        let back_ms = shared.started.elapsed().as_millis() as u64;
+        return Ok(json!({
+            "index": fault.index, "kind": fault.kind, "process": fault.process, "worker": true,
+            "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
+        }));
+    }
     match fault.kind {
         FaultKind::Sigkill => {
             let server = &mut servers[fault.process];
