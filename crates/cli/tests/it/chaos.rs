@@ -14,6 +14,8 @@ use crate::support::{path_str, run, Run};
 const CI_SEEDS: [u64; 3] = [1, 2, 3];
 /// A seed whose 4 faults of the kinds SIGKILL and clock jump jump a clock forward and one back.
 const CLOCK_SEED: u64 = 16;
+/// A seed whose 4 I/O errors are a full disk, failing fsyncs (twice) and failing writes.
+const IO_ERROR_SEED: u64 = 2;
 /// A seed whose 6 faults on 2 servers and 2 worker processes hit the worker processes 3 times.
 const WORKERS_SEED: u64 = 5;
 /// A seed whose 5 partitions fail the link in every way: a flap, answers lost twice, a black
@@ -278,6 +280,35 @@ fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
         .map(|f| f["jump_ms"].as_i64().unwrap())
         .collect();
     assert!(jumps.iter().any(|j| *j > 0) && jumps.iter().any(|j| *j < 0), "the seed jumps both ways: {jumps:?}");
+}
+
+/// The disk under the servers full, then failing fsyncs, then failing writes, each for a moment
+/// (the fault VFS's control files) while the workload runs: requests answer typed errors (507
+/// `storage_full`, 500 `store`), nothing acknowledged is lost, nothing applied twice, and the
+/// servers go on by themselves when the disk works again.
+#[test]
+fn chaos_io_errors_under_load_lose_nothing_and_the_servers_go_on_by_themselves() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("I/O errors need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = power_chaos(&out, IO_ERROR_SEED, "io-error", "full", 4);
+    println!("tidemark chaos --kinds io-error: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let modes: std::collections::BTreeSet<&str> =
+        report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["io_error"].as_str()).collect();
+    assert_eq!(modes, ["eio_fsync", "eio_write", "full"].into(), "{report:#}");
+    let statuses = &report["operations"]["by_status"];
+    assert!(statuses["507"].as_u64().unwrap_or(0) > 0, "no storage_full answer during the full disk: {report:#}");
+    assert_eq!(report["operations"]["unexpected_answers"], 0, "a 4xx during the I/O errors: {report:#}");
 }
 
 /// `tidemark worker` processes beside the servers, on the tenant's workflow database, killed and

@@ -1195,36 +1195,15 @@ fn every_crash_point_recovers_without_loss_or_double_apply() {
         eprintln!("crash scenario: {point}");
         scenario(point)(point);
     }
-}
-
-/// The workflow store's crash points on PostgreSQL: the same scenarios as on SQLite files (each
-/// `Wf` a fresh schema of the test server), a `tidemark worker --store postgres://...` killed at
-/// each of them. Skipped, saying why, without a server.
-#[test]
-fn every_workflow_crash_point_recovers_on_postgres() {
-    if !support::failpoints_enabled() {
-        support::skip("crash tests need --features failpoints (cargo test --workspace --all-features)");
-        return;
-    }
+    // The workflow store's points again on PostgreSQL: the same scenarios (each `Wf` a fresh
+    // schema of the test server), a `tidemark worker --store postgres://...` killed at each.
+    // In this test, after the SQLite ones, rather than in a test of their own: the crash tests
+    // are the heaviest of the suite, and more of them at once on a loaded machine make the
+    // test workers' 200 ms leases run out under them. Skipped, saying why, without a server.
     let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
     for point in CRASH_POINTS.iter().filter(|p| p.starts_with("workflow.")) {
         eprintln!("crash scenario on PostgreSQL: {point}");
         scenario(point)(point);
-    }
-}
-
-/// Child workflows, journaled values and continue-as-new on PostgreSQL, a worker killed at every
-/// journal commit.
-#[test]
-fn child_workflows_and_continued_runs_survive_a_worker_killed_at_every_journal_commit_on_postgres() {
-    if !support::failpoints_enabled() {
-        support::skip("crash tests need --features failpoints");
-        return;
-    }
-    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
-    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
-        workflow_commit_children(point);
-        workflow_commit_continued(point);
     }
 }
 
@@ -1239,6 +1218,11 @@ fn child_workflows_and_values_survive_a_worker_killed_at_every_journal_commit() 
     for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
         workflow_commit_children(point);
     }
+    // Again on PostgreSQL (after the SQLite runs, as above).
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
+        workflow_commit_children(point);
+    }
 }
 
 /// The journal commit points again, for a run that continues as a new run.
@@ -1248,6 +1232,11 @@ fn a_run_continued_as_new_survives_a_worker_killed_at_every_journal_commit() {
         support::skip("crash tests need --features failpoints");
         return;
     }
+    for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
+        workflow_commit_continued(point);
+    }
+    // Again on PostgreSQL (after the SQLite runs, as above).
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
     for point in ["workflow.commit.before_commit", "workflow.commit.after_commit"] {
         workflow_commit_continued(point);
     }

@@ -29,7 +29,7 @@ use tidemark_core::{Error, Result};
 
 use checker::{Acknowledged, TenantFiles};
 use proxy::{Link, Proxy};
-use schedule::{Fault, FaultKind, PartitionMode};
+use schedule::{Fault, FaultKind, IoErrorMode, PartitionMode};
 
 use crate::loadtest::{write_ledger, FLOW_STATES};
 
@@ -117,7 +117,8 @@ struct RunArgs {
     /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`,
     /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature),
     /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
-    /// answers or flaps).
+    /// answers or flaps), `io-error` (the disk full, or failing writes or fsyncs, for a moment;
+    /// a failpoints build).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -233,12 +234,19 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds power-loss needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
     }
+    if kinds.contains(&FaultKind::IoError) && !cfg!(feature = "failpoints") {
+        return Err(invalid(
+            "--kinds io-error needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
+        ));
+    }
     if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
         ));
     }
-    if args.workers > 0 && (kinds.contains(&FaultKind::PowerLoss) || kinds.contains(&FaultKind::ClockJump)) {
+    if args.workers > 0
+        && [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError].iter().any(|k| kinds.contains(k))
+    {
         return Err(invalid(
             "--workers runs worker processes outside the fault VFS and the clock offset files: combine them with sigkill, sigstop and partition only",
         ));
@@ -303,7 +311,10 @@ impl Serve {
             log: out.join("logs").join(format!("serve-{index}.log")),
             config: settings.partitions().then(|| out.join("serve.toml")),
             durability: settings.durability.clone(),
-            faultfs: settings.kinds.contains(&FaultKind::PowerLoss).then(|| out.join("faultfs")),
+            faultfs: [FaultKind::PowerLoss, FaultKind::IoError]
+                .iter()
+                .any(|k| settings.kinds.contains(k))
+                .then(|| out.join("faultfs")),
             seed: settings.seed,
             clock_file: settings
                 .kinds
@@ -556,6 +567,16 @@ impl WorkerProcess {
             .map_err(io("cannot start tidemark worker"))?;
         self.process = Proc { child: Some(child), stopped: false };
         Ok(())
+    }
+}
+
+/// The fault VFS's control file of an I/O error mode (named here also in builds without it,
+/// which refuse `--kinds io-error` before any fault).
+fn io_error_control(mode: IoErrorMode) -> &'static str {
+    match mode {
+        IoErrorMode::Full => "full",
+        IoErrorMode::EioWrite => "eio-write",
+        IoErrorMode::EioFsync => "eio-fsync",
     }
 }
 
@@ -1059,6 +1080,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "power_loss": by_kind(FaultKind::PowerLoss),
             "clock_jump": by_kind(FaultKind::ClockJump),
             "partition": by_kind(FaultKind::Partition),
+            "io_error": by_kind(FaultKind::IoError),
             "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
@@ -1117,7 +1139,7 @@ fn inject(
             }
             // Validated away: power losses and clock jumps come with no worker processes, and a
             // partition is the link's (process 0).
-            FaultKind::PowerLoss | FaultKind::ClockJump | FaultKind::Partition => {
+            FaultKind::PowerLoss | FaultKind::ClockJump | FaultKind::Partition | FaultKind::IoError => {
                 return Err(Error::Invariant(format!("a {:?} fault on a worker process", fault.kind)));
             }
         }
@@ -1146,6 +1168,15 @@ fn inject(
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.set_clock_offset(0)?;
         }
+        FaultKind::IoError => {
+            let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("an I/O error needs the fault VFS"))?;
+            let mode = fault.io_error.ok_or_else(|| Error::Invariant("an I/O error fault without a mode".into()))?;
+            let control = state.join(io_error_control(mode));
+            std::fs::create_dir_all(state).map_err(io("cannot create the fault VFS's folder"))?;
+            std::fs::write(&control, b"").map_err(io("cannot start an I/O error"))?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            std::fs::remove_file(&control).map_err(io("cannot end an I/O error"))?;
+        }
         FaultKind::Partition => {
             let remote = remote.ok_or_else(|| invalid("a partition needs the remote consumer (--kinds partition)"))?;
             let mode = fault.partition.ok_or_else(|| Error::Invariant("a partition fault without a mode".into()))?;
@@ -1167,14 +1198,14 @@ fn inject(
         FaultKind::PowerLoss => (0..servers.len()).for_each(|process| recovery.back(process, fault.index)),
         // The processes never stopped: nothing of theirs to recover (the relays catch up, which
         // the convergence wait and the checker see).
-        FaultKind::Partition => {}
+        FaultKind::Partition | FaultKind::IoError => {}
         _ => recovery.back(fault.process, fault.index),
     }
     let back_ms = shared.started.elapsed().as_millis() as u64;
     Ok(json!({
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
-        "jump_ms": fault.jump_ms, "partition": fault.partition, "power_loss": lost,
+        "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error, "power_loss": lost,
     }))
 }
 
@@ -1192,4 +1223,18 @@ fn power_loss(servers: &[Serve], fault: &Fault) -> Result<Value> {
 #[cfg(not(feature = "failpoints"))]
 fn power_loss(_servers: &[Serve], _fault: &Fault) -> Result<Value> {
     Err(invalid("power losses need a build with the failpoints feature"))
+}
+
+#[cfg(all(test, feature = "failpoints"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_io_error_control_files_are_the_fault_vfs_s() {
+        use tidemark_store_sqlite::faultfs;
+        assert_eq!(io_error_control(IoErrorMode::Full), faultfs::FULL);
+        assert_eq!(io_error_control(IoErrorMode::EioWrite), faultfs::EIO_WRITE);
+        assert_eq!(io_error_control(IoErrorMode::EioFsync), faultfs::EIO_FSYNC);
+        assert_eq!(faultfs_env(), faultfs::ENV);
+    }
 }

@@ -20,6 +20,11 @@ const CLOCK_JUMP_LEASES_MAX: u64 = 5;
 const PARTITION_PERCENT: u32 = 25;
 /// Shortest and longest partition, in ms.
 const PARTITION_MS_RANGE: (u64, u64) = (300, 3_000);
+/// Percent of the faults that are an I/O error, when I/O errors are among the kinds asked for
+/// beside others.
+const IO_ERROR_PERCENT: u32 = 25;
+/// Shortest and longest I/O error, in ms.
+const IO_ERROR_MS_RANGE: (u64, u64) = (200, 2_000);
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -48,6 +53,23 @@ pub enum FaultKind {
     /// TCP proxy) fails for `hold_ms` as `partition` says, then heals. `process` is 0 (the
     /// link, not a process).
     Partition,
+    /// The disk under every server fails for `hold_ms` as `io_error` says (the fault VFS's
+    /// control files), then works again; the processes stay up. `process` is 0 (the disk). Needs
+    /// a failpoints build.
+    #[value(name = "io-error")]
+    IoError,
+}
+
+/// How an I/O error fails the disk (the fault VFS: `tidemark_store_sqlite::faultfs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IoErrorMode {
+    /// Writes that grow a file fail with `SQLITE_FULL` (overwrites in place still succeed).
+    Full,
+    /// Every write fails (`SQLITE_IOERR_WRITE`).
+    EioWrite,
+    /// Every fsync fails (`SQLITE_IOERR_FSYNC`).
+    EioFsync,
 }
 
 /// How a partition fails the link (the harness's TCP proxy between the relays and the remote
@@ -85,6 +107,8 @@ pub struct Fault {
     pub jump_ms: i64,
     /// A partition's way of failing the link; `None` for the other kinds.
     pub partition: Option<PartitionMode>,
+    /// An I/O error's way of failing the disk; `None` for the other kinds.
+    pub io_error: Option<IoErrorMode>,
 }
 
 /// The schedule of `faults` faults of the given `kinds` (at least one) on `processes` processes
@@ -144,7 +168,20 @@ pub fn schedule(
                     kind = FaultKind::Partition;
                 }
             }
-            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition) {
+            // Likewise an I/O error, one time in four instead of a signal.
+            if has(FaultKind::IoError) {
+                let only = signals == 0
+                    && !has(FaultKind::PowerLoss)
+                    && !has(FaultKind::ClockJump)
+                    && !has(FaultKind::Partition);
+                let instead = only
+                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
+                        && rng.gen_range(0..100) < IO_ERROR_PERCENT);
+                if instead {
+                    kind = FaultKind::IoError;
+                }
+            }
+            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition | FaultKind::IoError) {
                 process = 0;
             }
             let hold_ms = match kind {
@@ -155,7 +192,13 @@ pub fn schedule(
                     lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
                 }
                 FaultKind::Partition => rng.gen_range(PARTITION_MS_RANGE.0..=PARTITION_MS_RANGE.1),
+                FaultKind::IoError => rng.gen_range(IO_ERROR_MS_RANGE.0..=IO_ERROR_MS_RANGE.1),
             };
+            let io_error = (kind == FaultKind::IoError).then(|| match rng.gen_range(0..3) {
+                0 => IoErrorMode::Full,
+                1 => IoErrorMode::EioWrite,
+                _ => IoErrorMode::EioFsync,
+            });
             let partition = (kind == FaultKind::Partition).then(|| match rng.gen_range(0..4) {
                 0 => PartitionMode::Cut,
                 1 => PartitionMode::BlackHole,
@@ -173,7 +216,7 @@ pub fn schedule(
                 }
                 _ => 0,
             };
-            Fault { index, at_ms, kind, process, hold_ms, jump_ms, partition }
+            Fault { index, at_ms, kind, process, hold_ms, jump_ms, partition, io_error }
         })
         .collect()
 }
@@ -255,6 +298,22 @@ mod tests {
         assert!(only.iter().all(|f| f.kind == FaultKind::Partition));
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
         assert_eq!(due(&mixed), due(&schedule(11, 80, &SIGNALS, 3, 60_000, 1_000)));
+    }
+
+    #[test]
+    fn io_errors_join_the_other_kinds_in_every_mode_and_leave_other_schedules_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::IoError];
+        let mixed = schedule(12, 80, &with, 3, 60_000, 1_000);
+        let errors: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::IoError).collect();
+        assert!(!errors.is_empty() && errors.len() < mixed.len(), "{mixed:?}");
+        assert!(errors.iter().all(|f| f.process == 0 && (200..=2_000).contains(&f.hold_ms)), "{errors:?}");
+        for mode in [IoErrorMode::Full, IoErrorMode::EioWrite, IoErrorMode::EioFsync] {
+            assert!(errors.iter().any(|f| f.io_error == Some(mode)), "no {mode:?} in {errors:?}");
+        }
+        let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
+        assert_eq!(due(&mixed), due(&schedule(12, 80, &SIGNALS, 3, 60_000, 1_000)));
+        let only = schedule(12, 10, &[FaultKind::IoError], 3, 60_000, 1_000);
+        assert!(only.iter().all(|f| f.kind == FaultKind::IoError && f.io_error.is_some()));
     }
 
     #[test]
