@@ -34,7 +34,7 @@ pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
 pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
-pub use schema::{validate_schema_name, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
+pub use schema::{connect, validate_schema_name, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;
