@@ -21,7 +21,7 @@ use tidemark_builtins::reservation::{self, ReservationHandler};
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, DRAIN_BATCH_EVENTS_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::reservation::{ReservationMachine, STATES};
-use tidemark_core::store::{ConsumerStore, DrainScope, ProducerStore};
+use tidemark_core::store::{ConsumerStore, DrainScope, Endpoints, Handler, ProducerStore};
 use tidemark_core::{Error, Result};
 use tidemark_engine::{relay_once, RelayOptions};
 use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
@@ -29,6 +29,8 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod pg_pipeline;
+mod postgres;
 mod relay_to;
 mod serve;
 mod split;
@@ -106,6 +108,20 @@ pub struct BenchArgs {
     /// --workflows: the lease of the resumption measurement's workers.
     #[arg(long, default_value_t = 1_000)]
     lease_ms: i64,
+    /// Measure on PostgreSQL instead of SQLite files: a `postgres://user@host:port/db?schema=P`
+    /// URL. Every store of the run is a fresh schema `P_<run>` (one that exists is refused) and
+    /// is dropped at the end; the server's durability is used as it is. Adds pgbench's
+    /// single-row commit ceilings (--pgbench-seconds) and, with --workflows, the one- and
+    /// two-`tidemark worker`-process runs (--process-sagas). See docs/benchmarks.md.
+    #[arg(long, conflicts_with_all = ["serve", "relay_to"])]
+    store: Option<String>,
+    /// --store: seconds of each pgbench run (1 client, then 8 clients); 0 skips them.
+    #[arg(long, default_value_t = 5)]
+    pgbench_seconds: u64,
+    /// --workflows --store: sagas of the runs by one and by two `tidemark worker` processes
+    /// (0 skips them).
+    #[arg(long, default_value_t = 20_000)]
+    process_sagas: u64,
     /// Measure the order saga over HTTP: a `tidemark serve` child process loaded by --clients
     /// clients of this process, then the same saga in process (the --workflows throughput run),
     /// with the ratios of the two. Uses --runs, --clients, --in-flight, --repeat, --dir, --quick
@@ -291,9 +307,33 @@ fn run_pipeline(
     mode: Mode,
     now_ms: i64,
 ) -> Result<RunStats> {
+    let mut handler = ReservationHandler::new(false);
+    let run = Waves { consumer_ids, prefix, flows, events_per_flow, mode, now_ms };
+    run_waves(&mut p.producer, &mut p.endpoints, &mut p.consumer, &mut handler, &run)
+}
+
+/// What [`run_waves`] runs.
+struct Waves<'a> {
+    consumer_ids: &'a [String],
+    prefix: &'a str,
+    flows: u64,
+    events_per_flow: u64,
+    mode: Mode,
+    now_ms: i64,
+}
+
+/// [`run_pipeline`] on any stores: the producer, the relay's endpoints and the consumer (the
+/// store the endpoints deliver to), with `handler` applying the events.
+fn run_waves<P: ProducerStore, E: Endpoints, C: ConsumerStore>(
+    producer: &mut P,
+    endpoints: &mut E,
+    consumer: &mut C,
+    handler: &mut dyn Handler<C::Target>,
+    run: &Waves<'_>,
+) -> Result<RunStats> {
+    let Waves { consumer_ids, prefix, flows, events_per_flow, mode, now_ms } = *run;
     let mut stats = RunStats::default();
     let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
-    let mut handler = ReservationHandler::new(false);
     let total = flows * events_per_flow;
     let started = Instant::now();
     let sched_start = Sched::now();
@@ -305,7 +345,7 @@ fn run_pipeline(
         next += wave_len;
 
         let t = Instant::now();
-        let outcomes = p.producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
+        let outcomes = producer.advance_batch(&ReservationMachine, &requests, now_ms)?;
         stats.advance += t.elapsed();
         stats.advance_transactions += 1;
         if let Some(other) = outcomes.iter().find(|o| !matches!(o, AdvanceOutcome::Committed { .. })) {
@@ -317,7 +357,7 @@ fn run_pipeline(
         let mut relayed = 0_u64;
         let t = Instant::now();
         while relayed < due {
-            let report = relay_once(&mut p.producer, &mut p.endpoints, &options, now_ms, &mut || 0.5)?;
+            let report = relay_once(producer, endpoints, &options, now_ms, &mut || 0.5)?;
             stats.relay_passes += 1;
             if report.attempted == 0 || report.accepted != report.attempted {
                 return Err(failed(format!("relay pass did not accept every delivery: {report:?}")));
@@ -331,7 +371,7 @@ fn run_pipeline(
         for consumer_id in consumer_ids {
             let mut applied = 0_u64;
             while applied < wave_len {
-                let report = p.consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
+                let report = consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, handler, now_ms)?;
                 stats.drain_transactions += 1;
                 if report.applied == 0 {
                     return Err(failed(format!("drain of {consumer_id} applied nothing: {report:?}")));
@@ -377,6 +417,54 @@ fn run_pipelined(
     now_ms: i64,
     deadline: Duration,
 ) -> Result<RunStats> {
+    let sides = SqliteSides { producer_path, consumer_path, durability };
+    let run = Waves { consumer_ids, prefix, flows, events_per_flow, mode, now_ms };
+    run_three_threads(&sides, &run, deadline)
+}
+
+/// How the three-thread run opens each side on a connection of its own.
+trait Sides: Sync {
+    type P: ProducerStore;
+    type C: ConsumerStore;
+    type E: Endpoints;
+    fn producer(&self) -> Result<Self::P>;
+    fn consumer(&self) -> Result<Self::C>;
+    fn endpoints(&self) -> Self::E;
+    fn handler(&self) -> Box<dyn Handler<<Self::C as ConsumerStore>::Target>>;
+}
+
+/// The SQLite files of a pipelined run.
+struct SqliteSides<'a> {
+    producer_path: &'a Path,
+    consumer_path: &'a Path,
+    durability: Durability,
+}
+
+impl Sides for SqliteSides<'_> {
+    type P = SqliteProducer;
+    type C = tidemark_store_sqlite::SqliteConsumer;
+    type E = SqliteEndpoints;
+
+    fn producer(&self) -> Result<SqliteProducer> {
+        SqliteProducer::open_with(self.producer_path, self.durability)
+    }
+
+    fn consumer(&self) -> Result<Self::C> {
+        crate::open_consumer(self.consumer_path, self.durability)
+    }
+
+    fn endpoints(&self) -> SqliteEndpoints {
+        SqliteEndpoints::new(self.durability)
+    }
+
+    fn handler(&self) -> Box<dyn Handler<rusqlite::Connection>> {
+        Box::new(ReservationHandler::new(false))
+    }
+}
+
+/// [`run_pipelined`] on any stores `sides` opens.
+fn run_three_threads<S: Sides>(sides: &S, run: &Waves<'_>, deadline: Duration) -> Result<RunStats> {
+    let Waves { consumer_ids, prefix, flows, events_per_flow, mode, now_ms } = *run;
     let total = flows * events_per_flow;
     let deliveries_due = total * consumer_ids.len() as u64;
     let started = Instant::now();
@@ -402,7 +490,7 @@ fn run_pipelined(
         let producer = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
                 let sched = Sched::now();
-                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
+                let mut producer = sides.producer()?;
                 let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
                 let mut next = 0_u64;
                 while next < total {
@@ -429,8 +517,8 @@ fn run_pipelined(
         let relay = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
                 let sched = Sched::now();
-                let mut producer = SqliteProducer::open_with(producer_path, durability)?;
-                let mut endpoints = SqliteEndpoints::new(durability);
+                let mut producer = sides.producer()?;
+                let mut endpoints = sides.endpoints();
                 let options = RelayOptions { limit: mode.relay_limit, ..RelayOptions::default() };
                 let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
                 while result.count < deliveries_due {
@@ -457,8 +545,8 @@ fn run_pipelined(
         let drain = scope.spawn(|| {
             flag((|| -> Result<ThreadResult> {
                 let sched = Sched::now();
-                let mut consumer = crate::open_consumer(consumer_path, durability)?;
-                let mut handler = ReservationHandler::new(false);
+                let mut consumer = sides.consumer()?;
+                let mut handler = sides.handler();
                 let mut result = ThreadResult { busy: Duration::ZERO, calls: 0, count: 0, sched: None };
                 let mut applied: Vec<u64> = vec![0; consumer_ids.len()];
                 while result.count < deliveries_due {
@@ -472,7 +560,7 @@ fn run_pipelined(
                         }
                         let t = Instant::now();
                         let report =
-                            consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut handler, now_ms)?;
+                            consumer.drain(consumer_id, &DrainScope::All, mode.drain_limit, &mut *handler, now_ms)?;
                         if report.applied > 0 {
                             result.busy += t.elapsed();
                             result.calls += 1;
@@ -641,6 +729,8 @@ fn run_workflows(ctx: &Context, args: &BenchArgs, dir: &Path) -> Result<Value> {
         lease_ms: args.lease_ms,
         repeat: args.repeat,
         probe_commits: args.probe_commits,
+        process_sagas: args.process_sagas,
+        pgbench_seconds: args.pgbench_seconds,
     };
     if args.quick {
         workflows::quick(&mut params);
@@ -659,7 +749,26 @@ fn run_workflows(ctx: &Context, args: &BenchArgs, dir: &Path) -> Result<Value> {
     )?;
     check_range("--repeat", params.repeat, 1, 20)?;
     check_range("--probe-commits", params.probe_commits, 1, 1_000_000)?;
-    workflows::run(dir, ctx.durability, &params)
+    check_range("--process-sagas", params.process_sagas, 0, 10_000_000)?;
+    check_range("--pgbench-seconds", params.pgbench_seconds, 0, 600)?;
+    match store_location(args)? {
+        Some(location) => postgres::run_workflows(&location, dir, &params),
+        None => workflows::run(dir, ctx.durability, &params),
+    }
+}
+
+/// `--store`: `None` for the SQLite files in the bench's folder, the server otherwise. Anything
+/// but a `postgres://` URL is `invalid_store`, before anything is opened.
+fn store_location(args: &BenchArgs) -> Result<Option<tidemark_core::location::PostgresLocation>> {
+    use tidemark_core::location::StoreLocation;
+    let Some(store) = &args.store else { return Ok(None) };
+    match StoreLocation::parse(store)? {
+        StoreLocation::Postgres(location) => Ok(Some(location)),
+        StoreLocation::Sqlite(_) => Err(Error::invalid(
+            tidemark_core::codes::INVALID_STORE,
+            "bench --store takes a postgres:// URL; the SQLite bench makes its files in --dir",
+        )),
+    }
 }
 
 /// The folder of the bench's files: `--dir` (created if missing, must be empty) or `temp`.
@@ -760,6 +869,21 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     check_range("--repeat", args.repeat, 1, 20)?;
 
     let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+    if let Some(location) = store_location(&args)? {
+        check_range("--pgbench-seconds", args.pgbench_seconds, 0, 600)?;
+        let dir = bench_dir(&args, temp.path())?;
+        let params = pg_pipeline::Params {
+            flows: args.flows,
+            events_per_flow: args.events_per_flow,
+            batch: args.batch,
+            baseline_flows: args.baseline_flows,
+            consumers: args.consumers,
+            repeat: args.repeat,
+            pgbench_seconds: if args.quick { 1 } else { args.pgbench_seconds },
+            now_ms: ctx.now_ms(),
+        };
+        return pg_pipeline::run(&location, &dir, &params);
+    }
     let dir = bench_dir(&args, temp.path())?;
     let sub = |name: String| -> Result<PathBuf> {
         let path = dir.join(name);
@@ -1013,6 +1137,9 @@ mod tests {
             nats: String::new(),
             amqp: String::new(),
             black_hole: false,
+            store: None,
+            pgbench_seconds: 0,
+            process_sagas: 0,
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -1084,6 +1211,9 @@ mod tests {
             nats: String::new(),
             amqp: String::new(),
             black_hole: false,
+            store: None,
+            pgbench_seconds: 0,
+            process_sagas: 0,
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());

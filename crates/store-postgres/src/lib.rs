@@ -36,7 +36,7 @@ pub use consumer::PgConsumer;
 pub use endpoints::PgEndpoints;
 pub use listen::{wake_channel, DueRunListener};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
-pub use schema::{validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
+pub use schema::{connect, validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;

@@ -387,7 +387,7 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
 /// settings is changed (durability stays the server's: `synchronous_commit` is not touched).
 /// A string that does not parse is `invalid_argument`; a server that does not answer or refuses
 /// is an `io` error. Nothing is written.
-pub(crate) fn connect(conn_str: &str) -> Result<Client> {
+pub fn connect(conn_str: &str) -> Result<Client> {
     let mut config = postgres::Config::from_str(conn_str)
         .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("invalid PostgreSQL connection string: {e}")))?;
     if config.get_application_name().is_none() {

@@ -7,6 +7,7 @@ mod server_support;
 mod support;
 
 mod arrival_orders;
+mod bench_postgres;
 mod chaos;
 mod cli_contract;
 mod concurrency;

@@ -642,7 +642,10 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
         lease_ms: 30_000,
         repeat: 1,
         probe_commits: 1,
+        process_sagas: 0,
+        pgbench_seconds: 0,
     };
+    let place = workflows::SqlitePlace { dir: dir.to_path_buf(), durability };
     let mut serve_runs = Vec::new();
     let mut in_process_runs = Vec::new();
     let (mut e2e, mut starts, mut p50s, mut in_process) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -655,9 +658,9 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
         starts.push(run["starts"]["starts_per_s"].as_f64().unwrap_or(0.0));
         p50s.push(run["starts"]["latency_ms"]["p50"].as_f64().unwrap_or(0.0));
         serve_runs.push(run);
-        let run = workflows::throughput(
-            &dir.join(format!("in-process-{r}")),
-            durability,
+        let run = workflows::throughput::<tidemark_store_sqlite::SqliteWorkflows>(
+            &place,
+            &format!("in-process-{r}"),
             &in_process_params,
             Duration::ZERO,
         )?;

@@ -1,6 +1,8 @@
 //! `tidemark bench --workflows`: durable execution speed of the reference order saga
 //! (`reserve_inventory` transactional -> `charge_payment` external -> `ship_order`
-//! transactional) on a real SQLite file with the default durability (WAL, `synchronous=FULL`).
+//! transactional) on a real SQLite file with the default durability (WAL, `synchronous=FULL`),
+//! or, with `--store postgres://...`, on PostgreSQL schemas (`PgWorkflows`; the server's
+//! durability, never weakened; see `bench/postgres.rs` for what only PostgreSQL runs).
 //!
 //! - **throughput**: `--sagas` runs are started first (one transaction per 10,000), then one
 //!   worker runs them with `--in-flight` runs at once (group commit of every run's journal
@@ -15,36 +17,41 @@
 //! Every run is checked: every saga `completed`, exactly one `reserve` and one `ship` effect per
 //! order, one successful charge per idempotency key, stock consistent. Numbers are printed, never
 //! asserted. The workflow bench always runs on the system clock (leases need real time).
+//!
+//! The runs are written once, generic over the store ([`BenchStore`]): a SQLite file per run in
+//! the bench's folder, or a fresh PostgreSQL schema per run.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rusqlite::Connection;
 use serde_json::{json, Value};
+use tidemark_builtins::order::postgres as order_pg;
 use tidemark_builtins::order::tables as order_sql;
 use tidemark_builtins::order::{
     order_saga, FakePayments, OrderInput, OrderTx, Payments, ORDER_SAGA, ORDER_SAGA_VERSION,
 };
+use tidemark_core::queue::QueueStore;
 use tidemark_core::workflow::{StartOutcome, StartRequest, WorkflowStore, START_BATCH_MAX};
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{
     FinishedRun, Saga, SagaAction, SagaData, Worker, WorkerOptions, WorkerReport, WorkflowContext, WorkflowError,
     WorkflowOptions, Workflows, Writer,
 };
-use tidemark_store_sqlite::{open_reader, probe, stats, Durability, SqliteWorkflows};
+use tidemark_store_postgres::PgWorkflows;
+use tidemark_store_sqlite::{probe, stats, Durability, SqliteWorkflows};
 use tokio::runtime::Runtime;
 use tokio::sync::mpsc;
 
+use super::postgres::PgPlace;
 use super::{durability_word, failed, median, round1, round3, PROBE_TIME_MAX};
 
-type Store = SqliteWorkflows;
-
-const SKU: &str = "widget";
+pub(super) const SKU: &str = "widget";
 /// Uncounted sagas before the latency samples (page cache, statement cache, WAL).
 const LATENCY_WARMUP: u64 = 10;
 /// Bound of every wait of the bench.
-const WAIT_MAX: Duration = Duration::from_secs(600);
+pub(super) const WAIT_MAX: Duration = Duration::from_secs(600);
 
 /// What `--workflows` measures.
 #[derive(Debug, Clone)]
@@ -57,6 +64,143 @@ pub struct Params {
     pub lease_ms: i64,
     pub repeat: u64,
     pub probe_commits: u64,
+    /// PostgreSQL only: sagas of the one- and two-`tidemark worker`-process runs (0 skips them).
+    pub process_sagas: u64,
+    /// PostgreSQL only: seconds of each pgbench ceiling run (0 skips them).
+    pub pgbench_seconds: u64,
+}
+
+/// A workflow store the bench measures: how a fresh one is made at a place, the order tables
+/// on it, and the reads of the exactly-once check. Every SQL statement is the store crate's
+/// (tidemark's tables) or the built-ins' (the order tables).
+pub(super) trait BenchStore: WorkflowStore<Target = Self::Tx> + QueueStore + Send + Sized + 'static {
+    /// The transactional steps' handle.
+    type Tx: OrderTx + 'static;
+    /// Where stores are made: a folder (SQLite), a server and a schema prefix (PostgreSQL).
+    type Place: Clone + Send + Sync + 'static;
+
+    /// A new, empty store named `name` at `place` (refused if it exists).
+    fn create(place: &Self::Place, name: &str) -> Result<Self>;
+    /// Another connection to the store `name` at `place`.
+    fn reopen(place: &Self::Place, name: &str) -> Result<Self>;
+    /// Install the order tables with `stock` units of [`SKU`].
+    fn install_orders(&mut self, stock: i64) -> Result<()>;
+    fn run_counts(&mut self) -> Result<BTreeMap<String, u64>>;
+    fn order_effect_counts(&mut self) -> Result<BTreeMap<String, u64>>;
+    fn orders_with_duplicate_effects(&mut self) -> Result<u64>;
+    fn stock(&mut self) -> Result<Option<i64>>;
+    fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)>;
+    fn recovered_and_completed_runs(&mut self) -> Result<(u64, u64)>;
+    /// CPU seconds of the database server's processes so far, when they can be read (`None`
+    /// for SQLite, which runs inside this process).
+    fn server_cpu_seconds(place: &Self::Place) -> Option<f64>;
+}
+
+/// Where the SQLite bench makes its files: a folder per store, `wf.db` in it.
+#[derive(Debug, Clone)]
+pub(super) struct SqlitePlace {
+    pub dir: PathBuf,
+    pub durability: Durability,
+}
+
+impl BenchStore for SqliteWorkflows {
+    type Tx = rusqlite::Connection;
+    type Place = SqlitePlace;
+
+    fn create(place: &SqlitePlace, name: &str) -> Result<Self> {
+        let dir = place.dir.join(name);
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
+        SqliteWorkflows::init_with(&dir.join("wf.db"), place.durability)
+    }
+
+    fn reopen(place: &SqlitePlace, name: &str) -> Result<Self> {
+        SqliteWorkflows::init_with(&place.dir.join(name).join("wf.db"), place.durability)
+    }
+
+    fn install_orders(&mut self, stock: i64) -> Result<()> {
+        let conn = self.connection();
+        order_sql::install(conn)?;
+        order_sql::set_stock(conn, SKU, stock)
+    }
+
+    fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
+        stats::run_counts(self.connection())
+    }
+
+    fn order_effect_counts(&mut self) -> Result<BTreeMap<String, u64>> {
+        order_sql::order_effect_counts(self.connection())
+    }
+
+    fn orders_with_duplicate_effects(&mut self) -> Result<u64> {
+        order_sql::orders_with_duplicate_effects(self.connection())
+    }
+
+    fn stock(&mut self) -> Result<Option<i64>> {
+        order_sql::stock(self.connection(), SKU)
+    }
+
+    fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)> {
+        SqliteWorkflows::leases_held_by(self.connection(), owner)
+    }
+
+    fn recovered_and_completed_runs(&mut self) -> Result<(u64, u64)> {
+        SqliteWorkflows::recovered_and_completed_runs(self.connection())
+    }
+
+    fn server_cpu_seconds(_: &SqlitePlace) -> Option<f64> {
+        None
+    }
+}
+
+impl BenchStore for PgWorkflows {
+    type Tx = tidemark_store_postgres::ApplyTransaction;
+    type Place = PgPlace;
+
+    fn create(place: &PgPlace, name: &str) -> Result<Self> {
+        let schema = place.fresh_schema(name)?;
+        PgWorkflows::init(&place.conn, &schema)
+    }
+
+    fn reopen(place: &PgPlace, name: &str) -> Result<Self> {
+        PgWorkflows::open(&place.conn, &place.schema_of(name))
+    }
+
+    fn install_orders(&mut self, stock: i64) -> Result<()> {
+        let schema = self.schema().to_string();
+        order_pg::install(self.client(), &schema)?;
+        order_pg::set_stock(self.client(), &schema, SKU, stock)
+    }
+
+    fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
+        PgWorkflows::run_counts(self)
+    }
+
+    fn order_effect_counts(&mut self) -> Result<BTreeMap<String, u64>> {
+        let schema = self.schema().to_string();
+        order_pg::order_effect_counts(self.client(), &schema)
+    }
+
+    fn orders_with_duplicate_effects(&mut self) -> Result<u64> {
+        let schema = self.schema().to_string();
+        order_pg::orders_with_duplicate_effects(self.client(), &schema)
+    }
+
+    fn stock(&mut self) -> Result<Option<i64>> {
+        let schema = self.schema().to_string();
+        order_pg::stock(self.client(), &schema, SKU)
+    }
+
+    fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)> {
+        PgWorkflows::leases_held_by(self, owner)
+    }
+
+    fn recovered_and_completed_runs(&mut self) -> Result<(u64, u64)> {
+        PgWorkflows::recovered_and_completed_runs(self)
+    }
+
+    fn server_cpu_seconds(_: &PgPlace) -> Option<f64> {
+        super::postgres::server_cpu_seconds()
+    }
 }
 
 fn runtime() -> Result<Runtime> {
@@ -75,37 +219,44 @@ fn request(run_id: &str) -> StartRequest {
     StartRequest::new(run_id, ORDER_SAGA, ORDER_SAGA_VERSION, input(run_id))
 }
 
-/// A workflow database with the order tables and `stock` units of the SKU, behind a writer,
-/// and a fake payment service whose call log lives in memory (a zero-latency external service).
-struct World {
-    db: PathBuf,
-    writer: Writer<Store>,
+/// A fresh workflow store with the order tables and `stock` units of the SKU, behind a writer,
+/// and a fake payment service (by default with its call log in memory: a zero-latency external
+/// service).
+pub(super) struct World<S: BenchStore> {
+    place: S::Place,
+    name: String,
+    pub(super) writer: Writer<S>,
     payments: Arc<FakePayments>,
     stock: i64,
 }
 
-impl World {
-    fn new(dir: &Path, durability: Durability, stock: i64) -> Result<World> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(format!("{}: {e}", dir.display())))?;
-        let db = dir.join("wf.db");
-        let path = db.clone();
-        let writer = Writer::spawn(move || SqliteWorkflows::init_with(&path, durability))?;
-        writer.call_blocking(move |store, _| {
-            let conn = store.connection();
-            order_sql::install(conn)?;
-            order_sql::set_stock(conn, SKU, stock)
-        })?;
-        let payments = Arc::new(FakePayments::in_memory()?);
-        Ok(World { db, writer, payments, stock })
+impl<S: BenchStore> World<S> {
+    pub(super) fn new(place: &S::Place, name: &str, stock: i64) -> Result<World<S>> {
+        Self::with_payments(place, name, stock, Arc::new(FakePayments::in_memory()?))
     }
 
-    fn open_writer(&self, durability: Durability) -> Result<Writer<Store>> {
-        let path = self.db.clone();
-        Writer::spawn(move || SqliteWorkflows::init_with(&path, durability))
+    /// A world whose payment service is `payments` (a call log in a file that worker processes
+    /// share, for example).
+    pub(super) fn with_payments(
+        place: &S::Place,
+        name: &str,
+        stock: i64,
+        payments: Arc<FakePayments>,
+    ) -> Result<World<S>> {
+        let (at, named) = (place.clone(), name.to_string());
+        let writer = Writer::spawn(move || S::create(&at, &named))?;
+        writer.call_blocking(move |store, _| store.install_orders(stock))?;
+        Ok(World { place: place.clone(), name: name.to_string(), writer, payments, stock })
+    }
+
+    /// Another writer (its own connection) on the same store.
+    fn open_writer(&self) -> Result<Writer<S>> {
+        let (at, named) = (self.place.clone(), self.name.clone());
+        Writer::spawn(move || S::reopen(&at, &named))
     }
 
     /// Start `ids` (one transaction per `START_BATCH_MAX`); every one must be new.
-    fn start_all(&self, ids: &[String]) -> Result<u64> {
+    pub(super) fn start_all(&self, ids: &[String]) -> Result<u64> {
         let mut transactions = 0;
         for chunk in ids.chunks(START_BATCH_MAX) {
             let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id)).collect();
@@ -119,7 +270,7 @@ impl World {
     }
 
     /// The end state of `sagas` order sagas that should all have completed.
-    fn check(&self, sagas: u64) -> Result<Value> {
+    pub(super) fn check(&self, sagas: u64) -> Result<Value> {
         self.check_with_parents(sagas, 0)
     }
 
@@ -128,9 +279,8 @@ impl World {
     fn check_with_parents(&self, sagas: u64, parents: u64) -> Result<Value> {
         let stock = self.stock;
         let db = self.writer.call_blocking(move |store, _| {
-            let conn = store.connection();
-            let runs = stats::run_counts(conn)?;
-            let effects = order_sql::order_effect_counts(conn)?;
+            let runs = store.run_counts()?;
+            let effects = store.order_effect_counts()?;
             let effects_of = |kind: &str| effects.get(kind).copied().unwrap_or(0);
             let other_effects: u64 =
                 effects.iter().filter(|(kind, _)| !matches!(kind.as_str(), "reserve" | "ship")).map(|(_, n)| n).sum();
@@ -140,8 +290,8 @@ impl World {
                 "reserve_effects": effects_of("reserve"),
                 "ship_effects": effects_of("ship"),
                 "other_effects": other_effects,
-                "orders_with_duplicate_effects": order_sql::orders_with_duplicate_effects(conn)?,
-                "stock_taken": stock - order_sql::stock(conn, SKU)?.unwrap_or(0),
+                "orders_with_duplicate_effects": store.orders_with_duplicate_effects()?,
+                "stock_taken": stock - store.stock()?.unwrap_or(0),
             }))
         })?;
         let calls = self.payments.calls()?;
@@ -180,15 +330,13 @@ impl World {
 /// The order saga with a simulated latency in the charge (a tokio sleep before the payment
 /// call) and, for the worker that is killed, a charge that never returns after the payment call.
 /// Same steps, names and version as [`order_saga`].
-fn order_saga_variant(payments: Arc<FakePayments>, charge_latency: Duration, hang: bool) -> Saga<Store> {
+fn order_saga_variant<S: BenchStore>(payments: Arc<FakePayments>, charge_latency: Duration, hang: bool) -> Saga<S> {
     let refund = payments.clone();
     Saga::new(ORDER_SAGA, ORDER_SAGA_VERSION)
         .step(
             "reserve_inventory",
-            SagaAction::tx(|tx: &Connection, data: &SagaData| tx.reserve_inventory(&OrderInput::from_data(data)?)),
-            Some(SagaAction::tx(|tx: &Connection, data: &SagaData| {
-                tx.release_inventory(&OrderInput::from_data(data)?)
-            })),
+            SagaAction::tx(|tx: &S::Tx, data: &SagaData| tx.reserve_inventory(&OrderInput::from_data(data)?)),
+            Some(SagaAction::tx(|tx: &S::Tx, data: &SagaData| tx.release_inventory(&OrderInput::from_data(data)?))),
         )
         .step(
             "charge_payment",
@@ -215,19 +363,19 @@ fn order_saga_variant(payments: Arc<FakePayments>, charge_latency: Duration, han
         )
         .step(
             "ship_order",
-            SagaAction::tx(|tx: &Connection, data: &SagaData| tx.ship_order(&OrderInput::from_data(data)?)),
+            SagaAction::tx(|tx: &S::Tx, data: &SagaData| tx.ship_order(&OrderInput::from_data(data)?)),
             None,
         )
 }
 
-fn workflows(saga: Saga<Store>) -> Result<Workflows<Store>> {
+fn workflows<S: BenchStore>(saga: Saga<S>) -> Result<Workflows<S>> {
     let mut workflows = Workflows::new();
     saga.register(&mut workflows, WorkflowOptions::default())?;
     Ok(workflows)
 }
 
-fn real_saga(payments: &Arc<FakePayments>) -> Saga<Store> {
-    order_saga::<Store>(payments.clone() as Arc<dyn Payments>)
+fn real_saga<S: BenchStore>(payments: &Arc<FakePayments>) -> Saga<S> {
+    order_saga::<S>(payments.clone() as Arc<dyn Payments>)
 }
 
 /// Counters of the writer thread at one moment.
@@ -239,7 +387,7 @@ struct WriterCounts {
 }
 
 impl WriterCounts {
-    fn of(writer: &Writer<Store>) -> WriterCounts {
+    fn of<S: BenchStore>(writer: &Writer<S>) -> WriterCounts {
         use std::sync::atomic::Ordering::Relaxed;
         let stats = writer.stats();
         WriterCounts {
@@ -249,7 +397,7 @@ impl WriterCounts {
         }
     }
 
-    fn json_since(self, start: WriterCounts, writer: &Writer<Store>, sagas: u64) -> Value {
+    fn json_since<S: BenchStore>(self, start: WriterCounts, writer: &Writer<S>, sagas: u64) -> Value {
         use std::sync::atomic::Ordering::Relaxed;
         let (commits, writes, calls) =
             (self.commits - start.commits, self.writes - start.writes, self.calls - start.calls);
@@ -310,8 +458,13 @@ fn report_json(report: &WorkerReport) -> Value {
 }
 
 /// Start `sagas` runs, then run them with one worker, `in_flight` at once, until none is due.
-pub(super) fn throughput(dir: &Path, durability: Durability, p: &Params, charge_latency: Duration) -> Result<Value> {
-    let world = World::new(dir, durability, p.sagas as i64)?;
+pub(super) fn throughput<S: BenchStore>(
+    place: &S::Place,
+    name: &str,
+    p: &Params,
+    charge_latency: Duration,
+) -> Result<Value> {
+    let world = World::<S>::new(place, name, p.sagas as i64)?;
     let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
     let t = Instant::now();
     let start_transactions = world.start_all(&ids)?;
@@ -326,11 +479,13 @@ pub(super) fn throughput(dir: &Path, durability: Durability, p: &Params, charge_
     let rt = runtime()?;
     let counts = WriterCounts::of(&world.writer);
     let cpu = process_cpu_seconds();
+    let server_cpu = S::server_cpu_seconds(place);
     let writer_cpu = threads_on_cpu_ns("tidemark-writer");
     let t = Instant::now();
     let report = rt.block_on(worker.run_until_idle())?;
     let elapsed = t.elapsed();
     let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
+    let server_cpu = S::server_cpu_seconds(place).zip(server_cpu).map(|(end, start)| end - start);
     let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
     let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.sagas);
     drop(worker);
@@ -355,6 +510,8 @@ pub(super) fn throughput(dir: &Path, durability: Durability, p: &Params, charge_
         "sagas_per_s_including_start": round1(p.sagas as f64 / (seconds + start_seconds).max(1e-9)),
         "cpu_seconds": cpu.map(round3),
         "sagas_per_cpu_s": cpu.map(|c| round1(p.sagas as f64 / c.max(1e-9))),
+        "server_cpu_seconds": server_cpu.map(round3),
+        "server_cpu_share_of_wall": server_cpu.map(|c| round3(c / seconds.max(1e-9))),
         "writer_thread": writer_cpu.map(|ns| json!({
             "on_cpu_seconds": round3(ns as f64 / 1e9),
             "busy_share": round3(ns as f64 / 1e9 / seconds.max(1e-9)),
@@ -372,7 +529,10 @@ pub const CHILDREN_PER_PARENT: u64 = 10;
 
 /// The parent of the child-workflow run: its orders, each run as a child order saga, one after
 /// the other.
-async fn fan_out(ctx: WorkflowContext<Store>, orders: Vec<Value>) -> std::result::Result<Value, WorkflowError> {
+async fn fan_out<S: BenchStore>(
+    ctx: WorkflowContext<S>,
+    orders: Vec<Value>,
+) -> std::result::Result<Value, WorkflowError> {
     let mut done = 0;
     for order in &orders {
         let _: Value = ctx.child(ORDER_SAGA, order).await?;
@@ -383,10 +543,10 @@ async fn fan_out(ctx: WorkflowContext<Store>, orders: Vec<Value>) -> std::result
 
 /// The same order sagas as [`throughput`], but each run as one of the `CHILDREN_PER_PARENT`
 /// children of a parent (`sagas / 10` parents started, the children started by them).
-pub(super) fn children(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let parents = (p.sagas / CHILDREN_PER_PARENT).max(1);
     let sagas = parents * CHILDREN_PER_PARENT;
-    let world = World::new(dir, durability, sagas as i64)?;
+    let world = World::<S>::new(place, "children", sagas as i64)?;
     let requests: Vec<StartRequest> = (0..parents)
         .map(|i| {
             let orders: Vec<Value> = (0..CHILDREN_PER_PARENT).map(|j| input(&format!("order-{i:06}-{j:02}"))).collect();
@@ -398,7 +558,7 @@ pub(super) fn children(dir: &Path, durability: Durability, p: &Params) -> Result
         world.writer.call_blocking(move |store, now| store.start_runs(&chunk, now))?;
     }
     let mut registry = workflows(real_saga(&world.payments))?;
-    registry.add(tidemark_engine::workflow::Workflow::new("fan_out", 1, fan_out))?;
+    registry.add(tidemark_engine::workflow::Workflow::new("fan_out", 1, fan_out::<S>))?;
     let options = WorkerOptions { concurrency: p.in_flight, poll_interval_ms: 10, ..WorkerOptions::new("bench") };
     let worker = Worker::new(world.writer.clone(), registry, options)?;
     let rt = runtime()?;
@@ -427,11 +587,11 @@ pub(super) fn children(dir: &Path, durability: Durability, p: &Params) -> Result
 
 /// The same order sagas as [`throughput`], each started through a queue whose concurrency limit
 /// is the worker's (so the limit never binds): what admission costs.
-pub(super) fn queued(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
-    let world = World::new(dir, durability, p.sagas as i64)?;
+pub(super) fn queued<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
+    let world = World::<S>::new(place, "queued", p.sagas as i64)?;
     let limit = u32::try_from(p.in_flight).unwrap_or(u32::MAX);
     let spec = tidemark_core::queue::QueueSpec::new("bench").concurrency(limit);
-    world.writer.call_blocking(move |store, now| tidemark_core::queue::QueueStore::put_queue(store, &spec, now))?;
+    world.writer.call_blocking(move |store, now| store.put_queue(&spec, now))?;
     let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
     for chunk in ids.chunks(START_BATCH_MAX) {
         let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id).in_queue("bench", 0, None)).collect();
@@ -482,9 +642,9 @@ async fn finished_run(finished: &mut mpsc::UnboundedReceiver<FinishedRun>, run_i
 }
 
 /// One saga at a time: `Worker::start` to the worker's report that the run finished.
-fn latency(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+fn latency<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let total = LATENCY_WARMUP + p.latency_sagas;
-    let world = World::new(dir, durability, total as i64)?;
+    let world = World::<S>::new(place, "latency", total as i64)?;
     // A long poll interval: the saga must not depend on polling to start.
     let options = WorkerOptions { poll_interval_ms: 1_000, ..WorkerOptions::new("bench-latency") };
     let worker = Arc::new(Worker::new(world.writer.clone(), workflows(real_saga(&world.payments))?, options)?);
@@ -554,9 +714,9 @@ fn latency(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
 
 /// A worker dropped abruptly while its runs are inside their external step; a second worker
 /// takes them over once the leases expire.
-fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+fn resumption<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let n = p.resume_sagas;
-    let world = World::new(dir, durability, n as i64)?;
+    let world = World::<S>::new(place, "resumption", n as i64)?;
     let ids: Vec<String> = (0..n).map(|i| format!("order-{i:08}")).collect();
     world.start_all(&ids)?;
     let poll_ms = 10;
@@ -570,10 +730,10 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     // The doomed worker: its own connection and runtime; its charge calls the payment service
     // and then never returns.
     let doomed_rt = runtime()?;
-    let doomed_writer = world.open_writer(durability)?;
+    let doomed_writer = world.open_writer()?;
     let doomed = Worker::new(
         doomed_writer,
-        workflows(order_saga_variant(world.payments.clone(), Duration::ZERO, true))?,
+        workflows(order_saga_variant::<S>(world.payments.clone(), Duration::ZERO, true))?,
         options("bench-doomed"),
     )?;
     doomed_rt.spawn(async move { doomed.run_until(std::future::pending()).await });
@@ -588,9 +748,7 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     let killed_at = Instant::now();
     let killed_at_ms = tidemark_engine::now_ms();
     doomed_rt.shutdown_background();
-    let leases = world
-        .writer
-        .call_blocking(move |store, _| SqliteWorkflows::leases_held_by(store.connection(), "bench-doomed"))?;
+    let leases = world.writer.call_blocking(move |store, _| store.leases_held_by("bench-doomed"))?;
     let (held, min_expiry, max_expiry) = leases;
 
     // The rescuer: the bench's own connection, the real order saga.
@@ -606,13 +764,14 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             })
             .await
     });
-    // A read-only connection (a WAL reader never waits for the writer).
-    let reader = open_reader(&world.db)?;
+    // A connection of its own, read only (a WAL reader never waits for the writer; a
+    // PostgreSQL read never waits for a row lock).
+    let mut reader = S::reopen(&world.place, &world.name)?;
     let mut first_recovered = None;
     let mut all_recovered = None;
     let all_completed;
     loop {
-        let (recovered, completed) = SqliteWorkflows::recovered_and_completed_runs(&reader)?;
+        let (recovered, completed) = reader.recovered_and_completed_runs()?;
         let now = killed_at.elapsed();
         if recovered > 0 && first_recovered.is_none() {
             first_recovered = Some(now);
@@ -654,16 +813,16 @@ fn resumption(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "all_completed": round1(all_completed.as_secs_f64() * 1_000.0),
         },
         "resumed_within_lease": all_recovered_ms.is_some_and(|ms| ms <= (p.lease_ms + poll_ms as i64) as f64),
-        "measured_by": "a read-only connection polled every 1 ms (recoveries > 0, status = completed)",
+        "measured_by": "a connection of its own polled every 1 ms (recoveries > 0, status = completed)",
         "worker": report_json(&report),
         "check": check,
     }))
 }
 
-pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
-    let load = load_average();
-    let commit_probe =
-        probe::single_row_commits(&dir.join("probe.db"), Durability::Full, p.probe_commits, PROBE_TIME_MAX)?;
+/// Every run of the workflow bench on stores made at `place`, and the JSON every backend
+/// reports; `ceilings` (the database's own commit rate) and `extra` (what one backend adds to
+/// the summary's targets) are the caller's.
+pub(super) fn run_on<S: BenchStore>(place: &S::Place, p: &Params) -> Result<(Value, f64, bool)> {
     let mut all_passed = true;
     let mut passed = |v: &Value| {
         all_passed &= v["check"]["passed"] == json!(true);
@@ -672,7 +831,7 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     let mut rates = Vec::new();
     let mut cpu_rates = Vec::new();
     for r in 0..p.repeat {
-        let run = throughput(&dir.join(format!("throughput-{r}")), durability, p, Duration::ZERO)?;
+        let run = throughput::<S>(place, &format!("throughput-{r}"), p, Duration::ZERO)?;
         passed(&run);
         rates.push(run["sagas_per_s"].as_f64().unwrap_or(0.0));
         if let Some(rate) = run["sagas_per_cpu_s"].as_f64() {
@@ -680,27 +839,26 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
         }
         runs.push(run);
     }
-    let child_run = children(&dir.join("children"), durability, p)?;
+    let child_run = children::<S>(place, p)?;
     passed(&child_run);
-    let queued_run = queued(&dir.join("queued"), durability, p)?;
+    let queued_run = queued::<S>(place, p)?;
     passed(&queued_run);
     let latent = if p.external_latency_ms > 0 {
-        let run =
-            throughput(&dir.join("throughput-latent"), durability, p, Duration::from_millis(p.external_latency_ms))?;
+        let run = throughput::<S>(place, "throughput-latent", p, Duration::from_millis(p.external_latency_ms))?;
         passed(&run);
         Some(run)
     } else {
         None
     };
     let latency = if p.latency_sagas > 0 {
-        let run = latency(&dir.join("latency"), durability, p)?;
+        let run = latency::<S>(place, p)?;
         passed(&run);
         Some(run)
     } else {
         None
     };
     let resumption = if p.resume_sagas > 0 {
-        let run = resumption(&dir.join("resumption"), durability, p)?;
+        let run = resumption::<S>(place, p)?;
         passed(&run);
         Some(run)
     } else {
@@ -709,10 +867,9 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
     let rate = median(&rates);
     let plain_commits = runs.last().map(|r| r["writer"]["per_saga"]["commits"].clone());
     let p50 = latency.as_ref().and_then(|l| l["ms"]["p50"].as_f64());
-    Ok(json!({
+    let out = json!({
         "outcome": "bench",
         "kind": "workflows",
-        "durability": durability_word(durability),
         "params": {
             "sagas": p.sagas,
             "in_flight": p.in_flight,
@@ -721,13 +878,8 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "resume_sagas": p.resume_sagas,
             "lease_ms": p.lease_ms,
             "repeat": p.repeat,
-            "dir": dir,
             "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            "load_average_at_start": load,
-        },
-        "fsync_ceiling": {
-            "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
-            "sqlite_single_row_commits": commit_probe.commits,
+            "load_average_at_start": load_average(),
         },
         "throughput": {
             "sagas_per_s_median": rate,
@@ -754,16 +906,32 @@ pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
             "resumption_ms_from_kill": resumption.as_ref().map(|r| r["ms_from_kill"].clone()),
             "lease_ms": p.lease_ms,
             "targets": {
-                "sagas_per_s_at_least_10000": rate >= 10_000.0,
                 "latency_p50_under_3_ms": p50.map(|ms| ms < 3.0),
                 "resumed_within_lease": resumption.as_ref().map(|r| r["resumed_within_lease"].clone()),
             },
         },
-        "check": {
-            "passed": all_passed,
-            "what": "every run: every saga completed, one reserve and one ship effect per order, one charge per key",
-        },
-    }))
+    });
+    Ok((out, rate, all_passed))
+}
+
+/// The workflow bench on SQLite files in `dir`, beside the disk's single-row commit ceiling.
+pub fn run(dir: &Path, durability: Durability, p: &Params) -> Result<Value> {
+    let commit_probe =
+        probe::single_row_commits(&dir.join("probe.db"), Durability::Full, p.probe_commits, PROBE_TIME_MAX)?;
+    let place = SqlitePlace { dir: dir.to_path_buf(), durability };
+    let (mut out, rate, all_passed) = run_on::<SqliteWorkflows>(&place, p)?;
+    out["durability"] = json!(durability_word(durability));
+    out["params"]["dir"] = json!(dir);
+    out["fsync_ceiling"] = json!({
+        "sqlite_single_row_commits_per_s": round1(commit_probe.commits_per_s),
+        "sqlite_single_row_commits": commit_probe.commits,
+    });
+    out["summary"]["targets"]["sagas_per_s_at_least_10000"] = json!(rate >= 10_000.0);
+    out["check"] = json!({
+        "passed": all_passed,
+        "what": "every run: every saga completed, one reserve and one ship effect per order, one charge per key",
+    });
+    Ok(out)
 }
 
 /// `--quick` numbers for tests.
@@ -776,4 +944,6 @@ pub fn quick(p: &mut Params) {
     p.lease_ms = 300;
     p.repeat = 1;
     p.probe_commits = 20;
+    p.process_sagas = 200;
+    p.pgbench_seconds = 1;
 }

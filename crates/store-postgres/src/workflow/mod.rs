@@ -166,6 +166,46 @@ impl PgWorkflows {
         Ok((active, next_wake_at_ms))
     }
 
+    /// Runs by status, every status (SQLite's `stats::run_counts`; the benchmarks' check).
+    pub fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
+        let statement = format!(r#"SELECT status, count(*) FROM "{}".runs GROUP BY status"#, self.schema());
+        let rows = self.client().query(&statement, &[]).db()?;
+        let mut counts = BTreeMap::new();
+        for row in &rows {
+            let (status, count): (String, i64) = (col(row, 0)?, col(row, 1)?);
+            counts.insert(status, count as u64);
+        }
+        Ok(counts)
+    }
+
+    /// `(recovered, completed)`: runs taken over after a lease expired at least once, and runs
+    /// completed (SQLite's `SqliteWorkflows::recovered_and_completed_runs`; what the benchmarks
+    /// poll while a killed worker's runs are resumed).
+    pub fn recovered_and_completed_runs(&mut self) -> Result<(u64, u64)> {
+        let statement = format!(
+            r#"SELECT count(*) FILTER (WHERE recoveries > 0), count(*) FILTER (WHERE status = 'completed')
+               FROM "{}".runs"#,
+            self.schema()
+        );
+        let row = self.client().query_one(&statement, &[]).db()?;
+        let (recovered, completed): (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
+        Ok((recovered as u64, completed as u64))
+    }
+
+    /// `(held, earliest, latest)`: how many runs hold a lease of worker `owner` (until it
+    /// expires, even if the worker is gone) and the earliest and latest expiry of those leases
+    /// (SQLite's `SqliteWorkflows::leases_held_by`).
+    pub fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)> {
+        let statement = format!(
+            r#"SELECT count(*), min(lease_expires_at_ms), max(lease_expires_at_ms) FROM "{}".runs
+               WHERE lease_owner = $1"#,
+            self.schema()
+        );
+        let row = self.client().query_one(&statement, &[&owner]).db()?;
+        let (held, earliest, latest): (i64, Option<i64>, Option<i64>) = (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?);
+        Ok((held as u64, earliest, latest))
+    }
+
     /// The connection and the statement cache, for a read through `&self`.
     fn reader(&self) -> (RefMut<'_, Client>, RefMut<'_, Statements>) {
         (self.apply.client_mut(), self.statements.borrow_mut())

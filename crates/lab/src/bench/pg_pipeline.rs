@@ -1,0 +1,353 @@
+//! `tidemark bench --store postgres://...` (without `--workflows`): the outbox -> relay -> inbox
+//! pipeline on `PgProducer`, `PgEndpoints` and `PgConsumer`, the same runs as on SQLite files
+//! (one thread in waves; three threads with their own connections; one transaction per
+//! operation), each on fresh schemas (a producer schema and a consumer schema per run), beside
+//! pgbench's single-row commit ceilings measured in the same run.
+//!
+//! The handler is the built-in reservation projection's logic on the consumer's schema (the
+//! bench's own tables, `reservation_projection` and `reservation_effects`, created here): the
+//! same decoders and transitions, one projection row per flow and one effect row per applied
+//! event, statements prepared once per connection. The exactly-once check is SQLite's: effects
+//! == events x consumers, no duplicate effect, every delivery accepted.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tidemark_core::decode::DecoderRegistry;
+use tidemark_core::location::PostgresLocation;
+use tidemark_core::policy::RetentionPolicy;
+use tidemark_core::reservation::{project, ReservationEvent, ReservationProjection};
+use tidemark_core::store::{HandleError, Handler, ProducerStore, Subscription};
+use tidemark_core::{Envelope, Error, Result};
+use tidemark_store_postgres::{ApplyTransaction, PgConsumer, PgEndpoints, PgProducer};
+
+use super::postgres::{ceilings, server_cpu_seconds, server_settings, Cleanup, PgPlace};
+use super::workflows::load_average;
+use super::{passed, round3, run_three_threads, run_waves, Mode, RunStats, Series, Sides, Waves};
+
+/// What the PostgreSQL pipeline bench runs.
+pub(super) struct Params {
+    pub flows: u64,
+    pub events_per_flow: u64,
+    pub batch: usize,
+    pub baseline_flows: u64,
+    pub consumers: usize,
+    pub repeat: u64,
+    pub pgbench_seconds: u64,
+    pub now_ms: i64,
+}
+
+/// The reservation handler on PostgreSQL (see the module's documentation).
+struct PgReservationHandler {
+    decoders: DecoderRegistry<ReservationEvent>,
+}
+
+impl PgReservationHandler {
+    fn new() -> Self {
+        PgReservationHandler { decoders: tidemark_core::reservation::decoders(false) }
+    }
+}
+
+impl Handler<ApplyTransaction> for PgReservationHandler {
+    fn handle(
+        &mut self,
+        tx: &ApplyTransaction,
+        consumer_id: &str,
+        event: &Envelope,
+    ) -> std::result::Result<(), HandleError> {
+        let failed = |e: postgres::Error| HandleError::Failed(Error::from(e));
+        let decoded = self
+            .decoders
+            .decode(&event.event_type, event.schema_version, &event.payload)
+            .map_err(HandleError::Blocked)?;
+        let s = tx.schema().to_string();
+        let read = tx
+            .prepare_cached(&format!(
+                "SELECT state, quantity FROM \"{s}\".reservation_projection
+                 WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"
+            ))
+            .map_err(failed)?;
+        let current = tx
+            .query_opt(&read, &[&consumer_id, &event.source, &event.flow_id])
+            .map_err(failed)?
+            .map(|r| ReservationProjection { state: r.get(0), quantity: r.get(1) });
+        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
+        let write = if current.is_some() {
+            format!(
+                "UPDATE \"{s}\".reservation_projection SET state = $4, quantity = $5, last_seq = $6
+                 WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"
+            )
+        } else {
+            format!(
+                "INSERT INTO \"{s}\".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
+                 VALUES ($1, $2, $3, $4, $5, $6)"
+            )
+        };
+        let write = tx.prepare_cached(&write).map_err(failed)?;
+        let changed = tx
+            .execute(&write, &[&consumer_id, &event.source, &event.flow_id, &next.state, &next.quantity, &event.seq])
+            .map_err(failed)?;
+        if changed != 1 {
+            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
+        }
+        let effect = tx
+            .prepare_cached(&format!(
+                "INSERT INTO \"{s}\".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)"
+            ))
+            .map_err(failed)?;
+        tx.execute(
+            &effect,
+            &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id, &next.state, &next.quantity],
+        )
+        .map_err(failed)?;
+        Ok(())
+    }
+
+    fn refuses_before_writing(&self) -> bool {
+        true
+    }
+}
+
+/// A producer schema and a consumer schema of one run, with `consumer_ids` subscribed.
+struct PgSides {
+    conn: String,
+    producer: String,
+    consumer: String,
+}
+
+impl PgSides {
+    fn create(place: &PgPlace, name: &str, consumer_ids: &[String], now_ms: i64) -> Result<PgSides> {
+        let producer_schema = place.fresh_schema(&format!("{name}-out"))?;
+        let consumer_schema = place.fresh_schema(&format!("{name}-in"))?;
+        let mut consumer = PgConsumer::init(&place.conn, &consumer_schema, RetentionPolicy::default())?;
+        let s = &consumer_schema;
+        consumer
+            .client()
+            .batch_execute(&format!(
+                "CREATE TABLE \"{s}\".reservation_projection (
+                     flow_id     text COLLATE \"C\" NOT NULL,
+                     source      text COLLATE \"C\" NOT NULL,
+                     consumer_id text COLLATE \"C\" NOT NULL,
+                     state       text NOT NULL,
+                     quantity    bigint NOT NULL,
+                     last_seq    bigint NOT NULL,
+                     PRIMARY KEY (flow_id, source, consumer_id));
+                 CREATE TABLE \"{s}\".reservation_effects (
+                     effect_id   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                     consumer_id text COLLATE \"C\" NOT NULL,
+                     source      text COLLATE \"C\" NOT NULL,
+                     flow_id     text COLLATE \"C\" NOT NULL,
+                     seq         bigint NOT NULL,
+                     event_id    text NOT NULL,
+                     kind        text NOT NULL,
+                     quantity    bigint NOT NULL);"
+            ))
+            .map_err(Error::from)?;
+        consumer.register_projection_table("reservation_projection")?;
+        consumer.register_projection_table("reservation_effects")?;
+        let mut producer = PgProducer::init(&place.conn, &producer_schema, "bench")?;
+        for id in consumer_ids {
+            producer.subscribe(
+                &Subscription { consumer_id: id.clone(), endpoint: consumer_schema.clone() },
+                true,
+                now_ms,
+            )?;
+        }
+        Ok(PgSides { conn: place.conn.clone(), producer: producer_schema, consumer: consumer_schema })
+    }
+
+    /// The exactly-once check of the run's schemas (as SQLite's `verify`).
+    fn verify(&self, expected_effects: u64) -> Result<Value> {
+        let producer = PgProducer::open(&self.conn, &self.producer)?;
+        let deliveries = producer.delivery_counts()?;
+        let mut client = tidemark_store_postgres::connect(&self.conn)?;
+        let s = &self.consumer;
+        let effects: i64 = client
+            .query_one(&format!("SELECT count(*) FROM \"{s}\".reservation_effects"), &[])
+            .map_err(Error::from)?
+            .get(0);
+        let duplicates: i64 = client
+            .query_one(
+                &format!(
+                    "SELECT count(*) FROM (SELECT 1 FROM \"{s}\".reservation_effects
+                     GROUP BY consumer_id, source, flow_id, seq HAVING count(*) > 1) AS twice"
+                ),
+                &[],
+            )
+            .map_err(Error::from)?
+            .get(0);
+        let not_accepted: i64 = deliveries.iter().filter(|(status, _)| status != "accepted").map(|(_, n)| n).sum();
+        let passed = effects as u64 == expected_effects && duplicates == 0 && not_accepted == 0;
+        Ok(json!({
+            "passed": passed,
+            "effects": effects,
+            "expected_effects": expected_effects,
+            "duplicate_effects": duplicates,
+            "deliveries_by_status": deliveries.into_iter().map(|(status, n)| (status, json!(n))).collect::<serde_json::Map<String, Value>>(),
+        }))
+    }
+}
+
+impl Sides for PgSides {
+    type P = PgProducer;
+    type C = PgConsumer;
+    type E = PgEndpoints;
+
+    fn producer(&self) -> Result<PgProducer> {
+        PgProducer::open(&self.conn, &self.producer)
+    }
+
+    fn consumer(&self) -> Result<PgConsumer> {
+        PgConsumer::open(&self.conn, &self.consumer)
+    }
+
+    fn endpoints(&self) -> PgEndpoints {
+        PgEndpoints::new(&self.conn)
+    }
+
+    fn handler(&self) -> Box<dyn Handler<ApplyTransaction>> {
+        Box::new(PgReservationHandler::new())
+    }
+}
+
+/// One thread, in waves (as SQLite's `group_commit` run), on fresh schemas.
+fn one_thread(place: &PgPlace, name: &str, p: &Params, ids: &[String], flows: u64, mode: Mode) -> Result<Value> {
+    let sides = PgSides::create(place, name, ids, p.now_ms)?;
+    let (mut producer, mut endpoints, mut consumer) = (sides.producer()?, sides.endpoints(), sides.consumer()?);
+    let mut handler = PgReservationHandler::new();
+    let run =
+        Waves { consumer_ids: ids, prefix: "g", flows, events_per_flow: p.events_per_flow, mode, now_ms: p.now_ms };
+    let server_cpu = server_cpu_seconds();
+    let stats = run_waves(&mut producer, &mut endpoints, &mut consumer, &mut handler, &run)?;
+    let server_cpu = server_cpu_seconds().zip(server_cpu).map(|(end, start)| end - start);
+    drop((producer, endpoints, consumer));
+    let check = sides.verify(stats.events * ids.len() as u64)?;
+    Ok(with_server_cpu(&stats, check, server_cpu))
+}
+
+/// Three threads with their own connections (as SQLite's `pipelined` run), on fresh schemas.
+fn three_threads(place: &PgPlace, name: &str, p: &Params, ids: &[String], mode: Mode) -> Result<Value> {
+    let sides = PgSides::create(place, name, ids, p.now_ms)?;
+    let run = Waves {
+        consumer_ids: ids,
+        prefix: "g",
+        flows: p.flows,
+        events_per_flow: p.events_per_flow,
+        mode,
+        now_ms: p.now_ms,
+    };
+    let server_cpu = server_cpu_seconds();
+    let stats = run_three_threads(&sides, &run, Duration::from_secs(3_600))?;
+    let server_cpu = server_cpu_seconds().zip(server_cpu).map(|(end, start)| end - start);
+    let check = sides.verify(stats.events * ids.len() as u64)?;
+    Ok(with_server_cpu(&stats, check, server_cpu))
+}
+
+/// A run's JSON (as SQLite's) with the check and the server's CPU time over the run.
+fn with_server_cpu(stats: &RunStats, check: Value, server_cpu: Option<f64>) -> Value {
+    let seconds = stats.total.as_secs_f64();
+    let mut run = stats.json();
+    run["check"] = check;
+    run["server_cpu_seconds"] = json!(server_cpu.map(round3));
+    run["server_cpu_share_of_wall"] = json!(server_cpu.map(|c| round3(c / seconds.max(1e-9))));
+    run["server_cpu_us_per_event"] = json!(server_cpu.map(|c| round3(c * 1e6 / stats.events.max(1) as f64)));
+    run
+}
+
+/// Runs of one kind on PostgreSQL: the runs' JSON and their end-to-end rates.
+#[derive(Default)]
+struct PgSeries {
+    series: Series,
+}
+
+impl PgSeries {
+    fn push(&mut self, run: Value) {
+        let rate = run["rates_per_s"]["end_to_end_events"].as_f64().unwrap_or(0.0);
+        self.series.rates.push(rate);
+        if let Some(cpu) = run["cpu"]["end_to_end_events_per_cpu_s"].as_f64() {
+            self.series.cpu_rates.push(cpu);
+        }
+        self.series.runs.push(run);
+    }
+}
+
+/// `bench --store postgres://...`.
+pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result<Value> {
+    let place = PgPlace::new(location)?;
+    let settings = server_settings(&location.conn)?;
+    let cleanup = Cleanup(place.clone());
+    let load = load_average();
+    let ceilings = ceilings(&place, dir, p.pgbench_seconds)?;
+    let ids: Vec<String> = (1..=p.consumers).map(|i| format!("c{i}")).collect();
+    let group = Mode { advance_batch: p.batch, relay_limit: p.batch, drain_limit: p.batch };
+    let one = Mode { advance_batch: 1, relay_limit: 1, drain_limit: 1 };
+    let mut all_passed = true;
+    let (mut sequential, mut pipelined, mut baseline) = (PgSeries::default(), PgSeries::default(), PgSeries::default());
+    let mut progress = crate::progress::Progress::start("bench", p.repeat);
+    for r in 0..p.repeat {
+        let run = one_thread(&place, &format!("g{r}"), p, &ids, p.flows, group)?;
+        all_passed &= passed(&run["check"]);
+        sequential.push(run);
+        let run = three_threads(&place, &format!("p{r}"), p, &ids, group)?;
+        all_passed &= passed(&run["check"]);
+        pipelined.push(run);
+        if p.baseline_flows > 0 {
+            let run = one_thread(&place, &format!("b{r}"), p, &ids, p.baseline_flows, one)?;
+            all_passed &= passed(&run["check"]);
+            baseline.push(run);
+        }
+        progress.advance(1, &format!("run {} of {}", r + 1, p.repeat));
+    }
+    progress.finish(if all_passed { "every check passed" } else { "a check failed" });
+    let rate = sequential.series.median().unwrap_or(0.0);
+    let pipelined_rate = pipelined.series.median().unwrap_or(0.0);
+    let baseline_rate = baseline.series.median();
+    let best = rate.max(pipelined_rate);
+    let one_client = ceilings["one_client"]["commits_per_s"].as_f64();
+    let eight_clients = ceilings["eight_clients"]["commits_per_s"].as_f64();
+    let ratio = |a: f64, b: Option<f64>| b.filter(|b| *b > 0.0).map(|b| round3(a / b));
+    let out = json!({
+        "outcome": "bench",
+        "store": location.masked,
+        "durability": "the PostgreSQL server's own (never changed by tidemark)",
+        "server": settings,
+        "params": {
+            "flows": p.flows,
+            "events_per_flow": p.events_per_flow,
+            "batch": p.batch,
+            "baseline_flows": p.baseline_flows,
+            "consumers": p.consumers,
+            "repeat": p.repeat,
+            "pgbench_seconds": p.pgbench_seconds,
+            "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            "load_average_at_start": load,
+            "load_average_at_end": load_average(),
+        },
+        "ceilings": ceilings,
+        "group_commit": sequential.series.json(group, "one thread: each wave advanced, then relayed, then drained"),
+        "pipelined": pipelined.series.json(group, "three threads (producer, relay, consumer), each with its own connections"),
+        "one_per_op": (p.baseline_flows > 0).then(|| baseline.series.json(one, "one thread, one transaction per operation")),
+        "summary": {
+            "end_to_end_events_per_s": rate,
+            "pipelined_end_to_end_events_per_s": pipelined_rate,
+            "one_per_op_events_per_s": baseline_rate,
+            "group_commit_ratio": ratio(rate, baseline_rate),
+            "pgbench_one_client_commits_per_s": one_client,
+            "pgbench_eight_clients_commits_per_s": eight_clients,
+            "best_to_pgbench_one_client_ratio": ratio(best, one_client),
+            "best_to_pgbench_eight_clients_ratio": ratio(best, eight_clients),
+            "rates_are": "medians over --repeat runs, events per second of wall time",
+            "targets": {
+                "events_per_s_at_least_10x_pgbench_one_client": ratio(best, one_client).map(|r| r >= 10.0),
+            },
+        },
+        "check": {
+            "passed": all_passed,
+            "what": "every run: effects == events x consumers, no duplicate effect, every delivery accepted",
+        },
+        "schemas_dropped": cleanup.finish(),
+    });
+    Ok(out)
+}
