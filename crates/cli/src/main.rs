@@ -877,22 +877,31 @@ fn main() {
     match run(cli) {
         Ok(value) => {
             if narrate {
-                print!("{}", demo::narrate(&value));
+                emit(&demo::narrate(&value));
             } else {
-                println!("{}", serde_json::to_string_pretty(&value).expect("json"));
+                emit(&format!("{}\n", serde_json::to_string_pretty(&value).expect("json")));
             }
             let failed_check = value.get("check").and_then(|c| c.get("passed")).and_then(Value::as_bool) == Some(false);
             std::process::exit(if failed_check { 1 } else { 0 });
         }
         Err(error) => {
             if narrate {
-                println!("The demo stopped: {error} ({}).", error.code());
+                emit(&format!("The demo stopped: {error} ({}).\n", error.code()));
             } else {
-                println!("{}", error_json(error.code(), &error.to_string()));
+                emit(&format!("{}\n", error_json(error.code(), &error.to_string())));
             }
             std::process::exit(if error.is_invalid_input() { 2 } else { 1 });
         }
     }
+}
+
+/// Write the command's output on stdout. A reader that went away (`tidemark ... | head`) is not
+/// the command's failure: the write error is ignored and the exit code stays the command's
+/// (`println!` would panic there).
+fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
 /// The inbox of one consumer database file, as `tidemark consume` stores into it.

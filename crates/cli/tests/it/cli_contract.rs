@@ -709,3 +709,25 @@ fn receive_from_stdin_accepts_then_answers_duplicate() {
     let drained = ok(&["drain", "--consumer-db", s.c(), "--consumer-id", "audit"]);
     assert_eq!(drained["applied"], 1, "{drained}");
 }
+
+/// A reader that goes away before the output is written (`tidemark ... | head`) is not the
+/// command's failure: no panic, the command's own exit code, and its work done.
+#[test]
+fn a_closed_stdout_is_not_a_panic_and_keeps_the_exit_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("wf.db");
+    let mut child = std::process::Command::new(crate::support::BIN)
+        .args(["workflow", "init", "--db", crate::support::path_str(&db)])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end at once: the command writes into a pipe nobody reads.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(db.exists(), "the command did its work");
+}
