@@ -384,6 +384,8 @@ fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice(
         report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
     assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
     assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
+    // Delivery resumed after the heals (measured, not bounded: the figure is in the report).
+    assert!(report["partition_recovery_ms"]["observed"].as_u64().unwrap() > 0, "{report:#}");
     // The checker reads the remote inbox: a record taken out of it is reported.
     let inbox = out.join("remote").join("tenants").join("chaos").join("inbox.db");
     let conn = rusqlite::Connection::open(&inbox).unwrap();

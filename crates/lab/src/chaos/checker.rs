@@ -150,7 +150,7 @@ impl CheckReport {
 /// The tenant's files, as docs/serve.md names them.
 pub struct TenantFiles {
     producer: PathBuf,
-    inbox: PathBuf,
+    pub(crate) inbox: PathBuf,
     workflows: PathBuf,
     payments: PathBuf,
 }

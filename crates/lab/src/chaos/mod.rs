@@ -84,6 +84,9 @@ const CLIENT_REQUEST_TIMEOUT: Duration = Duration::from_millis(1_000);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client's pause after a failed request.
 const RETRY_PAUSE: Duration = Duration::from_millis(20);
+/// How long the harness waits, after a partition heals, for the first new record in the remote
+/// inbox.
+const HEAL_WAIT: Duration = Duration::from_secs(10);
 /// How often the harness reads the files while it waits for convergence.
 const CONVERGE_POLL: Duration = Duration::from_millis(250);
 
@@ -609,6 +612,10 @@ struct Recovery {
     waiting: BTreeMap<usize, (usize, Instant)>,
     measured_ms: Vec<f64>,
     unobserved: u64,
+    /// After each healed partition, the time until the remote inbox held a new record.
+    delivery_resumed_ms: Vec<f64>,
+    /// Partitions after which nothing new reached the remote inbox within the harness's wait.
+    delivery_not_resumed: u64,
 }
 
 impl Recovery {
@@ -849,9 +856,32 @@ impl Remote {
         TenantFiles::new(&self.server.data, TENANT)
     }
 
-    /// Fail the link as `mode` says for `hold_ms`, then heal it. A flap's rhythm comes from the
-    /// run's seed and the fault's index.
-    fn partition(&self, mode: PartitionMode, hold_ms: u64, seed: u64, index: usize) {
+    /// The last record the remote inbox holds (0 while it has none or cannot be read).
+    fn last_record(&self) -> i64 {
+        let path = self.files().inbox;
+        let Ok(conn) = rusqlite::Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY) else {
+            return 0;
+        };
+        let _ = conn.busy_timeout(Duration::from_secs(1));
+        conn.query_row("SELECT coalesce(max(rowid), 0) FROM inbox", [], |r| r.get(0)).unwrap_or(0)
+    }
+
+    /// After a heal: the time until the remote inbox holds a record it did not hold at the heal,
+    /// in ms (polled every 10 ms, at most [`HEAL_WAIT`]); `None` when nothing new arrived by then
+    /// (nothing was waiting to be delivered, or delivery had not resumed).
+    fn delivery_resumed_ms(&self, healed: Instant, before: i64) -> Option<f64> {
+        while healed.elapsed() < HEAL_WAIT {
+            if self.last_record() > before {
+                return Some(healed.elapsed().as_secs_f64() * 1_000.0);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Fail the link as `mode` says for `hold_ms`, then heal it, and measure how long delivery
+    /// takes to resume. A flap's rhythm comes from the run's seed and the fault's index.
+    fn partition(&self, mode: PartitionMode, hold_ms: u64, seed: u64, index: usize) -> Option<f64> {
         let link = match mode {
             PartitionMode::Cut | PartitionMode::Flap => Link::Cut,
             PartitionMode::BlackHole => Link::BlackHole,
@@ -870,7 +900,9 @@ impl Remote {
             self.proxy.set(link);
             std::thread::sleep(until.saturating_duration_since(Instant::now()));
         }
+        let before = self.last_record();
         self.proxy.set(Link::Pass);
+        self.delivery_resumed_ms(Instant::now(), before)
     }
 }
 
@@ -1044,6 +1076,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
     let unobserved = recovery.unobserved + recovery.waiting.len() as u64;
     recovery.measured_ms.sort_by(f64::total_cmp);
+    let mut resumed = recovery.delivery_resumed_ms.clone();
+    resumed.sort_by(f64::total_cmp);
     let measured = &recovery.measured_ms;
     let by_kind = |kind: FaultKind| faults.iter().take(injected.len()).filter(|f| f.kind == kind).count();
     let kinds: Vec<String> = settings
@@ -1106,6 +1140,14 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "median": percentile(measured, 0.5),
             "p99": percentile(measured, 0.99),
             "max": percentile(measured, 1.0),
+        },
+        "partition_recovery_ms": {
+            "definition": "from a partition's heal to the first record the remote inbox did not hold at the heal",
+            "observed": resumed.len(),
+            "unobserved": recovery.delivery_not_resumed,
+            "median": percentile(&resumed, 0.5),
+            "p99": percentile(&resumed, 0.99),
+            "max": percentile(&resumed, 1.0),
         },
         "convergence_ms": convergence_ms,
         "out": settings.out,
@@ -1180,7 +1222,12 @@ fn inject(
         FaultKind::Partition => {
             let remote = remote.ok_or_else(|| invalid("a partition needs the remote consumer (--kinds partition)"))?;
             let mode = fault.partition.ok_or_else(|| Error::Invariant("a partition fault without a mode".into()))?;
-            remote.partition(mode, fault.hold_ms, shared.seed, fault.index);
+            let resumed = remote.partition(mode, fault.hold_ms, shared.seed, fault.index);
+            let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
+            match resumed {
+                Some(ms) => recovery.delivery_resumed_ms.push(ms),
+                None => recovery.delivery_not_resumed += 1,
+            }
         }
         FaultKind::PowerLoss => {
             for server in servers.iter_mut() {
