@@ -198,8 +198,10 @@ fn chaos_power_losses_with_durability_full_lose_nothing_acknowledged() {
     assert_eq!(report["operations"]["applied_twice"], 0, "{report:#}");
     assert!(report["faults"]["power_loss"].as_u64().unwrap() >= 1, "the seed schedules a power loss: {report:#}");
     assert!(report["operations"]["acknowledged"].as_u64().unwrap() > 0, "{report:#}");
-    // The layer threw writes away: what the servers had not fsynced when the power went.
-    assert!(report["faults"]["unsynced_writes_lost"].as_u64().unwrap() > 0, "{report:#}");
+    // Not asserted: that a power loss threw writes away. With durability full every commit is
+    // fsynced, so unsynced writes exist only inside a transaction in flight at the kill, and
+    // whether one was is chance (a clean-clone CI run saw two power losses find none to throw
+    // away). The layer's teeth are the `normal` test below, where acknowledged commits are lost.
 }
 
 #[test]
