@@ -387,22 +387,12 @@ fn four_workers_killed_at_random_and_a_database_crash_lose_no_acknowledged_start
     );
 }
 
-/// The shared test server as a `--store` URL (`TIDEMARK_TEST_POSTGRES_URL`, default the local
-/// one) and a connection to it; `None`, after saying why, when it does not answer.
+/// A fresh schema (dropped first, if a crashed run left it) of the shared test server, as a
+/// `--store` URL, and a connection to the server.
 fn shared_server(schema: &str) -> Option<(String, postgres::Client)> {
-    let base = std::env::var("TIDEMARK_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    match postgres::Client::connect(&base, postgres::NoTls) {
-        Ok(mut client) => {
-            client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).unwrap();
-            let sep = if base.contains('?') { '&' } else { '?' };
-            Some((format!("{base}{sep}schema={schema}"), client))
-        }
-        Err(error) => {
-            skip(&format!("PostgreSQL not reachable at {base}: {error}"));
-            None
-        }
-    }
+    let (base, mut client) = crate::support::postgres_server()?;
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).unwrap();
+    Some((crate::support::with_schema(&base, schema), client))
 }
 
 #[test]

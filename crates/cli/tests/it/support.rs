@@ -101,3 +101,23 @@ impl Setup {
         path_str(&self.consumer)
     }
 }
+
+/// The shared PostgreSQL test server as a `--store` URL (`TIDEMARK_TEST_POSTGRES_URL`, default
+/// the local one) and a connection to it; `None`, after saying why, when it does not answer.
+pub fn postgres_server() -> Option<(String, postgres::Client)> {
+    let base = std::env::var("TIDEMARK_TEST_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
+    match postgres::Client::connect(&base, postgres::NoTls) {
+        Ok(client) => Some((base, client)),
+        Err(error) => {
+            skip(&format!("PostgreSQL not reachable at {base}: {error}"));
+            None
+        }
+    }
+}
+
+/// The `--store` URL of schema `schema` on the server `base` names.
+pub fn with_schema(base: &str, schema: &str) -> String {
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}schema={schema}")
+}

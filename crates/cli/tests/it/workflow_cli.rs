@@ -65,12 +65,7 @@ thread_local! {
 /// the test server (`TIDEMARK_TEST_POSTGRES_URL`, default the local one); `None`, after saying
 /// why, when it does not answer.
 pub(crate) fn on_postgres() -> Option<OnPostgres> {
-    let base = std::env::var("TIDEMARK_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
-    if let Err(error) = postgres::Client::connect(&base, postgres::NoTls) {
-        support::skip(&format!("PostgreSQL not reachable at {base}: {error}"));
-        return None;
-    }
+    let (base, _) = support::postgres_server()?;
     POSTGRES.with(|pg| *pg.borrow_mut() = Some(base));
     Some(OnPostgres)
 }
@@ -104,8 +99,7 @@ impl Wf {
             Some(base) => {
                 let n = SCHEMAS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let schema = format!("wf_{}_{n}", std::process::id());
-                let sep = if base.contains('?') { '&' } else { '?' };
-                (PathBuf::from(format!("{base}{sep}schema={schema}")), Some((base, schema)))
+                (PathBuf::from(support::with_schema(&base, &schema)), Some((base, schema)))
             }
         };
         let out = ok(&["workflow", "init", "--db", path_str(&db), "--sku", SKU, "--quantity", &STOCK.to_string()]);

@@ -856,22 +856,27 @@ impl Remote {
         TenantFiles::new(&self.server.data, TENANT)
     }
 
+    /// The remote inbox, read-only (`None` while it cannot be opened).
+    fn inbox(&self) -> Option<rusqlite::Connection> {
+        let conn =
+            rusqlite::Connection::open_with_flags(self.files().inbox, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .ok()?;
+        conn.busy_timeout(Duration::from_secs(1)).ok()?;
+        Some(conn)
+    }
+
     /// The last record the remote inbox holds (0 while it has none or cannot be read).
-    fn last_record(&self) -> i64 {
-        let path = self.files().inbox;
-        let Ok(conn) = rusqlite::Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY) else {
-            return 0;
-        };
-        let _ = conn.busy_timeout(Duration::from_secs(1));
-        conn.query_row("SELECT coalesce(max(rowid), 0) FROM inbox", [], |r| r.get(0)).unwrap_or(0)
+    fn last_record(inbox: Option<&rusqlite::Connection>) -> i64 {
+        inbox.and_then(|c| c.query_row("SELECT coalesce(max(rowid), 0) FROM inbox", [], |r| r.get(0)).ok()).unwrap_or(0)
     }
 
     /// After a heal: the time until the remote inbox holds a record it did not hold at the heal,
-    /// in ms (polled every 10 ms, at most [`HEAL_WAIT`]); `None` when nothing new arrived by then
-    /// (nothing was waiting to be delivered, or delivery had not resumed).
-    fn delivery_resumed_ms(&self, healed: Instant, before: i64) -> Option<f64> {
+    /// in ms (polled every 10 ms on one read-only connection, at most [`HEAL_WAIT`]); `None` when
+    /// nothing new arrived by then (nothing was waiting to be delivered, or delivery had not
+    /// resumed).
+    fn delivery_resumed_ms(&self, inbox: Option<&rusqlite::Connection>, healed: Instant, before: i64) -> Option<f64> {
         while healed.elapsed() < HEAL_WAIT {
-            if self.last_record() > before {
+            if Self::last_record(inbox) > before {
                 return Some(healed.elapsed().as_secs_f64() * 1_000.0);
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -900,9 +905,10 @@ impl Remote {
             self.proxy.set(link);
             std::thread::sleep(until.saturating_duration_since(Instant::now()));
         }
-        let before = self.last_record();
+        let inbox = self.inbox();
+        let before = Self::last_record(inbox.as_ref());
         self.proxy.set(Link::Pass);
-        self.delivery_resumed_ms(Instant::now(), before)
+        self.delivery_resumed_ms(inbox.as_ref(), Instant::now(), before)
     }
 }
 
