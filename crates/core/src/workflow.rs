@@ -785,11 +785,17 @@ pub fn validate_write<T: ?Sized>(write: &JournalWrite<T>, ids_checked: bool, now
                 _ => return Err(invalid_argument("a timer is a sleep without an event name or a wait with one")),
             }
         }
-        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+        JournalOp::StartChild { seq, name, request, wake_at_ms, claim } => {
             validate_seq(*seq)?;
             validate_id("step name", name)?;
             validate_not_too_far("wake_at_ms", *wake_at_ms, now_ms)?;
             request.validate()?;
+            if let Some(claim) = claim {
+                validate_id("worker_id", &claim.worker_id)?;
+                if !(LEASE_MS_MIN..=LEASE_MS_MAX).contains(&claim.lease_ms) {
+                    return Err(invalid_argument(format!("lease_ms must be {LEASE_MS_MIN}..={LEASE_MS_MAX}")));
+                }
+            }
             if request.run_id != child_run_id(&write.run_id, *seq) || request.start_at_ms.is_some() {
                 return Err(invalid_argument(format!(
                     "the child at step {seq} of run {} is run {:?}, due at once",
@@ -808,6 +814,10 @@ pub fn validate_write<T: ?Sized>(write: &JournalWrite<T>, ids_checked: bool, now
             validate_id("to", to)?;
             validate_id("topic", topic)?;
             return json_within("message", payload, WORKFLOW_INPUT_BYTES_MAX).map(Some);
+        }
+        JournalOp::ChildEnded { seq, end } => {
+            validate_seq(*seq)?;
+            return json_within("child end", end, STEP_OUTPUT_BYTES_MAX).map(Some);
         }
         JournalOp::TimerFinished { seq, event_id, output } => {
             validate_seq(*seq)?;
@@ -1156,7 +1166,9 @@ pub enum JournalOp<T: ?Sized> {
     /// `{"run_id", "status", "result", "error"}`, in the child's last transaction. Answered
     /// [`WriteResult::TxResult`]: `Ok(null)` when the child was started (or already existed
     /// with the same workflow and input), a permanent failure (recorded as the entry's failure)
-    /// when the child's run id is taken by another run.
+    /// when the child's run id is taken by another run. With `claim`, a child this write created
+    /// is also leased to that worker in the same transaction and answered
+    /// [`WriteResult::Claimed`] (no claim of its own, no poll wait): the writer runs it at once.
     StartChild {
         /// The journal position of the child step.
         seq: u32,
@@ -1168,6 +1180,23 @@ pub enum JournalOp<T: ?Sized> {
         /// When the parent's wait is next looked at (a child has no deadline; the parent waits
         /// again when it passes).
         wake_at_ms: i64,
+        /// Lease the child to this worker in the same transaction, when the write created it
+        /// (not when it adopted a run that existed already).
+        claim: Option<ChildLease>,
+    },
+    /// The child started at `seq` ended with `end` (its end event's payload,
+    /// `{"run_id", "status", "result", "error"}`), as its parent learned on the worker they both
+    /// ran on while the parent kept its lease: consume the end event ([`child_event`]`(seq)`)
+    /// and settle the entry with it, as [`JournalOp::TimerFinished`] does for an event a claim
+    /// found. Answered [`WriteResult::Done`]. When the event is not there, or carries anything
+    /// but `end`, the parent went on with a value the store does not hold: nothing is written,
+    /// the run's lease is released and the write is [`WriteResult::Fenced`] (and so are the
+    /// run's later writes of the batch), so that the run replays from what the store holds.
+    ChildEnded {
+        /// The journal position of the child step (kind `Child`, `waiting`).
+        seq: u32,
+        /// The end as the parent saw it (at most 256 KiB of JSON).
+        end: Value,
     },
     /// Publish `value` under `key` (kind `Publish`, step name = the key): the run's published
     /// value of that key is replaced in the same transaction (readable from outside while the
@@ -1265,6 +1294,18 @@ pub enum WriteResult {
     /// The lease token no longer matches: another worker owns the run, or an operator changed
     /// it. Nothing was written; the worker must drop the run.
     Fenced,
+    /// A [`JournalOp::StartChild`] with a `claim` started its child and leased it to the
+    /// claiming worker: the child as claimed (no journal, no events), boxed.
+    Claimed(Box<ClaimedRun>),
+}
+
+/// Who a child is leased to in the transaction that starts it ([`JournalOp::StartChild`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChildLease {
+    /// The claiming worker's id (an identifier), recorded as the lease owner.
+    pub worker_id: String,
+    /// How long the lease lasts, in ms (100 ms..=1 h).
+    pub lease_ms: i64,
 }
 
 /// A filter for listing runs.

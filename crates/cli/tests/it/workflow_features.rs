@@ -194,6 +194,138 @@ fn children_awaited_together_each_wake_the_parent() {
     assert_eq!(env.detail("pair-1.1").run.input, json!({"x": 2}));
 }
 
+/// `chain` runs `double` three times as a child, one after the other, counting its own
+/// executions; `limited_chain` does the same with `limited_double`, whose type has a global
+/// limit (`concurrency_max`).
+fn chain_workflows(executions: Arc<Mutex<u32>>) -> Workflows<Store> {
+    let mut workflows = feature_workflows(Arc::default());
+    let limited = tidemark_engine::workflow::WorkflowOptions { concurrency_max: Some(8), ..fast_options() };
+    workflows
+        .register("limited_double", 1, limited, |_ctx, input: Value| async move {
+            Ok(json!({"y": input["x"].as_i64().unwrap_or(0) * 2}))
+        })
+        .unwrap();
+    for (name, child) in [("chain", "double"), ("limited_chain", "limited_double")] {
+        let executions = executions.clone();
+        workflows
+            .register(name, 1, fast_options(), move |ctx, _input: Value| {
+                let executions = executions.clone();
+                async move {
+                    *executions.lock().unwrap() += 1;
+                    let mut ys = Vec::new();
+                    for x in 1..=3 {
+                        let end: Value = ctx.child(child, &json!({"x": x})).await?;
+                        ys.push(end["y"].clone());
+                    }
+                    Ok(json!(ys))
+                }
+            })
+            .unwrap();
+    }
+    workflows
+}
+
+#[test]
+fn a_parent_waits_in_memory_for_children_leased_to_its_worker_and_executes_once() {
+    let (env, rt) = (Env::new(), runtime());
+    let executions = Arc::new(Mutex::new(0u32));
+    let w = worker(&env.writer, chain_workflows(executions.clone()), worker_options("w1"));
+    env.start_new("c1", "chain", 1, json!({}));
+    let report = settle(&rt, &w, &env, &["c1"]);
+    let d = env.detail("c1");
+    assert_eq!(d.run.status, RunStatus::Completed, "{:?}", d.run.error);
+    assert_eq!(d.run.result, Some(json!([2, 4, 6])));
+    // Each child was leased to the worker as it started and ran in the parent's slot while the
+    // parent waited with its lease: one execution of the parent, no suspension of anything.
+    assert_eq!(*executions.lock().unwrap(), 1, "the parent never suspended for a child");
+    assert_eq!((report.suspended, report.completed, report.recovered), (0, 4, 0), "{report:?}");
+    assert_eq!(names(&d), ["double", "double", "double"]);
+    for (seq, entry) in d.journal.iter().enumerate() {
+        // The child's end, consumed by its step as in any wait for a child.
+        let child = format!("c1.{seq}");
+        assert_eq!(entry.status, StepStatus::Completed, "{entry:?}");
+        assert_eq!(entry.output.as_ref().map(|o| o["run_id"].clone()), Some(json!(child)));
+        let c = env.detail(&child).run;
+        assert_eq!((c.status, c.parent_run_id.as_deref()), (RunStatus::Completed, Some("c1")));
+    }
+    assert!(d.events.iter().all(|e| e.consumed_by_seq.is_some()), "{:?}", d.events);
+
+    // A child whose type has a global limit is claimed within that budget, as any run: its
+    // parent waits in the store and executes again for each child.
+    *executions.lock().unwrap() = 0;
+    env.start_new("c2", "limited_chain", 1, json!({}));
+    let report = settle(&rt, &w, &env, &["c2"]);
+    assert_eq!(env.detail("c2").run.result, Some(json!([2, 4, 6])));
+    assert_eq!(*executions.lock().unwrap(), 4, "once, then once per child's end");
+    assert!(report.suspended >= 3, "{report:?}");
+}
+
+#[test]
+fn a_parent_cancelled_while_it_waits_in_memory_for_a_running_child_ends_without_waiting_for_it() {
+    let (env, rt) = (Env::new(), runtime());
+    let release = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut workflows = feature_workflows(Arc::default());
+    let held = release.clone();
+    // `slow`'s one step holds until the test releases it (at most 20 s).
+    workflows
+        .register("slow", 1, fast_options(), move |ctx, _input: Value| {
+            let held = held.clone();
+            async move {
+                let _: Value = ctx
+                    .step("hold", None, move |_key| async move {
+                        for _ in 0..2_000 {
+                            if held.load(std::sync::atomic::Ordering::SeqCst) {
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Ok(json!("held"))
+                    })
+                    .await?;
+                Ok(json!(null))
+            }
+        })
+        .unwrap();
+    workflows
+        .register("waits_on_slow", 1, fast_options(), |ctx, _input: Value| async move {
+            let end: Value = ctx.child("slow", &json!({})).await?;
+            Ok(end)
+        })
+        .unwrap();
+    // A short lease: heartbeats (which bring the cancel request) every 100 ms.
+    let options = tidemark_engine::workflow::WorkerOptions { lease_ms: 300, ..worker_options("w1") };
+    let w = worker(&env.writer, workflows, options);
+    env.start_new("ws", "waits_on_slow", 1, json!({}));
+    let running = {
+        let w = w.clone();
+        rt.spawn(async move { w.run_until_idle().await })
+    };
+    let until = |what: &str, done: &dyn Fn() -> bool| {
+        for _ in 0..2_000 {
+            if done() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("{what} did not happen in 20 s");
+    };
+    until("the child's start", &|| env.writer.call_blocking(|s, _| s.run("ws.0")).unwrap().is_some());
+    env.writer.call_blocking(|s, now| s.cancel("ws", "the customer gave up", now)).unwrap();
+    // The parent ends while its child is still inside its step: it did not wait for it.
+    until("the parent's end", &|| env.detail("ws").run.status.is_terminal());
+    assert!(!release.load(std::sync::atomic::Ordering::SeqCst));
+    let parent = env.detail("ws").run;
+    assert_eq!(parent.status, RunStatus::Cancelled, "{:?}", parent.error);
+    assert_eq!(parent.error.as_deref(), Some("cancel requested: the customer gave up"));
+    // Its end asked the child to cancel; the child ends once its step lets it.
+    assert!(env.detail("ws.0").run.cancel_requested);
+    release.store(true, std::sync::atomic::Ordering::SeqCst);
+    rt.block_on(running).expect("worker task").expect("worker");
+    let child = env.detail("ws.0").run;
+    assert!(child.status.is_terminal(), "{child:?}");
+    assert_eq!(env.detail("ws").run.status, RunStatus::Cancelled);
+}
+
 #[test]
 fn a_failed_child_is_a_step_failure_of_its_parent() {
     let (env, rt) = (Env::new(), runtime());

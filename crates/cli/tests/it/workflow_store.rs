@@ -12,9 +12,9 @@ use rusqlite::Connection;
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
-    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunDetail, RunFilter, RunStatus,
-    StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, SuspendStatus, WorkflowStore, WorkflowVersion,
-    WriteResult, CLAIM_BATCH_MAX, RUN_STEPS_MAX,
+    child_run_id, ChildLease, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunDetail,
+    RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, SuspendStatus, WorkflowStore,
+    WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, RUN_STEPS_MAX,
 };
 use tidemark_core::Error;
 use tidemark_store_sqlite::{send_event_in, SqliteWorkflows};
@@ -168,6 +168,82 @@ fn tx_step(
 
 // ---------------------------------------------------------------------------------------------
 // start_runs
+
+fn start_child(parent: &str, seq: u32, input: Value, claim: Option<ChildLease>) -> JournalOp<Connection> {
+    JournalOp::StartChild {
+        seq,
+        name: "double".into(),
+        request: Box::new(StartRequest::new(&child_run_id(parent, seq), "double", 1, input)),
+        wake_at_ms: 50_000,
+        claim,
+    }
+}
+
+#[test]
+fn a_child_leased_as_it_starts_is_claimed_by_nobody_else_and_its_end_is_taken_by_the_waiting_parent() {
+    let mut d = db();
+    let t = started_and_claimed(&mut d.store, "p", 1_000);
+    let lease = ChildLease { worker_id: "w1".into(), lease_ms: 10_000 };
+    let op = start_child("p", 0, json!({"x": 21}), Some(lease.clone()));
+    let results = d.store.commit(vec![write("p", &t, op)], 1_010).unwrap();
+    let WriteResult::Claimed(child) = &results[0] else { panic!("{results:?}") };
+    assert_eq!((child.run.run_id.as_str(), child.run.status), ("p.0", RunStatus::Pending));
+    assert_eq!((child.run.lease_owner.as_deref(), child.run.lease_expires_at_ms), (Some("w1"), Some(11_010)));
+    assert_eq!((child.run.input.clone(), child.run.parent_run_id.as_deref()), (json!({"x": 21}), Some("p")));
+    assert!(child.journal.is_empty() && child.events.is_empty() && !child.recovered);
+    // Leased: another worker's claim (its own connection) does not take it while the lease lasts.
+    let mut other = SqliteWorkflows::open(&d.path).unwrap();
+    assert!(other.claim(&claim_request("w2", vec![version("double", 1, None)], 10), 2_000).unwrap().is_empty());
+    let end = JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!({"y": 42})), error: None };
+    assert_eq!(commit_one(&mut d.store, "p.0", &child.lease_token, end, 2_100), WriteResult::Done);
+    // The parent, still holding its lease, settles its entry with the end it learned, which is
+    // the end event's payload.
+    let payload = json!({"run_id": "p.0", "status": "completed", "result": {"y": 42}, "error": null});
+    let ended = JournalOp::ChildEnded { seq: 0, end: payload.clone() };
+    assert_eq!(commit_one(&mut d.store, "p", &t, ended, 2_200), WriteResult::Done);
+    let parent = detail(&d.store, "p");
+    assert_eq!((parent.journal[0].status, parent.journal[0].output.clone()), (StepStatus::Completed, Some(payload)));
+    assert_eq!(parent.events[0].consumed_by_seq, Some(0));
+    // An adopted child (it existed already) is not leased.
+    start(&mut d.store, &[StartRequest::new("p.1", "double", 1, json!({"x": 1}))], 2_300);
+    let results =
+        d.store.commit(vec![write("p", &t, start_child("p", 1, json!({"x": 1}), Some(lease.clone())))], 2_400);
+    assert_eq!(results.unwrap(), [WriteResult::TxResult(Ok(json!(null)))]);
+    assert_eq!(detail(&d.store, "p.1").run.lease_owner, None);
+    // A parent that went on with an end the store does not hold (here: none yet; then another
+    // one) is fenced, its lease released and its later writes of the batch fenced too: it
+    // replays from the store.
+    let tq = started_and_claimed(&mut d.store, "q", 3_000);
+    let results = d
+        .store
+        .commit(vec![write("q", &tq, start_child("q", 0, json!({"x": 5}), Some(lease.clone())))], 3_005)
+        .unwrap();
+    let WriteResult::Claimed(c) = &results[0] else { panic!("{results:?}") };
+    let (c, q_end) = (c.lease_token.clone(), json!({"run_id": "q.0"}));
+    let batch = vec![
+        write("q", &tq, JournalOp::ChildEnded { seq: 0, end: q_end.clone() }),
+        write("q", &tq, JournalOp::Finish { status: FinishStatus::Completed, result: None, error: None }),
+    ];
+    assert_eq!(d.store.commit(batch, 3_010).unwrap(), [WriteResult::Fenced, WriteResult::Fenced]);
+    let q = detail(&d.store, "q");
+    assert_eq!((q.run.lease_owner.as_deref(), q.journal[0].status), (None, StepStatus::Waiting));
+    let end = JournalOp::Finish { status: FinishStatus::Failed, result: None, error: None };
+    assert_eq!(commit_one(&mut d.store, "q.0", &c, end, 3_100), WriteResult::Done);
+    let tq = claim(&mut d.store, "w1", 3_200).into_iter().find(|c| c.run.run_id == "q").expect("q").lease_token;
+    assert_eq!(
+        commit_one(&mut d.store, "q", &tq, JournalOp::ChildEnded { seq: 0, end: q_end }, 3_300),
+        WriteResult::Fenced
+    );
+    assert!(detail(&d.store, "q").events.iter().all(|e| e.consumed_by_seq.is_none()));
+    // A lease of a bad worker id or length is refused before anything is written.
+    let bad = ChildLease { worker_id: "bad id".into(), lease_ms: 10_000 };
+    let error = d.store.commit(vec![write("p", &t, start_child("p", 2, json!({}), Some(bad)))], 2_500).unwrap_err();
+    assert_eq!(code(error), codes::INVALID_ID);
+    let bad = ChildLease { worker_id: "w1".into(), lease_ms: 1 };
+    let error = d.store.commit(vec![write("p", &t, start_child("p", 2, json!({}), Some(bad)))], 2_500).unwrap_err();
+    assert_eq!(code(error), codes::INVALID_ARGUMENT);
+    assert!(detail(&d.store, "p").journal.len() == 2 && d.store.run("p.2").unwrap().is_none());
+}
 
 #[test]
 fn start_is_idempotent_per_run_id_and_detects_conflicts() {

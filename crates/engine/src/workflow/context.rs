@@ -21,6 +21,7 @@ use tidemark_core::Error;
 
 use super::observer::{StepAttempt, StepAttemptEnd, WorkerObserver};
 use super::registry::REPLAY_END;
+use super::worker::{ChildLeft, LocalChildren};
 use super::{Continuation, WorkflowError, Workflows, Writer};
 
 /// The step name of [`WorkflowContext::sleep`].
@@ -67,6 +68,9 @@ struct RunShared<S: WorkflowStore> {
     /// Told when this run makes another due now (a child started, a message sent), so that the
     /// worker claims it without waiting for its poll.
     due: Arc<tokio::sync::Notify>,
+    /// Where this run's children run on its worker, leased to it as they start (`None`: they
+    /// are claimed as any run is).
+    children: Option<Arc<LocalChildren>>,
 }
 
 struct RunState<T: ?Sized> {
@@ -90,6 +94,9 @@ struct RunState<T: ?Sized> {
     /// (the code first) rather than have the store refuse the group commit it would share with
     /// other runs, again at every replay.
     refused: Option<String>,
+    /// The run's end as its parent's end event carries it, once a finish that tells the parent
+    /// was written.
+    ended: Option<Value>,
 }
 
 #[derive(Debug, Clone)]
@@ -137,6 +144,14 @@ pub(crate) enum RunOutcome {
     Error(String),
 }
 
+/// What a run shares with the worker loop that runs it.
+pub(crate) struct WorkerLinks {
+    /// The loop's "due now" nudge (see [`RunShared::due`]).
+    pub(crate) due: Arc<tokio::sync::Notify>,
+    /// Where the run's children run on the same worker (see [`RunShared::children`]).
+    pub(crate) children: Option<Arc<LocalChildren>>,
+}
+
 enum Slot {
     New(u32),
     Journaled(u32, JournalEntry),
@@ -182,8 +197,9 @@ where
         cancel: Arc<AtomicBool>,
         observer: Option<Arc<dyn WorkerObserver>>,
         workflows: Arc<Workflows<S>>,
-        due: Arc<tokio::sync::Notify>,
+        worker: WorkerLinks,
     ) -> Self {
+        let WorkerLinks { due, children } = worker;
         let mut events = claimed.events.iter().filter(|e| e.consumed_by_seq.is_none()).cloned().collect::<Vec<_>>();
         events.sort_by_key(|e| e.received_at_ms);
         let state = RunState {
@@ -198,6 +214,7 @@ where
             store_error: None,
             continuation: None,
             refused: None,
+            ended: None,
         };
         let RunRecord { deadline_ms, key, queue, priority, .. } = &claimed.run;
         WorkflowContext {
@@ -216,6 +233,7 @@ where
                 key: key.clone(),
                 queue: queue.clone().map(|q| (q, priority.unwrap_or(0))),
                 due,
+                children,
             }),
         }
     }
@@ -424,9 +442,24 @@ where
                     .map(|request| StartRequest { deadline_ms: self.inner.deadline_ms, ..request })
                     .map_err(|e| WorkflowError::Failed(format!("{}: {}", e.code(), e)))?;
                 let wake_at_ms = self.now_ms().saturating_add(CHILD_RECHECK_MS);
-                let op =
-                    JournalOp::StartChild { seq, name: workflow.to_string(), request: Box::new(request), wake_at_ms };
+                // Leased to this worker as it starts, unless its type's global budget decides.
+                let local = self.inner.children.as_ref().filter(|_| !self.inner.workflows.type_limited(workflow));
+                let claim = local.map(|children| children.lease());
+                let op = JournalOp::StartChild {
+                    seq,
+                    name: workflow.to_string(),
+                    request: Box::new(request),
+                    wake_at_ms,
+                    claim,
+                };
                 match self.write(op).await? {
+                    WriteResult::Claimed(child) => {
+                        let local = local.expect("a child is claimed only when asked");
+                        if let Some(end) = self.await_local_child(local, seq, *child).await? {
+                            return self.child_output(workflow, end);
+                        }
+                        seq
+                    }
                     WriteResult::TxResult(Ok(_)) => {
                         self.inner.due.notify_one();
                         seq
@@ -516,6 +549,47 @@ where
     /// name of the exchange.
     pub async fn recv(&self, topic: &str, timeout: Duration) -> Result<Option<Value>, WorkflowError> {
         self.wait_for_event(topic, timeout).await
+    }
+
+    /// Run `child`, leased to this worker as it started at `seq`, in this run's slot, and wait
+    /// for it in memory (the lease kept and heartbeated): its end as journaled when it ended
+    /// here, `None` when it left this worker without an end (or this run's cancellation was
+    /// requested) and this run waits in the store as for any child.
+    async fn await_local_child(
+        &self,
+        local: &LocalChildren,
+        seq: u32,
+        child: ClaimedRun,
+    ) -> Result<Option<Value>, WorkflowError> {
+        let left = match local.run(&self.inner.run_id, child) {
+            Ok(left) => left.await.unwrap_or(ChildLeft::Elsewhere),
+            Err(child) => {
+                // The loop has stopped: the child's lease goes back (or expires) and it is
+                // claimed as any run is.
+                let release =
+                    JournalWrite { run_id: child.run.run_id, lease_token: child.lease_token, op: JournalOp::Release };
+                let _ = self.inner.writer.write(release).await;
+                self.inner.due.notify_one();
+                return Ok(None);
+            }
+        };
+        // (Its end, when it ended here, is journaled with this run's next write: a crash before
+        // that write replays the entry from the end event the child's last transaction left.)
+        match left {
+            ChildLeft::Ended(end) => {
+                self.lock().pending.push(JournalOp::ChildEnded { seq, end: end.clone() });
+                Ok(Some(end))
+            }
+            // Cancelled while it waited (a heartbeat brings the request, not its reason): it
+            // suspends due now, and its next claim, which reads the reason, ends it.
+            ChildLeft::Elsewhere => Ok(None),
+        }
+    }
+
+    /// The end this run's parent learns of (its end event's payload), once its last write
+    /// ended it completed, compensated, failed or cancelled.
+    pub(crate) fn end_for_parent(&self) -> Option<Value> {
+        self.lock().ended.clone()
     }
 
     /// A child's end as journaled: its output when it completed, else this step's failure.
@@ -1072,18 +1146,46 @@ where
             JournalOp::ContinueAsNew { .. } => RunOutcome::Finished(FinishStatus::Continued),
             _ => RunOutcome::Released,
         };
+        let end = self.end_event(&op);
         match self.send_writes(vec![op]).await {
             Ok(WriteResult::Fenced) => RunOutcome::Lost,
             // The continuation's id is taken by another run: this run fails, saying so.
             Ok(WriteResult::TxResult(Err(failure))) => {
-                match self.send_writes(vec![finish(FinishStatus::Failed, None, Some(failure.message))]).await {
+                let op = finish(FinishStatus::Failed, None, Some(failure.message));
+                let end = self.end_event(&op);
+                match self.send_writes(vec![op]).await {
                     Ok(WriteResult::Fenced) => RunOutcome::Lost,
-                    Ok(_) => RunOutcome::Finished(FinishStatus::Failed),
+                    Ok(_) => {
+                        self.lock().ended = end;
+                        RunOutcome::Finished(FinishStatus::Failed)
+                    }
                     Err(error) => RunOutcome::Error(error.to_string()),
                 }
             }
-            Ok(_) => outcome,
+            Ok(_) => {
+                self.lock().ended = end;
+                outcome
+            }
             Err(error) => RunOutcome::Error(error.to_string()),
+        }
+    }
+
+    /// The end event a finish `op` sends the run's parent, as the store writes it
+    /// (`{"run_id", "status", "result", "error"}`): none for a parked run (it waits for an
+    /// operator) or a continued one (its continuation's end is the one the parent learns).
+    fn end_event(&self, op: &JournalOp<S::Target>) -> Option<Value> {
+        match op {
+            JournalOp::Finish { status, result, error }
+                if !matches!(status, FinishStatus::Parked | FinishStatus::Continued) =>
+            {
+                Some(json!({
+                    "run_id": self.inner.run_id,
+                    "status": status.run_status().as_str(),
+                    "result": result,
+                    "error": error,
+                }))
+            }
+            _ => None,
         }
     }
 

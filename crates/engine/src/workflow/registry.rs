@@ -344,6 +344,12 @@ where
             .collect()
     }
 
+    /// True when a version of `name` registered here has a per-type limit (`concurrency_max`):
+    /// its runs must be claimed within that global budget, never leased at their start.
+    pub(crate) fn type_limited(&self, name: &str) -> bool {
+        self.entries.iter().any(|((w, _), r)| w == name && r.options.concurrency_max.is_some())
+    }
+
     /// The highest registered version of `name`.
     pub fn latest_version(&self, name: &str) -> Option<u32> {
         self.entries.keys().filter(|(w, _)| w == name).map(|(_, v)| *v).max()

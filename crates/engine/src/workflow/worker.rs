@@ -10,15 +10,15 @@ use serde::Serialize;
 use tidemark_core::error::codes;
 use tidemark_core::id::validate_id;
 use tidemark_core::workflow::{
-    ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunStatus, StartOutcome, StartRequest,
-    UnclaimableRuns, WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX,
+    ChildLease, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, RunStatus, StartOutcome,
+    StartRequest, UnclaimableRuns, WorkflowStore, CLAIM_BATCH_MAX, LEASE_MS_MAX, LEASE_MS_MIN, START_BATCH_MAX,
 };
 use tidemark_core::{Error, Result};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::task::{AbortHandle, Id as TaskId, JoinError, JoinSet};
 use tokio::time::Instant;
 
-use super::context::RunOutcome;
+use super::context::{RunOutcome, WorkerLinks};
 use super::handle::EndWaiters;
 use super::observer::WorkerObserver;
 use super::registry::Registered;
@@ -289,6 +289,90 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// How a child's execution on this worker ended, as its parent waiting in memory learns it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum ChildLeft {
+    /// It ended (completed, compensated, failed or cancelled), and its end event for the parent,
+    /// with this payload, is committed.
+    Ended(serde_json::Value),
+    /// It left this worker without such an end (suspended, released, lost, parked, continued
+    /// as new), or the parent's cancellation was requested meanwhile: the parent suspends and
+    /// waits in the store, as for a child running anywhere else.
+    Elsewhere,
+}
+
+struct ChildWaiter {
+    parent: String,
+    reply: oneshot::Sender<ChildLeft>,
+}
+
+/// Children that runs of a running loop started and had leased to this worker in the starting
+/// transaction ([`JournalOp::StartChild`] with a claim), and the parents waiting for them in
+/// memory. A child takes its waiting parent's slot (the parent runs nothing until the child
+/// leaves), so a parent and its child never wait for a slot of their own: no claim of the child,
+/// no poll wait, and no suspension, claim and journal replay of the parent per child. Every
+/// write stays the store's: a crash anywhere leaves the runs as a suspended parent would
+/// (`docs/workflows.md`, "Child workflows").
+pub(crate) struct LocalChildren {
+    lease: ChildLease,
+    handoff: mpsc::UnboundedSender<ClaimedRun>,
+    /// Keyed by the child's run id.
+    waiters: Mutex<HashMap<String, ChildWaiter>>,
+}
+
+impl LocalChildren {
+    /// Who a child is leased to when it starts.
+    pub(crate) fn lease(&self) -> ChildLease {
+        self.lease.clone()
+    }
+
+    /// Run `child` (leased to this worker) in its parent's slot and tell the parent how it
+    /// left; the child back when the loop has stopped (its lease is the caller's to release).
+    pub(crate) fn run(
+        &self,
+        parent: &str,
+        child: ClaimedRun,
+    ) -> std::result::Result<oneshot::Receiver<ChildLeft>, Box<ClaimedRun>> {
+        let (reply, answer) = oneshot::channel();
+        let run_id = child.run.run_id.clone();
+        lock(&self.waiters).insert(run_id.clone(), ChildWaiter { parent: parent.to_string(), reply });
+        match self.handoff.send(child) {
+            Ok(()) => Ok(answer),
+            Err(mpsc::error::SendError(child)) => {
+                lock(&self.waiters).remove(&run_id);
+                Err(Box::new(child))
+            }
+        }
+    }
+
+    /// Run `run_id` left this worker: its waiting parent (if it still waits) learns how.
+    pub(crate) fn left(&self, run_id: &str, how: ChildLeft) {
+        if let Some(waiter) = lock(&self.waiters).remove(run_id) {
+            let _ = waiter.reply.send(how);
+        }
+    }
+
+    /// Run `parent`'s cancellation was requested: it stops waiting in memory for its children.
+    fn interrupt(&self, parent: &str) {
+        let mut waiters = lock(&self.waiters);
+        let children: Vec<String> =
+            waiters.iter().filter(|(_, w)| w.parent == parent).map(|(c, _)| c.clone()).collect();
+        for child in children {
+            if let Some(waiter) = waiters.remove(&child) {
+                let _ = waiter.reply.send(ChildLeft::Elsewhere);
+            }
+        }
+    }
+}
+
+/// The next child handed to this loop, or never when this loop takes none.
+async fn next_child(children: &mut Option<mpsc::UnboundedReceiver<ClaimedRun>>) -> Option<ClaimedRun> {
+    match children {
+        Some(receiver) => receiver.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The next runs claimed with local starts, or never when this loop takes none.
 async fn next_claimed(local: &mut Option<mpsc::UnboundedReceiver<Claimed>>) -> Option<Claimed> {
     match local {
@@ -307,6 +391,8 @@ struct InFlight {
     concluding: Arc<AtomicBool>,
     abort: AbortHandle,
     lost: bool,
+    /// A child running in its waiting parent's slot: its end frees no slot.
+    lent: bool,
 }
 
 /// Runs registered workflows: claims due runs (up to its free slots) under a lease, runs each as
@@ -319,6 +405,8 @@ pub struct Worker<S: WorkflowStore> {
     options: WorkerOptions,
     /// Where the running loop takes local starts (`None` while no loop runs).
     local: Mutex<Option<Arc<LocalStarts>>>,
+    /// Where the running loop takes the children its runs start (`None` while no loop runs).
+    children: Mutex<Option<Arc<LocalChildren>>>,
     /// Where finished runs are reported, when someone subscribed.
     finished: Mutex<Option<mpsc::UnboundedSender<FinishedRun>>>,
     /// Told of claims, step attempts, finished runs and lost leases as they happen.
@@ -348,6 +436,7 @@ where
             workflows: Arc::new(workflows),
             options,
             local: Mutex::new(None),
+            children: Mutex::new(None),
             finished: Mutex::new(None),
             observer: None,
             end_waiters: EndWaiters::default(),
@@ -491,6 +580,14 @@ where
                 }
             }
         };
+        // Children started by this loop's runs run in it (with the local starts' loop).
+        let mut children = local.as_ref().map(|_| {
+            let (handoff, receiver) = mpsc::unbounded_channel();
+            let lease = ChildLease { worker_id: self.options.worker_id.clone(), lease_ms: self.options.lease_ms };
+            *lock(&self.children) =
+                Some(Arc::new(LocalChildren { lease, handoff, waiters: Mutex::new(HashMap::new()) }));
+            receiver
+        });
         // Claims are batched: while the last claim filled every slot it asked for (a backlog),
         // the next one waits until a quarter of the slots are free, so that a busy worker does
         // not claim (and cut the writer's group commit) after every finished run. Without a
@@ -512,7 +609,8 @@ where
             // A nudge claims at once only while at most half the slots are busy: a busy worker
             // claims often enough by itself, and a claim of its own per nudge would cost a
             // commit each.
-            let quiet = in_flight.len() * 2 <= self.options.concurrency;
+            let busy = self.options.concurrency.saturating_sub(free);
+            let quiet = busy * 2 <= self.options.concurrency;
             let wanted = poll_due
                 || (nudged && !backlog && quiet)
                 || (backlog && free >= claim_at_free)
@@ -553,9 +651,8 @@ where
                 biased;
                 _ = &mut shutdown => break Ok(()),
                 Some(joined) = set.join_next_with_id(), if !set.is_empty() => {
-                    let before = in_flight.len();
-                    self.joined(joined, &mut in_flight, &mut report).await;
-                    slots.fetch_add(before - in_flight.len(), Ordering::SeqCst);
+                    let freed = self.joined(joined, &mut in_flight, &mut report).await;
+                    slots.fetch_add(freed, Ordering::SeqCst);
                 }
                 _ = tokio::time::sleep_until(next_heartbeat), if !in_flight.is_empty() => {
                     self.heartbeat(&mut in_flight, &mut report).await;
@@ -570,6 +667,13 @@ where
                     }
                     Err(error) => report.error(format!("claim: {error}")),
                 },
+                Some(child) = next_child(&mut children) => {
+                    if in_flight.is_empty() {
+                        next_heartbeat = Instant::now() + heartbeat_every;
+                    }
+                    self.spawn(child, true, &mut set, &mut in_flight, &mut report).await;
+                    report.max_in_flight = report.max_in_flight.max(in_flight.len());
+                }
                 _ = self.due_now.notified(), if !nudged => nudged = true,
                 _ = tokio::time::sleep(pause) => {}
             }
@@ -583,6 +687,14 @@ where
                 if let Ok(runs) = claimed {
                     self.spawn_all(runs, &slots, &mut set, &mut in_flight, &mut report).await;
                 }
+            }
+        }
+        if let Some(mut receiver) = children {
+            // Children handed over before this are stopped and released below with the others.
+            *lock(&self.children) = None;
+            receiver.close();
+            while let Ok(child) = receiver.try_recv() {
+                self.spawn(child, true, &mut set, &mut in_flight, &mut report).await;
             }
         }
         self.stop_all(&mut set, &mut in_flight, &mut report).await;
@@ -631,7 +743,7 @@ where
     ) {
         for run in runs {
             let before = in_flight.len();
-            self.spawn(run, set, in_flight, report).await;
+            self.spawn(run, false, set, in_flight, report).await;
             if in_flight.len() == before {
                 slots.fetch_add(1, Ordering::SeqCst);
             }
@@ -639,9 +751,11 @@ where
         report.max_in_flight = report.max_in_flight.max(in_flight.len());
     }
 
+    /// Run a claimed run as a task (`lent`: a child in its waiting parent's slot).
     async fn spawn(
         &self,
         claimed: ClaimedRun,
+        lent: bool,
         set: &mut JoinSet<RunOutcome>,
         in_flight: &mut HashMap<TaskId, InFlight>,
         report: &mut WorkerReport,
@@ -659,30 +773,49 @@ where
             // The store handed out a version we did not ask for: give it back untouched.
             let outcome = self.write_for(&run_id, &lease_token, JournalOp::Release).await;
             report.record(outcome);
+            self.tell_children(&run_id, ChildLeft::Elsewhere);
             return;
         };
         let cancel = Arc::new(AtomicBool::new(claimed.run.cancel_requested));
         let concluding = Arc::new(AtomicBool::new(false));
         let observer = self.observer.clone();
         let workflows = self.workflows.clone();
-        let signals = RunSignals { cancel: cancel.clone(), concluding: concluding.clone(), due: self.due_now.clone() };
+        let signals = RunSignals {
+            cancel: cancel.clone(),
+            concluding: concluding.clone(),
+            due: self.due_now.clone(),
+            children: lock(&self.children).clone(),
+        };
         let task = execute(self.writer.clone(), registered, claimed, signals, observer, workflows);
         let abort = set.spawn(task);
-        in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, concluding, abort, lost: false });
+        in_flight.insert(abort.id(), InFlight { run_id, lease_token, cancel, concluding, abort, lost: false, lent });
     }
 
+    /// Run `run_id` left this worker: a parent waiting for it in memory learns how.
+    fn tell_children(&self, run_id: &str, how: ChildLeft) {
+        if let Some(children) = lock(&self.children).as_ref() {
+            children.left(run_id, how);
+        }
+    }
+
+    /// A task ended: report it, tell whoever waits for the run, and return the slots it frees
+    /// (none for a child in its parent's slot).
     async fn joined(
         &self,
         joined: std::result::Result<(TaskId, RunOutcome), JoinError>,
         in_flight: &mut HashMap<TaskId, InFlight>,
         report: &mut WorkerReport,
-    ) {
+    ) -> usize {
         match joined {
             Ok((id, outcome)) => {
                 let run = in_flight.remove(&id);
                 if let Some(run) = &run {
                     self.tell_finished(&run.run_id, &outcome);
+                    // A child that ended told its parent with its end (`execute`); else it waits
+                    // in the store.
+                    self.tell_children(&run.run_id, ChildLeft::Elsewhere);
                 }
+                let freed = usize::from(run.as_ref().is_some_and(|run| !run.lent));
                 let counted = run.as_ref().is_some_and(|run| run.lost);
                 if !(counted && outcome == RunOutcome::Lost) {
                     if let (Some(run), RunOutcome::Lost) = (&run, &outcome) {
@@ -690,9 +823,11 @@ where
                     }
                     report.record(outcome);
                 }
+                freed
             }
             Err(error) => {
-                let Some(run) = in_flight.remove(&error.id()) else { return };
+                let Some(run) = in_flight.remove(&error.id()) else { return 0 };
+                let freed = usize::from(!run.lent);
                 if error.is_panic() {
                     // A panic replays into the same panic: park the run for an operator.
                     let payload = error.into_panic();
@@ -711,6 +846,8 @@ where
                 } else if !run.lost {
                     report.aborted += 1;
                 }
+                self.tell_children(&run.run_id, ChildLeft::Elsewhere);
+                freed
             }
         }
     }
@@ -734,6 +871,10 @@ where
                         LeaseState::Held { cancel_requested } => {
                             if cancel_requested {
                                 run.cancel.store(true, Ordering::SeqCst);
+                                // A parent waiting for a child in memory stops waiting to see it.
+                                if let Some(children) = lock(&self.children).as_ref() {
+                                    children.interrupt(&run.run_id);
+                                }
                             }
                         }
                         // A task that finished (or whose last write is in flight) released its
@@ -832,6 +973,8 @@ struct RunSignals {
     cancel: Arc<AtomicBool>,
     concluding: Arc<AtomicBool>,
     due: Arc<Notify>,
+    /// Where the run's children run on this worker (`None`: they are claimed as any run is).
+    children: Option<Arc<LocalChildren>>,
 }
 
 /// One execution of a claimed run: mark it running, call the function, write how it ended.
@@ -847,8 +990,9 @@ where
     S: WorkflowStore + 'static,
     S::Target: 'static,
 {
-    let RunSignals { cancel, concluding, due } = signals;
+    let RunSignals { cancel, concluding, due, children } = signals;
     let has_parent = claimed.run.parent_run_id.is_some();
+    let family = children.clone().filter(|_| has_parent);
     let ctx = WorkflowContext::new(
         writer.clone(),
         &claimed,
@@ -856,7 +1000,7 @@ where
         cancel,
         observer.clone(),
         workflows,
-        due.clone(),
+        WorkerLinks { due: due.clone(), children },
     );
     if !matches!(claimed.run.status, RunStatus::Running | RunStatus::Compensating) {
         ctx.mark_running();
@@ -866,6 +1010,10 @@ where
     // No step of this run runs after this point, so a heartbeat need not abort it any more.
     concluding.store(true, Ordering::SeqCst);
     let outcome = ctx.conclude(result).await;
+    // A parent waiting for it on this worker goes on with its end at once.
+    if let (Some(children), Some(end)) = (&family, ctx.end_for_parent()) {
+        children.left(&claimed.run.run_id, ChildLeft::Ended(end));
+    }
     // Its end woke its parent, or started its continuation: due now.
     if matches!(outcome, RunOutcome::Finished(status) if has_parent || status == FinishStatus::Continued) {
         due.notify_one();

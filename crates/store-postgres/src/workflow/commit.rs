@@ -11,8 +11,8 @@ use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
-    child_event, json_within, message_event_id, validate_write, JournalOp, JournalWrite, RunStatus, StartOutcome,
-    StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
+    child_event, json_within, message_event_id, validate_write, ClaimedRun, JournalOp, JournalWrite, RunStatus,
+    StartOutcome, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -101,6 +101,11 @@ const PUBLISH_SQL: &str =
 const CONTINUATION_SQL: &str = "UPDATE {s}.runs SET (parent_run_id, parent_seq) =
      (SELECT parent_run_id, parent_seq FROM {s}.runs WHERE run_id = $2)
  WHERE run_id = $1";
+/// Lease a child this transaction created (pending, never leased, due now) to the worker of its
+/// parent's `StartChild`.
+const LEASE_CHILD_SQL: &str = "UPDATE {s}.runs SET lease_owner = $2, lease_token = $3, lease_expires_at_ms = $4,
+     updated_at_ms = $5
+ WHERE run_id = $1 AND lease_token IS NULL AND status = 'pending'";
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
 
@@ -363,15 +368,19 @@ fn apply_write(
             record_attempt(&mut c, st, &step, recorded, retry_at_ms, now_ms)?;
             Ok(WriteResult::TxResult(outcome.map(|(output, _)| output)))
         }
-        JournalOp::StartChild { seq, name, request, wake_at_ms } => {
+        JournalOp::StartChild { seq, name, request, wake_at_ms, claim } => {
             let mut c = apply.client_mut();
             let (existing, next) =
                 position(&mut c, st, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
             let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
             let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
+            let mut created = false;
             let conflict = match outcome.into_iter().next() {
-                Some(StartOutcome::Started { .. }) => None,
+                Some(StartOutcome::Started { .. }) => {
+                    created = true;
+                    None
+                }
                 Some(StartOutcome::Existing { .. }) => {
                     // A run of that id (same workflow and input) was there already: adopted; if it
                     // has ended, the parent learns of it now (the event keeps the parent due).
@@ -410,7 +419,49 @@ fn apply_write(
                 }
             };
             state.next_seq = Some(next);
-            Ok(WriteResult::TxResult(result))
+            match claim.filter(|_| created) {
+                Some(claim) => {
+                    // The child's row was inserted by this transaction: nobody else sees it yet.
+                    let token = super::new_token();
+                    let lease = st.get(&mut *c, LEASE_CHILD_SQL)?;
+                    let expires = now_ms + claim.lease_ms;
+                    let changed =
+                        c.execute(&lease, &[&request.run_id, &claim.worker_id, &token, &expires, &now_ms]).db()?;
+                    ensure_invariant!(changed == 1, "leasing the child {} changed {changed} rows", request.run_id);
+                    let child = rows::load_run(&mut *c, st, &request.run_id)?.ok_or_else(|| {
+                        Error::Invariant(format!("the child {} this transaction started is gone", request.run_id))
+                    })?;
+                    let claimed = ClaimedRun {
+                        run: child,
+                        lease_token: token,
+                        journal: Vec::new(),
+                        events: Vec::new(),
+                        recovered: false,
+                    };
+                    Ok(WriteResult::Claimed(Box::new(claimed)))
+                }
+                None => Ok(WriteResult::TxResult(result)),
+            }
+        }
+        JournalOp::ChildEnded { seq, end } => {
+            let mut c = apply.client_mut();
+            let event_id = child_event(seq);
+            let event = rows::event(&mut *c, st, run, &event_id)?;
+            let entry = rows::journal_at(&mut *c, st, run, seq)?;
+            let waiting = entry.is_some_and(|e| e.kind == StepKind::Child && e.status == StepStatus::Waiting);
+            if !(waiting && event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end)) {
+                // The parent went on with an end the store does not hold: it replays instead.
+                let release = st.get(&mut *c, RELEASE_SQL)?;
+                c.execute(&release, &[&run, &token, &now_ms]).db()?;
+                state.token = None;
+                return Ok(WriteResult::Fenced);
+            }
+            let consume = st.get(&mut *c, CONSUME_EVENT_SQL)?;
+            c.execute(&consume, &[&run, &event_id, &seq_param(seq)]).db()?;
+            let finished = st.get(&mut *c, TIMER_FINISHED_SQL)?;
+            let text = text.unwrap_or_else(|| json_text(&end));
+            c.execute(&finished, &[&run, &seq_param(seq), &text, &now_ms]).db()?;
+            Ok(WriteResult::Done)
         }
         JournalOp::Publish { seq, key, value: _ } => {
             let mut c = apply.client_mut();

@@ -225,7 +225,7 @@ pub(crate) fn clip_error(message: &str) -> String {
     message[..end].to_string()
 }
 
-fn new_token() -> String {
+pub(super) fn new_token() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
