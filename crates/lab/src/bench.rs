@@ -118,6 +118,12 @@ pub struct BenchArgs {
     /// --store: seconds of each pgbench run (1 client, then 8 clients); 0 skips them.
     #[arg(long, default_value_t = 5)]
     pgbench_seconds: u64,
+    /// --store (the pipeline): run each repeat's group-commit and pipelined runs again while
+    /// another session holds a transaction open (an xmin horizon held back), and report the
+    /// rates of both, what `pg_stat_activity` shows of it, and the dead row versions a `VACUUM`
+    /// of the run's tables could not remove.
+    #[arg(long)]
+    hold_transaction: bool,
     /// --workflows --store: sagas of the runs by one and by two `tidemark worker` processes
     /// (0 skips them).
     #[arg(long, default_value_t = 20_000)]
@@ -880,6 +886,7 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
             consumers: args.consumers,
             repeat: args.repeat,
             pgbench_seconds: if args.quick { 1 } else { args.pgbench_seconds },
+            hold_transaction: args.hold_transaction,
             now_ms: ctx.now_ms(),
         };
         return pg_pipeline::run(&location, &dir, &params);
@@ -1138,6 +1145,7 @@ mod tests {
             amqp: String::new(),
             black_hole: false,
             store: None,
+            hold_transaction: false,
             pgbench_seconds: 0,
             process_sagas: 0,
         };
@@ -1212,6 +1220,7 @@ mod tests {
             amqp: String::new(),
             black_hole: false,
             store: None,
+            hold_transaction: false,
             pgbench_seconds: 0,
             process_sagas: 0,
         };

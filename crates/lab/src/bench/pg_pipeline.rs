@@ -35,7 +35,83 @@ pub(super) struct Params {
     pub consumers: usize,
     pub repeat: u64,
     pub pgbench_seconds: u64,
+    /// Each run again while another session holds a transaction open (`--hold-transaction`).
+    pub hold_transaction: bool,
     pub now_ms: i64,
+}
+
+/// Another session's transaction held open, as a forgotten `BEGIN` in an operator's `psql` or an
+/// application's idle connection would be: it has a transaction id, so the server's xmin horizon
+/// stays at its start for as long as it is open, and no dead row version made after it can be
+/// removed (by `VACUUM` or by page pruning) anywhere on the server.
+struct HeldTransaction {
+    client: postgres::Client,
+    pid: i32,
+    xid: i64,
+}
+
+impl HeldTransaction {
+    fn open(conn: &str) -> Result<HeldTransaction> {
+        let mut client = tidemark_store_postgres::connect(conn)?;
+        client.batch_execute("BEGIN").map_err(Error::from)?;
+        let row = client
+            .query_one("SELECT pg_backend_pid(), txid_current()", &[])
+            .map_err(Error::from)?;
+        Ok(HeldTransaction { pid: row.get(0), xid: row.get(1), client })
+    }
+
+    /// What an operator sees of it (`pg_stat_activity`), read from another session.
+    fn seen(&self, conn: &str) -> Result<Value> {
+        let mut client = tidemark_store_postgres::connect(conn)?;
+        let row = client
+            .query_one(
+                "SELECT state, (extract(epoch FROM now() - xact_start) * 1000)::bigint,
+                        age(backend_xmin), backend_xid::text
+                 FROM pg_stat_activity WHERE pid = $1",
+                &[&self.pid],
+            )
+            .map_err(Error::from)?;
+        Ok(json!({
+            "pid": self.pid,
+            "xid": self.xid,
+            "state": row.get::<_, Option<String>>(0),
+            "open_for_ms": row.get::<_, Option<i64>>(1),
+            "transactions_since_its_snapshot": row.get::<_, Option<i32>>(2),
+        }))
+    }
+
+    fn close(mut self) -> Result<()> {
+        self.client.batch_execute("ROLLBACK").map_err(Error::from)
+    }
+}
+
+/// `VACUUM` every table of the run's two schemas, then their row versions as the server counts
+/// them: dead ones it could not remove (a transaction held open keeps them) and live ones.
+fn vacuumed_rows(sides: &PgSides) -> Result<Value> {
+    let mut client = tidemark_store_postgres::connect(&sides.conn)?;
+    let tables: Vec<(String, String)> = client
+        .query(
+            "SELECT schemaname::text, relname::text FROM pg_stat_user_tables WHERE schemaname = ANY($1)
+             ORDER BY 1, 2",
+            &[&vec![sides.producer.clone(), sides.consumer.clone()]],
+        )
+        .map_err(Error::from)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    for (schema, table) in &tables {
+        client.batch_execute(&format!("VACUUM \"{schema}\".\"{table}\"")).map_err(Error::from)?;
+    }
+    // VACUUM reports its counts to the statistics at once; this session reads them fresh.
+    client.batch_execute("SELECT pg_stat_clear_snapshot()").map_err(Error::from)?;
+    let row = client
+        .query_one(
+            "SELECT coalesce(sum(n_dead_tup), 0)::bigint, coalesce(sum(n_live_tup), 0)::bigint
+             FROM pg_stat_user_tables WHERE schemaname = ANY($1)",
+            &[&vec![sides.producer.clone(), sides.consumer.clone()]],
+        )
+        .map_err(Error::from)?;
+    Ok(json!({"dead_row_versions_after_vacuum": row.get::<_, i64>(0), "live_rows": row.get::<_, i64>(1)}))
 }
 
 /// The reservation handler on PostgreSQL (see the module's documentation).
@@ -224,7 +300,11 @@ fn one_thread(place: &PgPlace, name: &str, p: &Params, ids: &[String], flows: u6
     let server_cpu = server_cpu_seconds().zip(server_cpu).map(|(end, start)| end - start);
     drop((producer, endpoints, consumer));
     let check = sides.verify(stats.events * ids.len() as u64)?;
-    Ok(with_server_cpu(&stats, check, server_cpu))
+    let mut run = with_server_cpu(&stats, check, server_cpu);
+    if p.hold_transaction {
+        run["rows"] = vacuumed_rows(&sides)?;
+    }
+    Ok(run)
 }
 
 /// Three threads with their own connections (as SQLite's `pipelined` run), on fresh schemas.
@@ -242,7 +322,11 @@ fn three_threads(place: &PgPlace, name: &str, p: &Params, ids: &[String], mode: 
     let stats = run_three_threads(&sides, &run, Duration::from_secs(3_600))?;
     let server_cpu = server_cpu_seconds().zip(server_cpu).map(|(end, start)| end - start);
     let check = sides.verify(stats.events * ids.len() as u64)?;
-    Ok(with_server_cpu(&stats, check, server_cpu))
+    let mut run = with_server_cpu(&stats, check, server_cpu);
+    if p.hold_transaction {
+        run["rows"] = vacuumed_rows(&sides)?;
+    }
+    Ok(run)
 }
 
 /// A run's JSON (as SQLite's) with the check and the server's CPU time over the run.
@@ -285,6 +369,7 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
     let one = Mode { advance_batch: 1, relay_limit: 1, drain_limit: 1 };
     let mut all_passed = true;
     let (mut sequential, mut pipelined, mut baseline) = (PgSeries::default(), PgSeries::default(), PgSeries::default());
+    let (mut held_sequential, mut held_pipelined) = (PgSeries::default(), PgSeries::default());
     let mut progress = crate::progress::Progress::start("bench", p.repeat);
     for r in 0..p.repeat {
         let run = one_thread(&place, &format!("g{r}"), p, &ids, p.flows, group)?;
@@ -298,9 +383,34 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
             all_passed &= passed(&run["check"]);
             baseline.push(run);
         }
+        if p.hold_transaction {
+            // The same two runs again, right after, with another session's transaction open.
+            let held = HeldTransaction::open(&location.conn)?;
+            let mut run = one_thread(&place, &format!("hg{r}"), p, &ids, p.flows, group)?;
+            run["held_transaction"] = held.seen(&location.conn)?;
+            all_passed &= passed(&run["check"]);
+            held_sequential.push(run);
+            let mut run = three_threads(&place, &format!("hp{r}"), p, &ids, group)?;
+            run["held_transaction"] = held.seen(&location.conn)?;
+            all_passed &= passed(&run["check"]);
+            held_pipelined.push(run);
+            held.close()?;
+        }
         progress.advance(1, &format!("run {} of {}", r + 1, p.repeat));
     }
     progress.finish(if all_passed { "every check passed" } else { "a check failed" });
+    let held = p.hold_transaction.then(|| {
+        let (open, closed) = (held_sequential.series.median().unwrap_or(0.0), sequential.series.median().unwrap_or(0.0));
+        let (open_p, closed_p) = (held_pipelined.series.median().unwrap_or(0.0), pipelined.series.median().unwrap_or(0.0));
+        json!({
+            "what": "each run of the repeat again, right after it, while another session holds a transaction \
+                     (BEGIN; SELECT txid_current()) open: dead row versions cannot be removed anywhere on the server",
+            "group_commit": held_sequential.series.json(group, "one thread, a transaction held open by another session"),
+            "pipelined": held_pipelined.series.json(group, "three threads, a transaction held open by another session"),
+            "group_commit_held_to_free_ratio": (closed > 0.0).then(|| round3(open / closed)),
+            "pipelined_held_to_free_ratio": (closed_p > 0.0).then(|| round3(open_p / closed_p)),
+        })
+    });
     let rate = sequential.series.median().unwrap_or(0.0);
     let pipelined_rate = pipelined.series.median().unwrap_or(0.0);
     let baseline_rate = baseline.series.median();
@@ -321,6 +431,7 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
             "consumers": p.consumers,
             "repeat": p.repeat,
             "pgbench_seconds": p.pgbench_seconds,
+            "hold_transaction": p.hold_transaction,
             "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "load_average_at_start": load,
             "load_average_at_end": load_average(),
@@ -329,6 +440,7 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
         "group_commit": sequential.series.json(group, "one thread: each wave advanced, then relayed, then drained"),
         "pipelined": pipelined.series.json(group, "three threads (producer, relay, consumer), each with its own connections"),
         "one_per_op": (p.baseline_flows > 0).then(|| baseline.series.json(one, "one thread, one transaction per operation")),
+        "held_transaction": held,
         "summary": {
             "end_to_end_events_per_s": rate,
             "pipelined_end_to_end_events_per_s": pipelined_rate,
