@@ -352,6 +352,13 @@ impl LocalChildren {
         }
     }
 
+    /// The loop stops: every parent still waiting stops waiting in memory.
+    fn abandon_all(&self) {
+        for (_, waiter) in lock(&self.waiters).drain() {
+            let _ = waiter.reply.send(ChildLeft::Elsewhere);
+        }
+    }
+
     /// Run `parent`'s cancellation was requested: it stops waiting in memory for its children.
     fn interrupt(&self, parent: &str) {
         let mut waiters = lock(&self.waiters);
@@ -689,15 +696,22 @@ where
                 }
             }
         }
+        let owned_children = children.is_some();
         if let Some(mut receiver) = children {
-            // Children handed over before this are stopped and released below with the others.
-            *lock(&self.children) = None;
+            // No more children for this loop (a parent starting one now releases it); those
+            // handed over before this are stopped and released below with the others.
             receiver.close();
             while let Ok(child) = receiver.try_recv() {
                 self.spawn(child, true, &mut set, &mut in_flight, &mut report).await;
             }
         }
         self.stop_all(&mut set, &mut in_flight, &mut report).await;
+        if owned_children {
+            // A parent still waiting (one of another loop of this worker) waits in the store.
+            if let Some(children) = lock(&self.children).take() {
+                children.abandon_all();
+            }
+        }
         match self.unclaimable().await {
             Ok(unclaimable) => report.unclaimable = unclaimable,
             Err(error) => report.error(format!("unclaimable: {error}")),
