@@ -85,7 +85,7 @@ impl Envelope {
                 format!("envelope is {} bytes, limit is {ENVELOPE_BYTES_MAX}", bytes.len()),
             ));
         }
-        let envelope: Envelope = serde_json::from_slice(bytes)
+        let envelope: Envelope = crate::json::from_slice(bytes)
             .map_err(|e| Error::invalid(codes::INVALID_ENVELOPE, format!("malformed envelope: {e}")))?;
         // A payload number the canonical encoding would change is refused, never rounded.
         crate::json::check_numbers(bytes)?;
