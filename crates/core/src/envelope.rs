@@ -85,7 +85,7 @@ impl Envelope {
                 format!("envelope is {} bytes, limit is {ENVELOPE_BYTES_MAX}", bytes.len()),
             ));
         }
-        let envelope: Envelope = serde_json::from_slice(bytes)
+        let envelope: Envelope = crate::json::from_slice(bytes)
             .map_err(|e| Error::invalid(codes::INVALID_ENVELOPE, format!("malformed envelope: {e}")))?;
         // A payload number the canonical encoding would change is refused, never rounded.
         crate::json::check_numbers(bytes)?;
@@ -147,6 +147,25 @@ impl Envelope {
 
 /// Length of a W3C `traceparent` of version `00`: `00-<32 hex>-<16 hex>-<2 hex>`.
 pub const TRACEPARENT_LEN: usize = 55;
+
+/// The regular expression (JSON Schema's `pattern`, without look-around) of exactly the
+/// `traceparent` values [`validate_traceparent`] accepts: `00-<32 hex>-<16 hex>-<2 hex>`,
+/// lowercase, the trace id and the parent id not all zeros (each written as its leading zeros, a
+/// non-zero digit, then any digits).
+pub fn traceparent_pattern() -> String {
+    let not_all_zeros = |digits: usize| {
+        let forms: Vec<String> = (0..digits)
+            .map(|zeros| {
+                let lead = if zeros > 0 { format!("0{{{zeros}}}") } else { String::new() };
+                let rest = digits - zeros - 1;
+                let tail = if rest > 0 { format!("[0-9a-f]{{{rest}}}") } else { String::new() };
+                format!("{lead}[1-9a-f]{tail}")
+            })
+            .collect();
+        format!("({})", forms.join("|"))
+    };
+    format!("^00-{}-{}-[0-9a-f]{{2}}$", not_all_zeros(32), not_all_zeros(16))
+}
 
 /// Check a W3C trace context `traceparent` (version `00`, lowercase hex, trace id and parent id
 /// not all zeros); `invalid_envelope` otherwise.

@@ -13,8 +13,15 @@
 //! `inexact_number` and nothing is written.
 //!
 //! The form of a number may change, never its value: `1e2` is written `100.0` and `-0` is `0`.
+//!
+//! Bodies and envelopes are read with [`from_slice`]: as `serde_json::from_slice`, except that a
+//! struct is read only from a JSON object, never from an array of its fields.
 
 use crate::error::{codes, Error, Result};
+
+mod objects;
+
+pub use objects::from_slice;
 
 /// A JSON number's decimal value: `digits × 10^exponent`, with neither leading nor trailing
 /// zeros in `digits` (so two equal values have equal forms), or zero.

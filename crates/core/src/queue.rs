@@ -33,6 +33,7 @@ pub const QUEUE_WAITING_SHOWN_MAX: usize = 1_000;
 /// How a start goes through a queue.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct Enqueue {
     /// The declared queue.
     #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$"))]
@@ -61,6 +62,7 @@ impl Enqueue {
 /// A rate limit: at most `limit` runs admitted in any `period_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
 pub struct RateLimit {
     /// Runs per period, 1..=1,000,000.
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1_000_000))]

@@ -56,6 +56,11 @@ pub const LEASE_MS_MIN: i64 = 100;
 pub const LEASE_MS_MAX: i64 = 60 * 60 * 1000;
 /// Longest timer or wait.
 pub const TIMER_MS_MAX: i64 = 366 * 24 * 60 * 60 * 1000;
+/// The page cursors [`RunFilter::parse_page`] accepts (`<created_at_ms>:<run_id>`), as the
+/// OpenAPI document states them.
+pub const PAGE_CURSOR_PATTERN: &str = "^-?[0-9]{1,18}:[A-Za-z0-9_.:-]{1,100}$";
+/// A day in ms.
+const DAY_MS: i64 = 24 * 60 * 60 * 1000;
 /// The longest wait of one request for a run's result or published value (API `wait_ms`, CLI
 /// `--wait-ms`), in ms.
 pub const RESULT_WAIT_MS_MAX: u64 = 60_000;
@@ -580,6 +585,15 @@ impl StartRequest {
     }
 }
 
+/// The latest `start_at_ms` a start received at `now_ms` may ask for: the last millisecond of the
+/// UTC day 365 days after the day of `now_ms` (so at least 365 days ahead, less than
+/// [`TIMER_MS_MAX`]). The bound moves once a day, at UTC midnight, not with every millisecond:
+/// the OpenAPI document states the bound of the day it is served, and every start that day is
+/// held to that bound.
+pub fn start_at_ms_max(now_ms: i64) -> i64 {
+    now_ms.div_euclid(DAY_MS).saturating_mul(DAY_MS).saturating_add(TIMER_MS_MAX - 1)
+}
+
 /// `at_ms` must not be further ahead of `now_ms` than the longest timer (`invalid_argument`).
 pub fn validate_not_too_far(field: &str, at_ms: i64, now_ms: i64) -> Result<()> {
     if at_ms.saturating_sub(now_ms) > TIMER_MS_MAX {
@@ -601,13 +615,23 @@ pub fn deadline_after(now_ms: i64, timeout_ms: Option<i64>) -> Result<Option<i64
 
 /// Check a batch of starts before any transaction, the same on every store: at most
 /// [`START_BATCH_MAX`] requests (`limit_exceeded`), each valid ([`StartRequest::validate`]), its
-/// start-at time and deadline at most a year ahead of `now_ms`.
+/// start-at time at most [`start_at_ms_max`] and its deadline at most a year ahead of `now_ms`
+/// (`invalid_argument`).
 pub fn validate_starts(requests: &[StartRequest], now_ms: i64) -> Result<()> {
     crate::id::validate_limit("start batch", requests.len(), START_BATCH_MAX)?;
     for request in requests {
         request.validate()?;
         if let Some(at) = request.start_at_ms {
-            validate_not_too_far("start_at_ms", at, now_ms)?;
+            let latest = start_at_ms_max(now_ms);
+            if at > latest {
+                return Err(Error::invalid(
+                    codes::INVALID_ARGUMENT,
+                    format!(
+                        "start_at_ms is {at}, after {latest} (the end of the UTC day 365 days after today's): a start \
+                         is due at most about a year ahead"
+                    ),
+                ));
+            }
         }
         if let Some(at) = request.deadline_ms {
             validate_not_too_far("deadline_ms", at, now_ms)?;
@@ -1332,7 +1356,9 @@ impl RunFilter {
         }
     }
 
-    /// Parse a cursor made by [`RunFilter::next_page`].
+    /// Parse a cursor made by [`RunFilter::next_page`]: exactly the strings
+    /// [`PAGE_CURSOR_PATTERN`] matches (`invalid_argument` otherwise, or `invalid_id` for the run
+    /// id).
     pub fn parse_page(text: &str) -> Result<(i64, String)> {
         let bad = || {
             Error::invalid(
@@ -1341,6 +1367,12 @@ impl RunFilter {
             )
         };
         let (created, run_id) = text.split_once(':').ok_or_else(bad)?;
+        // An optional `-` and 1..=18 digits (any i64 of at most 18 digits: ±31 million years of
+        // ms), nothing else (`i64::from_str` would also take a `+`).
+        let digits = created.strip_prefix('-').unwrap_or(created);
+        if digits.is_empty() || digits.len() > 18 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
         let created: i64 = created.parse().map_err(|_| bad())?;
         validate_id("run_id of the cursor", run_id)?;
         Ok((created, run_id.to_string()))
@@ -1535,6 +1567,50 @@ mod tests {
         assert_eq!(both.validate().unwrap_err().code(), codes::INVALID_ARGUMENT, "a queue and a key");
         r.run_id = "bad id".into();
         assert_eq!(r.validate().unwrap_err().code(), codes::INVALID_ID);
+    }
+
+    #[test]
+    fn page_cursors_are_what_next_page_writes_and_nothing_else() {
+        for (text, expected) in [
+            ("1700000000000:order-1", (1_700_000_000_000, "order-1")),
+            ("0:a:b", (0, "a:b")),
+            ("-5:r", (-5, "r")),
+            ("000000000000000007:r", (7, "r")),
+            ("999999999999999999:r", (999_999_999_999_999_999, "r")),
+        ] {
+            assert_eq!(RunFilter::parse_page(text).unwrap(), (expected.0, expected.1.to_string()), "{text}");
+        }
+        for text in ["", ":", "1", ":r", "+1:r", "-:r", "1 :r", "1.0:r", "1e3:r", "1000000000000000000:r", "x:r"] {
+            assert_eq!(RunFilter::parse_page(text).unwrap_err().code(), codes::INVALID_ARGUMENT, "{text:?}");
+        }
+        for text in ["1:bad id", "1:"] {
+            assert_eq!(RunFilter::parse_page(text).unwrap_err().code(), codes::INVALID_ID, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn the_latest_start_moves_once_a_day() {
+        const DAY: i64 = 86_400_000;
+        let midnight = 1_767_225_600_000; // 2026-01-01T00:00:00Z
+        for now in [midnight, midnight + 1, midnight + DAY / 2, midnight + DAY - 1] {
+            let latest = start_at_ms_max(now);
+            assert_eq!(latest, midnight + 366 * DAY - 1, "{now}");
+            assert!(latest - now >= 365 * DAY && latest - now < TIMER_MS_MAX, "{now}");
+        }
+        assert_eq!(start_at_ms_max(midnight + DAY), midnight + 367 * DAY - 1);
+        assert_eq!(start_at_ms_max(i64::MAX), i64::MAX);
+        start_at_ms_max(i64::MIN);
+        let start = |start_at_ms| {
+            let request = StartRequest {
+                start_at_ms: Some(start_at_ms),
+                ..StartRequest::new("r", "w", 1, serde_json::json!({}))
+            };
+            validate_starts(&[request], midnight + 1234)
+        };
+        start(midnight + 366 * DAY - 1).unwrap();
+        start(i64::MIN).unwrap();
+        let error = start(midnight + 366 * DAY).unwrap_err();
+        assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{error}");
     }
 
     #[test]

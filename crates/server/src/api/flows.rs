@@ -50,7 +50,7 @@ pub struct AdvanceBody {
     pub input: Option<Value>,
     /// The machine the flow belongs to. Optional (`to` tells it); when given, `to` must be one
     /// of its states.
-    #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+    #[schema(value_type = Option<MachineName>)]
     pub machine: Option<String>,
     /// Shorthand for `input.quantity` (the built-in reservation machine: 1..=1,000,000,
     /// required to reserve, optional later, must match).
@@ -74,6 +74,14 @@ fn one() -> u32 {
 #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
 #[allow(dead_code)]
 pub struct StateName(String);
+
+/// A registered machine's name (documentation of `AdvanceBody::machine`; the served document
+/// lists this server's machines but the event stream's, which `POST /v1/streams/{flow_id}/events`
+/// advances).
+#[derive(ToSchema)]
+#[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
+#[allow(dead_code)]
+pub struct MachineName(String);
 
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -156,6 +164,7 @@ fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
     request_body = AdvanceBody,
     responses(
         (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 400, description = "`unknown_machine` or `unknown_state` (a `machine` or `to` this service does not register, or a `to` of another machine than `machine`), `invalid_payload` (an `input` the machine does not take), `invalid_schema_version`, `invalid_seq`, `seq_overflow` (the flow is at the last seq), and the machine's own checks (the reservation machine's `invalid_quantity`)", body = ErrorBody),
         (status = 409, description = "`stale` or `invalid_transition`: an answer, nothing written", body = AdvanceOutcome),
     ),
     security(("bearer" = ["operate"]))
@@ -222,6 +231,7 @@ impl AdvanceBody {
     request_body = AppendBody,
     responses(
         (status = 200, description = "`committed`", body = AdvanceOutcome),
+        (status = 400, description = "`invalid_seq` (a negative `expected_seq`), `invalid_payload`, `seq_overflow` (the stream is at the last seq)", body = ErrorBody),
         (status = 409, description = "`stale` (with `expected_seq`) or `invalid_transition` (the flow is a reservation)", body = AdvanceOutcome),
     ),
     security(("bearer" = ["operate"]))

@@ -117,6 +117,7 @@ pub struct HandlerName(String);
     responses(
         (status = 201, description = "`declared`", body = Declared),
         (status = 200, description = "`existing`", body = Declared),
+        (status = 400, description = "`unknown_handler`: a handler this service does not register", body = ErrorBody),
         (status = 409, description = "`already_exists`: declared before with another handler", body = ErrorBody),
     ),
     security(("bearer" = ["admin"]))
@@ -247,6 +248,7 @@ async fn cursors(State(state): State<AppState>, caller: Caller, Path(consumer_id
     ),
     responses(
         (status = 200, description = "`accepted` or `duplicate`: the consumer holds the event", body = ReceiveOutcome),
+        (status = 400, description = "`invalid_envelope` (not JSON, not an object, a missing, unknown or mistyped field, a bad `traceparent`), `invalid_id`, `invalid_seq`, `invalid_schema_version`, `invalid_payload`", body = ErrorBody),
         (status = 409, description = "`conflict` (same identity, other content) or `expired` (older than the retention horizon)", body = ReceiveOutcome),
         (status = 404, description = "`not_found`: no such consumer", body = ErrorBody),
     ),

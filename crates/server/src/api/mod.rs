@@ -151,11 +151,14 @@ fn is_json(headers: &axum::http::HeaderMap) -> bool {
 }
 
 /// Decode a request body as every JSON route does: `T` from the bytes (`invalid_argument` for
-/// malformed JSON, a missing or unknown field, a value of the wrong type), then every number of
-/// the body checked by [`tidemark_core::json::check_numbers`] (`inexact_number` for one the
-/// canonical encoding would change, such as 2^64). The routes' own checks come after it.
+/// malformed JSON, a missing or unknown field, a value of the wrong type, a JSON array where `T`
+/// or a struct nested in it is an object: serde's derived structs would read `[null, null]` as
+/// their fields in order), then every number of the body checked by
+/// [`tidemark_core::json::check_numbers`] (`inexact_number` for one the canonical encoding would
+/// change, such as 2^64). The routes' own checks come after it. A body type that is itself a
+/// sequence (`Vec<T>`) still reads a JSON array.
 pub fn decode_body<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, Error> {
-    let body = serde_json::from_slice(bytes)
+    let body = tidemark_core::json::from_slice(bytes)
         .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("bad JSON body: {e}")))?;
     tidemark_core::json::check_numbers(bytes)?;
     Ok(body)
@@ -324,4 +327,60 @@ async fn not_found(method: Method, uri: axum::http::Uri) -> ApiError {
 async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
     let body = json!({"error": {"code": "method_not_allowed", "message": format!("{method} is not allowed on {}", uri.path())}});
     (StatusCode::METHOD_NOT_ALLOWED, axum::Json(body)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use tidemark_core::error::codes;
+
+    use super::{decode_body, flows, inbox, queues, runs, schedules, subscriptions};
+
+    /// schemathesis found `PUT /v1/queues/{name}` accepting the body `[null, null]`: serde's
+    /// derived structs read a JSON array as their fields in order, so it declared a queue
+    /// without limits. A body (and a struct nested in one) is a JSON object or refused.
+    #[test]
+    fn put_queue_refuses_the_array_body_null_null() {
+        let error = decode_body::<queues::QueueBody>(b"[null, null]").err().expect("an array is not a queue body");
+        assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{error}");
+        assert!(error.to_string().contains("invalid type: sequence, expected struct QueueBody"), "{error}");
+        // Nested: a rate is an object too.
+        let error = decode_body::<queues::QueueBody>(br#"{"rate": [5, 60000]}"#).err().expect("a rate array");
+        assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{error}");
+        // The object forms still read.
+        let body =
+            decode_body::<queues::QueueBody>(br#"{"concurrency_max": 2, "rate": {"limit": 5, "period_ms": 60000}}"#);
+        assert!(body.is_ok());
+        assert!(decode_body::<queues::QueueBody>(b"{}").is_ok());
+    }
+
+    /// Every body the routes decode refuses the array form of its fields (the first fields of
+    /// each, which serde would otherwise read in order).
+    #[test]
+    fn no_route_body_is_read_from_a_json_array() {
+        fn refused<T: serde::de::DeserializeOwned>(text: &str) {
+            let error = decode_body::<T>(text.as_bytes()).err().unwrap_or_else(|| panic!("{text} was accepted"));
+            assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{text}: {error}");
+        }
+        refused::<flows::AdvanceBody>(r#"[0, "reserved", null, null, 1, 1]"#);
+        refused::<flows::AppendBody>(r#"["note.added", {}, null]"#);
+        refused::<flows::ResolveBody>(r#"["requeue", "fixed"]"#);
+        refused::<flows::RedeliverBody>("[null, true]");
+        refused::<inbox::DeclareBody>(r#"["record", true, true]"#);
+        refused::<inbox::ReceiveBatchBody>("[[]]");
+        refused::<inbox::SkipRecordBody>(r#"["fixed"]"#);
+        refused::<runs::StartBody>(r#"["order_saga", "r1", {}, null, null, null, null]"#);
+        refused::<runs::StartBody>(r#"{"workflow": "w", "run_id": "r1", "input": {}, "queue": ["q", 0, null]}"#);
+        refused::<runs::ReasonBody>(r#"["stop"]"#);
+        refused::<runs::ForkBody>(r#"[1, "r2"]"#);
+        refused::<runs::SkipStepBody>(r#"[1, null, "by hand"]"#);
+        refused::<runs::EventBody>(r#"["approval", "e1", {}]"#);
+        refused::<schedules::ScheduleBody>(r#"["order_saga", {}, "@hourly", null, null, null]"#);
+        refused::<subscriptions::SubscribeBody>(r#"["pull:", false]"#);
+        refused::<subscriptions::CommitBody>("[null, 1]");
+        // What a field holds as an array is still read (a batch's events, a payload).
+        let batch = decode_body::<inbox::ReceiveBatchBody>(br#"{"events": []}"#);
+        assert!(batch.is_ok());
+        let append = decode_body::<flows::AppendBody>(br#"{"event_type": "a", "payload": {"list": [1, [2]]}}"#);
+        assert!(append.is_ok());
+    }
 }

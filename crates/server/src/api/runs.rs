@@ -51,7 +51,9 @@ pub struct StartBody {
     /// At most one active run per key, oldest first.
     #[schema(pattern = "^[A-Za-z0-9_.:-]{1,100}$")]
     pub key: Option<String>,
-    /// Do not run before this time (ms since the epoch; at most 366 days ahead).
+    /// Do not run before this time (ms since the epoch): at most the end of the UTC day 365 days
+    /// after the day of the request (`tidemark_core::workflow::start_at_ms_max`), the `maximum`
+    /// the document states on the day it is served.
     #[serde(default, deserialize_with = "tidemark_core::json::optional_integer")]
     pub start_at_ms: Option<i64>,
     /// Run through a declared queue (`PUT /v1/queues/{name}`), with a priority (lower first)
@@ -101,6 +103,7 @@ pub struct WorkflowName(String);
     responses(
         (status = 201, description = "`started`", body = StartOutcome),
         (status = 200, description = "`existing`: this run id was started with the same input", body = StartOutcome),
+        (status = 400, description = "`unknown_workflow`; `invalid_input`: the workflow's own check of its input refused it (a check of data the document cannot state: a workflow that registers no input schema takes any JSON here); `invalid_argument`: a `start_at_ms` after the document's `maximum` or a `timeout_ms` out of range, a `queue` with a `key`", body = ErrorBody),
         (status = 409, description = "`run_conflict`: this run id was started with another workflow or input", body = ErrorBody),
     ),
     security(("bearer" = ["operate"]))
@@ -149,7 +152,9 @@ pub struct ListQuery {
     #[param(minimum = 1)]
     #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
-    /// The `next_after` of the previous page.
+    /// The `next_after` of the previous page: `<created_at_ms>:<run_id>`
+    /// (`tidemark_core::workflow::PAGE_CURSOR_PATTERN`).
+    #[param(pattern = "^-?[0-9]{1,18}:[A-Za-z0-9_.:-]{1,100}$")]
     pub after: Option<String>,
 }
 
@@ -527,6 +532,7 @@ impl ForkBody {
     request_body = ForkBody,
     responses(
         (status = 201, description = "`forked`: the new run", body = RunChanged),
+        (status = 400, description = "`invalid_seq`: `from_step` is past the run's journal (a bound of the run's own data, which the document's `maximum`, the longest journal, cannot state)", body = ErrorBody),
         (status = 404, description = "`not_found`: no such run", body = ErrorBody),
         (status = 409, description = "`already_exists` (the new run id is taken) or `invalid_state_change`", body = ErrorBody),
     ),

@@ -95,7 +95,7 @@ impl ScheduleBody {
     request_body = ScheduleBody,
     responses(
         (status = 200, body = Schedule),
-        (status = 400, description = "`invalid_schedule`, `unknown_workflow`, `invalid_input`", body = ErrorBody),
+        (status = 400, description = "`invalid_schedule`, `unknown_workflow`, `invalid_input` (the workflow's own check of its input, data the document cannot state: see `POST /v1/runs`)", body = ErrorBody),
     ),
     security(("bearer" = ["operate"]))
 )]

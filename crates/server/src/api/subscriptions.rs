@@ -139,6 +139,17 @@ pub struct Subscribed {
 
 const OUTBOX_NAMES: [&str; 2] = ["producer", "workflows"];
 
+/// One of the tenant's two outboxes: `producer` (the producer database's) or `workflows` (the
+/// workflow database's). Documentation of the `outbox` of a feed and of its commit, which the
+/// server reads with `outbox_index`.
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub enum OutboxName {
+    Producer,
+    Workflows,
+}
+
 /// Subscribe `consumer_id` at a network endpoint to both of the tenant's outboxes (the producer's
 /// and the workflow database's). Subscribing again with another endpoint moves the subscription.
 #[utoipa::path(
@@ -225,6 +236,7 @@ const FEED_WINDOW_FACTOR: usize = 4;
 #[into_params(parameter_in = Query)]
 pub struct FeedQuery {
     /// `producer` (default) or `workflows`: which of the tenant's outboxes.
+    #[param(value_type = Option<OutboxName>)]
     pub outbox: Option<String>,
     /// Only events after this position (the last `position` already read but not yet committed);
     /// it skips at most 3 x `limit` of them.
@@ -309,6 +321,7 @@ async fn feed(
 #[schema(example = json!({"through_position": 42}))]
 pub struct CommitBody {
     /// `producer` (default) or `workflows`.
+    #[schema(value_type = Option<OutboxName>)]
     pub outbox: Option<String>,
     /// Every event of the feed at or below this position is now the consumer's (stored
     /// durably on its side): its deliveries become `accepted`.
