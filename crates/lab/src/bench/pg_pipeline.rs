@@ -54,9 +54,7 @@ impl HeldTransaction {
     fn open(conn: &str) -> Result<HeldTransaction> {
         let mut client = tidemark_store_postgres::connect(conn)?;
         client.batch_execute("BEGIN").map_err(Error::from)?;
-        let row = client
-            .query_one("SELECT pg_backend_pid(), txid_current()", &[])
-            .map_err(Error::from)?;
+        let row = client.query_one("SELECT pg_backend_pid(), txid_current()", &[]).map_err(Error::from)?;
         Ok(HeldTransaction { pid: row.get(0), xid: row.get(1), client })
     }
 
