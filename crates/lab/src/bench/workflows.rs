@@ -563,9 +563,13 @@ pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Va
     let worker = Worker::new(world.writer.clone(), registry, options)?;
     let rt = runtime()?;
     let counts = WriterCounts::of(&world.writer);
+    let cpu = process_cpu_seconds();
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer");
     let t = Instant::now();
     let report = rt.block_on(worker.run_until_idle())?;
     let seconds = t.elapsed().as_secs_f64();
+    let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
+    let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
     let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, sagas);
     drop(worker);
     drop(rt);
@@ -577,6 +581,13 @@ pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Va
         "in_flight": p.in_flight,
         "seconds": round3(seconds),
         "sagas_per_s": round1(sagas as f64 / seconds.max(1e-9)),
+        "cpu_seconds": cpu.map(round3),
+        "sagas_per_cpu_s": cpu.map(|c| round1(sagas as f64 / c.max(1e-9))),
+        "writer_thread": writer_cpu.map(|ns| json!({
+            "on_cpu_seconds": round3(ns as f64 / 1e9),
+            "busy_share": round3(ns as f64 / 1e9 / seconds.max(1e-9)),
+            "us_per_saga": round1(ns as f64 / 1e3 / sagas.max(1) as f64),
+        })),
         "writer": writer,
         "worker": report_json(&report),
         "check": check,
