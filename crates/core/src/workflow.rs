@@ -1090,6 +1090,44 @@ pub struct ClaimRequest {
     pub lease_ms: i64,
 }
 
+impl RunRecord {
+    /// The record of the child run `request` that a [`JournalOp::StartChild`] of `parent`
+    /// created at `now_ms` and leased to `owner` until `expires_at_ms`, as a store reads it back
+    /// (for a store that builds the claimed child without reading its row).
+    pub fn started_child(
+        request: &StartRequest,
+        parent: &str,
+        owner: &str,
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> RunRecord {
+        RunRecord {
+            run_id: request.run_id.clone(),
+            workflow: request.workflow.clone(),
+            version: request.version,
+            input: request.input.clone(),
+            key: request.key.clone(),
+            status: RunStatus::Pending,
+            result: None,
+            error: None,
+            wake_at_ms: request.start_at_ms.unwrap_or(now_ms),
+            waiting_for: None,
+            cancel_requested: false,
+            forked_from: None,
+            parent_run_id: Some(parent.to_string()),
+            queue: request.queue.as_ref().map(|q| q.queue.clone()),
+            priority: request.queue.as_ref().map(|q| q.priority),
+            admitted_at_ms: None,
+            deadline_ms: request.deadline_ms,
+            lease_owner: Some(owner.to_string()),
+            lease_expires_at_ms: Some(expires_at_ms),
+            recoveries: 0,
+            created_at_ms: now_ms,
+            updated_at_ms: now_ms,
+        }
+    }
+}
+
 /// A run handed to a worker: its record, journal and unconsumed events, and the lease token
 /// that fences every write the worker makes for it.
 #[derive(Debug, Clone, PartialEq)]

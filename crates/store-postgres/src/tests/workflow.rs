@@ -1398,6 +1398,7 @@ fn a_child_leased_as_it_starts_is_claimed_by_nobody_else_and_its_end_is_taken_by
     assert_eq!((child.run.lease_owner.as_deref(), child.run.lease_expires_at_ms), (Some("w1"), Some(11_010)));
     assert_eq!((child.run.input.clone(), child.run.parent_run_id.as_deref()), (json!({"x": 21}), Some("p")));
     assert!(child.journal.is_empty() && child.events.is_empty() && !child.recovered);
+    assert_eq!(child.run, detail(&d.store, "p.0").run, "the claimed child is its row as stored");
     // Leased: another worker's claim does not take it while the lease lasts.
     let mut other = d.another();
     assert!(other.claim(&claim_request("w2", vec![version("double", 1, None)], 10), 2_000).unwrap().is_empty());

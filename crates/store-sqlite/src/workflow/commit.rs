@@ -6,7 +6,7 @@ use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
-    child_event, json_within, message_event_id, validate_write, ChildLease, ClaimedRun, JournalOp, JournalWrite,
+    child_event, json_within, message_event_id, validate_write, ClaimedRun, JournalOp, JournalWrite, RunRecord,
     RunStatus, StartOutcome, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
@@ -32,11 +32,11 @@ enum Sql {
     Attempt,
     TimerStarted,
     TimerFinished,
+    ChildEnded,
     ConsumeEvent,
     EventWaiting,
     Suspend,
     ChildOf,
-    LeaseChild,
     Continuation,
     NotifyParent,
     WakeParent,
@@ -105,6 +105,10 @@ impl Sql {
             Sql::TimerFinished => {
                 "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4 WHERE run_id = ?1 AND seq = ?2"
             }
+            Sql::ChildEnded => {
+                "UPDATE journal SET status = 'completed', output = ?3, updated_at_ms = ?4
+                 WHERE run_id = ?1 AND seq = ?2 AND status = 'waiting' AND kind = 'child'"
+            }
             Sql::ConsumeEvent => "UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2",
             // The event waited for, or the end of any child (a parent may await several at once).
             Sql::EventWaiting => {
@@ -115,11 +119,6 @@ impl Sql {
                 "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
                      lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
                  WHERE run_id = ?1"
-            }
-            // Only a run this transaction created (pending, never leased, due now).
-            Sql::LeaseChild => {
-                "UPDATE runs SET lease_owner = ?2, lease_token = ?3, lease_expires_at_ms = ?4, updated_at_ms = ?5
-                 WHERE run_id = ?1 AND lease_token IS NULL AND status = 'pending'"
             }
             Sql::ChildOf => {
                 "UPDATE runs SET parent_run_id = ?2, parent_seq = ?3 WHERE run_id = ?1 AND parent_run_id IS NULL"
@@ -233,24 +232,6 @@ pub(super) fn commit(
     Ok(results)
 }
 
-/// Lease the child run `child_id` this transaction created to `claim`'s worker: the child as
-/// claimed (fresh: no journal, no events, never leased before).
-fn lease_child(
-    sql: &mut Statements<'_>,
-    tx: &Connection,
-    child_id: &str,
-    claim: &ChildLease,
-    now_ms: i64,
-) -> Result<ClaimedRun> {
-    let token = super::new_token();
-    let expires = now_ms + claim.lease_ms;
-    let changed = sql.get(Sql::LeaseChild)?.execute(params![child_id, claim.worker_id, token, expires, now_ms]).db()?;
-    ensure_invariant!(changed == 1, "leasing the child {child_id} this transaction started changed {changed} rows");
-    let run = rows::load_run(tx, child_id)?
-        .ok_or_else(|| Error::Invariant(format!("the child {child_id} this transaction started is gone")))?;
-    Ok(ClaimedRun { run, lease_token: token, journal: Vec::new(), events: Vec::new(), recovered: false })
-}
-
 /// Is `token` the run's lease token? Touches the run's `updated_at_ms` when it is; false:
 /// fenced, nothing changed. A run holding a lease is always active (a CHECK of the table says
 /// so), and nothing else of the row is needed here: one UPDATE, no read. (Not UPDATE ...
@@ -346,7 +327,12 @@ fn apply(
         JournalOp::StartChild { seq, name, request, wake_at_ms, claim } => {
             let (existing, next) = position(sql, run_id, seq, &name, StepKind::Child, StepStatus::Waiting, next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run_id} step {seq}: its child was started already");
-            let outcome = super::start_in(tx, std::slice::from_ref(&*request), now_ms)?;
+            // A child this write creates has its parent, and its lease when asked, in its row.
+            let token = claim.as_ref().map(|_| super::new_token());
+            let lease =
+                claim.as_ref().zip(token.as_deref()).map(|(c, t)| (c.worker_id.as_str(), t, now_ms + c.lease_ms));
+            let row = super::ChildRow { parent_run_id: run_id, parent_seq: seq, lease };
+            let outcome = super::start_rows_in(tx, std::slice::from_ref(&*request), now_ms, Some(&row))?;
             let mut created = false;
             let conflict = match outcome.into_iter().next() {
                 Some(StartOutcome::Started { .. }) => {
@@ -365,7 +351,6 @@ fn apply(
             };
             let result = match conflict {
                 None => {
-                    sql.get(Sql::ChildOf)?.execute(params![request.run_id, run_id, seq]).db()?;
                     sql.get(Sql::TimerStarted)?
                         .execute(params![
                             run_id,
@@ -387,24 +372,30 @@ fn apply(
                 }
             };
             seen = Some(Some(next));
-            match claim.filter(|_| created) {
-                Some(claim) => WriteResult::Claimed(Box::new(lease_child(sql, tx, &request.run_id, &claim, now_ms)?)),
-                None => WriteResult::TxResult(result),
+            match lease.filter(|_| created).map(|(owner, _, expires)| (owner.to_string(), expires)) {
+                Some((owner, expires)) => {
+                    let run = RunRecord::started_child(&request, run_id, &owner, expires, now_ms);
+                    let lease_token = token.expect("a lease has its token");
+                    let claimed =
+                        ClaimedRun { run, lease_token, journal: Vec::new(), events: Vec::new(), recovered: false };
+                    WriteResult::Claimed(Box::new(claimed))
+                }
+                _ => WriteResult::TxResult(result),
             }
         }
         JournalOp::ChildEnded { seq, end } => {
             let event_id = child_event(seq);
             let event = rows::event(tx, run_id, &event_id)?;
-            let entry = rows::journal_at(tx, run_id, seq)?;
-            let waiting = entry.is_some_and(|e| e.kind == StepKind::Child && e.status == StepStatus::Waiting);
-            if !(waiting && event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end)) {
+            let held = event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end);
+            // The entry is settled only while it is the child step waiting (one statement).
+            let text = text.unwrap_or_else(|| json_text(&end));
+            let settled = held && sql.get(Sql::ChildEnded)?.execute(params![run_id, seq, text, now_ms]).db()? == 1;
+            if !settled {
                 // The parent went on with an end the store does not hold: it replays instead.
                 sql.get(Sql::Release)?.execute(params![run_id, lease_token, now_ms]).db()?;
                 return Ok(WriteResult::Fenced);
             }
             sql.get(Sql::ConsumeEvent)?.execute(params![run_id, event_id, seq]).db()?;
-            let text = text.unwrap_or_else(|| json_text(&end));
-            sql.get(Sql::TimerFinished)?.execute(params![run_id, seq, text, now_ms]).db()?;
             seen = Some(next_seq);
             WriteResult::Done
         }

@@ -299,7 +299,25 @@ struct Candidate {
 pub(super) use tidemark_core::workflow::validate_starts;
 
 /// Start validated requests in the caller's transaction.
+/// What a child's start writes into its row at once (no update after the insert): its parent,
+/// and, when it is leased to the starting worker, the lease (owner, token, expiry).
+pub(super) struct ChildRow<'a> {
+    pub parent_run_id: &'a str,
+    pub parent_seq: u32,
+    pub lease: Option<(&'a str, &'a str, i64)>,
+}
+
 pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) -> Result<Vec<StartOutcome>> {
+    start_rows_in(tx, requests, now_ms, None)
+}
+
+/// [`start_in`], with `child` written into the row of each run it creates.
+pub(super) fn start_rows_in(
+    tx: &Connection,
+    requests: &[StartRequest],
+    now_ms: i64,
+    child: Option<&ChildRow<'_>>,
+) -> Result<Vec<StartOutcome>> {
     let mut outcomes = Vec::with_capacity(requests.len());
     for request in requests {
         let hash = request.input_hash();
@@ -336,8 +354,9 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
         let enqueue = request.queue.as_ref();
         tx.prepare_cached(
             "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,
-                               created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8, ?9, ?10, ?11, ?12)",
+                               created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms,
+                               parent_run_id, parent_seq, lease_owner, lease_token, lease_expires_at_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'pending', ?7, ?8, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17)",
         )
         .db()?
         .execute(params![
@@ -353,6 +372,11 @@ pub(super) fn start_in(tx: &Connection, requests: &[StartRequest], now_ms: i64) 
             enqueue.map(|e| e.priority),
             enqueue.and_then(|e| e.dedup_id.as_deref()),
             request.deadline_ms,
+            child.map(|c| c.parent_run_id),
+            child.map(|c| c.parent_seq),
+            child.and_then(|c| c.lease.map(|(owner, _, _)| owner)),
+            child.and_then(|c| c.lease.map(|(_, token, _)| token)),
+            child.and_then(|c| c.lease.map(|(_, _, expires)| expires)),
         ])
         .db()?;
         outcomes.push(StartOutcome::Started { run_id: request.run_id.clone() });
