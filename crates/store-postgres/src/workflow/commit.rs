@@ -11,8 +11,8 @@ use serde_json::Value;
 use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
-    child_event, json_within, message_event_id, validate_write, ClaimedRun, JournalOp, JournalWrite, RunStatus,
-    StartOutcome, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
+    child_event, json_within, message_event_id, validate_write, ClaimedRun, JournalOp, JournalWrite, RunRecord,
+    RunStatus, StartOutcome, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -78,6 +78,9 @@ const TIMER_STARTED_SQL: &str = "INSERT INTO {s}.journal (run_id, seq, name, kin
      updated_at_ms = excluded.updated_at_ms";
 const TIMER_FINISHED_SQL: &str =
     "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4 WHERE run_id = $1 AND seq = $2";
+/// A child step's end, settled only while the entry is that step waiting.
+const CHILD_ENDED_SQL: &str = "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4
+ WHERE run_id = $1 AND seq = $2 AND status = 'waiting' AND kind = 'child'";
 const CONSUME_EVENT_SQL: &str = "UPDATE {s}.run_events SET consumed_by_seq = $3 WHERE run_id = $1 AND event_id = $2";
 /// Release the lease and wait. Due now (`$5`) instead of at `$3` when a cancel was requested (the
 /// row's own flag, as this transaction left it: a parent's end earlier in the batch may have set
@@ -101,11 +104,6 @@ const PUBLISH_SQL: &str =
 const CONTINUATION_SQL: &str = "UPDATE {s}.runs SET (parent_run_id, parent_seq) =
      (SELECT parent_run_id, parent_seq FROM {s}.runs WHERE run_id = $2)
  WHERE run_id = $1";
-/// Lease a child this transaction created (pending, never leased, due now) to the worker of its
-/// parent's `StartChild`.
-const LEASE_CHILD_SQL: &str = "UPDATE {s}.runs SET lease_owner = $2, lease_token = $3, lease_expires_at_ms = $4,
-     updated_at_ms = $5
- WHERE run_id = $1 AND lease_token IS NULL AND status = 'pending'";
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
 
@@ -373,8 +371,14 @@ fn apply_write(
             let (existing, next) =
                 position(&mut c, st, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
-            let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
-            let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
+            // A child this write creates has its parent, and its lease when asked, in its row.
+            let lease_token = claim.as_ref().map(|_| super::new_token());
+            let lease = claim
+                .as_ref()
+                .zip(lease_token.as_deref())
+                .map(|(claim, token)| (claim.worker_id.as_str(), token, now_ms + claim.lease_ms));
+            let row = super::ChildRow { parent_run_id: run, parent_seq: seq, lease };
+            let outcome = super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?;
             let mut created = false;
             let conflict = match outcome.into_iter().next() {
                 Some(StartOutcome::Started { .. }) => {
@@ -384,6 +388,7 @@ fn apply_write(
                 Some(StartOutcome::Existing { .. }) => {
                     // A run of that id (same workflow and input) was there already: adopted; if it
                     // has ended, the parent learns of it now (the event keeps the parent due).
+                    let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
                     c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
                     let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
                     c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
@@ -394,7 +399,6 @@ fn apply_write(
             };
             let result = match conflict {
                 None => {
-                    c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
                     let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
                     c.execute(
                         &timer,
@@ -419,21 +423,13 @@ fn apply_write(
                 }
             };
             state.next_seq = Some(next);
-            match claim.filter(|_| created) {
-                Some(claim) => {
-                    // The child's row was inserted by this transaction: nobody else sees it yet.
-                    let token = super::new_token();
-                    let lease = st.get(&mut *c, LEASE_CHILD_SQL)?;
-                    let expires = now_ms + claim.lease_ms;
-                    let changed =
-                        c.execute(&lease, &[&request.run_id, &claim.worker_id, &token, &expires, &now_ms]).db()?;
-                    ensure_invariant!(changed == 1, "leasing the child {} changed {changed} rows", request.run_id);
-                    let child = rows::load_run(&mut *c, st, &request.run_id)?.ok_or_else(|| {
-                        Error::Invariant(format!("the child {} this transaction started is gone", request.run_id))
-                    })?;
+            match lease.filter(|_| created).map(|(owner, _, expires)| (owner.to_string(), expires)) {
+                Some((owner, expires)) => {
+                    let child = RunRecord::started_child(&request, run, &owner, expires, now_ms);
+                    let lease_token = lease_token.expect("a lease has its token");
                     let claimed = ClaimedRun {
                         run: child,
-                        lease_token: token,
+                        lease_token,
                         journal: Vec::new(),
                         events: Vec::new(),
                         recovered: false,
@@ -447,9 +443,14 @@ fn apply_write(
             let mut c = apply.client_mut();
             let event_id = child_event(seq);
             let event = rows::event(&mut *c, st, run, &event_id)?;
-            let entry = rows::journal_at(&mut *c, st, run, seq)?;
-            let waiting = entry.is_some_and(|e| e.kind == StepKind::Child && e.status == StepStatus::Waiting);
-            if !(waiting && event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end)) {
+            let held = event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end);
+            // The entry is settled only while it is the child step waiting (one statement).
+            let settled = held && {
+                let settle = st.get(&mut *c, CHILD_ENDED_SQL)?;
+                let text = text.unwrap_or_else(|| json_text(&end));
+                c.execute(&settle, &[&run, &seq_param(seq), &text, &now_ms]).db()? == 1
+            };
+            if !settled {
                 // The parent went on with an end the store does not hold: it replays instead.
                 let release = st.get(&mut *c, RELEASE_SQL)?;
                 c.execute(&release, &[&run, &token, &now_ms]).db()?;
@@ -458,9 +459,6 @@ fn apply_write(
             }
             let consume = st.get(&mut *c, CONSUME_EVENT_SQL)?;
             c.execute(&consume, &[&run, &event_id, &seq_param(seq)]).db()?;
-            let finished = st.get(&mut *c, TIMER_FINISHED_SQL)?;
-            let text = text.unwrap_or_else(|| json_text(&end));
-            c.execute(&finished, &[&run, &seq_param(seq), &text, &now_ms]).db()?;
             Ok(WriteResult::Done)
         }
         JournalOp::Publish { seq, key, value: _ } => {

@@ -451,13 +451,22 @@ const STARTS_FOUND_SQL: &str = "SELECT run_id, workflow, input_hash, status, 0 F
 /// A run id another transaction inserted meanwhile, or a queue's deduplication id another
 /// transaction took meanwhile, leaves its run out of `RETURNING` (any unique index is an arbiter).
 const STARTS_INSERT_SQL: &str = "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status,
-     wake_at_ms, created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms)
+     wake_at_ms, created_at_ms, updated_at_ms, queue, priority, dedup_id, deadline_ms,
+     parent_run_id, parent_seq, lease_owner, lease_token, lease_expires_at_ms)
  SELECT n.run_id, n.workflow, n.version, n.input, n.input_hash, n.key, 'pending', n.wake_at_ms, $8, $8,
-        n.queue, n.priority, n.dedup_id, n.deadline_ms
+        n.queue, n.priority, n.dedup_id, n.deadline_ms, $13, $14, $15, $16, $17
  FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::bigint[],
              $9::text[], $10::integer[], $11::text[], $12::bigint[])
       AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id, deadline_ms)
  ON CONFLICT DO NOTHING RETURNING run_id";
+
+/// What a child's start writes into its row at once (no update after the insert): its parent,
+/// and, when it is leased to the starting worker, the lease (owner, token, expiry).
+pub(super) struct ChildRow<'a> {
+    pub parent_run_id: &'a str,
+    pub parent_seq: u32,
+    pub lease: Option<(&'a str, &'a str, i64)>,
+}
 
 /// Start validated requests in the caller's transaction: one read of what the ids hold, one
 /// insert of the new runs. Idempotent per run id, also against concurrent starts of the same id
@@ -467,6 +476,17 @@ pub(super) fn start_in(
     st: &mut Statements,
     requests: &[StartRequest],
     now_ms: i64,
+) -> Result<Vec<StartOutcome>> {
+    start_rows_in(c, st, requests, now_ms, None)
+}
+
+/// [`start_in`], with `child` written into the row of each run it creates.
+pub(super) fn start_rows_in(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    requests: &[StartRequest],
+    now_ms: i64,
+    child: Option<&ChildRow<'_>>,
 ) -> Result<Vec<StartOutcome>> {
     if requests.is_empty() {
         return Ok(Vec::new());
@@ -517,8 +537,13 @@ pub(super) fn start_in(
     let dedups: Vec<Option<&str>> =
         chosen.iter().map(|r| r.queue.as_ref().and_then(|q| q.dedup_id.as_deref())).collect();
     let deadlines: Vec<Option<i64>> = chosen.iter().map(|r| r.deadline_ms).collect();
+    let parent = child.map(|c| c.parent_run_id);
+    let parent_seq = child.map(|c| seq_param(c.parent_seq));
+    let lease_owner = child.and_then(|c| c.lease.map(|(owner, _, _)| owner));
+    let lease_token = child.and_then(|c| c.lease.map(|(_, token, _)| token));
+    let lease_expires = child.and_then(|c| c.lease.map(|(_, _, expires)| expires));
     let insert = st.get(c, STARTS_INSERT_SQL)?;
-    let params: [&(dyn ToSql + Sync); 12] = [
+    let params: [&(dyn ToSql + Sync); 17] = [
         &new_ids,
         &workflows,
         &versions,
@@ -531,6 +556,11 @@ pub(super) fn start_in(
         &priorities,
         &dedups,
         &deadlines,
+        &parent,
+        &parent_seq,
+        &lease_owner,
+        &lease_token,
+        &lease_expires,
     ];
     let inserted: BTreeSet<String> =
         c.query(&insert, &params).db()?.iter().map(|row| col(row, 0)).collect::<Result<_>>()?;
