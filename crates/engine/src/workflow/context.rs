@@ -406,8 +406,11 @@ where
     /// Run the registered workflow `workflow` (its latest version) as a child of this run, with
     /// `input`, and wait for its end durably. The child's run id is derived from this run's id and
     /// the journal position ([`child_run_id`]): the start is journaled in the same transaction as
-    /// the child's creation, so a replay never starts it twice. While the child runs, this run is
-    /// suspended (`waiting`, lease released): propagate the suspension with `?`. The child's
+    /// the child's creation, so a replay never starts it twice. On a worker, the child is leased
+    /// to the same worker in that transaction and runs in this run's slot while this run waits
+    /// for it in memory, keeping its lease; otherwise (or when the child suspends, or this run's
+    /// cancellation is requested) this run is suspended (`waiting`, lease released): propagate
+    /// the suspension with `?`. The child's
     /// output decodes into `O`; a child that failed, compensated or was cancelled is this step's
     /// failure ([`WorkflowError::StepFailed`], step name = the workflow's name), so a saga can
     /// compensate. A parked child keeps its parent waiting until an operator settles it. An
