@@ -361,28 +361,16 @@ impl LocalChildren {
 
     /// Run `parent`'s cancellation was requested: it stops waiting in memory for its children.
     fn interrupt(&self, parent: &str) {
-        let mut waiters = lock(&self.waiters);
-        let children: Vec<String> =
-            waiters.iter().filter(|(_, w)| w.parent == parent).map(|(c, _)| c.clone()).collect();
-        for child in children {
-            if let Some(waiter) = waiters.remove(&child) {
-                let _ = waiter.reply.send(ChildLeft::Elsewhere);
-            }
+        for (_, waiter) in lock(&self.waiters).extract_if(|_, waiter| waiter.parent == parent) {
+            let _ = waiter.reply.send(ChildLeft::Elsewhere);
         }
     }
 }
 
-/// The next child handed to this loop, or never when this loop takes none.
-async fn next_child(children: &mut Option<mpsc::UnboundedReceiver<ClaimedRun>>) -> Option<ClaimedRun> {
-    match children {
-        Some(receiver) => receiver.recv().await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The next runs claimed with local starts, or never when this loop takes none.
-async fn next_claimed(local: &mut Option<mpsc::UnboundedReceiver<Claimed>>) -> Option<Claimed> {
-    match local {
+/// The next thing handed to this loop (runs claimed with local starts, a child its runs
+/// started), or never when this loop takes none.
+async fn next_handed<T>(receiver: &mut Option<mpsc::UnboundedReceiver<T>>) -> Option<T> {
+    match receiver {
         Some(receiver) => receiver.recv().await,
         None => std::future::pending().await,
     }
@@ -665,7 +653,7 @@ where
                     self.heartbeat(&mut in_flight, &mut report).await;
                     next_heartbeat = Instant::now() + heartbeat_every;
                 }
-                Some(claimed) = next_claimed(&mut local) => match claimed {
+                Some(claimed) = next_handed(&mut local) => match claimed {
                     Ok(runs) => {
                         if in_flight.is_empty() {
                             next_heartbeat = Instant::now() + heartbeat_every;
@@ -674,7 +662,7 @@ where
                     }
                     Err(error) => report.error(format!("claim: {error}")),
                 },
-                Some(child) = next_child(&mut children) => {
+                Some(child) = next_handed(&mut children) => {
                     if in_flight.is_empty() {
                         next_heartbeat = Instant::now() + heartbeat_every;
                     }

@@ -64,7 +64,7 @@ impl HeldTransaction {
         let row = client
             .query_one(
                 "SELECT state, (extract(epoch FROM now() - xact_start) * 1000)::bigint,
-                        age(backend_xmin), backend_xid::text
+                        age(backend_xmin)
                  FROM pg_stat_activity WHERE pid = $1",
                 &[&self.pid],
             )
