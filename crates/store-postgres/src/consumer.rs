@@ -8,9 +8,8 @@
 //! them; reads (listings, snapshots) never wait for it.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-use postgres::types::ToSql;
 use postgres::{Client, GenericClient, Row, Statement, Transaction};
 use tidemark_core::crash;
 use tidemark_core::error::codes;
@@ -235,40 +234,29 @@ impl PgConsumer {
                AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4
              ORDER BY i.seq LIMIT $5",
         )?;
-        let mark_applied = prepare(
-            statements,
-            "UPDATE {s}.inbox SET status = 'applied', reason = NULL, status_at_ms = $2
-             WHERE record = $1 AND (status = 'pending' OR status = 'blocked')",
-        )?;
         let mark_blocked = prepare(
             statements,
             "UPDATE {s}.inbox SET status = 'blocked', reason = $2, status_at_ms = $3
              WHERE record = $1 AND NOT (status = 'blocked' AND reason IS NOT DISTINCT FROM $2)",
         )?;
-        let cursor_update = prepare(
-            statements,
-            "UPDATE {s}.cursors SET high_water_seq = $4
-             WHERE consumer_id = $1 AND source = $2 AND flow_id = $3 AND high_water_seq < $4",
-        )?;
-        let cursor_insert = prepare(
-            statements,
-            "INSERT INTO {s}.cursors (consumer_id, source, flow_id, high_water_seq) VALUES ($1, $2, $3, $4)",
-        )?;
         let savepoint = |command: &str| apply.with(|c| c.batch_execute(command)).db();
-        let finish = |walk: &FlowWalk| -> Result<()> {
+        // The applied marks and the cursors are written once, at the end ([`DRAIN_SETTLE_SQL`]):
+        // nothing the drain reads later looks at them (pages move forward by position, and a
+        // flow's walk keeps its mark in memory), so per event the handler's own statements are
+        // the only round trips.
+        let mut settled = Settled::default();
+        let mut finish = |walk: &FlowWalk| {
             let high_water = walk.next_seq - 1;
             if high_water > walk.start_high_water {
-                let statement = if walk.start_high_water == 0 { &cursor_insert } else { &cursor_update };
-                let changed = apply.run(statement, &[&consumer_id, &walk.source, &walk.flow_id, &high_water])?;
-                ensure_invariant!(
-                    changed == 1,
-                    "moving the cursor of {}/{} changed {changed} rows",
-                    walk.source,
-                    walk.flow_id
-                );
+                let moves = if walk.start_high_water == 0 { &mut settled.started } else { &mut settled.moved };
+                moves.0.push(walk.source.clone());
+                moves.1.push(walk.flow_id.clone());
+                moves.2.push(high_water);
             }
-            Ok(())
         };
+        // A savepoint per event when the handler may write before it refuses; the release of one
+        // travels with the next one's start (one round trip per event, not two).
+        let mut savepoint_held = false;
         let mut applied = 0_u64;
         let mut stuck: Vec<ApplyOutcome> = Vec::new();
         let mut last_applied: Option<ApplyOutcome> = None;
@@ -303,7 +291,7 @@ impl PgConsumer {
                 let same_flow = walk.as_ref().is_some_and(|w| w.source == event.source && w.flow_id == event.flow_id);
                 if !same_flow {
                     if let Some(previous) = walk.take() {
-                        finish(&previous)?;
+                        finish(&previous);
                     }
                     walk = Some(FlowWalk {
                         source: event.source.clone(),
@@ -333,15 +321,16 @@ impl PgConsumer {
                     continue 'pages;
                 }
                 if savepoints {
-                    savepoint("SAVEPOINT apply_one")?;
+                    savepoint(if savepoint_held {
+                        "RELEASE SAVEPOINT apply_one; SAVEPOINT apply_one"
+                    } else {
+                        "SAVEPOINT apply_one"
+                    })?;
+                    savepoint_held = true;
                 }
                 match handler.handle(apply, consumer_id, &event) {
                     Ok(()) => {
-                        if savepoints {
-                            savepoint("RELEASE SAVEPOINT apply_one")?;
-                        }
-                        let changed = apply.run(&mark_applied, &[&record, &now_ms])?;
-                        ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
+                        settled.records.push(record);
                         current.next_seq += 1;
                         applied += 1;
                         if applied == 1 {
@@ -361,6 +350,7 @@ impl PgConsumer {
                     Err(HandleError::Blocked(reason)) => {
                         if savepoints {
                             savepoint("ROLLBACK TO SAVEPOINT apply_one; RELEASE SAVEPOINT apply_one")?;
+                            savepoint_held = false;
                         }
                         // Blocked again for the same reason: nothing to write.
                         apply.run(&mark_blocked, &[&record, &reason, &now_ms])?;
@@ -384,8 +374,14 @@ impl PgConsumer {
             }
         }
         if let Some(current) = walk.take() {
-            finish(&current)?;
+            finish(&current);
         }
+        if savepoint_held {
+            // A handler that returned `Ok` after one of its statements failed left the
+            // transaction aborted: this release fails then, and the drain with it.
+            savepoint("RELEASE SAVEPOINT apply_one")?;
+        }
+        settled.write(apply, statements, consumer_id, now_ms)?;
         let outcome = if hit_limit {
             DrainStop::Limit
         } else {
@@ -396,6 +392,65 @@ impl PgConsumer {
             }
         };
         Ok(DrainReport { outcome, applied, stuck, last_applied })
+    }
+}
+
+/// What a drain writes at its end: the records it applied, and the cursors it moved (existing
+/// ones and new ones: source, flow, high-water mark).
+#[derive(Default)]
+struct Settled {
+    records: Vec<i64>,
+    moved: (Vec<String>, Vec<String>, Vec<i64>),
+    started: (Vec<String>, Vec<String>, Vec<i64>),
+}
+
+/// A drain's marks and cursors in one statement (`$1` the consumer, `$2` now): the records
+/// applied (`$3`, each while still open), the cursors that existed moved forward (`$4`..`$6`),
+/// the new ones inserted (`$7`..`$9`). Answers how many rows of each it wrote.
+const DRAIN_SETTLE_SQL: &str = "WITH applied AS (
+     UPDATE {s}.inbox SET status = 'applied', reason = NULL, status_at_ms = $2
+     WHERE record = ANY($3) AND (status = 'pending' OR status = 'blocked')
+     RETURNING 1),
+ moved AS (
+     UPDATE {s}.cursors c SET high_water_seq = u.high_water_seq
+     FROM unnest($4::text[], $5::text[], $6::bigint[]) AS u(source, flow_id, high_water_seq)
+     WHERE c.consumer_id = $1 AND c.source = u.source AND c.flow_id = u.flow_id
+       AND c.high_water_seq < u.high_water_seq
+     RETURNING 1),
+ started AS (
+     INSERT INTO {s}.cursors (consumer_id, source, flow_id, high_water_seq)
+     SELECT $1, u.source, u.flow_id, u.high_water_seq FROM unnest($7::text[], $8::text[], $9::bigint[])
+         AS u(source, flow_id, high_water_seq)
+     RETURNING 1)
+ SELECT (SELECT count(*) FROM applied), (SELECT count(*) FROM moved), (SELECT count(*) FROM started)";
+
+impl Settled {
+    fn write(
+        &self,
+        apply: &ApplyTransaction,
+        statements: &mut Statements,
+        consumer_id: &str,
+        now_ms: i64,
+    ) -> Result<()> {
+        if self.records.is_empty() {
+            ensure_invariant!(
+                self.moved.0.is_empty() && self.started.0.is_empty(),
+                "a drain moved cursors it applied nothing for"
+            );
+            return Ok(());
+        }
+        let (m, n) = (&self.moved, &self.started);
+        let settle = apply.with(|c| Ok(statements.get(c, DRAIN_SETTLE_SQL))).db()??;
+        let row = apply
+            .with(|c| c.query_one(&settle, &[&consumer_id, &now_ms, &self.records, &m.0, &m.1, &m.2, &n.0, &n.1, &n.2]))
+            .db()?;
+        let written: (i64, i64, i64) = (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?);
+        let expected = (self.records.len() as i64, m.0.len() as i64, n.0.len() as i64);
+        ensure_invariant!(
+            written == expected,
+            "a drain settled (records applied, cursors moved, cursors started) {written:?}, not {expected:?}"
+        );
+        Ok(())
     }
 }
 
@@ -483,12 +538,9 @@ fn conflict_reason(existing: &ExistingRecord, event: &Envelope, hash: &str, plac
 
 /// The statements of one receive batch.
 struct ReceiveStatements {
-    any_receipts: bool,
     probe: Statement,
-    high_water: Statement,
-    receipt_of_id: Statement,
     insert: Statement,
-    insert_if_new: Statement,
+    insert_all: Statement,
 }
 
 /// One statement looks everything up: the record at this position (inbox, then receipt), the
@@ -507,60 +559,125 @@ const RECEIVE_INSERT_SQL: &str =
      schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms, traceparent)
  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12, $13)";
 
-const RECEIVE_INSERT_IF_NEW_SQL: &str =
-    "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation,
+/// The high-water marks of the flows a receive batch names (`$1`..`$3`: consumer, source and
+/// flow of each).
+const HIGH_WATERS_SQL: &str = "SELECT c.consumer_id, c.source, c.flow_id, c.high_water_seq FROM {s}.cursors c
+ WHERE (c.consumer_id, c.source, c.flow_id) IN (SELECT * FROM unnest($1::text[], $2::text[], $3::text[]))";
+
+/// Which of a receive batch's event ids (`$1`, with their consumers `$2`) a receipt holds.
+const RECEIPTS_OF_IDS_SQL: &str = "SELECT r.event_id, r.consumer_id FROM {s}.receipts r
+ WHERE (r.event_id, r.consumer_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))";
+
+/// The new events of a receive batch, inserted in batch order (`$1` now); an event a uniqueness
+/// constraint refuses is left out and answered by the probe. Returns what it inserted.
+const RECEIVE_INSERT_ALL_SQL: &str = "INSERT INTO {s}.inbox (consumer_id, source, flow_id, seq, event_id, generation,
      event_type, schema_version, payload, content_hash, created_at_ms, received_at_ms, status, status_at_ms,
      traceparent)
- VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, 'pending', $12, $13) ON CONFLICT DO NOTHING";
+ SELECT u.consumer_id, u.source, u.flow_id, u.seq, u.event_id, u.generation, u.event_type, u.schema_version,
+        u.payload, u.content_hash, u.created_at_ms, $1, 'pending', $1, u.traceparent
+ FROM unnest($2::text[], $3::text[], $4::text[], $5::bigint[], $6::text[], $7::text[], $8::text[], $9::integer[],
+             $10::text[], $11::text[], $12::bigint[], $13::text[]) WITH ORDINALITY
+     AS u(consumer_id, source, flow_id, seq, event_id, generation, event_type, schema_version, payload,
+          content_hash, created_at_ms, traceparent, at)
+ ORDER BY u.at
+ ON CONFLICT DO NOTHING
+ RETURNING consumer_id, source, flow_id, seq, event_id";
 
-fn receive_one(
+/// An event of a receive batch with what its rows need.
+struct Received<'a> {
+    consumer_id: &'a str,
+    event: &'a Envelope,
+    hash: String,
+    schema_version: i32,
+}
+
+impl<'a> Received<'a> {
+    fn new(consumer_id: &'a str, event: &'a Envelope) -> Result<Self> {
+        let schema_version = i32::try_from(event.schema_version)
+            .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
+        Ok(Received { consumer_id, event, hash: event.content_hash(), schema_version })
+    }
+}
+
+/// Insert the events `at` of `items` (new by every check made before: not expired, above the
+/// high-water mark, no receipt of their id) in one statement, and answer each: `accepted` when
+/// inserted, else what the probe finds in its way ([`receive_probed`]), in batch order.
+fn receive_new(
     tx: &mut Transaction<'_>,
     statements: &ReceiveStatements,
-    consumer_id: &str,
-    event: &Envelope,
+    items: &[Received<'_>],
+    at: &[usize],
+    outcomes: &mut [Option<ReceiveOutcome>],
+    now_ms: i64,
+    retention: RetentionPolicy,
+) -> Result<()> {
+    if at.is_empty() {
+        return Ok(());
+    }
+    let column = |f: &dyn Fn(&Received<'_>) -> String| at.iter().map(|&i| f(&items[i])).collect::<Vec<String>>();
+    let consumers = column(&|r| r.consumer_id.to_string());
+    let sources = column(&|r| r.event.source.clone());
+    let flows = column(&|r| r.event.flow_id.clone());
+    let event_ids = column(&|r| r.event.event_id.clone());
+    let generations = column(&|r| r.event.generation.clone());
+    let types = column(&|r| r.event.event_type.clone());
+    let payloads = column(&|r| r.event.payload.to_string());
+    let hashes = column(&|r| r.hash.clone());
+    let seqs: Vec<i64> = at.iter().map(|&i| items[i].event.seq).collect();
+    let versions: Vec<i32> = at.iter().map(|&i| items[i].schema_version).collect();
+    let created: Vec<i64> = at.iter().map(|&i| items[i].event.created_at_ms).collect();
+    let traceparents: Vec<Option<&str>> = at.iter().map(|&i| items[i].event.traceparent.as_deref()).collect();
+    let inserted = tx
+        .query(
+            &statements.insert_all,
+            &[
+                &now_ms,
+                &consumers,
+                &sources,
+                &flows,
+                &seqs,
+                &event_ids,
+                &generations,
+                &types,
+                &versions,
+                &payloads,
+                &hashes,
+                &created,
+                &traceparents,
+            ],
+        )
+        .db()?;
+    let mut inserted: HashMap<(String, String, String, i64, String), ()> = inserted
+        .iter()
+        .map(|r| Ok(((col(r, 0)?, col(r, 1)?, col(r, 2)?, col(r, 3)?, col(r, 4)?), ())))
+        .collect::<Result<_>>()?;
+    for &i in at {
+        let Received { consumer_id, event, .. } = items[i];
+        let key =
+            (consumer_id.to_string(), event.source.clone(), event.flow_id.clone(), event.seq, event.event_id.clone());
+        // Each inserted row answers the first event of the batch that carried it.
+        outcomes[i] = Some(if inserted.remove(&key).is_some() {
+            ReceiveOutcome::Accepted { consumer_id: consumer_id.to_string(), event_id: event.event_id.clone() }
+        } else {
+            receive_probed(tx, statements, &items[i], now_ms, retention)?
+        });
+    }
+    Ok(())
+}
+
+/// Receive one event the batch could not insert as new: the probe tells a duplicate, a conflict
+/// (another record at its position, its id at another position, a position at or below the
+/// high-water mark with no record left) or an expired event; an event none of these holds is
+/// inserted.
+fn receive_probed(
+    tx: &mut Transaction<'_>,
+    statements: &ReceiveStatements,
+    item: &Received<'_>,
     now_ms: i64,
     retention: RetentionPolicy,
 ) -> Result<ReceiveOutcome> {
-    let hash = event.content_hash();
-    let payload = event.payload.to_string();
-    let schema_version = i32::try_from(event.schema_version)
-        .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
-    let insert_params: [&(dyn ToSql + Sync); 13] = [
-        &consumer_id,
-        &event.source,
-        &event.flow_id,
-        &event.seq,
-        &event.event_id,
-        &event.generation,
-        &event.event_type,
-        &schema_version,
-        &payload,
-        &hash,
-        &event.created_at_ms,
-        &now_ms,
-        &event.traceparent,
-    ];
-    // The fast path for a new event (see SQLite's `receive_one`): not expired, above the
-    // high-water mark, no receipt of its id, and an insert no uniqueness constraint refuses.
+    let Received { consumer_id, event, ref hash, schema_version } = *item;
     let expired = event.created_at_ms < now_ms.saturating_sub(retention.horizon_ms);
-    if !expired {
-        let high_water_seq: i64 = tx
-            .query_opt(&statements.high_water, &[&consumer_id, &event.source, &event.flow_id])
-            .db()?
-            .map(|r| col(&r, 0))
-            .transpose()?
-            .unwrap_or(0);
-        if event.seq > high_water_seq {
-            let receipt_holds_id = statements.any_receipts
-                && col::<bool>(&tx.query_one(&statements.receipt_of_id, &[&event.event_id, &consumer_id]).db()?, 0)?;
-            if !receipt_holds_id && tx.execute(&statements.insert_if_new, &insert_params).db()? == 1 {
-                return Ok(ReceiveOutcome::Accepted {
-                    consumer_id: consumer_id.to_string(),
-                    event_id: event.event_id.clone(),
-                });
-            }
-        }
-    }
     let consumer = consumer_id.to_string();
     let event_id = event.event_id.clone();
     let duplicate = || ReceiveOutcome::Duplicate { consumer_id: consumer.clone(), event_id: event_id.clone() };
@@ -596,7 +713,7 @@ fn receive_one(
     }
     for (existing, place) in [(at_inbox, "inbox"), (at_receipt, "receipt")] {
         if let Some(existing) = existing {
-            return Ok(match conflict_reason(&existing, event, &hash, place) {
+            return Ok(match conflict_reason(&existing, event, hash, place) {
                 None => duplicate(),
                 Some(reason) => conflict(reason),
             });
@@ -617,7 +734,26 @@ fn receive_one(
             event.seq, event.source, event.flow_id
         )));
     }
-    tx.execute(&statements.insert, &insert_params).db()?;
+    let payload = event.payload.to_string();
+    tx.execute(
+        &statements.insert,
+        &[
+            &consumer_id,
+            &event.source,
+            &event.flow_id,
+            &event.seq,
+            &event.event_id,
+            &event.generation,
+            &event.event_type,
+            &schema_version,
+            &payload,
+            hash,
+            &event.created_at_ms,
+            &now_ms,
+            &event.traceparent,
+        ],
+    )
+    .db()?;
     Ok(ReceiveOutcome::Accepted { consumer_id: consumer, event_id })
 }
 
@@ -685,48 +821,90 @@ impl ConsumerStore for PgConsumer {
             validate_id("consumer_id", consumer_id)?;
             event.validate()?;
         }
+        let items = items.iter().map(|(c, e)| Received::new(c, e)).collect::<Result<Vec<_>>>()?;
         let retention = self.retention;
         let schema = self.apply.schema().to_string();
         let cache = self.statements.get_mut();
         let mut tx = self.apply.client_get_mut().transaction().db()?;
         lock(&mut tx, LOCK_CONSUMER, &schema)?;
-        let any_receipts: bool =
-            col(&tx.query_one(&sql(&schema, "SELECT EXISTS (SELECT 1 FROM {s}.receipts)"), &[]).db()?, 0)?;
         let statements = ReceiveStatements {
-            any_receipts,
             probe: cache.get(&mut tx, RECEIVE_PROBE_SQL)?,
-            high_water: cache.get(
-                &mut tx,
-                "SELECT high_water_seq FROM {s}.cursors WHERE consumer_id = $1 AND source = $2 AND flow_id = $3",
-            )?,
-            receipt_of_id: cache
-                .get(&mut tx, "SELECT EXISTS (SELECT 1 FROM {s}.receipts WHERE event_id = $1 AND consumer_id = $2)")?,
             insert: cache.get(&mut tx, RECEIVE_INSERT_SQL)?,
-            insert_if_new: cache.get(&mut tx, RECEIVE_INSERT_IF_NEW_SQL)?,
+            insert_all: cache.get(&mut tx, RECEIVE_INSERT_ALL_SQL)?,
         };
+        let mut outcomes: Vec<Option<ReceiveOutcome>> = Vec::with_capacity(items.len());
+        // Consumers renamed away are refused (each looked up once).
         let mut retired: HashMap<&str, Option<String>> = HashMap::new();
-        let mut outcomes = Vec::with_capacity(items.len());
-        for (consumer_id, event) in items {
-            if !retired.contains_key(consumer_id) {
-                let renamed = renamed_to(&mut tx, &schema, consumer_id)?;
-                retired.insert(consumer_id, renamed);
+        for item in &items {
+            if !retired.contains_key(item.consumer_id) {
+                let renamed = renamed_to(&mut tx, &schema, item.consumer_id)?;
+                retired.insert(item.consumer_id, renamed);
             }
-            if let Some(Some(renamed_to)) = retired.get(consumer_id) {
-                outcomes.push(ReceiveOutcome::Conflict {
-                    consumer_id: consumer_id.to_string(),
-                    event_id: event.event_id.clone(),
+            outcomes.push(retired.get(item.consumer_id).cloned().flatten().map(|renamed_to| {
+                ReceiveOutcome::Conflict {
+                    consumer_id: item.consumer_id.to_string(),
+                    event_id: item.event.event_id.clone(),
                     reason: format!(
-                        "consumer {consumer_id} was renamed to {renamed_to}; rename the producer's subscription too"
+                        "consumer {} was renamed to {renamed_to}; rename the producer's subscription too",
+                        item.consumer_id
                     ),
-                });
+                }
+            }));
+        }
+        // The fast path for new events (see SQLite's `receive_one`): not expired, above the
+        // high-water mark, no receipt of their id, and an insert no uniqueness constraint refuses.
+        // The marks and receipts of the whole batch are read in one statement each (neither
+        // changes during a receive), and the new events are inserted in one.
+        let open: Vec<usize> = (0..items.len()).filter(|&i| outcomes[i].is_none()).collect();
+        let fresh: Vec<usize> = open
+            .iter()
+            .copied()
+            .filter(|&i| items[i].event.created_at_ms >= now_ms.saturating_sub(retention.horizon_ms))
+            .collect();
+        let mut high_water: HashMap<(String, String, String), i64> = HashMap::new();
+        let mut held_ids: HashSet<(String, String)> = HashSet::new();
+        if !fresh.is_empty() {
+            let fresh_items = || fresh.iter().map(|&i| &items[i]);
+            let consumers: Vec<&str> = fresh_items().map(|r| r.consumer_id).collect();
+            let sources: Vec<&str> = fresh_items().map(|r| r.event.source.as_str()).collect();
+            let flows: Vec<&str> = fresh_items().map(|r| r.event.flow_id.as_str()).collect();
+            let marks = cache.get(&mut tx, HIGH_WATERS_SQL)?;
+            for row in tx.query(&marks, &[&consumers, &sources, &flows]).db()? {
+                high_water.insert((col(&row, 0)?, col(&row, 1)?, col(&row, 2)?), col(&row, 3)?);
+            }
+            let receipts = cache.get(&mut tx, RECEIPTS_OF_IDS_SQL)?;
+            let ids: Vec<&str> = fresh_items().map(|r| r.event.event_id.as_str()).collect();
+            for row in tx.query(&receipts, &[&ids, &consumers]).db()? {
+                held_ids.insert((col(&row, 0)?, col(&row, 1)?));
+            }
+        }
+        let is_new = |i: usize| {
+            let r = &items[i];
+            let (consumer, event) = (r.consumer_id.to_string(), r.event);
+            let mark = high_water.get(&(consumer.clone(), event.source.clone(), event.flow_id.clone()));
+            event.seq > mark.copied().unwrap_or(0) && !held_ids.contains(&(event.event_id.clone(), consumer))
+        };
+        let new: Vec<bool> = (0..items.len()).map(|i| fresh.binary_search(&i).is_ok() && is_new(i)).collect();
+        // In batch order: a run of new events is inserted at once before the next event that is
+        // not new is probed, so each event meets exactly the records of the events before it.
+        let mut run: Vec<usize> = Vec::new();
+        for i in open {
+            if new[i] {
+                run.push(i);
                 continue;
             }
-            outcomes.push(receive_one(&mut tx, &statements, consumer_id, event, now_ms, retention)?);
+            receive_new(&mut tx, &statements, &items, &run, &mut outcomes, now_ms, retention)?;
+            run.clear();
+            outcomes[i] = Some(receive_probed(&mut tx, &statements, &items[i], now_ms, retention)?);
         }
+        receive_new(&mut tx, &statements, &items, &run, &mut outcomes, now_ms, retention)?;
         crash::hit("receive.before_commit");
         tx.commit().db()?;
         crash::hit("receive.after_commit");
-        Ok(outcomes)
+        outcomes
+            .into_iter()
+            .map(|o| o.ok_or_else(|| Error::Invariant("a received event was left unanswered".into())))
+            .collect()
     }
 
     fn drain(

@@ -414,13 +414,12 @@ pub fn advance_in(
     validate_schema_name(schema)?;
     validate_request(machine, request)?;
     let mut statements = Statements::new(schema);
-    let mut position = lock_positions(tx, &mut statements)?;
+    let position = lock_positions(tx, &mut statements)?;
     let identity = read_identity(tx, schema)?
         .ok_or_else(|| Error::invalid(codes::NOT_INITIALIZED, format!("schema {schema} is not a producer's")))?;
-    let start = position;
-    let outcome = advance_validated(tx, &mut statements, &mut position, &identity, machine, request, now_ms)?;
-    store_positions(tx, &mut statements, start, position)?;
-    Ok(outcome)
+    let outcome =
+        advance_all(tx, &mut statements, position, &identity, machine, std::slice::from_ref(request), now_ms)?;
+    outcome.into_iter().next().ok_or_else(|| Error::Invariant("an advance answered nothing".into()))
 }
 
 /// Lock the counter row (held until the transaction ends) and read the last position handed out.
@@ -431,99 +430,213 @@ fn lock_positions(tx: &mut Transaction<'_>, statements: &mut Statements) -> Resu
     col(&row, 0)
 }
 
-/// Write the counter back when this transaction handed out positions (`start` was read by
-/// [`lock_positions`]).
-fn store_positions(tx: &mut Transaction<'_>, statements: &mut Statements, start: i64, last: i64) -> Result<()> {
-    ensure_invariant!(last >= start, "the position counter went down from {start} to {last}");
-    if last > start {
-        let statement = statements.get(tx, "UPDATE {s}.positions SET last_position = $1")?;
-        let changed = tx.execute(&statement, &[&last]).db()?;
-        ensure_invariant!(changed == 1, "the position counter update changed {changed} rows");
-    }
-    Ok(())
+/// The flows an advance batch names, as they are stored.
+const FLOWS_OF_SQL: &str = "SELECT flow_id, state, state_data, last_seq FROM {s}.flows WHERE flow_id = ANY($1)";
+
+/// Everything an advance batch writes, in one statement: the flows that existed (each only if it
+/// is still at the seq the batch read), the new flows, the outbox rows, and the position counter
+/// (only forward). Answers how many rows of each it wrote, for the caller to check.
+const ADVANCE_WRITE_SQL: &str = "WITH updated AS (
+     UPDATE {s}.flows f SET state = u.state, state_data = u.state_data, last_seq = u.last_seq, updated_at_ms = $1
+     FROM unnest($3::text[], $4::text[], $5::text[], $6::bigint[], $7::bigint[])
+         AS u(flow_id, state, state_data, last_seq, read_seq)
+     WHERE f.flow_id = u.flow_id AND f.last_seq = u.read_seq
+     RETURNING 1),
+ created AS (
+     INSERT INTO {s}.flows (flow_id, state, state_data, last_seq, updated_at_ms)
+     SELECT u.flow_id, u.state, u.state_data, u.last_seq, $1
+     FROM unnest($8::text[], $9::text[], $10::text[], $11::bigint[]) AS u(flow_id, state, state_data, last_seq)
+     RETURNING 1),
+ events AS (
+     INSERT INTO {s}.outbox (position, event_id, flow_id, seq, event_type, schema_version, payload,
+         content_hash, created_at_ms, generation, traceparent)
+     SELECT u.position, u.event_id, u.flow_id, u.seq, u.event_type, u.schema_version, u.payload, u.content_hash,
+         $1, $2, u.traceparent
+     FROM unnest($12::bigint[], $13::text[], $14::text[], $15::bigint[], $16::text[], $17::integer[], $18::text[],
+                 $19::text[], $20::text[])
+         AS u(position, event_id, flow_id, seq, event_type, schema_version, payload, content_hash, traceparent)
+     RETURNING 1),
+ counter AS (
+     UPDATE {s}.positions SET last_position = $21 WHERE last_position < $21 RETURNING 1)
+ SELECT (SELECT count(*) FROM updated), (SELECT count(*) FROM created), (SELECT count(*) FROM events),
+        (SELECT count(*) FROM counter)";
+
+/// A flow of an advance batch, as the batch has left it so far.
+struct BatchFlow {
+    state: FlowState,
+    seq: i64,
+    /// The seq of its stored row when the batch read it (`None`: no row yet).
+    read_seq: Option<i64>,
 }
 
-/// Advance one flow. `last_position` is the last position handed out in this transaction; a
-/// committed event takes the next one.
-fn advance_validated(
+/// The flow rows an advance batch writes, column by column.
+#[derive(Default)]
+struct FlowColumns {
+    flow_ids: Vec<String>,
+    states: Vec<String>,
+    data: Vec<String>,
+    seqs: Vec<i64>,
+    /// For an update: the seq the batch read (the row changes only if it is still there).
+    read_seqs: Vec<i64>,
+}
+
+impl FlowColumns {
+    fn push(&mut self, flow_id: String, flow: BatchFlow) {
+        self.flow_ids.push(flow_id);
+        self.states.push(flow.state.state);
+        self.data.push(flow.state.data.to_string());
+        self.seqs.push(flow.seq);
+        self.read_seqs.extend(flow.read_seq);
+    }
+}
+
+/// The outbox rows an advance batch writes, column by column.
+#[derive(Default)]
+struct EventColumns {
+    positions: Vec<i64>,
+    event_ids: Vec<String>,
+    flow_ids: Vec<String>,
+    seqs: Vec<i64>,
+    event_types: Vec<String>,
+    schema_versions: Vec<i32>,
+    payloads: Vec<String>,
+    content_hashes: Vec<String>,
+    traceparents: Vec<Option<String>>,
+}
+
+impl EventColumns {
+    fn push(&mut self, position: i64, event: Envelope) -> Result<()> {
+        self.schema_versions.push(
+            i32::try_from(event.schema_version)
+                .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?,
+        );
+        self.content_hashes.push(event.content_hash());
+        self.payloads.push(event.payload.to_string());
+        self.positions.push(position);
+        self.event_ids.push(event.event_id);
+        self.flow_ids.push(event.flow_id);
+        self.seqs.push(event.seq);
+        self.event_types.push(event.event_type);
+        self.traceparents.push(event.traceparent);
+        Ok(())
+    }
+}
+
+/// Advance every request in order inside `tx`, which locked the position counter at
+/// `last_position` (the last position handed out; each committed event takes the next one).
+/// The round trips do not grow with the batch: one read of the flows it names, the decisions in
+/// memory (a flow named twice sees its first advance, as on SQLite), then one statement that
+/// writes the flows, the outbox rows and the counter ([`ADVANCE_WRITE_SQL`]).
+fn advance_all(
     tx: &mut Transaction<'_>,
     statements: &mut Statements,
-    last_position: &mut i64,
+    last_position: i64,
     identity: &ProducerIdentity,
     machine: &dyn FlowMachine,
-    request: &AdvanceRequest,
+    requests: &[AdvanceRequest],
     now_ms: i64,
-) -> Result<AdvanceOutcome> {
-    let read = statements.get(tx, "SELECT state, state_data, last_seq FROM {s}.flows WHERE flow_id = $1")?;
-    let existing = tx.query_opt(&read, &[&request.flow_id]).db()?;
-    let flow_exists = existing.is_some();
-    let (current_seq, current) = match existing {
-        Some(row) => {
-            let data: String = col(&row, 1)?;
-            let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
-            (col::<i64>(&row, 2)?, FlowState { state: col(&row, 0)?, data })
+) -> Result<Vec<AdvanceOutcome>> {
+    let mut named: Vec<&str> = requests.iter().map(|r| r.flow_id.as_str()).collect();
+    named.sort_unstable();
+    named.dedup();
+    let read = statements.get(tx, FLOWS_OF_SQL)?;
+    let mut flows: HashMap<String, BatchFlow> = HashMap::with_capacity(named.len());
+    for row in tx.query(&read, &[&named]).db()? {
+        let data: String = col(&row, 2)?;
+        let data = serde_json::from_str(&data).map_err(|e| Error::store(format!("corrupt flow state: {e}")))?;
+        let seq: i64 = col(&row, 3)?;
+        let flow = BatchFlow { state: FlowState { state: col(&row, 1)?, data }, seq, read_seq: Some(seq) };
+        flows.insert(col(&row, 0)?, flow);
+    }
+    let mut events = EventColumns::default();
+    let mut position = last_position;
+    let mut outcomes = Vec::with_capacity(requests.len());
+    for request in requests {
+        let flow = flows.entry(request.flow_id.clone()).or_insert_with(|| BatchFlow {
+            state: machine.initial(),
+            seq: 0,
+            read_seq: None,
+        });
+        let (seq, decision) = match decide_advance(machine, flow.seq, &flow.state, request)? {
+            Ok(decided) => decided,
+            Err(rejection) => {
+                outcomes.push(rejection);
+                continue;
+            }
+        };
+        ensure_invariant!(seq == flow.seq + 1, "allocated seq {seq} is not {} + 1", flow.seq);
+        position = position.checked_add(1).ok_or_else(|| Error::store("the outbox ran out of positions (i64::MAX)"))?;
+        let event = Envelope {
+            event_id: uuid::Uuid::now_v7().simple().to_string(),
+            source: identity.source.clone(),
+            generation: identity.generation.clone(),
+            flow_id: request.flow_id.clone(),
+            seq,
+            event_type: decision.event_type,
+            schema_version: request.schema_version,
+            payload: decision.payload,
+            created_at_ms: now_ms,
+            traceparent: request.traceparent.clone(),
+        };
+        outcomes.push(AdvanceOutcome::Committed {
+            flow_id: event.flow_id.clone(),
+            seq,
+            event_id: event.event_id.clone(),
+            state: decision.next.state.clone(),
+        });
+        events.push(position, event)?;
+        flow.seq = seq;
+        flow.state = decision.next;
+    }
+    if position == last_position {
+        return Ok(outcomes);
+    }
+    let (mut updated, mut created) = (FlowColumns::default(), FlowColumns::default());
+    for (flow_id, flow) in flows {
+        match flow.read_seq {
+            Some(read_seq) if read_seq == flow.seq => {}
+            Some(_) => updated.push(flow_id, flow),
+            None if flow.seq == 0 => {}
+            None => created.push(flow_id, flow),
         }
-        None => (0, machine.initial()),
-    };
-    let (seq, decision) = match decide_advance(machine, current_seq, &current, request)? {
-        Ok(decided) => decided,
-        Err(rejection) => return Ok(rejection),
-    };
-    ensure_invariant!(seq == current_seq + 1, "allocated seq {seq} is not {current_seq} + 1");
-    let event = Envelope {
-        event_id: uuid::Uuid::now_v7().simple().to_string(),
-        source: identity.source.clone(),
-        generation: identity.generation.clone(),
-        flow_id: request.flow_id.clone(),
-        seq,
-        event_type: decision.event_type,
-        schema_version: request.schema_version,
-        payload: decision.payload,
-        created_at_ms: now_ms,
-        traceparent: request.traceparent.clone(),
-    };
-    let state_data = decision.next.data.to_string();
-    let write_flow = statements.get(
-        tx,
-        if flow_exists {
-            "UPDATE {s}.flows SET state = $2, state_data = $3, last_seq = $4, updated_at_ms = $5
-             WHERE flow_id = $1 AND last_seq = $4::bigint - 1"
-        } else {
-            "INSERT INTO {s}.flows (flow_id, state, state_data, last_seq, updated_at_ms) VALUES ($1, $2, $3, $4, $5)"
-        },
-    )?;
-    let changed =
-        tx.execute(&write_flow, &[&request.flow_id, &decision.next.state, &state_data, &seq, &now_ms]).db()?;
-    ensure_invariant!(changed == 1, "writing flow {} at seq {seq} changed {changed} rows", request.flow_id);
-    let position =
-        last_position.checked_add(1).ok_or_else(|| Error::store("the outbox ran out of positions (i64::MAX)"))?;
-    let insert = statements.get(
-        tx,
-        "INSERT INTO {s}.outbox (position, event_id, flow_id, seq, event_type, schema_version, payload,
-             content_hash, created_at_ms, generation, traceparent)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-    )?;
-    let schema_version = i32::try_from(event.schema_version)
-        .map_err(|_| Error::invalid(codes::INVALID_SCHEMA_VERSION, "schema version out of range"))?;
-    tx.execute(
-        &insert,
-        &[
-            &position,
-            &event.event_id,
-            &event.flow_id,
-            &event.seq,
-            &event.event_type,
-            &schema_version,
-            &event.payload.to_string(),
-            &event.content_hash(),
-            &event.created_at_ms,
-            &event.generation,
-            &event.traceparent,
-        ],
-    )
-    .db()?;
-    *last_position = position;
-    Ok(AdvanceOutcome::Committed { flow_id: event.flow_id, seq, event_id: event.event_id, state: decision.next.state })
+    }
+    let write = statements.get(tx, ADVANCE_WRITE_SQL)?;
+    let (u, c, e) = (&updated, &created, &events);
+    let row = tx
+        .query_one(
+            &write,
+            &[
+                &now_ms,
+                &identity.generation,
+                &u.flow_ids,
+                &u.states,
+                &u.data,
+                &u.seqs,
+                &u.read_seqs,
+                &c.flow_ids,
+                &c.states,
+                &c.data,
+                &c.seqs,
+                &e.positions,
+                &e.event_ids,
+                &e.flow_ids,
+                &e.seqs,
+                &e.event_types,
+                &e.schema_versions,
+                &e.payloads,
+                &e.content_hashes,
+                &e.traceparents,
+                &position,
+            ],
+        )
+        .db()?;
+    let written: (i64, i64, i64, i64) = (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?, col(&row, 3)?);
+    let expected = (u.flow_ids.len() as i64, c.flow_ids.len() as i64, e.positions.len() as i64, 1);
+    ensure_invariant!(
+        written == expected,
+        "an advance batch wrote (flows updated, created, events, counter) {written:?}, not {expected:?}"
+    );
+    Ok(outcomes)
 }
 
 const EVENT_COLUMNS: &str =
@@ -654,21 +767,8 @@ impl ProducerStore for PgProducer {
         }
         let statements = self.statements.get_mut();
         let mut tx = self.client.get_mut().transaction().db()?;
-        let mut position = lock_positions(&mut tx, statements)?;
-        let start = position;
-        let mut outcomes = Vec::with_capacity(requests.len());
-        for request in requests {
-            outcomes.push(advance_validated(
-                &mut tx,
-                statements,
-                &mut position,
-                &self.identity,
-                machine,
-                request,
-                now_ms,
-            )?);
-        }
-        store_positions(&mut tx, statements, start, position)?;
+        let position = lock_positions(&mut tx, statements)?;
+        let outcomes = advance_all(&mut tx, statements, position, &self.identity, machine, requests, now_ms)?;
         crash::hit("advance.before_commit");
         tx.commit().db()?;
         crash::hit("advance.after_commit");

@@ -42,8 +42,8 @@ fn words(outcomes: &[ReceiveOutcome]) -> Vec<&'static str> {
 /// Applies every event except flow `b`'s, which it blocks.
 struct AllButB;
 
-impl Handler<ApplyTransaction> for AllButB {
-    fn handle(&mut self, _tx: &ApplyTransaction, _consumer: &str, event: &Envelope) -> Result<(), HandleError> {
+impl<T> Handler<T> for AllButB {
+    fn handle(&mut self, _tx: &T, _consumer: &str, event: &Envelope) -> Result<(), HandleError> {
         if event.flow_id == "b" {
             return Err(HandleError::Blocked("not b".into()));
         }
@@ -347,4 +347,98 @@ fn a_snapshot_with_the_handler_tables_is_one_read_transaction() {
     assert_eq!(logged, 0, "the handler's table was read after the drain, outside the snapshot");
     let (after, logged) = consumer.snapshot_with(10, count).unwrap();
     assert_eq!((after.inbox[0].status, logged), (InboxStatus::Applied, 1));
+}
+
+/// Each event of a receive batch meets exactly the records of the events before it, as if
+/// received one by one: runs of new events inserted at once, duplicates, conflicts at a position
+/// and by id, expired events before and after a new one at the same position, a retired consumer,
+/// and a mark left by a drain. The answers (and their reasons) and the inboxes are SQLite's.
+#[test]
+fn a_receive_batch_answers_each_event_as_sqlite_does() {
+    let db = test_db!("receive_batch");
+    let dir = tempfile::tempdir().unwrap();
+    let retention = RetentionPolicy { horizon_ms: 1_000 };
+    let mut pg = PgConsumer::init(&db.conn, &db.schema("c"), retention).unwrap();
+    let mut lite = tidemark_store_sqlite::SqliteConsumer::init(&dir.path().join("c.db"), retention).unwrap();
+    let new = |flow: &str, seq: i64| Envelope { created_at_ms: 5_000, ..at(flow, seq) };
+    let old = |flow: &str, seq: i64, id: &str| Envelope { event_id: id.into(), created_at_ms: 10, ..at(flow, seq) };
+    let other = |flow: &str, seq: i64, id: &str| Envelope { event_id: id.into(), ..new(flow, seq) };
+    let tampered = Envelope { payload: serde_json::json!({"x": 1}), ..new("a", 1) };
+    let first: Vec<(&str, Envelope)> = vec![("x", new("applied", 1)), ("x", new("applied", 2)), ("gone", new("a", 1))];
+    let second: Vec<(&str, Envelope)> = vec![
+        ("x", new("a", 1)),
+        ("x", new("a", 2)),
+        ("x", new("a", 1)),
+        ("x", tampered),
+        ("x", other("a", 1, "e-other")),
+        ("x", Envelope { flow_id: "b".into(), ..new("a", 2) }),
+        ("x", old("c", 1, "old-1")),
+        ("x", other("c", 1, "new-1")),
+        ("x", old("c", 1, "old-2")),
+        ("x", new("applied", 1)),
+        ("x", other("applied", 2, "e-late")),
+        ("x", new("applied", 3)),
+        ("y", new("a", 1)),
+        ("gone", new("a", 2)),
+        ("y", new("d", 5)),
+        ("y", new("d", 4)),
+    ];
+    let mut answers: Vec<(Vec<String>, Vec<String>)> = Vec::new();
+    for (at, batch) in [first, second].iter().enumerate() {
+        let items: Vec<(&str, &Envelope)> = batch.iter().map(|(c, e)| (*c, e)).collect();
+        let say = |outcomes: Vec<ReceiveOutcome>| -> Vec<String> {
+            outcomes
+                .into_iter()
+                .map(|o| match o {
+                    ReceiveOutcome::Conflict { event_id, reason, .. } => format!("conflict {event_id}: {reason}"),
+                    other => format!("{} {}", other.word(), serde_json::to_string(&other).unwrap()),
+                })
+                .collect()
+        };
+        answers.push((say(pg.receive_batch(&items, 5_500).unwrap()), say(lite.receive_batch(&items, 5_500).unwrap())));
+        if at == 0 {
+            // `x` applies flow `applied` (its mark moves to 2); `gone` is renamed away.
+            let scope = DrainScope::All;
+            pg.drain("x", &scope, 10, &mut AllButB, 5_500).unwrap();
+            lite.drain("x", &scope, 10, &mut AllButB, 5_500).unwrap();
+            pg.rename_consumer("gone", "went", 5_500).unwrap();
+            lite.rename_consumer("gone", "went", 5_500).unwrap();
+        }
+    }
+    for (at, (on_pg, on_lite)) in answers.iter().enumerate() {
+        assert_eq!(on_pg, on_lite, "batch {at}");
+    }
+    let words: Vec<&str> = answers[1].0.iter().map(|a| a.split(' ').next().unwrap()).collect();
+    assert_eq!(
+        words,
+        [
+            "accepted",
+            "accepted",
+            "duplicate",
+            "conflict",
+            "conflict",
+            "conflict",
+            "expired",
+            "accepted",
+            "conflict",
+            "duplicate",
+            "conflict",
+            "accepted",
+            "accepted",
+            "conflict",
+            "accepted",
+            "accepted"
+        ]
+    );
+    for consumer in ["x", "y"] {
+        let held = |entries: Vec<tidemark_core::store::InboxEntry>| -> Vec<(String, i64, String, &'static str)> {
+            let mut held: Vec<_> = entries
+                .into_iter()
+                .map(|e| (e.envelope.flow_id, e.envelope.seq, e.envelope.event_id, e.status.as_str()))
+                .collect();
+            held.sort();
+            held
+        };
+        assert_eq!(held(pg.inbox(consumer, None, 100).unwrap()), held(lite.inbox(consumer, None, 100).unwrap()));
+    }
 }

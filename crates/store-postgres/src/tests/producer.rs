@@ -371,3 +371,63 @@ fn a_trace_context_travels_from_the_advance_to_the_handler() {
     assert_eq!(seen.0, [Some(TRACEPARENT.to_string()), None]);
     assert_eq!(consumer.inbox("audit", None, 10).unwrap()[0].envelope.traceparent.as_deref(), Some(TRACEPARENT));
 }
+
+/// An outcome as both backends word it (the event id differs by nature).
+fn advance_word(outcome: &AdvanceOutcome) -> String {
+    match outcome {
+        AdvanceOutcome::Committed { flow_id, seq, state, .. } => format!("committed {flow_id}/{seq} {state}"),
+        AdvanceOutcome::Stale { flow_id, expected_seq, current_seq } => {
+            format!("stale {flow_id} {expected_seq}/{current_seq}")
+        }
+        AdvanceOutcome::InvalidTransition { flow_id, current_state, to_state, reason } => {
+            format!("invalid {flow_id} {current_state}->{to_state}: {reason}")
+        }
+    }
+}
+
+/// A batch that names flows several times (new and stored ones, with refusals between) is
+/// decided as if advanced one by one: the same answers, flows and outbox as SQLite's store.
+#[test]
+fn an_advance_batch_naming_flows_several_times_answers_as_sqlite_does() {
+    let db = test_db!("advance_batch");
+    let dir = tempfile::tempdir().unwrap();
+    let mut pg = PgProducer::init(&db.conn, &db.schema("p"), "shop").unwrap();
+    let mut lite = tidemark_store_sqlite::SqliteProducer::init(&dir.path().join("p.db"), "shop").unwrap();
+    let batches = [
+        vec![reserve("stored"), reserve("twice")],
+        vec![
+            advance("stored", 1, "confirmed"),
+            advance("stored", 1, "released"),
+            reserve("new"),
+            advance("new", 1, "confirmed"),
+            advance("twice", 1, "released"),
+            reserve("twice"),
+            advance("new", 2, "released"),
+            reserve("refused"),
+            advance("refused", 1, "reserved"),
+            advance("elsewhere", 0, "confirmed"),
+        ],
+        vec![advance("stored", 2, "confirmed"), advance("new", 2, "confirmed")],
+    ];
+    for (at, batch) in batches.iter().enumerate() {
+        let now = at as i64 + 1;
+        let on_pg: Vec<String> =
+            pg.advance_batch(&ReservationMachine, batch, now).unwrap().iter().map(advance_word).collect();
+        let on_lite: Vec<String> =
+            lite.advance_batch(&ReservationMachine, batch, now).unwrap().iter().map(advance_word).collect();
+        assert_eq!(on_pg, on_lite, "batch {at}");
+    }
+    let (pg, lite) = (pg.snapshot(100).unwrap(), lite.snapshot(100).unwrap());
+    let events = |s: &tidemark_core::store::ProducerSnapshot| -> Vec<(String, i64, String, String)> {
+        s.outbox.iter().map(|e| (e.flow_id.clone(), e.seq, e.event_type.clone(), e.payload.to_string())).collect()
+    };
+    assert_eq!(events(&pg), events(&lite), "the outbox in commit order");
+    assert_eq!(events(&pg).len(), 7, "{:?}", events(&pg));
+    let flows = |s: &tidemark_core::store::ProducerSnapshot| -> Vec<(String, i64, String)> {
+        let mut flows: Vec<_> =
+            s.flows.iter().map(|f| (f.flow_id.clone(), f.last_seq, f.state.state.clone())).collect();
+        flows.sort();
+        flows
+    };
+    assert_eq!(flows(&pg), flows(&lite));
+}
