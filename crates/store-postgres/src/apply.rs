@@ -22,6 +22,11 @@ use crate::PgResult;
 ///
 /// The same type in both places (as SQLite's stores give both a `rusqlite::Connection`), so a
 /// function that writes the user's rows serves an inbox handler and a transactional step alike.
+///
+/// tidemark's own tables in the store's schema are not for this code to read or write: within
+/// one commit the store writes some of their rows together after the user's code ran (the
+/// inbox's applied marks and cursors at the end of a drain, the journal entries of a batch
+/// before it reads the journal again), so what they show mid-transaction is not defined.
 pub struct ApplyTransaction {
     client: RefCell<Client>,
     schema: String,

@@ -72,35 +72,38 @@ fn effect(tx: &ApplyTransaction, order_id: &str, kind: &str, sku: &str, quantity
     Ok(())
 }
 
-/// Take `quantity` of `sku` out of stock for `order_id` (as [`super::tables::reserve`]). The
-/// stock row is locked (`FOR UPDATE`) before it is read: two workers reserving the same SKU at
-/// once take turns instead of both seeing the same stock.
+/// Take `quantity` of `sku` out of stock for `order_id` (as [`super::tables::reserve`]), in one
+/// statement: an order reserved already answers its reservation's status; else the stock row is
+/// updated only while it holds enough (the `UPDATE` takes the row's lock, so two workers reserving
+/// the same SKU at once take turns, the second deciding on what the first left), and the
+/// reservation and its effect are written from what the update returned.
 pub fn reserve(tx: &ApplyTransaction, order_id: &str, sku: &str, quantity: i64) -> Result<ReserveOutcome> {
     let s = tx.schema();
-    let existing = tx
-        .prepare_cached(&format!(r#"SELECT status FROM "{s}".order_reservations WHERE order_id = $1"#))
-        .map_err(db)?;
-    if let Some(row) = tx.query_opt(&existing, &[&order_id]).map_err(db)? {
-        return Ok(ReserveOutcome::AlreadyReserved { status: row.get(0) });
-    }
-    let lock =
-        tx.prepare_cached(&format!(r#"SELECT stock FROM "{s}".order_stock WHERE sku = $1 FOR UPDATE"#)).map_err(db)?;
-    let Some(row) = tx.query_opt(&lock, &[&sku]).map_err(db)? else { return Ok(ReserveOutcome::UnknownSku) };
-    let stock: i64 = row.get(0);
-    if stock < quantity {
-        return Ok(ReserveOutcome::Insufficient { stock });
-    }
-    let take =
-        tx.prepare_cached(&format!(r#"UPDATE "{s}".order_stock SET stock = stock - $2 WHERE sku = $1"#)).map_err(db)?;
-    tx.execute(&take, &[&sku, &quantity]).map_err(db)?;
     let reserve = tx
         .prepare_cached(&format!(
-            r#"INSERT INTO "{s}".order_reservations (order_id, sku, quantity, status) VALUES ($1, $2, $3, 'reserved')"#
+            r#"WITH prior AS (SELECT status FROM "{s}".order_reservations WHERE order_id = $1),
+               taken AS (
+                   UPDATE "{s}".order_stock SET stock = stock - $3
+                   WHERE sku = $2 AND stock >= $3 AND NOT EXISTS (SELECT 1 FROM prior)
+                   RETURNING stock),
+               reserved AS (
+                   INSERT INTO "{s}".order_reservations (order_id, sku, quantity, status)
+                   SELECT $1, $2, $3, 'reserved' FROM taken),
+               effect AS (
+                   INSERT INTO "{s}".order_effects (order_id, kind, sku, quantity)
+                   SELECT $1, 'reserve', $2, $3 FROM taken)
+               SELECT (SELECT status FROM prior), (SELECT stock FROM taken),
+                      (SELECT stock FROM "{s}".order_stock WHERE sku = $2)"#
         ))
         .map_err(db)?;
-    tx.execute(&reserve, &[&order_id, &sku, &quantity]).map_err(db)?;
-    effect(tx, order_id, "reserve", sku, quantity)?;
-    Ok(ReserveOutcome::Reserved { stock_left: stock - quantity })
+    let row = tx.query_one(&reserve, &[&order_id, &sku, &quantity]).map_err(db)?;
+    let (prior, left, stock): (Option<String>, Option<i64>, Option<i64>) = (row.get(0), row.get(1), row.get(2));
+    Ok(match (prior, left, stock) {
+        (Some(status), _, _) => ReserveOutcome::AlreadyReserved { status },
+        (None, Some(stock_left), _) => ReserveOutcome::Reserved { stock_left },
+        (None, None, Some(stock)) => ReserveOutcome::Insufficient { stock },
+        (None, None, None) => ReserveOutcome::UnknownSku,
+    })
 }
 
 /// Put a `reserved` order's quantity back in stock; false when there was nothing to release.

@@ -31,8 +31,12 @@ type Write = JournalWrite<ApplyTransaction>;
 /// operator's `abandon` never wait for each other in a cycle. The lease token read here is the
 /// run's as of this transaction: nobody else can change it until the transaction ends.
 /// (The family's ids are gathered first, by `runs_pkey` and `runs_children`, so that the rows to
-/// lock are one primary-key probe each.)
-pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token FROM {s}.runs
+/// lock are one primary-key probe each.) Each row comes with its run's next free journal
+/// position (one backward probe of the journal's primary key), so that a write at a new
+/// position needs no read of its own.
+pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token,
+        (SELECT coalesce(max(j.seq) + 1, 0) FROM {s}.journal j WHERE j.run_id = r.run_id)
+ FROM {s}.runs r
  WHERE run_id = ANY($1::text[]
      || ARRAY(SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
      || ARRAY(SELECT run_id FROM {s}.runs WHERE parent_run_id = ANY($2)
@@ -41,9 +45,6 @@ pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token FROM {s}.run
  FOR UPDATE";
 
 const SET_STATUS_SQL: &str = "UPDATE {s}.runs SET status = $3, waiting_for = NULL, updated_at_ms = $4
- WHERE run_id = $1 AND lease_token = $2";
-const FINISH_SQL: &str = "UPDATE {s}.runs SET status = $3, result = $4, error = $5, finished_at_ms = $6,
-     updated_at_ms = $6, waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
  WHERE run_id = $1 AND lease_token = $2";
 const RELEASE_SQL: &str = "UPDATE {s}.runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
      updated_at_ms = $3
@@ -55,12 +56,21 @@ const TOUCH_SQL: &str = "UPDATE {s}.runs SET updated_at_ms = $2 WHERE run_id = A
 const POSITION_SQL: &str = "SELECT j.name, j.kind, j.status, j.attempts,
         (SELECT coalesce(max(seq) + 1, 0) FROM {s}.journal WHERE run_id = $1)
  FROM (SELECT 1) AS one LEFT JOIN {s}.journal j ON j.run_id = $1 AND j.seq = $2";
-/// A step attempt at a new position: its journal entry and its first attempt, in one statement.
-const NEW_ATTEMPT_SQL: &str = "WITH entry AS (
+/// The first attempts at new positions of a batch ([`NewEntries`]): their journal entries and
+/// their attempt rows, in one statement (`$1` now). Answers how many of each it wrote.
+const NEW_ATTEMPTS_SQL: &str = "WITH entries AS (
      INSERT INTO {s}.journal (run_id, seq, name, kind, status, output, error, attempts, next_attempt_at_ms,
                               updated_at_ms)
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10))
- INSERT INTO {s}.step_attempts (run_id, seq, attempt, ok, error, finished_at_ms) VALUES ($1, $2, 1, $11, $7, $10)";
+     SELECT u.run_id, u.seq, u.name, u.kind, u.status, u.output, u.error, 1, u.next_attempt_at_ms, $1
+     FROM unnest($2::text[], $3::integer[], $4::text[], $5::text[], $6::text[], $7::text[], $8::text[],
+                 $9::bigint[]) AS u(run_id, seq, name, kind, status, output, error, next_attempt_at_ms)
+     RETURNING 1),
+ attempts AS (
+     INSERT INTO {s}.step_attempts (run_id, seq, attempt, ok, error, finished_at_ms)
+     SELECT u.run_id, u.seq, 1, u.ok, u.error, $1
+     FROM unnest($2::text[], $3::integer[], $10::boolean[], $8::text[]) AS u(run_id, seq, ok, error)
+     RETURNING 1)
+ SELECT (SELECT count(*) FROM entries), (SELECT count(*) FROM attempts)";
 /// A further attempt at an unsettled position: the entry updated, the attempt appended with the
 /// next ordinal of the position's whole history (an operator retry resets only the entry's
 /// budget).
@@ -107,8 +117,9 @@ const CONTINUATION_SQL: &str = "UPDATE {s}.runs SET (parent_run_id, parent_seq) 
 const CHILD_OF_SQL: &str =
     "UPDATE {s}.runs SET parent_run_id = $2, parent_seq = $3 WHERE run_id = $1 AND parent_run_id IS NULL";
 
-/// What a run's end does to its family, in the transaction that ended it (one statement; `$1` the
-/// run that ended, `$2` now):
+/// What a run's end does to its family, in the transaction that ended it (the common tail of
+/// [`RUN_ENDED_SQL`] and [`FINISH_SQL`], which define `ended`: the run that ended, unless it was
+/// parked, with its status, result, error, parent and parent seq; `$2` is now):
 /// - a child that ended (not parked: that waits for an operator; not continued: its continuation
 ///   tells the parent when the chain ends) tells its parent how, as the
 ///   event `child/<seq>` (`child_event`): `{"run_id", "status", "result", "error"}`, only while
@@ -121,10 +132,9 @@ const CHILD_OF_SQL: &str =
 ///
 /// The parent and the children were locked by the caller first (`LOCK_BATCH_SQL`, or the
 /// operator's lock), so a parent's `Suspend` and this notification wait for each other.
-pub(crate) const RUN_ENDED_SQL: &str = "WITH ended AS (
-     SELECT run_id, status, result, error, parent_run_id, parent_seq, finished_at_ms
-     FROM {s}.runs WHERE run_id = $1 AND finished_at_ms IS NOT NULL AND status <> 'parked'),
- notify AS (
+macro_rules! family_told {
+    () => {
+        " notify AS (
      INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)
      SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
             json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json,
@@ -135,11 +145,37 @@ pub(crate) const RUN_ENDED_SQL: &str = "WITH ended AS (
      ON CONFLICT (run_id, event_id) DO NOTHING),
  wake AS (
      UPDATE {s}.runs SET wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
-     WHERE run_id = (SELECT parent_run_id FROM ended WHERE status <> 'continued') AND status = 'waiting')
- UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
-     wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
- WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
-   AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+     WHERE run_id = (SELECT parent_run_id FROM ended WHERE status <> 'continued') AND status = 'waiting'),
+ cancel AS (
+     UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
+         wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
+     WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
+       AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating'))"
+    };
+}
+
+/// A run that has ended (`$1`, by an operator) tells its family ([`family_told!`]).
+pub(crate) const RUN_ENDED_SQL: &str = concat!(
+    "WITH ended AS (
+     SELECT run_id, status, result, error, parent_run_id, parent_seq
+     FROM {s}.runs WHERE run_id = $1 AND finished_at_ms IS NOT NULL AND status <> 'parked'),",
+    family_told!(),
+    " SELECT 1"
+);
+
+/// Finish run `$1` under its lease token `$3` (status `$4`, result `$5`, error `$6`, now `$2`),
+/// releasing its lease, and tell its family in the same statement ([`family_told!`]). Answers
+/// how many runs it finished (1, or 0 when the token no longer holds).
+const FINISH_SQL: &str = concat!(
+    "WITH finished AS (
+     UPDATE {s}.runs SET status = $4, result = $5, error = $6, finished_at_ms = $2, updated_at_ms = $2,
+         waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+     WHERE run_id = $1 AND lease_token = $3
+     RETURNING run_id, status, result, error, parent_run_id, parent_seq),
+ ended AS (SELECT * FROM finished WHERE status <> 'parked'),",
+    family_told!(),
+    " SELECT count(*) FROM finished"
+);
 
 /// A child run that was there already (same workflow and input) and has ended tells its new
 /// parent now (`$1` the child, `$2` now): the event keeps the parent due.
@@ -216,15 +252,20 @@ pub(super) fn commit(
         for row in c.query(&lock, &[&locked, &finishing]).db()? {
             let run_id: String = col(&row, 0)?;
             if run_ids.binary_search(&run_id.as_str()).is_ok() {
-                let state = RunState { token: col(&row, 1)?, next_seq: None, stale: false, touched: false };
+                let next: i32 = col(&row, 2)?;
+                let next_seq =
+                    Some(u32::try_from(next).map_err(|_| Error::Invariant(format!("next position {next}")))?);
+                let state = RunState { token: col(&row, 1)?, next_seq, stale: false, touched: false };
                 runs.insert(run_id, state);
             }
         }
     }
+    let mut pending = NewEntries::default();
     let mut results = Vec::with_capacity(writes.len());
     for (write, text) in writes.into_iter().zip(texts) {
-        results.push(apply_write(apply, st, &mut runs, write, text, now_ms)?);
+        results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
+    pending.write(&mut apply.client_mut(), st, now_ms)?;
     let touched: Vec<&str> = runs.iter().filter(|(_, s)| s.touched).map(|(id, _)| id.as_str()).collect();
     if !touched.is_empty() {
         let mut c = apply.client_mut();
@@ -243,6 +284,7 @@ fn apply_write(
     apply: &ApplyTransaction,
     st: &mut Statements,
     runs: &mut HashMap<String, RunState>,
+    pending: &mut NewEntries,
     write: Write,
     text: Option<String>,
     now_ms: i64,
@@ -283,14 +325,9 @@ fn apply_write(
         }
         JournalOp::Finish { status, result: _, error } => {
             let mut c = apply.client_mut();
-            let statement = st.get(&mut *c, FINISH_SQL)?;
             let error = error.as_deref().map(clip_error);
-            let changed =
-                c.execute(&statement, &[&run, &token, &status.run_status().as_str(), &text, &error, &now_ms]).db()?;
-            ensure_invariant!(changed == 1, "run {run}: its locked row did not finish");
-            // The run's family learns of its end in the same transaction.
-            let ended = st.get(&mut *c, RUN_ENDED_SQL)?;
-            c.execute(&ended, &[&run, &now_ms]).db()?;
+            // The run's family learns of its end in the same statement.
+            finish(&mut c, st, run, token, status.run_status(), text.as_deref(), error.as_deref(), now_ms)?;
             state.token = None;
             Ok(WriteResult::Done)
         }
@@ -302,15 +339,9 @@ fn apply_write(
                     let continuation = st.get(&mut *c, CONTINUATION_SQL)?;
                     c.execute(&continuation, &[&request.run_id, &run]).db()?;
                     let result = serde_json::json!({"continued_as": request.run_id});
-                    let statement = st.get(&mut *c, FINISH_SQL)?;
-                    let status = RunStatus::Continued.as_str();
-                    let text = Some(json_text(&result));
-                    let changed =
-                        c.execute(&statement, &[&run, &token, &status, &text, &None::<String>, &now_ms]).db()?;
-                    ensure_invariant!(changed == 1, "run {run}: its locked row did not finish");
                     // Its children still running are cancelled, as at any end.
-                    let ended = st.get(&mut *c, RUN_ENDED_SQL)?;
-                    c.execute(&ended, &[&run, &now_ms]).db()?;
+                    let text = json_text(&result);
+                    finish(&mut c, st, run, token, RunStatus::Continued, Some(&text), None, now_ms)?;
                     state.token = None;
                     Ok(WriteResult::TxResult(Ok(result)))
                 }
@@ -330,21 +361,23 @@ fn apply_write(
         }
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
             let mut c = apply.client_mut();
-            let (existing, next) = position(&mut c, st, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
+            let (existing, next) =
+                position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
             check_attempt(run, seq, attempt, existing)?;
             let recorded = match &result {
                 Ok(_) => Ok(text.as_deref().unwrap_or("null")),
                 Err(failure) => Err(failure),
             };
             let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
-            record_attempt(&mut c, st, &step, recorded, retry_at_ms, now_ms)?;
+            record_attempt(&mut c, st, pending, &step, recorded, retry_at_ms, now_ms)?;
             state.next_seq = Some(next);
             Ok(WriteResult::Done)
         }
         JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
             let existing = {
                 let mut c = apply.client_mut();
-                let (existing, _) = position(&mut c, st, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
+                let (existing, _) =
+                    position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
                 check_attempt(run, seq, attempt, existing)?;
                 c.batch_execute("SAVEPOINT wf_tx_step").db()?;
                 existing
@@ -363,13 +396,13 @@ fn apply_write(
             let outcome = end_savepoint(&mut c, run, &name, outcome)?;
             let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
             let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
-            record_attempt(&mut c, st, &step, recorded, retry_at_ms, now_ms)?;
+            record_attempt(&mut c, st, pending, &step, recorded, retry_at_ms, now_ms)?;
             Ok(WriteResult::TxResult(outcome.map(|(output, _)| output)))
         }
         JournalOp::StartChild { seq, name, request, wake_at_ms, claim } => {
             let mut c = apply.client_mut();
             let (existing, next) =
-                position(&mut c, st, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
+                position(&mut c, st, pending, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
             // A child this write creates has its parent, and its lease when asked, in its row.
             let lease_token = claim.as_ref().map(|_| super::new_token());
@@ -418,7 +451,7 @@ fn apply_write(
                 Some(reason) => {
                     let failure = StepFailure::permanent(format!("the child run id is taken: {reason}"));
                     let step = Step { run_id: run, seq, name: &name, kind: StepKind::Child, attempt: 1, new: true };
-                    record_attempt(&mut c, st, &step, Err(&failure), None, now_ms)?;
+                    record_attempt(&mut c, st, pending, &step, Err(&failure), None, now_ms)?;
                     Err(failure)
                 }
             };
@@ -464,20 +497,20 @@ fn apply_write(
         JournalOp::Publish { seq, key, value: _ } => {
             let mut c = apply.client_mut();
             let (existing, next) =
-                position(&mut c, st, run, seq, &key, StepKind::Publish, StepStatus::Waiting, state.next_seq)?;
+                position(&mut c, st, pending, run, seq, &key, StepKind::Publish, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: published already");
             let text = text.unwrap_or_else(|| "null".into());
             let publish = st.get(&mut *c, PUBLISH_SQL)?;
             c.execute(&publish, &[&run, &key, &text, &seq_param(seq), &now_ms]).db()?;
             let step = Step { run_id: run, seq, name: &key, kind: StepKind::Publish, attempt: 1, new: true };
-            record_attempt(&mut c, st, &step, Ok("null"), None, now_ms)?;
+            record_attempt(&mut c, st, pending, &step, Ok("null"), None, now_ms)?;
             state.next_seq = Some(next);
             Ok(WriteResult::Done)
         }
         JournalOp::Send { seq, to, topic, payload } => {
             let mut c = apply.client_mut();
             let (existing, next) =
-                position(&mut c, st, run, seq, &topic, StepKind::Send, StepStatus::Waiting, state.next_seq)?;
+                position(&mut c, st, pending, run, seq, &topic, StepKind::Send, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: sent already");
             let event_id = message_event_id(run, seq);
             // The receiver was locked with the batch; an unknown or ended receiver fails the step.
@@ -494,13 +527,13 @@ fn apply_write(
                 Err(failure) => Err(*failure),
             };
             let step = Step { run_id: run, seq, name: &topic, kind: StepKind::Send, attempt: 1, new: true };
-            record_attempt(&mut c, st, &step, recorded, None, now_ms)?;
+            record_attempt(&mut c, st, pending, &step, recorded, None, now_ms)?;
             state.next_seq = Some(next);
             Ok(WriteResult::TxResult(delivered))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
             let mut c = apply.client_mut();
-            let (_, next) = position(&mut c, st, run, seq, &name, kind, StepStatus::Waiting, state.next_seq)?;
+            let (_, next) = position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Waiting, state.next_seq)?;
             let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
             c.execute(&timer, &[&run, &seq_param(seq), &name, &kind.as_str(), &wake_at_ms, &event_name, &now_ms])
                 .db()?;
@@ -509,6 +542,7 @@ fn apply_write(
         }
         JournalOp::TimerFinished { seq, event_id, output } => {
             let mut c = apply.client_mut();
+            pending.write(&mut c, st, now_ms)?;
             let Some(entry) = rows::journal_at(&mut *c, st, run, seq)? else {
                 return Err(Error::Invariant(format!("run {run}: no timer at step {seq} to finish")));
             };
@@ -557,6 +591,25 @@ fn apply_write(
     }
 }
 
+/// Finish a run whose lease token is `token` ([`FINISH_SQL`]): its row, its lease, its family.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    c: &mut Client,
+    st: &mut Statements,
+    run: &str,
+    token: &str,
+    status: RunStatus,
+    result: Option<&str>,
+    error: Option<&str>,
+    now_ms: i64,
+) -> Result<()> {
+    let statement = st.get(c, FINISH_SQL)?;
+    let row = c.query_one(&statement, &[&run, &now_ms, &token, &status.as_str(), &result, &error]).db()?;
+    let finished: i64 = col(&row, 0)?;
+    ensure_invariant!(finished == 1, "run {run}: its locked row did not finish");
+    Ok(())
+}
+
 /// End a transactional step's savepoint: kept when the body succeeded, rolled back when it
 /// failed. A body whose own statement failed leaves the transaction aborted even if it returned
 /// `Ok`: its writes cannot commit, so they are rolled back and the attempt counts as failed. A
@@ -597,6 +650,7 @@ fn end_savepoint(
 fn position(
     c: &mut Client,
     st: &mut Statements,
+    pending: &mut NewEntries,
     run_id: &str,
     seq: u32,
     name: &str,
@@ -607,6 +661,8 @@ fn position(
     if known_next == Some(seq) {
         return Ok((None, seq + 1));
     }
+    let now_ms = pending.now_ms;
+    pending.write(c, st, now_ms)?;
     let statement = st.get(c, POSITION_SQL)?;
     let row = c.query_one(&statement, &[&run_id, &seq_param(seq)]).db()?;
     let (found_name, found_kind, found_status, attempts, next): (
@@ -649,6 +705,57 @@ fn position(
     Ok((Some(attempts), next))
 }
 
+/// The first attempts at new journal positions that a batch recorded and has not written yet:
+/// they are written in one statement ([`NEW_ATTEMPTS_SQL`]) before the batch reads the journal
+/// or the attempts again (a position check that needs the table, a timer's entry, the next
+/// attempt's ordinal) and before it commits. Nothing else in the batch reads them: the fences
+/// read runs, and a transactional step's body must not read tidemark's tables
+/// ([`ApplyTransaction`]).
+#[derive(Default)]
+struct NewEntries {
+    now_ms: i64,
+    run_ids: Vec<String>,
+    seqs: Vec<i32>,
+    names: Vec<String>,
+    kinds: Vec<&'static str>,
+    statuses: Vec<&'static str>,
+    outputs: Vec<Option<String>>,
+    errors: Vec<Option<String>>,
+    next_attempt_at_ms: Vec<Option<i64>>,
+    oks: Vec<bool>,
+}
+
+impl NewEntries {
+    fn write(&mut self, c: &mut Client, st: &mut Statements, now_ms: i64) -> Result<()> {
+        if self.run_ids.is_empty() {
+            return Ok(());
+        }
+        let statement = st.get(c, NEW_ATTEMPTS_SQL)?;
+        let row = c
+            .query_one(
+                &statement,
+                &[
+                    &now_ms,
+                    &self.run_ids,
+                    &self.seqs,
+                    &self.names,
+                    &self.kinds,
+                    &self.statuses,
+                    &self.outputs,
+                    &self.errors,
+                    &self.next_attempt_at_ms,
+                    &self.oks,
+                ],
+            )
+            .db()?;
+        let written: (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
+        let expected = self.run_ids.len() as i64;
+        ensure_invariant!(written == (expected, expected), "{expected} new journal entries wrote {written:?}");
+        *self = NewEntries::default();
+        Ok(())
+    }
+}
+
 /// Attempts count from 1 and follow the entry's recorded attempts one by one.
 fn check_attempt(run_id: &str, seq: u32, attempt: u32, recorded: Option<u32>) -> Result<()> {
     let expected = recorded.unwrap_or(0) + 1;
@@ -670,6 +777,7 @@ struct Step<'a> {
 fn record_attempt(
     c: &mut Client,
     st: &mut Statements,
+    pending: &mut NewEntries,
     step: &Step<'_>,
     outcome: std::result::Result<&str, &StepFailure>,
     retry_at_ms: Option<i64>,
@@ -685,7 +793,24 @@ fn record_attempt(
     };
     let Step { run_id, seq, name, kind, attempt, new } = *step;
     let attempts = i32::try_from(attempt).map_err(|_| Error::Invariant(format!("run {run_id}: attempt {attempt}")))?;
-    let statement = st.get(c, if new { NEW_ATTEMPT_SQL } else { NEXT_ATTEMPT_SQL })?;
+    if new {
+        // A new position's first attempt is written with the batch's others ([`NewEntries`]).
+        ensure_invariant!(attempt == 1, "run {run_id} step {seq}: a new position at attempt {attempt}");
+        pending.now_ms = now_ms;
+        pending.run_ids.push(run_id.to_string());
+        pending.seqs.push(seq_param(seq));
+        pending.names.push(name.to_string());
+        pending.kinds.push(kind.as_str());
+        pending.statuses.push(status.as_str());
+        pending.outputs.push(output.map(str::to_string));
+        pending.errors.push(error);
+        pending.next_attempt_at_ms.push(next_attempt_at_ms);
+        pending.oks.push(ok);
+        return Ok(());
+    }
+    // The next attempt's ordinal is read from the position's history: the batch's new entries first.
+    pending.write(c, st, now_ms)?;
+    let statement = st.get(c, NEXT_ATTEMPT_SQL)?;
     c.execute(
         &statement,
         &[
