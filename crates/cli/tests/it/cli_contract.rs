@@ -654,16 +654,28 @@ fn an_internal_error_exits_1_with_a_json_error_and_changes_nothing() {
 }
 
 /// A flow at the last seq (i64::MAX) cannot advance: `seq_overflow`, exit 2, no file changed.
-/// The seq is set directly in the file: no real flow gets there.
+/// The seq is set directly in the file (or the schema's table): no real flow gets there.
 #[test]
 fn advance_at_the_last_seq_is_seq_overflow_and_changes_nothing() {
+    on_both_backends(scenario_advance_at_the_last_seq_is_seq_overflow_and_changes_nothing);
+}
+
+fn scenario_advance_at_the_last_seq_is_seq_overflow_and_changes_nothing() {
     let s = Setup::new(&["audit"]);
     advance(&s, "r1", 0, "reserved", Some(3));
-    let conn = rusqlite::Connection::open(s.p()).unwrap();
-    let updated = conn.execute("UPDATE flows SET last_seq = ?1 WHERE flow_id = 'r1'", [i64::MAX]).unwrap();
-    assert_eq!(updated, 1);
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
-    drop(conn);
+    match tidemark_core::location::StoreLocation::parse(s.p()).unwrap() {
+        tidemark_core::location::StoreLocation::Sqlite(path) => {
+            let conn = rusqlite::Connection::open(path).unwrap();
+            let updated = conn.execute("UPDATE flows SET last_seq = ?1 WHERE flow_id = 'r1'", [i64::MAX]).unwrap();
+            assert_eq!(updated, 1);
+            conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+        }
+        tidemark_core::location::StoreLocation::Postgres(pg) => {
+            let mut client = postgres::Client::connect(&pg.conn, postgres::NoTls).unwrap();
+            let update = format!("UPDATE {}.flows SET last_seq = $1 WHERE flow_id = 'r1'", pg.schema);
+            assert_eq!(client.execute(&update, &[&i64::MAX]).unwrap(), 1);
+        }
+    }
     let before = producer_snapshot(&s);
     assert_eq!(array(&before, "flows")[0]["last_seq"], i64::MAX, "{before}");
     let max = i64::MAX.to_string();

@@ -495,23 +495,32 @@ fn redeliver_before_commit(point: &str) {
     for consumer in ["audit", "search"] {
         drain(&s, consumer);
     }
-    // The backup: the consumer file checkpointed and copied.
+    // The backup: the consumer file checkpointed and copied (on PostgreSQL: the consumer schema
+    // dumped with pg_dump).
     let backup = s.dir.path().join("consumer.backup");
-    let conn = rusqlite::Connection::open(s.c()).expect("open consumer file");
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").expect("checkpoint");
-    drop(conn);
-    std::fs::copy(s.c(), &backup).expect("back up");
+    if s.on_postgres() {
+        s.dump_consumer_schema(&backup);
+    } else {
+        let conn = rusqlite::Connection::open(s.c()).expect("open consumer file");
+        conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").expect("checkpoint");
+        drop(conn);
+        std::fs::copy(s.c(), &backup).expect("back up");
+    }
     let lost = advance(&s, "r1", 1, "confirmed", None)["event_id"].as_str().unwrap().to_string();
     advance(&s, "r2", 0, "reserved", Some(5));
     relay(&s);
     for consumer in ["audit", "search"] {
         assert_eq!(drain(&s, consumer)["applied"], 2);
     }
-    // The restore.
-    for suffix in ["-wal", "-shm"] {
-        let _ = std::fs::remove_file(format!("{}{suffix}", s.c()));
+    // The restore (on PostgreSQL: the schema dropped and restored with pg_restore).
+    if s.on_postgres() {
+        s.restore_consumer_schema(&backup);
+    } else {
+        for suffix in ["-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", s.c()));
+        }
+        std::fs::copy(&backup, s.c()).expect("restore");
     }
-    std::fs::copy(&backup, s.c()).expect("restore");
     advance(&s, "r1", 2, "released", None);
     relay(&s);
     let stuck = drain(&s, "audit");
@@ -1227,10 +1236,11 @@ fn every_crash_point_recovers_without_loss_or_double_apply() {
 /// The pipeline's crash points on PostgreSQL: the same scenarios as on SQLite files, each
 /// `Setup` a fresh producer schema and consumer schema of the test server, the real `tidemark`
 /// process killed at each point (its connection dropped with its transaction open, or right
-/// after a commit), then fresh processes proving nothing lost and nothing applied twice. Not
-/// here: `migrate.before_commit` (a SQLite file of an older layout), `redeliver.before_commit`
-/// (restores a consumer file from a copy), `unsafe_dual_write.between_commits` (a SQLite-only
-/// demonstration) and the workflow points (above). Skipped, saying why, without a server.
+/// after a commit), then fresh processes proving nothing lost and nothing applied twice (the
+/// consumer backup of `redeliver.before_commit` is a `pg_dump` of its schema, restored with
+/// `pg_restore`). Not here: `migrate.before_commit` (a SQLite file of an older layout),
+/// `unsafe_dual_write.between_commits` (a SQLite-only demonstration) and the workflow points
+/// (above). Skipped, saying why, without a server.
 #[test]
 fn every_pipeline_crash_point_recovers_on_postgres() {
     if !support::failpoints_enabled() {
@@ -1238,10 +1248,10 @@ fn every_pipeline_crash_point_recovers_on_postgres() {
         return;
     }
     let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
-    let sqlite_only = ["migrate.before_commit", "redeliver.before_commit", "unsafe_dual_write.between_commits"];
+    let sqlite_only = ["migrate.before_commit", "unsafe_dual_write.between_commits"];
     let points: Vec<&str> =
         CRASH_POINTS.iter().copied().filter(|p| !p.starts_with("workflow.") && !sqlite_only.contains(p)).collect();
-    assert_eq!(points.len(), 15, "{points:?}");
+    assert_eq!(points.len(), 16, "{points:?}");
     for point in points {
         eprintln!("crash scenario on PostgreSQL: {point}");
         scenario(point)(point);

@@ -171,6 +171,31 @@ impl Setup {
         client.batch_execute(&format!("ALTER SCHEMA {from} RENAME TO {to}")).expect("rename the consumer schema");
     }
 
+    /// On PostgreSQL: back the consumer's schema up into `file` with `pg_dump` (custom format).
+    pub fn dump_consumer_schema(&self, file: &Path) {
+        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = schemas.lock().unwrap()[1].clone();
+        let out = Command::new("pg_dump")
+            .args(["--format=custom", "--schema", &schema, "--file", path_str(file), "--dbname", base])
+            .output()
+            .expect("run pg_dump (the PostgreSQL client tools)");
+        assert!(out.status.success(), "pg_dump: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// On PostgreSQL: drop the consumer's schema and restore it from `file` (a
+    /// [`Setup::dump_consumer_schema`]) with `pg_restore`.
+    pub fn restore_consumer_schema(&self, file: &Path) {
+        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = schemas.lock().unwrap()[1].clone();
+        let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect");
+        client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).expect("drop the consumer schema");
+        let out = Command::new("pg_restore")
+            .args(["--exit-on-error", "--dbname", base, path_str(file)])
+            .output()
+            .expect("run pg_restore (the PostgreSQL client tools)");
+        assert!(out.status.success(), "pg_restore: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
     /// The (consumer, source, flow, seq) applied more than once in the consumer store, read
     /// straight from it (the file, or the schema's table).
     pub fn duplicate_effects(&self) -> Vec<tidemark_builtins::reservation::DuplicateEffect> {
