@@ -305,11 +305,14 @@ fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_
 
 #[test]
 fn the_cli_subscribes_network_endpoints_and_its_file_relay_leaves_them_to_the_server() {
-    use crate::support::{ok, path_str, run};
-    let dir = tempfile::tempdir().unwrap();
-    let producer = dir.path().join("p.db");
-    let p = path_str(&producer);
-    ok(&["init", "--producer", p, "--source", "shop"]);
+    // A producer file, then a producer schema of the PostgreSQL test server.
+    crate::workflow_cli::on_both_backends(subscribe_network_endpoints);
+}
+
+fn subscribe_network_endpoints() {
+    use crate::support::{ok, run, Setup};
+    let stores = Setup::new(&[]);
+    let p = stores.p();
     let subscribed = ok(&[
         "subscribe",
         "--producer",
