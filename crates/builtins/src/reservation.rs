@@ -1,6 +1,9 @@
 //! The built-in reservation projection on SQLite: one projection row per (consumer, source,
 //! flow) and one effect row per applied event. The effects table deliberately has no unique
-//! constraint, so that an event applied twice would show as two rows.
+//! constraint, so that an event applied twice would show as two rows. The same projection on
+//! PostgreSQL is [`postgres`].
+
+pub mod postgres;
 
 use std::sync::Arc;
 

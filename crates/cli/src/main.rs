@@ -13,6 +13,7 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod pipeline;
 mod queue_cmd;
 mod remote;
 mod schedule_cmd;
@@ -26,20 +27,22 @@ use std::path::{Path, PathBuf};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
-use tidemark_builtins::reservation::{self, ReservationHandler};
 use tidemark_core::endpoint::EndpointKind;
 use tidemark_core::error::codes;
 use tidemark_core::flow::AdvanceRequest;
 use tidemark_core::limits::{ENVELOPE_BYTES_MAX, PRUNE_BATCH_ROWS_MAX};
+use tidemark_core::location::StoreLocation;
 use tidemark_core::policy::{RelayPolicy, RetentionPolicy};
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
-    ApplyOutcome, ConsumerStore, DeliveryAction, DeliveryStatus, DrainScope, InboxStatus, ProducerStore, Subscription,
+    ApplyOutcome, DeliveryAction, DeliveryStatus, DrainScope, InboxStatus, ProducerStore, Subscription,
 };
 use tidemark_core::{Envelope, Error};
 use tidemark_engine::{relay_until_idle, RelayOptions};
-use tidemark_lab::{bench, chaos, demo, experiment, loadtest, open_consumer, progress, Context};
-use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
+use tidemark_lab::{bench, chaos, demo, experiment, loadtest, progress, Context};
+use tidemark_store_sqlite::Durability;
+
+use crate::pipeline::{Consumer, Producer};
 
 #[derive(Parser)]
 #[command(name = "tidemark", version, about = "Ordered transactional outbox/inbox on embedded SQLite")]
@@ -142,6 +145,9 @@ enum Command {
     UnsafeDualWriteAdvance(unsafe_cmd::UnsafeDualWriteArgs),
 }
 
+// Every `--producer` and `--consumer-db` below names a store: a SQLite file (`path` or
+// `sqlite:path`) or a PostgreSQL schema (`postgres://user@host/db?schema=S`; docs/cli.md,
+// "Producer and consumer stores"), opened by `pipeline`.
 #[derive(Args)]
 struct InitArgs {
     #[arg(long)]
@@ -183,9 +189,10 @@ struct SubscribeArgs {
     producer: PathBuf,
     #[arg(long)]
     consumer_id: String,
-    /// The consumer database path, or a network endpoint URL (`http(s)://.../v1/consumers/{id}/inbox`,
-    /// `nats://`, `amqp://`, `kafka://`; docs/protocol.md, "Endpoints"), which `tidemark serve`
-    /// delivers to.
+    /// The consumer database path (for a PostgreSQL producer, a consumer schema on its server:
+    /// `postgres://...?schema=S`), or a network endpoint URL
+    /// (`http(s)://.../v1/consumers/{id}/inbox`, `nats://`, `amqp://`, `kafka://`;
+    /// docs/protocol.md, "Endpoints"), which `tidemark serve` delivers to.
     #[arg(long)]
     endpoint: PathBuf,
     /// Also queue every event already in the outbox.
@@ -498,12 +505,11 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             if let Some(path) = &args.producer {
                 let source = args.source.as_deref().ok_or_else(|| invalid("--producer needs --source"))?;
                 tidemark_core::id::validate_id("source", source)?;
-                let producer = SqliteProducer::init(path, source)?;
+                let producer = Producer::init(&ctx, path, source)?;
                 out["producer"] = to_json(producer.identity());
             }
             if let Some(path) = &args.consumer_db {
-                let consumer = SqliteConsumer::init(path, RetentionPolicy { horizon_ms: args.horizon_ms })?;
-                reservation::install(&consumer)?;
+                let consumer = Consumer::init(&ctx, path, RetentionPolicy { horizon_ms: args.horizon_ms })?;
                 out["consumer"] = json!({"horizon_ms": consumer.retention().horizon_ms});
             }
             Ok(out)
@@ -524,16 +530,20 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             // Validate before opening so that bad input never touches the file.
             tidemark_core::flow::validate_request(&ReservationMachine, &request)?;
             let path = file_arg(args.producer, "--producer")?;
-            let mut producer = SqliteProducer::open_with(&path, ctx.durability)?;
+            let mut producer = Producer::open(&ctx, &path)?;
             let mut outcomes = producer.advance_batch(&ReservationMachine, &[request], ctx.now_ms())?;
             Ok(to_json(&outcomes.pop().expect("one outcome per request")))
         }
         Command::Subscribe(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
-            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
+            let mut producer = Producer::open(&ctx, &args.producer)?;
             let given = args.endpoint.to_string_lossy().into_owned();
-            let kind = tidemark_core::endpoint::kind_of(&given)?;
-            if kind != EndpointKind::Sqlite {
+            // A consumer store of the producer's backend (a file, or a `postgres://` schema), or
+            // a network endpoint.
+            let store = matches!(StoreLocation::parse(&given), Ok(StoreLocation::Postgres(_)))
+                || tidemark_core::endpoint::kind_of(&given)? == EndpointKind::Sqlite;
+            if !store {
+                let kind = tidemark_core::endpoint::kind_of(&given)?;
                 // A network endpoint: nothing to open here; `tidemark serve` delivers to it.
                 let subscription = Subscription { consumer_id: args.consumer_id, endpoint: given };
                 let queued = producer.subscribe(&subscription, args.from_start, ctx.now_ms())?;
@@ -541,15 +551,12 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 return Ok(json!({"outcome": "subscribed", "subscription": {"consumer_id": subscription.consumer_id,
                     "endpoint": endpoint, "kind": kind}, "queued": queued}));
             }
-            // The endpoint must be an initialised consumer database. Whether it has received
+            // The endpoint must be an initialised consumer store. Whether it has received
             // anything of this subscriber decides whether an existing subscription may move there.
-            let consumer = SqliteConsumer::open(&args.endpoint)?;
+            let (endpoint, consumer) = producer.consumer_endpoint(&ctx, &args.endpoint)?;
             let has_received = consumer.has_received(&args.consumer_id, &producer.identity().source)?;
             drop(consumer);
-            let endpoint = std::fs::canonicalize(&args.endpoint)
-                .map_err(|e| invalid(format!("cannot resolve {}: {e}", args.endpoint.display())))?;
-            let subscription =
-                Subscription { consumer_id: args.consumer_id, endpoint: endpoint.to_string_lossy().into_owned() };
+            let subscription = Subscription { consumer_id: args.consumer_id, endpoint };
             let queued =
                 producer.subscribe_checked(&subscription, args.from_start, ctx.now_ms(), Some(has_received))?;
             Ok(json!({"outcome": "subscribed", "subscription": subscription, "queued": queued}))
@@ -571,11 +578,12 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             if let Some(event) = &options.event_id {
                 tidemark_core::id::validate_id("event_id", event)?;
             }
-            let mut producer = SqliteProducer::open_with(&args.producer, ctx.durability)?;
-            let mut endpoints = SqliteEndpoints::new(ctx.durability);
-            // This command delivers to consumer database files; network endpoints are delivered
-            // by `tidemark serve`'s relay lanes, so their subscribers are left alone here (never
-            // failed, never quarantined by a relay that cannot reach them).
+            let mut producer = Producer::open(&ctx, &args.producer)?;
+            let mut endpoints = producer.endpoints(&ctx);
+            // This command delivers to consumer stores (files, or schemas on the producer's
+            // server); network endpoints are delivered by `tidemark serve`'s relay lanes, so
+            // their subscribers are left alone here (never failed, never quarantined by a relay
+            // that cannot reach them).
             let mut options = options;
             let subscriptions = producer.subscriptions()?;
             let network: Vec<String> = subscriptions
@@ -605,12 +613,12 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             Ok(out)
         }
-        Command::Consume(args) => consume(args, ctx.durability),
+        Command::Consume(args) => consume(&ctx, args),
         Command::Receive(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             let path = file_arg(args.consumer_db, "--consumer-db")?;
             let envelope = read_envelope(args.file.as_deref())?;
-            let mut consumer = SqliteConsumer::open_with(&path, ctx.durability)?;
+            let mut consumer = Consumer::open(&ctx, &path, false)?;
             let mut outcomes = consumer.receive_batch(&[(args.consumer_id.as_str(), &envelope)], ctx.now_ms())?;
             Ok(to_json(&outcomes.pop().expect("one outcome per event")))
         }
@@ -619,9 +627,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             let scope = DrainScope::Flow { source: args.source.clone(), flow_id: args.flow.clone() };
             tidemark_core::id::validate_id("source", &args.source)?;
             tidemark_core::id::validate_id("flow_id", &args.flow)?;
-            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
-            let mut handler = ReservationHandler::new(args.handler.support_v2);
-            let report = consumer.drain(&args.consumer_id, &scope, 1, &mut handler, ctx.now_ms())?;
+            let mut consumer = Consumer::open(&ctx, &args.consumer_db, true)?;
+            let report = consumer.drain(&args.consumer_id, &scope, 1, args.handler.support_v2, ctx.now_ms())?;
             let outcome = match (report.last_applied, report.stuck.into_iter().next()) {
                 (Some(applied), _) => applied,
                 (None, Some(stuck)) => stuck,
@@ -639,11 +646,16 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::Drain(args) => {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             tidemark_core::id::validate_limit("--limit", args.limit, tidemark_core::limits::DRAIN_BATCH_EVENTS_MAX)?;
-            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
-            let mut handler = ReservationHandler::new(args.handler.support_v2);
+            let mut consumer = Consumer::open(&ctx, &args.consumer_db, true)?;
             // One transaction: the bar shows that it runs and for how long.
             let progress = progress::Progress::start("drain", 0);
-            let report = consumer.drain(&args.consumer_id, &DrainScope::All, args.limit, &mut handler, ctx.now_ms())?;
+            let report = consumer.drain(
+                &args.consumer_id,
+                &DrainScope::All,
+                args.limit,
+                args.handler.support_v2,
+                ctx.now_ms(),
+            )?;
             progress.finish(&format!("{} applied, {} stuck", report.applied, report.stuck.len()));
             Ok(to_json(&report))
         }
@@ -658,18 +670,12 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 "note": "each file was read in its own read transaction; the two are not one atomic snapshot",
             });
             if let Some(path) = &args.producer {
-                let producer = SqliteProducer::open_with(path, ctx.durability)?;
+                let producer = Producer::open(&ctx, path)?;
                 out["producer"] = to_json(&producer.snapshot(args.rows_max)?);
             }
             if let Some(path) = &args.consumer_db {
-                let consumer = open_consumer(path, ctx.durability)?;
                 // The dedup tables and the handler's tables in one read transaction.
-                let (snapshot, (projections, effects)) =
-                    consumer.snapshot_with(args.rows_max, |tx| reservation::read_in(tx, args.rows_max))?;
-                let mut consumer_json = to_json(&snapshot);
-                consumer_json["reservation_projection"] = to_json(&projections);
-                consumer_json["reservation_effects"] = to_json(&effects);
-                out["consumer"] = consumer_json;
+                out["consumer"] = Consumer::open(&ctx, path, true)?.snapshot(args.rows_max)?;
             }
             Ok(out)
         }
@@ -679,7 +685,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     .map(|s| DeliveryStatus::parse(&s).ok_or_else(|| invalid(format!("unknown delivery status {s:?}"))))
                     .transpose()?;
                 tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
-                let producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
+                let producer = Producer::open(&ctx, &file_arg(producer, "--producer")?)?;
                 let entries = producer.deliveries(status, limit)?;
                 Ok(json!({"outcome": "listed", "deliveries": entries}))
             }
@@ -691,7 +697,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     ActionArg::Requeue => DeliveryAction::Requeue,
                     ActionArg::Dismiss => DeliveryAction::Dismiss,
                 };
-                let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
+                let mut producer = Producer::open(&ctx, &file_arg(producer, "--producer")?)?;
                 let entry = producer.resolve_delivery(&event, &consumer_id, action, &reason, ctx.now_ms())?;
                 Ok(json!({"outcome": "resolved", "delivery": entry}))
             }
@@ -700,7 +706,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 if let Some(event) = &from_event {
                     tidemark_core::id::validate_id("event_id", event)?;
                 }
-                let mut producer = SqliteProducer::open_with(&file_arg(producer, "--producer")?, ctx.durability)?;
+                let mut producer = Producer::open(&ctx, &file_arg(producer, "--producer")?)?;
                 let report = producer.redeliver(&consumer_id, from_event.as_deref())?;
                 Ok(json!({
                     "outcome": "redelivered",
@@ -710,7 +716,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 }))
             }
             OutboxCommand::RotateGeneration { producer } => {
-                let mut producer = SqliteProducer::open_with(&producer, ctx.durability)?;
+                let mut producer = Producer::open(&ctx, &producer)?;
                 let identity = producer.rotate_generation()?;
                 Ok(json!({"outcome": "rotated", "producer": identity}))
             }
@@ -722,14 +728,14 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                     .map(|s| InboxStatus::parse(&s).ok_or_else(|| invalid(format!("unknown inbox status {s:?}"))))
                     .transpose()?;
                 tidemark_core::id::validate_limit("--limit", limit, tidemark_core::limits::PAGE_SIZE_MAX)?;
-                let consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
+                let consumer = Consumer::open(&ctx, &file_arg(consumer_db, "--consumer-db")?, false)?;
                 Ok(json!({"outcome": "listed", "records": consumer.inbox(&consumer_id, status, limit)?}))
             }
             InboxCommand::Skip { consumer_db, consumer_id, event, reason } => {
                 tidemark_core::id::validate_id("consumer_id", &consumer_id)?;
                 tidemark_core::id::validate_id("event_id", &event)?;
                 tidemark_core::id::validate_reason(&reason)?;
-                let mut consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
+                let mut consumer = Consumer::open(&ctx, &file_arg(consumer_db, "--consumer-db")?, false)?;
                 let entry = consumer.skip_blocked(&consumer_id, &event, &reason, ctx.now_ms())?;
                 Ok(json!({"outcome": "skipped", "record": entry}))
             }
@@ -737,7 +743,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 if let Some(id) = &consumer_id {
                     tidemark_core::id::validate_id("consumer_id", id)?;
                 }
-                let consumer = SqliteConsumer::open_with(&file_arg(consumer_db, "--consumer-db")?, ctx.durability)?;
+                let consumer = Consumer::open(&ctx, &file_arg(consumer_db, "--consumer-db")?, false)?;
                 Ok(json!({"outcome": "listed", "cursors": consumer.cursors(consumer_id.as_deref())?}))
             }
         },
@@ -753,7 +759,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             let mut progress = progress::Progress::start("prune", 0);
             // Each loop is bounded: every batch deletes rows, so at most (rows / batch) + 1 run.
             if let Some(path) = &args.consumer_db {
-                let mut consumer = SqliteConsumer::open_with(path, ctx.durability)?;
+                let mut consumer = Consumer::open(&ctx, path, false)?;
                 let mut total = tidemark_core::store::PruneReport::default();
                 let mut batches = 0_u64;
                 loop {
@@ -776,7 +782,7 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
                 out["consumer"]["batches"] = json!(batches);
             }
             if let Some(path) = &args.producer {
-                let mut producer = SqliteProducer::open_with(path, ctx.durability)?;
+                let mut producer = Producer::open(&ctx, path)?;
                 let mut total = tidemark_core::store::OutboxPruneReport::default();
                 let mut batches = 0_u64;
                 loop {
@@ -805,9 +811,8 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
         Command::RenameConsumer(args) => {
             tidemark_core::id::validate_id("from", &args.from)?;
             tidemark_core::id::validate_id("to", &args.to)?;
-            let mut consumer = open_consumer(&args.consumer_db, ctx.durability)?;
-            let mut producer =
-                args.producer.as_ref().map(|path| SqliteProducer::open_with(path, ctx.durability)).transpose()?;
+            let mut consumer = Consumer::open(&ctx, &args.consumer_db, true)?;
+            let mut producer = args.producer.as_ref().map(|path| Producer::open(&ctx, path)).transpose()?;
             let report = match consumer.rename_consumer(&args.from, &args.to, ctx.now_ms()) {
                 // A subscriber that has not received anything holds no state in the consumer
                 // file: with the producer at hand to confirm the subscription, only its
@@ -904,10 +909,10 @@ fn emit(text: &str) {
     let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
-/// The inbox of one consumer database file, as `tidemark consume` stores into it.
-struct FileInbox(std::sync::Mutex<SqliteConsumer>);
+/// The inbox of one consumer store, as `tidemark consume` stores into it.
+struct StoreInbox(std::sync::Mutex<Consumer>);
 
-impl tidemark_transport::Inbox for FileInbox {
+impl tidemark_transport::Inbox for StoreInbox {
     fn receive<'a>(
         &'a self,
         consumer_id: &'a str,
@@ -921,14 +926,22 @@ impl tidemark_transport::Inbox for FileInbox {
     > {
         Box::pin(async move {
             let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id, e)).collect();
-            let mut consumer = self.0.lock().unwrap_or_else(|p| p.into_inner());
-            consumer.receive_batch(&items, tidemark_engine::now_ms())
+            let mut guard = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            let consumer: &mut Consumer = &mut guard;
+            // On a thread of its own: PostgreSQL's blocking client must not run on the
+            // runtime's thread (it would start a runtime inside this one).
+            std::thread::scope(|scope| {
+                scope
+                    .spawn(|| consumer.receive_batch(&items, tidemark_engine::now_ms()))
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::Invariant("the inbox thread panicked".into())))
+            })
         })
     }
 }
 
 /// `tidemark consume`: pull from the broker into the inbox until idle or a signal.
-fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<Value> {
+fn consume(ctx: &Context, args: ConsumeArgs) -> tidemark_core::Result<Value> {
     tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
     let spec = tidemark_transport::SourceSettings {
         from: args.from,
@@ -969,7 +982,7 @@ fn consume(args: ConsumeArgs, durability: Durability) -> tidemark_core::Result<V
         tidemark_transport::SourceSpec::Kafka(config) => config.session_timeout_ms.max(300_000),
         tidemark_transport::SourceSpec::Nats(_) | tidemark_transport::SourceSpec::Amqp(_) => 0,
     });
-    let inbox = FileInbox(std::sync::Mutex::new(SqliteConsumer::open_with(&args.consumer_db, durability)?));
+    let inbox = StoreInbox(std::sync::Mutex::new(Consumer::open(ctx, &args.consumer_db, false)?));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

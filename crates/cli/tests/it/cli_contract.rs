@@ -1,6 +1,9 @@
 //! The CLI contract: bad input exits 2 with `{"outcome":"error","error":{"code","message"}}`, a
 //! stable code, and changes nothing on disk (every file's bytes compared, and a missing database
 //! path is never created); protocol rejections exit 0 with their outcome word; init never resets.
+//! The scenarios that do not reach into a file's bytes run twice: on SQLite files, then on
+//! PostgreSQL schemas of the test server (`on_both_backends`; there "changes nothing" is checked on
+//! both stores' snapshots, and "never created" on the server's schemas).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -10,6 +13,7 @@ use tidemark_core::limits::ENVELOPE_BYTES_MAX;
 
 use crate::crash::{advance, array, consumer_snapshot, producer_snapshot, relay, SOURCE};
 use crate::support::{ok, path_str, run, run_with, Setup};
+use crate::workflow_cli::on_both_backends;
 
 /// Every file of the folder (databases, WAL companions, envelopes) with its bytes.
 fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
@@ -27,9 +31,11 @@ fn snapshots(s: &Setup) -> (Value, Value) {
     (producer_snapshot(s), consumer_snapshot(s))
 }
 
-/// Run bad input; require exit 2, the JSON error with `code`, and no change on disk.
+/// Run bad input; require exit 2, the JSON error with `code`, and no change on disk (on
+/// PostgreSQL: in either store's snapshot).
 fn assert_rejected(s: &Setup, args: &[&str], code: &str) {
     let before = files(s.dir.path());
+    let stores_before = s.on_postgres().then(|| snapshots(s));
     let r = run(args);
     assert_eq!(r.code, 2, "tidemark {args:?} must exit 2:\n{}\n{}", r.stdout, r.stderr);
     assert_eq!(r.json["outcome"], "error", "{}", r.stdout);
@@ -40,6 +46,9 @@ fn assert_rejected(s: &Setup, args: &[&str], code: &str) {
     assert_eq!(after.keys().collect::<Vec<_>>(), before.keys().collect::<Vec<_>>(), "files appeared or vanished");
     for (name, bytes) in &before {
         assert!(after[name] == *bytes, "tidemark {args:?} changed {name}");
+    }
+    if let Some(stores_before) = stores_before {
+        assert_eq!(snapshots(s), stores_before, "tidemark {args:?} changed a store");
     }
 }
 
@@ -63,6 +72,10 @@ fn advance_args<'a>(s: &'a Setup, flow: &'a str, expected: &'a str, to: &'a str,
 
 #[test]
 fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
+    on_both_backends(scenario_bad_input_exits_2_with_a_stable_code_and_changes_nothing);
+}
+
+fn scenario_bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
     let (s, r1, r2) = populated();
     let (p, c) = (s.p(), s.c());
     let long_id = "a".repeat(101);
@@ -299,6 +312,10 @@ fn bad_input_exits_2_with_a_stable_code_and_changes_nothing() {
 /// mistyped id stays `not_found` and changes nothing.
 #[test]
 fn renaming_a_subscriber_that_has_received_nothing_yet() {
+    on_both_backends(scenario_renaming_a_subscriber_that_has_received_nothing_yet);
+}
+
+fn scenario_renaming_a_subscriber_that_has_received_nothing_yet() {
     let s = Setup::new(&["audit", "quiet"]);
     let (p, c) = (s.p(), s.c());
     assert_rejected(&s, &["rename-consumer", "--consumer-db", c, "--from", "quiet", "--to", "quiet2"], "not_found");
@@ -335,22 +352,34 @@ fn renaming_a_subscriber_that_has_received_nothing_yet() {
 /// subscriber that has accepted nothing yet, moves.
 #[test]
 fn a_subscription_moves_only_to_a_database_that_holds_its_state() {
+    on_both_backends(scenario_a_subscription_moves_only_to_a_database_that_holds_its_state);
+}
+
+fn scenario_a_subscription_moves_only_to_a_database_that_holds_its_state() {
     let s = Setup::new(&["audit"]);
     let (p, c) = (s.p(), s.c());
-    let fresh = s.dir.path().join("fresh.db");
-    let copy = s.dir.path().join("copy.db");
-    ok(&["init", "--consumer-db", path_str(&fresh)]);
+    let fresh = s.another_store("fresh");
+    ok(&["init", "--consumer-db", &fresh]);
     advance(&s, "r1", 0, "reserved", Some(2));
     relay(&s);
     ok(&["drain", "--consumer-db", c, "--consumer-id", "audit"]);
     // quiet subscribes from now on: it has accepted nothing yet.
     ok(&["subscribe", "--producer", p, "--consumer-id", "quiet", "--endpoint", c]);
-    let move_audit = ["subscribe", "--producer", p, "--consumer-id", "audit", "--endpoint", path_str(&fresh)];
+    let move_audit = ["subscribe", "--producer", p, "--consumer-id", "audit", "--endpoint", &fresh];
     assert_rejected(&s, &move_audit, "invalid_state_change");
-    let moved = ok(&["subscribe", "--producer", p, "--consumer-id", "quiet", "--endpoint", path_str(&fresh)]);
+    let moved = ok(&["subscribe", "--producer", p, "--consumer-id", "quiet", "--endpoint", &fresh]);
     assert_eq!(moved["outcome"], "subscribed", "{moved}");
+    if s.on_postgres() {
+        // A schema is not copied like a file: quiet goes on where it moved.
+        advance(&s, "r2", 0, "reserved", Some(1));
+        relay(&s);
+        let out = ok(&["drain", "--consumer-db", &fresh, "--consumer-id", "quiet"]);
+        assert_eq!(out["applied"], 1, "quiet applies r2 where it moved: {out}");
+        return;
+    }
 
     // The consumer database really moves: a checkpointed copy holds audit's state.
+    let copy = s.dir.path().join("copy.db");
     let conn = rusqlite::Connection::open(c).unwrap();
     conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
     drop(conn);
@@ -362,7 +391,7 @@ fn a_subscription_moves_only_to_a_database_that_holds_its_state() {
     relay(&s);
     let out = ok(&["drain", "--consumer-db", path_str(&copy), "--consumer-id", "audit"]);
     assert_eq!((&out["applied"], &out["outcome"]), (&json!(2), &json!("idle")), "{out}");
-    let out = ok(&["drain", "--consumer-db", path_str(&fresh), "--consumer-id", "quiet"]);
+    let out = ok(&["drain", "--consumer-db", &fresh, "--consumer-id", "quiet"]);
     assert_eq!(out["applied"], 1, "quiet applies r2 where it moved: {out}");
 }
 
@@ -371,6 +400,10 @@ fn a_subscription_moves_only_to_a_database_that_holds_its_state() {
 /// flow's own order holds over the passes.
 #[test]
 fn a_relay_batch_takes_flows_round_robin() {
+    on_both_backends(scenario_a_relay_batch_takes_flows_round_robin);
+}
+
+fn scenario_a_relay_batch_takes_flows_round_robin() {
     let s = Setup::new(&["audit"]);
     advance(&s, "busy", 0, "reserved", Some(1));
     advance(&s, "busy", 1, "confirmed", None);
@@ -394,9 +427,13 @@ fn a_relay_batch_takes_flows_round_robin() {
 
 #[test]
 fn a_missing_database_is_never_created() {
+    on_both_backends(scenario_a_missing_database_is_never_created);
+}
+
+fn scenario_a_missing_database_is_never_created() {
     let s = Setup::new(&["audit"]);
-    let missing = s.dir.path().join("missing.db");
-    let m = path_str(&missing);
+    let missing = s.another_store("missing");
+    let m = missing.as_str();
     let envelope = s.dir.path().join("envelope.json");
     advance(&s, "r1", 0, "reserved", Some(1));
     std::fs::write(&envelope, array(&producer_snapshot(&s), "outbox")[0].to_string()).unwrap();
@@ -423,8 +460,7 @@ fn a_missing_database_is_never_created() {
         assert_eq!(r.code, 2, "tidemark {args:?}:\n{}\n{}", r.stdout, r.stderr);
         let code = r.json["error"]["code"].as_str().unwrap_or_default().to_string();
         assert!(["not_initialized", "invalid_id"].contains(&code.as_str()), "tidemark {args:?}: {}", r.stdout);
-        assert!(!missing.exists(), "tidemark {args:?} created {m}");
-        assert!(!Path::new(&format!("{m}-wal")).exists() && !Path::new(&format!("{m}-shm")).exists());
+        assert!(!s.store_exists(m), "tidemark {args:?} created {m}");
     }
 }
 
@@ -442,6 +478,10 @@ fn assert_outcome(s: &Setup, args: &[&str], word: &str, unchanged: bool) -> Valu
 
 #[test]
 fn protocol_rejections_exit_0_with_their_outcome_word() {
+    on_both_backends(scenario_protocol_rejections_exit_0_with_their_outcome_word);
+}
+
+fn scenario_protocol_rejections_exit_0_with_their_outcome_word() {
     let s = Setup::new(&["audit"]);
     let (p, c) = (s.p(), s.c());
     advance(&s, "r1", 0, "reserved", Some(3));
@@ -542,6 +582,10 @@ fn protocol_rejections_exit_0_with_their_outcome_word() {
 
 #[test]
 fn init_twice_keeps_data_and_another_source_is_an_error() {
+    on_both_backends(scenario_init_twice_keeps_data_and_another_source_is_an_error);
+}
+
+fn scenario_init_twice_keeps_data_and_another_source_is_an_error() {
     let s = Setup::new(&["audit"]);
     advance(&s, "r1", 0, "reserved", Some(3));
     relay(&s);
@@ -610,16 +654,28 @@ fn an_internal_error_exits_1_with_a_json_error_and_changes_nothing() {
 }
 
 /// A flow at the last seq (i64::MAX) cannot advance: `seq_overflow`, exit 2, no file changed.
-/// The seq is set directly in the file: no real flow gets there.
+/// The seq is set directly in the file (or the schema's table): no real flow gets there.
 #[test]
 fn advance_at_the_last_seq_is_seq_overflow_and_changes_nothing() {
+    on_both_backends(scenario_advance_at_the_last_seq_is_seq_overflow_and_changes_nothing);
+}
+
+fn scenario_advance_at_the_last_seq_is_seq_overflow_and_changes_nothing() {
     let s = Setup::new(&["audit"]);
     advance(&s, "r1", 0, "reserved", Some(3));
-    let conn = rusqlite::Connection::open(s.p()).unwrap();
-    let updated = conn.execute("UPDATE flows SET last_seq = ?1 WHERE flow_id = 'r1'", [i64::MAX]).unwrap();
-    assert_eq!(updated, 1);
-    conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
-    drop(conn);
+    match tidemark_core::location::StoreLocation::parse(s.p()).unwrap() {
+        tidemark_core::location::StoreLocation::Sqlite(path) => {
+            let conn = rusqlite::Connection::open(path).unwrap();
+            let updated = conn.execute("UPDATE flows SET last_seq = ?1 WHERE flow_id = 'r1'", [i64::MAX]).unwrap();
+            assert_eq!(updated, 1);
+            conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+        }
+        tidemark_core::location::StoreLocation::Postgres(pg) => {
+            let mut client = postgres::Client::connect(&pg.conn, postgres::NoTls).unwrap();
+            let update = format!("UPDATE {}.flows SET last_seq = $1 WHERE flow_id = 'r1'", pg.schema);
+            assert_eq!(client.execute(&update, &[&i64::MAX]).unwrap(), 1);
+        }
+    }
     let before = producer_snapshot(&s);
     assert_eq!(array(&before, "flows")[0]["last_seq"], i64::MAX, "{before}");
     let max = i64::MAX.to_string();
@@ -644,10 +700,14 @@ fn first_envelope(s: &Setup, at_ms: i64) -> Value {
 /// (`init --horizon-ms`) and stores nothing; at exactly the horizon it is still accepted.
 #[test]
 fn receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing() {
+    on_both_backends(scenario_receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing);
+}
+
+fn scenario_receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing() {
     let s = Setup::new(&[]);
-    let short = s.dir.path().join("short.db");
+    let short = s.another_store("short");
     let horizon_ms = 60_000_i64;
-    let init = ok(&["init", "--consumer-db", path_str(&short), "--horizon-ms", &horizon_ms.to_string()]);
+    let init = ok(&["init", "--consumer-db", &short, "--horizon-ms", &horizon_ms.to_string()]);
     assert_eq!(init["consumer"]["horizon_ms"], horizon_ms, "{init}");
     let created_ms = 1_000_000_i64;
     let envelope = first_envelope(&s, created_ms);
@@ -655,10 +715,10 @@ fn receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing() {
     std::fs::write(&file, envelope.to_string()).unwrap();
     let receive_at = |now_ms: i64| {
         let now = now_ms.to_string();
-        let args = ["--now-ms", &now, "receive", "--consumer-db", path_str(&short), "--consumer-id", "audit", "--file"];
+        let args = ["--now-ms", &now, "receive", "--consumer-db", &short, "--consumer-id", "audit", "--file"];
         ok(&[&args[..], &[path_str(&file)]].concat())
     };
-    let snapshot = || ok(&["snapshot", "--consumer-db", path_str(&short)])["consumer"].clone();
+    let snapshot = || ok(&["snapshot", "--consumer-db", &short])["consumer"].clone();
     let empty = snapshot();
     for key in ["inbox", "receipts", "cursors"] {
         assert!(array(&empty, key).is_empty(), "{empty}");
@@ -684,6 +744,10 @@ fn receive_of_an_event_older_than_the_horizon_is_expired_and_stores_nothing() {
 /// `accepted` and stored, the same bytes again are a `duplicate` that changes nothing.
 #[test]
 fn receive_from_stdin_accepts_then_answers_duplicate() {
+    on_both_backends(scenario_receive_from_stdin_accepts_then_answers_duplicate);
+}
+
+fn scenario_receive_from_stdin_accepts_then_answers_duplicate() {
     let s = Setup::new(&["audit"]);
     let envelope = advance(&s, "r1", 0, "reserved", Some(2));
     let event_id = envelope["event_id"].clone();
@@ -730,4 +794,87 @@ fn a_closed_stdout_is_not_a_panic_and_keeps_the_exit_code() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     assert!(db.exists(), "the command did its work");
+}
+
+/// PostgreSQL stores: the SQLite-only durability switch, a subscription across backends or to
+/// another server, and a server that does not answer are typed errors, and nothing is written
+/// (neither store's snapshot changes, no schema or file appears). Skipped, saying why, without a
+/// server.
+#[test]
+fn postgres_stores_refuse_what_has_no_postgres_equivalent_and_change_nothing() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let s = Setup::new(&["audit"]);
+    let (p, c) = (s.p(), s.c());
+    advance(&s, "r1", 0, "reserved", Some(2));
+    let fresh = s.another_store("fresh");
+    let side = s.dir.path().join("side.db");
+    let side = path_str(&side);
+    ok(&["init", "--producer", side, "--source", SOURCE, "--consumer-db", side]);
+    let before = snapshots(&s);
+
+    // `--durability normal` is SQLite's per-commit fsync switch: refused before anything opens.
+    for args in [
+        vec![
+            "--durability",
+            "normal",
+            "advance",
+            "--producer",
+            p,
+            "--flow",
+            "r1",
+            "--expected-seq",
+            "1",
+            "--to",
+            "confirmed",
+        ],
+        vec!["--durability", "normal", "drain", "--consumer-db", c, "--consumer-id", "audit"],
+        vec!["--durability", "normal", "relay", "--producer", p],
+        vec!["--durability", "normal", "init", "--consumer-db", &fresh],
+    ] {
+        assert_rejected(&s, &args, "invalid_argument");
+    }
+    // Subscriptions stay on the producer's backend and server.
+    let other_server = format!("{c}&application_name=elsewhere");
+    for (producer, endpoint) in [(p, side), (side, c), (p, other_server.as_str())] {
+        assert_rejected(
+            &s,
+            &["subscribe", "--producer", producer, "--consumer-id", "moved", "--endpoint", endpoint],
+            "invalid_endpoint",
+        );
+    }
+    // A schema that `init` has not made is never created by another command.
+    assert_rejected(
+        &s,
+        &["subscribe", "--producer", p, "--consumer-id", "new", "--endpoint", &fresh],
+        "not_initialized",
+    );
+    assert!(!s.store_exists(&fresh), "{fresh} was created");
+    assert_eq!(snapshots(&s), before);
+    assert!(array(&ok(&["snapshot", "--producer", side])["producer"], "subscriptions").is_empty());
+
+    // A server that does not answer: `io`, exit 1.
+    let nobody = "postgres://postgres@127.0.0.1:1/test?schema=nowhere&connect_timeout=2";
+    for args in [
+        vec!["init", "--producer", nobody, "--source", SOURCE],
+        vec![
+            "advance",
+            "--producer",
+            nobody,
+            "--flow",
+            "r1",
+            "--expected-seq",
+            "0",
+            "--to",
+            "reserved",
+            "--quantity",
+            "1",
+        ],
+        vec!["relay", "--producer", nobody],
+        vec!["drain", "--consumer-db", nobody, "--consumer-id", "audit"],
+        vec!["snapshot", "--consumer-db", nobody],
+    ] {
+        let r = run(&args);
+        assert_eq!((r.code, r.json["error"]["code"].as_str()), (1, Some("io")), "tidemark {args:?}: {}", r.stdout);
+    }
+    assert_eq!(snapshots(&s), before);
 }

@@ -1,7 +1,9 @@
 //! Concurrency: real `tidemark` processes racing on the same files. SQLite serialises writers
 //! (BEGIN IMMEDIATE + busy timeout); the protocol must turn every race into a clean answer:
 //! exactly one `committed` per seq, the other contenders `stale`; relays and drains running side
-//! by side never lose, duplicate or reorder an effect. Every loop here is bounded.
+//! by side never lose, duplicate or reorder an effect. Every loop here is bounded. Each scenario
+//! runs on SQLite files, then on PostgreSQL schemas of the test server (where the counter row
+//! and the stores' advisory locks serialise what must be), skipped, saying why, without one.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Barrier;
@@ -10,6 +12,7 @@ use serde_json::Value;
 
 use crate::crash::{advance, advance_cmd, array, assert_converged, producer_snapshot, settle, strs};
 use crate::support::{run, Setup};
+use crate::workflow_cli::on_both_backends;
 
 const CONTENDERS: usize = 6;
 
@@ -33,6 +36,10 @@ fn race(args: &[String]) -> Vec<Value> {
 
 #[test]
 fn six_advances_with_the_same_expected_seq_commit_exactly_once() {
+    on_both_backends(scenario_six_advances_with_the_same_expected_seq_commit_exactly_once);
+}
+
+fn scenario_six_advances_with_the_same_expected_seq_commit_exactly_once() {
     let s = Setup::new(&["audit", "search"]);
     for flow in ["f1", "f2"] {
         for (expected_seq, to, quantity) in [(0, "reserved", Some(7)), (1, "confirmed", None), (2, "released", None)] {
@@ -61,6 +68,10 @@ fn six_advances_with_the_same_expected_seq_commit_exactly_once() {
 /// advance; afterwards one final relay + drain leaves every projection equal to the producer.
 #[test]
 fn concurrent_relays_and_drains_lose_nothing_and_apply_once_in_order() {
+    on_both_backends(scenario_concurrent_relays_and_drains_lose_nothing_and_apply_once_in_order);
+}
+
+fn scenario_concurrent_relays_and_drains_lose_nothing_and_apply_once_in_order() {
     const FLOWS: usize = 6;
     const LOOPS: usize = 12;
     let s = Setup::new(&["audit", "search"]);

@@ -305,11 +305,14 @@ fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_
 
 #[test]
 fn the_cli_subscribes_network_endpoints_and_its_file_relay_leaves_them_to_the_server() {
-    use crate::support::{ok, path_str, run};
-    let dir = tempfile::tempdir().unwrap();
-    let producer = dir.path().join("p.db");
-    let p = path_str(&producer);
-    ok(&["init", "--producer", p, "--source", "shop"]);
+    // A producer file, then a producer schema of the PostgreSQL test server.
+    crate::workflow_cli::on_both_backends(subscribe_network_endpoints);
+}
+
+fn subscribe_network_endpoints() {
+    use crate::support::{ok, run, Setup};
+    let stores = Setup::new(&[]);
+    let p = stores.p();
     let subscribed = ok(&[
         "subscribe",
         "--producer",
@@ -584,13 +587,19 @@ fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill
     assert_eq!(records["records"].as_array().unwrap().len(), FLOWS * 7, "the poison message is not in the inbox");
 }
 
+/// On a consumer file, then on a consumer schema of the PostgreSQL test server (skipped, saying
+/// why, without one).
 #[test]
 fn tidemark_consume_stores_a_stream_in_an_inbox_file_once_and_terminates_what_it_cannot_store() {
-    use crate::support::{ok, path_str, run};
     if !Path::new(NATS_BIN).exists() {
         println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
         return;
     }
+    crate::workflow_cli::on_both_backends(consume_a_stream_into_an_inbox);
+}
+
+fn consume_a_stream_into_an_inbox() {
+    use crate::support::{ok, run, Setup};
     let dir = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let _nats = Nats::start(&dir.path().join("nats"), port);
@@ -623,8 +632,9 @@ fn tidemark_consume_stores_a_stream_in_an_inbox_file_once_and_terminates_what_it
             js.publish_with_headers("notes.shop.order-1", headers, body.into()).await.unwrap().await.unwrap();
         }
     });
-    let inbox = dir.path().join("inbox.db");
-    let c = path_str(&inbox);
+    // The inbox: a consumer file, or a consumer schema (with a producer beside it, unused).
+    let stores = Setup::new(&[]);
+    let c = stores.c();
     ok(&["init", "--consumer-db", c]);
     let from = format!("nats://127.0.0.1:{port}/notes");
     let args =

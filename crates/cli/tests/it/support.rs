@@ -66,18 +66,41 @@ pub fn path_str(path: &Path) -> &str {
 }
 
 /// A fresh folder with `producer.db` (source `shop`) and `consumer.db`, with the given
-/// consumers subscribed.
+/// consumers subscribed; or, inside `workflow_cli::on_postgres()`, a fresh producer schema and a
+/// fresh consumer schema of the test server (`producer` and `consumer` are then their
+/// `postgres://...?schema=` URLs; the folder still holds the test's own files, such as
+/// envelopes). The schemas are dropped with the `Setup`.
 pub struct Setup {
     pub dir: tempfile::TempDir,
     pub producer: PathBuf,
     pub consumer: PathBuf,
+    /// On PostgreSQL: the server's URL and every schema this `Setup` made.
+    postgres: Option<(String, std::sync::Mutex<Vec<String>>)>,
+}
+
+static SCHEMAS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A schema name no other test process or test of this process uses (dropped first, should a
+/// dead process of the same id have left it).
+fn fresh_schema(base: &str, role: &str) -> String {
+    let n = SCHEMAS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let schema = format!("cli_{role}_{}_{n}", std::process::id());
+    let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect to the test server");
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).expect("drop a stale schema");
+    schema
 }
 
 impl Setup {
     pub fn new(consumers: &[&str]) -> Setup {
         let dir = tempfile::tempdir().expect("tempdir");
-        let producer = dir.path().join("producer.db");
-        let consumer = dir.path().join("consumer.db");
+        let (producer, consumer, postgres) = match crate::workflow_cli::postgres_base() {
+            None => (dir.path().join("producer.db"), dir.path().join("consumer.db"), None),
+            Some(base) => {
+                let (p, c) = (fresh_schema(&base, "p"), fresh_schema(&base, "c"));
+                let urls = (PathBuf::from(with_schema(&base, &p)), PathBuf::from(with_schema(&base, &c)));
+                (urls.0, urls.1, Some((base, std::sync::Mutex::new(vec![p, c]))))
+            }
+        };
         ok(&["init", "--producer", path_str(&producer), "--source", "shop", "--consumer-db", path_str(&consumer)]);
         for id in consumers {
             ok(&[
@@ -90,7 +113,7 @@ impl Setup {
                 path_str(&consumer),
             ]);
         }
-        Setup { dir, producer, consumer }
+        Setup { dir, producer, consumer, postgres }
     }
 
     pub fn p(&self) -> &str {
@@ -99,6 +122,111 @@ impl Setup {
 
     pub fn c(&self) -> &str {
         path_str(&self.consumer)
+    }
+
+    /// True when the stores are PostgreSQL schemas.
+    pub fn on_postgres(&self) -> bool {
+        self.postgres.is_some()
+    }
+
+    /// Another store of this setup's backend, not initialised: `<name>.db` in the folder, or a
+    /// fresh schema of the same server (dropped with the `Setup`).
+    pub fn another_store(&self, name: &str) -> String {
+        match &self.postgres {
+            None => path_str(&self.dir.path().join(format!("{name}.db"))).to_string(),
+            Some((base, schemas)) => {
+                let schema = fresh_schema(base, name);
+                schemas.lock().unwrap().push(schema.clone());
+                with_schema(base, &schema)
+            }
+        }
+    }
+
+    /// Whether `store` (a file of the folder, or a schema of the server) exists: a file or one of
+    /// its WAL companions, or the schema.
+    pub fn store_exists(&self, store: &str) -> bool {
+        match tidemark_core::location::StoreLocation::parse(store).expect("a store") {
+            tidemark_core::location::StoreLocation::Sqlite(path) => {
+                let p = path_str(&path);
+                ["", "-wal", "-shm"].iter().any(|suffix| Path::new(&format!("{p}{suffix}")).exists())
+            }
+            tidemark_core::location::StoreLocation::Postgres(pg) => {
+                let mut client = postgres::Client::connect(&pg.conn, postgres::NoTls).expect("connect");
+                client
+                    .query_one("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)", &[&pg.schema])
+                    .expect("read the schemas")
+                    .get(0)
+            }
+        }
+    }
+
+    /// On PostgreSQL: rename the consumer's schema away (`<schema>_away`), so that nothing can
+    /// open it, or back.
+    pub fn move_consumer_schema(&self, away: bool) {
+        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = schemas.lock().unwrap()[1].clone();
+        let (from, to) =
+            if away { (schema.clone(), format!("{schema}_away")) } else { (format!("{schema}_away"), schema) };
+        let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect");
+        client.batch_execute(&format!("ALTER SCHEMA {from} RENAME TO {to}")).expect("rename the consumer schema");
+    }
+
+    /// On PostgreSQL: back the consumer's schema up into `file` with `pg_dump` (custom format).
+    pub fn dump_consumer_schema(&self, file: &Path) {
+        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = schemas.lock().unwrap()[1].clone();
+        let out = Command::new("pg_dump")
+            .args(["--format=custom", "--schema", &schema, "--file", path_str(file), "--dbname", base])
+            .output()
+            .expect("run pg_dump (the PostgreSQL client tools)");
+        assert!(out.status.success(), "pg_dump: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// On PostgreSQL: drop the consumer's schema and restore it from `file` (a
+    /// [`Setup::dump_consumer_schema`]) with `pg_restore`.
+    pub fn restore_consumer_schema(&self, file: &Path) {
+        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = schemas.lock().unwrap()[1].clone();
+        let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect");
+        client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).expect("drop the consumer schema");
+        let out = Command::new("pg_restore")
+            .args(["--exit-on-error", "--dbname", base, path_str(file)])
+            .output()
+            .expect("run pg_restore (the PostgreSQL client tools)");
+        assert!(out.status.success(), "pg_restore: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    /// The (consumer, source, flow, seq) applied more than once in the consumer store, read
+    /// straight from it (the file, or the schema's table).
+    pub fn duplicate_effects(&self) -> Vec<tidemark_builtins::reservation::DuplicateEffect> {
+        self.duplicate_effects_in(self.c())
+    }
+
+    /// [`Setup::duplicate_effects`] of another consumer store of this setup.
+    pub fn duplicate_effects_in(&self, store: &str) -> Vec<tidemark_builtins::reservation::DuplicateEffect> {
+        match tidemark_core::location::StoreLocation::parse(store).expect("a store") {
+            tidemark_core::location::StoreLocation::Sqlite(path) => {
+                let conn = tidemark_store_sqlite::open_existing(&path).expect("open consumer file");
+                tidemark_builtins::reservation::duplicate_effects(&conn).expect("read effects")
+            }
+            tidemark_core::location::StoreLocation::Postgres(pg) => {
+                let mut client = postgres::Client::connect(&pg.conn, postgres::NoTls).expect("connect");
+                tidemark_builtins::reservation::postgres::duplicate_effects(&mut client, &pg.schema)
+                    .expect("read effects")
+            }
+        }
+    }
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        if let Some((base, schemas)) = &self.postgres {
+            if let Ok(mut client) = postgres::Client::connect(base, postgres::NoTls) {
+                for schema in schemas.lock().unwrap().iter() {
+                    let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"));
+                }
+            }
+        }
     }
 }
 

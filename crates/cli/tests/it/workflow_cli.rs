@@ -70,6 +70,11 @@ pub(crate) fn on_postgres() -> Option<OnPostgres> {
     Some(OnPostgres)
 }
 
+/// The test server's URL inside [`on_postgres`] (on this thread), else `None`.
+pub(crate) fn postgres_base() -> Option<String> {
+    POSTGRES.with(|pg| pg.borrow().clone())
+}
+
 /// See [`on_postgres`].
 pub(crate) struct OnPostgres;
 

@@ -1,0 +1,229 @@
+//! The built-in reservation projection on PostgreSQL: the same tables, handler logic and read-backs
+//! as on SQLite ([`super`]), in the consumer's schema. The handler writes through the consumer's
+//! [`ApplyTransaction`], so its rows commit exactly when the event counts as applied.
+
+use std::sync::Arc;
+
+use tidemark::decode::DecoderRegistry;
+use tidemark::postgres::client::{self, GenericClient};
+use tidemark::postgres::{ApplyTransaction, PgConsumer};
+use tidemark::reservation::{decoders, project, ReservationEvent, ReservationProjection};
+use tidemark::store::{HandleError, Handler};
+use tidemark::{Envelope, Error, Result};
+
+use super::{DuplicateEffect, Effect, ProjectionRow};
+
+/// The tables, as `rename-consumer` must carry them over.
+const TABLES: [&str; 2] = ["reservation_projection", "reservation_effects"];
+
+fn db(error: client::Error) -> Error {
+    Error::from(error)
+}
+
+/// True when both tables exist and are registered as the consumer's projection tables.
+fn installed(consumer: &mut PgConsumer) -> Result<bool> {
+    let schema = consumer.schema().to_string();
+    let row = consumer
+        .client()
+        .query_one(
+            "SELECT to_regclass(format('%I.reservation_projection', $1::text)) IS NOT NULL
+                AND to_regclass(format('%I.reservation_effects', $1::text)) IS NOT NULL",
+            &[&schema],
+        )
+        .map_err(db)?;
+    if !row.get::<_, bool>(0) {
+        return Ok(false);
+    }
+    let registered: Option<String> = consumer
+        .client()
+        .query_opt(&format!(r#"SELECT value FROM "{schema}".meta WHERE key = 'consumer.projection_tables'"#), &[])
+        .map_err(db)?
+        .map(|r| r.get(0));
+    let registered: Vec<String> = registered.and_then(|raw| serde_json::from_str(&raw).ok()).unwrap_or_default();
+    Ok(TABLES.iter().all(|t| registered.iter().any(|r| r == t)))
+}
+
+/// Create the reservation tables in the consumer's schema and register them for
+/// `rename-consumer` (idempotent; writes nothing when they are already there). Two processes
+/// installing at once take turns on an advisory lock.
+pub fn install(consumer: &mut PgConsumer) -> Result<()> {
+    if installed(consumer)? {
+        return Ok(());
+    }
+    let s = consumer.schema().to_string();
+    let mut tx = consumer.client().transaction().map_err(db)?;
+    tx.execute("SELECT pg_advisory_xact_lock(hashtext($1::text || '/reservation_tables'))", &[&s]).map_err(db)?;
+    tx.batch_execute(&format!(
+        r#"CREATE TABLE IF NOT EXISTS "{s}".reservation_projection (
+               consumer_id text COLLATE "C" NOT NULL,
+               source      text COLLATE "C" NOT NULL,
+               flow_id     text COLLATE "C" NOT NULL,
+               state       text NOT NULL,
+               quantity    bigint NOT NULL,
+               last_seq    bigint NOT NULL,
+               PRIMARY KEY (flow_id, source, consumer_id)
+           );
+           CREATE TABLE IF NOT EXISTS "{s}".reservation_effects (
+               effect_id   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+               consumer_id text COLLATE "C" NOT NULL,
+               source      text COLLATE "C" NOT NULL,
+               flow_id     text COLLATE "C" NOT NULL,
+               seq         bigint NOT NULL,
+               event_id    text NOT NULL,
+               kind        text NOT NULL,
+               quantity    bigint NOT NULL
+           );"#
+    ))
+    .map_err(db)?;
+    tx.commit().map_err(db)?;
+    for table in TABLES {
+        consumer.register_projection_table(table)?;
+    }
+    Ok(())
+}
+
+/// The reservation handler on PostgreSQL: the same decoders and transitions as
+/// [`super::ReservationHandler`], one projection row per (consumer, source, flow) and one effect
+/// row per applied event.
+#[derive(Clone)]
+pub struct ReservationHandler {
+    decoders: Arc<DecoderRegistry<ReservationEvent>>,
+}
+
+impl ReservationHandler {
+    /// The handler with the v1 decoders, and the v2 ones with `support_v2`.
+    pub fn new(support_v2: bool) -> Self {
+        ReservationHandler { decoders: Arc::new(decoders(support_v2)) }
+    }
+}
+
+impl Handler<ApplyTransaction> for ReservationHandler {
+    fn handle(&mut self, tx: &ApplyTransaction, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
+        let failed = |e: client::Error| HandleError::Failed(Error::from(e));
+        let decoded = self
+            .decoders
+            .decode(&event.event_type, event.schema_version, &event.payload)
+            .map_err(HandleError::Blocked)?;
+        let s = tx.schema().to_string();
+        let read = tx
+            .prepare_cached(&format!(
+                r#"SELECT state, quantity FROM "{s}".reservation_projection
+                   WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"#
+            ))
+            .map_err(failed)?;
+        let current = tx
+            .query_opt(&read, &[&consumer_id, &event.source, &event.flow_id])
+            .map_err(failed)?
+            .map(|r| ReservationProjection { state: r.get(0), quantity: r.get(1) });
+        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
+        let write = if current.is_some() {
+            format!(
+                r#"UPDATE "{s}".reservation_projection SET state = $4, quantity = $5, last_seq = $6
+                   WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"#
+            )
+        } else {
+            format!(
+                r#"INSERT INTO "{s}".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
+                   VALUES ($1, $2, $3, $4, $5, $6)"#
+            )
+        };
+        let write = tx.prepare_cached(&write).map_err(failed)?;
+        let changed = tx
+            .execute(&write, &[&consumer_id, &event.source, &event.flow_id, &next.state, &next.quantity, &event.seq])
+            .map_err(failed)?;
+        if changed != 1 {
+            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
+        }
+        let effect = tx
+            .prepare_cached(&format!(
+                r#"INSERT INTO "{s}".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7)"#
+            ))
+            .map_err(failed)?;
+        tx.execute(
+            &effect,
+            &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id, &next.state, &next.quantity],
+        )
+        .map_err(failed)?;
+        Ok(())
+    }
+
+    /// Every refusal comes before the first write (as on SQLite).
+    fn refuses_before_writing(&self) -> bool {
+        true
+    }
+}
+
+/// Read the reservation projection and effects of `schema`, capped at `rows_max`, inside the
+/// caller's transaction (see `PgConsumer::snapshot_with`).
+pub fn read_in(
+    tx: &mut impl GenericClient,
+    schema: &str,
+    rows_max: usize,
+) -> Result<(Vec<ProjectionRow>, Vec<Effect>)> {
+    let limit = rows_max as i64;
+    let projections = tx
+        .query(
+            &format!(
+                r#"SELECT consumer_id, source, flow_id, state, quantity, last_seq FROM "{schema}".reservation_projection
+                   ORDER BY consumer_id, source, flow_id LIMIT $1"#
+            ),
+            &[&limit],
+        )
+        .map_err(db)?
+        .iter()
+        .map(|r| ProjectionRow {
+            consumer_id: r.get(0),
+            source: r.get(1),
+            flow_id: r.get(2),
+            state: r.get(3),
+            quantity: r.get(4),
+            last_seq: r.get(5),
+        })
+        .collect();
+    let effects = tx
+        .query(
+            &format!(
+                r#"SELECT consumer_id, source, flow_id, seq, event_id, kind, quantity FROM "{schema}".reservation_effects
+                   ORDER BY effect_id LIMIT $1"#
+            ),
+            &[&limit],
+        )
+        .map_err(db)?
+        .iter()
+        .map(|r| Effect {
+            consumer_id: r.get(0),
+            source: r.get(1),
+            flow_id: r.get(2),
+            seq: r.get(3),
+            event_id: r.get(4),
+            kind: r.get(5),
+            quantity: r.get(6),
+        })
+        .collect();
+    Ok((projections, effects))
+}
+
+/// Effects per (consumer, source, flow, seq) applied more than once in `schema`: must always be
+/// empty.
+pub fn duplicate_effects(client: &mut impl GenericClient, schema: &str) -> Result<Vec<DuplicateEffect>> {
+    let rows = client
+        .query(
+            &format!(
+                r#"SELECT consumer_id, source, flow_id, seq, count(*) FROM "{schema}".reservation_effects
+                   GROUP BY consumer_id, source, flow_id, seq HAVING count(*) > 1 ORDER BY 1, 2, 3, 4 LIMIT 1000"#
+            ),
+            &[],
+        )
+        .map_err(db)?;
+    Ok(rows
+        .iter()
+        .map(|r| DuplicateEffect {
+            consumer_id: r.get(0),
+            source: r.get(1),
+            flow_id: r.get(2),
+            seq: r.get(3),
+            count: r.get(4),
+        })
+        .collect())
+}
