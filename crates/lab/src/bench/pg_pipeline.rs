@@ -4,22 +4,21 @@
 //! operation), each on fresh schemas (a producer schema and a consumer schema per run), beside
 //! pgbench's single-row commit ceilings measured in the same run.
 //!
-//! The handler is the built-in reservation projection's logic on the consumer's schema (the
-//! bench's own tables, `reservation_projection` and `reservation_effects`, created here): the
-//! same decoders and transitions, one projection row per flow and one effect row per applied
-//! event, statements prepared once per connection. The exactly-once check is SQLite's: effects
+//! The handler is the built-in reservation projection on the consumer's schema
+//! (`tidemark_builtins::reservation::postgres`, the handler `tidemark drain --consumer-db
+//! postgres://...` runs): one projection row per flow and one effect row per applied event,
+//! statements prepared once per connection. The exactly-once check is SQLite's: effects
 //! == events x consumers, no duplicate effect, every delivery accepted.
 
 use std::path::Path;
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use tidemark_core::decode::DecoderRegistry;
+use tidemark_builtins::reservation::postgres as reservation;
 use tidemark_core::location::PostgresLocation;
 use tidemark_core::policy::RetentionPolicy;
-use tidemark_core::reservation::{project, ReservationEvent, ReservationProjection};
-use tidemark_core::store::{HandleError, Handler, ProducerStore, Subscription};
-use tidemark_core::{Envelope, Error, Result};
+use tidemark_core::store::{Handler, ProducerStore, Subscription};
+use tidemark_core::{Error, Result};
 use tidemark_store_postgres::{ApplyTransaction, PgConsumer, PgEndpoints, PgProducer};
 
 use super::postgres::{ceilings, server_cpu_seconds, server_settings, Cleanup, PgPlace};
@@ -112,78 +111,6 @@ fn vacuumed_rows(sides: &PgSides) -> Result<Value> {
     Ok(json!({"dead_row_versions_after_vacuum": row.get::<_, i64>(0), "live_rows": row.get::<_, i64>(1)}))
 }
 
-/// The reservation handler on PostgreSQL (see the module's documentation).
-struct PgReservationHandler {
-    decoders: DecoderRegistry<ReservationEvent>,
-}
-
-impl PgReservationHandler {
-    fn new() -> Self {
-        PgReservationHandler { decoders: tidemark_core::reservation::decoders(false) }
-    }
-}
-
-impl Handler<ApplyTransaction> for PgReservationHandler {
-    fn handle(
-        &mut self,
-        tx: &ApplyTransaction,
-        consumer_id: &str,
-        event: &Envelope,
-    ) -> std::result::Result<(), HandleError> {
-        let failed = |e: postgres::Error| HandleError::Failed(Error::from(e));
-        let decoded = self
-            .decoders
-            .decode(&event.event_type, event.schema_version, &event.payload)
-            .map_err(HandleError::Blocked)?;
-        let s = tx.schema().to_string();
-        let read = tx
-            .prepare_cached(&format!(
-                "SELECT state, quantity FROM \"{s}\".reservation_projection
-                 WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"
-            ))
-            .map_err(failed)?;
-        let current = tx
-            .query_opt(&read, &[&consumer_id, &event.source, &event.flow_id])
-            .map_err(failed)?
-            .map(|r| ReservationProjection { state: r.get(0), quantity: r.get(1) });
-        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
-        let write = if current.is_some() {
-            format!(
-                "UPDATE \"{s}\".reservation_projection SET state = $4, quantity = $5, last_seq = $6
-                 WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"
-            )
-        } else {
-            format!(
-                "INSERT INTO \"{s}\".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
-                 VALUES ($1, $2, $3, $4, $5, $6)"
-            )
-        };
-        let write = tx.prepare_cached(&write).map_err(failed)?;
-        let changed = tx
-            .execute(&write, &[&consumer_id, &event.source, &event.flow_id, &next.state, &next.quantity, &event.seq])
-            .map_err(failed)?;
-        if changed != 1 {
-            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
-        }
-        let effect = tx
-            .prepare_cached(&format!(
-                "INSERT INTO \"{s}\".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)"
-            ))
-            .map_err(failed)?;
-        tx.execute(
-            &effect,
-            &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id, &next.state, &next.quantity],
-        )
-        .map_err(failed)?;
-        Ok(())
-    }
-
-    fn refuses_before_writing(&self) -> bool {
-        true
-    }
-}
-
 /// A producer schema and a consumer schema of one run, with `consumer_ids` subscribed.
 struct PgSides {
     conn: String,
@@ -196,31 +123,7 @@ impl PgSides {
         let producer_schema = place.fresh_schema(&format!("{name}-out"))?;
         let consumer_schema = place.fresh_schema(&format!("{name}-in"))?;
         let mut consumer = PgConsumer::init(&place.conn, &consumer_schema, RetentionPolicy::default())?;
-        let s = &consumer_schema;
-        consumer
-            .client()
-            .batch_execute(&format!(
-                "CREATE TABLE \"{s}\".reservation_projection (
-                     flow_id     text COLLATE \"C\" NOT NULL,
-                     source      text COLLATE \"C\" NOT NULL,
-                     consumer_id text COLLATE \"C\" NOT NULL,
-                     state       text NOT NULL,
-                     quantity    bigint NOT NULL,
-                     last_seq    bigint NOT NULL,
-                     PRIMARY KEY (flow_id, source, consumer_id));
-                 CREATE TABLE \"{s}\".reservation_effects (
-                     effect_id   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                     consumer_id text COLLATE \"C\" NOT NULL,
-                     source      text COLLATE \"C\" NOT NULL,
-                     flow_id     text COLLATE \"C\" NOT NULL,
-                     seq         bigint NOT NULL,
-                     event_id    text NOT NULL,
-                     kind        text NOT NULL,
-                     quantity    bigint NOT NULL);"
-            ))
-            .map_err(Error::from)?;
-        consumer.register_projection_table("reservation_projection")?;
-        consumer.register_projection_table("reservation_effects")?;
+        reservation::install(&mut consumer)?;
         let mut producer = PgProducer::init(&place.conn, &producer_schema, "bench")?;
         for id in consumer_ids {
             producer.subscribe(
@@ -282,7 +185,7 @@ impl Sides for PgSides {
     }
 
     fn handler(&self) -> Box<dyn Handler<ApplyTransaction>> {
-        Box::new(PgReservationHandler::new())
+        Box::new(reservation::ReservationHandler::new(false))
     }
 }
 
@@ -290,7 +193,7 @@ impl Sides for PgSides {
 fn one_thread(place: &PgPlace, name: &str, p: &Params, ids: &[String], flows: u64, mode: Mode) -> Result<Value> {
     let sides = PgSides::create(place, name, ids, p.now_ms)?;
     let (mut producer, mut endpoints, mut consumer) = (sides.producer()?, sides.endpoints(), sides.consumer()?);
-    let mut handler = PgReservationHandler::new();
+    let mut handler = reservation::ReservationHandler::new(false);
     let run =
         Waves { consumer_ids: ids, prefix: "g", flows, events_per_flow: p.events_per_flow, mode, now_ms: p.now_ms };
     let server_cpu = server_cpu_seconds();
