@@ -872,6 +872,56 @@ fn a_body_whose_statement_failed_is_a_failed_attempt_and_the_batch_goes_on() {
     assert_eq!(detail(&d.store, "r1").journal[0].status, StepStatus::Retrying);
 }
 
+/// A commit runs the transactional steps of runs with one write first, each savepoint made with
+/// the previous step's end: a failing step between two others rolls back only its own rows, a run
+/// with two writes keeps their order, and every answer is at its write's place in the batch.
+#[test]
+fn grouped_transactional_steps_keep_their_own_savepoints_and_answers() {
+    let mut d = db!("wf_tx_grouped");
+    orders_table(&mut d.store);
+    let ids = ["ra", "rb", "rc", "rd", "re"];
+    start(&mut d.store, &ids.map(req), 1_000);
+    let claimed = claim(&mut d.store, "w1", 1_000);
+    let token = |id: &str| claimed.iter().find(|c| c.run.run_id == id).unwrap().lease_token.clone();
+    let batch = vec![
+        write("ra", &token("ra"), step_ok(0, "charge", 1, json!("charged"))),
+        write("rb", &token("rb"), tx_step(0, 1, insert_order("o-b", false), None)),
+        write("rd", &token("rd"), tx_step(0, 1, insert_order("o-d1", false), None)),
+        write("rc", &token("rc"), tx_step(0, 1, insert_order("o-c", true), Some(5_000))),
+        write("rd", &token("rd"), tx_step(1, 1, insert_order("o-d2", false), None)),
+        write("re", "not-its-token", tx_step(0, 1, insert_order("o-x", false), None)),
+        write("re", &token("re"), tx_step(0, 1, insert_order("o-e", false), None)),
+        write("ra", &token("ra"), JournalOp::Release),
+    ];
+    let results = d.store.commit(batch, 1_010).unwrap();
+    assert_eq!(results[0], WriteResult::Done);
+    assert_eq!(results[1], WriteResult::TxResult(Ok(json!({"order": "o-b"}))));
+    assert_eq!(results[2], WriteResult::TxResult(Ok(json!({"order": "o-d1"}))));
+    assert!(matches!(&results[3], WriteResult::TxResult(Err(f)) if f.retryable), "{:?}", results[3]);
+    assert_eq!(results[4], WriteResult::TxResult(Ok(json!({"order": "o-d2"}))));
+    assert_eq!(results[5], WriteResult::Fenced);
+    assert_eq!(results[6], WriteResult::TxResult(Ok(json!({"order": "o-e"}))));
+    assert_eq!(results[7], WriteResult::Done);
+    let schema = d.store.schema().to_string();
+    let ids: Vec<String> = d
+        .store
+        .client()
+        .query(&format!("SELECT id FROM \"{schema}\".orders ORDER BY id"), &[])
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(ids, ["o-b", "o-d1", "o-d2", "o-e"], "the failed step's row rolled back, no other");
+    let journal = |id: &str| -> Vec<(u32, StepStatus)> {
+        detail(&d.store, id).journal.iter().map(|e| (e.seq, e.status)).collect()
+    };
+    assert_eq!(journal("ra"), [(0, StepStatus::Completed)]);
+    assert_eq!(journal("rc"), [(0, StepStatus::Retrying)]);
+    assert_eq!(journal("rd"), [(0, StepStatus::Completed), (1, StepStatus::Completed)]);
+    assert_eq!(journal("re"), [(0, StepStatus::Completed)]);
+    assert_eq!(detail(&d.store, "ra").run.lease_owner, None, "released after its step");
+}
+
 /// A body that ends the journal's transaction on the connection it was handed: the batch is
 /// refused (nothing of it can be trusted to commit together) and the session is usable after.
 #[test]
