@@ -872,11 +872,11 @@ fn a_body_whose_statement_failed_is_a_failed_attempt_and_the_batch_goes_on() {
     assert_eq!(detail(&d.store, "r1").journal[0].status, StepStatus::Retrying);
 }
 
-/// A commit runs the transactional steps of runs with one write first, each savepoint made with
-/// the previous step's end: a failing step between two others rolls back only its own rows, a run
-/// with two writes keeps their order, and every answer is at its write's place in the batch.
+/// Several transactional steps in one commit, with other writes between: a failing step between
+/// two others rolls back only its own rows, a run with two writes keeps their order, a fenced
+/// write changes nothing, and every answer is at its write's place in the batch.
 #[test]
-fn grouped_transactional_steps_keep_their_own_savepoints_and_answers() {
+fn transactional_steps_of_one_commit_keep_their_own_savepoints_and_answers() {
     let mut d = db!("wf_tx_grouped");
     orders_table(&mut d.store);
     let ids = ["ra", "rb", "rc", "rd", "re"];

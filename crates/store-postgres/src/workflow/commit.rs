@@ -260,21 +260,12 @@ pub(super) fn commit(
             }
         }
     }
-    let order = execution_order(&writes);
-    let is_tx: Vec<bool> = writes.iter().map(|w| matches!(w.op, JournalOp::TxStep { .. })).collect();
-    let mut batch = Batch::default();
-    let mut slots: Vec<Option<(Write, Option<String>)>> = writes.into_iter().zip(texts).map(Some).collect();
-    let mut results: Vec<Option<WriteResult>> = (0..slots.len()).map(|_| None).collect();
-    for (at, &index) in order.iter().enumerate() {
-        let (write, text) = slots[index].take().expect("each write is applied once");
-        batch.next_is_tx = order.get(at + 1).is_some_and(|&next| is_tx[next]);
-        results[index] = Some(apply_write(apply, st, &mut runs, &mut batch, write, text, now_ms)?);
+    let mut pending = NewEntries::default();
+    let mut results = Vec::with_capacity(writes.len());
+    for (write, text) in writes.into_iter().zip(texts) {
+        results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
-    batch.pending.write(&mut apply.client_mut(), st, now_ms)?;
-    let results: Vec<WriteResult> = results
-        .into_iter()
-        .map(|r| r.ok_or_else(|| Error::Invariant("a write went unanswered".into())))
-        .collect::<Result<_>>()?;
+    pending.write(&mut apply.client_mut(), st, now_ms)?;
     let touched: Vec<&str> = runs.iter().filter(|(_, s)| s.touched).map(|(id, _)| id.as_str()).collect();
     if !touched.is_empty() {
         let mut c = apply.client_mut();
@@ -293,16 +284,12 @@ fn apply_write(
     apply: &ApplyTransaction,
     st: &mut Statements,
     runs: &mut HashMap<String, RunState>,
-    batch: &mut Batch,
+    pending: &mut NewEntries,
     write: Write,
     text: Option<String>,
     now_ms: i64,
 ) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
-    // A savepoint prepared by the write before serves this write only, and only if it is a
-    // transactional step that reaches its body with nothing written since.
-    let savepoint_ready = std::mem::take(&mut batch.held);
-    let pending = &mut batch.pending;
     let Some(state) = runs.get_mut(&run_id) else {
         // No such run (or purged): nobody holds it.
         return Ok(WriteResult::Fenced);
@@ -389,15 +376,10 @@ fn apply_write(
         JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
             let existing = {
                 let mut c = apply.client_mut();
-                // A position that must be read may write the batch's new entries first: then the
-                // prepared savepoint holds them, and the body gets a savepoint of its own.
-                let known = state.next_seq == Some(seq);
                 let (existing, _) =
                     position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
                 check_attempt(run, seq, attempt, existing)?;
-                if !(savepoint_ready && known) {
-                    c.batch_execute("SAVEPOINT wf_tx_step").db()?;
-                }
+                c.batch_execute("SAVEPOINT wf_tx_step").db()?;
                 existing
             };
             // The body gets the connection with no borrow of the store's held.
@@ -411,9 +393,7 @@ fn apply_write(
                 Err(failure) => Err(failure),
             };
             let mut c = apply.client_mut();
-            let (outcome, held) = end_savepoint(&mut c, run, &name, outcome, batch.next_is_tx)?;
-            batch.held = held;
-            let pending = &mut batch.pending;
+            let outcome = end_savepoint(&mut c, run, &name, outcome)?;
             let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
             let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
             record_attempt(&mut c, st, pending, &step, recorded, retry_at_ms, now_ms)?;
@@ -630,9 +610,6 @@ fn finish(
     Ok(())
 }
 
-/// A transactional step body's output (and its JSON text), or its failure.
-type BodyOutcome = std::result::Result<(Value, String), StepFailure>;
-
 /// End a transactional step's savepoint: kept when the body succeeded, rolled back when it
 /// failed. A body whose own statement failed leaves the transaction aborted even if it returned
 /// `Ok`: its writes cannot commit, so they are rolled back and the attempt counts as failed. A
@@ -642,29 +619,17 @@ fn end_savepoint(
     c: &mut Client,
     run_id: &str,
     name: &str,
-    outcome: BodyOutcome,
-    prepare_next: bool,
-) -> Result<(BodyOutcome, bool)> {
+    outcome: std::result::Result<(Value, String), StepFailure>,
+) -> Result<std::result::Result<(Value, String), StepFailure>> {
     let ended = |error: postgres::Error| {
         Error::store(format!(
             "the journal's transaction ended inside the body of step {name} of run {run_id}: {}",
             Error::from(error)
         ))
     };
-    // The next write's savepoint travels with this one's end (one round trip for both), when
-    // the next write is a transactional step too: `commit` runs those one after the other.
-    let (release, rollback) = if prepare_next {
-        (
-            "RELEASE SAVEPOINT wf_tx_step; SAVEPOINT wf_tx_step",
-            "ROLLBACK TO SAVEPOINT wf_tx_step; RELEASE SAVEPOINT wf_tx_step; SAVEPOINT wf_tx_step",
-        )
-    } else {
-        ("RELEASE SAVEPOINT wf_tx_step", "ROLLBACK TO SAVEPOINT wf_tx_step; RELEASE SAVEPOINT wf_tx_step")
-    };
     let outcome = match outcome {
-        Ok(done) => match c.batch_execute(release) {
-            // A release that failed stopped before the next savepoint.
-            Ok(()) => return Ok((Ok(done), prepare_next)),
+        Ok(done) => match c.batch_execute("RELEASE SAVEPOINT wf_tx_step") {
+            Ok(()) => return Ok(Ok(done)),
             Err(error) if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(StepFailure::retryable(
                 format!("a statement of the step failed (the step returned success anyway): {}", Error::from(error)),
             )),
@@ -672,8 +637,8 @@ fn end_savepoint(
         },
         Err(failure) => Err(failure),
     };
-    c.batch_execute(rollback).map_err(ended)?;
-    Ok((outcome, prepare_next))
+    c.batch_execute("ROLLBACK TO SAVEPOINT wf_tx_step; RELEASE SAVEPOINT wf_tx_step").map_err(ended)?;
+    Ok(outcome)
 }
 
 /// A write at `seq` either opens the next position or continues the unsettled entry there
@@ -738,34 +703,6 @@ fn position(
         u32::try_from(attempts).map_err(|_| Error::Invariant(format!("run {run_id}: attempts {attempts}")))?;
     let next = u32::try_from(next).map_err(|_| Error::Invariant(format!("run {run_id}: next position {next}")))?;
     Ok((Some(attempts), next))
-}
-
-/// What the writes of one commit share as it applies them.
-#[derive(Default)]
-struct Batch {
-    /// The first attempts at new positions not written yet.
-    pending: NewEntries,
-    /// A clean savepoint is open for the next write (prepared with the previous step's end).
-    held: bool,
-    /// The next write to apply is a transactional step.
-    next_is_tx: bool,
-}
-
-/// The order a commit applies its writes in: the transactional steps of runs that have no other
-/// write in the batch first (in batch order), then every other write in batch order. Grouped,
-/// each step's savepoint is made in the same round trip as the previous step's release. Moving
-/// them is safe: a run's own writes keep their order (a run with several writes is not moved),
-/// a step's body touches only the user's tables, which no other write of the batch touches, and
-/// the bodies of different runs may run in any order (each is one of several concurrent steps).
-fn execution_order(writes: &[Write]) -> Vec<usize> {
-    let mut per_run: HashMap<&str, usize> = HashMap::new();
-    for write in writes {
-        *per_run.entry(write.run_id.as_str()).or_default() += 1;
-    }
-    let first = |w: &Write| matches!(w.op, JournalOp::TxStep { .. }) && per_run[w.run_id.as_str()] == 1;
-    let (mut order, rest): (Vec<usize>, Vec<usize>) = (0..writes.len()).partition(|&i| first(&writes[i]));
-    order.extend(rest);
-    order
 }
 
 /// The first attempts at new journal positions that a batch recorded and has not written yet:
