@@ -260,12 +260,12 @@ pub(super) fn commit(
             }
         }
     }
-    let mut pending = NewEntries::default();
+    let mut pending = NewEntries { now_ms, ..NewEntries::default() };
     let mut results = Vec::with_capacity(writes.len());
     for (write, text) in writes.into_iter().zip(texts) {
         results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
-    pending.write(&mut apply.client_mut(), st, now_ms)?;
+    pending.write(&mut apply.client_mut(), st)?;
     let touched: Vec<&str> = runs.iter().filter(|(_, s)| s.touched).map(|(id, _)| id.as_str()).collect();
     if !touched.is_empty() {
         let mut c = apply.client_mut();
@@ -542,7 +542,7 @@ fn apply_write(
         }
         JournalOp::TimerFinished { seq, event_id, output } => {
             let mut c = apply.client_mut();
-            pending.write(&mut c, st, now_ms)?;
+            pending.write(&mut c, st)?;
             let Some(entry) = rows::journal_at(&mut *c, st, run, seq)? else {
                 return Err(Error::Invariant(format!("run {run}: no timer at step {seq} to finish")));
             };
@@ -661,8 +661,7 @@ fn position(
     if known_next == Some(seq) {
         return Ok((None, seq + 1));
     }
-    let now_ms = pending.now_ms;
-    pending.write(c, st, now_ms)?;
+    pending.write(c, st)?;
     let statement = st.get(c, POSITION_SQL)?;
     let row = c.query_one(&statement, &[&run_id, &seq_param(seq)]).db()?;
     let (found_name, found_kind, found_status, attempts, next): (
@@ -713,6 +712,7 @@ fn position(
 /// ([`ApplyTransaction`]).
 #[derive(Default)]
 struct NewEntries {
+    /// The commit's time (every row of one commit has it).
     now_ms: i64,
     run_ids: Vec<String>,
     seqs: Vec<i32>,
@@ -726,7 +726,7 @@ struct NewEntries {
 }
 
 impl NewEntries {
-    fn write(&mut self, c: &mut Client, st: &mut Statements, now_ms: i64) -> Result<()> {
+    fn write(&mut self, c: &mut Client, st: &mut Statements) -> Result<()> {
         if self.run_ids.is_empty() {
             return Ok(());
         }
@@ -735,7 +735,7 @@ impl NewEntries {
             .query_one(
                 &statement,
                 &[
-                    &now_ms,
+                    &self.now_ms,
                     &self.run_ids,
                     &self.seqs,
                     &self.names,
@@ -751,7 +751,7 @@ impl NewEntries {
         let written: (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
         let expected = self.run_ids.len() as i64;
         ensure_invariant!(written == (expected, expected), "{expected} new journal entries wrote {written:?}");
-        *self = NewEntries::default();
+        *self = NewEntries { now_ms: self.now_ms, ..NewEntries::default() };
         Ok(())
     }
 }
@@ -796,7 +796,6 @@ fn record_attempt(
     if new {
         // A new position's first attempt is written with the batch's others ([`NewEntries`]).
         ensure_invariant!(attempt == 1, "run {run_id} step {seq}: a new position at attempt {attempt}");
-        pending.now_ms = now_ms;
         pending.run_ids.push(run_id.to_string());
         pending.seqs.push(seq_param(seq));
         pending.names.push(name.to_string());
@@ -809,7 +808,7 @@ fn record_attempt(
         return Ok(());
     }
     // The next attempt's ordinal is read from the position's history: the batch's new entries first.
-    pending.write(c, st, now_ms)?;
+    pending.write(c, st)?;
     let statement = st.get(c, NEXT_ATTEMPT_SQL)?;
     c.execute(
         &statement,
