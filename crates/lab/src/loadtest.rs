@@ -507,7 +507,7 @@ fn verify(args: &VerifyArgs) -> Result<Value> {
     tidemark_core::tenancy::validate_tenant_id(&args.tenant)?;
     let file = std::fs::File::open(&args.ledger)
         .map_err(|e| invalid(format!("cannot read the ledger {}: {e}", args.ledger.display())))?;
-    let dir = tidemark_server::tenant::Tenant::dir_of(&args.data, &args.tenant);
+    let dir = tidemark_server::tenant::dir_of(&args.data, &args.tenant);
     let [producer_path, workflows_path] = [dir.join("producer.db"), dir.join("workflows.db")];
     for path in [&producer_path, &workflows_path] {
         if !path.is_file() {

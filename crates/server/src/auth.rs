@@ -17,6 +17,7 @@ use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::{ConsumerRecord, SqliteControl, TokenRecord};
 
 use crate::api::ApiError;
+use crate::backend::{AnyTenant, Backend, Sqlite};
 use crate::tenant::Tenant;
 use crate::AppState;
 
@@ -109,35 +110,57 @@ pub fn rate_limiter(per_second: u32, burst: u32) -> DefaultKeyedRateLimiter<Stri
     RateLimiter::keyed(Quota::per_second(per_second).allow_burst(burst))
 }
 
-/// The caller of a request: its tenant (opened) and scope.
-pub struct Caller {
-    /// The tenant the token belongs to: the request is served only from this tenant's folder.
-    pub tenant: Arc<Tenant>,
+/// The caller of a request on a service of backend `B`: its tenant (opened) and scope. What a
+/// route of your own takes (`caller.tenant.transaction(...)`).
+pub struct Caller<B: Backend = Sqlite> {
+    /// The tenant the token belongs to: the request is served only from this tenant's stores.
+    pub tenant: Arc<Tenant<B>>,
     /// What the token may do.
     pub scope: Scope,
 }
 
-impl Caller {
+/// The caller of a request, its tenant on whichever backend the service runs on: what the
+/// service's own routes take.
+pub struct AnyCaller {
+    /// The tenant the token belongs to: the request is served only from this tenant's stores.
+    pub tenant: AnyTenant,
+    /// What the token may do.
+    pub scope: Scope,
+}
+
+/// Check that `scope` includes `needed`; 403 `forbidden` otherwise.
+fn require(scope: Scope, needed: Scope) -> Result<(), ApiError> {
+    if scope.allows(needed) {
+        return Ok(());
+    }
+    Err(Error::invalid(
+        codes::FORBIDDEN,
+        format!("this token's scope is {}; the request needs {}", scope.as_str(), needed.as_str()),
+    )
+    .into())
+}
+
+impl<B: Backend> Caller<B> {
     /// Check that the caller's scope includes `needed`; 403 `forbidden` otherwise.
     pub fn require(&self, needed: Scope) -> Result<(), ApiError> {
-        if self.scope.allows(needed) {
-            return Ok(());
-        }
-        Err(Error::invalid(
-            codes::FORBIDDEN,
-            format!("this token's scope is {}; the request needs {}", self.scope.as_str(), needed.as_str()),
-        )
-        .into())
+        require(self.scope, needed)
     }
 }
 
-impl FromRequestParts<AppState> for Caller {
+impl AnyCaller {
+    /// Check that the caller's scope includes `needed`; 403 `forbidden` otherwise.
+    pub fn require(&self, needed: Scope) -> Result<(), ApiError> {
+        require(self.scope, needed)
+    }
+}
+
+impl FromRequestParts<AppState> for AnyCaller {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Caller, ApiError> {
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<AnyCaller, ApiError> {
         if state.config.auth_disabled() {
             let tenant = state.tenant(&state.config.auth.dev_tenant).await?;
-            return Ok(Caller { tenant, scope: Scope::Admin });
+            return Ok(AnyCaller { tenant, scope: Scope::Admin });
         }
         let text = presented_token(&parts.headers)?;
         let record = state.control_cache.lock().unwrap_or_else(|p| p.into_inner()).verify(text)?;
@@ -146,6 +169,18 @@ impl FromRequestParts<AppState> for Caller {
             return Err(Error::invalid(codes::RATE_LIMITED, "too many requests for this token; slow down").into());
         }
         let tenant = state.tenant(&record.tenant_id).await?;
-        Ok(Caller { tenant, scope: record.scope })
+        Ok(AnyCaller { tenant, scope: record.scope })
+    }
+}
+
+impl<B: Backend> FromRequestParts<AppState> for Caller<B> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Caller<B>, ApiError> {
+        let AnyCaller { tenant, scope } = AnyCaller::from_request_parts(parts, state).await?;
+        let tenant = B::unwrap(&tenant).cloned().ok_or_else(|| {
+            Error::Invariant(format!("a route typed for another backend was mounted on tenant {:?}", tenant.id()))
+        })?;
+        Ok(Caller { tenant, scope })
     }
 }

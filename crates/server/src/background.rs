@@ -12,6 +12,7 @@ use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::Result;
 use tidemark_engine::{relay_until_idle, RelayOptions};
 
+use crate::backend::Backend;
 use crate::tenant::Tenant;
 use crate::{now_ms, AppState};
 
@@ -21,7 +22,7 @@ const RELAY_PASSES_PER_ROUND: u32 = 8;
 const PRUNE_BATCHES_PER_ROUND: u64 = 100;
 
 /// Start the loops of a newly opened tenant.
-pub fn start(state: AppState, tenant: Arc<Tenant>) {
+pub fn start<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) {
     let handles = vec![
         ("delivery", tokio::spawn(delivery_loop(state.clone(), tenant.clone()))),
         ("worker", tokio::spawn(worker_loop(state.clone(), tenant.clone()))),
@@ -70,7 +71,7 @@ pub(crate) async fn pause(state: &AppState, ms: u64) -> bool {
     }
 }
 
-async fn delivery_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+async fn delivery_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) -> Value {
     let mut rounds = 0_u64;
     let mut errors = 0_u64;
     while !state.is_shutting_down() {
@@ -92,7 +93,7 @@ async fn delivery_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
 }
 
 /// One relay (a few passes) and one drain per consumer. True when something moved.
-async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> {
+async fn delivery_round<B: Backend>(state: &AppState, tenant: &Arc<Tenant<B>>) -> Result<bool> {
     let options = RelayOptions {
         limit: state.config.relay.batch,
         event_id: None,
@@ -175,7 +176,7 @@ async fn delivery_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<bool> 
     Ok(moved)
 }
 
-async fn worker_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+async fn worker_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) -> Value {
     let mut signal = state.shutdown_signal();
     let stop = async move {
         while !*signal.borrow() {
@@ -207,7 +208,7 @@ async fn worker_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
 pub const SCHEDULE_TICK_MS: u64 = 1_000;
 
 /// Tick the tenant's schedules every [`SCHEDULE_TICK_MS`] (only when it registers workflows).
-async fn schedule_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+async fn schedule_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) -> Value {
     if tenant.worker.is_none() {
         return json!({"workflows": 0});
     }
@@ -233,7 +234,7 @@ async fn schedule_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
     json!({"rounds": rounds, "started": started, "errors": errors})
 }
 
-async fn retention_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
+async fn retention_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) -> Value {
     let mut rounds = 0_u64;
     let mut errors = 0_u64;
     while pause(&state, state.config.retention.interval_ms).await {
@@ -252,7 +253,7 @@ async fn retention_loop(state: AppState, tenant: Arc<Tenant>) -> Value {
 }
 
 /// Prune every store in bounded batches (each batch its own short transaction).
-pub async fn retention_round(state: &AppState, tenant: &Arc<Tenant>) -> Result<Value> {
+pub async fn retention_round<B: Backend>(state: &AppState, tenant: &Arc<Tenant<B>>) -> Result<Value> {
     let r = state.config.retention.clone();
     let mut out = serde_json::Map::new();
     for (name, inbox) in [("inbox", &tenant.inbox), ("runs_inbox", &tenant.runs_inbox)] {

@@ -28,6 +28,7 @@ use tidemark_engine::{answers_of, judge, plan, EndpointAnswer, RelayOptions, Rel
 use tidemark_transport::Transport;
 use utoipa::ToSchema;
 
+use crate::backend::Backend;
 use crate::tenant::Tenant;
 use crate::{now_ms, AppState};
 
@@ -79,7 +80,12 @@ pub fn file_subscribers(subscriptions: &[Subscription]) -> Vec<String> {
 }
 
 /// Start a lane for each of `endpoints` of outbox `outbox` that has none.
-pub fn ensure(state: &AppState, tenant: &Arc<Tenant>, outbox: usize, endpoints: BTreeMap<String, EndpointKind>) {
+pub fn ensure<B: Backend>(
+    state: &AppState,
+    tenant: &Arc<Tenant<B>>,
+    outbox: usize,
+    endpoints: BTreeMap<String, EndpointKind>,
+) {
     if state.is_shutting_down() {
         return;
     }
@@ -108,7 +114,7 @@ pub fn ensure(state: &AppState, tenant: &Arc<Tenant>, outbox: usize, endpoints: 
     }
 }
 
-fn update(tenant: &Tenant, outbox: usize, endpoint: &str, f: impl FnOnce(&mut LaneStatus)) {
+fn update<B: Backend>(tenant: &Tenant<B>, outbox: usize, endpoint: &str, f: impl FnOnce(&mut LaneStatus)) {
     let mut lanes = tenant.lanes.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(status) = lanes.get_mut(&(outbox, endpoint.to_string())) {
         f(status);
@@ -116,8 +122,8 @@ fn update(tenant: &Tenant, outbox: usize, endpoint: &str, f: impl FnOnce(&mut La
 }
 
 /// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left.
-async fn next_batch(
-    tenant: &Tenant,
+async fn next_batch<B: Backend>(
+    tenant: &Tenant<B>,
     outbox: usize,
     endpoint: &str,
     options: &RelayOptions,
@@ -164,7 +170,7 @@ async fn hand_over(
     answers_of(masked, batch.len(), delivered)
 }
 
-async fn lane(state: AppState, tenant: Arc<Tenant>, outbox: usize, endpoint: String) -> Value {
+async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize, endpoint: String) -> Value {
     let options = RelayOptions {
         limit: state.config.relay.batch,
         event_id: None,

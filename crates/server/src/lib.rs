@@ -13,6 +13,7 @@
 mod actor;
 pub mod api;
 mod auth;
+pub mod backend;
 mod background;
 pub mod config;
 mod dashboard;
@@ -34,9 +35,10 @@ use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::SqliteControl;
 use tokio::sync::watch;
 
-pub use auth::Caller;
+pub use auth::{AnyCaller, Caller};
+pub use backend::{AnyTenant, Backend, Sqlite};
 pub use config::{Config, Overrides};
-pub use registry::{Database, Registry, TenantInfo};
+pub use registry::{Database, Registrations, Registry, TenantInfo};
 pub use service::{Service, ServiceBuilder};
 pub use tenant::Tenant;
 /// The `axum`, `utoipa` and `utoipa_axum` the service is built with (for routes of your own).
@@ -60,6 +62,8 @@ pub struct Inner {
     pub config: Config,
     /// What the service serves.
     pub registry: Arc<Registry>,
+    /// Opens a tenant on the service's backend with its registrations.
+    opener: Box<dyn OpenTenant>,
     /// The control database (tokens, tenants, consumers) and the token cache read from it.
     pub control_cache: Mutex<auth::ControlCache>,
     /// The per-token rate limiter (`auth.rate_per_second`, `auth.burst`).
@@ -68,7 +72,7 @@ pub struct Inner {
     pub metrics: metrics::Metrics,
     /// The dashboard's recent samples per tenant.
     pub samples: dashboard::Samples,
-    tenants: tokio::sync::Mutex<HashMap<String, Arc<Tenant>>>,
+    tenants: tokio::sync::Mutex<HashMap<String, AnyTenant>>,
     /// `true` once shutdown began: stop claiming, finish, release.
     shutdown: watch::Sender<bool>,
     ready: std::sync::atomic::AtomicBool,
@@ -85,8 +89,14 @@ impl std::ops::Deref for AppState {
 }
 
 impl AppState {
-    /// Open the data folder (created on first start, never reset) and its control database.
-    pub fn open(config: Config, registry: Registry) -> Result<AppState> {
+    /// Open the data folder (created on first start, never reset) and its control database; the
+    /// tenants of the service's backend `B` open with `registrations`.
+    pub fn open<B: Backend>(
+        config: Config,
+        registry: Registry,
+        registrations: Registrations<B>,
+        backend: B,
+    ) -> Result<AppState> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| Error::io(format!("cannot create {}: {e}", config.data_dir.display())))?;
         let control = SqliteControl::open(&config.data_dir.join(CONTROL_FILE), true, config.durability()?)?;
@@ -104,6 +114,7 @@ impl AppState {
             started_at_ms: now_ms(),
             config,
             registry: Arc::new(registry),
+            opener: Box::new(TenantOpener { registrations, backend: Arc::new(backend) }),
         })))
     }
 
@@ -119,7 +130,7 @@ impl AppState {
     }
 
     /// The tenant, opened (and its background loops started) on first use.
-    pub async fn tenant(&self, id: &str) -> Result<Arc<Tenant>> {
+    pub async fn tenant(&self, id: &str) -> Result<AnyTenant> {
         let mut tenants = self.tenants.lock().await;
         if let Some(tenant) = tenants.get(id) {
             return Ok(tenant.clone());
@@ -128,17 +139,17 @@ impl AppState {
             return Err(Error::invalid(tidemark_core::error::codes::UNAVAILABLE, "the server is shutting down"));
         }
         let (state, id_owned, observer) = (self.clone(), id.to_string(), self.metrics.observer(id));
-        let tenant = tokio::task::spawn_blocking(move || {
-            Tenant::open(&state.config, &state.registry, &id_owned, now_ms, Some(observer))
-        })
-        .await
-        .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
-        let tenant = Arc::new(tenant);
+        let tenant =
+            tokio::task::spawn_blocking(move || state.opener.open(&state.config, &id_owned, now_ms, Some(observer)))
+                .await
+                .map_err(|e| Error::Invariant(format!("opening a tenant panicked: {e}")))??;
         self.control(|c| c.ensure_tenant(id, now_ms()))?;
-        self.declare_registered_consumers(&tenant).await?;
+        on_tenant!(&tenant, opened => {
+            self.declare_registered_consumers(opened).await?;
+            background::start(self.clone(), opened.clone());
+            tracing::info!(tenant = id, dir = %opened.dir.display(), "tenant opened");
+        });
         tenants.insert(id.to_string(), tenant.clone());
-        background::start(self.clone(), tenant.clone());
-        tracing::info!(tenant = id, dir = %tenant.dir.display(), "tenant opened");
         Ok(tenant)
     }
 
@@ -147,7 +158,7 @@ impl AppState {
     /// workflow database's) from their first event; then subscribe the registry's network
     /// endpoints to both outboxes, from their first event too (again: nothing; another endpoint
     /// than the stored one: the subscription moves there).
-    async fn declare_registered_consumers(&self, tenant: &Arc<Tenant>) -> Result<()> {
+    async fn declare_registered_consumers<B: Backend>(&self, tenant: &Arc<Tenant<B>>) -> Result<()> {
         for consumer in &self.registry.consumers {
             let database = self.registry.handler_database(&consumer.handler)?;
             self.control(|c| c.declare_consumer(&tenant.id, &consumer.consumer_id, &consumer.handler, now_ms()))?;
@@ -185,7 +196,7 @@ impl AppState {
     }
 
     /// Every tenant opened so far.
-    pub async fn open_tenants(&self) -> Vec<Arc<Tenant>> {
+    pub async fn open_tenants(&self) -> Vec<AnyTenant> {
         self.tenants.lock().await.values().cloned().collect()
     }
 
@@ -207,6 +218,35 @@ impl AppState {
     /// When the service started, in ms since the Unix epoch.
     pub fn started_at_ms(&self) -> i64 {
         self.started_at_ms
+    }
+}
+
+/// Opens a tenant of one backend with the service's registrations on it.
+trait OpenTenant: Send + Sync {
+    fn open(
+        &self,
+        config: &Config,
+        id: &str,
+        clock: fn() -> i64,
+        observer: Option<Arc<dyn tidemark_engine::workflow::WorkerObserver>>,
+    ) -> Result<AnyTenant>;
+}
+
+struct TenantOpener<B: Backend> {
+    registrations: Registrations<B>,
+    backend: Arc<B>,
+}
+
+impl<B: Backend> OpenTenant for TenantOpener<B> {
+    fn open(
+        &self,
+        config: &Config,
+        id: &str,
+        clock: fn() -> i64,
+        observer: Option<Arc<dyn tidemark_engine::workflow::WorkerObserver>>,
+    ) -> Result<AnyTenant> {
+        let tenant = Tenant::open(config, &self.registrations, self.backend.clone(), id, clock, observer)?;
+        Ok(B::wrap(Arc::new(tenant)))
     }
 }
 

@@ -419,11 +419,11 @@ impl Metrics {
 pub async fn scrape(state: &crate::AppState) -> String {
     let mut stats = Vec::new();
     for tenant in state.open_tenants().await {
-        match TenantStats::read(&tenant).await {
+        match tenant.stats().await {
             Ok(s) => stats.push(s),
             Err(error) => {
                 state.metrics.scrape_errors.inc();
-                tracing::warn!(tenant = %tenant.id, code = error.code(), %error, "cannot read a tenant's counts for /metrics");
+                tracing::warn!(tenant = %tenant.id(), code = error.code(), %error, "cannot read a tenant's counts for /metrics");
             }
         }
     }

@@ -7,28 +7,28 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use rusqlite::Connection;
 use serde::Serialize;
 use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{FlowMachine, MachineSet, StreamMachine};
 use tidemark_core::id::validate_id;
-use tidemark_core::store::{Handler, Subscription};
+use tidemark_core::store::Subscription;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{Workflow, Workflows};
-use tidemark_store_sqlite::{validate_migrations, Durability, Migration, SqliteWorkflows};
+use tidemark_store_sqlite::Durability;
 use utoipa::ToSchema;
 
-/// A consumer handler as the service runs it: a boxed [`Handler`] on a SQLite transaction.
-pub type BoxedHandler = Box<dyn Handler<Connection> + Send>;
+use crate::backend::Backend;
+use crate::tenant::BoxedHandler;
 
 /// Makes one handler per tenant (handlers are `&mut self`: each tenant's inbox thread owns its
 /// own).
-pub(crate) type MakeHandler = Arc<dyn Fn() -> BoxedHandler + Send + Sync>;
+pub(crate) type MakeHandler<B> = Arc<dyn Fn() -> BoxedHandler<B> + Send + Sync>;
 
 /// The workflows of one tenant, made when the tenant opens (for workflows that need a resource of
 /// their own per tenant, such as the built-in fake payment service's log).
-pub(crate) type MakeWorkflows = Arc<dyn Fn(&TenantInfo) -> Result<Vec<Workflow<SqliteWorkflows>>> + Send + Sync>;
+pub(crate) type MakeWorkflows<B> =
+    Arc<dyn Fn(&TenantInfo) -> Result<Vec<Workflow<<B as Backend>::Workflows>>> + Send + Sync>;
 
 /// The tenant's SQLite databases, by what they hold. Each has its own writer thread, and a
 /// transaction never spans two of them: put a table in the database whose transaction must
@@ -79,9 +79,9 @@ pub struct TenantInfo {
     pub durability: Durability,
 }
 
-pub(crate) struct HandlerEntry {
+pub(crate) struct HandlerEntry<B: Backend> {
     pub(crate) database: Database,
-    pub(crate) make: MakeHandler,
+    pub(crate) make: MakeHandler<B>,
 }
 
 /// A consumer the service declares in every tenant (and, unless its events come from other
@@ -94,21 +94,31 @@ pub(crate) struct ConsumerDeclaration {
     pub(crate) subscribe: bool,
 }
 
-pub(crate) struct TenantWorkflows {
+pub(crate) struct TenantWorkflows<B: Backend> {
     pub(crate) declared: Vec<(String, u32)>,
-    pub(crate) make: MakeWorkflows,
+    pub(crate) make: MakeWorkflows<B>,
 }
 
-/// The checked registrations of a service.
+/// What a service serves, checked, as every tenant and route sees it (whatever the backend).
 pub struct Registry {
     pub(crate) machines: MachineSet,
-    pub(crate) handlers: BTreeMap<String, HandlerEntry>,
+    /// Each handler's database, by handler name.
+    pub(crate) handlers: BTreeMap<String, Database>,
     pub(crate) consumers: Vec<ConsumerDeclaration>,
     /// Network endpoints subscribed to every tenant's outboxes when it opens.
     pub(crate) subscriptions: Vec<Subscription>,
-    pub(crate) workflows: Workflows<SqliteWorkflows>,
-    pub(crate) tenant_workflows: Vec<TenantWorkflows>,
-    pub(crate) migrations: BTreeMap<Database, Vec<Migration>>,
+    /// Every workflow name and version a tenant has (the per-tenant ones as declared), sorted.
+    pub(crate) workflow_names: Vec<(String, u32)>,
+}
+
+/// The checked registrations of a service on backend `B`: what a tenant is opened with (the
+/// handlers, workflows and migrations, typed by the backend's transaction).
+pub struct Registrations<B: Backend> {
+    pub(crate) machines: MachineSet,
+    pub(crate) handlers: BTreeMap<String, HandlerEntry<B>>,
+    pub(crate) workflows: Workflows<B::Workflows>,
+    pub(crate) tenant_workflows: Vec<TenantWorkflows<B>>,
+    pub(crate) migrations: BTreeMap<Database, Vec<B::Migration>>,
     /// Queues declared in every tenant's workflow database when it opens.
     pub(crate) queues: Vec<tidemark_core::queue::QueueSpec>,
 }
@@ -139,7 +149,7 @@ pub struct HandlerInfo {
 
 impl Registry {
     /// Check and assemble the registrations of a builder.
-    pub(crate) fn new(parts: RegistryParts) -> Result<Registry> {
+    pub(crate) fn new<B: Backend>(parts: RegistryParts<B>) -> Result<(Registry, Registrations<B>)> {
         let mut machines = MachineSet::new();
         // Every service serves plain event streams (`POST /v1/streams/{flow}/events`).
         machines.add(Arc::new(StreamMachine))?;
@@ -221,12 +231,12 @@ impl Registry {
                 }
             }
         }
-        let mut migrations: BTreeMap<Database, Vec<Migration>> = BTreeMap::new();
+        let mut migrations: BTreeMap<Database, Vec<B::Migration>> = BTreeMap::new();
         for (database, migration) in parts.migrations {
             migrations.entry(database).or_default().push(migration);
         }
         for list in migrations.values() {
-            validate_migrations(list)?;
+            B::validate_migrations(list)?;
         }
         let mut queue_names = BTreeSet::new();
         for queue in &parts.queues {
@@ -235,16 +245,23 @@ impl Registry {
                 return Err(Error::invalid(codes::ALREADY_EXISTS, format!("queue {:?} is declared twice", queue.name)));
             }
         }
-        Ok(Registry {
-            machines,
-            handlers,
+        let workflow_names: Vec<(String, u32)> = names.into_iter().collect();
+        let registry = Registry {
+            machines: machines.clone(),
+            handlers: handlers.iter().map(|(name, entry)| (name.clone(), entry.database)).collect(),
             consumers: parts.consumers,
             subscriptions: parts.subscriptions,
+            workflow_names,
+        };
+        let registrations = Registrations {
+            machines,
+            handlers,
             workflows,
             tenant_workflows: parts.tenant_workflows,
-            queues: parts.queues,
             migrations,
-        })
+            queues: parts.queues,
+        };
+        Ok((registry, registrations))
     }
 
     /// The machines (the built-in event stream first).
@@ -268,12 +285,12 @@ impl Registry {
 
     /// The handlers as the registry route lists them.
     pub fn handler_infos(&self) -> Vec<HandlerInfo> {
-        self.handlers.iter().map(|(name, h)| HandlerInfo { name: name.clone(), database: h.database }).collect()
+        self.handlers.iter().map(|(name, database)| HandlerInfo { name: name.clone(), database: *database }).collect()
     }
 
     /// The database of handler `name`, or `unknown_handler`.
     pub fn handler_database(&self, name: &str) -> Result<Database> {
-        self.handlers.get(name).map(|h| h.database).ok_or_else(|| {
+        self.handlers.get(name).copied().ok_or_else(|| {
             Error::invalid(
                 codes::UNKNOWN_HANDLER,
                 format!(
@@ -286,22 +303,18 @@ impl Registry {
 
     /// Every workflow name and version a tenant will have (the per-tenant ones as declared).
     pub fn workflow_names(&self) -> Vec<(String, u32)> {
-        let mut all: Vec<(String, u32)> =
-            self.workflows.versions().into_iter().map(|v| (v.workflow, v.version)).collect();
-        for group in &self.tenant_workflows {
-            all.extend(group.declared.iter().cloned());
-        }
-        all.sort();
-        all
+        self.workflow_names.clone()
     }
+}
 
+impl<B: Backend> Registrations<B> {
     /// The handlers of one database, one instance each, for a tenant's inbox thread.
-    pub(crate) fn handlers_of(&self, database: Database) -> BTreeMap<String, BoxedHandler> {
+    pub(crate) fn handlers_of(&self, database: Database) -> BTreeMap<String, BoxedHandler<B>> {
         self.handlers.iter().filter(|(_, h)| h.database == database).map(|(n, h)| (n.clone(), (h.make)())).collect()
     }
 
     /// The workflows of a tenant: the shared ones and those its per-tenant registrations make.
-    pub(crate) fn workflows_for(&self, tenant: &TenantInfo) -> Result<Workflows<SqliteWorkflows>> {
+    pub(crate) fn workflows_for(&self, tenant: &TenantInfo) -> Result<Workflows<B::Workflows>> {
         let mut workflows = self.workflows.clone();
         for group in &self.tenant_workflows {
             let made = (group.make)(tenant)?;
@@ -322,20 +335,34 @@ impl Registry {
     }
 
     /// The user migrations of one database, in order.
-    pub(crate) fn migrations_of(&self, database: Database) -> &[Migration] {
+    pub(crate) fn migrations_of(&self, database: Database) -> &[B::Migration] {
         self.migrations.get(&database).map_or(&[], Vec::as_slice)
     }
 }
 
 /// What a builder collected, before it is checked.
-#[derive(Default)]
-pub(crate) struct RegistryParts {
+pub(crate) struct RegistryParts<B: Backend> {
     pub(crate) machines: Vec<Arc<dyn FlowMachine>>,
-    pub(crate) handlers: Vec<(String, HandlerEntry)>,
+    pub(crate) handlers: Vec<(String, HandlerEntry<B>)>,
     pub(crate) consumers: Vec<ConsumerDeclaration>,
     pub(crate) subscriptions: Vec<Subscription>,
-    pub(crate) workflows: Vec<Result<Workflow<SqliteWorkflows>>>,
-    pub(crate) tenant_workflows: Vec<TenantWorkflows>,
-    pub(crate) migrations: Vec<(Database, Migration)>,
+    pub(crate) workflows: Vec<Result<Workflow<B::Workflows>>>,
+    pub(crate) tenant_workflows: Vec<TenantWorkflows<B>>,
+    pub(crate) migrations: Vec<(Database, B::Migration)>,
     pub(crate) queues: Vec<tidemark_core::queue::QueueSpec>,
+}
+
+impl<B: Backend> Default for RegistryParts<B> {
+    fn default() -> Self {
+        RegistryParts {
+            machines: Vec::new(),
+            handlers: Vec::new(),
+            consumers: Vec::new(),
+            subscriptions: Vec::new(),
+            workflows: Vec::new(),
+            tenant_workflows: Vec::new(),
+            migrations: Vec::new(),
+            queues: Vec::new(),
+        }
+    }
 }

@@ -5,16 +5,16 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use rusqlite::Connection;
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::flow::FlowMachine;
 use tidemark_core::store::Handler;
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{IntoWorkflow, Workflow};
-use tidemark_store_sqlite::{Durability, Migration, SqliteWorkflows};
+use tidemark_store_sqlite::Durability;
 use utoipa_axum::router::OpenApiRouter;
 
+use crate::backend::{Backend, Sqlite};
 use crate::registry::{
     ConsumerDeclaration, Database, HandlerEntry, Registry, RegistryParts, TenantInfo, TenantWorkflows,
 };
@@ -26,9 +26,10 @@ use crate::{background, dashboard, AppState, Config};
 /// wrong one (two machines sharing a state, two workflows with one name and version, a consumer
 /// whose handler is not registered, ...), never a panic later.
 #[must_use = "a builder does nothing until `build`"]
-pub struct ServiceBuilder {
+pub struct ServiceBuilder<B: Backend = Sqlite> {
     config: Config,
-    parts: RegistryParts,
+    backend: B,
+    parts: RegistryParts<B>,
     routes: Vec<OpenApiRouter<AppState>>,
     errors: Vec<Error>,
 }
@@ -47,23 +48,27 @@ pub struct ServiceBuilder {
 /// service.serve("127.0.0.1:7400").await?;
 /// # Ok(()) }
 /// ```
-pub struct Service {
+pub struct Service<B: Backend = Sqlite> {
     state: AppState,
     routes: Vec<OpenApiRouter<AppState>>,
     started: Mutex<bool>,
+    backend: std::marker::PhantomData<fn() -> B>,
 }
 
 impl Service {
-    /// A builder with the default configuration ([`Config::default`]).
-    pub fn builder() -> ServiceBuilder {
+    /// A builder with the default configuration ([`Config::default`]), on SQLite files.
+    pub fn builder() -> ServiceBuilder<Sqlite> {
         ServiceBuilder {
             config: Config::default(),
+            backend: Sqlite,
             parts: RegistryParts::default(),
             routes: Vec::new(),
             errors: Vec::new(),
         }
     }
+}
 
+impl<B: Backend> Service<B> {
     /// The shared state (configuration, registry, tenants) that routes and loops use.
     pub fn state(&self) -> &AppState {
         &self.state
@@ -75,8 +80,11 @@ impl Service {
     }
 
     /// The tenant `id`, opened (migrations run, threads and loops started) on first use.
-    pub async fn tenant(&self, id: &str) -> Result<Arc<Tenant>> {
-        self.state.tenant(id).await
+    pub async fn tenant(&self, id: &str) -> Result<Arc<Tenant<B>>> {
+        let tenant = self.state.tenant(id).await?;
+        B::unwrap(&tenant)
+            .cloned()
+            .ok_or_else(|| Error::Invariant(format!("tenant {id:?} is not on this service's backend")))
     }
 
     /// Open every tenant known to the control database (so that their relay, drains, worker and
@@ -359,7 +367,7 @@ impl tokio::io::AsyncWrite for IdleWatch {
     }
 }
 
-impl ServiceBuilder {
+impl<B: Backend> ServiceBuilder<B> {
     /// Replace the whole configuration (e.g. [`Config::load`]: defaults < TOML < environment <
     /// flags). Settings made before are overwritten; make them after.
     pub fn config(mut self, config: Config) -> Self {
@@ -404,7 +412,7 @@ impl ServiceBuilder {
     /// events with a clone of `handler`, one per tenant.
     pub fn handler<H>(self, name: &str, handler: H) -> Self
     where
-        H: Handler<Connection> + Clone + Send + 'static,
+        H: Handler<B::Tx> + Clone + Send + 'static,
     {
         self.handler_in(Database::Inbox, name, handler)
     }
@@ -414,7 +422,7 @@ impl ServiceBuilder {
     /// runs, `tidemark::sqlite::RunEventHandler`).
     pub fn handler_in<H>(mut self, database: Database, name: &str, handler: H) -> Self
     where
-        H: Handler<Connection> + Clone + Send + 'static,
+        H: Handler<B::Tx> + Clone + Send + 'static,
     {
         if database == Database::Producer {
             self.errors.push(Error::invalid(
@@ -425,7 +433,7 @@ impl ServiceBuilder {
         }
         // Behind a lock so that a handler need only be `Send`: the lock is taken once per tenant.
         let handler = Mutex::new(handler);
-        let make = Arc::new(move || -> crate::registry::BoxedHandler {
+        let make = Arc::new(move || -> crate::tenant::BoxedHandler<B> {
             Box::new(handler.lock().unwrap_or_else(|p| p.into_inner()).clone())
         });
         self.parts.handlers.push((name.to_string(), HandlerEntry { database, make }));
@@ -436,7 +444,7 @@ impl ServiceBuilder {
     /// declared in every tenant and subscribed to the tenant's producer from its first event.
     pub fn consumer<H>(self, consumer_id: &str, handler: H) -> Self
     where
-        H: Handler<Connection> + Clone + Send + 'static,
+        H: Handler<B::Tx> + Clone + Send + 'static,
     {
         self.handler(consumer_id, handler).declare_consumer(consumer_id, consumer_id)
     }
@@ -494,7 +502,7 @@ impl ServiceBuilder {
 
     /// Serve a workflow (a [`Workflow`] or a [`tidemark_engine::workflow::Saga`]): started with
     /// `POST /v1/runs`, run by every tenant's worker.
-    pub fn workflow(mut self, workflow: impl IntoWorkflow<SqliteWorkflows>) -> Self {
+    pub fn workflow(mut self, workflow: impl IntoWorkflow<B::Workflows>) -> Self {
         self.parts.workflows.push(workflow.into_workflow());
         self
     }
@@ -512,7 +520,7 @@ impl ServiceBuilder {
     /// at build.
     pub fn tenant_workflows<F>(mut self, declared: &[(&str, u32)], make: F) -> Self
     where
-        F: Fn(&TenantInfo) -> Result<Vec<Workflow<SqliteWorkflows>>> + Send + Sync + 'static,
+        F: Fn(&TenantInfo) -> Result<Vec<Workflow<B::Workflows>>> + Send + Sync + 'static,
     {
         let declared = declared.iter().map(|(n, v)| (n.to_string(), *v)).collect();
         self.parts.tenant_workflows.push(TenantWorkflows { declared, make: Arc::new(make) });
@@ -522,7 +530,7 @@ impl ServiceBuilder {
     /// A migration of the user's own tables in `database`, run (once, in order, each in its
     /// own transaction) when a tenant opens, before its threads start. Recorded apart from
     /// tidemark's own schema version (docs/library.md, "Your tables and their migrations").
-    pub fn migration(mut self, database: Database, migration: Migration) -> Self {
+    pub fn migration(mut self, database: Database, migration: B::Migration) -> Self {
         self.parts.migrations.push((database, migration));
         self
     }
@@ -536,13 +544,13 @@ impl ServiceBuilder {
     }
 
     /// Check every registration and the configuration, and open the data folder.
-    pub fn build(mut self) -> Result<Service> {
+    pub fn build(mut self) -> Result<Service<B>> {
         if let Some(error) = self.errors.drain(..).next() {
             return Err(error);
         }
         self.config.validate()?;
-        let registry = Registry::new(self.parts)?;
-        let state = AppState::open(self.config, registry)?;
-        Ok(Service { state, routes: self.routes, started: Mutex::new(false) })
+        let (registry, registrations) = Registry::new(self.parts)?;
+        let state = AppState::open(self.config, registry, registrations, self.backend)?;
+        Ok(Service { state, routes: self.routes, started: Mutex::new(false), backend: std::marker::PhantomData })
     }
 }

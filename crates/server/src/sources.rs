@@ -15,6 +15,7 @@ use tidemark_core::store::{ConsumerStore, ReceiveOutcome};
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_transport::{Inbox, Source, SourceReport};
 
+use crate::backend::Backend;
 use crate::config::SourceConfig;
 use crate::tenant::Tenant;
 use crate::AppState;
@@ -37,7 +38,7 @@ fn retry_pause_ms(failures: u32) -> u64 {
 }
 
 /// Start the loops of the sources configured for `tenant`.
-pub fn start(state: &AppState, tenant: &Arc<Tenant>) {
+pub fn start<B: Backend>(state: &AppState, tenant: &Arc<Tenant<B>>) {
     for source in state.config.sources.iter().filter(|s| s.tenant == tenant.id) {
         let handle = tokio::spawn(source_loop(state.clone(), tenant.clone(), source.clone()));
         let name = format!("{}/source/{}", tenant.id, source.consumer);
@@ -46,12 +47,12 @@ pub fn start(state: &AppState, tenant: &Arc<Tenant>) {
 }
 
 /// The declared consumer's inbox in its tenant (its handler's database), as a source delivers to it.
-struct ConsumerInbox {
+struct ConsumerInbox<B: Backend> {
     state: AppState,
-    tenant: Arc<Tenant>,
+    tenant: Arc<Tenant<B>>,
 }
 
-impl Inbox for ConsumerInbox {
+impl<B: Backend> Inbox for ConsumerInbox<B> {
     fn receive<'a>(
         &'a self,
         consumer_id: &'a str,
@@ -80,7 +81,7 @@ impl Inbox for ConsumerInbox {
     }
 }
 
-async fn source_loop(state: AppState, tenant: Arc<Tenant>, config: SourceConfig) -> Value {
+async fn source_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, config: SourceConfig) -> Value {
     let inbox = ConsumerInbox { state: state.clone(), tenant: tenant.clone() };
     let transport = state.config.transport_config();
     // Checked when the configuration was loaded.

@@ -10,7 +10,8 @@ use serde::Serialize;
 use tidemark_core::Result;
 use tidemark_store_sqlite::stats::{self, InboxCounts, OutboxCounts};
 
-use crate::now_ms;
+use crate::backend::Backend;
+use crate::registry::TenantInfo;
 use crate::tenant::Tenant;
 
 /// What the dashboard and `/metrics` show of one tenant's stored state, read in one go.
@@ -48,26 +49,31 @@ impl StatsReader {
             workflows: open_reader(&workflows)?,
         })
     }
+
+    /// The counts of the tenant `tenant`, read through these connections.
+    pub fn read(&self, tenant: &TenantInfo, now_ms: i64) -> Result<TenantStats> {
+        // Both outboxes: the producer's and the workflow database's.
+        let mut outbox = stats::outbox_counts(&self.producer, now_ms)?;
+        outbox.absorb(stats::outbox_counts(&self.workflows, now_ms)?);
+        let mut inbox = stats::inbox_counts(&self.inbox)?;
+        inbox.extend(stats::inbox_counts(&self.workflows)?);
+        let runs = stats::run_counts(&self.workflows)?;
+        let wal_bytes = Tenant::files(&tenant.dir)
+            .into_iter()
+            .map(|(name, path)| (name.to_string(), stats::wal_bytes(&path)))
+            .collect();
+        Ok(TenantStats { tenant: tenant.id.clone(), outbox, inbox, runs, wal_bytes })
+    }
 }
 
 impl TenantStats {
-    /// Read the tenant's counts through its read-only connections, on a blocking thread (never on
-    /// the store threads).
-    pub async fn read(tenant: &Arc<Tenant>) -> Result<TenantStats> {
+    /// Read the tenant's counts through what its backend reads them with, on a blocking thread
+    /// (never on the store threads).
+    pub async fn read<B: Backend>(tenant: &Arc<Tenant<B>>) -> Result<TenantStats> {
         let tenant = Arc::clone(tenant);
         tokio::task::spawn_blocking(move || {
             let reader = tenant.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            // Both outboxes: the producer's and the workflow database's.
-            let mut outbox = stats::outbox_counts(&reader.producer, now_ms())?;
-            outbox.absorb(stats::outbox_counts(&reader.workflows, now_ms())?);
-            let mut inbox = stats::inbox_counts(&reader.inbox)?;
-            inbox.extend(stats::inbox_counts(&reader.workflows)?);
-            let runs = stats::run_counts(&reader.workflows)?;
-            let wal_bytes = Tenant::files(&tenant.dir)
-                .into_iter()
-                .map(|(name, path)| (name.to_string(), stats::wal_bytes(&path)))
-                .collect();
-            Ok(TenantStats { tenant: tenant.id.clone(), outbox, inbox, runs, wal_bytes })
+            tenant.backend.read_stats(&reader, &tenant.info, crate::now_ms())
         })
         .await
         .map_err(|e| tidemark_core::Error::store(format!("the stats reader thread failed: {e}")))?
@@ -87,7 +93,9 @@ impl TenantStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Sqlite;
     use crate::config::Config;
+    use crate::now_ms;
 
     /// The counts are read through the tenant's own read-only connections: they are answered
     /// while every store thread of the tenant is held inside a call (as during a long group
@@ -96,8 +104,8 @@ mod tests {
     async fn counts_are_read_while_the_store_threads_are_busy() {
         let dir = tempfile::tempdir().unwrap();
         let config = Config { data_dir: dir.path().to_path_buf(), ..Config::default() };
-        let registry = crate::registry::Registry::new(Default::default()).unwrap();
-        let tenant = Arc::new(Tenant::open(&config, &registry, "acme", now_ms, None).unwrap());
+        let (_, registrations) = crate::registry::Registry::new::<Sqlite>(Default::default()).unwrap();
+        let tenant = Arc::new(Tenant::open(&config, &registrations, Arc::new(Sqlite), "acme", now_ms, None).unwrap());
         let before = TenantStats::read(&tenant).await.unwrap();
         assert_eq!(before.outbox.last_position, 0);
 

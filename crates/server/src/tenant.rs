@@ -1,4 +1,6 @@
-//! One tenant's files and the threads that own them.
+//! One tenant's stores and the threads that own them.
+//!
+//! On SQLite ([`crate::backend::Sqlite`]) a tenant is a folder:
 //!
 //! ```text
 //! <data>/tenants/<tenant>/producer.db   flows, outbox, subscriptions, deliveries (source = tenant id)
@@ -12,8 +14,8 @@
 //! by the transaction that must change them ([`Database`]); their migrations run when the
 //! tenant opens, before any of its threads starts.
 //!
-//! **Isolation invariant:** a tenant's data is only ever in its own folder, and a request is
-//! served from the folder of the tenant its token is bound to. No query can mix two tenants.
+//! **Isolation invariant:** a tenant's data is only ever in its own stores, and a request is
+//! served from the stores of the tenant its token is bound to. No query can mix two tenants.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -21,33 +23,31 @@ use std::sync::Arc;
 
 use tidemark_core::error::codes;
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest, MachineSet};
-use tidemark_core::policy::RetentionPolicy;
-use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, ProducerStore, ReceiveOutcome};
+use tidemark_core::store::{ConsumerStore, DrainReport, DrainScope, Handler, ProducerStore, ReceiveOutcome};
 use tidemark_core::workflow::{RunDetail, StartOutcome, StartRequest, WorkflowStore};
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::workflow::{RunHandle, Worker, WorkerObserver, WorkerOptions, Workflows, Writer};
-use tidemark_store_sqlite::{
-    apply_migrations, Durability, ProducerTransaction, SqliteConsumer, SqliteEndpoints, SqliteProducer, SqliteWorkflows,
-};
+use tidemark_store_sqlite::ProducerTransaction;
 
 use crate::actor::{Actor, GroupCommit};
+use crate::backend::{Backend, Sqlite};
 use crate::config::Config;
-use crate::registry::{BoxedHandler, Database, Registry, TenantInfo};
+use crate::registry::{Database, Registrations, TenantInfo};
 
 /// The producer thread: advances in group commits; relay passes, transactions and reads as
 /// calls.
-pub struct ProducerThread {
+pub struct ProducerThread<B: Backend = Sqlite> {
     /// The tenant's producer store.
-    pub store: SqliteProducer,
-    /// The consumer databases the relay delivers to.
-    pub endpoints: SqliteEndpoints,
+    pub store: B::Producer,
+    /// The consumer stores the relay delivers to.
+    pub endpoints: B::Endpoints,
     /// The service's clock.
     pub clock: fn() -> i64,
     /// The service's machines (a request's state tells which one decides it).
     pub machines: Arc<MachineSet>,
 }
 
-impl GroupCommit for ProducerThread {
+impl<B: Backend> GroupCommit for ProducerThread<B> {
     type Item = AdvanceRequest;
     type Answer = AdvanceOutcome;
 
@@ -56,17 +56,20 @@ impl GroupCommit for ProducerThread {
     }
 }
 
+/// A consumer handler as a tenant's inbox thread runs it: boxed, on the backend's transaction.
+pub type BoxedHandler<B> = Box<dyn Handler<<B as Backend>::Tx> + Send>;
+
 /// An inbox thread: receives in group commits; drains and reads as calls.
-pub struct InboxThread {
+pub struct InboxThread<B: Backend = Sqlite> {
     /// The consumer store of this inbox database.
-    pub store: SqliteConsumer,
+    pub store: B::Consumer,
     /// The service's clock.
     pub clock: fn() -> i64,
     /// One instance of every handler registered on this database.
-    pub handlers: BTreeMap<String, BoxedHandler>,
+    pub handlers: BTreeMap<String, BoxedHandler<B>>,
 }
 
-impl InboxThread {
+impl<B: Backend> InboxThread<B> {
     /// Drain `consumer_id`'s inbox with its handler `handler` (at most `limit` events, one
     /// transaction).
     pub fn drain(&mut self, consumer_id: &str, handler: &str, scope: &DrainScope, limit: usize) -> Result<DrainReport> {
@@ -78,7 +81,7 @@ impl InboxThread {
     }
 }
 
-impl GroupCommit for InboxThread {
+impl<B: Backend> GroupCommit for InboxThread<B> {
     type Item = (String, Envelope);
     type Answer = ReceiveOutcome;
 
@@ -89,109 +92,145 @@ impl GroupCommit for InboxThread {
 }
 
 /// One open tenant: its store threads, its workflow writer and worker.
-pub struct Tenant {
+pub struct Tenant<B: Backend = Sqlite> {
     /// The tenant's id.
     pub id: String,
-    /// Its folder.
+    /// Its folder (on SQLite its databases are in it; a registration may keep files of its own
+    /// there on any backend).
     pub dir: PathBuf,
-    /// The thread that owns `producer.db`.
-    pub producer: Actor<ProducerThread>,
-    /// The thread that owns the outbox of `workflows.db`: the events transactional steps commit
-    /// with their journal entry (`advance_committed_in(tx, ...)`), source `<tenant>.workflows`.
-    pub runs_outbox: Actor<ProducerThread>,
-    /// The thread that owns the consumer tables of `inbox.db`.
-    pub inbox: Actor<InboxThread>,
-    /// The thread that owns the consumer tables of `workflows.db`.
-    pub runs_inbox: Actor<InboxThread>,
-    /// The thread that owns the workflow tables of `workflows.db` (group commit of journals).
-    pub writer: Writer<SqliteWorkflows>,
+    /// What registrations are told about it.
+    pub info: TenantInfo,
+    /// The backend its stores are on.
+    pub backend: Arc<B>,
+    /// The thread that owns the producer database.
+    pub producer: Actor<ProducerThread<B>>,
+    /// The thread that owns the outbox of the workflow database: the events transactional steps
+    /// commit with their journal entry (`advance_committed_in(tx, ...)`), source
+    /// `<tenant>.workflows`.
+    pub runs_outbox: Actor<ProducerThread<B>>,
+    /// The thread that owns the consumer tables of the inbox database.
+    pub inbox: Actor<InboxThread<B>>,
+    /// The thread that owns the consumer tables of the workflow database.
+    pub runs_inbox: Actor<InboxThread<B>>,
+    /// The thread that owns the workflow tables of the workflow database (group commit of
+    /// journals).
+    pub writer: Writer<B::Workflows>,
     /// The tenant's workflow worker (none when the service registers no workflow).
-    pub worker: Option<Arc<Worker<SqliteWorkflows>>>,
+    pub worker: Option<Arc<Worker<B::Workflows>>>,
     /// The workflows the worker runs (for checking starts before anything is written).
-    pub workflows: Workflows<SqliteWorkflows>,
+    pub workflows: Workflows<B::Workflows>,
     /// The service's machines (what advances are checked against before they are queued).
     pub machines: Arc<MachineSet>,
-    /// Read-only connections for the counts of `/metrics` and the dashboard.
-    pub stats: std::sync::Mutex<crate::stats::StatsReader>,
+    /// What the counts of `/metrics` and the dashboard are read through.
+    pub stats: std::sync::Mutex<B::Stats>,
     /// The relay lanes running for the network endpoints of its outboxes.
     pub lanes: crate::lanes::Lanes,
 }
 
-impl Tenant {
-    /// The databases of a tenant folder, by name.
+impl Tenant<Sqlite> {
+    /// The databases of a tenant folder on SQLite, by name.
     pub fn files(dir: &Path) -> [(&'static str, PathBuf); 3] {
         [Database::Producer, Database::Inbox, Database::Workflows].map(|d| (d.file_name(), dir.join(d.file_name())))
     }
 
-    /// The folder of tenant `id` in the data folder `data_dir`.
-    pub fn dir_of(data_dir: &Path, id: &str) -> PathBuf {
-        data_dir.join("tenants").join(id)
+    /// Run `f` in one transaction of the producer database, on its thread: the user's own rows
+    /// and advances commit together or not at all (see
+    /// [`tidemark_store_sqlite::SqliteProducer::transaction`]). `f` gets the transaction and the
+    /// service's machines.
+    pub async fn transaction<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&ProducerTransaction<'_>, &MachineSet) -> Result<T> + Send + 'static,
+    {
+        self.producer
+            .call(move |p| {
+                let machines = p.machines.clone();
+                let now = (p.clock)();
+                p.store.transaction(now, |tx| f(tx, &machines))
+            })
+            .await
     }
+}
 
-    /// Open (creating on first use, never resetting) the tenant's files, run the registered
+/// The folder of tenant `id` in the data folder `data_dir`.
+pub fn dir_of(data_dir: &Path, id: &str) -> PathBuf {
+    data_dir.join("tenants").join(id)
+}
+
+/// The source (producer namespace) of the workflow database's outbox: `<tenant>.workflows`
+/// (tenant ids have no dot, so it is never another tenant's).
+pub fn workflow_source(id: &str) -> String {
+    format!("{id}.workflows")
+}
+
+impl<B: Backend> Tenant<B> {
+    /// Open (creating on first use, never resetting) the tenant's stores, run the registered
     /// migrations, and start its threads. `observer` is told what the tenant's workflow worker
     /// does (metrics, logs).
     pub fn open(
         config: &Config,
-        registry: &Registry,
+        registrations: &Registrations<B>,
+        backend: Arc<B>,
         id: &str,
         clock: fn() -> i64,
         observer: Option<Arc<dyn WorkerObserver>>,
-    ) -> Result<Tenant> {
+    ) -> Result<Tenant<B>> {
         tidemark_core::tenancy::validate_tenant_id(id)?;
         let durability = config.durability()?;
-        let dir = Self::dir_of(&config.data_dir, id);
+        let dir = dir_of(&config.data_dir, id);
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(format!("cannot create {}: {e}", dir.display())))?;
         let info = TenantInfo { id: id.to_string(), dir: dir.clone(), durability };
-        let path = |database: Database| dir.join(database.file_name());
+        let machines = Arc::new(registrations.machines.clone());
+        let batch_max = config.limits.group_commit_max;
 
-        drop(SqliteProducer::init(&path(Database::Producer), id)?);
-        let mut store = SqliteProducer::open_with(&path(Database::Producer), durability)?;
-        apply_migrations(store.connection(), registry.migrations_of(Database::Producer), clock())?;
-        let machines = Arc::new(registry.machines().clone());
+        let (store, endpoints) = backend.open_producer(
+            &info,
+            Database::Producer,
+            id,
+            registrations.migrations_of(Database::Producer),
+            clock(),
+        )?;
         let producer = Actor::spawn(
             format!("producer-{id}"),
-            ProducerThread { store, endpoints: SqliteEndpoints::new(durability), clock, machines: machines.clone() },
-            config.limits.group_commit_max,
+            ProducerThread { store, endpoints, clock, machines: machines.clone() },
+            batch_max,
         )?;
-
-        let inbox_store = open_consumer(&path(Database::Inbox), durability)?;
-        apply_migrations(inbox_store.connection(), registry.migrations_of(Database::Inbox), clock())?;
+        let inbox_store =
+            backend.open_consumer(&info, Database::Inbox, registrations.migrations_of(Database::Inbox), clock())?;
         let inbox = Actor::spawn(
             format!("inbox-{id}"),
-            InboxThread { store: inbox_store, clock, handlers: registry.handlers_of(Database::Inbox) },
-            config.limits.group_commit_max,
+            InboxThread { store: inbox_store, clock, handlers: registrations.handlers_of(Database::Inbox) },
+            batch_max,
         )?;
-        // Workflow tables, consumer tables and the user's workflow tables in one file.
-        let workflows_path = path(Database::Workflows);
-        drop(SqliteWorkflows::init_with(&workflows_path, durability)?);
-        // The workflow database is a producer too, so that a transactional step can commit an
-        // event with its journal entry; its relay runs beside the main producer's.
-        drop(SqliteProducer::init(&workflows_path, &Self::workflow_source(id))?);
+        // Workflow tables, consumer tables and the user's workflow tables in one database. It is
+        // a producer too, so that a transactional step can commit an event with its journal
+        // entry; its relay runs beside the main producer's.
+        let (store, endpoints) =
+            backend.open_producer(&info, Database::Workflows, &workflow_source(id), &[], clock())?;
         let runs_outbox = Actor::spawn(
             format!("runs-outbox-{id}"),
-            ProducerThread {
-                store: SqliteProducer::open_with(&workflows_path, durability)?,
-                endpoints: SqliteEndpoints::new(durability),
-                clock,
-                machines: machines.clone(),
-            },
-            config.limits.group_commit_max,
+            ProducerThread { store, endpoints, clock, machines: machines.clone() },
+            batch_max,
         )?;
-        let runs_store = open_consumer(&workflows_path, durability)?;
-        apply_migrations(runs_store.connection(), registry.migrations_of(Database::Workflows), clock())?;
+        let runs_store = backend.open_consumer(
+            &info,
+            Database::Workflows,
+            registrations.migrations_of(Database::Workflows),
+            clock(),
+        )?;
         let runs_inbox = Actor::spawn(
             format!("runs-inbox-{id}"),
-            InboxThread { store: runs_store, clock, handlers: registry.handlers_of(Database::Workflows) },
-            config.limits.group_commit_max,
+            InboxThread { store: runs_store, clock, handlers: registrations.handlers_of(Database::Workflows) },
+            batch_max,
         )?;
 
-        let workflows = registry.workflows_for(&info)?;
+        let workflows = registrations.workflows_for(&info)?;
         // The registered queues are declared as the writer thread opens the store (never a
         // blocking call from here: a tenant may open inside an async task).
-        let queues = registry.queues.clone();
+        let queues = registrations.queues.clone();
+        let (opener, opened_for) = (backend.clone(), info.clone());
         let writer = Writer::spawn(move || {
-            let mut store = SqliteWorkflows::open_with(&workflows_path, durability)?;
+            let mut store = opener.open_workflows(&opened_for)?;
             for queue in &queues {
                 tidemark_core::queue::QueueStore::put_queue(&mut store, queue, clock())?;
             }
@@ -213,10 +252,12 @@ impl Tenant {
             }
             Some(Arc::new(worker))
         };
-        let stats = std::sync::Mutex::new(crate::stats::StatsReader::open(&dir)?);
+        let stats = std::sync::Mutex::new(backend.open_stats(&info)?);
         Ok(Tenant {
             id: id.to_string(),
             dir,
+            info,
+            backend,
             producer,
             runs_outbox,
             inbox,
@@ -230,21 +271,15 @@ impl Tenant {
         })
     }
 
-    /// The source (producer namespace) of the workflow database's outbox: `<tenant>.workflows`
-    /// (tenant ids have no dot, so it is never another tenant's).
-    pub fn workflow_source(id: &str) -> String {
-        format!("{id}.workflows")
-    }
-
-    /// The tenant's two outboxes: `producer.db`'s, then `workflows.db`'s. Event ids are unique
-    /// across both (they are UUIDs), so an operator names a delivery by event without saying
-    /// which.
-    pub fn outboxes(&self) -> [&Actor<ProducerThread>; 2] {
+    /// The tenant's two outboxes: the producer database's, then the workflow database's. Event
+    /// ids are unique across both (they are UUIDs), so an operator names a delivery by event
+    /// without saying which.
+    pub fn outboxes(&self) -> [&Actor<ProducerThread<B>>; 2] {
         [&self.producer, &self.runs_outbox]
     }
 
     /// The thread of a consumer database (`Producer` is not one: `invalid_argument`).
-    pub fn inbox_of(&self, database: Database) -> Result<&Actor<InboxThread>> {
+    pub fn inbox_of(&self, database: Database) -> Result<&Actor<InboxThread<B>>> {
         match database {
             Database::Inbox => Ok(&self.inbox),
             Database::Workflows => Ok(&self.runs_inbox),
@@ -254,9 +289,9 @@ impl Tenant {
         }
     }
 
-    /// The endpoint (consumer database path) a subscription of this tenant delivers to.
+    /// The endpoint (consumer database) a subscription of this tenant delivers to.
     pub fn endpoint(&self, database: Database) -> String {
-        self.dir.join(database.file_name()).to_string_lossy().into_owned()
+        self.backend.endpoint(&self.info, database)
     }
 
     /// Advance a flow (group-committed with concurrent advances): answered after the commit.
@@ -264,23 +299,6 @@ impl Tenant {
         // Validated here, so a bad request never reaches (or fails) a group commit.
         tidemark_core::flow::validate_request(self.machines.as_ref(), &request)?;
         self.producer.submit(request).await
-    }
-
-    /// Run `f` in one transaction of the producer database, on its thread: the user's own rows
-    /// and advances commit together or not at all (see
-    /// [`SqliteProducer::transaction`]). `f` gets the transaction and the service's machines.
-    pub async fn transaction<T, F>(&self, f: F) -> Result<T>
-    where
-        T: Send + 'static,
-        F: FnOnce(&ProducerTransaction<'_>, &MachineSet) -> Result<T> + Send + 'static,
-    {
-        self.producer
-            .call(move |p| {
-                let machines = p.machines.clone();
-                let now = (p.clock)();
-                p.store.transaction(now, |tx| f(tx, &machines))
-            })
-            .await
     }
 
     /// Start runs, checked against the tenant's workflows first (nothing is written for a
@@ -296,7 +314,7 @@ impl Tenant {
     /// (`handle.result::<O>().await`). The same checks and idempotency as [`Tenant::start`]: the
     /// same run id with the same input is the existing run's handle; with another input or
     /// workflow it is `run_conflict`.
-    pub async fn start_run(&self, request: StartRequest) -> Result<RunHandle<SqliteWorkflows>> {
+    pub async fn start_run(&self, request: StartRequest) -> Result<RunHandle<B::Workflows>> {
         let outcome = self.start(vec![request]).await?.remove(0);
         match outcome {
             StartOutcome::Started { run_id } | StartOutcome::Existing { run_id, .. } => self.handle(&run_id),
@@ -308,13 +326,13 @@ impl Tenant {
     }
 
     /// The handle of run `run_id` (started earlier, by anyone), to await its end.
-    pub fn handle(&self, run_id: &str) -> Result<RunHandle<SqliteWorkflows>> {
+    pub fn handle(&self, run_id: &str) -> Result<RunHandle<B::Workflows>> {
         tidemark_core::id::validate_id("run_id", run_id)?;
         Ok(RunHandle::new(self.worker()?.clone(), run_id))
     }
 
     /// The worker, or `unknown_workflow` when the service registers no workflow.
-    pub fn worker(&self) -> Result<&Arc<Worker<SqliteWorkflows>>> {
+    pub fn worker(&self) -> Result<&Arc<Worker<B::Workflows>>> {
         self.worker.as_ref().ok_or_else(|| {
             Error::invalid(
                 tidemark_core::workflow::workflow_codes::UNKNOWN_WORKFLOW,
@@ -328,12 +346,6 @@ impl Tenant {
         let run_id = run_id.to_string();
         self.writer.call(move |store, _| store.run(&run_id)).await
     }
-}
-
-fn open_consumer(path: &Path, durability: Durability) -> Result<SqliteConsumer> {
-    // Creates the file on first use; never resets (the first horizon is kept).
-    drop(SqliteConsumer::init(path, RetentionPolicy::default())?);
-    SqliteConsumer::open_with(path, durability)
 }
 
 #[cfg(test)]

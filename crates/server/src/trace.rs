@@ -2,7 +2,6 @@
 //! caller's trace (with the `otel` feature), an advance's event carries it on, and applying an
 //! event that carries one runs in a span of that trace (docs/protocol.md, "Trace context").
 
-use rusqlite::Connection;
 use tidemark_core::store::{HandleError, Handler};
 use tidemark_core::Envelope;
 
@@ -58,10 +57,10 @@ pub fn current() -> Option<String> {
 
 /// A handler that applies each event carrying a trace context inside an `apply` span of that
 /// trace; events without one are applied as they are (no span).
-pub struct Traced<'a>(pub &'a mut dyn Handler<Connection>);
+pub struct Traced<'a, T: ?Sized>(pub &'a mut (dyn Handler<T> + Send));
 
-impl Handler<Connection> for Traced<'_> {
-    fn handle(&mut self, target: &Connection, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
+impl<T: ?Sized> Handler<T> for Traced<'_, T> {
+    fn handle(&mut self, target: &T, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
         let Some(traceparent) = event.traceparent.as_deref() else {
             return self.0.handle(target, consumer_id, event);
         };

@@ -525,7 +525,7 @@ fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCo
         control.create_token(&token, TENANT, Scope::Admin, "bench --serve", tidemark_engine::now_ms())?;
     }
     let server = Server::start(command, &config, &dir.join("server.log"))?;
-    let tenant_dir = tidemark_server::Tenant::dir_of(&data, TENANT);
+    let tenant_dir = tidemark_server::tenant::dir_of(&data, TENANT);
     let target = Arc::new(Target {
         addr: server.addr.clone(),
         authorization: format!("Bearer {}", token.text()),

@@ -20,7 +20,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{answer, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
-use crate::auth::Caller;
+use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -106,10 +106,12 @@ fn advanced(outcome: AdvanceOutcome) -> Response {
     answer(status, serde_json::to_value(&outcome).expect("outcomes serialise"))
 }
 
-async fn submit(caller: &Caller, request: AdvanceRequest) -> ApiResult {
-    // Validated before it is queued, so a bad request never reaches (or fails) a group commit.
-    let outcome = caller.tenant.advance(request).await?;
-    Ok(advanced(outcome))
+async fn submit(caller: &AnyCaller, request: AdvanceRequest) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        // Validated before it is queued, so a bad request never reaches (or fails) a group commit.
+        let outcome = tenant.advance(request).await?;
+        Ok(advanced(outcome))
+    })
 }
 
 /// The trace context the committed event carries: with the `otel` feature and spans exported,
@@ -170,15 +172,17 @@ fn advance_input(body: &AdvanceBody) -> Result<Value, Error> {
     security(("bearer" = ["operate"]))
 )]
 async fn advance(
-    caller: Caller,
+    caller: AnyCaller,
     headers: HeaderMap,
     Path(flow_id): Path<String>,
     Json(body): Json<AdvanceBody>,
 ) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    let mut request = body.request(flow_id, &caller.tenant.machines)?;
-    request.traceparent = traceparent_of(&headers);
-    submit(&caller, request).await
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let mut request = body.request(flow_id, &tenant.machines)?;
+        request.traceparent = traceparent_of(&headers);
+        submit(&caller, request).await
+    })
 }
 
 impl AdvanceBody {
@@ -237,7 +241,7 @@ impl AdvanceBody {
     security(("bearer" = ["operate"]))
 )]
 async fn append(
-    caller: Caller,
+    caller: AnyCaller,
     headers: HeaderMap,
     Path(flow_id): Path<String>,
     Json(body): Json<AppendBody>,
@@ -308,68 +312,70 @@ pub struct FlowView {
     ),
     security(("bearer" = ["read"]))
 )]
-async fn flow(State(state): State<AppState>, caller: Caller, Path(flow_id): Path<String>) -> ApiResult {
+async fn flow(State(state): State<AppState>, caller: AnyCaller, Path(flow_id): Path<String>) -> ApiResult {
     let view = flow_view(&state, &caller, flow_id).await?;
     Ok(typed(StatusCode::OK, view))
 }
 
 /// What `GET /v1/flows/{flow_id}` answers (shared with the dashboard).
-pub(crate) async fn flow_view(state: &AppState, caller: &Caller, flow_id: String) -> Result<FlowView, ApiError> {
-    caller.require(Scope::Read)?;
-    validate_id("flow_id", &flow_id)?;
-    let tenant = caller.tenant.clone();
-    // The producer's flow, else a flow of the workflow database's outbox (the flows that
-    // transactional steps advance).
-    let id = flow_id.clone();
-    let mut record = tenant.producer.call(move |p| p.store.flow(&id)).await?;
-    let mut source = tenant.id.clone();
-    if record.is_none() {
+pub(crate) async fn flow_view(state: &AppState, caller: &AnyCaller, flow_id: String) -> Result<FlowView, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("flow_id", &flow_id)?;
+        let tenant = tenant.clone();
+        // The producer's flow, else a flow of the workflow database's outbox (the flows that
+        // transactional steps advance).
         let id = flow_id.clone();
-        record = tenant.runs_outbox.call(move |p| p.store.flow(&id)).await?;
-        if record.is_some() {
-            source = crate::tenant::Tenant::workflow_source(&tenant.id);
+        let mut record = tenant.producer.call(move |p| p.store.flow(&id)).await?;
+        let mut source = tenant.id.clone();
+        if record.is_none() {
+            let id = flow_id.clone();
+            record = tenant.runs_outbox.call(move |p| p.store.flow(&id)).await?;
+            if record.is_some() {
+                source = crate::tenant::workflow_source(&tenant.id);
+            }
         }
-    }
-    let mut consumers = Vec::new();
-    for consumer in state.consumers(&tenant.id)? {
-        let database = state.registry.handler_database(&consumer.handler)?;
-        let (id, cid, src) = (flow_id.clone(), consumer.consumer_id.clone(), source.clone());
-        let (high_water_seq, open) = tenant
-            .inbox_of(database)?
-            .call(move |t| {
-                let high = t
-                    .store
-                    .cursors(Some(&cid))?
-                    .into_iter()
-                    .find(|c| c.source == src && c.flow_id == id)
-                    .map_or(0, |c| c.high_water_seq);
-                // Open records are pending or blocked: read only those (not the applied history,
-                // which would crowd them out of the page).
-                let mut open = Vec::new();
-                for status in [InboxStatus::Pending, InboxStatus::Blocked] {
-                    open.extend(
-                        t.store
-                            .inbox(&cid, Some(status), tidemark_core::limits::PAGE_SIZE_MAX)?
-                            .into_iter()
-                            .filter(|r| r.envelope.source == src && r.envelope.flow_id == id && r.envelope.seq > high),
-                    );
-                }
-                open.sort_by_key(|r| r.envelope.seq);
-                Ok((high, open))
-            })
-            .await?;
-        consumers.push(FlowConsumer {
-            consumer_id: consumer.consumer_id,
-            handler: consumer.handler,
-            high_water_seq,
-            open,
-        });
-    }
-    if record.is_none() && consumers.iter().all(|c| c.high_water_seq == 0) {
-        return Err(Error::not_found(format!("no flow {flow_id:?}")).into());
-    }
-    let machine = record.as_ref().and_then(|r| tenant.machines.owner_of(&r.state.state)).map(|m| m.name().to_string());
-    Ok(FlowView { flow_id, source, producer: record, machine, consumers })
+        let mut consumers = Vec::new();
+        for consumer in state.consumers(&tenant.id)? {
+            let database = state.registry.handler_database(&consumer.handler)?;
+            let (id, cid, src) = (flow_id.clone(), consumer.consumer_id.clone(), source.clone());
+            let (high_water_seq, open) = tenant
+                .inbox_of(database)?
+                .call(move |t| {
+                    let high = t
+                        .store
+                        .cursors(Some(&cid))?
+                        .into_iter()
+                        .find(|c| c.source == src && c.flow_id == id)
+                        .map_or(0, |c| c.high_water_seq);
+                    // Open records are pending or blocked: read only those (not the applied history,
+                    // which would crowd them out of the page).
+                    let mut open = Vec::new();
+                    for status in [InboxStatus::Pending, InboxStatus::Blocked] {
+                        open.extend(
+                            t.store
+                                .inbox(&cid, Some(status), tidemark_core::limits::PAGE_SIZE_MAX)?
+                                .into_iter()
+                                .filter(|r| r.envelope.source == src && r.envelope.flow_id == id && r.envelope.seq > high),
+                        );
+                    }
+                    open.sort_by_key(|r| r.envelope.seq);
+                    Ok((high, open))
+                })
+                .await?;
+            consumers.push(FlowConsumer {
+                consumer_id: consumer.consumer_id,
+                handler: consumer.handler,
+                high_water_seq,
+                open,
+            });
+        }
+        if record.is_none() && consumers.iter().all(|c| c.high_water_seq == 0) {
+            return Err(Error::not_found(format!("no flow {flow_id:?}")).into());
+        }
+        let machine = record.as_ref().and_then(|r| tenant.machines.owner_of(&r.state.state)).map(|m| m.name().to_string());
+        Ok(FlowView { flow_id, source, producer: record, machine, consumers })
+    })
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -400,7 +406,7 @@ pub struct DeliveriesPage {
     responses((status = 200, body = DeliveriesPage)),
     security(("bearer" = ["read"]))
 )]
-async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Query<OutboxQuery>) -> ApiResult {
+async fn outbox(State(state): State<AppState>, caller: AnyCaller, Query(query): Query<OutboxQuery>) -> ApiResult {
     let deliveries = deliveries(&state, &caller, query).await?;
     Ok(typed(StatusCode::OK, DeliveriesPage { deliveries }))
 }
@@ -408,44 +414,48 @@ async fn outbox(State(state): State<AppState>, caller: Caller, Query(query): Que
 /// The outbox's deliveries, by status (shared with the dashboard).
 pub(crate) async fn deliveries(
     state: &AppState,
-    caller: &Caller,
+    caller: &AnyCaller,
     query: OutboxQuery,
 ) -> Result<Vec<DeliveryEntry>, ApiError> {
-    caller.require(Scope::Read)?;
-    let status = query
-        .status
-        .map(|s| {
-            DeliveryStatus::parse(&s)
-                .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown delivery status {s:?}")))
-        })
-        .transpose()?;
-    let limit = page_size(state, query.limit)?;
-    // Both outboxes (the producer's, then the workflow database's), at most `limit` in all.
-    let mut all = Vec::new();
-    for outbox in caller.tenant.outboxes() {
-        let left = limit - all.len();
-        if left == 0 {
-            break;
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let status = query
+            .status
+            .map(|s| {
+                DeliveryStatus::parse(&s)
+                    .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown delivery status {s:?}")))
+            })
+            .transpose()?;
+        let limit = page_size(state, query.limit)?;
+        // Both outboxes (the producer's, then the workflow database's), at most `limit` in all.
+        let mut all = Vec::new();
+        for outbox in tenant.outboxes() {
+            let left = limit - all.len();
+            if left == 0 {
+                break;
+            }
+            all.extend(outbox.call(move |p| p.store.deliveries(status, left)).await?);
         }
-        all.extend(outbox.call(move |p| p.store.deliveries(status, left)).await?);
-    }
-    Ok(all)
+        Ok(all)
+    })
 }
 
 /// Run `operation` on the outbox that knows the event: the producer's, else the workflow
 /// database's (event ids are unique across both). The second outbox's `not_found` is the answer
 /// when neither knows it.
-async fn on_the_outbox_of_the_event<T, F>(caller: &Caller, operation: F) -> Result<T, Error>
+async fn on_the_outbox_of_the_event<T, F>(caller: &AnyCaller, operation: F) -> Result<T, Error>
 where
     T: Send + 'static,
     F: Fn(&mut crate::tenant::ProducerThread) -> Result<T, Error> + Clone + Send + 'static,
 {
-    let [producer, runs_outbox] = caller.tenant.outboxes();
-    let first = operation.clone();
-    match producer.call(move |p| first(p)).await {
-        Err(error) if error.code() == codes::NOT_FOUND => runs_outbox.call(move |p| operation(p)).await,
-        answer => answer,
-    }
+    crate::on_tenant!(&caller.tenant, tenant => {
+        let [producer, runs_outbox] = tenant.outboxes();
+        let first = operation.clone();
+        match producer.call(move |p| first(p)).await {
+            Err(error) if error.code() == codes::NOT_FOUND => runs_outbox.call(move |p| operation(p)).await,
+            answer => answer,
+        }
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -493,7 +503,7 @@ pub struct Resolved {
     security(("bearer" = ["operate"]))
 )]
 async fn resolve(
-    caller: Caller,
+    caller: AnyCaller,
     Path((event_id, consumer_id)): Path<(String, String)>,
     Json(body): Json<ResolveBody>,
 ) -> ApiResult {
@@ -503,7 +513,7 @@ async fn resolve(
 
 /// Requeue or dismiss a delivery (shared with the dashboard).
 pub(crate) async fn resolve_delivery(
-    caller: &Caller,
+    caller: &AnyCaller,
     event_id: String,
     consumer_id: String,
     body: ResolveBody,
@@ -580,43 +590,45 @@ pub struct Redelivered {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn redeliver(caller: Caller, Path(consumer_id): Path<String>, Json(body): Json<RedeliverBody>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("consumer_id", &consumer_id)?;
-    let from_event = body.first_event()?;
-    let id = consumer_id.clone();
-    let report = match from_event {
-        // From one event on: in the outbox that holds it.
-        Some(event_id) => on_the_outbox_of_the_event(&caller, move |p| p.store.redeliver(&id, Some(&event_id))).await?,
-        // Everything: both outboxes (a subscriber of either one).
-        None => {
-            let mut total = tidemark_core::store::RedeliverReport::default();
-            let mut subscribed = false;
-            for outbox in caller.tenant.outboxes() {
-                let id = id.clone();
-                match outbox.call(move |p| p.store.redeliver(&id, None)).await {
-                    Ok(report) => {
-                        subscribed = true;
-                        total.redelivered += report.redelivered;
-                        total.pruned += report.pruned;
+async fn redeliver(caller: AnyCaller, Path(consumer_id): Path<String>, Json(body): Json<RedeliverBody>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("consumer_id", &consumer_id)?;
+        let from_event = body.first_event()?;
+        let id = consumer_id.clone();
+        let report = match from_event {
+            // From one event on: in the outbox that holds it.
+            Some(event_id) => on_the_outbox_of_the_event(&caller, move |p| p.store.redeliver(&id, Some(&event_id))).await?,
+            // Everything: both outboxes (a subscriber of either one).
+            None => {
+                let mut total = tidemark_core::store::RedeliverReport::default();
+                let mut subscribed = false;
+                for outbox in tenant.outboxes() {
+                    let id = id.clone();
+                    match outbox.call(move |p| p.store.redeliver(&id, None)).await {
+                        Ok(report) => {
+                            subscribed = true;
+                            total.redelivered += report.redelivered;
+                            total.pruned += report.pruned;
+                        }
+                        Err(error) if error.code() == codes::NOT_FOUND => {}
+                        Err(error) => return Err(error.into()),
                     }
-                    Err(error) if error.code() == codes::NOT_FOUND => {}
-                    Err(error) => return Err(error.into()),
                 }
+                if !subscribed {
+                    return Err(Error::not_found(format!("no subscriber {consumer_id:?}")).into());
+                }
+                total
             }
-            if !subscribed {
-                return Err(Error::not_found(format!("no subscriber {consumer_id:?}")).into());
-            }
-            total
-        }
-    };
-    Ok(typed(
-        StatusCode::OK,
-        Redelivered {
-            outcome: "redelivered".into(),
-            consumer_id,
-            redelivered: report.redelivered,
-            pruned: report.pruned,
-        },
-    ))
+        };
+        Ok(typed(
+            StatusCode::OK,
+            Redelivered {
+                outcome: "redelivered".into(),
+                consumer_id,
+                redelivered: report.redelivered,
+                pruned: report.pruned,
+            },
+        ))
+    })
 }

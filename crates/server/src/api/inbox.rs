@@ -20,8 +20,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
-use crate::auth::Caller;
 use crate::registry::Database;
+use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -35,14 +35,16 @@ pub fn routes() -> OpenApiRouter<AppState> {
 }
 
 /// The declared consumer, or `not_found`.
-fn consumer(state: &AppState, caller: &Caller, consumer_id: &str) -> Result<(ConsumerRecord, Database), Error> {
-    validate_id("consumer_id", consumer_id)?;
-    let tenant_id = caller.tenant.id.clone();
-    let record = state.consumers(&tenant_id)?.into_iter().find(|c| c.consumer_id == consumer_id).ok_or_else(|| {
-        Error::not_found(format!("no consumer {consumer_id:?}; declare it with PUT /v1/consumers/{{id}}"))
-    })?;
-    let database = state.registry.handler_database(&record.handler)?;
-    Ok((record, database))
+fn consumer(state: &AppState, caller: &AnyCaller, consumer_id: &str) -> Result<(ConsumerRecord, Database), Error> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        validate_id("consumer_id", consumer_id)?;
+        let tenant_id = tenant.id.clone();
+        let record = state.consumers(&tenant_id)?.into_iter().find(|c| c.consumer_id == consumer_id).ok_or_else(|| {
+            Error::not_found(format!("no consumer {consumer_id:?}; declare it with PUT /v1/consumers/{{id}}"))
+        })?;
+        let database = state.registry.handler_database(&record.handler)?;
+        Ok((record, database))
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -124,30 +126,32 @@ pub struct HandlerName(String);
 )]
 async fn declare(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Json(body): Json<DeclareBody>,
 ) -> ApiResult {
-    caller.require(Scope::Admin)?;
-    validate_id("consumer_id", &consumer_id)?;
-    let database = state.registry.handler_database(&body.handler)?;
-    let tenant_id = caller.tenant.id.clone();
-    let (record, created) = state.control(|c| c.declare_consumer(&tenant_id, &consumer_id, &body.handler, now_ms()))?;
-    let mut queued = None;
-    if body.subscribe {
-        // To both of the tenant's outboxes: the producer's and the workflow database's.
-        let mut total = 0;
-        for outbox in caller.tenant.outboxes() {
-            let subscription =
-                Subscription { consumer_id: consumer_id.clone(), endpoint: caller.tenant.endpoint(database) };
-            let from_start = body.from_start;
-            total += outbox.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?;
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Admin)?;
+        validate_id("consumer_id", &consumer_id)?;
+        let database = state.registry.handler_database(&body.handler)?;
+        let tenant_id = tenant.id.clone();
+        let (record, created) = state.control(|c| c.declare_consumer(&tenant_id, &consumer_id, &body.handler, now_ms()))?;
+        let mut queued = None;
+        if body.subscribe {
+            // To both of the tenant's outboxes: the producer's and the workflow database's.
+            let mut total = 0;
+            for outbox in tenant.outboxes() {
+                let subscription =
+                    Subscription { consumer_id: consumer_id.clone(), endpoint: tenant.endpoint(database) };
+                let from_start = body.from_start;
+                total += outbox.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?;
+            }
+            queued = Some(total);
         }
-        queued = Some(total);
-    }
-    let status = if created { StatusCode::CREATED } else { StatusCode::OK };
-    let outcome = if created { "declared" } else { "existing" };
-    Ok(typed(status, Declared { outcome: outcome.into(), consumer: record.into(), queued }))
+        let status = if created { StatusCode::CREATED } else { StatusCode::OK };
+        let outcome = if created { "declared" } else { "existing" };
+        Ok(typed(status, Declared { outcome: outcome.into(), consumer: record.into(), queued }))
+    })
 }
 
 #[derive(Serialize, ToSchema)]
@@ -195,24 +199,26 @@ pub struct SkippedRecord {
     responses((status = 200, body = ConsumersPage)),
     security(("bearer" = ["read"]))
 )]
-async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    caller.require(Scope::Read)?;
-    let tenant_id = caller.tenant.id.clone();
-    let consumers = state.consumers(&tenant_id)?;
-    let subscriptions = caller.tenant.producer.call(|p| p.store.subscriptions()).await?;
-    let consumers: Vec<_> = consumers
-        .into_iter()
-        .map(|c| {
-            let subscribed = subscriptions.iter().any(|s| s.consumer_id == c.consumer_id);
-            ConsumerSummary {
-                consumer_id: c.consumer_id,
-                handler: c.handler,
-                created_at_ms: c.created_at_ms,
-                subscribed,
-            }
-        })
-        .collect();
-    Ok(typed(StatusCode::OK, ConsumersPage { consumers }))
+async fn list(State(state): State<AppState>, caller: AnyCaller) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let tenant_id = tenant.id.clone();
+        let consumers = state.consumers(&tenant_id)?;
+        let subscriptions = tenant.producer.call(|p| p.store.subscriptions()).await?;
+        let consumers: Vec<_> = consumers
+            .into_iter()
+            .map(|c| {
+                let subscribed = subscriptions.iter().any(|s| s.consumer_id == c.consumer_id);
+                ConsumerSummary {
+                    consumer_id: c.consumer_id,
+                    handler: c.handler,
+                    created_at_ms: c.created_at_ms,
+                    subscribed,
+                }
+            })
+            .collect();
+        Ok(typed(StatusCode::OK, ConsumersPage { consumers }))
+    })
 }
 
 /// The consumer's high-water mark per flow.
@@ -227,11 +233,13 @@ async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult {
     ),
     security(("bearer" = ["read"]))
 )]
-async fn cursors(State(state): State<AppState>, caller: Caller, Path(consumer_id): Path<String>) -> ApiResult {
-    caller.require(Scope::Read)?;
-    let (_, database) = consumer(&state, &caller, &consumer_id)?;
-    let cursors = caller.tenant.inbox_of(database)?.call(move |t| t.store.cursors(Some(&consumer_id))).await?;
-    Ok(typed(StatusCode::OK, CursorsPage { cursors }))
+async fn cursors(State(state): State<AppState>, caller: AnyCaller, Path(consumer_id): Path<String>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let (_, database) = consumer(&state, &caller, &consumer_id)?;
+        let cursors = tenant.inbox_of(database)?.call(move |t| t.store.cursors(Some(&consumer_id))).await?;
+        Ok(typed(StatusCode::OK, CursorsPage { cursors }))
+    })
 }
 
 /// Store one envelope (the body) durably in the consumer's inbox. 200 `accepted`/`duplicate`;
@@ -256,24 +264,26 @@ async fn cursors(State(state): State<AppState>, caller: Caller, Path(consumer_id
 )]
 async fn receive(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     body: Bytes,
 ) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    let (_, database) = consumer(&state, &caller, &consumer_id)?;
-    if body.len() > ENVELOPE_BYTES_MAX {
-        return Err(Error::invalid(
-            codes::PAYLOAD_TOO_LARGE,
-            format!("an envelope is at most {ENVELOPE_BYTES_MAX} bytes"),
-        )
-        .into());
-    }
-    let envelope = Envelope::parse(&body)?;
-    let outcome = caller.tenant.inbox_of(database)?.submit((consumer_id, envelope)).await?;
-    state.metrics.record_receive(&caller.tenant.id, &outcome);
-    let status = if outcome.is_custody() { StatusCode::OK } else { StatusCode::CONFLICT };
-    Ok(typed::<ReceiveOutcome>(status, outcome))
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let (_, database) = consumer(&state, &caller, &consumer_id)?;
+        if body.len() > ENVELOPE_BYTES_MAX {
+            return Err(Error::invalid(
+                codes::PAYLOAD_TOO_LARGE,
+                format!("an envelope is at most {ENVELOPE_BYTES_MAX} bytes"),
+            )
+            .into());
+        }
+        let envelope = Envelope::parse(&body)?;
+        let outcome = tenant.inbox_of(database)?.submit((consumer_id, envelope)).await?;
+        state.metrics.record_receive(&tenant.id, &outcome);
+        let status = if outcome.is_custody() { StatusCode::OK } else { StatusCode::CONFLICT };
+        Ok(typed::<ReceiveOutcome>(status, outcome))
+    })
 }
 
 /// The body of the batch receive route: envelopes in delivery order.
@@ -333,26 +343,27 @@ pub struct ReceiveBatchAnswer {
 )]
 async fn receive_batch(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Json(body): Json<ReceiveBatchBody>,
 ) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    let (_, database) = consumer(&state, &caller, &consumer_id)?;
-    body.check()?;
-    let events = body.events;
-    let outcomes = caller
-        .tenant
-        .inbox_of(database)?
-        .call(move |t| {
-            let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id.as_str(), e)).collect();
-            t.store.receive_batch(&items, (t.clock)())
-        })
-        .await?;
-    for outcome in &outcomes {
-        state.metrics.record_receive(&caller.tenant.id, outcome);
-    }
-    Ok(typed(StatusCode::OK, ReceiveBatchAnswer { outcomes }))
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let (_, database) = consumer(&state, &caller, &consumer_id)?;
+        body.check()?;
+        let events = body.events;
+        let outcomes = tenant
+            .inbox_of(database)?
+            .call(move |t| {
+                let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id.as_str(), e)).collect();
+                t.store.receive_batch(&items, (t.clock)())
+            })
+            .await?;
+        for outcome in &outcomes {
+            state.metrics.record_receive(&tenant.id, outcome);
+        }
+        Ok(typed(StatusCode::OK, ReceiveBatchAnswer { outcomes }))
+    })
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -382,7 +393,7 @@ pub struct RecordsQuery {
 )]
 async fn records(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Query(query): Query<RecordsQuery>,
 ) -> ApiResult {
@@ -393,21 +404,23 @@ async fn records(
 /// A consumer's inbox records, by status (shared with the dashboard).
 pub(crate) async fn inbox_records(
     state: &AppState,
-    caller: &Caller,
+    caller: &AnyCaller,
     consumer_id: String,
     query: RecordsQuery,
 ) -> Result<Vec<InboxEntry>, ApiError> {
-    caller.require(Scope::Read)?;
-    let (_, database) = consumer(state, caller, &consumer_id)?;
-    let status = query
-        .status
-        .map(|s| {
-            InboxStatus::parse(&s)
-                .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown inbox status {s:?}")))
-        })
-        .transpose()?;
-    let limit = page_size(state, query.limit)?;
-    Ok(caller.tenant.inbox_of(database)?.call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let (_, database) = consumer(state, caller, &consumer_id)?;
+        let status = query
+            .status
+            .map(|s| {
+                InboxStatus::parse(&s)
+                    .ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, format!("unknown inbox status {s:?}")))
+            })
+            .transpose()?;
+        let limit = page_size(state, query.limit)?;
+        Ok(tenant.inbox_of(database)?.call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -438,7 +451,7 @@ pub struct SkipRecordBody {
 )]
 async fn skip(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path((consumer_id, event_id)): Path<(String, String)>,
     Json(body): Json<SkipRecordBody>,
 ) -> ApiResult {
@@ -449,18 +462,19 @@ async fn skip(
 /// Skip a blocked inbox record (shared with the dashboard).
 pub(crate) async fn skip_record(
     state: &AppState,
-    caller: &Caller,
+    caller: &AnyCaller,
     consumer_id: String,
     event_id: String,
     body: SkipRecordBody,
 ) -> Result<InboxEntry, ApiError> {
-    caller.require(Scope::Operate)?;
-    let (_, database) = consumer(state, caller, &consumer_id)?;
-    validate_id("event_id", &event_id)?;
-    validate_reason(&body.reason)?;
-    Ok(caller
-        .tenant
-        .inbox_of(database)?
-        .call(move |t| t.store.skip_blocked(&consumer_id, &event_id, &body.reason, now_ms()))
-        .await?)
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let (_, database) = consumer(state, caller, &consumer_id)?;
+        validate_id("event_id", &event_id)?;
+        validate_reason(&body.reason)?;
+        Ok(tenant
+            .inbox_of(database)?
+            .call(move |t| t.store.skip_blocked(&consumer_id, &event_id, &body.reason, now_ms()))
+            .await?)
+    })
 }

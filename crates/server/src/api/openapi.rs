@@ -388,9 +388,9 @@ mod tests {
     }
 
     fn served() -> Document {
-        let registry =
-            Registry::new(RegistryParts { machines: vec![Arc::new(ReservationMachine)], ..RegistryParts::default() })
-                .expect("a registry");
+        let parts =
+            RegistryParts::<crate::Sqlite> { machines: vec![Arc::new(ReservationMachine)], ..Default::default() };
+        let (registry, _) = Registry::new(parts).expect("a registry");
         let (_, generated) = crate::api::documented_routes().split_for_parts();
         finish(generated, &Config::default(), &registry)
     }

@@ -13,7 +13,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{typed, ApiError, ApiResult, ErrorBody, Json, Path};
-use crate::auth::Caller;
+use crate::AnyCaller;
 use crate::AppState;
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -60,25 +60,29 @@ pub struct QueuesPage {
     responses((status = 200, body = QueueSpec), (status = 400, description = "`invalid_argument` (a zero limit)", body = ErrorBody)),
     security(("bearer" = ["operate"]))
 )]
-async fn put(caller: Caller, Path(name): Path<String>, Json(body): Json<QueueBody>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    let spec = body.spec(name)?;
-    let spec = caller.tenant.writer.call(move |store, now| store.put_queue(&spec, now)).await?;
-    Ok(typed(StatusCode::OK, spec))
+async fn put(caller: AnyCaller, Path(name): Path<String>, Json(body): Json<QueueBody>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let spec = body.spec(name)?;
+        let spec = tenant.writer.call(move |store, now| store.put_queue(&spec, now)).await?;
+        Ok(typed(StatusCode::OK, spec))
+    })
 }
 
 /// Every queue with its counts.
 #[utoipa::path(get, path = "/v1/queues", tag = "queues", responses((status = 200, body = QueuesPage)),
     security(("bearer" = ["read"])))]
-async fn list(caller: Caller) -> ApiResult {
+async fn list(caller: AnyCaller) -> ApiResult {
     let queues = queues(&caller).await?;
     Ok(typed(StatusCode::OK, QueuesPage { queues }))
 }
 
 /// Every queue with its counts (shared with the dashboard).
-pub(crate) async fn queues(caller: &Caller) -> Result<Vec<QueueState>, ApiError> {
-    caller.require(Scope::Read)?;
-    Ok(caller.tenant.writer.call(|store, now| store.queues(now)).await?)
+pub(crate) async fn queues(caller: &AnyCaller) -> Result<Vec<QueueState>, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        Ok(tenant.writer.call(|store, now| store.queues(now)).await?)
+    })
 }
 
 /// One queue: its limits, runs in progress, admitted in the rate period, waiting, and the next
@@ -91,16 +95,18 @@ pub(crate) async fn queues(caller: &Caller) -> Result<Vec<QueueState>, ApiError>
     responses((status = 200, body = QueueState), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["read"]))
 )]
-async fn show(caller: Caller, Path(name): Path<String>) -> ApiResult {
+async fn show(caller: AnyCaller, Path(name): Path<String>) -> ApiResult {
     let state = queue(&caller, name).await?;
     Ok(typed(StatusCode::OK, state))
 }
 
 /// One queue with its waiting list (shared with the dashboard).
-pub(crate) async fn queue(caller: &Caller, name: String) -> Result<QueueState, ApiError> {
-    caller.require(Scope::Read)?;
-    validate_id("queue", &name)?;
-    let id = name.clone();
-    let state = caller.tenant.writer.call(move |store, now| store.queue(&id, QUEUE_WAITING_SHOWN_MAX, now)).await?;
-    Ok(state.ok_or_else(|| Error::not_found(format!("no queue {name:?}")))?)
+pub(crate) async fn queue(caller: &AnyCaller, name: String) -> Result<QueueState, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("queue", &name)?;
+        let id = name.clone();
+        let state = tenant.writer.call(move |store, now| store.queue(&id, QUEUE_WAITING_SHOWN_MAX, now)).await?;
+        Ok(state.ok_or_else(|| Error::not_found(format!("no queue {name:?}")))?)
+    })
 }

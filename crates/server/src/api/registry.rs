@@ -12,8 +12,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{typed, ApiResult};
-use crate::auth::Caller;
 use crate::registry::{Database, HandlerInfo, MachineInfo};
+use crate::AnyCaller;
 use crate::AppState;
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -67,31 +67,32 @@ pub struct RegistryView {
     responses((status = 200, body = RegistryView)),
     security(("bearer" = ["read"]))
 )]
-async fn registry(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    caller.require(Scope::Read)?;
-    let registry = &state.registry;
-    let consumers = state
-        .consumers(&caller.tenant.id)?
-        .into_iter()
-        .map(|c| RegistryConsumer {
-            database: registry.handler_database(&c.handler).ok(),
-            consumer_id: c.consumer_id,
-            handler: c.handler,
-        })
-        .collect();
-    let workflows = caller
-        .tenant
-        .workflows
-        .infos()
-        .into_iter()
-        .map(|w| RegistryWorkflow {
-            workflow: w.workflow,
-            version: w.version,
-            concurrency_max: w.concurrency_max,
-            input_schema: w.input_schema,
-        })
-        .collect();
-    let view =
-        RegistryView { machines: registry.machine_infos(), handlers: registry.handler_infos(), consumers, workflows };
-    Ok(typed(StatusCode::OK, view))
+async fn registry(State(state): State<AppState>, caller: AnyCaller) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let registry = &state.registry;
+        let consumers = state
+            .consumers(&tenant.id)?
+            .into_iter()
+            .map(|c| RegistryConsumer {
+                database: registry.handler_database(&c.handler).ok(),
+                consumer_id: c.consumer_id,
+                handler: c.handler,
+            })
+            .collect();
+        let workflows = tenant
+            .workflows
+            .infos()
+            .into_iter()
+            .map(|w| RegistryWorkflow {
+                workflow: w.workflow,
+                version: w.version,
+                concurrency_max: w.concurrency_max,
+                input_schema: w.input_schema,
+            })
+            .collect();
+        let view =
+            RegistryView { machines: registry.machine_infos(), handlers: registry.handler_infos(), consumers, workflows };
+        Ok(typed(StatusCode::OK, view))
+    })
 }

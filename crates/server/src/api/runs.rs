@@ -19,7 +19,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
-use crate::auth::Caller;
+use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -108,28 +108,30 @@ pub struct WorkflowName(String);
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn start(caller: Caller, Json(body): Json<StartBody>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("workflow", &body.workflow)?;
-    let workflows = &caller.tenant.workflows;
-    let version = workflows.latest_version(&body.workflow).ok_or_else(|| {
-        Error::invalid(
-            workflow_codes::UNKNOWN_WORKFLOW,
-            format!("workflow {:?} is not registered; registered: {}", body.workflow, workflows.names()),
-        )
-    })?;
-    let now = now_ms();
-    let request = body.request(version, now)?;
-    workflows.check_start(&request)?;
-    let outcome = caller.tenant.worker()?.start(vec![request]).await?.remove(0);
-    let status = match &outcome {
-        StartOutcome::Started { .. } => StatusCode::CREATED,
-        StartOutcome::Existing { .. } => StatusCode::OK,
-        StartOutcome::Conflict { run_id, reason } => {
-            return Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")).into())
-        }
-    };
-    Ok(typed::<StartOutcome>(status, outcome))
+async fn start(caller: AnyCaller, Json(body): Json<StartBody>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("workflow", &body.workflow)?;
+        let workflows = &tenant.workflows;
+        let version = workflows.latest_version(&body.workflow).ok_or_else(|| {
+            Error::invalid(
+                workflow_codes::UNKNOWN_WORKFLOW,
+                format!("workflow {:?} is not registered; registered: {}", body.workflow, workflows.names()),
+            )
+        })?;
+        let now = now_ms();
+        let request = body.request(version, now)?;
+        workflows.check_start(&request)?;
+        let outcome = tenant.worker()?.start(vec![request]).await?.remove(0);
+        let status = match &outcome {
+            StartOutcome::Started { .. } => StatusCode::CREATED,
+            StartOutcome::Existing { .. } => StatusCode::OK,
+            StartOutcome::Conflict { run_id, reason } => {
+                return Err(Error::invalid(workflow_codes::RUN_CONFLICT, format!("run {run_id:?}: {reason}")).into())
+            }
+        };
+        Ok(typed::<StartOutcome>(status, outcome))
+    })
 }
 
 #[derive(Deserialize, IntoParams)]
@@ -176,7 +178,7 @@ pub struct RunsPage {
     responses((status = 200, body = RunsPage)),
     security(("bearer" = ["read"]))
 )]
-async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query<ListQuery>) -> ApiResult {
+async fn list(State(state): State<AppState>, caller: AnyCaller, Query(query): Query<ListQuery>) -> ApiResult {
     let (runs, next_after) = list_runs(&state, &caller, query).await?;
     Ok(typed(StatusCode::OK, RunsPage { runs, next_after }))
 }
@@ -184,37 +186,39 @@ async fn list(State(state): State<AppState>, caller: Caller, Query(query): Query
 /// A page of runs and the `next_after` of the next page (shared with the dashboard).
 pub(crate) async fn list_runs(
     state: &AppState,
-    caller: &Caller,
+    caller: &AnyCaller,
     query: ListQuery,
 ) -> Result<(Vec<RunRecord>, Option<String>), ApiError> {
-    caller.require(Scope::Read)?;
-    let status = query
-        .status
-        .map(|s| {
-            RunStatus::parse(&s).ok_or_else(|| {
-                let known: Vec<&str> = RunStatus::ALL.iter().map(|s| s.as_str()).collect();
-                Error::invalid(
-                    codes::INVALID_ARGUMENT,
-                    format!("unknown run status {s:?}; known: {}", known.join(", ")),
-                )
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let status = query
+            .status
+            .map(|s| {
+                RunStatus::parse(&s).ok_or_else(|| {
+                    let known: Vec<&str> = RunStatus::ALL.iter().map(|s| s.as_str()).collect();
+                    Error::invalid(
+                        codes::INVALID_ARGUMENT,
+                        format!("unknown run status {s:?}; known: {}", known.join(", ")),
+                    )
+                })
             })
-        })
-        .transpose()?;
-    if let Some(workflow) = &query.workflow {
-        validate_id("workflow", workflow)?;
-    }
-    let limit = page_size(state, query.limit)?;
-    let after = query.after.as_deref().map(RunFilter::parse_page).transpose()?;
-    let filter = RunFilter {
-        status,
-        workflow: query.workflow,
-        created_after_ms: query.created_after_ms,
-        created_before_ms: query.created_before_ms,
-        after,
-    };
-    let runs = caller.tenant.writer.call(move |store, _| store.list_runs(&filter, limit)).await?;
-    let next_after = RunFilter::next_page(&runs, limit);
-    Ok((runs, next_after))
+            .transpose()?;
+        if let Some(workflow) = &query.workflow {
+            validate_id("workflow", workflow)?;
+        }
+        let limit = page_size(state, query.limit)?;
+        let after = query.after.as_deref().map(RunFilter::parse_page).transpose()?;
+        let filter = RunFilter {
+            status,
+            workflow: query.workflow,
+            created_after_ms: query.created_after_ms,
+            created_before_ms: query.created_before_ms,
+            after,
+        };
+        let runs = tenant.writer.call(move |store, _| store.list_runs(&filter, limit)).await?;
+        let next_after = RunFilter::next_page(&runs, limit);
+        Ok((runs, next_after))
+    })
 }
 
 /// One run with its journal, every attempt with its error, and its events.
@@ -229,18 +233,20 @@ pub(crate) async fn list_runs(
     ),
     security(("bearer" = ["read"]))
 )]
-async fn show(caller: Caller, Path(run_id): Path<String>) -> ApiResult {
+async fn show(caller: AnyCaller, Path(run_id): Path<String>) -> ApiResult {
     let detail = run_detail(&caller, run_id).await?;
     Ok(typed::<RunDetail>(StatusCode::OK, detail))
 }
 
 /// A run with its journal, attempts and events (shared with the dashboard).
-pub(crate) async fn run_detail(caller: &Caller, run_id: String) -> Result<RunDetail, ApiError> {
-    caller.require(Scope::Read)?;
-    validate_id("run_id", &run_id)?;
-    let id = run_id.clone();
-    let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
-    Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
+pub(crate) async fn run_detail(caller: &AnyCaller, run_id: String) -> Result<RunDetail, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("run_id", &run_id)?;
+        let id = run_id.clone();
+        let detail = tenant.writer.call(move |store, _| store.run(&id)).await?;
+        Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
+    })
 }
 
 /// The longest `wait_ms` of `GET /v1/runs/{run_id}/result`: one minute.
@@ -295,45 +301,47 @@ fn ended_for_good(run: &RunRecord) -> bool {
 )]
 async fn result(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(run_id): Path<String>,
     Query(query): Query<ResultQuery>,
 ) -> ApiResult {
-    caller.require(Scope::Read)?;
-    validate_id("run_id", &run_id)?;
-    let wait_ms = query.wait_ms.unwrap_or(0);
-    if wait_ms > RESULT_WAIT_MS_MAX {
-        return Err(Error::invalid(
-            codes::INVALID_ARGUMENT,
-            format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
-        )
-        .into());
-    }
-    let worker = caller.tenant.worker()?.clone();
-    let mut shutdown = state.shutdown_signal();
-    let ended = tokio::select! {
-        ended = worker.wait_for_end(&run_id, Some(std::time::Duration::from_millis(wait_ms))) => ended?,
-        _ = shutdown.wait_for(|down| *down) => None,
-    };
-    let (status, run) = match ended {
-        Some(run) => (StatusCode::OK, run),
-        None => {
-            let id = run_id.clone();
-            let detail = caller.tenant.writer.call(move |store, _| store.run(&id)).await?;
-            let run = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?.run;
-            // It may have ended between the wait and this read (a run that continued as new has
-            // not: its chain goes on).
-            (if ended_for_good(&run) { StatusCode::OK } else { StatusCode::ACCEPTED }, run)
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("run_id", &run_id)?;
+        let wait_ms = query.wait_ms.unwrap_or(0);
+        if wait_ms > RESULT_WAIT_MS_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
+            )
+            .into());
         }
-    };
-    let body = RunResult {
-        done: ended_for_good(&run),
-        run_id: run.run_id,
-        status: run.status,
-        result: run.result,
-        error: run.error,
-    };
-    Ok(typed(status, body))
+        let worker = tenant.worker()?.clone();
+        let mut shutdown = state.shutdown_signal();
+        let ended = tokio::select! {
+            ended = worker.wait_for_end(&run_id, Some(std::time::Duration::from_millis(wait_ms))) => ended?,
+            _ = shutdown.wait_for(|down| *down) => None,
+        };
+        let (status, run) = match ended {
+            Some(run) => (StatusCode::OK, run),
+            None => {
+                let id = run_id.clone();
+                let detail = tenant.writer.call(move |store, _| store.run(&id)).await?;
+                let run = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?.run;
+                // It may have ended between the wait and this read (a run that continued as new has
+                // not: its chain goes on).
+                (if ended_for_good(&run) { StatusCode::OK } else { StatusCode::ACCEPTED }, run)
+            }
+        };
+        let body = RunResult {
+            done: ended_for_good(&run),
+            run_id: run.run_id,
+            status: run.status,
+            result: run.result,
+            error: run.error,
+        };
+        Ok(typed(status, body))
+    })
 }
 
 /// Read what a run published under a key (`ctx.set_event`): 200 with the latest value, waiting up
@@ -352,34 +360,36 @@ async fn result(
 )]
 async fn published(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path((run_id, key)): Path<(String, String)>,
     Query(query): Query<ResultQuery>,
 ) -> ApiResult {
-    caller.require(Scope::Read)?;
-    validate_id("run_id", &run_id)?;
-    validate_id("key", &key)?;
-    let wait_ms = query.wait_ms.unwrap_or(0);
-    if wait_ms > RESULT_WAIT_MS_MAX {
-        return Err(Error::invalid(
-            codes::INVALID_ARGUMENT,
-            format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
-        )
-        .into());
-    }
-    let handle = caller.tenant.handle(&run_id)?;
-    let mut shutdown = state.shutdown_signal();
-    let found: Option<Value> = tokio::select! {
-        found = handle.get_event(&key, std::time::Duration::from_millis(wait_ms)) => found?,
-        _ = shutdown.wait_for(|down| *down) => None,
-    };
-    if found.is_none() {
-        return Err(Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")).into());
-    }
-    let (id, k) = (run_id.clone(), key.clone());
-    let value = caller.tenant.writer.call(move |store, _| store.published(&id, &k)).await?;
-    let value = value.ok_or_else(|| Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")))?;
-    Ok(typed(StatusCode::OK, value))
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("run_id", &run_id)?;
+        validate_id("key", &key)?;
+        let wait_ms = query.wait_ms.unwrap_or(0);
+        if wait_ms > RESULT_WAIT_MS_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
+            )
+            .into());
+        }
+        let handle = tenant.handle(&run_id)?;
+        let mut shutdown = state.shutdown_signal();
+        let found: Option<Value> = tokio::select! {
+            found = handle.get_event(&key, std::time::Duration::from_millis(wait_ms)) => found?,
+            _ = shutdown.wait_for(|down| *down) => None,
+        };
+        if found.is_none() {
+            return Err(Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")).into());
+        }
+        let (id, k) = (run_id.clone(), key.clone());
+        let value = tenant.writer.call(move |store, _| store.published(&id, &k)).await?;
+        let value = value.ok_or_else(|| Error::not_found(format!("run {run_id:?} has published nothing under {key:?}")))?;
+        Ok(typed(StatusCode::OK, value))
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -422,26 +432,27 @@ impl Control {
 
 /// Cancel, retry or abandon a run (shared with the dashboard).
 pub(crate) async fn control(
-    caller: &Caller,
+    caller: &AnyCaller,
     run_id: String,
     reason: String,
     which: Control,
 ) -> Result<RunRecord, ApiError> {
-    caller.require(Scope::Operate)?;
-    validate_id("run_id", &run_id)?;
-    validate_reason(&reason)?;
-    Ok(caller
-        .tenant
-        .writer
-        .call(move |store, now| match which {
-            Control::Cancel => store.cancel(&run_id, &reason, now),
-            Control::Retry => store.retry(&run_id, &reason, now),
-            Control::Abandon => store.abandon(&run_id, &reason, now),
-        })
-        .await?)
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("run_id", &run_id)?;
+        validate_reason(&reason)?;
+        Ok(tenant
+            .writer
+            .call(move |store, now| match which {
+                Control::Cancel => store.cancel(&run_id, &reason, now),
+                Control::Retry => store.retry(&run_id, &reason, now),
+                Control::Abandon => store.abandon(&run_id, &reason, now),
+            })
+            .await?)
+    })
 }
 
-async fn controlled(caller: Caller, run_id: String, reason: String, which: Control) -> ApiResult {
+async fn controlled(caller: AnyCaller, run_id: String, reason: String, which: Control) -> ApiResult {
     let run = control(&caller, run_id, reason, which).await?;
     Ok(typed(StatusCode::OK, RunChanged { outcome: which.outcome().into(), run }))
 }
@@ -460,7 +471,7 @@ async fn controlled(caller: Caller, run_id: String, reason: String, which: Contr
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn cancel(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
+async fn cancel(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Cancel).await
 }
 
@@ -478,7 +489,7 @@ async fn cancel(caller: Caller, Path(run_id): Path<String>, Json(body): Json<Rea
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn retry(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
+async fn retry(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Retry).await
 }
 
@@ -496,7 +507,7 @@ async fn retry(caller: Caller, Path(run_id): Path<String>, Json(body): Json<Reas
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn abandon(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
+async fn abandon(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<ReasonBody>) -> ApiResult {
     controlled(caller, run_id, body.reason, Control::Abandon).await
 }
 
@@ -538,17 +549,19 @@ impl ForkBody {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn fork(caller: Caller, Path(run_id): Path<String>, Json(body): Json<ForkBody>) -> ApiResult {
+async fn fork(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<ForkBody>) -> ApiResult {
     let run = fork_run(&caller, run_id, body).await?;
     Ok(typed(StatusCode::CREATED, RunChanged { outcome: "forked".into(), run }))
 }
 
 /// Fork a run (shared with the dashboard).
-pub(crate) async fn fork_run(caller: &Caller, run_id: String, body: ForkBody) -> Result<RunRecord, ApiError> {
-    caller.require(Scope::Operate)?;
-    validate_id("run_id", &run_id)?;
-    body.check()?;
-    Ok(caller.tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?)
+pub(crate) async fn fork_run(caller: &AnyCaller, run_id: String, body: ForkBody) -> Result<RunRecord, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("run_id", &run_id)?;
+        body.check()?;
+        Ok(tenant.writer.call(move |store, now| store.fork(&run_id, body.from_step, &body.new_run_id, now)).await?)
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -592,21 +605,22 @@ impl SkipStepBody {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn skip(caller: Caller, Path(run_id): Path<String>, Json(body): Json<SkipStepBody>) -> ApiResult {
+async fn skip(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<SkipStepBody>) -> ApiResult {
     let run = skip_step(&caller, run_id, body).await?;
     Ok(typed(StatusCode::OK, RunChanged { outcome: "skipped".into(), run }))
 }
 
 /// Record a step as skipped with an output (shared with the dashboard).
-pub(crate) async fn skip_step(caller: &Caller, run_id: String, body: SkipStepBody) -> Result<RunRecord, ApiError> {
-    caller.require(Scope::Operate)?;
-    validate_id("run_id", &run_id)?;
-    body.check()?;
-    Ok(caller
-        .tenant
-        .writer
-        .call(move |store, now| store.skip_step(&run_id, body.step, &body.output, &body.reason, now))
-        .await?)
+pub(crate) async fn skip_step(caller: &AnyCaller, run_id: String, body: SkipStepBody) -> Result<RunRecord, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("run_id", &run_id)?;
+        body.check()?;
+        Ok(tenant
+            .writer
+            .call(move |store, now| store.skip_step(&run_id, body.step, &body.output, &body.reason, now))
+            .await?)
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -657,13 +671,15 @@ pub struct EventSent {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn send_event(caller: Caller, Path(run_id): Path<String>, Json(body): Json<EventBody>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("run_id", &run_id)?;
-    body.check()?;
-    let (rid, eid, name) = (run_id.clone(), body.event_id.clone(), body.name.clone());
-    let new =
-        caller.tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;
-    let outcome = if new { "sent" } else { "duplicate" };
-    Ok(typed(StatusCode::OK, EventSent { outcome: outcome.into(), run_id, event_id: body.event_id, name: body.name }))
+async fn send_event(caller: AnyCaller, Path(run_id): Path<String>, Json(body): Json<EventBody>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("run_id", &run_id)?;
+        body.check()?;
+        let (rid, eid, name) = (run_id.clone(), body.event_id.clone(), body.name.clone());
+        let new =
+            tenant.writer.call(move |store, now| store.send_event(&rid, &eid, &name, &body.payload, now)).await?;
+        let outcome = if new { "sent" } else { "duplicate" };
+        Ok(typed(StatusCode::OK, EventSent { outcome: outcome.into(), run_id, event_id: body.event_id, name: body.name }))
+    })
 }

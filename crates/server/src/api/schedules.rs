@@ -15,7 +15,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{typed, ApiError, ApiResult, ErrorBody, Json, Path};
-use crate::auth::Caller;
+use crate::AnyCaller;
 use crate::AppState;
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -99,35 +99,39 @@ impl ScheduleBody {
     ),
     security(("bearer" = ["operate"]))
 )]
-async fn put(caller: Caller, Path(schedule_id): Path<String>, Json(body): Json<ScheduleBody>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    let spec = body.spec(schedule_id)?;
-    // The workflow must be registered and take the input: checked as a tick's start would be.
-    let workflows = &caller.tenant.workflows;
-    let version = workflows.latest_version(&spec.workflow).ok_or_else(|| {
-        Error::invalid(
-            workflow_codes::UNKNOWN_WORKFLOW,
-            format!("workflow {:?} is not registered; registered: {}", spec.workflow, workflows.names()),
-        )
-    })?;
-    let probe = tick_run_id(&spec.schedule_id, 0);
-    workflows.check_start(&StartRequest::new(&probe, &spec.workflow, version, spec.input.clone()))?;
-    let schedule = caller.tenant.writer.call(move |store, now| store.put_schedule(&spec, now)).await?;
-    Ok(typed(StatusCode::OK, schedule))
+async fn put(caller: AnyCaller, Path(schedule_id): Path<String>, Json(body): Json<ScheduleBody>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        let spec = body.spec(schedule_id)?;
+        // The workflow must be registered and take the input: checked as a tick's start would be.
+        let workflows = &tenant.workflows;
+        let version = workflows.latest_version(&spec.workflow).ok_or_else(|| {
+            Error::invalid(
+                workflow_codes::UNKNOWN_WORKFLOW,
+                format!("workflow {:?} is not registered; registered: {}", spec.workflow, workflows.names()),
+            )
+        })?;
+        let probe = tick_run_id(&spec.schedule_id, 0);
+        workflows.check_start(&StartRequest::new(&probe, &spec.workflow, version, spec.input.clone()))?;
+        let schedule = tenant.writer.call(move |store, now| store.put_schedule(&spec, now)).await?;
+        Ok(typed(StatusCode::OK, schedule))
+    })
 }
 
 /// Every schedule of the tenant.
 #[utoipa::path(get, path = "/v1/schedules", tag = "schedules", responses((status = 200, body = SchedulesPage)),
     security(("bearer" = ["read"])))]
-async fn list(caller: Caller) -> ApiResult {
+async fn list(caller: AnyCaller) -> ApiResult {
     let schedules = schedules(&caller).await?;
     Ok(typed(StatusCode::OK, SchedulesPage { schedules }))
 }
 
 /// Every schedule of the tenant (shared with the dashboard).
-pub(crate) async fn schedules(caller: &Caller) -> Result<Vec<Schedule>, ApiError> {
-    caller.require(Scope::Read)?;
-    Ok(caller.tenant.writer.call(|store, _| store.schedules()).await?)
+pub(crate) async fn schedules(caller: &AnyCaller) -> Result<Vec<Schedule>, ApiError> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        Ok(tenant.writer.call(|store, _| store.schedules()).await?)
+    })
 }
 
 /// One schedule.
@@ -139,13 +143,15 @@ pub(crate) async fn schedules(caller: &Caller) -> Result<Vec<Schedule>, ApiError
     responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["read"]))
 )]
-async fn show(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
-    caller.require(Scope::Read)?;
-    validate_id("schedule_id", &schedule_id)?;
-    let id = schedule_id.clone();
-    let schedule = caller.tenant.writer.call(move |store, _| store.schedule(&id)).await?;
-    let schedule = schedule.ok_or_else(|| Error::not_found(format!("no schedule {schedule_id:?}")))?;
-    Ok(typed(StatusCode::OK, schedule))
+async fn show(caller: AnyCaller, Path(schedule_id): Path<String>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        validate_id("schedule_id", &schedule_id)?;
+        let id = schedule_id.clone();
+        let schedule = tenant.writer.call(move |store, _| store.schedule(&id)).await?;
+        let schedule = schedule.ok_or_else(|| Error::not_found(format!("no schedule {schedule_id:?}")))?;
+        Ok(typed(StatusCode::OK, schedule))
+    })
 }
 
 /// What `DELETE /v1/schedules/{id}` did.
@@ -167,14 +173,16 @@ pub struct ScheduleDeleted {
     responses((status = 200, body = ScheduleDeleted), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["operate"]))
 )]
-async fn delete(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("schedule_id", &schedule_id)?;
-    let id = schedule_id.clone();
-    if !caller.tenant.writer.call(move |store, _| store.delete_schedule(&id)).await? {
-        return Err(Error::not_found(format!("no schedule {schedule_id:?}")).into());
-    }
-    Ok(typed(StatusCode::OK, ScheduleDeleted { outcome: "deleted".into(), schedule_id }))
+async fn delete(caller: AnyCaller, Path(schedule_id): Path<String>) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("schedule_id", &schedule_id)?;
+        let id = schedule_id.clone();
+        if !tenant.writer.call(move |store, _| store.delete_schedule(&id)).await? {
+            return Err(Error::not_found(format!("no schedule {schedule_id:?}")).into());
+        }
+        Ok(typed(StatusCode::OK, ScheduleDeleted { outcome: "deleted".into(), schedule_id }))
+    })
 }
 
 /// Pause a schedule: it does not tick until resumed.
@@ -186,7 +194,7 @@ async fn delete(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
     responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["operate"]))
 )]
-async fn pause(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+async fn pause(caller: AnyCaller, Path(schedule_id): Path<String>) -> ApiResult {
     set_paused(&caller, schedule_id, true).await
 }
 
@@ -199,14 +207,16 @@ async fn pause(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
     responses((status = 200, body = Schedule), (status = 404, description = "`not_found`", body = ErrorBody)),
     security(("bearer" = ["operate"]))
 )]
-async fn resume(caller: Caller, Path(schedule_id): Path<String>) -> ApiResult {
+async fn resume(caller: AnyCaller, Path(schedule_id): Path<String>) -> ApiResult {
     set_paused(&caller, schedule_id, false).await
 }
 
 /// Pause or resume (shared with the dashboard).
-pub(crate) async fn set_paused(caller: &Caller, schedule_id: String, paused: bool) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("schedule_id", &schedule_id)?;
-    let schedule = caller.tenant.writer.call(move |store, now| store.pause_schedule(&schedule_id, paused, now)).await?;
-    Ok(typed(StatusCode::OK, schedule))
+pub(crate) async fn set_paused(caller: &AnyCaller, schedule_id: String, paused: bool) -> ApiResult {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("schedule_id", &schedule_id)?;
+        let schedule = tenant.writer.call(move |store, now| store.pause_schedule(&schedule_id, paused, now)).await?;
+        Ok(typed(StatusCode::OK, schedule))
+    })
 }

@@ -18,8 +18,8 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::{page_size, typed, ApiResult, ErrorBody, Json, Path, Query};
-use crate::auth::Caller;
 use crate::lanes::LaneStatus;
+use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
 pub fn routes() -> OpenApiRouter<AppState> {
@@ -89,33 +89,35 @@ const LAG_ROWS: usize = 1_000;
 
 /// Every subscription of the tenant's outboxes, with kind, lane and lag (shared with the
 /// dashboard).
-pub(crate) async fn views(caller: &Caller) -> Result<Vec<SubscriptionView>, Error> {
-    let mut subscriptions = Vec::new();
-    for (index, outbox) in caller.tenant.outboxes().into_iter().enumerate() {
-        let (listed, pending) = outbox
-            .call(|p| {
-                let listed = p.store.subscriptions()?;
-                let pending = p.store.deliveries(Some(DeliveryStatus::Pending), LAG_ROWS)?;
-                Ok((listed, pending))
-            })
-            .await?;
-        let capped = pending.len() == LAG_ROWS;
-        let lanes = caller.tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        for s in listed {
-            let mine: Vec<_> = pending.iter().filter(|d| d.consumer_id == s.consumer_id).collect();
-            subscriptions.push(SubscriptionView {
-                outbox: OUTBOX_NAMES[index].into(),
-                kind: Endpoint::parse(&s.endpoint).ok().map(|e| e.kind()),
-                endpoint: mask(&s.endpoint),
-                lane: lanes.get(&(index, s.endpoint.clone())).cloned(),
-                pending: mine.len() as u64,
-                pending_capped: capped,
-                oldest_pending_at_ms: mine.iter().map(|d| d.updated_at_ms).min(),
-                consumer_id: s.consumer_id,
-            });
+pub(crate) async fn views(caller: &AnyCaller) -> Result<Vec<SubscriptionView>, Error> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        let mut subscriptions = Vec::new();
+        for (index, outbox) in tenant.outboxes().into_iter().enumerate() {
+            let (listed, pending) = outbox
+                .call(|p| {
+                    let listed = p.store.subscriptions()?;
+                    let pending = p.store.deliveries(Some(DeliveryStatus::Pending), LAG_ROWS)?;
+                    Ok((listed, pending))
+                })
+                .await?;
+            let capped = pending.len() == LAG_ROWS;
+            let lanes = tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            for s in listed {
+                let mine: Vec<_> = pending.iter().filter(|d| d.consumer_id == s.consumer_id).collect();
+                subscriptions.push(SubscriptionView {
+                    outbox: OUTBOX_NAMES[index].into(),
+                    kind: Endpoint::parse(&s.endpoint).ok().map(|e| e.kind()),
+                    endpoint: mask(&s.endpoint),
+                    lane: lanes.get(&(index, s.endpoint.clone())).cloned(),
+                    pending: mine.len() as u64,
+                    pending_capped: capped,
+                    oldest_pending_at_ms: mine.iter().map(|d| d.updated_at_ms).min(),
+                    consumer_id: s.consumer_id,
+                });
+            }
         }
-    }
-    Ok(subscriptions)
+        Ok(subscriptions)
+    })
 }
 
 #[derive(Serialize, ToSchema)]
@@ -166,23 +168,25 @@ pub enum OutboxName {
 )]
 async fn subscribe(
     State(_state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Json(body): Json<SubscribeBody>,
 ) -> ApiResult {
-    caller.require(Scope::Admin)?;
-    validate_id("consumer_id", &consumer_id)?;
-    let kind = body.kind()?;
-    let mut queued = 0;
-    for outbox in caller.tenant.outboxes() {
-        let subscription = Subscription { consumer_id: consumer_id.clone(), endpoint: body.endpoint.clone() };
-        let from_start = body.from_start;
-        queued += outbox.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?;
-    }
-    Ok(typed(
-        StatusCode::OK,
-        Subscribed { outcome: "subscribed".into(), consumer_id, endpoint: mask(&body.endpoint), kind, queued },
-    ))
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Admin)?;
+        validate_id("consumer_id", &consumer_id)?;
+        let kind = body.kind()?;
+        let mut queued = 0;
+        for outbox in tenant.outboxes() {
+            let subscription = Subscription { consumer_id: consumer_id.clone(), endpoint: body.endpoint.clone() };
+            let from_start = body.from_start;
+            queued += outbox.call(move |p| p.store.subscribe(&subscription, from_start, now_ms())).await?;
+        }
+        Ok(typed(
+            StatusCode::OK,
+            Subscribed { outcome: "subscribed".into(), consumer_id, endpoint: mask(&body.endpoint), kind, queued },
+        ))
+    })
 }
 
 /// Every subscription of the tenant's outboxes, with its endpoint's kind and, for a network
@@ -194,7 +198,7 @@ async fn subscribe(
     responses((status = 200, body = SubscriptionsPage)),
     security(("bearer" = ["read"]))
 )]
-async fn list(State(_state): State<AppState>, caller: Caller) -> ApiResult {
+async fn list(State(_state): State<AppState>, caller: AnyCaller) -> ApiResult {
     caller.require(Scope::Read)?;
     let subscriptions = views(&caller).await?;
     Ok(typed(StatusCode::OK, SubscriptionsPage { subscriptions }))
@@ -285,35 +289,37 @@ pub struct FeedPage {
 )]
 async fn feed(
     State(state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Query(query): Query<FeedQuery>,
 ) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("consumer_id", &consumer_id)?;
-    let index = outbox_index(query.outbox.as_deref())?;
-    let limit = page_size(&state, query.limit)?;
-    let after = query.after.unwrap_or(0);
-    if after < 0 {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, "after must be >= 0").into());
-    }
-    let events = caller.tenant.outboxes()[index]
-        .call(move |p| {
-            check_pull(&p.store, &consumer_id)?;
-            let window = (limit * FEED_WINDOW_FACTOR).min(RELAY_BATCH_EVENTS_MAX * 4);
-            let mut due =
-                p.store.due_deliveries((p.clock)(), window, None, Some(std::slice::from_ref(&consumer_id)))?;
-            due.sort_by_key(|d| d.position);
-            Ok(due
-                .into_iter()
-                .filter(|d| d.position > after)
-                .take(limit)
-                .map(|d| FeedEvent { position: d.position, envelope: d.envelope })
-                .collect::<Vec<_>>())
-        })
-        .await?;
-    let next_after = events.last().map(|e| e.position);
-    Ok(typed(StatusCode::OK, FeedPage { events, next_after }))
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("consumer_id", &consumer_id)?;
+        let index = outbox_index(query.outbox.as_deref())?;
+        let limit = page_size(&state, query.limit)?;
+        let after = query.after.unwrap_or(0);
+        if after < 0 {
+            return Err(Error::invalid(codes::INVALID_ARGUMENT, "after must be >= 0").into());
+        }
+        let events = tenant.outboxes()[index]
+            .call(move |p| {
+                check_pull(&p.store, &consumer_id)?;
+                let window = (limit * FEED_WINDOW_FACTOR).min(RELAY_BATCH_EVENTS_MAX * 4);
+                let mut due =
+                    p.store.due_deliveries((p.clock)(), window, None, Some(std::slice::from_ref(&consumer_id)))?;
+                due.sort_by_key(|d| d.position);
+                Ok(due
+                    .into_iter()
+                    .filter(|d| d.position > after)
+                    .take(limit)
+                    .map(|d| FeedEvent { position: d.position, envelope: d.envelope })
+                    .collect::<Vec<_>>())
+            })
+            .await?;
+        let next_after = events.last().map(|e| e.position);
+        Ok(typed(StatusCode::OK, FeedPage { events, next_after }))
+    })
 }
 
 #[derive(Deserialize, ToSchema)]
@@ -369,45 +375,47 @@ pub struct Committed {
 )]
 async fn commit(
     State(_state): State<AppState>,
-    caller: Caller,
+    caller: AnyCaller,
     Path(consumer_id): Path<String>,
     Json(body): Json<CommitBody>,
 ) -> ApiResult {
-    caller.require(Scope::Operate)?;
-    validate_id("consumer_id", &consumer_id)?;
-    let index = body.outbox_index()?;
-    let through = body.through_position;
-    let committed = caller.tenant.outboxes()[index]
-        .call(move |p| {
-            check_pull(&p.store, &consumer_id)?;
-            let mut committed = 0_u64;
-            // Bounded: each round takes up to 40,000 deliveries at or below `through`.
-            for _ in 0..1_000 {
-                let now = (p.clock)();
-                let due = p.store.due_deliveries(
-                    now,
-                    RELAY_BATCH_EVENTS_MAX * 4,
-                    None,
-                    Some(std::slice::from_ref(&consumer_id)),
-                )?;
-                let results: Vec<DeliveryResult> = due
-                    .into_iter()
-                    .filter(|d| d.position <= through)
-                    .map(|d| DeliveryResult {
-                        position: d.position,
-                        event_id: d.envelope.event_id,
-                        consumer_id: d.consumer_id,
-                        verdict: DeliveryVerdict::Accepted,
-                    })
-                    .collect();
-                if results.is_empty() {
-                    break;
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Operate)?;
+        validate_id("consumer_id", &consumer_id)?;
+        let index = body.outbox_index()?;
+        let through = body.through_position;
+        let committed = tenant.outboxes()[index]
+            .call(move |p| {
+                check_pull(&p.store, &consumer_id)?;
+                let mut committed = 0_u64;
+                // Bounded: each round takes up to 40,000 deliveries at or below `through`.
+                for _ in 0..1_000 {
+                    let now = (p.clock)();
+                    let due = p.store.due_deliveries(
+                        now,
+                        RELAY_BATCH_EVENTS_MAX * 4,
+                        None,
+                        Some(std::slice::from_ref(&consumer_id)),
+                    )?;
+                    let results: Vec<DeliveryResult> = due
+                        .into_iter()
+                        .filter(|d| d.position <= through)
+                        .map(|d| DeliveryResult {
+                            position: d.position,
+                            event_id: d.envelope.event_id,
+                            consumer_id: d.consumer_id,
+                            verdict: DeliveryVerdict::Accepted,
+                        })
+                        .collect();
+                    if results.is_empty() {
+                        break;
+                    }
+                    committed += results.len() as u64;
+                    p.store.record_deliveries(&results, now)?;
                 }
-                committed += results.len() as u64;
-                p.store.record_deliveries(&results, now)?;
-            }
-            Ok(committed)
-        })
-        .await?;
-    Ok(typed(StatusCode::OK, Committed { outcome: "committed".into(), committed }))
+                Ok(committed)
+            })
+            .await?;
+        Ok(typed(StatusCode::OK, Committed { outcome: "committed".into(), committed }))
+    })
 }

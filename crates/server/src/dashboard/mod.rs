@@ -36,7 +36,7 @@ use tidemark_core::tenancy::Scope;
 use tidemark_core::Error;
 
 use crate::api::{status_of, ApiError};
-use crate::auth::{Caller, TOKEN_COOKIE};
+use crate::auth::{AnyCaller, TOKEN_COOKIE};
 use crate::AppState;
 
 pub use sampler::{start as start_sampler, Samples};
@@ -140,13 +140,13 @@ impl IntoResponse for UiError {
 pub type UiResult<T = Response> = Result<T, UiError>;
 
 /// The caller of a dashboard request (the API's [`Caller`]); its rejections are [`UiError`]s.
-pub struct Ui(pub Caller);
+pub struct Ui(pub AnyCaller);
 
 impl FromRequestParts<AppState> for Ui {
     type Rejection = UiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Ui, UiError> {
-        Ok(Ui(Caller::from_request_parts(parts, state).await?))
+        Ok(Ui(AnyCaller::from_request_parts(parts, state).await?))
     }
 }
 
@@ -274,9 +274,9 @@ pub struct Viewer {
     pub scope: Scope,
 }
 
-impl From<&Caller> for Viewer {
-    fn from(caller: &Caller) -> Self {
-        Viewer { tenant: caller.tenant.id.clone(), scope: caller.scope }
+impl From<&AnyCaller> for Viewer {
+    fn from(caller: &AnyCaller) -> Self {
+        Viewer { tenant: caller.tenant.id().to_string(), scope: caller.scope }
     }
 }
 

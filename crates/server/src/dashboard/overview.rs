@@ -11,18 +11,20 @@ use tidemark_core::tenancy::Scope;
 use super::layout::{count, when};
 use super::sampler::{rates, recent_rate, Sample, SAMPLE_INTERVAL_MS};
 use super::{Ui, UiResult, Viewer};
-use crate::auth::Caller;
 use crate::stats::TenantStats;
+use crate::AnyCaller;
 use crate::AppState;
 
 /// The throughput figures average the last minute.
 const RATE_WINDOW_MS: i64 = 60_000;
 
-pub async fn page_handler(state: &AppState, caller: &Caller) -> UiResult<Markup> {
-    caller.require(Scope::Read)?;
-    let stats = TenantStats::read(&caller.tenant).await?;
-    let series = state.samples.series(&caller.tenant.id);
-    Ok(live_section(&stats, &series))
+pub async fn page_handler(state: &AppState, caller: &AnyCaller) -> UiResult<Markup> {
+    crate::on_tenant!(&caller.tenant, tenant => {
+        caller.require(Scope::Read)?;
+        let stats = TenantStats::read(tenant).await?;
+        let series = state.samples.series(&tenant.id);
+        Ok(live_section(&stats, &series))
+    })
 }
 
 pub async fn page(State(state): State<AppState>, Ui(caller): Ui) -> UiResult {

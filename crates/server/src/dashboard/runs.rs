@@ -23,7 +23,7 @@ use super::time::parse_utc;
 use super::{see_other, Form, Path, Query, Ui, UiResult, Viewer};
 use crate::api::inbox::RecordsQuery;
 use crate::api::runs::{self as api, Control, ForkBody, ListQuery, SkipStepBody as SkipBody};
-use crate::auth::Caller;
+use crate::AnyCaller;
 use crate::AppState;
 
 /// Rows per page of the runs list.
@@ -71,60 +71,62 @@ fn encode(value: &str) -> String {
 }
 
 pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Query<RunsForm>) -> UiResult {
-    let created_after_ms = given(&form.created_after).map(|t| parse_utc("created after", &t)).transpose()?;
-    let created_before_ms = given(&form.created_before).map(|t| parse_utc("created before", &t)).transpose()?;
-    let query = ListQuery {
-        status: given(&form.status),
-        workflow: given(&form.workflow),
-        created_after_ms,
-        created_before_ms,
-        limit: Some(RUNS_PAGE_ROWS.min(state.config.limits.page_size_max)),
-        after: given(&form.after),
-    };
-    let (runs, next_after) = api::list_runs(&state, &caller, query).await?;
-    let filters = [
-        ("status", given(&form.status)),
-        ("workflow", given(&form.workflow)),
-        ("created_after", given(&form.created_after)),
-        ("created_before", given(&form.created_before)),
-    ];
-    let mut next = filters.to_vec();
-    next.push(("after", next_after.clone()));
-    let selected = given(&form.status).unwrap_or_default();
-    let workflow = given(&form.workflow).unwrap_or_default();
-    let mut workflow_names: Vec<String> = caller.tenant.workflows.infos().into_iter().map(|w| w.workflow).collect();
-    workflow_names.dedup();
-    let body = html! {
-        h1 { "Runs" }
-        form.filters method="get" action="/ui/runs" {
-            label { "Status "
-                select name="status" {
-                    option value="" selected[selected.is_empty()] { "any" }
-                    @for status in RunStatus::ALL {
-                        option value=(status.as_str()) selected[selected == status.as_str()] { (status.as_str()) }
+    crate::on_tenant!(&caller.tenant, tenant => {
+        let created_after_ms = given(&form.created_after).map(|t| parse_utc("created after", &t)).transpose()?;
+        let created_before_ms = given(&form.created_before).map(|t| parse_utc("created before", &t)).transpose()?;
+        let query = ListQuery {
+            status: given(&form.status),
+            workflow: given(&form.workflow),
+            created_after_ms,
+            created_before_ms,
+            limit: Some(RUNS_PAGE_ROWS.min(state.config.limits.page_size_max)),
+            after: given(&form.after),
+        };
+        let (runs, next_after) = api::list_runs(&state, &caller, query).await?;
+        let filters = [
+            ("status", given(&form.status)),
+            ("workflow", given(&form.workflow)),
+            ("created_after", given(&form.created_after)),
+            ("created_before", given(&form.created_before)),
+        ];
+        let mut next = filters.to_vec();
+        next.push(("after", next_after.clone()));
+        let selected = given(&form.status).unwrap_or_default();
+        let workflow = given(&form.workflow).unwrap_or_default();
+        let mut workflow_names: Vec<String> = tenant.workflows.infos().into_iter().map(|w| w.workflow).collect();
+        workflow_names.dedup();
+        let body = html! {
+            h1 { "Runs" }
+            form.filters method="get" action="/ui/runs" {
+                label { "Status "
+                    select name="status" {
+                        option value="" selected[selected.is_empty()] { "any" }
+                        @for status in RunStatus::ALL {
+                            option value=(status.as_str()) selected[selected == status.as_str()] { (status.as_str()) }
+                        }
                     }
                 }
+                label { "Workflow "
+                    input type="text" name="workflow" value=(workflow) list="workflows" placeholder="any";
+                    datalist #workflows { @for name in &workflow_names { option value=(name) {} } }
+                }
+                label { "Created after (UTC) " input type="datetime-local" name="created_after" value=[given(&form.created_after)]; }
+                label { "Created before (UTC) " input type="datetime-local" name="created_before" value=[given(&form.created_before)]; }
+                button type="submit" { "Filter" }
+                a.button.secondary href="/ui/runs" { "Clear" }
             }
-            label { "Workflow "
-                input type="text" name="workflow" value=(workflow) list="workflows" placeholder="any";
-                datalist #workflows { @for name in &workflow_names { option value=(name) {} } }
+            @if runs.is_empty() {
+                p.muted { "No runs match." }
+            } @else {
+                section.card { (runs_table(&runs)) }
             }
-            label { "Created after (UTC) " input type="datetime-local" name="created_after" value=[given(&form.created_after)]; }
-            label { "Created before (UTC) " input type="datetime-local" name="created_before" value=[given(&form.created_before)]; }
-            button type="submit" { "Filter" }
-            a.button.secondary href="/ui/runs" { "Clear" }
-        }
-        @if runs.is_empty() {
-            p.muted { "No runs match." }
-        } @else {
-            section.card { (runs_table(&runs)) }
-        }
-        nav.pager {
-            @if form.after.is_some() { a href=(format!("/ui/runs{}", query_string(&filters))) { "« First page" } }
-            @if next_after.is_some() { a href=(format!("/ui/runs{}", query_string(&next))) { "Next page »" } }
-        }
-    };
-    Ok(page("Runs", Some(&Viewer::from(&caller)), body).into_response())
+            nav.pager {
+                @if form.after.is_some() { a href=(format!("/ui/runs{}", query_string(&filters))) { "« First page" } }
+                @if next_after.is_some() { a href=(format!("/ui/runs{}", query_string(&next))) { "Next page »" } }
+            }
+        };
+        Ok(page("Runs", Some(&Viewer::from(&caller)), body).into_response())
+    })
 }
 
 fn runs_table(runs: &[RunRecord]) -> Markup {
@@ -177,7 +179,7 @@ fn step_class(entry: &JournalEntry) -> String {
     format!("step {}{compensation}", entry.status.as_str())
 }
 
-fn timeline(caller: &Caller, detail: &RunDetail, done: Option<&str>) -> Markup {
+fn timeline(caller: &AnyCaller, detail: &RunDetail, done: Option<&str>) -> Markup {
     let run = &detail.run;
     let mut attempts: BTreeMap<u32, Vec<&AttemptRecord>> = BTreeMap::new();
     for attempt in &detail.attempts {
@@ -338,7 +340,7 @@ pub struct ReasonForm {
     pub reason: String,
 }
 
-async fn control(caller: Caller, run_id: String, reason: String, which: Control) -> UiResult {
+async fn control(caller: AnyCaller, run_id: String, reason: String, which: Control) -> UiResult {
     let run = api::control(&caller, run_id, reason, which).await?;
     Ok(see_other(&format!("/ui/runs/{}?done={}", run.run_id, which.outcome())))
 }
@@ -391,49 +393,51 @@ pub async fn skip(Ui(caller): Ui, Path(run_id): Path<String>, Form(form): Form<S
 
 /// Parked and failed runs (retry them) and blocked inbox records (skip them).
 pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q): Query<DoneQuery>) -> UiResult {
-    let rows = Some(DEAD_LETTER_ROWS.min(state.config.limits.page_size_max));
-    let mut runs = Vec::new();
-    for status in [RunStatus::Parked, RunStatus::Failed] {
-        let query = ListQuery {
-            status: Some(status.as_str().into()),
-            workflow: None,
-            created_after_ms: None,
-            created_before_ms: None,
-            limit: rows,
-            after: None,
-        };
-        runs.extend(api::list_runs(&state, &caller, query).await?.0);
-    }
-    let tenant_id = caller.tenant.id.clone();
-    let mut blocked = Vec::new();
-    for consumer in state.consumers(&tenant_id)? {
-        let query = RecordsQuery { status: Some("blocked".into()), limit: rows };
-        blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?);
-    }
-    let can_operate = caller.scope.allows(Scope::Operate);
-    let body = html! {
-        (done_banner(q.done.as_deref()))
-        h1 { "Dead letters" }
-        section.card {
-            h2 { "Parked and failed runs" }
-            @if runs.is_empty() {
-                p.muted { "None: no run waits for an operator." }
-            } @else {
-                table.runs {
-                    thead { tr { th { "Run" } th { "Workflow" } th { "Status" } th { "Updated" } th { "Error" } @if can_operate { th { "Action" } } } }
-                    tbody {
-                        @for run in &runs {
-                            tr {
-                                td { a href=(format!("/ui/runs/{}", run.run_id)) { code { (run.run_id) } } }
-                                td { (run.workflow) }
-                                td { (badge(run.status.as_str())) }
-                                td { (when(run.updated_at_ms)) }
-                                td.error { @if let Some(error) = &run.error { (error) } }
-                                @if can_operate {
-                                    td {
-                                        form.inline method="post" action=(format!("/ui/runs/{}/retry", run.run_id)) {
-                                            (reason_input("retried from the dashboard"))
-                                            button.primary type="submit" { "Retry" }
+    crate::on_tenant!(&caller.tenant, tenant => {
+        let rows = Some(DEAD_LETTER_ROWS.min(state.config.limits.page_size_max));
+        let mut runs = Vec::new();
+        for status in [RunStatus::Parked, RunStatus::Failed] {
+            let query = ListQuery {
+                status: Some(status.as_str().into()),
+                workflow: None,
+                created_after_ms: None,
+                created_before_ms: None,
+                limit: rows,
+                after: None,
+            };
+            runs.extend(api::list_runs(&state, &caller, query).await?.0);
+        }
+        let tenant_id = tenant.id.clone();
+        let mut blocked = Vec::new();
+        for consumer in state.consumers(&tenant_id)? {
+            let query = RecordsQuery { status: Some("blocked".into()), limit: rows };
+            blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?);
+        }
+        let can_operate = caller.scope.allows(Scope::Operate);
+        let body = html! {
+            (done_banner(q.done.as_deref()))
+            h1 { "Dead letters" }
+            section.card {
+                h2 { "Parked and failed runs" }
+                @if runs.is_empty() {
+                    p.muted { "None: no run waits for an operator." }
+                } @else {
+                    table.runs {
+                        thead { tr { th { "Run" } th { "Workflow" } th { "Status" } th { "Updated" } th { "Error" } @if can_operate { th { "Action" } } } }
+                        tbody {
+                            @for run in &runs {
+                                tr {
+                                    td { a href=(format!("/ui/runs/{}", run.run_id)) { code { (run.run_id) } } }
+                                    td { (run.workflow) }
+                                    td { (badge(run.status.as_str())) }
+                                    td { (when(run.updated_at_ms)) }
+                                    td.error { @if let Some(error) = &run.error { (error) } }
+                                    @if can_operate {
+                                        td {
+                                            form.inline method="post" action=(format!("/ui/runs/{}/retry", run.run_id)) {
+                                                (reason_input("retried from the dashboard"))
+                                                button.primary type="submit" { "Retry" }
+                                            }
                                         }
                                     }
                                 }
@@ -442,17 +446,17 @@ pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q
                     }
                 }
             }
-        }
-        section.card {
-            h2 { "Blocked inbox records" }
-            @if blocked.is_empty() {
-                p.muted { "None: no flow is stopped by an event its consumer cannot apply." }
-            } @else {
-                (super::flows::records_table(&blocked, can_operate, None))
+            section.card {
+                h2 { "Blocked inbox records" }
+                @if blocked.is_empty() {
+                    p.muted { "None: no flow is stopped by an event its consumer cannot apply." }
+                } @else {
+                    (super::flows::records_table(&blocked, can_operate, None))
+                }
             }
-        }
-    };
-    Ok(page("Dead letters", Some(&Viewer::from(&caller)), body).into_response())
+        };
+        Ok(page("Dead letters", Some(&Viewer::from(&caller)), body).into_response())
+    })
 }
 
 /// `/ui/schedules`: every schedule with its timing, next tick and counters; pause and resume.

@@ -10,7 +10,6 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::metrics::ConsumerLabels;
-use crate::stats::TenantStats;
 use crate::AppState;
 
 /// How often the sampler reads the counts.
@@ -83,13 +82,13 @@ pub fn recent_rate(samples: &[Sample], window_ms: i64, counter: fn(&Sample) -> u
 }
 
 /// Read one tenant's sample.
-pub async fn sample(state: &AppState, tenant: &std::sync::Arc<crate::tenant::Tenant>) -> tidemark_core::Result<Sample> {
-    let stats = TenantStats::read(tenant).await?;
-    let consumers = state.consumers(&tenant.id)?;
+pub async fn sample(state: &AppState, tenant: &crate::AnyTenant) -> tidemark_core::Result<Sample> {
+    let stats = tenant.stats().await?;
+    let consumers = state.consumers(tenant.id())?;
     let applied_total = consumers
         .iter()
         .map(|c| {
-            let labels = ConsumerLabels { tenant: tenant.id.clone(), consumer: c.consumer_id.clone() };
+            let labels = ConsumerLabels { tenant: tenant.id().to_string(), consumer: c.consumer_id.clone() };
             state.metrics.applies.get_or_create(&labels).get()
         })
         .sum();
@@ -124,10 +123,10 @@ async fn run(state: AppState) -> serde_json::Value {
         rounds += 1;
         for tenant in state.open_tenants().await {
             match sample(&state, &tenant).await {
-                Ok(sample) => state.samples.push(&tenant.id, sample),
+                Ok(sample) => state.samples.push(tenant.id(), sample),
                 Err(error) => {
                     errors += 1;
-                    tracing::warn!(tenant = %tenant.id, code = error.code(), %error, "dashboard sample failed");
+                    tracing::warn!(tenant = %tenant.id(), code = error.code(), %error, "dashboard sample failed");
                 }
             }
         }
