@@ -67,7 +67,61 @@ pub fn register(builder: ServiceBuilder, options: &BuiltinOptions) -> ServiceBui
         .routes(routes::stock())
 }
 
-/// `tidemark serve`: a service with `config` and every built-in registered.
+/// Register every built-in with a service on PostgreSQL: the same machine, handler names,
+/// workflows and route as [`register`], on PostgreSQL's tables and transactions (the fake
+/// payment service still keeps its log in the tenant's local folder: it stands for another
+/// company's service, not for tidemark's data).
+pub fn register_postgres(
+    builder: ServiceBuilder<tidemark::service::Postgres>,
+    options: &BuiltinOptions,
+) -> ServiceBuilder<tidemark::service::Postgres> {
+    let retry = options.retry.clone();
+    builder
+        .flow(tidemark::reservation::ReservationMachine)
+        .migration(Database::Inbox, reservation::postgres::migration())
+        .handler(RESERVATION_HANDLER, reservation::postgres::ReservationHandler::new(options.support_v2))
+        .handler(RECORD_HANDLER, RecordHandler)
+        .handler_in(Database::Workflows, WORKFLOWS_HANDLER, tidemark::postgres::RunEventHandler::new())
+        .migration(Database::Workflows, order::postgres::migration())
+        .tenant_workflows(workflows::BUILTINS, move |tenant| {
+            let payments = order::FakePayments::open(&tenant.dir.join("payments.db"))?;
+            workflows::definitions::<tidemark::postgres::PgWorkflows>(Arc::new(payments), &retry)
+        })
+        .routes(routes::stock_postgres())
+}
+
+/// What `tidemark serve` runs: the built-ins on SQLite files, or on PostgreSQL when the
+/// configuration's `store` names a server.
+pub enum Served {
+    /// On SQLite files in the data folder.
+    Sqlite(Service),
+    /// On schemas of a PostgreSQL server.
+    Postgres(tidemark::postgres::Service),
+}
+
+impl Served {
+    /// [`Service::serve_blocking`] of whichever it is.
+    pub fn serve_blocking(self) -> Result<serde_json::Value> {
+        match self {
+            Served::Sqlite(service) => service.serve_blocking(),
+            Served::Postgres(service) => service.serve_blocking(),
+        }
+    }
+}
+
+/// `tidemark serve`: a service with `config` and every built-in registered, on the store the
+/// configuration names.
+pub fn serve(config: Config) -> Result<Served> {
+    let options = BuiltinOptions::from_config(&config)?;
+    if config.postgres()?.is_some() {
+        let url = config.store.clone();
+        let builder = Service::builder().config(config).postgres(&url);
+        return Ok(Served::Postgres(register_postgres(builder, &options).build()?));
+    }
+    Ok(Served::Sqlite(service(config)?))
+}
+
+/// A service on SQLite files with `config` and every built-in registered.
 pub fn service(config: Config) -> Result<Service> {
     let options = BuiltinOptions::from_config(&config)?;
     register(Service::builder().config(config), &options).build()

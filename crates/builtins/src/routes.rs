@@ -18,9 +18,14 @@ use crate::order::tables;
 /// Largest stock a SKU may be given.
 const STOCK_MAX: i64 = 1_000_000_000_000;
 
-/// The route, documented.
+/// The route, documented (a service on SQLite files).
 pub fn stock() -> OpenApiRouter<AppState> {
     OpenApiRouter::new().routes(routes!(set_stock))
+}
+
+/// The route on a service on PostgreSQL.
+pub fn stock_postgres() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(set_stock_postgres))
 }
 
 /// The new stock.
@@ -67,10 +72,7 @@ pub struct Stocked {
 )]
 async fn set_stock(caller: Caller, Path(sku): Path<String>, Json(body): Json<StockBody>) -> ApiResult {
     caller.require(tidemark::service::Scope::Admin)?;
-    validate_id("sku", &sku)?;
-    if !(0..=STOCK_MAX).contains(&body.quantity) {
-        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("quantity must be 0..={STOCK_MAX}")).into());
-    }
+    check(&sku, &body)?;
     let stock = caller
         .tenant
         .writer
@@ -81,5 +83,47 @@ async fn set_stock(caller: Caller, Path(sku): Path<String>, Json(body): Json<Sto
             Ok(Stock { sku, stock })
         })
         .await?;
-    Ok(typed(tidemark::axum::http::StatusCode::OK, Stocked { outcome: "stocked".into(), stock }))
+    Ok(stocked(stock))
+}
+
+/// [`set_stock`] on PostgreSQL: the same request and answer, the workflow schema's tables.
+#[utoipa::path(
+    put,
+    path = "/v1/stock/{sku}",
+    tag = "runs",
+    params(("sku" = String, Path, description = "The SKU")),
+    request_body = StockBody,
+    responses((status = 200, description = "`stocked`", body = Stocked)),
+    security(("bearer" = ["admin"]))
+)]
+async fn set_stock_postgres(
+    caller: tidemark::postgres::Caller,
+    Path(sku): Path<String>,
+    Json(body): Json<StockBody>,
+) -> ApiResult {
+    caller.require(tidemark::service::Scope::Admin)?;
+    check(&sku, &body)?;
+    let stock = caller
+        .tenant
+        .writer
+        .call(move |store, _| {
+            let schema = store.schema().to_string();
+            crate::order::postgres::set_stock(store.client(), &schema, &sku, body.quantity)?;
+            let stock = crate::order::postgres::stock(store.client(), &schema, &sku)?;
+            Ok(Stock { sku, stock })
+        })
+        .await?;
+    Ok(stocked(stock))
+}
+
+fn check(sku: &str, body: &StockBody) -> tidemark::Result<()> {
+    validate_id("sku", sku)?;
+    if !(0..=STOCK_MAX).contains(&body.quantity) {
+        return Err(Error::invalid(codes::INVALID_ARGUMENT, format!("quantity must be 0..={STOCK_MAX}")));
+    }
+    Ok(())
+}
+
+fn stocked(stock: Stock) -> axum::response::Response {
+    typed(tidemark::axum::http::StatusCode::OK, Stocked { outcome: "stocked".into(), stock })
 }

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
+use tidemark_core::tenancy::ControlStore;
 use tidemark_core::tenancy::{Scope, TokenText};
 use tidemark_core::{Error, Result};
 use tidemark_server::{Config, Overrides, CONTROL_FILE};
@@ -22,6 +23,11 @@ pub struct ServeArgs {
     /// Address to listen on, e.g. 127.0.0.1:7400 (port 0 picks a free one). Overrides `listen`.
     #[arg(long)]
     listen: Option<String>,
+    /// Where tenants' data lives: a `postgres://user@host/db?schema=<prefix>` URL (every process
+    /// given the same URL serves the same tenants); absent: SQLite files in the data folder.
+    /// Overrides `store`.
+    #[arg(long)]
+    store: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -38,8 +44,8 @@ pub enum TokenCommand {
     /// Create a token bound to a tenant (created if new) and a scope. The token is printed once;
     /// only its hash is stored.
     Create {
-        #[arg(long)]
-        data: PathBuf,
+        #[command(flatten)]
+        control: ControlArgs,
         #[arg(long)]
         tenant: String,
         /// read, operate or admin.
@@ -50,16 +56,30 @@ pub enum TokenCommand {
     },
     /// List tokens (never their secrets).
     List {
-        #[arg(long)]
-        data: PathBuf,
+        #[command(flatten)]
+        control: ControlArgs,
     },
     /// Revoke a token by id; a running server refuses it from its next request.
     Revoke {
-        #[arg(long)]
-        data: PathBuf,
+        #[command(flatten)]
+        control: ControlArgs,
         #[arg(long)]
         token_id: String,
     },
+}
+
+/// Where a token command finds the service's control store: its data folder (SQLite), or the
+/// PostgreSQL URL the service was started with (`--store`).
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+pub struct ControlArgs {
+    /// The service's data folder (its `server.db`).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// The service's PostgreSQL store (`postgres://user@host/db?schema=<prefix>`, as given to
+    /// `serve --store`).
+    #[arg(long)]
+    store: Option<String>,
 }
 
 fn durability_word(ctx: &Context) -> String {
@@ -76,9 +96,10 @@ pub fn serve(ctx: &Context, args: ServeArgs) -> Result<Value> {
         listen: args.listen,
         // Only an explicit `--durability normal` overrides the file.
         durability: normal.then(|| durability_word(ctx)),
+        store: args.store,
     };
     let config = Config::load(args.config.as_deref(), &overrides)?;
-    tidemark_builtins::service(config)?.serve_blocking()
+    tidemark_builtins::serve(config)?.serve_blocking()
 }
 
 pub fn config(command: ConfigCommand) -> Result<Value> {
@@ -102,33 +123,47 @@ pub fn config(command: ConfigCommand) -> Result<Value> {
     }
 }
 
-fn open_control(data: &std::path::Path, ctx: &Context, create: bool) -> Result<SqliteControl> {
+fn open_control(args: &ControlArgs, ctx: &Context, create: bool) -> Result<Box<dyn ControlStore>> {
+    if let Some(store) = &args.store {
+        let location = match tidemark_core::location::StoreLocation::parse(store)? {
+            tidemark_core::location::StoreLocation::Postgres(location) => location,
+            tidemark_core::location::StoreLocation::Sqlite(_) => {
+                return Err(Error::invalid(
+                    tidemark_core::error::codes::INVALID_STORE,
+                    "--store takes the service's postgres:// URL; a SQLite service's control store is in --data",
+                ))
+            }
+        };
+        let schema = tidemark_server::Postgres::new(&location)?.control_schema();
+        return Ok(Box::new(tidemark_store_postgres::PgControl::open(&location.conn, &schema, create)?));
+    }
+    let data = args.data.as_deref().expect("clap requires --data or --store");
     if create {
         std::fs::create_dir_all(data)
             .map_err(|e| tidemark_core::Error::io(format!("cannot create {}: {e}", data.display())))?;
     }
-    SqliteControl::open(&data.join(CONTROL_FILE), create, ctx.durability)
+    Ok(Box::new(SqliteControl::open(&data.join(CONTROL_FILE), create, ctx.durability)?))
 }
 
 pub fn token(ctx: &Context, command: TokenCommand) -> Result<Value> {
     match command {
-        TokenCommand::Create { data, tenant, scope, label } => {
+        TokenCommand::Create { control, tenant, scope, label } => {
             // Validate before touching the folder.
             tidemark_core::tenancy::validate_tenant_id(&tenant)?;
             let scope = Scope::parse(&scope)?;
             tidemark_core::tenancy::validate_label(&label)?;
             let token = TokenText::from_random(rand::random(), rand::random());
-            let mut control = open_control(&data, ctx, true)?;
+            let mut control = open_control(&control, ctx, true)?;
             let record = control.create_token(&token, &tenant, scope, &label, ctx.now_ms())?;
             Ok(json!({"outcome": "created", "token": token.text(), "record": record}))
         }
-        TokenCommand::List { data } => {
-            let control = open_control(&data, ctx, false)?;
+        TokenCommand::List { control } => {
+            let control = open_control(&control, ctx, false)?;
             Ok(json!({"outcome": "listed", "tokens": control.tokens()?}))
         }
-        TokenCommand::Revoke { data, token_id } => {
+        TokenCommand::Revoke { control, token_id } => {
             tidemark_core::id::validate_id("token_id", &token_id)?;
-            let mut control = open_control(&data, ctx, false)?;
+            let mut control = open_control(&control, ctx, false)?;
             Ok(json!({"outcome": "revoked", "record": control.revoke_token(&token_id, ctx.now_ms())?}))
         }
     }

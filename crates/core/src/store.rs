@@ -771,6 +771,44 @@ pub trait Endpoints {
     fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>>;
 }
 
+/// The producer's open deliveries.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct OutboxCounts {
+    /// Deliveries not yet accepted (the backlog).
+    pub pending: u64,
+    /// Of the pending deliveries, those due now (the rest are backing off after a failure).
+    pub due: u64,
+    /// Deliveries quarantined after `max_attempts` failures, waiting for an operator.
+    pub quarantined: u64,
+    /// The oldest pending delivery's commit time (its event's `created_at_ms`).
+    pub oldest_pending_ms: Option<i64>,
+    /// The highest outbox position (events ever committed, as long as none was pruned above it).
+    pub last_position: i64,
+}
+
+impl OutboxCounts {
+    /// Add another outbox's counts (a tenant has two): the sums, and the older oldest pending.
+    pub fn absorb(&mut self, other: OutboxCounts) {
+        self.pending += other.pending;
+        self.due += other.due;
+        self.quarantined += other.quarantined;
+        self.oldest_pending_ms = match (self.oldest_pending_ms, other.oldest_pending_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        self.last_position += other.last_position;
+    }
+}
+
+/// One consumer's open inbox records.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct InboxCounts {
+    /// Records received and waiting to be applied.
+    pub pending: u64,
+    /// Records a handler refused, each stopping its flow.
+    pub blocked: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

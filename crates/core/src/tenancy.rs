@@ -138,6 +138,80 @@ mod hex {
     }
 }
 
+/// A declared consumer of a tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConsumerRecord {
+    /// The tenant the consumer belongs to.
+    pub tenant_id: String,
+    /// The logical consumer id, unique within its tenant.
+    pub consumer_id: String,
+    /// The name of the registered handler that applies the consumer's events (e.g. `reservation`,
+    /// `record`, `workflows`).
+    pub handler: String,
+    /// When the consumer was declared, in ms since the Unix epoch.
+    pub created_at_ms: i64,
+}
+
+/// A token as listed (never its secret).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TokenRecord {
+    /// The token's id (16 hex characters), the part of the token text that is not secret.
+    pub token_id: String,
+    /// The tenant the token serves; its requests reach only that tenant's folder.
+    pub tenant_id: String,
+    /// What the token may do.
+    pub scope: Scope,
+    /// The operator's free-text label (0..=200 bytes).
+    pub label: String,
+    /// When the token was created, in ms since the Unix epoch.
+    pub created_at_ms: i64,
+    /// When the token was revoked, in ms since the Unix epoch; set once, never cleared. A revoked
+    /// token is refused.
+    pub revoked_at_ms: Option<i64>,
+    /// The SHA-256 of the token's secret, hex (never serialised): what a presented secret is
+    /// compared with, in constant time.
+    #[serde(skip)]
+    pub secret_hash: String,
+}
+
+/// The control store of `tidemark serve`: tenants, bearer tokens (hashed) and declared
+/// consumers, shared by every process of a service. Tenants' own data is never here.
+pub trait ControlStore: Send {
+    /// Changes whenever anyone commits to the control store: a cache of tokens and consumers
+    /// reloads when it moves.
+    fn data_version(&self) -> Result<i64>;
+    /// Record `tenant_id` (1..=64 characters of `[a-z0-9_-]`, else `invalid_id`); true when it
+    /// was new, false when it was already there.
+    fn ensure_tenant(&mut self, tenant_id: &str, now_ms: i64) -> Result<bool>;
+    /// Every tenant id, in order.
+    fn tenants(&self) -> Result<Vec<String>>;
+    /// Store a new token for `tenant_id` (created if new), in one transaction.
+    fn create_token(
+        &mut self,
+        token: &TokenText,
+        tenant_id: &str,
+        scope: Scope,
+        label: &str,
+        now_ms: i64,
+    ) -> Result<TokenRecord>;
+    /// Every token, revoked ones included, oldest first.
+    fn tokens(&self) -> Result<Vec<TokenRecord>>;
+    /// Revoke a token (idempotent: revoking twice keeps the first time); `not_found` for an
+    /// unknown token.
+    fn revoke_token(&mut self, token_id: &str, now_ms: i64) -> Result<TokenRecord>;
+    /// Declare a consumer (idempotent with the same handler; another handler is
+    /// `already_exists`). Answers the record and whether it was new.
+    fn declare_consumer(
+        &mut self,
+        tenant_id: &str,
+        consumer_id: &str,
+        handler: &str,
+        now_ms: i64,
+    ) -> Result<(ConsumerRecord, bool)>;
+    /// Consumers of one tenant, or of all tenants, by (tenant, consumer id).
+    fn consumers(&self, tenant_id: Option<&str>) -> Result<Vec<ConsumerRecord>>;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

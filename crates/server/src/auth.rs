@@ -12,28 +12,29 @@ use axum::http::request::Parts;
 use governor::{DefaultKeyedRateLimiter, Quota, RateLimiter};
 use subtle::ConstantTimeEq;
 use tidemark_core::error::codes;
+use tidemark_core::tenancy::{ConsumerRecord, ControlStore, TokenRecord};
 use tidemark_core::tenancy::{Scope, TokenText};
 use tidemark_core::{Error, Result};
-use tidemark_store_sqlite::{ConsumerRecord, SqliteControl, TokenRecord};
 
 use crate::api::ApiError;
 use crate::backend::{AnyTenant, Backend, Sqlite};
 use crate::tenant::Tenant;
 use crate::AppState;
 
-/// The control database and what is read from it on every request or delivery round (tokens,
-/// declared consumers), reloaded whenever the file changed: another process (for example
-/// `tidemark token revoke`) committed to it, or this server wrote through [`Self::control`]. A
-/// revocation takes effect at the next request. Checking costs one `PRAGMA data_version`.
+/// The control store and what is read from it on every request or delivery round (tokens,
+/// declared consumers), reloaded whenever it changed: another process (for example `tidemark
+/// token revoke`) committed to it, or this server wrote through [`Self::control`]. A revocation
+/// takes effect at the next request. Checking costs one `PRAGMA data_version` on SQLite, one
+/// read of the change counter on PostgreSQL.
 pub struct ControlCache {
-    control: SqliteControl,
+    control: Box<dyn ControlStore>,
     data_version: i64,
     by_id: HashMap<String, TokenRecord>,
     consumers: Vec<ConsumerRecord>,
 }
 
 impl ControlCache {
-    pub fn new(control: SqliteControl) -> Result<ControlCache> {
+    pub fn new(control: Box<dyn ControlStore>) -> Result<ControlCache> {
         let mut cache = ControlCache { control, data_version: i64::MIN, by_id: HashMap::new(), consumers: Vec::new() };
         cache.refresh()?;
         Ok(cache)
@@ -45,11 +46,11 @@ impl ControlCache {
         Ok(self.consumers.iter().filter(|c| c.tenant_id == tenant_id).cloned().collect())
     }
 
-    pub fn control(&mut self) -> &mut SqliteControl {
+    pub fn control(&mut self) -> &mut dyn ControlStore {
         // Anything written through here changes `data_version` only for other connections, so
         // force a reload at the next check.
         self.data_version = i64::MIN;
-        &mut self.control
+        self.control.as_mut()
     }
 
     fn refresh(&mut self) -> Result<()> {

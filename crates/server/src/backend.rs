@@ -1,8 +1,9 @@
 //! The stores a service runs on: a [`Backend`] opens a tenant's producer, consumer and workflow
-//! stores and says what a handler or a transactional step is given. [`Sqlite`] (one folder per
-//! tenant, three files) is the only backend so far; the service, its tenants and its loops are
-//! generic over the trait, so another backend is one implementation of it and one arm of
-//! [`AnyTenant`].
+//! stores and says what a handler or a transactional step is given. [`Sqlite`] keeps a folder
+//! per tenant with three files; [`Postgres`] keeps three schemas per tenant on one server (and
+//! the control tables in a schema of their own), so several service processes on several
+//! machines serve the same tenants. The service, its tenants and its loops are generic over the
+//! trait; another backend is one implementation of it and one arm of [`AnyTenant`].
 //!
 //! The HTTP layer is not generic (its routes are declared once, with their OpenAPI documents):
 //! a request's tenant is an [`AnyTenant`], and [`on_tenant!`](crate::on_tenant) runs the same
@@ -15,6 +16,7 @@ use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::queue::QueueStore;
 use tidemark_core::schedule::ScheduleStore;
 use tidemark_core::store::{ConsumerStore, Endpoints, ProducerStore};
+use tidemark_core::tenancy::ControlStore;
 use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::Result;
 use tidemark_store_sqlite::{
@@ -42,6 +44,10 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// What the counts of `/metrics` and the dashboard are read through (apart from the store
     /// threads, so a scrape never waits for a group commit).
     type Stats: Send + 'static;
+
+    /// Check that the configuration names this backend's store (`invalid_config` otherwise: a
+    /// SQLite builder given a PostgreSQL `store`, or the other way round).
+    fn check(&self, config: &crate::Config) -> Result<()>;
 
     /// Check a database's list of user migrations (names, order) before anything opens.
     fn validate_migrations(migrations: &[Self::Migration]) -> Result<()>;
@@ -78,7 +84,10 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn open_stats(&self, tenant: &TenantInfo) -> Result<Self::Stats>;
 
     /// Read the tenant's counts (blocking; never on a store thread).
-    fn read_stats(&self, stats: &Self::Stats, tenant: &TenantInfo, now_ms: i64) -> Result<TenantStats>;
+    fn read_stats(&self, stats: &mut Self::Stats, tenant: &TenantInfo, now_ms: i64) -> Result<TenantStats>;
+
+    /// Open (creating on first use) the service's control store: tenants, tokens, consumers.
+    fn open_control(&self, config: &crate::Config) -> Result<Box<dyn ControlStore>>;
 
     /// This backend's tenant, as the HTTP layer holds it.
     fn wrap(tenant: Arc<Tenant<Self>>) -> AnyTenant;
@@ -93,6 +102,8 @@ pub trait Backend: Sized + Send + Sync + 'static {
 pub enum AnyTenant {
     /// A tenant on SQLite files.
     Sqlite(Arc<Tenant<Sqlite>>),
+    /// A tenant in schemas of a PostgreSQL server.
+    Postgres(Arc<Tenant<Postgres>>),
 }
 
 impl AnyTenant {
@@ -114,6 +125,7 @@ macro_rules! on_tenant {
     ($any:expr, $tenant:ident => $body:expr) => {
         match $any {
             $crate::backend::AnyTenant::Sqlite($tenant) => $body,
+            $crate::backend::AnyTenant::Postgres($tenant) => $body,
         }
     };
 }
@@ -137,6 +149,16 @@ impl Backend for Sqlite {
     type Workflows = SqliteWorkflows;
     type Migration = Migration;
     type Stats = crate::stats::StatsReader;
+
+    fn check(&self, config: &crate::Config) -> Result<()> {
+        if config.postgres()?.is_some() {
+            return Err(tidemark_core::Error::invalid(
+                tidemark_core::error::codes::INVALID_CONFIG,
+                "store names a PostgreSQL server: build the service with .postgres(url) (tidemark serve does)",
+            ));
+        }
+        Ok(())
+    }
 
     fn validate_migrations(migrations: &[Migration]) -> Result<()> {
         tidemark_store_sqlite::validate_migrations(migrations)
@@ -189,8 +211,18 @@ impl Backend for Sqlite {
         crate::stats::StatsReader::open(&tenant.dir)
     }
 
-    fn read_stats(&self, stats: &crate::stats::StatsReader, tenant: &TenantInfo, now_ms: i64) -> Result<TenantStats> {
+    fn read_stats(
+        &self,
+        stats: &mut crate::stats::StatsReader,
+        tenant: &TenantInfo,
+        now_ms: i64,
+    ) -> Result<TenantStats> {
         stats.read(tenant, now_ms)
+    }
+
+    fn open_control(&self, config: &crate::Config) -> Result<Box<dyn ControlStore>> {
+        let path = config.data_dir.join(crate::CONTROL_FILE);
+        Ok(Box::new(tidemark_store_sqlite::SqliteControl::open(&path, true, config.durability()?)?))
     }
 
     fn wrap(tenant: Arc<Tenant<Sqlite>>) -> AnyTenant {
@@ -200,6 +232,190 @@ impl Backend for Sqlite {
     fn unwrap(tenant: &AnyTenant) -> Option<&Arc<Tenant<Sqlite>>> {
         match tenant {
             AnyTenant::Sqlite(tenant) => Some(tenant),
+            AnyTenant::Postgres(_) => None,
+        }
+    }
+}
+
+/// Longest schema prefix of a [`Postgres`] backend, in bytes: what is left of PostgreSQL's 63
+/// bytes names a tenant's schemas (see [`Postgres::schema`]).
+pub const POSTGRES_PREFIX_BYTES_MAX: usize = 24;
+
+/// Schemas of one PostgreSQL 15+ server (docs/postgres.md, "Serving on PostgreSQL"): the
+/// control tables in `<prefix>_control`, and each tenant's producer, inbox and workflow
+/// databases as three schemas named by [`Postgres::schema`]. Every process of the service
+/// connects to the same server and shares all of it: runs are claimed with `SKIP LOCKED` and
+/// leases, outboxes and inboxes take their advisory locks (docs/postgres.md). Registrations may
+/// still keep files of their own in the tenant's local folder (the built-in fake payment
+/// service does).
+#[derive(Debug, Clone)]
+pub struct Postgres {
+    conn: String,
+    prefix: String,
+}
+
+impl Postgres {
+    /// The schemas named from `location`'s schema (the prefix: 1..=24 bytes of `a-z`, `0-9`
+    /// and `_`, starting with a letter; `invalid_store` otherwise) on its server.
+    pub fn new(location: &tidemark_core::location::PostgresLocation) -> Result<Postgres> {
+        let prefix = &location.schema;
+        let well_formed = prefix.len() <= POSTGRES_PREFIX_BYTES_MAX
+            && prefix.starts_with(|c: char| c.is_ascii_lowercase())
+            && tidemark_store_postgres::validate_schema_name(prefix).is_ok();
+        if !well_formed {
+            return Err(tidemark_core::Error::invalid(
+                tidemark_core::error::codes::INVALID_STORE,
+                format!(
+                    "a service's schema prefix must be 1..={POSTGRES_PREFIX_BYTES_MAX} bytes of a-z, 0-9 and _, \
+                     starting with a letter; got {prefix:?}"
+                ),
+            ));
+        }
+        Ok(Postgres { conn: location.conn.clone(), prefix: prefix.clone() })
+    }
+
+    /// The schema of tenant `tenant_id`'s `database`:
+    /// `<prefix>_<tenant id, '-' as '_', cut to fit>_<12 hex of the id's SHA-256>_<p|i|w>`. The
+    /// hash keeps two tenant ids apart that read alike (`a-b`, `a_b`); the readable part lets an
+    /// operator find a tenant's schemas (`\dn <prefix>_<tenant>*`).
+    pub fn schema(&self, tenant_id: &str, database: Database) -> String {
+        use sha2::Digest;
+        let digest = sha2::Sha256::digest(tenant_id.as_bytes());
+        let hash: String = digest.iter().take(6).map(|b| format!("{b:02x}")).collect();
+        let letter = match database {
+            Database::Producer => 'p',
+            Database::Inbox => 'i',
+            Database::Workflows => 'w',
+        };
+        let room = tidemark_store_postgres::SCHEMA_NAME_BYTES_MAX - self.prefix.len() - hash.len() - 4;
+        let readable: String = tenant_id.chars().map(|c| if c == '-' { '_' } else { c }).take(room).collect();
+        format!("{}_{readable}_{hash}_{letter}", self.prefix)
+    }
+
+    /// A backend that never opens (a builder whose URL was refused carries the error to build).
+    pub(crate) fn unusable() -> Postgres {
+        Postgres { conn: String::new(), prefix: String::new() }
+    }
+
+    /// The schema of the control tables: `<prefix>_control`.
+    pub fn control_schema(&self) -> String {
+        format!("{}_control", self.prefix)
+    }
+}
+
+/// What a PostgreSQL tenant's counts are read through: a connection of its own (made on first
+/// use, made again after an error), never a store's.
+#[derive(Default)]
+pub struct PgStatsReader {
+    client: Option<postgres::Client>,
+}
+
+impl Backend for Postgres {
+    type Tx = tidemark_store_postgres::ApplyTransaction;
+    type Producer = tidemark_store_postgres::PgProducer;
+    type Endpoints = tidemark_store_postgres::PgEndpoints;
+    type Consumer = tidemark_store_postgres::PgConsumer;
+    type Workflows = tidemark_store_postgres::PgWorkflows;
+    type Migration = tidemark_store_postgres::Migration;
+    type Stats = PgStatsReader;
+
+    fn check(&self, config: &crate::Config) -> Result<()> {
+        match config.postgres()? {
+            Some(location) if location.conn == self.conn && location.schema == self.prefix => Ok(()),
+            _ => Err(tidemark_core::Error::invalid(
+                tidemark_core::error::codes::INVALID_CONFIG,
+                "store must be the PostgreSQL URL the builder was given (.postgres(url) sets it; a later .config(...) \
+                 replaced it)",
+            )),
+        }
+    }
+
+    fn validate_migrations(migrations: &[Self::Migration]) -> Result<()> {
+        tidemark_store_postgres::validate_migrations(migrations)
+    }
+
+    fn open_producer(
+        &self,
+        tenant: &TenantInfo,
+        database: Database,
+        source: &str,
+        migrations: &[Self::Migration],
+        now_ms: i64,
+    ) -> Result<(Self::Producer, Self::Endpoints)> {
+        let schema = self.schema(&tenant.id, database);
+        if database == Database::Workflows {
+            // The workflow tables first, as on SQLite.
+            drop(tidemark_store_postgres::PgWorkflows::init(&self.conn, &schema)?);
+        }
+        let mut store = tidemark_store_postgres::PgProducer::init(&self.conn, &schema, source)?;
+        tidemark_store_postgres::apply_migrations(store.client(), &schema, migrations, now_ms)?;
+        Ok((store, tidemark_store_postgres::PgEndpoints::new(&self.conn)))
+    }
+
+    fn open_consumer(
+        &self,
+        tenant: &TenantInfo,
+        database: Database,
+        migrations: &[Self::Migration],
+        now_ms: i64,
+    ) -> Result<Self::Consumer> {
+        let schema = self.schema(&tenant.id, database);
+        let mut store = tidemark_store_postgres::PgConsumer::init(&self.conn, &schema, RetentionPolicy::default())?;
+        tidemark_store_postgres::apply_migrations(store.client(), &schema, migrations, now_ms)?;
+        Ok(store)
+    }
+
+    fn open_workflows(&self, tenant: &TenantInfo) -> Result<Self::Workflows> {
+        tidemark_store_postgres::PgWorkflows::init(&self.conn, &self.schema(&tenant.id, Database::Workflows))
+    }
+
+    fn endpoint(&self, tenant: &TenantInfo, database: Database) -> String {
+        // The endpoints of this backend's relay are consumer schemas on its server.
+        self.schema(&tenant.id, database)
+    }
+
+    fn open_stats(&self, _tenant: &TenantInfo) -> Result<PgStatsReader> {
+        Ok(PgStatsReader::default())
+    }
+
+    fn read_stats(&self, stats: &mut PgStatsReader, tenant: &TenantInfo, now_ms: i64) -> Result<TenantStats> {
+        use tidemark_store_postgres::stats;
+        let client = match &mut stats.client {
+            Some(client) => client,
+            empty => empty.insert(tidemark_store_postgres::connect(&self.conn)?),
+        };
+        let read = (|| {
+            let (producer, inbox, workflows) = (
+                self.schema(&tenant.id, Database::Producer),
+                self.schema(&tenant.id, Database::Inbox),
+                self.schema(&tenant.id, Database::Workflows),
+            );
+            let mut outbox = stats::outbox_counts(client, &producer, now_ms)?;
+            outbox.absorb(stats::outbox_counts(client, &workflows, now_ms)?);
+            let mut inboxes = stats::inbox_counts(client, &inbox)?;
+            inboxes.extend(stats::inbox_counts(client, &workflows)?);
+            let runs = stats::run_counts(client, &workflows)?;
+            Ok(TenantStats { tenant: tenant.id.clone(), outbox, inbox: inboxes, runs, wal_bytes: Default::default() })
+        })();
+        if read.is_err() {
+            // A closed connection (a restart, `pg_terminate_backend`): a new one next time.
+            stats.client = None;
+        }
+        read
+    }
+
+    fn open_control(&self, _config: &crate::Config) -> Result<Box<dyn ControlStore>> {
+        Ok(Box::new(tidemark_store_postgres::PgControl::open(&self.conn, &self.control_schema(), true)?))
+    }
+
+    fn wrap(tenant: Arc<Tenant<Postgres>>) -> AnyTenant {
+        AnyTenant::Postgres(tenant)
+    }
+
+    fn unwrap(tenant: &AnyTenant) -> Option<&Arc<Tenant<Postgres>>> {
+        match tenant {
+            AnyTenant::Postgres(tenant) => Some(tenant),
+            AnyTenant::Sqlite(_) => None,
         }
     }
 }

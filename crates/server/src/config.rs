@@ -11,6 +11,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 use tidemark_core::error::codes;
 use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
+use tidemark_core::location::{PostgresLocation, StoreLocation};
 use tidemark_core::policy::{RelayPolicy, DAY_MS};
 use tidemark_core::tenancy::validate_tenant_id;
 use tidemark_core::{Error, Result};
@@ -32,6 +33,11 @@ pub struct Config {
     pub listen: String,
     /// `full` (every commit fsynced) or `normal` (see docs/operations.md).
     pub durability: String,
+    /// Where tenants' data lives: empty (the default) for SQLite files in `data_dir`, or
+    /// `postgres://user@host/db?schema=<prefix>` for schemas of a PostgreSQL server shared by
+    /// every process of the service (docs/postgres.md, "Serving on PostgreSQL"). `data_dir`
+    /// still holds what registrations keep locally.
+    pub store: String,
     /// Bearer tokens and per-token rate limits (`[auth]`).
     pub auth: AuthConfig,
     /// Request bounds (`[limits]`).
@@ -259,6 +265,7 @@ impl Default for Config {
             data_dir: PathBuf::from("tidemark-data"),
             listen: "127.0.0.1:7400".into(),
             durability: "full".into(),
+            store: String::new(),
             auth: AuthConfig::default(),
             limits: LimitsConfig::default(),
             relay: RelayConfig::default(),
@@ -356,6 +363,9 @@ pub struct Overrides {
     /// `--durability`: `full` or `normal`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub durability: Option<String>,
+    /// `--store`: where tenants' data lives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<String>,
 }
 
 fn config_error(message: impl Into<String>) -> Error {
@@ -409,6 +419,7 @@ impl Config {
         }
         self.listen_addr()?;
         self.durability()?;
+        self.postgres()?;
         if !matches!(self.auth.mode.as_str(), "tokens" | "none") {
             return Err(config_error(format!("auth.mode must be \"tokens\" or \"none\", got {:?}", self.auth.mode)));
         }
@@ -510,6 +521,30 @@ impl Config {
             "full" => Ok(tidemark_store_sqlite::Durability::Full),
             "normal" => Ok(tidemark_store_sqlite::Durability::Normal),
             other => Err(config_error(format!("durability must be \"full\" or \"normal\", got {other:?}"))),
+        }
+    }
+
+    /// The PostgreSQL server and schema prefix of `store`, or `None` for SQLite files
+    /// (`invalid_config` for a store that is neither, or for `durability = "normal"` with
+    /// PostgreSQL: its durability is the server's, `synchronous_commit` is never touched).
+    pub fn postgres(&self) -> Result<Option<PostgresLocation>> {
+        if self.store.is_empty() {
+            return Ok(None);
+        }
+        match StoreLocation::parse(&self.store).map_err(|e| config_error(format!("store: {e}")))? {
+            StoreLocation::Postgres(location) => {
+                if self.durability()? == tidemark_store_sqlite::Durability::Normal {
+                    return Err(config_error(
+                        "durability = \"normal\" applies to SQLite files; with a PostgreSQL store durability is the \
+                         server's (fsync, synchronous_commit)",
+                    ));
+                }
+                crate::backend::Postgres::new(&location).map_err(|e| config_error(format!("store: {e}")))?;
+                Ok(Some(location))
+            }
+            StoreLocation::Sqlite(_) => Err(config_error(
+                "store: SQLite files live in data_dir; store takes a postgres:// URL (leave it empty for SQLite)",
+            )),
         }
     }
 

@@ -32,11 +32,10 @@ use std::sync::{Arc, Mutex};
 
 use governor::DefaultKeyedRateLimiter;
 use tidemark_core::{Error, Result};
-use tidemark_store_sqlite::SqliteControl;
 use tokio::sync::watch;
 
 pub use auth::{AnyCaller, Caller};
-pub use backend::{AnyTenant, Backend, Sqlite};
+pub use backend::{AnyTenant, Backend, Postgres, Sqlite};
 pub use config::{Config, Overrides};
 pub use registry::{Database, Registrations, Registry, TenantInfo};
 pub use service::{Service, ServiceBuilder};
@@ -99,7 +98,7 @@ impl AppState {
     ) -> Result<AppState> {
         std::fs::create_dir_all(&config.data_dir)
             .map_err(|e| Error::io(format!("cannot create {}: {e}", config.data_dir.display())))?;
-        let control = SqliteControl::open(&config.data_dir.join(CONTROL_FILE), true, config.durability()?)?;
+        let control = backend.open_control(&config)?;
         let limiter = auth::rate_limiter(config.auth.rate_per_second, config.auth.burst);
         let (shutdown, _) = watch::channel(false);
         Ok(AppState(Arc::new(Inner {
@@ -119,13 +118,13 @@ impl AppState {
     }
 
     /// Run `f` with the control database.
-    pub fn control<R>(&self, f: impl FnOnce(&mut SqliteControl) -> Result<R>) -> Result<R> {
+    pub fn control<R>(&self, f: impl FnOnce(&mut dyn tidemark_core::tenancy::ControlStore) -> Result<R>) -> Result<R> {
         f(self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).control())
     }
 
     /// The consumers declared for a tenant (from the control cache: no query unless the control
     /// database changed).
-    pub fn consumers(&self, tenant_id: &str) -> Result<Vec<tidemark_store_sqlite::ConsumerRecord>> {
+    pub fn consumers(&self, tenant_id: &str) -> Result<Vec<tidemark_core::tenancy::ConsumerRecord>> {
         self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).consumers(tenant_id)
     }
 

@@ -367,6 +367,47 @@ impl tokio::io::AsyncWrite for IdleWatch {
     }
 }
 
+impl ServiceBuilder<Sqlite> {
+    /// Serve every tenant from schemas of the PostgreSQL server `url`
+    /// (`postgres://user@host:5432/db?schema=<prefix>`; docs/postgres.md, "Serving on
+    /// PostgreSQL") instead of SQLite files: every process of the service built with the same
+    /// URL shares the tenants, their runs and their inboxes. Handlers, workflows and migrations
+    /// are then PostgreSQL's (a handler or transactional step gets a
+    /// `tidemark_store_postgres::ApplyTransaction`), so call this before registering them; the
+    /// configuration, machines, consumers, subscriptions, queues and routes carry over. A URL
+    /// that is not PostgreSQL's is `invalid_store` at build.
+    pub fn postgres(self, url: &str) -> ServiceBuilder<crate::backend::Postgres> {
+        let ServiceBuilder { mut config, parts, routes, mut errors, .. } = self;
+        let typed =
+            parts.handlers.len() + parts.workflows.len() + parts.tenant_workflows.len() + parts.migrations.len();
+        if typed > 0 {
+            errors.push(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                "call .postgres(url) before registering handlers, workflows and migrations (they are typed by the \
+                 backend's transaction)",
+            ));
+        }
+        config.store = url.to_string();
+        let backend = match config.postgres() {
+            Ok(Some(location)) => crate::backend::Postgres::new(&location),
+            Ok(None) => Err(Error::invalid(codes::INVALID_STORE, "an empty PostgreSQL URL")),
+            Err(error) => Err(error),
+        };
+        let backend = backend.unwrap_or_else(|error| {
+            errors.push(error);
+            crate::backend::Postgres::unusable()
+        });
+        let parts = RegistryParts {
+            machines: parts.machines,
+            consumers: parts.consumers,
+            subscriptions: parts.subscriptions,
+            queues: parts.queues,
+            ..RegistryParts::default()
+        };
+        ServiceBuilder { config, backend, parts, routes, errors }
+    }
+}
+
 impl<B: Backend> ServiceBuilder<B> {
     /// Replace the whole configuration (e.g. [`Config::load`]: defaults < TOML < environment <
     /// flags). Settings made before are overwritten; make them after.
@@ -549,6 +590,7 @@ impl<B: Backend> ServiceBuilder<B> {
             return Err(error);
         }
         self.config.validate()?;
+        self.backend.check(&self.config)?;
         let (registry, registrations) = Registry::new(self.parts)?;
         let state = AppState::open(self.config, registry, registrations, self.backend)?;
         Ok(Service { state, routes: self.routes, started: Mutex::new(false), backend: std::marker::PhantomData })

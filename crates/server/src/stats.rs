@@ -72,8 +72,8 @@ impl TenantStats {
     pub async fn read<B: Backend>(tenant: &Arc<Tenant<B>>) -> Result<TenantStats> {
         let tenant = Arc::clone(tenant);
         tokio::task::spawn_blocking(move || {
-            let reader = tenant.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            tenant.backend.read_stats(&reader, &tenant.info, crate::now_ms())
+            let mut reader = tenant.stats.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            tenant.backend.read_stats(&mut reader, &tenant.info, crate::now_ms())
         })
         .await
         .map_err(|e| tidemark_core::Error::store(format!("the stats reader thread failed: {e}")))?

@@ -131,35 +131,9 @@ impl PgConsumer {
     /// have a `consumer_id` column), so that renaming a consumer carries its rows over in the
     /// same transaction as the dedup state. Idempotent.
     pub fn register_projection_table(&mut self, table: &str) -> Result<()> {
-        validate_schema_name(table)?;
         let schema = self.apply.schema().to_string();
         let mut tx = self.apply.client_get_mut().transaction().db()?;
-        lock(&mut tx, LOCK_CONSUMER, &schema)?;
-        let has_consumer_id: bool = col(
-            &tx.query_one(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
-                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'consumer_id')",
-                &[&schema, &table],
-            )
-            .db()?,
-            0,
-        )?;
-        if !has_consumer_id {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("table {schema}.{table} does not exist or has no consumer_id column"),
-            ));
-        }
-        let mut tables = projection_tables(&mut tx, &schema)?;
-        if !tables.iter().any(|t| t == table) {
-            tables.push(table.to_string());
-            meta_set(
-                &mut tx,
-                &schema,
-                "consumer.projection_tables",
-                &serde_json::to_string(&tables).expect("strings serialise"),
-            )?;
-        }
+        register_projection_table(&mut tx, &schema, table)?;
         tx.commit().db()
     }
 
@@ -1195,4 +1169,38 @@ fn snapshot_in(tx: &mut Transaction<'_>, schema: &str, horizon_ms: i64, rows_max
         .map(flow_cursor)
         .collect::<Result<Vec<_>>>()?;
     Ok(ConsumerSnapshot { horizon_ms, inbox, receipts, cursors })
+}
+
+/// [`PgConsumer::register_projection_table`] inside a transaction of the caller's (a user
+/// migration's, `Migration::with`): takes the consumer schema's lock, which the transaction holds
+/// until it ends.
+pub fn register_projection_table(tx: &mut impl GenericClient, schema: &str, table: &str) -> Result<()> {
+    validate_schema_name(table)?;
+    lock(tx, LOCK_CONSUMER, schema)?;
+    let has_consumer_id: bool = col(
+        &tx.query_one(
+            "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'consumer_id')",
+            &[&schema, &table],
+        )
+        .db()?,
+        0,
+    )?;
+    if !has_consumer_id {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!("table {schema}.{table} does not exist or has no consumer_id column"),
+        ));
+    }
+    let mut tables = projection_tables(tx, schema)?;
+    if !tables.iter().any(|t| t == table) {
+        tables.push(table.to_string());
+        meta_set(
+            tx,
+            schema,
+            "consumer.projection_tables",
+            &serde_json::to_string(&tables).expect("strings serialise"),
+        )?;
+    }
+    Ok(())
 }

@@ -25,21 +25,49 @@
 
 mod apply;
 mod consumer;
+mod control;
 mod endpoints;
 mod listen;
+mod migrations;
 mod producer;
 mod schema;
+pub mod stats;
 mod workflow;
 
 pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
-pub use consumer::PgConsumer;
+pub use consumer::{register_projection_table, PgConsumer};
+pub use control::PgControl;
 pub use endpoints::PgEndpoints;
 pub use listen::{wake_channel, DueRunListener};
+pub use migrations::{apply_migrations, validate_migrations, Migration};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
 pub use schema::{connect, validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;
+
+/// How a run event is stored on PostgreSQL: [`send_event_in`] in the apply transaction's own
+/// schema (a consumer whose inbox is in the workflow schema).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PgRunEvents;
+
+impl tidemark_core::run_events::RunEventSend for PgRunEvents {
+    type Tx = ApplyTransaction;
+    fn send(
+        tx: &ApplyTransaction,
+        run_id: &str,
+        event_id: &str,
+        name: &str,
+        payload: &serde_json::Value,
+        now_ms: i64,
+    ) -> Result<bool, Error> {
+        send_event_in(tx, tx.schema(), run_id, event_id, name, payload, now_ms)
+    }
+}
+
+/// Delivers applied inbox events to workflow runs on PostgreSQL (see
+/// [`tidemark_core::run_events::RunEventHandler`]): register it on the workflow database.
+pub type RunEventHandler = tidemark_core::run_events::RunEventHandler<PgRunEvents>;
 
 /// Convert a PostgreSQL error into the library error (a store failure, never bad input).
 pub(crate) fn db_err(error: postgres::Error) -> Error {

@@ -44,6 +44,11 @@ pub(crate) const LOCK_SCHEDULES: i32 = 0x746d_0006;
 pub(crate) const LOCK_QUEUE: i32 = 0x746d_0007;
 /// The queue declarations of a schema (`put_queue`'s count of queues against `QUEUES_MAX`).
 pub(crate) const LOCK_QUEUES: i32 = 0x746d_0008;
+/// The user's own migrations of a schema (`migrations.rs`): processes starting together take
+/// turns.
+pub(crate) const LOCK_USER_MIGRATIONS: i32 = 0x746d_0009;
+/// The control schema's writes (tenants, tokens, consumers; `control.rs`).
+pub(crate) const LOCK_CONTROL: i32 = 0x746d_000a;
 
 /// Migrations of one store schema, in order: index i migrates from version i to i+1. `{s}` is
 /// replaced by the quoted schema name. Never edit a shipped entry: append a new one (and a test

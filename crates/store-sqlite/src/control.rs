@@ -7,9 +7,9 @@
 use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior};
-use serde::Serialize;
 use tidemark_core::error::codes;
-use tidemark_core::tenancy::{validate_label, validate_tenant_id, Scope, TokenText};
+use tidemark_core::tenancy::{validate_label, validate_tenant_id, ControlStore, Scope, TokenText};
+pub use tidemark_core::tenancy::{ConsumerRecord, TokenRecord};
 use tidemark_core::{Error, Result};
 
 use crate::schema::{apply_migrations, connect};
@@ -43,42 +43,6 @@ const CONTROL_MIGRATIONS: &[&str] = &[r#"
     ) WITHOUT ROWID;
 "#];
 
-/// A declared consumer of a tenant.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ConsumerRecord {
-    /// The tenant the consumer belongs to.
-    pub tenant_id: String,
-    /// The logical consumer id, unique within its tenant.
-    pub consumer_id: String,
-    /// The name of the registered handler that applies the consumer's events (e.g. `reservation`,
-    /// `record`, `workflows`).
-    pub handler: String,
-    /// When the consumer was declared, in ms since the Unix epoch.
-    pub created_at_ms: i64,
-}
-
-/// A token as listed (never its secret).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TokenRecord {
-    /// The token's id (16 hex characters), the part of the token text that is not secret.
-    pub token_id: String,
-    /// The tenant the token serves; its requests reach only that tenant's folder.
-    pub tenant_id: String,
-    /// What the token may do.
-    pub scope: Scope,
-    /// The operator's free-text label (0..=200 bytes).
-    pub label: String,
-    /// When the token was created, in ms since the Unix epoch.
-    pub created_at_ms: i64,
-    /// When the token was revoked, in ms since the Unix epoch; set once, never cleared. A revoked
-    /// token is refused.
-    pub revoked_at_ms: Option<i64>,
-    /// The SHA-256 of the token's secret, hex (never serialised): what a presented secret is
-    /// compared with, in constant time.
-    #[serde(skip)]
-    pub secret_hash: String,
-}
-
 /// The control database of `tidemark serve` (`server.db`): tenants, bearer tokens (hashed) and
 /// declared consumers. Tenants' own data is never here; it lives in each tenant's folder.
 pub struct SqliteControl {
@@ -92,17 +56,19 @@ impl SqliteControl {
         migrate(&mut conn)?;
         Ok(SqliteControl { conn })
     }
+}
 
+impl ControlStore for SqliteControl {
     /// Changes whenever another connection commits to this file (`PRAGMA data_version`): the
     /// server reloads its token cache when it moves.
-    pub fn data_version(&self) -> Result<i64> {
+    fn data_version(&self) -> Result<i64> {
         // Asked on every request (for revocations): prepared once.
         self.conn.prepare_cached("PRAGMA data_version").db()?.query_row([], |r| r.get(0)).db()
     }
 
     /// Record `tenant_id` (1..=64 characters of `[a-z0-9_-]`, else `invalid_id`); true when it was
     /// new, false when it was already there.
-    pub fn ensure_tenant(&mut self, tenant_id: &str, now_ms: i64) -> Result<bool> {
+    fn ensure_tenant(&mut self, tenant_id: &str, now_ms: i64) -> Result<bool> {
         validate_tenant_id(tenant_id)?;
         let n = self
             .conn
@@ -115,14 +81,14 @@ impl SqliteControl {
     }
 
     /// Every tenant id, in order.
-    pub fn tenants(&self) -> Result<Vec<String>> {
+    fn tenants(&self) -> Result<Vec<String>> {
         let mut stmt = self.conn.prepare_cached("SELECT tenant_id FROM tenants ORDER BY tenant_id").db()?;
         let rows = stmt.query_map([], |r| r.get(0)).db()?;
         rows.collect::<rusqlite::Result<Vec<String>>>().db()
     }
 
     /// Store a new token for `tenant_id` (created if new), in one transaction.
-    pub fn create_token(
+    fn create_token(
         &mut self,
         token: &TokenText,
         tenant_id: &str,
@@ -157,7 +123,7 @@ impl SqliteControl {
     }
 
     /// Every token, revoked ones included, oldest first.
-    pub fn tokens(&self) -> Result<Vec<TokenRecord>> {
+    fn tokens(&self) -> Result<Vec<TokenRecord>> {
         let mut stmt = self
             .conn
             .prepare_cached(
@@ -170,7 +136,7 @@ impl SqliteControl {
     }
 
     /// Revoke a token (idempotent: revoking twice keeps the first time).
-    pub fn revoke_token(&mut self, token_id: &str, now_ms: i64) -> Result<TokenRecord> {
+    fn revoke_token(&mut self, token_id: &str, now_ms: i64) -> Result<TokenRecord> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         tx.execute(
             "UPDATE tokens SET revoked_at_ms = ?2 WHERE token_id = ?1 AND revoked_at_ms IS NULL",
@@ -190,11 +156,9 @@ impl SqliteControl {
         tx.commit().db()?;
         Ok(record)
     }
-}
 
-impl SqliteControl {
     /// Declare a consumer (idempotent with the same handler; another handler is `already_exists`).
-    pub fn declare_consumer(
+    fn declare_consumer(
         &mut self,
         tenant_id: &str,
         consumer_id: &str,
@@ -236,7 +200,7 @@ impl SqliteControl {
     }
 
     /// Consumers of one tenant, or of all tenants.
-    pub fn consumers(&self, tenant_id: Option<&str>) -> Result<Vec<ConsumerRecord>> {
+    fn consumers(&self, tenant_id: Option<&str>) -> Result<Vec<ConsumerRecord>> {
         let mut stmt = self
             .conn
             .prepare_cached(

@@ -11,8 +11,7 @@
 use std::sync::Arc;
 
 use rusqlite::{Connection, TransactionBehavior};
-use tidemark_core::error::codes;
-use tidemark_core::id::validate_id;
+pub use tidemark_core::migration::UNKNOWN_MIGRATION;
 use tidemark_core::{Error, Result};
 
 use crate::SqlResult;
@@ -56,20 +55,8 @@ impl Migration {
 
 /// Check a list before it runs anywhere: names are identifiers and unique.
 pub fn validate_migrations(migrations: &[Migration]) -> Result<()> {
-    for (i, migration) in migrations.iter().enumerate() {
-        validate_id("migration", &migration.name)?;
-        if migrations[..i].iter().any(|m| m.name == migration.name) {
-            return Err(Error::invalid(
-                codes::ALREADY_EXISTS,
-                format!("migration {:?} is listed twice", migration.name),
-            ));
-        }
-    }
-    Ok(())
+    tidemark_core::migration::validate_names(migrations.iter().map(Migration::name))
 }
-
-/// The code of a file that records a migration this build does not list.
-pub const UNKNOWN_MIGRATION: &str = "unknown_migration";
 
 /// Apply every migration of `migrations` that `conn`'s file has not recorded yet, in order;
 /// answers the names applied now.
@@ -78,6 +65,7 @@ pub fn apply_migrations(conn: &Connection, migrations: &[Migration], now_ms: i64
     if migrations.is_empty() {
         return Ok(Vec::new());
     }
+    let listed: Vec<&str> = migrations.iter().map(Migration::name).collect();
     let mut applied = Vec::new();
     for (position, migration) in migrations.iter().enumerate() {
         // IMMEDIATE, as every store write: processes starting together take turns.
@@ -95,18 +83,7 @@ pub fn apply_migrations(conn: &Connection, migrations: &[Migration], now_ms: i64
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).db()?;
             rows.collect::<rusqlite::Result<_>>().db()?
         };
-        for (at, name) in &recorded {
-            let listed = usize::try_from(*at).ok().and_then(|i| migrations.get(i));
-            if listed.map(|m| &m.name) != Some(name) {
-                return Err(Error::invalid(
-                    UNKNOWN_MIGRATION,
-                    format!(
-                        "this file records user migration {name:?} at position {at}, which this build does not list there; \
-                         migrations are only ever appended"
-                    ),
-                ));
-            }
-        }
+        tidemark_core::migration::check_recorded(&recorded, &listed)?;
         if recorded.len() > position {
             continue;
         }
@@ -125,6 +102,7 @@ pub fn apply_migrations(conn: &Connection, migrations: &[Migration], now_ms: i64
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tidemark_core::error::codes;
 
     fn open(dir: &tempfile::TempDir) -> Connection {
         Connection::open(dir.path().join("app.db")).unwrap()

@@ -6,39 +6,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use rusqlite::{Connection, OptionalExtension};
-use serde::Serialize;
+pub use tidemark_core::store::{InboxCounts, OutboxCounts};
 use tidemark_core::Result;
 
 use crate::SqlResult;
-
-/// The producer's open deliveries.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct OutboxCounts {
-    /// Deliveries not yet accepted (the backlog).
-    pub pending: u64,
-    /// Of the pending deliveries, those due now (the rest are backing off after a failure).
-    pub due: u64,
-    /// Deliveries quarantined after `max_attempts` failures, waiting for an operator.
-    pub quarantined: u64,
-    /// The oldest pending delivery's commit time (its event's `created_at_ms`).
-    pub oldest_pending_ms: Option<i64>,
-    /// The highest outbox position (events ever committed, as long as none was pruned above it).
-    pub last_position: i64,
-}
-
-impl OutboxCounts {
-    /// Add another outbox's counts (a tenant has two): the sums, and the older oldest pending.
-    pub fn absorb(&mut self, other: OutboxCounts) {
-        self.pending += other.pending;
-        self.due += other.due;
-        self.quarantined += other.quarantined;
-        self.oldest_pending_ms = match (self.oldest_pending_ms, other.oldest_pending_ms) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        self.last_position += other.last_position;
-    }
-}
 
 /// Count the producer's open deliveries as of `now_ms`, in one read.
 pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
@@ -80,15 +51,6 @@ pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
         oldest_pending_ms,
         last_position,
     })
-}
-
-/// One consumer's open inbox records.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
-pub struct InboxCounts {
-    /// Records received and waiting to be applied.
-    pub pending: u64,
-    /// Records a handler refused, each stopping its flow.
-    pub blocked: u64,
 }
 
 /// Open inbox records per consumer id (consumers with none are absent).

@@ -1,113 +1,23 @@
-//! Events through the inbox into workflow runs: an inbox [`Handler`] that turns each applied
-//! event into a run event ([`send_event_in`]) inside the apply transaction.
-//!
-//! The consumer database is the workflow database (one file): the inbox record is marked
-//! applied, the cursor moves and the run event is stored (waking the run if it waits for that
-//! name) in one transaction, so the wake-up commits exactly once. A redelivered event is a
-//! duplicate in the inbox and never reaches the handler; even if it did, [`send_event_in`] is
-//! idempotent by event id (the envelope's). A failing handler, or a crash before the commit,
-//! leaves the inbox record pending and the run as it was.
-
-use std::collections::BTreeMap;
+//! Events through the inbox into workflow runs on SQLite: [`RunEventHandler`] (see
+//! `tidemark_core::run_events`) on a consumer database that is the workflow database (one
+//! file).
 
 use rusqlite::Connection;
 use serde_json::Value;
-use tidemark_core::store::{HandleError, Handler};
-use tidemark_core::{Envelope, Error};
+pub use tidemark_core::run_events::{RunEventSend, RUN_ID_FIELD_DEFAULT};
+use tidemark_core::Result;
 
-use crate::send_event_in;
+/// How a run event is stored on SQLite: [`crate::send_event_in`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SqliteRunEvents;
 
-/// The payload field that names the run an event is for, unless configured otherwise.
-pub const RUN_ID_FIELD_DEFAULT: &str = "run_id";
-
-type Clock = std::sync::Arc<dyn Fn() -> i64 + Send + Sync>;
-
-/// Delivers applied inbox events to workflow runs.
-///
-/// - The run is the one named by the payload's `run_id` field (see [`Self::run_id_field`]).
-/// - The run event's id is the envelope's `event_id`, its payload the envelope's payload, its
-///   name the envelope's `event_type`, or the name given by [`Self::route`].
-/// - With routes, events of other types are not for workflows: they are applied and nothing
-///   else happens. Without routes, every event goes to a run.
-/// - A semantic refusal blocks the record (and its flow) for an operator: a payload without a
-///   run id, an unknown run, a run that has finished, an event id already sent with another body.
-///   A store failure rolls the whole apply back.
-#[derive(Clone)]
-pub struct RunEventHandler {
-    routes: BTreeMap<String, String>,
-    run_id_field: String,
-    clock: Clock,
-}
-
-impl Default for RunEventHandler {
-    fn default() -> Self {
-        RunEventHandler {
-            routes: BTreeMap::new(),
-            run_id_field: RUN_ID_FIELD_DEFAULT.to_string(),
-            clock: std::sync::Arc::new(system_ms),
-        }
+impl RunEventSend for SqliteRunEvents {
+    type Tx = Connection;
+    fn send(tx: &Connection, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool> {
+        crate::send_event_in(tx, run_id, event_id, name, payload, now_ms)
     }
 }
 
-fn system_ms() -> i64 {
-    tidemark_core::clock::now_ms()
-}
-
-impl RunEventHandler {
-    /// A handler that reads the run id from `payload.run_id` and sends every event under its event
-    /// type as the run event name (add [`RunEventHandler::route`]s to rename or select types).
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Deliver events of `event_type` under the run event name `name` (the name a workflow
-    /// waits for with `wait_for_event`). Once a route is given, unrouted types are ignored.
-    pub fn route(mut self, event_type: &str, name: &str) -> Self {
-        self.routes.insert(event_type.to_string(), name.to_string());
-        self
-    }
-
-    /// The payload field holding the run id (default [`RUN_ID_FIELD_DEFAULT`]).
-    pub fn run_id_field(mut self, field: &str) -> Self {
-        self.run_id_field = field.to_string();
-        self
-    }
-
-    /// The clock stamping received events (default: the system clock). Use the workflow
-    /// runtime's clock, so that a wake-up is due at once for its workers.
-    pub fn with_clock(mut self, clock: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
-        self.clock = std::sync::Arc::new(clock);
-        self
-    }
-
-    fn name_of<'a>(&'a self, event: &'a Envelope) -> Option<&'a str> {
-        if self.routes.is_empty() {
-            Some(event.event_type.as_str())
-        } else {
-            self.routes.get(&event.event_type).map(String::as_str)
-        }
-    }
-}
-
-impl Handler<Connection> for RunEventHandler {
-    fn handle(&mut self, tx: &Connection, _consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
-        let Some(name) = self.name_of(event).map(str::to_string) else {
-            return Ok(());
-        };
-        let Some(run_id) = event.payload.get(&self.run_id_field).and_then(Value::as_str) else {
-            return Err(HandleError::Blocked(format!(
-                "event {} ({}) has no string payload.{} naming a run",
-                event.event_id, event.event_type, self.run_id_field
-            )));
-        };
-        let now_ms = (self.clock)();
-        match send_event_in(tx, run_id, &event.event_id, &name, &event.payload, now_ms) {
-            Ok(_added) => Ok(()),
-            Err(error @ Error::Invalid { .. }) => Err(HandleError::Blocked(format!(
-                "event {} ({}) cannot go to run {run_id}: {error}",
-                event.event_id, event.event_type
-            ))),
-            Err(error) => Err(HandleError::Failed(error)),
-        }
-    }
-}
+/// Delivers applied inbox events to workflow runs on SQLite (see
+/// [`tidemark_core::run_events::RunEventHandler`]).
+pub type RunEventHandler = tidemark_core::run_events::RunEventHandler<SqliteRunEvents>;

@@ -177,6 +177,14 @@ pub mod postgres {
     pub type Workflow = tidemark_engine::workflow::Workflow<PgWorkflows>;
     /// A saga on PostgreSQL.
     pub type Saga = tidemark_engine::workflow::Saga<PgWorkflows>;
+    /// A service on PostgreSQL (`Service::builder().postgres(url)`).
+    pub type Service = tidemark_server::Service<tidemark_server::Postgres>;
+    /// A tenant of a service on PostgreSQL.
+    pub type Tenant = tidemark_server::Tenant<tidemark_server::Postgres>;
+    /// The caller of a route of your own on a service on PostgreSQL.
+    pub type Caller = tidemark_server::Caller<tidemark_server::Postgres>;
+    /// A started run of a service on PostgreSQL, to await its result.
+    pub type RunHandle = tidemark_engine::workflow::RunHandle<PgWorkflows>;
 }
 
 /// The service: its builder, configuration, registry, tenants, and the HTTP API's pieces for
@@ -189,9 +197,12 @@ pub mod service {
     }
     pub use tidemark_core::tenancy::Scope;
     pub use tidemark_server::api::{ApiError, ApiResult};
+    pub use tidemark_server::backend::POSTGRES_PREFIX_BYTES_MAX;
     pub use tidemark_server::config::{Config, SourceConfig};
     pub use tidemark_server::registry::{Database, HandlerInfo, MachineInfo, Registry, TenantInfo};
-    pub use tidemark_server::{AppState, Caller, Service, ServiceBuilder, Tenant};
+    pub use tidemark_server::{
+        AnyTenant, AppState, Backend, Caller, Postgres, Service, ServiceBuilder, Sqlite, Tenant,
+    };
 }
 
 /// Identifiers (`[A-Za-z0-9_.:-]{1,100}`) and their validation.

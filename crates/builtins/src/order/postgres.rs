@@ -41,6 +41,12 @@ pub fn install(conn: &mut impl GenericClient, schema: &str) -> Result<()> {
     .map_err(db)
 }
 
+/// The tables as a user migration of a service's workflow database on PostgreSQL (`tidemark
+/// serve --store postgres://...`).
+pub fn migration() -> tidemark::postgres::Migration {
+    tidemark::postgres::Migration::with("order_tables", |tx, schema| install(tx, schema))
+}
+
 /// Set `sku`'s stock to `stock` units (creating the SKU if new).
 pub fn set_stock(conn: &mut impl GenericClient, schema: &str, sku: &str, stock: i64) -> Result<()> {
     conn.execute(

@@ -53,6 +53,27 @@ pub fn install(consumer: &mut PgConsumer) -> Result<()> {
     let s = consumer.schema().to_string();
     let mut tx = consumer.client().transaction().map_err(db)?;
     tx.execute("SELECT pg_advisory_xact_lock(hashtext($1::text || '/reservation_tables'))", &[&s]).map_err(db)?;
+    create_tables(&mut tx, &s)?;
+    tx.commit().map_err(db)?;
+    for table in TABLES {
+        consumer.register_projection_table(table)?;
+    }
+    Ok(())
+}
+
+/// The tables as a user migration of a service's inbox database on PostgreSQL (`tidemark serve
+/// --store postgres://...`): created and registered in the migration's transaction.
+pub fn migration() -> tidemark::postgres::Migration {
+    tidemark::postgres::Migration::with("reservation_tables", |tx, schema| {
+        create_tables(tx, schema)?;
+        for table in TABLES {
+            tidemark::postgres::register_projection_table(tx, schema, table)?;
+        }
+        Ok(())
+    })
+}
+
+fn create_tables(tx: &mut impl GenericClient, s: &str) -> Result<()> {
     tx.batch_execute(&format!(
         r#"CREATE TABLE IF NOT EXISTS "{s}".reservation_projection (
                consumer_id text COLLATE "C" NOT NULL,
@@ -74,12 +95,7 @@ pub fn install(consumer: &mut PgConsumer) -> Result<()> {
                quantity    bigint NOT NULL
            );"#
     ))
-    .map_err(db)?;
-    tx.commit().map_err(db)?;
-    for table in TABLES {
-        consumer.register_projection_table(table)?;
-    }
-    Ok(())
+    .map_err(db)
 }
 
 /// The reservation handler on PostgreSQL: the same decoders and transitions as

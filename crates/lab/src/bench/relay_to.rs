@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use tidemark_core::tenancy::ControlStore;
 use tidemark_core::tenancy::{Scope, TokenText};
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_store_sqlite::{Durability, SqliteControl};

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tidemark_builtins::order::tables as order_sql;
+use tidemark_core::tenancy::ControlStore;
 use tidemark_core::tenancy::{Scope, TokenText};
 use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::{open_reader, stats, Durability, SqliteControl, SqliteWorkflows};

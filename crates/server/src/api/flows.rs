@@ -446,13 +446,13 @@ pub(crate) async fn deliveries(
 async fn on_the_outbox_of_the_event<T, F>(caller: &AnyCaller, operation: F) -> Result<T, Error>
 where
     T: Send + 'static,
-    F: Fn(&mut crate::tenant::ProducerThread) -> Result<T, Error> + Clone + Send + 'static,
+    F: Fn(&mut dyn ProducerStore) -> Result<T, Error> + Clone + Send + 'static,
 {
     crate::on_tenant!(&caller.tenant, tenant => {
         let [producer, runs_outbox] = tenant.outboxes();
         let first = operation.clone();
-        match producer.call(move |p| first(p)).await {
-            Err(error) if error.code() == codes::NOT_FOUND => runs_outbox.call(move |p| operation(p)).await,
+        match producer.call(move |p| first(&mut p.store)).await {
+            Err(error) if error.code() == codes::NOT_FOUND => runs_outbox.call(move |p| operation(&mut p.store)).await,
             answer => answer,
         }
     })
@@ -523,8 +523,8 @@ pub(crate) async fn resolve_delivery(
     validate_id("consumer_id", &consumer_id)?;
     body.check()?;
     let action = body.action;
-    Ok(on_the_outbox_of_the_event(caller, move |p| {
-        p.store.resolve_delivery(&event_id, &consumer_id, action, &body.reason, now_ms())
+    Ok(on_the_outbox_of_the_event(caller, move |store| {
+        store.resolve_delivery(&event_id, &consumer_id, action, &body.reason, now_ms())
     })
     .await?)
 }
@@ -598,7 +598,7 @@ async fn redeliver(caller: AnyCaller, Path(consumer_id): Path<String>, Json(body
         let id = consumer_id.clone();
         let report = match from_event {
             // From one event on: in the outbox that holds it.
-            Some(event_id) => on_the_outbox_of_the_event(&caller, move |p| p.store.redeliver(&id, Some(&event_id))).await?,
+            Some(event_id) => on_the_outbox_of_the_event(&caller, move |store| store.redeliver(&id, Some(&event_id))).await?,
             // Everything: both outboxes (a subscriber of either one).
             None => {
                 let mut total = tidemark_core::store::RedeliverReport::default();

@@ -12,9 +12,9 @@ use tidemark_core::limits::{ENVELOPE_BYTES_MAX, HTTP_RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::store::{
     ConsumerStore, FlowCursor, InboxEntry, InboxStatus, ProducerStore, ReceiveOutcome, Subscription,
 };
+use tidemark_core::tenancy::ConsumerRecord;
 use tidemark_core::tenancy::Scope;
 use tidemark_core::{Envelope, Error};
-use tidemark_store_sqlite::ConsumerRecord;
 use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;

@@ -168,14 +168,8 @@ impl PgWorkflows {
 
     /// Runs by status, every status (SQLite's `stats::run_counts`; the benchmarks' check).
     pub fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
-        let statement = format!(r#"SELECT status, count(*) FROM "{}".runs GROUP BY status"#, self.schema());
-        let rows = self.client().query(&statement, &[]).db()?;
-        let mut counts = BTreeMap::new();
-        for row in &rows {
-            let (status, count): (String, i64) = (col(row, 0)?, col(row, 1)?);
-            counts.insert(status, count as u64);
-        }
-        Ok(counts)
+        let schema = self.schema().to_string();
+        crate::stats::run_counts(self.client(), &schema)
     }
 
     /// `(recovered, completed)`: runs taken over after a lease expired at least once, and runs

@@ -1,0 +1,87 @@
+//! What an operator sees at a glance of one store schema (`/metrics`, the dashboard): the
+//! outbox's open deliveries, each consumer's open inbox records and runs by status, read with
+//! plain queries on a connection of the caller's own (never a store's), as SQLite's
+//! `tidemark_store_sqlite::stats` reads them.
+
+use std::collections::BTreeMap;
+
+use postgres::GenericClient;
+use tidemark_core::store::{InboxCounts, OutboxCounts};
+use tidemark_core::Result;
+
+use crate::schema::sql;
+use crate::{col, PgResult};
+
+/// The open deliveries of the producer in `schema` at `now_ms`: the implicit pending ones
+/// (above a subscriber's cursor, no exception row) and the retrying and quarantined exceptions.
+pub fn outbox_counts(client: &mut impl GenericClient, schema: &str, now_ms: i64) -> Result<OutboxCounts> {
+    let row = client
+        .query_one(
+            &sql(
+                schema,
+                "SELECT
+                   (SELECT count(*) FROM {s}.subscriptions s
+                      JOIN {s}.outbox o ON o.position > s.delivered_position AND o.position >= s.from_position
+                     WHERE NOT EXISTS (SELECT 1 FROM {s}.deliveries d
+                                        WHERE d.position = o.position AND d.consumer_id = s.consumer_id)),
+                   (SELECT min(o.created_at_ms) FROM {s}.subscriptions s
+                      JOIN {s}.outbox o ON o.position > s.delivered_position AND o.position >= s.from_position
+                     WHERE NOT EXISTS (SELECT 1 FROM {s}.deliveries d
+                                        WHERE d.position = o.position AND d.consumer_id = s.consumer_id)),
+                   (SELECT count(*) FROM {s}.deliveries WHERE status = 'pending'),
+                   (SELECT count(*) FROM {s}.deliveries WHERE status = 'pending' AND next_attempt_at_ms <= $1),
+                   (SELECT min(o.created_at_ms) FROM {s}.deliveries d JOIN {s}.outbox o ON o.position = d.position
+                     WHERE d.status = 'pending'),
+                   (SELECT count(*) FROM {s}.deliveries WHERE status = 'quarantined'),
+                   (SELECT coalesce(max(position), 0) FROM {s}.outbox)",
+            ),
+            &[&now_ms],
+        )
+        .db()?;
+    let (implicit, implicit_oldest): (i64, Option<i64>) = (col(&row, 0)?, col(&row, 1)?);
+    let (retrying, retrying_due, retrying_oldest): (i64, i64, Option<i64>) =
+        (col(&row, 2)?, col(&row, 3)?, col(&row, 4)?);
+    let (quarantined, last_position): (i64, i64) = (col(&row, 5)?, col(&row, 6)?);
+    let oldest_pending_ms = match (implicit_oldest, retrying_oldest) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    Ok(OutboxCounts {
+        pending: (implicit + retrying) as u64,
+        due: (implicit + retrying_due) as u64,
+        quarantined: quarantined as u64,
+        oldest_pending_ms,
+        last_position,
+    })
+}
+
+/// Each consumer's pending and blocked records in `schema`'s inbox.
+pub fn inbox_counts(client: &mut impl GenericClient, schema: &str) -> Result<BTreeMap<String, InboxCounts>> {
+    let rows = client
+        .query(
+            &sql(
+                schema,
+                "SELECT consumer_id, count(*) FILTER (WHERE status = 'pending'), count(*) FILTER (WHERE status = 'blocked')
+                   FROM {s}.inbox WHERE status IN ('pending', 'blocked') GROUP BY consumer_id",
+            ),
+            &[],
+        )
+        .db()?;
+    let mut out = BTreeMap::new();
+    for row in &rows {
+        let (consumer, pending, blocked): (String, i64, i64) = (col(row, 0)?, col(row, 1)?, col(row, 2)?);
+        out.insert(consumer, InboxCounts { pending: pending as u64, blocked: blocked as u64 });
+    }
+    Ok(out)
+}
+
+/// Runs by status in `schema` (only statuses that have runs).
+pub fn run_counts(client: &mut impl GenericClient, schema: &str) -> Result<BTreeMap<String, u64>> {
+    let rows = client.query(&sql(schema, "SELECT status, count(*) FROM {s}.runs GROUP BY status"), &[]).db()?;
+    let mut counts = BTreeMap::new();
+    for row in &rows {
+        let (status, count): (String, i64) = (col(row, 0)?, col(row, 1)?);
+        counts.insert(status, count as u64);
+    }
+    Ok(counts)
+}
