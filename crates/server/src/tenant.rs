@@ -152,6 +152,26 @@ impl Tenant<Sqlite> {
     }
 }
 
+impl Tenant<crate::backend::Postgres> {
+    /// Run `f` in one transaction of the producer schema, on its thread: the user's own rows and
+    /// advances commit together or not at all (see
+    /// [`tidemark_store_postgres::PgProducer::transaction`]). `f` gets the transaction and the
+    /// service's machines.
+    pub async fn transaction<T, F>(&self, f: F) -> Result<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&mut tidemark_store_postgres::ProducerTransaction<'_>, &MachineSet) -> Result<T> + Send + 'static,
+    {
+        self.producer
+            .call(move |p| {
+                let machines = p.machines.clone();
+                let now = (p.clock)();
+                p.store.transaction(now, |tx| f(tx, &machines))
+            })
+            .await
+    }
+}
+
 /// The folder of tenant `id` in the data folder `data_dir`.
 pub fn dir_of(data_dir: &Path, id: &str) -> PathBuf {
     data_dir.join("tenants").join(id)

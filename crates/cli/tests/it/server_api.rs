@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::server_support::{token, Server};
-use crate::support::{ok, path_str};
+use crate::server_support::{control, served_on_both_backends, tenant_store, token, Server};
+use crate::support::ok;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -17,78 +17,84 @@ fn order(run: &str, quantity: i64) -> Value {
 
 #[test]
 fn advance_relay_drain_and_a_workflow_over_http() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let server = Server::start(&data, &[], &[]);
-    let t = Some(admin.as_str());
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let server = Server::start(&data, &[], &[]);
+        let t = Some(admin.as_str());
 
-    let (status, body) = server.call("PUT", "/v1/consumers/shipping", t, Some(&json!({"handler": "reservation"})));
-    assert_eq!((status, body["outcome"].as_str()), (201, Some("declared")), "{body}");
-    let (status, body) = server.call(
-        "POST",
-        "/v1/flows/res-1/advance",
-        t,
-        Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
-    );
-    assert_eq!((status, body["outcome"].as_str(), body["seq"].as_i64()), (200, Some("committed"), Some(1)), "{body}");
-    // A stale advance is an answer (409 with the outcome), not an error, and writes nothing.
-    let (status, body) = server.call(
-        "POST",
-        "/v1/flows/res-1/advance",
-        t,
-        Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
-    );
-    assert_eq!((status, body["outcome"].as_str()), (409, Some("stale")), "{body}");
+        let (status, body) = server.call("PUT", "/v1/consumers/shipping", t, Some(&json!({"handler": "reservation"})));
+        assert_eq!((status, body["outcome"].as_str()), (201, Some("declared")), "{body}");
+        let (status, body) = server.call(
+            "POST",
+            "/v1/flows/res-1/advance",
+            t,
+            Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
+        );
+        assert_eq!(
+            (status, body["outcome"].as_str(), body["seq"].as_i64()),
+            (200, Some("committed"), Some(1)),
+            "{body}"
+        );
+        // A stale advance is an answer (409 with the outcome), not an error, and writes nothing.
+        let (status, body) = server.call(
+            "POST",
+            "/v1/flows/res-1/advance",
+            t,
+            Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 3})),
+        );
+        assert_eq!((status, body["outcome"].as_str()), (409, Some("stale")), "{body}");
 
-    // The background relay and drain apply it: the consumer's high-water mark reaches 1.
-    let flow = server.wait_for(WAIT, |s| {
-        let (_, flow) = s.call("GET", "/v1/flows/res-1", t, None);
-        (flow["consumers"][0]["high_water_seq"] == 1).then_some(flow)
+        // The background relay and drain apply it: the consumer's high-water mark reaches 1.
+        let flow = server.wait_for(WAIT, |s| {
+            let (_, flow) = s.call("GET", "/v1/flows/res-1", t, None);
+            (flow["consumers"][0]["high_water_seq"] == 1).then_some(flow)
+        });
+        assert_eq!(flow["producer"]["state"], "reserved");
+
+        // A stream event to a `record` consumer.
+        server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+        let (status, body) = server.call(
+            "POST",
+            "/v1/streams/notes/events",
+            t,
+            Some(&json!({"event_type": "note.added", "payload": {"text": "hi"}})),
+        );
+        assert_eq!((status, body["outcome"].as_str()), (200, Some("committed")), "{body}");
+        server.wait_for(WAIT, |s| {
+            let (_, cursors) = s.call("GET", "/v1/consumers/audit/cursors", t, None);
+            cursors["cursors"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["flow_id"] == "notes" && c["high_water_seq"] == 1)
+                .then_some(())
+        });
+
+        // A workflow: started once (201), the same run id again is the existing run (200), another
+        // input is a conflict (409).
+        let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+        assert_eq!(status, 200);
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
+        assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
+        assert_eq!((status, body["outcome"].as_str()), (200, Some("existing")), "{body}");
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 3)));
+        assert_eq!((status, body["error"]["code"].as_str()), (409, Some("run_conflict")), "{body}");
+        let run = server.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", "/v1/runs/order-1", t, None);
+            (run["run"]["status"] == "completed").then_some(run)
+        });
+        assert!(run["journal"].as_array().unwrap().len() >= 3, "{run}");
+        let (status, page) = server.call("GET", "/v1/runs?status=completed&limit=10", t, None);
+        assert_eq!((status, page["runs"].as_array().unwrap().len()), (200, 1), "{page}");
+
+        let (status, metrics) = server.text("/metrics");
+        assert_eq!(status, 200);
+        assert!(metrics.contains("tidemark_relay_deliveries_total{tenant=\"acme\",outcome=\"accepted\"}"), "{metrics}");
+        assert!(metrics.ends_with("# EOF\n"));
     });
-    assert_eq!(flow["producer"]["state"], "reserved");
-
-    // A stream event to a `record` consumer.
-    server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
-    let (status, body) = server.call(
-        "POST",
-        "/v1/streams/notes/events",
-        t,
-        Some(&json!({"event_type": "note.added", "payload": {"text": "hi"}})),
-    );
-    assert_eq!((status, body["outcome"].as_str()), (200, Some("committed")), "{body}");
-    server.wait_for(WAIT, |s| {
-        let (_, cursors) = s.call("GET", "/v1/consumers/audit/cursors", t, None);
-        cursors["cursors"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|c| c["flow_id"] == "notes" && c["high_water_seq"] == 1)
-            .then_some(())
-    });
-
-    // A workflow: started once (201), the same run id again is the existing run (200), another
-    // input is a conflict (409).
-    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
-    assert_eq!(status, 200);
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
-    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 2)));
-    assert_eq!((status, body["outcome"].as_str()), (200, Some("existing")), "{body}");
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("order-1", 3)));
-    assert_eq!((status, body["error"]["code"].as_str()), (409, Some("run_conflict")), "{body}");
-    let run = server.wait_for(WAIT, |s| {
-        let (_, run) = s.call("GET", "/v1/runs/order-1", t, None);
-        (run["run"]["status"] == "completed").then_some(run)
-    });
-    assert!(run["journal"].as_array().unwrap().len() >= 3, "{run}");
-    let (status, page) = server.call("GET", "/v1/runs?status=completed&limit=10", t, None);
-    assert_eq!((status, page["runs"].as_array().unwrap().len()), (200, 1), "{page}");
-
-    let (status, metrics) = server.text("/metrics");
-    assert_eq!(status, 200);
-    assert!(metrics.contains("tidemark_relay_deliveries_total{tenant=\"acme\",outcome=\"accepted\"}"), "{metrics}");
-    assert!(metrics.ends_with("# EOF\n"));
 }
 
 /// `GET /v1/runs/{id}/result`: a long poll answered when the run ends (here a batch of child
@@ -96,59 +102,66 @@ fn advance_relay_drain_and_a_workflow_over_http() {
 /// first, and typed errors for an unknown run and a wait over the limit.
 #[test]
 fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let server = Server::start(&data, &[], &[]);
-    let t = Some(admin.as_str());
-    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
-    assert_eq!(status, 200);
-    let orders: Vec<Value> =
-        ["b1", "b2"].iter().map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100})).collect();
-    let start = json!({"workflow": "order_batch", "run_id": "batch-1", "input": {"orders": orders}});
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
-    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let server = Server::start(&data, &[], &[]);
+        let t = Some(admin.as_str());
+        let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+        assert_eq!(status, 200);
+        let orders: Vec<Value> = ["b1", "b2"]
+            .iter()
+            .map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100}))
+            .collect();
+        let start = json!({"workflow": "order_batch", "run_id": "batch-1", "input": {"orders": orders}});
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
+        assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
 
-    // Each long poll waits at most 5 s; the loop is bounded.
-    let done = server.wait_for(WAIT, |s| {
-        let (status, body) = s.call("GET", "/v1/runs/batch-1/result?wait_ms=5000", t, None);
-        assert!(status == 200 || status == 202, "{status} {body}");
-        assert_eq!(body["done"], status == 200, "{body}");
-        (status == 200).then_some(body)
-    });
-    assert_eq!(done["status"], "completed", "{done}");
-    let ends: Vec<&str> =
-        done["result"]["orders"].as_array().unwrap().iter().map(|o| o["status"].as_str().unwrap()).collect();
-    assert_eq!(ends, ["completed", "completed"], "{done}");
-    assert!(done["result"]["batch_token"].is_string(), "{done}");
-    let (_, child) = server.call("GET", "/v1/runs/batch-1.2", t, None);
-    assert_eq!(
-        (child["run"]["status"].as_str(), child["run"]["parent_run_id"].as_str()),
-        (Some("completed"), Some("batch-1"))
-    );
-    let (status, page) = server.text_with("/ui/runs/batch-1.2", t);
-    assert_eq!(status, 200);
-    assert!(page.contains("Child of") && page.contains("/ui/runs/batch-1"), "the child links its parent");
-    let (status, page) = server.text_with("/ui/runs/batch-1", t);
-    assert_eq!(status, 200);
-    assert!(page.contains("child workflow") && page.contains("/ui/runs/batch-1.4"), "the parent links its children");
-    let (status, progress) = server.call("GET", "/v1/runs/batch-1/events/progress?wait_ms=100", t, None);
-    assert_eq!((status, progress["value"].clone()), (200, json!({"done": 2, "of": 2})), "{progress}");
-    let (status, none) = server.call("GET", "/v1/runs/batch-1/events/nothing", t, None);
-    assert_eq!((status, none["error"]["code"].as_str()), (404, Some("not_found")), "{none}");
+        // Each long poll waits at most 5 s; the loop is bounded.
+        let done = server.wait_for(WAIT, |s| {
+            let (status, body) = s.call("GET", "/v1/runs/batch-1/result?wait_ms=5000", t, None);
+            assert!(status == 200 || status == 202, "{status} {body}");
+            assert_eq!(body["done"], status == 200, "{body}");
+            (status == 200).then_some(body)
+        });
+        assert_eq!(done["status"], "completed", "{done}");
+        let ends: Vec<&str> =
+            done["result"]["orders"].as_array().unwrap().iter().map(|o| o["status"].as_str().unwrap()).collect();
+        assert_eq!(ends, ["completed", "completed"], "{done}");
+        assert!(done["result"]["batch_token"].is_string(), "{done}");
+        let (_, child) = server.call("GET", "/v1/runs/batch-1.2", t, None);
+        assert_eq!(
+            (child["run"]["status"].as_str(), child["run"]["parent_run_id"].as_str()),
+            (Some("completed"), Some("batch-1"))
+        );
+        let (status, page) = server.text_with("/ui/runs/batch-1.2", t);
+        assert_eq!(status, 200);
+        assert!(page.contains("Child of") && page.contains("/ui/runs/batch-1"), "the child links its parent");
+        let (status, page) = server.text_with("/ui/runs/batch-1", t);
+        assert_eq!(status, 200);
+        assert!(
+            page.contains("child workflow") && page.contains("/ui/runs/batch-1.4"),
+            "the parent links its children"
+        );
+        let (status, progress) = server.call("GET", "/v1/runs/batch-1/events/progress?wait_ms=100", t, None);
+        assert_eq!((status, progress["value"].clone()), (200, json!({"done": 2, "of": 2})), "{progress}");
+        let (status, none) = server.call("GET", "/v1/runs/batch-1/events/nothing", t, None);
+        assert_eq!((status, none["error"]["code"].as_str()), (404, Some("not_found")), "{none}");
 
-    // A run waiting for an approval that never comes: 202 once the short wait is over.
-    let sleepy = json!({"workflow": "sleepy_order", "run_id": "nap-1",
+        // A run waiting for an approval that never comes: 202 once the short wait is over.
+        let sleepy = json!({"workflow": "sleepy_order", "run_id": "nap-1",
         "input": {"order_id": "nap-1", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "approve"}});
-    let (status, _) = server.call("POST", "/v1/runs", t, Some(&sleepy));
-    assert_eq!(status, 201);
-    let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=50", t, None);
-    assert_eq!((status, body["done"].as_bool()), (202, Some(false)), "{body}");
+        let (status, _) = server.call("POST", "/v1/runs", t, Some(&sleepy));
+        assert_eq!(status, 201);
+        let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=50", t, None);
+        assert_eq!((status, body["done"].as_bool()), (202, Some(false)), "{body}");
 
-    let (status, body) = server.call("GET", "/v1/runs/nobody/result", t, None);
-    assert_eq!((status, body["error"]["code"].as_str()), (404, Some("not_found")), "{body}");
-    let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=60001", t, None);
-    assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
+        let (status, body) = server.call("GET", "/v1/runs/nobody/result", t, None);
+        assert_eq!((status, body["error"]["code"].as_str()), (404, Some("not_found")), "{body}");
+        let (status, body) = server.call("GET", "/v1/runs/nap-1/result?wait_ms=60001", t, None);
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
+    });
 }
 
 /// Long-lived runs over HTTP: a batch that continues as a new run per order is awaited through
@@ -156,50 +169,61 @@ fn a_run_s_result_is_awaited_with_a_bounded_long_poll() {
 /// `timeout_ms` is cancelled when its deadline passes; a timeout out of bounds is refused.
 #[test]
 fn a_chain_is_awaited_through_its_first_run_and_a_timeout_cancels_a_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let server = Server::start(&data, &[], &[]);
-    let t = Some(admin.as_str());
-    let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
-    assert_eq!(status, 200);
-    let orders: Vec<Value> =
-        ["k1", "k2"].iter().map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100})).collect();
-    let start = json!({"workflow": "order_batch", "run_id": "chain-1", "input": {"orders": orders, "per_run": 1}});
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
-    assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
-    let done = server.wait_for(WAIT, |s| {
-        let (status, body) = s.call("GET", "/v1/runs/chain-1/result?wait_ms=5000", t, None);
-        assert!(status == 200 || status == 202, "{status} {body}");
-        assert_eq!(body["done"], status == 200, "{body}");
-        (status == 200).then_some(body)
-    });
-    assert_eq!((done["run_id"].as_str(), done["status"].as_str()), (Some("chain-1.c1"), Some("completed")), "{done}");
-    assert_eq!(done["result"]["orders"].as_array().map(Vec::len), Some(2), "{done}");
-    let (_, first) = server.call("GET", "/v1/runs/chain-1", t, None);
-    assert_eq!(first["run"]["status"], "continued", "{first}");
-    let (status, page) = server.text_with("/ui/runs/chain-1", t);
-    assert_eq!(status, 200);
-    assert!(page.contains("Continued as") && page.contains("/ui/runs/chain-1.c1"), "the page links the continuation");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let server = Server::start(&data, &[], &[]);
+        let t = Some(admin.as_str());
+        let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+        assert_eq!(status, 200);
+        let orders: Vec<Value> = ["k1", "k2"]
+            .iter()
+            .map(|id| json!({"order_id": id, "sku": "sku-1", "quantity": 1, "amount": 100}))
+            .collect();
+        let start = json!({"workflow": "order_batch", "run_id": "chain-1", "input": {"orders": orders, "per_run": 1}});
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&start));
+        assert_eq!((status, body["outcome"].as_str()), (201, Some("started")), "{body}");
+        let done = server.wait_for(WAIT, |s| {
+            let (status, body) = s.call("GET", "/v1/runs/chain-1/result?wait_ms=5000", t, None);
+            assert!(status == 200 || status == 202, "{status} {body}");
+            assert_eq!(body["done"], status == 200, "{body}");
+            (status == 200).then_some(body)
+        });
+        assert_eq!(
+            (done["run_id"].as_str(), done["status"].as_str()),
+            (Some("chain-1.c1"), Some("completed")),
+            "{done}"
+        );
+        assert_eq!(done["result"]["orders"].as_array().map(Vec::len), Some(2), "{done}");
+        let (_, first) = server.call("GET", "/v1/runs/chain-1", t, None);
+        assert_eq!(first["run"]["status"], "continued", "{first}");
+        let (status, page) = server.text_with("/ui/runs/chain-1", t);
+        assert_eq!(status, 200);
+        assert!(
+            page.contains("Continued as") && page.contains("/ui/runs/chain-1.c1"),
+            "the page links the continuation"
+        );
 
-    let nap = json!({"workflow": "sleepy_order", "run_id": "nap-2", "timeout_ms": 300,
+        let nap = json!({"workflow": "sleepy_order", "run_id": "nap-2", "timeout_ms": 300,
         "input": {"order_id": "nap-2", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "approve"}});
-    let (status, body) = server.call("POST", "/v1/runs", t, Some(&nap));
-    assert_eq!(status, 201, "{body}");
-    let ended = server.wait_for(WAIT, |s| {
-        let (status, body) = s.call("GET", "/v1/runs/nap-2/result?wait_ms=5000", t, None);
-        (status == 200).then_some(body)
-    });
-    assert_eq!(ended["status"], "cancelled", "{ended}");
-    assert!(ended["error"].as_str().unwrap_or("").starts_with("deadline_passed"), "{ended}");
-    for bad in [0, 31_622_400_001_i64] {
-        let far = json!({"workflow": "sleepy_order", "run_id": "nap-3", "timeout_ms": bad,
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&nap));
+        assert_eq!(status, 201, "{body}");
+        let ended = server.wait_for(WAIT, |s| {
+            let (status, body) = s.call("GET", "/v1/runs/nap-2/result?wait_ms=5000", t, None);
+            (status == 200).then_some(body)
+        });
+        assert_eq!(ended["status"], "cancelled", "{ended}");
+        assert!(ended["error"].as_str().unwrap_or("").starts_with("deadline_passed"), "{ended}");
+        for bad in [0, 31_622_400_001_i64] {
+            let far = json!({"workflow": "sleepy_order", "run_id": "nap-3", "timeout_ms": bad,
             "input": {"order_id": "nap-3", "sku": "sku-1", "quantity": 1, "amount": 100}});
-        let (status, body) = server.call("POST", "/v1/runs", t, Some(&far));
-        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
-    }
-    let (status, _) = server.call("GET", "/v1/runs/nap-3", t, None);
-    assert_eq!(status, 404, "a refused start writes nothing");
+            let (status, body) = server.call("POST", "/v1/runs", t, Some(&far));
+            assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_argument")), "{body}");
+        }
+        let (status, _) = server.call("GET", "/v1/runs/nap-3", t, None);
+        assert_eq!(status, 404, "a refused start writes nothing");
+    });
 }
 
 /// Schedules over HTTP: created, ticked by the tenant's loop into runs `<id>:<tick ms>`, paused
@@ -207,82 +231,85 @@ fn a_chain_is_awaited_through_its_first_run_and_a_timeout_cancels_a_run() {
 /// nothing.
 #[test]
 fn a_schedule_ticks_into_runs_until_paused() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let server = Server::start(&data, &[], &[]);
-    let t = Some(admin.as_str());
-    let body = json!({"workflow": "sleepy_order", "interval_ms": 1000, "catch_up": "skip",
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let server = Server::start(&data, &[], &[]);
+        let t = Some(admin.as_str());
+        let body = json!({"workflow": "sleepy_order", "interval_ms": 1000, "catch_up": "skip",
         "input": {"order_id": "beat", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "never"}});
-    let (status, created) = server.call("PUT", "/v1/schedules/beat", t, Some(&body));
-    assert_eq!(status, 200, "{created}");
-    assert_eq!(
-        (created["workflow"].as_str(), created["interval_ms"].as_i64()),
-        (Some("sleepy_order"), None),
-        "{created}"
-    );
-    assert_eq!(created["timing"]["interval_ms"], 1000, "{created}");
-    assert!(created["next_tick_at_ms"].as_i64().unwrap() > created["created_at_ms"].as_i64().unwrap());
+        let (status, created) = server.call("PUT", "/v1/schedules/beat", t, Some(&body));
+        assert_eq!(status, 200, "{created}");
+        assert_eq!(
+            (created["workflow"].as_str(), created["interval_ms"].as_i64()),
+            (Some("sleepy_order"), None),
+            "{created}"
+        );
+        assert_eq!(created["timing"]["interval_ms"], 1000, "{created}");
+        assert!(created["next_tick_at_ms"].as_i64().unwrap() > created["created_at_ms"].as_i64().unwrap());
 
-    // The schedule loop starts a run per tick (bounded wait).
-    let runs = server.wait_for(WAIT, |s| {
-        let (_, page) = s.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
-        let ids: Vec<String> =
-            page["runs"].as_array().unwrap().iter().map(|r| r["run_id"].as_str().unwrap().to_string()).collect();
-        (ids.len() >= 2).then_some(ids)
+        // The schedule loop starts a run per tick (bounded wait).
+        let runs = server.wait_for(WAIT, |s| {
+            let (_, page) = s.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
+            let ids: Vec<String> =
+                page["runs"].as_array().unwrap().iter().map(|r| r["run_id"].as_str().unwrap().to_string()).collect();
+            (ids.len() >= 2).then_some(ids)
+        });
+        assert!(runs.iter().all(|id| id.starts_with("beat:")), "{runs:?}");
+        let (status, paused) = server.call("POST", "/v1/schedules/beat/pause", t, None);
+        assert_eq!((status, paused["paused"].as_bool()), (200, Some(true)), "{paused}");
+        let (_, page) = server.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
+        let count = page["runs"].as_array().unwrap().len();
+        let started = server.call("GET", "/v1/schedules/beat", t, None).1["ticks_started"].as_u64().unwrap();
+        assert_eq!(started as usize, count, "each started tick is one run");
+        let (status, page) = server.text_with("/ui/schedules", t);
+        assert_eq!(status, 200);
+        assert!(page.contains("beat") && page.contains("paused") && page.contains("Resume"), "{page}");
+        let (status, list) = server.call("GET", "/v1/schedules", t, None);
+        assert_eq!((status, list["schedules"].as_array().map(Vec::len)), (200, Some(1)), "{list}");
+
+        for (body, code) in [
+            (json!({"workflow": "sleepy_order", "input": {}, "cron": "61 * * * *"}), "invalid_schedule"),
+            (
+                json!({"workflow": "sleepy_order", "input": {}, "cron": "* * * * *", "interval_ms": 1000}),
+                "invalid_schedule",
+            ),
+            (json!({"workflow": "sleepy_order", "input": {}, "interval_ms": 5}), "invalid_schedule"),
+            (
+                json!({"workflow": "order_saga", "input": {"order_id": "x"}, "interval_ms": 1000, "timezone": "Mars/Base"}),
+                "invalid_schedule",
+            ),
+            (json!({"workflow": "nope", "input": {}, "interval_ms": 1000}), "unknown_workflow"),
+            (json!({"workflow": "order_saga", "input": {"nonsense": true}, "interval_ms": 1000}), "invalid_input"),
+        ] {
+            let (status, answer) = server.call("PUT", "/v1/schedules/bad", t, Some(&body));
+            assert_eq!((status, answer["error"]["code"].as_str()), (400, Some(code)), "{body}: {answer}");
+        }
+        let (status, _) = server.call("GET", "/v1/schedules/bad", t, None);
+        assert_eq!(status, 404, "a refused schedule wrote nothing");
+        let (status, deleted) = server.call("DELETE", "/v1/schedules/beat", t, None);
+        assert_eq!((status, deleted["outcome"].as_str()), (200, Some("deleted")), "{deleted}");
+        let (status, _) = server.call("DELETE", "/v1/schedules/beat", t, None);
+        assert_eq!(status, 404);
     });
-    assert!(runs.iter().all(|id| id.starts_with("beat:")), "{runs:?}");
-    let (status, paused) = server.call("POST", "/v1/schedules/beat/pause", t, None);
-    assert_eq!((status, paused["paused"].as_bool()), (200, Some(true)), "{paused}");
-    let (_, page) = server.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
-    let count = page["runs"].as_array().unwrap().len();
-    let started = server.call("GET", "/v1/schedules/beat", t, None).1["ticks_started"].as_u64().unwrap();
-    assert_eq!(started as usize, count, "each started tick is one run");
-    let (status, page) = server.text_with("/ui/schedules", t);
-    assert_eq!(status, 200);
-    assert!(page.contains("beat") && page.contains("paused") && page.contains("Resume"), "{page}");
-    let (status, list) = server.call("GET", "/v1/schedules", t, None);
-    assert_eq!((status, list["schedules"].as_array().map(Vec::len)), (200, Some(1)), "{list}");
-
-    for (body, code) in [
-        (json!({"workflow": "sleepy_order", "input": {}, "cron": "61 * * * *"}), "invalid_schedule"),
-        (
-            json!({"workflow": "sleepy_order", "input": {}, "cron": "* * * * *", "interval_ms": 1000}),
-            "invalid_schedule",
-        ),
-        (json!({"workflow": "sleepy_order", "input": {}, "interval_ms": 5}), "invalid_schedule"),
-        (
-            json!({"workflow": "order_saga", "input": {"order_id": "x"}, "interval_ms": 1000, "timezone": "Mars/Base"}),
-            "invalid_schedule",
-        ),
-        (json!({"workflow": "nope", "input": {}, "interval_ms": 1000}), "unknown_workflow"),
-        (json!({"workflow": "order_saga", "input": {"nonsense": true}, "interval_ms": 1000}), "invalid_input"),
-    ] {
-        let (status, answer) = server.call("PUT", "/v1/schedules/bad", t, Some(&body));
-        assert_eq!((status, answer["error"]["code"].as_str()), (400, Some(code)), "{body}: {answer}");
-    }
-    let (status, _) = server.call("GET", "/v1/schedules/bad", t, None);
-    assert_eq!(status, 404, "a refused schedule wrote nothing");
-    let (status, deleted) = server.call("DELETE", "/v1/schedules/beat", t, None);
-    assert_eq!((status, deleted["outcome"].as_str()), (200, Some("deleted")), "{deleted}");
-    let (status, _) = server.call("DELETE", "/v1/schedules/beat", t, None);
-    assert_eq!(status, 404);
 }
 
 #[test]
 fn bad_requests_get_stable_codes_and_write_nothing() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let reader = token(&data, "acme", "read");
-    let server =
-        Server::start(&data, &["--config", &write_config(dir.path(), "[limits]\nbody_bytes_max = 4096\n")], &[]);
-    let t = Some(admin.as_str());
-    server.call("PUT", "/v1/consumers/c1", t, Some(&json!({"handler": "reservation"})));
-    let before = snapshot(&data);
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let reader = token(&data, "acme", "read");
+        let server =
+            Server::start(&data, &["--config", &write_config(dir.path(), "[limits]\nbody_bytes_max = 4096\n")], &[]);
+        let t = Some(admin.as_str());
+        server.call("PUT", "/v1/consumers/c1", t, Some(&json!({"handler": "reservation"})));
+        let before = snapshot(&data);
 
-    type Case<'a> = (&'a str, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);
-    let cases: Vec<Case> = vec![
+        type Case<'a> = (&'a str, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);
+        let cases: Vec<Case> = vec![
         ("POST", "/v1/flows/f1/advance", None, b"{}".to_vec(), 401, "unauthenticated"),
         ("POST", "/v1/flows/f1/advance", Some("tmk_nope"), b"{}".to_vec(), 401, "unauthenticated"),
         (
@@ -431,11 +458,12 @@ fn bad_requests_get_stable_codes_and_write_nothing() {
             "inexact_number",
         ),
     ];
-    for (method, path, token, body, status, code) in cases {
-        let (got, answer) = server.call_raw(method, path, token, body);
-        assert_eq!((got, answer["error"]["code"].as_str()), (status, Some(code)), "{method} {path}: {answer}");
-    }
-    assert_eq!(snapshot(&data), before, "a refused request changed the files");
+        for (method, path, token, body, status, code) in cases {
+            let (got, answer) = server.call_raw(method, path, token, body);
+            assert_eq!((got, answer["error"]["code"].as_str()), (status, Some(code)), "{method} {path}: {answer}");
+        }
+        assert_eq!(snapshot(&data), before, "a refused request changed the files");
+    });
 }
 
 /// An envelope for `POST /v1/consumers/{id}/inbox` whose payload holds the number `number`.
@@ -446,60 +474,66 @@ fn envelope_with(number: &[u8]) -> Vec<u8> {
 
 #[test]
 fn payload_numbers_at_the_limits_are_kept_exactly() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let server = Server::start(&data, &[], &[]);
-    let t = Some(admin.as_str());
-    let (status, body) = server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
-    assert_eq!(status, 201, "{body}");
-    // The largest and smallest integers the encoding holds, and doubles given in their shortest
-    // form or in another form of the same value (1e2 is written 100.0: the form may change, the
-    // value never does).
-    let numbers = br#"{"max":18446744073709551615,"min":-9223372036854775808,"tenth":0.1,"tiny":5e-324,"hundred":1e2}"#;
-    let expected = json!({"max": u64::MAX, "min": i64::MIN, "tenth": 0.1, "tiny": 5e-324, "hundred": 100.0});
-    let append = [&br#"{"event_type":"note.added","payload":"#[..], &numbers[..], &b"}"[..]].concat();
-    let (status, body) = server.call_raw("POST", "/v1/streams/limits/events", t, append);
-    assert_eq!(status, 200, "{body}");
-    // Within the consumer's retention horizon (an older event is `expired`).
-    let head = format!(
-        r#"{{"event_id":"e-limits","source":"partner","generation":"g1","flow_id":"f-limits","seq":1,"event_type":"note.added","schema_version":1,"created_at_ms":{},"payload":"#,
-        crate::server_fixture::now_ms()
-    );
-    let envelope = [head.as_bytes(), &numbers[..], &b"}"[..]].concat();
-    let (status, body) = server.call_raw("POST", "/v1/consumers/audit/inbox", t, envelope);
-    assert_eq!((status, body["outcome"].as_str()), (200, Some("accepted")), "{body}");
-    // Both reach audit's inbox (the stream's through the relay) with every number as it was sent.
-    let records = server.wait_for(WAIT, |s| {
-        let (_, page) = s.call("GET", "/v1/consumers/audit/inbox", t, None);
-        let records = page["records"].as_array().cloned().unwrap_or_default();
-        (records.len() == 2).then_some(records)
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let server = Server::start(&data, &[], &[]);
+        let t = Some(admin.as_str());
+        let (status, body) = server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+        assert_eq!(status, 201, "{body}");
+        // The largest and smallest integers the encoding holds, and doubles given in their shortest
+        // form or in another form of the same value (1e2 is written 100.0: the form may change, the
+        // value never does).
+        let numbers =
+            br#"{"max":18446744073709551615,"min":-9223372036854775808,"tenth":0.1,"tiny":5e-324,"hundred":1e2}"#;
+        let expected = json!({"max": u64::MAX, "min": i64::MIN, "tenth": 0.1, "tiny": 5e-324, "hundred": 100.0});
+        let append = [&br#"{"event_type":"note.added","payload":"#[..], &numbers[..], &b"}"[..]].concat();
+        let (status, body) = server.call_raw("POST", "/v1/streams/limits/events", t, append);
+        assert_eq!(status, 200, "{body}");
+        // Within the consumer's retention horizon (an older event is `expired`).
+        let head = format!(
+            r#"{{"event_id":"e-limits","source":"partner","generation":"g1","flow_id":"f-limits","seq":1,"event_type":"note.added","schema_version":1,"created_at_ms":{},"payload":"#,
+            crate::server_fixture::now_ms()
+        );
+        let envelope = [head.as_bytes(), &numbers[..], &b"}"[..]].concat();
+        let (status, body) = server.call_raw("POST", "/v1/consumers/audit/inbox", t, envelope);
+        assert_eq!((status, body["outcome"].as_str()), (200, Some("accepted")), "{body}");
+        // Both reach audit's inbox (the stream's through the relay) with every number as it was sent.
+        let records = server.wait_for(WAIT, |s| {
+            let (_, page) = s.call("GET", "/v1/consumers/audit/inbox", t, None);
+            let records = page["records"].as_array().cloned().unwrap_or_default();
+            (records.len() == 2).then_some(records)
+        });
+        for record in &records {
+            assert_eq!(record["envelope"]["payload"], expected, "{record}");
+        }
     });
-    for record in &records {
-        assert_eq!(record["envelope"]["payload"], expected, "{record}");
-    }
 }
 
 #[test]
 fn revoked_tokens_are_refused_and_sigterm_stops_cleanly() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let mut server = Server::start(&data, &[], &[]);
-    let (status, _) = server.call("GET", "/v1/runs", Some(&admin), None);
-    assert_eq!(status, 200);
-    let listed = ok(&["token", "list", "--data", path_str(&data)]);
-    let id = listed["tokens"][0]["token_id"].as_str().unwrap().to_string();
-    assert!(!listed.to_string().contains(&admin), "token list must not print secrets");
-    ok(&["token", "revoke", "--data", path_str(&data), "--token-id", &id]);
-    let (status, body) = server.call("GET", "/v1/runs", Some(&admin), None);
-    assert_eq!((status, body["error"]["code"].as_str()), (401, Some("unauthenticated")), "{body}");
-    let (status, _) = server.call("GET", "/healthz", None, None);
-    assert_eq!(status, 200);
-    let (status, _) = server.call("GET", "/readyz", None, None);
-    assert_eq!(status, 200);
-    let (code, stderr) = server.terminate();
-    assert_eq!(code, 0, "{stderr}");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let mut server = Server::start(&data, &[], &[]);
+        let (status, _) = server.call("GET", "/v1/runs", Some(&admin), None);
+        assert_eq!(status, 200);
+        let [flag, value] = control(&data);
+        let listed = ok(&["token", "list", &flag, &value]);
+        let id = listed["tokens"][0]["token_id"].as_str().unwrap().to_string();
+        assert!(!listed.to_string().contains(&admin), "token list must not print secrets");
+        ok(&["token", "revoke", &flag, &value, "--token-id", &id]);
+        let (status, body) = server.call("GET", "/v1/runs", Some(&admin), None);
+        assert_eq!((status, body["error"]["code"].as_str()), (401, Some("unauthenticated")), "{body}");
+        let (status, _) = server.call("GET", "/healthz", None, None);
+        assert_eq!(status, 200);
+        let (status, _) = server.call("GET", "/readyz", None, None);
+        assert_eq!(status, 200);
+        let (code, stderr) = server.terminate();
+        assert_eq!(code, 0, "{stderr}");
+    });
 }
 
 #[test]
@@ -520,22 +554,9 @@ pub fn write_config(dir: &std::path::Path, text: &str) -> String {
     path.to_string_lossy().into_owned()
 }
 
-/// The bytes of every tenant file (WAL included, after the server's writes were committed).
+/// What the service of `data` stored (see [`crate::server_support::stored`]).
 pub fn snapshot(data: &std::path::Path) -> Vec<(String, Vec<u8>)> {
-    let mut files = Vec::new();
-    let mut stack = vec![data.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else if !path.to_string_lossy().ends_with("-shm") && !path.to_string_lossy().contains("server.db") {
-                files.push((path.to_string_lossy().into_owned(), std::fs::read(&path).unwrap()));
-            }
-        }
-    }
-    files.sort();
-    files
+    crate::server_support::stored(data, None)
 }
 
 /// SIGTERM with a run in flight (its worker holds the lease inside a slow external step): the
@@ -543,40 +564,46 @@ pub fn snapshot(data: &std::path::Path) -> Vec<(String, Vec<u8>)> {
 /// lease expiry, no recovery) and finishes it.
 #[test]
 fn sigterm_releases_leases_and_a_restart_takes_the_runs_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let t = Some(admin.as_str());
-    // A lease far longer than the test's waits: only a released lease can be taken at once.
-    let env = [("TIDEMARK_WORKERS__LEASE_MS", "600000")];
-    let mut server = Server::start(&data, &[], &env);
-    server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 5})));
-    let hold_until_ms = tidemark_engine::now_ms() + 4_000;
-    let mut input = order("h1", 1)["input"].clone();
-    input["hold_until_ms"] = json!(hold_until_ms);
-    let (status, body) =
-        server.call("POST", "/v1/runs", t, Some(&json!({"workflow": "sleepy_order", "run_id": "h1", "input": input})));
-    assert_eq!(status, 201, "{body}");
-    server.wait_for(WAIT, |s| {
-        let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
-        (run["run"]["lease_owner"].is_string() && !run["journal"].as_array().unwrap().is_empty()).then_some(())
-    });
-    let (code, stderr) = server.terminate();
-    assert_eq!(code, 0, "{stderr}");
-    let db = data.join("tenants/acme/workflows.db");
-    let shown = ok(&["workflow", "show", "--db", path_str(&db), "--run-id", "h1"]);
-    assert_eq!(
-        (shown["run"]["lease_owner"].clone(), shown["run"]["status"].as_str()),
-        (Value::Null, Some("running")),
-        "{shown}"
-    );
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let t = Some(admin.as_str());
+        // A lease far longer than the test's waits: only a released lease can be taken at once.
+        let env = [("TIDEMARK_WORKERS__LEASE_MS", "600000")];
+        let mut server = Server::start(&data, &[], &env);
+        server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 5})));
+        let hold_until_ms = tidemark_engine::now_ms() + 4_000;
+        let mut input = order("h1", 1)["input"].clone();
+        input["hold_until_ms"] = json!(hold_until_ms);
+        let (status, body) = server.call(
+            "POST",
+            "/v1/runs",
+            t,
+            Some(&json!({"workflow": "sleepy_order", "run_id": "h1", "input": input})),
+        );
+        assert_eq!(status, 201, "{body}");
+        server.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
+            (run["run"]["lease_owner"].is_string() && !run["journal"].as_array().unwrap().is_empty()).then_some(())
+        });
+        let (code, stderr) = server.terminate();
+        assert_eq!(code, 0, "{stderr}");
+        let db = tenant_store(&data, "acme", tidemark_server::Database::Workflows);
+        let shown = ok(&["workflow", "show", "--db", &db, "--run-id", "h1"]);
+        assert_eq!(
+            (shown["run"]["lease_owner"].clone(), shown["run"]["status"].as_str()),
+            (Value::Null, Some("running")),
+            "{shown}"
+        );
 
-    let server = Server::start(&data, &[], &env);
-    let run = server.wait_for(WAIT, |s| {
-        let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
-        (run["run"]["status"] == "completed").then_some(run)
+        let server = Server::start(&data, &[], &env);
+        let run = server.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", "/v1/runs/h1", t, None);
+            (run["run"]["status"] == "completed").then_some(run)
+        });
+        assert_eq!(run["run"]["recoveries"], 0, "released, not expired: {run}");
     });
-    assert_eq!(run["run"]["recoveries"], 0, "released, not expired: {run}");
 }
 
 #[test]
@@ -622,18 +649,104 @@ fn config_check_names_the_bad_key() {
 /// of the same tenant is not affected.
 #[test]
 fn rate_limits_are_per_token() {
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let busy = token(&data, "acme", "read");
+        let calm = token(&data, "acme", "read");
+        let config = write_config(dir.path(), "[auth]\nrate_per_second = 1\nburst = 3\n");
+        let server = Server::start(&data, &["--config", &config], &[]);
+        let statuses: Vec<u16> = (0..10).map(|_| server.call("GET", "/v1/runs", Some(&busy), None).0).collect();
+        assert_eq!(&statuses[..3], &[200, 200, 200], "the burst passes: {statuses:?}");
+        assert!(
+            statuses.contains(&429),
+            "ten requests in far less than 7 s exceed 1/s after a burst of 3: {statuses:?}"
+        );
+        let (status, body) = server.call("GET", "/v1/runs", Some(&busy), None);
+        if status == 429 {
+            assert_eq!(body["error"]["code"], "rate_limited", "{body}");
+        }
+        assert_eq!(server.call("GET", "/v1/runs", Some(&calm), None).0, 200, "another token has its own bucket");
+    });
+}
+
+/// Two `tidemark serve` processes on one PostgreSQL store serve the same tenant: runs started
+/// through either complete, and when one is killed with SIGKILL while its worker holds leases
+/// (inside a slow external step), the other finishes those runs after the leases expire, with
+/// every transactional effect once.
+#[test]
+fn two_servers_on_one_postgres_store_share_the_runs_and_the_survivor_finishes_a_killed_one_s() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
     let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let busy = token(&data, "acme", "read");
-    let calm = token(&data, "acme", "read");
-    let config = write_config(dir.path(), "[auth]\nrate_per_second = 1\nburst = 3\n");
-    let server = Server::start(&data, &["--config", &config], &[]);
-    let statuses: Vec<u16> = (0..10).map(|_| server.call("GET", "/v1/runs", Some(&busy), None).0).collect();
-    assert_eq!(&statuses[..3], &[200, 200, 200], "the burst passes: {statuses:?}");
-    assert!(statuses.contains(&429), "ten requests in far less than 7 s exceed 1/s after a burst of 3: {statuses:?}");
-    let (status, body) = server.call("GET", "/v1/runs", Some(&busy), None);
-    if status == 429 {
-        assert_eq!(body["error"]["code"], "rate_limited", "{body}");
+    let (a_data, b_data) = (dir.path().join("a"), dir.path().join("b"));
+    crate::server_support::store_of(&a_data);
+    crate::server_support::share_store(&b_data, &a_data);
+    let admin = token(&a_data, "acme", "admin");
+    let t = Some(admin.as_str());
+    let env = [("TIDEMARK_WORKERS__LEASE_MS", "2000"), ("TIDEMARK_WORKERS__POLL_MS", "50")];
+    let mut a = Server::start(&a_data, &[], &env);
+    let b = Server::start(&b_data, &[], &env);
+    let (status, _) = a.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 100})));
+    assert_eq!(status, 200);
+
+    // Started through either, run by either.
+    for (i, server) in [&a, &b, &a, &b].into_iter().enumerate() {
+        let (status, body) = server.call("POST", "/v1/runs", t, Some(&order(&format!("shared-{i}"), 1)));
+        assert_eq!(status, 201, "{body}");
     }
-    assert_eq!(server.call("GET", "/v1/runs", Some(&calm), None).0, 200, "another token has its own bucket");
+    for i in 0..4 {
+        b.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", &format!("/v1/runs/shared-{i}"), t, None);
+            (run["run"]["status"] == "completed").then_some(())
+        });
+    }
+
+    // A holds leases in a slow step; it dies; B takes the runs over once the leases expire.
+    let hold_until_ms = tidemark_engine::now_ms() + 3_000;
+    let held: Vec<String> = (0..3).map(|i| format!("held-{i}")).collect();
+    for run_id in &held {
+        let mut input = order(run_id, 1)["input"].clone();
+        input["hold_until_ms"] = json!(hold_until_ms);
+        let start = json!({"workflow": "sleepy_order", "run_id": run_id, "input": input});
+        let (status, body) = a.call("POST", "/v1/runs", t, Some(&start));
+        assert_eq!(status, 201, "{body}");
+    }
+    for run_id in &held {
+        a.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", &format!("/v1/runs/{run_id}"), t, None);
+            let holding = run["run"]["lease_owner"].is_string() && !run["journal"].as_array().unwrap().is_empty();
+            holding.then_some(())
+        });
+    }
+    // Started through A, leased to A's worker in the start's own transaction.
+    let a_worker = format!("serve-{}-acme", a.pid());
+    for run_id in &held {
+        let (_, run) = b.call("GET", &format!("/v1/runs/{run_id}"), t, None);
+        assert_eq!(run["run"]["lease_owner"], a_worker.as_str(), "{run}");
+    }
+    a.kill9();
+    for run_id in &held {
+        let run = b.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", &format!("/v1/runs/{run_id}"), t, None);
+            (run["run"]["status"] == "completed").then_some(run)
+        });
+        assert!(run["run"]["recoveries"].as_u64().unwrap_or(0) >= 1, "taken over after the lease expired: {run}");
+    }
+
+    // Every transactional effect once: one reservation per order, in the shared workflow schema.
+    let store = crate::server_support::tenant_store(&a_data, "acme", tidemark_server::Database::Workflows);
+    let (conn, schema) = store.rsplit_once("?schema=").expect("a PostgreSQL store");
+    let mut client = postgres::Client::connect(conn, postgres::NoTls).unwrap();
+    let counts = client
+        .query(&format!(r#"SELECT order_id, kind, count(*) FROM "{schema}".order_effects GROUP BY 1, 2"#), &[])
+        .unwrap();
+    assert!(!counts.is_empty());
+    for row in &counts {
+        let (order_id, kind, n): (String, String, i64) = (row.get(0), row.get(1), row.get(2));
+        assert_eq!(n, 1, "{order_id} {kind} applied {n} times");
+    }
+    let reserved: Vec<String> =
+        counts.iter().filter(|r| r.get::<_, String>(1) == "reserve").map(|r| r.get::<_, String>(0)).collect();
+    assert_eq!(reserved.len(), 7, "four shared runs and three held ones reserved once each: {reserved:?}");
 }

@@ -23,8 +23,179 @@ pub struct Server {
 
 /// Create a token; returns its text.
 pub fn token(data: &Path, tenant: &str, scope: &str) -> String {
-    let out = ok(&["token", "create", "--data", path_str(data), "--tenant", tenant, "--scope", scope]);
+    let [flag, value] = control(data);
+    let out = ok(&["token", "create", &flag, &value, "--tenant", tenant, "--scope", scope]);
     out["token"].as_str().expect("token text").to_string()
+}
+
+/// The flag and value that name the control store of the service of `data` to a token command:
+/// `--data DATA`, or `--store URL` on PostgreSQL.
+pub fn control(data: &Path) -> [String; 2] {
+    match store_of(data) {
+        Some(url) => ["--store".into(), url],
+        None => ["--data".into(), path_str(data).into()],
+    }
+}
+
+thread_local! {
+    /// The PostgreSQL store of each data folder's service, inside [`served_on_both_backends`].
+    static SERVED: std::cell::RefCell<std::collections::BTreeMap<PathBuf, String>> = Default::default();
+}
+
+static PREFIXES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Serve `data`'s service from the same PostgreSQL store as `other`'s (two processes of one
+/// service), inside [`served_on_both_backends`] or [`crate::workflow_cli::on_postgres`].
+pub fn share_store(data: &Path, other: &Path) {
+    let url = store_of(other).expect("on PostgreSQL");
+    SERVED.with(|served| served.borrow_mut().insert(data.to_path_buf(), url));
+}
+
+/// The `--store` of the service of `data`: inside [`served_on_both_backends`]'s PostgreSQL run, a
+/// schema prefix of its own on the test server (the same for every call with this folder); else
+/// `None` (SQLite files in the folder).
+pub fn store_of(data: &Path) -> Option<String> {
+    let base = crate::workflow_cli::postgres_base()?;
+    let url = SERVED.with(|served| {
+        served
+            .borrow_mut()
+            .entry(data.to_path_buf())
+            .or_insert_with(|| {
+                let n = PREFIXES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                crate::support::with_schema(&base, &format!("api{}_{n}", std::process::id()))
+            })
+            .clone()
+    });
+    Some(url)
+}
+
+/// Run `scenario` against a service on SQLite files, then against one on PostgreSQL (skipped,
+/// saying why, without a server): one test body, both backends. The PostgreSQL schemas the
+/// scenario's services made are dropped afterwards.
+pub fn served_on_both_backends(scenario: fn()) {
+    scenario();
+    if let Some(_postgres) = crate::workflow_cli::on_postgres() {
+        let _schemas = DropServedSchemas;
+        scenario();
+    }
+}
+
+/// Drops the schemas of this thread's services on PostgreSQL when it goes (a failed scenario's
+/// too).
+pub struct DropServedSchemas;
+
+impl Drop for DropServedSchemas {
+    fn drop(&mut self) {
+        let prefixes: Vec<String> = SERVED.with(|served| {
+            std::mem::take(&mut *served.borrow_mut()).into_values().map(|url| prefix_of(&url)).collect()
+        });
+        let Some((_, mut client)) = crate::support::postgres_server() else { return };
+        for prefix in prefixes {
+            for schema in schemas_of(&mut client, &prefix, None) {
+                let _ = client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"));
+            }
+        }
+    }
+}
+
+fn prefix_of(url: &str) -> String {
+    url.rsplit_once("schema=").map(|(_, prefix)| prefix.to_string()).expect("a store URL names its prefix")
+}
+
+/// The schemas under `prefix`: every one (the control schema included), or tenant `tenant`'s.
+fn schemas_of(client: &mut postgres::Client, prefix: &str, tenant: Option<&str>) -> Vec<String> {
+    let rows = client
+        .query(
+            "SELECT nspname FROM pg_namespace WHERE starts_with(nspname, $1) ORDER BY nspname",
+            &[&format!("{prefix}_")],
+        )
+        .expect("list schemas");
+    let location = |url: &str| match tidemark_core::location::StoreLocation::parse(url).expect("a store URL") {
+        tidemark_core::location::StoreLocation::Postgres(location) => location,
+        other => panic!("not PostgreSQL: {other:?}"),
+    };
+    let wanted: Option<Vec<String>> = tenant.map(|tenant| {
+        let backend = tidemark_server::Postgres::new(&location(&crate::support::with_schema("postgres://x/y", prefix)))
+            .expect("a prefix");
+        [tidemark_server::Database::Producer, tidemark_server::Database::Inbox, tidemark_server::Database::Workflows]
+            .map(|database| backend.schema(tenant, database))
+            .to_vec()
+    });
+    rows.iter()
+        .map(|row| row.get::<_, String>(0))
+        .filter(|schema| wanted.as_ref().is_none_or(|w| w.contains(schema)))
+        .collect()
+}
+
+/// Where tenant `tenant`'s `database` of the service of `data` is, as a `--db` takes it: a file
+/// of its folder, or its PostgreSQL schema.
+pub fn tenant_store(data: &Path, tenant: &str, database: tidemark_server::Database) -> String {
+    match store_of(data) {
+        None => path_str(&data.join("tenants").join(tenant).join(database.file_name())).to_string(),
+        Some(url) => {
+            let prefix = prefix_of(&url);
+            let location = match tidemark_core::location::StoreLocation::parse(&url).expect("a store URL") {
+                tidemark_core::location::StoreLocation::Postgres(location) => location,
+                other => panic!("not PostgreSQL: {other:?}"),
+            };
+            let schema = tidemark_server::Postgres::new(&location).expect("a prefix").schema(tenant, database);
+            crate::support::with_schema(url.trim_end_matches(&format!("?schema={prefix}")), &schema)
+        }
+    }
+}
+
+/// What the service of `data` has stored, to compare before and after (tenant `tenant`'s part, or
+/// every tenant's): the folder's files but the control database (and SQLite's `-shm`), and on
+/// PostgreSQL every row of the tenants' schemas too, each table's rows in order.
+pub fn stored(data: &Path, tenant: Option<&str>) -> Vec<(String, Vec<u8>)> {
+    let dir = match tenant {
+        Some(tenant) => data.join("tenants").join(tenant),
+        None => data.to_path_buf(),
+    };
+    let mut out = files(&dir);
+    if let Some(url) = store_of(data) {
+        let (_, mut client) = crate::support::postgres_server().expect("the test server answers");
+        let prefix = prefix_of(&url);
+        for schema in schemas_of(&mut client, &prefix, tenant) {
+            if schema == format!("{prefix}_control") {
+                continue;
+            }
+            let tables = client
+                .query("SELECT tablename FROM pg_tables WHERE schemaname = $1 ORDER BY tablename", &[&schema])
+                .expect("list tables");
+            for table in tables.iter().map(|r| r.get::<_, String>(0)) {
+                let rows: Vec<String> = client
+                    .query(&format!(r#"SELECT t::text FROM "{schema}"."{table}" t ORDER BY t::text COLLATE "C""#), &[])
+                    .expect("read a table")
+                    .iter()
+                    .map(|r| r.get(0))
+                    .collect();
+                out.push((format!("{schema}.{table}"), rows.join("\n").into_bytes()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The files under `dir` (none when it does not exist), but the control database and SQLite's
+/// `-shm` files, by path.
+pub fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else if !path.to_string_lossy().ends_with("-shm") && !path.to_string_lossy().contains("server.db") {
+                files.push((path.to_string_lossy().into_owned(), std::fs::read(&path).unwrap()));
+            }
+        }
+    }
+    files.sort();
+    files
 }
 
 impl Server {
@@ -37,9 +208,11 @@ impl Server {
     /// [`Server::start`] on the address `listen` (to restart a server where its peers expect it).
     pub fn start_at(data: &Path, listen: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let mut command = Command::new(BIN);
+        command.args(["serve", "--data", path_str(data), "--listen", listen]).args(extra);
+        if let Some(store) = store_of(data) {
+            command.args(["--store", &store]);
+        }
         command
-            .args(["serve", "--data", path_str(data), "--listen", listen])
-            .args(extra)
             .env_remove("TIDEMARK_CRASH_AT")
             .env("TIDEMARK_LOG__LEVEL", "warn")
             .stdin(Stdio::null())

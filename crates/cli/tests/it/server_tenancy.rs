@@ -12,9 +12,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::server_api::{snapshot, write_config};
+use crate::server_api::write_config;
 use crate::server_fixture::{example_body, populate, scope, Fixture, CONFIG, WAIT};
-use crate::server_support::{token, Server};
+use crate::server_support::{served_on_both_backends, stored, token, Server};
 
 /// True when any array anywhere in the answer has an element: the answer shows data.
 fn shows_data(answer: &Value) -> bool {
@@ -31,14 +31,15 @@ fn shows_data(answer: &Value) -> bool {
     }
 }
 
-/// Bravo's files once the background loops have nothing left to do: two snapshots in a row,
-/// 300 ms apart, are equal (a bounded poll).
-fn settled_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+/// What `tenant` stored (its files, on PostgreSQL its schemas' rows too) once the background
+/// loops have nothing left to do: two snapshots in a row, 300 ms apart, are equal (a bounded
+/// poll).
+fn settled_files(data: &Path, tenant: &str) -> Vec<(String, Vec<u8>)> {
     let started = Instant::now();
-    let mut last = snapshot(dir);
+    let mut last = stored(data, Some(tenant));
     loop {
         std::thread::sleep(Duration::from_millis(300));
-        let now = snapshot(dir);
+        let now = stored(data, Some(tenant));
         if now == last {
             return now;
         }
@@ -64,98 +65,99 @@ fn view(server: &Server, token: &str, fixture: &Fixture, operations: &[(String, 
 
 #[test]
 fn no_request_of_one_tenant_reads_or_changes_another_tenants_data() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let alpha = token(&data, "alpha", "admin");
-    let bravo = token(&data, "bravo", "admin");
-    let bravo_read = token(&data, "bravo", "read");
-    let bravo_operate = token(&data, "bravo", "operate");
-    let server = Server::start(&data, &["--config", &write_config(dir.path(), CONFIG)], &[]);
-    let fixture = populate(&server, &bravo, "bravo");
-    let (status, mine) = server.call("GET", "/v1/consumers", Some(&alpha), None);
-    assert_eq!((status, shows_data(&mine)), (200, false), "alpha starts empty: {mine}");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let alpha = token(&data, "alpha", "admin");
+        let bravo = token(&data, "bravo", "admin");
+        let bravo_read = token(&data, "bravo", "read");
+        let bravo_operate = token(&data, "bravo", "operate");
+        let server = Server::start(&data, &["--config", &write_config(dir.path(), CONFIG)], &[]);
+        let fixture = populate(&server, &bravo, "bravo");
+        let (status, mine) = server.call("GET", "/v1/consumers", Some(&alpha), None);
+        assert_eq!((status, shows_data(&mine)), (200, false), "alpha starts empty: {mine}");
 
-    let (_, document) = server.call("GET", "/openapi.json", None, None);
-    let operations = Fixture::operations(&document);
-    let tenant_routes: Vec<_> = operations.iter().filter(|(_, _, op)| scope(op).is_some()).collect();
-    assert!(tenant_routes.len() >= 20, "the document lists too few routes: {}", tenant_routes.len());
+        let (_, document) = server.call("GET", "/openapi.json", None, None);
+        let operations = Fixture::operations(&document);
+        let tenant_routes: Vec<_> = operations.iter().filter(|(_, _, op)| scope(op).is_some()).collect();
+        assert!(tenant_routes.len() >= 20, "the document lists too few routes: {}", tenant_routes.len());
 
-    let bravo_dir = data.join("tenants").join("bravo");
-    let files_before = settled_files(&bravo_dir);
-    let view_before = view(&server, &bravo, &fixture, &operations);
-    assert!(view_before.iter().all(|v| shows_data(&v["answer"])), "bravo's reads must show data: {view_before:?}");
+        let files_before = settled_files(&data, "bravo");
+        let view_before = view(&server, &bravo, &fixture, &operations);
+        assert!(view_before.iter().all(|v| shows_data(&v["answer"])), "bravo's reads must show data: {view_before:?}");
 
-    // Every route, alpha's token, bravo's ids: reads first (alpha has nothing yet), then writes.
-    let mut ordered = tenant_routes.clone();
-    ordered.sort_by_key(|(method, _, _)| method != "GET");
-    for (method, path, operation) in ordered {
-        let concrete = fixture.concrete_path(method, path);
-        let body = example_body(&document, operation).map(|example| fixture.body(method, path, &example));
-        let (status, answer) = server.call(method, &concrete, Some(&alpha), body.as_ref());
-        let what = format!("alpha {method} {concrete}: {status} {answer}");
-        assert!(!answer.to_string().contains(&fixture.marker), "{what} shows bravo's data");
-        assert!(status != 401 && status != 403 && status < 500, "{what}");
-        if method == "GET" {
-            // The registry is the service's, the same for every tenant: only its consumers are
-            // the tenant's.
-            let tenant_part = if path == "/v1/registry" { &answer["consumers"] } else { &answer };
-            assert!(status == 404 || (status == 200 && !shows_data(tenant_part)), "{what} must be 404 or empty");
-        } else if !(200..300).contains(&status) {
-            // A change alpha cannot make is refused as absent, never as someone else's.
-            assert_eq!((status, answer["error"]["code"].as_str()), (404, Some("not_found")), "{what}");
+        // Every route, alpha's token, bravo's ids: reads first (alpha has nothing yet), then writes.
+        let mut ordered = tenant_routes.clone();
+        ordered.sort_by_key(|(method, _, _)| method != "GET");
+        for (method, path, operation) in ordered {
+            let concrete = fixture.concrete_path(method, path);
+            let body = example_body(&document, operation).map(|example| fixture.body(method, path, &example));
+            let (status, answer) = server.call(method, &concrete, Some(&alpha), body.as_ref());
+            let what = format!("alpha {method} {concrete}: {status} {answer}");
+            assert!(!answer.to_string().contains(&fixture.marker), "{what} shows bravo's data");
+            assert!(status != 401 && status != 403 && status < 500, "{what}");
+            if method == "GET" {
+                // The registry is the service's, the same for every tenant: only its consumers are
+                // the tenant's.
+                let tenant_part = if path == "/v1/registry" { &answer["consumers"] } else { &answer };
+                assert!(status == 404 || (status == 200 && !shows_data(tenant_part)), "{what} must be 404 or empty");
+            } else if !(200..300).contains(&status) {
+                // A change alpha cannot make is refused as absent, never as someone else's.
+                assert_eq!((status, answer["error"]["code"].as_str()), (404, Some("not_found")), "{what}");
+            }
         }
-    }
 
-    // Ids bravo uses mean nothing to alpha: the same requests start alpha's own data.
-    let bravo_start = json!({"workflow": "order_saga", "run_id": "order-ok", "input": {"order_id": format!("order-ok-{}", fixture.marker), "sku": "sku-1", "quantity": 1, "amount": 500}});
-    let (status, answer) = server.call("POST", "/v1/runs", Some(&alpha), Some(&bravo_start));
-    assert_eq!((status, answer["outcome"].as_str()), (201, Some("started")), "{answer}");
-    let (status, answer) =
-        server.call("PUT", "/v1/consumers/ledger", Some(&alpha), Some(&json!({"handler": "record"})));
-    assert_eq!((status, answer["outcome"].as_str()), (201, Some("declared")), "{answer}");
-    let reserve = json!({"expected_seq": 0, "to": "reserved", "quantity": 2});
-    let (status, answer) = server.call("POST", "/v1/flows/res-1/advance", Some(&alpha), Some(&reserve));
-    assert_eq!(
-        (status, answer["outcome"].as_str(), answer["seq"].as_i64()),
-        (200, Some("committed"), Some(1)),
-        "{answer}"
-    );
+        // Ids bravo uses mean nothing to alpha: the same requests start alpha's own data.
+        let bravo_start = json!({"workflow": "order_saga", "run_id": "order-ok", "input": {"order_id": format!("order-ok-{}", fixture.marker), "sku": "sku-1", "quantity": 1, "amount": 500}});
+        let (status, answer) = server.call("POST", "/v1/runs", Some(&alpha), Some(&bravo_start));
+        assert_eq!((status, answer["outcome"].as_str()), (201, Some("started")), "{answer}");
+        let (status, answer) =
+            server.call("PUT", "/v1/consumers/ledger", Some(&alpha), Some(&json!({"handler": "record"})));
+        assert_eq!((status, answer["outcome"].as_str()), (201, Some("declared")), "{answer}");
+        let reserve = json!({"expected_seq": 0, "to": "reserved", "quantity": 2});
+        let (status, answer) = server.call("POST", "/v1/flows/res-1/advance", Some(&alpha), Some(&reserve));
+        assert_eq!(
+            (status, answer["outcome"].as_str(), answer["seq"].as_i64()),
+            (200, Some("committed"), Some(1)),
+            "{answer}"
+        );
 
-    // Scopes, on bravo's own data: read cannot operate or administer; operate cannot administer.
-    for (method, path, operation) in &tenant_routes {
-        let needed = scope(operation).unwrap();
-        let concrete = fixture.concrete_path(method, path);
-        let body = example_body(&document, operation).map(|example| fixture.body(method, path, &example));
-        let refused: &[&str] = match needed.as_str() {
-            "read" => &[],
-            "operate" => &[&bravo_read],
-            "admin" => &[&bravo_read, &bravo_operate],
-            other => panic!("{method} {path}: unknown scope {other:?}"),
-        };
-        for token in refused {
-            let (status, answer) = server.call(method, &concrete, Some(token), body.as_ref());
-            assert_eq!((status, answer["error"]["code"].as_str()), (403, Some("forbidden")), "{method} {concrete}");
+        // Scopes, on bravo's own data: read cannot operate or administer; operate cannot administer.
+        for (method, path, operation) in &tenant_routes {
+            let needed = scope(operation).unwrap();
+            let concrete = fixture.concrete_path(method, path);
+            let body = example_body(&document, operation).map(|example| fixture.body(method, path, &example));
+            let refused: &[&str] = match needed.as_str() {
+                "read" => &[],
+                "operate" => &[&bravo_read],
+                "admin" => &[&bravo_read, &bravo_operate],
+                other => panic!("{method} {path}: unknown scope {other:?}"),
+            };
+            for token in refused {
+                let (status, answer) = server.call(method, &concrete, Some(token), body.as_ref());
+                assert_eq!((status, answer["error"]["code"].as_str()), (403, Some("forbidden")), "{method} {concrete}");
+            }
+            if needed == "read" {
+                let (status, answer) = server.call(method, &concrete, Some(&bravo_read), None);
+                assert_eq!(status, 200, "a read token reads {concrete}: {answer}");
+            }
         }
-        if needed == "read" {
-            let (status, answer) = server.call(method, &concrete, Some(&bravo_read), None);
-            assert_eq!(status, 200, "a read token reads {concrete}: {answer}");
-        }
-    }
 
-    // Alpha's own background loops ran meanwhile (its relay delivered its events); bravo's
-    // files and bravo's view are exactly as before.
-    server.wait_for(WAIT, |s| {
-        let (_, run) = s.call("GET", "/v1/runs/order-ok", Some(&alpha), None);
-        (run["run"]["status"] == "completed").then_some(())
+        // Alpha's own background loops ran meanwhile (its relay delivered its events); bravo's
+        // files and bravo's view are exactly as before.
+        server.wait_for(WAIT, |s| {
+            let (_, run) = s.call("GET", "/v1/runs/order-ok", Some(&alpha), None);
+            (run["run"]["status"] == "completed").then_some(())
+        });
+        assert_eq!(view(&server, &bravo, &fixture, &operations), view_before, "bravo's view changed");
+        let files_after = settled_files(&data, "bravo");
+        let changed: Vec<&String> = files_after
+            .iter()
+            .zip(&files_before)
+            .filter(|(after, before)| after != before)
+            .map(|(after, _)| &after.0)
+            .collect();
+        assert_eq!(files_after.len(), files_before.len(), "bravo's files were added or removed");
+        assert!(changed.is_empty(), "bravo's files changed: {changed:?}");
     });
-    assert_eq!(view(&server, &bravo, &fixture, &operations), view_before, "bravo's view changed");
-    let files_after = settled_files(&bravo_dir);
-    let changed: Vec<&String> = files_after
-        .iter()
-        .zip(&files_before)
-        .filter(|(after, before)| after != before)
-        .map(|(after, _)| &after.0)
-        .collect();
-    assert_eq!(files_after.len(), files_before.len(), "bravo's files were added or removed");
-    assert!(changed.is_empty(), "bravo's files changed: {changed:?}");
 }
