@@ -64,19 +64,37 @@ impl PgControl {
     /// Connect to `conn_str` and open the control schema `schema`, creating it (and its tables)
     /// when `create`. Without `create` a missing schema is `not_initialized`; a schema of a newer
     /// version is `schema_too_new`. Nothing is written then.
+    ///
+    /// Connecting and every call run on the store's own thread, so this may be called from an
+    /// async task too.
     pub fn open(conn_str: &str, schema: &str, create: bool) -> Result<PgControl> {
         validate_schema_name(schema)?;
-        let mut client = connect(conn_str)?;
-        migrate(&mut client, schema, create)?;
         let (jobs, receiver) = mpsc::channel::<Job>();
+        let (opened, answer) = mpsc::sync_channel::<Result<()>>(1);
+        let (conn_str, owned_schema) = (conn_str.to_string(), schema.to_string());
         std::thread::Builder::new()
             .name(format!("control-{schema}"))
             .spawn(move || {
+                let client = connect(&conn_str).and_then(|mut client| {
+                    migrate(&mut client, &owned_schema, create)?;
+                    Ok(client)
+                });
+                let mut client = match client {
+                    Ok(client) => {
+                        let _ = opened.send(Ok(()));
+                        client
+                    }
+                    Err(error) => {
+                        let _ = opened.send(Err(error));
+                        return;
+                    }
+                };
                 while let Ok(job) = receiver.recv() {
                     job(&mut client);
                 }
             })
             .map_err(|e| Error::io(format!("cannot start the control store's thread: {e}")))?;
+        answer.recv().map_err(|_| Error::Invariant("the control store's thread stopped (a panic?)".into()))??;
         Ok(PgControl { schema: schema.to_string(), jobs: Mutex::new(jobs) })
     }
 

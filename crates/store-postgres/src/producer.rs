@@ -341,6 +341,12 @@ impl ProducerTransaction<'_> {
     pub fn now_ms(&self) -> i64 {
         self.now_ms
     }
+
+    /// The producer's PostgreSQL schema (where tidemark's tables are; your own tables may live
+    /// there or in a schema of your own).
+    pub fn schema(&self) -> &str {
+        self.schema
+    }
 }
 
 impl<'a> std::ops::Deref for ProducerTransaction<'a> {
