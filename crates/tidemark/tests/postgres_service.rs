@@ -88,7 +88,7 @@ async fn checkout(ctx: tidemark::postgres::Context, input: Checkout) -> Result<R
     let row: i64 = ctx
         .tx_step("record", None, move |tx: &ApplyTransaction| {
             let insert = format!(r#"INSERT INTO "{}".orders (order_id) VALUES ($1) RETURNING row_id"#, tx.schema());
-            let row = tx.query_one(&insert, &[&input.order_id]).map_err(|e| tidemark::Error::from(e))?;
+            let row = tx.query_one(&insert, &[&input.order_id]).map_err(tidemark::Error::from)?;
             Ok(row.get::<_, i64>(0))
         })
         .await?;
