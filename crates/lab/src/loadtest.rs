@@ -90,10 +90,14 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("stores").required(true).args(["data", "store"])))]
 struct VerifyArgs {
-    /// The server's data folder.
+    /// The server's data folder (a service on SQLite files).
     #[arg(long)]
-    data: PathBuf,
+    data: Option<PathBuf>,
+    /// The server's PostgreSQL store, as `serve --store` was given it.
+    #[arg(long)]
+    store: Option<String>,
     #[arg(long)]
     tenant: String,
     #[arg(long)]
@@ -502,23 +506,72 @@ fn committed(op: &str, answer: &Value) -> Option<LedgerEntry> {
     })
 }
 
+/// Where `verify` looks a tenant's entries up: its SQLite files, or its PostgreSQL schemas.
+enum Stored {
+    Sqlite { producer: rusqlite::Connection, workflows: rusqlite::Connection },
+    Postgres { client: postgres::Client, producer: String, workflows: String },
+}
+
+impl Stored {
+    fn open(args: &VerifyArgs) -> Result<Stored> {
+        if let Some(store) = &args.store {
+            let location = match tidemark_core::location::StoreLocation::parse(store)? {
+                tidemark_core::location::StoreLocation::Postgres(location) => location,
+                tidemark_core::location::StoreLocation::Sqlite(_) => {
+                    return Err(invalid("--store takes the server's postgres:// URL; a SQLite server's is --data"))
+                }
+            };
+            let backend = tidemark_server::Postgres::new(&location)?;
+            let [producer, workflows] = [tidemark_server::Database::Producer, tidemark_server::Database::Workflows]
+                .map(|database| backend.schema(&args.tenant, database));
+            return Ok(Stored::Postgres {
+                client: tidemark_store_postgres::connect(&location.conn)?,
+                producer,
+                workflows,
+            });
+        }
+        let data = args.data.as_deref().expect("clap requires --data or --store");
+        let dir = tidemark_server::tenant::dir_of(data, &args.tenant);
+        let [producer_path, workflows_path] = [dir.join("producer.db"), dir.join("workflows.db")];
+        for path in [&producer_path, &workflows_path] {
+            if !path.is_file() {
+                return Err(Error::invalid(
+                    codes::NOT_INITIALIZED,
+                    format!("{} does not exist (wrong --data or --tenant?)", path.display()),
+                ));
+            }
+        }
+        Ok(Stored::Sqlite {
+            producer: tidemark_store_sqlite::open_existing(&producer_path)?,
+            workflows: tidemark_store_sqlite::open_existing(&workflows_path)?,
+        })
+    }
+
+    fn outbox_event_id(&mut self, flow_id: &str, seq: i64) -> Result<Option<String>> {
+        match self {
+            Stored::Sqlite { producer, .. } => stats::outbox_event_id(producer, flow_id, seq),
+            Stored::Postgres { client, producer, .. } => {
+                tidemark_store_postgres::stats::outbox_event_id(client, producer, flow_id, seq)
+            }
+        }
+    }
+
+    fn run_status(&mut self, run_id: &str) -> Result<Option<(String, bool)>> {
+        match self {
+            Stored::Sqlite { workflows, .. } => stats::run_status(workflows, run_id),
+            Stored::Postgres { client, workflows, .. } => {
+                tidemark_store_postgres::stats::run_status(client, workflows, run_id)
+            }
+        }
+    }
+}
+
 /// Read the ledger and look every entry up in the tenant's files.
 fn verify(args: &VerifyArgs) -> Result<Value> {
     tidemark_core::tenancy::validate_tenant_id(&args.tenant)?;
     let file = std::fs::File::open(&args.ledger)
         .map_err(|e| invalid(format!("cannot read the ledger {}: {e}", args.ledger.display())))?;
-    let dir = tidemark_server::tenant::dir_of(&args.data, &args.tenant);
-    let [producer_path, workflows_path] = [dir.join("producer.db"), dir.join("workflows.db")];
-    for path in [&producer_path, &workflows_path] {
-        if !path.is_file() {
-            return Err(Error::invalid(
-                codes::NOT_INITIALIZED,
-                format!("{} does not exist (wrong --data or --tenant?)", path.display()),
-            ));
-        }
-    }
-    let producer = tidemark_store_sqlite::open_existing(&producer_path)?;
-    let workflows = tidemark_store_sqlite::open_existing(&workflows_path)?;
+    let mut stored = Stored::open(args)?;
 
     let mut entries = 0_usize;
     let (mut events, mut runs) = (0_u64, 0_u64);
@@ -554,7 +607,7 @@ fn verify(args: &VerifyArgs) -> Result<Value> {
         match entry {
             LedgerEntry::Event { op, flow_id, seq, event_id } => {
                 events += 1;
-                match stats::outbox_event_id(&producer, &flow_id, seq)? {
+                match stored.outbox_event_id(&flow_id, seq)? {
                     Some(found) if found == event_id => {}
                     Some(found) => problem(format!(
                         "{op} {flow_id}#{seq}: the outbox holds event {found}, the server answered {event_id}"
@@ -564,7 +617,7 @@ fn verify(args: &VerifyArgs) -> Result<Value> {
             }
             LedgerEntry::Run { run_id, expect } => {
                 runs += 1;
-                match stats::run_status(&workflows, &run_id)? {
+                match stored.run_status(&run_id)? {
                     Some((status, leased)) => {
                         runs_leased += u64::from(leased);
                         let terminal =

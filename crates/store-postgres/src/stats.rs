@@ -75,6 +75,27 @@ pub fn inbox_counts(client: &mut impl GenericClient, schema: &str) -> Result<BTr
     Ok(out)
 }
 
+/// The id of the event at `(flow_id, seq)` in `schema`'s outbox, or `None`.
+pub fn outbox_event_id(
+    client: &mut impl GenericClient,
+    schema: &str,
+    flow_id: &str,
+    seq: i64,
+) -> Result<Option<String>> {
+    let row = client
+        .query_opt(&sql(schema, "SELECT event_id FROM {s}.outbox WHERE flow_id = $1 AND seq = $2"), &[&flow_id, &seq])
+        .db()?;
+    row.map(|r| col(&r, 0)).transpose()
+}
+
+/// Run `run_id`'s status word in `schema` and whether a worker holds its lease, or `None`.
+pub fn run_status(client: &mut impl GenericClient, schema: &str, run_id: &str) -> Result<Option<(String, bool)>> {
+    let row = client
+        .query_opt(&sql(schema, "SELECT status, lease_owner IS NOT NULL FROM {s}.runs WHERE run_id = $1"), &[&run_id])
+        .db()?;
+    row.map(|r| Ok((col(&r, 0)?, col(&r, 1)?))).transpose()
+}
+
 /// Runs by status in `schema` (only statuses that have runs).
 pub fn run_counts(client: &mut impl GenericClient, schema: &str) -> Result<BTreeMap<String, u64>> {
     let rows = client.query(&sql(schema, "SELECT status, count(*) FROM {s}.runs GROUP BY status"), &[]).db()?;

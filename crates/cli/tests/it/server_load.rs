@@ -57,16 +57,12 @@ impl LoadSetup {
     }
 
     fn verify(&self) -> Value {
-        let r = run(&[
-            "loadtest",
-            "verify",
-            "--data",
-            path_str(&self.data),
-            "--tenant",
-            "load",
-            "--ledger",
-            path_str(&self.ledger),
-        ]);
+        let store = match crate::server_support::store_of(&self.data) {
+            Some(url) => ["--store".to_string(), url],
+            None => ["--data".to_string(), path_str(&self.data).to_string()],
+        };
+        let r =
+            run(&["loadtest", "verify", &store[0], &store[1], "--tenant", "load", "--ledger", path_str(&self.ledger)]);
         assert!(r.code == 0 || r.code == 1, "verify failed to run:\n{}\n{}", r.stdout, r.stderr);
         r.json
     }
@@ -157,42 +153,44 @@ fn sixty_four_clients_for_thirty_seconds_get_no_5xx_and_every_accepted_request_i
 
 #[test]
 fn a_server_killed_mid_load_loses_no_accepted_request_and_finishes_the_runs_in_flight() {
-    let setup = setup();
-    let mut server = setup.start_server();
-    let load = setup.spawn_load(&server, 64, 10);
-    // Mid-load: once the server has accepted a few hundred requests.
-    let started = Instant::now();
-    while setup.ledger_lines() < 300 {
-        assert!(started.elapsed() < Duration::from_secs(60), "the load did not get going");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    server.kill9();
-    let summary = finish_load(load);
-    println!("tidemark loadtest (server killed): {summary:#}");
-    assert!(summary["connection_errors"].as_u64().unwrap() > 0, "the server died under load: {summary:#}");
-    assert_eq!(summary["server_errors"], 0, "{summary:#}");
-    assert_eq!(summary["unexpected_answers"], 0, "{summary:#}");
+    crate::server_support::served_on_both_backends(|| {
+        let setup = setup();
+        let mut server = setup.start_server();
+        let load = setup.spawn_load(&server, 64, 10);
+        // Mid-load: once the server has accepted a few hundred requests.
+        let started = Instant::now();
+        while setup.ledger_lines() < 300 {
+            assert!(started.elapsed() < Duration::from_secs(60), "the load did not get going");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        server.kill9();
+        let summary = finish_load(load);
+        println!("tidemark loadtest (server killed): {summary:#}");
+        assert!(summary["connection_errors"].as_u64().unwrap() > 0, "the server died under load: {summary:#}");
+        assert_eq!(summary["server_errors"], 0, "{summary:#}");
+        assert_eq!(summary["unexpected_answers"], 0, "{summary:#}");
 
-    // Nothing the dead server accepted is lost; the runs it held leases on were in flight.
-    let after_crash = setup.verify();
-    assert_eq!(after_crash["check"]["passed"], true, "{after_crash:#}");
-    assert_eq!(after_crash["entries"], summary["ledger_entries"]);
-    let in_flight = after_crash["runs_leased"].as_u64().unwrap();
+        // Nothing the dead server accepted is lost; the runs it held leases on were in flight.
+        let after_crash = setup.verify();
+        assert_eq!(after_crash["check"]["passed"], true, "{after_crash:#}");
+        assert_eq!(after_crash["entries"], summary["ledger_entries"]);
+        let in_flight = after_crash["runs_leased"].as_u64().unwrap();
 
-    // The restarted server takes those runs over when their leases expire, and every run ends
-    // as its order said: completed, or compensated when the charge was declined.
-    let server = setup.start_server();
-    let report = until_runs_end(&setup);
-    assert_eq!(report["check"]["passed"], true, "{report:#}");
-    let by_status = report["runs_by_status"].as_object().unwrap();
-    assert!(by_status.keys().all(|s| s == "completed" || s == "compensated"), "{report:#}");
-    assert_eq!(report["runs_leased"], 0, "{report:#}");
-    let (_, text) = server.text("/metrics");
-    let recovered = sum_series(&text, "tidemark_run_recoveries_total", "tenant=\"load\"");
-    // At least once: a run whose lease also expires on the restarted server (a stall longer than
-    // `workers.lease_ms` on a loaded machine) is recovered again.
-    assert!(recovered as u64 >= in_flight, "each run in flight at the crash is recovered: {in_flight}\n{text}");
-    println!("runs in flight at the crash: {in_flight}; after restart: {report:#}");
+        // The restarted server takes those runs over when their leases expire, and every run ends
+        // as its order said: completed, or compensated when the charge was declined.
+        let server = setup.start_server();
+        let report = until_runs_end(&setup);
+        assert_eq!(report["check"]["passed"], true, "{report:#}");
+        let by_status = report["runs_by_status"].as_object().unwrap();
+        assert!(by_status.keys().all(|s| s == "completed" || s == "compensated"), "{report:#}");
+        assert_eq!(report["runs_leased"], 0, "{report:#}");
+        let (_, text) = server.text("/metrics");
+        let recovered = sum_series(&text, "tidemark_run_recoveries_total", "tenant=\"load\"");
+        // At least once: a run whose lease also expires on the restarted server (a stall longer than
+        // `workers.lease_ms` on a loaded machine) is recovered again.
+        assert!(recovered as u64 >= in_flight, "each run in flight at the crash is recovered: {in_flight}\n{text}");
+        println!("runs in flight at the crash: {in_flight}; after restart: {report:#}");
+    });
 }
 
 /// A stand-in OTLP/HTTP collector: answers 200 to every request and records
