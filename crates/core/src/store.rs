@@ -213,6 +213,16 @@ pub struct ProducerSnapshot {
 pub trait ProducerStore {
     /// The source and generation of this producer database.
     fn identity(&self) -> &ProducerIdentity;
+    /// Called by the thread that owns the store before each round of work: a store on a network
+    /// database opens a new connection here when the server closed the old one (a restart, a
+    /// failover, `pg_terminate_backend`), so that a service outlives the outage instead of failing
+    /// every call from then on. A failed reconnect is an `Err` (the round's calls then fail as
+    /// they would have; the next round tries again). Default: nothing to do (a file cannot be
+    /// disconnected).
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Advance several flows in one transaction (group commit). Each request gets its own
     /// outcome; `stale` and `invalid_transition` do not abort the others. Bad input anywhere in
     /// the batch is an error and nothing is written.
@@ -719,6 +729,16 @@ impl<T: ?Sized> Handler<T> for RecordHandler {
 pub trait ConsumerStore {
     /// The transactional handle given to handlers.
     type Target: ?Sized;
+    /// Called by the thread that owns the store before each round of work: a store on a network
+    /// database opens a new connection here when the server closed the old one (a restart, a
+    /// failover, `pg_terminate_backend`), so that a service outlives the outage instead of failing
+    /// every call from then on. A failed reconnect is an `Err` (the round's calls then fail as
+    /// they would have; the next round tries again). Default: nothing to do (a file cannot be
+    /// disconnected).
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Store events durably, in one transaction. Never runs handlers or touches projections.
     /// Each item is `(consumer_id, envelope)`.
     fn receive_batch(&mut self, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>>;

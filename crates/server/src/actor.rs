@@ -19,6 +19,13 @@ pub trait GroupCommit: Send + 'static {
     type Answer: Send + 'static;
     /// Commit `items` in one transaction; one answer per item, in order.
     fn commit(&mut self, items: Vec<Self::Item>) -> Result<Vec<Self::Answer>>;
+    /// Called before each round (a group commit and the calls that arrived with it): a store on
+    /// a network database reconnects here after the server closed its connection. An error is
+    /// logged; the round's operations then fail with their own errors, the next round tries
+    /// again.
+    fn before_round(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 type Call<S> = Box<dyn FnOnce(&mut S) + Send>;
@@ -95,6 +102,9 @@ fn run<S: GroupCommit>(mut store: S, receiver: mpsc::Receiver<Message<S>>, batch
             if items.len() < batch_max {
                 next = receiver.try_recv().ok();
             }
+        }
+        if let Err(error) = store.before_round() {
+            tracing::warn!(code = error.code(), %error, "a store could not reconnect");
         }
         if !items.is_empty() {
             let sent = items.len();

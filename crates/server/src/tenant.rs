@@ -54,6 +54,10 @@ impl<B: Backend> GroupCommit for ProducerThread<B> {
     fn commit(&mut self, items: Vec<AdvanceRequest>) -> Result<Vec<AdvanceOutcome>> {
         self.store.advance_batch(self.machines.as_ref(), &items, (self.clock)())
     }
+
+    fn before_round(&mut self) -> Result<()> {
+        self.store.reconnect_if_closed()
+    }
 }
 
 /// A consumer handler as a tenant's inbox thread runs it: boxed, on the backend's transaction.
@@ -88,6 +92,10 @@ impl<B: Backend> GroupCommit for InboxThread<B> {
     fn commit(&mut self, items: Vec<(String, Envelope)>) -> Result<Vec<ReceiveOutcome>> {
         let refs: Vec<(&str, &Envelope)> = items.iter().map(|(c, e)| (c.as_str(), e)).collect();
         self.store.receive_batch(&refs, (self.clock)())
+    }
+
+    fn before_round(&mut self) -> Result<()> {
+        self.store.reconnect_if_closed()
     }
 }
 

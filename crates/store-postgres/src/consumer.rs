@@ -50,6 +50,7 @@ pub(crate) const EXPIRE_RECEIPTS_SQL: &str = "DELETE FROM {s}.receipts WHERE (co
 /// database (so a handler's writes commit with the apply). Implements [`ConsumerStore`] with
 /// [`ApplyTransaction`] as the handlers' target.
 pub struct PgConsumer {
+    conn_str: String,
     apply: ApplyTransaction,
     statements: RefCell<Statements>,
     retention: RetentionPolicy,
@@ -86,7 +87,7 @@ impl PgConsumer {
             }
         };
         tx.commit().db()?;
-        Ok(Self::with(client, schema, retention))
+        Ok(Self::with(conn_str, client, schema, retention))
     }
 
     /// Open the consumer in `schema` (migrating it forward if it is older). Never creates
@@ -101,11 +102,12 @@ impl PgConsumer {
                 format!("PostgreSQL schema {schema} is not a consumer's; initialise it as a consumer first"),
             )
         })?;
-        Ok(Self::with(client, schema, retention))
+        Ok(Self::with(conn_str, client, schema, retention))
     }
 
-    fn with(client: Client, schema: &str, retention: RetentionPolicy) -> PgConsumer {
+    fn with(conn_str: &str, client: Client, schema: &str, retention: RetentionPolicy) -> PgConsumer {
         PgConsumer {
+            conn_str: conn_str.to_string(),
             apply: ApplyTransaction::new(client, schema),
             statements: RefCell::new(Statements::new(schema)),
             retention,
@@ -788,6 +790,17 @@ fn high_water(tx: &mut Transaction<'_>, schema: &str, consumer_id: &str, source:
 
 impl ConsumerStore for PgConsumer {
     type Target = ApplyTransaction;
+
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        if !self.apply.client_get_mut().is_closed() {
+            return Ok(());
+        }
+        let schema = self.apply.schema().to_string();
+        self.apply = ApplyTransaction::new(schema::connect(&self.conn_str)?, &schema);
+        // Prepared statements belong to the closed connection.
+        *self.statements.get_mut() = Statements::new(&schema);
+        Ok(())
+    }
 
     fn receive_batch(&mut self, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
         validate_limit("receive batch", items.len(), RECEIVE_BATCH_EVENTS_MAX)?;

@@ -6,7 +6,8 @@
 //! The blocking client lives on a thread of its own, so the control store can be called from
 //! anywhere, an async task included (the blocking client must never run on a tokio worker).
 //! Every write bumps the schema's change counter in its transaction; [`ControlStore::data_version`]
-//! reads it, so a cache in another process sees a revocation at its next check.
+//! reads it, so a cache in another process sees a revocation at its next check. A connection the
+//! server closed (a restart) is replaced before the next call.
 
 use std::sync::mpsc;
 use std::sync::Mutex;
@@ -90,6 +91,13 @@ impl PgControl {
                     }
                 };
                 while let Ok(job) = receiver.recv() {
+                    if client.is_closed() {
+                        // The server closed the connection (a restart): a new one, or the job
+                        // fails on the closed one and the next tries again.
+                        if let Ok(reconnected) = connect(&conn_str) {
+                            client = reconnected;
+                        }
+                    }
                     job(&mut client);
                 }
             })

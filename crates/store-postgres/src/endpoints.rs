@@ -24,6 +24,10 @@ impl PgEndpoints {
 
     /// The consumer store of the schema `endpoint`, opened on first use and kept.
     pub fn store(&mut self, endpoint: &str) -> Result<&mut PgConsumer> {
+        if let Some(open) = self.open.get_mut(endpoint) {
+            // The server closed its connection (a restart): a new one, or a failed attempt.
+            open.reconnect_if_closed()?;
+        }
         if !self.open.contains_key(endpoint) {
             let consumer = PgConsumer::open(&self.conn, endpoint)?;
             self.open.insert(endpoint.to_string(), consumer);

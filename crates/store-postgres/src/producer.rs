@@ -60,6 +60,7 @@ pub(crate) const PRUNE_PAGE_SQL: &str = "SELECT o.position, o.created_at_ms,
 /// schema of one database. Implements [`ProducerStore`]; [`PgProducer::transaction`] and
 /// [`advance_in`] let the caller write business rows in the same transaction as an advance.
 pub struct PgProducer {
+    conn_str: String,
     client: std::cell::RefCell<Client>,
     statements: std::cell::RefCell<Statements>,
     schema: String,
@@ -103,7 +104,7 @@ impl PgProducer {
             }
         };
         tx.commit().db()?;
-        Ok(Self::with(client, schema, identity))
+        Ok(Self::with(conn_str, client, schema, identity))
     }
 
     /// Open the producer in `schema` (migrating it forward if it is older). Never creates
@@ -118,11 +119,12 @@ impl PgProducer {
                 format!("PostgreSQL schema {schema} is not a producer's; initialise it as a producer first"),
             )
         })?;
-        Ok(Self::with(client, schema, identity))
+        Ok(Self::with(conn_str, client, schema, identity))
     }
 
-    fn with(client: Client, schema: &str, identity: ProducerIdentity) -> PgProducer {
+    fn with(conn_str: &str, client: Client, schema: &str, identity: ProducerIdentity) -> PgProducer {
         PgProducer {
+            conn_str: conn_str.to_string(),
             client: std::cell::RefCell::new(client),
             statements: std::cell::RefCell::new(Statements::new(schema)),
             schema: schema.to_string(),
@@ -759,6 +761,16 @@ struct CursorMove<'r> {
 impl ProducerStore for PgProducer {
     fn identity(&self) -> &ProducerIdentity {
         &self.identity
+    }
+
+    fn reconnect_if_closed(&mut self) -> Result<()> {
+        if !self.client.get_mut().is_closed() {
+            return Ok(());
+        }
+        *self.client.get_mut() = schema::connect(&self.conn_str)?;
+        // Prepared statements belong to the closed connection.
+        *self.statements.get_mut() = Statements::new(&self.schema);
+        Ok(())
     }
 
     fn advance_batch(

@@ -750,3 +750,76 @@ fn two_servers_on_one_postgres_store_share_the_runs_and_the_survivor_finishes_a_
         counts.iter().filter(|r| r.get::<_, String>(1) == "reserve").map(|r| r.get::<_, String>(0)).collect();
     assert_eq!(reserved.len(), 7, "four shared runs and three held ones reserved once each: {reserved:?}");
 }
+
+/// A service on PostgreSQL outlives the server closing every one of its connections
+/// (`pg_terminate_backend`, as a restart or a failover does): its store threads, workflow writer,
+/// control store and counts reconnect, and advances, deliveries, runs and tokens work again
+/// without restarting the service. A request the closed connection failed is answered 5xx and
+/// wrote nothing.
+#[test]
+fn a_service_on_postgres_reconnects_after_the_server_closed_its_connections() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    // The service's connections carry a name of their own, so that only they are closed.
+    let name = format!("tmreconnect{}", std::process::id());
+    let store = crate::server_support::store_of(&data)
+        .unwrap()
+        .replace("?schema=", &format!("?application_name={name}&schema="));
+    crate::server_support::set_store(&data, &store);
+    let admin = token(&data, "acme", "admin");
+    let t = Some(admin.as_str());
+    let server = Server::start(&data, &[], &[]);
+    server.call("PUT", "/v1/consumers/shipping", t, Some(&json!({"handler": "reservation"})));
+    server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10})));
+    let advance = |flow: &str| {
+        server.call(
+            "POST",
+            &format!("/v1/flows/{flow}/advance"),
+            t,
+            Some(&json!({"expected_seq": 0, "to": "reserved", "quantity": 1})),
+        )
+    };
+    let (status, body) = advance("before");
+    assert_eq!(status, 200, "{body}");
+    let applied = |s: &Server, flow: &str| {
+        let (_, flow) = s.call("GET", &format!("/v1/flows/{flow}"), t, None);
+        (flow["consumers"][0]["high_water_seq"] == 1).then_some(())
+    };
+    server.wait_for(WAIT, |s| applied(s, "before"));
+
+    let (_, mut client) = crate::support::postgres_server().unwrap();
+    let closed = client
+        .query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1", &[&name])
+        .unwrap()
+        .len();
+    assert!(closed >= 4, "the service's connections were closed: {closed}");
+
+    // The first requests may meet a closed connection (5xx, nothing written); then it works.
+    let mut failed = 0;
+    let committed = server.wait_for(WAIT, |_| {
+        let (status, body) = advance("after");
+        match status {
+            200 => Some(body),
+            500..=599 => {
+                failed += 1;
+                None
+            }
+            other => panic!("advance after the close: {other} {body}"),
+        }
+    });
+    assert_eq!(committed["seq"], 1, "{committed}");
+    server.wait_for(WAIT, |s| applied(s, "after"));
+    let (status, body) = server.call("POST", "/v1/runs", t, Some(&order("after-close", 1)));
+    assert!(status == 201 || status >= 500, "{status} {body}");
+    server.wait_for(WAIT, |s| {
+        let (status, _) = s.call("POST", "/v1/runs", t, Some(&order("after-close", 1)));
+        let (_, run) = s.call("GET", "/v1/runs/after-close", t, None);
+        (status < 500 && run["run"]["status"] == "completed").then_some(())
+    });
+    let (status, text) = server.text("/metrics");
+    assert_eq!(status, 200);
+    assert!(text.contains("tidemark_runs{tenant=\"acme\",status=\"completed\"}"), "{text}");
+    println!("requests failed by the closed connections: {failed}");
+}

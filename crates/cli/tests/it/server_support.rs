@@ -44,6 +44,12 @@ thread_local! {
 
 static PREFIXES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// Serve `data`'s service from the PostgreSQL store `url` (a URL [`store_of`] made, with
+/// parameters of the test's own).
+pub fn set_store(data: &Path, url: &str) {
+    SERVED.with(|served| served.borrow_mut().insert(data.to_path_buf(), url.to_string()));
+}
+
 /// Serve `data`'s service from the same PostgreSQL store as `other`'s (two processes of one
 /// service), inside [`served_on_both_backends`] or [`crate::workflow_cli::on_postgres`].
 pub fn share_store(data: &Path, other: &Path) {
@@ -99,7 +105,8 @@ impl Drop for DropServedSchemas {
 }
 
 fn prefix_of(url: &str) -> String {
-    url.rsplit_once("schema=").map(|(_, prefix)| prefix.to_string()).expect("a store URL names its prefix")
+    let (_, rest) = url.rsplit_once("schema=").expect("a store URL names its prefix");
+    rest.split('&').next().unwrap_or(rest).to_string()
 }
 
 /// The schemas under `prefix`: every one (the control schema included), or tenant `tenant`'s.
