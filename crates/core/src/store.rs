@@ -807,6 +807,28 @@ pub struct OutboxCounts {
 }
 
 impl OutboxCounts {
+    /// The counts from what a store reads: the implicit pending deliveries (above a subscriber's
+    /// cursor, no exception row) with their oldest event's time, the retrying exceptions (all,
+    /// due now) with theirs, the quarantined ones, and the last position.
+    pub fn from_parts(
+        (implicit, implicit_oldest_ms): (i64, Option<i64>),
+        (retrying, retrying_due, retrying_oldest_ms): (i64, i64, Option<i64>),
+        quarantined: i64,
+        last_position: i64,
+    ) -> OutboxCounts {
+        let oldest_pending_ms = match (implicit_oldest_ms, retrying_oldest_ms) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        OutboxCounts {
+            pending: (implicit + retrying) as u64,
+            due: (implicit + retrying_due) as u64,
+            quarantined: quarantined as u64,
+            oldest_pending_ms,
+            last_position,
+        }
+    }
+
     /// Add another outbox's counts (a tenant has two): the sums, and the older oldest pending.
     pub fn absorb(&mut self, other: OutboxCounts) {
         self.pending += other.pending;

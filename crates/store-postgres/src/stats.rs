@@ -38,21 +38,12 @@ pub fn outbox_counts(client: &mut impl GenericClient, schema: &str, now_ms: i64)
             &[&now_ms],
         )
         .db()?;
-    let (implicit, implicit_oldest): (i64, Option<i64>) = (col(&row, 0)?, col(&row, 1)?);
-    let (retrying, retrying_due, retrying_oldest): (i64, i64, Option<i64>) =
-        (col(&row, 2)?, col(&row, 3)?, col(&row, 4)?);
-    let (quarantined, last_position): (i64, i64) = (col(&row, 5)?, col(&row, 6)?);
-    let oldest_pending_ms = match (implicit_oldest, retrying_oldest) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    Ok(OutboxCounts {
-        pending: (implicit + retrying) as u64,
-        due: (implicit + retrying_due) as u64,
-        quarantined: quarantined as u64,
-        oldest_pending_ms,
-        last_position,
-    })
+    Ok(OutboxCounts::from_parts(
+        (col(&row, 0)?, col(&row, 1)?),
+        (col(&row, 2)?, col(&row, 3)?, col(&row, 4)?),
+        col(&row, 5)?,
+        col(&row, 6)?,
+    ))
 }
 
 /// Each consumer's pending and blocked records in `schema`'s inbox.

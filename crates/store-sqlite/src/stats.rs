@@ -40,17 +40,12 @@ pub fn outbox_counts(conn: &Connection, now_ms: i64) -> Result<OutboxCounts> {
         .db()?;
     let last_position: i64 =
         conn.prepare_cached("SELECT coalesce(max(position), 0) FROM outbox").db()?.query_row([], |r| r.get(0)).db()?;
-    let oldest_pending_ms = match (implicit_oldest, retrying_oldest) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    Ok(OutboxCounts {
-        pending: (implicit + retrying) as u64,
-        due: (implicit + retrying_due) as u64,
-        quarantined: quarantined as u64,
-        oldest_pending_ms,
+    Ok(OutboxCounts::from_parts(
+        (implicit, implicit_oldest),
+        (retrying, retrying_due, retrying_oldest),
+        quarantined,
         last_position,
-    })
+    ))
 }
 
 /// Open inbox records per consumer id (consumers with none are absent).

@@ -262,6 +262,20 @@ pub struct ResultQuery {
     pub wait_ms: Option<u64>,
 }
 
+impl ResultQuery {
+    /// How long the caller waits, in ms (0 when not given; `invalid_argument` past the bound).
+    fn wait_ms(&self) -> Result<u64, Error> {
+        let wait_ms = self.wait_ms.unwrap_or(0);
+        if wait_ms > RESULT_WAIT_MS_MAX {
+            return Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
+            ));
+        }
+        Ok(wait_ms)
+    }
+}
+
 /// How a run ended, or that it has not yet.
 #[derive(Serialize, ToSchema)]
 #[serde(deny_unknown_fields)]
@@ -308,14 +322,7 @@ async fn result(
     crate::on_tenant!(&caller.tenant, tenant => {
         caller.require(Scope::Read)?;
         validate_id("run_id", &run_id)?;
-        let wait_ms = query.wait_ms.unwrap_or(0);
-        if wait_ms > RESULT_WAIT_MS_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
-            )
-            .into());
-        }
+        let wait_ms = query.wait_ms()?;
         let worker = tenant.worker()?.clone();
         let mut shutdown = state.shutdown_signal();
         let ended = tokio::select! {
@@ -368,14 +375,7 @@ async fn published(
         caller.require(Scope::Read)?;
         validate_id("run_id", &run_id)?;
         validate_id("key", &key)?;
-        let wait_ms = query.wait_ms.unwrap_or(0);
-        if wait_ms > RESULT_WAIT_MS_MAX {
-            return Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("wait_ms is {wait_ms}; at most {RESULT_WAIT_MS_MAX}"),
-            )
-            .into());
-        }
+        let wait_ms = query.wait_ms()?;
         let handle = tenant.handle(&run_id)?;
         let mut shutdown = state.shutdown_signal();
         let found: Option<Value> = tokio::select! {
