@@ -13,7 +13,7 @@ PREFIX=ltcmp
 rm -rf "$OUT"; mkdir -p "$OUT"
 drop() {
   psql "$PG" -qAt -c "SELECT format('DROP SCHEMA %I CASCADE;', nspname) FROM pg_namespace WHERE starts_with(nspname, '${PREFIX}_')" \
-    | psql "$PG" -q >/dev/null
+    | psql "$PG" -q >/dev/null 2>&1
 }
 drop
 printf '[auth]\nrate_per_second = 1000000\nburst = 10000000\n' > "$OUT/lt.toml"
@@ -21,15 +21,15 @@ run() { # name, then the flags that name the store
   local name=$1; shift
   local data="$OUT/$name"
   local op ad
-  op=$("$B" token create "$@" --tenant load --scope operate | sed -E 's/.*"token":"([^"]+)".*/\1/')
-  ad=$("$B" token create "$@" --tenant load --scope admin | sed -E 's/.*"token":"([^"]+)".*/\1/')
+  op=$("$B" token create "$@" --tenant load --scope operate | python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
+  ad=$("$B" token create "$@" --tenant load --scope admin | python3 -c 'import json,sys; print(json.load(sys.stdin)["token"])')
   local serve_flags=(--data "$data")
   if [[ $1 == --store ]]; then serve_flags+=(--store "$2"); fi
   "$B" serve --config "$OUT/lt.toml" "${serve_flags[@]}" --listen 127.0.0.1:0 > "$OUT/$name.serve.out" 2> "$OUT/$name.serve.err" &
   local pid=$!
   for _ in $(seq 1 200); do grep -q listening "$OUT/$name.serve.out" 2>/dev/null && break; sleep 0.05; done
   local addr
-  addr=$(sed -E 's/.*"addr":"([^"]+)".*/\1/' "$OUT/$name.serve.out" | head -1)
+  addr=$(head -1 "$OUT/$name.serve.out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["addr"])')
   "$B" loadtest --server "http://$addr" --token "$op" --admin-token "$ad" --clients "$CLIENTS" \
     --duration-s "$SECONDS_" --mix "$MIX" --ledger "$OUT/$name.jsonl" > "$OUT/$name.load.json"
   sleep 5
