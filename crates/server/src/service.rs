@@ -375,7 +375,8 @@ impl ServiceBuilder<Sqlite> {
     /// are then PostgreSQL's (a handler or transactional step gets a
     /// `tidemark_store_postgres::ApplyTransaction`), so call this before registering them; the
     /// configuration, machines, consumers, subscriptions, queues and routes carry over. A URL
-    /// that is not PostgreSQL's is `invalid_store` at build.
+    /// that is not PostgreSQL's, or a schema prefix that is not 1..=24 bytes of `a-z 0-9 _`
+    /// starting with a letter, is `invalid_config` at build.
     pub fn postgres(self, url: &str) -> ServiceBuilder<crate::backend::Postgres> {
         let ServiceBuilder { mut config, parts, routes, mut errors, .. } = self;
         let typed =
