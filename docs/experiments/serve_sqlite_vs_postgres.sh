@@ -27,6 +27,8 @@ run() { # name, then the flags that name the store
   if [[ $1 == --store ]]; then serve_flags+=(--store "$2"); fi
   "$B" serve --config "$OUT/lt.toml" "${serve_flags[@]}" --listen 127.0.0.1:0 > "$OUT/$name.serve.out" 2> "$OUT/$name.serve.err" &
   local pid=$!
+  # The server goes when this script does, whatever stops it.
+  trap "kill -TERM $pid 2>/dev/null || true" EXIT
   for _ in $(seq 1 200); do grep -q listening "$OUT/$name.serve.out" 2>/dev/null && break; sleep 0.05; done
   local addr
   addr=$(head -1 "$OUT/$name.serve.out" | python3 -c 'import json,sys; print(json.load(sys.stdin)["addr"])')
