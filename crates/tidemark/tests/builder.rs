@@ -2,6 +2,10 @@
 //! writes nothing (the data folder is not even created); the public API carries a user's own
 //! projection rows through `rename_consumer`.
 
+/// A service of your own on PostgreSQL (a module of this test binary rather than a binary of
+/// its own: each binary links the whole stack).
+mod on_postgres;
+
 use serde::Deserialize;
 use serde_json::json;
 use tidemark::prelude::*;
