@@ -398,71 +398,74 @@ fn artifact_dir() -> PathBuf {
 
 #[test]
 fn headless_chromium_logs_in_screenshots_and_retries_a_parked_run() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let browser_dir = root.join("tests/browser");
-    if Command::new("node").arg("--version").output().is_err() {
-        return skip("browser test: node is not installed (.ci/run installs it)");
-    }
-    if !browser_dir.join("node_modules/playwright-core").exists() {
-        return skip("browser test: tests/browser/node_modules is missing (run `npm ci` there; .ci/run does)");
-    }
-    if !Path::new("/usr/bin/chromium").exists() {
-        return skip("browser test: /usr/bin/chromium is missing (apt-get install chromium; .ci/run does)");
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let admin = token(&data, "acme", "admin");
-    let operator = token(&data, "acme", "operate");
-    let server = Server::start(&data, &["--config", &fast_workers(dir.path())], &[]);
-    let parked = parked_run(&server, &admin, "order-parked");
-    assert!(parked["run"]["error"].as_str().unwrap().contains("compensation"), "{parked}");
-    let attempts_before = release_attempts(&parked);
-
-    // Some traffic for the overview's charts, spread over a few of the sampler's 2 s intervals:
-    // events applied by a consumer, completed runs.
-    let t = Some(admin.as_str());
-    server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
-    server.call("PUT", "/v1/stock/sku-2", t, Some(&json!({"quantity": 100})));
-    for round in 0..6 {
-        for i in 0..(4 + 3 * round) {
-            let event = json!({"event_type": "note.added", "payload": {"n": i}});
-            let (status, body) = server.call("POST", &format!("/v1/streams/notes-{}/events", i % 4), t, Some(&event));
-            assert_eq!(status, 200, "{body}");
+    crate::server_support::served_on_both_backends(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let browser_dir = root.join("tests/browser");
+        if Command::new("node").arg("--version").output().is_err() {
+            return skip("browser test: node is not installed (.ci/run installs it)");
         }
-        let run = format!("ok-{round}");
-        let input = json!({"order_id": run, "sku": "sku-2", "quantity": 1, "amount": 100});
-        let start = json!({"workflow": "order_saga", "run_id": run, "input": input});
-        assert_eq!(server.call("POST", "/v1/runs", t, Some(&start)).0, 201);
-        std::thread::sleep(Duration::from_millis(1_000));
-    }
+        if !browser_dir.join("node_modules/playwright-core").exists() {
+            return skip("browser test: tests/browser/node_modules is missing (run `npm ci` there; .ci/run does)");
+        }
+        if !Path::new("/usr/bin/chromium").exists() {
+            return skip("browser test: /usr/bin/chromium is missing (apt-get install chromium; .ci/run does)");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let operator = token(&data, "acme", "operate");
+        let server = Server::start(&data, &["--config", &fast_workers(dir.path())], &[]);
+        let parked = parked_run(&server, &admin, "order-parked");
+        assert!(parked["run"]["error"].as_str().unwrap().contains("compensation"), "{parked}");
+        let attempts_before = release_attempts(&parked);
 
-    let artifacts = artifact_dir();
-    let output = Command::new("node")
-        .arg(browser_dir.join("dashboard.mjs"))
-        .args([server.base.as_str(), operator.as_str(), "order-parked"])
-        .arg(&artifacts)
-        .output()
-        .expect("run node");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "the browser test failed:\n{stdout}\n{stderr}");
-    let report: Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
-    assert_eq!(report["outcome"], "ok", "{report}");
-    let screenshot = PathBuf::from(report["screenshot"].as_str().unwrap());
-    assert!(std::fs::metadata(&screenshot).unwrap().len() > 10_000, "a real screenshot");
-    eprintln!("dashboard screenshot: {}", screenshot.display());
+        // Some traffic for the overview's charts, spread over a few of the sampler's 2 s intervals:
+        // events applied by a consumer, completed runs.
+        let t = Some(admin.as_str());
+        server.call("PUT", "/v1/consumers/audit", t, Some(&json!({"handler": "record"})));
+        server.call("PUT", "/v1/stock/sku-2", t, Some(&json!({"quantity": 100})));
+        for round in 0..6 {
+            for i in 0..(4 + 3 * round) {
+                let event = json!({"event_type": "note.added", "payload": {"n": i}});
+                let (status, body) =
+                    server.call("POST", &format!("/v1/streams/notes-{}/events", i % 4), t, Some(&event));
+                assert_eq!(status, 200, "{body}");
+            }
+            let run = format!("ok-{round}");
+            let input = json!({"order_id": run, "sku": "sku-2", "quantity": 1, "amount": 100});
+            let start = json!({"workflow": "order_saga", "run_id": run, "input": input});
+            assert_eq!(server.call("POST", "/v1/runs", t, Some(&start)).0, 201);
+            std::thread::sleep(Duration::from_millis(1_000));
+        }
 
-    // Through the JSON API: the click retried the run. It left `parked` and the worker ran the
-    // compensation that had given up again (one more recorded attempt); the release is refused
-    // by the input for good, so the run parks again.
-    let run = server.wait_for(WAIT, |s| {
-        let run = run_status(s, &admin, "order-parked");
-        (release_attempts(&run) > attempts_before && run["run"]["status"] == "parked").then_some(run)
+        let artifacts = artifact_dir();
+        let output = Command::new("node")
+            .arg(browser_dir.join("dashboard.mjs"))
+            .args([server.base.as_str(), operator.as_str(), "order-parked"])
+            .arg(&artifacts)
+            .output()
+            .expect("run node");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "the browser test failed:\n{stdout}\n{stderr}");
+        let report: Value = serde_json::from_str(stdout.lines().last().unwrap_or("")).expect("one JSON line");
+        assert_eq!(report["outcome"], "ok", "{report}");
+        let screenshot = PathBuf::from(report["screenshot"].as_str().unwrap());
+        assert!(std::fs::metadata(&screenshot).unwrap().len() > 10_000, "a real screenshot");
+        eprintln!("dashboard screenshot: {}", screenshot.display());
+
+        // Through the JSON API: the click retried the run. It left `parked` and the worker ran the
+        // compensation that had given up again (one more recorded attempt); the release is refused
+        // by the input for good, so the run parks again.
+        let run = server.wait_for(WAIT, |s| {
+            let run = run_status(s, &admin, "order-parked");
+            (release_attempts(&run) > attempts_before && run["run"]["status"] == "parked").then_some(run)
+        });
+        let journal = run["journal"].as_array().unwrap();
+        let release = journal.iter().find(|e| e["name"] == "compensate:reserve_inventory").unwrap();
+        assert_eq!(release["reason"], "operator retry: retried from the dashboard", "{run}");
+        assert!(run["run"]["updated_at_ms"].as_i64() > parked["run"]["updated_at_ms"].as_i64());
     });
-    let journal = run["journal"].as_array().unwrap();
-    let release = journal.iter().find(|e| e["name"] == "compensate:reserve_inventory").unwrap();
-    assert_eq!(release["reason"], "operator retry: retried from the dashboard", "{run}");
-    assert!(run["run"]["updated_at_ms"].as_i64() > parked["run"]["updated_at_ms"].as_i64());
 }
 
 fn now_ms() -> i64 {
