@@ -1163,12 +1163,15 @@ fn a_worker_killed_mid_run_is_resumed_by_another_process() {
     let at_kill = w.show("k1");
     assert_eq!(at_kill["run"]["lease_owner"], "doomed", "{at_kill}");
     assert_eq!(at_kill["journal"].as_array().map(Vec::len), Some(1), "killed inside the hold step: {at_kill}");
-    w.drive(&["k1"], &[]);
+    // A lease that ran out under a driving worker too (a heartbeat later than the 200 ms test
+    // lease on a loaded machine) is one more takeover, and `drive` counts it.
+    let lost_under_live_workers = w.drive(&["k1"], &[]);
     let done = w.show("k1");
-    assert_eq!(
-        (done["run"]["status"].as_str(), done["run"]["recoveries"].as_u64()),
-        (Some("completed"), Some(1)),
-        "{done}"
+    let recoveries = done["run"]["recoveries"].as_u64().unwrap_or(0);
+    assert_eq!(done["run"]["status"].as_str(), Some("completed"), "{done}");
+    assert!(
+        (1..=1 + lost_under_live_workers).contains(&recoveries),
+        "taken over once, plus once per lease lost under a live worker ({lost_under_live_workers}): {done}"
     );
     let reserve_attempts = done["attempts"].as_array().unwrap().iter().filter(|a| a["seq"] == 0).count();
     assert_eq!((done["journal"][0]["attempts"].as_u64(), reserve_attempts), (Some(1), 1), "reserve ran once");
