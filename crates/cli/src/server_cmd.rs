@@ -125,17 +125,12 @@ pub fn config(command: ConfigCommand) -> Result<Value> {
 
 fn open_control(args: &ControlArgs, ctx: &Context, create: bool) -> Result<Box<dyn ControlStore>> {
     if let Some(store) = &args.store {
-        let location = match tidemark_core::location::StoreLocation::parse(store)? {
-            tidemark_core::location::StoreLocation::Postgres(location) => location,
-            tidemark_core::location::StoreLocation::Sqlite(_) => {
-                return Err(Error::invalid(
-                    tidemark_core::error::codes::INVALID_STORE,
-                    "--store takes the service's postgres:// URL; a SQLite service's control store is in --data",
-                ))
-            }
-        };
-        let schema = tidemark_server::Postgres::new(&location)?.control_schema();
-        return Ok(Box::new(tidemark_store_postgres::PgControl::open(&location.conn, &schema, create)?));
+        let backend = tidemark_server::Postgres::from_url(store)?;
+        return Ok(Box::new(tidemark_store_postgres::PgControl::open(
+            backend.conn(),
+            &backend.control_schema(),
+            create,
+        )?));
     }
     let data = args.data.as_deref().expect("clap requires --data or --store");
     if create {

@@ -292,6 +292,23 @@ impl Postgres {
         format!("{}_{readable}_{hash}_{letter}", self.prefix)
     }
 
+    /// The backend a service's `store` URL names (`postgres://user@host/db?schema=<prefix>`):
+    /// `invalid_store` for a URL that is not PostgreSQL's, a bad prefix as [`Postgres::new`].
+    pub fn from_url(url: &str) -> Result<Postgres> {
+        match tidemark_core::location::StoreLocation::parse(url)? {
+            tidemark_core::location::StoreLocation::Postgres(location) => Postgres::new(&location),
+            tidemark_core::location::StoreLocation::Sqlite(_) => Err(tidemark_core::Error::invalid(
+                tidemark_core::error::codes::INVALID_STORE,
+                "a service's PostgreSQL store is a postgres:// URL; a SQLite service's data is its data folder",
+            )),
+        }
+    }
+
+    /// The driver's connection string (the URL without its `schema`).
+    pub fn conn(&self) -> &str {
+        &self.conn
+    }
+
     /// A backend that never opens (a builder whose URL was refused carries the error to build).
     pub(crate) fn unusable() -> Postgres {
         Postgres { conn: String::new(), prefix: String::new() }

@@ -117,12 +117,8 @@ fn schemas_of(client: &mut postgres::Client, prefix: &str, tenant: Option<&str>)
             &[&format!("{prefix}_")],
         )
         .expect("list schemas");
-    let location = |url: &str| match tidemark_core::location::StoreLocation::parse(url).expect("a store URL") {
-        tidemark_core::location::StoreLocation::Postgres(location) => location,
-        other => panic!("not PostgreSQL: {other:?}"),
-    };
     let wanted: Option<Vec<String>> = tenant.map(|tenant| {
-        let backend = tidemark_server::Postgres::new(&location(&crate::support::with_schema("postgres://x/y", prefix)))
+        let backend = tidemark_server::Postgres::from_url(&crate::support::with_schema("postgres://x/y", prefix))
             .expect("a prefix");
         [tidemark_server::Database::Producer, tidemark_server::Database::Inbox, tidemark_server::Database::Workflows]
             .map(|database| backend.schema(tenant, database))
@@ -140,13 +136,8 @@ pub fn tenant_store(data: &Path, tenant: &str, database: tidemark_server::Databa
     match store_of(data) {
         None => path_str(&data.join("tenants").join(tenant).join(database.file_name())).to_string(),
         Some(url) => {
-            let prefix = prefix_of(&url);
-            let location = match tidemark_core::location::StoreLocation::parse(&url).expect("a store URL") {
-                tidemark_core::location::StoreLocation::Postgres(location) => location,
-                other => panic!("not PostgreSQL: {other:?}"),
-            };
-            let schema = tidemark_server::Postgres::new(&location).expect("a prefix").schema(tenant, database);
-            crate::support::with_schema(url.trim_end_matches(&format!("?schema={prefix}")), &schema)
+            let backend = tidemark_server::Postgres::from_url(&url).expect("a PostgreSQL store");
+            crate::support::with_schema(backend.conn(), &backend.schema(tenant, database))
         }
     }
 }

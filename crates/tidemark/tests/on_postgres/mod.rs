@@ -158,11 +158,7 @@ async fn a_service_of_your_own_runs_on_postgres_through_the_public_api() {
     assert_eq!(run.run.status, RunStatus::Completed);
 
     // The relay and the drain: the ledger row is there, in the inbox schema.
-    let backend = tidemark::service::Postgres::new(&match tidemark::postgres::StoreLocation::parse(&store).unwrap() {
-        tidemark::postgres::StoreLocation::Postgres(location) => location,
-        other => panic!("{other:?}"),
-    })
-    .unwrap();
+    let backend = tidemark::service::Postgres::from_url(&store).unwrap();
     let (inbox, producer) = (backend.schema("main", Database::Inbox), backend.schema("main", Database::Producer));
     let (amount, holds) = tokio::task::spawn_blocking(move || {
         let (_, mut client) = server().unwrap();
