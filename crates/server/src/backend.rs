@@ -314,6 +314,11 @@ impl Postgres {
         Postgres { conn: String::new(), prefix: String::new() }
     }
 
+    /// The schema prefix: every schema of the service starts with it and `_`.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
     /// The schema of the control tables: `<prefix>_control`.
     pub fn control_schema(&self) -> String {
         format!("{}_control", self.prefix)

@@ -348,6 +348,102 @@ fn chaos_worker_processes_beside_the_servers_lose_nothing_and_apply_nothing_twic
     assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
 }
 
+/// The same workload and faults with the servers and worker processes on PostgreSQL (`--store`):
+/// two `tidemark serve` processes and two `tidemark worker` processes share the tenant's schemas,
+/// are killed and paused, and the checker, reading the schemas with SQL of its own, finds every
+/// acknowledged operation once. Then its teeth on PostgreSQL: an acknowledged advance deleted
+/// from the outbox is `lost`, a doubled order effect is `applied_twice`.
+#[test]
+fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &WORKERS_SEED.to_string(),
+        "--duration-s",
+        "12",
+        "--faults",
+        "6",
+        "--workers",
+        "2",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--store",
+        &store,
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --store postgres://...: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(report["operations"]["advances"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["faults"]["on_workers"].as_u64().unwrap() > 0, "no fault hit a worker process: {report:#}");
+    assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
+    // The run was on PostgreSQL: the data folder holds no tenant database, only the payments log.
+    let tenant = out.join("data").join("tenants").join("chaos");
+    assert!(!tenant.join("producer.db").exists() && !tenant.join("workflows.db").exists());
+    assert!(tenant.join("payments.db").is_file());
+
+    let check_on = |out: &Path| run(&["chaos", "check", "--out", path_str(out), "--store", &store]);
+    let clean = check_on(&out);
+    assert_eq!(clean.code, 0, "{}", clean.stdout);
+    assert_eq!(clean.json["check"]["passed"], true, "{}", clean.stdout);
+    // A second run on the same prefix would mix its data with this one's: refused.
+    let again = run(&["chaos", "--seed", "1", "--store", &store, "--out", path_str(&dir.path().join("again"))]);
+    assert_eq!(again.json["error"]["code"], "already_exists", "{}", again.stdout);
+    // Without --store the checker looks for files, finds none, and says so.
+    let no_store = run(&["chaos", "check", "--out", path_str(&out)]);
+    assert_eq!(no_store.json["error"]["code"], "not_initialized", "{}", no_store.stdout);
+
+    // The checker's teeth on the schemas.
+    let ledger = std::fs::read_to_string(out.join("ledger.jsonl")).expect("ledger");
+    let advance: Value = ledger
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).expect("a ledger line"))
+        .find(|entry| entry["kind"] == "advance")
+        .expect("an acknowledged advance");
+    let backend = tidemark_server::Postgres::from_url(&store).expect("the store");
+    let mut client = postgres::Client::connect(backend.conn(), postgres::NoTls).expect("connect");
+    let producer = backend.schema("chaos", tidemark_server::Database::Producer);
+    let workflows = backend.schema("chaos", tidemark_server::Database::Workflows);
+    let deleted = client
+        .execute(
+            &format!("DELETE FROM \"{producer}\".outbox WHERE event_id = $1"),
+            &[&advance["event_id"].as_str().unwrap()],
+        )
+        .expect("delete an outbox event");
+    assert_eq!(deleted, 1);
+    let doubled = client
+        .execute(
+            &format!(
+                "INSERT INTO \"{workflows}\".order_effects (order_id, kind, sku, quantity)
+                 SELECT order_id, kind, sku, quantity FROM \"{workflows}\".order_effects
+                 WHERE kind = 'reserve' ORDER BY effect_id LIMIT 1"
+            ),
+            &[],
+        )
+        .expect("double an order effect");
+    assert_eq!(doubled, 1);
+    let broken = check_on(&out);
+    assert_eq!(broken.code, 1, "{}", broken.stdout);
+    assert!(violations(&broken.json, "lost") >= 1, "{}", broken.stdout);
+    assert!(violations(&broken.json, "applied_twice") >= 1, "{}", broken.stdout);
+    let listed = broken.json["check"]["first_violations"].to_string();
+    assert!(listed.contains(advance["flow_id"].as_str().unwrap()), "{listed}");
+}
+
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark
 /// serve` behind the harness's TCP proxy): after cuts, a black hole, lost answers and a flap,
 /// every acknowledged event is in the remote inbox once, applied in order, and the relays caught
@@ -404,7 +500,7 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 9] = [
+    let cases: [&[&str]; 12] = [
         &["chaos", "--seed", "1", "--workers", "9", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,clock-jump", "--out", out_str],
         &["chaos", "--seed", "not-a-number", "--out", out_str],
@@ -414,6 +510,9 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
         &["chaos", "--seed", "1", "--faults", "10001", "--out", out_str],
         &["chaos", "--seed", "1", "--duration-s", "0", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "meteor", "--out", out_str],
+        &["chaos", "--seed", "1", "--store", "sqlite:x.db", "--out", out_str],
+        &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=Bad-Prefix", "--out", out_str],
+        &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=ok", "--kinds", "power-loss", "--out", out_str],
     ];
     for args in cases {
         let r = run(args);

@@ -1,14 +1,19 @@
 //! The independent checker of a chaos run: it opens the tenant's SQLite files read-only with
-//! plain `rusqlite` and SQL of its own (never the store crates under test), reads the ledger of
-//! what the servers acknowledged, and lists every way the files disagree with it or with the
-//! protocol. The paths and tables it reads are the documented ones (docs/serve.md, "The data
-//! folder"; the schemas in `crates/store-sqlite/src/schema.rs` and `crates/builtins`).
+//! plain `rusqlite`, or its PostgreSQL schemas with a read-only session of the plain `postgres`
+//! client, and reads them with SQL of its own (never the store crates under test; the same
+//! statements on both, each schema its session's `search_path`); it reads the ledger of what the
+//! servers acknowledged, and lists every way the stores disagree with it or with the protocol.
+//! The paths, schemas and tables it reads are the documented ones (docs/serve.md, "The data
+//! folder"; docs/postgres.md, "Serving on PostgreSQL"; the schemas in
+//! `crates/store-sqlite/src/schema.rs`, `crates/store-postgres/src/schema.rs` and
+//! `crates/builtins`).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 
-use rusqlite::{Connection, OpenFlags, OptionalExtension};
+use rusqlite::types::ValueRef;
+use rusqlite::{Connection, OpenFlags};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
@@ -147,25 +152,221 @@ impl CheckReport {
     }
 }
 
-/// The tenant's files, as docs/serve.md names them.
-pub struct TenantFiles {
-    producer: PathBuf,
-    pub(crate) inbox: PathBuf,
-    workflows: PathBuf,
+/// Where one of a tenant's databases is: a SQLite file, or a schema on a PostgreSQL server.
+#[derive(Debug, Clone)]
+pub enum Store {
+    /// A SQLite file.
+    File(PathBuf),
+    /// A schema (`schema`) on the server the connection string `conn` names.
+    Schema {
+        /// The connection string (`host=... user=... dbname=...` or a URL without `schema`).
+        conn: String,
+        /// The schema.
+        schema: String,
+    },
+}
+
+impl Store {
+    /// Open it for reading: a SQLite file read-only, a schema in a read-only session whose
+    /// `search_path` is the schema (so every statement below reads the same on both).
+    fn open(&self) -> Result<Db> {
+        match self {
+            Store::File(path) => Ok(Db::Sqlite(read_only(path)?)),
+            Store::Schema { conn, schema } => {
+                let mut client = postgres::Client::connect(conn, postgres::NoTls)
+                    .map_err(|e| Error::io(format!("the checker cannot connect to PostgreSQL: {e}")))?;
+                let found =
+                    client.query_opt("SELECT 1 FROM pg_namespace WHERE nspname = $1", &[schema]).map_err(pg)?.is_some();
+                if !found {
+                    return Err(Error::invalid(
+                        tidemark_core::error::codes::NOT_INITIALIZED,
+                        format!("schema {schema} does not exist (wrong --store?)"),
+                    ));
+                }
+                let quoted = schema.replace('"', "\"\"");
+                client
+                    .batch_execute(&format!("SET search_path TO \"{quoted}\"; SET default_transaction_read_only = on"))
+                    .map_err(pg)?;
+                Ok(Db::Postgres(Box::new(client)))
+            }
+        }
+    }
+
+    /// Does it exist yet (the file, or the schema)?
+    fn exists(&self) -> bool {
+        match self {
+            Store::File(path) => path.is_file(),
+            Store::Schema { .. } => self.open().is_ok(),
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Store::File(path) => path.display().to_string(),
+            Store::Schema { schema, .. } => format!("schema {schema}"),
+        }
+    }
+}
+
+/// The tenant's databases, as docs/serve.md and docs/postgres.md name them, and the fake payment
+/// service's log (a file in the tenant's folder on either backend).
+pub struct TenantData {
+    producer: Store,
+    pub(crate) inbox: Store,
+    workflows: Store,
     payments: PathBuf,
 }
 
-impl TenantFiles {
+impl TenantData {
     /// The files of `tenant` under the data folder `data`.
-    pub fn new(data: &Path, tenant: &str) -> TenantFiles {
+    pub fn new(data: &Path, tenant: &str) -> TenantData {
         let dir = data.join("tenants").join(tenant);
-        TenantFiles {
-            producer: dir.join("producer.db"),
-            inbox: dir.join("inbox.db"),
-            workflows: dir.join("workflows.db"),
+        TenantData {
+            producer: Store::File(dir.join("producer.db")),
+            inbox: Store::File(dir.join("inbox.db")),
+            workflows: Store::File(dir.join("workflows.db")),
             payments: dir.join("payments.db"),
         }
     }
+
+    /// The schemas of `tenant` of a service on PostgreSQL (`backend`, its store URL's prefix),
+    /// with the payments log under the data folder `data`.
+    pub fn on_postgres(data: &Path, tenant: &str, backend: &tidemark_server::Postgres) -> TenantData {
+        use tidemark_server::Database;
+        let schema =
+            |database| Store::Schema { conn: backend.conn().to_string(), schema: backend.schema(tenant, database) };
+        TenantData {
+            producer: schema(Database::Producer),
+            inbox: schema(Database::Inbox),
+            workflows: schema(Database::Workflows),
+            payments: data.join("tenants").join(tenant).join("payments.db"),
+        }
+    }
+}
+
+/// A value of a row the checker reads.
+#[derive(Debug, Clone)]
+enum Cell {
+    Null,
+    Int(i64),
+    Text(String),
+}
+
+/// A row the checker reads, its values by column.
+struct Row(Vec<Cell>);
+
+impl Row {
+    fn cell(&self, i: usize) -> Result<&Cell> {
+        self.0.get(i).ok_or_else(|| Error::store(format!("checker query: no column {i}")))
+    }
+
+    fn int(&self, i: usize) -> Result<i64> {
+        match self.cell(i)? {
+            Cell::Int(v) => Ok(*v),
+            other => Err(Error::store(format!("checker query: column {i} is {other:?}, not an integer"))),
+        }
+    }
+
+    fn text(&self, i: usize) -> Result<String> {
+        self.opt_text(i)?.ok_or_else(|| Error::store(format!("checker query: column {i} is NULL")))
+    }
+
+    fn opt_text(&self, i: usize) -> Result<Option<String>> {
+        match self.cell(i)? {
+            Cell::Text(v) => Ok(Some(v.clone())),
+            Cell::Null => Ok(None),
+            other => Err(Error::store(format!("checker query: column {i} is {other:?}, not text"))),
+        }
+    }
+}
+
+/// An open database the checker reads with the same statements on both backends (parameters
+/// written `$1`, `$2`, ...; integers read as `i64`, sums cast to `BIGINT`).
+enum Db {
+    Sqlite(Connection),
+    Postgres(Box<postgres::Client>),
+}
+
+impl Db {
+    /// Rows of `query` with text parameters (bounded by [`TABLE_ROWS_MAX`]).
+    fn rows(&mut self, query: &str, params: &[&str]) -> Result<Vec<Row>> {
+        let mut out = Vec::new();
+        let mut push = |row: Row| -> Result<()> {
+            out.push(row);
+            if out.len() > TABLE_ROWS_MAX {
+                return Err(Error::invalid(
+                    tidemark_core::error::codes::LIMIT_EXCEEDED,
+                    format!("the checker reads at most {TABLE_ROWS_MAX} rows of a table"),
+                ));
+            }
+            Ok(())
+        };
+        match self {
+            Db::Sqlite(conn) => {
+                let mut stmt = conn.prepare(query).map_err(sql)?;
+                let columns = stmt.column_count();
+                let mut rows = stmt.query(rusqlite::params_from_iter(params)).map_err(sql)?;
+                while let Some(row) = rows.next().map_err(sql)? {
+                    let mut cells = Vec::with_capacity(columns);
+                    for i in 0..columns {
+                        cells.push(match row.get_ref(i).map_err(sql)? {
+                            ValueRef::Null => Cell::Null,
+                            ValueRef::Integer(v) => Cell::Int(v),
+                            ValueRef::Text(t) => Cell::Text(String::from_utf8_lossy(t).into_owned()),
+                            other => return Err(Error::store(format!("checker query: unexpected value {other:?}"))),
+                        });
+                    }
+                    push(Row(cells))?;
+                }
+            }
+            Db::Postgres(client) => {
+                let params: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p as &(dyn postgres::types::ToSql + Sync)).collect();
+                use postgres::fallible_iterator::FallibleIterator;
+                let mut rows = client.query_raw(query, params).map_err(pg)?;
+                while let Some(row) = rows.next().map_err(pg)? {
+                    let mut cells = Vec::with_capacity(row.len());
+                    for (i, column) in row.columns().iter().enumerate() {
+                        use postgres::types::Type;
+                        let t = column.type_();
+                        let cell = if *t == Type::INT8 {
+                            row.try_get::<_, Option<i64>>(i).map_err(pg)?.map(Cell::Int)
+                        } else if *t == Type::INT4 {
+                            row.try_get::<_, Option<i32>>(i).map_err(pg)?.map(|v| Cell::Int(v.into()))
+                        } else if *t == Type::INT2 {
+                            row.try_get::<_, Option<i16>>(i).map_err(pg)?.map(|v| Cell::Int(v.into()))
+                        } else if *t == Type::BOOL {
+                            row.try_get::<_, Option<bool>>(i).map_err(pg)?.map(|v| Cell::Int(v.into()))
+                        } else if [Type::TEXT, Type::VARCHAR, Type::NAME, Type::BPCHAR].contains(t) {
+                            row.try_get::<_, Option<String>>(i).map_err(pg)?.map(Cell::Text)
+                        } else {
+                            return Err(Error::store(format!(
+                                "checker query: column {} is of type {t}, which the checker does not read",
+                                column.name()
+                            )));
+                        };
+                        cells.push(cell.unwrap_or(Cell::Null));
+                    }
+                    push(Row(cells))?;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The one row of `query` (`None` when it has none).
+    fn row(&mut self, query: &str, params: &[&str]) -> Result<Option<Row>> {
+        Ok(self.rows(query, params)?.into_iter().next())
+    }
+
+    /// The integer the one row of `query` holds in its first column.
+    fn int(&mut self, query: &str, params: &[&str]) -> Result<i64> {
+        self.row(query, params)?.ok_or_else(|| Error::store(format!("checker query: no row for {query}")))?.int(0)
+    }
+}
+
+fn pg(e: postgres::Error) -> Error {
+    Error::store(format!("checker query: {e}"))
 }
 
 fn read_only(path: &Path) -> Result<Connection> {
@@ -213,73 +414,54 @@ pub fn read_ledger(path: &Path) -> Result<Vec<Acknowledged>> {
     }
 }
 
-/// Rows of `query` (bounded by [`TABLE_ROWS_MAX`]).
-fn rows<T>(
-    conn: &Connection,
-    query: &str,
-    map: impl FnMut(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
-) -> Result<Vec<T>> {
-    let mut stmt = conn.prepare(query).map_err(sql)?;
-    let mut out = Vec::new();
-    for row in stmt.query_map([], map).map_err(sql)? {
-        out.push(row.map_err(sql)?);
-        if out.len() > TABLE_ROWS_MAX {
-            return Err(Error::invalid(
-                tidemark_core::error::codes::LIMIT_EXCEEDED,
-                format!("the checker reads at most {TABLE_ROWS_MAX} rows of a table"),
-            ));
-        }
-    }
-    Ok(out)
-}
-
-/// Check the tenant's files against the ledger; with `remote`, also the remote consumer's inbox
+/// Check the tenant's stores against the ledger; with `remote`, also the remote consumer's inbox
 /// on the remote server's files (the relays deliver to it over HTTP through the partitioned
 /// link).
 pub fn check(
-    files: &TenantFiles,
+    data: &TenantData,
     tenant: &str,
     ledger: &[Acknowledged],
-    remote: Option<&TenantFiles>,
+    remote: Option<&TenantData>,
 ) -> Result<CheckReport> {
     let mut report = CheckReport::default();
     for kind in VIOLATION_KINDS {
         report.counts.insert(kind, 0);
     }
-    let producer = read_only(&files.producer)?;
-    let inbox = read_only(&files.inbox)?;
-    let workflows = read_only(&files.workflows)?;
+    let mut producer = data.producer.open()?;
+    let mut inbox = data.inbox.open()?;
+    let mut workflows = data.workflows.open()?;
     // The remote tenant's inbox appears with the remote server's first request.
-    let remote_inbox = match remote {
-        Some(remote) if remote.inbox.is_file() => Some(read_only(&remote.inbox)?),
+    let mut remote_inbox = match remote {
+        Some(remote) if remote.inbox.exists() => Some(remote.inbox.open()?),
         Some(remote) => {
-            report.violation("not_applied", format!("the remote inbox {} does not exist yet", remote.inbox.display()));
+            report.violation("not_applied", format!("the remote inbox {} does not exist yet", remote.inbox.name()));
             None
         }
         None => None,
     };
-    check_events(&mut report, &producer, &inbox, remote_inbox.as_ref(), tenant, ledger)?;
-    let ended = check_runs(&mut report, &workflows, ledger)?;
+    check_events(&mut report, &mut producer, &mut inbox, remote_inbox.as_mut(), tenant, ledger)?;
+    let ended = check_runs(&mut report, &mut workflows, ledger)?;
     // The payments file appears with the first charge: no orders, no file.
-    if files.payments.is_file() {
-        check_payments(&mut report, &read_only(&files.payments)?, ledger, &ended)?;
+    if data.payments.is_file() {
+        check_payments(&mut report, &mut Db::Sqlite(read_only(&data.payments)?), ledger, &ended)?;
     }
     Ok(report)
 }
 
 fn check_events(
     report: &mut CheckReport,
-    producer: &Connection,
-    inbox: &Connection,
-    remote_inbox: Option<&Connection>,
+    producer: &mut Db,
+    inbox: &mut Db,
+    mut remote_inbox: Option<&mut Db>,
     tenant: &str,
     ledger: &[Acknowledged],
 ) -> Result<()> {
     // The outbox: (flow, seq) -> (position, event id).
-    let outbox: Vec<(i64, String, i64, String)> =
-        rows(producer, "SELECT position, flow_id, seq, event_id FROM outbox ORDER BY position", |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
-        })?;
+    let outbox: Vec<(i64, String, i64, String)> = producer
+        .rows("SELECT position, flow_id, seq, event_id FROM outbox ORDER BY position", &[])?
+        .iter()
+        .map(|r| Ok((r.int(0)?, r.text(1)?, r.int(2)?, r.text(3)?)))
+        .collect::<Result<_>>()?;
     report.outbox_events = outbox.len() as u64;
     let by_key: HashMap<(&str, i64), (i64, &str)> =
         outbox.iter().map(|(p, f, s, e)| ((f.as_str(), *s), (*p, e.as_str()))).collect();
@@ -300,8 +482,11 @@ fn check_events(
         }
     }
     // Each flow's outbox seqs are 1..=last_seq, and flows.last_seq says the same.
-    let flows: Vec<(String, i64)> =
-        rows(producer, "SELECT flow_id, last_seq FROM flows", |r| Ok((r.get(0)?, r.get(1)?)))?;
+    let flows: Vec<(String, i64)> = producer
+        .rows("SELECT flow_id, last_seq FROM flows", &[])?
+        .iter()
+        .map(|r| Ok((r.text(0)?, r.int(1)?)))
+        .collect::<Result<_>>()?;
     let mut seqs: HashMap<&str, Vec<i64>> = HashMap::new();
     for (_, flow, seq, _) in &outbox {
         seqs.entry(flow.as_str()).or_default().push(*seq);
@@ -315,28 +500,32 @@ fn check_events(
     }
 
     // Deliveries: every (event, subscriber) accepted.
-    let not_accepted: Vec<(i64, String, String)> = rows(
-        producer,
+    for r in producer.rows(
         "SELECT position, consumer_id, status FROM deliveries WHERE status <> 'accepted' ORDER BY position LIMIT 1000",
-        |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-    )?;
-    for (position, consumer, status) in not_accepted {
+        &[],
+    )? {
+        let (position, consumer, status) = (r.int(0)?, r.text(1)?, r.text(2)?);
         report.violation("relay_behind", format!("delivery of outbox position {position} to {consumer} is {status}"));
     }
 
-    let mut consumers = vec![(SHIPPING_CONSUMER, inbox), (AUDIT_CONSUMER, inbox)];
-    consumers.extend(remote_inbox.map(|remote| (REMOTE_CONSUMER, remote)));
-    for (consumer, inbox) in consumers {
-        // The consumer's inbox: (flow, seq) -> (event id, status).
-        let records: Vec<(String, i64, String, String)> = {
-            let mut stmt = inbox
-                .prepare("SELECT flow_id, seq, event_id, status FROM inbox WHERE consumer_id = ?1 AND source = ?2")
-                .map_err(sql)?;
-            let mapped = stmt
-                .query_map([consumer, tenant], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
-                .map_err(sql)?;
-            mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
+    let mut consumers = vec![(SHIPPING_CONSUMER, false), (AUDIT_CONSUMER, false)];
+    if remote_inbox.is_some() {
+        consumers.push((REMOTE_CONSUMER, true));
+    }
+    for (consumer, on_remote) in consumers {
+        let db: &mut Db = match (on_remote, remote_inbox.as_deref_mut()) {
+            (true, Some(remote)) => remote,
+            _ => &mut *inbox,
         };
+        // The consumer's inbox: (flow, seq) -> (event id, status).
+        let records: Vec<(String, i64, String, String)> = db
+            .rows(
+                "SELECT flow_id, seq, event_id, status FROM inbox WHERE consumer_id = $1 AND source = $2",
+                &[consumer, tenant],
+            )?
+            .iter()
+            .map(|r| Ok((r.text(0)?, r.int(1)?, r.text(2)?, r.text(3)?)))
+            .collect::<Result<_>>()?;
         let records: HashMap<(&str, i64), (&str, &str)> =
             records.iter().map(|(f, s, e, st)| ((f.as_str(), *s), (e.as_str(), st.as_str()))).collect();
         for (_, flow, seq, event_id) in &outbox {
@@ -352,24 +541,22 @@ fn check_events(
                 }
             }
         }
-        let open: i64 = inbox
-            .query_row(
-                "SELECT count(*) FROM inbox WHERE consumer_id = ?1 AND (status = 'pending' OR status = 'blocked')",
-                [consumer],
-                |r| r.get(0),
-            )
-            .map_err(sql)?;
+        let open = db.int(
+            "SELECT count(*) FROM inbox WHERE consumer_id = $1 AND (status = 'pending' OR status = 'blocked')",
+            &[consumer],
+        )?;
         if open > 0 {
             report.violation("inbox_open", format!("{consumer} has {open} pending or blocked inbox records"));
         }
         // Cursors at each flow's last seq.
-        let cursors: HashMap<String, i64> = {
-            let mut stmt = inbox
-                .prepare("SELECT flow_id, high_water_seq FROM cursors WHERE consumer_id = ?1 AND source = ?2")
-                .map_err(sql)?;
-            let mapped = stmt.query_map([consumer, tenant], |r| Ok((r.get(0)?, r.get(1)?))).map_err(sql)?;
-            mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
-        };
+        let cursors: HashMap<String, i64> = db
+            .rows(
+                "SELECT flow_id, high_water_seq FROM cursors WHERE consumer_id = $1 AND source = $2",
+                &[consumer, tenant],
+            )?
+            .iter()
+            .map(|r| Ok((r.text(0)?, r.int(1)?)))
+            .collect::<Result<_>>()?;
         for (flow, last_seq) in &flows {
             let cursor = cursors.get(flow).copied().unwrap_or(0);
             if cursor != *last_seq {
@@ -382,18 +569,15 @@ fn check_events(
     }
 
     // The reservation handler's effects: one row per applied event, in seq order per flow.
-    let effects: Vec<(String, i64, String, String, i64)> = {
-        let mut stmt = inbox
-            .prepare(
-                "SELECT flow_id, seq, event_id, kind, quantity FROM reservation_effects
-                 WHERE consumer_id = ?1 AND source = ?2 ORDER BY effect_id",
-            )
-            .map_err(sql)?;
-        let mapped = stmt
-            .query_map([SHIPPING_CONSUMER, tenant], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
-            .map_err(sql)?;
-        mapped.take(TABLE_ROWS_MAX).collect::<rusqlite::Result<_>>().map_err(sql)?
-    };
+    let effects: Vec<(String, i64, String, String, i64)> = inbox
+        .rows(
+            "SELECT flow_id, seq, event_id, kind, quantity FROM reservation_effects
+             WHERE consumer_id = $1 AND source = $2 ORDER BY effect_id",
+            &[SHIPPING_CONSUMER, tenant],
+        )?
+        .iter()
+        .map(|r| Ok((r.text(0)?, r.int(1)?, r.text(2)?, r.text(3)?, r.int(4)?)))
+        .collect::<Result<_>>()?;
     let mut applied: HashMap<&str, u64> = HashMap::new();
     let mut last_applied: HashMap<&str, i64> = HashMap::new();
     for (flow, seq, event_id, _, _) in &effects {
@@ -446,27 +630,26 @@ fn expected_effects(status: &str) -> Option<&'static [&'static str]> {
     }
 }
 
+/// The statuses of a run that has not ended.
+const ACTIVE: &str = "('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+
 /// Returns the acknowledged runs that ended as they must.
-fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
+fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
     let mut ended = HashSet::new();
-    let mut run_stmt =
-        workflows.prepare("SELECT status, error, lease_owner FROM runs WHERE run_id = ?1").map_err(sql)?;
-    // One pass over the effects (`order_effects` has no index on the order: a query per run
-    // would scan the table once per run).
+    // One pass over the runs and one over the effects (`order_effects` has no index on the
+    // order: a query per run would scan the table once per run).
+    let mut runs: HashMap<String, (String, Option<String>, Option<String>)> = HashMap::new();
+    for r in workflows.rows("SELECT run_id, status, error, lease_owner FROM runs", &[])? {
+        runs.insert(r.text(0)?, (r.text(1)?, r.opt_text(2)?, r.opt_text(3)?));
+    }
     let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
-    for (order_id, kind, quantity) in
-        rows(workflows, "SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
-        })?
-    {
-        effects_of.entry(order_id).or_default().push((kind, quantity));
+    for r in workflows.rows("SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", &[])? {
+        effects_of.entry(r.text(0)?).or_default().push((r.text(1)?, r.int(2)?));
     }
     for entry in ledger {
         let Acknowledged::Start { run_id, expect, process, quantity, .. } = entry else { continue };
         report.starts += 1;
-        let run: Option<(String, Option<String>, Option<String>)> =
-            run_stmt.query_row([run_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional().map_err(sql)?;
-        let Some((status, error, lease_owner)) = run else {
+        let Some((status, error, lease_owner)) = runs.get(run_id) else {
             report.violation("lost", format!("run {run_id} acknowledged by process {process} is not in the database"));
             continue;
         };
@@ -496,23 +679,18 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
             }
             _ => {}
         }
-        if status != *expect {
+        if status != expect {
             report
                 .violation("unexpected_end", format!("run {run_id} ended {status} ({error:?}); it must end {expect}"));
-        } else if expected_effects(&status).is_some_and(|want| kinds != want) {
+        } else if expected_effects(status).is_some_and(|want| kinds != want) {
             report.violation("wrong_effects", format!("run {run_id} ended {status} with the effects {kinds:?}"));
         } else {
             ended.insert(run_id.clone());
         }
     }
     // Every run, not only the acknowledged ones (a start whose answer was lost may have run).
-    let unfinished: i64 = workflows
-        .query_row(
-            "SELECT count(*) FROM runs WHERE (status = 'pending' OR status = 'running' OR status = 'sleeping' OR status = 'waiting' OR status = 'compensating') OR lease_owner IS NOT NULL",
-            [],
-            |r| r.get(0),
-        )
-        .map_err(sql)?;
+    let unfinished = workflows
+        .int(&format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE} OR lease_owner IS NOT NULL"), &[])?;
     let acknowledged_unfinished = report.counts.get("run_unfinished").copied().unwrap_or(0)
         + report.counts.get("run_leased").copied().unwrap_or(0);
     if unfinished as u64 > acknowledged_unfinished {
@@ -524,21 +702,17 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
             ),
         );
     }
-    report.run_recoveries =
-        workflows.query_row("SELECT coalesce(sum(recoveries), 0) FROM runs", [], |r| r.get(0)).map_err(sql)?;
+    report.run_recoveries = workflows.int("SELECT CAST(coalesce(sum(recoveries), 0) AS BIGINT) FROM runs", &[])?;
     // Stock: what is reserved or shipped (not released) was taken from it, by acknowledged runs
     // and by starts whose answer was lost alike.
-    let taken: i64 = workflows
-        .query_row(
-            "SELECT coalesce(sum(quantity), 0) FROM order_reservations WHERE sku = ?1 AND status <> 'released'",
-            [SKU],
-            |r| r.get(0),
-        )
-        .map_err(sql)?;
-    let stock: Option<i64> = workflows
-        .query_row("SELECT stock FROM order_stock WHERE sku = ?1", [SKU], |r| r.get(0))
-        .optional()
-        .map_err(sql)?;
+    let taken = workflows.int(
+        "SELECT CAST(coalesce(sum(quantity), 0) AS BIGINT) FROM order_reservations WHERE sku = $1 AND status <> 'released'",
+        &[SKU],
+    )?;
+    let stock = match workflows.row("SELECT stock FROM order_stock WHERE sku = $1", &[SKU])? {
+        Some(row) => Some(row.int(0)?),
+        None => None,
+    };
     if report.starts > 0 && stock != Some(STOCK - taken) {
         report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
     }
@@ -547,18 +721,20 @@ fn check_runs(report: &mut CheckReport, workflows: &Connection, ledger: &[Acknow
 
 fn check_payments(
     report: &mut CheckReport,
-    payments: &Connection,
+    payments: &mut Db,
     ledger: &[Acknowledged],
     ended: &HashSet<String>,
 ) -> Result<()> {
     // One pass, grouped (the log's only index is on the idempotency key).
-    let by_order: HashMap<String, (i64, i64)> = rows(
-        payments,
-        "SELECT order_id, sum(outcome = 'charged'), sum(outcome = 'refunded') FROM payment_calls GROUP BY order_id",
-        |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?))),
-    )?
-    .into_iter()
-    .collect();
+    let mut by_order: HashMap<String, (i64, i64)> = HashMap::new();
+    for r in payments.rows(
+        "SELECT order_id, sum(CASE WHEN outcome = 'charged' THEN 1 ELSE 0 END),
+                sum(CASE WHEN outcome = 'refunded' THEN 1 ELSE 0 END)
+         FROM payment_calls GROUP BY order_id",
+        &[],
+    )? {
+        by_order.insert(r.text(0)?, (r.int(1)?, r.int(2)?));
+    }
     for entry in ledger {
         let Acknowledged::Start { run_id, fail, .. } = entry else { continue };
         let (charged, refunded) = by_order.get(run_id).copied().unwrap_or((0, 0));

@@ -6,7 +6,9 @@
 //!
 //! The processes share the data folder the way workers share work: every one of them relays,
 //! drains and runs workflow workers on the same SQLite files, serialised by SQLite's write lock
-//! and fenced by the run leases. See docs/reliability.md, "Chaos harness".
+//! and fenced by the run leases. With `--store postgres://...` they share the tenant's schemas
+//! on that server instead (the data folder keeps the fake payment service's log), and the
+//! checker reads the schemas. See docs/reliability.md, "Chaos harness".
 
 pub mod checker;
 mod proxy;
@@ -27,7 +29,7 @@ use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 
-use checker::{Acknowledged, TenantFiles};
+use checker::{Acknowledged, TenantData};
 use proxy::{Link, Proxy};
 use schedule::{Fault, FaultKind, IoErrorMode, PartitionMode};
 
@@ -142,6 +144,12 @@ struct RunArgs {
     /// schedule.json, logs/. Default: tidemark-chaos-<seed>.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Serve on PostgreSQL: `postgres://user@host:port/db?schema=<prefix>` (the servers'
+    /// `--store`; the prefix must hold no schema yet, and the run leaves its schemas for `chaos
+    /// check`). Faults: sigkill, sigstop and partition (power losses, clock jumps and I/O errors
+    /// act on SQLite files).
+    #[arg(long)]
+    store: Option<String>,
 }
 
 #[derive(Args)]
@@ -152,6 +160,9 @@ struct CheckArgs {
     /// The seed to name in the violations (the run's; optional).
     #[arg(long)]
     seed: Option<u64>,
+    /// The run's `--store`, when it served on PostgreSQL.
+    #[arg(long)]
+    store: Option<String>,
 }
 
 pub(crate) fn invalid(message: impl Into<String>) -> Error {
@@ -176,8 +187,10 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
     let ledger = checker::read_ledger(&args.out.join("ledger.jsonl"))?;
     // A run that partitioned the network has the remote server's folder beside its own.
     let remote = args.out.join("remote");
-    let remote = remote.is_dir().then(|| TenantFiles::new(&remote, TENANT));
-    let report = checker::check(&TenantFiles::new(&args.out.join("data"), TENANT), TENANT, &ledger, remote.as_ref())?;
+    let remote = remote.is_dir().then(|| TenantData::new(&remote, TENANT));
+    let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
+    let data = tenant_data(&args.out.join("data"), store.as_ref());
+    let report = checker::check(&data, TENANT, &ledger, remote.as_ref())?;
     let check = report.to_json(args.seed);
     Ok(json!({
         "outcome": if report.total() == 0 { "passed" } else { "violations" },
@@ -195,6 +208,63 @@ impl Settings {
     }
 }
 
+/// The PostgreSQL server and schema prefix a run serves on (`--store`).
+struct PostgresStore {
+    backend: tidemark_server::Postgres,
+    /// The URL as given (the servers' `--store`).
+    url: String,
+    /// The URL with its password masked (what the report shows).
+    masked: String,
+}
+
+impl PostgresStore {
+    /// A `--store` URL: PostgreSQL's, with a service's schema prefix (`invalid_argument`
+    /// otherwise).
+    fn parse(url: &str) -> Result<PostgresStore> {
+        let not_postgres = || invalid("--store takes a postgres:// URL (a run on SQLite files needs no --store)");
+        let masked = match tidemark_core::location::StoreLocation::parse(url) {
+            Ok(tidemark_core::location::StoreLocation::Postgres(location)) => location.masked,
+            Ok(_) => return Err(not_postgres()),
+            Err(e) => return Err(invalid(format!("--store: {e}"))),
+        };
+        let backend = tidemark_server::Postgres::from_url(url).map_err(|e| invalid(format!("--store: {e}")))?;
+        Ok(PostgresStore { backend, url: url.to_string(), masked })
+    }
+
+    /// The `--store` URL of one of the tenant's schemas (what a worker process opens).
+    fn schema_url(&self, database: tidemark_server::Database) -> String {
+        let conn = self.backend.conn();
+        let separator = if conn.contains('?') { '&' } else { '?' };
+        format!("{conn}{separator}schema={}", self.backend.schema(TENANT, database))
+    }
+
+    /// A run starts from nothing: no schema under the prefix yet (`already_exists`).
+    fn ensure_empty(&self) -> Result<()> {
+        let mut client = postgres::Client::connect(self.backend.conn(), postgres::NoTls)
+            .map_err(|e| Error::io(format!("cannot connect to {}: {e}", self.masked)))?;
+        let prefix = format!("{}_", self.backend.prefix());
+        let taken: i64 = client
+            .query_one("SELECT count(*) FROM pg_namespace WHERE starts_with(nspname, $1)", &[&prefix])
+            .and_then(|row| row.try_get(0))
+            .map_err(|e| Error::io(format!("cannot list the schemas of {}: {e}", self.masked)))?;
+        if taken > 0 {
+            return Err(Error::invalid(
+                codes::ALREADY_EXISTS,
+                format!("{taken} schemas start with {prefix}: a chaos run starts from an unused schema prefix"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The tenant's stores of a run: files in `data`, or schemas on `store`'s server.
+fn tenant_data(data: &Path, store: Option<&PostgresStore>) -> TenantData {
+    match store {
+        Some(store) => TenantData::on_postgres(data, TENANT, &store.backend),
+        None => TenantData::new(data, TENANT),
+    }
+}
+
 /// The validated settings of a run.
 struct Settings {
     seed: u64,
@@ -207,6 +277,7 @@ struct Settings {
     workers: usize,
     converge_timeout: Duration,
     out: PathBuf,
+    store: Option<PostgresStore>,
 }
 
 fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
@@ -257,6 +328,22 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if !["full", "normal"].contains(&durability) {
         return Err(invalid(format!("--durability must be full or normal, got {durability:?}")));
     }
+    let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
+    if store.is_some() {
+        if let Some(kind) =
+            [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError].iter().find(|k| kinds.contains(k))
+        {
+            return Err(invalid(format!(
+                "--kinds {kind:?} acts on the servers' SQLite files or clock files; with --store postgres://... \
+                 combine sigkill, sigstop and partition"
+            )));
+        }
+        if durability != "full" {
+            return Err(invalid(
+                "--durability normal applies to SQLite files; PostgreSQL commits with the server's own durability",
+            ));
+        }
+    }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
     }
@@ -266,6 +353,9 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             codes::ALREADY_EXISTS,
             format!("{} is not empty: a chaos run starts from an empty folder", out.display()),
         ));
+    }
+    if let Some(store) = &store {
+        store.ensure_empty()?;
     }
     Ok(Settings {
         seed,
@@ -278,6 +368,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         workers: args.workers,
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
         out,
+        store,
     })
 }
 
@@ -300,6 +391,8 @@ struct Serve {
     /// Its configuration file (the relay's settings and token for the remote consumer), when
     /// the run partitions the network.
     config: Option<PathBuf>,
+    /// Its `--store`, when it serves on PostgreSQL.
+    store: Option<String>,
     addr: String,
     process: Proc,
 }
@@ -313,6 +406,7 @@ impl Serve {
             data: out.join("data"),
             log: out.join("logs").join(format!("serve-{index}.log")),
             config: settings.partitions().then(|| out.join("serve.toml")),
+            store: settings.store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
             faultfs: [FaultKind::PowerLoss, FaultKind::IoError]
                 .iter()
@@ -337,6 +431,7 @@ impl Serve {
             data: out.join("remote"),
             log: out.join("logs").join("remote.log"),
             config: None,
+            store: None,
             durability: settings.durability.clone(),
             faultfs: None,
             seed: settings.seed,
@@ -378,6 +473,9 @@ impl Serve {
         command.arg("serve");
         if let Some(config) = &self.config {
             command.arg("--config").arg(config);
+        }
+        if let Some(store) = &self.store {
+            command.args(["--store", store]);
         }
         let mut child = command
             .arg("--data")
@@ -521,6 +619,8 @@ struct WorkerProcess {
     index: usize,
     exe: PathBuf,
     data: PathBuf,
+    /// The tenant's workflow schema as a `--store` URL, when the servers are on PostgreSQL.
+    store: Option<String>,
     log: PathBuf,
     durability: String,
     process: Proc,
@@ -551,9 +651,13 @@ impl WorkerProcess {
         let tenant = self.data.join("tenants").join(TENANT);
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let child = Command::new(&self.exe)
-            .args(["--durability", &self.durability, "worker", "--db"])
-            .arg(tenant.join("workflows.db"))
+        let mut command = Command::new(&self.exe);
+        command.args(["--durability", &self.durability, "worker", "--db"]);
+        match &self.store {
+            Some(store) => command.arg(store),
+            None => command.arg(tenant.join("workflows.db")),
+        };
+        let child = command
             .arg("--payments-db")
             .arg(tenant.join("payments.db"))
             .args(["--worker-id", &format!("chaos-worker-{}", self.index)])
@@ -852,15 +956,14 @@ impl Remote {
         Ok(Remote { server, proxy })
     }
 
-    fn files(&self) -> TenantFiles {
-        TenantFiles::new(&self.server.data, TENANT)
+    fn data(&self) -> TenantData {
+        TenantData::new(&self.server.data, TENANT)
     }
 
     /// The remote inbox, read-only (`None` while it cannot be opened).
     fn inbox(&self) -> Option<rusqlite::Connection> {
-        let conn =
-            rusqlite::Connection::open_with_flags(self.files().inbox, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-                .ok()?;
+        let path = self.server.data.join("tenants").join(TENANT).join("inbox.db");
+        let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
         conn.busy_timeout(Duration::from_secs(1)).ok()?;
         Some(conn)
     }
@@ -954,6 +1057,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             index,
             exe: exe.clone(),
             data: settings.out.join("data"),
+            store: settings.store.as_ref().map(|store| store.schema_url(tidemark_server::Database::Workflows)),
             log: settings.out.join("logs").join(format!("worker-{index}.log")),
             durability: settings.durability.clone(),
             process: Proc::default(),
@@ -1046,8 +1150,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         server.terminate()?;
     }
     let ledger_entries = checker::read_ledger(&ledger_path)?;
-    let files = TenantFiles::new(&settings.out.join("data"), TENANT);
-    let remote_files = remote.as_ref().map(Remote::files);
+    let files = tenant_data(&settings.out.join("data"), settings.store.as_ref());
+    let remote_files = remote.as_ref().map(Remote::data);
     let restarted = Instant::now();
     for server in &mut servers {
         server.start()?;
@@ -1101,12 +1205,14 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         "outcome": if passed { "passed" } else { "violations" },
         "seed": settings.seed,
         "reproduce": format!(
-            "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}{}",
+            "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}{}{}",
             settings.seed, settings.duration_ms / 1_000, settings.faults, kinds.join(","), settings.durability,
             settings.processes, settings.clients,
-            if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() }
+            if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() },
+            settings.store.as_ref().map(|store| format!(" --store '{}'", store.masked)).unwrap_or_default()
         ),
         "durability": settings.durability,
+        "store": settings.store.as_ref().map(|store| store.masked.clone()),
         "processes": settings.processes,
         "workers": settings.workers,
         "worker_claims": worker_claims,
