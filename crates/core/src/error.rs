@@ -90,6 +90,12 @@ pub mod codes {
     /// rolled back and nothing changed. The same operation succeeds once space is freed; the
     /// service's own loops go on by themselves then (HTTP 507).
     pub const STORAGE_FULL: &str = "storage_full";
+    /// The PostgreSQL server could not be reached, or the connection to it was lost or shut
+    /// down (SQLSTATE class 08, `57P01`-`57P03`): the operation's transaction did not commit,
+    /// or its commit's answer was lost (then it may have committed: an advance or a start
+    /// retried with the same expected seq or run id tells which). The service reconnects by
+    /// itself once the server is back (HTTP 503).
+    pub const STORE_UNAVAILABLE: &str = "store_unavailable";
     /// A file-system, process or network failure outside SQLite (creating a folder, starting the
     /// async runtime, reaching a server).
     pub const IO: &str = "io";
@@ -181,9 +187,25 @@ impl From<rusqlite::Error> for Error {
 #[cfg(feature = "postgres")]
 impl From<postgres::Error> for Error {
     fn from(error: postgres::Error) -> Self {
-        match error.as_db_error() {
-            Some(db) => Error::store(format!("postgres: {} ({})", db.message(), db.code().code())),
-            None => Error::store(format!("postgres: {error}")),
+        let lost = match error.as_db_error() {
+            Some(db) => {
+                let code = db.code().code();
+                code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code)
+            }
+            // A closed connection, or one that failed on the network (refused, reset, timed out).
+            None => {
+                error.is_closed()
+                    || std::iter::successors(std::error::Error::source(&error), |e| e.source())
+                        .any(|e| e.is::<std::io::Error>())
+            }
+        };
+        let message = match error.as_db_error() {
+            Some(db) => format!("postgres: {} ({})", db.message(), db.code().code()),
+            None => format!("postgres: {error}"),
+        };
+        match lost {
+            true => Error::Store { code: codes::STORE_UNAVAILABLE, message },
+            false => Error::store(message),
         }
     }
 }

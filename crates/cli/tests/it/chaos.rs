@@ -444,6 +444,97 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     assert!(listed.contains(advance["flow_id"].as_str().unwrap()), "{listed}");
 }
 
+/// A seed whose 5 faults on 2 servers and a worker process are two crashes of the database
+/// server (the first 2.5 s into the workload), a pause of a server and kills of a server and of
+/// the worker process.
+const DB_CRASH_SEED: u64 = 7;
+
+/// The PostgreSQL server itself crashes under the HTTP workload (`--kinds db-crash`: `pg_ctl stop
+/// -m immediate` of a cluster of the test's own, started again after 0.5-3 s) between kills and
+/// pauses of the servers and a worker process: requests fail while it is down and are not
+/// acknowledged; afterwards the servers and the worker reconnect by themselves, and every
+/// acknowledged operation is there once.
+#[test]
+fn chaos_database_crashes_under_load_lose_nothing_and_the_servers_reconnect_by_themselves() {
+    let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
+    cluster.start();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let store = cluster.url("chaosdb");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &DB_CRASH_SEED.to_string(),
+        "--duration-s",
+        "14",
+        "--faults",
+        "5",
+        "--kinds",
+        "sigkill,sigstop,db-crash",
+        "--workers",
+        "1",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--store",
+        &store,
+        "--db-data",
+        path_str(&cluster.data()),
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds db-crash: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["faults"]["db_crash"], 2, "{report:#}");
+    assert_eq!(report["faults"]["injected"], 5, "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    // While the database was down the servers answered 503 `store_unavailable` (a typed,
+    // retryable answer), never an acknowledgement.
+    assert!(report["operations"]["by_status"]["503"].as_u64().unwrap_or(0) > 0, "{report:#}");
+    // Operations were acknowledged after the last crash (the servers reconnected by themselves).
+    let last_back = report["faults"]["schedule"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "db_crash")
+        .map(|f| f["back_ms"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    let ledger = std::fs::read_to_string(out.join("ledger.jsonl")).expect("ledger");
+    let after = ledger
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|entry| entry["at_ms"].as_u64().unwrap() > last_back)
+        .count();
+    assert!(after > 0, "nothing acknowledged after the database came back at {last_back} ms: {report:#}");
+
+    // --db-data must be the data folder of the server --store names.
+    let other = dir.path().join("not-a-cluster");
+    std::fs::create_dir_all(&other).unwrap();
+    for db_data in [other.clone(), dir.path().to_path_buf()] {
+        let r = run(&[
+            "chaos",
+            "--seed",
+            "1",
+            "--kinds",
+            "db-crash",
+            "--store",
+            &cluster.url("chaosdb2"),
+            "--db-data",
+            path_str(&db_data),
+            "--out",
+            path_str(&dir.path().join("refused")),
+        ]);
+        assert_eq!(r.json["error"]["code"], "invalid_argument", "{}", r.stdout);
+    }
+}
+
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark
 /// serve` behind the harness's TCP proxy): after cuts, a black hole, lost answers and a flap,
 /// every acknowledged event is in the remote inbox once, applied in order, and the relays caught
@@ -500,7 +591,7 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 12] = [
+    let cases: [&[&str]; 14] = [
         &["chaos", "--seed", "1", "--workers", "9", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,clock-jump", "--out", out_str],
         &["chaos", "--seed", "not-a-number", "--out", out_str],
@@ -513,6 +604,8 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
         &["chaos", "--seed", "1", "--store", "sqlite:x.db", "--out", out_str],
         &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=Bad-Prefix", "--out", out_str],
         &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=ok", "--kinds", "power-loss", "--out", out_str],
+        &["chaos", "--seed", "1", "--kinds", "db-crash", "--out", out_str],
+        &["chaos", "--seed", "1", "--db-data", "/tmp", "--out", out_str],
     ];
     for args in cases {
         let r = run(args);

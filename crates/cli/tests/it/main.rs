@@ -2,6 +2,7 @@
 //! `tidemark` binary on real SQLite files; crash tests need the `failpoints` feature
 //! (`cargo test --workspace --all-features`) and say so when it is missing.
 
+mod pg_cluster;
 mod server_fixture;
 mod server_support;
 mod support;

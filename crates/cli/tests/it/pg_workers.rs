@@ -4,163 +4,21 @@
 //! start the command line acknowledged is there and has completed, every order was reserved and
 //! shipped exactly once, every order was charged once, and the stock adds up.
 //!
-//! The database is a private cluster this test creates with `initdb` (as the `postgres` user
-//! when the test runs as root, which `initdb` refuses), on a port of its own, so that stopping
-//! it disturbs no other test. Skipped, saying why, when PostgreSQL's programs are not installed.
+//! The database is a private cluster this test creates ([`crate::pg_cluster::Cluster`]), on a
+//! port of its own, so that stopping it disturbs no other test. Skipped, saying why, when
+//! PostgreSQL's programs are not installed.
 //! `TIDEMARK_PG_FAULT_SEED` replays a fault schedule (the seed is printed).
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::support::{path_str, run, skip, BIN};
-
-/// The folder of `initdb`, `postgres` and `pg_ctl`: `pg_config --bindir`, else Debian's
-/// versioned folders, newest first.
-fn pg_bindir() -> Option<PathBuf> {
-    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
-        let dir = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
-        if dir.join("initdb").exists() && dir.join("postgres").exists() {
-            return Some(dir);
-        }
-    }
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
-        .filter(|bin| bin.join("initdb").exists() && bin.join("postgres").exists())
-        .collect();
-    versions.sort();
-    versions.pop()
-}
-
-/// A PostgreSQL cluster of this test's own: its data folder, port and postmaster.
-struct Cluster {
-    dir: tempfile::TempDir,
-    bin: PathBuf,
-    port: u16,
-    /// `initdb` and `postgres` refuse to run as root: run them as this user then.
-    run_as: Option<String>,
-    server: Option<Child>,
-}
-
-impl Cluster {
-    fn create() -> Option<Cluster> {
-        let Some(bin) = pg_bindir() else {
-            skip("PostgreSQL's programs (initdb, postgres) are not installed; the database-crash test needs its own cluster");
-            return None;
-        };
-        let dir = tempfile::tempdir().expect("temp dir");
-        let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
-        let run_as = root.then(|| "postgres".to_string());
-        if let Some(user) = &run_as {
-            let id = |flag: &str| -> Option<u32> {
-                let out = Command::new("id").args([flag, user]).output().ok()?;
-                String::from_utf8_lossy(&out.stdout).trim().parse().ok()
-            };
-            let (Some(uid), Some(gid)) = (id("-u"), id("-g")) else {
-                skip("running as root and there is no `postgres` user to run initdb as");
-                return None;
-            };
-            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown the cluster folder");
-        }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let cluster = Cluster { dir, bin, port, run_as, server: None };
-        let data = cluster.data();
-        let out = cluster
-            .command("initdb", &["-D", path_str(&data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
-            .output()
-            .expect("run initdb");
-        assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
-        Some(cluster)
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn command(&self, program: &str, args: &[&str]) -> Command {
-        let program = self.bin.join(program);
-        let mut command = match &self.run_as {
-            Some(user) => {
-                let mut c = Command::new("runuser");
-                c.args(["-u", user, "--"]).arg(program);
-                c
-            }
-            None => Command::new(program),
-        };
-        command.args(args).stdin(Stdio::null());
-        command
-    }
-
-    /// Start the postmaster and wait until it answers (bounded).
-    fn start(&mut self) {
-        let data = self.data();
-        let log =
-            std::fs::File::create(self.dir.path().join(format!("server-{}.log", Instant::now().elapsed().as_nanos())))
-                .expect("server log");
-        let child = self
-            .command(
-                "postgres",
-                &[
-                    "-D",
-                    path_str(&data),
-                    "-p",
-                    &self.port.to_string(),
-                    "-k",
-                    path_str(self.dir.path()),
-                    "-c",
-                    "listen_addresses=127.0.0.1",
-                    "-c",
-                    "max_connections=60",
-                ],
-            )
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("start postgres");
-        self.server = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if postgres::Client::connect(&self.conn(), postgres::NoTls).is_ok() {
-                return;
-            }
-            assert!(Instant::now() < deadline, "the test cluster did not answer within 60 s");
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// `pg_ctl stop -m immediate`: every backend is killed, nothing is flushed or checkpointed;
-    /// the next start replays the WAL (crash recovery).
-    fn crash(&mut self) {
-        let out = self.command("pg_ctl", &["-D", path_str(&self.data()), "stop", "-m", "immediate", "-w"]).output();
-        let out = out.expect("run pg_ctl");
-        assert!(out.status.success(), "pg_ctl stop failed: {}", String::from_utf8_lossy(&out.stderr));
-        if let Some(mut child) = self.server.take() {
-            let _ = child.wait();
-        }
-    }
-
-    fn conn(&self) -> String {
-        format!("host=127.0.0.1 port={} user=postgres dbname=postgres connect_timeout=5", self.port)
-    }
-
-    fn url(&self, schema: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres?schema={schema}&connect_timeout=5", self.port)
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.server.is_some() {
-            self.crash();
-        }
-    }
-}
+use crate::pg_cluster::Cluster;
+use crate::support::{path_str, run, BIN};
 
 /// A `tidemark worker` process of slot `slot`.
 fn spawn_worker(url: &str, payments: &Path, slot: usize, generation: usize) -> Child {

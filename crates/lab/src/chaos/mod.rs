@@ -123,7 +123,8 @@ struct RunArgs {
     /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature),
     /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
     /// answers or flaps), `io-error` (the disk full, or failing writes or fsyncs, for a moment;
-    /// a failpoints build).
+    /// a failpoints build), `db-crash` (the PostgreSQL server of `--store` stopped at once and
+    /// started again; needs `--db-data`).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -147,9 +148,14 @@ struct RunArgs {
     /// Serve on PostgreSQL: `postgres://user@host:port/db?schema=<prefix>` (the servers'
     /// `--store`; the prefix must hold no schema yet, and the run leaves its schemas for `chaos
     /// check`). Faults: sigkill, sigstop and partition (power losses, clock jumps and I/O errors
-    /// act on SQLite files).
+    /// act on SQLite files); with `--db-data`, also `db-crash`.
     #[arg(long)]
     store: Option<String>,
+    /// The data folder of the PostgreSQL server `--store` names, for `--kinds db-crash`: the
+    /// harness stops that server at once (`pg_ctl stop -m immediate`) and starts it again
+    /// (`pg_ctl start`), as the folder's owner.
+    #[arg(long)]
+    db_data: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -257,6 +263,106 @@ impl PostgresStore {
     }
 }
 
+/// The PostgreSQL server a run crashes and restarts (`--kinds db-crash`, `--db-data`).
+struct Database {
+    data: PathBuf,
+    pg_ctl: PathBuf,
+    /// The data folder's owner, when the harness runs as root (PostgreSQL refuses to run as
+    /// root): `pg_ctl` runs as this user through `runuser`.
+    run_as: Option<String>,
+    /// `pg_ctl`'s output, and the server's after a restart by the harness
+    /// (`OUT/logs/postgres.log`).
+    log: PathBuf,
+}
+
+impl Database {
+    /// The data folder `data` of the server `store` names (`SHOW data_directory` must be it),
+    /// the `pg_ctl` of its version, and the user to run it as; `invalid_argument` otherwise.
+    fn locate(data: &Path, store: &PostgresStore, out: &Path) -> Result<Database> {
+        use std::os::unix::fs::MetadataExt;
+        let version = std::fs::read_to_string(data.join("PG_VERSION")).map_err(|_| {
+            invalid(format!("--db-data {} is not a PostgreSQL data folder (no PG_VERSION)", data.display()))
+        })?;
+        let versioned = PathBuf::from(format!("/usr/lib/postgresql/{}/bin/pg_ctl", version.trim()));
+        let bindir = Command::new("pg_config")
+            .arg("--bindir")
+            .output()
+            .ok()
+            .map(|out| PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()).join("pg_ctl"));
+        let pg_ctl = [Some(versioned), bindir]
+            .into_iter()
+            .flatten()
+            .find(|path| path.is_file())
+            .ok_or_else(|| invalid(format!("no pg_ctl of PostgreSQL {} found", version.trim())))?;
+        let canonical = |path: &Path| std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let mut client = postgres::Client::connect(store.backend.conn(), postgres::NoTls)
+            .map_err(|e| Error::io(format!("cannot connect to {}: {e}", store.masked)))?;
+        let served: String = client
+            .query_one("SHOW data_directory", &[])
+            .and_then(|row| row.try_get(0))
+            .map_err(|e| Error::io(format!("cannot read the data folder of {}: {e}", store.masked)))?;
+        if canonical(Path::new(&served)) != canonical(data) {
+            return Err(invalid(format!(
+                "--db-data {} is not the data folder of the server --store names ({served})",
+                data.display()
+            )));
+        }
+        let owner = std::fs::metadata(data).map_err(io("cannot read --db-data"))?;
+        let root = std::fs::metadata("/proc/self").map(|m| m.uid() == 0).unwrap_or(false);
+        let run_as = match root && owner.uid() != 0 {
+            true => {
+                let name =
+                    Command::new("id").args(["-nu", &owner.uid().to_string()]).output().map_err(io("cannot run id"))?;
+                Some(String::from_utf8_lossy(&name.stdout).trim().to_string())
+            }
+            false => None,
+        };
+        let log = out.join("logs").join("postgres.log");
+        Ok(Database { data: data.to_path_buf(), pg_ctl, run_as, log })
+    }
+
+    fn pg_ctl(&self, args: &[&str]) -> Result<()> {
+        let mut command = match &self.run_as {
+            Some(user) => {
+                let mut command = Command::new("runuser");
+                command.args(["-u", user, "--"]).arg(&self.pg_ctl);
+                command
+            }
+            None => Command::new(&self.pg_ctl),
+        };
+        // pg_ctl's output and, after a start, the server's (which inherits it) go to the log,
+        // opened here: the server's user need not be able to open a file in the run's folder.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(io("cannot open the database log"))?;
+        let status = command
+            .arg("-D")
+            .arg(&self.data)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log.try_clone().map_err(io("cannot open the database log"))?))
+            .stderr(Stdio::from(log))
+            .status()
+            .map_err(io("cannot run pg_ctl"))?;
+        if !status.success() {
+            return Err(Error::io(format!("pg_ctl {} failed (see {})", args.join(" "), self.log.display())));
+        }
+        Ok(())
+    }
+
+    /// Stop the server at once: every backend killed, nothing flushed.
+    fn crash(&self) -> Result<()> {
+        self.pg_ctl(&["stop", "-m", "immediate", "-w", "-t", "60"])
+    }
+
+    /// Start it again (crash recovery) and wait until it accepts connections (bounded).
+    fn start(&self) -> Result<()> {
+        self.pg_ctl(&["start", "-w", "-t", "60"])
+    }
+}
+
 /// The tenant's stores of a run: files in `data`, or schemas on `store`'s server.
 fn tenant_data(data: &Path, store: Option<&PostgresStore>) -> TenantData {
     match store {
@@ -278,6 +384,7 @@ struct Settings {
     converge_timeout: Duration,
     out: PathBuf,
     store: Option<PostgresStore>,
+    database: Option<Database>,
 }
 
 fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
@@ -335,7 +442,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         {
             return Err(invalid(format!(
                 "--kinds {kind:?} acts on the servers' SQLite files or clock files; with --store postgres://... \
-                 combine sigkill, sigstop and partition"
+                 combine sigkill, sigstop, partition and db-crash"
             )));
         }
         if durability != "full" {
@@ -343,6 +450,13 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
                 "--durability normal applies to SQLite files; PostgreSQL commits with the server's own durability",
             ));
         }
+    }
+    match (kinds.contains(&FaultKind::DbCrash), &store, &args.db_data) {
+        (true, Some(_), Some(_)) | (false, _, None) => {}
+        (true, _, _) => return Err(invalid(
+            "--kinds db-crash crashes the PostgreSQL server of --store: give --store postgres://... and --db-data DIR",
+        )),
+        (false, _, Some(_)) => return Err(invalid("--db-data is the database --kinds db-crash crashes")),
     }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
@@ -357,6 +471,10 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if let Some(store) = &store {
         store.ensure_empty()?;
     }
+    let database = match (&store, &args.db_data) {
+        (Some(store), Some(data)) => Some(Database::locate(data, store, &out)?),
+        _ => None,
+    };
     Ok(Settings {
         seed,
         duration_ms: args.duration_s * 1_000,
@@ -369,6 +487,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
         out,
         store,
+        database,
     })
 }
 
@@ -1106,7 +1225,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers, &mut workers, remote.as_ref(), fault, &shared) {
+        match inject(&mut servers, &mut workers, remote.as_ref(), settings.database.as_ref(), fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -1210,6 +1329,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             settings.processes, settings.clients,
             if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() },
             settings.store.as_ref().map(|store| format!(" --store '{}'", store.masked)).unwrap_or_default()
+                + &settings.database.as_ref().map(|db| format!(" --db-data {}", db.data.display())).unwrap_or_default()
         ),
         "durability": settings.durability,
         "store": settings.store.as_ref().map(|store| store.masked.clone()),
@@ -1227,6 +1347,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "clock_jump": by_kind(FaultKind::ClockJump),
             "partition": by_kind(FaultKind::Partition),
             "io_error": by_kind(FaultKind::IoError),
+            "db_crash": by_kind(FaultKind::DbCrash),
             "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
@@ -1273,6 +1394,7 @@ fn inject(
     servers: &mut [Serve],
     workers: &mut [WorkerProcess],
     remote: Option<&Remote>,
+    database: Option<&Database>,
     fault: &Fault,
     shared: &Shared,
 ) -> Result<Value> {
@@ -1293,7 +1415,11 @@ fn inject(
             }
             // Validated away: power losses and clock jumps come with no worker processes, and a
             // partition is the link's (process 0).
-            FaultKind::PowerLoss | FaultKind::ClockJump | FaultKind::Partition | FaultKind::IoError => {
+            FaultKind::PowerLoss
+            | FaultKind::ClockJump
+            | FaultKind::Partition
+            | FaultKind::IoError
+            | FaultKind::DbCrash => {
                 return Err(Error::Invariant(format!("a {:?} fault on a worker process", fault.kind)));
             }
         }
@@ -1341,6 +1467,12 @@ fn inject(
                 None => recovery.delivery_not_resumed += 1,
             }
         }
+        FaultKind::DbCrash => {
+            let database = database.ok_or_else(|| invalid("a database crash needs --db-data"))?;
+            database.crash()?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            database.start()?;
+        }
         FaultKind::PowerLoss => {
             for server in servers.iter_mut() {
                 server.sigkill();
@@ -1354,7 +1486,10 @@ fn inject(
     }
     let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
     match fault.kind {
-        FaultKind::PowerLoss => (0..servers.len()).for_each(|process| recovery.back(process, fault.index)),
+        // Every process lost its database (or its files): each one's first acknowledgement after.
+        FaultKind::PowerLoss | FaultKind::DbCrash => {
+            (0..servers.len()).for_each(|process| recovery.back(process, fault.index))
+        }
         // The processes never stopped: nothing of theirs to recover (the relays catch up, which
         // the convergence wait and the checker see).
         FaultKind::Partition | FaultKind::IoError => {}

@@ -25,6 +25,11 @@ const PARTITION_MS_RANGE: (u64, u64) = (300, 3_000);
 const IO_ERROR_PERCENT: u32 = 25;
 /// Shortest and longest I/O error, in ms.
 const IO_ERROR_MS_RANGE: (u64, u64) = (200, 2_000);
+/// Percent of the faults that are a crash of the database server, when those are among the
+/// kinds asked for beside others.
+const DB_CRASH_PERCENT: u32 = 25;
+/// Shortest and longest time the database server stays down after a crash, in ms.
+const DB_CRASH_MS_RANGE: (u64, u64) = (500, 3_000);
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -58,6 +63,12 @@ pub enum FaultKind {
     /// a failpoints build.
     #[value(name = "io-error")]
     IoError,
+    /// The PostgreSQL server of the run's `--store` stops at once (`pg_ctl stop -m immediate`:
+    /// every backend killed, nothing flushed or checkpointed) and starts again after `hold_ms`
+    /// (crash recovery replays its WAL); the tidemark processes stay up. `process` is 0 (the
+    /// database). Needs `--store` and `--db-data`.
+    #[value(name = "db-crash")]
+    DbCrash,
 }
 
 /// How an I/O error fails the disk (the fault VFS: `tidemark_store_sqlite::faultfs`).
@@ -181,7 +192,21 @@ pub fn schedule(
                     kind = FaultKind::IoError;
                 }
             }
-            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition | FaultKind::IoError) {
+            // Likewise a crash of the database server, one time in four instead of a signal.
+            if has(FaultKind::DbCrash) {
+                let only = signals == 0
+                    && !has(FaultKind::PowerLoss)
+                    && !has(FaultKind::ClockJump)
+                    && !has(FaultKind::Partition)
+                    && !has(FaultKind::IoError);
+                let instead = only
+                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
+                        && rng.gen_range(0..100) < DB_CRASH_PERCENT);
+                if instead {
+                    kind = FaultKind::DbCrash;
+                }
+            }
+            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition | FaultKind::IoError | FaultKind::DbCrash) {
                 process = 0;
             }
             let hold_ms = match kind {
@@ -193,6 +218,7 @@ pub fn schedule(
                 }
                 FaultKind::Partition => rng.gen_range(PARTITION_MS_RANGE.0..=PARTITION_MS_RANGE.1),
                 FaultKind::IoError => rng.gen_range(IO_ERROR_MS_RANGE.0..=IO_ERROR_MS_RANGE.1),
+                FaultKind::DbCrash => rng.gen_range(DB_CRASH_MS_RANGE.0..=DB_CRASH_MS_RANGE.1),
             };
             let io_error = (kind == FaultKind::IoError).then(|| match rng.gen_range(0..3) {
                 0 => IoErrorMode::Full,
@@ -314,6 +340,25 @@ mod tests {
         assert_eq!(due(&mixed), due(&schedule(12, 80, &SIGNALS, 3, 60_000, 1_000)));
         let only = schedule(12, 10, &[FaultKind::IoError], 3, 60_000, 1_000);
         assert!(only.iter().all(|f| f.kind == FaultKind::IoError && f.io_error.is_some()));
+    }
+
+    #[test]
+    fn database_crashes_join_the_other_kinds_and_leave_other_schedules_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::DbCrash];
+        let mixed = schedule(14, 80, &with, 3, 60_000, 1_000);
+        let crashes: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::DbCrash).collect();
+        assert!(!crashes.is_empty() && crashes.len() < mixed.len(), "{mixed:?}");
+        assert!(crashes.iter().all(|f| f.process == 0 && (500..=3_000).contains(&f.hold_ms)), "{crashes:?}");
+        let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
+        assert_eq!(due(&mixed), due(&schedule(14, 80, &SIGNALS, 3, 60_000, 1_000)));
+        let only = schedule(14, 10, &[FaultKind::DbCrash], 3, 60_000, 1_000);
+        assert!(only.iter().all(|f| f.kind == FaultKind::DbCrash));
+        // The schedules without database crashes are the ones earlier builds made.
+        let kinds: Vec<FaultKind> = schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, 1_000)
+            .iter()
+            .map(|f| f.kind)
+            .collect();
+        assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
     }
 
     #[test]

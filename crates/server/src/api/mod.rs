@@ -79,6 +79,9 @@ pub fn status_of(error: &Error) -> StatusCode {
     if error.code() == codes::STORAGE_FULL {
         return StatusCode::INSUFFICIENT_STORAGE;
     }
+    if error.code() == codes::STORE_UNAVAILABLE {
+        return StatusCode::SERVICE_UNAVAILABLE;
+    }
     if !error.is_invalid_input() {
         return StatusCode::INTERNAL_SERVER_ERROR;
     }
