@@ -3,7 +3,8 @@
 //! `http://.../v1/consumers/{id}/inbox` endpoint). The receiving server killed with SIGKILL
 //! mid-stream and restarted; an endpoint that never answers beside a healthy one; the network
 //! between them cut, black-holed, flapping and losing the receiver's answers after its commit (an
-//! in-test TCP proxy); bad endpoints and a missing token.
+//! in-test TCP proxy); bad endpoints and a missing token. The receiver's SIGKILL and the network
+//! faults run with both services on SQLite files and again with both on PostgreSQL.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -11,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::server_support::{token, Server};
+use crate::server_support::{served_on_both_backends, token, Server};
 
 const FLOWS: usize = 20;
 const WAIT: Duration = Duration::from_secs(90);
@@ -51,6 +52,8 @@ fn orders(
     for (origin, token) in extra_tokens {
         text.push_str(&format!("\"{origin}\" = \"{token}\"\n"));
     }
+    // On PostgreSQL the token is in the database: the folder may not exist yet.
+    std::fs::create_dir_all(data).unwrap();
     std::fs::write(&config, text).unwrap();
     let server = Server::start(data, &["--config", config.to_str().unwrap()], &[("SHIPPING_TOKEN", shipping_token)]);
     (server, admin)
@@ -99,78 +102,80 @@ fn lane<'a>(page: &'a Value, consumer: &str) -> Option<&'a Value> {
 
 #[test]
 fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the_receiver() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
-    let (mut ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
-    let listen = ship.base.trim_start_matches("http://").to_string();
-    let (orders, orders_token) = orders(&orders_dir, &ship.base, &ship_token, &[], 10_000);
-    let endpoint = format!("{}/v1/consumers/ledger/inbox", ship.base);
-    let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(body["kind"], "http");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+        let (mut ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+        let listen = ship.base.trim_start_matches("http://").to_string();
+        let (orders, orders_token) = orders(&orders_dir, &ship.base, &ship_token, &[], 10_000);
+        let endpoint = format!("{}/v1/consumers/ledger/inbox", ship.base);
+        let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["kind"], "http");
 
-    // Round 1: every event arrives and is applied once.
-    for f in 0..FLOWS {
-        append(&orders, &orders_token, &format!("parcel-{f}"), 3);
-    }
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_token);
-        (seen.len() == FLOWS * 3).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+        // Round 1: every event arrives and is applied once.
+        for f in 0..FLOWS {
+            append(&orders, &orders_token, &format!("parcel-{f}"), 3);
+        }
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_token);
+            (seen.len() == FLOWS * 3).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "{seen:?}");
 
-    // Round 2: the receiver is killed with SIGKILL while events are on their way, then
-    // restarted where the sender expects it. Every event arrives once, in order per flow.
-    let writer = {
-        let (base, token) = (orders.base.clone(), orders_token.clone());
-        std::thread::spawn(move || {
-            let client = reqwest::blocking::Client::new();
-            for round in 0..10 {
-                for f in 0..FLOWS {
-                    let response = client
-                        .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                        .bearer_auth(&token)
-                        .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                        .send()
-                        .expect("orders answers");
-                    assert_eq!(response.status().as_u16(), 200);
+        // Round 2: the receiver is killed with SIGKILL while events are on their way, then
+        // restarted where the sender expects it. Every event arrives once, in order per flow.
+        let writer = {
+            let (base, token) = (orders.base.clone(), orders_token.clone());
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::new();
+                for round in 0..10 {
+                    for f in 0..FLOWS {
+                        let response = client
+                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                            .bearer_auth(&token)
+                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                            .send()
+                            .expect("orders answers");
+                        assert_eq!(response.status().as_u16(), 200);
+                    }
                 }
-            }
-        })
-    };
-    ship.wait_for(WAIT, |s| (applied(s, &ship_token).len() > FLOWS * 3 + 10).then_some(()));
-    ship.kill9();
-    // While it is down, the lane reports what failed.
-    let down = orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-        lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+            })
+        };
+        ship.wait_for(WAIT, |s| (applied(s, &ship_token).len() > FLOWS * 3 + 10).then_some(()));
+        ship.kill9();
+        // While it is down, the lane reports what failed.
+        let down = orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+            lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        });
+        assert!(down.contains("ledger/inbox/batch"), "{down}");
+        writer.join().unwrap();
+        let ship = Server::start_at(&ship_dir, &listen, &[], &[]);
+        let total = FLOWS * 13;
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_token);
+            (seen.len() == total).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+        for f in 0..FLOWS {
+            let seqs: BTreeSet<i64> =
+                seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
+            assert_eq!(seqs, (1..=13).collect(), "parcel-{f}");
+        }
+        // Each flow's high-water mark on the receiver is its last seq: applied in order, no gap.
+        let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_token), None);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 13), "{cursors:?}");
+        // The sender has nothing left to deliver, nothing quarantined.
+        orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
+            page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
+        });
+        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
+        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
     });
-    assert!(down.contains("ledger/inbox/batch"), "{down}");
-    writer.join().unwrap();
-    let ship = Server::start_at(&ship_dir, &listen, &[], &[]);
-    let total = FLOWS * 13;
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_token);
-        (seen.len() == total).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
-    for f in 0..FLOWS {
-        let seqs: BTreeSet<i64> =
-            seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
-        assert_eq!(seqs, (1..=13).collect(), "parcel-{f}");
-    }
-    // Each flow's high-water mark on the receiver is its last seq: applied in order, no gap.
-    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_token), None);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 13), "{cursors:?}");
-    // The sender has nothing left to deliver, nothing quarantined.
-    orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
-        page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
-    });
-    let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
-    assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
 }
 
 /// A W3C trace context given with an advance travels with its event to another server's inbox
@@ -178,129 +183,133 @@ fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the
 /// W3C Trace Context says, and an event without one carries none.
 #[test]
 fn a_trace_context_travels_with_its_event_to_another_server_and_a_malformed_one_is_ignored() {
-    const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    let dir = tempfile::tempdir().unwrap();
-    let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
-    let (orders, orders_token) = orders(&dir.path().join("orders"), &ship.base, &ship_token, &[], 10_000);
-    let (status, body) =
-        subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", ship.base));
-    assert_eq!(status, 200, "{body}");
-    let traces = [Some(TRACEPARENT), None, Some("00-not-a-trace-context-01")];
-    for (i, traceparent) in traces.iter().enumerate() {
-        let mut request = orders
-            .client
-            .post(format!("{}/v1/streams/traced/events", orders.base))
-            .bearer_auth(&orders_token)
-            .json(&json!({"event_type": "parcel.noted", "payload": {"i": i}}));
-        if let Some(value) = traceparent {
-            request = request.header("traceparent", *value);
+    served_on_both_backends(|| {
+        const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let dir = tempfile::tempdir().unwrap();
+        let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
+        let (orders, orders_token) = orders(&dir.path().join("orders"), &ship.base, &ship_token, &[], 10_000);
+        let (status, body) =
+            subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", ship.base));
+        assert_eq!(status, 200, "{body}");
+        let traces = [Some(TRACEPARENT), None, Some("00-not-a-trace-context-01")];
+        for (i, traceparent) in traces.iter().enumerate() {
+            let mut request = orders
+                .client
+                .post(format!("{}/v1/streams/traced/events", orders.base))
+                .bearer_auth(&orders_token)
+                .json(&json!({"event_type": "parcel.noted", "payload": {"i": i}}));
+            if let Some(value) = traceparent {
+                request = request.header("traceparent", *value);
+            }
+            let response = request.send().unwrap();
+            assert_eq!(response.status().as_u16(), 200, "{:?}", response.text());
         }
-        let response = request.send().unwrap();
-        assert_eq!(response.status().as_u16(), 200, "{:?}", response.text());
-    }
-    let records = ship.wait_for(WAIT, |s| {
-        let (_, page) = s.call("GET", "/v1/consumers/ledger/inbox?limit=10", Some(&ship_token), None);
-        let records = page["records"].as_array().cloned().unwrap_or_default();
-        (records.len() == 3 && records.iter().all(|r| r["status"] == "applied")).then_some(records)
+        let records = ship.wait_for(WAIT, |s| {
+            let (_, page) = s.call("GET", "/v1/consumers/ledger/inbox?limit=10", Some(&ship_token), None);
+            let records = page["records"].as_array().cloned().unwrap_or_default();
+            (records.len() == 3 && records.iter().all(|r| r["status"] == "applied")).then_some(records)
+        });
+        let carried: BTreeMap<i64, Value> = records
+            .iter()
+            .map(|r| (r["envelope"]["seq"].as_i64().unwrap(), r["envelope"]["traceparent"].clone()))
+            .collect();
+        assert_eq!(carried[&1], json!(TRACEPARENT), "{records:?}");
+        assert_eq!(carried[&2], Value::Null, "no header, no trace context: {records:?}");
+        assert_eq!(carried[&3], Value::Null, "a malformed header is ignored: {records:?}");
     });
-    let carried: BTreeMap<i64, Value> = records
-        .iter()
-        .map(|r| (r["envelope"]["seq"].as_i64().unwrap(), r["envelope"]["traceparent"].clone()))
-        .collect();
-    assert_eq!(carried[&1], json!(TRACEPARENT), "{records:?}");
-    assert_eq!(carried[&2], Value::Null, "no header, no trace context: {records:?}");
-    assert_eq!(carried[&3], Value::Null, "a malformed header is ignored: {records:?}");
 }
 
 #[test]
 fn an_endpoint_that_never_answers_does_not_hold_up_the_others_and_bad_endpoints_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
-    let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
-    // A black hole: the kernel completes the handshake into the backlog, nobody ever answers.
-    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let hole_addr = hole.local_addr().unwrap();
-    // A timeout far longer than this test's waits: if the relay waited for its slowest endpoint,
-    // nothing would reach `shipping` in time.
-    let hole_origin = format!("http://{hole_addr}");
-    let (orders, orders_token) =
-        orders(&orders_dir, &ship.base, &ship_token, &[(&hole_origin, "tmk_whatever")], 600_000);
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+        let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+        // A black hole: the kernel completes the handshake into the backlog, nobody ever answers.
+        let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let hole_addr = hole.local_addr().unwrap();
+        // A timeout far longer than this test's waits: if the relay waited for its slowest endpoint,
+        // nothing would reach `shipping` in time.
+        let hole_origin = format!("http://{hole_addr}");
+        let (orders, orders_token) =
+            orders(&orders_dir, &ship.base, &ship_token, &[(&hole_origin, "tmk_whatever")], 600_000);
 
-    // Bad endpoints: typed errors, nothing subscribed.
-    for bad in [
-        "ftp://host/x",
-        "http://user:secret@127.0.0.1:9/v1/consumers/c/inbox",
-        "http://127.0.0.1:9/v1/runs",
-        "/etc/passwd",
-        "nats://127.0.0.1:4222/a..b",
-    ] {
-        let (status, body) = subscribe(&orders, &orders_token, "bad", bad);
-        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{bad}: {body}");
-        assert!(!body.to_string().contains("secret"), "{body}");
-    }
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-    assert_eq!(page["subscriptions"].as_array().map(Vec::len), Some(0), "{page}");
+        // Bad endpoints: typed errors, nothing subscribed.
+        for bad in [
+            "ftp://host/x",
+            "http://user:secret@127.0.0.1:9/v1/consumers/c/inbox",
+            "http://127.0.0.1:9/v1/runs",
+            "/etc/passwd",
+            "nats://127.0.0.1:4222/a..b",
+        ] {
+            let (status, body) = subscribe(&orders, &orders_token, "bad", bad);
+            assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{bad}: {body}");
+            assert!(!body.to_string().contains("secret"), "{body}");
+        }
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        assert_eq!(page["subscriptions"].as_array().map(Vec::len), Some(0), "{page}");
 
-    // Three subscribers: the black hole, an origin without a configured token, and `shipping`.
-    for (consumer, endpoint) in [
-        ("hole", format!("{hole_origin}/v1/consumers/ledger/inbox")),
-        ("untokened", "http://127.0.0.1:9/v1/consumers/ledger/inbox".to_string()),
-        ("ledger", format!("{}/v1/consumers/ledger/inbox", ship.base)),
-    ] {
-        let (status, body) = subscribe(&orders, &orders_token, consumer, &endpoint);
-        assert_eq!(status, 200, "{body}");
-    }
-    for f in 0..FLOWS {
-        append(&orders, &orders_token, &format!("parcel-{f}"), 3);
-    }
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_token);
-        (seen.len() == FLOWS * 3).then_some(seen)
+        // Three subscribers: the black hole, an origin without a configured token, and `shipping`.
+        for (consumer, endpoint) in [
+            ("hole", format!("{hole_origin}/v1/consumers/ledger/inbox")),
+            ("untokened", "http://127.0.0.1:9/v1/consumers/ledger/inbox".to_string()),
+            ("ledger", format!("{}/v1/consumers/ledger/inbox", ship.base)),
+        ] {
+            let (status, body) = subscribe(&orders, &orders_token, consumer, &endpoint);
+            assert_eq!(status, 200, "{body}");
+        }
+        for f in 0..FLOWS {
+            append(&orders, &orders_token, &format!("parcel-{f}"), 3);
+        }
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_token);
+            (seen.len() == FLOWS * 3).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+        // The black hole's batch is still in flight (it never answers); the untokened subscriber's
+        // deliveries failed with the reason, and were never accepted.
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        let hole_lane = lane(&page, "hole").expect("the hole's subscription");
+        assert_eq!(hole_lane["in_flight"], true, "{page}");
+        assert_eq!(hole_lane["delivered"], 0, "{page}");
+        let reason = orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+            lane(&page, "untokened").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        });
+        assert!(reason.contains("no bearer token"), "{reason}");
+        let (_, pending) = orders.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_token), None);
+        let pending = pending["deliveries"].as_array().unwrap();
+        let by_consumer: BTreeSet<&str> = pending.iter().map(|d| d["consumer_id"].as_str().unwrap()).collect();
+        assert_eq!(by_consumer, BTreeSet::from(["hole", "untokened"]), "{pending:?}");
+        assert_eq!(pending.len(), 2 * FLOWS * 3, "every event still pending for both, none for `ledger`");
+        // The lag each subscription shows, over the API and on the dashboard.
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        let view = |consumer: &str| {
+            page["subscriptions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["consumer_id"] == consumer && s["outbox"] == "producer")
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(
+            (view("hole")["pending"].as_u64(), view("untokened")["pending"].as_u64()),
+            (Some(60), Some(60)),
+            "{page}"
+        );
+        assert_eq!(view("ledger")["pending"], 0, "{page}");
+        assert!(
+            view("hole")["oldest_pending_at_ms"].is_i64() && view("ledger")["oldest_pending_at_ms"].is_null(),
+            "{page}"
+        );
+        let cookie = crate::server_dashboard::login(&orders, &orders_token);
+        let html = crate::server_dashboard::page(&orders, "/ui/subscriptions", &cookie);
+        for expected in [hole_origin.as_str(), "untokened", "no bearer token", "in flight", ">http<"] {
+            assert!(html.contains(expected), "{expected} missing from the page: {html}");
+        }
+        drop(hole);
     });
-    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
-    // The black hole's batch is still in flight (it never answers); the untokened subscriber's
-    // deliveries failed with the reason, and were never accepted.
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-    let hole_lane = lane(&page, "hole").expect("the hole's subscription");
-    assert_eq!(hole_lane["in_flight"], true, "{page}");
-    assert_eq!(hole_lane["delivered"], 0, "{page}");
-    let reason = orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-        lane(&page, "untokened").and_then(|l| l["last_error"].as_str().map(str::to_string))
-    });
-    assert!(reason.contains("no bearer token"), "{reason}");
-    let (_, pending) = orders.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_token), None);
-    let pending = pending["deliveries"].as_array().unwrap();
-    let by_consumer: BTreeSet<&str> = pending.iter().map(|d| d["consumer_id"].as_str().unwrap()).collect();
-    assert_eq!(by_consumer, BTreeSet::from(["hole", "untokened"]), "{pending:?}");
-    assert_eq!(pending.len(), 2 * FLOWS * 3, "every event still pending for both, none for `ledger`");
-    // The lag each subscription shows, over the API and on the dashboard.
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-    let view = |consumer: &str| {
-        page["subscriptions"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["consumer_id"] == consumer && s["outbox"] == "producer")
-            .cloned()
-            .unwrap()
-    };
-    assert_eq!(
-        (view("hole")["pending"].as_u64(), view("untokened")["pending"].as_u64()),
-        (Some(60), Some(60)),
-        "{page}"
-    );
-    assert_eq!(view("ledger")["pending"], 0, "{page}");
-    assert!(
-        view("hole")["oldest_pending_at_ms"].is_i64() && view("ledger")["oldest_pending_at_ms"].is_null(),
-        "{page}"
-    );
-    let cookie = crate::server_dashboard::login(&orders, &orders_token);
-    let html = crate::server_dashboard::page(&orders, "/ui/subscriptions", &cookie);
-    for expected in [hole_origin.as_str(), "untokened", "no bearer token", "in flight", ">http<"] {
-        assert!(html.contains(expected), "{expected} missing from the page: {html}");
-    }
-    drop(hole);
 }
 
 #[test]
@@ -1415,74 +1424,76 @@ fn pipe(
 /// lost come back `duplicate`, and the relay catches up by itself, nothing quarantined.
 #[test]
 fn events_cross_a_cut_flapping_network_that_loses_answers_exactly_once_and_in_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
-    let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
-    let proxy = Proxy::start(ship.base.trim_start_matches("http://"));
-    // The relay's token is for the origin it sends to: the proxy's.
-    let (orders, orders_token) = orders(&orders_dir, &proxy.addr, &ship_token, &[], 1_000);
-    let (status, body) =
-        subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", proxy.addr));
-    assert_eq!(status, 200, "{body}");
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let (ship_dir, orders_dir) = (dir.path().join("shipping"), dir.path().join("orders"));
+        let (ship, ship_token) = shipping(&ship_dir, "127.0.0.1:0");
+        let proxy = Proxy::start(ship.base.trim_start_matches("http://"));
+        // The relay's token is for the origin it sends to: the proxy's.
+        let (orders, orders_token) = orders(&orders_dir, &proxy.addr, &ship_token, &[], 1_000);
+        let (status, body) =
+            subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", proxy.addr));
+        assert_eq!(status, 200, "{body}");
 
-    let writer = {
-        let (base, token) = (orders.base.clone(), orders_token.clone());
-        std::thread::spawn(move || {
-            let client = reqwest::blocking::Client::new();
-            for round in 0..8 {
-                for f in 0..FLOWS {
-                    let response = client
-                        .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                        .bearer_auth(&token)
-                        .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                        .send()
-                        .expect("orders answers");
-                    assert_eq!(response.status().as_u16(), 200);
+        let writer = {
+            let (base, token) = (orders.base.clone(), orders_token.clone());
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::new();
+                for round in 0..8 {
+                    for f in 0..FLOWS {
+                        let response = client
+                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                            .bearer_auth(&token)
+                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                            .send()
+                            .expect("orders answers");
+                        assert_eq!(response.status().as_u16(), 200);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
                 }
-                std::thread::sleep(Duration::from_millis(50));
+            })
+        };
+        // Flap through every fault, a fixed number of times, then heal.
+        for _ in 0..4 {
+            for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
+                proxy.set(wire);
+                std::thread::sleep(Duration::from_millis(250));
             }
-        })
-    };
-    // Flap through every fault, a fixed number of times, then heal.
-    for _ in 0..4 {
-        for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
-            proxy.set(wire);
-            std::thread::sleep(Duration::from_millis(250));
         }
-    }
-    // Answers must have been lost after a commit at least once, or the test proved nothing.
-    let mut extra = 0;
-    let lose_until_one = (0..40).any(|_| {
-        proxy.set(Wire::LoseAnswers);
-        append(&orders, &orders_token, "parcel-extra", 1);
-        extra += 1;
-        std::thread::sleep(Duration::from_millis(100));
-        proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
-    });
-    assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
-    proxy.set(Wire::Pass);
-    writer.join().unwrap();
+        // Answers must have been lost after a commit at least once, or the test proved nothing.
+        let mut extra = 0;
+        let lose_until_one = (0..40).any(|_| {
+            proxy.set(Wire::LoseAnswers);
+            append(&orders, &orders_token, "parcel-extra", 1);
+            extra += 1;
+            std::thread::sleep(Duration::from_millis(100));
+            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
+        });
+        assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
+        proxy.set(Wire::Pass);
+        writer.join().unwrap();
 
-    let total = FLOWS * 8 + extra;
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_token);
-        (seen.len() == total).then_some(seen)
+        let total = FLOWS * 8 + extra;
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_token);
+            (seen.len() == total).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+        for f in 0..FLOWS {
+            let seqs: BTreeSet<i64> =
+                seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
+            assert_eq!(seqs, (1..=8).collect(), "parcel-{f}");
+        }
+        orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
+            page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
+        });
+        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
+        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+        // The lost answers came back as duplicates: the receiver answered them, and applied nothing twice.
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
+        assert!(lane(&page, "ledger").is_some(), "{page}");
     });
-    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
-    for f in 0..FLOWS {
-        let seqs: BTreeSet<i64> =
-            seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
-        assert_eq!(seqs, (1..=8).collect(), "parcel-{f}");
-    }
-    orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
-        page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
-    });
-    let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
-    assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
-    // The lost answers came back as duplicates: the receiver answered them, and applied nothing twice.
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
-    assert!(lane(&page, "ledger").is_some(), "{page}");
 }
 
 /// A TLS terminator on loopback in front of `target` (plain HTTP), with a self-signed certificate
@@ -1530,62 +1541,66 @@ fn tls_terminator(target: String) -> (String, String) {
 /// that holds no certificate stops the server at start with `invalid_config`.
 #[test]
 fn events_cross_over_https_only_to_a_certificate_the_relay_trusts() {
-    let dir = tempfile::tempdir().unwrap();
-    let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
-    let (origin, pem) = tls_terminator(ship.base.trim_start_matches("http://").to_string());
-    let ca = dir.path().join("ca.pem");
-    std::fs::write(&ca, &pem).unwrap();
-    let endpoint = format!("{origin}/v1/consumers/ledger/inbox");
-    let start_orders = |name: &str, ca_file: Option<&Path>| {
-        let data = dir.path().join(name);
-        let admin = token(&data, "orders", "admin");
-        let mut text =
-            "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 300\nmax_attempts = 1000\n"
-                .to_string();
-        if let Some(ca) = ca_file {
-            text.push_str(&format!("ca_file = {:?}\n", ca.to_str().unwrap()));
+    served_on_both_backends(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let (ship, ship_token) = shipping(&dir.path().join("shipping"), "127.0.0.1:0");
+        let (origin, pem) = tls_terminator(ship.base.trim_start_matches("http://").to_string());
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, &pem).unwrap();
+        let endpoint = format!("{origin}/v1/consumers/ledger/inbox");
+        let start_orders = |name: &str, ca_file: Option<&Path>| {
+            let data = dir.path().join(name);
+            let admin = token(&data, "orders", "admin");
+            let mut text =
+                "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 300\nmax_attempts = 1000\n"
+                    .to_string();
+            if let Some(ca) = ca_file {
+                text.push_str(&format!("ca_file = {:?}\n", ca.to_str().unwrap()));
+            }
+            text.push_str(&format!("[relay.tokens]\n\"{origin}\" = \"{ship_token}\"\n"));
+            let config = data.join("orders.toml");
+            std::fs::create_dir_all(&data).unwrap();
+            std::fs::write(&config, text).unwrap();
+            (Server::start(&data, &["--config", config.to_str().unwrap()], &[]), admin)
+        };
+
+        // Not trusted: the TLS handshake fails; the events stay pending with the reason.
+        let (untrusting, untrusting_token) = start_orders("orders-untrusting", None);
+        let (status, body) = subscribe(&untrusting, &untrusting_token, "ledger", &endpoint);
+        assert_eq!((status, body["kind"].as_str()), (200, Some("http")), "{body}");
+        append(&untrusting, &untrusting_token, "refused", 3);
+        let reason = untrusting.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/subscriptions", Some(&untrusting_token), None);
+            lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        });
+        assert!(reason.contains("ledger/inbox/batch") && reason.contains("certificate"), "{reason}");
+        let (_, accepted) =
+            untrusting.call("GET", "/v1/outbox?status=accepted&limit=10", Some(&untrusting_token), None);
+        assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(0), "{accepted}");
+        drop(untrusting);
+
+        // Trusted: every event arrives once.
+        let (orders, orders_token) = start_orders("orders", Some(&ca));
+        let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
+        assert_eq!(status, 200, "{body}");
+        for f in 0..5 {
+            append(&orders, &orders_token, &format!("secure-{f}"), 2);
         }
-        text.push_str(&format!("[relay.tokens]\n\"{origin}\" = \"{ship_token}\"\n"));
-        let config = data.join("orders.toml");
-        std::fs::write(&config, text).unwrap();
-        (Server::start(&data, &["--config", config.to_str().unwrap()], &[]), admin)
-    };
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_token);
+            (seen.keys().filter(|(flow, _)| flow.starts_with("secure-")).count() == 10).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "{seen:?}");
+        assert!(!seen.keys().any(|(flow, _)| flow == "refused"), "the untrusting relay delivered nothing: {seen:?}");
 
-    // Not trusted: the TLS handshake fails; the events stay pending with the reason.
-    let (untrusting, untrusting_token) = start_orders("orders-untrusting", None);
-    let (status, body) = subscribe(&untrusting, &untrusting_token, "ledger", &endpoint);
-    assert_eq!((status, body["kind"].as_str()), (200, Some("http")), "{body}");
-    append(&untrusting, &untrusting_token, "refused", 3);
-    let reason = untrusting.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&untrusting_token), None);
-        lane(&page, "ledger").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        // A CA file without a certificate: the server does not start.
+        let bad = dir.path().join("bad.pem");
+        std::fs::write(&bad, "not a certificate\n").unwrap();
+        let config = dir.path().join("bad.toml");
+        std::fs::write(&config, format!("[relay]\nca_file = {:?}\n", bad.to_str().unwrap())).unwrap();
+        let checked = crate::support::run(&["config", "check", "--config", config.to_str().unwrap()]);
+        assert_eq!(checked.code, 2, "{}{}", checked.stdout, checked.stderr);
+        assert_eq!(checked.json["error"]["code"], "invalid_config", "{}", checked.stdout);
+        assert!(checked.stdout.contains("relay.ca_file"), "{}", checked.stdout);
     });
-    assert!(reason.contains("ledger/inbox/batch") && reason.contains("certificate"), "{reason}");
-    let (_, accepted) = untrusting.call("GET", "/v1/outbox?status=accepted&limit=10", Some(&untrusting_token), None);
-    assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(0), "{accepted}");
-    drop(untrusting);
-
-    // Trusted: every event arrives once.
-    let (orders, orders_token) = start_orders("orders", Some(&ca));
-    let (status, body) = subscribe(&orders, &orders_token, "ledger", &endpoint);
-    assert_eq!(status, 200, "{body}");
-    for f in 0..5 {
-        append(&orders, &orders_token, &format!("secure-{f}"), 2);
-    }
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_token);
-        (seen.keys().filter(|(flow, _)| flow.starts_with("secure-")).count() == 10).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "{seen:?}");
-    assert!(!seen.keys().any(|(flow, _)| flow == "refused"), "the untrusting relay delivered nothing: {seen:?}");
-
-    // A CA file without a certificate: the server does not start.
-    let bad = dir.path().join("bad.pem");
-    std::fs::write(&bad, "not a certificate\n").unwrap();
-    let config = dir.path().join("bad.toml");
-    std::fs::write(&config, format!("[relay]\nca_file = {:?}\n", bad.to_str().unwrap())).unwrap();
-    let checked = crate::support::run(&["config", "check", "--config", config.to_str().unwrap()]);
-    assert_eq!(checked.code, 2, "{}{}", checked.stdout, checked.stderr);
-    assert_eq!(checked.json["error"]["code"], "invalid_config", "{}", checked.stdout);
-    assert!(checked.stdout.contains("relay.ca_file"), "{}", checked.stdout);
 }
