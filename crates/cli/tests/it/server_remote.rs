@@ -52,8 +52,6 @@ fn orders(
     for (origin, token) in extra_tokens {
         text.push_str(&format!("\"{origin}\" = \"{token}\"\n"));
     }
-    // On PostgreSQL the token is in the database: the folder may not exist yet.
-    std::fs::create_dir_all(data).unwrap();
     std::fs::write(&config, text).unwrap();
     let server = Server::start(data, &["--config", config.to_str().unwrap()], &[("SHIPPING_TOKEN", shipping_token)]);
     (server, admin)
@@ -420,180 +418,185 @@ fn stored_ids(port: u16, stream: &str) -> Vec<String> {
 
 #[test]
 fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_relay() {
-    if !Path::new(NATS_BIN).exists() {
-        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut nats = Nats::start(&dir.path().join("nats"), port);
-    with_jetstream(port, async |js| {
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: "ORDERS".into(),
-            subjects: vec!["orders.>".into()],
-            ..Default::default()
-        })
-        .await
-        .expect("create the stream")
-    });
-    let orders_dir = dir.path().join("orders");
-    let admin = token(&orders_dir, "orders", "admin");
-    let config = orders_dir.join("orders.toml");
-    std::fs::write(
-        &config,
-        "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-    )
-    .unwrap();
-    let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
-    let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
-    assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
-    let pending = |o: &Server| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
-        page["deliveries"].as_array().map(Vec::len).unwrap()
-    };
+    served_on_both_backends(|| {
+        if !Path::new(NATS_BIN).exists() {
+            println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut nats = Nats::start(&dir.path().join("nats"), port);
+        with_jetstream(port, async |js| {
+            js.create_stream(async_nats::jetstream::stream::Config {
+                name: "ORDERS".into(),
+                subjects: vec!["orders.>".into()],
+                ..Default::default()
+            })
+            .await
+            .expect("create the stream")
+        });
+        let orders_dir = dir.path().join("orders");
+        let admin = token(&orders_dir, "orders", "admin");
+        let config = orders_dir.join("orders.toml");
+        std::fs::write(
+            &config,
+            "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+        )
+        .unwrap();
+        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
+        assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
+        let pending = |o: &Server| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
+            page["deliveries"].as_array().map(Vec::len).unwrap()
+        };
 
-    for f in 0..FLOWS {
-        append(&orders, &admin, &format!("parcel-{f}"), 3);
-    }
-    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
-    assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 3);
+        for f in 0..FLOWS {
+            append(&orders, &admin, &format!("parcel-{f}"), 3);
+        }
+        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+        assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 3);
 
-    // The broker killed with SIGKILL while events are committed, then restarted on its files.
-    nats.kill9();
-    for f in 0..FLOWS {
-        append(&orders, &admin, &format!("parcel-{f}"), 2);
-    }
-    let down = orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
-        lane(&page, "stream").and_then(|l| l["last_error"].as_str().map(str::to_string))
-    });
-    assert!(down.contains(&format!("nats://127.0.0.1:{port}/orders")), "{down}");
-    assert_eq!(pending(&orders), FLOWS * 2, "nothing accepted while the broker is down");
-    nats.restart();
-    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
-    let ids = stored_ids(port, "ORDERS");
-    assert_eq!(ids.len(), FLOWS * 5, "every event stored once");
-    assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), ids.len(), "no event stored twice");
+        // The broker killed with SIGKILL while events are committed, then restarted on its files.
+        nats.kill9();
+        for f in 0..FLOWS {
+            append(&orders, &admin, &format!("parcel-{f}"), 2);
+        }
+        let down = orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
+            lane(&page, "stream").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        });
+        assert!(down.contains(&format!("nats://127.0.0.1:{port}/orders")), "{down}");
+        assert_eq!(pending(&orders), FLOWS * 2, "nothing accepted while the broker is down");
+        nats.restart();
+        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+        let ids = stored_ids(port, "ORDERS");
+        assert_eq!(ids.len(), FLOWS * 5, "every event stored once");
+        assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), ids.len(), "no event stored twice");
 
-    // Every event handed over again (an operator's redeliver): the stream answers duplicate.
-    let (status, body) = orders.call("POST", "/v1/outbox/redeliver/stream", Some(&admin), Some(&json!({"all": true})));
-    assert_eq!(status, 200, "{body}");
-    orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
-    assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 5, "the duplicate window kept them out");
-    let (_, metrics) = orders.text("/metrics");
-    let duplicates: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("tidemark_relay_deliveries_total") && l.contains("outcome=\"duplicate\""))
-        .filter_map(|l| l.rsplit(" ").next()?.parse::<f64>().ok())
-        .sum();
-    // At least every redelivered event; more when a publish timed out while the broker was down
-    // and reached the stream after it came back (the retry was then answered duplicate).
-    assert!(duplicates as usize >= FLOWS * 5, "{metrics}");
-    let endpoint = format!("endpoint=\"nats://127.0.0.1:{port}/orders\"");
-    let per_endpoint = |outcome: &str| -> f64 {
-        metrics
+        // Every event handed over again (an operator's redeliver): the stream answers duplicate.
+        let (status, body) =
+            orders.call("POST", "/v1/outbox/redeliver/stream", Some(&admin), Some(&json!({"all": true})));
+        assert_eq!(status, 200, "{body}");
+        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+        assert_eq!(stored_ids(port, "ORDERS").len(), FLOWS * 5, "the duplicate window kept them out");
+        let (_, metrics) = orders.text("/metrics");
+        let duplicates: f64 = metrics
             .lines()
-            .filter(|l| l.starts_with("tidemark_endpoint_deliveries_total") && l.contains(&endpoint))
-            .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")) && l.contains("kind=\"nats\""))
+            .filter(|l| l.starts_with("tidemark_relay_deliveries_total") && l.contains("outcome=\"duplicate\""))
             .filter_map(|l| l.rsplit(" ").next()?.parse::<f64>().ok())
-            .sum()
-    };
-    // Every event handed over twice in all (once, then by the redeliver), each time with custody.
-    assert_eq!(per_endpoint("accepted") + per_endpoint("duplicate"), (FLOWS * 10) as f64, "{metrics}");
-    assert!(per_endpoint("accepted") <= (FLOWS * 5) as f64, "{metrics}");
-    assert!(per_endpoint("failed") > 0.0, "the broker was down for a while: {metrics}");
-    assert!(metrics.contains("tidemark_endpoint_batch_seconds_count{"), "{metrics}");
+            .sum();
+        // At least every redelivered event; more when a publish timed out while the broker was down
+        // and reached the stream after it came back (the retry was then answered duplicate).
+        assert!(duplicates as usize >= FLOWS * 5, "{metrics}");
+        let endpoint = format!("endpoint=\"nats://127.0.0.1:{port}/orders\"");
+        let per_endpoint = |outcome: &str| -> f64 {
+            metrics
+                .lines()
+                .filter(|l| l.starts_with("tidemark_endpoint_deliveries_total") && l.contains(&endpoint))
+                .filter(|l| l.contains(&format!("outcome=\"{outcome}\"")) && l.contains("kind=\"nats\""))
+                .filter_map(|l| l.rsplit(" ").next()?.parse::<f64>().ok())
+                .sum()
+        };
+        // Every event handed over twice in all (once, then by the redeliver), each time with custody.
+        assert_eq!(per_endpoint("accepted") + per_endpoint("duplicate"), (FLOWS * 10) as f64, "{metrics}");
+        assert!(per_endpoint("accepted") <= (FLOWS * 5) as f64, "{metrics}");
+        assert!(per_endpoint("failed") > 0.0, "the broker was down for a while: {metrics}");
+        assert!(metrics.contains("tidemark_endpoint_batch_seconds_count{"), "{metrics}");
+    });
 }
 
 #[test]
 fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill_and_a_poison_message() {
-    if !Path::new(NATS_BIN).exists() {
-        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let _nats = Nats::start(&dir.path().join("nats"), port);
-    with_jetstream(port, async |js| {
-        js.create_stream(async_nats::jetstream::stream::Config {
-            name: "ORDERS".into(),
-            subjects: vec!["orders.>".into()],
-            ..Default::default()
-        })
-        .await
-        .expect("create the stream")
-    });
-    // shipping consumes the stream into its `ledger` consumer's inbox.
-    let ship_dir = dir.path().join("shipping");
-    let ship_admin = token(&ship_dir, "shipping", "admin");
-    let ship_config = ship_dir.join("shipping.toml");
-    std::fs::write(
-        &ship_config,
-        format!(
-            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"nats://127.0.0.1:{port}/orders\"\n\
-             stream = \"ORDERS\"\nbatch = 20\nack_wait_ms = 2000\n"
-        ),
-    )
-    .unwrap();
-    let ship_args = ["--config", ship_config.to_str().unwrap()];
-    let mut ship = Server::start(&ship_dir, &ship_args, &[]);
-    let (status, body) = ship.call(
-        "PUT",
-        "/v1/consumers/ledger",
-        Some(&ship_admin),
-        Some(&json!({"handler": "record", "subscribe": false})),
-    );
-    assert_eq!(status, 201, "{body}");
-    // orders relays its outbox to the stream.
-    let orders_dir = dir.path().join("orders");
-    let orders_admin = token(&orders_dir, "orders", "admin");
-    let orders = Server::start(&orders_dir, &[], &[]);
-    let (status, body) = subscribe(&orders, &orders_admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
-    assert_eq!(status, 200, "{body}");
-
-    for f in 0..FLOWS {
-        append(&orders, &orders_admin, &format!("parcel-{f}"), 3);
-    }
-    ship.wait_for(WAIT, |s| (applied(s, &ship_admin).len() == FLOWS * 3).then_some(()));
-
-    // A poison message on a consumed subject: terminated at the broker, never stored, never looping.
-    with_jetstream(port, async |js| {
-        js.publish("orders.elsewhere.poison", "not an envelope".into()).await.unwrap().await.expect("stored")
-    });
-    // The consumer killed with SIGKILL while events flow, then restarted.
-    for f in 0..FLOWS {
-        append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
-    }
-    ship.kill9();
-    for f in 0..FLOWS {
-        append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
-    }
-    // Anywhere: nothing sends to shipping's HTTP port, it pulls from the broker.
-    let ship = Server::start(&ship_dir, &ship_args, &[]);
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_admin);
-        (seen.len() == FLOWS * 7).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
-    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 7), "{cursors:?}");
-    // Nothing is left unacked at the broker once the messages the killed process had stored
-    // but not acked come back after ack_wait (answered duplicate, acked); the poison message was
-    // terminated, never redelivered.
-    let info = ship.wait_for(WAIT, |_| {
-        let info = with_jetstream(port, async |js| {
-            let stream = js.get_stream("ORDERS").await.unwrap();
-            let mut consumer: async_nats::jetstream::consumer::PullConsumer =
-                stream.get_consumer("tidemark-shipping-ledger").await.expect("the durable consumer");
-            consumer.info().await.unwrap().clone()
+    served_on_both_backends(|| {
+        if !Path::new(NATS_BIN).exists() {
+            println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let _nats = Nats::start(&dir.path().join("nats"), port);
+        with_jetstream(port, async |js| {
+            js.create_stream(async_nats::jetstream::stream::Config {
+                name: "ORDERS".into(),
+                subjects: vec!["orders.>".into()],
+                ..Default::default()
+            })
+            .await
+            .expect("create the stream")
         });
-        (info.num_ack_pending == 0 && info.num_pending == 0).then_some(info)
+        // shipping consumes the stream into its `ledger` consumer's inbox.
+        let ship_dir = dir.path().join("shipping");
+        let ship_admin = token(&ship_dir, "shipping", "admin");
+        let ship_config = ship_dir.join("shipping.toml");
+        std::fs::write(
+            &ship_config,
+            format!(
+                "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"nats://127.0.0.1:{port}/orders\"\n\
+                 stream = \"ORDERS\"\nbatch = 20\nack_wait_ms = 2000\n"
+            ),
+        )
+        .unwrap();
+        let ship_args = ["--config", ship_config.to_str().unwrap()];
+        let mut ship = Server::start(&ship_dir, &ship_args, &[]);
+        let (status, body) = ship.call(
+            "PUT",
+            "/v1/consumers/ledger",
+            Some(&ship_admin),
+            Some(&json!({"handler": "record", "subscribe": false})),
+        );
+        assert_eq!(status, 201, "{body}");
+        // orders relays its outbox to the stream.
+        let orders_dir = dir.path().join("orders");
+        let orders_admin = token(&orders_dir, "orders", "admin");
+        let orders = Server::start(&orders_dir, &[], &[]);
+        let (status, body) = subscribe(&orders, &orders_admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
+        assert_eq!(status, 200, "{body}");
+
+        for f in 0..FLOWS {
+            append(&orders, &orders_admin, &format!("parcel-{f}"), 3);
+        }
+        ship.wait_for(WAIT, |s| (applied(s, &ship_admin).len() == FLOWS * 3).then_some(()));
+
+        // A poison message on a consumed subject: terminated at the broker, never stored, never looping.
+        with_jetstream(port, async |js| {
+            js.publish("orders.elsewhere.poison", "not an envelope".into()).await.unwrap().await.expect("stored")
+        });
+        // The consumer killed with SIGKILL while events flow, then restarted.
+        for f in 0..FLOWS {
+            append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
+        }
+        ship.kill9();
+        for f in 0..FLOWS {
+            append(&orders, &orders_admin, &format!("parcel-{f}"), 2);
+        }
+        // Anywhere: nothing sends to shipping's HTTP port, it pulls from the broker.
+        let ship = Server::start(&ship_dir, &ship_args, &[]);
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_admin);
+            (seen.len() == FLOWS * 7).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+        let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 7), "{cursors:?}");
+        // Nothing is left unacked at the broker once the messages the killed process had stored
+        // but not acked come back after ack_wait (answered duplicate, acked); the poison message was
+        // terminated, never redelivered.
+        let info = ship.wait_for(WAIT, |_| {
+            let info = with_jetstream(port, async |js| {
+                let stream = js.get_stream("ORDERS").await.unwrap();
+                let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+                    stream.get_consumer("tidemark-shipping-ledger").await.expect("the durable consumer");
+                consumer.info().await.unwrap().clone()
+            });
+            (info.num_ack_pending == 0 && info.num_pending == 0).then_some(info)
+        });
+        assert_eq!(info.ack_floor.stream_sequence, info.delivered.stream_sequence, "{info:?}");
+        let (_, records) = ship.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(&ship_admin), None);
+        assert_eq!(records["records"].as_array().unwrap().len(), FLOWS * 7, "the poison message is not in the inbox");
     });
-    assert_eq!(info.ack_floor.stream_sequence, info.delivered.stream_sequence, "{info:?}");
-    let (_, records) = ship.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(&ship_admin), None);
-    assert_eq!(records["records"].as_array().unwrap().len(), FLOWS * 7, "the poison message is not in the inbox");
 }
 
 /// On a consumer file, then on a consumer schema of the PostgreSQL test server (skipped, saying
@@ -806,90 +809,92 @@ fn drain_queue(queue: &str) -> Vec<(String, String, Value)> {
 
 #[test]
 fn events_reach_a_rabbitmq_quorum_queue_once_in_order_and_an_unroutable_exchange_is_never_accepted() {
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    let tag = format!("{}x{nanos}", std::process::id());
-    let (exchange, lonely, queue) =
-        (format!("tmkit.orders.{tag}"), format!("tmkit.lonely.{tag}"), format!("tmkit.q.{tag}"));
-    let names = AmqpNames { exchanges: vec![exchange.clone(), lonely.clone()], queues: vec![queue.clone()] };
-    let (x, l, q) = (exchange.clone(), lonely.clone(), queue.clone());
-    let declared = with_amqp(async move |channel| {
-        use lapin::types::{AMQPValue, FieldTable, LongString};
-        let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
-        for name in [&x, &l] {
-            let kind = lapin::ExchangeKind::Topic;
-            channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
+    served_on_both_backends(|| {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let tag = format!("{}x{nanos}", std::process::id());
+        let (exchange, lonely, queue) =
+            (format!("tmkit.orders.{tag}"), format!("tmkit.lonely.{tag}"), format!("tmkit.q.{tag}"));
+        let names = AmqpNames { exchanges: vec![exchange.clone(), lonely.clone()], queues: vec![queue.clone()] };
+        let (x, l, q) = (exchange.clone(), lonely.clone(), queue.clone());
+        let declared = with_amqp(async move |channel| {
+            use lapin::types::{AMQPValue, FieldTable, LongString};
+            let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+            for name in [&x, &l] {
+                let kind = lapin::ExchangeKind::Topic;
+                channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
+            }
+            let mut arguments = FieldTable::default();
+            arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+            let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+            channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
+            let bind = lapin::options::QueueBindOptions::default();
+            channel
+                .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
+                .await
+                .unwrap();
+        });
+        if let Err(e) = declared {
+            println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
+            std::mem::forget(names);
+            return;
         }
-        let mut arguments = FieldTable::default();
-        arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
-        let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-        channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
-        let bind = lapin::options::QueueBindOptions::default();
-        channel
-            .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
-            .await
-            .unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let orders_dir = dir.path().join("orders");
+        let admin = token(&orders_dir, "orders", "admin");
+        let config = orders_dir.join("orders.toml");
+        // A long attempt timeout: RabbitMQ has no dedup, so a timed-out batch would be published twice
+        // (which the inbox on the consuming side absorbs, but this test counts what the queue holds).
+        std::fs::write(
+            &config,
+            "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+        )
+        .unwrap();
+        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let server = amqp_server();
+        for (consumer, name) in [("bus", &exchange), ("lonely", &lonely)] {
+            let (status, body) = subscribe(&orders, &admin, consumer, &format!("amqp://{server}/{name}"));
+            assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
+        }
+        let pending = |o: &Server, consumer: &str| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
+            page["deliveries"].as_array().unwrap().iter().filter(|d| d["consumer_id"] == consumer).count()
+        };
+
+        for f in 0..FLOWS {
+            append(&orders, &admin, &format!("parcel-{f}"), 3);
+        }
+        orders.wait_for(WAIT, |o| (pending(o, "bus") == 0).then_some(()));
+
+        // Each event once, on its documented routing key, each flow in order.
+        let messages = drain_queue(&queue);
+        assert_eq!(messages.len(), FLOWS * 3, "{messages:?}");
+        let ids: BTreeSet<&String> = messages.iter().map(|(id, _, _)| id).collect();
+        assert_eq!(ids.len(), messages.len(), "no event published twice");
+        let mut last_seq: BTreeMap<String, i64> = BTreeMap::new();
+        for (id, key, envelope) in &messages {
+            assert_eq!(envelope["event_id"].as_str(), Some(id.as_str()));
+            let (source, flow) = (envelope["source"].as_str().unwrap(), envelope["flow_id"].as_str().unwrap());
+            assert_eq!(key, &format!("{}.{}", source.replace('.', "_"), flow.replace('.', "_")));
+            let seq = envelope["seq"].as_i64().unwrap();
+            let last = last_seq.insert(flow.to_string(), seq).unwrap_or(0);
+            assert_eq!(seq, last + 1, "flow {flow} in order: {messages:?}");
+        }
+        assert!(last_seq.values().all(|&seq| seq == 3), "{last_seq:?}");
+
+        // No queue is bound to `lonely`: its deliveries fail with the reason, and stay pending.
+        let reason = orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
+            lane(&page, "lonely").and_then(|l| l["last_error"].as_str().map(str::to_string))
+        });
+        assert!(reason.contains("unroutable") && reason.contains(&lonely), "{reason}");
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
+        assert_eq!(lane(&page, "lonely").map(|l| l["delivered"].clone()), Some(json!(0)), "{page}");
+        assert!(lane(&page, "lonely").unwrap()["failed"].as_u64().unwrap() >= 1, "{page}");
+        assert_eq!(pending(&orders, "lonely"), FLOWS * 3, "never accepted");
+        assert!(drain_queue(&queue).is_empty(), "nothing more reached the bound queue");
+        drop(names);
     });
-    if let Err(e) = declared {
-        println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
-        std::mem::forget(names);
-        return;
-    }
-
-    let dir = tempfile::tempdir().unwrap();
-    let orders_dir = dir.path().join("orders");
-    let admin = token(&orders_dir, "orders", "admin");
-    let config = orders_dir.join("orders.toml");
-    // A long attempt timeout: RabbitMQ has no dedup, so a timed-out batch would be published twice
-    // (which the inbox on the consuming side absorbs, but this test counts what the queue holds).
-    std::fs::write(
-        &config,
-        "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-    )
-    .unwrap();
-    let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
-    let server = amqp_server();
-    for (consumer, name) in [("bus", &exchange), ("lonely", &lonely)] {
-        let (status, body) = subscribe(&orders, &admin, consumer, &format!("amqp://{server}/{name}"));
-        assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
-    }
-    let pending = |o: &Server, consumer: &str| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
-        page["deliveries"].as_array().unwrap().iter().filter(|d| d["consumer_id"] == consumer).count()
-    };
-
-    for f in 0..FLOWS {
-        append(&orders, &admin, &format!("parcel-{f}"), 3);
-    }
-    orders.wait_for(WAIT, |o| (pending(o, "bus") == 0).then_some(()));
-
-    // Each event once, on its documented routing key, each flow in order.
-    let messages = drain_queue(&queue);
-    assert_eq!(messages.len(), FLOWS * 3, "{messages:?}");
-    let ids: BTreeSet<&String> = messages.iter().map(|(id, _, _)| id).collect();
-    assert_eq!(ids.len(), messages.len(), "no event published twice");
-    let mut last_seq: BTreeMap<String, i64> = BTreeMap::new();
-    for (id, key, envelope) in &messages {
-        assert_eq!(envelope["event_id"].as_str(), Some(id.as_str()));
-        let (source, flow) = (envelope["source"].as_str().unwrap(), envelope["flow_id"].as_str().unwrap());
-        assert_eq!(key, &format!("{}.{}", source.replace('.', "_"), flow.replace('.', "_")));
-        let seq = envelope["seq"].as_i64().unwrap();
-        let last = last_seq.insert(flow.to_string(), seq).unwrap_or(0);
-        assert_eq!(seq, last + 1, "flow {flow} in order: {messages:?}");
-    }
-    assert!(last_seq.values().all(|&seq| seq == 3), "{last_seq:?}");
-
-    // No queue is bound to `lonely`: its deliveries fail with the reason, and stay pending.
-    let reason = orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
-        lane(&page, "lonely").and_then(|l| l["last_error"].as_str().map(str::to_string))
-    });
-    assert!(reason.contains("unroutable") && reason.contains(&lonely), "{reason}");
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
-    assert_eq!(lane(&page, "lonely").map(|l| l["delivered"].clone()), Some(json!(0)), "{page}");
-    assert!(lane(&page, "lonely").unwrap()["failed"].as_u64().unwrap() >= 1, "{page}");
-    assert_eq!(pending(&orders, "lonely"), FLOWS * 3, "never accepted");
-    assert!(drain_queue(&queue).is_empty(), "nothing more reached the bound queue");
-    drop(names);
 }
 
 /// `queue`'s ready messages and consumers on the machine's broker.
@@ -917,237 +922,257 @@ fn wait_for_queue(queue: &str, ready: usize) {
 
 #[test]
 fn events_cross_rabbitmq_to_a_serve_source_and_tidemark_consume_once_across_kills_and_poison_is_rejected() {
-    use crate::support::{ok, path_str, run, run_with};
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
-    let tag = format!("{}x{nanos}", std::process::id());
-    // The relay publishes to `orders`; `shipping` consumes one queue bound to it, `tidemark
-    // consume` another (each inbox a queue of its own), whose rejects go to a dead-letter queue.
-    let (exchange, shipping_queue, audit_queue, dead_letters, dead_queue) = (
-        format!("tmkit.src.orders.{tag}"),
-        format!("tmkit.src.shipping.{tag}"),
-        format!("tmkit.src.audit.{tag}"),
-        format!("tmkit.src.dead.{tag}"),
-        format!("tmkit.src.dlq.{tag}"),
-    );
-    let names = AmqpNames {
-        exchanges: vec![exchange.clone(), dead_letters.clone()],
-        queues: vec![shipping_queue.clone(), audit_queue.clone(), dead_queue.clone()],
-    };
-    let (x, sq, aq, dx, dq) =
-        (exchange.clone(), shipping_queue.clone(), audit_queue.clone(), dead_letters.clone(), dead_queue.clone());
-    let declared = with_amqp(async move |channel| {
-        use lapin::types::{AMQPValue, FieldTable, LongString};
-        let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
-        for name in [&x, &dx] {
-            let kind = lapin::ExchangeKind::Topic;
-            channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
-        }
-        let text = |s: &str| AMQPValue::LongString(LongString::from(s));
-        for (queue, source, dead_lettered) in [(&sq, &x, false), (&aq, &x, true), (&dq, &dx, false)] {
-            let mut arguments = FieldTable::default();
-            arguments.insert("x-queue-type".into(), text("quorum"));
-            if dead_lettered {
-                arguments.insert("x-dead-letter-exchange".into(), text(&dx));
+    served_on_both_backends(|| {
+        use crate::support::{ok, path_str, run, run_with};
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let tag = format!("{}x{nanos}", std::process::id());
+        // The relay publishes to `orders`; `shipping` consumes one queue bound to it, `tidemark
+        // consume` another (each inbox a queue of its own), whose rejects go to a dead-letter queue.
+        let (exchange, shipping_queue, audit_queue, dead_letters, dead_queue) = (
+            format!("tmkit.src.orders.{tag}"),
+            format!("tmkit.src.shipping.{tag}"),
+            format!("tmkit.src.audit.{tag}"),
+            format!("tmkit.src.dead.{tag}"),
+            format!("tmkit.src.dlq.{tag}"),
+        );
+        let names = AmqpNames {
+            exchanges: vec![exchange.clone(), dead_letters.clone()],
+            queues: vec![shipping_queue.clone(), audit_queue.clone(), dead_queue.clone()],
+        };
+        let (x, sq, aq, dx, dq) =
+            (exchange.clone(), shipping_queue.clone(), audit_queue.clone(), dead_letters.clone(), dead_queue.clone());
+        let declared = with_amqp(async move |channel| {
+            use lapin::types::{AMQPValue, FieldTable, LongString};
+            let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+            for name in [&x, &dx] {
+                let kind = lapin::ExchangeKind::Topic;
+                channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
             }
-            let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-            channel.queue_declare(queue.as_str().into(), options, arguments).await.unwrap();
-            let bind = lapin::options::QueueBindOptions::default();
-            channel
-                .queue_bind(queue.as_str().into(), source.as_str().into(), "#".into(), bind, FieldTable::default())
-                .await
-                .unwrap();
+            let text = |s: &str| AMQPValue::LongString(LongString::from(s));
+            for (queue, source, dead_lettered) in [(&sq, &x, false), (&aq, &x, true), (&dq, &dx, false)] {
+                let mut arguments = FieldTable::default();
+                arguments.insert("x-queue-type".into(), text("quorum"));
+                if dead_lettered {
+                    arguments.insert("x-dead-letter-exchange".into(), text(&dx));
+                }
+                let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+                channel.queue_declare(queue.as_str().into(), options, arguments).await.unwrap();
+                let bind = lapin::options::QueueBindOptions::default();
+                channel
+                    .queue_bind(queue.as_str().into(), source.as_str().into(), "#".into(), bind, FieldTable::default())
+                    .await
+                    .unwrap();
+            }
+        });
+        if let Err(e) = declared {
+            crate::support::skip(&format!("RabbitMQ not reachable at {}: {e}", amqp_server()));
+            std::mem::forget(names);
+            return;
         }
-    });
-    if let Err(e) = declared {
-        crate::support::skip(&format!("RabbitMQ not reachable at {}: {e}", amqp_server()));
-        std::mem::forget(names);
-        return;
-    }
-    let publish_poison = |queue: &str| {
-        let queue = queue.to_string();
-        with_amqp(async move |channel| {
-            channel.confirm_select(Default::default()).await.unwrap();
-            let body = b"not an envelope";
-            let properties = lapin::BasicProperties::default().with_message_id("poison-1".into());
-            let confirm = channel
-                .basic_publish("".into(), queue.as_str().into(), Default::default(), body, properties)
-                .await
-                .unwrap();
-            confirm.await.expect("confirmed");
-        })
-        .expect("the broker answers")
-    };
-    let server = amqp_server();
-    let dir = tempfile::tempdir().unwrap();
+        let publish_poison = |queue: &str| {
+            let queue = queue.to_string();
+            with_amqp(async move |channel| {
+                channel.confirm_select(Default::default()).await.unwrap();
+                let body = b"not an envelope";
+                let properties = lapin::BasicProperties::default().with_message_id("poison-1".into());
+                let confirm = channel
+                    .basic_publish("".into(), queue.as_str().into(), Default::default(), body, properties)
+                    .await
+                    .unwrap();
+                confirm.await.expect("confirmed");
+            })
+            .expect("the broker answers")
+        };
+        let server = amqp_server();
+        let dir = tempfile::tempdir().unwrap();
 
-    // shipping consumes its queue into its `ledger` consumer's inbox through `[[sources]]`.
-    let ship_dir = dir.path().join("shipping");
-    let ship_admin = token(&ship_dir, "shipping", "admin");
-    let ship_config = ship_dir.join("shipping.toml");
-    std::fs::write(
-        &ship_config,
-        format!(
-            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"amqp://{server}/{shipping_queue}\"\n\
-             batch = 20\n"
-        ),
-    )
-    .unwrap();
-    let ship_args = ["--config", ship_config.to_str().unwrap()];
-    let mut ship = Server::start(&ship_dir, &ship_args, &[]);
-    let (status, body) = ship.call(
-        "PUT",
-        "/v1/consumers/ledger",
-        Some(&ship_admin),
-        Some(&json!({"handler": "record", "subscribe": false})),
-    );
-    assert_eq!(status, 201, "{body}");
+        // shipping consumes its queue into its `ledger` consumer's inbox through `[[sources]]`.
+        let ship_dir = dir.path().join("shipping");
+        let ship_admin = token(&ship_dir, "shipping", "admin");
+        let ship_config = ship_dir.join("shipping.toml");
+        std::fs::write(
+            &ship_config,
+            format!(
+                "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"amqp://{server}/{shipping_queue}\"\n\
+                 batch = 20\n"
+            ),
+        )
+        .unwrap();
+        let ship_args = ["--config", ship_config.to_str().unwrap()];
+        let mut ship = Server::start(&ship_dir, &ship_args, &[]);
+        let (status, body) = ship.call(
+            "PUT",
+            "/v1/consumers/ledger",
+            Some(&ship_admin),
+            Some(&json!({"handler": "record", "subscribe": false})),
+        );
+        assert_eq!(status, 201, "{body}");
 
-    // orders relays its outbox to the exchange (a long attempt timeout: RabbitMQ has no dedup).
-    let orders_dir = dir.path().join("orders");
-    let orders_admin = token(&orders_dir, "orders", "admin");
-    let orders_config = orders_dir.join("orders.toml");
-    std::fs::write(
-        &orders_config,
-        "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-    )
-    .unwrap();
-    let orders = Server::start(&orders_dir, &["--config", orders_config.to_str().unwrap()], &[]);
-    let (status, body) = subscribe(&orders, &orders_admin, "bus", &format!("amqp://{server}/{exchange}"));
-    assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
-    // Reservation events (each flow's three in their only order), so that `tidemark drain`'s
-    // handler below applies them too.
-    for f in 0..FLOWS {
-        append_reservation(&orders, &orders_admin, &format!("parcel-{f}"));
-    }
-    ship.wait_for(WAIT, |s| (applied(s, &ship_admin).len() == FLOWS * 3).then_some(()));
-
-    // A poison message on each queue: rejected, never stored, never looping.
-    publish_poison(&shipping_queue);
-    publish_poison(&audit_queue);
-    // The consumer killed with SIGKILL while events flow, then restarted: what it stored and did
-    // not ack comes back (answered duplicate), nothing is applied twice.
-    for f in 0..FLOWS {
-        append_reservation(&orders, &orders_admin, &format!("before-{f}"));
-    }
-    ship.kill9();
-    for f in 0..FLOWS {
-        append_reservation(&orders, &orders_admin, &format!("after-{f}"));
-    }
-    let ship = Server::start(&ship_dir, &ship_args, &[]);
-    let total = FLOWS * 9;
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_admin);
-        (seen.len() == total).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
-    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS * 3, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
-    // Everything acked or rejected: nothing ready, only the restarted server's consumer.
-    ship.wait_for(WAIT, |_| (queue_depth(&shipping_queue) == (0, 1)).then_some(()));
-    let (_, records) = ship.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(&ship_admin), None);
-    assert_eq!(records["records"].as_array().unwrap().len(), total, "the poison message is not in the inbox");
-    orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_admin), None);
-        page["deliveries"].as_array().unwrap().is_empty().then_some(())
-    });
-
-    // `tidemark consume` reads the other queue into a consumer database of its own.
-    let inbox = dir.path().join("inbox.db");
-    let c = path_str(&inbox);
-    ok(&["init", "--consumer-db", c]);
-    let from = format!("amqp://{server}/{audit_queue}");
-    let args =
-        ["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit", "--batch", "25", "--until-idle"];
-    let records = |status: Option<&str>| {
-        let mut list = vec!["inbox", "list", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"];
-        if let Some(status) = status {
-            list.extend(["--status", status]);
+        // orders relays its outbox to the exchange (a long attempt timeout: RabbitMQ has no dedup).
+        let orders_dir = dir.path().join("orders");
+        let orders_admin = token(&orders_dir, "orders", "admin");
+        let orders_config = orders_dir.join("orders.toml");
+        std::fs::write(
+            &orders_config,
+            "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+        )
+        .unwrap();
+        let orders = Server::start(&orders_dir, &["--config", orders_config.to_str().unwrap()], &[]);
+        let (status, body) = subscribe(&orders, &orders_admin, "bus", &format!("amqp://{server}/{exchange}"));
+        assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
+        // Reservation events (each flow's three in their only order), so that `tidemark drain`'s
+        // handler below applies them too.
+        for f in 0..FLOWS {
+            append_reservation(&orders, &orders_admin, &format!("parcel-{f}"));
         }
-        ok(&list)["records"].as_array().unwrap().len()
-    };
-    let mut stored_by_the_killed = 0;
-    if crate::support::failpoints_enabled() {
-        // Killed after its inbox commit, before the acks: the broker returns its deliveries, and
-        // the next run answers them duplicate.
-        let crashed = run_with(&args, &[("TIDEMARK_CRASH_AT", "receive.after_commit")], None);
-        assert_eq!(crashed.code, 73, "{}\n{}", crashed.stdout, crashed.stderr);
-        stored_by_the_killed = records(None);
-        assert!((1..=25).contains(&stored_by_the_killed), "one batch stored: {stored_by_the_killed}");
-        wait_for_queue(&audit_queue, total + 1);
-    } else {
-        crate::support::skip("the kill between inbox commit and ack needs --features failpoints");
-    }
-    let report = ok(&args);
-    let count = |key: &str| report[key].as_u64().unwrap() as usize;
-    assert_eq!(count("accepted"), total - stored_by_the_killed, "{report}");
-    assert_eq!(count("duplicate"), stored_by_the_killed, "{report}");
-    assert_eq!(count("rejected"), 1, "{report}");
-    assert_eq!(count("fetched"), total + 1, "{report}");
-    let reasons = report["reasons"].to_string();
-    assert!(reasons.contains("poison-1") && reasons.contains("not an envelope"), "{report}");
-    let drained = ok(&["drain", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"]);
-    assert_eq!(
-        (drained["applied"].as_u64(), drained["outcome"].as_str()),
-        (Some(total as u64), Some("idle")),
-        "{drained}"
-    );
-    assert_eq!(records(Some("applied")), total);
-    let cursors = ok(&["inbox", "cursors", "--consumer-db", c, "--consumer-id", "audit"]);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS * 3, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
-    // Everything acked or rejected: another run reads nothing, and the poison message is kept
-    // by the dead-letter queue, never delivered to the consumer again.
-    let again = ok(&args);
-    assert_eq!(again["fetched"], 0, "{again}");
-    wait_for_queue(&audit_queue, 0);
-    assert_eq!(queue_depth(&dead_queue).0, 1, "the rejected message is dead-lettered");
+        ship.wait_for(WAIT, |s| (applied(s, &ship_admin).len() == FLOWS * 3).then_some(()));
 
-    // Bad input: typed errors, nothing consumed.
-    for bad in [
-        vec!["--stream", "ORDERS"],
-        vec!["--ack-wait-ms", "5000"],
-        vec!["--session-timeout-ms", "6000"],
-        vec!["--durable", "has space"],
-        vec!["--batch", "1001"],
-        vec!["--amqp-credentials", "env:TIDEMARK_TEST_AMQP_CREDENTIALS_THAT_ARE_NOT_SET"],
-        vec!["--amqp-credentials", "no-password-separator"],
-    ] {
-        let mut bad_args = vec!["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit"];
-        bad_args.extend(bad.iter().copied());
-        let r = run(&bad_args);
-        assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{bad:?}: {}", r.stdout);
-        assert!(!r.stdout.contains("no-password-separator"), "a credential is never printed: {}", r.stdout);
-    }
-    for bad_from in [
-        format!("amqp://{server}/vhost/{audit_queue}"),
-        format!("amqp://guest:guest@{server}/{audit_queue}"),
-        format!("amqp://{server}/{audit_queue}?heartbeat=5"),
-        format!("amqp://{server}/"),
-    ] {
-        let r = run(&["consume", "--from", &bad_from, "--consumer-db", c, "--consumer-id", "audit"]);
+        // A poison message on each queue: rejected, never stored, never looping.
+        publish_poison(&shipping_queue);
+        publish_poison(&audit_queue);
+        // The consumer killed with SIGKILL while events flow, then restarted: what it stored and did
+        // not ack comes back (answered duplicate), nothing is applied twice.
+        for f in 0..FLOWS {
+            append_reservation(&orders, &orders_admin, &format!("before-{f}"));
+        }
+        ship.kill9();
+        for f in 0..FLOWS {
+            append_reservation(&orders, &orders_admin, &format!("after-{f}"));
+        }
+        let ship = Server::start(&ship_dir, &ship_args, &[]);
+        let total = FLOWS * 9;
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_admin);
+            (seen.len() == total).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+        let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS * 3, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
+        // Everything acked or rejected: nothing ready, only the restarted server's consumer.
+        ship.wait_for(WAIT, |_| (queue_depth(&shipping_queue) == (0, 1)).then_some(()));
+        let (_, records) = ship.call("GET", "/v1/consumers/ledger/inbox?limit=1000", Some(&ship_admin), None);
+        assert_eq!(records["records"].as_array().unwrap().len(), total, "the poison message is not in the inbox");
+        orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_admin), None);
+            page["deliveries"].as_array().unwrap().is_empty().then_some(())
+        });
+
+        // `tidemark consume` reads the other queue into a consumer database of its own.
+        let inbox = dir.path().join("inbox.db");
+        let c = path_str(&inbox);
+        ok(&["init", "--consumer-db", c]);
+        let from = format!("amqp://{server}/{audit_queue}");
+        let args =
+            ["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit", "--batch", "25", "--until-idle"];
+        let records = |status: Option<&str>| {
+            let mut list = vec!["inbox", "list", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"];
+            if let Some(status) = status {
+                list.extend(["--status", status]);
+            }
+            ok(&list)["records"].as_array().unwrap().len()
+        };
+        let mut stored_by_the_killed = 0;
+        if crate::support::failpoints_enabled() {
+            // Killed after its inbox commit, before the acks: the broker returns its deliveries, and
+            // the next run answers them duplicate.
+            let crashed = run_with(&args, &[("TIDEMARK_CRASH_AT", "receive.after_commit")], None);
+            assert_eq!(crashed.code, 73, "{}\n{}", crashed.stdout, crashed.stderr);
+            stored_by_the_killed = records(None);
+            assert!((1..=25).contains(&stored_by_the_killed), "one batch stored: {stored_by_the_killed}");
+            wait_for_queue(&audit_queue, total + 1);
+        } else {
+            crate::support::skip("the kill between inbox commit and ack needs --features failpoints");
+        }
+        let report = ok(&args);
+        let count = |key: &str| report[key].as_u64().unwrap() as usize;
+        assert_eq!(count("accepted"), total - stored_by_the_killed, "{report}");
+        assert_eq!(count("duplicate"), stored_by_the_killed, "{report}");
+        assert_eq!(count("rejected"), 1, "{report}");
+        assert_eq!(count("fetched"), total + 1, "{report}");
+        let reasons = report["reasons"].to_string();
+        assert!(reasons.contains("poison-1") && reasons.contains("not an envelope"), "{report}");
+        let drained = ok(&["drain", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"]);
         assert_eq!(
-            (r.code, r.json["error"]["code"].as_str()),
-            (2, Some("invalid_argument")),
-            "{bad_from}: {}",
+            (drained["applied"].as_u64(), drained["outcome"].as_str()),
+            (Some(total as u64), Some("idle")),
+            "{drained}"
+        );
+        assert_eq!(records(Some("applied")), total);
+        let cursors = ok(&["inbox", "cursors", "--consumer-db", c, "--consumer-id", "audit"]);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS * 3, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
+        // Everything acked or rejected: another run reads nothing, and the poison message is kept
+        // by the dead-letter queue, never delivered to the consumer again.
+        let again = ok(&args);
+        assert_eq!(again["fetched"], 0, "{again}");
+        wait_for_queue(&audit_queue, 0);
+        assert_eq!(queue_depth(&dead_queue).0, 1, "the rejected message is dead-lettered");
+
+        // Bad input: typed errors, nothing consumed.
+        for bad in [
+            vec!["--stream", "ORDERS"],
+            vec!["--ack-wait-ms", "5000"],
+            vec!["--session-timeout-ms", "6000"],
+            vec!["--durable", "has space"],
+            vec!["--batch", "1001"],
+            vec!["--amqp-credentials", "env:TIDEMARK_TEST_AMQP_CREDENTIALS_THAT_ARE_NOT_SET"],
+            vec!["--amqp-credentials", "no-password-separator"],
+        ] {
+            let mut bad_args = vec!["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit"];
+            bad_args.extend(bad.iter().copied());
+            let r = run(&bad_args);
+            assert_eq!(
+                (r.code, r.json["error"]["code"].as_str()),
+                (2, Some("invalid_argument")),
+                "{bad:?}: {}",
+                r.stdout
+            );
+            assert!(!r.stdout.contains("no-password-separator"), "a credential is never printed: {}", r.stdout);
+        }
+        for bad_from in [
+            format!("amqp://{server}/vhost/{audit_queue}"),
+            format!("amqp://guest:guest@{server}/{audit_queue}"),
+            format!("amqp://{server}/{audit_queue}?heartbeat=5"),
+            format!("amqp://{server}/"),
+        ] {
+            let r = run(&["consume", "--from", &bad_from, "--consumer-db", c, "--consumer-id", "audit"]);
+            assert_eq!(
+                (r.code, r.json["error"]["code"].as_str()),
+                (2, Some("invalid_argument")),
+                "{bad_from}: {}",
+                r.stdout
+            );
+        }
+        let nats = [
+            "consume",
+            "--from",
+            "nats://127.0.0.1:4222/x",
+            "--stream",
+            "S",
+            "--consumer-db",
+            c,
+            "--consumer-id",
+            "audit",
+        ];
+        let r = run(&[&nats[..], &["--amqp-credentials", "u:p"]].concat());
+        assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{}", r.stdout);
+        let missing = format!("amqp://{server}/tmkit.src.missing.{tag}");
+        let r = run(&["consume", "--from", &missing, "--consumer-db", c, "--consumer-id", "audit"]);
+        assert_eq!(r.code, 1, "{}", r.stdout);
+        assert!(r.json["error"]["message"].as_str().unwrap_or("").contains("has no queue"), "{}", r.stdout);
+        let r = run(&["consume", "--from", "amqp://127.0.0.1:9/q", "--consumer-db", c, "--consumer-id", "audit"]);
+        assert_eq!(r.code, 1, "{}", r.stdout);
+        assert!(
+            r.json["error"]["message"].as_str().unwrap_or("").contains("cannot connect to RabbitMQ"),
+            "{}",
             r.stdout
         );
-    }
-    let nats =
-        ["consume", "--from", "nats://127.0.0.1:4222/x", "--stream", "S", "--consumer-db", c, "--consumer-id", "audit"];
-    let r = run(&[&nats[..], &["--amqp-credentials", "u:p"]].concat());
-    assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{}", r.stdout);
-    let missing = format!("amqp://{server}/tmkit.src.missing.{tag}");
-    let r = run(&["consume", "--from", &missing, "--consumer-db", c, "--consumer-id", "audit"]);
-    assert_eq!(r.code, 1, "{}", r.stdout);
-    assert!(r.json["error"]["message"].as_str().unwrap_or("").contains("has no queue"), "{}", r.stdout);
-    let r = run(&["consume", "--from", "amqp://127.0.0.1:9/q", "--consumer-db", c, "--consumer-id", "audit"]);
-    assert_eq!(r.code, 1, "{}", r.stdout);
-    assert!(r.json["error"]["message"].as_str().unwrap_or("").contains("cannot connect to RabbitMQ"), "{}", r.stdout);
-    assert_eq!(records(None), total, "nothing more was stored");
-    drop(names);
+        assert_eq!(records(None), total, "nothing more was stored");
+        drop(names);
+    });
 }
 
 /// A flow's three reservation events, in their only order, as `tidemark drain`'s reservation
@@ -1166,145 +1191,157 @@ fn append_reservation(server: &Server, token: &str, flow: &str) {
 
 #[test]
 fn events_cross_kafka_from_a_serve_relay_to_a_serve_source_and_tidemark_consume_once_and_in_order() {
-    use crate::support::{ok, path_str, run, run_with};
-    // rdkafka's in-process cluster listens on loopback ports: the serve processes and
-    // `tidemark consume` reach it as they would a Kafka cluster.
-    let cluster = rdkafka::mocking::MockCluster::new(1).expect("a mock cluster");
-    cluster.create_topic("orders", 3, 1).expect("create the topic");
-    let bootstrap = cluster.bootstrap_servers();
-    let from = format!("kafka://{bootstrap}/orders");
-    let dir = tempfile::tempdir().unwrap();
+    served_on_both_backends(|| {
+        use crate::support::{ok, path_str, run, run_with};
+        // rdkafka's in-process cluster listens on loopback ports: the serve processes and
+        // `tidemark consume` reach it as they would a Kafka cluster.
+        let cluster = rdkafka::mocking::MockCluster::new(1).expect("a mock cluster");
+        cluster.create_topic("orders", 3, 1).expect("create the topic");
+        let bootstrap = cluster.bootstrap_servers();
+        let from = format!("kafka://{bootstrap}/orders");
+        let dir = tempfile::tempdir().unwrap();
 
-    // shipping consumes the topic into its `ledger` consumer's inbox through `[[sources]]`.
-    let ship_dir = dir.path().join("shipping");
-    let ship_admin = token(&ship_dir, "shipping", "admin");
-    let ship_config = ship_dir.join("shipping.toml");
-    std::fs::write(
-        &ship_config,
-        format!(
-            "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"{from}\"\nbatch = 20\n\
-             session_timeout_ms = 6000\n"
-        ),
-    )
-    .unwrap();
-    let ship = Server::start(&ship_dir, &["--config", ship_config.to_str().unwrap()], &[]);
-    let (status, body) = ship.call(
-        "PUT",
-        "/v1/consumers/ledger",
-        Some(&ship_admin),
-        Some(&json!({"handler": "record", "subscribe": false})),
-    );
-    assert_eq!(status, 201, "{body}");
+        // shipping consumes the topic into its `ledger` consumer's inbox through `[[sources]]`.
+        let ship_dir = dir.path().join("shipping");
+        let ship_admin = token(&ship_dir, "shipping", "admin");
+        let ship_config = ship_dir.join("shipping.toml");
+        std::fs::write(
+            &ship_config,
+            format!(
+                "[[sources]]\ntenant = \"shipping\"\nconsumer = \"ledger\"\nfrom = \"{from}\"\nbatch = 20\n\
+                 session_timeout_ms = 6000\n"
+            ),
+        )
+        .unwrap();
+        let ship = Server::start(&ship_dir, &["--config", ship_config.to_str().unwrap()], &[]);
+        let (status, body) = ship.call(
+            "PUT",
+            "/v1/consumers/ledger",
+            Some(&ship_admin),
+            Some(&json!({"handler": "record", "subscribe": false})),
+        );
+        assert_eq!(status, 201, "{body}");
 
-    // orders relays its outbox to the topic.
-    let orders_dir = dir.path().join("orders");
-    let orders_admin = token(&orders_dir, "orders", "admin");
-    let orders = Server::start(&orders_dir, &[], &[]);
-    let (status, body) = subscribe(&orders, &orders_admin, "bus", &from);
-    assert_eq!((status, body["kind"].as_str()), (200, Some("kafka")), "{body}");
-    for f in 0..FLOWS {
-        append_reservation(&orders, &orders_admin, &format!("parcel-{f}"));
-    }
-    let total = FLOWS * 3;
-    orders.wait_for(WAIT, |o| {
-        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_admin), None);
-        page["deliveries"].as_array().unwrap().is_empty().then_some(())
-    });
-    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_admin), None);
-    let lane = lane(&page, "bus").expect("a lane for the kafka endpoint");
-    // At least once each (a batch that timed out would be produced again: Kafka has no dedup).
-    assert_eq!(lane["kind"].as_str(), Some("kafka"), "{page}");
-    assert!(lane["delivered"].as_u64().unwrap() >= total as u64, "{page}");
-
-    // shipping applied every event once; its cursors say each flow is applied through seq 3 (the
-    // record handler applies only high-water + 1).
-    let seen = ship.wait_for(WAIT, |s| {
-        let seen = applied(s, &ship_admin);
-        (seen.len() == total).then_some(seen)
-    });
-    assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
-    let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
-
-    // `tidemark consume` reads the same topic into a consumer database of its own (its own group).
-    let inbox = dir.path().join("inbox.db");
-    let c = path_str(&inbox);
-    ok(&["init", "--consumer-db", c]);
-    let args = [
-        "consume",
-        "--from",
-        &from,
-        "--consumer-db",
-        c,
-        "--consumer-id",
-        "audit",
-        "--batch",
-        "25",
-        "--session-timeout-ms",
-        "6000",
-        "--until-idle",
-    ];
-    let records = |status: Option<&str>| {
-        let mut list = vec!["inbox", "list", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"];
-        if let Some(status) = status {
-            list.extend(["--status", status]);
+        // orders relays its outbox to the topic.
+        let orders_dir = dir.path().join("orders");
+        let orders_admin = token(&orders_dir, "orders", "admin");
+        let orders = Server::start(&orders_dir, &[], &[]);
+        let (status, body) = subscribe(&orders, &orders_admin, "bus", &from);
+        assert_eq!((status, body["kind"].as_str()), (200, Some("kafka")), "{body}");
+        for f in 0..FLOWS {
+            append_reservation(&orders, &orders_admin, &format!("parcel-{f}"));
         }
-        ok(&list)["records"].as_array().unwrap().len()
-    };
-    let mut stored_by_the_killed = 0;
-    if crate::support::failpoints_enabled() {
-        // Killed after its inbox commit, before the offset commit: the next run reads that batch
-        // again and the inbox answers duplicate.
-        let crashed = run_with(&args, &[("TIDEMARK_CRASH_AT", "receive.after_commit")], None);
-        assert_eq!(crashed.code, 73, "{}\n{}", crashed.stdout, crashed.stderr);
-        stored_by_the_killed = records(None);
-        assert!((1..=25).contains(&stored_by_the_killed), "one batch stored: {stored_by_the_killed}");
-    } else {
-        crate::support::skip("the kill between inbox and offset commit needs --features failpoints");
-    }
-    let report = ok(&args);
-    let count = |key: &str| report[key].as_u64().unwrap() as usize;
-    // What the killed run stored is read again and answered duplicate (so is any record the relay
-    // produced twice); every other event is accepted once.
-    assert_eq!(count("accepted"), total - stored_by_the_killed, "{report}");
-    assert!(count("duplicate") >= stored_by_the_killed, "{report}");
-    assert_eq!(count("fetched"), count("accepted") + count("duplicate"), "{report}");
-    assert_eq!(count("rejected"), 0, "{report}");
-    let drained = ok(&["drain", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"]);
-    assert_eq!(
-        (drained["applied"].as_u64(), drained["outcome"].as_str()),
-        (Some(total as u64), Some("idle")),
-        "{drained}"
-    );
-    assert_eq!(records(Some("applied")), total);
-    let cursors = ok(&["inbox", "cursors", "--consumer-db", c, "--consumer-id", "audit"]);
-    let cursors = cursors["cursors"].as_array().unwrap();
-    assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
-    assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
-    // Everything is committed: another run reads nothing.
-    let again = ok(&args);
-    assert_eq!(again["fetched"], 0, "{again}");
+        let total = FLOWS * 3;
+        orders.wait_for(WAIT, |o| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&orders_admin), None);
+            page["deliveries"].as_array().unwrap().is_empty().then_some(())
+        });
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_admin), None);
+        let lane = lane(&page, "bus").expect("a lane for the kafka endpoint");
+        // At least once each (a batch that timed out would be produced again: Kafka has no dedup).
+        assert_eq!(lane["kind"].as_str(), Some("kafka"), "{page}");
+        assert!(lane["delivered"].as_u64().unwrap() >= total as u64, "{page}");
 
-    // Bad input: typed errors, nothing consumed.
-    for bad in [
-        vec!["--stream", "ORDERS"],
-        vec!["--ack-wait-ms", "5000"],
-        vec!["--session-timeout-ms", "10"],
-        vec!["--durable", "has space"],
-    ] {
-        let mut bad_args = vec!["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit"];
-        bad_args.extend(bad.iter().copied());
-        let r = run(&bad_args);
-        assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "{bad:?}: {}", r.stdout);
-    }
-    let r = run(&["consume", "--from", "kafka://127.0.0.1:9/orders", "--consumer-db", c, "--consumer-id", "audit"]);
-    assert_eq!(r.code, 1, "{}", r.stdout);
-    assert!(r.json["error"]["message"].as_str().unwrap_or("").contains("cannot reach Kafka"), "{}", r.stdout);
-    let r = run(&["consume", "--from", "nats://127.0.0.1:4222/x", "--consumer-db", c, "--consumer-id", "audit"]);
-    assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_argument")), "no --stream: {}", r.stdout);
-    assert_eq!(records(None), total, "nothing more was stored");
+        // shipping applied every event once; its cursors say each flow is applied through seq 3 (the
+        // record handler applies only high-water + 1).
+        let seen = ship.wait_for(WAIT, |s| {
+            let seen = applied(s, &ship_admin);
+            (seen.len() == total).then_some(seen)
+        });
+        assert!(seen.values().all(|&n| n == 1), "an event applied twice: {seen:?}");
+        let (_, cursors) = ship.call("GET", "/v1/consumers/ledger/cursors", Some(&ship_admin), None);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
+
+        // `tidemark consume` reads the same topic into a consumer database of its own (its own group).
+        let inbox = dir.path().join("inbox.db");
+        let c = path_str(&inbox);
+        ok(&["init", "--consumer-db", c]);
+        let args = [
+            "consume",
+            "--from",
+            &from,
+            "--consumer-db",
+            c,
+            "--consumer-id",
+            "audit",
+            "--batch",
+            "25",
+            "--session-timeout-ms",
+            "6000",
+            "--until-idle",
+        ];
+        let records = |status: Option<&str>| {
+            let mut list = vec!["inbox", "list", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"];
+            if let Some(status) = status {
+                list.extend(["--status", status]);
+            }
+            ok(&list)["records"].as_array().unwrap().len()
+        };
+        let mut stored_by_the_killed = 0;
+        if crate::support::failpoints_enabled() {
+            // Killed after its inbox commit, before the offset commit: the next run reads that batch
+            // again and the inbox answers duplicate.
+            let crashed = run_with(&args, &[("TIDEMARK_CRASH_AT", "receive.after_commit")], None);
+            assert_eq!(crashed.code, 73, "{}\n{}", crashed.stdout, crashed.stderr);
+            stored_by_the_killed = records(None);
+            assert!((1..=25).contains(&stored_by_the_killed), "one batch stored: {stored_by_the_killed}");
+        } else {
+            crate::support::skip("the kill between inbox and offset commit needs --features failpoints");
+        }
+        let report = ok(&args);
+        let count = |key: &str| report[key].as_u64().unwrap() as usize;
+        // What the killed run stored is read again and answered duplicate (so is any record the relay
+        // produced twice); every other event is accepted once.
+        assert_eq!(count("accepted"), total - stored_by_the_killed, "{report}");
+        assert!(count("duplicate") >= stored_by_the_killed, "{report}");
+        assert_eq!(count("fetched"), count("accepted") + count("duplicate"), "{report}");
+        assert_eq!(count("rejected"), 0, "{report}");
+        let drained = ok(&["drain", "--consumer-db", c, "--consumer-id", "audit", "--limit", "1000"]);
+        assert_eq!(
+            (drained["applied"].as_u64(), drained["outcome"].as_str()),
+            (Some(total as u64), Some("idle")),
+            "{drained}"
+        );
+        assert_eq!(records(Some("applied")), total);
+        let cursors = ok(&["inbox", "cursors", "--consumer-db", c, "--consumer-id", "audit"]);
+        let cursors = cursors["cursors"].as_array().unwrap();
+        assert_eq!(cursors.len(), FLOWS, "{cursors:?}");
+        assert!(cursors.iter().all(|c| c["high_water_seq"] == 3), "{cursors:?}");
+        // Everything is committed: another run reads nothing.
+        let again = ok(&args);
+        assert_eq!(again["fetched"], 0, "{again}");
+
+        // Bad input: typed errors, nothing consumed.
+        for bad in [
+            vec!["--stream", "ORDERS"],
+            vec!["--ack-wait-ms", "5000"],
+            vec!["--session-timeout-ms", "10"],
+            vec!["--durable", "has space"],
+        ] {
+            let mut bad_args = vec!["consume", "--from", &from, "--consumer-db", c, "--consumer-id", "audit"];
+            bad_args.extend(bad.iter().copied());
+            let r = run(&bad_args);
+            assert_eq!(
+                (r.code, r.json["error"]["code"].as_str()),
+                (2, Some("invalid_argument")),
+                "{bad:?}: {}",
+                r.stdout
+            );
+        }
+        let r = run(&["consume", "--from", "kafka://127.0.0.1:9/orders", "--consumer-db", c, "--consumer-id", "audit"]);
+        assert_eq!(r.code, 1, "{}", r.stdout);
+        assert!(r.json["error"]["message"].as_str().unwrap_or("").contains("cannot reach Kafka"), "{}", r.stdout);
+        let r = run(&["consume", "--from", "nats://127.0.0.1:4222/x", "--consumer-db", c, "--consumer-id", "audit"]);
+        assert_eq!(
+            (r.code, r.json["error"]["code"].as_str()),
+            (2, Some("invalid_argument")),
+            "no --stream: {}",
+            r.stdout
+        );
+        assert_eq!(records(None), total, "nothing more was stored");
+    });
 }
 
 /// What the in-test proxy between a relay and the receiving server does with its traffic.
@@ -1559,7 +1596,6 @@ fn events_cross_over_https_only_to_a_certificate_the_relay_trusts() {
             }
             text.push_str(&format!("[relay.tokens]\n\"{origin}\" = \"{ship_token}\"\n"));
             let config = data.join("orders.toml");
-            std::fs::create_dir_all(&data).unwrap();
             std::fs::write(&config, text).unwrap();
             (Server::start(&data, &["--config", config.to_str().unwrap()], &[]), admin)
         };

@@ -21,8 +21,10 @@ pub struct Server {
     pub client: reqwest::blocking::Client,
 }
 
-/// Create a token; returns its text.
+/// Create a token; returns its text. The data folder exists afterwards on either backend (on
+/// PostgreSQL the token is in the database), so a test may write its configuration there.
 pub fn token(data: &Path, tenant: &str, scope: &str) -> String {
+    std::fs::create_dir_all(data).expect("create the data folder");
     let [flag, value] = control(data);
     let out = ok(&["token", "create", &flag, &value, "--tenant", tenant, "--scope", scope]);
     out["token"].as_str().expect("token text").to_string()
