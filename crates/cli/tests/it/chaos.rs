@@ -313,29 +313,25 @@ fn chaos_io_errors_under_load_lose_nothing_and_the_servers_go_on_by_themselves()
     assert_eq!(report["operations"]["unexpected_answers"], 0, "a 4xx during the I/O errors: {report:#}");
 }
 
+/// The run of [`WORKERS_SEED`]: 2 servers and 2 worker processes, 6 faults in 12 s; on
+/// PostgreSQL with `store`.
+fn workers_chaos(out: &Path, store: Option<&str>) -> Run {
+    let seed = WORKERS_SEED.to_string();
+    let mut args = vec!["chaos", "--seed", &seed, "--duration-s", "12", "--faults", "6", "--workers", "2"];
+    args.extend(["--processes", "2", "--clients", "4", "--out", path_str(out)]);
+    if let Some(store) = store {
+        args.extend(["--store", store]);
+    }
+    run(&args)
+}
+
 /// `tidemark worker` processes beside the servers, on the tenant's workflow database, killed and
 /// paused like the servers: the runs they held are taken over, nothing lost or applied twice.
 #[test]
 fn chaos_worker_processes_beside_the_servers_lose_nothing_and_apply_nothing_twice() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
-    let r = run(&[
-        "chaos",
-        "--seed",
-        &WORKERS_SEED.to_string(),
-        "--duration-s",
-        "12",
-        "--faults",
-        "6",
-        "--workers",
-        "2",
-        "--processes",
-        "2",
-        "--clients",
-        "4",
-        "--out",
-        path_str(&out),
-    ]);
+    let r = workers_chaos(&out, None);
     println!("tidemark chaos --workers 2: {}", r.json);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let report = &r.json;
@@ -360,25 +356,7 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
-    let r = run(&[
-        "chaos",
-        "--seed",
-        &WORKERS_SEED.to_string(),
-        "--duration-s",
-        "12",
-        "--faults",
-        "6",
-        "--workers",
-        "2",
-        "--processes",
-        "2",
-        "--clients",
-        "4",
-        "--store",
-        &store,
-        "--out",
-        path_str(&out),
-    ]);
+    let r = workers_chaos(&out, Some(&store));
     println!("tidemark chaos --store postgres://...: {}", r.json);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let report = &r.json;

@@ -168,42 +168,25 @@ pub fn schedule(
                     kind = FaultKind::ClockJump;
                 }
             }
-            // With other kinds, a partition one time in four instead of a signal (drawn only when
-            // partitions are asked for, so other schedules stay the ones earlier builds made).
-            if has(FaultKind::Partition) {
-                let only = signals == 0 && !has(FaultKind::PowerLoss) && !has(FaultKind::ClockJump);
-                let instead = only
-                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
-                        && rng.gen_range(0..100) < PARTITION_PERCENT);
-                if instead {
-                    kind = FaultKind::Partition;
-                }
-            }
-            // Likewise an I/O error, one time in four instead of a signal.
-            if has(FaultKind::IoError) {
-                let only = signals == 0
-                    && !has(FaultKind::PowerLoss)
-                    && !has(FaultKind::ClockJump)
-                    && !has(FaultKind::Partition);
-                let instead = only
-                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
-                        && rng.gen_range(0..100) < IO_ERROR_PERCENT);
-                if instead {
-                    kind = FaultKind::IoError;
-                }
-            }
-            // Likewise a crash of the database server, one time in four instead of a signal.
-            if has(FaultKind::DbCrash) {
-                let only = signals == 0
-                    && !has(FaultKind::PowerLoss)
-                    && !has(FaultKind::ClockJump)
-                    && !has(FaultKind::Partition)
-                    && !has(FaultKind::IoError);
-                let instead = only
-                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop)
-                        && rng.gen_range(0..100) < DB_CRASH_PERCENT);
-                if instead {
-                    kind = FaultKind::DbCrash;
+            // With other kinds, a partition, an I/O error or a database crash one time in four
+            // instead of a signal, each drawn only when asked for (so other schedules stay the
+            // ones earlier builds made), and every fault when no kind before it was asked for.
+            let alone = |before: &[FaultKind]| signals == 0 && !before.iter().any(|k| has(*k));
+            let earlier = [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::Partition, FaultKind::IoError];
+            for (n, (with, percent)) in [
+                (FaultKind::Partition, PARTITION_PERCENT),
+                (FaultKind::IoError, IO_ERROR_PERCENT),
+                (FaultKind::DbCrash, DB_CRASH_PERCENT),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if has(with) {
+                    let instead = alone(&earlier[..n + 2])
+                        || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop) && rng.gen_range(0..100) < percent);
+                    if instead {
+                        kind = with;
+                    }
                 }
             }
             if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition | FaultKind::IoError | FaultKind::DbCrash) {
