@@ -180,6 +180,12 @@ pub trait ControlStore: Send {
     /// Changes whenever anyone commits to the control store: a cache of tokens and consumers
     /// reloads when it moves.
     fn data_version(&self) -> Result<i64>;
+    /// True when a call is a network round trip (a database server's), so that a caller on an
+    /// async runtime makes it on a blocking thread instead of stalling a runtime worker. Default
+    /// false (a local file).
+    fn is_remote(&self) -> bool {
+        false
+    }
     /// Record `tenant_id` (1..=64 characters of `[a-z0-9_-]`, else `invalid_id`); true when it
     /// was new, false when it was already there.
     fn ensure_tenant(&mut self, tenant_id: &str, now_ms: i64) -> Result<bool>;

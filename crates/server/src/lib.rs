@@ -65,6 +65,8 @@ pub struct Inner {
     opener: Box<dyn OpenTenant>,
     /// The control database (tokens, tenants, consumers) and the token cache read from it.
     pub control_cache: Mutex<auth::ControlCache>,
+    /// Is a check of the control database a network round trip (PostgreSQL)?
+    control_remote: bool,
     /// The per-token rate limiter (`auth.rate_per_second`, `auth.burst`).
     pub limiter: DefaultKeyedRateLimiter<String>,
     /// The Prometheus registry and the counters and histograms the service keeps.
@@ -101,8 +103,10 @@ impl AppState {
         let control = backend.open_control(&config)?;
         let limiter = auth::rate_limiter(config.auth.rate_per_second, config.auth.burst);
         let (shutdown, _) = watch::channel(false);
+        let control_remote = control.is_remote();
         Ok(AppState(Arc::new(Inner {
             control_cache: Mutex::new(auth::ControlCache::new(control)?),
+            control_remote,
             limiter,
             metrics: metrics::Metrics::new(),
             samples: dashboard::Samples::default(),
@@ -125,7 +129,8 @@ impl AppState {
     /// The consumers declared for a tenant (from the control cache: no query unless the control
     /// database changed).
     pub fn consumers(&self, tenant_id: &str) -> Result<Vec<tidemark_core::tenancy::ConsumerRecord>> {
-        self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).consumers(tenant_id)
+        let arrived = std::time::Instant::now();
+        self.control_cache.lock().unwrap_or_else(|p| p.into_inner()).consumers(tenant_id, arrived)
     }
 
     /// The tenant, opened (and its background loops started) on first use.

@@ -212,6 +212,10 @@ fn read_consumer(row: &Row) -> Result<ConsumerRecord> {
 }
 
 impl ControlStore for PgControl {
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     fn data_version(&self) -> Result<i64> {
         self.call(|client, schema| {
             col(&client.query_one(&sql(schema, "SELECT n FROM {s}.control_changes"), &[]).db()?, 0)

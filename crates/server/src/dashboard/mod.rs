@@ -248,7 +248,8 @@ async fn login(State(state): State<AppState>, headers: HeaderMap, Form(form): Fo
     if state.config.auth_disabled() {
         return see_other("/ui");
     }
-    let verified = state.control_cache.lock().unwrap_or_else(|p| p.into_inner()).verify(form.token.trim());
+    let arrived = std::time::Instant::now();
+    let verified = state.control_cache.lock().unwrap_or_else(|p| p.into_inner()).verify(form.token.trim(), arrived);
     match verified {
         Ok(record) => {
             tracing::info!(tenant = %record.tenant_id, token = %record.token_id, "dashboard login");
