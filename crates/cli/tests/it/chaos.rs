@@ -314,15 +314,29 @@ fn chaos_io_errors_under_load_lose_nothing_and_the_servers_go_on_by_themselves()
 }
 
 /// The run of [`WORKERS_SEED`]: 2 servers and 2 worker processes, 6 faults in 12 s; on
-/// PostgreSQL with `store`.
-fn workers_chaos(out: &Path, store: Option<&str>) -> Run {
+/// PostgreSQL with `store`. It must pass: advances and starts acknowledged, nothing lost or
+/// applied twice, faults on the worker processes and runs claimed by them. Returns the report.
+fn workers_chaos(out: &Path, store: Option<&str>) -> Value {
     let seed = WORKERS_SEED.to_string();
     let mut args = vec!["chaos", "--seed", &seed, "--duration-s", "12", "--faults", "6", "--workers", "2"];
     args.extend(["--processes", "2", "--clients", "4", "--out", path_str(out)]);
     if let Some(store) = store {
         args.extend(["--store", store]);
     }
-    run(&args)
+    let r = run(&args);
+    println!("tidemark chaos --workers 2 (store {store:?}): {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert!(report["operations"]["advances"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["faults"]["on_workers"].as_u64().unwrap() > 0, "no fault hit a worker process: {report:#}");
+    assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
+    report
 }
 
 /// `tidemark worker` processes beside the servers, on the tenant's workflow database, killed and
@@ -331,17 +345,7 @@ fn workers_chaos(out: &Path, store: Option<&str>) -> Run {
 fn chaos_worker_processes_beside_the_servers_lose_nothing_and_apply_nothing_twice() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
-    let r = workers_chaos(&out, None);
-    println!("tidemark chaos --workers 2: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
-    let report = &r.json;
-    assert_eq!(report["outcome"], "passed", "{report:#}");
-    assert_eq!(
-        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
-        (Some(0), Some(0))
-    );
-    assert!(report["faults"]["on_workers"].as_u64().unwrap() > 0, "no fault hit a worker process: {report:#}");
-    assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
+    workers_chaos(&out, None);
 }
 
 /// The same workload and faults with the servers and worker processes on PostgreSQL (`--store`):
@@ -356,19 +360,7 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
-    let r = workers_chaos(&out, Some(&store));
-    println!("tidemark chaos --store postgres://...: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
-    let report = &r.json;
-    assert_eq!(report["outcome"], "passed", "{report:#}");
-    assert_eq!(
-        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
-        (Some(0), Some(0))
-    );
-    assert!(report["operations"]["advances"].as_u64().unwrap() > 0, "{report:#}");
-    assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "{report:#}");
-    assert!(report["faults"]["on_workers"].as_u64().unwrap() > 0, "no fault hit a worker process: {report:#}");
-    assert!(report["worker_claims"].as_u64().unwrap() > 0, "the worker processes ran nothing: {report:#}");
+    workers_chaos(&out, Some(&store));
     // The run was on PostgreSQL: the data folder holds no tenant database, only the payments log.
     let tenant = out.join("data").join("tenants").join("chaos");
     assert!(!tenant.join("producer.db").exists() && !tenant.join("workflows.db").exists());

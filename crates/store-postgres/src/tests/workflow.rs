@@ -2303,9 +2303,10 @@ fn a_store_whose_session_the_server_ended_reconnects_and_goes_on() {
     d.store.reconnect_if_closed().unwrap();
     let pid: i32 = d.store.client().query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
     d.db.client().execute("SELECT pg_terminate_backend($1)", &[&pid]).unwrap();
-    // The first call after the server ended the session fails (a store error, not a panic)...
+    // The first call after the server ended the session fails (`store_unavailable`, not a
+    // panic: HTTP 503)...
     let error = d.store.run("r1").unwrap_err();
-    assert_eq!(error.code(), codes::STORE, "{error}");
+    assert_eq!(error.code(), codes::STORE_UNAVAILABLE, "{error}");
     // ...and the writer's reconnect opens a new one, with fresh statement caches.
     d.store.reconnect_if_closed().unwrap();
     let pid_after: i32 = d.store.client().query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
