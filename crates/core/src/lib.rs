@@ -7,6 +7,7 @@
 pub mod clock;
 pub mod crash;
 pub mod decode;
+pub mod drain;
 pub mod endpoint;
 pub mod envelope;
 pub mod error;

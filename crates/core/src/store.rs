@@ -658,6 +658,27 @@ pub trait Handler<T: ?Sized> {
     fn refuses_before_writing(&self) -> bool {
         false
     }
+
+    /// How many events [`Handler::handle_batch`] takes at once. The default, 1, means the drain
+    /// calls [`Handler::handle`] for each event. Above 1, the drain hands over up to this many
+    /// applicable events at a time (never more than its own limit).
+    fn batch_max(&self) -> usize {
+        1
+    }
+
+    /// Apply several events at once, all or none, inside the apply transaction: for handlers
+    /// that can do a batch's work in a few statements (read the state of all its flows in one,
+    /// write it in one) instead of a few per event. `events` are in (source, flow, seq) order,
+    /// each the next of its flow once the ones before it in the slice are applied, from many
+    /// flows. `Ok` marks them all applied. [`HandleError::Blocked`] rolls back whatever the batch
+    /// wrote and the drain applies the same events again one at a time through
+    /// [`Handler::handle`], so that only the refusing flow stops (`handle` must agree with
+    /// `handle_batch`: the same writes for the events it applies). [`HandleError::Failed`] rolls
+    /// the whole drain back. Called only when [`Handler::batch_max`] is above 1; the default
+    /// applies the events one after the other.
+    fn handle_batch(&mut self, target: &T, consumer_id: &str, events: &[Envelope]) -> Result<(), HandleError> {
+        events.iter().try_for_each(|event| self.handle(target, consumer_id, event))
+    }
 }
 
 /// A handler over the user's own event type: the payload is decoded into [`EventHandler::Event`]
@@ -686,6 +707,24 @@ pub trait EventHandler<T: ?Sized> {
     fn refuses_before_writing(&self) -> bool {
         false
     }
+
+    /// See [`Handler::batch_max`] (default 1: [`EventHandler::handle`] per event).
+    fn batch_max(&self) -> usize {
+        1
+    }
+
+    /// See [`Handler::handle_batch`]: the accepted events of a batch, each with its decoded
+    /// payload (events of types [`EventHandler::accepts`] refuses are left out; a payload that
+    /// does not decode refuses the batch, and the one-at-a-time replay blocks that event alone).
+    /// The default applies them one after the other.
+    fn handle_batch(
+        &mut self,
+        tx: &T,
+        consumer_id: &str,
+        events: Vec<(&Envelope, Self::Event)>,
+    ) -> Result<(), HandleError> {
+        events.into_iter().try_for_each(|(envelope, event)| self.handle(tx, consumer_id, envelope, event))
+    }
 }
 
 /// An [`EventHandler`] as a [`Handler`]: decodes each accepted event's payload, then calls it.
@@ -699,15 +738,32 @@ impl<T: ?Sized, H: EventHandler<T>> Handler<T> for Typed<H> {
         if !self.0.accepts(&envelope.event_type) {
             return Ok(());
         }
-        let event = H::Event::deserialize(&envelope.payload).map_err(|e| {
-            HandleError::Blocked(format!("the payload of {} does not decode: {e}", envelope.event_type))
-        })?;
+        let event = decode_payload::<H::Event>(envelope)?;
         self.0.handle(target, consumer_id, envelope, event)
     }
 
     fn refuses_before_writing(&self) -> bool {
         self.0.refuses_before_writing()
     }
+
+    fn batch_max(&self) -> usize {
+        self.0.batch_max()
+    }
+
+    fn handle_batch(&mut self, target: &T, consumer_id: &str, envelopes: &[Envelope]) -> Result<(), HandleError> {
+        let mut events = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes.iter().filter(|e| self.0.accepts(&e.event_type)) {
+            events.push((envelope, decode_payload::<H::Event>(envelope)?));
+        }
+        self.0.handle_batch(target, consumer_id, events)
+    }
+}
+
+/// An event's payload as the handler's type, or the `Blocked` refusal saying why it does not
+/// decode.
+fn decode_payload<E: serde::de::DeserializeOwned>(envelope: &Envelope) -> Result<E, HandleError> {
+    E::deserialize(&envelope.payload)
+        .map_err(|e| HandleError::Blocked(format!("the payload of {} does not decode: {e}", envelope.event_type)))
 }
 
 /// The handler that applies every event and does nothing else: the inbox as a durable, ordered,

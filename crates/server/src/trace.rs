@@ -80,4 +80,18 @@ impl<T: ?Sized> Handler<T> for Traced<'_, T> {
     fn refuses_before_writing(&self) -> bool {
         self.0.refuses_before_writing()
     }
+
+    fn batch_max(&self) -> usize {
+        self.0.batch_max()
+    }
+
+    /// A batch runs in one `apply_batch` span, joined to the trace of its first event that
+    /// carries one (a span has one parent; the events' other traces are not linked).
+    fn handle_batch(&mut self, target: &T, consumer_id: &str, events: &[Envelope]) -> Result<(), HandleError> {
+        let traceparent = events.iter().find_map(|e| e.traceparent.as_deref());
+        let span = tracing::info_span!("apply_batch", consumer = consumer_id, events = events.len());
+        join(&span, traceparent);
+        let _entered = span.enter();
+        self.0.handle_batch(target, consumer_id, events)
+    }
 }

@@ -17,21 +17,16 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason, validate_r
 use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::policy::{retention_walk_stops_at, RetentionPolicy};
 use tidemark_core::store::{
-    ApplyOutcome, ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, DrainStop, FlowCursor, HandleError,
-    Handler, InboxEntry, InboxStatus, PruneReport, Receipt, ReceiveOutcome, RenameReport,
+    ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, FlowCursor, Handler, InboxEntry, InboxStatus,
+    PruneReport, Receipt, ReceiveOutcome, RenameReport,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
 use crate::apply::{ApplyTransaction, OpenTransaction};
 use crate::schema::{self, lock, meta_get, meta_set, sql, validate_schema_name, Statements, LOCK_CONSUMER};
 use crate::{col, col_u32, PgResult};
+use tidemark_core::drain::{self, DrainPosition, DrainTransaction, OpenRecord, DRAIN_PAGE_ROWS};
 
-/// Rows a drain may look at beyond its apply limit (gapped or blocked flows' waiting rows).
-const DRAIN_SCAN_ROWS_EXTRA: usize = 4_096;
-/// Rows read per page while scanning open inbox records.
-const DRAIN_PAGE_ROWS: i64 = 1_024;
-/// Stuck flows reported by one drain.
-const DRAIN_STUCK_REPORTED_MAX: usize = 100;
 /// Inbox rows read per page by the retention walk.
 const PRUNE_PAGE_ROWS: i64 = 1_024;
 
@@ -186,188 +181,131 @@ impl PgConsumer {
         handler: &mut dyn Handler<ApplyTransaction>,
         now_ms: i64,
     ) -> Result<DrainReport> {
-        let savepoints = !handler.refuses_before_writing();
         let prepare = |statements: &mut Statements, template: &'static str| -> Result<Statement> {
             apply.with(|c| Ok(statements.get(c, template))).db()?
         };
-        let page_all = prepare(
-            statements,
-            "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
-             FROM {s}.inbox i
-             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
-             WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
-               AND (i.source, i.flow_id, i.seq) > ($2::text, $3::text, $4::bigint)
-             ORDER BY i.source, i.flow_id, i.seq LIMIT $5",
-        )?;
-        let page_flow = prepare(
-            statements,
-            "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
-             FROM {s}.inbox i
-             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
-             WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
-               AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4
-             ORDER BY i.seq LIMIT $5",
-        )?;
-        let mark_blocked = prepare(
-            statements,
-            "UPDATE {s}.inbox SET status = 'blocked', reason = $2, status_at_ms = $3
-             WHERE record = $1 AND NOT (status = 'blocked' AND reason IS NOT DISTINCT FROM $2)",
-        )?;
-        let savepoint = |command: &str| apply.with(|c| c.batch_execute(command)).db();
-        // The applied marks and the cursors are written once, at the end ([`DRAIN_SETTLE_SQL`]):
-        // nothing the drain reads later looks at them (pages move forward by position, and a
-        // flow's walk keeps its mark in memory), so per event the handler's own statements are
-        // the only round trips.
-        let mut settled = Settled::default();
-        let mut finish = |walk: &FlowWalk| {
-            let high_water = walk.next_seq - 1;
-            if high_water > walk.start_high_water {
-                let moves = if walk.start_high_water == 0 { &mut settled.started } else { &mut settled.moved };
-                moves.0.push(walk.source.clone());
-                moves.1.push(walk.flow_id.clone());
-                moves.2.push(high_water);
-            }
+        let mut drain = PgDrain {
+            apply,
+            consumer_id,
+            scope,
+            now_ms,
+            page_all: prepare(
+                statements,
+                "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+                        i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
+                 FROM {s}.inbox i
+                 LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+                 WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
+                   AND (i.source, i.flow_id, i.seq) > ($2::text, $3::text, $4::bigint)
+                 ORDER BY i.source, i.flow_id, i.seq LIMIT $5",
+            )?,
+            page_flow: prepare(
+                statements,
+                "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+                        i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
+                 FROM {s}.inbox i
+                 LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+                 WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
+                   AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4
+                 ORDER BY i.seq LIMIT $5",
+            )?,
+            mark_blocked: prepare(
+                statements,
+                "UPDATE {s}.inbox SET status = 'blocked', reason = $2, status_at_ms = $3
+                 WHERE record = $1 AND NOT (status = 'blocked' AND reason IS NOT DISTINCT FROM $2)",
+            )?,
+            savepoint_held: false,
+            settled: Settled::default(),
         };
-        // A savepoint per event when the handler may write before it refuses; the release of one
-        // travels with the next one's start (one round trip per event, not two).
-        let mut savepoint_held = false;
-        let mut applied = 0_u64;
-        let mut stuck: Vec<ApplyOutcome> = Vec::new();
-        let mut last_applied: Option<ApplyOutcome> = None;
-        let mut walk: Option<FlowWalk> = None;
-        let mut after = match scope {
-            DrainScope::All => (String::new(), String::new(), 0_i64),
-            DrainScope::Flow { source, flow_id } => (source.clone(), flow_id.clone(), 0),
-        };
-        let scan_rows_max = limit + DRAIN_SCAN_ROWS_EXTRA;
-        let mut scanned = 0_usize;
-        let mut hit_limit = false;
-        'pages: loop {
-            let page = match scope {
-                DrainScope::All => {
-                    apply.rows(&page_all, &[&consumer_id, &after.0, &after.1, &after.2, &DRAIN_PAGE_ROWS])?
-                }
-                DrainScope::Flow { source, flow_id } => {
-                    apply.rows(&page_flow, &[&consumer_id, source, flow_id, &after.2, &DRAIN_PAGE_ROWS])?
-                }
-            };
-            let page_len = page.len() as i64;
-            for row in page {
-                if scanned == scan_rows_max {
-                    hit_limit = true;
-                    break 'pages;
-                }
-                scanned += 1;
-                let record: i64 = col(&row, 10)?;
-                let high_water_seq: i64 = col(&row, 9)?;
-                let event = open_event(&row)?;
-                after = (event.source.clone(), event.flow_id.clone(), event.seq);
-                let same_flow = walk.as_ref().is_some_and(|w| w.source == event.source && w.flow_id == event.flow_id);
-                if !same_flow {
-                    if let Some(previous) = walk.take() {
-                        finish(&previous);
-                    }
-                    walk = Some(FlowWalk {
-                        source: event.source.clone(),
-                        flow_id: event.flow_id.clone(),
-                        start_high_water: high_water_seq,
-                        next_seq: high_water_seq + 1,
-                    });
-                }
-                let current = walk.as_mut().expect("walk was just set");
-                ensure_invariant!(
-                    event.seq >= current.next_seq,
-                    "open inbox record {}/{}/{} is at or below the high-water mark {}",
-                    event.source,
-                    event.flow_id,
-                    event.seq,
-                    current.next_seq - 1
-                );
-                if event.seq > current.next_seq {
-                    if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
-                        stuck.push(ApplyOutcome::Gap {
-                            source: event.source.clone(),
-                            flow_id: event.flow_id.clone(),
-                            missing_seq: current.next_seq,
-                        });
-                    }
-                    after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
-                    continue 'pages;
-                }
-                if savepoints {
-                    savepoint(if savepoint_held {
-                        "RELEASE SAVEPOINT apply_one; SAVEPOINT apply_one"
-                    } else {
-                        "SAVEPOINT apply_one"
-                    })?;
-                    savepoint_held = true;
-                }
-                match handler.handle(apply, consumer_id, &event) {
-                    Ok(()) => {
-                        settled.records.push(record);
-                        current.next_seq += 1;
-                        applied += 1;
-                        if applied == 1 {
-                            crash::hit("apply.after_handler");
-                        }
-                        last_applied = Some(ApplyOutcome::Applied {
-                            source: event.source.clone(),
-                            flow_id: event.flow_id.clone(),
-                            seq: event.seq,
-                            event_id: event.event_id.clone(),
-                        });
-                        if applied as usize == limit {
-                            hit_limit = true;
-                            break 'pages;
-                        }
-                    }
-                    Err(HandleError::Blocked(reason)) => {
-                        if savepoints {
-                            savepoint("ROLLBACK TO SAVEPOINT apply_one; RELEASE SAVEPOINT apply_one")?;
-                            savepoint_held = false;
-                        }
-                        // Blocked again for the same reason: nothing to write.
-                        apply.run(&mark_blocked, &[&record, &reason, &now_ms])?;
-                        if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
-                            stuck.push(ApplyOutcome::Blocked {
-                                source: event.source.clone(),
-                                flow_id: event.flow_id.clone(),
-                                seq: event.seq,
-                                event_id: event.event_id.clone(),
-                                reason,
-                            });
-                        }
-                        after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
-                        continue 'pages;
-                    }
-                    Err(HandleError::Failed(error)) => return Err(error),
-                }
-            }
-            if page_len < DRAIN_PAGE_ROWS {
-                break;
-            }
-        }
-        if let Some(current) = walk.take() {
-            finish(&current);
-        }
-        if savepoint_held {
+        let report = drain::walk(&mut drain, consumer_id, scope, limit, handler)?;
+        if drain.savepoint_held {
             // A handler that returned `Ok` after one of its statements failed left the
             // transaction aborted: this release fails then, and the drain with it.
-            savepoint("RELEASE SAVEPOINT apply_one")?;
+            drain.command("RELEASE SAVEPOINT apply_one")?;
         }
-        settled.write(apply, statements, consumer_id, now_ms)?;
-        let outcome = if hit_limit {
-            DrainStop::Limit
-        } else {
-            match stuck.first() {
-                None => DrainStop::Idle,
-                Some(ApplyOutcome::Gap { .. }) => DrainStop::Gap,
-                Some(_) => DrainStop::Blocked,
+        drain.settled.write(apply, statements, consumer_id, now_ms)?;
+        Ok(report)
+    }
+}
+
+/// The drain's apply transaction ([`tidemark_core::drain`] decides; this writes). The applied
+/// marks and the cursors are written once, at the end ([`DRAIN_SETTLE_SQL`]): nothing the drain
+/// reads later looks at them (pages move forward by position, and a flow's walk keeps its mark in
+/// memory), so per event the handler's own statements are the only round trips. A released
+/// savepoint is released together with the next one's start (one round trip per event, not two).
+struct PgDrain<'a> {
+    apply: &'a ApplyTransaction,
+    consumer_id: &'a str,
+    scope: &'a DrainScope,
+    now_ms: i64,
+    page_all: Statement,
+    page_flow: Statement,
+    mark_blocked: Statement,
+    savepoint_held: bool,
+    settled: Settled,
+}
+
+impl PgDrain<'_> {
+    fn command(&self, command: &str) -> Result<()> {
+        self.apply.with(|c| c.batch_execute(command)).db()
+    }
+}
+
+impl DrainTransaction for PgDrain<'_> {
+    type Target = ApplyTransaction;
+
+    fn target(&self) -> &ApplyTransaction {
+        self.apply
+    }
+
+    fn page(&mut self, after: &DrainPosition) -> Result<Vec<OpenRecord>> {
+        let page_rows = DRAIN_PAGE_ROWS as i64;
+        let rows = match self.scope {
+            DrainScope::All => {
+                self.apply.rows(&self.page_all, &[&self.consumer_id, &after.0, &after.1, &after.2, &page_rows])?
+            }
+            DrainScope::Flow { source, flow_id } => {
+                self.apply.rows(&self.page_flow, &[&self.consumer_id, source, flow_id, &after.2, &page_rows])?
             }
         };
-        Ok(DrainReport { outcome, applied, stuck, last_applied })
+        rows.iter()
+            .map(|row| {
+                Ok(OpenRecord { record: col(row, 10)?, high_water_seq: col(row, 9)?, envelope: open_event(row)? })
+            })
+            .collect()
+    }
+
+    fn savepoint(&mut self) -> Result<()> {
+        let held = std::mem::replace(&mut self.savepoint_held, false);
+        self.command(if held { "RELEASE SAVEPOINT apply_one; SAVEPOINT apply_one" } else { "SAVEPOINT apply_one" })
+    }
+
+    fn release_savepoint(&mut self) -> Result<()> {
+        self.savepoint_held = true;
+        Ok(())
+    }
+
+    fn roll_back_to_savepoint(&mut self) -> Result<()> {
+        self.command("ROLLBACK TO SAVEPOINT apply_one; RELEASE SAVEPOINT apply_one")
+    }
+
+    fn mark_applied(&mut self, record: i64) -> Result<()> {
+        self.settled.records.push(record);
+        Ok(())
+    }
+
+    fn mark_blocked(&mut self, record: i64, reason: &str) -> Result<()> {
+        // Blocked again for the same reason: nothing to write.
+        self.apply.run(&self.mark_blocked, &[&record, &reason, &self.now_ms])?;
+        Ok(())
+    }
+
+    fn move_cursor(&mut self, source: &str, flow_id: &str, start_high_water: i64, high_water: i64) -> Result<()> {
+        let moves = if start_high_water == 0 { &mut self.settled.started } else { &mut self.settled.moved };
+        moves.0.push(source.to_string());
+        moves.1.push(flow_id.to_string());
+        moves.2.push(high_water);
+        Ok(())
     }
 }
 
@@ -428,14 +366,6 @@ impl Settled {
         );
         Ok(())
     }
-}
-
-/// The walk of one flow during a drain.
-struct FlowWalk {
-    source: String,
-    flow_id: String,
-    start_high_water: i64,
-    next_seq: i64,
 }
 
 fn open_event(r: &Row) -> Result<Envelope> {

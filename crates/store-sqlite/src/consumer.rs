@@ -6,25 +6,19 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use tidemark_core::crash;
+use tidemark_core::drain::{self, DrainPosition, DrainTransaction, OpenRecord, DRAIN_PAGE_ROWS};
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit, validate_reason, validate_rename};
 use tidemark_core::limits::{DRAIN_BATCH_EVENTS_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RECEIVE_BATCH_EVENTS_MAX};
 use tidemark_core::policy::{retention_walk_stops_at, RetentionPolicy};
 use tidemark_core::store::{
-    ApplyOutcome, ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, DrainStop, FlowCursor, HandleError,
-    Handler, InboxEntry, InboxStatus, PruneReport, Receipt, ReceiveOutcome, RenameReport,
+    ConsumerSnapshot, ConsumerStore, DrainReport, DrainScope, FlowCursor, Handler, InboxEntry, InboxStatus,
+    PruneReport, Receipt, ReceiveOutcome, RenameReport,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
 use crate::schema::{self, meta_get, meta_set, Durability};
 use crate::SqlResult;
-
-/// Rows a drain may look at beyond its apply limit (gapped or blocked flows' waiting rows).
-const DRAIN_SCAN_ROWS_EXTRA: usize = 4_096;
-/// Rows read per page while scanning open inbox records.
-const DRAIN_PAGE_ROWS: usize = 1_024;
-/// Stuck flows reported by one drain.
-const DRAIN_STUCK_REPORTED_MAX: usize = 100;
 
 /// A consumer database on SQLite: the inbox, the per-flow high-water marks, the receipts and the
 /// retired ids of every logical consumer it holds, with the user's projection tables in the same
@@ -395,14 +389,6 @@ fn receive_one(
     Ok(ReceiveOutcome::Accepted { consumer_id: consumer, event_id })
 }
 
-/// One open (pending or blocked) inbox record with its flow's high-water mark.
-struct OpenRecord {
-    /// The inbox row (`inbox.record`): the drain changes the record's status by it.
-    record: i64,
-    envelope: Envelope,
-    high_water_seq: i64,
-}
-
 const OPEN_COLUMNS: &str =
     "i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
     i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent";
@@ -489,54 +475,103 @@ fn high_water(conn: &Connection, consumer_id: &str, source: &str, flow_id: &str)
         .unwrap_or(0))
 }
 
-/// The walk of one flow during a drain.
-struct FlowWalk {
-    source: String,
-    flow_id: String,
-    start_high_water: i64,
-    next_seq: i64,
+/// The drain's apply transaction ([`tidemark_core::drain`] decides; this writes). The open-record
+/// read joins each flow's cursor, so the drain knows whether the row exists and writes it with a
+/// plain UPDATE or INSERT (an upsert seeks the primary key twice when the row exists: once for
+/// the refused insert, once for the update). Statements are prepared once per drain, not once
+/// per event (see `ReceiveStatements`).
+struct SqliteDrain<'c> {
+    tx: &'c Connection,
+    consumer_id: &'c str,
+    scope: &'c DrainScope,
+    now_ms: i64,
+    mark_applied: rusqlite::CachedStatement<'c>,
+    cursor_update: rusqlite::CachedStatement<'c>,
+    cursor_insert: rusqlite::CachedStatement<'c>,
 }
 
-/// The drain's cursor writes. The open-record read joins each flow's cursor, so the drain knows
-/// whether the row exists and writes it with a plain UPDATE or INSERT (an upsert seeks the
-/// primary key twice when the row exists: once for the refused insert, once for the update).
-struct CursorWrites<'c> {
-    update: rusqlite::CachedStatement<'c>,
-    insert: rusqlite::CachedStatement<'c>,
-}
-
-impl<'c> CursorWrites<'c> {
-    fn prepare(tx: &'c Connection) -> Result<Self> {
-        Ok(CursorWrites {
-            update: tx
+impl<'c> SqliteDrain<'c> {
+    fn prepare(tx: &'c Connection, consumer_id: &'c str, scope: &'c DrainScope, now_ms: i64) -> Result<Self> {
+        Ok(SqliteDrain {
+            tx,
+            consumer_id,
+            scope,
+            now_ms,
+            mark_applied: tx
+                .prepare_cached(
+                    "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?2
+                     WHERE record = ?1 AND (status = 'pending' OR status = 'blocked')",
+                )
+                .db()?,
+            cursor_update: tx
                 .prepare_cached(
                     "UPDATE cursors SET high_water_seq = ?4
                      WHERE consumer_id = ?1 AND source = ?2 AND flow_id = ?3 AND high_water_seq < ?4",
                 )
                 .db()?,
-            insert: tx
+            cursor_insert: tx
                 .prepare_cached(
                     "INSERT INTO cursors (consumer_id, source, flow_id, high_water_seq) VALUES (?1, ?2, ?3, ?4)",
                 )
                 .db()?,
         })
     }
+
+    fn run(&self, sql: &str) -> Result<()> {
+        self.tx.prepare_cached(sql).db()?.execute([]).db()?;
+        Ok(())
+    }
 }
 
-impl FlowWalk {
-    fn finish(&self, cursors: &mut CursorWrites<'_>, consumer_id: &str) -> Result<()> {
-        let high_water = self.next_seq - 1;
-        if high_water > self.start_high_water {
-            // `start_high_water` 0 means the join found no cursor row (a stored one is >= 1).
-            let statement = if self.start_high_water == 0 { &mut cursors.insert } else { &mut cursors.update };
-            let changed = statement.execute(params![consumer_id, self.source, self.flow_id, high_water]).db()?;
-            ensure_invariant!(
-                changed == 1,
-                "moving the cursor of {}/{} changed {changed} rows",
-                self.source,
-                self.flow_id
-            );
-        }
+impl DrainTransaction for SqliteDrain<'_> {
+    type Target = Connection;
+
+    fn target(&self) -> &Connection {
+        self.tx
+    }
+
+    fn page(&mut self, after: &DrainPosition) -> Result<Vec<OpenRecord>> {
+        open_page(self.tx, self.consumer_id, self.scope, after)
+    }
+
+    fn savepoint(&mut self) -> Result<()> {
+        self.run("SAVEPOINT apply_one")
+    }
+
+    fn release_savepoint(&mut self) -> Result<()> {
+        self.run("RELEASE apply_one")
+    }
+
+    fn roll_back_to_savepoint(&mut self) -> Result<()> {
+        self.run("ROLLBACK TO apply_one")?;
+        self.run("RELEASE apply_one")
+    }
+
+    fn mark_applied(&mut self, record: i64) -> Result<()> {
+        let changed = self.mark_applied.execute(params![record, self.now_ms]).db()?;
+        ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
+        Ok(())
+    }
+
+    fn mark_blocked(&mut self, record: i64, reason: &str) -> Result<()> {
+        // Blocked again for the same reason: nothing to write (a drain loop retries blocked
+        // records; without this every pass rewrote the row and fsynced).
+        self.tx
+            .prepare_cached(
+                "UPDATE inbox SET status = 'blocked', reason = ?2, status_at_ms = ?3
+                 WHERE record = ?1 AND NOT (status = 'blocked' AND reason IS ?2)",
+            )
+            .db()?
+            .execute(params![record, reason, self.now_ms])
+            .db()?;
+        Ok(())
+    }
+
+    fn move_cursor(&mut self, source: &str, flow_id: &str, start_high_water: i64, high_water: i64) -> Result<()> {
+        // `start_high_water` 0 means the join found no cursor row (a stored one is >= 1).
+        let statement = if start_high_water == 0 { &mut self.cursor_insert } else { &mut self.cursor_update };
+        let changed = statement.execute(params![self.consumer_id, source, flow_id, high_water]).db()?;
+        ensure_invariant!(changed == 1, "moving the cursor of {source}/{flow_id} changed {changed} rows");
         Ok(())
     }
 }
@@ -621,153 +656,18 @@ impl ConsumerStore for SqliteConsumer {
             validate_id("source", source)?;
             validate_id("flow_id", flow_id)?;
         }
-        // A handler that refuses before writing needs no savepoint per event.
-        let savepoints = !handler.refuses_before_writing();
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
-        let mut applied = 0_u64;
-        let mut stuck: Vec<ApplyOutcome> = Vec::new();
-        let mut stuck_total = 0_usize;
-        let mut last_applied: Option<ApplyOutcome> = None;
-        let mut walk: Option<FlowWalk> = None;
-        let mut after = match scope {
-            DrainScope::All => (String::new(), String::new(), 0),
-            DrainScope::Flow { source, flow_id } => (source.clone(), flow_id.clone(), 0),
-        };
-        let scan_rows_max = limit + DRAIN_SCAN_ROWS_EXTRA;
-        // Prepared once per drain, not once per event (see `ReceiveStatements`).
-        let mut set_cursor = CursorWrites::prepare(&tx)?;
-        let mut mark_applied = tx
-            .prepare_cached(
-                "UPDATE inbox SET status = 'applied', reason = NULL, status_at_ms = ?2
-                 WHERE record = ?1 AND (status = 'pending' OR status = 'blocked')",
-            )
-            .db()?;
-        let mut scanned = 0_usize;
-        let mut hit_limit = false;
-        'pages: loop {
-            let page = open_page(&tx, consumer_id, scope, &after)?;
-            let page_len = page.len();
-            for record in page {
-                // Bounded: every row read counts, and a stuck flow costs one row (the scan then
-                // jumps past the rest of that flow).
-                if scanned == scan_rows_max {
-                    hit_limit = true;
-                    break 'pages;
-                }
-                scanned += 1;
-                let event = record.envelope;
-                after = (event.source.clone(), event.flow_id.clone(), event.seq);
-                let same_flow = walk.as_ref().is_some_and(|w| w.source == event.source && w.flow_id == event.flow_id);
-                if !same_flow {
-                    if let Some(previous) = walk.take() {
-                        previous.finish(&mut set_cursor, consumer_id)?;
-                    }
-                    walk = Some(FlowWalk {
-                        source: event.source.clone(),
-                        flow_id: event.flow_id.clone(),
-                        start_high_water: record.high_water_seq,
-                        next_seq: record.high_water_seq + 1,
-                    });
-                }
-                let current = walk.as_mut().expect("walk was just set");
-                ensure_invariant!(
-                    event.seq >= current.next_seq,
-                    "open inbox record {}/{}/{} is at or below the high-water mark {}",
-                    event.source,
-                    event.flow_id,
-                    event.seq,
-                    current.next_seq - 1
-                );
-                if event.seq > current.next_seq {
-                    stuck_total += 1;
-                    if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
-                        stuck.push(ApplyOutcome::Gap {
-                            source: event.source.clone(),
-                            flow_id: event.flow_id.clone(),
-                            missing_seq: current.next_seq,
-                        });
-                    }
-                    after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
-                    continue 'pages;
-                }
-                if savepoints {
-                    tx.prepare_cached("SAVEPOINT apply_one").db()?.execute([]).db()?;
-                }
-                match handler.handle(&tx, consumer_id, &event) {
-                    Ok(()) => {
-                        if savepoints {
-                            tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
-                        }
-                        let changed = mark_applied.execute(params![record.record, now_ms]).db()?;
-                        ensure_invariant!(changed == 1, "marking applied changed {changed} rows");
-                        current.next_seq += 1;
-                        applied += 1;
-                        if applied == 1 {
-                            crash::hit("apply.after_handler");
-                        }
-                        last_applied = Some(ApplyOutcome::Applied {
-                            source: event.source.clone(),
-                            flow_id: event.flow_id.clone(),
-                            seq: event.seq,
-                            event_id: event.event_id.clone(),
-                        });
-                        if applied as usize == limit {
-                            hit_limit = true;
-                            break 'pages;
-                        }
-                    }
-                    Err(HandleError::Blocked(reason)) => {
-                        if savepoints {
-                            tx.prepare_cached("ROLLBACK TO apply_one").db()?.execute([]).db()?;
-                            tx.prepare_cached("RELEASE apply_one").db()?.execute([]).db()?;
-                        }
-                        // Blocked again for the same reason: nothing to write (a drain loop retries
-                        // blocked records; without this every pass rewrote the row and fsynced).
-                        tx.prepare_cached(
-                            "UPDATE inbox SET status = 'blocked', reason = ?2, status_at_ms = ?3
-                             WHERE record = ?1 AND NOT (status = 'blocked' AND reason IS ?2)",
-                        )
-                        .db()?
-                        .execute(params![record.record, reason, now_ms])
-                        .db()?;
-                        stuck_total += 1;
-                        if stuck.len() < DRAIN_STUCK_REPORTED_MAX {
-                            stuck.push(ApplyOutcome::Blocked {
-                                source: event.source.clone(),
-                                flow_id: event.flow_id.clone(),
-                                seq: event.seq,
-                                event_id: event.event_id.clone(),
-                                reason,
-                            });
-                        }
-                        after = (event.source.clone(), event.flow_id.clone(), i64::MAX);
-                        continue 'pages;
-                    }
-                    Err(HandleError::Failed(error)) => return Err(error),
-                }
-            }
-            if page_len < DRAIN_PAGE_ROWS {
-                break;
-            }
-        }
-        if let Some(current) = walk.take() {
-            current.finish(&mut set_cursor, consumer_id)?;
-        }
-        drop((set_cursor, mark_applied));
+        let report = drain::walk(
+            &mut SqliteDrain::prepare(&tx, consumer_id, scope, now_ms)?,
+            consumer_id,
+            scope,
+            limit,
+            handler,
+        )?;
         crash::hit("apply.before_commit");
         tx.commit().db()?;
         crash::hit("apply.after_commit");
-        let outcome = if hit_limit {
-            DrainStop::Limit
-        } else {
-            match stuck.first() {
-                None => DrainStop::Idle,
-                Some(ApplyOutcome::Gap { .. }) => DrainStop::Gap,
-                Some(_) => DrainStop::Blocked,
-            }
-        };
-        let _ = stuck_total;
-        Ok(DrainReport { outcome, applied, stuck, last_applied })
+        Ok(report)
     }
 
     fn inbox(&self, consumer_id: &str, status: Option<InboxStatus>, limit: usize) -> Result<Vec<InboxEntry>> {
@@ -1059,6 +959,7 @@ fn snapshot_in(tx: &Connection, horizon_ms: i64, rows_max: usize) -> Result<Cons
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tidemark_core::store::{DrainStop, HandleError};
 
     /// Event 1 of flow `f` from `shop`.
     fn event() -> Envelope {
@@ -1289,5 +1190,80 @@ mod tests {
         assert_eq!(logged, 0, "the handler's table was read after the drain, outside the snapshot");
         let (after, logged) = consumer.snapshot_with(10, count).unwrap();
         assert_eq!((after.inbox[0].status, logged), (InboxStatus::Applied, 1));
+    }
+
+    /// Logs each event (`LogRefusing`), refusing flow `b`'s first one after writing, in batches of
+    /// `.0` (the trait's default `handle_batch`), counting the batches it was handed (`.1`).
+    struct LogRefusing(usize, usize);
+
+    impl Handler<Connection> for LogRefusing {
+        fn handle(&mut self, tx: &Connection, consumer: &str, event: &Envelope) -> Result<(), HandleError> {
+            Log.handle(tx, consumer, event)?;
+            if event.flow_id == "b" && event.seq == 1 {
+                return Err(HandleError::Blocked("b is refused after writing".into()));
+            }
+            Ok(())
+        }
+
+        fn batch_max(&self) -> usize {
+            self.0
+        }
+
+        fn handle_batch(&mut self, tx: &Connection, consumer: &str, events: &[Envelope]) -> Result<(), HandleError> {
+            self.1 += 1;
+            events.iter().try_for_each(|event| self.handle(tx, consumer, event))
+        }
+    }
+
+    /// A batch the handler refuses after writing rolls back whole, and its events are applied
+    /// again one at a time: only the refused flow stops (its later event in the batch stays
+    /// pending), every other event is applied, and the drain reports, writes and leaves pending
+    /// exactly what the one-at-a-time drain does.
+    #[test]
+    fn a_refused_batch_rolls_back_and_is_applied_one_event_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |flow: &str, seq: i64| Envelope {
+            event_id: format!("e-{flow}-{seq}"),
+            flow_id: flow.into(),
+            seq,
+            ..event()
+        };
+        let events = [at("a", 1), at("a", 2), at("b", 1), at("b", 2), at("c", 1), at("d", 1), at("e", 2)];
+        let items: Vec<(&str, &Envelope)> = events.iter().map(|e| ("x", e)).collect();
+        let mut outcomes = Vec::new();
+        for batch_max in [1, 4] {
+            let path = dir.path().join(format!("c{batch_max}.db"));
+            let mut consumer = SqliteConsumer::init(&path, RetentionPolicy::default()).unwrap();
+            consumer.connection().execute("CREATE TABLE log (event_id TEXT NOT NULL)", []).unwrap();
+            consumer.receive_batch(&items, 10).unwrap();
+            let mut handler = LogRefusing(batch_max, 0);
+            let report = consumer.drain("x", &DrainScope::All, 100, &mut handler, 11).unwrap();
+            let logged: Vec<String> = consumer
+                .connection()
+                .prepare("SELECT event_id FROM log ORDER BY event_id")
+                .unwrap()
+                .query_map([], |r| r.get(0))
+                .unwrap()
+                .collect::<rusqlite::Result<_>>()
+                .unwrap();
+            let pending: Vec<String> = consumer
+                .inbox("x", Some(InboxStatus::Pending), 10)
+                .unwrap()
+                .into_iter()
+                .map(|r| r.envelope.event_id)
+                .collect();
+            let cursors: Vec<(String, i64)> =
+                consumer.cursors(Some("x")).unwrap().into_iter().map(|c| (c.flow_id, c.high_water_seq)).collect();
+            // [a1 a2 b1 b2] is refused at b1 and replayed; [c1 d1] is applied as a batch.
+            assert_eq!(handler.1, if batch_max == 1 { 0 } else { 2 }, "batches of {batch_max}");
+            outcomes.push((report, logged, pending, cursors));
+        }
+        let (report, logged, pending, cursors) = &outcomes[0];
+        assert_eq!((report.outcome, report.applied), (DrainStop::Blocked, 4));
+        assert_eq!(logged, &["e-a-1", "e-a-2", "e-c-1", "e-d-1"]);
+        assert_eq!(pending, &["e-b-2", "e-e-2"]);
+        assert_eq!(cursors, &[("a".to_string(), 2), ("c".to_string(), 1), ("d".to_string(), 1)]);
+        assert_eq!(report.stuck.len(), 2, "{:?}", report.stuck);
+        assert_eq!(outcomes[0], outcomes[1], "batching changed what the drain did");
     }
 }

@@ -2,6 +2,7 @@
 //! as on SQLite ([`super`]), in the consumer's schema. The handler writes through the consumer's
 //! [`ApplyTransaction`], so its rows commit exactly when the event counts as applied.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tidemark::decode::DecoderRegistry;
@@ -167,6 +168,122 @@ impl Handler<ApplyTransaction> for ReservationHandler {
     /// Every refusal comes before the first write (as on SQLite).
     fn refuses_before_writing(&self) -> bool {
         true
+    }
+
+    fn batch_max(&self) -> usize {
+        BATCH_EVENTS_MAX
+    }
+
+    /// The same transitions and rows as [`Handler::handle`], in three statements per batch:
+    /// the projections of the batch's flows read in one, their new states written in one
+    /// upsert, the effects inserted in one. Any refusal refuses the whole batch before it writes
+    /// (the drain then applies it one event at a time, and only the refused flow stops).
+    fn handle_batch(
+        &mut self,
+        tx: &ApplyTransaction,
+        consumer_id: &str,
+        events: &[Envelope],
+    ) -> Result<(), HandleError> {
+        let failed = |e: client::Error| HandleError::Failed(Error::from(e));
+        let s = tx.schema().to_string();
+        // The batch's flows in their order (`index` maps each to its place), each with its
+        // projection (`states`; None: no row yet).
+        let mut index: HashMap<(&str, &str), usize> = HashMap::new();
+        let (mut sources, mut flow_ids) = (Vec::new(), Vec::new());
+        for event in events {
+            index.entry((&event.source, &event.flow_id)).or_insert_with(|| {
+                sources.push(event.source.as_str());
+                flow_ids.push(event.flow_id.as_str());
+                sources.len() - 1
+            });
+        }
+        let mut states: Vec<Option<ReservationProjection>> = vec![None; sources.len()];
+        let read = tx
+            .prepare_cached(&format!(
+                r#"SELECT k.i, p.state, p.quantity FROM "{s}".reservation_projection p
+                   JOIN unnest($2::text[], $3::text[]) WITH ORDINALITY AS k(source, flow_id, i)
+                     ON p.flow_id = k.flow_id AND p.source = k.source AND p.consumer_id = $1"#
+            ))
+            .map_err(failed)?;
+        for row in tx.query(&read, &[&consumer_id, &sources, &flow_ids]).map_err(failed)? {
+            let i = usize::try_from(row.get::<_, i64>(0) - 1).expect("ordinality starts at 1");
+            states[i] = Some(ReservationProjection { state: row.get(1), quantity: row.get(2) });
+        }
+        let mut effects = Effects::default();
+        let mut last_seqs = vec![0_i64; sources.len()];
+        for event in events {
+            let decoded = self
+                .decoders
+                .decode(&event.event_type, event.schema_version, &event.payload)
+                .map_err(HandleError::Blocked)?;
+            let i = index[&(event.source.as_str(), event.flow_id.as_str())];
+            let next = project(states[i].as_ref(), &decoded).map_err(HandleError::Blocked)?;
+            effects.push(event, &next);
+            last_seqs[i] = event.seq;
+            states[i] = Some(next);
+        }
+        // The projections' new rows, one per flow, in the order of `sources` and `flow_ids`.
+        let (mut kinds, mut quantities) = (Vec::new(), Vec::new());
+        for state in &states {
+            let state = state.as_ref().expect("every flow was projected");
+            kinds.push(state.state.as_str());
+            quantities.push(state.quantity);
+        }
+        let write = tx
+            .prepare_cached(&format!(
+                r#"INSERT INTO "{s}".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
+                   SELECT $1, * FROM unnest($2::text[], $3::text[], $4::text[], $5::bigint[], $6::bigint[])
+                   ON CONFLICT (flow_id, source, consumer_id)
+                   DO UPDATE SET state = excluded.state, quantity = excluded.quantity, last_seq = excluded.last_seq"#
+            ))
+            .map_err(failed)?;
+        let written = tx
+            .execute(&write, &[&consumer_id, &sources, &flow_ids, &kinds, &quantities, &last_seqs])
+            .map_err(failed)?;
+        let insert = tx
+            .prepare_cached(&format!(
+                r#"INSERT INTO "{s}".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
+                   SELECT $1, * FROM unnest($2::text[], $3::text[], $4::bigint[], $5::text[], $6::text[], $7::bigint[])"#
+            ))
+            .map_err(failed)?;
+        let e = &effects;
+        let inserted = tx
+            .execute(&insert, &[&consumer_id, &e.sources, &e.flow_ids, &e.seqs, &e.event_ids, &e.kinds, &e.quantities])
+            .map_err(failed)?;
+        if written != sources.len() as u64 || inserted != events.len() as u64 {
+            return Err(HandleError::Failed(Error::store(format!(
+                "a batch of {} events wrote {written} projections (not {}) and {inserted} effects",
+                events.len(),
+                sources.len()
+            ))));
+        }
+        Ok(())
+    }
+}
+
+/// Events one [`Handler::handle_batch`] of the reservation handler takes at most (each of its
+/// array parameters holds one element per event or flow).
+pub const BATCH_EVENTS_MAX: usize = 1_000;
+
+/// Effect rows as columns: the array parameters of one statement.
+#[derive(Default)]
+struct Effects {
+    sources: Vec<String>,
+    flow_ids: Vec<String>,
+    seqs: Vec<i64>,
+    event_ids: Vec<String>,
+    kinds: Vec<String>,
+    quantities: Vec<i64>,
+}
+
+impl Effects {
+    fn push(&mut self, event: &Envelope, next: &ReservationProjection) {
+        self.sources.push(event.source.clone());
+        self.flow_ids.push(event.flow_id.clone());
+        self.seqs.push(event.seq);
+        self.event_ids.push(event.event_id.clone());
+        self.kinds.push(next.state.clone());
+        self.quantities.push(next.quantity);
     }
 }
 

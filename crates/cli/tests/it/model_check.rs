@@ -40,7 +40,13 @@
 //!
 //! On PostgreSQL the backup is a copy of the producer's tables into another schema (a dump, in
 //! effect) and the restore puts them back in one transaction; the reservation handler is the
-//! built-in one's logic on the consumer's schema (`PgReservationHandler`).
+//! built-in one on PostgreSQL (`tidemark_builtins::reservation::postgres`).
+//!
+//! A drain draws how many events its handler takes at once (`batch`): 1 is the one-at-a-time
+//! path; above 1 the stores hand the handler batches (`Handler::handle_batch`: on PostgreSQL the
+//! built-in handler's three statements per batch, on SQLite the default one-after-the-other), and
+//! the model, which always applies one event at a time, checks that batching changes nothing:
+//! not the outcomes, not what a refused event's flow keeps pending, not the projections.
 //!
 //! "Crash" drops the SQLite (or PostgreSQL) store objects (after dropping an open producer or consumer
 //! transaction, or after a handler failure in the middle of a drain) and reopens them from the
@@ -67,7 +73,7 @@ use tidemark_core::store::{
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, RelayOptions, RelayReport};
-use tidemark_store_postgres::{advance_in, ApplyTransaction, PgConsumer, PgEndpoints, PgProducer};
+use tidemark_store_postgres::{advance_in, PgConsumer, PgEndpoints, PgProducer};
 use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
 
 const MAX_OPS: usize = 40;
@@ -149,7 +155,7 @@ enum Crash {
     /// Drop an open consumer transaction that scribbled over the inbox, then reopen.
     ConsumerTxDropped { db: usize },
     /// A handler fails (infrastructure error) after `after` events of a drain, then reopen.
-    DrainFails { slot: usize, after: usize, v2: bool },
+    DrainFails { slot: usize, after: usize, v2: bool, batch: usize },
 }
 
 #[derive(Debug, Clone)]
@@ -201,6 +207,7 @@ enum Op {
         slot: usize,
         limit: usize,
         v2: bool,
+        batch: usize,
     },
     Skip {
         slot: usize,
@@ -291,12 +298,14 @@ fn op() -> impl Strategy<Value = Op> {
         Just(Tamper::Generation),
         Just(Tamper::FreshTimestamp)
     ];
-    let crash = prop_oneof![
-        Just(Crash::Reopen),
-        (0..FLOWS.len()).prop_map(|flow| Crash::ProducerTxDropped { flow }),
-        (0..DATABASES).prop_map(|db| Crash::ConsumerTxDropped { db }),
-        (slot.clone(), 0..4_usize, any::<bool>()).prop_map(|(slot, after, v2)| Crash::DrainFails { slot, after, v2 }),
-    ];
+    let crash =
+        prop_oneof![
+            Just(Crash::Reopen),
+            (0..FLOWS.len()).prop_map(|flow| Crash::ProducerTxDropped { flow }),
+            (0..DATABASES).prop_map(|db| Crash::ConsumerTxDropped { db }),
+            (slot.clone(), 0..4_usize, any::<bool>(), 1..=4_usize)
+                .prop_map(|(slot, after, v2, batch)| Crash::DrainFails { slot, after, v2, batch }),
+        ];
     prop_oneof![
         10 => prop::collection::vec(advance_spec(), 1..=3).prop_map(Op::Advance),
         10 => (1..=5_usize).prop_map(|limit| Op::Relay { limit }),
@@ -309,8 +318,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(slot, pick, how, applied)| Op::Tampered { slot, pick, how, applied }),
         3 => (slot.clone(), 0..FLOWS.len(), prop::bool::weighted(0.3))
             .prop_map(|(slot, flow, v2)| Op::Apply { slot, flow, v2 }),
-        6 => (slot.clone(), 1..=10_usize, prop::bool::weighted(0.5))
-            .prop_map(|(slot, limit, v2)| Op::Drain { slot, limit, v2 }),
+        6 => (slot.clone(), 1..=10_usize, prop::bool::weighted(0.5), 1..=4_usize)
+            .prop_map(|(slot, limit, v2, batch)| Op::Drain { slot, limit, v2, batch }),
         3 => (slot.clone(), pick.clone()).prop_map(|(slot, pick)| Op::Skip { slot, pick }),
         4 => (
             0..DATABASES,
@@ -341,10 +350,12 @@ fn op() -> impl Strategy<Value = Op> {
 // Backends
 // ------------------------------------------------------------------------------------------
 
-/// A handler wrapper that fails with an infrastructure error after `left` events.
+/// A handler wrapper that fails with an infrastructure error after `left` events, and takes
+/// `batch_max` events at once.
 struct FailAfter<'a, T: ?Sized> {
     inner: &'a mut dyn Handler<T>,
     left: Option<usize>,
+    batch_max: usize,
 }
 
 impl<T: ?Sized> Handler<T> for FailAfter<'_, T> {
@@ -356,6 +367,28 @@ impl<T: ?Sized> Handler<T> for FailAfter<'_, T> {
             *left -= 1;
         }
         self.inner.handle(target, consumer_id, event)
+    }
+
+    fn batch_max(&self) -> usize {
+        self.batch_max
+    }
+
+    /// Counted as the model counts its one-at-a-time calls: a batch that could reach the failure
+    /// is refused, so that the drain applies it again one event at a time through `handle`.
+    fn handle_batch(
+        &mut self,
+        target: &T,
+        consumer_id: &str,
+        events: &[Envelope],
+    ) -> std::result::Result<(), HandleError> {
+        if self.left.is_some_and(|left| left < events.len()) {
+            return Err(HandleError::Blocked("the failure is within this batch".into()));
+        }
+        self.inner.handle_batch(target, consumer_id, events)?;
+        if let Some(left) = &mut self.left {
+            *left -= events.len();
+        }
+        Ok(())
     }
 }
 
@@ -375,12 +408,13 @@ impl<E: Endpoints> Endpoints for Unreachable<'_, E> {
     }
 }
 
-/// The reservation handler a drain runs: with or without the v2 decoders, and optionally
-/// failing (an infrastructure error) after `fail_after` events.
+/// The reservation handler a drain runs: with or without the v2 decoders, optionally failing
+/// (an infrastructure error) after `fail_after` events, taking `batch_max` events at once.
 #[derive(Debug, Clone, Copy)]
 struct HandlerSpec {
     support_v2: bool,
     fail_after: Option<usize>,
+    batch_max: usize,
 }
 
 /// What the test needs from one implementation of the stores.
@@ -515,7 +549,7 @@ impl Backend for SqliteBackend {
         now_ms: i64,
     ) -> Result<DrainReport> {
         let mut inner = ReservationHandler::new(handler.support_v2);
-        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after };
+        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after, batch_max: handler.batch_max };
         self.consumer(db).drain(consumer_id, scope, limit, &mut handler, now_ms)
     }
 
@@ -664,8 +698,9 @@ impl Backend for ModelBackend {
         handler: HandlerSpec,
         now_ms: i64,
     ) -> Result<DrainReport> {
+        // The model is the reference: it applies one event at a time, whatever the batch.
         let mut inner = ModelReservationHandler::new(handler.support_v2);
-        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after };
+        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after, batch_max: 1 };
         self.consumer(db).drain(consumer_id, scope, limit, &mut handler, now_ms)
     }
 
@@ -711,70 +746,6 @@ pub(crate) fn postgres_server() -> Option<String> {
             println!("skipped: PostgreSQL not reachable at {conn}: {error}");
             None
         }
-    }
-}
-
-/// The reservation handler of the built-ins, on PostgreSQL: the same decoders, transitions,
-/// projection row and one effect row per applied event, in the consumer's schema.
-struct PgReservationHandler {
-    decoders: tidemark_core::decode::DecoderRegistry<tidemark_core::reservation::ReservationEvent>,
-}
-
-impl Handler<ApplyTransaction> for PgReservationHandler {
-    fn handle(
-        &mut self,
-        tx: &ApplyTransaction,
-        consumer_id: &str,
-        event: &Envelope,
-    ) -> std::result::Result<(), HandleError> {
-        use tidemark_core::reservation::{project, ReservationProjection};
-        let failed = |e: postgres::Error| HandleError::Failed(Error::from(e));
-        let decoded = self
-            .decoders
-            .decode(&event.event_type, event.schema_version, &event.payload)
-            .map_err(HandleError::Blocked)?;
-        let s = tx.schema().to_string();
-        let key: [&(dyn postgres::types::ToSql + Sync); 3] = [&consumer_id, &event.source, &event.flow_id];
-        let current = tx
-            .query_opt(
-                &format!(
-                    "SELECT state, quantity FROM \"{s}\".reservation_projection WHERE consumer_id = $1 AND source = $2 AND flow_id = $3"
-                ),
-                &key,
-            )
-            .map_err(failed)?
-            .map(|r| ReservationProjection { state: r.get(0), quantity: r.get(1) });
-        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
-        let write = if current.is_some() {
-            format!(
-                "UPDATE \"{s}\".reservation_projection SET state = $4, quantity = $5, last_seq = $6
-                 WHERE consumer_id = $1 AND source = $2 AND flow_id = $3"
-            )
-        } else {
-            format!(
-                "INSERT INTO \"{s}\".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
-                 VALUES ($1, $2, $3, $4, $5, $6)"
-            )
-        };
-        let changed = tx
-            .execute(&write, &[&consumer_id, &event.source, &event.flow_id, &next.state, &next.quantity, &event.seq])
-            .map_err(failed)?;
-        if changed != 1 {
-            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
-        }
-        tx.execute(
-            &format!(
-                "INSERT INTO \"{s}\".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)"
-            ),
-            &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id, &next.state, &next.quantity],
-        )
-        .map_err(failed)?;
-        Ok(())
-    }
-
-    fn refuses_before_writing(&self) -> bool {
-        true
     }
 }
 
@@ -935,8 +906,8 @@ impl Backend for PostgresBackend {
         handler: HandlerSpec,
         now_ms: i64,
     ) -> Result<DrainReport> {
-        let mut inner = PgReservationHandler { decoders: tidemark_core::reservation::decoders(handler.support_v2) };
-        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after };
+        let mut inner = tidemark_builtins::reservation::postgres::ReservationHandler::new(handler.support_v2);
+        let mut handler = FailAfter { inner: &mut inner, left: handler.fail_after, batch_max: handler.batch_max };
         self.consumer(db).drain(consumer_id, scope, limit, &mut handler, now_ms)
     }
 
@@ -1380,12 +1351,12 @@ impl<B: Backend> Run<B> {
             Op::Apply { slot, flow, v2 } => {
                 let scope = DrainScope::Flow { source: SOURCE.into(), flow_id: FLOWS[*flow].into() };
                 let consumer_id = self.ctx.consumer_names[*slot].clone();
-                let handler = HandlerSpec { support_v2: *v2, fail_after: None };
+                let handler = HandlerSpec { support_v2: *v2, fail_after: None, batch_max: 1 };
                 out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &scope, 1, handler, now))
             }
-            Op::Drain { slot, limit, v2 } => {
+            Op::Drain { slot, limit, v2, batch } => {
                 let consumer_id = self.ctx.consumer_names[*slot].clone();
-                let handler = HandlerSpec { support_v2: *v2, fail_after: None };
+                let handler = HandlerSpec { support_v2: *v2, fail_after: None, batch_max: *batch };
                 out(self.backend.drain(DATABASE_OF[*slot], &consumer_id, &DrainScope::All, *limit, handler, now))
             }
             Op::Skip { slot, pick } => {
@@ -1482,10 +1453,10 @@ impl<B: Backend> Run<B> {
             }
             Op::Crash(crash) => {
                 let outcome = match crash {
-                    Crash::DrainFails { slot, after, v2 } => {
+                    Crash::DrainFails { slot, after, v2, batch } => {
                         let consumer_id = self.ctx.consumer_names[*slot].clone();
                         let db = DATABASE_OF[*slot];
-                        let handler = HandlerSpec { support_v2: *v2, fail_after: Some(*after) };
+                        let handler = HandlerSpec { support_v2: *v2, fail_after: Some(*after), batch_max: *batch };
                         out(self.backend.drain(db, &consumer_id, &DrainScope::All, 10, handler, now))
                     }
                     _ => json!("crashed"),
@@ -2033,18 +2004,18 @@ fn walk_through_every_operation() -> Vec<(Op, &'static [&'static str])> {
         (Op::Reorder { slot: 0, pick: 0, count: 2 }, &["accepted"]),
         (Op::Apply { slot: 0, flow: 0, v2: false }, &["gap"]),
         (Op::Relay { limit: 3 }, &["accepted", "duplicate"]),
-        (Op::Drain { slot: 0, limit: 10, v2: false }, &["applied", "blocked"]),
+        (Op::Drain { slot: 0, limit: 10, v2: false, batch: 3 }, &["applied", "blocked"]),
         (Op::Relay { limit: 5 }, &["accepted"]),
         (Op::Redeliver { slot: 0, pick: 1 }, &["duplicate"]),
         (Op::Tampered { slot: 0, pick: 0, how: Tamper::Payload, applied: true }, &["conflict"]),
         (Op::Tampered { slot: 2, pick: 0, how: Tamper::EventId, applied: false }, &["conflict", "already held"]),
         (Op::Relay { limit: 5 }, &["accepted", "duplicate"]),
-        (Op::Drain { slot: 1, limit: 10, v2: false }, &["blocked"]),
+        (Op::Drain { slot: 1, limit: 10, v2: false, batch: 1 }, &["blocked"]),
         (Op::Skip { slot: 1, pick: 0 }, &["skipped"]),
-        (Op::Crash(Crash::DrainFails { slot: 0, after: 1, v2: true }), &["store"]),
+        (Op::Crash(Crash::DrainFails { slot: 0, after: 1, v2: true, batch: 2 }), &["store"]),
         (Op::Crash(Crash::ProducerTxDropped { flow: 1 }), &[]),
         (Op::Crash(Crash::ConsumerTxDropped { db: 0 }), &[]),
-        (Op::Drain { slot: 0, limit: 10, v2: true }, &["applied", "idle"]),
+        (Op::Drain { slot: 0, limit: 10, v2: true, batch: 4 }, &["applied", "idle"]),
         (Op::RenameConsumer { slot: 0 }, &["projections"]),
         (Op::Advance(vec![spec(1, To::Next)]), &["committed"]),
         (Op::Relay { limit: 5 }, &["conflict", "renamed", "retry"]),
@@ -2056,7 +2027,7 @@ fn walk_through_every_operation() -> Vec<(Op, &'static [&'static str])> {
         (Op::RenameSubscription { slot: 0 }, &[]),
         (Op::Resolve { pick: 0, requeue: true }, &["pending", "requeued"]),
         (Op::Relay { limit: 5 }, &["accepted"]),
-        (Op::Drain { slot: 2, limit: 10, v2: true }, &["applied"]),
+        (Op::Drain { slot: 2, limit: 10, v2: true, batch: 2 }, &["applied"]),
         // 1 ms later, with 1 ms of retention: exactly at the cutoff, so compacted.
         (Op::Prune { db: 1, applied_retention_ms: 1, batch_rows: 1_000 }, &["compacted"]),
         (Op::Prune { db: 0, applied_retention_ms: 0, batch_rows: 2 }, &["compacted"]),
@@ -2069,7 +2040,7 @@ fn walk_through_every_operation() -> Vec<(Op, &'static [&'static str])> {
         (Op::Prune { db: 1, applied_retention_ms: 0, batch_rows: 1_000 }, &["receipts_deleted"]),
         (Op::Tampered { slot: 2, pick: 0, how: Tamper::FreshTimestamp, applied: true }, &["high-water"]),
         (Op::Crash(Crash::Reopen), &[]),
-        (Op::Drain { slot: 1, limit: 10, v2: true }, &["blocked", "invalid transition"]),
+        (Op::Drain { slot: 1, limit: 10, v2: true, batch: 1 }, &["blocked", "invalid transition"]),
         // Everything the outbox still holds handed to c again: duplicates, and what the prune
         // above compacted is still recognised from its receipt.
         (Op::RedeliverFrom { slot: 2, pick: 0, all: true }, &["redelivered"]),
@@ -2121,8 +2092,8 @@ fn walk_through_unreachable_subscribe_and_restore() -> Vec<(Op, &'static [&'stat
         (Op::Tick { ms: 4_000 }, &[]),
         // Second failed attempt: quarantined (max_attempts 2); c and d still progress.
         (Op::RelayUnreachable { db: 0, limit: 10 }, &["quarantined", "failed", "accepted", "\"d\""]),
-        (Op::Drain { slot: 3, limit: 10, v2: false }, &["gap"]),
-        (Op::Drain { slot: 2, limit: 10, v2: false }, &["applied", "idle"]),
+        (Op::Drain { slot: 3, limit: 10, v2: false, batch: 2 }, &["gap"]),
+        (Op::Drain { slot: 2, limit: 10, v2: false, batch: 1 }, &["applied", "idle"]),
         (Op::Subscribe { slot: 3, from_start: true, retired: false }, &["unchanged", "\"queued\":0"]),
         (Op::RenameConsumer { slot: 2 }, &["projections"]),
         (Op::RenameSubscription { slot: 2 }, &[]),
@@ -2142,10 +2113,10 @@ fn walk_through_unreachable_subscribe_and_restore() -> Vec<(Op, &'static [&'stat
         (Op::Relay { limit: 10 }, &["shop/r1/2@gen1", "accepted", "conflict", "generation changed"]),
         (Op::Subscribe { slot: 3, from_start: true, retired: false }, &["new_from_start", "\"queued\":3"]),
         (Op::Relay { limit: 10 }, &["accepted", "conflict", "generation changed"]),
-        (Op::Drain { slot: 3, limit: 10, v2: false }, &["applied"]),
+        (Op::Drain { slot: 3, limit: 10, v2: false, batch: 2 }, &["applied"]),
         (Op::RotateGeneration, &["<gen2>"]),
         (Op::Advance(vec![spec(1)]), &["committed"]),
         (Op::Relay { limit: 10 }, &["shop/r2/2@gen2", "accepted"]),
-        (Op::Drain { slot: 0, limit: 10, v2: false }, &["applied"]),
+        (Op::Drain { slot: 0, limit: 10, v2: false, batch: 1 }, &["applied"]),
     ]
 }

@@ -17,8 +17,8 @@ use serde_json::{json, Value};
 use tidemark_builtins::reservation::postgres as reservation;
 use tidemark_core::location::PostgresLocation;
 use tidemark_core::policy::RetentionPolicy;
-use tidemark_core::store::{Handler, ProducerStore, Subscription};
-use tidemark_core::{Error, Result};
+use tidemark_core::store::{HandleError, Handler, ProducerStore, Subscription};
+use tidemark_core::{Envelope, Error, Result};
 use tidemark_store_postgres::{ApplyTransaction, PgConsumer, PgEndpoints, PgProducer};
 
 use super::postgres::{ceilings, server_cpu_seconds, server_settings, Cleanup, PgPlace};
@@ -189,15 +189,41 @@ impl Sides for PgSides {
     }
 }
 
-/// One thread, in waves (as SQLite's `group_commit` run), on fresh schemas.
-fn one_thread(place: &PgPlace, name: &str, p: &Params, ids: &[String], flows: u64, mode: Mode) -> Result<Value> {
+/// The reservation handler applying one event at a time (its `handle`; the drain never hands it
+/// a batch): the `event_at_a_time` run, to compare with the batches of the same run.
+struct OneAtATime(reservation::ReservationHandler);
+
+impl Handler<ApplyTransaction> for OneAtATime {
+    fn handle(&mut self, tx: &ApplyTransaction, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
+        self.0.handle(tx, consumer_id, event)
+    }
+
+    fn refuses_before_writing(&self) -> bool {
+        self.0.refuses_before_writing()
+    }
+}
+
+/// One thread, in waves (as SQLite's `group_commit` run), on fresh schemas; the handler takes
+/// batches unless `event_at_a_time`.
+#[allow(clippy::too_many_arguments)]
+fn one_thread(
+    place: &PgPlace,
+    name: &str,
+    p: &Params,
+    ids: &[String],
+    flows: u64,
+    mode: Mode,
+    event_at_a_time: bool,
+) -> Result<Value> {
     let sides = PgSides::create(place, name, ids, p.now_ms)?;
     let (mut producer, mut endpoints, mut consumer) = (sides.producer()?, sides.endpoints(), sides.consumer()?);
-    let mut handler = reservation::ReservationHandler::new(false);
+    let mut batches = reservation::ReservationHandler::new(false);
+    let mut one = OneAtATime(batches.clone());
+    let handler: &mut dyn Handler<ApplyTransaction> = if event_at_a_time { &mut one } else { &mut batches };
     let run =
         Waves { consumer_ids: ids, prefix: "g", flows, events_per_flow: p.events_per_flow, mode, now_ms: p.now_ms };
     let server_cpu = server_cpu_seconds();
-    let stats = run_waves(&mut producer, &mut endpoints, &mut consumer, &mut handler, &run)?;
+    let stats = run_waves(&mut producer, &mut endpoints, &mut consumer, handler, &run)?;
     let server_cpu = server_cpu_seconds().zip(server_cpu).map(|(end, start)| end - start);
     drop((producer, endpoints, consumer));
     let check = sides.verify(stats.events * ids.len() as u64)?;
@@ -270,24 +296,28 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
     let one = Mode { advance_batch: 1, relay_limit: 1, drain_limit: 1 };
     let mut all_passed = true;
     let (mut sequential, mut pipelined, mut baseline) = (PgSeries::default(), PgSeries::default(), PgSeries::default());
+    let mut event_at_a_time = PgSeries::default();
     let (mut held_sequential, mut held_pipelined) = (PgSeries::default(), PgSeries::default());
     let mut progress = crate::progress::Progress::start("bench", p.repeat);
     for r in 0..p.repeat {
-        let run = one_thread(&place, &format!("g{r}"), p, &ids, p.flows, group)?;
+        let run = one_thread(&place, &format!("g{r}"), p, &ids, p.flows, group, false)?;
         all_passed &= passed(&run["check"]);
         sequential.push(run);
+        let run = one_thread(&place, &format!("e{r}"), p, &ids, p.flows, group, true)?;
+        all_passed &= passed(&run["check"]);
+        event_at_a_time.push(run);
         let run = three_threads(&place, &format!("p{r}"), p, &ids, group)?;
         all_passed &= passed(&run["check"]);
         pipelined.push(run);
         if p.baseline_flows > 0 {
-            let run = one_thread(&place, &format!("b{r}"), p, &ids, p.baseline_flows, one)?;
+            let run = one_thread(&place, &format!("b{r}"), p, &ids, p.baseline_flows, one, false)?;
             all_passed &= passed(&run["check"]);
             baseline.push(run);
         }
         if p.hold_transaction {
             // The same two runs again, right after, with another session's transaction open.
             let held = HeldTransaction::open(&location.conn)?;
-            let mut run = one_thread(&place, &format!("hg{r}"), p, &ids, p.flows, group)?;
+            let mut run = one_thread(&place, &format!("hg{r}"), p, &ids, p.flows, group, false)?;
             run["held_transaction"] = held.seen(&location.conn)?;
             all_passed &= passed(&run["check"]);
             held_sequential.push(run);
@@ -315,6 +345,7 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
     let rate = sequential.series.median().unwrap_or(0.0);
     let pipelined_rate = pipelined.series.median().unwrap_or(0.0);
     let baseline_rate = baseline.series.median();
+    let event_at_a_time_rate = event_at_a_time.series.median().unwrap_or(0.0);
     let best = rate.max(pipelined_rate);
     let one_client = ceilings["one_client"]["commits_per_s"].as_f64();
     let eight_clients = ceilings["eight_clients"]["commits_per_s"].as_f64();
@@ -339,6 +370,7 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
         },
         "ceilings": ceilings,
         "group_commit": sequential.series.json(group, "one thread: each wave advanced, then relayed, then drained"),
+        "event_at_a_time": event_at_a_time.series.json(group, "the group_commit run with the handler applying one event at a time (no batches)"),
         "pipelined": pipelined.series.json(group, "three threads (producer, relay, consumer), each with its own connections"),
         "one_per_op": (p.baseline_flows > 0).then(|| baseline.series.json(one, "one thread, one transaction per operation")),
         "held_transaction": held,
@@ -347,6 +379,8 @@ pub(super) fn run(location: &PostgresLocation, dir: &Path, p: &Params) -> Result
             "pipelined_end_to_end_events_per_s": pipelined_rate,
             "one_per_op_events_per_s": baseline_rate,
             "group_commit_ratio": ratio(rate, baseline_rate),
+            "event_at_a_time_events_per_s": event_at_a_time_rate,
+            "handler_batches_ratio": ratio(rate, Some(event_at_a_time_rate)),
             "pgbench_one_client_commits_per_s": one_client,
             "pgbench_eight_clients_commits_per_s": eight_clients,
             "best_to_pgbench_one_client_ratio": ratio(best, one_client),

@@ -442,3 +442,63 @@ fn a_receive_batch_answers_each_event_as_sqlite_does() {
         assert_eq!(held(pg.inbox(consumer, None, 100).unwrap()), held(lite.inbox(consumer, None, 100).unwrap()));
     }
 }
+
+/// A handler that takes `.1` events at once (the trait's default `handle_batch`: the inner
+/// handler's `handle` for each), counting the batches it was handed.
+struct Batches<H>(H, usize, usize);
+
+impl<H: Handler<ApplyTransaction>> Handler<ApplyTransaction> for Batches<H> {
+    fn handle(&mut self, tx: &ApplyTransaction, consumer: &str, event: &Envelope) -> Result<(), HandleError> {
+        self.0.handle(tx, consumer, event)
+    }
+
+    fn batch_max(&self) -> usize {
+        self.1
+    }
+
+    fn handle_batch(&mut self, tx: &ApplyTransaction, consumer: &str, events: &[Envelope]) -> Result<(), HandleError> {
+        self.2 += 1;
+        events.iter().try_for_each(|event| self.handle(tx, consumer, event))
+    }
+}
+
+/// A batch the handler refuses after writing rolls back whole, and its events are applied again
+/// one at a time: only the refused flow stops (its later event in the batch stays pending), every
+/// other event is applied, and the drain reports, writes and leaves pending exactly what the
+/// one-at-a-time drain does.
+#[test]
+fn a_refused_batch_rolls_back_and_is_applied_one_event_at_a_time() {
+    let db = test_db!("drain_batch");
+    let events = [at("a", 1), at("a", 2), at("b", 1), at("b", 2), at("c", 1), at("d", 1), at("e", 2)];
+    let items: Vec<(&str, &Envelope)> = events.iter().map(|e| ("x", e)).collect();
+    let mut outcomes = Vec::new();
+    for (name, batch_max) in [("one", 1), ("batched", 4)] {
+        let mut consumer = PgConsumer::init(&db.conn, &db.schema(name), RetentionPolicy::default()).unwrap();
+        let log = format!("\"{}\".log", consumer.schema());
+        consumer
+            .client()
+            .batch_execute(&format!("CREATE TABLE {log} (consumer_id text NOT NULL, event_id text NOT NULL)"))
+            .unwrap();
+        consumer.receive_batch(&items, 10).unwrap();
+        let mut handler = Batches(Project, batch_max, 0);
+        let report = consumer.drain("x", &DrainScope::All, 100, &mut handler, 11).unwrap();
+        let pending: Vec<String> = consumer
+            .inbox("x", Some(InboxStatus::Pending), 10)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.envelope.event_id)
+            .collect();
+        let cursors: Vec<(String, i64)> =
+            consumer.cursors(Some("x")).unwrap().into_iter().map(|c| (c.flow_id, c.high_water_seq)).collect();
+        // [a1 a2 b1 b2] is refused at b1 and replayed; [c1 d1] is applied as a batch.
+        assert_eq!(handler.2, if batch_max == 1 { 0 } else { 2 }, "batches handed to {name}");
+        outcomes.push((report, logged(&mut consumer), pending, cursors));
+    }
+    let (report, logged, pending, cursors) = &outcomes[0];
+    assert_eq!((report.outcome, report.applied), (DrainStop::Blocked, 4));
+    assert_eq!(logged, &["e-a-1", "e-a-2", "e-c-1", "e-d-1"]);
+    assert_eq!(pending, &["e-b-2", "e-e-2"]);
+    assert_eq!(cursors, &[("a".to_string(), 2), ("c".to_string(), 1), ("d".to_string(), 1)]);
+    assert_eq!(report.stuck.len(), 2, "{:?}", report.stuck);
+    assert_eq!(outcomes[0], outcomes[1], "batching changed what the drain did");
+}
