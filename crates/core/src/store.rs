@@ -966,4 +966,55 @@ mod tests {
         }
         assert_eq!(*target.borrow(), [5]);
     }
+
+    /// `Sum` taking batches: each batch it is handed, as the amounts it holds.
+    struct Batches(Vec<Vec<i64>>);
+
+    impl EventHandler<std::cell::RefCell<Vec<i64>>> for Batches {
+        type Event = Paid;
+        fn accepts(&self, event_type: &str) -> bool {
+            event_type == "paid"
+        }
+        fn handle(
+            &mut self,
+            tx: &std::cell::RefCell<Vec<i64>>,
+            c: &str,
+            e: &Envelope,
+            event: Paid,
+        ) -> Result<(), HandleError> {
+            Sum.handle(tx, c, e, event)
+        }
+        fn batch_max(&self) -> usize {
+            3
+        }
+        fn handle_batch(
+            &mut self,
+            tx: &std::cell::RefCell<Vec<i64>>,
+            _: &str,
+            events: Vec<(&Envelope, Paid)>,
+        ) -> Result<(), HandleError> {
+            self.0.push(events.iter().map(|(_, p)| p.amount).collect());
+            tx.borrow_mut().extend(events.iter().map(|(_, p)| p.amount));
+            Ok(())
+        }
+    }
+
+    /// A typed handler's batch holds the accepted events, decoded; one that does not decode
+    /// refuses the whole batch before the handler sees it (the drain then blocks it on its own).
+    #[test]
+    fn a_typed_batch_holds_the_accepted_events_decoded_and_refuses_one_that_does_not_decode() {
+        let target = std::cell::RefCell::new(Vec::new());
+        let mut handler = Typed(Batches(Vec::new()));
+        assert_eq!(Handler::<std::cell::RefCell<Vec<i64>>>::batch_max(&handler), 3);
+        let batch =
+            [event("paid", json!({"amount": 1})), event("refunded", json!({})), event("paid", json!({"amount": 2}))];
+        handler.handle_batch(&target, "c", &batch).unwrap();
+        assert_eq!(handler.0 .0, [vec![1, 2]]);
+        let refused = [event("paid", json!({"amount": 3})), event("paid", json!({"amount": "three"}))];
+        match handler.handle_batch(&target, "c", &refused) {
+            Err(HandleError::Blocked(reason)) => assert!(reason.contains("does not decode"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!((handler.0 .0.len(), target.borrow().clone()), (1, vec![1, 2]));
+    }
 }
