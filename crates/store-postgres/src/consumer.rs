@@ -62,6 +62,21 @@ fn projection_tables(client: &mut impl GenericClient, schema: &str) -> Result<Ve
     serde_json::from_str(&raw).map_err(|e| Error::store(format!("corrupt consumer.projection_tables: {e}")))
 }
 
+/// A page of a consumer's open records (`$1`) with their flows' high-water marks, the page's
+/// position and order given by `$tail`.
+macro_rules! open_records_sql {
+    ($tail:literal) => {
+        concat!(
+            "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
+                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
+             FROM {s}.inbox i
+             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
+             WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked') ",
+            $tail
+        )
+    };
+}
+
 impl PgConsumer {
     /// Create (or reopen) a consumer in `schema` of the database at `conn_str`, creating the
     /// schema and migrating it. The retention horizon is set on first init and kept afterwards.
@@ -191,23 +206,14 @@ impl PgConsumer {
             now_ms,
             page_all: prepare(
                 statements,
-                "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                        i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
-                 FROM {s}.inbox i
-                 LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
-                 WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
-                   AND (i.source, i.flow_id, i.seq) > ($2::text, $3::text, $4::bigint)
-                 ORDER BY i.source, i.flow_id, i.seq LIMIT $5",
+                open_records_sql!(
+                    "AND (i.source, i.flow_id, i.seq) > ($2::text, $3::text, $4::bigint)
+                     ORDER BY i.source, i.flow_id, i.seq LIMIT $5"
+                ),
             )?,
             page_flow: prepare(
                 statements,
-                "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                        i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
-                 FROM {s}.inbox i
-                 LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
-                 WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked')
-                   AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4
-                 ORDER BY i.seq LIMIT $5",
+                open_records_sql!("AND i.source = $2 AND i.flow_id = $3 AND i.seq > $4 ORDER BY i.seq LIMIT $5"),
             )?,
             mark_blocked: prepare(
                 statements,
