@@ -63,14 +63,20 @@ fn projection_tables(client: &mut impl GenericClient, schema: &str) -> Result<Ve
 }
 
 /// A page of a consumer's open records (`$1`) with their flows' high-water marks, the page's
-/// position and order given by `$tail`.
+/// position and order given by `$tail`. Each record's mark is a lookup of the cursor's primary
+/// key (a correlated subquery), not a join: with the statistics of a table that grew since it was
+/// last analysed, the planner joined every record of the page to all of the consumer's cursors
+/// (1,000 x 1,000 rows filtered, 190-260 ms a page, seen with `auto_explain` in the three-thread
+/// pipeline bench; docs/benchmarks.md).
 macro_rules! open_records_sql {
     ($tail:literal) => {
         concat!(
             "SELECT i.source, i.flow_id, i.seq, i.event_id, i.generation, i.event_type, i.schema_version, i.payload,
-                    i.created_at_ms, COALESCE(c.high_water_seq, 0), i.record, i.traceparent
+                    i.created_at_ms,
+                    COALESCE((SELECT c.high_water_seq FROM {s}.cursors c
+                              WHERE c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id), 0),
+                    i.record, i.traceparent
              FROM {s}.inbox i
-             LEFT JOIN {s}.cursors c ON c.consumer_id = i.consumer_id AND c.source = i.source AND c.flow_id = i.flow_id
              WHERE i.consumer_id = $1 AND i.status IN ('pending', 'blocked') ",
             $tail
         )

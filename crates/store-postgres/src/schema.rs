@@ -401,7 +401,11 @@ pub fn connect(conn_str: &str) -> Result<Client> {
     // A store operation waits for another transaction's lock at most as long as a SQLite store
     // waits for the write lock, then fails (a `store` error) instead of hanging: for example an
     // advance behind a caller's transaction that holds the position counter and never ends.
-    let options = format!("{} -c lock_timeout={BUSY_TIMEOUT_MS}ms", config.get_options().unwrap_or_default());
+    // JIT compilation off (before the caller's own options, which may turn it back on): the
+    // store's statements are short, and a planner misled by stale statistics compiled one for
+    // 155 ms that then ran for 10 (seen with `auto_explain`; docs/postgres.md, "Connections").
+    let options =
+        format!("-c jit=off {} -c lock_timeout={BUSY_TIMEOUT_MS}ms", config.get_options().unwrap_or_default());
     config.options(options.trim_start());
     // An unreachable host (a black-holed address) fails after this long instead of hanging.
     if config.get_connect_timeout().is_none() {

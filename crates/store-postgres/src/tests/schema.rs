@@ -155,7 +155,8 @@ fn many_threads_initialising_one_schema_at_once_migrate_it_once() {
 }
 
 /// A store's connection keeps the server's durability (`synchronous_commit` and `fsync` on, as on
-/// the test server: tidemark never sets them) and waits for a lock at most the busy timeout.
+/// the test server: tidemark never sets them), waits for a lock at most the busy timeout, and
+/// turns JIT off unless the caller turns it on.
 #[test]
 fn a_store_connection_keeps_the_servers_durability_and_bounds_its_lock_waits() {
     let db = test_db!("settings");
@@ -166,9 +167,11 @@ fn a_store_connection_keeps_the_servers_durability_and_bounds_its_lock_waits() {
     assert_eq!(show(&mut producer, "synchronous_commit"), "on");
     assert_eq!(show(&mut producer, "fsync"), "on");
     assert_eq!(show(&mut producer, "lock_timeout"), "10s");
-    // The caller's own options are kept beside it.
-    let conn = format!("{} options='-c work_mem=7MB'", db.conn);
+    assert_eq!(show(&mut producer, "jit"), "off");
+    // The caller's own options are kept beside them, and may turn JIT back on.
+    let conn = format!("{} options='-c work_mem=7MB -c jit=on'", db.conn);
     let mut producer = PgProducer::open(&conn, producer.schema()).unwrap();
     assert_eq!(show(&mut producer, "work_mem"), "7MB");
+    assert_eq!(show(&mut producer, "jit"), "on");
     assert_eq!(show(&mut producer, "lock_timeout"), "10s");
 }
