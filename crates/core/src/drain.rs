@@ -248,10 +248,11 @@ impl<X: DrainTransaction> Walk<'_, X> {
             match self.handler.handle_batch(tx.target(), self.consumer_id, &events) {
                 Ok(()) => {
                     tx.release_savepoint()?;
-                    for (&(record, _), event) in records.iter().zip(&events) {
-                        self.applied_one(tx, record, event)?;
+                    for &(record, _) in &records {
+                        self.applied_one(tx, record)?;
                     }
-                    return self.keep_buffers(tx, records, events);
+                    self.last_applied = events.last().map(applied_outcome);
+                    return self.end_flush(tx, records, events);
                 }
                 Err(HandleError::Blocked(_)) => tx.roll_back_to_savepoint()?,
                 Err(HandleError::Failed(error)) => return Err(error),
@@ -263,12 +264,12 @@ impl<X: DrainTransaction> Walk<'_, X> {
                 self.apply_one(tx, record, flow, event)?;
             }
         }
-        self.keep_buffers(tx, records, events)
+        self.end_flush(tx, records, events)
     }
 
     /// Give the (emptied) buffers back, so that a drain allocates them once, and settle the
     /// flows before the current one.
-    fn keep_buffers(&mut self, tx: &mut X, mut records: Vec<(i64, usize)>, mut events: Vec<Envelope>) -> Result<()> {
+    fn end_flush(&mut self, tx: &mut X, mut records: Vec<(i64, usize)>, mut events: Vec<Envelope>) -> Result<()> {
         records.clear();
         events.clear();
         self.batch_records = records;
@@ -285,7 +286,9 @@ impl<X: DrainTransaction> Walk<'_, X> {
                 if self.savepoints {
                     tx.release_savepoint()?;
                 }
-                self.applied_one(tx, record, event)
+                self.applied_one(tx, record)?;
+                self.last_applied = Some(applied_outcome(event));
+                Ok(())
             }
             Err(HandleError::Blocked(reason)) => {
                 if self.savepoints {
@@ -308,18 +311,21 @@ impl<X: DrainTransaction> Walk<'_, X> {
         }
     }
 
-    fn applied_one(&mut self, tx: &mut X, record: i64, event: &Envelope) -> Result<()> {
+    fn applied_one(&mut self, tx: &mut X, record: i64) -> Result<()> {
         tx.mark_applied(record)?;
         self.applied += 1;
         if self.applied == 1 {
             crash::hit("apply.after_handler");
         }
-        self.last_applied = Some(ApplyOutcome::Applied {
-            source: event.source.clone(),
-            flow_id: event.flow_id.clone(),
-            seq: event.seq,
-            event_id: event.event_id.clone(),
-        });
         Ok(())
+    }
+}
+
+fn applied_outcome(event: &Envelope) -> ApplyOutcome {
+    ApplyOutcome::Applied {
+        source: event.source.clone(),
+        flow_id: event.flow_id.clone(),
+        seq: event.seq,
+        event_id: event.event_id.clone(),
     }
 }

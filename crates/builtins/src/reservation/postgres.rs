@@ -115,54 +115,10 @@ impl ReservationHandler {
 }
 
 impl Handler<ApplyTransaction> for ReservationHandler {
+    /// A batch of one: the same three statements, so that one event at a time and in batches make
+    /// the same writes by construction.
     fn handle(&mut self, tx: &ApplyTransaction, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
-        let failed = |e: client::Error| HandleError::Failed(Error::from(e));
-        let decoded = self
-            .decoders
-            .decode(&event.event_type, event.schema_version, &event.payload)
-            .map_err(HandleError::Blocked)?;
-        let s = tx.schema().to_string();
-        let read = tx
-            .prepare_cached(&format!(
-                r#"SELECT state, quantity FROM "{s}".reservation_projection
-                   WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"#
-            ))
-            .map_err(failed)?;
-        let current = tx
-            .query_opt(&read, &[&consumer_id, &event.source, &event.flow_id])
-            .map_err(failed)?
-            .map(|r| ReservationProjection { state: r.get(0), quantity: r.get(1) });
-        let next = project(current.as_ref(), &decoded).map_err(HandleError::Blocked)?;
-        let write = if current.is_some() {
-            format!(
-                r#"UPDATE "{s}".reservation_projection SET state = $4, quantity = $5, last_seq = $6
-                   WHERE flow_id = $3 AND source = $2 AND consumer_id = $1"#
-            )
-        } else {
-            format!(
-                r#"INSERT INTO "{s}".reservation_projection (consumer_id, source, flow_id, state, quantity, last_seq)
-                   VALUES ($1, $2, $3, $4, $5, $6)"#
-            )
-        };
-        let write = tx.prepare_cached(&write).map_err(failed)?;
-        let changed = tx
-            .execute(&write, &[&consumer_id, &event.source, &event.flow_id, &next.state, &next.quantity, &event.seq])
-            .map_err(failed)?;
-        if changed != 1 {
-            return Err(HandleError::Failed(Error::store(format!("writing the projection changed {changed} rows"))));
-        }
-        let effect = tx
-            .prepare_cached(&format!(
-                r#"INSERT INTO "{s}".reservation_effects (consumer_id, source, flow_id, seq, event_id, kind, quantity)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7)"#
-            ))
-            .map_err(failed)?;
-        tx.execute(
-            &effect,
-            &[&consumer_id, &event.source, &event.flow_id, &event.seq, &event.event_id, &next.state, &next.quantity],
-        )
-        .map_err(failed)?;
-        Ok(())
+        self.handle_batch(tx, consumer_id, std::slice::from_ref(event))
     }
 
     /// Every refusal comes before the first write (as on SQLite).
