@@ -13,7 +13,6 @@
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-mod pipeline;
 mod queue_cmd;
 mod remote;
 mod schedule_cmd;
@@ -42,7 +41,7 @@ use tidemark_engine::{relay_until_idle, RelayOptions};
 use tidemark_lab::{bench, chaos, demo, experiment, loadtest, progress, Context};
 use tidemark_store_sqlite::Durability;
 
-use crate::pipeline::{Consumer, Producer};
+use tidemark_lab::stores::{Consumer, Producer};
 
 #[derive(Parser)]
 #[command(name = "tidemark", version, about = "Ordered transactional outbox/inbox on embedded SQLite")]

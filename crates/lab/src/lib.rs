@@ -6,6 +6,8 @@
 //! - [`loadtest`]: load a running server from another process and verify what it acknowledged.
 //! - [`chaos`]: several servers on one data folder under seeded faults, and an independent checker.
 //! - [`pipeline`]: an in-process producer and consumer on files, shared by the three above.
+//! - [`stores`]: a producer or consumer store on either backend (a SQLite file or a PostgreSQL
+//!   schema), for the CLI's outbox and inbox commands and the experiment.
 #![warn(missing_docs)]
 
 pub mod bench;
@@ -15,6 +17,7 @@ pub mod experiment;
 pub mod loadtest;
 pub mod pipeline;
 pub mod progress;
+pub mod stores;
 
 use std::path::Path;
 

@@ -27,6 +27,7 @@ mod apply;
 mod consumer;
 mod control;
 mod endpoints;
+pub mod example;
 mod listen;
 mod migrations;
 mod producer;

@@ -453,7 +453,7 @@ pub(crate) fn migrate_to(client: &mut Client, schema: &str, create: bool, target
         let what = if exists { "holds no tidemark tables" } else { "does not exist" };
         return Err(Error::invalid(
             codes::NOT_INITIALIZED,
-            format!("PostgreSQL schema {schema} {what}; initialise it first (init)"),
+            format!("PostgreSQL schema {schema} {what}; run `tidemark init` first"),
         ));
     }
     if current >= target {

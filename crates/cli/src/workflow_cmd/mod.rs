@@ -28,7 +28,7 @@ use tidemark_core::workflow::{
 };
 use tidemark_core::{Error, Result};
 use tidemark_store_postgres::PgWorkflows;
-use tidemark_store_sqlite::{Durability, SqliteWorkflows};
+use tidemark_store_sqlite::SqliteWorkflows;
 
 use crate::Context;
 
@@ -292,20 +292,7 @@ macro_rules! on_store {
 }
 pub(crate) use on_store;
 
-/// What `--db` / `--store` names (a path that is not UTF-8 is a SQLite file).
-pub(crate) fn location(ctx: &Context, db: &Path) -> Result<StoreLocation> {
-    let location = match db.to_str() {
-        Some(text) => StoreLocation::parse(text)?,
-        None => StoreLocation::Sqlite(db.to_path_buf()),
-    };
-    if matches!(location, StoreLocation::Postgres(_)) && ctx.durability != Durability::Full {
-        return Err(invalid(
-            "--durability applies to SQLite files only; a PostgreSQL store commits with the server's own \
-             durability (fsync, synchronous_commit)",
-        ));
-    }
-    Ok(location)
-}
+pub(crate) use tidemark_lab::stores::location;
 
 fn open(ctx: &Context, db: &Path) -> Result<Store> {
     match location(ctx, db)? {

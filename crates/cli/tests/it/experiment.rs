@@ -17,8 +17,32 @@ fn expected() -> Value {
 #[test]
 fn experiment_check_reproduces_every_scenario() {
     let dir = tempfile::tempdir().expect("tempdir");
+    check_every_scenario(&dir, &[], &[path_str(dir.path())]);
+}
+
+/// The same scenarios, the same expected states and assertions, on PostgreSQL: every store a
+/// schema of its own (`exp<pid>_x<N>_<store>`), dropped at the end.
+#[test]
+fn experiment_check_reproduces_every_scenario_on_postgres() {
+    let Some((base, mut client)) = support::postgres_server() else { return };
+    let prefix = format!("exp{}", std::process::id());
+    let store = support::with_schema(&base, &prefix);
+    let dir = tempfile::tempdir().expect("tempdir");
+    check_every_scenario(&dir, &["--store", &store], &[path_str(dir.path()), &prefix]);
+    let left: i64 = client
+        .query_one("SELECT count(*) FROM pg_namespace WHERE starts_with(nspname, $1)", &[&prefix])
+        .expect("count schemas")
+        .get(0);
+    assert_eq!(left, 0, "the experiment drops the schemas it created");
+}
+
+/// Run `experiment --check` with `args`; every scenario must run and pass, and the results must
+/// not show any of `hidden` (temporary paths, schema names).
+fn check_every_scenario(dir: &tempfile::TempDir, args: &[&str], hidden: &[&str]) {
     let output = dir.path().join("results.json");
-    let r = run(&["experiment", "--check", "--output", path_str(&output)]);
+    let mut command = vec!["experiment", "--check", "--output", path_str(&output)];
+    command.extend_from_slice(args);
+    let r = run(&command);
     if !support::failpoints_enabled() {
         assert_eq!(r.code, 1, "without failpoints the check must fail:\n{}", r.stdout);
         let message = r.json["check"]["message"].as_str().unwrap_or_default();
@@ -27,6 +51,8 @@ fn experiment_check_reproduces_every_scenario() {
         return;
     }
     assert_eq!(r.code, 0, "experiment --check failed:\n{}\n{}", r.stdout, r.stderr);
+    let backend = if args.is_empty() { "sqlite" } else { "postgres" };
+    assert_eq!(r.json["backend"], backend);
     let scenarios = expected()["scenarios"].as_object().expect("scenarios").len();
     assert_eq!(r.json["check"]["passed"], true);
     assert_eq!(r.json["check"]["scenarios"], scenarios);
@@ -45,7 +71,9 @@ fn experiment_check_reproduces_every_scenario() {
         assert!(assertions.iter().all(|a| a["passed"] == true), "{}", scenario["name"]);
     }
     let text = std::fs::read_to_string(&output).expect("the output file");
-    assert!(!text.contains(path_str(dir.path())), "results hold no temporary paths");
+    for hidden in hidden {
+        assert!(!text.contains(hidden), "results hold no {hidden}");
+    }
 }
 
 #[test]
@@ -70,6 +98,30 @@ fn a_bad_output_path_is_invalid_input() {
     assert_eq!(r.json["outcome"], "error");
     assert_eq!(r.json["error"]["code"], "invalid_argument");
     assert!(!missing.exists());
+}
+
+/// `--store` takes a PostgreSQL URL whose schema leaves room for the scenarios' schema names,
+/// and the server's durability: anything else is refused before a scenario runs.
+#[test]
+fn a_bad_store_is_refused_before_anything_runs() {
+    let long = format!("postgres://postgres@127.0.0.1:5432/test?schema={}", "p".repeat(50));
+    let cases: [(&[&str], &str); 4] = [
+        (&["--store", "/tmp/experiment.db"], "invalid_argument"),
+        (&["--store", "mysql://localhost/x"], "invalid_store"),
+        (&["--store", &long], "invalid_store"),
+        (&["--durability", "normal", "--store", "postgres://postgres@127.0.0.1:5432/test"], "invalid_argument"),
+    ];
+    for (args, code) in cases {
+        let mut command = vec!["experiment", "--scenario", "duplicate_delivery"];
+        if args[0] == "--durability" {
+            command = [&args[..2], &command[..], &args[2..]].concat();
+        } else {
+            command.extend_from_slice(args);
+        }
+        let r = run(&command);
+        assert_eq!(r.code, 2, "{args:?}: {}", r.stdout);
+        assert_eq!(r.json["error"]["code"], code, "{args:?}: {}", r.stdout);
+    }
 }
 
 #[test]

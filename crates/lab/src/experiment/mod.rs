@@ -16,10 +16,11 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
+use tidemark_core::location::StoreLocation;
 use tidemark_core::{Error, Result};
 
 use crate::Context;
-use world::{Assertion, Sc};
+use world::{drop_scenario_schemas, Assertion, Place, Sc};
 
 /// The expected states, committed in the repository.
 const EXPECTED: &str = include_str!("expected.json");
@@ -56,6 +57,12 @@ pub struct ExperimentArgs {
     /// Write the expected-state file from this run (after an intended change of behaviour).
     #[arg(long, value_name = "FILE", hide = true)]
     write_expected: Option<PathBuf>,
+    /// Run every scenario on this PostgreSQL server instead of SQLite files:
+    /// `postgres://user@host/db?schema=P` gives scenario N the schemas `P_xN_<store>` (created,
+    /// then dropped; leftovers of an interrupted run with those names are dropped first).
+    /// Default: SQLite files in temporary folders.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
     /// Internal: run as one of the experiment's dual-write child processes.
     #[arg(long, hide = true)]
     child: Option<String>,
@@ -65,6 +72,37 @@ pub struct ExperimentArgs {
 
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+/// Where the scenarios' stores live.
+enum Backend {
+    /// SQLite files in a temporary folder per scenario.
+    Files,
+    /// Schemas `<prefix>_x<N>_<store>` on a PostgreSQL server.
+    Postgres { conn: String, prefix: String },
+}
+
+/// The longest store name a scenario uses (`producer-backup`), and the longest `_x<N>_` part.
+const STORE_SUFFIX_MAX: &str = "_x99_producer_backup";
+
+fn backend(ctx: &Context, store: Option<&str>) -> Result<Backend> {
+    let Some(text) = store else { return Ok(Backend::Files) };
+    match crate::stores::location(ctx, Path::new(text))? {
+        StoreLocation::Sqlite(_) => {
+            Err(invalid("--store takes a postgres:// URL; without it the experiment creates its own SQLite files"))
+        }
+        StoreLocation::Postgres(pg) => {
+            tidemark_store_postgres::validate_schema_name(&format!("{}{STORE_SUFFIX_MAX}", pg.schema)).map_err(
+                |e| {
+                    Error::invalid(
+                        codes::INVALID_STORE,
+                        format!("the experiment's schemas are <schema>{STORE_SUFFIX_MAX} at the longest: {e}"),
+                    )
+                },
+            )?;
+            Ok(Backend::Postgres { conn: pg.conn, prefix: pg.schema })
+        }
+    }
 }
 
 /// What one scenario produced.
@@ -104,7 +142,7 @@ impl Outcome {
     }
 }
 
-fn run_scenario(ctx: &Context, def: scenarios::Def, t0: i64) -> Outcome {
+fn run_scenario(ctx: &Context, on: &Backend, index: usize, def: scenarios::Def, t0: i64) -> Outcome {
     if def.failpoints && !FAILPOINTS {
         return Outcome {
             def,
@@ -128,10 +166,31 @@ fn run_scenario(ctx: &Context, def: scenarios::Def, t0: i64) -> Outcome {
             }
         }
     };
-    let mut sc = Sc::new(dir.path(), t0, ctx.durability);
+    let place = match on {
+        Backend::Files => Place::Files,
+        Backend::Postgres { conn, prefix } => {
+            let prefix = format!("{prefix}_x{index}");
+            if let Err(error) = drop_scenario_schemas(conn, &prefix) {
+                return Outcome {
+                    def,
+                    status: "error",
+                    reason: Some(format!("cannot drop the schemas of an earlier run: {error} ({})", error.code())),
+                    state: Value::Null,
+                    assertions: Vec::new(),
+                };
+            }
+            Place::Postgres { conn: conn.clone(), prefix }
+        }
+    };
+    let mut sc = Sc::new(dir.path(), t0, ctx.durability, place.clone());
     let result = (def.run)(&mut sc, def.param);
-    let reason = result.as_ref().err().map(|e| sc.labels.text(&format!("{} ({})", e, e.code())));
+    let mut reason = result.as_ref().err().map(|e| sc.labels.text(&format!("{} ({})", e, e.code())));
     let (state, assertions) = sc.finish();
+    if let Place::Postgres { conn, prefix } = &place {
+        if let Err(error) = drop_scenario_schemas(conn, prefix) {
+            reason.get_or_insert_with(|| format!("cannot drop the scenario's schemas: {error} ({})", error.code()));
+        }
+    }
     Outcome { def, status: if reason.is_some() { "error" } else { "ran" }, reason, state, assertions }
 }
 
@@ -305,16 +364,17 @@ pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
             "unset TIDEMARK_CRASH_AT: the experiment arms crash points only in the child processes it starts",
         ));
     }
-    let mut defs = scenarios::all();
+    let on = backend(ctx, args.store.as_deref())?;
+    let mut defs: Vec<(usize, scenarios::Def)> = scenarios::all().into_iter().enumerate().collect();
     let selected_all = args.scenarios.is_empty();
     if !selected_all {
         for name in &args.scenarios {
-            if !defs.iter().any(|d| d.name == name) {
-                let names: Vec<&str> = defs.iter().map(|d| d.name).collect();
+            if !defs.iter().any(|(_, d)| d.name == name) {
+                let names: Vec<&str> = defs.iter().map(|(_, d)| d.name).collect();
                 return Err(invalid(format!("unknown scenario {name:?}; scenarios are {}", names.join(", "))));
             }
         }
-        defs.retain(|d| args.scenarios.iter().any(|n| n == d.name));
+        defs.retain(|(_, d)| args.scenarios.iter().any(|n| n == d.name));
     }
     let expected: Value = match &args.expected {
         Some(path) => {
@@ -338,9 +398,9 @@ pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
 
     let mut progress = crate::progress::Progress::start("experiment", defs.len() as u64);
     let mut outcomes: Vec<Outcome> = Vec::with_capacity(defs.len());
-    for def in defs {
+    for (index, def) in defs {
         let name = def.name;
-        outcomes.push(run_scenario(ctx, def, t0));
+        outcomes.push(run_scenario(ctx, &on, index, def, t0));
         progress.advance(1, name);
     }
     progress.finish(&format!("{} scenarios", outcomes.len()));
@@ -356,8 +416,13 @@ pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
         "assertions": assertions,
         "assertions_failed": assertions_failed,
     });
+    let backend = match on {
+        Backend::Files => "sqlite",
+        Backend::Postgres { .. } => "postgres",
+    };
     let mut full = json!({
         "outcome": "experiment",
+        "backend": backend,
         "failpoints": FAILPOINTS,
         "summary": summary,
         "scenarios": outcomes.iter().map(|o| o.to_json(true)).collect::<Vec<_>>(),
@@ -373,6 +438,7 @@ pub fn run(ctx: &Context, args: ExperimentArgs) -> Result<Value> {
             write_json(file, &path, &full)?;
             let mut short = json!({
                 "outcome": "experiment",
+                "backend": backend,
                 "failpoints": FAILPOINTS,
                 "output": path,
                 "summary": full["summary"].clone(),

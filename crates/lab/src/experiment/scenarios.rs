@@ -4,12 +4,9 @@
 //! points and need the `failpoints` cargo feature.
 
 use serde_json::{json, Value};
-use tidemark_builtins::reservation::ReservationHandler;
 use tidemark_core::flow::AdvanceOutcome;
 use tidemark_core::policy::{RelayPolicy, DAY_MS};
-use tidemark_core::store::{
-    DeliveryAction, DeliveryStatus, DrainStop, HandleError, Handler, InboxStatus, ReceiveOutcome,
-};
+use tidemark_core::store::{DeliveryAction, DeliveryStatus, DrainStop, InboxStatus, ReceiveOutcome};
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::RelayOptions;
 
@@ -475,40 +472,14 @@ fn crash_at(s: &mut Sc, point: &'static str) -> Result<()> {
     Ok(())
 }
 
-/// A handler that fails (an infrastructure failure, not a refusal) on its n-th call, after the
-/// real handler has written its effect.
-struct FailOnCall {
-    inner: ReservationHandler,
-    fail_on: u32,
-    calls: u32,
-}
-
-impl Handler<rusqlite::Connection> for FailOnCall {
-    fn handle(&mut self, tx: &rusqlite::Connection, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
-        self.calls += 1;
-        self.inner.handle(tx, consumer_id, event)?;
-        if self.calls == self.fail_on {
-            return Err(HandleError::Failed(Error::store("simulated failure after the handler wrote its effect")));
-        }
-        Ok(())
-    }
-}
-
 fn consumer_rollback_then_retry(s: &mut Sc, _: &'static str) -> Result<()> {
     s.pipeline(&["audit"])?;
     let t = s.t0;
     s.advance("advance order-1 -> reserved (quantity 100)", "order-1", 0, "reserved", Some(100), 1, t)?;
     s.advance("advance order-1 -> confirmed", "order-1", 1, "confirmed", None, 1, t)?;
     s.relay_until_idle("relay", &relay_default(), t)?;
-    let mut failing = FailOnCall { inner: ReservationHandler::new(false), fail_on: 2, calls: 0 };
-    let result = s.drain_with(
-        "drain audit with a handler that fails on the second event",
-        "consumer",
-        "audit",
-        100,
-        &mut failing,
-        t,
-    );
+    let result =
+        s.drain_failing_on("drain audit with a handler that fails on the second event", "consumer", "audit", 100, 2, t);
     s.check("drain_reports_the_failure", result.is_err(), "the drain returned an error");
     s.observe("after the failed drain")?;
     let effects = s.effects("consumer")?.len();

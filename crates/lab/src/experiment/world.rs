@@ -1,25 +1,29 @@
-//! The scenario harness: one producer file and any number of consumer files in a scenario's own
-//! temporary folder, driven in-process through the library crates or through real child
-//! processes of this binary; every step is recorded, and the final state is read back and
-//! normalised (event ids and generations replaced by stable labels, no timestamps, paths or PIDs).
+//! The scenario harness: one producer store and any number of consumer stores (files in a
+//! scenario's own temporary folder, or schemas of its own on a PostgreSQL server), driven
+//! in-process through the library crates or through real child processes of this binary; every
+//! step is recorded, and the final state is read back and normalised (event ids and generations
+//! replaced by stable labels, stores by their names in the scenario; no timestamps, paths,
+//! schemas or PIDs), so that one expected state holds for both backends.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use rusqlite::Connection;
 use serde_json::{json, Map, Value};
-use tidemark_builtins::reservation::{self, Effect, ReservationHandler};
+use tidemark_builtins::reservation::{postgres as reservation_pg, Effect, ReservationHandler};
 use tidemark_core::error::codes;
 use tidemark_core::flow::{AdvanceOutcome, AdvanceRequest};
+use tidemark_core::location::{PostgresLocation, StoreLocation};
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
-    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, DrainReport, DrainScope, FlowCursor, Handler,
-    InboxEntry, ProducerIdentity, ProducerStore, PruneReport, ReceiveOutcome, RenameReport, Subscription,
+    ConsumerStore, DeliveryAction, DeliveryEntry, DeliveryStatus, DrainReport, DrainScope, FlowCursor, HandleError,
+    Handler, InboxEntry, ProducerIdentity, ProducerStore, PruneReport, ReceiveOutcome, RenameReport, Subscription,
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, relay_until_idle, RelayOptions, RelayReport};
-use tidemark_store_sqlite::{Durability, SqliteConsumer, SqliteEndpoints, SqliteProducer};
+use tidemark_store_sqlite::Durability;
+
+use crate::stores::{Consumer, Endpoints, Producer, ReservationSnapshot};
 
 /// Rows read per table when capturing a state (scenarios hold a few dozen).
 const STATE_ROWS_MAX: usize = 10_000;
@@ -51,7 +55,9 @@ pub struct Labels {
     events: HashMap<String, String>,
     used: HashSet<String>,
     generations: HashMap<String, String>,
-    paths: Vec<String>,
+    /// Texts replaced by a label (folder paths by `<dir>`, store locations by `<name>`),
+    /// longest first.
+    replacements: Vec<(String, String)>,
 }
 
 impl Labels {
@@ -102,18 +108,23 @@ impl Labels {
     }
 
     pub fn add_path(&mut self, path: &Path) {
-        let text = path.to_string_lossy().into_owned();
-        if !self.paths.contains(&text) {
-            self.paths.push(text);
-        }
-        self.paths.sort_by_key(|p| std::cmp::Reverse(p.len()));
+        self.replace(&path.to_string_lossy(), "<dir>");
     }
 
-    /// Replace folder paths by `<dir>` and generated ids by their labels.
+    /// Show `text` (a store's location as messages name it) as `label`.
+    pub fn replace(&mut self, text: &str, label: &str) {
+        if !self.replacements.iter().any(|(t, _)| t == text) {
+            self.replacements.push((text.to_string(), label.to_string()));
+        }
+        self.replacements.sort_by_key(|(t, _)| std::cmp::Reverse(t.len()));
+    }
+
+    /// Replace store locations by their names, folder paths by `<dir>` and generated ids by
+    /// their labels.
     pub fn text(&self, text: &str) -> String {
         let mut text = text.to_string();
-        for path in &self.paths {
-            text = text.replace(path.as_str(), "<dir>");
+        for (from, label) in &self.replacements {
+            text = text.replace(from.as_str(), label);
         }
         let mut out = String::with_capacity(text.len());
         let mut run = String::new();
@@ -169,8 +180,18 @@ pub struct ChildRun {
     pub json: Value,
 }
 
-struct ConsumerFile {
-    store: SqliteConsumer,
+/// Where a scenario's stores live.
+#[derive(Clone)]
+pub enum Place {
+    /// SQLite files in the scenario's folder: `<dir>/<name>.db`.
+    Files,
+    /// Schemas on a PostgreSQL server: `<prefix>_<name>` (`-` in a name becomes `_`).
+    Postgres {
+        /// The driver's connection string (without `schema`).
+        conn: String,
+        /// The scenario's schema prefix.
+        prefix: String,
+    },
 }
 
 /// The world of one scenario.
@@ -184,10 +205,10 @@ pub struct Sc {
     /// scheduling (concurrent processes), so the state is compared as sets.
     pub unordered_state: bool,
     durability: Durability,
-    producer_path: PathBuf,
-    producer: Option<SqliteProducer>,
-    consumers: BTreeMap<String, ConsumerFile>,
-    endpoints: SqliteEndpoints,
+    place: Place,
+    producer: Option<Producer>,
+    consumers: BTreeMap<String, Consumer>,
+    endpoints: Endpoints,
     pub labels: Labels,
     steps: Vec<Value>,
     assertions: Vec<Assertion>,
@@ -215,22 +236,26 @@ pub fn advance_args(producer: &str, flow: &str, expected_seq: i64, to: &str, qua
 }
 
 impl Sc {
-    pub fn new(dir: &Path, t0: i64, durability: Durability) -> Sc {
+    pub fn new(dir: &Path, t0: i64, durability: Durability, place: Place) -> Sc {
         let mut labels = Labels::default();
         labels.add_path(dir);
         if let Ok(canonical) = std::fs::canonicalize(dir) {
             labels.add_path(&canonical);
         }
+        let endpoints = match &place {
+            Place::Files => Endpoints::Sqlite(tidemark_store_sqlite::SqliteEndpoints::new(durability)),
+            Place::Postgres { conn, .. } => Endpoints::Postgres(tidemark_store_postgres::PgEndpoints::new(conn)),
+        };
         Sc {
             dir: dir.to_path_buf(),
             t0,
             quiet: false,
             unordered_state: false,
             durability,
-            producer_path: dir.join("producer.db"),
+            place,
             producer: None,
             consumers: BTreeMap::new(),
-            endpoints: SqliteEndpoints::new(durability),
+            endpoints,
             labels,
             steps: Vec::new(),
             assertions: Vec::new(),
@@ -288,29 +313,69 @@ impl Sc {
         (json!({"steps": steps, "final": final_state}), assertions)
     }
 
-    // ----- files ---------------------------------------------------------------------------------
+    // ----- stores --------------------------------------------------------------------------------
 
-    pub fn producer_arg(&self) -> String {
-        self.producer_path.to_string_lossy().into_owned()
+    /// Where the store `name` of this scenario lives (`producer`, `consumer`, `audit`, ...); its
+    /// location is shown as `<name>` in the recorded state from now on.
+    fn location(&mut self, name: &str) -> StoreLocation {
+        let label = format!("<{name}>");
+        match &self.place {
+            Place::Files => {
+                let path = self.dir.join(format!("{name}.db"));
+                self.labels.replace(&path.to_string_lossy(), &label);
+                if let Ok(canonical) = std::fs::canonicalize(&self.dir) {
+                    self.labels.replace(&canonical.join(format!("{name}.db")).to_string_lossy(), &label);
+                }
+                StoreLocation::Sqlite(path)
+            }
+            Place::Postgres { conn, prefix } => {
+                let schema = format!("{prefix}_{}", name.replace('-', "_"));
+                for shown in [format!("PostgreSQL schema {schema}"), format!("schema {schema}"), schema.clone()] {
+                    self.labels.replace(&shown, &label);
+                }
+                let url = schema_url(conn, &schema);
+                StoreLocation::parse(&url).unwrap_or_else(|_| {
+                    StoreLocation::Postgres(PostgresLocation { conn: conn.clone(), schema, masked: url })
+                })
+            }
+        }
     }
 
-    pub fn consumer_path(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("{name}.db"))
+    /// The store `name` as a command line names it (`--producer`, `--consumer-db`): the file's
+    /// path, or the server's URL with `schema=`.
+    pub fn store_arg(&mut self, name: &str) -> String {
+        match self.location(name) {
+            StoreLocation::Sqlite(path) => path.to_string_lossy().into_owned(),
+            // The URL with its password: the child processes connect with it.
+            StoreLocation::Postgres(pg) => schema_url(&pg.conn, &pg.schema),
+        }
     }
 
-    pub fn consumer_arg(&self, name: &str) -> String {
-        self.consumer_path(name).to_string_lossy().into_owned()
+    pub fn producer_arg(&mut self) -> String {
+        self.store_arg("producer")
     }
 
-    fn producer(&mut self) -> Result<&mut SqliteProducer> {
+    pub fn consumer_arg(&mut self, name: &str) -> String {
+        self.store_arg(name)
+    }
+
+    /// The endpoint a subscription to the consumer store `name` holds: the file's path, or the
+    /// schema on the producer's server.
+    fn endpoint(&mut self, name: &str) -> String {
+        match self.location(name) {
+            StoreLocation::Sqlite(path) => path.to_string_lossy().into_owned(),
+            StoreLocation::Postgres(pg) => pg.schema,
+        }
+    }
+
+    fn producer(&mut self) -> Result<&mut Producer> {
         self.producer.as_mut().ok_or_else(|| Error::Invariant("the scenario has no open producer".into()))
     }
 
-    fn consumer(&mut self, name: &str) -> Result<&mut SqliteConsumer> {
+    fn consumer(&mut self, name: &str) -> Result<&mut Consumer> {
         self.consumers
             .get_mut(name)
-            .map(|c| &mut c.store)
-            .ok_or_else(|| Error::Invariant(format!("the scenario has no consumer file {name}")))
+            .ok_or_else(|| Error::Invariant(format!("the scenario has no consumer store {name}")))
     }
 
     pub fn identity(&mut self) -> Result<ProducerIdentity> {
@@ -318,36 +383,34 @@ impl Sc {
     }
 
     pub fn init_producer(&mut self, source: &str) -> Result<()> {
-        drop(SqliteProducer::init(&self.producer_path, source)?);
+        drop(Producer::init_at(self.location("producer"), source)?);
         self.open_producer()
     }
 
     fn open_producer(&mut self) -> Result<()> {
-        let producer = SqliteProducer::open_with(&self.producer_path, self.durability)?;
+        let producer = Producer::open_at(self.location("producer"), self.durability)?;
         self.labels.generation(&producer.identity().generation);
         self.producer = Some(producer);
         Ok(())
     }
 
     pub fn init_consumer(&mut self, name: &str, horizon_ms: i64) -> Result<()> {
-        let path = self.consumer_path(name);
-        let store = SqliteConsumer::init(&path, tidemark_core::policy::RetentionPolicy { horizon_ms })?;
-        reservation::install(&store)?;
-        drop(store);
-        let store = SqliteConsumer::open_with(&path, self.durability)?;
-        self.consumers.insert(name.to_string(), ConsumerFile { store });
+        let location = self.location(name);
+        drop(Consumer::init_at(location.clone(), tidemark_core::policy::RetentionPolicy { horizon_ms })?);
+        let store = Consumer::open_at(location, self.durability, true)?;
+        self.consumers.insert(name.to_string(), store);
         Ok(())
     }
 
-    /// Subscribe `consumer_id` with the consumer file `name` as its endpoint (the file need not
-    /// exist yet: an unreachable endpoint is a failed delivery attempt).
+    /// Subscribe `consumer_id` with the consumer store `name` as its endpoint (the store need
+    /// not exist yet: an unreachable endpoint is a failed delivery attempt).
     pub fn subscribe(&mut self, consumer_id: &str, name: &str, from_start: bool, t: i64) -> Result<u64> {
-        let endpoint = self.consumer_arg(name);
+        let endpoint = self.endpoint(name);
         let subscription = Subscription { consumer_id: consumer_id.to_string(), endpoint };
         self.producer()?.subscribe(&subscription, from_start, t)
     }
 
-    /// A producer `shop` and a consumer file `consumer` (30-day horizon) with these subscribers.
+    /// A producer `shop` and a consumer store `consumer` (30-day horizon) with these subscribers.
     pub fn pipeline(&mut self, consumer_ids: &[&str]) -> Result<()> {
         self.init_producer("shop")?;
         self.init_consumer("consumer", tidemark_core::policy::RetentionPolicy::default().horizon_ms)?;
@@ -357,43 +420,65 @@ impl Sc {
         Ok(())
     }
 
-    /// Re-run `init` on existing files (it must never reset anything).
+    /// Re-run `init` on existing stores (it must never reset anything).
     pub fn reinit_producer(&mut self, source: &str) -> Result<ProducerIdentity> {
-        SqliteProducer::init(&self.producer_path, source).map(|p| p.identity().clone())
+        Producer::init_at(self.location("producer"), source).map(|p| p.identity().clone())
     }
 
     pub fn reinit_consumer(&mut self, name: &str, horizon_ms: i64) -> Result<i64> {
-        let path = self.consumer_path(name);
-        SqliteConsumer::init(&path, tidemark_core::policy::RetentionPolicy { horizon_ms })
+        Consumer::init_at(self.location(name), tidemark_core::policy::RetentionPolicy { horizon_ms })
             .map(|c| c.retention().horizon_ms)
     }
 
-    /// Close the producer and copy its file (a consistent copy: the last connection closing
-    /// checkpoints the WAL).
+    /// Close the producer and back it up as the store `backup`: a copy of its file (a
+    /// consistent copy: the last connection closing checkpoints the WAL), or a `pg_dump` of its
+    /// schema into the scenario's folder.
     pub fn backup_producer(&mut self, backup: &str) -> Result<()> {
         self.producer = None;
-        let target = self.dir.join(backup);
-        std::fs::copy(&self.producer_path, &target).map_err(|e| io("backing up the producer", e))?;
-        let wal = wal_path(&self.producer_path);
-        if wal.exists() {
-            std::fs::copy(&wal, wal_path(&target)).map_err(|e| io("backing up the producer WAL", e))?;
+        match (self.location("producer"), self.location(backup)) {
+            (StoreLocation::Sqlite(from), StoreLocation::Sqlite(to)) => {
+                std::fs::copy(&from, &to).map_err(|e| io("backing up the producer", e))?;
+                let wal = wal_path(&from);
+                if wal.exists() {
+                    std::fs::copy(&wal, wal_path(&to)).map_err(|e| io("backing up the producer WAL", e))?;
+                }
+            }
+            (StoreLocation::Postgres(from), StoreLocation::Postgres(_)) => {
+                let file = self.dir.join(format!("{backup}.dump"));
+                let file = file.to_string_lossy();
+                pg_tool(
+                    "pg_dump",
+                    &["--format=custom", "--schema", &from.schema, "--file", &file, "--dbname", &from.conn],
+                )?;
+            }
+            _ => return Err(Error::Invariant("a scenario's stores live in one place".into())),
         }
         self.open_producer()
     }
 
-    /// Close the producer, put the backup in its place and reopen it.
+    /// Close the producer, put the backup in its place and reopen it (on PostgreSQL: drop its
+    /// schema and `pg_restore` the dump).
     pub fn restore_producer(&mut self, backup: &str) -> Result<()> {
         self.producer = None;
-        let source = self.dir.join(backup);
-        for suffix in ["-wal", "-shm"] {
-            let path = PathBuf::from(format!("{}{suffix}", self.producer_path.display()));
-            if path.exists() {
-                std::fs::remove_file(&path).map_err(|e| io("removing the old WAL", e))?;
+        match (self.location("producer"), self.location(backup)) {
+            (StoreLocation::Sqlite(to), StoreLocation::Sqlite(from)) => {
+                for suffix in ["-wal", "-shm"] {
+                    let path = PathBuf::from(format!("{}{suffix}", to.display()));
+                    if path.exists() {
+                        std::fs::remove_file(&path).map_err(|e| io("removing the old WAL", e))?;
+                    }
+                }
+                std::fs::copy(&from, &to).map_err(|e| io("restoring the producer", e))?;
+                if wal_path(&from).exists() {
+                    std::fs::copy(wal_path(&from), wal_path(&to)).map_err(|e| io("restoring the WAL", e))?;
+                }
             }
-        }
-        std::fs::copy(&source, &self.producer_path).map_err(|e| io("restoring the producer", e))?;
-        if wal_path(&source).exists() {
-            std::fs::copy(wal_path(&source), wal_path(&self.producer_path)).map_err(|e| io("restoring the WAL", e))?;
+            (StoreLocation::Postgres(to), StoreLocation::Postgres(_)) => {
+                let file = self.dir.join(format!("{backup}.dump"));
+                drop_schemas(&to.conn, std::slice::from_ref(&to.schema))?;
+                pg_tool("pg_restore", &["--exit-on-error", "--dbname", &to.conn, &file.to_string_lossy()])?;
+            }
+            _ => return Err(Error::Invariant("a scenario's stores live in one place".into())),
         }
         self.open_producer()
     }
@@ -442,16 +527,16 @@ impl Sc {
 
     /// The user's own business table on the producer file (for the dual-write scenarios).
     pub fn create_orders_table(&mut self) -> Result<()> {
-        tidemark_store_sqlite::example::install_orders(self.producer()?.connection())
+        self.producer()?.install_orders()
     }
 
-    /// Write a business row and reserve its flow in one producer transaction; commit or drop it.
+    /// Write a business row and reserve its flow in one producer transaction; commit or roll it
+    /// back.
     pub fn business_advance(&mut self, what: &str, order_id: &str, quantity: i64, commit: bool, t: i64) -> Result<()> {
-        let producer = self.producer.as_mut().ok_or_else(|| Error::Invariant("no producer".into()))?;
+        let producer = self.producer()?;
         let identity = producer.identity().clone();
-        let tx = producer.begin()?;
-        tidemark_store_sqlite::example::insert_order(&tx, order_id, quantity)?;
-        let outcome = tx.advance(&ReservationMachine, &request(order_id, 0, "reserved", Some(quantity), 1), t)?;
+        let request = request(order_id, 0, "reserved", Some(quantity), 1);
+        let outcome = producer.advance_with_order(order_id, quantity, &request, commit, &mut || {}, t)?;
         if let AdvanceOutcome::Committed { event_id, flow_id, seq, .. } = &outcome {
             if commit {
                 self.labels.event(event_id, &identity.source, flow_id, *seq, &identity.generation);
@@ -459,17 +544,12 @@ impl Sc {
                 self.labels.name(event_id, &format!("rolled-back:{}/{flow_id}/{seq}", identity.source));
             }
         }
-        if commit {
-            tx.commit()?;
-        } else {
-            drop(tx);
-        }
         self.record(what, json!({"advance": to_value(&outcome), "committed": commit}));
         Ok(())
     }
 
     pub fn orders(&mut self) -> Result<Vec<String>> {
-        orders(self.producer()?.connection())
+        orders(self.producer()?)
     }
 
     pub fn relay(&mut self, what: &str, options: &RelayOptions, t: i64) -> Result<RelayReport> {
@@ -560,19 +640,34 @@ impl Sc {
         support_v2: bool,
         t: i64,
     ) -> Result<DrainReport> {
-        self.drain_with(what, consumer, consumer_id, limit, &mut ReservationHandler::new(support_v2), t)
+        let result = self.consumer(consumer)?.drain(consumer_id, &DrainScope::All, limit, support_v2, t);
+        self.record_result(what, &result);
+        result
     }
 
-    pub fn drain_with(
+    /// Drain with the built-in handler made to fail (an infrastructure failure, not a refusal)
+    /// on its `fail_on`-th event, after it has written that event's effect.
+    pub fn drain_failing_on(
         &mut self,
         what: &str,
         consumer: &str,
         consumer_id: &str,
         limit: usize,
-        handler: &mut dyn Handler<Connection>,
+        fail_on: u32,
         t: i64,
     ) -> Result<DrainReport> {
-        let result = self.consumer(consumer)?.drain(consumer_id, &DrainScope::All, limit, handler, t);
+        let scope = DrainScope::All;
+        let result = match self.consumer(consumer)? {
+            Consumer::Sqlite(c) => {
+                let mut handler = FailOnCall { inner: ReservationHandler::new(false), fail_on, calls: 0 };
+                c.drain(consumer_id, &scope, limit, &mut handler, t)
+            }
+            Consumer::Postgres(c, _) => {
+                let mut handler =
+                    FailOnCall { inner: reservation_pg::ReservationHandler::new(false), fail_on, calls: 0 };
+                c.drain(consumer_id, &scope, limit, &mut handler, t)
+            }
+        };
         self.record_result(what, &result);
         result
     }
@@ -621,16 +716,15 @@ impl Sc {
         flow_id: &str,
         seq: i64,
     ) -> Result<usize> {
-        tidemark_store_sqlite::example::forget_dedup_records(
-            self.consumer(consumer)?.connection(),
-            consumer_id,
-            flow_id,
-            seq,
-        )
+        self.consumer(consumer)?.forget_dedup_records(consumer_id, flow_id, seq)
+    }
+
+    fn read(&mut self, consumer: &str) -> Result<ReservationSnapshot> {
+        self.consumer(consumer)?.snapshot_with_reservations(STATE_ROWS_MAX)
     }
 
     pub fn inbox(&mut self, consumer: &str) -> Result<Vec<InboxEntry>> {
-        Ok(self.consumer(consumer)?.snapshot(STATE_ROWS_MAX)?.inbox)
+        Ok(self.read(consumer)?.snapshot.inbox)
     }
 
     pub fn cursors(&mut self, consumer: &str) -> Result<Vec<FlowCursor>> {
@@ -638,15 +732,15 @@ impl Sc {
     }
 
     pub fn effects(&mut self, consumer: &str) -> Result<Vec<Effect>> {
-        Ok(reservation::read(self.consumer(consumer)?.connection(), STATE_ROWS_MAX)?.1)
+        Ok(self.read(consumer)?.effects)
     }
 
     pub fn receipts(&mut self, consumer: &str) -> Result<usize> {
-        Ok(self.consumer(consumer)?.snapshot(STATE_ROWS_MAX)?.receipts.len())
+        Ok(self.read(consumer)?.snapshot.receipts.len())
     }
 
     pub fn duplicate_effects(&mut self, consumer: &str) -> Result<usize> {
-        Ok(reservation::duplicate_effects(self.consumer(consumer)?.connection())?.len())
+        Ok(self.read(consumer)?.duplicates.len())
     }
 
     /// Assert that every outbox event of the producer was applied by `consumer_id` exactly once
@@ -695,8 +789,11 @@ impl Sc {
     fn command(&self, args: &[String], crash_at: Option<&str>, t: i64) -> Result<Command> {
         let exe = std::env::current_exe().map_err(|e| io("locating this binary", e))?;
         let mut command = Command::new(exe);
-        let durability = if self.durability == Durability::Normal { "normal" } else { "full" };
-        command.args(["--durability", durability, "--now-ms", &t.to_string()]).args(args);
+        if matches!(self.place, Place::Files) {
+            let durability = if self.durability == Durability::Normal { "normal" } else { "full" };
+            command.args(["--durability", durability]);
+        }
+        command.args(["--now-ms", &t.to_string()]).args(args);
         command.env_remove("TIDEMARK_CRASH_AT");
         if let Some(point) = crash_at {
             command.env("TIDEMARK_CRASH_AT", point);
@@ -749,8 +846,8 @@ impl Sc {
             out.insert("producer".into(), producer_state(producer, labels)?);
         }
         let mut files = Map::new();
-        for (name, file) in consumers.iter() {
-            files.insert(name.clone(), consumer_state(&file.store, labels)?);
+        for (name, store) in consumers.iter() {
+            files.insert(name.clone(), consumer_state(store, labels)?);
         }
         if !files.is_empty() {
             out.insert("consumers".into(), Value::Object(files));
@@ -765,8 +862,8 @@ impl Sc {
     /// The normalised state of one consumer file.
     pub fn consumer_state(&mut self, name: &str) -> Result<Value> {
         let Sc { consumers, labels, .. } = self;
-        let file = consumers.get(name).ok_or_else(|| Error::Invariant(format!("no consumer file {name}")))?;
-        let state = consumer_state(&file.store, labels)?;
+        let store = consumers.get(name).ok_or_else(|| Error::Invariant(format!("no consumer store {name}")))?;
+        let state = consumer_state(store, labels)?;
         Ok(labels.value(&state))
     }
 }
@@ -782,15 +879,56 @@ fn sort_lists(value: &mut Value) {
     }
 }
 
+/// The URL of `schema` on the server `conn` names.
+fn schema_url(conn: &str, schema: &str) -> String {
+    format!("{conn}{}schema={schema}", if conn.contains('?') { '&' } else { '?' })
+}
+
+/// Run a PostgreSQL client tool (`pg_dump`, `pg_restore`); its failure is an `io` error with
+/// what it printed.
+fn pg_tool(tool: &str, args: &[&str]) -> Result<()> {
+    let out = Command::new(tool)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| io(&format!("running {tool} (the PostgreSQL client tools)"), e))?;
+    if !out.status.success() {
+        return Err(Error::io(format!("{tool} failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+    }
+    Ok(())
+}
+
+/// Drop every schema whose name starts with `<prefix>_` (a scenario's stores, left over or done).
+pub fn drop_scenario_schemas(conn: &str, prefix: &str) -> Result<()> {
+    let mut client = tidemark_store_postgres::connect(conn)?;
+    let schemas: Vec<String> = client
+        .query(
+            "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1) ORDER BY 1",
+            &[&format!("{prefix}_")],
+        )?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    drop(client);
+    drop_schemas(conn, &schemas)
+}
+
+/// Drop these schemas (and everything in them) when they exist.
+pub fn drop_schemas(conn: &str, schemas: &[String]) -> Result<()> {
+    let mut client = tidemark_store_postgres::connect(conn)?;
+    for schema in schemas {
+        tidemark_store_postgres::validate_schema_name(schema)?;
+        client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))?;
+    }
+    Ok(())
+}
+
 fn wal_path(path: &Path) -> PathBuf {
     PathBuf::from(format!("{}-wal", path.display()))
 }
 
-fn orders(conn: &Connection) -> Result<Vec<String>> {
-    Ok(tidemark_store_sqlite::example::orders(conn)?
-        .into_iter()
-        .map(|(order_id, quantity)| format!("{order_id} quantity {quantity}"))
-        .collect())
+fn orders(producer: &mut Producer) -> Result<Vec<String>> {
+    Ok(producer.orders()?.into_iter().map(|(order_id, quantity)| format!("{order_id} quantity {quantity}")).collect())
 }
 
 fn position(source: &str, flow_id: &str, seq: i64) -> String {
@@ -807,11 +945,7 @@ fn event_at(label: &str, source: &str, flow_id: &str, seq: i64) -> String {
     }
 }
 
-fn file_name(endpoint: &str) -> String {
-    Path::new(endpoint).file_name().map_or_else(|| endpoint.to_string(), |n| n.to_string_lossy().into_owned())
-}
-
-fn producer_state(producer: &mut SqliteProducer, labels: &mut Labels) -> Result<Value> {
+fn producer_state(producer: &mut Producer, labels: &mut Labels) -> Result<Value> {
     let snapshot = producer.snapshot(STATE_ROWS_MAX)?;
     let generation = labels.generation(&snapshot.identity.generation);
     let outbox: Vec<String> = snapshot
@@ -852,7 +986,7 @@ fn producer_state(producer: &mut SqliteProducer, labels: &mut Labels) -> Result<
         .map(|f| format!("{}: {} {} last_seq {}", f.flow_id, f.state.state, f.state.data, f.last_seq))
         .collect();
     let subscriptions: Vec<String> =
-        snapshot.subscriptions.iter().map(|s| format!("{} -> {}", s.consumer_id, file_name(&s.endpoint))).collect();
+        snapshot.subscriptions.iter().map(|s| format!("{} -> {}", s.consumer_id, s.endpoint)).collect();
     let mut out = json!({
         "source": source,
         "generation": generation,
@@ -861,17 +995,16 @@ fn producer_state(producer: &mut SqliteProducer, labels: &mut Labels) -> Result<
         "outbox": outbox,
         "deliveries": deliveries,
     });
-    let orders = orders(producer.connection())?;
+    let orders = orders(producer)?;
     if !orders.is_empty() {
         out["orders"] = json!(orders);
     }
     Ok(out)
 }
 
-fn consumer_state(store: &SqliteConsumer, labels: &mut Labels) -> Result<Value> {
-    let (snapshot, ((projections, effects), duplicates)) = store.snapshot_with(STATE_ROWS_MAX, |tx| {
-        Ok((reservation::read_in(tx, STATE_ROWS_MAX)?, reservation::duplicate_effects(tx)?))
-    })?;
+fn consumer_state(store: &Consumer, labels: &mut Labels) -> Result<Value> {
+    let ReservationSnapshot { snapshot, projections, effects, duplicates } =
+        store.snapshot_with_reservations(STATE_ROWS_MAX)?;
     let inbox: Vec<String> = snapshot
         .inbox
         .iter()
@@ -936,34 +1069,64 @@ fn consumer_state(store: &SqliteConsumer, labels: &mut Labels) -> Result<Value> 
     }))
 }
 
-/// `tidemark experiment --child MODE --child-producer FILE`: the dual-write child processes of
+/// `tidemark experiment --child MODE --child-producer STORE`: the dual-write child processes of
 /// the `unsafe_dual_write_loss` scenario. Both write a business row (`order-1`, `order-2`) and
 /// die with exit code 81 before the event is committed; only the way they write differs.
 ///
 /// `--child` is hidden but present in every build (failpoints or not), so
 /// `--child unsafe-dual-write` is a deliberately wrong dual write that any `tidemark` binary can
-/// run, on any producer file it is given: it commits the business row alone and never writes the
-/// event. It does not use `tidemark_store_sqlite::unsafe_dual_write` (failpoints builds only,
-/// reached through the hidden `unsafe-dual-write-advance` command); it needs no crash point.
+/// run, on any producer store it is given (a SQLite file or a `postgres://` URL): it commits the
+/// business row alone and never writes the event. It does not use
+/// `tidemark_store_sqlite::unsafe_dual_write` (failpoints builds only, reached through the hidden
+/// `unsafe-dual-write-advance` command); it needs no crash point.
 pub fn run_child(mode: &str, producer: Option<&Path>, durability: Durability, now_ms: i64) -> Result<Value> {
     let path =
-        producer.ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, "--child needs --child-producer FILE"))?;
-    let mut producer = SqliteProducer::open_with(path, durability)?;
+        producer.ok_or_else(|| Error::invalid(codes::INVALID_ARGUMENT, "--child needs --child-producer STORE"))?;
+    let location = match path.to_str() {
+        Some(text) => StoreLocation::parse(text)?,
+        None => StoreLocation::Sqlite(path.to_path_buf()),
+    };
+    let mut producer = Producer::open_at(location, durability)?;
     match mode {
         "unsafe-dual-write" => {
             // WRONG on purpose: the business row commits in its own transaction, and the event
             // would be written by a second one. The process dies between the two.
-            tidemark_store_sqlite::example::insert_order(producer.connection(), "order-1", 3)?;
+            producer.insert_order_without_event("order-1", 3)?;
             std::process::exit(CHILD_EXIT_CODE);
         }
         "safe-exit-before-commit" => {
             // The tidemark way: the business row and the event in one transaction. The process
             // dies at the same point, before that transaction commits.
-            let tx = producer.begin()?;
-            tidemark_store_sqlite::example::insert_order(&tx, "order-2", 5)?;
-            tx.advance(&ReservationMachine, &request("order-2", 0, "reserved", Some(5), 1), now_ms)?;
-            std::process::exit(CHILD_EXIT_CODE);
+            let request = request("order-2", 0, "reserved", Some(5), 1);
+            producer.advance_with_order(
+                "order-2",
+                5,
+                &request,
+                true,
+                &mut || std::process::exit(CHILD_EXIT_CODE),
+                now_ms,
+            )?;
+            Err(Error::Invariant("the child outlived its exit".into()))
         }
         other => Err(Error::invalid(codes::INVALID_ARGUMENT, format!("unknown child mode {other:?}"))),
+    }
+}
+
+/// A handler that fails (an infrastructure failure, not a refusal) on its n-th call, after the
+/// real handler has written its effect. One event per call (the default `batch_max`).
+struct FailOnCall<H> {
+    inner: H,
+    fail_on: u32,
+    calls: u32,
+}
+
+impl<T: ?Sized, H: Handler<T>> Handler<T> for FailOnCall<H> {
+    fn handle(&mut self, tx: &T, consumer_id: &str, event: &Envelope) -> Result<(), HandleError> {
+        self.calls += 1;
+        self.inner.handle(tx, consumer_id, event)?;
+        if self.calls == self.fail_on {
+            return Err(HandleError::Failed(Error::store("simulated failure after the handler wrote its effect")));
+        }
+        Ok(())
     }
 }
