@@ -292,6 +292,23 @@ impl Postgres {
         format!("{}_{readable}_{hash}_{letter}", self.prefix)
     }
 
+    /// The role of tenant `tenant_id` (its schemas' common name,
+    /// `<prefix>_<tenant id, cut to fit>_<12 hex>`): it owns the tenant's three schemas, and the
+    /// service's connections for the tenant act as it (docs/postgres.md, "Tenants").
+    pub fn role(&self, tenant_id: &str) -> String {
+        let schema = self.schema(tenant_id, Database::Producer);
+        schema[..schema.len() - 2].to_string()
+    }
+
+    /// The connection string of `tenant`'s stores: the service's, acting as the tenant's role,
+    /// which is made first (when missing) the owner of the tenant's three schemas.
+    fn tenant_conn(&self, tenant: &TenantInfo) -> Result<String> {
+        let role = self.role(&tenant.id);
+        let schemas = [Database::Producer, Database::Inbox, Database::Workflows].map(|d| self.schema(&tenant.id, d));
+        tidemark_store_postgres::ensure_owner_role(&self.conn, &role, &schemas)?;
+        tidemark_store_postgres::conn_as_role(&self.conn, &role)
+    }
+
     /// The backend a service's `store` URL names (`postgres://user@host/db?schema=<prefix>`):
     /// `invalid_store` for a URL that is not PostgreSQL's, a bad prefix as [`Postgres::new`].
     pub fn from_url(url: &str) -> Result<Postgres> {
@@ -365,13 +382,14 @@ impl Backend for Postgres {
         now_ms: i64,
     ) -> Result<(Self::Producer, Self::Endpoints)> {
         let schema = self.schema(&tenant.id, database);
+        let conn = self.tenant_conn(tenant)?;
         if database == Database::Workflows {
             // The workflow tables first, as on SQLite.
-            drop(tidemark_store_postgres::PgWorkflows::init(&self.conn, &schema)?);
+            drop(tidemark_store_postgres::PgWorkflows::init(&conn, &schema)?);
         }
-        let mut store = tidemark_store_postgres::PgProducer::init(&self.conn, &schema, source)?;
+        let mut store = tidemark_store_postgres::PgProducer::init(&conn, &schema, source)?;
         tidemark_store_postgres::apply_migrations(store.client(), &schema, migrations, now_ms)?;
-        Ok((store, tidemark_store_postgres::PgEndpoints::new(&self.conn)))
+        Ok((store, tidemark_store_postgres::PgEndpoints::new(&conn)))
     }
 
     fn open_consumer(
@@ -382,13 +400,17 @@ impl Backend for Postgres {
         now_ms: i64,
     ) -> Result<Self::Consumer> {
         let schema = self.schema(&tenant.id, database);
-        let mut store = tidemark_store_postgres::PgConsumer::init(&self.conn, &schema, RetentionPolicy::default())?;
+        let conn = self.tenant_conn(tenant)?;
+        let mut store = tidemark_store_postgres::PgConsumer::init(&conn, &schema, RetentionPolicy::default())?;
         tidemark_store_postgres::apply_migrations(store.client(), &schema, migrations, now_ms)?;
         Ok(store)
     }
 
     fn open_workflows(&self, tenant: &TenantInfo) -> Result<Self::Workflows> {
-        tidemark_store_postgres::PgWorkflows::init(&self.conn, &self.schema(&tenant.id, Database::Workflows))
+        tidemark_store_postgres::PgWorkflows::init(
+            &self.tenant_conn(tenant)?,
+            &self.schema(&tenant.id, Database::Workflows),
+        )
     }
 
     fn endpoint(&self, tenant: &TenantInfo, database: Database) -> String {

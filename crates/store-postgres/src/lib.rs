@@ -31,6 +31,7 @@ pub mod example;
 mod listen;
 mod migrations;
 mod producer;
+mod roles;
 mod schema;
 pub mod stats;
 mod workflow;
@@ -42,6 +43,7 @@ pub use endpoints::PgEndpoints;
 pub use listen::{wake_channel, DueRunListener};
 pub use migrations::{apply_migrations, validate_migrations, Migration};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
+pub use roles::{conn_as_role, ensure_owner_role};
 pub use schema::{connect, validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 

@@ -49,6 +49,8 @@ pub(crate) const LOCK_QUEUES: i32 = 0x746d_0008;
 pub(crate) const LOCK_USER_MIGRATIONS: i32 = 0x746d_0009;
 /// The control schema's writes (tenants, tokens, consumers; `control.rs`).
 pub(crate) const LOCK_CONTROL: i32 = 0x746d_000a;
+/// The creation of a tenant's role and the hand-over of its schemas (`roles.rs`).
+pub(crate) const LOCK_ROLES: i32 = 0x746d_000b;
 
 /// Migrations of one store schema, in order: index i migrates from version i to i+1. `{s}` is
 /// replaced by the quoted schema name. Never edit a shipped entry: append a new one (and a test

@@ -88,8 +88,8 @@ pub fn served_on_both_backends(scenario: fn()) {
     }
 }
 
-/// Drops the schemas of this thread's services on PostgreSQL when it goes (a failed scenario's
-/// too).
+/// Drops the schemas and tenant roles of this thread's services on PostgreSQL when it goes (a
+/// failed scenario's too).
 pub struct DropServedSchemas;
 
 impl Drop for DropServedSchemas {
@@ -101,6 +101,14 @@ impl Drop for DropServedSchemas {
         for prefix in prefixes {
             for schema in schemas_of(&mut client, &prefix, None) {
                 let _ = client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"));
+            }
+            // The tenants' roles (cluster-wide: they outlive their schemas unless dropped).
+            let roles = client
+                .query("SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)", &[&format!("{prefix}_")])
+                .map(|rows| rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>())
+                .unwrap_or_default();
+            for role in roles {
+                let _ = client.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""));
             }
         }
     }

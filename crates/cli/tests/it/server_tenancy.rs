@@ -161,3 +161,106 @@ fn no_request_of_one_tenant_reads_or_changes_another_tenants_data() {
         assert!(changed.is_empty(), "bravo's files changed: {changed:?}");
     });
 }
+
+/// The SQLSTATE of a statement's error, or what the statement answered.
+fn sqlstate(client: &mut postgres::Client, sql: &str) -> String {
+    match client.batch_execute(sql) {
+        Ok(()) => "ok".into(),
+        Err(error) => error.code().map_or_else(|| error.to_string(), |c| c.code().to_string()),
+    }
+}
+
+/// On PostgreSQL the isolation is the database's too: each tenant's schemas belong to a role of
+/// its own, which the service's connections for that tenant act as. A connection acting as
+/// alpha's role reads alpha's tables, and is refused (SQLSTATE 42501, insufficient privilege)
+/// on bravo's tables and on the control schema's tokens, whatever statement a bug might make.
+#[test]
+fn on_postgres_a_tenant_s_connection_cannot_read_another_tenant_s_schemas() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let alpha = token(&data, "alpha", "admin");
+    let bravo = token(&data, "bravo", "admin");
+    let server = Server::start(&data, &[], &[]);
+    for (token, flow) in [(&alpha, "a-1"), (&bravo, "b-1")] {
+        let advance = json!({"expected_seq": 0, "to": "reserved", "quantity": 1});
+        let (status, body) = server.call("POST", &format!("/v1/flows/{flow}/advance"), Some(token), Some(&advance));
+        assert_eq!(status, 200, "{body}");
+    }
+    let url = crate::server_support::store_of(&data).expect("on PostgreSQL");
+    let backend = tidemark_server::Postgres::from_url(&url).unwrap();
+    let producer = |tenant: &str| backend.schema(tenant, tidemark_server::Database::Producer);
+    let as_alpha = tidemark_store_postgres::conn_as_role(backend.conn(), &backend.role("alpha")).unwrap();
+    let mut client = postgres::Client::connect(&as_alpha, postgres::NoTls).expect("connect as alpha's role");
+    let role: String = client.query_one("SELECT current_user::text", &[]).unwrap().get(0);
+    assert_eq!(role, backend.role("alpha"));
+    let events: i64 =
+        client.query_one(&format!("SELECT count(*) FROM {}.outbox", producer("alpha")), &[]).unwrap().get(0);
+    assert_eq!(events, 1, "alpha reads its own outbox");
+    for table in ["outbox", "flows", "meta"] {
+        let read = format!("SELECT * FROM {}.{table}", producer("bravo"));
+        assert_eq!(sqlstate(&mut client, &read), "42501", "{read}");
+        let write = format!("DELETE FROM {}.{table}", producer("bravo"));
+        assert_eq!(sqlstate(&mut client, &write), "42501", "{write}");
+    }
+    let tokens = format!("SELECT * FROM {}.tokens", backend.control_schema());
+    assert_eq!(sqlstate(&mut client, &tokens), "42501", "{tokens}");
+    // (The wall is against a statement that names the wrong schema. `SET ROLE` / `RESET ROLE`
+    // are checked against the session's login role, a member of every tenant's role: tidemark
+    // never sends them; docs/postgres.md, "Tenants".)
+}
+
+/// A tenant whose schemas were made before tenant roles (owned by the service's login role) is
+/// handed to its role when the service opens it: its schemas, tables and trigger function change
+/// owner, its data stays, and the service goes on serving it.
+#[test]
+fn on_postgres_schemas_made_before_tenant_roles_are_handed_to_the_tenant_s_role() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let alpha = token(&data, "alpha", "admin");
+    let url = crate::server_support::store_of(&data).expect("on PostgreSQL");
+    let backend = tidemark_server::Postgres::from_url(&url).unwrap();
+    let schema = backend.schema("alpha", tidemark_server::Database::Producer);
+    // The producer schema as an earlier version left it: made by the login role, one event in it.
+    let mut old = tidemark_store_postgres::PgProducer::init(backend.conn(), &schema, "alpha").unwrap();
+    let request = tidemark_core::flow::AdvanceRequest {
+        flow_id: "a-1".into(),
+        expected_seq: 0,
+        to_state: "reserved".into(),
+        input: json!({"quantity": 1}),
+        schema_version: 1,
+        traceparent: None,
+    };
+    tidemark_core::store::ProducerStore::advance_batch(
+        &mut old,
+        &tidemark_core::reservation::ReservationMachine,
+        &[request],
+        1,
+    )
+    .unwrap();
+    drop(old);
+
+    let server = Server::start(&data, &[], &[]);
+    let (status, flow) = server.call("GET", "/v1/flows/a-1", Some(&alpha), None);
+    assert_eq!((status, flow["producer"]["last_seq"].as_i64()), (200, Some(1)), "{flow}");
+    let advance = json!({"expected_seq": 1, "to": "confirmed"});
+    let (status, body) = server.call("POST", "/v1/flows/a-1/advance", Some(&alpha), Some(&advance));
+    assert_eq!((status, body["seq"].as_i64()), (200, Some(2)), "{body}");
+    let (_, mut client) = crate::support::postgres_server().unwrap();
+    let owners: Vec<String> = client
+        .query(
+            "SELECT DISTINCT owner FROM (
+                SELECT nspowner::regrole::text AS owner FROM pg_namespace WHERE nspname = $1
+                UNION ALL SELECT relowner::regrole::text FROM pg_class WHERE relnamespace = to_regnamespace($1)
+                UNION ALL SELECT proowner::regrole::text FROM pg_proc WHERE pronamespace = to_regnamespace($1)) o",
+            &[&schema],
+        )
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(owners, vec![backend.role("alpha")], "everything in {schema} is the tenant role's");
+}
