@@ -45,6 +45,14 @@ fn drop_schemas(url: &str, prefix: &str) {
     for row in rows {
         let _ = client.batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", row.get::<_, String>(0)));
     }
+    // The tenants' roles (cluster-wide: they outlive their schemas unless dropped).
+    let roles = client
+        .query("SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)", &[&format!("{prefix}_")])
+        .unwrap_or_default();
+    for row in roles {
+        let role = row.get::<_, String>(0);
+        let _ = client.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""));
+    }
 }
 
 #[derive(Deserialize)]
