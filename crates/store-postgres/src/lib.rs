@@ -34,6 +34,7 @@ mod producer;
 mod roles;
 mod schema;
 pub mod stats;
+mod tls;
 mod workflow;
 
 pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
@@ -45,6 +46,7 @@ pub use migrations::{apply_migrations, validate_migrations, Migration};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};
 pub use roles::{conn_as_role, ensure_owner_role};
 pub use schema::{connect, validate_schema_name, CONNECT_TIMEOUT_MS_DEFAULT, SCHEMA_NAME_BYTES_MAX, SCHEMA_VERSION};
+pub use tls::SSL_ROOT_CERT_BYTES_MAX;
 pub use workflow::{send_event_in, PgWorkflows, RECEIPT_WINDOW_MS_DEFAULT};
 
 use tidemark_core::Error;

@@ -127,11 +127,7 @@ pub fn conn_as_role(conn: &str, role: &str) -> Result<String> {
         Some((_, options)) => *options = format!("{options} {set}"),
         None => pairs.push(("options".into(), set)),
     }
-    // Spaces as %20: the driver decodes percent escapes only, not `+` (form encoding).
-    let encode =
-        |text: &str| url::form_urlencoded::byte_serialize(text.as_bytes()).collect::<String>().replace('+', "%20");
-    let query: Vec<String> = pairs.iter().map(|(k, v)| format!("{}={}", encode(k), encode(v))).collect();
-    url.set_query(Some(&query.join("&")));
+    crate::tls::set_query(&mut url, &pairs);
     Ok(url.to_string())
 }
 

@@ -389,13 +389,14 @@ pub(crate) fn sql(schema: &str, template: &str) -> String {
     template.replace("{s}", &format!("\"{schema}\""))
 }
 
-/// Connect to `conn_str` (a libpq-style `host=... user=...` string or a `postgresql://` URL),
-/// with `lock_timeout` set to [`BUSY_TIMEOUT_MS`] for the session; nothing else of the server's
+/// Connect to `conn_str` (a libpq-style `host=... user=...` string or a `postgresql://` URL; in a
+/// URL, `sslmode` and `sslrootcert` ask for TLS, see `tls.rs`), with `lock_timeout` set to [`BUSY_TIMEOUT_MS`] for the session; nothing else of the server's
 /// settings is changed (durability stays the server's: `synchronous_commit` is not touched).
 /// A string that does not parse is `invalid_argument`; a server that does not answer or refuses
 /// is an `io` error. Nothing is written.
 pub fn connect(conn_str: &str) -> Result<Client> {
-    let mut config = postgres::Config::from_str(conn_str)
+    let (conn_str, tls) = crate::tls::split(conn_str)?;
+    let mut config = postgres::Config::from_str(&conn_str)
         .map_err(|e| Error::invalid(codes::INVALID_ARGUMENT, format!("invalid PostgreSQL connection string: {e}")))?;
     if config.get_application_name().is_none() {
         config.application_name("tidemark");
@@ -413,7 +414,14 @@ pub fn connect(conn_str: &str) -> Result<Client> {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(std::time::Duration::from_millis(CONNECT_TIMEOUT_MS_DEFAULT));
     }
-    config.connect(NoTls).map_err(|e| {
+    let connected = match tls {
+        None => config.connect(NoTls),
+        Some((mode, client)) => {
+            config.ssl_mode(mode);
+            config.connect(tokio_postgres_rustls::MakeRustlsConnect::new(client))
+        }
+    };
+    connected.map_err(|e| {
         // The driver's own text is terse ("error connecting to server"); its cause says why.
         let cause = std::error::Error::source(&e).map(|c| format!(": {c}")).unwrap_or_default();
         Error::io(format!("cannot connect to PostgreSQL: {e}{cause}"))

@@ -823,3 +823,58 @@ fn a_service_on_postgres_reconnects_after_the_server_closed_its_connections() {
     assert!(text.contains("tidemark_runs{tenant=\"acme\",status=\"completed\"}"), "{text}");
     println!("requests failed by the closed connections: {failed}");
 }
+
+/// A service whose URL asks for TLS (`sslmode=require`, the server's own certificate as
+/// `sslrootcert`, the host by the name the certificate names) makes every connection encrypted:
+/// the token command's, the control store's, each tenant's stores' (acting as the tenant's role)
+/// and the relay's. Skipped, saying why, when the server has `ssl = off` or its certificate does
+/// not name `localhost`.
+#[test]
+fn a_service_on_postgres_connects_over_tls_when_its_url_asks() {
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let (_, mut client) = crate::support::postgres_server().unwrap();
+    let ssl: String = client.query_one("SHOW ssl", &[]).unwrap().get(0);
+    let cert: String = client.query_one("SHOW ssl_cert_file", &[]).unwrap().get(0);
+    let names_localhost = std::fs::read_to_string(&cert).is_ok_and(|pem| {
+        use tokio_rustls::rustls::pki_types::{pem::PemObject, CertificateDer};
+        CertificateDer::from_pem_slice(pem.as_bytes()).is_ok_and(|der| der.windows(9).any(|w| w == b"localhost"))
+    });
+    if ssl != "on" || !names_localhost {
+        crate::support::skip(&format!(
+            "the test server's TLS (ssl = {ssl}, {cert}) is not usable by the name localhost"
+        ));
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let name = format!("tmtls{}", std::process::id());
+    let store = crate::server_support::store_of(&data).unwrap();
+    assert!(store.contains("@127.0.0.1:"), "the test server is on the loopback: {store}");
+    let store = format!(
+        "{}&sslmode=require&sslrootcert={cert}&application_name={name}",
+        store.replace("@127.0.0.1:", "@localhost:")
+    );
+    crate::server_support::set_store(&data, &store);
+    let admin = token(&data, "acme", "admin");
+    let t = Some(admin.as_str());
+    let server = Server::start(&data, &[], &[]);
+    server.call("PUT", "/v1/consumers/shipping", t, Some(&json!({"handler": "reservation"})));
+    let advance = json!({"expected_seq": 0, "to": "reserved", "quantity": 1});
+    let (status, body) = server.call("POST", "/v1/flows/tls-1/advance", t, Some(&advance));
+    assert_eq!(status, 200, "{body}");
+    server.wait_for(WAIT, |s| {
+        let (_, flow) = s.call("GET", "/v1/flows/tls-1", t, None);
+        (flow["consumers"][0]["high_water_seq"] == 1).then_some(())
+    });
+    let row = client
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE s.ssl)
+               FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) WHERE a.application_name = $1",
+            &[&name],
+        )
+        .unwrap();
+    let (connections, encrypted): (i64, i64) = (row.get(0), row.get(1));
+    assert!(connections >= 4, "the service's connections: {connections}");
+    assert_eq!(encrypted, connections, "every connection of the service is encrypted");
+}

@@ -10,6 +10,7 @@ mod queues;
 mod schedules;
 mod schema;
 mod support;
+mod tls;
 mod workflow;
 mod workflow_kill;
 mod workflow_runtime;
