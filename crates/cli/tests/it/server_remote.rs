@@ -1622,6 +1622,128 @@ fn events_reach_nats_exactly_once_across_a_cut_flapping_network_that_loses_pub_a
     });
 }
 
+/// A partition between a serving relay and RabbitMQ (the same in-test proxy: publisher
+/// confirms lost after the queue took the message, cuts, black holes), while events are
+/// produced: no event is lost (every flow's every seq reaches the quorum queue) and nothing is
+/// quarantined. RabbitMQ has no per-message dedup, so a batch whose confirms were lost is
+/// published again and the queue may hold an event twice (docs/protocol.md, "RabbitMQ"): the
+/// copies are the same event (same id, same content), which a consuming inbox takes once.
+#[test]
+fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_confirms() {
+    served_on_both_backends(|| {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
+        let tag = format!("{}p{nanos}", std::process::id());
+        let (exchange, queue) = (format!("tmkit.cut.{tag}"), format!("tmkit.cutq.{tag}"));
+        let names = AmqpNames { exchanges: vec![exchange.clone()], queues: vec![queue.clone()] };
+        let (x, q) = (exchange.clone(), queue.clone());
+        let declared = with_amqp(async move |channel| {
+            use lapin::types::{AMQPValue, FieldTable, LongString};
+            let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+            channel
+                .exchange_declare(x.as_str().into(), lapin::ExchangeKind::Topic, durable, FieldTable::default())
+                .await
+                .unwrap();
+            let mut arguments = FieldTable::default();
+            arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+            let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+            channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
+            let bind = lapin::options::QueueBindOptions::default();
+            channel
+                .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
+                .await
+                .unwrap();
+        });
+        if let Err(e) = declared {
+            println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
+            std::mem::forget(names);
+            return;
+        }
+        let proxy = Proxy::start(&amqp_server());
+        let through = proxy.addr.trim_start_matches("http://").to_string();
+        let dir = tempfile::tempdir().unwrap();
+        let orders_dir = dir.path().join("orders");
+        let admin = token(&orders_dir, "orders", "admin");
+        let config = orders_dir.join("orders.toml");
+        std::fs::write(
+            &config,
+            "[relay]\nattempt_timeout_ms = 1000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
+        )
+        .unwrap();
+        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (status, body) = subscribe(&orders, &admin, "bus", &format!("amqp://{through}/{exchange}"));
+        assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
+
+        let writer = {
+            let (base, token) = (orders.base.clone(), admin.clone());
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::new();
+                for round in 0..6 {
+                    for f in 0..FLOWS {
+                        let response = client
+                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                            .bearer_auth(&token)
+                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                            .send()
+                            .expect("orders answers");
+                        assert_eq!(response.status().as_u16(), 200);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            })
+        };
+        for _ in 0..3 {
+            for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
+                proxy.set(wire);
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        }
+        let mut extra = 0;
+        let lose_until_one = (0..40).any(|_| {
+            proxy.set(Wire::LoseAnswers);
+            append(&orders, &admin, "parcel-extra", 1);
+            extra += 1;
+            std::thread::sleep(Duration::from_millis(150));
+            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
+        });
+        assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
+        proxy.set(Wire::Pass);
+        writer.join().unwrap();
+
+        let pending = |o: &Server| {
+            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
+            page["deliveries"].as_array().map(Vec::len).unwrap()
+        };
+        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
+        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&admin), None);
+        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+
+        let messages = drain_queue(&queue);
+        let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
+        for (id, _, envelope) in &messages {
+            if let Some(first) = by_id.insert(id.clone(), envelope.clone()) {
+                assert_eq!(&first, envelope, "a second copy of {id} is the same event");
+            }
+        }
+        let mut flows: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
+        for envelope in by_id.values() {
+            let flow = envelope["flow_id"].as_str().unwrap().to_string();
+            assert!(flows.entry(flow).or_default().insert(envelope["seq"].as_i64().unwrap()), "one id per seq");
+        }
+        assert_eq!(flows.len(), FLOWS + 1, "{flows:?}");
+        for (flow, seqs) in &flows {
+            let expected = if flow == "parcel-extra" { extra } else { 6 };
+            assert_eq!(seqs, &(1..=expected as i64).collect::<BTreeSet<_>>(), "{flow}: no event lost");
+        }
+        println!(
+            "rabbitmq partition: {} messages for {} events, {} answers thrown away",
+            messages.len(),
+            by_id.len(),
+            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        drop(names);
+    });
+}
+
 /// A TLS terminator on loopback in front of `target` (plain HTTP), with a self-signed certificate
 /// for `localhost`; the returned PEM is the certificate, which a relay must be told to trust.
 fn tls_terminator(target: String) -> (String, String) {
