@@ -248,6 +248,16 @@ pub trait ProducerStore {
         event_id: Option<&str>,
         consumers: Option<&[String]>,
     ) -> Result<Vec<Delivery>>;
+    /// The deliveries of `batch` (as `due_deliveries` returned them) that would overtake an
+    /// earlier event of their flow: an earlier event of the same flow whose delivery to the same
+    /// subscriber is still open (pending, due or backing off, or quarantined) and not in `batch`.
+    /// As (position, consumer id). A relay lane to an endpoint that keeps arrival order (a
+    /// broker) holds them back, so that each flow reaches it in seq order (docs/protocol.md,
+    /// "Order in a broker"). Default: none (a store that cannot tell).
+    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+        let _ = batch;
+        Ok(Vec::new())
+    }
     /// Record the relay's verdicts in one transaction.
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()>;
     /// Deliveries in outbox order (then by consumer id), only those in `status` when given, at most
@@ -283,6 +293,34 @@ pub trait ProducerStore {
     fn prune_delivered(&mut self, retention_ms: i64, batch_rows: usize, now_ms: i64) -> Result<OutboxPruneReport>;
     /// Everything, read in one read transaction, each table capped at `rows_max` rows.
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot>;
+}
+
+/// [`ProducerStore::overtaking`] from the open deliveries a store read: `open` holds (consumer
+/// id, position, flow id, seq) of deliveries still open (pending or quarantined), at least every
+/// one of the batch's subscribers below the batch's highest position for that subscriber; those
+/// in `batch` do not count. A delivery of `batch` overtakes when an open one of its subscriber
+/// and flow outside the batch has a lower seq.
+pub fn overtaking_of(
+    batch: &[Delivery],
+    open: impl IntoIterator<Item = (String, i64, String, i64)>,
+) -> Vec<(i64, String)> {
+    let in_batch: std::collections::HashSet<(i64, &str)> =
+        batch.iter().map(|d| (d.position, d.consumer_id.as_str())).collect();
+    let mut lowest: std::collections::HashMap<(String, String), i64> = std::collections::HashMap::new();
+    for (consumer_id, position, flow_id, seq) in open {
+        if in_batch.contains(&(position, consumer_id.as_str())) {
+            continue;
+        }
+        let entry = lowest.entry((consumer_id, flow_id)).or_insert(seq);
+        *entry = (*entry).min(seq);
+    }
+    batch
+        .iter()
+        .filter(|d| {
+            lowest.get(&(d.consumer_id.clone(), d.envelope.flow_id.clone())).is_some_and(|&seq| seq < d.envelope.seq)
+        })
+        .map(|d| (d.position, d.consumer_id.clone()))
+        .collect()
 }
 
 /// Outcome of receiving one event into one consumer's inbox (docs/protocol.md, "`receive`"). A

@@ -18,8 +18,8 @@ pub mod relay;
 pub mod workflow;
 
 pub use relay::{
-    answers_of, group_by_endpoint, judge, plan, relay_once, relay_until_idle, round_robin, EndpointAnswer, RelayAnswer,
-    RelayOptions, RelayReport,
+    answers_of, group_by_endpoint, in_flow_order, judge, plan, relay_once, relay_until_idle, round_robin,
+    EndpointAnswer, RelayAnswer, RelayOptions, RelayReport,
 };
 
 /// Milliseconds since the Unix epoch, from the system clock (`tidemark_core::clock::now_ms`).

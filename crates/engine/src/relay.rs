@@ -6,7 +6,7 @@
 //! unreachable consumer, is retried with exponential backoff and jitter and, after
 //! `max_attempts`, quarantined for an operator. Never acked.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use serde::Serialize;
 use tidemark_core::crash;
@@ -159,6 +159,31 @@ pub fn plan<P: ProducerStore>(producer: &mut P, options: &RelayOptions, now_ms: 
     let candidates =
         producer.due_deliveries(now_ms, window, options.event_id.as_deref(), options.consumers.as_deref())?;
     Ok(round_robin(candidates, options.limit))
+}
+
+/// `batch` in outbox order (a plan orders its candidates by due time, so a retry of an earlier
+/// event can come after a later event of its flow), without the deliveries that would overtake
+/// an earlier event of their flow (`overtaking`, from [`ProducerStore::overtaking`]) and without
+/// every later delivery of the same flow to the same subscriber after one held back: what a lane
+/// to a broker hands over, so that each flow reaches it in seq order (docs/protocol.md, "Order
+/// in a broker").
+pub fn in_flow_order(mut batch: Vec<Delivery>, overtaking: &[(i64, String)]) -> Vec<Delivery> {
+    batch.sort_by(|a, b| (a.position, &a.consumer_id).cmp(&(b.position, &b.consumer_id)));
+    if overtaking.is_empty() {
+        return batch;
+    }
+    let overtaking: HashSet<(i64, &str)> = overtaking.iter().map(|(p, c)| (*p, c.as_str())).collect();
+    let mut held: HashSet<(String, String, String)> = HashSet::new();
+    let mut kept = Vec::with_capacity(batch.len());
+    for delivery in batch {
+        let key = (delivery.consumer_id.clone(), delivery.envelope.source.clone(), delivery.envelope.flow_id.clone());
+        if held.contains(&key) || overtaking.contains(&(delivery.position, delivery.consumer_id.as_str())) {
+            held.insert(key);
+        } else {
+            kept.push(delivery);
+        }
+    }
+    kept
 }
 
 /// The indexes of `batch`'s deliveries by endpoint, each list in delivery order: one hand-over
@@ -342,6 +367,22 @@ mod tests {
             endpoint: "e".into(),
             attempts: 0,
         }
+    }
+
+    #[test]
+    fn a_held_back_delivery_holds_back_the_rest_of_its_flow_and_only_that() {
+        // Outbox positions 10 (a-2), 11 (b-1), 12 (a-3), 13 (b-2), 14 (c-4); a retry of a-2 planned
+        // after a-3 (by due time).
+        let at = |position: i64, flow: &str, seq: i64| Delivery { position, ..delivery(flow, seq) };
+        let batch = vec![at(12, "a", 3), at(11, "b", 1), at(10, "a", 2), at(13, "b", 2), at(14, "c", 4)];
+        let ids = |kept: Vec<Delivery>| kept.into_iter().map(|d| d.envelope.event_id).collect::<Vec<_>>();
+        assert_eq!(ids(in_flow_order(batch.clone(), &[])), ["a-2", "b-1", "a-3", "b-2", "c-4"]);
+        // a-1 is open and not in the batch: a-2 would overtake it, and a-3 with it.
+        let kept = in_flow_order(batch.clone(), &[(10, "c".to_string())]);
+        assert_eq!(ids(kept), ["b-1", "b-2", "c-4"]);
+        // Another subscriber's delivery at the same position holds nothing back here.
+        assert_eq!(in_flow_order(batch.clone(), &[(10, "other".to_string())]).len(), 5);
+        assert_eq!(in_flow_order(batch, &[]).len(), 5);
     }
 
     #[test]

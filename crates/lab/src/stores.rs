@@ -263,6 +263,10 @@ impl tidemark_core::store::ProducerStore for Producer {
         each!(self, Producer, |p| p.due_deliveries(now_ms, limit, event_id, consumers))
     }
 
+    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+        each!(self, Producer, |p| p.overtaking(batch))
+    }
+
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         each!(self, Producer, |p| p.record_deliveries(results, now_ms))
     }

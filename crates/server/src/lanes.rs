@@ -7,8 +7,11 @@
 //! its window), hand them to the endpoint's transport with `relay.attempt_timeout_ms` (the
 //! thread is free meanwhile), and record the verdicts on the outbox's thread (`judge`, then
 //! `record_deliveries`: the same backoff, jitter and quarantine as the file relay). One batch is
-//! in flight per lane at a time, which keeps each flow's events in order. A timeout or an error
-//! fails the batch's deliveries (retried; the remote answers `duplicate` for what it stored).
+//! in flight per lane at a time; a lane to a broker also sorts its batch by outbox position and
+//! holds back a flow whose earlier event is still open (`in_flow_order`), so each flow reaches
+//! the broker in seq order, failures included (docs/protocol.md, "Order in a broker"). A
+//! timeout or an error fails the batch's deliveries (retried; the remote answers `duplicate` for
+//! what it stored).
 //! File endpoints are delivered by the delivery loop on the outbox's thread, as before.
 //!
 //! The delivery loop starts a lane when it sees a network subscription without one; a lane ends
@@ -24,7 +27,7 @@ use tidemark_core::crash;
 use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
 use tidemark_core::store::{Delivery, ProducerStore, Subscription};
 use tidemark_core::{Envelope, Result};
-use tidemark_engine::{answers_of, judge, plan, EndpointAnswer, RelayOptions, RelayReport};
+use tidemark_engine::{answers_of, in_flow_order, judge, plan, EndpointAnswer, RelayOptions, RelayReport};
 use tidemark_transport::Transport;
 use utoipa::ToSchema;
 
@@ -121,12 +124,16 @@ fn update<B: Backend>(tenant: &Tenant<B>, outbox: usize, endpoint: &str, f: impl
     }
 }
 
-/// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left.
+/// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left. With
+/// `flow_order` (a broker, which keeps arrival order), without the deliveries that would overtake
+/// an earlier event of their flow still open (backing off after a failed attempt, or
+/// quarantined): each flow reaches the broker in seq order.
 async fn next_batch<B: Backend>(
     tenant: &Tenant<B>,
     outbox: usize,
     endpoint: &str,
     options: &RelayOptions,
+    flow_order: bool,
 ) -> Result<Option<Vec<Delivery>>> {
     let (endpoint, mut options) = (endpoint.to_string(), options.clone());
     tenant.outboxes()[outbox]
@@ -142,7 +149,12 @@ async fn next_batch<B: Backend>(
                 return Ok(None);
             }
             options.consumers = Some(consumers);
-            plan(&mut p.store, &options, (p.clock)()).map(Some)
+            let batch = plan(&mut p.store, &options, (p.clock)())?;
+            if !flow_order || batch.is_empty() {
+                return Ok(Some(batch));
+            }
+            let overtaking = p.store.overtaking(&batch)?;
+            Ok(Some(in_flow_order(batch, &overtaking)))
         })
         .await
 }
@@ -180,13 +192,16 @@ async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize
     };
     let timeout = Duration::from_millis(state.config.relay.attempt_timeout_ms);
     let masked = mask(&endpoint);
-    let kind = Endpoint::parse(&endpoint).map(|e| e.kind().as_str()).unwrap_or("unknown");
+    let parsed = Endpoint::parse(&endpoint).map(|e| e.kind());
+    let kind = parsed.as_ref().map(|k| k.as_str()).unwrap_or("unknown");
+    // A broker keeps arrival order (a stream, a queue, a partition): each flow goes in seq order.
+    let flow_order = parsed.is_ok_and(|k| k.is_broker());
     let mut transport: Option<Arc<dyn Transport>> = None;
     let mut total = RelayReport::default();
     let mut errors = 0_u64;
     tracing::debug!(tenant = %tenant.id, endpoint = %masked, "relay lane started");
     while !state.is_shutting_down() {
-        let batch = match next_batch(&tenant, outbox, &endpoint, &options).await {
+        let batch = match next_batch(&tenant, outbox, &endpoint, &options, flow_order).await {
             Ok(Some(batch)) => batch,
             Ok(None) => break,
             Err(error) => {

@@ -919,6 +919,51 @@ impl ProducerStore for PgProducer {
         Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
     }
 
+    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Per subscriber of the batch: the open deliveries above its cursor up to the batch's
+        // highest position (one range of the outbox), and the open exception rows at or below
+        // its cursor, in one read-only statement.
+        let mut highest: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+        for delivery in batch {
+            let entry = highest.entry(delivery.consumer_id.as_str()).or_insert(delivery.position);
+            *entry = (*entry).max(delivery.position);
+        }
+        let consumers: Vec<&str> = highest.keys().copied().collect();
+        let positions: Vec<i64> = highest.values().copied().collect();
+        let rows = self
+            .client
+            .get_mut()
+            .query(
+                &sql(
+                    &self.schema,
+                    "SELECT b.consumer_id, o.position, o.flow_id, o.seq
+                       FROM unnest($1::text[], $2::bigint[]) AS b(consumer_id, highest)
+                       JOIN {s}.subscriptions s ON s.consumer_id = b.consumer_id
+                       JOIN {s}.outbox o ON o.position > greatest(s.delivered_position, s.from_position - 1)
+                                        AND o.position < b.highest
+                       LEFT JOIN {s}.deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
+                      WHERE d.status IS NULL OR d.status IN ('pending', 'quarantined')
+                     UNION ALL
+                     SELECT b.consumer_id, d.position, o.flow_id, o.seq
+                       FROM unnest($1::text[]) AS b(consumer_id)
+                       JOIN {s}.subscriptions s ON s.consumer_id = b.consumer_id
+                       JOIN {s}.deliveries d ON d.consumer_id = s.consumer_id AND d.position <= s.delivered_position
+                                            AND d.status IN ('pending', 'quarantined')
+                       JOIN {s}.outbox o ON o.position = d.position",
+                ),
+                &[&consumers, &positions],
+            )
+            .db()?;
+        let open = rows
+            .iter()
+            .map(|r| Ok((col(r, 0)?, col(r, 1)?, col(r, 2)?, col(r, 3)?)))
+            .collect::<Result<Vec<(String, i64, String, i64)>>>()?;
+        Ok(tidemark_core::store::overtaking_of(batch, open))
+    }
+
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let schema = self.schema.clone();
         let statements = self.statements.get_mut();

@@ -801,6 +801,52 @@ impl ProducerStore for SqliteProducer {
         Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
     }
 
+    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+        // Per subscriber of the batch: the open deliveries above its cursor up to the batch's
+        // highest position (the backlog a plan reads from, one range of the outbox), and the
+        // open exception rows at or below its cursor (retries the cursor has passed).
+        let mut highest: std::collections::BTreeMap<&str, i64> = std::collections::BTreeMap::new();
+        for delivery in batch {
+            let entry = highest.entry(delivery.consumer_id.as_str()).or_insert(delivery.position);
+            *entry = (*entry).max(delivery.position);
+        }
+        let read = self.conn.unchecked_transaction().db()?;
+        let mut open = Vec::new();
+        {
+            let mut above = read
+                .prepare_cached(
+                    "SELECT o.position, o.flow_id, o.seq FROM subscriptions s
+                     JOIN outbox o ON o.position > max(s.delivered_position, s.from_position - 1) AND o.position < ?2
+                     LEFT JOIN deliveries d ON d.position = o.position AND d.consumer_id = s.consumer_id
+                     WHERE s.consumer_id = ?1 AND (d.status IS NULL OR d.status = 'pending' OR d.status = 'quarantined')",
+                )
+                .db()?;
+            let mut below = read
+                .prepare_cached(
+                    "SELECT d.position, o.flow_id, o.seq FROM subscriptions s
+                     JOIN deliveries d ON d.consumer_id = s.consumer_id AND d.position <= s.delivered_position
+                     JOIN outbox o ON o.position = d.position
+                     WHERE s.consumer_id = ?1 AND (d.status = 'pending' OR d.status = 'quarantined')",
+                )
+                .db()?;
+            let row = |r: &rusqlite::Row<'_>| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?));
+            for (consumer_id, max_position) in &highest {
+                let rows = above.query_map(params![consumer_id, max_position], row).db()?;
+                for r in rows {
+                    let (position, flow_id, seq) = r.db()?;
+                    open.push((consumer_id.to_string(), position, flow_id, seq));
+                }
+                let rows = below.query_map(params![consumer_id], row).db()?;
+                for r in rows {
+                    let (position, flow_id, seq) = r.db()?;
+                    open.push((consumer_id.to_string(), position, flow_id, seq));
+                }
+            }
+        }
+        read.finish().db()?;
+        Ok(tidemark_core::store::overtaking_of(batch, open))
+    }
+
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         {

@@ -14,6 +14,7 @@ mod cli_contract;
 mod concurrency;
 mod crash;
 mod experiment;
+mod flow_order;
 mod io_faults;
 mod model_check;
 mod outbox_transaction;

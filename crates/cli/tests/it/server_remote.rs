@@ -1520,10 +1520,10 @@ fn stored_positions(port: u16, stream: &str) -> Vec<(String, i64)> {
 /// A partition between a relay and its broker: the network to NATS JetStream cut, black-holed,
 /// flapping, and losing the broker's answers (a PubAck lost after the stream stored the message)
 /// through an in-test TCP proxy, while events are produced. Every event is stored in the stream
-/// exactly once (a lost PubAck's retry is answered duplicate inside the duplicate window), and
-/// the relay catches up by itself, nothing quarantined.
+/// exactly once (a lost PubAck's retry is answered duplicate inside the duplicate window) and
+/// each flow's in seq order, and the relay catches up by itself, nothing quarantined.
 #[test]
-fn events_reach_nats_exactly_once_across_a_cut_flapping_network_that_loses_pub_acks() {
+fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_pub_acks() {
     served_on_both_backends(|| {
         if !Path::new(NATS_BIN).exists() {
             println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
@@ -1609,23 +1609,20 @@ fn events_reach_nats_exactly_once_across_a_cut_flapping_network_that_loses_pub_a
         for (flow, seq) in positions {
             flows.entry(flow).or_default().push(seq);
         }
-        // Every seq of every flow, once. Not in seq order: a failed batch's deliveries back off
-        // each by its own attempts and jitter, so after a partition a flow's events can reach the
-        // broker out of order (docs/protocol.md, "Order in a broker"); the consuming inbox puts
-        // them back in order.
+        // Every seq of every flow, once, in seq order: the lane holds a flow's later events back
+        // while an earlier one backs off after a failed attempt (docs/protocol.md, "Order in a
+        // broker"; without it this stream held parcel-0 as 4, 5, 1, 6, 3, 2).
         for (flow, seqs) in &flows {
             let expected = if flow == "parcel-extra" { extra } else { 6 };
-            let mut sorted = seqs.clone();
-            sorted.sort_unstable();
-            assert_eq!(sorted, (1..=expected as i64).collect::<Vec<_>>(), "{flow} in the stream: {seqs:?}");
+            assert_eq!(seqs, &(1..=expected as i64).collect::<Vec<_>>(), "{flow} in the stream, in stream order");
         }
     });
 }
 
 /// A partition between a serving relay and RabbitMQ (the same in-test proxy: publisher
 /// confirms lost after the queue took the message, cuts, black holes), while events are
-/// produced: no event is lost (every flow's every seq reaches the quorum queue) and nothing is
-/// quarantined. RabbitMQ has no per-message dedup, so a batch whose confirms were lost is
+/// produced: no event is lost (every flow's every seq reaches the quorum queue, first in seq
+/// order) and nothing is quarantined. RabbitMQ has no per-message dedup, so a batch whose confirms were lost is
 /// published again and the queue may hold an event twice (docs/protocol.md, "RabbitMQ"): the
 /// copies are the same event (same id, same content), which a consuming inbox takes once.
 #[test]
@@ -1719,10 +1716,19 @@ fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_c
 
         let messages = drain_queue(&queue);
         let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
+        let mut first_seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
         for (id, _, envelope) in &messages {
-            if let Some(first) = by_id.insert(id.clone(), envelope.clone()) {
-                assert_eq!(&first, envelope, "a second copy of {id} is the same event");
+            match by_id.insert(id.clone(), envelope.clone()) {
+                Some(first) => assert_eq!(&first, envelope, "a second copy of {id} is the same event"),
+                None => first_seen
+                    .entry(envelope["flow_id"].as_str().unwrap().to_string())
+                    .or_default()
+                    .push(envelope["seq"].as_i64().unwrap()),
             }
+        }
+        // Each flow's events first reached the queue in seq order (a copy comes after its first).
+        for (flow, seqs) in &first_seen {
+            assert!(seqs.windows(2).all(|w| w[0] < w[1]), "{flow} first reached the queue as {seqs:?}");
         }
         let mut flows: BTreeMap<String, BTreeSet<i64>> = BTreeMap::new();
         for envelope in by_id.values() {
