@@ -1423,6 +1423,67 @@ fn pipe(
     close(&from, &to);
 }
 
+/// Produce `rounds` stream events on each of `FLOWS` flows of `orders` while `proxy` flaps
+/// `flaps` times through losing the answers, passing, cutting, passing, black-holing and passing
+/// (`dwell` each); then append to `parcel-extra` with the answers lost until one was (or the test
+/// proved nothing), heal, and wait for the writer. The number of `parcel-extra` events.
+fn produce_through_a_flapping_network(
+    orders: &Server,
+    token: &str,
+    proxy: &Proxy,
+    rounds: usize,
+    flaps: usize,
+    dwell: Duration,
+) -> usize {
+    let writer = {
+        let (base, token) = (orders.base.clone(), token.to_string());
+        std::thread::spawn(move || {
+            let client = reqwest::blocking::Client::new();
+            for round in 0..rounds {
+                for f in 0..FLOWS {
+                    let response = client
+                        .post(format!("{base}/v1/streams/parcel-{f}/events"))
+                        .bearer_auth(&token)
+                        .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
+                        .send()
+                        .expect("orders answers");
+                    assert_eq!(response.status().as_u16(), 200);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        })
+    };
+    for _ in 0..flaps {
+        for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
+            proxy.set(wire);
+            std::thread::sleep(dwell);
+        }
+    }
+    // Answers must have been lost after a commit at least once, or the test proved nothing.
+    let mut extra = 0;
+    let lose_until_one = (0..40).any(|_| {
+        proxy.set(Wire::LoseAnswers);
+        append(orders, token, "parcel-extra", 1);
+        extra += 1;
+        std::thread::sleep(Duration::from_millis(150));
+        proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
+    });
+    assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
+    proxy.set(Wire::Pass);
+    writer.join().unwrap();
+    extra
+}
+
+/// Wait until `orders` has nothing pending, and check that nothing was quarantined.
+fn settled(orders: &Server, token: &str) {
+    orders.wait_for(WAIT, |o| {
+        let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(token), None);
+        page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
+    });
+    let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(token), None);
+    assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+}
+
 /// The network between the relay and the receiving server cut, black-holed, flapping, and losing
 /// the receiver's answers after it committed (an in-test TCP proxy in between), while events are
 /// produced: every event is applied once and in order per flow, the batches whose answers were
@@ -1440,43 +1501,8 @@ fn events_cross_a_cut_flapping_network_that_loses_answers_exactly_once_and_in_or
             subscribe(&orders, &orders_token, "ledger", &format!("{}/v1/consumers/ledger/inbox", proxy.addr));
         assert_eq!(status, 200, "{body}");
 
-        let writer = {
-            let (base, token) = (orders.base.clone(), orders_token.clone());
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::new();
-                for round in 0..8 {
-                    for f in 0..FLOWS {
-                        let response = client
-                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                            .bearer_auth(&token)
-                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                            .send()
-                            .expect("orders answers");
-                        assert_eq!(response.status().as_u16(), 200);
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            })
-        };
-        // Flap through every fault, a fixed number of times, then heal.
-        for _ in 0..4 {
-            for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
-                proxy.set(wire);
-                std::thread::sleep(Duration::from_millis(250));
-            }
-        }
-        // Answers must have been lost after a commit at least once, or the test proved nothing.
-        let mut extra = 0;
-        let lose_until_one = (0..40).any(|_| {
-            proxy.set(Wire::LoseAnswers);
-            append(&orders, &orders_token, "parcel-extra", 1);
-            extra += 1;
-            std::thread::sleep(Duration::from_millis(100));
-            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
-        });
-        assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
-        proxy.set(Wire::Pass);
-        writer.join().unwrap();
+        let extra =
+            produce_through_a_flapping_network(&orders, &orders_token, &proxy, 8, 4, Duration::from_millis(250));
 
         let total = FLOWS * 8 + extra;
         let seen = ship.wait_for(WAIT, |s| {
@@ -1489,12 +1515,7 @@ fn events_cross_a_cut_flapping_network_that_loses_answers_exactly_once_and_in_or
                 seen.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
             assert_eq!(seqs, (1..=8).collect(), "parcel-{f}");
         }
-        orders.wait_for(WAIT, |o| {
-            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(&orders_token), None);
-            page["deliveries"].as_array().is_some_and(|d| d.is_empty()).then_some(())
-        });
-        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&orders_token), None);
-        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+        settled(&orders, &orders_token);
         // The lost answers came back as duplicates: the receiver answered them, and applied nothing twice.
         let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&orders_token), None);
         assert!(lane(&page, "ledger").is_some(), "{page}");
@@ -1555,50 +1576,8 @@ fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_
         let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://{through}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
 
-        let writer = {
-            let (base, token) = (orders.base.clone(), admin.clone());
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::new();
-                for round in 0..6 {
-                    for f in 0..FLOWS {
-                        let response = client
-                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                            .bearer_auth(&token)
-                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                            .send()
-                            .expect("orders answers");
-                        assert_eq!(response.status().as_u16(), 200);
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            })
-        };
-        for _ in 0..3 {
-            for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
-                proxy.set(wire);
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }
-        // The broker's answers must have been lost at least once, or the test proved nothing.
-        let mut extra = 0;
-        let lose_until_one = (0..40).any(|_| {
-            proxy.set(Wire::LoseAnswers);
-            append(&orders, &admin, "parcel-extra", 1);
-            extra += 1;
-            std::thread::sleep(Duration::from_millis(150));
-            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
-        });
-        assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
-        proxy.set(Wire::Pass);
-        writer.join().unwrap();
-
-        let pending = |o: &Server| {
-            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
-            page["deliveries"].as_array().map(Vec::len).unwrap()
-        };
-        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
-        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&admin), None);
-        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+        let extra = produce_through_a_flapping_network(&orders, &admin, &proxy, 6, 3, Duration::from_millis(300));
+        settled(&orders, &admin);
 
         let total = FLOWS * 6 + extra;
         let ids = stored_ids(port, "ORDERS");
@@ -1670,49 +1649,8 @@ fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_c
         let (status, body) = subscribe(&orders, &admin, "bus", &format!("amqp://{through}/{exchange}"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
 
-        let writer = {
-            let (base, token) = (orders.base.clone(), admin.clone());
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::new();
-                for round in 0..6 {
-                    for f in 0..FLOWS {
-                        let response = client
-                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                            .bearer_auth(&token)
-                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                            .send()
-                            .expect("orders answers");
-                        assert_eq!(response.status().as_u16(), 200);
-                    }
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            })
-        };
-        for _ in 0..3 {
-            for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
-                proxy.set(wire);
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }
-        let mut extra = 0;
-        let lose_until_one = (0..40).any(|_| {
-            proxy.set(Wire::LoseAnswers);
-            append(&orders, &admin, "parcel-extra", 1);
-            extra += 1;
-            std::thread::sleep(Duration::from_millis(150));
-            proxy.lost_answers.load(std::sync::atomic::Ordering::SeqCst) > 0
-        });
-        assert!(lose_until_one, "no answer was ever lost: the proxy did not stand between the two");
-        proxy.set(Wire::Pass);
-        writer.join().unwrap();
-
-        let pending = |o: &Server| {
-            let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=1000", Some(&admin), None);
-            page["deliveries"].as_array().map(Vec::len).unwrap()
-        };
-        orders.wait_for(WAIT, |o| (pending(o) == 0).then_some(()));
-        let (_, quarantined) = orders.call("GET", "/v1/outbox?status=quarantined&limit=10", Some(&admin), None);
-        assert_eq!(quarantined["deliveries"].as_array().map(Vec::len), Some(0), "{quarantined}");
+        let extra = produce_through_a_flapping_network(&orders, &admin, &proxy, 6, 3, Duration::from_millis(300));
+        settled(&orders, &admin);
 
         let messages = drain_queue(&queue);
         let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
