@@ -392,6 +392,27 @@ impl Drop for Nats {
     }
 }
 
+/// A NATS server of the test's own in `dir` with the stream `ORDERS` (subjects `orders.>`), and
+/// its port; `None`, after saying why, without the `nats-server` binary.
+fn nats_with_orders_stream(dir: &Path) -> Option<(Nats, u16)> {
+    if !Path::new(NATS_BIN).exists() {
+        println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
+        return None;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let nats = Nats::start(&dir.join("nats"), port);
+    with_jetstream(port, async |js| {
+        js.create_stream(async_nats::jetstream::stream::Config {
+            name: "ORDERS".into(),
+            subjects: vec!["orders.>".into()],
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream")
+    });
+    Some((nats, port))
+}
+
 /// Run `f` with a JetStream context on the test's NATS server.
 fn with_jetstream<T>(port: u16, f: impl AsyncFnOnce(async_nats::jetstream::Context) -> T) -> T {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -419,22 +440,8 @@ fn stored_ids(port: u16, stream: &str) -> Vec<String> {
 #[test]
 fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_relay() {
     served_on_both_backends(|| {
-        if !Path::new(NATS_BIN).exists() {
-            println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
-            return;
-        }
         let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut nats = Nats::start(&dir.path().join("nats"), port);
-        with_jetstream(port, async |js| {
-            js.create_stream(async_nats::jetstream::stream::Config {
-                name: "ORDERS".into(),
-                subjects: vec!["orders.>".into()],
-                ..Default::default()
-            })
-            .await
-            .expect("create the stream")
-        });
+        let Some((mut nats, port)) = nats_with_orders_stream(dir.path()) else { return };
         let orders_dir = dir.path().join("orders");
         let admin = token(&orders_dir, "orders", "admin");
         let config = orders_dir.join("orders.toml");
@@ -509,22 +516,8 @@ fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_rel
 #[test]
 fn two_services_exchange_events_through_nats_and_the_consumer_survives_a_sigkill_and_a_poison_message() {
     served_on_both_backends(|| {
-        if !Path::new(NATS_BIN).exists() {
-            println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
-            return;
-        }
         let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let _nats = Nats::start(&dir.path().join("nats"), port);
-        with_jetstream(port, async |js| {
-            js.create_stream(async_nats::jetstream::stream::Config {
-                name: "ORDERS".into(),
-                subjects: vec!["orders.>".into()],
-                ..Default::default()
-            })
-            .await
-            .expect("create the stream")
-        });
+        let Some((_nats, port)) = nats_with_orders_stream(dir.path()) else { return };
         // shipping consumes the stream into its `ledger` consumer's inbox.
         let ship_dir = dir.path().join("shipping");
         let ship_admin = token(&ship_dir, "shipping", "admin");
@@ -790,6 +783,29 @@ impl Drop for AmqpNames {
     }
 }
 
+/// Declare the topic `exchanges` (durable) and the quorum queue `queue` bound to `bound_to` with
+/// `#`; `Err` when the broker does not answer.
+fn declare_quorum_queue(exchanges: &[String], queue: &str, bound_to: &str) -> Result<(), String> {
+    let (exchanges, queue, bound_to) = (exchanges.to_vec(), queue.to_string(), bound_to.to_string());
+    with_amqp(async move |channel| {
+        use lapin::types::{AMQPValue, FieldTable, LongString};
+        let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
+        for name in &exchanges {
+            let kind = lapin::ExchangeKind::Topic;
+            channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
+        }
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
+        let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
+        channel.queue_declare(queue.as_str().into(), options, arguments).await.unwrap();
+        let bind = lapin::options::QueueBindOptions::default();
+        channel
+            .queue_bind(queue.as_str().into(), bound_to.as_str().into(), "#".into(), bind, FieldTable::default())
+            .await
+            .unwrap();
+    })
+}
+
 /// Each message of `queue` (taken off it), in queue order: (message id, routing key, envelope).
 fn drain_queue(queue: &str) -> Vec<(String, String, Value)> {
     let queue = queue.to_string();
@@ -815,24 +831,7 @@ fn events_reach_a_rabbitmq_quorum_queue_once_in_order_and_an_unroutable_exchange
         let (exchange, lonely, queue) =
             (format!("tmkit.orders.{tag}"), format!("tmkit.lonely.{tag}"), format!("tmkit.q.{tag}"));
         let names = AmqpNames { exchanges: vec![exchange.clone(), lonely.clone()], queues: vec![queue.clone()] };
-        let (x, l, q) = (exchange.clone(), lonely.clone(), queue.clone());
-        let declared = with_amqp(async move |channel| {
-            use lapin::types::{AMQPValue, FieldTable, LongString};
-            let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
-            for name in [&x, &l] {
-                let kind = lapin::ExchangeKind::Topic;
-                channel.exchange_declare(name.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
-            }
-            let mut arguments = FieldTable::default();
-            arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
-            let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-            channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
-            let bind = lapin::options::QueueBindOptions::default();
-            channel
-                .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
-                .await
-                .unwrap();
-        });
+        let declared = declare_quorum_queue(&[exchange.clone(), lonely.clone()], &queue, &exchange);
         if let Err(e) = declared {
             println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
             std::mem::forget(names);
@@ -1546,22 +1545,8 @@ fn stored_positions(port: u16, stream: &str) -> Vec<(String, i64)> {
 #[test]
 fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_pub_acks() {
     served_on_both_backends(|| {
-        if !Path::new(NATS_BIN).exists() {
-            println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
-            return;
-        }
         let dir = tempfile::tempdir().unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let _nats = Nats::start(&dir.path().join("nats"), port);
-        with_jetstream(port, async |js| {
-            js.create_stream(async_nats::jetstream::stream::Config {
-                name: "ORDERS".into(),
-                subjects: vec!["orders.>".into()],
-                ..Default::default()
-            })
-            .await
-            .expect("create the stream")
-        });
+        let Some((_nats, port)) = nats_with_orders_stream(dir.path()) else { return };
         let proxy = Proxy::start(&format!("127.0.0.1:{port}"));
         let through = proxy.addr.trim_start_matches("http://").to_string();
         let orders_dir = dir.path().join("orders");
@@ -1611,24 +1596,7 @@ fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_c
         let tag = format!("{}p{nanos}", std::process::id());
         let (exchange, queue) = (format!("tmkit.cut.{tag}"), format!("tmkit.cutq.{tag}"));
         let names = AmqpNames { exchanges: vec![exchange.clone()], queues: vec![queue.clone()] };
-        let (x, q) = (exchange.clone(), queue.clone());
-        let declared = with_amqp(async move |channel| {
-            use lapin::types::{AMQPValue, FieldTable, LongString};
-            let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
-            channel
-                .exchange_declare(x.as_str().into(), lapin::ExchangeKind::Topic, durable, FieldTable::default())
-                .await
-                .unwrap();
-            let mut arguments = FieldTable::default();
-            arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
-            let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-            channel.queue_declare(q.as_str().into(), options, arguments).await.unwrap();
-            let bind = lapin::options::QueueBindOptions::default();
-            channel
-                .queue_bind(q.as_str().into(), x.as_str().into(), "#".into(), bind, FieldTable::default())
-                .await
-                .unwrap();
-        });
+        let declared = declare_quorum_queue(std::slice::from_ref(&exchange), &queue, &exchange);
         if let Err(e) = declared {
             println!("skipped: RabbitMQ not reachable at {}: {e}", amqp_server());
             std::mem::forget(names);
