@@ -392,6 +392,18 @@ impl Drop for Nats {
     }
 }
 
+/// The service `orders` in `dir` (an admin token of its own) whose relay gives each attempt
+/// `attempt_timeout_ms`, backs off 50-500 ms and never quarantines in a test's time.
+fn orders_relaying(dir: &Path, attempt_timeout_ms: u64) -> (Server, String) {
+    let admin = token(dir, "orders", "admin");
+    let config = dir.join("orders.toml");
+    let relay = format!(
+        "[relay]\nattempt_timeout_ms = {attempt_timeout_ms}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n"
+    );
+    std::fs::write(&config, relay).unwrap();
+    (Server::start(dir, &["--config", config.to_str().unwrap()], &[]), admin)
+}
+
 /// A NATS server of the test's own in `dir` with the stream `ORDERS` (subjects `orders.>`), and
 /// its port; `None`, after saying why, without the `nats-server` binary.
 fn nats_with_orders_stream(dir: &Path) -> Option<(Nats, u16)> {
@@ -442,15 +454,7 @@ fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_rel
     served_on_both_backends(|| {
         let dir = tempfile::tempdir().unwrap();
         let Some((mut nats, port)) = nats_with_orders_stream(dir.path()) else { return };
-        let orders_dir = dir.path().join("orders");
-        let admin = token(&orders_dir, "orders", "admin");
-        let config = orders_dir.join("orders.toml");
-        std::fs::write(
-            &config,
-            "[relay]\nattempt_timeout_ms = 2000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-        )
-        .unwrap();
-        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 2000);
         let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
         let pending = |o: &Server| {
@@ -839,17 +843,9 @@ fn events_reach_a_rabbitmq_quorum_queue_once_in_order_and_an_unroutable_exchange
         }
 
         let dir = tempfile::tempdir().unwrap();
-        let orders_dir = dir.path().join("orders");
-        let admin = token(&orders_dir, "orders", "admin");
-        let config = orders_dir.join("orders.toml");
         // A long attempt timeout: RabbitMQ has no dedup, so a timed-out batch would be published twice
         // (which the inbox on the consuming side absorbs, but this test counts what the queue holds).
-        std::fs::write(
-            &config,
-            "[relay]\nattempt_timeout_ms = 60000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-        )
-        .unwrap();
-        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 60000);
         let server = amqp_server();
         for (consumer, name) in [("bus", &exchange), ("lonely", &lonely)] {
             let (status, body) = subscribe(&orders, &admin, consumer, &format!("amqp://{server}/{name}"));
@@ -1549,15 +1545,7 @@ fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_
         let Some((_nats, port)) = nats_with_orders_stream(dir.path()) else { return };
         let proxy = Proxy::start(&format!("127.0.0.1:{port}"));
         let through = proxy.addr.trim_start_matches("http://").to_string();
-        let orders_dir = dir.path().join("orders");
-        let admin = token(&orders_dir, "orders", "admin");
-        let config = orders_dir.join("orders.toml");
-        std::fs::write(
-            &config,
-            "[relay]\nattempt_timeout_ms = 1000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-        )
-        .unwrap();
-        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000);
         let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://{through}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
 
@@ -1605,15 +1593,7 @@ fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_c
         let proxy = Proxy::start(&amqp_server());
         let through = proxy.addr.trim_start_matches("http://").to_string();
         let dir = tempfile::tempdir().unwrap();
-        let orders_dir = dir.path().join("orders");
-        let admin = token(&orders_dir, "orders", "admin");
-        let config = orders_dir.join("orders.toml");
-        std::fs::write(
-            &config,
-            "[relay]\nattempt_timeout_ms = 1000\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n",
-        )
-        .unwrap();
-        let orders = Server::start(&orders_dir, &["--config", config.to_str().unwrap()], &[]);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000);
         let (status, body) = subscribe(&orders, &admin, "bus", &format!("amqp://{through}/{exchange}"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
 
