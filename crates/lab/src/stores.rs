@@ -32,6 +32,12 @@ use tidemark_store_sqlite::Durability;
 
 use crate::Context;
 
+/// The `--store` URL of `schema` on the server `conn` (a `PostgresLocation::conn`) names, with
+/// its password (what a child process connects with).
+pub fn schema_url(conn: &str, schema: &str) -> String {
+    format!("{conn}{}schema={schema}", if conn.contains('?') { '&' } else { '?' })
+}
+
 /// Parse a `--store` (or a `--producer` / `--consumer-db`): a SQLite path or a `postgres://`
 /// URL. `--durability` other than `full` on a PostgreSQL store is `invalid_argument` (the server
 /// has its own durability settings).

@@ -252,6 +252,9 @@ pub const POSTGRES_PREFIX_BYTES_MAX: usize = 24;
 pub struct Postgres {
     conn: String,
     prefix: String,
+    /// Each tenant's connection string, once its role owns its schemas (made once per process:
+    /// a tenant's stores open it several times).
+    tenant_conns: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, String>>>,
 }
 
 impl Postgres {
@@ -271,7 +274,7 @@ impl Postgres {
                 ),
             ));
         }
-        Ok(Postgres { conn: location.conn.clone(), prefix: prefix.clone() })
+        Ok(Postgres { conn: location.conn.clone(), prefix: prefix.clone(), tenant_conns: Default::default() })
     }
 
     /// The schema of tenant `tenant_id`'s `database`:
@@ -301,12 +304,19 @@ impl Postgres {
     }
 
     /// The connection string of `tenant`'s stores: the service's, acting as the tenant's role,
-    /// which is made first (when missing) the owner of the tenant's three schemas.
+    /// which is made first (when missing, once per process) the owner of the tenant's three
+    /// schemas.
     fn tenant_conn(&self, tenant: &TenantInfo) -> Result<String> {
+        let known = self.tenant_conns.lock().unwrap_or_else(|e| e.into_inner()).get(&tenant.id).cloned();
+        if let Some(conn) = known {
+            return Ok(conn);
+        }
         let role = self.role(&tenant.id);
         let schemas = [Database::Producer, Database::Inbox, Database::Workflows].map(|d| self.schema(&tenant.id, d));
         tidemark_store_postgres::ensure_owner_role(&self.conn, &role, &schemas)?;
-        tidemark_store_postgres::conn_as_role(&self.conn, &role)
+        let conn = tidemark_store_postgres::conn_as_role(&self.conn, &role)?;
+        self.tenant_conns.lock().unwrap_or_else(|e| e.into_inner()).insert(tenant.id.clone(), conn.clone());
+        Ok(conn)
     }
 
     /// The backend a service's `store` URL names (`postgres://user@host/db?schema=<prefix>`):
@@ -328,7 +338,7 @@ impl Postgres {
 
     /// A backend that never opens (a builder whose URL was refused carries the error to build).
     pub(crate) fn unusable() -> Postgres {
-        Postgres { conn: String::new(), prefix: String::new() }
+        Postgres { conn: String::new(), prefix: String::new(), tenant_conns: Default::default() }
     }
 
     /// The schema prefix: every schema of the service starts with it and `_`.

@@ -239,9 +239,7 @@ impl PostgresStore {
 
     /// The `--store` URL of one of the tenant's schemas (what a worker process opens).
     fn schema_url(&self, database: tidemark_server::Database) -> String {
-        let conn = self.backend.conn();
-        let separator = if conn.contains('?') { '&' } else { '?' };
-        format!("{conn}{separator}schema={}", self.backend.schema(TENANT, database))
+        crate::stores::schema_url(self.backend.conn(), &self.backend.schema(TENANT, database))
     }
 
     /// A run starts from nothing: no schema under the prefix yet (`already_exists`).

@@ -23,7 +23,7 @@ use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, relay_until_idle, RelayOptions, RelayReport};
 use tidemark_store_sqlite::Durability;
 
-use crate::stores::{Consumer, Endpoints, Producer, ReservationSnapshot};
+use crate::stores::{schema_url, Consumer, Endpoints, Producer, ReservationSnapshot};
 
 /// Rows read per table when capturing a state (scenarios hold a few dozen).
 const STATE_ROWS_MAX: usize = 10_000;
@@ -877,11 +877,6 @@ fn sort_lists(value: &mut Value) {
         Value::Object(map) => map.values_mut().for_each(sort_lists),
         _ => {}
     }
-}
-
-/// The URL of `schema` on the server `conn` names.
-fn schema_url(conn: &str, schema: &str) -> String {
-    format!("{conn}{}schema={schema}", if conn.contains('?') { '&' } else { '?' })
 }
 
 /// Run a PostgreSQL client tool (`pg_dump`, `pg_restore`); its failure is an `io` error with
