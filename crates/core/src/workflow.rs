@@ -1064,6 +1064,66 @@ pub struct RunDetail {
     pub events: Vec<RunEvent>,
 }
 
+impl RunDetail {
+    /// Check a recorded run before a store imports it (`import_run` of either store, for the
+    /// test kit's replay of production journals): its start as a start is checked, journal
+    /// positions 0, 1, 2, ... below [`RUN_STEPS_MAX`], identifiers, outputs and payloads within
+    /// their limits, attempts and events only of positions the journal holds.
+    pub fn validate_import(&self) -> Result<()> {
+        let run = &self.run;
+        StartRequest::new(&run.run_id, &run.workflow, run.version, run.input.clone()).validate()?;
+        let invalid = |message: String| Error::invalid(codes::INVALID_ARGUMENT, message);
+        for (position, entry) in self.journal.iter().enumerate() {
+            if entry.seq as usize != position || entry.seq >= RUN_STEPS_MAX {
+                return Err(invalid(format!(
+                    "the journal of run {:?} must hold positions 0, 1, 2, ... in order (below {RUN_STEPS_MAX}); \
+                     entry {position} is at position {}",
+                    run.run_id, entry.seq
+                )));
+            }
+            validate_id("step name", &entry.name)?;
+            if let Some(output) = &entry.output {
+                validate_json_size("a step output", output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+            }
+        }
+        let positions = self.journal.len();
+        for attempt in &self.attempts {
+            if attempt.seq as usize >= positions || attempt.attempt == 0 {
+                return Err(invalid(format!(
+                    "attempt {} at position {} of run {:?} is not of a journaled step (attempts count from 1)",
+                    attempt.attempt, attempt.seq, run.run_id
+                )));
+            }
+        }
+        for event in &self.events {
+            if !is_store_event_id(&event.event_id) {
+                validate_id("event_id", &event.event_id)?;
+            }
+            if !is_child_event(&event.name) {
+                validate_id("event name", &event.name)?;
+            }
+            if event.consumed_by_seq.is_some_and(|seq| seq as usize >= positions) {
+                return Err(invalid(format!(
+                    "event {:?} of run {:?} is consumed by a position the journal does not hold",
+                    event.event_id, run.run_id
+                )));
+            }
+            validate_json_size("an event payload", &event.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
+        }
+        Ok(())
+    }
+
+    /// The status an imported run starts in: `compensating` when it was compensating (its
+    /// replay goes on compensating), else `pending` (the next claim replays its journal).
+    pub fn import_status(&self) -> RunStatus {
+        if self.run.status == RunStatus::Compensating {
+            RunStatus::Compensating
+        } else {
+            RunStatus::Pending
+        }
+    }
+}
+
 /// A workflow a worker can run, with an optional per-type concurrency limit (across all
 /// workers on the database).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

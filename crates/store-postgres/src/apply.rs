@@ -6,8 +6,8 @@ use std::cell::{RefCell, RefMut};
 use std::collections::HashMap;
 
 use postgres::types::ToSql;
-use postgres::{Client, Row, Statement, ToStatement};
-use tidemark_core::Result;
+use postgres::{Client, Row, Statement, ToStatement, Transaction};
+use tidemark_core::{Error, Result};
 
 use crate::PgResult;
 
@@ -32,7 +32,18 @@ pub struct ApplyTransaction {
     schema: String,
     /// The user's statements prepared by [`ApplyTransaction::prepare_cached`].
     prepared: RefCell<HashMap<String, Statement>>,
+    /// Asked before each of the store's write transactions commits (see [`CommitHook`]).
+    commit_hook: RefCell<Option<CommitHook>>,
 }
+
+/// Asked just before each write transaction of a store commits, as SQLite's commit hook is:
+/// `true` turns the commit into a rollback and the store's call fails with a `store` error.
+/// What a process killed at that commit leaves behind, without killing it: the test kit
+/// (`tidemark::testing`) crashes a workflow at each journal boundary in turn with it.
+pub type CommitHook = Box<dyn FnMut() -> bool + Send>;
+
+/// The message of a commit a [`CommitHook`] refused.
+pub const COMMIT_REFUSED: &str = "postgres: the commit hook turned the commit into a rollback";
 
 /// The most statements [`ApplyTransaction::prepare_cached`] keeps (past it, the cache starts
 /// over: a program that formats values into its SQL text cannot grow it without bound).
@@ -40,7 +51,33 @@ pub const PREPARED_STATEMENTS_MAX: usize = 256;
 
 impl ApplyTransaction {
     pub(crate) fn new(client: Client, schema: &str) -> Self {
-        ApplyTransaction { client: RefCell::new(client), schema: schema.to_string(), prepared: Default::default() }
+        ApplyTransaction {
+            client: RefCell::new(client),
+            schema: schema.to_string(),
+            prepared: Default::default(),
+            commit_hook: RefCell::new(None),
+        }
+    }
+
+    pub(crate) fn set_commit_hook(&mut self, hook: Option<CommitHook>) {
+        *self.commit_hook.get_mut() = hook;
+    }
+
+    pub(crate) fn take_commit_hook(&mut self) -> Option<CommitHook> {
+        self.commit_hook.get_mut().take()
+    }
+
+    /// Whether the commit hook refuses the commit about to happen.
+    fn commit_refused(hook: &RefCell<Option<CommitHook>>) -> bool {
+        hook.borrow_mut().as_mut().is_some_and(|hook| hook())
+    }
+
+    /// A write transaction of the store on its connection, and the gate its commit goes
+    /// through ([`CommitGate::commit`] asks the commit hook first).
+    pub(crate) fn write_transaction(&mut self) -> Result<(Transaction<'_>, CommitGate<'_>)> {
+        let ApplyTransaction { client, commit_hook, .. } = self;
+        let tx = client.get_mut().transaction().db()?;
+        Ok((tx, CommitGate(commit_hook)))
     }
 
     /// `statement` prepared once per connection and kept (at most [`PREPARED_STATEMENTS_MAX`]):
@@ -151,9 +188,27 @@ impl<'a> OpenTransaction<'a> {
         Ok(OpenTransaction { apply, open: true })
     }
 
+    /// Commit, unless the commit hook refuses (then dropped: rolled back).
     pub(crate) fn commit(mut self) -> Result<()> {
+        if ApplyTransaction::commit_refused(&self.apply.commit_hook) {
+            return Err(Error::store(COMMIT_REFUSED));
+        }
         self.open = false;
         self.apply.batch_execute("COMMIT").db()
+    }
+}
+
+/// How a store's own write transaction commits: through its [`CommitHook`], if it has one.
+pub(crate) struct CommitGate<'a>(&'a RefCell<Option<CommitHook>>);
+
+impl CommitGate<'_> {
+    /// Commit `tx`, unless the commit hook refuses (then rolled back, as a dropped
+    /// `postgres::Transaction` is).
+    pub(crate) fn commit(self, tx: Transaction<'_>) -> Result<()> {
+        if ApplyTransaction::commit_refused(self.0) {
+            return Err(Error::store(COMMIT_REFUSED));
+        }
+        tx.commit().db()
     }
 }
 

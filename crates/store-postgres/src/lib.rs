@@ -37,7 +37,7 @@ pub mod stats;
 mod tls;
 mod workflow;
 
-pub use apply::{ApplyTransaction, PREPARED_STATEMENTS_MAX};
+pub use apply::{ApplyTransaction, CommitHook, COMMIT_REFUSED, PREPARED_STATEMENTS_MAX};
 pub use consumer::{register_projection_table, PgConsumer};
 pub use control::PgControl;
 pub use endpoints::PgEndpoints;

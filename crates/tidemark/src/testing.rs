@@ -70,7 +70,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -86,11 +86,10 @@ use tidemark_core::workflow::{
 use tidemark_core::{Error, Result};
 use tidemark_engine::workflow::{
     tokio, Clock, IntoWorkflow, StepAttempt, StepAttemptEnd, Worker, WorkerObserver, WorkerOptions, WorkerReport,
-    Workflows, Writer, REPLAY_END,
+    Workflow, Workflows, Writer, REPLAY_END,
 };
-use tidemark_store_sqlite::{apply_migrations, Durability, Migration, SqliteWorkflows};
-
-use crate::Workflow;
+use tidemark_store_postgres::PgWorkflows;
+use tidemark_store_sqlite::{Durability, SqliteWorkflows};
 
 /// Where the kit's clock starts, in ms since the Unix epoch (2023-11-14T22:13:20Z). Every run
 /// of the kit starts at this time, so a workflow's times are the same on every execution.
@@ -133,6 +132,217 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The stores the kit runs on.
+// ---------------------------------------------------------------------------------------------
+
+/// A workflow store the kit runs workflows on, each execution on a throwaway store of its own:
+/// [`SqliteWorkflows`] (a file in a temporary folder, copied from one prepared file) and
+/// [`PgWorkflows`] (a schema `tidemark_kit_<pid>_<n>_<execution>` in the database given by
+/// [`CrashTest::database`], prepared anew for each execution and dropped after it; every such
+/// schema left is dropped when the test ends). Implemented for those two; its hidden methods
+/// are the kit's and not meant to be called.
+pub trait KitStore: WorkflowStore + Sized + 'static {
+    /// Your migrations on this store (`tidemark::sqlite::Migration`,
+    /// `tidemark::postgres::Migration`).
+    type Migration: Clone + Send + Sync + 'static;
+    #[doc(hidden)]
+    type Sandbox;
+    #[doc(hidden)]
+    type Location: Clone + Send + 'static;
+    #[doc(hidden)]
+    fn kit_sandbox(database: Option<&str>) -> Result<Self::Sandbox>;
+    #[doc(hidden)]
+    fn kit_location(sandbox: &Self::Sandbox, name: &str) -> Self::Location;
+    #[doc(hidden)]
+    fn kit_init(sandbox: &mut Self::Sandbox, name: &str) -> Result<Self>;
+    #[doc(hidden)]
+    fn kit_open(location: &Self::Location) -> Result<Self>;
+    /// Copy the closed store `from` to a new store `to`; false when this store cannot (each
+    /// execution's store is then prepared anew).
+    #[doc(hidden)]
+    fn kit_copy(sandbox: &mut Self::Sandbox, from: &str, to: &str) -> Result<bool>;
+    #[doc(hidden)]
+    fn kit_remove(sandbox: &mut Self::Sandbox, name: &str);
+    #[doc(hidden)]
+    fn kit_migrate(&mut self, migrations: &[Self::Migration], now_ms: i64) -> Result<()>;
+    /// The names of the store's tables (its catalogue's, tidemark's and the user's).
+    #[doc(hidden)]
+    fn kit_tables(&mut self) -> Result<BTreeSet<String>>;
+    #[doc(hidden)]
+    fn kit_rows(&mut self, table: &str) -> Result<i64>;
+    /// Ask `hook` before each commit of this store's connection (true: rolled back instead).
+    #[doc(hidden)]
+    fn kit_commit_hook(&mut self, hook: Box<dyn FnMut() -> bool + Send>);
+    #[doc(hidden)]
+    fn kit_import_run(&mut self, detail: &RunDetail, now_ms: i64) -> Result<()>;
+}
+
+impl KitStore for SqliteWorkflows {
+    type Migration = tidemark_store_sqlite::Migration;
+    type Sandbox = tempfile::TempDir;
+    type Location = PathBuf;
+
+    fn kit_sandbox(_database: Option<&str>) -> Result<tempfile::TempDir> {
+        tempfile::Builder::new()
+            .prefix("tidemark-testing-")
+            .tempdir()
+            .map_err(|e| Error::io(format!("cannot create the test kit's temporary folder: {e}")))
+    }
+
+    fn kit_location(dir: &tempfile::TempDir, name: &str) -> PathBuf {
+        dir.path().join(format!("{name}.db"))
+    }
+
+    fn kit_init(dir: &mut tempfile::TempDir, name: &str) -> Result<Self> {
+        SqliteWorkflows::init_with(&Self::kit_location(dir, name), Durability::Normal)
+    }
+
+    fn kit_open(path: &PathBuf) -> Result<Self> {
+        SqliteWorkflows::open_with(path, Durability::Normal)
+    }
+
+    fn kit_copy(dir: &mut tempfile::TempDir, from: &str, to: &str) -> Result<bool> {
+        // Closed: its last connection checkpointed the WAL into the file.
+        let (from, to) = (Self::kit_location(dir, from), Self::kit_location(dir, to));
+        std::fs::copy(&from, to).map_err(|e| Error::io(format!("cannot copy {}: {e}", from.display())))?;
+        Ok(true)
+    }
+
+    fn kit_remove(dir: &mut tempfile::TempDir, name: &str) {
+        for suffix in ["", "-wal", "-shm"] {
+            let mut file = Self::kit_location(dir, name).into_os_string();
+            file.push(suffix);
+            let _ = std::fs::remove_file(PathBuf::from(file));
+        }
+    }
+
+    fn kit_migrate(&mut self, migrations: &[Self::Migration], now_ms: i64) -> Result<()> {
+        tidemark_store_sqlite::apply_migrations(self.connection(), migrations, now_ms).map(drop)
+    }
+
+    fn kit_tables(&mut self) -> Result<BTreeSet<String>> {
+        let conn = self.connection();
+        let mut stmt =
+            conn.prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")?;
+        let names = stmt.query_map([], |row| row.get::<_, String>(0))?;
+        Ok(names.collect::<rusqlite::Result<BTreeSet<String>>>()?)
+    }
+
+    fn kit_rows(&mut self, table: &str) -> Result<i64> {
+        let quoted = table.replace('"', "\"\"");
+        Ok(self.connection().query_row(&format!("SELECT count(*) FROM \"{quoted}\""), [], |row| row.get(0))?)
+    }
+
+    fn kit_commit_hook(&mut self, hook: Box<dyn FnMut() -> bool + Send>) {
+        self.connection().commit_hook(Some(hook));
+    }
+
+    fn kit_import_run(&mut self, detail: &RunDetail, now_ms: i64) -> Result<()> {
+        self.import_run(detail, now_ms)
+    }
+}
+
+/// The kit's schemas on a PostgreSQL server: each made by [`KitStore::kit_init`] and dropped by
+/// [`KitStore::kit_remove`] or, the ones left, when the sandbox goes.
+#[doc(hidden)]
+pub struct PgSandbox {
+    url: String,
+    prefix: String,
+    schemas: BTreeSet<String>,
+}
+
+impl PgSandbox {
+    fn drop_schema(&self, schema: &str) -> Result<()> {
+        let mut client = tidemark_store_postgres::connect(&self.url)?;
+        client
+            .batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"))
+            .map_err(|e| Error::store(format!("postgres: cannot drop the test kit's schema {schema}: {e}")))
+    }
+}
+
+impl Drop for PgSandbox {
+    fn drop(&mut self) {
+        for schema in std::mem::take(&mut self.schemas) {
+            let _ = self.drop_schema(&schema);
+        }
+    }
+}
+
+impl KitStore for PgWorkflows {
+    type Migration = tidemark_store_postgres::Migration;
+    type Sandbox = PgSandbox;
+    type Location = (String, String);
+
+    fn kit_sandbox(database: Option<&str>) -> Result<PgSandbox> {
+        static SANDBOXES: AtomicI64 = AtomicI64::new(0);
+        let url = database.ok_or_else(|| {
+            invalid("the test kit on PostgreSQL needs the database to make its schemas in: .database(url)")
+        })?;
+        // Unique among the processes of this machine (pid) and the tests of this one (counter).
+        let prefix = format!("tidemark_kit_{}_{}", std::process::id(), SANDBOXES.fetch_add(1, Ordering::SeqCst));
+        Ok(PgSandbox { url: url.to_string(), prefix, schemas: BTreeSet::new() })
+    }
+
+    fn kit_location(sandbox: &PgSandbox, name: &str) -> (String, String) {
+        (sandbox.url.clone(), format!("{}_{name}", sandbox.prefix))
+    }
+
+    fn kit_init(sandbox: &mut PgSandbox, name: &str) -> Result<Self> {
+        let (url, schema) = Self::kit_location(sandbox, name);
+        // A schema left by an earlier process with the same pid is dropped first.
+        sandbox.drop_schema(&schema)?;
+        sandbox.schemas.insert(schema.clone());
+        PgWorkflows::init(&url, &schema)
+    }
+
+    fn kit_open((url, schema): &(String, String)) -> Result<Self> {
+        PgWorkflows::open(url, schema)
+    }
+
+    fn kit_copy(_: &mut PgSandbox, _: &str, _: &str) -> Result<bool> {
+        Ok(false)
+    }
+
+    fn kit_remove(sandbox: &mut PgSandbox, name: &str) {
+        let (_, schema) = Self::kit_location(sandbox, name);
+        if sandbox.drop_schema(&schema).is_ok() {
+            sandbox.schemas.remove(&schema);
+        }
+    }
+
+    fn kit_migrate(&mut self, migrations: &[Self::Migration], now_ms: i64) -> Result<()> {
+        let schema = self.schema().to_string();
+        tidemark_store_postgres::apply_migrations(self.client(), &schema, migrations, now_ms).map(drop)
+    }
+
+    fn kit_tables(&mut self) -> Result<BTreeSet<String>> {
+        let schema = self.schema().to_string();
+        let rows = self
+            .client()
+            .query("SELECT table_name::text FROM information_schema.tables WHERE table_schema = $1", &[&schema])
+            .map_err(|e| Error::store(format!("postgres: {e}")))?;
+        Ok(rows.iter().map(|row| row.get::<_, String>(0)).collect())
+    }
+
+    fn kit_rows(&mut self, table: &str) -> Result<i64> {
+        let (schema, quoted) = (self.schema().to_string(), table.replace('"', "\"\""));
+        let row = self
+            .client()
+            .query_one(&format!("SELECT count(*) FROM \"{schema}\".\"{quoted}\""), &[])
+            .map_err(|e| Error::store(format!("postgres: {e}")))?;
+        Ok(row.get(0))
+    }
+
+    fn kit_commit_hook(&mut self, hook: Box<dyn FnMut() -> bool + Send>) {
+        self.set_commit_hook(Some(hook));
+    }
+
+    fn kit_import_run(&mut self, detail: &RunDetail, now_ms: i64) -> Result<()> {
+        self.import_run(detail, now_ms)
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -596,14 +806,16 @@ impl fmt::Display for Report {
 /// assert_eq!(report.boundary_schedules, report.boundaries);
 /// # Ok(()) }
 /// ```
-pub struct CrashTest {
+pub struct CrashTest<S: KitStore = SqliteWorkflows> {
     /// The workflow under test first, then the others it starts (children).
-    workflows: Vec<Result<Workflow>>,
+    workflows: Vec<Result<Workflow<S>>>,
     input: std::result::Result<Value, String>,
     run_id: String,
     effects: Effects,
-    migrations: Vec<Migration>,
+    migrations: Vec<S::Migration>,
     events: Vec<(String, std::result::Result<Value, String>)>,
+    /// Where the PostgreSQL kit makes its schemas.
+    database: Option<String>,
     every_boundary: bool,
     random_schedules: u32,
     crashes_per_schedule: u32,
@@ -613,7 +825,7 @@ pub struct CrashTest {
     compare_external_outputs: bool,
 }
 
-impl fmt::Debug for CrashTest {
+impl<S: KitStore> fmt::Debug for CrashTest<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CrashTest")
             .field("workflows", &self.workflows.iter().map(|w| w.as_ref().map(|w| w.name())).collect::<Vec<_>>())
@@ -623,11 +835,23 @@ impl fmt::Debug for CrashTest {
     }
 }
 
-impl CrashTest {
-    /// A crash test of `workflow` (a [`Workflow`] or a [`Saga`](crate::Saga)), with input
-    /// `null` until [`CrashTest::input`] gives one. Defaults: every boundary in turn,
+impl CrashTest<PgWorkflows> {
+    /// The PostgreSQL database (a `postgres://` URL, or a libpq string) the kit makes its
+    /// throwaway schemas in: needed by a crash test of a workflow on PostgreSQL, refused at
+    /// [`CrashTest::run`] (`invalid_argument`) without it. The login role must be allowed to
+    /// create schemas there.
+    pub fn database(mut self, url: &str) -> Self {
+        self.database = Some(url.to_string());
+        self
+    }
+}
+
+impl<S: KitStore> CrashTest<S> {
+    /// A crash test of `workflow` (a [`Workflow`](crate::Workflow) or a
+    /// [`Saga`](crate::Saga), or their PostgreSQL kinds), with input `null` until
+    /// [`CrashTest::input`] gives one. Defaults: every boundary in turn,
     /// [`RANDOM_SCHEDULES_DEFAULT`] random schedules from [`SEED_DEFAULT`], outputs compared.
-    pub fn new(workflow: impl IntoWorkflow<crate::sqlite::SqliteWorkflows>) -> Self {
+    pub fn new(workflow: impl IntoWorkflow<S>) -> Self {
         CrashTest {
             workflows: vec![workflow.into_workflow()],
             input: Ok(Value::Null),
@@ -635,6 +859,7 @@ impl CrashTest {
             effects: Effects::new(),
             migrations: Vec::new(),
             events: Vec::new(),
+            database: None,
             every_boundary: true,
             random_schedules: RANDOM_SCHEDULES_DEFAULT,
             crashes_per_schedule: CRASHES_PER_SCHEDULE_DEFAULT,
@@ -646,7 +871,7 @@ impl CrashTest {
     }
 
     /// Register another workflow beside the one under test (one it starts as a child).
-    pub fn workflow(mut self, workflow: impl IntoWorkflow<crate::sqlite::SqliteWorkflows>) -> Self {
+    pub fn workflow(mut self, workflow: impl IntoWorkflow<S>) -> Self {
         self.workflows.push(workflow.into_workflow());
         self
     }
@@ -673,7 +898,7 @@ impl CrashTest {
     /// A migration of your own tables in the workflow database (what your transactional steps
     /// write to), applied before the run starts. Their row counts after every execution are
     /// compared with the crash-free execution's.
-    pub fn migration(mut self, migration: Migration) -> Self {
+    pub fn migration(mut self, migration: S::Migration) -> Self {
         self.migrations.push(migration);
         self
     }
@@ -864,18 +1089,25 @@ struct Outcome {
 }
 
 /// The kit's working state for one [`CrashTest::run`].
-struct Env<'a> {
-    test: &'a CrashTest,
-    registry: Workflows<SqliteWorkflows>,
-    run_id: String,
-    /// A prepared store (migrated, the run started, its events sent), copied for each execution.
-    template: PathBuf,
+struct Env<'a, S: KitStore> {
+    test: &'a CrashTest<S>,
+    registry: Workflows<S>,
+    request: StartRequest,
+    events: Vec<(String, Value)>,
+    /// Where the stores are: the prepared store [`TEMPLATE`] (migrated, the run started, its
+    /// events sent) copied for each execution where the store can be copied, and the
+    /// executions' stores.
+    sandbox: S::Sandbox,
+    /// Whether [`TEMPLATE`] is kept to be copied (else each execution prepares its own store).
+    copies: bool,
     /// Tables that are not the user's.
     own_tables: BTreeSet<String>,
-    dir: tempfile::TempDir,
     executions: u32,
     runtime: tokio::runtime::Runtime,
 }
+
+/// The name of the kit's prepared store.
+const TEMPLATE: &str = "template";
 
 fn worker_options() -> WorkerOptions {
     WorkerOptions {
@@ -893,24 +1125,8 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .map_err(|e| Error::io(format!("cannot start the test kit's runtime: {e}")))
 }
 
-fn temp_dir() -> Result<tempfile::TempDir> {
-    tempfile::Builder::new()
-        .prefix("tidemark-testing-")
-        .tempdir()
-        .map_err(|e| Error::io(format!("cannot create the test kit's temporary folder: {e}")))
-}
-
-/// The names of the tables of a workflow database (SQLite's catalogue, not tidemark's tables).
-fn tables(store: &mut SqliteWorkflows) -> Result<BTreeSet<String>> {
-    let conn = store.connection();
-    let mut stmt = conn.prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")?;
-    let names = stmt.query_map([], |row| row.get::<_, String>(0))?;
-    Ok(names.collect::<rusqlite::Result<BTreeSet<String>>>()?)
-}
-
 /// Every run of a store (the run and its children), with journals, attempts and events.
-fn read_runs(path: &Path) -> Result<BTreeMap<String, RunDetail>> {
-    let store = SqliteWorkflows::open_with(path, Durability::Normal)?;
+fn read_runs<S: KitStore>(store: &S) -> Result<BTreeMap<String, RunDetail>> {
     let records = store.list_runs(&RunFilter::default(), RUNS_MAX + 1)?;
     if records.len() > RUNS_MAX {
         return Err(Error::invalid(codes::LIMIT_EXCEEDED, format!("the test kit takes at most {RUNS_MAX} runs")));
@@ -924,61 +1140,70 @@ fn read_runs(path: &Path) -> Result<BTreeMap<String, RunDetail>> {
     Ok(runs)
 }
 
-fn copy_database(from: &Path, to: &Path) -> Result<()> {
-    std::fs::copy(from, to).map_err(|e| Error::io(format!("cannot copy {}: {e}", from.display())))?;
-    Ok(())
-}
-
-fn remove_database(path: &Path) {
-    for suffix in ["", "-wal", "-shm"] {
-        let mut file = path.as_os_str().to_owned();
-        file.push(suffix);
-        let _ = std::fs::remove_file(PathBuf::from(file));
-    }
-}
-
-impl<'a> Env<'a> {
+impl<'a, S: KitStore> Env<'a, S> {
     fn new(
-        test: &'a CrashTest,
-        registry: Workflows<SqliteWorkflows>,
+        test: &'a CrashTest<S>,
+        registry: Workflows<S>,
         request: StartRequest,
         events: Vec<(String, Value)>,
     ) -> Result<Self> {
-        let dir = temp_dir()?;
-        let template = dir.path().join("template.db");
-        let own_tables = {
-            let mut store = SqliteWorkflows::init_with(&template, Durability::Normal)?;
-            let mut own = tables(&mut store)?;
-            own.insert("user_migrations".to_string());
-            apply_migrations(store.connection(), &test.migrations, CLOCK_START_MS)?;
-            match store.start_runs(std::slice::from_ref(&request), CLOCK_START_MS)?.as_slice() {
-                [StartOutcome::Started { .. }] => {}
-                other => return Err(Error::Invariant(format!("the kit's first start answered {other:?}"))),
-            }
-            for (index, (name, payload)) in events.iter().enumerate() {
-                let event_id = format!("kit-event-{index}");
-                store.send_event(&request.run_id, &event_id, name, payload, CLOCK_START_MS)?;
-            }
-            own
-        };
-        // The store is closed: its last connection checkpointed the WAL into the file.
-        Ok(Env {
+        let sandbox = S::kit_sandbox(test.database.as_deref())?;
+        let mut env = Env {
             test,
             registry,
-            run_id: request.run_id,
-            template,
-            own_tables,
-            dir,
+            request,
+            events,
+            own_tables: BTreeSet::new(),
+            sandbox,
+            copies: false,
             executions: 0,
             runtime: runtime()?,
-        })
+        };
+        {
+            let mut store = S::kit_init(&mut env.sandbox, TEMPLATE)?;
+            env.own_tables = store.kit_tables()?;
+            env.own_tables.insert("user_migrations".to_string());
+            env.prepare(&mut store)?;
+        }
+        env.copies = S::kit_copy(&mut env.sandbox, TEMPLATE, "copy_check")?;
+        if env.copies {
+            S::kit_remove(&mut env.sandbox, "copy_check");
+        } else {
+            S::kit_remove(&mut env.sandbox, TEMPLATE);
+        }
+        Ok(env)
+    }
+
+    /// Migrate a new store, start the run and send it its events.
+    fn prepare(&self, store: &mut S) -> Result<()> {
+        store.kit_migrate(&self.test.migrations, CLOCK_START_MS)?;
+        match store.start_runs(std::slice::from_ref(&self.request), CLOCK_START_MS)?.as_slice() {
+            [StartOutcome::Started { .. }] => {}
+            other => return Err(Error::Invariant(format!("the kit's first start answered {other:?}"))),
+        }
+        for (index, (name, payload)) in self.events.iter().enumerate() {
+            let event_id = format!("kit-event-{index}");
+            store.send_event(&self.request.run_id, &event_id, name, payload, CLOCK_START_MS)?;
+        }
+        Ok(())
     }
 
     /// One execution with crash schedule `schedule`, taken to the run's end.
     fn execute(&mut self, schedule: &[u32]) -> Result<Outcome> {
         self.executions += 1;
-        let path = self.dir.path().join(format!("execution-{}.db", self.executions));
-        copy_database(&self.template, &path)?;
+        let name = format!("execution_{}", self.executions);
+        if !(self.copies && S::kit_copy(&mut self.sandbox, TEMPLATE, &name)?) {
+            let mut store = S::kit_init(&mut self.sandbox, &name)?;
+            self.prepare(&mut store)?;
+        }
+        let location = S::kit_location(&self.sandbox, &name);
+        let outcome = self.execute_at(&location, schedule);
+        S::kit_remove(&mut self.sandbox, &name);
+        outcome
+    }
+
+    fn execute_at(&self, location: &S::Location, schedule: &[u32]) -> Result<Outcome> {
+        let reader = S::kit_open(location)?;
         let effects = &self.test.effects;
         effects.begin_execution();
         let clock = Arc::new(AtomicI64::new(CLOCK_START_MS));
@@ -998,7 +1223,7 @@ impl<'a> Env<'a> {
                 outcome.unfinished = Some(format!("the run did not end within {ROUNDS_MAX} worker passes"));
                 break;
             }
-            let passed = self.pass(&path, &clock, &process, effects);
+            let passed = self.pass(location, &clock, &process, effects);
             let (crashed, commits, boundary) = {
                 let p = lock(&process);
                 (p.crashed, p.commits, p.crash_at.unwrap_or(0))
@@ -1006,7 +1231,7 @@ impl<'a> Env<'a> {
             if crashed {
                 outcome.crashes.push(boundary);
                 outcome.commits.push(commits);
-                outcome.snapshots.push(read_runs(&path)?);
+                outcome.snapshots.push(read_runs(&reader)?);
                 let next = outcome.crashes.len();
                 process = Process::new(schedule.get(next).copied());
                 // The dead worker's leases expire before the next one claims.
@@ -1023,7 +1248,7 @@ impl<'a> Env<'a> {
                     break;
                 }
             };
-            let runs = read_runs(&path)?;
+            let runs = read_runs(&reader)?;
             let next_due = runs
                 .values()
                 .filter(|detail| !detail.run.status.is_terminal())
@@ -1053,9 +1278,8 @@ impl<'a> Env<'a> {
         }
         outcome.commits.push(lock(&process).commits);
         outcome.events = effects.end_execution();
-        outcome.runs = read_runs(&path)?;
-        outcome.tables = self.table_rows(&path)?;
-        remove_database(&path);
+        outcome.runs = read_runs(&reader)?;
+        outcome.tables = self.table_rows(reader)?;
         Ok(outcome)
     }
 
@@ -1063,18 +1287,18 @@ impl<'a> Env<'a> {
     /// hook), a worker of one slot, until nothing is due.
     fn pass(
         &self,
-        path: &Path,
+        location: &S::Location,
         clock: &Arc<AtomicI64>,
         process: &Arc<Mutex<Process>>,
         effects: &Effects,
     ) -> Result<WorkerReport> {
-        let (hook_process, hook_log, file) = (process.clone(), effects.log.clone(), path.to_path_buf());
+        let (hook_process, hook_log, location) = (process.clone(), effects.log.clone(), location.clone());
         let read_clock = clock.clone();
         let kit_clock: Clock = Arc::new(move || read_clock.load(Ordering::SeqCst));
         let writer = Writer::spawn_with_clock(
             move || {
-                let mut store = SqliteWorkflows::open_with(&file, Durability::Normal)?;
-                store.connection().commit_hook(Some(move || refuse_commit(&hook_process, &hook_log)));
+                let mut store = S::kit_open(&location)?;
+                store.kit_commit_hook(Box::new(move || refuse_commit(&hook_process, &hook_log)));
                 Ok(store)
             },
             kit_clock,
@@ -1084,14 +1308,11 @@ impl<'a> Env<'a> {
         self.runtime.block_on(worker.run_until_idle())
     }
 
-    fn table_rows(&self, path: &Path) -> Result<BTreeMap<String, i64>> {
-        let mut store = SqliteWorkflows::open_with(path, Durability::Normal)?;
-        let names: Vec<String> = tables(&mut store)?.difference(&self.own_tables).cloned().collect();
-        let conn = store.connection();
+    fn table_rows(&self, mut store: S) -> Result<BTreeMap<String, i64>> {
+        let names: Vec<String> = store.kit_tables()?.difference(&self.own_tables).cloned().collect();
         let mut rows = BTreeMap::new();
         for name in names {
-            let quoted = name.replace('"', "\"\"");
-            let count: i64 = conn.query_row(&format!("SELECT count(*) FROM \"{quoted}\""), [], |row| row.get(0))?;
+            let count = store.kit_rows(&name)?;
             rows.insert(name, count);
         }
         Ok(rows)
@@ -1110,7 +1331,7 @@ impl<'a> Env<'a> {
         if let Some(reason) = &outcome.unfinished {
             findings.push(Finding {
                 kind: FindingKind::Unfinished,
-                run_id: self.run_id.clone(),
+                run_id: self.request.run_id.clone(),
                 step: None,
                 seq: None,
                 crashes: outcome.crashes.clone(),
@@ -1171,13 +1392,13 @@ impl<'a> Env<'a> {
             }
         }
         findings.extend(journal_findings);
-        findings.extend(effects_beyond_crashes(reference, outcome, &self.run_id));
+        findings.extend(effects_beyond_crashes(reference, outcome, &self.request.run_id));
         for (table, rows) in &outcome.tables {
             let expected = reference.tables.get(table).copied().unwrap_or(0);
             if *rows != expected {
                 findings.push(finding(
                     FindingKind::StepRanTwice,
-                    &self.run_id,
+                    &self.request.run_id,
                     None,
                     None,
                     format!(
@@ -1624,12 +1845,14 @@ pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
 /// assert!(!report.is_ok(), "{report}");
 /// # Ok(()) }
 /// ```
-pub struct ReplayCheck {
-    workflows: Vec<Result<Workflow>>,
+pub struct ReplayCheck<S: KitStore = SqliteWorkflows> {
+    workflows: Vec<Result<Workflow<S>>>,
     recorded: Vec<Result<Vec<RunDetail>>>,
+    /// Where the PostgreSQL kit makes its schema.
+    database: Option<String>,
 }
 
-impl fmt::Debug for ReplayCheck {
+impl<S: KitStore> fmt::Debug for ReplayCheck<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReplayCheck")
             .field("workflows", &self.workflows.len())
@@ -1638,20 +1861,31 @@ impl fmt::Debug for ReplayCheck {
     }
 }
 
-impl Default for ReplayCheck {
+impl<S: KitStore> Default for ReplayCheck<S> {
     fn default() -> Self {
-        Self::new()
+        ReplayCheck { workflows: Vec::new(), recorded: Vec::new(), database: None }
     }
 }
 
 impl ReplayCheck {
-    /// A check with no workflow and no recorded run yet.
+    /// A check with no workflow and no recorded run yet, on SQLite (`ReplayCheck::default()` or
+    /// [`ReplayCheck::on_postgres`] for PostgreSQL's workflows).
     pub fn new() -> Self {
-        ReplayCheck { workflows: Vec::new(), recorded: Vec::new() }
+        Self::default()
     }
+}
 
+impl ReplayCheck<PgWorkflows> {
+    /// A check of workflows on PostgreSQL, replaying in a throwaway schema of the database at
+    /// `url` (dropped when the check ends; the login role must be allowed to create schemas).
+    pub fn on_postgres(url: &str) -> Self {
+        ReplayCheck { database: Some(url.to_string()), ..Self::default() }
+    }
+}
+
+impl<S: KitStore> ReplayCheck<S> {
     /// Register the new code of a workflow (or a saga) the recordings ran.
-    pub fn workflow(mut self, workflow: impl IntoWorkflow<crate::sqlite::SqliteWorkflows>) -> Self {
+    pub fn workflow(mut self, workflow: impl IntoWorkflow<S>) -> Self {
         self.workflows.push(workflow.into_workflow());
         self
     }
@@ -1712,8 +1946,7 @@ impl ReplayCheck {
                 ));
             }
         }
-        let dir = temp_dir()?;
-        let path = dir.path().join("replay.db");
+        let mut sandbox = S::kit_sandbox(self.database.as_deref())?;
         // The kit's clock stands just after everything recorded, so no recorded time lies ahead.
         let now = recorded
             .iter()
@@ -1722,16 +1955,17 @@ impl ReplayCheck {
             .unwrap_or(CLOCK_START_MS)
             .saturating_add(1);
         {
-            let mut store = SqliteWorkflows::init_with(&path, Durability::Normal)?;
+            let mut store = S::kit_init(&mut sandbox, "replay")?;
             for detail in &recorded {
-                store.import_run(detail, now)?;
+                store.kit_import_run(detail, now)?;
             }
         }
         let effects = Effects::new();
         effects.begin_execution();
-        let file = path.clone();
+        let location = S::kit_location(&sandbox, "replay");
+        let opens = location.clone();
         let clock: Clock = Arc::new(move || now);
-        let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&file, Durability::Normal), clock)?;
+        let writer = Writer::spawn_with_clock(move || S::kit_open(&opens), clock)?;
         let options = WorkerOptions { concurrency: recorded.len().clamp(1, 64), ..worker_options() };
         let worker = Worker::new(writer, registry.replay_only(), options)?
             .with_observer(Arc::new(AttemptRecorder { log: effects.log.clone() }));
@@ -1741,7 +1975,7 @@ impl ReplayCheck {
         if !events.is_empty() {
             return Err(Error::Invariant(format!("a replay-only worker ran {} step attempts", events.len())));
         }
-        let replayed = read_runs(&path)?;
+        let replayed = read_runs(&S::kit_open(&location)?)?;
         let mut report =
             Report::new(format!("{} recorded runs replayed ({} executions)", recorded.len(), worker_report.claimed));
         for detail in &recorded {

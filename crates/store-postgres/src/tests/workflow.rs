@@ -992,6 +992,50 @@ fn a_panicking_body_drops_the_transaction_and_the_whole_batch_with_it() {
 }
 
 #[test]
+fn a_commit_hook_that_refuses_rolls_every_write_back_and_leaves_the_connection_usable() {
+    let mut d = db!("wf_commit_hook");
+    orders_table(&mut d.store);
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let pid: i32 = d.store.client().query_one("SELECT pg_backend_pid()", &[]).unwrap().get(0);
+    let asked = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let refuse = Arc::new(AtomicBool::new(true));
+    let (counter, refusing) = (asked.clone(), refuse.clone());
+    d.store.set_commit_hook(Some(Box::new(move || {
+        counter.fetch_add(1, Ordering::SeqCst);
+        refusing.load(Ordering::SeqCst)
+    })));
+    let before = detail(&d.store, "r1");
+    // A journal commit (the hand-begun transaction a step's body runs in), a start, an event,
+    // a heartbeat and an operator change: each asks the hook, fails, and writes nothing.
+    let refused = d.store.commit(vec![write("r1", &t, tx_step(0, 1, insert_order("o-1", false), None))], 1_010);
+    let refused = refused.unwrap_err();
+    assert_eq!((refused.code(), refused.to_string()), (codes::STORE, crate::COMMIT_REFUSED.to_string()));
+    // Nothing was left open on the connection: another session sees it idle, out of any
+    // transaction.
+    let state = |d: &Db| -> String {
+        d.db.client().query_one("SELECT state FROM pg_stat_activity WHERE pid = $1", &[&pid]).unwrap().get(0)
+    };
+    assert_eq!(state(&d), "idle");
+    assert!(d.store.start_runs(&[req("r2")], 1_020).is_err());
+    assert!(d.store.send_event("r1", "ev-1", "approved", &json!(1), 1_030).is_err());
+    let lease = [("r1".to_string(), t.clone())];
+    assert!(d.store.heartbeat("w1", &lease, LEASE_MS, 1_040).is_err());
+    assert!(d.store.cancel("r1", "stop", 1_050).is_err());
+    assert_eq!(asked.load(Ordering::SeqCst), 5);
+    assert_eq!(state(&d), "idle");
+    assert_eq!(orders(&mut d.store), 0);
+    assert_eq!(detail(&d.store, "r1"), before);
+    assert!(d.store.run("r2").unwrap().is_none());
+    // The same store commits once the hook lets it.
+    refuse.store(false, Ordering::SeqCst);
+    let result = commit_one(&mut d.store, "r1", &t, tx_step(0, 1, insert_order("o-1", false), None), 1_060);
+    assert!(matches!(result, WriteResult::TxResult(Ok(_))));
+    assert_eq!(orders(&mut d.store), 1);
+    d.store.set_commit_hook(None);
+    start(&mut d.store, &[req("r2")], 1_070);
+}
+
+#[test]
 fn a_sleep_is_a_durable_timer() {
     let mut d = db!("wf_sleep");
     let t = started_and_claimed(&mut d.store, "r1", 1_000);

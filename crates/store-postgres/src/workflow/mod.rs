@@ -50,6 +50,7 @@
 //!   the session's `lock_timeout` (10 s; a `store` error after it).
 
 pub(crate) mod commit;
+mod import;
 pub(crate) mod operator;
 pub(crate) mod queues;
 mod rows;
@@ -72,7 +73,7 @@ use tidemark_core::workflow::{
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
-use crate::apply::ApplyTransaction;
+use crate::apply::{ApplyTransaction, CommitHook};
 use crate::schema::{self, lock, sql, validate_schema_name, Statements, LOCK_RUN_KEY, LOCK_WORKFLOW_TYPE};
 use crate::{col, PgResult};
 
@@ -139,6 +140,15 @@ impl PgWorkflows {
     /// The PostgreSQL schema this store lives in.
     pub fn schema(&self) -> &str {
         self.apply.schema()
+    }
+
+    /// Ask `hook` before each write transaction of this store commits (claims, heartbeats,
+    /// journal commits, starts, events, operator changes, queue and schedule changes): `true`
+    /// rolls the transaction back and the call fails with a `store` error, as SQLite's commit
+    /// hook does. For tests: the test kit (`tidemark::testing`) crashes a workflow at each
+    /// journal boundary with it. `None` removes it.
+    pub fn set_commit_hook(&mut self, hook: Option<CommitHook>) {
+        self.apply.set_commit_hook(hook);
     }
 
     /// The connection, for the caller's own tables and reads (outside any store call).
@@ -742,8 +752,10 @@ impl WorkflowStore for PgWorkflows {
         }
         let receipt_window_ms = self.receipt_window_ms;
         let schema = self.schema().to_string();
+        let commit_hook = self.apply.take_commit_hook();
         *self = PgWorkflows::open(&self.conn_str, &schema)?;
         self.receipt_window_ms = receipt_window_ms;
+        self.apply.set_commit_hook(commit_hook);
         Ok(())
     }
 
@@ -751,14 +763,14 @@ impl WorkflowStore for PgWorkflows {
         validate_starts(requests, now_ms)?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let outcomes = start_in(&mut tx, st, requests, now_ms)?;
         if outcomes.iter().any(|o| matches!(o, StartOutcome::Started { .. })) {
             // A wake-up hint for listening workers (`DueRunListener`); polling stays the truth.
             crate::listen::notify(&mut tx, &schema)?;
         }
         crash::hit("workflow.start.before_commit");
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(outcomes)
     }
 
@@ -766,9 +778,9 @@ impl WorkflowStore for PgWorkflows {
         validate_claim(request)?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let claimed = claim_in(&mut tx, st, &schema, request, now_ms)?;
-        tx.commit().db()?;
+        gate.commit(tx)?;
         crash::hit("workflow.claim.after_commit");
         Ok(claimed)
     }
@@ -784,11 +796,11 @@ impl WorkflowStore for PgWorkflows {
         validate_claim(claim)?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let outcomes = start_in(&mut tx, st, requests, now_ms)?;
         let claimed = claim_in(&mut tx, st, &schema, claim, now_ms)?;
         crash::hit("workflow.start.before_commit");
-        tx.commit().db()?;
+        gate.commit(tx)?;
         crash::hit("workflow.claim.after_commit");
         Ok((outcomes, Ok(claimed)))
     }
@@ -818,7 +830,7 @@ impl WorkflowStore for PgWorkflows {
             return Ok(Vec::new());
         }
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let run_ids: Vec<&str> = leases.iter().map(|(run_id, _)| run_id.as_str()).collect();
         let tokens: Vec<&str> = leases.iter().map(|(_, token)| token.as_str()).collect();
         let lock_runs = st.get(&mut tx, LOCK_RUNS_SQL)?;
@@ -828,7 +840,7 @@ impl WorkflowStore for PgWorkflows {
         for row in tx.query(&extend, &[&run_ids, &tokens, &worker_id, &(now_ms + lease_ms), &now_ms]).db()? {
             held.insert((col(&row, 0)?, col(&row, 1)?), col(&row, 2)?);
         }
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(leases
             .iter()
             .map(|lease| match held.get(lease) {
@@ -846,13 +858,13 @@ impl WorkflowStore for PgWorkflows {
         validate_event(run_id, event_id, name, payload)?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let added = send_event_validated(&mut tx, st, run_id, event_id, name, payload, now_ms)?;
         if added {
             // The run may be due now: a hint for listening workers.
             crate::listen::notify(&mut tx, &schema)?;
         }
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(added)
     }
 

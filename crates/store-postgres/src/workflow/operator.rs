@@ -16,7 +16,7 @@ use tidemark_core::{ensure_invariant, Error, Result};
 use super::commit::{LOCK_BATCH_SQL, RUN_ENDED_SQL};
 use super::rows::{self, json_text};
 use super::seq_param;
-use crate::apply::ApplyTransaction;
+use crate::apply::{ApplyTransaction, CommitGate};
 use crate::schema::Statements;
 use crate::{col, PgResult};
 
@@ -28,10 +28,10 @@ fn state_change(run: &RunRecord, action: &str) -> Error {
 }
 
 /// Commit an operator change and return the run as it now is.
-fn finish(mut tx: Transaction<'_>, st: &mut Statements, run_id: &str) -> Result<RunRecord> {
+fn finish(mut tx: Transaction<'_>, gate: CommitGate<'_>, st: &mut Statements, run_id: &str) -> Result<RunRecord> {
     let run = rows::existing_run(&mut tx, st, run_id)?;
     crash::hit("workflow.operator.before_commit");
-    tx.commit().db()?;
+    gate.commit(tx)?;
     Ok(run)
 }
 
@@ -44,7 +44,7 @@ pub(super) fn cancel(
 ) -> Result<RunRecord> {
     validate_id("run_id", run_id)?;
     validate_reason(reason)?;
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     let run = rows::locked_run(&mut tx, st, run_id)?;
     if run.status.is_terminal() {
         return Err(state_change(&run, "cancel"));
@@ -57,7 +57,7 @@ pub(super) fn cancel(
          WHERE run_id = $1",
     )?;
     tx.execute(&statement, &[&run_id, &now_ms, &format!("cancel requested: {reason}")]).db()?;
-    finish(tx, st, run_id)
+    finish(tx, gate, st, run_id)
 }
 
 pub(super) fn retry(
@@ -69,7 +69,7 @@ pub(super) fn retry(
 ) -> Result<RunRecord> {
     validate_id("run_id", run_id)?;
     validate_reason(reason)?;
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     let run = rows::locked_run(&mut tx, st, run_id)?;
     if !matches!(run.status, RunStatus::Failed | RunStatus::Parked) {
         return Err(state_change(&run, "retry"));
@@ -93,7 +93,7 @@ pub(super) fn retry(
          WHERE run_id = $1",
     )?;
     tx.execute(&resume, &[&run_id, &now_ms]).db()?;
-    finish(tx, st, run_id)
+    finish(tx, gate, st, run_id)
 }
 
 pub(super) fn fork(
@@ -109,7 +109,7 @@ pub(super) fn fork(
     if from_seq > RUN_STEPS_MAX {
         return Err(Error::invalid(codes::INVALID_SEQ, format!("from_seq must be 0..={RUN_STEPS_MAX}")));
     }
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     // Locked: the source's journal, attempts and events are copied as one moment of them (its
     // commits wait meanwhile).
     rows::locked_run(&mut tx, st, run_id)?;
@@ -166,7 +166,7 @@ pub(super) fn fork(
          WHERE run_id = $1 AND consumed_by_seq < $3",
     )?;
     tx.execute(&copy_events, &[&run_id, &new_run_id, &from]).db()?;
-    finish(tx, st, new_run_id)
+    finish(tx, gate, st, new_run_id)
 }
 
 pub(super) fn skip_step(
@@ -181,7 +181,7 @@ pub(super) fn skip_step(
     validate_id("run_id", run_id)?;
     validate_reason(reason)?;
     validate_json_size("step output", output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     let run = rows::locked_run(&mut tx, st, run_id)?;
     if matches!(run.status, RunStatus::Completed | RunStatus::Compensated | RunStatus::Cancelled) {
         return Err(state_change(&run, "skip a step of"));
@@ -212,7 +212,7 @@ pub(super) fn skip_step(
          WHERE run_id = $1",
     )?;
     tx.execute(&resume, &[&run_id, &status.as_str(), &now_ms]).db()?;
-    finish(tx, st, run_id)
+    finish(tx, gate, st, run_id)
 }
 
 pub(super) fn abandon(
@@ -224,7 +224,7 @@ pub(super) fn abandon(
 ) -> Result<RunRecord> {
     validate_id("run_id", run_id)?;
     validate_reason(reason)?;
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     // The run and its family (whom its end notifies, wakes or cancels), in run id order, as a
     // commit that finishes a run locks them.
     let family = st.get(&mut tx, LOCK_BATCH_SQL)?;
@@ -243,7 +243,7 @@ pub(super) fn abandon(
     tx.execute(&end, &[&run_id, &now_ms, &format!("abandoned: {reason}")]).db()?;
     let ended = st.get(&mut tx, RUN_ENDED_SQL)?;
     tx.execute(&ended, &[&run_id, &now_ms]).db()?;
-    finish(tx, st, run_id)
+    finish(tx, gate, st, run_id)
 }
 
 /// Finished runs, oldest first (parameters: finished_before_ms, limit), by `runs_finished`;
@@ -288,7 +288,7 @@ pub(super) fn purge(
     now_ms: i64,
 ) -> Result<PurgeReport> {
     validate_limit("purge batch", batch_rows, PRUNE_BATCH_ROWS_MAX)?;
-    let mut tx = apply.client_get_mut().transaction().db()?;
+    let (mut tx, gate) = apply.write_transaction()?;
     let select = st.get(&mut tx, PURGE_SELECT_SQL)?;
     let finished = tx.query(&select, &[&finished_before_ms, &(batch_rows as i64)]).db()?;
     let mut run_ids: Vec<String> = Vec::with_capacity(finished.len());
@@ -335,7 +335,7 @@ pub(super) fn purge(
     let expire = st.get(&mut tx, RECEIPTS_EXPIRED_DELETE_SQL)?;
     let receipts_deleted = tx.execute(&expire, &[&now_ms, &(batch_rows as i64)]).db()? as usize;
     crash::hit("workflow.purge.before_commit");
-    tx.commit().db()?;
+    gate.commit(tx)?;
     Ok(PurgeReport {
         runs_deleted: run_ids.len() as u64,
         journal_deleted,

@@ -244,7 +244,7 @@ impl QueueStore for PgWorkflows {
         spec.validate()?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         // One declaration at a time per schema, so that the count below holds when two
         // processes declare queues at once.
         lock(&mut tx, LOCK_QUEUES, &schema)?;
@@ -271,7 +271,7 @@ impl QueueStore for PgWorkflows {
         let rate_limit = spec.rate.map(|r| as_int(r.limit));
         let period = spec.rate.map(|r| r.period_ms);
         tx.execute(&upsert, &[&spec.name, &concurrency, &rate_limit, &period, &now_ms]).db()?;
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(spec.clone())
     }
 

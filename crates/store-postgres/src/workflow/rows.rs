@@ -262,6 +262,6 @@ pub(super) fn live_receipt(
 }
 
 /// Canonical JSON text of a value (serde_json writes object keys in sorted order).
-pub(super) fn json_text(value: &Value) -> String {
+pub(crate) fn json_text(value: &Value) -> String {
     serde_json::to_string(value).expect("a JSON value always serialises")
 }

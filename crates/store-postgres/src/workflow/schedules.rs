@@ -81,7 +81,7 @@ impl ScheduleStore for PgWorkflows {
         validate_json_size("input", &spec.input, WORKFLOW_INPUT_BYTES_MAX, workflow_codes::INVALID_INPUT)?;
         let schema = self.apply.schema().to_string();
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         // One put at a time per schema, so that the count below holds when two processes add
         // schedules at once.
         lock(&mut tx, LOCK_SCHEDULES, &schema)?;
@@ -130,7 +130,7 @@ impl ScheduleStore for PgWorkflows {
         .db()?;
         let schedule = existing(&mut tx, st, &spec.schedule_id)?;
         crash::hit("workflow.operator.before_commit");
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(schedule)
     }
 
@@ -149,7 +149,7 @@ impl ScheduleStore for PgWorkflows {
     fn pause_schedule(&mut self, schedule_id: &str, paused: bool, now_ms: i64) -> Result<Schedule> {
         validate_id("schedule_id", schedule_id)?;
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let lock_one = st.get(&mut tx, "SELECT 1 FROM {s}.schedules WHERE schedule_id = $1 FOR UPDATE")?;
         tx.query(&lock_one, &[&schedule_id]).db()?;
         let schedule = existing(&mut tx, st, schedule_id)?;
@@ -163,7 +163,7 @@ impl ScheduleStore for PgWorkflows {
         tx.execute(&update, &[&schedule_id, &paused, &next, &now_ms]).db()?;
         let schedule = existing(&mut tx, st, schedule_id)?;
         crash::hit("workflow.operator.before_commit");
-        tx.commit().db()?;
+        gate.commit(tx)?;
         Ok(schedule)
     }
 
@@ -192,7 +192,7 @@ impl ScheduleStore for PgWorkflows {
         }
         validate_starts(&plan.starts, now_ms)?;
         let st = self.statements.get_mut();
-        let mut tx = self.apply.client_get_mut().transaction().db()?;
+        let (mut tx, gate) = self.apply.write_transaction()?;
         let moved = st.get(
             &mut tx,
             "UPDATE {s}.schedules SET next_tick_at_ms = $3, ticks_started = ticks_started + $4,
@@ -220,7 +220,7 @@ impl ScheduleStore for PgWorkflows {
         }
         let outcomes = start_in(&mut tx, st, &plan.starts, now_ms)?;
         crash::hit("workflow.start.before_commit");
-        tx.commit().db()?;
+        gate.commit(tx)?;
         // A tick whose run id another run took is answered `conflict` in the outcomes: passed
         // over, the schedule goes on.
         Ok(Fired::Fired(outcomes))

@@ -4,15 +4,11 @@
 
 use rusqlite::{params, TransactionBehavior};
 use tidemark_core::error::codes;
-use tidemark_core::id::validate_id;
-use tidemark_core::workflow::{
-    is_child_event, is_store_event_id, validate_json_size, RunDetail, RunStatus, StartRequest, RUN_STEPS_MAX,
-    STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
-};
+use tidemark_core::workflow::{RunDetail, StartRequest};
 use tidemark_core::{Error, Result};
 
 use super::rows::{self, json_text};
-use super::{clip_error, invalid_arg, SqliteWorkflows};
+use super::{clip_error, SqliteWorkflows};
 use crate::SqlResult;
 
 impl SqliteWorkflows {
@@ -29,10 +25,10 @@ impl SqliteWorkflows {
     /// attempts or events of another run or of a position the journal does not hold
     /// (`invalid_argument`, `payload_too_large`).
     pub fn import_run(&mut self, detail: &RunDetail, now_ms: i64) -> Result<()> {
-        validate_detail(detail)?;
+        detail.validate_import()?;
         let run = &detail.run;
         let request = StartRequest::new(&run.run_id, &run.workflow, run.version, run.input.clone());
-        let status = if run.status == RunStatus::Compensating { RunStatus::Compensating } else { RunStatus::Pending };
+        let status = detail.import_status();
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).db()?;
         if rows::load_run(&tx, &run.run_id)?.is_some() {
             return Err(Error::invalid(codes::ALREADY_EXISTS, format!("run {:?} already exists", run.run_id)));
@@ -122,50 +118,6 @@ impl SqliteWorkflows {
         tx.commit().db()?;
         Ok(())
     }
-}
-
-/// Everything checked before the transaction begins.
-fn validate_detail(detail: &RunDetail) -> Result<()> {
-    let run = &detail.run;
-    StartRequest::new(&run.run_id, &run.workflow, run.version, run.input.clone()).validate()?;
-    for (position, entry) in detail.journal.iter().enumerate() {
-        if entry.seq as usize != position || entry.seq >= RUN_STEPS_MAX {
-            return Err(invalid_arg(format!(
-                "the journal of run {:?} must hold positions 0, 1, 2, ... in order (below {RUN_STEPS_MAX}); \
-                 entry {position} is at position {}",
-                run.run_id, entry.seq
-            )));
-        }
-        validate_id("step name", &entry.name)?;
-        if let Some(output) = &entry.output {
-            validate_json_size("a step output", output, STEP_OUTPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-        }
-    }
-    let positions = detail.journal.len();
-    for attempt in &detail.attempts {
-        if attempt.seq as usize >= positions || attempt.attempt == 0 {
-            return Err(invalid_arg(format!(
-                "attempt {} at position {} of run {:?} is not of a journaled step (attempts count from 1)",
-                attempt.attempt, attempt.seq, run.run_id
-            )));
-        }
-    }
-    for event in &detail.events {
-        if !is_store_event_id(&event.event_id) {
-            validate_id("event_id", &event.event_id)?;
-        }
-        if !is_child_event(&event.name) {
-            validate_id("event name", &event.name)?;
-        }
-        if event.consumed_by_seq.is_some_and(|seq| seq as usize >= positions) {
-            return Err(invalid_arg(format!(
-                "event {:?} of run {:?} is consumed by a position the journal does not hold",
-                event.event_id, run.run_id
-            )));
-        }
-        validate_json_size("an event payload", &event.payload, WORKFLOW_INPUT_BYTES_MAX, codes::PAYLOAD_TOO_LARGE)?;
-    }
-    Ok(())
 }
 
 #[cfg(test)]
