@@ -67,11 +67,36 @@ impl TestDb {
     }
 }
 
+/// Drop `schema`; a session that still holds a lock in it after 5 s (a transaction a store left
+/// open, or a store of the test not dropped yet) is terminated first, and its pids returned, so
+/// that a leak fails the test instead of hanging it.
+fn drop_schema(client: &mut Client, schema: &str) -> Vec<i32> {
+    let drop = format!("SET lock_timeout = '5s'; DROP SCHEMA IF EXISTS \"{schema}\" CASCADE");
+    if client.batch_execute(&drop).is_ok() {
+        return Vec::new();
+    }
+    let holders: Vec<i32> = client
+        .query(
+            "SELECT DISTINCT l.pid, pg_terminate_backend(l.pid) FROM pg_locks l
+             JOIN pg_class c ON c.oid = l.relation JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = $1 AND l.pid <> pg_backend_pid()",
+            &[&schema],
+        )
+        .map(|rows| rows.iter().map(|row| row.get(0)).collect())
+        .unwrap_or_default();
+    let _ = client.batch_execute(&drop);
+    holders
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
+        let mut leaks = Vec::new();
         if let Ok(mut client) = Client::connect(&self.conn, NoTls) {
             for schema in self.made.borrow().iter() {
-                let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE"));
+                let holders = drop_schema(&mut client, schema);
+                if !holders.is_empty() {
+                    leaks.push(format!("{schema}: sessions {holders:?}"));
+                }
             }
         }
         // A database the test made goes whole (with the schemas in it).
@@ -79,6 +104,9 @@ impl Drop for TestDb {
             for database in self.databases.borrow().iter() {
                 let _ = client.batch_execute(&format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)"));
             }
+        }
+        if !leaks.is_empty() && !std::thread::panicking() {
+            panic!("a session still held locks in the test's schemas when the test ended (a transaction left open?): {leaks:?}");
         }
     }
 }

@@ -26,10 +26,12 @@ const LEASE_MS: i64 = 1_000;
 
 type Op = JournalOp<ApplyTransaction>;
 
+/// The store first: fields drop in order, so its connection is closed before `db` drops the
+/// schema.
 struct Db {
+    store: PgWorkflows,
     db: TestDb,
     schema: String,
-    store: PgWorkflows,
 }
 
 impl Db {
@@ -48,7 +50,7 @@ impl Db {
 fn open(db: TestDb) -> Db {
     let schema = db.schema("wf");
     let store = PgWorkflows::init(&db.conn, &schema).unwrap();
-    Db { db, schema, store }
+    Db { store, db, schema }
 }
 
 macro_rules! db {
