@@ -6,7 +6,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark::prelude::*;
 use tidemark::testing::{
@@ -14,37 +13,16 @@ use tidemark::testing::{
 };
 use tidemark::workflow::StepStatus;
 
+mod kit_shared;
+use kit_shared::{
+    appends_a_receipt, external, notify, reorders_the_steps, reserve_then_charge, stops_early, FakePayments, Order,
+};
+
 // ---------------------------------------------------------------------------------------------
 // A correct saga: stock reserved in the workflow database, a card charged by a fake payment
 // service that fails the first call of every key (so every charge retries), an hour's sleep, a
 // child that e-mails, and the compensation of the reservation when the card is declined.
 // ---------------------------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Order {
-    order_id: String,
-    amount: i64,
-}
-
-/// The fake payment service: a charge per idempotency key (a repeat of a key is answered as the
-/// first call was), the first call of each key fails as a timeout would.
-#[derive(Clone)]
-struct FakePayments {
-    effects: Effects,
-}
-
-impl FakePayments {
-    async fn charge(&self, order: &Order, key: &str) -> Result<String, StepFailure> {
-        let repeat = self.effects.record(&format!("charge {}", order.order_id), key);
-        if order.amount > 1_000 {
-            return Err(StepFailure::permanent("the card was declined"));
-        }
-        if !repeat {
-            return Err(StepFailure::retryable("the payment service timed out"));
-        }
-        Ok(format!("ch_{key}"))
-    }
-}
 
 fn quick_retries() -> RetryPolicy {
     RetryPolicy { max_attempts: 3, ..RetryPolicy::default() }
@@ -88,20 +66,6 @@ fn order_saga(payments: FakePayments) -> Workflow {
             ctx.sleep(Duration::from_secs(3_600)).await?;
             let mail: String = ctx.child("notify", &json!({"order_id": order.order_id})).await?;
             Ok(json!({"charge": charge, "placed_at": placed_at, "mail": mail}))
-        }
-    })
-}
-
-fn notify(effects: Effects) -> Workflow {
-    tidemark::workflow("notify", 1, move |ctx: Context, input: Value| {
-        let effects = effects.clone();
-        async move {
-            let order_id = input["order_id"].as_str().unwrap_or_default().to_string();
-            ctx.step("email", None, move |key| async move {
-                effects.record(&format!("email {order_id}"), &key);
-                Ok(format!("mail_{key}"))
-            })
-            .await
         }
     })
 }
@@ -156,10 +120,6 @@ fn a_compensating_saga_passes_at_every_boundary() {
 // ---------------------------------------------------------------------------------------------
 // Wrong workflows, each caught.
 // ---------------------------------------------------------------------------------------------
-
-fn external(name: &'static str) -> impl FnOnce(String) -> std::future::Ready<Result<String, StepFailure>> {
-    move |key| std::future::ready(Ok(format!("{name}:{key}")))
-}
 
 #[test]
 fn branching_on_the_live_clock_is_a_non_deterministic_replay() {
@@ -381,30 +341,6 @@ fn bad_configuration_is_a_typed_error() {
 // ---------------------------------------------------------------------------------------------
 // Recorded journals replayed against new code.
 // ---------------------------------------------------------------------------------------------
-
-async fn reserve_then_charge(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("reserve", None, external("reserve")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    ctx.step("charge", None, external("charge")).await
-}
-
-async fn appends_a_receipt(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("reserve", None, external("reserve")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    let charge = ctx.step("charge", None, external("charge")).await?;
-    ctx.step("receipt", None, external("receipt")).await?; // new, after every recorded position
-    Ok(charge)
-}
-
-async fn reorders_the_steps(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("charge", None, external("charge")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    ctx.step("reserve", None, external("reserve")).await
-}
-
-async fn stops_early(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("reserve", None, external("reserve")).await
-}
 
 /// Journals recorded by the first code: one finished run, and one caught in its sleep (as a
 /// production run in flight is), as `GET /v1/runs/{id}` gives them.

@@ -9,12 +9,14 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark::postgres::{ApplyTransaction, Context, Migration, PgWorkflows, Workflow};
 use tidemark::prelude::{RetryPolicy, RunStatus, StepFailure};
 use tidemark::testing::{CrashTest, Effects, FindingKind, ReplayCheck, Report, CLOCK_START_MS};
 use tidemark::workflow::{StepStatus, WorkflowError};
+
+mod kit_shared;
+use kit_shared::{appends_a_receipt, external, notify, reorders_the_steps, reserve_then_charge, FakePayments, Order};
 
 /// The test server's URL, or `None` after saying why the test is skipped.
 fn server() -> Option<String> {
@@ -63,30 +65,6 @@ fn crash_test(url: &str, test: CrashTest<PgWorkflows>) -> Report {
 // declined.
 // ---------------------------------------------------------------------------------------------
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Order {
-    order_id: String,
-    amount: i64,
-}
-
-#[derive(Clone)]
-struct FakePayments {
-    effects: Effects,
-}
-
-impl FakePayments {
-    async fn charge(&self, order: &Order, key: &str) -> Result<String, StepFailure> {
-        let repeat = self.effects.record(&format!("charge {}", order.order_id), key);
-        if order.amount > 1_000 {
-            return Err(StepFailure::permanent("the card was declined"));
-        }
-        if !repeat {
-            return Err(StepFailure::retryable("the payment service timed out"));
-        }
-        Ok(format!("ch_{key}"))
-    }
-}
-
 fn stock_table() -> Migration {
     Migration::sql(
         "0001_reservations",
@@ -133,20 +111,6 @@ fn order_saga(payments: FakePayments) -> Workflow {
             ctx.sleep(Duration::from_secs(3_600)).await?;
             let mail: String = ctx.child("notify", &json!({"order_id": order.order_id})).await?;
             Ok(json!({"charge": charge, "placed_at": placed_at, "mail": mail}))
-        }
-    })
-}
-
-fn notify(effects: Effects) -> Workflow {
-    Workflow::new("notify", 1, move |ctx: Context, input: Value| {
-        let effects = effects.clone();
-        async move {
-            let order_id = input["order_id"].as_str().unwrap_or_default().to_string();
-            ctx.step("email", None, move |key| async move {
-                effects.record(&format!("email {order_id}"), &key);
-                Ok(format!("mail_{key}"))
-            })
-            .await
         }
     })
 }
@@ -200,10 +164,6 @@ fn on_postgres_a_compensating_saga_passes_at_every_boundary() {
 // ---------------------------------------------------------------------------------------------
 // Wrong workflows, each caught on PostgreSQL too.
 // ---------------------------------------------------------------------------------------------
-
-fn external(name: &'static str) -> impl FnOnce(String) -> std::future::Ready<Result<String, StepFailure>> {
-    move |key| std::future::ready(Ok(format!("{name}:{key}")))
-}
 
 #[test]
 fn on_postgres_branching_on_the_live_clock_is_a_non_deterministic_replay() {
@@ -294,26 +254,6 @@ fn on_postgres_a_crash_test_without_a_database_is_an_invalid_argument() {
 // ---------------------------------------------------------------------------------------------
 // Recorded journals replayed against new code, in a throwaway schema.
 // ---------------------------------------------------------------------------------------------
-
-async fn reserve_then_charge(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("reserve", None, external("reserve")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    ctx.step("charge", None, external("charge")).await
-}
-
-async fn appends_a_receipt(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("reserve", None, external("reserve")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    let charge = ctx.step("charge", None, external("charge")).await?;
-    ctx.step("receipt", None, external("receipt")).await?;
-    Ok(charge)
-}
-
-async fn reorders_the_steps(ctx: Context, _: Value) -> Result<String, WorkflowError> {
-    ctx.step("charge", None, external("charge")).await?;
-    ctx.sleep(Duration::from_secs(86_400)).await?;
-    ctx.step("reserve", None, external("reserve")).await
-}
 
 #[test]
 fn on_postgres_a_recorded_journal_replays_on_code_that_appends_and_not_on_code_that_reorders() {

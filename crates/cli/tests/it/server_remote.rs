@@ -123,23 +123,7 @@ fn events_cross_to_another_server_over_http_exactly_once_across_a_sigkill_of_the
 
         // Round 2: the receiver is killed with SIGKILL while events are on their way, then
         // restarted where the sender expects it. Every event arrives once, in order per flow.
-        let writer = {
-            let (base, token) = (orders.base.clone(), orders_token.clone());
-            std::thread::spawn(move || {
-                let client = reqwest::blocking::Client::new();
-                for round in 0..10 {
-                    for f in 0..FLOWS {
-                        let response = client
-                            .post(format!("{base}/v1/streams/parcel-{f}/events"))
-                            .bearer_auth(&token)
-                            .json(&json!({"event_type": "parcel.noted", "payload": {"round": round}}))
-                            .send()
-                            .expect("orders answers");
-                        assert_eq!(response.status().as_u16(), 200);
-                    }
-                }
-            })
-        };
+        let writer = stream_writer(&orders, &orders_token, 10, Duration::ZERO);
         ship.wait_for(WAIT, |s| (applied(s, &ship_token).len() > FLOWS * 3 + 10).then_some(()));
         ship.kill9();
         // While it is down, the lane reports what failed.
@@ -1419,8 +1403,8 @@ fn pipe(
 }
 
 /// A thread that appends `rounds` stream events on each of `FLOWS` flows of `orders`
-/// (`parcel-<f>`, one round every 50 ms).
-fn stream_writer(orders: &Server, token: &str, rounds: usize) -> std::thread::JoinHandle<()> {
+/// (`parcel-<f>`, `pause` between rounds).
+fn stream_writer(orders: &Server, token: &str, rounds: usize, pause: Duration) -> std::thread::JoinHandle<()> {
     let (base, token) = (orders.base.clone(), token.to_string());
     std::thread::spawn(move || {
         let client = reqwest::blocking::Client::new();
@@ -1434,7 +1418,7 @@ fn stream_writer(orders: &Server, token: &str, rounds: usize) -> std::thread::Jo
                     .expect("orders answers");
                 assert_eq!(response.status().as_u16(), 200);
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(pause);
         }
     })
 }
@@ -1451,7 +1435,7 @@ fn produce_through_a_flapping_network(
     flaps: usize,
     dwell: Duration,
 ) -> usize {
-    let writer = stream_writer(orders, token, rounds);
+    let writer = stream_writer(orders, token, rounds, Duration::from_millis(50));
     for _ in 0..flaps {
         for wire in [Wire::LoseAnswers, Wire::Pass, Wire::Cut, Wire::Pass, Wire::BlackHole, Wire::Pass] {
             proxy.set(wire);
@@ -1692,7 +1676,7 @@ fn events_reach_kafka_without_loss_and_in_order_across_a_broker_that_goes_down_a
 
         // About 200 ms a round: the writer goes on through every flap.
         let rounds = 30;
-        let writer = stream_writer(&orders, &admin, rounds);
+        let writer = stream_writer(&orders, &admin, rounds, Duration::from_millis(50));
         for _ in 0..4 {
             std::thread::sleep(Duration::from_millis(300));
             cluster.broker_down(1).expect("broker down");
