@@ -116,7 +116,9 @@ pub struct WorkerReport {
     pub errors: u64,
     /// The message of the last such error.
     pub last_error: Option<String>,
-    /// The most runs this worker had in flight at once.
+    /// The most runs this worker had in flight at once, children included: a child started by
+    /// a run of this worker runs in its waiting parent's slot, so this may exceed the worker's
+    /// `concurrency` (which bounds the slots, not the runs in them).
     pub max_in_flight: usize,
     /// Runs of workflows or versions this worker does not have (never run; left for others).
     pub unclaimable: Vec<UnclaimableRuns>,
