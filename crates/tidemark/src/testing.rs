@@ -160,10 +160,13 @@ pub trait KitStore: WorkflowStore + Sized + 'static {
     fn kit_init(sandbox: &mut Self::Sandbox, name: &str) -> Result<Self>;
     #[doc(hidden)]
     fn kit_open(location: &Self::Location) -> Result<Self>;
-    /// Copy the closed store `from` to a new store `to`; false when this store cannot (each
-    /// execution's store is then prepared anew).
+    /// Whether a closed store can be copied ([`KitStore::kit_copy`]); else each execution's
+    /// store is prepared anew.
     #[doc(hidden)]
-    fn kit_copy(sandbox: &mut Self::Sandbox, from: &str, to: &str) -> Result<bool>;
+    const KIT_COPIES: bool;
+    /// Copy the closed store `from` to a new store `to` (where [`KitStore::KIT_COPIES`]).
+    #[doc(hidden)]
+    fn kit_copy(sandbox: &mut Self::Sandbox, from: &str, to: &str) -> Result<()>;
     #[doc(hidden)]
     fn kit_remove(sandbox: &mut Self::Sandbox, name: &str);
     #[doc(hidden)]
@@ -184,6 +187,7 @@ impl KitStore for SqliteWorkflows {
     type Migration = tidemark_store_sqlite::Migration;
     type Sandbox = tempfile::TempDir;
     type Location = PathBuf;
+    const KIT_COPIES: bool = true;
 
     fn kit_sandbox(_database: Option<&str>) -> Result<tempfile::TempDir> {
         tempfile::Builder::new()
@@ -204,11 +208,11 @@ impl KitStore for SqliteWorkflows {
         SqliteWorkflows::open_with(path, Durability::Normal)
     }
 
-    fn kit_copy(dir: &mut tempfile::TempDir, from: &str, to: &str) -> Result<bool> {
+    fn kit_copy(dir: &mut tempfile::TempDir, from: &str, to: &str) -> Result<()> {
         // Closed: its last connection checkpointed the WAL into the file.
         let (from, to) = (Self::kit_location(dir, from), Self::kit_location(dir, to));
         std::fs::copy(&from, to).map_err(|e| Error::io(format!("cannot copy {}: {e}", from.display())))?;
-        Ok(true)
+        Ok(())
     }
 
     fn kit_remove(dir: &mut tempfile::TempDir, name: &str) {
@@ -275,6 +279,8 @@ impl KitStore for PgWorkflows {
     type Migration = tidemark_store_postgres::Migration;
     type Sandbox = PgSandbox;
     type Location = (String, String);
+    /// A schema cannot be copied as a file is.
+    const KIT_COPIES: bool = false;
 
     fn kit_sandbox(database: Option<&str>) -> Result<PgSandbox> {
         static SANDBOXES: AtomicI64 = AtomicI64::new(0);
@@ -302,8 +308,8 @@ impl KitStore for PgWorkflows {
         PgWorkflows::open(url, schema)
     }
 
-    fn kit_copy(_: &mut PgSandbox, _: &str, _: &str) -> Result<bool> {
-        Ok(false)
+    fn kit_copy(_: &mut PgSandbox, _: &str, _: &str) -> Result<()> {
+        Err(Error::Invariant("a PostgreSQL schema is not copied".into()))
     }
 
     fn kit_remove(sandbox: &mut PgSandbox, name: &str) {
@@ -1098,8 +1104,6 @@ struct Env<'a, S: KitStore> {
     /// events sent) copied for each execution where the store can be copied, and the
     /// executions' stores.
     sandbox: S::Sandbox,
-    /// Whether [`TEMPLATE`] is kept to be copied (else each execution prepares its own store).
-    copies: bool,
     /// Tables that are not the user's.
     own_tables: BTreeSet<String>,
     executions: u32,
@@ -1155,7 +1159,6 @@ impl<'a, S: KitStore> Env<'a, S> {
             events,
             own_tables: BTreeSet::new(),
             sandbox,
-            copies: false,
             executions: 0,
             runtime: runtime()?,
         };
@@ -1165,10 +1168,8 @@ impl<'a, S: KitStore> Env<'a, S> {
             env.own_tables.insert("user_migrations".to_string());
             env.prepare(&mut store)?;
         }
-        env.copies = S::kit_copy(&mut env.sandbox, TEMPLATE, "copy_check")?;
-        if env.copies {
-            S::kit_remove(&mut env.sandbox, "copy_check");
-        } else {
+        if !S::KIT_COPIES {
+            // Made to read the tables and check the preparation: each execution makes its own.
             S::kit_remove(&mut env.sandbox, TEMPLATE);
         }
         Ok(env)
@@ -1192,7 +1193,9 @@ impl<'a, S: KitStore> Env<'a, S> {
     fn execute(&mut self, schedule: &[u32]) -> Result<Outcome> {
         self.executions += 1;
         let name = format!("execution_{}", self.executions);
-        if !(self.copies && S::kit_copy(&mut self.sandbox, TEMPLATE, &name)?) {
+        if S::KIT_COPIES {
+            S::kit_copy(&mut self.sandbox, TEMPLATE, &name)?;
+        } else {
             let mut store = S::kit_init(&mut self.sandbox, &name)?;
             self.prepare(&mut store)?;
         }
