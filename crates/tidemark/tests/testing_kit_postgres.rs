@@ -11,12 +11,15 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tidemark::postgres::{ApplyTransaction, Context, Migration, PgWorkflows, Workflow};
-use tidemark::prelude::{RetryPolicy, RunStatus, StepFailure};
-use tidemark::testing::{CrashTest, Effects, FindingKind, ReplayCheck, Report, CLOCK_START_MS};
-use tidemark::workflow::{StepStatus, WorkflowError};
+use tidemark::prelude::{RetryPolicy, StepFailure};
+use tidemark::testing::{CrashTest, Effects, FindingKind, ReplayCheck, Report};
+use tidemark::workflow::WorkflowError;
 
 mod kit_shared;
-use kit_shared::{appends_a_receipt, external, notify, reorders_the_steps, reserve_then_charge, FakePayments, Order};
+use kit_shared::{
+    appends_a_receipt, assert_the_saga_compensated_at_every_boundary, assert_the_saga_completed_at_every_boundary,
+    branches_on_the_live_clock, external, notify, reorders_the_steps, reserve_then_charge, FakePayments, Order,
+};
 
 /// The test server's URL, or `None` after saying why the test is skipped.
 fn server() -> Option<String> {
@@ -130,15 +133,8 @@ fn on_postgres_a_correct_saga_passes_at_every_boundary() {
     let effects = Effects::new();
     let report = crash_test(&url, saga_test(&effects, 500));
     println!("{report}");
-    report.assert_ok();
-    assert!(report.boundaries >= 8, "{report}");
-    assert_eq!(report.boundary_schedules, report.boundaries, "{report}");
+    assert_the_saga_completed_at_every_boundary(&report);
     assert_eq!(report.random_schedules, 4, "{report}");
-    let statuses: Vec<(&str, RunStatus)> = report.runs.iter().map(|d| (d.run.run_id.as_str(), d.run.status)).collect();
-    assert_eq!(statuses, vec![("kit-run", RunStatus::Completed), ("kit-run.4", RunStatus::Completed)], "{report}");
-    // A crash between a charge and its attempt's commit repeats it with its key: a note.
-    let notes: Vec<_> = report.of_kind(FindingKind::RetriedWithSameKey).collect();
-    assert!(notes.iter().any(|n| n.step.as_deref() == Some("charge")), "{report}");
 }
 
 #[test]
@@ -146,19 +142,7 @@ fn on_postgres_a_compensating_saga_passes_at_every_boundary() {
     let Some(url) = server() else { return };
     let effects = Effects::new();
     let report = crash_test(&url, saga_test(&effects, 5_000).random_schedules(0));
-    report.assert_ok();
-    let run = &report.runs[0];
-    assert_eq!(run.run.status, RunStatus::Compensated, "{report}");
-    let steps: Vec<(&str, StepStatus)> = run.journal.iter().map(|e| (e.name.as_str(), e.status)).collect();
-    assert_eq!(
-        steps,
-        vec![
-            ("reserve", StepStatus::Completed),
-            ("now", StepStatus::Completed),
-            ("charge", StepStatus::Failed),
-            ("release", StepStatus::Completed)
-        ]
-    );
+    assert_the_saga_compensated_at_every_boundary(&report);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -168,13 +152,7 @@ fn on_postgres_a_compensating_saga_passes_at_every_boundary() {
 #[test]
 fn on_postgres_branching_on_the_live_clock_is_a_non_deterministic_replay() {
     let Some(url) = server() else { return };
-    let workflow = Workflow::new("late", 1, |ctx: Context, _: Value| async move {
-        ctx.step("reserve", None, external("reserve")).await?;
-        let expired = ctx.live_clock_ms() > CLOCK_START_MS + 60_000;
-        ctx.step(if expired { "expire" } else { "charge" }, None, external("next")).await?;
-        ctx.step("ship", None, external("ship")).await
-    });
-    let report = crash_test(&url, CrashTest::new(workflow).random_schedules(0));
+    let report = crash_test(&url, CrashTest::new(branches_on_the_live_clock::<PgWorkflows>()).random_schedules(0));
     let found: Vec<_> = report.of_kind(FindingKind::NonDeterministicReplay).collect();
     assert!(!found.is_empty() && found.iter().all(|f| !f.crashes.is_empty()), "{report}");
     assert!(found.iter().any(|f| f.step.as_deref() == Some("expire")), "{report}");

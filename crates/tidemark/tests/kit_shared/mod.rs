@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use tidemark::prelude::StepFailure;
-use tidemark::testing::Effects;
-use tidemark::workflow::{Workflow, WorkflowContext, WorkflowError, WorkflowStore};
+use tidemark::prelude::{RunStatus, StepFailure};
+use tidemark::testing::{Effects, FindingKind, Report};
+use tidemark::workflow::{StepStatus, Workflow, WorkflowContext, WorkflowError, WorkflowStore};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Order {
@@ -106,4 +106,52 @@ where
     S::Target: 'static,
 {
     ctx.step("reserve", None, external("reserve")).await
+}
+
+/// A deadline checked on the live clock: after a crash the recovered run reads a later time and
+/// takes the other branch.
+pub fn branches_on_the_live_clock<S: WorkflowStore + 'static>() -> Workflow<S>
+where
+    S::Target: 'static,
+{
+    Workflow::new("late", 1, |ctx: WorkflowContext<S>, _: Value| async move {
+        ctx.step("reserve", None, external("reserve")).await?;
+        let expired = ctx.live_clock_ms() > tidemark::testing::CLOCK_START_MS + 60_000;
+        let next = if expired { "expire" } else { "charge" };
+        ctx.step(next, None, external("next")).await?;
+        ctx.step("ship", None, external("ship")).await
+    })
+}
+
+/// What both stores' kit reports of the order saga that completes show: every boundary crashed
+/// in turn, the run completed with its child, and a charge repeated with its key after a crash
+/// before its attempt's commit (a note, not a problem).
+pub fn assert_the_saga_completed_at_every_boundary(report: &Report) {
+    report.assert_ok();
+    // Claim, reserve, the charge's failed attempt and its suspension, ..., the child's own
+    // commits, the end: every one of them was crashed in turn.
+    assert!(report.boundaries >= 8, "{report}");
+    assert_eq!(report.boundary_schedules, report.boundaries, "{report}");
+    // The crash-free run completed with its child, an hour's sleep passing on the kit's clock.
+    let statuses: Vec<(&str, RunStatus)> = report.runs.iter().map(|d| (d.run.run_id.as_str(), d.run.status)).collect();
+    assert_eq!(statuses, vec![("kit-run", RunStatus::Completed), ("kit-run.4", RunStatus::Completed)], "{report}");
+    let notes: Vec<_> = report.of_kind(FindingKind::RetriedWithSameKey).collect();
+    assert!(notes.iter().any(|n| n.step.as_deref() == Some("charge")), "{report}");
+}
+
+/// What both stores' kit reports of the declined order show: compensated at every boundary.
+pub fn assert_the_saga_compensated_at_every_boundary(report: &Report) {
+    report.assert_ok();
+    let run = &report.runs[0];
+    assert_eq!(run.run.status, RunStatus::Compensated, "{report}");
+    let steps: Vec<(&str, StepStatus)> = run.journal.iter().map(|e| (e.name.as_str(), e.status)).collect();
+    assert_eq!(
+        steps,
+        vec![
+            ("reserve", StepStatus::Completed),
+            ("now", StepStatus::Completed),
+            ("charge", StepStatus::Failed),
+            ("release", StepStatus::Completed)
+        ]
+    );
 }
