@@ -237,7 +237,8 @@ pub trait ProducerStore {
     fn subscribe(&mut self, subscription: &Subscription, from_start: bool, now_ms: i64) -> Result<u64>;
     /// Every subscriber, by consumer id.
     fn subscriptions(&self) -> Result<Vec<Subscription>>;
-    /// Pending deliveries due at `now_ms`, oldest first, at most `limit`. With `event_id`, only
+    /// Pending deliveries due at `now_ms`, in outbox order (position, then subscriber), at most
+    /// `limit`. With `event_id`, only
     /// that event's pending or quarantined deliveries, due or not (explicit choice). With
     /// `consumers`, only deliveries to those subscribers (a relay lane serves one endpoint's
     /// subscribers, so that another endpoint's backlog never fills its window).
@@ -248,14 +249,31 @@ pub trait ProducerStore {
         event_id: Option<&str>,
         consumers: Option<&[String]>,
     ) -> Result<Vec<Delivery>>;
+    /// What a relay pass hands over (docs/protocol.md, "Relay"): of the `query.window`
+    /// candidates `due_deliveries` would return, those not `query.in_flight`, and of them
+    /// `query.pick` chosen by [`round_robin`] across flows. The default reads the candidates'
+    /// envelopes and drops what is not picked; a store may read the candidates' keys first and
+    /// only the picked envelopes (SQLite does), with the same answer.
+    fn pick_due(&mut self, query: &DueQuery<'_>) -> Result<Vec<Delivery>> {
+        let mut candidates = self.due_deliveries(query.now_ms, query.window, None, query.consumers)?;
+        if !query.in_flight.is_empty() {
+            let skip: std::collections::HashSet<(i64, &str)> =
+                query.in_flight.iter().map(|(p, c)| (*p, c.as_str())).collect();
+            candidates.retain(|d| !skip.contains(&(d.position, d.consumer_id.as_str())));
+        }
+        Ok(round_robin(candidates, query.pick, |d| (d.envelope.source.as_str(), d.envelope.flow_id.as_str())))
+    }
     /// The deliveries of `batch` (as `due_deliveries` returned them) that would overtake an
     /// earlier event of their flow: an earlier event of the same flow whose delivery to the same
     /// subscriber is still open (pending, due or backing off, or quarantined) and not in `batch`.
     /// As (position, consumer id). A relay lane to an endpoint that keeps arrival order (a
     /// broker) holds them back, so that each flow reaches it in seq order (docs/protocol.md,
-    /// "Order in a broker"). Default: none (a store that cannot tell).
-    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
-        let _ = batch;
+    /// "Order in a broker"). `in_flight` (position, consumer id) are deliveries handed over
+    /// before `batch` whose verdicts are not recorded yet: they do not count as open either (a
+    /// lane hands `batch` over only once every one of them is in the endpoint's custody).
+    /// Default: none (a store that cannot tell).
+    fn overtaking(&mut self, batch: &[Delivery], in_flight: &[(i64, String)]) -> Result<Vec<(i64, String)>> {
+        let _ = (batch, in_flight);
         Ok(Vec::new())
     }
     /// Record the relay's verdicts in one transaction.
@@ -295,17 +313,79 @@ pub trait ProducerStore {
     fn snapshot(&self, rows_max: usize) -> Result<ProducerSnapshot>;
 }
 
+/// One relay pass's read ([`ProducerStore::pick_due`]).
+#[derive(Debug, Clone, Copy)]
+pub struct DueQuery<'a> {
+    /// The time deliveries must be due by.
+    pub now_ms: i64,
+    /// The candidates considered: the `window` smallest (position, subscriber) keys,
+    /// as [`ProducerStore::due_deliveries`] orders them (at most four times
+    /// `RELAY_BATCH_EVENTS_MAX`, else `limit_exceeded`).
+    pub window: usize,
+    /// The deliveries picked among them, at most.
+    pub pick: usize,
+    /// Only these subscribers' deliveries (`None`: every subscriber's).
+    pub consumers: Option<&'a [String]>,
+    /// Deliveries handed over whose verdicts are not recorded yet (position, consumer id): left
+    /// out of the candidates.
+    pub in_flight: &'a [(i64, String)],
+}
+
+/// Pick up to `limit` of `items` round-robin across flows (`flow` names an item's source and
+/// flow), keeping each flow's own order: the first item of every flow in the order flows first
+/// appear, then the second of each, and so on. A pure function, so fairness is testable
+/// without a store.
+pub fn round_robin<T>(items: Vec<T>, limit: usize, flow: impl for<'a> Fn(&'a T) -> (&'a str, &'a str)) -> Vec<T> {
+    // One queue per flow, in the order flows first appear (a hash map finds a flow's queue, so
+    // building is linear in the items).
+    let total = items.len();
+    let mut index: std::collections::HashMap<(&str, &str), usize> = std::collections::HashMap::new();
+    let mut slots: Vec<usize> = Vec::with_capacity(items.len());
+    for item in &items {
+        let next = index.len();
+        slots.push(*index.entry(flow(item)).or_insert(next));
+    }
+    let flows = index.len();
+    drop(index);
+    let mut queues: Vec<std::collections::VecDeque<T>> =
+        (0..flows).map(|_| std::collections::VecDeque::new()).collect();
+    for (item, slot) in items.into_iter().zip(slots) {
+        queues[slot].push_back(item);
+    }
+    let mut picked = Vec::with_capacity(limit.min(total));
+    while picked.len() < limit {
+        let mut progressed = false;
+        for queue in &mut queues {
+            if picked.len() == limit {
+                break;
+            }
+            if let Some(item) = queue.pop_front() {
+                picked.push(item);
+                progressed = true;
+            }
+        }
+        if !progressed {
+            break;
+        }
+    }
+    picked
+}
+
 /// [`ProducerStore::overtaking`] from the open deliveries a store read: `open` holds (consumer
 /// id, position, flow id, seq) of deliveries still open (pending or quarantined), at least every
 /// one of the batch's subscribers below the batch's highest position for that subscriber; those
-/// in `batch` do not count. A delivery of `batch` overtakes when an open one of its subscriber
-/// and flow outside the batch has a lower seq.
+/// in `batch` or `in_flight` do not count. A delivery of `batch` overtakes when an open one of
+/// its subscriber and flow outside the batch has a lower seq.
 pub fn overtaking_of(
     batch: &[Delivery],
+    in_flight: &[(i64, String)],
     open: impl IntoIterator<Item = (String, i64, String, i64)>,
 ) -> Vec<(i64, String)> {
-    let in_batch: std::collections::HashSet<(i64, &str)> =
-        batch.iter().map(|d| (d.position, d.consumer_id.as_str())).collect();
+    let in_batch: std::collections::HashSet<(i64, &str)> = batch
+        .iter()
+        .map(|d| (d.position, d.consumer_id.as_str()))
+        .chain(in_flight.iter().map(|(position, consumer_id)| (*position, consumer_id.as_str())))
+        .collect();
     let mut lowest: std::collections::HashMap<(String, String), i64> = std::collections::HashMap::new();
     for (consumer_id, position, flow_id, seq) in open {
         if in_batch.contains(&(position, consumer_id.as_str())) {

@@ -18,7 +18,7 @@ pub mod relay;
 pub mod workflow;
 
 pub use relay::{
-    answers_of, group_by_endpoint, in_flow_order, judge, plan, relay_once, relay_until_idle, round_robin,
+    answers_of, group_by_endpoint, in_flow_order, judge, plan, plan_ahead, relay_once, relay_until_idle, round_robin,
     EndpointAnswer, RelayAnswer, RelayOptions, RelayReport,
 };
 

@@ -6,14 +6,16 @@
 //! unreachable consumer, is retried with exponential backoff and jitter and, after
 //! `max_attempts`, quarantined for an operator. Never acked.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 
 use serde::Serialize;
 use tidemark_core::crash;
 use tidemark_core::id::validate_limit;
 use tidemark_core::limits::RELAY_BATCH_EVENTS_MAX;
 use tidemark_core::policy::RelayPolicy;
-use tidemark_core::store::{Delivery, DeliveryResult, DeliveryVerdict, Endpoints, ProducerStore, ReceiveOutcome};
+use tidemark_core::store::{
+    Delivery, DeliveryResult, DeliveryVerdict, DueQuery, Endpoints, ProducerStore, ReceiveOutcome,
+};
 use tidemark_core::{Envelope, Result};
 
 /// Candidates read per relay pass, as a multiple of the batch limit: the window in which
@@ -110,42 +112,10 @@ impl Default for RelayOptions {
     }
 }
 
-/// Pick up to `limit` deliveries round-robin across flows, keeping each flow's own order.
-/// A pure function, so fairness is testable without a store.
+/// Pick up to `limit` deliveries round-robin across flows, keeping each flow's own order
+/// ([`tidemark_core::store::round_robin`] by source and flow).
 pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
-    // One queue per flow, in the order flows first appear (a hash map finds a flow's queue, so
-    // building is linear in the candidates).
-    let total = candidates.len();
-    let mut index: HashMap<(&str, &str), usize> = HashMap::new();
-    let mut slots: Vec<usize> = Vec::with_capacity(candidates.len());
-    for delivery in &candidates {
-        let next = index.len();
-        let slot =
-            *index.entry((delivery.envelope.source.as_str(), delivery.envelope.flow_id.as_str())).or_insert(next);
-        slots.push(slot);
-    }
-    let mut queues: Vec<VecDeque<Delivery>> = (0..index.len()).map(|_| VecDeque::new()).collect();
-    drop(index);
-    for (delivery, slot) in candidates.into_iter().zip(slots) {
-        queues[slot].push_back(delivery);
-    }
-    let mut picked = Vec::with_capacity(limit.min(total));
-    while picked.len() < limit {
-        let mut progressed = false;
-        for queue in &mut queues {
-            if picked.len() == limit {
-                break;
-            }
-            if let Some(delivery) = queue.pop_front() {
-                picked.push(delivery);
-                progressed = true;
-            }
-        }
-        if !progressed {
-            break;
-        }
-    }
-    picked
+    tidemark_core::store::round_robin(candidates, limit, |d| (d.envelope.source.as_str(), d.envelope.flow_id.as_str()))
 }
 
 /// The first step of a relay pass: the due deliveries (to `options.consumers` when given), picked
@@ -153,16 +123,43 @@ pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
 /// on the producer, delivers the batch with [`group_by_endpoint`], and records [`judge`]'s
 /// verdicts; [`relay_once`] does all three in one call.
 pub fn plan<P: ProducerStore>(producer: &mut P, options: &RelayOptions, now_ms: i64) -> Result<Vec<Delivery>> {
-    validate_limit("relay limit", options.limit, RELAY_BATCH_EVENTS_MAX)?;
-    options.policy.validate()?;
-    let window = options.limit * if options.event_id.is_some() { 1 } else { RELAY_CANDIDATE_WINDOW_FACTOR };
-    let candidates =
-        producer.due_deliveries(now_ms, window, options.event_id.as_deref(), options.consumers.as_deref())?;
-    Ok(round_robin(candidates, options.limit))
+    plan_ahead(producer, options, now_ms, &[])
 }
 
-/// `batch` in outbox order (a plan orders its candidates by due time, so a retry of an earlier
-/// event can come after a later event of its flow), without the deliveries that would overtake
+/// [`plan`] while the deliveries `in_flight` (position, consumer id) are being handed over, their
+/// verdicts not recorded yet: the next batch, without them (the candidate window is widened by
+/// their number, so it still holds as many others, up to what a store reads at most). A relay
+/// lane reads its next batch this way during a hand-over, and hands it over only if every
+/// delivery in flight reached custody.
+pub fn plan_ahead<P: ProducerStore>(
+    producer: &mut P,
+    options: &RelayOptions,
+    now_ms: i64,
+    in_flight: &[(i64, String)],
+) -> Result<Vec<Delivery>> {
+    validate_limit("relay limit", options.limit, RELAY_BATCH_EVENTS_MAX)?;
+    options.policy.validate()?;
+    if let Some(event_id) = options.event_id.as_deref() {
+        let mut candidates =
+            producer.due_deliveries(now_ms, options.limit, Some(event_id), options.consumers.as_deref())?;
+        candidates.retain(|d| !in_flight.iter().any(|(p, c)| *p == d.position && *c == d.consumer_id));
+        return Ok(round_robin(candidates, options.limit));
+    }
+    // (Widened by what is in flight, capped at what a store reads at most: four batches of the
+    // largest size.)
+    let window = (options.limit * RELAY_CANDIDATE_WINDOW_FACTOR + in_flight.len())
+        .min(RELAY_BATCH_EVENTS_MAX * RELAY_CANDIDATE_WINDOW_FACTOR);
+    producer.pick_due(&DueQuery {
+        now_ms,
+        window,
+        pick: options.limit,
+        consumers: options.consumers.as_deref(),
+        in_flight,
+    })
+}
+
+/// `batch` in outbox order (a plan picks its candidates round-robin across flows, which
+/// interleaves them), without the deliveries that would overtake
 /// an earlier event of their flow (`overtaking`, from [`ProducerStore::overtaking`]) and without
 /// every later delivery of the same flow to the same subscriber after one held back: what a lane
 /// to a broker hands over, so that each flow reaches it in seq order (docs/protocol.md, "Order
@@ -371,8 +368,7 @@ mod tests {
 
     #[test]
     fn a_held_back_delivery_holds_back_the_rest_of_its_flow_and_only_that() {
-        // Outbox positions 10 (a-2), 11 (b-1), 12 (a-3), 13 (b-2), 14 (c-4); a retry of a-2 planned
-        // after a-3 (by due time).
+        // Outbox positions 10 (a-2), 11 (b-1), 12 (a-3), 13 (b-2), 14 (c-4), picked out of order.
         let at = |position: i64, flow: &str, seq: i64| Delivery { position, ..delivery(flow, seq) };
         let batch = vec![at(12, "a", 3), at(11, "b", 1), at(10, "a", 2), at(13, "b", 2), at(14, "c", 4)];
         let ids = |kept: Vec<Delivery>| kept.into_iter().map(|d| d.envelope.event_id).collect::<Vec<_>>();

@@ -21,8 +21,8 @@ use tidemark_core::policy::RetentionPolicy;
 use tidemark_core::reservation::ReservationMachine;
 use tidemark_core::store::{
     ConsumerSnapshot, ConsumerStore, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus,
-    DrainReport, DrainScope, FlowCursor, FlowRecord, InboxEntry, InboxStatus, OutboxPruneReport, ProducerIdentity,
-    ProducerSnapshot, PruneReport, ReceiveOutcome, RedeliverReport, RenameReport, Subscription,
+    DrainReport, DrainScope, DueQuery, FlowCursor, FlowRecord, InboxEntry, InboxStatus, OutboxPruneReport,
+    ProducerIdentity, ProducerSnapshot, PruneReport, ReceiveOutcome, RedeliverReport, RenameReport, Subscription,
 };
 use tidemark_core::{Envelope, Error, Result};
 use tidemark_store_postgres::{PgConsumer, PgEndpoints, PgProducer};
@@ -269,8 +269,12 @@ impl tidemark_core::store::ProducerStore for Producer {
         each!(self, Producer, |p| p.due_deliveries(now_ms, limit, event_id, consumers))
     }
 
-    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
-        each!(self, Producer, |p| p.overtaking(batch))
+    fn pick_due(&mut self, query: &DueQuery<'_>) -> Result<Vec<Delivery>> {
+        each!(self, Producer, |p| p.pick_due(query))
+    }
+
+    fn overtaking(&mut self, batch: &[Delivery], in_flight: &[(i64, String)]) -> Result<Vec<(i64, String)>> {
+        each!(self, Producer, |p| p.overtaking(batch, in_flight))
     }
 
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {

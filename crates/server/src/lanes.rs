@@ -7,7 +7,10 @@
 //! its window), hand them to the endpoint's transport with `relay.attempt_timeout_ms` (the
 //! thread is free meanwhile), and record the verdicts on the outbox's thread (`judge`, then
 //! `record_deliveries`: the same backoff, jitter and quarantine as the file relay). One batch is
-//! in flight per lane at a time; a lane to a broker also sorts its batch by outbox position and
+//! in flight per lane at a time, back to back: while it is handed over, the outbox's thread
+//! records the batch before it and reads the next (leaving the one in flight out), and the next
+//! is handed over once every answer of this one is custody; after any other answer the lane
+//! records first and reads afresh (see `Lane`). A lane to a broker also sorts its batch by outbox position and
 //! holds back a flow whose earlier event is still open (`in_flow_order`), so each flow reaches
 //! the broker in seq order, failures included (docs/protocol.md, "Order in a broker"). A
 //! timeout or an error fails the batch's deliveries (retried; the remote answers `duplicate` for
@@ -25,14 +28,14 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use tidemark_core::crash;
 use tidemark_core::endpoint::{mask, Endpoint, EndpointKind};
-use tidemark_core::store::{Delivery, ProducerStore, Subscription};
+use tidemark_core::store::{Delivery, DeliveryResult, DeliveryVerdict, ProducerStore, Subscription};
 use tidemark_core::{Envelope, Result};
-use tidemark_engine::{answers_of, in_flow_order, judge, plan, EndpointAnswer, RelayOptions, RelayReport};
+use tidemark_engine::{answers_of, in_flow_order, judge, plan_ahead, EndpointAnswer, RelayOptions, RelayReport};
 use tidemark_transport::Transport;
 use utoipa::ToSchema;
 
 use crate::backend::Backend;
-use crate::tenant::Tenant;
+use crate::tenant::{ProducerThread, Tenant};
 use crate::{now_ms, AppState};
 
 /// What an operator sees of one lane (`GET /v1/subscriptions`).
@@ -44,6 +47,9 @@ pub struct LaneStatus {
     pub in_flight: bool,
     /// Batches handed over since the lane started.
     pub batches: u64,
+    /// Of them, batches read while the one before was in flight and handed over straight after
+    /// it (every delivery of that one reached custody).
+    pub read_ahead: u64,
     /// Deliveries the endpoint answered `accepted` or `duplicate`.
     pub delivered: u64,
     /// Deliveries that failed (an error, a timeout, a `conflict` or `expired` answer).
@@ -104,6 +110,7 @@ pub fn ensure<B: Backend>(
                 kind,
                 in_flight: false,
                 batches: 0,
+                read_ahead: 0,
                 delivered: 0,
                 failed: 0,
                 last_error: None,
@@ -124,39 +131,31 @@ fn update<B: Backend>(tenant: &Tenant<B>, outbox: usize, endpoint: &str, f: impl
     }
 }
 
-/// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left. With
+/// The due deliveries of `endpoint`'s subscribers, or `None` when it has none left, without
+/// those `in_flight` (handed over, their verdicts not recorded yet: [`plan_ahead`]). With
 /// `flow_order` (a broker, which keeps arrival order), without the deliveries that would overtake
 /// an earlier event of their flow still open (backing off after a failed attempt, or
-/// quarantined): each flow reaches the broker in seq order.
-async fn next_batch<B: Backend>(
-    tenant: &Tenant<B>,
-    outbox: usize,
+/// quarantined; one in flight does not count, as the batch read is handed over only once those
+/// reached custody): each flow reaches the broker in seq order.
+fn read_batch<B: Backend>(
+    p: &mut ProducerThread<B>,
     endpoint: &str,
-    options: &RelayOptions,
+    options: &mut RelayOptions,
     flow_order: bool,
+    in_flight: &[(i64, String)],
 ) -> Result<Option<Vec<Delivery>>> {
-    let (endpoint, mut options) = (endpoint.to_string(), options.clone());
-    tenant.outboxes()[outbox]
-        .call(move |p| {
-            let consumers: Vec<String> = p
-                .store
-                .subscriptions()?
-                .into_iter()
-                .filter(|s| s.endpoint == endpoint)
-                .map(|s| s.consumer_id)
-                .collect();
-            if consumers.is_empty() {
-                return Ok(None);
-            }
-            options.consumers = Some(consumers);
-            let batch = plan(&mut p.store, &options, (p.clock)())?;
-            if !flow_order || batch.is_empty() {
-                return Ok(Some(batch));
-            }
-            let overtaking = p.store.overtaking(&batch)?;
-            Ok(Some(in_flow_order(batch, &overtaking)))
-        })
-        .await
+    let consumers: Vec<String> =
+        p.store.subscriptions()?.into_iter().filter(|s| s.endpoint == endpoint).map(|s| s.consumer_id).collect();
+    if consumers.is_empty() {
+        return Ok(None);
+    }
+    options.consumers = Some(consumers);
+    let batch = plan_ahead(&mut p.store, options, (p.clock)(), in_flight)?;
+    if !flow_order || batch.is_empty() {
+        return Ok(Some(batch));
+    }
+    let overtaking = p.store.overtaking(&batch, in_flight)?;
+    Ok(Some(in_flow_order(batch, &overtaking)))
 }
 
 /// Hand `batch` to the transport (connecting first when there is none yet), within `timeout`.
@@ -182,65 +181,103 @@ async fn hand_over(
     answers_of(masked, batch.len(), delivered)
 }
 
-async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize, endpoint: String) -> Value {
-    let options = RelayOptions {
-        limit: state.config.relay.batch,
-        event_id: None,
-        policy: state.config.relay_policy(),
-        keep_answers: false,
-        consumers: None,
-    };
-    let timeout = Duration::from_millis(state.config.relay.attempt_timeout_ms);
-    let masked = mask(&endpoint);
-    let parsed = Endpoint::parse(&endpoint).map(|e| e.kind());
-    let kind = parsed.as_ref().map(|k| k.as_str()).unwrap_or("unknown");
-    // A broker keeps arrival order (a stream, a queue, a partition): each flow goes in seq order.
-    let flow_order = parsed.is_ok_and(|k| k.is_broker());
-    let mut transport: Option<Arc<dyn Transport>> = None;
-    let mut total = RelayReport::default();
-    let mut errors = 0_u64;
-    tracing::debug!(tenant = %tenant.id, endpoint = %masked, "relay lane started");
-    while !state.is_shutting_down() {
-        let batch = match next_batch(&tenant, outbox, &endpoint, &options, flow_order).await {
-            Ok(Some(batch)) => batch,
-            Ok(None) => break,
-            Err(error) => {
-                errors += 1;
-                tracing::error!(tenant = %tenant.id, endpoint = %masked, code = error.code(), %error,
-                    "relay lane: reading the due deliveries failed");
-                if !crate::background::pause(&state, state.config.relay.interval_ms).await {
-                    break;
-                }
-                continue;
-            }
-        };
-        if batch.is_empty() {
-            if !crate::background::pause(&state, state.config.relay.interval_ms).await {
-                break;
-            }
-            continue;
+/// A batch handed over and judged, its verdicts to record.
+struct Judged {
+    results: Vec<DeliveryResult>,
+    report: RelayReport,
+    /// When the answers were judged (the verdicts' time).
+    now: i64,
+    /// When the hand-over began.
+    started: Instant,
+}
+
+impl Judged {
+    /// Every delivery reached the endpoint's custody (`accepted` or `duplicate`).
+    fn all_custody(&self) -> bool {
+        self.report.accepted + self.report.duplicate == self.report.attempted
+    }
+}
+
+/// One relay lane: the loop of the module's documentation. While a batch is handed over, the
+/// outbox's thread records the verdicts of the batch before it and reads the next one (leaving
+/// the batch in flight out); the next batch is handed over as soon as this one's answers are in
+/// if every one of them is custody, so a lane keeps one batch in flight, back to back, and the
+/// outbox's reads and fsynced verdicts run beside the transport instead of between its batches.
+/// After any other answer (or a read or record that failed) the lane records the batch's
+/// verdicts first and reads afresh, so the next read sees the failures and holds their flows
+/// back, as without read-ahead.
+struct Lane<B: Backend> {
+    state: AppState,
+    tenant: Arc<Tenant<B>>,
+    outbox: usize,
+    endpoint: String,
+    masked: String,
+    kind: &'static str,
+    options: RelayOptions,
+    flow_order: bool,
+    total: RelayReport,
+    errors: u64,
+}
+
+impl<B: Backend> Lane<B> {
+    fn update(&self, f: impl FnOnce(&mut LaneStatus)) {
+        update(&self.tenant, self.outbox, &self.endpoint, f);
+    }
+
+    /// Read the next batch on the outbox's thread, after recording `verdicts` there (in the
+    /// same call: the read sees them). The record's result comes back with the read's.
+    async fn record_and_read(
+        &self,
+        verdicts: Option<Judged>,
+        in_flight: Vec<(i64, String)>,
+    ) -> (Option<(Judged, Result<()>)>, Result<Option<Vec<Delivery>>>) {
+        let (endpoint, mut options, flow_order) = (self.endpoint.clone(), self.options.clone(), self.flow_order);
+        let read = self.tenant.outboxes()[self.outbox]
+            .call(move |p| {
+                let recorded = verdicts.map(|judged| {
+                    let recorded = p.store.record_deliveries(&judged.results, judged.now);
+                    (judged, recorded)
+                });
+                let failed_record = recorded.as_ref().is_some_and(|(_, r)| r.is_err());
+                // Not after a failed record: those deliveries are still pending, not in flight.
+                let next = if failed_record {
+                    Ok(Some(Vec::new()))
+                } else {
+                    read_batch(p, &endpoint, &mut options, flow_order, &in_flight)
+                };
+                Ok((recorded, next))
+            })
+            .await;
+        read.unwrap_or_else(|error| (None, Err(error)))
+    }
+
+    /// Record `judged`'s verdicts on the outbox's thread and account for them.
+    async fn record(&mut self, judged: Judged) {
+        let recorded = self.tenant.outboxes()[self.outbox]
+            .call(move |p| {
+                let recorded = p.store.record_deliveries(&judged.results, judged.now);
+                Ok((judged, recorded))
+            })
+            .await;
+        match recorded {
+            Ok((judged, recorded)) => self.finish(judged, recorded),
+            // The outbox's thread is gone (shutdown): the deliveries stay pending.
+            Err(error) => self.failed("recording the verdicts", &error),
         }
-        update(&tenant, outbox, &endpoint, |s| s.in_flight = true);
-        let started = Instant::now();
-        let answers = hand_over(&mut transport, &state, (&endpoint, &masked), &batch, timeout).await;
-        crash::hit("relay.after_consumer_commit");
-        let now = now_ms();
-        let (results, report) = judge(&batch, answers, &options, now, &mut rand::random::<f64>);
+    }
+
+    /// Metrics, the lane's status and logs for a batch whose verdicts were recorded (or not).
+    fn finish(&mut self, judged: Judged, recorded: Result<()>) {
+        let Judged { results, report, now, started } = judged;
         let last_error = results.iter().find_map(|r| match &r.verdict {
-            tidemark_core::store::DeliveryVerdict::Accepted => None,
-            tidemark_core::store::DeliveryVerdict::Retry { reason, .. }
-            | tidemark_core::store::DeliveryVerdict::Quarantine { reason } => Some(reason.clone()),
+            DeliveryVerdict::Accepted => None,
+            DeliveryVerdict::Retry { reason, .. } | DeliveryVerdict::Quarantine { reason } => Some(reason.clone()),
         });
-        if report.failed == report.attempted {
-            // Nothing got through: connect again next time (a restarted server, a new token).
-            transport = None;
-        }
-        let recorded = tenant.outboxes()[outbox].call(move |p| p.store.record_deliveries(&results, now)).await;
-        state.metrics.record_relay(&tenant.id, &report);
-        state.metrics.record_lane(&tenant.id, kind, &masked, &report, started.elapsed());
+        let (tenant, masked) = (&self.tenant.id, &self.masked);
+        self.state.metrics.record_relay(tenant, &report);
+        self.state.metrics.record_lane(tenant, self.kind, masked, &report, started.elapsed());
         let took_ms = started.elapsed().as_millis() as u64;
-        update(&tenant, outbox, &endpoint, |s| {
-            s.in_flight = false;
+        self.update(|s| {
             s.batches += 1;
             s.delivered += report.accepted + report.duplicate;
             s.failed += report.attempted - report.accepted - report.duplicate;
@@ -249,17 +286,131 @@ async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize
             s.last_batch_ms = Some(took_ms);
         });
         if let Some(error) = &last_error {
-            tracing::warn!(tenant = %tenant.id, endpoint = %masked, attempted = report.attempted,
+            tracing::warn!(tenant = %tenant, endpoint = %masked, attempted = report.attempted,
                 failed = report.failed, quarantined = report.quarantined, %error, "relay lane: deliveries not accepted");
         }
         if let Err(error) = recorded {
-            errors += 1;
-            tracing::error!(tenant = %tenant.id, endpoint = %masked, code = error.code(), %error,
+            self.errors += 1;
+            tracing::error!(tenant = %tenant, endpoint = %masked, code = error.code(), %error,
                 "relay lane: recording the verdicts failed (the deliveries stay pending and are sent again)");
         }
-        total.absorb(report);
+        self.total.absorb(report);
     }
-    tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&(outbox, endpoint.clone()));
-    json!({"endpoint": masked, "attempted": total.attempted, "accepted": total.accepted,
-        "duplicate": total.duplicate, "failed": total.failed, "quarantined": total.quarantined, "errors": errors})
+
+    /// Count and log an error of the lane's own (`what` failed), not an endpoint's answer.
+    fn failed(&mut self, what: &str, error: &tidemark_core::Error) {
+        self.errors += 1;
+        tracing::error!(tenant = %self.tenant.id, endpoint = %self.masked, code = error.code(), %error,
+            "relay lane: {what} failed");
+    }
+
+    async fn run(mut self) -> Value {
+        let timeout = Duration::from_millis(self.state.config.relay.attempt_timeout_ms);
+        let mut transport: Option<Arc<dyn Transport>> = None;
+        // The batch read ahead during the last hand-over, and that hand-over's verdicts (every
+        // one custody), not recorded yet.
+        let mut ahead: Option<Vec<Delivery>> = None;
+        let mut unrecorded: Option<Judged> = None;
+        tracing::debug!(tenant = %self.tenant.id, endpoint = %self.masked, "relay lane started");
+        while !self.state.is_shutting_down() {
+            let batch = match ahead.take() {
+                Some(batch) => {
+                    self.update(|s| s.read_ahead += 1);
+                    batch
+                }
+                None => match self.record_and_read(None, Vec::new()).await.1 {
+                    Ok(Some(batch)) => batch,
+                    Ok(None) => break,
+                    Err(error) => {
+                        self.failed("reading the due deliveries", &error);
+                        if !crate::background::pause(&self.state, self.state.config.relay.interval_ms).await {
+                            break;
+                        }
+                        continue;
+                    }
+                },
+            };
+            if batch.is_empty() {
+                if let Some(judged) = unrecorded.take() {
+                    self.record(judged).await;
+                }
+                if !crate::background::pause(&self.state, self.state.config.relay.interval_ms).await {
+                    break;
+                }
+                continue;
+            }
+            self.update(|s| s.in_flight = true);
+            let started = Instant::now();
+            let in_flight: Vec<(i64, String)> = batch.iter().map(|d| (d.position, d.consumer_id.clone())).collect();
+            let (answers, (recorded, next)) = tokio::join!(
+                hand_over(&mut transport, &self.state, (&self.endpoint, &self.masked), &batch, timeout),
+                self.record_and_read(unrecorded.take(), in_flight),
+            );
+            self.update(|s| s.in_flight = false);
+            crash::hit("relay.after_consumer_commit");
+            let now = now_ms();
+            let (results, report) = judge(&batch, answers, &self.options, now, &mut rand::random::<f64>);
+            if report.failed == report.attempted {
+                // Nothing got through: connect again next time (a restarted server, a new token).
+                transport = None;
+            }
+            let judged = Judged { results, report, now, started };
+            let mut previous_recorded = true;
+            if let Some((previous, result)) = recorded {
+                previous_recorded = result.is_ok();
+                self.finish(previous, result);
+            }
+            match next {
+                Ok(Some(next)) if judged.all_custody() && previous_recorded && !next.is_empty() => {
+                    ahead = Some(next);
+                    unrecorded = Some(judged);
+                }
+                next => {
+                    // A failure (or nothing ahead): record first, read afresh after it.
+                    if let Err(error) = &next {
+                        self.failed("reading the due deliveries", error);
+                    }
+                    self.record(judged).await;
+                    if matches!(next, Ok(None)) {
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(judged) = unrecorded.take() {
+            self.record(judged).await;
+        }
+        self.tenant.lanes.lock().unwrap_or_else(|p| p.into_inner()).remove(&(self.outbox, self.endpoint.clone()));
+        let total = &self.total;
+        json!({"endpoint": self.masked, "attempted": total.attempted, "accepted": total.accepted,
+            "duplicate": total.duplicate, "failed": total.failed, "quarantined": total.quarantined, "errors": self.errors})
+    }
+}
+
+async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize, endpoint: String) -> Value {
+    let options = RelayOptions {
+        limit: state.config.relay.batch,
+        event_id: None,
+        policy: state.config.relay_policy(),
+        keep_answers: false,
+        consumers: None,
+    };
+    let parsed = Endpoint::parse(&endpoint).map(|e| e.kind());
+    let kind = parsed.as_ref().map(|k| k.as_str()).unwrap_or("unknown");
+    // A broker keeps arrival order (a stream, a queue, a partition): each flow goes in seq order.
+    let flow_order = parsed.is_ok_and(|k| k.is_broker());
+    let masked = mask(&endpoint);
+    let lane = Lane {
+        state,
+        tenant,
+        outbox,
+        endpoint,
+        masked,
+        kind,
+        options,
+        flow_order,
+        total: RelayReport::default(),
+        errors: 0,
+    };
+    lane.run().await
 }

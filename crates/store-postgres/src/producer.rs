@@ -830,7 +830,8 @@ impl ProducerStore for PgProducer {
                 attempts: col_u32(r, EVENT_COLUMN_COUNT + 1)?,
                 endpoint: col(r, EVENT_COLUMN_COUNT + 2)?,
             };
-            Ok(((col(r, EVENT_COLUMN_COUNT + 3)?, delivery.position, delivery.consumer_id.clone()), delivery))
+            // Keyed (position, subscriber): see the SQLite store's `due_keys`.
+            Ok(((delivery.position, 0, delivery.consumer_id.clone()), delivery))
         };
         // One read-only snapshot, so that cursors and exception rows are read as of one moment.
         let mut tx = self
@@ -874,7 +875,7 @@ impl ProducerStore for PgProducer {
                          JOIN {{s}}.subscriptions s ON s.consumer_id = d.consumer_id
                          WHERE d.status = 'pending' AND d.next_attempt_at_ms <= $1
                            AND ($3::text[] IS NULL OR d.consumer_id = ANY($3))
-                         ORDER BY d.next_attempt_at_ms, d.position LIMIT $2"
+                         ORDER BY d.position, d.consumer_id LIMIT $2"
                     ),
                 ),
                 &[&now_ms, &limit_rows, &wanted],
@@ -919,7 +920,7 @@ impl ProducerStore for PgProducer {
         Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
     }
 
-    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+    fn overtaking(&mut self, batch: &[Delivery], in_flight: &[(i64, String)]) -> Result<Vec<(i64, String)>> {
         if batch.is_empty() {
             return Ok(Vec::new());
         }
@@ -961,7 +962,7 @@ impl ProducerStore for PgProducer {
             .iter()
             .map(|r| Ok((col(r, 0)?, col(r, 1)?, col(r, 2)?, col(r, 3)?)))
             .collect::<Result<Vec<(String, i64, String, i64)>>>()?;
-        Ok(tidemark_core::store::overtaking_of(batch, open))
+        Ok(tidemark_core::store::overtaking_of(batch, in_flight, open))
     }
 
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {

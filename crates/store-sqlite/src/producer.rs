@@ -37,8 +37,8 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::policy::retention_walk_stops_at;
 use tidemark_core::store::{
-    Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, FlowRecord,
-    OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, RedeliverReport, Subscription,
+    round_robin, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, DueQuery,
+    FlowRecord, OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, RedeliverReport, Subscription,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
@@ -421,6 +421,137 @@ fn advance_validated(
     Ok(AdvanceOutcome::Committed { flow_id: event.flow_id, seq, event_id: event.event_id, state: decision.next.state })
 }
 
+/// A due delivery before its envelope is read: its key (due time, position, subscriber) and
+/// what a relay pass picks by.
+struct DueKey {
+    position: i64,
+    consumer_id: String,
+    flow_id: String,
+    attempts: u32,
+    endpoint: String,
+}
+
+/// The `limit` due deliveries with the smallest (position, subscriber) keys, in that order, to
+/// `consumers` when given: retries whose backoff has passed, from the exception rows, and for
+/// each subscriber the first `limit` events after its cursor that have no exception row (due
+/// since their commit). Keys only: the envelopes are read by [`deliveries_of`] for those a pass
+/// keeps.
+///
+/// Outbox order, not due time: a flow's earliest open event that is due always comes before its
+/// later events, so a lane that holds a flow back behind it (docs/protocol.md, "Order in a
+/// broker") finds it in its window however long the backlog behind it. (Keyed by due time, a
+/// retry whose backoff ended after more than a window of that flow's later events were
+/// committed stayed outside the window for good, behind events held back for it.)
+fn due_keys(
+    read: &rusqlite::Transaction<'_>,
+    now_ms: i64,
+    limit: usize,
+    consumers: Option<&[String]>,
+) -> Result<Vec<DueKey>> {
+    // The subscribers asked for, as a JSON array for `json_each` (NULL: every subscriber).
+    let wanted: Option<String> = consumers.map(|list| serde_json::to_string(list).expect("strings serialize"));
+    let any_exceptions: bool =
+        read.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
+    let mut keys: Vec<DueKey> = Vec::new();
+    if any_exceptions {
+        let mut stmt = read
+            .prepare_cached(
+                "SELECT d.position, d.consumer_id, o.flow_id, d.attempts, s.endpoint
+                 FROM deliveries d JOIN outbox o ON o.position = d.position
+                 JOIN subscriptions s ON s.consumer_id = d.consumer_id
+                 WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1
+                   AND (?3 IS NULL OR d.consumer_id IN (SELECT value FROM json_each(?3)))
+                 ORDER BY d.position, d.consumer_id LIMIT ?2",
+            )
+            .db()?;
+        let rows = stmt
+            .query_map(params![now_ms, limit as i64, wanted], |r| {
+                Ok(DueKey {
+                    position: r.get(0)?,
+                    consumer_id: r.get(1)?,
+                    flow_id: r.get(2)?,
+                    attempts: r.get(3)?,
+                    endpoint: r.get(4)?,
+                })
+            })
+            .db()?;
+        for row in rows {
+            keys.push(row.db()?);
+        }
+    }
+    let cursors: Vec<(String, String, i64)> = {
+        let mut stmt = read
+            .prepare_cached("SELECT consumer_id, endpoint, delivered_position FROM subscriptions ORDER BY consumer_id")
+            .db()?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).db()?;
+        rows.collect::<rusqlite::Result<Vec<_>>>().db()?
+    };
+    // Without any exception row the fresh scan need not look for one.
+    let exception_filter = if any_exceptions {
+        "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)"
+    } else {
+        "?3 IS NOT NULL"
+    };
+    let mut fresh = read
+        .prepare_cached(&format!(
+            "SELECT o.position, o.flow_id FROM outbox o
+             WHERE o.position > ?1 AND o.created_at_ms <= ?2 AND {exception_filter}
+             ORDER BY o.position LIMIT ?4"
+        ))
+        .db()?;
+    for (consumer_id, endpoint, delivered_position) in
+        cursors.iter().filter(|(c, _, _)| consumers.is_none_or(|list| list.contains(c)))
+    {
+        let rows = fresh
+            .query_map(params![delivered_position, now_ms, consumer_id, limit as i64], |r| {
+                Ok(DueKey {
+                    position: r.get(0)?,
+                    consumer_id: consumer_id.clone(),
+                    flow_id: r.get(1)?,
+                    attempts: 0,
+                    endpoint: endpoint.clone(),
+                })
+            })
+            .db()?;
+        for row in rows {
+            keys.push(row.db()?);
+        }
+    }
+    keys.sort_by(|a, b| (a.position, &a.consumer_id).cmp(&(b.position, &b.consumer_id)));
+    keys.truncate(limit);
+    Ok(keys)
+}
+
+/// The deliveries `keys` name, in their order, each with its event's envelope (read once per
+/// event, by position).
+fn deliveries_of(
+    read: &rusqlite::Transaction<'_>,
+    identity: &ProducerIdentity,
+    keys: Vec<DueKey>,
+) -> Result<Vec<Delivery>> {
+    let mut stmt = read.prepare_cached(&format!("SELECT {EVENT_COLUMNS} FROM outbox o WHERE o.position = ?1")).db()?;
+    let mut envelopes: HashMap<i64, Envelope> = HashMap::new();
+    let mut deliveries = Vec::with_capacity(keys.len());
+    for key in keys {
+        let envelope = match envelopes.get(&key.position) {
+            Some(envelope) => envelope.clone(),
+            None => {
+                let envelope = stmt.query_row([key.position], |r| event_from_row(identity, r, 0)).db()?;
+                envelopes.insert(key.position, envelope.clone());
+                envelope
+            }
+        };
+        deliveries.push(Delivery {
+            position: key.position,
+            envelope,
+            consumer_id: key.consumer_id,
+            endpoint: key.endpoint,
+            attempts: key.attempts,
+        });
+    }
+    Ok(deliveries)
+}
+
 fn event_from_row(identity: &ProducerIdentity, r: &rusqlite::Row<'_>, at: usize) -> rusqlite::Result<Envelope> {
     let payload: String = r.get(at + 5)?;
     // An event keeps the generation it was committed under (a restored producer redelivers its
@@ -731,77 +862,33 @@ impl ProducerStore for SqliteProducer {
             let rows = stmt.query_map(params![event_id, limit as i64, wanted], map).db()?;
             return rows.collect::<rusqlite::Result<Vec<_>>>().db();
         }
-        // Candidates are keyed (due time, position, consumer): retries from the exception rows,
-        // and for each subscriber the first `limit` events after its cursor that have no
-        // exception row (due since their commit). The `limit` smallest keys win. One read
-        // transaction, so that cursors and exception rows are read as of one moment.
+        // One read transaction, so that cursors, exception rows and events are read as of one
+        // moment.
         let read = self.conn.unchecked_transaction().db()?;
-        let any_exceptions: bool =
-            read.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
-        let mut candidates: Vec<((i64, i64, String), Delivery)> = Vec::new();
-        let keyed = |r: &rusqlite::Row<'_>| -> rusqlite::Result<((i64, i64, String), Delivery)> {
-            let delivery = map(r)?;
-            Ok((
-                (r.get(EVENT_COLUMN_COUNT + 3)?, r.get(EVENT_COLUMN_COUNT + 4)?, delivery.consumer_id.clone()),
-                delivery,
-            ))
-        };
-        {
-            let mut stmt = read
-                .prepare_cached(&format!(
-                    "SELECT {EVENT_COLUMNS}, d.consumer_id, d.attempts, s.endpoint, d.next_attempt_at_ms, d.position
-                     FROM deliveries d JOIN outbox o ON o.position = d.position
-                     JOIN subscriptions s ON s.consumer_id = d.consumer_id
-                     WHERE d.status = 'pending' AND d.next_attempt_at_ms <= ?1 AND {wanted}
-                     ORDER BY d.next_attempt_at_ms, d.position LIMIT ?2",
-                    wanted = WANTED.replace("{column}", "d.consumer_id").replace("?9", "?3")
-                ))
-                .db()?;
-            let rows = stmt.query_map(params![now_ms, limit as i64, wanted], keyed).db()?;
-            for row in rows {
-                candidates.push(row.db()?);
-            }
-        }
-        let cursors: Vec<(String, String, i64)> = {
-            let mut stmt = read
-                .prepare_cached(
-                    "SELECT consumer_id, endpoint, delivered_position FROM subscriptions ORDER BY consumer_id",
-                )
-                .db()?;
-            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).db()?;
-            rows.collect::<rusqlite::Result<Vec<_>>>().db()?
-        };
-        // Without any exception row the fresh scan need not look for one.
-        let exception_filter = if any_exceptions {
-            "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)"
-        } else {
-            "?3 IS NOT NULL"
-        };
-        let mut fresh = read
-            .prepare_cached(&format!(
-                "SELECT {EVENT_COLUMNS}, ?3, 0, ?4, o.created_at_ms, o.position FROM outbox o
-                 WHERE o.position > ?1 AND o.created_at_ms <= ?2 AND {exception_filter}
-                 ORDER BY o.position LIMIT ?5"
-            ))
-            .db()?;
-        for (consumer_id, endpoint, delivered_position) in
-            cursors.iter().filter(|(c, _, _)| consumers.is_none_or(|list| list.contains(c)))
-        {
-            let rows = fresh
-                .query_map(params![delivered_position, now_ms, consumer_id, endpoint, limit as i64], keyed)
-                .db()?;
-            for row in rows {
-                candidates.push(row.db()?);
-            }
-        }
-        drop(fresh);
+        let keys = due_keys(&read, now_ms, limit, consumers)?;
+        let deliveries = deliveries_of(&read, &self.identity, keys)?;
         read.finish().db()?;
-        candidates.sort_by(|a, b| a.0.cmp(&b.0));
-        candidates.truncate(limit);
-        Ok(candidates.into_iter().map(|(_, delivery)| delivery).collect())
+        Ok(deliveries)
     }
 
-    fn overtaking(&mut self, batch: &[Delivery]) -> Result<Vec<(i64, String)>> {
+    fn pick_due(&mut self, query: &DueQuery<'_>) -> Result<Vec<Delivery>> {
+        validate_limit("relay limit", query.window, RELAY_BATCH_EVENTS_MAX * 4)?;
+        // The candidates' keys first, the envelopes of the picked ones only.
+        let read = self.conn.unchecked_transaction().db()?;
+        let mut keys = due_keys(&read, query.now_ms, query.window, query.consumers)?;
+        if !query.in_flight.is_empty() {
+            let skip: std::collections::HashSet<(i64, &str)> =
+                query.in_flight.iter().map(|(p, c)| (*p, c.as_str())).collect();
+            keys.retain(|k| !skip.contains(&(k.position, k.consumer_id.as_str())));
+        }
+        // One source per outbox: the flow alone tells flows apart.
+        let picked = round_robin(keys, query.pick, |k| ("", k.flow_id.as_str()));
+        let deliveries = deliveries_of(&read, &self.identity, picked)?;
+        read.finish().db()?;
+        Ok(deliveries)
+    }
+
+    fn overtaking(&mut self, batch: &[Delivery], in_flight: &[(i64, String)]) -> Result<Vec<(i64, String)>> {
         // Per subscriber of the batch: the open deliveries above its cursor up to the batch's
         // highest position (the backlog a plan reads from, one range of the outbox), and the
         // open exception rows at or below its cursor (retries the cursor has passed).
@@ -844,7 +931,7 @@ impl ProducerStore for SqliteProducer {
             }
         }
         read.finish().db()?;
-        Ok(tidemark_core::store::overtaking_of(batch, open))
+        Ok(tidemark_core::store::overtaking_of(batch, in_flight, open))
     }
 
     fn record_deliveries(&mut self, results: &[DeliveryResult], now_ms: i64) -> Result<()> {

@@ -15,6 +15,10 @@ use serde_json::{json, Value};
 use crate::server_support::{served_on_both_backends, token, Server};
 
 const FLOWS: usize = 20;
+/// A relay batch much smaller than what the stream writers append per round (`FLOWS` events),
+/// so that a lane nearly always reads its next batch while one is in flight: the partition tests
+/// prove order and custody through failures with read-ahead at work.
+const PIPELINED_BATCH: usize = 6;
 const WAIT: Duration = Duration::from_secs(90);
 
 /// `shipping`: a server with consumer `ledger` (handler `record`, not subscribed to its own
@@ -378,11 +382,11 @@ impl Drop for Nats {
 
 /// The service `orders` in `dir` (an admin token of its own) whose relay gives each attempt
 /// `attempt_timeout_ms`, backs off 50-500 ms and never quarantines in a test's time.
-fn orders_relaying(dir: &Path, attempt_timeout_ms: u64) -> (Server, String) {
+fn orders_relaying(dir: &Path, attempt_timeout_ms: u64, batch: usize) -> (Server, String) {
     let admin = token(dir, "orders", "admin");
     let config = dir.join("orders.toml");
     let relay = format!(
-        "[relay]\nattempt_timeout_ms = {attempt_timeout_ms}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n"
+        "[relay]\nattempt_timeout_ms = {attempt_timeout_ms}\nbatch = {batch}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n"
     );
     std::fs::write(&config, relay).unwrap();
     (Server::start(dir, &["--config", config.to_str().unwrap()], &[]), admin)
@@ -438,7 +442,7 @@ fn events_reach_nats_jetstream_once_across_a_broker_killed_and_restarted_mid_rel
     served_on_both_backends(|| {
         let dir = tempfile::tempdir().unwrap();
         let Some((mut nats, port)) = nats_with_orders_stream(dir.path()) else { return };
-        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 2000);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 2000, 1000);
         let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://127.0.0.1:{port}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
         let pending = |o: &Server| {
@@ -829,7 +833,7 @@ fn events_reach_a_rabbitmq_quorum_queue_once_in_order_and_an_unroutable_exchange
         let dir = tempfile::tempdir().unwrap();
         // A long attempt timeout: RabbitMQ has no dedup, so a timed-out batch would be published twice
         // (which the inbox on the consuming side absorbs, but this test counts what the queue holds).
-        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 60000);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 60000, 1000);
         let server = amqp_server();
         for (consumer, name) in [("bus", &exchange), ("lonely", &lonely)] {
             let (status, body) = subscribe(&orders, &admin, consumer, &format!("amqp://{server}/{name}"));
@@ -1458,6 +1462,14 @@ fn produce_through_a_flapping_network(
 }
 
 /// Wait until `orders` has nothing pending, and check that nothing was quarantined.
+/// The lane of `consumer` handed batches over straight after the one before (read while it was
+/// in flight), or the test with `PIPELINED_BATCH` proved nothing about read-ahead.
+fn assert_read_ahead(orders: &Server, token: &str, consumer: &str) {
+    let (_, page) = orders.call("GET", "/v1/subscriptions", Some(token), None);
+    let lane = lane(&page, consumer).unwrap_or_else(|| panic!("no lane for {consumer}: {page}"));
+    assert!(lane["read_ahead"].as_u64().is_some_and(|n| n > 0), "no batch was read ahead: {lane}");
+}
+
 fn settled(orders: &Server, token: &str) {
     orders.wait_for(WAIT, |o| {
         let (_, page) = o.call("GET", "/v1/outbox?status=pending&limit=10", Some(token), None);
@@ -1533,12 +1545,13 @@ fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_
         let Some((_nats, port)) = nats_with_orders_stream(dir.path()) else { return };
         let proxy = Proxy::start(&format!("127.0.0.1:{port}"));
         let through = proxy.addr.trim_start_matches("http://").to_string();
-        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000, PIPELINED_BATCH);
         let (status, body) = subscribe(&orders, &admin, "stream", &format!("nats://{through}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("nats")), "{body}");
 
         let extra = produce_through_a_flapping_network(&orders, &admin, &proxy, 6, 3, Duration::from_millis(300));
         settled(&orders, &admin);
+        assert_read_ahead(&orders, &admin, "stream");
 
         let total = FLOWS * 6 + extra;
         let ids = stored_ids(port, "ORDERS");
@@ -1581,12 +1594,13 @@ fn events_reach_rabbitmq_without_loss_across_a_cut_flapping_network_that_loses_c
         let proxy = Proxy::start(&amqp_server());
         let through = proxy.addr.trim_start_matches("http://").to_string();
         let dir = tempfile::tempdir().unwrap();
-        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000, PIPELINED_BATCH);
         let (status, body) = subscribe(&orders, &admin, "bus", &format!("amqp://{through}/{exchange}"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("amqp")), "{body}");
 
         let extra = produce_through_a_flapping_network(&orders, &admin, &proxy, 6, 3, Duration::from_millis(300));
         settled(&orders, &admin);
+        assert_read_ahead(&orders, &admin, "bus");
 
         let messages = drain_queue(&queue);
         let mut by_id: BTreeMap<String, Value> = BTreeMap::new();
@@ -1670,7 +1684,7 @@ fn events_reach_kafka_without_loss_and_in_order_across_a_broker_that_goes_down_a
         cluster.create_topic("orders", 3, 1).expect("create the topic");
         let bootstrap = cluster.bootstrap_servers();
         let dir = tempfile::tempdir().unwrap();
-        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000);
+        let (orders, admin) = orders_relaying(&dir.path().join("orders"), 1000, PIPELINED_BATCH);
         let (status, body) = subscribe(&orders, &admin, "bus", &format!("kafka://{bootstrap}/orders"));
         assert_eq!((status, body["kind"].as_str()), (200, Some("kafka")), "{body}");
 
@@ -1685,6 +1699,7 @@ fn events_reach_kafka_without_loss_and_in_order_across_a_broker_that_goes_down_a
         }
         writer.join().unwrap();
         settled(&orders, &admin);
+        assert_read_ahead(&orders, &admin, "bus");
         let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
         let failed = lane(&page, "bus").expect("the kafka lane")["failed"].as_u64().unwrap();
         assert!(failed > 0, "no delivery failed while the broker was down: the test proved nothing ({page})");

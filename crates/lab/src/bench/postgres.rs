@@ -32,7 +32,7 @@ use tidemark_core::location::PostgresLocation;
 use tidemark_core::{Error, Result};
 use tidemark_store_postgres::{validate_schema_name, PgWorkflows};
 
-use super::workflows::{self, load_average, process_cpu_seconds, Params, World, WAIT_MAX};
+use super::workflows::{self, load_average, process_cpu_seconds, stat_fields, Params, World, WAIT_MAX};
 use super::{failed, round1, round3};
 
 /// Where the PostgreSQL bench makes its stores: schemas `<prefix>_<name>` on one server.
@@ -126,13 +126,6 @@ pub(super) fn server_settings(conn: &str) -> Result<Value> {
     Ok(Value::Object(settings))
 }
 
-fn stat_fields(pid: &str) -> Option<Vec<u64>> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = text.get(text.rfind(')')? + 2..)?;
-    // Fields 3.. of the line: state, ppid, ... utime (14), stime (15), cutime (16), cstime (17).
-    Some(rest.split_whitespace().skip(1).map(|f| f.parse::<i64>().unwrap_or(0).max(0) as u64).collect())
-}
-
 /// CPU seconds of the PostgreSQL server so far (see the module's documentation).
 pub(super) fn server_cpu_seconds() -> Option<f64> {
     let mut ticks = 0_u64;
@@ -146,8 +139,7 @@ pub(super) fn server_cpu_seconds() -> Option<f64> {
             continue;
         }
         let Some(fields) = stat_fields(pid) else { continue };
-        // After the state: ppid is [0], utime [11], stime [12], cutime [13], cstime [14].
-        let (ppid, utime, stime) = (fields.first()?, fields.get(11)?, fields.get(12)?);
+        let (ppid, utime, stime) = (fields.get(1)?, fields.get(11)?, fields.get(12)?);
         ticks += utime + stime;
         let parent = std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
         if parent.trim_end() != "postgres" {

@@ -20,7 +20,9 @@
 //! to a quorum queue of their own): the ceiling of the hop itself, without tidemark's outbox on
 //! the sending side or the drain on the receiving side. Checked: every event applied once on
 //! shipping (each flow's high-water mark is its last seq), nothing left pending or quarantined on
-//! orders.
+//! orders. Beside each rate, `cpu_seconds`: what the two servers, the broker and this process
+//! spent on a CPU meanwhile, and `cores_busy` (their sum over the wall time; near 2.0 the
+//! machine's two cores, not waiting, set the rate).
 //!
 //! `--black-hole` (HTTP only): after that first delivery, orders subscribes an endpoint that
 //! accepts connections and never answers (a listener of this process that reads and never
@@ -40,7 +42,7 @@ use tidemark_store_sqlite::{Durability, SqliteControl};
 use tidemark_transport::{connect, TransportConfig};
 
 use super::serve::{Server, ServerCommand};
-use super::workflows::load_average;
+use super::workflows::{load_average, named_cpu_seconds, pid_cpu_seconds, process_cpu_seconds};
 use super::{durability_word, failed, round1, round3};
 
 /// What `--relay-to` measures.
@@ -370,6 +372,52 @@ impl Delivery {
     }
 }
 
+/// CPU seconds so far of the processes a delivery runs on: the two servers, the broker (every
+/// process named `nats-server` or `beam.smp`) and this one (the raw runs, the watcher's polls).
+/// Two snapshots' difference, beside the wall time, says whether the machine's two cores were
+/// the limit.
+#[derive(Clone, Copy)]
+struct Cpu {
+    orders: Option<f64>,
+    shipping: Option<f64>,
+    broker: Option<f64>,
+    bench: Option<f64>,
+}
+
+impl Cpu {
+    fn now(orders: &Server, shipping: &Server, kind: &str) -> Cpu {
+        let broker = match kind {
+            "nats" => named_cpu_seconds("nats-server"),
+            "rabbitmq" => named_cpu_seconds("beam.smp"),
+            _ => None,
+        };
+        Cpu {
+            orders: pid_cpu_seconds(&orders.pid().to_string()),
+            shipping: pid_cpu_seconds(&shipping.pid().to_string()),
+            broker,
+            bench: process_cpu_seconds(),
+        }
+    }
+
+    /// What each used since `start`, in CPU seconds and as a share of the wall time (`total`
+    /// near 2.0 means both cores were busy).
+    fn since(&self, start: &Cpu, wall_seconds: f64) -> Value {
+        let used = |end: Option<f64>, start: Option<f64>| end.zip(start).map(|(e, s)| round3(e - s));
+        let parts = [
+            ("orders", used(self.orders, start.orders)),
+            ("shipping", used(self.shipping, start.shipping)),
+            ("broker", used(self.broker, start.broker)),
+            ("bench", used(self.bench, start.bench)),
+        ];
+        let total: f64 = parts.iter().filter_map(|(_, s)| *s).sum();
+        let mut out: serde_json::Map<String, Value> =
+            parts.iter().map(|(name, s)| (name.to_string(), json!(s))).collect();
+        out.insert("total".into(), json!(round3(total)));
+        out.insert("cores_busy".into(), json!(round3(total / wall_seconds.max(1e-9))));
+        Value::Object(out)
+    }
+}
+
 /// The lane of `consumer`'s subscription to orders' producer outbox, as `GET /v1/subscriptions` shows it.
 fn lane(orders: &Api, consumer: &str) -> Result<Value> {
     let page = orders.call(reqwest::Method::GET, "/v1/subscriptions", None)?;
@@ -382,7 +430,13 @@ fn lane(orders: &Api, consumer: &str) -> Result<Value> {
 }
 
 /// The raw transport: `events` fresh envelopes in batches of `batch`, one batch in flight.
-fn raw_rate(runtime: &tokio::runtime::Runtime, endpoint: &str, config: &TransportConfig, p: &Params) -> Result<Value> {
+fn raw_rate(
+    runtime: &tokio::runtime::Runtime,
+    endpoint: &str,
+    config: &TransportConfig,
+    p: &Params,
+    (orders, shipping): (&Server, &Server),
+) -> Result<Value> {
     let transport = connect(endpoint, config)?;
     let now = tidemark_engine::now_ms();
     let run = uuid::Uuid::new_v4().simple().to_string();
@@ -405,6 +459,7 @@ fn raw_rate(runtime: &tokio::runtime::Runtime, endpoint: &str, config: &Transpor
             ("raw".to_string(), envelope)
         })
         .collect();
+    let cpu_start = Cpu::now(orders, shipping, &p.kind);
     let t = Instant::now();
     let mut accepted = 0_u64;
     runtime.block_on(async {
@@ -415,10 +470,12 @@ fn raw_rate(runtime: &tokio::runtime::Runtime, endpoint: &str, config: &Transpor
         Ok::<(), Error>(())
     })?;
     let seconds = t.elapsed().as_secs_f64();
+    let cpu = Cpu::now(orders, shipping, &p.kind).since(&cpu_start, seconds);
     if accepted != p.events {
         return Err(failed(format!("the raw run got custody of {accepted} of {} events", p.events)));
     }
-    Ok(json!({"events": p.events, "seconds": round3(seconds), "events_per_s": round1(p.events as f64 / seconds)}))
+    Ok(json!({"events": p.events, "seconds": round3(seconds), "events_per_s": round1(p.events as f64 / seconds),
+        "cpu_seconds": cpu}))
 }
 
 pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
@@ -496,7 +553,9 @@ fn measure(
         "nats" => nats_from.clone(),
         _ => format!("amqp://{}/{}", p.amqp, names.exchange),
     };
+    let cpu_start = Cpu::now(&orders_server, &shipping, &p.kind);
     let alone = Delivery::measure(&orders, &ship, "ledger", &endpoint, p)?;
+    let cpu_alone = Cpu::now(&orders_server, &shipping, &p.kind).since(&cpu_start, alone.seconds);
 
     // Beside a black hole: its lane holds a batch (and waits out the attempt timeout) while a
     // second healthy subscriber receives everything from the start.
@@ -558,7 +617,7 @@ fn measure(
         "nats" => format!("nats://{}/{}raw", p.nats, names.prefix),
         _ => format!("amqp://{}/{}", p.amqp, names.raw_exchange),
     };
-    let raw = raw_rate(runtime, &raw_endpoint, &transport_config, p)?;
+    let raw = raw_rate(runtime, &raw_endpoint, &transport_config, p, (&orders_server, &shipping))?;
     drop(black_hole);
     let orders_stop = orders_server.stop()?;
     let shipping_stop = shipping.stop()?;
@@ -566,6 +625,7 @@ fn measure(
     let raw_rate = raw["events_per_s"].as_f64().unwrap_or(0.0);
     let ratio = if raw_rate > 0.0 { rate / raw_rate } else { 0.0 };
     let mut tidemark = alone.json(p);
+    tidemark["cpu_seconds"] = cpu_alone;
     tidemark["what"] = json!(
         "from the subscription (from the start) of an outbox holding every event to the receiving server's apply \
          of the last one: relay, transport, the receiving inbox's commit, its drain"

@@ -155,7 +155,7 @@ impl Server {
         Ok(server)
     }
 
-    fn pid(&self) -> u32 {
+    pub(super) fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, Child::id)
     }
 

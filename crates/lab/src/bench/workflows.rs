@@ -415,15 +415,41 @@ impl WriterCounts {
     }
 }
 
+/// The fields of `/proc/<pid>/stat` after the command name (which may hold spaces), from the
+/// state on, as numbers (the state itself reads as 0): ppid is `[1]`, utime `[11]`, stime
+/// `[12]`, cutime `[13]`, cstime `[14]`. `pid` may be `self`.
+pub(super) fn stat_fields(pid: &str) -> Option<Vec<u64>> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = text.get(text.rfind(')')? + 2..)?;
+    Some(rest.split_whitespace().map(|f| f.parse::<i64>().unwrap_or(0).max(0) as u64).collect())
+}
+
+/// CPU time of process `pid` (user + system, all threads), in seconds; `self` for this one.
+pub(super) fn pid_cpu_seconds(pid: &str) -> Option<f64> {
+    let fields = stat_fields(pid)?;
+    Some((fields.get(11)? + fields.get(12)?) as f64 / 100.0)
+}
+
 /// CPU time of this process (user + system, all threads, from `/proc/self/stat`), in seconds.
 pub(super) fn process_cpu_seconds() -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // The fields after the command name (which may hold spaces) start after the last ')'.
-    let rest = &text[text.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command name.
-    let ticks = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(ticks as f64 / 100.0)
+    pid_cpu_seconds("self")
+}
+
+/// CPU time of every running process whose command is `comm` (a broker: `nats-server`,
+/// `beam.smp`), summed, in seconds; `None` when none runs.
+pub(super) fn named_cpu_seconds(comm: &str) -> Option<f64> {
+    let mut total = None;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())) else { continue };
+        let this = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+        if this.trim_end() == comm {
+            if let Some(seconds) = pid_cpu_seconds(pid) {
+                total = Some(total.unwrap_or(0.0) + seconds);
+            }
+        }
+    }
+    total
 }
 
 /// On-CPU nanoseconds of this process's threads named `name` (Linux `/proc/self/task`).
