@@ -1572,6 +1572,55 @@ fn events_reach_nats_once_and_in_order_across_a_cut_flapping_network_that_loses_
     });
 }
 
+/// The sending relay killed at its commit boundary while batches go to NATS back to back: with
+/// read-ahead the lane hands a batch over while the outbox's thread records the one before, and
+/// the process dies in that record (`relay.before_producer_commit`), two batches published and
+/// neither recorded. Restarted on its data, the relay hands both over again: the stream keeps
+/// each event once (the duplicate window), each flow in seq order, nothing left pending.
+#[test]
+fn a_relay_killed_while_recording_one_batch_with_the_next_in_flight_loses_and_doubles_nothing_at_nats() {
+    served_on_both_backends(|| {
+        if !crate::support::failpoints_enabled() {
+            crate::support::skip("the kill at relay.before_producer_commit needs --features failpoints");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let Some((_nats, port)) = nats_with_orders_stream(dir.path()) else { return };
+        let orders_dir = dir.path().join("orders");
+        let admin = token(&orders_dir, "orders", "admin");
+        let config = orders_dir.join("orders.toml");
+        std::fs::write(&config, format!("[relay]\nbatch = {PIPELINED_BATCH}\n")).unwrap();
+        let args = ["--config", config.to_str().unwrap()];
+        let crash = [("TIDEMARK_CRASH_AT", "relay.before_producer_commit@3")];
+        let mut orders = Server::start(&orders_dir, &args, &crash);
+        for f in 0..FLOWS {
+            append(&orders, &admin, &format!("parcel-{f}"), 6);
+        }
+        // From the start: the lane finds a backlog of 20 batches.
+        let endpoint = json!({"endpoint": format!("nats://127.0.0.1:{port}/orders"), "from_start": true});
+        let (status, body) = orders.call("PUT", "/v1/subscriptions/stream", Some(&admin), Some(&endpoint));
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(orders.wait_exit(WAIT), 73, "killed at the third record of a lane");
+        let before = stored_ids(port, "ORDERS").len();
+        assert!(before >= 3 * PIPELINED_BATCH, "three batches handed over before the kill: {before}");
+
+        let orders = Server::start(&orders_dir, &args, &[]);
+        settled(&orders, &admin);
+        let ids = stored_ids(port, "ORDERS");
+        assert_eq!(ids.len(), FLOWS * 6, "every event stored once (stored before the restart: {before})");
+        assert_eq!(ids.iter().collect::<BTreeSet<_>>().len(), FLOWS * 6, "no event stored twice");
+        let mut flows: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for (flow, seq) in stored_positions(port, "ORDERS") {
+            flows.entry(flow).or_default().push(seq);
+        }
+        assert_eq!(flows.len(), FLOWS);
+        for (flow, seqs) in &flows {
+            assert_eq!(seqs, &(1..=6).collect::<Vec<_>>(), "{flow} in the stream, in stream order");
+        }
+        assert_read_ahead(&orders, &admin, "stream");
+    });
+}
+
 /// A partition between a serving relay and RabbitMQ (the same in-test proxy: publisher
 /// confirms lost after the queue took the message, cuts, black holes), while events are
 /// produced: no event is lost (every flow's every seq reaches the quorum queue, first in seq

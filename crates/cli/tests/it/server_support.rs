@@ -349,6 +349,23 @@ impl Server {
         }
     }
 
+    /// Wait (at most `limit`) for the server to exit by itself (a crash point), and answer its
+    /// exit code.
+    pub fn wait_exit(&mut self, limit: Duration) -> i32 {
+        let mut child = self.child.take().expect("running");
+        let started = Instant::now();
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return status.code().unwrap_or(-1);
+            }
+            if started.elapsed() > limit {
+                let _ = child.kill();
+                panic!("tidemark serve did not exit within {limit:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGKILL (a crash), and reap.
     pub fn kill9(&mut self) {
         let mut child = self.child.take().expect("running");
