@@ -333,10 +333,9 @@ impl ProducerStore for ModelProducer {
                     .collect()
             }
             None => {
-                // As SQLite reads them: the first `limit` due retries by (due time, position,
-                // consumer), and for each subscriber the first `limit` fresh deliveries (due since
-                // their commit) by position; then the `limit` smallest (due time, position,
-                // consumer) of those.
+                // As the stores read them: the first `limit` due retries by (position, consumer),
+                // and for each subscriber the first `limit` fresh deliveries (due since their
+                // commit) by position; then the `limit` smallest (position, consumer) of those.
                 let subscribed = |c: &String| self.state.subscriptions.contains_key(c) && wanted(c);
                 let mut retries: Vec<(i64, &String, &DeliveryRow)> = self
                     .state
@@ -350,7 +349,7 @@ impl ProducerStore for ModelProducer {
                     })
                     .map(|((p, c), row)| (*p, c, row))
                     .collect();
-                retries.sort_by(|a, b| (a.2.next_attempt_at_ms, a.0, a.1).cmp(&(b.2.next_attempt_at_ms, b.0, b.1)));
+                retries.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
                 retries.truncate(limit);
                 let mut due = retries;
                 for consumer_id in self.state.subscriptions.keys().filter(|c| wanted(c)) {
@@ -363,7 +362,7 @@ impl ProducerStore for ModelProducer {
                         .take(limit);
                     due.extend(fresh);
                 }
-                due.sort_by(|a, b| (a.2.next_attempt_at_ms, a.0, a.1).cmp(&(b.2.next_attempt_at_ms, b.0, b.1)));
+                due.sort_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)));
                 due
             }
         };

@@ -238,8 +238,8 @@ pub trait ProducerStore {
     /// Every subscriber, by consumer id.
     fn subscriptions(&self) -> Result<Vec<Subscription>>;
     /// Pending deliveries due at `now_ms`, in outbox order (position, then subscriber), at most
-    /// `limit`. With `event_id`, only
-    /// that event's pending or quarantined deliveries, due or not (explicit choice). With
+    /// `limit`. With `event_id`, only that event's pending or quarantined deliveries, due or not
+    /// (explicit choice). With
     /// `consumers`, only deliveries to those subscribers (a relay lane serves one endpoint's
     /// subscribers, so that another endpoint's backlog never fills its window).
     fn due_deliveries(
@@ -249,18 +249,14 @@ pub trait ProducerStore {
         event_id: Option<&str>,
         consumers: Option<&[String]>,
     ) -> Result<Vec<Delivery>>;
-    /// What a relay pass hands over (docs/protocol.md, "Relay"): of the `query.window`
+    /// What a relay pass hands over (docs/protocol.md, "The relay"): of the `query.window`
     /// candidates `due_deliveries` would return, those not `query.in_flight`, and of them
     /// `query.pick` chosen by [`round_robin`] across flows. The default reads the candidates'
     /// envelopes and drops what is not picked; a store may read the candidates' keys first and
     /// only the picked envelopes (SQLite does), with the same answer.
     fn pick_due(&mut self, query: &DueQuery<'_>) -> Result<Vec<Delivery>> {
         let mut candidates = self.due_deliveries(query.now_ms, query.window, None, query.consumers)?;
-        if !query.in_flight.is_empty() {
-            let skip: std::collections::HashSet<(i64, &str)> =
-                query.in_flight.iter().map(|(p, c)| (*p, c.as_str())).collect();
-            candidates.retain(|d| !skip.contains(&(d.position, d.consumer_id.as_str())));
-        }
+        leave_out(&mut candidates, query.in_flight, |d| (d.position, d.consumer_id.as_str()));
         Ok(round_robin(candidates, query.pick, |d| (d.envelope.source.as_str(), d.envelope.flow_id.as_str())))
     }
     /// The deliveries of `batch` (as `due_deliveries` returned them) that would overtake an
@@ -329,6 +325,16 @@ pub struct DueQuery<'a> {
     /// Deliveries handed over whose verdicts are not recorded yet (position, consumer id): left
     /// out of the candidates.
     pub in_flight: &'a [(i64, String)],
+}
+
+/// `items` without those `in_flight` names (position, consumer id), each item's own pair from
+/// `key`.
+pub fn leave_out<T>(items: &mut Vec<T>, in_flight: &[(i64, String)], key: impl for<'a> Fn(&'a T) -> (i64, &'a str)) {
+    if in_flight.is_empty() {
+        return;
+    }
+    let skip: std::collections::HashSet<(i64, &str)> = in_flight.iter().map(|(p, c)| (*p, c.as_str())).collect();
+    items.retain(|item| !skip.contains(&key(item)));
 }
 
 /// Pick up to `limit` of `items` round-robin across flows (`flow` names an item's source and

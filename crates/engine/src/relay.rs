@@ -142,7 +142,7 @@ pub fn plan_ahead<P: ProducerStore>(
     if let Some(event_id) = options.event_id.as_deref() {
         let mut candidates =
             producer.due_deliveries(now_ms, options.limit, Some(event_id), options.consumers.as_deref())?;
-        candidates.retain(|d| !in_flight.iter().any(|(p, c)| *p == d.position && *c == d.consumer_id));
+        tidemark_core::store::leave_out(&mut candidates, in_flight, |d| (d.position, d.consumer_id.as_str()));
         return Ok(round_robin(candidates, options.limit));
     }
     // (Widened by what is in flight, capped at what a store reads at most: four batches of the

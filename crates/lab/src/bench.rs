@@ -1112,6 +1112,28 @@ pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
 mod tests {
     use super::*;
 
+    /// `/proc/<pid>/stat` read at the right fields: this process's parent, and user time that
+    /// grows while it spins in user space (the PostgreSQL figures once summed system time and
+    /// reaped children's time instead).
+    #[test]
+    fn the_proc_stat_reader_reads_the_parent_and_the_user_time() {
+        let fields = workflows::stat_fields("self").unwrap();
+        assert_eq!(fields[1], u64::from(std::os::unix::process::parent_id()), "{fields:?}");
+        let user = || workflows::stat_fields("self").unwrap()[11];
+        let start = user();
+        let mut x = 1_u64;
+        for _ in 0..2_000 {
+            for i in 0..1_000_000_u64 {
+                x = std::hint::black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(i));
+            }
+            if user() >= start + 5 {
+                break;
+            }
+        }
+        assert!(user() >= start + 5, "spinning in user space did not show as user time ({x})");
+        assert!(workflows::process_cpu_seconds().unwrap() >= 0.05);
+    }
+
     #[test]
     fn the_quick_bench_applies_every_event_exactly_once() {
         let dir = tempfile::tempdir().unwrap();
@@ -1353,6 +1375,9 @@ mod tests {
             assert_eq!(out["check"]["applied_seqs"], json!(400), "{out:#}");
             assert_eq!(out["raw_transport"]["events"], json!(400), "{out:#}");
             assert!(out["ratio_to_raw"].as_f64().is_some_and(|r| r > 0.0), "{out:#}");
+            let cpu = &out["tidemark"]["cpu_seconds"];
+            assert!(cpu["orders"].as_f64().is_some() && cpu["shipping"].as_f64().is_some(), "{out:#}");
+            assert_eq!(cpu["broker"].as_f64().is_some(), kind != "http", "a broker's CPU is read: {out:#}");
             assert_eq!(out["stop"]["orders"]["exit_code"], json!(0), "{out:#}");
         }
     }

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use tidemark_core::store::{in_batches, ConsumerStore, DrainScope, ProducerStore};
 use tidemark_core::workflow::WorkflowStore;
 use tidemark_core::Result;
-use tidemark_engine::{relay_until_idle, RelayOptions};
+use tidemark_engine::relay_until_idle;
 
 use crate::backend::Backend;
 use crate::tenant::Tenant;
@@ -94,13 +94,7 @@ async fn delivery_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>) -> V
 
 /// One relay (a few passes) and one drain per consumer. True when something moved.
 async fn delivery_round<B: Backend>(state: &AppState, tenant: &Arc<Tenant<B>>) -> Result<bool> {
-    let options = RelayOptions {
-        limit: state.config.relay.batch,
-        event_id: None,
-        policy: state.config.relay_policy(),
-        keep_answers: false,
-        consumers: None,
-    };
+    let options = state.config.relay_options();
     let mut relayed = tidemark_engine::RelayReport::default();
     for (index, outbox) in tenant.outboxes().into_iter().enumerate() {
         let mut options = options.clone();

@@ -570,6 +570,17 @@ impl Config {
         }
     }
 
+    /// A relay pass of `[relay]`'s batch and policy, to every subscriber (a lane names its own).
+    pub fn relay_options(&self) -> tidemark_engine::RelayOptions {
+        tidemark_engine::RelayOptions {
+            limit: self.relay.batch,
+            event_id: None,
+            policy: self.relay_policy(),
+            keep_answers: false,
+            consumers: None,
+        }
+    }
+
     /// The OTLP/HTTP collector to export spans to, if any.
     pub fn otlp_endpoint(&self) -> Result<Option<&str>> {
         let endpoint = self.log.otlp_endpoint.trim_end_matches('/');

@@ -388,13 +388,7 @@ impl<B: Backend> Lane<B> {
 }
 
 async fn lane<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, outbox: usize, endpoint: String) -> Value {
-    let options = RelayOptions {
-        limit: state.config.relay.batch,
-        event_id: None,
-        policy: state.config.relay_policy(),
-        keep_answers: false,
-        consumers: None,
-    };
+    let options = state.config.relay_options();
     let parsed = Endpoint::parse(&endpoint).map(|e| e.kind());
     let kind = parsed.as_ref().map(|k| k.as_str()).unwrap_or("unknown");
     // A broker keeps arrival order (a stream, a queue, a partition): each flow goes in seq order.

@@ -37,8 +37,9 @@ use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::{ADVANCE_BATCH_MAX, PAGE_SIZE_MAX, PRUNE_BATCH_ROWS_MAX, RELAY_BATCH_EVENTS_MAX};
 use tidemark_core::policy::retention_walk_stops_at;
 use tidemark_core::store::{
-    round_robin, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict, DueQuery,
-    FlowRecord, OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, RedeliverReport, Subscription,
+    leave_out, round_robin, Delivery, DeliveryAction, DeliveryEntry, DeliveryResult, DeliveryStatus, DeliveryVerdict,
+    DueQuery, FlowRecord, OutboxPruneReport, ProducerIdentity, ProducerSnapshot, ProducerStore, RedeliverReport,
+    Subscription,
 };
 use tidemark_core::{ensure_invariant, Envelope, Error, Result};
 
@@ -421,8 +422,8 @@ fn advance_validated(
     Ok(AdvanceOutcome::Committed { flow_id: event.flow_id, seq, event_id: event.event_id, state: decision.next.state })
 }
 
-/// A due delivery before its envelope is read: its key (due time, position, subscriber) and
-/// what a relay pass picks by.
+/// A due delivery before its envelope is read: its key (position, subscriber) and what a relay
+/// pass picks by.
 struct DueKey {
     position: i64,
     consumer_id: String,
@@ -454,6 +455,8 @@ fn due_keys(
         read.prepare_cached("SELECT EXISTS (SELECT 1 FROM deliveries)").db()?.query_row([], |r| r.get(0)).db()?;
     let mut keys: Vec<DueKey> = Vec::new();
     if any_exceptions {
+        // (The due retries are found by `deliveries_due` and sorted by position: a plan reads
+        // every due retry once, which costs only while an outage's retries are due.)
         let mut stmt = read
             .prepare_cached(
                 "SELECT d.position, d.consumer_id, o.flow_id, d.attempts, s.endpoint
@@ -876,11 +879,7 @@ impl ProducerStore for SqliteProducer {
         // The candidates' keys first, the envelopes of the picked ones only.
         let read = self.conn.unchecked_transaction().db()?;
         let mut keys = due_keys(&read, query.now_ms, query.window, query.consumers)?;
-        if !query.in_flight.is_empty() {
-            let skip: std::collections::HashSet<(i64, &str)> =
-                query.in_flight.iter().map(|(p, c)| (*p, c.as_str())).collect();
-            keys.retain(|k| !skip.contains(&(k.position, k.consumer_id.as_str())));
-        }
+        leave_out(&mut keys, query.in_flight, |k| (k.position, k.consumer_id.as_str()));
         // One source per outbox: the flow alone tells flows apart.
         let picked = round_robin(keys, query.pick, |k| ("", k.flow_id.as_str()));
         let deliveries = deliveries_of(&read, &self.identity, picked)?;

@@ -25,8 +25,8 @@ fn verdict(delivery: &Delivery, verdict: DeliveryVerdict) -> DeliveryResult {
     }
 }
 
-fn overtaking_holds_a_flow_behind_its_open_events() {
-    let s = Setup::new(&[]);
+/// The producer of `s` with `consumers` subscribed from the start to its consumer store.
+fn subscribed(s: &Setup, consumers: &[&str]) -> Producer {
     let location = StoreLocation::parse(s.p()).unwrap();
     let mut producer = Producer::open_at(location, tidemark_store_sqlite::Durability::Full).unwrap();
     // The consumer store as a subscription names it: its file, or its schema on the server.
@@ -34,10 +34,16 @@ fn overtaking_holds_a_flow_behind_its_open_events() {
         StoreLocation::Sqlite(path) => path_str(&path).to_string(),
         StoreLocation::Postgres(pg) => pg.schema,
     };
-    for consumer in ["bus", "audit"] {
-        let subscription = Subscription { consumer_id: consumer.into(), endpoint: endpoint.clone() };
+    for consumer in consumers {
+        let subscription = Subscription { consumer_id: consumer.to_string(), endpoint: endpoint.clone() };
         producer.subscribe(&subscription, true, 1).unwrap();
     }
+    producer
+}
+
+fn overtaking_holds_a_flow_behind_its_open_events() {
+    let s = Setup::new(&[]);
+    let mut producer = subscribed(&s, &["bus", "audit"]);
     let advance = |flow: &str, expected_seq: i64, to: &str| AdvanceRequest {
         flow_id: flow.into(),
         expected_seq,
@@ -109,13 +115,7 @@ fn a_delivery_overtakes_only_behind_an_open_earlier_event_of_its_flow_and_subscr
 /// events, every one of them held back behind a retry, and the lane stalled for good.
 fn retries_behind_a_long_backlog_of_their_flows_are_planned_first() {
     let s = Setup::new(&[]);
-    let location = StoreLocation::parse(s.p()).unwrap();
-    let mut producer = Producer::open_at(location, tidemark_store_sqlite::Durability::Full).unwrap();
-    let endpoint = match StoreLocation::parse(s.c()).unwrap() {
-        StoreLocation::Sqlite(path) => path_str(&path).to_string(),
-        StoreLocation::Postgres(pg) => pg.schema,
-    };
-    producer.subscribe(&Subscription { consumer_id: "bus".into(), endpoint }, true, 1).unwrap();
+    let mut producer = subscribed(&s, &["bus"]);
     let flows: Vec<String> = (0..10).map(|i| format!("f{i}")).collect();
     let step = |flow: &str, expected_seq: i64, to: &str| AdvanceRequest {
         flow_id: flow.into(),
