@@ -99,6 +99,13 @@ pub struct Delivery {
     pub attempts: u32,
 }
 
+impl Delivery {
+    /// The event's source and flow: what a relay pass picks round-robin by.
+    pub fn flow(&self) -> (&str, &str) {
+        (self.envelope.source.as_str(), self.envelope.flow_id.as_str())
+    }
+}
+
 /// What the relay decided for one delivery, recorded in one producer transaction per batch.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DeliveryVerdict {
@@ -257,7 +264,7 @@ pub trait ProducerStore {
     fn pick_due(&mut self, query: &DueQuery<'_>) -> Result<Vec<Delivery>> {
         let mut candidates = self.due_deliveries(query.now_ms, query.window, None, query.consumers)?;
         leave_out(&mut candidates, query.in_flight, |d| (d.position, d.consumer_id.as_str()));
-        Ok(round_robin(candidates, query.pick, |d| (d.envelope.source.as_str(), d.envelope.flow_id.as_str())))
+        Ok(round_robin(candidates, query.pick, Delivery::flow))
     }
     /// The deliveries of `batch` (as `due_deliveries` returned them) that would overtake an
     /// earlier event of their flow: an earlier event of the same flow whose delivery to the same

@@ -115,7 +115,7 @@ impl Default for RelayOptions {
 /// Pick up to `limit` deliveries round-robin across flows, keeping each flow's own order
 /// ([`tidemark_core::store::round_robin`] by source and flow).
 pub fn round_robin(candidates: Vec<Delivery>, limit: usize) -> Vec<Delivery> {
-    tidemark_core::store::round_robin(candidates, limit, |d| (d.envelope.source.as_str(), d.envelope.flow_id.as_str()))
+    tidemark_core::store::round_robin(candidates, limit, Delivery::flow)
 }
 
 /// The first step of a relay pass: the due deliveries (to `options.consumers` when given), picked

@@ -10,11 +10,11 @@
 //! in flight per lane at a time, back to back: while it is handed over, the outbox's thread
 //! records the batch before it and reads the next (leaving the one in flight out), and the next
 //! is handed over once every answer of this one is custody; after any other answer the lane
-//! records first and reads afresh (see `Lane`). A lane to a broker also sorts its batch by outbox position and
-//! holds back a flow whose earlier event is still open (`in_flow_order`), so each flow reaches
-//! the broker in seq order, failures included (docs/protocol.md, "Order in a broker"). A
-//! timeout or an error fails the batch's deliveries (retried; the remote answers `duplicate` for
-//! what it stored).
+//! records first and reads afresh (see `Lane`). A lane to a broker also sorts its batch by
+//! outbox position and holds back a flow whose earlier event is still open (`in_flow_order`),
+//! so each flow reaches the broker in seq order, failures included (docs/protocol.md, "Order in
+//! a broker"). A timeout or an error fails the batch's deliveries (retried; the remote answers
+//! `duplicate` for what it stored).
 //! File endpoints are delivered by the delivery loop on the outbox's thread, as before.
 //!
 //! The delivery loop starts a lane when it sees a network subscription without one; a lane ends
@@ -331,9 +331,7 @@ impl<B: Backend> Lane<B> {
                 },
             };
             if batch.is_empty() {
-                if let Some(judged) = unrecorded.take() {
-                    self.record(judged).await;
-                }
+                // (Nothing is unrecorded here: a batch read ahead is never empty.)
                 if !crate::background::pause(&self.state, self.state.config.relay.interval_ms).await {
                     break;
                 }
