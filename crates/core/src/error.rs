@@ -183,30 +183,47 @@ impl From<rusqlite::Error> for Error {
 }
 
 /// A PostgreSQL failure in the user's own statements (inside a transaction tidemark handed them,
-/// or one they opened for `advance_in`) is a store failure, never bad input.
+/// or one they opened for `advance_in`) is a store failure, never bad input; which one is
+/// [`postgres_error_code`]'s answer.
 #[cfg(feature = "postgres")]
 impl From<postgres::Error> for Error {
     fn from(error: postgres::Error) -> Self {
-        let lost = match error.as_db_error() {
-            Some(db) => {
-                let code = db.code().code();
-                code.starts_with("08") || ["57P01", "57P02", "57P03"].contains(&code)
-            }
+        let (code, message) = match error.as_db_error() {
+            Some(db) => (
+                postgres_error_code(db.code().code(), db.severity()),
+                format!("postgres: {} ({}, {})", db.message(), db.code().code(), db.severity()),
+            ),
             // A closed connection, or one that failed on the network (refused, reset, timed out).
             None => {
-                error.is_closed()
+                let lost = error.is_closed()
                     || std::iter::successors(std::error::Error::source(&error), |e| e.source())
-                        .any(|e| e.is::<std::io::Error>())
+                        .any(|e| e.is::<std::io::Error>());
+                (if lost { codes::STORE_UNAVAILABLE } else { codes::STORE }, format!("postgres: {error}"))
             }
         };
-        let message = match error.as_db_error() {
-            Some(db) => format!("postgres: {} ({})", db.message(), db.code().code()),
-            None => format!("postgres: {error}"),
-        };
-        match lost {
-            true => Error::Store { code: codes::STORE_UNAVAILABLE, message },
-            false => Error::store(message),
-        }
+        Error::Store { code, message }
+    }
+}
+
+/// The code of an error the PostgreSQL server answered, from its SQLSTATE and severity:
+/// - `storage_full` for `53100` (`disk_full`: the server could not extend a file; the statement's
+///   transaction rolled back, nothing changed);
+/// - `store_unavailable` when the session or the server ended: SQLSTATE class 08, `57P01`-`57P03`,
+///   and **every error of severity `FATAL` or `PANIC`**, whatever its SQLSTATE. A `PANIC` (say a
+///   failed fsync of the WAL, docs/reliability.md) can come after the commit record was written:
+///   the transaction may be committed once the server has recovered, so the caller must not be
+///   told "rolled back" (`store`); it retries with the same expected seq or run id, which tells.
+/// - `store` otherwise (the transaction rolled back).
+pub fn postgres_error_code(sqlstate: &str, severity: &str) -> &'static str {
+    if sqlstate == "53100" {
+        codes::STORAGE_FULL
+    } else if sqlstate.starts_with("08")
+        || ["57P01", "57P02", "57P03"].contains(&sqlstate)
+        || ["FATAL", "PANIC"].contains(&severity)
+    {
+        codes::STORE_UNAVAILABLE
+    } else {
+        codes::STORE
     }
 }
 
@@ -229,4 +246,32 @@ macro_rules! ensure_invariant {
             return Err($crate::Error::Invariant(format!($($arg)+)));
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SQLSTATEs and severities PostgreSQL answered in the fault tests
+    /// (crates/faultfs-preload/tests/postgres_faults.rs) and the connection losses.
+    #[test]
+    fn a_postgres_error_is_classified_by_sqlstate_and_severity() {
+        let cases = [
+            ("53100", "ERROR", codes::STORAGE_FULL),
+            ("23505", "ERROR", codes::STORE),
+            ("40001", "ERROR", codes::STORE),
+            ("08006", "FATAL", codes::STORE_UNAVAILABLE),
+            ("08006", "ERROR", codes::STORE_UNAVAILABLE),
+            ("57P01", "FATAL", codes::STORE_UNAVAILABLE),
+            ("57P03", "FATAL", codes::STORE_UNAVAILABLE),
+            // A failed fsync of the WAL at commit: the server PANICs (SQLSTATE XX000 or 58030).
+            ("XX000", "PANIC", codes::STORE_UNAVAILABLE),
+            ("58030", "PANIC", codes::STORE_UNAVAILABLE),
+            ("58030", "ERROR", codes::STORE),
+            ("XX000", "FATAL", codes::STORE_UNAVAILABLE),
+        ];
+        for (sqlstate, severity, code) in cases {
+            assert_eq!(postgres_error_code(sqlstate, severity), code, "{sqlstate} {severity}");
+        }
+    }
 }

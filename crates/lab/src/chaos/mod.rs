@@ -1313,6 +1313,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         .filter_map(|k| clap::ValueEnum::to_possible_value(k).map(|v| v.get_name().to_string()))
         .collect();
     let writes_lost: u64 = injected.iter().filter_map(|f| f["power_loss"]["writes_lost"].as_u64()).sum();
+    let writes_torn: u64 = injected.iter().filter_map(|f| f["power_loss"]["writes_torn"].as_u64()).sum();
     let passed = report.total() == 0 && converged;
     let mut check = report.to_json(Some(settings.seed));
     check["passed"] = json!(passed);
@@ -1349,6 +1350,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
+            "unsynced_writes_torn": writes_torn,
             "schedule": injected,
         },
         "operations": {
@@ -1501,15 +1503,24 @@ fn inject(
     }))
 }
 
-/// Throw away what the (dead) servers' files had not made durable: in each file a prefix of its
-/// unsynced writes, drawn from the seed and the fault's index, reached the disk.
+/// Throw away what the (dead) servers' files had not made durable: in each file, drawn from the
+/// seed and the fault's index, either a prefix of its unsynced writes reached the disk (a disk
+/// writing its queue back in order) or any subset of them, sectors of a write on their own (a disk
+/// that reorders and tears writes); the fault's entry says which (`writeback`).
 #[cfg(feature = "failpoints")]
 fn power_loss(servers: &[Serve], fault: &Fault) -> Result<Value> {
     use tidemark_store_sqlite::faultfs::{power_loss, Writeback};
     let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("a power loss needs the fault VFS"))?;
     let seed = servers[0].seed ^ (fault.index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let report = power_loss(state, Writeback::Prefix(seed))?;
-    serde_json::to_value(report).map_err(|e| Error::io(e.to_string()))
+    let writeback =
+        if fault.index.is_multiple_of(2) { Writeback::Prefix(seed) } else { Writeback::Reordered { seed, torn: true } };
+    let report = power_loss(state, writeback)?;
+    let mut value = serde_json::to_value(report).map_err(|e| Error::io(e.to_string()))?;
+    value["writeback"] = json!(match writeback {
+        Writeback::Reordered { .. } => "reordered_torn",
+        _ => "prefix",
+    });
+    Ok(value)
 }
 
 #[cfg(not(feature = "failpoints"))]
