@@ -154,6 +154,11 @@ pub struct LimitsConfig {
     /// the listen backlog until one closes (a connection idle past `header_read_timeout_ms`
     /// closes by itself).
     pub connections_max: usize,
+    /// Open connections from one client address at most (0..=100,000; 0, the default: no bound
+    /// but `connections_max`): a connection past it is answered 429 `rate_limited` and closed at
+    /// once, so one address cannot take every slot. Behind a reverse proxy every client has the
+    /// proxy's address: leave it 0 there and bound addresses at the proxy.
+    pub connections_per_address_max: usize,
 }
 
 /// `[relay]`: how each tenant's relay hands its outbox to the subscribers.
@@ -294,6 +299,7 @@ impl Default for LimitsConfig {
             header_read_timeout_ms: 10_000,
             header_bytes_max: 64 * 1024,
             connections_max: 1_024,
+            connections_per_address_max: 0,
         }
     }
 }
@@ -430,6 +436,7 @@ impl Config {
         range("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms as i128, 100, 600_000)?;
         range("limits.header_bytes_max", self.limits.header_bytes_max as i128, 8_192, 1_048_576)?;
         range("limits.connections_max", self.limits.connections_max as i128, 1, 100_000)?;
+        range("limits.connections_per_address_max", self.limits.connections_per_address_max as i128, 0, 100_000)?;
         range("limits.page_size_max", self.limits.page_size_max as i128, 1, PAGE_SIZE_MAX as i128)?;
         range("limits.group_commit_max", self.limits.group_commit_max as i128, 1, 10_000)?;
         range("relay.interval_ms", self.relay.interval_ms.into(), 1, 3_600_000)?;

@@ -208,7 +208,9 @@ impl<B: Backend> Service<B> {
 /// at once (the next waits in the listen backlog), each client given
 /// `limits.header_read_timeout_ms` to send a request's head (a slow or silent one is closed) and
 /// at most `limits.header_bytes_max` bytes of it (431 beyond). Then no new connections; the open
-/// ones finish their requests (at most `grace`).
+/// ones finish their requests (at most `grace`). With `limits.connections_per_address_max`, a
+/// connection from an address that already has that many open is answered 429 `rate_limited`
+/// and closed at once (it holds no slot: a flood from one address cannot take the others').
 async fn serve_connections(
     listener: tokio::net::TcpListener,
     app: axum::Router,
@@ -231,6 +233,8 @@ async fn serve_connections(
         .max_header_list_size(u32::try_from(limits.header_bytes_max).unwrap_or(u32::MAX));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
+    let per_address =
+        (limits.connections_per_address_max > 0).then(|| AddressSlots::new(limits.connections_per_address_max));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let permit = tokio::select! {
@@ -240,11 +244,24 @@ async fn serve_connections(
         let stream = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(accepted) => accepted,
                 Err(e) => {
                     // Out of file descriptors, or a connection reset before it was accepted: go on.
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let (stream, peer) = stream;
+        let address_slot = match &per_address {
+            None => None,
+            Some(slots) => match slots.take(peer.ip()) {
+                Some(slot) => Some(slot),
+                None => {
+                    // The answer fits the socket's empty send buffer: written at once or not at all.
+                    let _ = stream.try_write(&TOO_MANY_CONNECTIONS);
+                    tracing::debug!(peer = %peer.ip(), "connection refused: limits.connections_per_address_max");
                     continue;
                 }
             },
@@ -260,12 +277,69 @@ async fn serve_connections(
                 _ = connection => {}
                 () = activity.idle_for(idle_limit) => {}
             }
-            drop(permit);
+            drop((permit, address_slot));
         });
     }
     drop(listener);
     if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
         tracing::warn!(grace_ms = grace.as_millis() as u64, "connections still open after the grace period");
+    }
+}
+
+/// The answer to a connection past `limits.connections_per_address_max` (then closed).
+static TOO_MANY_CONNECTIONS: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+    let body = serde_json::json!({"error": {
+        "code": tidemark_core::codes::RATE_LIMITED,
+        "message": "too many open connections from this address (limits.connections_per_address_max)",
+    }})
+    .to_string();
+    format!(
+        "HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+});
+
+/// Open connections per client address, for `limits.connections_per_address_max`.
+#[derive(Clone)]
+struct AddressSlots {
+    max: usize,
+    open: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>>,
+}
+
+/// One open connection's slot of its address; given back when dropped.
+struct AddressSlot {
+    slots: AddressSlots,
+    ip: std::net::IpAddr,
+}
+
+impl AddressSlots {
+    fn new(max: usize) -> AddressSlots {
+        AddressSlots { max, open: Default::default() }
+    }
+
+    /// A slot for a connection from `ip`, or `None` when it has `max` open already.
+    fn take(&self, ip: std::net::IpAddr) -> Option<AddressSlot> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(ip).or_insert(0);
+        if *count >= self.max {
+            return None;
+        }
+        *count += 1;
+        Some(AddressSlot { slots: self.clone(), ip })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut open = self.slots.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.ip) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.ip);
+            }
+        }
     }
 }
 

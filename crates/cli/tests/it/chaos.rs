@@ -505,6 +505,68 @@ fn chaos_database_crashes_under_load_lose_nothing_and_the_servers_reconnect_by_t
     }
 }
 
+/// The database machine loses power under the HTTP workload (`--kinds power-loss` with `--store`
+/// and `--db-preload`: the server of a cluster of the test's own runs on the fault layer, and each
+/// power loss stops it at once, throws away what it had not made durable, a prefix or reordered
+/// and torn writes, and starts it again): every acknowledged operation is there once, and the
+/// servers reconnected by themselves.
+#[test]
+fn chaos_database_power_losses_lose_nothing_acknowledged() {
+    let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
+    cluster.start();
+    let shim = std::env::current_exe().unwrap().parent().unwrap().join("libtidemark_faultfs_preload.so");
+    assert!(shim.exists(), "cargo builds the fault shim beside the tests: {}", shim.display());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        "21",
+        "--duration-s",
+        "12",
+        "--faults",
+        "3",
+        "--kinds",
+        "power-loss",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--store",
+        &cluster.url("chaosloss"),
+        "--db-data",
+        path_str(&cluster.data()),
+        "--db-preload",
+        path_str(&shim),
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds power-loss --db-preload: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["faults"]["power_loss"], 3, "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let losses: Vec<&Value> =
+        report["faults"]["schedule"].as_array().unwrap().iter().filter(|f| f["kind"] == "power_loss").collect();
+    assert!(losses.iter().all(|f| f["power_loss"]["machine"] == "database"), "{report:#}");
+    let writebacks: Vec<&str> = losses.iter().map(|f| f["power_loss"]["writeback"].as_str().unwrap()).collect();
+    assert!(writebacks.contains(&"prefix") && writebacks.contains(&"reordered_torn"), "{writebacks:?}");
+    // The layer was under the server: its losses found writes not made durable.
+    let unsynced: u64 = losses.iter().map(|f| f["power_loss"]["files_with_unsynced_writes"].as_u64().unwrap()).sum();
+    assert!(unsynced > 0, "{report:#}");
+    assert!(report["reproduce"].as_str().unwrap().contains("--db-preload"), "{report:#}");
+    // The server runs without the layer again, and the layer's folder is gone.
+    let leftover = std::fs::read_dir(std::env::temp_dir())
+        .unwrap()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with("tidemark-chaos-db-faultfs-21-"));
+    assert!(!leftover, "the fault layer's folder is left behind");
+}
+
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark
 /// serve` behind the harness's TCP proxy): after cuts, a black hole, lost answers and a flap,
 /// every acknowledged event is in the remote inbox once, applied in order, and the relays caught

@@ -1,8 +1,9 @@
 //! Hostile clients against a real `tidemark serve` over real TCP: a client that trickles its
 //! headers (or sends nothing) is closed after `limits.header_read_timeout_ms`, a request head
 //! over `limits.header_bytes_max` is answered 431, and past `limits.connections_max` open
-//! connections a new one waits until a slot frees; meanwhile other clients are served. Every wait
-//! here is a bounded loop; no assertion is about how fast anything is.
+//! connections a new one waits until a slot frees, and past `limits.connections_per_address_max`
+//! a connection from that address is answered 429 and closed; meanwhile other clients are served.
+//! Every wait here is a bounded loop; no assertion is about how fast anything is.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
@@ -115,4 +116,101 @@ fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(held);
+}
+
+/// A connection from `local` (a loopback address of its own, so that the server sees another
+/// client address).
+fn connect_from(server: &Server, local: &str) -> TcpStream {
+    let remote: std::net::SocketAddr = server.base.trim_start_matches("http://").parse().expect("an address");
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    let local: std::net::SocketAddr = format!("{local}:0").parse().unwrap();
+    socket.bind(&local.into()).expect("bind a loopback address");
+    socket.connect(&remote.into()).expect("connect");
+    let stream: TcpStream = socket.into();
+    stream.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+    stream
+}
+
+/// Read every stream of `flood` without blocking until `closed` of them were closed by the
+/// server (bounded by `CLOSE_WAIT`), then half a second more; what each one was sent, and whether
+/// it was closed.
+fn read_until_closed(flood: &mut [TcpStream], closed: usize) -> Vec<(String, bool)> {
+    let mut seen: Vec<(Vec<u8>, bool)> = vec![(Vec::new(), false); flood.len()];
+    let began = Instant::now();
+    let mut settled_at = None;
+    let mut buffer = [0_u8; 4096];
+    loop {
+        for (stream, (answer, done)) in flood.iter_mut().zip(seen.iter_mut()) {
+            stream.set_nonblocking(true).unwrap();
+            while !*done {
+                match stream.read(&mut buffer) {
+                    Ok(0) => *done = true,
+                    Ok(n) => answer.extend_from_slice(&buffer[..n]),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(_) => *done = true,
+                }
+            }
+        }
+        let count = seen.iter().filter(|(_, done)| *done).count();
+        if count >= closed && settled_at.is_none() {
+            settled_at = Some(Instant::now());
+        }
+        let settled = settled_at.is_some_and(|at| at.elapsed() > Duration::from_millis(500));
+        if settled || began.elapsed() > CLOSE_WAIT {
+            return seen
+                .into_iter()
+                .map(|(answer, done)| (String::from_utf8_lossy(&answer).into_owned(), done))
+                .collect();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A flood of connections from one address: `limits.connections_per_address_max` of them are
+/// held open, every other one is answered 429 `rate_limited` and closed at once, and it takes
+/// no slot: a client from another address is served meanwhile, and once the flood's connections
+/// close, the address is served again.
+#[test]
+fn past_the_per_address_limit_a_connection_is_answered_429_and_other_addresses_are_served() {
+    const FLOOD: usize = 300;
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        &dir.path().join("data"),
+        &[],
+        &[
+            ("TIDEMARK_AUTH__MODE", "none"),
+            ("TIDEMARK_LIMITS__CONNECTIONS_MAX", "16"),
+            ("TIDEMARK_LIMITS__CONNECTIONS_PER_ADDRESS_MAX", "4"),
+            ("TIDEMARK_LIMITS__HEADER_READ_TIMEOUT_MS", "60000"),
+        ],
+    );
+    let mut flood: Vec<TcpStream> = (0..FLOOD).map(|_| connect_from(&server, "127.0.0.2")).collect();
+    let seen = read_until_closed(&mut flood, FLOOD - 4);
+    for (answer, _) in seen.iter().filter(|(_, closed)| *closed) {
+        assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+        assert!(answer.contains("\"code\":\"rate_limited\""), "{answer}");
+    }
+    let held: Vec<TcpStream> =
+        flood.into_iter().zip(&seen).filter(|(_, (_, closed))| !closed).map(|(s, _)| s).collect();
+    assert!(seen.iter().all(|(answer, closed)| *closed || answer.is_empty()), "a held connection was sent something");
+    assert_eq!(held.len(), 4, "connections held open of {FLOOD} from one address");
+    // Another address is served while the flood holds its four (16 slots in all).
+    assert!(healthy(&server), "a client from 127.0.0.1 was not served during the flood");
+    // Once they close, the address is served again (the server notices the close: bounded wait).
+    drop(held);
+    let began = Instant::now();
+    loop {
+        let mut again = connect_from(&server, "127.0.0.2");
+        again.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        again.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut answer = Vec::new();
+        let _ = again.read_to_end(&mut answer);
+        let answer = String::from_utf8_lossy(&answer).into_owned();
+        if answer.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+        assert!(began.elapsed() < CLOSE_WAIT, "the address's slots were not given back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

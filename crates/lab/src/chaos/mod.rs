@@ -147,8 +147,9 @@ struct RunArgs {
     out: Option<PathBuf>,
     /// Serve on PostgreSQL: `postgres://user@host:port/db?schema=<prefix>` (the servers'
     /// `--store`; the prefix must hold no schema yet, and the run leaves its schemas for `chaos
-    /// check`). Faults: sigkill, sigstop and partition (power losses, clock jumps and I/O errors
-    /// act on SQLite files); with `--db-data`, also `db-crash`.
+    /// check`). Faults: sigkill, sigstop and partition (clock jumps and I/O errors act on SQLite
+    /// files); with `--db-data`, also `db-crash`, and with `--db-preload` too, `power-loss` (the
+    /// database machine's).
     #[arg(long)]
     store: Option<String>,
     /// The data folder of the PostgreSQL server `--store` names, for `--kinds db-crash`: the
@@ -156,6 +157,15 @@ struct RunArgs {
     /// (`pg_ctl start`), as the folder's owner.
     #[arg(long)]
     db_data: Option<PathBuf>,
+    /// The fault shim (`libtidemark_faultfs_preload.so`, built by `cargo build -p
+    /// tidemark-faultfs-preload`), for `--kinds power-loss` with `--store`: the harness restarts
+    /// the server of `--db-data` with it preloaded, so that its data folder is on the fault layer
+    /// (docs/reliability.md, "PostgreSQL on the layer"), and a power loss is then the database
+    /// machine's: the server stopped at once, what it had not made durable thrown away, the
+    /// server started again; the tidemark processes stay up. At the end of the run the server is
+    /// restarted without the shim.
+    #[arg(long)]
+    db_preload: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -271,12 +281,25 @@ struct Database {
     /// `pg_ctl`'s output, and the server's after a restart by the harness
     /// (`OUT/logs/postgres.log`).
     log: PathBuf,
+    /// The fault layer the server runs on, with `--db-preload`.
+    layer: Option<DbLayer>,
+}
+
+/// The fault layer under the database server (`--db-preload`): a folder of the harness's, owned
+/// by the server's user, holding a copy of the shim (readable by that user wherever the original
+/// is) and the layer's state folder.
+struct DbLayer {
+    /// `--db-preload` as given (for the report's reproduce line).
+    preload: PathBuf,
+    dir: PathBuf,
+    shim: PathBuf,
+    state: PathBuf,
 }
 
 impl Database {
     /// The data folder `data` of the server `store` names (`SHOW data_directory` must be it),
     /// the `pg_ctl` of its version, and the user to run it as; `invalid_argument` otherwise.
-    fn locate(data: &Path, store: &PostgresStore, out: &Path) -> Result<Database> {
+    fn locate(data: &Path, store: &PostgresStore, out: &Path, preload: Option<&Path>, seed: u64) -> Result<Database> {
         use std::os::unix::fs::MetadataExt;
         let version = std::fs::read_to_string(data.join("PG_VERSION")).map_err(|_| {
             invalid(format!("--db-data {} is not a PostgreSQL data folder (no PG_VERSION)", data.display()))
@@ -316,10 +339,16 @@ impl Database {
             false => None,
         };
         let log = out.join("logs").join("postgres.log");
-        Ok(Database { data: data.to_path_buf(), pg_ctl, run_as, log })
+        let layer = preload.map(|preload| DbLayer::create(preload, seed, &owner)).transpose()?;
+        Ok(Database { data: canonical(data), pg_ctl, run_as, log, layer })
     }
 
     fn pg_ctl(&self, args: &[&str]) -> Result<()> {
+        self.pg_ctl_on(args, false)
+    }
+
+    /// `pg_ctl` with `args`; `on_layer`: with the shim preloaded and the layer's folders named.
+    fn pg_ctl_on(&self, args: &[&str], on_layer: bool) -> Result<()> {
         let mut command = match &self.run_as {
             Some(user) => {
                 let mut command = Command::new("runuser");
@@ -328,6 +357,12 @@ impl Database {
             }
             None => Command::new(&self.pg_ctl),
         };
+        if let (true, Some(layer)) = (on_layer, &self.layer) {
+            command
+                .env("LD_PRELOAD", &layer.shim)
+                .env(tidemark_faultfs::ENV, &layer.state)
+                .env("TIDEMARK_FAULTFS_ROOT", &self.data);
+        }
         // pg_ctl's output and, after a start, the server's (which inherits it) go to the log,
         // opened here: the server's user need not be able to open a file in the run's folder.
         let log = std::fs::OpenOptions::new()
@@ -355,9 +390,74 @@ impl Database {
         self.pg_ctl(&["stop", "-m", "immediate", "-w", "-t", "60"])
     }
 
-    /// Start it again (crash recovery) and wait until it accepts connections (bounded).
+    /// Start it again (crash recovery; on the layer with `--db-preload`) and wait until it
+    /// accepts connections (bounded).
     fn start(&self) -> Result<()> {
-        self.pg_ctl(&["start", "-w", "-t", "60"])
+        self.pg_ctl_on(&["start", "-w", "-t", "60"], true)
+    }
+
+    /// Restart the server on the fault layer (before the run), and check that the shim is loaded:
+    /// its writes leave undo logs (a library the loader cannot read is ignored with a warning).
+    fn enter_layer(&self) -> Result<()> {
+        let Some(layer) = &self.layer else { return Ok(()) };
+        self.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "60"])?;
+        self.start()?;
+        let tracked = std::fs::read_dir(&layer.state)
+            .map_err(io("cannot read the fault layer's state folder"))?
+            .flatten()
+            .any(|e| e.path().extension().is_some_and(|x| x == "undo"));
+        if !tracked {
+            return Err(Error::io(format!(
+                "the database server did not load the fault shim {} (see {})",
+                layer.shim.display(),
+                self.log.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Restart the server without the layer (after the run, also after a failed one: the server
+    /// may be stopped by a fault then) and remove the layer's folder.
+    fn leave_layer(&self) {
+        let Some(layer) = &self.layer else { return };
+        let _ = self.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "60"]);
+        if let Err(e) = self.pg_ctl(&["start", "-w", "-t", "60"]) {
+            eprintln!("tidemark chaos: cannot restart the database without the fault layer: {e}");
+        }
+        let _ = std::fs::remove_dir_all(&layer.dir);
+    }
+
+    /// The database machine's power loss: the server stopped at once, then what its files had not
+    /// made durable thrown away (the server is started again by the caller).
+    fn power_loss(&self, writeback: tidemark_faultfs::Writeback) -> Result<tidemark_faultfs::PowerLossReport> {
+        let layer =
+            self.layer.as_ref().ok_or_else(|| Error::Invariant("a database power loss without the layer".into()))?;
+        self.crash()?;
+        tidemark_faultfs::power_loss(&layer.state, writeback)
+            .map_err(|e| Error::io(format!("power loss in {}: {e}", layer.state.display())))
+    }
+}
+
+impl DbLayer {
+    /// `$TMPDIR/tidemark-chaos-db-faultfs-<seed>-<pid>`, owned by the data folder's owner.
+    fn create(preload: &Path, seed: u64, owner: &std::fs::Metadata) -> Result<DbLayer> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        if !preload.is_file() {
+            return Err(invalid(format!("--db-preload {} is not a file", preload.display())));
+        }
+        let dir = std::env::temp_dir().join(format!("tidemark-chaos-db-faultfs-{seed}-{}", std::process::id()));
+        let state = dir.join("state");
+        std::fs::create_dir_all(&state).map_err(io("cannot create the fault layer's folder"))?;
+        let dir = std::fs::canonicalize(&dir).map_err(io("cannot create the fault layer's folder"))?;
+        let (state, shim) = (dir.join("state"), dir.join("libtidemark_faultfs_preload.so"));
+        std::fs::copy(preload, &shim).map_err(io("cannot copy --db-preload"))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(io("cannot create the fault layer's folder"))?;
+        for path in [&dir, &state, &shim] {
+            std::os::unix::fs::chown(path, Some(owner.uid()), Some(owner.gid()))
+                .map_err(io("cannot give the fault layer's folder to the database's user"))?;
+        }
+        Ok(DbLayer { preload: preload.to_path_buf(), dir, shim, state })
     }
 }
 
@@ -408,7 +508,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if kinds.is_empty() {
         return Err(invalid("--kinds names no kind of fault"));
     }
-    if kinds.contains(&FaultKind::PowerLoss) && !cfg!(feature = "failpoints") {
+    if kinds.contains(&FaultKind::PowerLoss) && args.store.is_none() && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds power-loss needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
@@ -435,12 +535,10 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     }
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
     if store.is_some() {
-        if let Some(kind) =
-            [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError].iter().find(|k| kinds.contains(k))
-        {
+        if let Some(kind) = [FaultKind::ClockJump, FaultKind::IoError].iter().find(|k| kinds.contains(k)) {
             return Err(invalid(format!(
                 "--kinds {kind:?} acts on the servers' SQLite files or clock files; with --store postgres://... \
-                 combine sigkill, sigstop, partition and db-crash"
+                 combine sigkill, sigstop, partition, db-crash and power-loss"
             )));
         }
         if durability != "full" {
@@ -449,12 +547,25 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             ));
         }
     }
-    match (kinds.contains(&FaultKind::DbCrash), &store, &args.db_data) {
+    let database_power_loss = store.is_some() && kinds.contains(&FaultKind::PowerLoss);
+    match (kinds.contains(&FaultKind::DbCrash) || database_power_loss, &store, &args.db_data) {
         (true, Some(_), Some(_)) | (false, _, None) => {}
         (true, _, _) => return Err(invalid(
             "--kinds db-crash crashes the PostgreSQL server of --store: give --store postgres://... and --db-data DIR",
         )),
-        (false, _, Some(_)) => return Err(invalid("--db-data is the database --kinds db-crash crashes")),
+        (false, _, Some(_)) => {
+            return Err(invalid("--db-data is the database --kinds db-crash (or power-loss with --store) faults"))
+        }
+    }
+    match (database_power_loss, &args.db_preload) {
+        (true, None) => {
+            return Err(invalid(
+                "--kinds power-loss with --store is the database machine's: give --db-data DIR and --db-preload LIB \
+                 (the fault shim, cargo build -p tidemark-faultfs-preload)",
+            ))
+        }
+        (false, Some(_)) => return Err(invalid("--db-preload is for --kinds power-loss with --store postgres://...")),
+        _ => {}
     }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
@@ -470,7 +581,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         store.ensure_empty()?;
     }
     let database = match (&store, &args.db_data) {
-        (Some(store), Some(data)) => Some(Database::locate(data, store, &out)?),
+        (Some(store), Some(data)) => Some(Database::locate(data, store, &out, args.db_preload.as_deref(), seed)?),
         _ => None,
     };
     Ok(Settings {
@@ -487,6 +598,15 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         store,
         database,
     })
+}
+
+/// Restarts the database without the fault layer when the run ends, however it ends.
+struct LayerGuard<'a>(&'a Database);
+
+impl Drop for LayerGuard<'_> {
+    fn drop(&mut self) {
+        self.0.leave_layer();
+    }
 }
 
 /// One `tidemark serve` child process on a fixed loopback address (chosen by the OS at its
@@ -525,10 +645,10 @@ impl Serve {
             config: settings.partitions().then(|| out.join("serve.toml")),
             store: settings.store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
-            faultfs: [FaultKind::PowerLoss, FaultKind::IoError]
-                .iter()
-                .any(|k| settings.kinds.contains(k))
-                .then(|| out.join("faultfs")),
+            // The servers' own files on the fault VFS (with --store, a power loss is the database's).
+            faultfs: (settings.store.is_none()
+                && [FaultKind::PowerLoss, FaultKind::IoError].iter().any(|k| settings.kinds.contains(k)))
+            .then(|| out.join("faultfs")),
             seed: settings.seed,
             clock_file: settings
                 .kinds
@@ -1162,6 +1282,15 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         serde_json::to_string(&faults).map_err(|e| Error::io(e.to_string()))?
     );
 
+    // With --db-preload the database runs on the fault layer for the run, and without it after.
+    let _layer = match &settings.database {
+        Some(database) if database.layer.is_some() => {
+            let guard = LayerGuard(database);
+            database.enter_layer()?;
+            Some(guard)
+        }
+        _ => None,
+    };
     let mut remote = if settings.partitions() { Some(Remote::start(&exe, &settings)?) } else { None };
     let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings)).collect();
     servers[0].start()?;
@@ -1329,6 +1458,12 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() },
             settings.store.as_ref().map(|store| format!(" --store '{}'", store.masked)).unwrap_or_default()
                 + &settings.database.as_ref().map(|db| format!(" --db-data {}", db.data.display())).unwrap_or_default()
+                + &settings
+                    .database
+                    .as_ref()
+                    .and_then(|db| db.layer.as_ref())
+                    .map(|layer| format!(" --db-preload {}", layer.preload.display()))
+                    .unwrap_or_default()
         ),
         "durability": settings.durability,
         "store": settings.store.as_ref().map(|store| store.masked.clone()),
@@ -1473,16 +1608,26 @@ fn inject(
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             database.start()?;
         }
-        FaultKind::PowerLoss => {
-            for server in servers.iter_mut() {
-                server.sigkill();
+        FaultKind::PowerLoss => match database.filter(|db| db.layer.is_some()) {
+            // The database machine's: the tidemark processes stay up and reconnect.
+            Some(database) => {
+                let writeback = writeback(shared.seed, fault);
+                lost = loss_report(database.power_loss(writeback)?, writeback);
+                lost["machine"] = json!("database");
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                database.start()?;
             }
-            lost = power_loss(servers, fault)?;
-            std::thread::sleep(Duration::from_millis(fault.hold_ms));
-            for server in servers.iter_mut() {
-                server.start()?;
+            None => {
+                for server in servers.iter_mut() {
+                    server.sigkill();
+                }
+                lost = power_loss(servers, fault)?;
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                for server in servers.iter_mut() {
+                    server.start()?;
+                }
             }
-        }
+        },
     }
     let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
     match fault.kind {
@@ -1503,24 +1648,36 @@ fn inject(
     }))
 }
 
-/// Throw away what the (dead) servers' files had not made durable: in each file, drawn from the
-/// seed and the fault's index, either a prefix of its unsynced writes reached the disk (a disk
-/// writing its queue back in order) or any subset of them, sectors of a write on their own (a disk
-/// that reorders and tears writes); the fault's entry says which (`writeback`).
-#[cfg(feature = "failpoints")]
-fn power_loss(servers: &[Serve], fault: &Fault) -> Result<Value> {
-    use tidemark_store_sqlite::faultfs::{power_loss, Writeback};
-    let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("a power loss needs the fault VFS"))?;
-    let seed = servers[0].seed ^ (fault.index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    let writeback =
-        if fault.index.is_multiple_of(2) { Writeback::Prefix(seed) } else { Writeback::Reordered { seed, torn: true } };
-    let report = power_loss(state, writeback)?;
-    let mut value = serde_json::to_value(report).map_err(|e| Error::io(e.to_string()))?;
+/// What reached the disk at a power loss, drawn from the seed and the fault's index: in each
+/// file either a prefix of its unsynced writes (a disk writing its queue back in order; even
+/// indexes) or any subset of them, sectors of a write on their own (a disk that reorders and tears
+/// writes; odd indexes).
+fn writeback(seed: u64, fault: &Fault) -> tidemark_faultfs::Writeback {
+    use tidemark_faultfs::Writeback;
+    let seed = seed ^ (fault.index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    if fault.index.is_multiple_of(2) {
+        Writeback::Prefix(seed)
+    } else {
+        Writeback::Reordered { seed, torn: true }
+    }
+}
+
+/// A power loss's entry in the report: what it threw away and which writeback it drew.
+fn loss_report(report: tidemark_faultfs::PowerLossReport, writeback: tidemark_faultfs::Writeback) -> Value {
+    let mut value = serde_json::to_value(report).unwrap_or_default();
     value["writeback"] = json!(match writeback {
-        Writeback::Reordered { .. } => "reordered_torn",
+        tidemark_faultfs::Writeback::Reordered { .. } => "reordered_torn",
         _ => "prefix",
     });
-    Ok(value)
+    value
+}
+
+/// Throw away what the (dead) servers' files had not made durable ([`writeback`]).
+#[cfg(feature = "failpoints")]
+fn power_loss(servers: &[Serve], fault: &Fault) -> Result<Value> {
+    let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("a power loss needs the fault VFS"))?;
+    let writeback = writeback(servers[0].seed, fault);
+    Ok(loss_report(tidemark_store_sqlite::faultfs::power_loss(state, writeback)?, writeback))
 }
 
 #[cfg(not(feature = "failpoints"))]
