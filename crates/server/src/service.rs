@@ -241,7 +241,7 @@ async fn serve_connections(
             () = &mut shutdown => break,
             permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
         };
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -253,7 +253,6 @@ async fn serve_connections(
                 }
             },
         };
-        let (stream, peer) = stream;
         let address_slot = match &per_address {
             None => None,
             Some(slots) => match slots.take(peer.ip()) {

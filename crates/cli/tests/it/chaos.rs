@@ -518,6 +518,7 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
     assert!(shim.exists(), "cargo builds the fault shim beside the tests: {}", shim.display());
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
+    let store_url = cluster.url("chaosloss");
     let r = run(&[
         "chaos",
         "--seed",
@@ -533,7 +534,7 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
         "--clients",
         "4",
         "--store",
-        &cluster.url("chaosloss"),
+        &store_url,
         "--db-data",
         path_str(&cluster.data()),
         "--db-preload",
@@ -565,6 +566,21 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
         .flatten()
         .any(|e| e.file_name().to_string_lossy().starts_with("tidemark-chaos-db-faultfs-21-"));
     assert!(!leftover, "the fault layer's folder is left behind");
+
+    // A database power loss needs the shim, and the shim is only for it.
+    let fresh = cluster.url("chaosrefused");
+    let refused = |args: &[&str]| {
+        let mut all = vec!["chaos", "--seed", "1", "--store", &fresh, "--out"];
+        let out = dir.path().join("refused");
+        all.push(path_str(&out));
+        all.extend_from_slice(args);
+        let r = run(&all);
+        assert_eq!(r.json["error"]["code"], "invalid_argument", "{args:?}: {}", r.stdout);
+    };
+    let data = cluster.data();
+    refused(&["--kinds", "power-loss", "--db-data", path_str(&data)]);
+    refused(&["--kinds", "db-crash", "--db-data", path_str(&data), "--db-preload", path_str(&shim)]);
+    refused(&["--kinds", "power-loss", "--db-data", path_str(&data), "--db-preload", "/nonexistent/shim.so"]);
 }
 
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark

@@ -417,14 +417,15 @@ impl Database {
     }
 
     /// Restart the server without the layer (after the run, also after a failed one: the server
-    /// may be stopped by a fault then) and remove the layer's folder.
+    /// may be stopped by a fault then). The layer's folder goes with the settings ([`DbLayer`]).
     fn leave_layer(&self) {
-        let Some(layer) = &self.layer else { return };
+        if self.layer.is_none() {
+            return;
+        }
         let _ = self.pg_ctl(&["stop", "-m", "fast", "-w", "-t", "60"]);
         if let Err(e) = self.pg_ctl(&["start", "-w", "-t", "60"]) {
             eprintln!("tidemark chaos: cannot restart the database without the fault layer: {e}");
         }
-        let _ = std::fs::remove_dir_all(&layer.dir);
     }
 
     /// The database machine's power loss: the server stopped at once, then what its files had not
@@ -458,6 +459,13 @@ impl DbLayer {
                 .map_err(io("cannot give the fault layer's folder to the database's user"))?;
         }
         Ok(DbLayer { preload: preload.to_path_buf(), dir, shim, state })
+    }
+}
+
+impl Drop for DbLayer {
+    /// The folder goes when the run's settings do, however the run ended.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
