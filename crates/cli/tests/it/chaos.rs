@@ -509,7 +509,7 @@ fn chaos_database_crashes_under_load_lose_nothing_and_the_servers_reconnect_by_t
 /// and `--db-preload`: the server of a cluster of the test's own runs on the fault layer, and each
 /// power loss stops it at once, throws away what it had not made durable, a prefix or reordered
 /// and torn writes, and starts it again): every acknowledged operation is there once, and the
-/// servers reconnected by themselves.
+/// servers and the worker process reconnected by themselves.
 #[test]
 fn chaos_database_power_losses_lose_nothing_acknowledged() {
     let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
@@ -531,6 +531,8 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
         "power-loss",
         "--processes",
         "2",
+        "--workers",
+        "1",
         "--clients",
         "4",
         "--store",
@@ -639,9 +641,10 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 14] = [
+    let cases: [&[&str]; 15] = [
         &["chaos", "--seed", "1", "--workers", "9", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,clock-jump", "--out", out_str],
+        &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,power-loss", "--out", out_str],
         &["chaos", "--seed", "not-a-number", "--out", out_str],
         &["chaos", "--out", out_str],
         &["chaos", "--seed", "1", "--processes", "0", "--out", out_str],

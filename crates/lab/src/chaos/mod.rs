@@ -531,11 +531,14 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
         ));
     }
+    // With --store a power loss is the database machine's, which the workers ride out as the
+    // servers do (they reconnect); SQLite's is the servers' own files, which workers are not on.
+    let sqlite_power_loss = kinds.contains(&FaultKind::PowerLoss) && args.store.is_none();
     if args.workers > 0
-        && [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError].iter().any(|k| kinds.contains(k))
+        && (sqlite_power_loss || [FaultKind::ClockJump, FaultKind::IoError].iter().any(|k| kinds.contains(k)))
     {
         return Err(invalid(
-            "--workers runs worker processes outside the fault VFS and the clock offset files: combine them with sigkill, sigstop and partition only",
+            "--workers runs worker processes outside the fault VFS and the clock offset files: combine them with sigkill, sigstop, partition, db-crash and (with --store) power-loss only",
         ));
     }
     if !["full", "normal"].contains(&durability) {
