@@ -747,6 +747,18 @@ mod tests {
     }
 
     #[test]
+    fn the_per_address_connection_limit_is_off_by_default_and_bounded() {
+        assert_eq!(load_text("").unwrap().limits.connections_per_address_max, 0);
+        assert_eq!(
+            load_text("[limits]\nconnections_per_address_max = 100000\n").unwrap().limits.connections_per_address_max,
+            100_000
+        );
+        let error = load_text("[limits]\nconnections_per_address_max = 100001\n").unwrap_err();
+        assert!(error.to_string().contains("limits.connections_per_address_max"), "{error}");
+        assert!(load_text("[limits]\nconnections_per_address_max = -1\n").is_err());
+    }
+
+    #[test]
     fn flags_override_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("tidemark.toml");
