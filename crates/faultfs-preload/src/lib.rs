@@ -222,8 +222,9 @@ unsafe fn open_tracked(
     let target = layer().and_then(|layer| as_shim(|| tracked_path(layer, path)).flatten());
     let Some(target) = target else { return real(path, flags, mode) };
     let existed = target.exists();
-    if existed && flags & libc::O_TRUNC != 0 {
-        // The truncation of the open is a change like any other: record it first.
+    if existed && flags & libc::O_TRUNC != 0 && flags & libc::O_EXCL == 0 {
+        // The truncation of the open is a change like any other: record it first (not for an
+        // exclusive creation, which fails on an existing file and truncates nothing).
         let fd = real(path, flags & !libc::O_TRUNC & !libc::O_CREAT & !libc::O_EXCL, mode);
         if fd >= 0 {
             remember_open(fd, target.clone(), flags, false);
