@@ -126,9 +126,11 @@ fn size_of(fd: c_int) -> Option<u64> {
     (unsafe { libc::fstat(fd, &mut stat) } == 0).then_some(stat.st_size as u64)
 }
 
-/// Record `change` of the tracked descriptor `fd` and make it with `apply` under the undo log's
-/// lock. `Err(errno)` refuses the change (a fault, or the log could not be written).
-fn change_file(fd: c_int, change: impl FnOnce(u64) -> Change, apply: impl FnOnce() -> isize) -> Option<isize> {
+/// Record the change of the tracked descriptor `fd` that `change` names (from the file's size and
+/// whether the descriptor appends) and make it with `apply` under the undo log's lock; `None` when
+/// the descriptor is not tracked. A fault, or a log that cannot be written, refuses the change
+/// (-1 with errno).
+fn change_file(fd: c_int, change: impl FnOnce(u64, bool) -> Change, apply: impl FnOnce() -> isize) -> Option<isize> {
     let layer = layer()?;
     as_shim(|| {
         let mut opened = opened().lock().unwrap_or_else(|e| e.into_inner());
@@ -145,7 +147,7 @@ fn change_file(fd: c_int, change: impl FnOnce(u64) -> Change, apply: impl FnOnce
         }
         let result = (|| {
             let size = size_of(*own).ok_or(libc::EIO)?;
-            let change = change(if *append { size } else { u64::MAX });
+            let change = change(size, *append);
             let grows = match change {
                 Change::Write { offset, length } => offset + length > size,
                 Change::Truncate { size: to } => to > size,
@@ -177,11 +179,11 @@ fn change_file(fd: c_int, change: impl FnOnce(u64) -> Change, apply: impl FnOnce
     .flatten()
 }
 
-/// The offset a plain `write` of `fd` writes at: the descriptor's position (or, appending, the
-/// file's end, which [`change_file`] hands in).
-fn position(fd: c_int, end_if_append: u64) -> u64 {
-    if end_if_append != u64::MAX {
-        return end_if_append;
+/// The offset a plain `write` of `fd` writes at: the file's end when it appends, else the
+/// descriptor's position.
+fn position(fd: c_int, size: u64, append: bool) -> u64 {
+    if append {
+        return size;
     }
     // SAFETY: lseek on the caller's descriptor, without moving it.
     unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) as u64 }
@@ -268,7 +270,7 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> ssize_t {
     let real = real!("write": unsafe extern "C" fn(c_int, *const c_void, size_t) -> ssize_t);
-    let change = |end| Change::Write { offset: position(fd, end), length: count as u64 };
+    let change = |size, append| Change::Write { offset: position(fd, size, append), length: count as u64 };
     change_file(fd, change, || real(fd, buf, count)).unwrap_or_else(|| real(fd, buf, count))
 }
 
@@ -277,7 +279,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, count: size_t) -> 
 #[no_mangle]
 pub unsafe extern "C" fn pwrite(fd: c_int, buf: *const c_void, count: size_t, offset: off_t) -> ssize_t {
     let real = real!("pwrite": unsafe extern "C" fn(c_int, *const c_void, size_t, off_t) -> ssize_t);
-    let change = |_| Change::Write { offset: offset as u64, length: count as u64 };
+    let change = |_, _| Change::Write { offset: offset as u64, length: count as u64 };
     change_file(fd, change, || real(fd, buf, count, offset)).unwrap_or_else(|| real(fd, buf, count, offset))
 }
 
@@ -294,7 +296,7 @@ pub unsafe extern "C" fn pwrite64(fd: c_int, buf: *const c_void, count: size_t, 
 pub unsafe extern "C" fn pwritev(fd: c_int, iov: *const iovec, count: c_int, offset: off_t) -> ssize_t {
     let real = real!("pwritev": unsafe extern "C" fn(c_int, *const iovec, c_int, off_t) -> ssize_t);
     let length: usize = (0..count.max(0) as usize).map(|i| (*iov.add(i)).iov_len).sum();
-    let change = |_| Change::Write { offset: offset as u64, length: length as u64 };
+    let change = |_, _| Change::Write { offset: offset as u64, length: length as u64 };
     change_file(fd, change, || real(fd, iov, count, offset)).unwrap_or_else(|| real(fd, iov, count, offset))
 }
 
@@ -310,7 +312,7 @@ pub unsafe extern "C" fn pwritev64(fd: c_int, iov: *const iovec, count: c_int, o
 #[no_mangle]
 pub unsafe extern "C" fn ftruncate(fd: c_int, length: off_t) -> c_int {
     let real = real!("ftruncate": unsafe extern "C" fn(c_int, off_t) -> c_int);
-    let change = |_| Change::Truncate { size: length as u64 };
+    let change = |_, _| Change::Truncate { size: length as u64 };
     change_file(fd, change, || real(fd, length) as isize).map_or_else(|| real(fd, length), |r| r as c_int)
 }
 
@@ -343,7 +345,7 @@ pub unsafe extern "C" fn truncate(path: *const c_char, length: off_t) -> c_int {
 /// undo log can take back; `None` when the descriptor is not tracked.
 fn grow(fd: c_int, offset: off_t, length: off_t, apply: impl FnOnce() -> isize) -> Option<isize> {
     let to = (offset + length) as u64;
-    change_file(fd, |_| Change::Truncate { size: to.max(size_of(fd).unwrap_or(0)) }, apply)
+    change_file(fd, |size, _| Change::Truncate { size: to.max(size) }, apply)
 }
 
 /// # Safety

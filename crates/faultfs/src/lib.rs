@@ -79,13 +79,20 @@ impl Change {
         }
     }
 
+    /// The byte range of a file of `size_before` bytes that the change touches, as
+    /// `(offset, length)`: a write's own range, or what a truncation cuts off.
+    fn range(self, size_before: u64) -> (u64, u64) {
+        match self {
+            Change::Write { offset, length } => (offset, length),
+            Change::Truncate { size } => (size, size_before.saturating_sub(size)),
+        }
+    }
+
     /// The bytes of a file of `size_before` bytes that the change overwrites or cuts off, as
     /// `(offset, length)`: what the front end reads and hands to [`UndoLog::record`].
     pub fn overwritten(self, size_before: u64) -> (u64, u64) {
-        match self {
-            Change::Write { offset, length } => (offset, size_before.saturating_sub(offset).min(length)),
-            Change::Truncate { size } => (size, size_before.saturating_sub(size)),
-        }
+        let (offset, length) = self.range(size_before);
+        (offset, size_before.saturating_sub(offset).min(length))
     }
 }
 
@@ -94,6 +101,16 @@ fn state_file(state: &Path, path: &Path, suffix: &str) -> PathBuf {
     let mut hasher = DefaultHasher::new();
     path.as_os_str().as_bytes().hash(&mut hasher);
     state.join(format!("{:016x}.{suffix}", hasher.finish()))
+}
+
+/// An undo log's header for the tracked file `path`: magic, path length, path.
+fn header(path: &Path) -> Vec<u8> {
+    let bytes = path.as_os_str().as_bytes();
+    let mut header = Vec::with_capacity(16 + bytes.len());
+    header.extend_from_slice(UNDO_MAGIC);
+    header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    header.extend_from_slice(bytes);
+    header
 }
 
 /// Whether the control file `name` exists in `state` (the fault it names is on).
@@ -117,12 +134,7 @@ impl UndoLog {
         file.lock()?;
         let written = (|| -> std::io::Result<()> {
             if file.metadata()?.len() == 0 {
-                let bytes = path.as_os_str().as_bytes();
-                let mut header = Vec::with_capacity(16 + bytes.len());
-                header.extend_from_slice(UNDO_MAGIC);
-                header.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
-                header.extend_from_slice(bytes);
-                file.write_all(&header)?;
+                file.write_all(&header(path))?;
             }
             Ok(())
         })();
@@ -147,10 +159,7 @@ impl UndoLog {
     /// Append the undo record of `change` to a file of `size_before` bytes; `old` holds the bytes
     /// [`Change::overwritten`] names. Called under the lock, before the change is made.
     pub fn record(&mut self, change: Change, size_before: u64, old: &[u8]) -> std::io::Result<()> {
-        let (offset, length) = match change {
-            Change::Write { offset, length } => (offset, length),
-            Change::Truncate { size } => (size, size_before.saturating_sub(size)),
-        };
+        let (offset, length) = change.range(size_before);
         debug_assert_eq!(change.overwritten(size_before).1, old.len() as u64);
         let mut entry = Vec::with_capacity(RECORD_HEADER + old.len());
         entry.push(change.kind());
@@ -223,13 +232,8 @@ pub fn renamed(state: &Path, from: &Path, to: &Path) -> std::io::Result<()> {
             let mut bytes = Vec::new();
             (&log.file).read_to_end(&mut bytes)?;
             let name_len = bytes.get(8..16).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
-            let records = bytes.get(16 + name_len..).unwrap_or_default();
-            let to_bytes = to.as_os_str().as_bytes();
-            let mut content = Vec::with_capacity(16 + to_bytes.len() + records.len());
-            content.extend_from_slice(UNDO_MAGIC);
-            content.extend_from_slice(&(to_bytes.len() as u64).to_le_bytes());
-            content.extend_from_slice(to_bytes);
-            content.extend_from_slice(records);
+            let mut content = header(to);
+            content.extend_from_slice(bytes.get(16 + name_len..).unwrap_or_default());
             log.file.set_len(0)?;
             log.file.write_all_at(&content, 0)
         })();
