@@ -537,8 +537,9 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             tidemark_core::id::validate_id("consumer_id", &args.consumer_id)?;
             let mut producer = Producer::open(&ctx, &args.producer)?;
             let given = args.endpoint.to_string_lossy().into_owned();
-            // A consumer store of the producer's backend (a file, or a `postgres://` schema), or
-            // a network endpoint.
+            // A consumer store (a file, or a `postgres://` schema: on the producer's own server
+            // it is stored as the schema's name, elsewhere as the `postgres://` endpoint), or a
+            // network endpoint.
             let store = matches!(StoreLocation::parse(&given), Ok(StoreLocation::Postgres(_)))
                 || tidemark_core::endpoint::kind_of(&given)? == EndpointKind::Sqlite;
             if !store {
@@ -579,15 +580,18 @@ fn run(cli: Cli) -> tidemark_core::Result<Value> {
             }
             let mut producer = Producer::open(&ctx, &args.producer)?;
             let mut endpoints = producer.endpoints(&ctx);
-            // This command delivers to consumer stores (files, or schemas on the producer's
-            // server); network endpoints are delivered by `tidemark serve`'s relay lanes, so
-            // their subscribers are left alone here (never failed, never quarantined by a relay
-            // that cannot reach them).
+            // This command delivers to consumer stores (files, schemas on the producer's server,
+            // and `postgres://` consumer schemas on any server); network endpoints are delivered
+            // by `tidemark serve`'s relay lanes, so their subscribers are left alone here (never
+            // failed, never quarantined by a relay that cannot reach them).
             let mut options = options;
             let subscriptions = producer.subscriptions()?;
             let network: Vec<String> = subscriptions
                 .iter()
-                .filter(|s| tidemark_core::endpoint::kind_of(&s.endpoint).is_ok_and(|k| k != EndpointKind::Sqlite))
+                .filter(|s| {
+                    tidemark_core::endpoint::kind_of(&s.endpoint)
+                        .is_ok_and(|k| !matches!(k, EndpointKind::Sqlite | EndpointKind::Postgres))
+                })
                 .map(|s| s.consumer_id.clone())
                 .collect();
             if !network.is_empty() {

@@ -108,13 +108,20 @@ pub fn config(command: ConfigCommand) -> Result<Value> {
             let loaded = Config::load(Some(&config), &Overrides::default())?;
             let mut loaded = serde_json::to_value(&loaded).map_err(|e| Error::Invariant(e.to_string()))?;
             // Tokens and AMQP credentials written in the file are secrets: shown masked (an
-            // `env:NAME` is shown as is).
+            // `env:NAME` is shown as is), and so are PostgreSQL endpoints' passwords (below).
             for secrets in ["/relay/tokens", "/relay/amqp_credentials"] {
                 if let Some(values) = loaded.pointer_mut(secrets).and_then(Value::as_object_mut) {
                     for value in values.values_mut() {
                         if !value.as_str().is_some_and(|t| t.starts_with("env:")) {
                             *value = json!("***");
                         }
+                    }
+                }
+            }
+            if let Some(entries) = loaded.pointer_mut("/relay/postgres").and_then(Value::as_object_mut) {
+                for entry in entries.values_mut() {
+                    if entry["password"].as_str().is_some_and(|p| !p.starts_with("env:")) {
+                        entry["password"] = json!("***");
                     }
                 }
             }

@@ -7,14 +7,17 @@
 //! nats://host:port/<subject prefix>                         NATS JetStream
 //! amqp://host:port/<exchange>                               RabbitMQ (the default virtual host)
 //! kafka://host:port[,host:port...]/<topic>                  Kafka
+//! postgres://user@host:port/<database>?schema=<schema>      a consumer schema on a PostgreSQL server
 //! pull:                                                     a pull consumer: nothing is pushed; it reads
 //!                                                           GET /v1/outbox/feed and commits what it stored
 //! ```
 //!
 //! Every endpoint is checked when it is subscribed ([`Endpoint::parse`]); anything else is
-//! `invalid_endpoint` and nothing is written. No endpoint carries a secret: a URL with a user or
-//! password is refused, and the bearer token of an HTTP endpoint comes from the delivering side's
-//! configuration or environment, never from the producer database.
+//! `invalid_endpoint` and nothing is written. No endpoint carries a secret: a URL with a password
+//! is refused (and so is a user, but for `postgres://`, where the user is part of the address and
+//! no secret), and the bearer token of an HTTP endpoint, a broker's credentials or a PostgreSQL
+//! password come from the delivering side's configuration or environment, never from the
+//! producer database.
 
 use std::fmt;
 
@@ -40,10 +43,13 @@ pub enum EndpointKind {
     Kafka,
     /// A pull consumer (custody: its commit call after it stored what it read from the feed).
     Pull,
+    /// A consumer schema on a PostgreSQL server (custody: that schema's inbox transaction).
+    Postgres,
 }
 
 impl EndpointKind {
-    /// The kind's word (`sqlite`, `http`, `nats`, `amqp`, `kafka`), as the API and metrics print it.
+    /// The kind's word (`sqlite`, `http`, `nats`, `amqp`, `kafka`, `pull`, `postgres`), as the API
+    /// and metrics print it.
     pub fn as_str(self) -> &'static str {
         match self {
             EndpointKind::Sqlite => "sqlite",
@@ -52,6 +58,7 @@ impl EndpointKind {
             EndpointKind::Amqp => "amqp",
             EndpointKind::Kafka => "kafka",
             EndpointKind::Pull => "pull",
+            EndpointKind::Postgres => "postgres",
         }
     }
 
@@ -108,6 +115,19 @@ pub enum Endpoint {
     },
     /// A pull consumer: the relay never pushes to it; it reads the outbox feed.
     Pull,
+    /// A consumer schema on a PostgreSQL server, which the relay writes to as the consumer's inbox
+    /// (the same transaction as a consumer file's).
+    Postgres {
+        /// `host:port` of the server (port 5432 when not given).
+        server: String,
+        /// The user the relay connects as (its password, if the server wants one, is the
+        /// delivering side's: `relay.postgres_passwords`).
+        user: String,
+        /// The consumer's schema.
+        schema: String,
+        /// The driver's connection string: the endpoint without its `schema` parameter.
+        conn: String,
+    },
 }
 
 fn invalid(endpoint: &str, why: impl fmt::Display) -> Error {
@@ -115,15 +135,35 @@ fn invalid(endpoint: &str, why: impl fmt::Display) -> Error {
 }
 
 /// The endpoint string with any user or password replaced by `***` (for error messages, logs and
-/// the API). Endpoints are refused when they carry one, so this only matters for what was refused.
+/// the API); a `postgres://` URL keeps its user, which is no secret, and loses only a password.
+/// Endpoints are refused when they carry a secret, so this only matters for what was refused.
 pub fn mask(endpoint: &str) -> String {
     let Some(scheme_end) = endpoint.find("://") else { return endpoint.to_string() };
+    let scheme = &endpoint[..scheme_end];
     let rest = &endpoint[scheme_end + 3..];
     let authority_end = rest.find('/').unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{}://***@{}", &endpoint[..scheme_end], &rest[at + 1..]),
+    let is_postgres = scheme.eq_ignore_ascii_case("postgres") || scheme.eq_ignore_ascii_case("postgresql");
+    let masked = match rest[..authority_end].rfind('@') {
         None => endpoint.to_string(),
+        Some(at) => match rest[..at].split_once(':') {
+            Some((user, _)) if is_postgres => format!("{scheme}://{user}:***@{}", &rest[at + 1..]),
+            None if is_postgres => endpoint.to_string(),
+            _ => format!("{scheme}://***@{}", &rest[at + 1..]),
+        },
+    };
+    if !is_postgres {
+        return masked;
     }
+    // A `password` parameter (refused, but named in the refusal) is masked too.
+    let Some((address, query)) = masked.split_once('?') else { return masked };
+    let parameters: Vec<String> = query
+        .split('&')
+        .map(|p| match p.split_once('=') {
+            Some((key, _)) if key.eq_ignore_ascii_case("password") => format!("{key}=***"),
+            _ => p.to_string(),
+        })
+        .collect();
+    format!("{address}?{}", parameters.join("&"))
 }
 
 /// A subject token, exchange or topic name: 1..=`max` bytes of ASCII letters, digits, `_`, `-`
@@ -149,17 +189,26 @@ fn server_of(endpoint: &str, url: &url::Url, default_port: u16) -> Result<String
              credentials come from the delivering side's configuration instead",
         ));
     }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid(endpoint, "it has a query or fragment; this kind takes neither"));
+    }
+    host_port(endpoint, url, default_port)
+}
+
+/// `host:port` of a parsed URL's host, with `default_port` when it names none.
+fn host_port(endpoint: &str, url: &url::Url, default_port: u16) -> Result<String> {
     let host = match url.host() {
         Some(url::Host::Domain(d)) if !d.is_empty() => d.to_string(),
         Some(url::Host::Ipv4(ip)) => ip.to_string(),
         Some(url::Host::Ipv6(ip)) => format!("[{ip}]"),
         _ => return Err(invalid(endpoint, "it names no host")),
     };
-    if url.query().is_some() || url.fragment().is_some() {
-        return Err(invalid(endpoint, "it has a query or fragment; this kind takes neither"));
-    }
     Ok(format!("{host}:{}", url.port().unwrap_or(default_port)))
 }
+
+/// The parameters a `postgres://` endpoint may carry besides `schema`: the driver's, and none of
+/// them a secret (`password` is refused like a password in the URL's authority).
+const POSTGRES_PARAMETERS: [&str; 5] = ["sslmode", "sslrootcert", "connect_timeout", "application_name", "options"];
 
 fn parse_url(endpoint: &str) -> Result<url::Url> {
     url::Url::parse(endpoint).map_err(|e| invalid(endpoint, format!("not a URL: {e}")))
@@ -200,6 +249,7 @@ impl Endpoint {
                 Ok(Endpoint::Sqlite { path: path.to_string() })
             }
             "http" | "https" => Self::parse_http(endpoint),
+            "postgres" | "postgresql" => Self::parse_postgres(endpoint),
             "pull" => {
                 if endpoint.len() > scheme_end + 1 {
                     return Err(invalid(endpoint, "a pull endpoint is exactly `pull:`"));
@@ -243,7 +293,8 @@ impl Endpoint {
             other => Err(invalid(
                 endpoint,
                 format!(
-                    "unknown scheme {other:?}: expected a file path, sqlite:, http(s)://, nats://, amqp:// or kafka://"
+                    "unknown scheme {other:?}: expected a file path, sqlite:, http(s)://, nats://, amqp://, kafka://, \
+                     postgres:// or pull:"
                 ),
             )),
         }
@@ -270,6 +321,57 @@ impl Endpoint {
         })
     }
 
+    /// `postgres://user@host[:port]/database?schema=S[&sslmode=..&sslrootcert=..&...]`: the user is
+    /// required (the address names whom the relay connects as), a password is refused (it is the
+    /// delivering side's), `schema` is required and a valid schema name, and the other parameters
+    /// are the driver's [`POSTGRES_PARAMETERS`], each at most once.
+    fn parse_postgres(endpoint: &str) -> Result<Endpoint> {
+        let mut url = parse_url(endpoint)?;
+        if url.password().is_some() {
+            return Err(invalid(
+                endpoint,
+                "it carries a password; endpoints are stored in the producer database in plain text, so the \
+                 password comes from the delivering side's relay.postgres_passwords instead",
+            ));
+        }
+        let user = url.username().to_string();
+        if user.is_empty() {
+            return Err(invalid(endpoint, "it names no user (postgres://user@host:port/database?schema=S)"));
+        }
+        validate_name(endpoint, "user", &user, 63, true)?;
+        let server = host_port(endpoint, &url, 5432)?;
+        if url.fragment().is_some() {
+            return Err(invalid(endpoint, "it has a fragment"));
+        }
+        let database = url.path().trim_start_matches('/');
+        validate_name(endpoint, "database", database, 63, false)?;
+        let (mut schema, mut rest) = (None, Vec::new());
+        for (key, value) in url.query_pairs() {
+            let seen = key == "schema" && schema.replace(value.to_string()).is_some()
+                || rest.iter().any(|(k, _): &(String, String)| *k == key);
+            if seen {
+                return Err(invalid(endpoint, format!("it names {key} twice")));
+            }
+            if key != "schema" {
+                if !POSTGRES_PARAMETERS.contains(&key.as_ref()) {
+                    return Err(invalid(
+                        endpoint,
+                        format!("unknown parameter {key:?}: a postgres:// endpoint takes schema and {POSTGRES_PARAMETERS:?}"),
+                    ));
+                }
+                rest.push((key.to_string(), value.to_string()));
+            }
+        }
+        let schema = schema.ok_or_else(|| invalid(endpoint, "it names no schema (?schema=S)"))?;
+        crate::location::validate_schema_name(&schema).map_err(|e| invalid(endpoint, e))?;
+        if rest.is_empty() {
+            url.set_query(None);
+        } else {
+            url.query_pairs_mut().clear().extend_pairs(rest);
+        }
+        Ok(Endpoint::Postgres { server, user, schema, conn: url.to_string() })
+    }
+
     /// The endpoint's kind.
     pub fn kind(&self) -> EndpointKind {
         match self {
@@ -279,6 +381,7 @@ impl Endpoint {
             Endpoint::Amqp { .. } => EndpointKind::Amqp,
             Endpoint::Kafka { .. } => EndpointKind::Kafka,
             Endpoint::Pull => EndpointKind::Pull,
+            Endpoint::Postgres { .. } => EndpointKind::Postgres,
         }
     }
 }
@@ -339,6 +442,25 @@ mod tests {
         );
         assert_eq!(kind_of("NATS://h/p").unwrap(), EndpointKind::Nats);
         assert_eq!(Endpoint::parse("pull:").unwrap(), Endpoint::Pull);
+        assert_eq!(
+            Endpoint::parse("postgres://app@db2/shop?schema=shipping_inbox").unwrap(),
+            Endpoint::Postgres {
+                server: "db2:5432".into(),
+                user: "app".into(),
+                schema: "shipping_inbox".into(),
+                conn: "postgres://app@db2/shop".into()
+            }
+        );
+        let Endpoint::Postgres { conn, server, .. } =
+            Endpoint::parse("postgresql://app@127.0.0.1:5433/shop?sslmode=require&schema=s&connect_timeout=3").unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (conn.as_str(), server.as_str()),
+            ("postgresql://app@127.0.0.1:5433/shop?sslmode=require&connect_timeout=3", "127.0.0.1:5433")
+        );
+        assert_eq!(kind_of("POSTGRES://u@h/d?schema=s").unwrap(), EndpointKind::Postgres);
     }
 
     #[test]
@@ -363,12 +485,30 @@ mod tests {
             "sqlite:",
             "pull:x",
             "file\u{0}.db",
+            "postgres://h/d?schema=s",
+            "postgres://u:secret@h/d?schema=s",
+            "postgres://u@h/d?schema=s&password=secret",
+            "postgres://u@h/d",
+            "postgres://u@h/?schema=s",
+            "postgres://u@h/d?schema=S",
+            "postgres://u@h/d?schema=pg_x",
+            "postgres://u@h/d?schema=s&schema=t",
+            "postgres://u@h/d?schema=s&sslmode=a&sslmode=b",
+            "postgres://u@h/d?schema=s#f",
+            "postgres://u@/d?schema=s",
+            "postgres://u@h/d/e?schema=s",
         ] {
             assert_eq!(code(bad), codes::INVALID_ENDPOINT, "{bad:?}");
         }
         assert_eq!(code(&"a".repeat(ENDPOINT_BYTES_MAX + 1)), codes::INVALID_ENDPOINT);
-        let message = Endpoint::parse("http://user:secret@host/v1/consumers/c/inbox").unwrap_err().to_string();
-        assert!(!message.contains("secret"), "{message}");
+        for with_secret in [
+            "http://user:secret@host/v1/consumers/c/inbox",
+            "postgres://u:secret@h/d?schema=s",
+            "postgres://u@h/d?schema=s&password=secret",
+        ] {
+            let message = Endpoint::parse(with_secret).unwrap_err().to_string();
+            assert!(!message.contains("secret"), "{message}");
+        }
     }
 
     #[test]
@@ -376,5 +516,8 @@ mod tests {
         assert_eq!(mask("amqp://guest:guest@h:5672/x"), "amqp://***@h:5672/x");
         assert_eq!(mask("/a/b@c.db"), "/a/b@c.db");
         assert_eq!(mask("nats://h/a@b"), "nats://h/a@b");
+        assert_eq!(mask("postgres://app:pw@h/d?schema=s"), "postgres://app:***@h/d?schema=s");
+        assert_eq!(mask("postgres://app@h/d?schema=s"), "postgres://app@h/d?schema=s");
+        assert_eq!(mask("postgres://app@h/d?password=pw&schema=s"), "postgres://app@h/d?password=***&schema=s");
     }
 }

@@ -77,7 +77,8 @@ pub fn canonical(data: &[u8]) {
 
 /// Target `endpoint`: [`Endpoint::parse`] of arbitrary text. Refusals are `invalid_endpoint`;
 /// an accepted endpoint has the kind [`kind_of`] says, parses the same again from its own
-/// canonical URL (HTTP), and never keeps a user or password; [`mask`] never panics.
+/// canonical URL (HTTP), and never keeps a password (nor a user, but for PostgreSQL); [`mask`]
+/// never panics.
 pub fn endpoint(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     let _ = mask(text);
@@ -103,5 +104,12 @@ pub fn endpoint(data: &[u8]) {
         }
         Endpoint::Sqlite { path } => assert!(!path.is_empty(), "a file endpoint names a file"),
         Endpoint::Pull => {}
+        Endpoint::Postgres { server, user, schema, conn } => {
+            assert!(!server.contains('@') && !user.contains(':'), "no password: {server} {user}");
+            crate::location::validate_schema_name(schema).expect("the schema is a schema name");
+            let url = url::Url::parse(conn).expect("the connection string is a URL");
+            assert!(url.password().is_none(), "the connection string never carries a password: {conn}");
+            assert!(url.query_pairs().all(|(k, _)| k != "schema" && k != "password"), "{conn}");
+        }
     }
 }

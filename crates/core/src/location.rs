@@ -42,6 +42,32 @@ pub struct PostgresLocation {
     pub masked: String,
 }
 
+/// Longest schema name accepted, in bytes (PostgreSQL truncates identifiers at 63 bytes; we refuse
+/// instead of truncating, so two names never meet in one schema).
+pub const SCHEMA_NAME_BYTES_MAX: usize = 63;
+
+/// Check a PostgreSQL schema name: 1..=63 bytes of `a-z`, `0-9` and `_`, starting with a letter
+/// or `_`, and not `pg_*` (PostgreSQL's reserved prefix). Lower case only, so the name needs no
+/// case folding rules and means the same quoted or not. `invalid_argument` otherwise.
+pub fn validate_schema_name(schema: &str) -> Result<()> {
+    let bytes = schema.as_bytes();
+    let well_formed = !bytes.is_empty()
+        && bytes.len() <= SCHEMA_NAME_BYTES_MAX
+        && (bytes[0].is_ascii_lowercase() || bytes[0] == b'_')
+        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_')
+        && !schema.starts_with("pg_");
+    if !well_formed {
+        return Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!(
+                "schema name {schema:?} must be 1..={SCHEMA_NAME_BYTES_MAX} bytes of a-z, 0-9 and _, start with a \
+                 letter or _, and not start with pg_"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn invalid(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_STORE, message)
 }

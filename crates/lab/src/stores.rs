@@ -110,16 +110,15 @@ impl Producer {
     /// on the producer's own server.
     pub fn endpoints(&self, ctx: &Context) -> Endpoints {
         match self {
-            Producer::Sqlite(_) => Endpoints::Sqlite(SqliteEndpoints::new(ctx.durability)),
-            Producer::Postgres(_, pg) => Endpoints::Postgres(PgEndpoints::new(&pg.conn)),
+            Producer::Sqlite(_) => OwnEndpoints::Sqlite(SqliteEndpoints::new(ctx.durability)).into(),
+            Producer::Postgres(_, pg) => OwnEndpoints::Postgres(PgEndpoints::new(&pg.conn)).into(),
         }
     }
 
     /// Where a subscriber of this producer is delivered: the endpoint string stored in the
-    /// subscription (a consumer file's absolute path, or a consumer schema's name on the
-    /// producer's server) and the consumer store there, opened to check it (the shape a
-    /// subscription of each backend has: `--endpoint` names a consumer store of the producer's
-    /// backend, a PostgreSQL one on the producer's own server).
+    /// subscription (a consumer file's absolute path, a consumer schema's name on the producer's
+    /// server, or a `postgres://` endpoint for a consumer schema on any other server, or on any
+    /// server for a SQLite producer) and the consumer store there, opened to check it.
     pub fn consumer_endpoint(&self, ctx: &Context, given: &Path) -> Result<(String, Consumer)> {
         let wrong = |why: &str| Error::invalid(codes::INVALID_ENDPOINT, why.to_string());
         match (self, location(ctx, given)?) {
@@ -130,18 +129,26 @@ impl Producer {
                 })?;
                 Ok((endpoint.to_string_lossy().into_owned(), consumer))
             }
-            (Producer::Postgres(_, producer), StoreLocation::Postgres(pg)) => {
-                if pg.conn != producer.conn {
-                    return Err(wrong(
-                        "a PostgreSQL producer delivers to consumer schemas on its own server: give the \
-                         producer's URL with the consumer's ?schema=",
-                    ));
-                }
+            (Producer::Postgres(_, producer), StoreLocation::Postgres(pg)) if pg.conn == producer.conn => {
                 let consumer = Consumer::open(ctx, given, false)?;
                 Ok((pg.schema, consumer))
             }
-            (Producer::Sqlite(_), StoreLocation::Postgres(_)) => {
-                Err(wrong("a SQLite producer delivers to consumer database files, not to PostgreSQL schemas"))
+            (_, StoreLocation::Postgres(_)) => {
+                // A consumer schema on another server (or any, for a SQLite producer): a
+                // `postgres://` endpoint, which names no password (the delivering side has it).
+                let endpoint = given.to_string_lossy().into_owned();
+                let tidemark_core::endpoint::Endpoint::Postgres { schema, conn, .. } =
+                    tidemark_core::endpoint::Endpoint::parse(&endpoint)?
+                else {
+                    return Err(wrong("a postgres:// endpoint is postgres://user@host:port/database?schema=S"));
+                };
+                let location = PostgresLocation {
+                    conn: postgres_endpoint_conn(&conn)?,
+                    schema,
+                    masked: tidemark_core::endpoint::mask(&endpoint),
+                };
+                let consumer = Consumer::open_at(StoreLocation::Postgres(location), ctx.durability, false)?;
+                Ok((endpoint, consumer))
             }
             (Producer::Postgres(..), StoreLocation::Sqlite(_)) => Err(wrong(
                 "a PostgreSQL producer delivers to consumer schemas on its own server \
@@ -313,19 +320,70 @@ impl tidemark_core::store::ProducerStore for Producer {
     }
 }
 
-/// The relay's endpoints: consumer files (SQLite) or consumer schemas on one server.
-pub enum Endpoints {
+/// The relay's endpoints: the consumer stores of the producer's backend (files, or consumer
+/// schemas named by schema on the producer's server), and `postgres://` endpoints (a consumer
+/// schema on any server, for a producer of either backend).
+pub struct Endpoints {
+    own: OwnEndpoints,
+    postgres: std::collections::HashMap<String, PgConsumer>,
+}
+
+/// The consumer stores a producer of each backend names by path or schema.
+pub enum OwnEndpoints {
     /// Consumer files.
     Sqlite(SqliteEndpoints),
     /// Consumer schemas on the producer's server.
     Postgres(PgEndpoints),
 }
 
+impl From<OwnEndpoints> for Endpoints {
+    fn from(own: OwnEndpoints) -> Self {
+        Endpoints { own, postgres: Default::default() }
+    }
+}
+
+/// The driver's connection string of a `postgres://` endpoint for the commands (`subscribe`'s
+/// check, `relay`), run by the operator: the environment's `PGPASSWORD` as its password when set.
+/// (`tidemark serve` connects only to the users and servers its `relay.postgres` lists.)
+pub fn postgres_endpoint_conn(conn: &str) -> Result<String> {
+    let password = std::env::var("PGPASSWORD").ok();
+    let mut url = url::Url::parse(conn).map_err(|e| Error::Invariant(format!("a parsed endpoint's URL: {e}")))?;
+    if let Some(password) = password {
+        url.set_password(Some(&password)).map_err(|()| Error::Invariant("a URL with a host".into()))?;
+    }
+    Ok(url.to_string())
+}
+
+impl Endpoints {
+    /// The consumer schema a `postgres://` endpoint names, opened on first use (never created)
+    /// and reopened when the server closed its connection.
+    fn postgres(&mut self, endpoint: &str, schema: &str, conn: &str) -> Result<&mut PgConsumer> {
+        if let Some(open) = self.postgres.get_mut(endpoint) {
+            open.reconnect_if_closed()?;
+        }
+        if !self.postgres.contains_key(endpoint) {
+            let consumer = PgConsumer::open(&postgres_endpoint_conn(conn)?, schema)?;
+            self.postgres.insert(endpoint.to_string(), consumer);
+        }
+        Ok(self.postgres.get_mut(endpoint).expect("just inserted"))
+    }
+}
+
 impl tidemark_core::store::Endpoints for Endpoints {
     fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
-        match self {
-            Endpoints::Sqlite(e) => e.deliver(endpoint, items, now_ms),
-            Endpoints::Postgres(e) => e.deliver(endpoint, items, now_ms),
+        if let Ok(tidemark_core::endpoint::Endpoint::Postgres { schema, conn, .. }) =
+            tidemark_core::endpoint::Endpoint::parse(endpoint)
+        {
+            let delivered = self.postgres(endpoint, &schema, &conn)?.receive_batch(items, now_ms);
+            if delivered.is_err() {
+                // A broken connection is not kept; the next attempt connects again.
+                self.postgres.remove(endpoint);
+            }
+            return delivered;
+        }
+        match &mut self.own {
+            OwnEndpoints::Sqlite(e) => e.deliver(endpoint, items, now_ms),
+            OwnEndpoints::Postgres(e) => e.deliver(endpoint, items, now_ms),
         }
     }
 }

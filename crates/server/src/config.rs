@@ -189,10 +189,27 @@ pub struct RelayConfig {
     /// to as `guest:guest`, which RabbitMQ accepts from loopback only. Like tokens, credentials
     /// live here, never in the producer database.
     pub amqp_credentials: std::collections::BTreeMap<String, String>,
+    /// The PostgreSQL servers and users `postgres://` endpoints may write as, by
+    /// `"user@host:port"` (the endpoint's user and server, the port spelled out): a lane writes
+    /// only into a consumer schema whose user and server are listed here (the operator's
+    /// consent, as a token is for an HTTP origin), with the entry's password. Like tokens,
+    /// passwords live here, never in the producer database.
+    pub postgres: std::collections::BTreeMap<String, PostgresEndpointConfig>,
     /// A PEM file of root certificates the relay trusts for `https://` endpoints besides the
     /// system's (a private CA, a receiver's self-signed certificate). Checked at start: it must
     /// hold at least one certificate and be at most 1 MiB.
     pub ca_file: Option<std::path::PathBuf>,
+}
+
+/// `[relay.postgres."user@host:port"]`: one PostgreSQL server and user that `postgres://`
+/// endpoints may write as.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PostgresEndpointConfig {
+    /// The password, or `env:NAME` to read it from the environment variable `NAME` when the lane
+    /// connects; absent: none (trust, peer or certificate authentication).
+    #[serde(default)]
+    pub password: Option<String>,
 }
 
 /// `[consumers]`: how each tenant's declared consumers apply their inboxes.
@@ -316,6 +333,7 @@ impl Default for RelayConfig {
             attempt_timeout_ms: 10_000,
             tokens: Default::default(),
             amqp_credentials: Default::default(),
+            postgres: Default::default(),
             ca_file: None,
         }
     }
@@ -479,6 +497,28 @@ impl Config {
                 )));
             }
         }
+        for (address, entry) in &self.relay.postgres {
+            let canonical = address.split_once('@').and_then(|(user, server)| {
+                match tidemark_core::endpoint::Endpoint::parse(&format!("postgres://{user}@{server}/d?schema=s")) {
+                    Ok(tidemark_core::endpoint::Endpoint::Postgres { user: u, server: s, .. }) => {
+                        Some(format!("{u}@{s}"))
+                    }
+                    _ => None,
+                }
+            });
+            if canonical.as_ref() != Some(address) {
+                return Err(config_error(format!(
+                    "relay.postgres: {address:?} is not a user and server such as \"app@host:5432\" (user, \
+                     host and port, nothing else)"
+                )));
+            }
+            // Never print the value: it is a password.
+            if entry.password.as_deref().is_some_and(|p| p.is_empty() || p == "env:") {
+                return Err(config_error(format!(
+                    "relay.postgres.{address:?}.password is empty (leave it out for no password)"
+                )));
+            }
+        }
         if let Some(path) = &self.relay.ca_file {
             tidemark_transport::http::load_roots(path)?;
         }
@@ -560,6 +600,7 @@ impl Config {
         tidemark_transport::TransportConfig {
             http_tokens: self.relay.tokens.clone(),
             amqp_credentials: self.relay.amqp_credentials.clone(),
+            postgres_endpoints: self.relay.postgres.iter().map(|(k, v)| (k.clone(), v.password.clone())).collect(),
             connect_timeout: std::time::Duration::from_millis(self.relay.attempt_timeout_ms.min(5_000)),
             // A broker client gives up on a message a little before the lane does, so that the lane
             // records the broker's reason rather than its own timeout.
@@ -686,6 +727,12 @@ mod tests {
             ("[relay.amqp_credentials]\n\"h:5672/v\" = \"u:p\"", "relay.amqp_credentials"),
             ("[relay.amqp_credentials]\n\"h:5672\" = \"secretwithoutuser\"", "relay.amqp_credentials"),
             ("[relay.amqp_credentials]\n\"h:5672\" = \"env:\"", "relay.amqp_credentials"),
+            ("[relay.postgres.\"h:5432\"]", "relay.postgres"),
+            ("[relay.postgres.\"app@h\"]", "relay.postgres"),
+            ("[relay.postgres.\"app@h:5432/d\"]", "relay.postgres"),
+            ("[relay.postgres.\"app@h:5432\"]\npassword = \"\"", "relay.postgres"),
+            ("[relay.postgres.\"app@h:5432\"]\npassword = \"env:\"", "relay.postgres"),
+            ("[relay.postgres.\"app@h:5432\"]\npasword = \"x\"", "pasword"),
         ] {
             let error = load_text(text).unwrap_err();
             assert_eq!(error.code(), codes::INVALID_CONFIG, "{text}");
@@ -744,6 +791,25 @@ mod tests {
         let transport = config.transport_config();
         assert_eq!(transport.amqp_credentials("localhost:5672").unwrap(), ("relay".into(), "pw".into()));
         assert_eq!(transport.amqp_credentials.get("[::1]:5673").map(String::as_str), Some("env:AMQP"));
+    }
+
+    #[test]
+    fn postgres_endpoints_reach_the_transports_and_only_listed_ones_connect() {
+        let config = load_text(
+            "[relay.postgres.\"app@db2:5432\"]\npassword = \"pw\"\n\
+             [relay.postgres.\"relay@[::1]:5433\"]\npassword = \"env:TIDEMARK_TEST_UNSET_PW\"\n\
+             [relay.postgres.\"trusted@127.0.0.1:5432\"]\n",
+        )
+        .unwrap();
+        let transport = config.transport_config();
+        assert_eq!(transport.postgres_password("app", "db2:5432").unwrap(), Some("pw".into()));
+        assert_eq!(transport.postgres_password("trusted", "127.0.0.1:5432").unwrap(), None);
+        let error = transport.postgres_password("relay", "[::1]:5433").unwrap_err();
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(error.to_string().contains("TIDEMARK_TEST_UNSET_PW"), "{error}");
+        let error = transport.postgres_password("postgres", "db2:5432").unwrap_err();
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(error.to_string().contains("postgres@db2:5432"), "{error}");
     }
 
     #[test]

@@ -8,11 +8,9 @@ use tidemark_core::error::codes;
 use tidemark_core::limits::BUSY_TIMEOUT_MS;
 use tidemark_core::{Error, Result};
 
-use crate::{col, PgResult};
+pub use tidemark_core::location::{validate_schema_name, SCHEMA_NAME_BYTES_MAX};
 
-/// Longest schema name accepted, in bytes (PostgreSQL truncates identifiers at 63 bytes; we refuse
-/// instead of truncating, so two names never meet in one schema).
-pub const SCHEMA_NAME_BYTES_MAX: usize = 63;
+use crate::{col, PgResult};
 
 /// How long connecting may take when the connection string sets no `connect_timeout`, in ms.
 pub const CONNECT_TIMEOUT_MS_DEFAULT: u64 = 10_000;
@@ -361,28 +359,6 @@ const MIGRATIONS: &[&str] = &[
 
 /// The schema version this build writes.
 pub const SCHEMA_VERSION: i32 = MIGRATIONS.len() as i32;
-
-/// Check a schema name: 1..=63 bytes of `a-z`, `0-9` and `_`, starting with a letter or `_`, and
-/// not `pg_*` (PostgreSQL's reserved prefix). Lower case only, so the name needs no case folding
-/// rules and means the same quoted or not. `invalid_argument` otherwise.
-pub fn validate_schema_name(schema: &str) -> Result<()> {
-    let bytes = schema.as_bytes();
-    let well_formed = !bytes.is_empty()
-        && bytes.len() <= SCHEMA_NAME_BYTES_MAX
-        && (bytes[0].is_ascii_lowercase() || bytes[0] == b'_')
-        && bytes.iter().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'_')
-        && !schema.starts_with("pg_");
-    if !well_formed {
-        return Err(Error::invalid(
-            codes::INVALID_ARGUMENT,
-            format!(
-                "schema name {schema:?} must be 1..={SCHEMA_NAME_BYTES_MAX} bytes of a-z, 0-9 and _, start with a \
-                 letter or _, and not start with pg_"
-            ),
-        ));
-    }
-    Ok(())
-}
 
 /// `template` with `{s}` replaced by the quoted (already validated) schema name.
 pub(crate) fn sql(schema: &str, template: &str) -> String {

@@ -9,8 +9,9 @@
 //! an `accepted`.
 //!
 //! Kinds built here: `http(s)://` (another tidemark's inbox), `nats://` (JetStream),
-//! `amqp://` (RabbitMQ, publisher confirms) and `kafka://` (librdkafka's idempotent producer,
-//! `acks=all`). File endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`.
+//! `amqp://` (RabbitMQ, publisher confirms), `kafka://` (librdkafka's idempotent producer,
+//! `acks=all`) and `postgres://` (a consumer schema's inbox on any PostgreSQL server, written in
+//! one inbox transaction). File endpoints are delivered by `tidemark_store_sqlite::SqliteEndpoints`.
 //!
 //! The consuming side of the brokers ([`Source`]): a JetStream durable pull consumer
 //! ([`NatsSource`]), a Kafka consumer group ([`KafkaSource`]) or a RabbitMQ queue
@@ -24,6 +25,7 @@ pub mod http;
 mod kafka;
 mod kafka_source;
 mod nats;
+mod postgres;
 mod source;
 
 use std::collections::BTreeMap;
@@ -43,6 +45,7 @@ pub use http::HttpTransport;
 pub use kafka::{headers as kafka_headers, key as kafka_key, KafkaTransport};
 pub use kafka_source::{KafkaSource, KafkaSourceConfig};
 pub use nats::{subject as nats_subject, NatsTransport};
+pub use postgres::PostgresTransport;
 pub use source::{
     Inbox, NatsSource, NatsSourceConfig, Source, SourceReport, SourceSettings, SourceSpec,
     KAFKA_SESSION_TIMEOUT_MS_DEFAULT, NATS_ACK_WAIT_MS_DEFAULT,
@@ -76,6 +79,13 @@ pub struct TransportConfig {
     /// the environment variable `NAME`. A broker with no entry is connected to as `guest:guest`
     /// (RabbitMQ's default user, which it accepts from loopback only).
     pub amqp_credentials: BTreeMap<String, String>,
+    /// The PostgreSQL servers and users `postgres://` endpoints may write as, by `user@host:port`
+    /// (the endpoint's user and server, the port always spelled out), each with its password: the
+    /// password, `env:NAME` to read it from the environment variable `NAME`, or none (trust, peer
+    /// or certificate authentication). An endpoint whose user and server are not listed is never
+    /// connected to: a tenant who may subscribe must not be able to point the relay at any
+    /// schema the service's machine can reach.
+    pub postgres_endpoints: BTreeMap<String, Option<String>>,
     /// How long connecting may take, at most (the lane's attempt timeout bounds the whole
     /// delivery). For Kafka, also how long a topic the cluster does not know may take to
     /// appear before its records fail as "unknown topic".
@@ -95,6 +105,7 @@ impl Default for TransportConfig {
         TransportConfig {
             http_tokens: BTreeMap::new(),
             amqp_credentials: BTreeMap::new(),
+            postgres_endpoints: BTreeMap::new(),
             connect_timeout: Duration::from_secs(5),
             message_timeout: Duration::from_secs(30),
             http_ca_file: None,
@@ -146,6 +157,35 @@ impl TransportConfig {
             _ => Err(Error::invalid(codes::INVALID_CONFIG, format!("{key} is not user:password"))),
         }
     }
+
+    /// The password to connect to the PostgreSQL server `server` (`host:port`) as `user` with
+    /// (`None`: no password); `invalid_config` when the user and server are not listed in
+    /// [`TransportConfig::postgres_endpoints`], or their entry names an environment variable that
+    /// is not set.
+    pub fn postgres_password(&self, user: &str, server: &str) -> Result<Option<String>> {
+        let key = format!("{user}@{server}");
+        let entry = self.postgres_endpoints.get(&key).ok_or_else(|| {
+            Error::invalid(
+                codes::INVALID_CONFIG,
+                format!(
+                    "{key} is not a PostgreSQL endpoint this relay writes to: list it as [relay.postgres.\"{key}\"] \
+                     (with its password, if it needs one)"
+                ),
+            )
+        })?;
+        match entry.as_deref().map(|p| (p, p.strip_prefix("env:"))) {
+            None => Ok(None),
+            Some((_, Some(name))) => std::env::var(name).map(Some).map_err(|_| {
+                Error::invalid(
+                    codes::INVALID_CONFIG,
+                    format!(
+                        "relay.postgres.\"{key}\".password names the environment variable {name}, which is not set"
+                    ),
+                )
+            }),
+            Some((password, None)) => Ok(Some(password.to_string())),
+        }
+    }
 }
 
 /// The transport of a network endpoint. A file endpoint is `invalid_endpoint` here (files are
@@ -160,6 +200,9 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
         Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
         Endpoint::Amqp { server, exchange } => Ok(Arc::new(AmqpTransport::new(&server, &exchange, config)?)),
         Endpoint::Kafka { bootstrap, topic } => Ok(Arc::new(KafkaTransport::new(&bootstrap, &topic, config))),
+        Endpoint::Postgres { server, user, schema, conn } => {
+            Ok(Arc::new(PostgresTransport::new(&server, &user, &schema, &conn, config)?))
+        }
         Endpoint::Pull => Err(Error::invalid(
             codes::INVALID_ENDPOINT,
             "a pull consumer is never pushed to: it reads GET /v1/outbox/feed",
@@ -231,6 +274,24 @@ mod tests {
         let error = connect("amqp://127.0.0.1:9/x", &config).err().unwrap();
         assert_eq!(error.code(), codes::INVALID_CONFIG);
         assert!(!error.to_string().contains("nopassword"), "the value is never printed: {error}");
+    }
+
+    #[test]
+    fn a_postgres_endpoint_connects_only_as_a_listed_user_and_server() {
+        let mut config = TransportConfig::default();
+        let endpoint = "postgres://app@127.0.0.1:9/shop?schema=shipping_inbox";
+        let error = connect(endpoint, &config).err().expect("not listed");
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(error.to_string().contains("app@127.0.0.1:9"), "{error}");
+        config.postgres_endpoints.insert("app@127.0.0.1:9".into(), None);
+        let transport = connect(endpoint, &config).expect("listed, no password");
+        assert_eq!(transport.kind(), EndpointKind::Postgres);
+        config.postgres_endpoints.insert("app@127.0.0.1:9".into(), Some("env:TIDEMARK_TEST_PG_THAT_IS_NOT_SET".into()));
+        assert_eq!(connect(endpoint, &config).err().unwrap().code(), codes::INVALID_CONFIG);
+        assert_eq!(
+            connect("postgres://app:pw@127.0.0.1:9/shop?schema=s", &config).err().unwrap().code(),
+            codes::INVALID_ENDPOINT
+        );
     }
 
     #[test]

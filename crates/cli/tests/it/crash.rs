@@ -1236,6 +1236,38 @@ fn every_crash_point_recovers_without_loss_or_double_apply() {
     }
 }
 
+/// The relay's and the receive's crash points with the consumer behind a `postgres://` endpoint
+/// (a consumer schema on another server, as the producer sees it: the relay writes into its
+/// inbox over a connection of its own), for a producer file and then a producer schema: the same
+/// scenarios as for a consumer of the producer's own backend. Killed after the consumer schema's
+/// commit and before the producer's record, the relay's next pass is answered `duplicate` for
+/// every event and changes nothing there; nothing is lost, nothing applied twice. Skipped, saying
+/// why, without a server.
+#[test]
+fn the_relay_crash_points_recover_at_a_postgres_endpoint_from_either_backend() {
+    if !support::failpoints_enabled() {
+        support::skip("crash tests need --features failpoints (cargo test --workspace --all-features)");
+        return;
+    }
+    let Some(_endpoint) = support::consumer_behind_postgres_endpoint() else { return };
+    let points = [
+        "relay.after_consumer_commit",
+        "relay.before_producer_commit",
+        "relay.after_producer_commit",
+        "receive.before_commit",
+        "receive.after_commit",
+    ];
+    for point in points {
+        eprintln!("crash scenario, a producer file and a postgres:// endpoint: {point}");
+        scenario(point)(point);
+    }
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    for point in points {
+        eprintln!("crash scenario, a producer schema and a postgres:// endpoint: {point}");
+        scenario(point)(point);
+    }
+}
+
 /// The pipeline's crash points on PostgreSQL: the same scenarios as on SQLite files, each
 /// `Setup` a fresh producer schema and consumer schema of the test server, the real `tidemark`
 /// process killed at each point (its connection dropped with its transaction open, or right

@@ -622,11 +622,15 @@ fn config_check_names_the_bad_key() {
     let secrets = write_config(
         dir.path(),
         "[relay.tokens]\n\"http://h:80\" = \"tok-in-file\"\n\"http://h:81\" = \"env:TOK\"\n\
-         [relay.amqp_credentials]\n\"h:5672\" = \"relay:pw-in-file\"\n\"h:5673\" = \"env:AMQP_CREDS\"\n",
+         [relay.amqp_credentials]\n\"h:5672\" = \"relay:pw-in-file\"\n\"h:5673\" = \"env:AMQP_CREDS\"\n\
+         [relay.postgres.\"app@db:5432\"]\npassword = \"pg-in-file\"\n[relay.postgres.\"app@db:5433\"]\n\
+         password = \"env:PG_PW\"\n[relay.postgres.\"trusted@db:5432\"]\n",
     );
     let run = crate::support::run(&["config", "check", "--config", &secrets]);
     assert_eq!(run.code, 0, "{}", run.stdout);
-    assert!(!run.stdout.contains("tok-in-file") && !run.stdout.contains("pw-in-file"), "{}", run.stdout);
+    for secret in ["tok-in-file", "pw-in-file", "pg-in-file"] {
+        assert!(!run.stdout.contains(secret), "{secret}: {}", run.stdout);
+    }
     let relay = &run.json["config"]["relay"];
     assert_eq!(
         (relay["tokens"]["http://h:80"].as_str(), relay["tokens"]["http://h:81"].as_str()),
@@ -634,6 +638,15 @@ fn config_check_names_the_bad_key() {
     );
     let amqp = &relay["amqp_credentials"];
     assert_eq!((amqp["h:5672"].as_str(), amqp["h:5673"].as_str()), (Some("***"), Some("env:AMQP_CREDS")));
+    let postgres = &relay["postgres"];
+    assert_eq!(
+        (
+            postgres["app@db:5432"]["password"].as_str(),
+            postgres["app@db:5433"]["password"].as_str(),
+            &postgres["trusted@db:5432"]["password"]
+        ),
+        (Some("***"), Some("env:PG_PW"), &Value::Null)
+    );
     // The environment overrides the file, and is validated too.
     let good = write_config(dir.path(), "[workers]\nconcurrency = 8\n");
     let run = crate::support::run_with(

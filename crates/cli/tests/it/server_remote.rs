@@ -323,6 +323,19 @@ fn subscribe_network_endpoints() {
         assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some("invalid_endpoint")), "{bad}: {}", r.stdout);
         assert!(!r.stdout.contains("secret"), "{}", r.stdout);
     }
+    // A `postgres://` consumer schema: with a password, without a user, or not a consumer's.
+    if let Some((base, _)) = crate::support::postgres_server() {
+        let with_password = crate::support::with_schema(&base.replacen("postgres@", "postgres:secret@", 1), "x");
+        let without_user = crate::support::with_schema(&base.replacen("postgres@", "", 1), "x");
+        let missing = crate::support::with_schema(&base, &format!("cli_missing_{}", std::process::id()));
+        for (bad, code) in
+            [(with_password, "invalid_endpoint"), (without_user, "invalid_endpoint"), (missing, "not_initialized")]
+        {
+            let r = run(&["subscribe", "--producer", p, "--consumer-id", "bad", "--endpoint", &bad]);
+            assert_eq!((r.code, r.json["error"]["code"].as_str()), (2, Some(code)), "{bad}: {}", r.stdout);
+            assert!(!r.stdout.contains("secret"), "{}", r.stdout);
+        }
+    }
     ok(&["advance", "--producer", p, "--flow", "r1", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"]);
     let relayed = ok(&["relay", "--producer", p, "--until-idle"]);
     assert_eq!(relayed["attempted"], 0, "{relayed}");
@@ -1876,5 +1889,133 @@ fn events_cross_over_https_only_to_a_certificate_the_relay_trusts() {
         assert_eq!(checked.code, 2, "{}{}", checked.stdout, checked.stderr);
         assert_eq!(checked.json["error"]["code"], "invalid_config", "{}", checked.stdout);
         assert!(checked.stdout.contains("relay.ca_file"), "{}", checked.stdout);
+    });
+}
+
+/// A fresh consumer schema on the test server, initialised as a consumer (`tidemark init`), and
+/// the `postgres://` endpoint that names it; the schema is dropped with the guard.
+fn consumer_schema(name: &str) -> Option<(String, DropSchema)> {
+    let (base, mut client) = crate::support::postgres_server()?;
+    let schema = format!("endpoint_{name}_{}", std::process::id());
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).unwrap();
+    let url = crate::support::with_schema(&base, &schema);
+    crate::support::ok(&["init", "--consumer-db", &url]);
+    Some((url, DropSchema(base, schema)))
+}
+
+struct DropSchema(String, String);
+
+impl Drop for DropSchema {
+    fn drop(&mut self) {
+        if let Ok(mut client) = postgres::Client::connect(&self.0, postgres::NoTls) {
+            let _ = client.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", self.1));
+        }
+    }
+}
+
+/// The consumer schema's inbox, read with `tidemark snapshot`: (flow, seq) -> copies held.
+fn schema_inbox(url: &str) -> BTreeMap<(String, i64), usize> {
+    let snapshot = crate::support::ok(&["snapshot", "--consumer-db", url, "--rows-max", "100000"]);
+    let mut held = BTreeMap::new();
+    for record in snapshot["consumer"]["inbox"].as_array().unwrap() {
+        let envelope = &record["envelope"];
+        let key = (envelope["flow_id"].as_str().unwrap().to_string(), envelope["seq"].as_i64().unwrap());
+        *held.entry(key).or_insert(0) += 1;
+    }
+    held
+}
+
+/// A serving relay writes into a consumer schema on a PostgreSQL server through a `postgres://`
+/// endpoint (custody: that schema's inbox transaction), on both backends of the producing
+/// service, and is killed at its commit boundary: with read-ahead, the process dies recording a
+/// batch the consumer schema already committed (`relay.before_producer_commit`). Restarted on
+/// its data, the relay hands those events over again and the schema answers `duplicate`: every
+/// event is held once, each flow's seqs complete, nothing pending or quarantined. Before that,
+/// what is refused: a password in the endpoint (400 `invalid_endpoint`, nothing subscribed), a
+/// user and server the relay's configuration does not list, and a schema that is not a
+/// consumer's (each a failed delivery with its reason, nothing written).
+#[test]
+fn a_serving_relay_writes_into_a_consumer_schema_once_across_a_kill_at_its_commit_boundary() {
+    served_on_both_backends(|| {
+        if !crate::support::failpoints_enabled() {
+            crate::support::skip("the kill at relay.before_producer_commit needs --features failpoints");
+            return;
+        }
+        let Some((endpoint, _schema)) = consumer_schema("ledger") else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let listed = match tidemark_core::endpoint::Endpoint::parse(&endpoint).unwrap() {
+            tidemark_core::endpoint::Endpoint::Postgres { user, server, .. } => format!("{user}@{server}"),
+            other => panic!("{other:?}"),
+        };
+        let config = dir.path().join("orders.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "[relay]\nbatch = {PIPELINED_BATCH}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\n\
+                 [relay.postgres.\"{listed}\"]\n"
+            ),
+        )
+        .unwrap();
+        let args = ["--config", config.to_str().unwrap()];
+
+        // Refused (a service of its own, whose failed deliveries stay pending): a password in
+        // the endpoint, before anything is written.
+        let refusing_dir = dir.path().join("refusing");
+        let admin = token(&refusing_dir, "orders", "admin");
+        let mut orders = Server::start(&refusing_dir, &args, &[]);
+        let with_password = endpoint.replacen("postgres://postgres@", "postgres://postgres:secret@", 1);
+        let (status, body) = subscribe(&orders, &admin, "ledger", &with_password);
+        assert_eq!((status, body["error"]["code"].as_str()), (400, Some("invalid_endpoint")), "{body}");
+        assert!(!body.to_string().contains("secret"), "{body}");
+        // A user the configuration does not list, and a schema that is not a consumer's: the
+        // lanes fail with their reasons and write nothing.
+        let unlisted = endpoint.replacen("postgres://postgres@", "postgres://intruder@", 1);
+        let (base, _) = crate::support::postgres_server().unwrap();
+        let missing = crate::support::with_schema(&base, &format!("endpoint_missing_{}", std::process::id()));
+        for (consumer, bad) in [("unlisted", &unlisted), ("missing", &missing)] {
+            let (status, body) = subscribe(&orders, &admin, consumer, bad);
+            assert_eq!((status, body["kind"].as_str()), (200, Some("postgres")), "{body}");
+        }
+        append(&orders, &admin, "probe", 1);
+        for (consumer, reason) in
+            [("unlisted", "not a PostgreSQL endpoint this relay writes to"), ("missing", "does not exist")]
+        {
+            let error = orders.wait_for(WAIT, |o| {
+                let (_, page) = o.call("GET", "/v1/subscriptions", Some(&admin), None);
+                lane(&page, consumer).and_then(|l| l["last_error"].as_str().map(str::to_string))
+            });
+            assert!(error.contains(reason), "{consumer}: {error}");
+        }
+        assert!(schema_inbox(&endpoint).is_empty());
+        orders.terminate();
+
+        // The kill at the third record of the lane, a backlog of 20 batches waiting.
+        let orders_dir = dir.path().join("orders");
+        let admin = token(&orders_dir, "orders", "admin");
+        let crash = [("TIDEMARK_CRASH_AT", "relay.before_producer_commit@3")];
+        let mut orders = Server::start(&orders_dir, &args, &crash);
+        for f in 0..FLOWS {
+            append(&orders, &admin, &format!("parcel-{f}"), 6);
+        }
+        let body = json!({"endpoint": endpoint, "from_start": true});
+        let (status, body) = orders.call("PUT", "/v1/subscriptions/ledger", Some(&admin), Some(&body));
+        assert_eq!((status, body["kind"].as_str()), (200, Some("postgres")), "{body}");
+        assert_eq!(orders.wait_exit(WAIT), 73, "killed at the third record of a lane");
+        let before = schema_inbox(&endpoint);
+        assert!(before.len() >= 3 * PIPELINED_BATCH, "three batches committed before the kill: {before:?}");
+
+        let orders = Server::start(&orders_dir, &args, &[]);
+        settled(&orders, &admin);
+        let held = schema_inbox(&endpoint);
+        assert!(held.values().all(|&n| n == 1), "an event held twice: {held:?}");
+        for f in 0..FLOWS {
+            let seqs: BTreeSet<i64> =
+                held.keys().filter(|(flow, _)| flow == &format!("parcel-{f}")).map(|(_, seq)| *seq).collect();
+            assert_eq!(seqs, (1..=6).collect(), "parcel-{f}");
+        }
+        let (_, page) = orders.call("GET", "/v1/subscriptions", Some(&admin), None);
+        let lane = lane(&page, "ledger").unwrap_or_else(|| panic!("no lane: {page}"));
+        assert_eq!(lane["kind"], "postgres", "{lane}");
+        assert!(lane["delivered"].as_u64().is_some_and(|n| n > 0), "{lane}");
     });
 }

@@ -90,29 +90,70 @@ fn fresh_schema(base: &str, role: &str) -> String {
     schema
 }
 
+thread_local! {
+    /// The server of [`consumer_behind_postgres_endpoint`] on this thread.
+    static ENDPOINT_SERVER: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// While the guard lives, a [`Setup`] made on this thread has its consumer in a fresh schema of
+/// the test server, subscribed by a `postgres://` endpoint (a consumer schema on another
+/// server, as the producer sees it), whatever the producer's backend: a file, or a schema of
+/// the same server (inside `on_postgres`) reached through another connection string. `None`,
+/// after saying why, without a server.
+pub fn consumer_behind_postgres_endpoint() -> Option<EndpointServer> {
+    let (base, _) = postgres_server()?;
+    ENDPOINT_SERVER.with(|server| *server.borrow_mut() = Some(base));
+    Some(EndpointServer)
+}
+
+/// See [`consumer_behind_postgres_endpoint`].
+pub struct EndpointServer;
+
+impl Drop for EndpointServer {
+    fn drop(&mut self) {
+        ENDPOINT_SERVER.with(|server| *server.borrow_mut() = None);
+    }
+}
+
 impl Setup {
     pub fn new(consumers: &[&str]) -> Setup {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (producer, consumer, postgres) = match crate::workflow_cli::postgres_base() {
-            None => (dir.path().join("producer.db"), dir.path().join("consumer.db"), None),
+        let producer_base = crate::workflow_cli::postgres_base();
+        let endpoint_base = ENDPOINT_SERVER.with(|server| server.borrow().clone());
+        let mut schemas = Vec::new();
+        let producer = match &producer_base {
+            None => dir.path().join("producer.db"),
             Some(base) => {
-                let (p, c) = (fresh_schema(&base, "p"), fresh_schema(&base, "c"));
-                let urls = (PathBuf::from(with_schema(&base, &p)), PathBuf::from(with_schema(&base, &c)));
-                (urls.0, urls.1, Some((base, std::sync::Mutex::new(vec![p, c]))))
+                schemas.push(fresh_schema(base, "p"));
+                PathBuf::from(with_schema(base, &schemas[0]))
+            }
+        };
+        let (consumer, endpoint) = match (&producer_base, &endpoint_base) {
+            (None, None) => (dir.path().join("consumer.db"), None),
+            (Some(base), None) => {
+                schemas.push(fresh_schema(base, "c"));
+                (PathBuf::from(with_schema(base, &schemas[1])), None)
+            }
+            (_, Some(base)) => {
+                let schema = fresh_schema(base, "c");
+                let store = with_schema(base, &schema);
+                // Another connection string than the producer's: the producer's relay reaches
+                // the schema as it would one on another server.
+                let endpoint = with_schema(&format!("{base}?application_name=tidemark_endpoint"), &schema);
+                schemas.push(schema);
+                (PathBuf::from(store), Some(endpoint))
             }
         };
         ok(&["init", "--producer", path_str(&producer), "--source", "shop", "--consumer-db", path_str(&consumer)]);
+        let endpoint = endpoint.unwrap_or_else(|| path_str(&consumer).to_string());
         for id in consumers {
-            ok(&[
-                "subscribe",
-                "--producer",
-                path_str(&producer),
-                "--consumer-id",
-                id,
-                "--endpoint",
-                path_str(&consumer),
-            ]);
+            let out =
+                ok(&["subscribe", "--producer", path_str(&producer), "--consumer-id", id, "--endpoint", &endpoint]);
+            if endpoint_base.is_some() {
+                assert_eq!(out["subscription"]["endpoint"], endpoint.as_str(), "a postgres:// endpoint: {out}");
+            }
         }
+        let postgres = producer_base.or(endpoint_base).map(|base| (base, std::sync::Mutex::new(schemas)));
         Setup { dir, producer, consumer, postgres }
     }
 
@@ -124,9 +165,18 @@ impl Setup {
         path_str(&self.consumer)
     }
 
-    /// True when the stores are PostgreSQL schemas.
+    /// True when the stores are PostgreSQL schemas (the producer is; see
+    /// [`consumer_behind_postgres_endpoint`] for a file beside a consumer schema).
     pub fn on_postgres(&self) -> bool {
-        self.postgres.is_some()
+        self.p().starts_with("postgres")
+    }
+
+    /// The consumer's schema (on PostgreSQL).
+    fn consumer_schema(&self) -> String {
+        match tidemark_core::location::StoreLocation::parse(self.c()).expect("a store") {
+            tidemark_core::location::StoreLocation::Postgres(pg) => pg.schema,
+            other => panic!("the consumer is not a PostgreSQL schema: {other:?}"),
+        }
     }
 
     /// Another store of this setup's backend, not initialised: `<name>.db` in the folder, or a
@@ -163,8 +213,8 @@ impl Setup {
     /// On PostgreSQL: rename the consumer's schema away (`<schema>_away`), so that nothing can
     /// open it, or back.
     pub fn move_consumer_schema(&self, away: bool) {
-        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
-        let schema = schemas.lock().unwrap()[1].clone();
+        let (base, _) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = self.consumer_schema();
         let (from, to) =
             if away { (schema.clone(), format!("{schema}_away")) } else { (format!("{schema}_away"), schema) };
         let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect");
@@ -173,8 +223,8 @@ impl Setup {
 
     /// On PostgreSQL: back the consumer's schema up into `file` with `pg_dump` (custom format).
     pub fn dump_consumer_schema(&self, file: &Path) {
-        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
-        let schema = schemas.lock().unwrap()[1].clone();
+        let (base, _) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = self.consumer_schema();
         let out = Command::new("pg_dump")
             .args(["--format=custom", "--schema", &schema, "--file", path_str(file), "--dbname", base])
             .output()
@@ -185,8 +235,8 @@ impl Setup {
     /// On PostgreSQL: drop the consumer's schema and restore it from `file` (a
     /// [`Setup::dump_consumer_schema`]) with `pg_restore`.
     pub fn restore_consumer_schema(&self, file: &Path) {
-        let (base, schemas) = self.postgres.as_ref().expect("a PostgreSQL setup");
-        let schema = schemas.lock().unwrap()[1].clone();
+        let (base, _) = self.postgres.as_ref().expect("a PostgreSQL setup");
+        let schema = self.consumer_schema();
         let mut client = postgres::Client::connect(base, postgres::NoTls).expect("connect");
         client.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).expect("drop the consumer schema");
         let out = Command::new("pg_restore")

@@ -301,8 +301,8 @@ pub fn invalid_request(has_body: bool, has_limit: bool) -> String {
 /// The endpoints `PUT /v1/subscriptions/{id}` is documented to take: a part of what
 /// `tidemark_core::endpoint::Endpoint::parse` accepts, written so that every string it matches is
 /// accepted (`pull:`; an HTTP inbox, a NATS subject prefix, a RabbitMQ exchange, a Kafka topic on
-/// 1..=3 servers; hosts are names whose labels start with a letter, with single hyphens, or
-/// dotted IPv4 addresses).
+/// 1..=3 servers, a PostgreSQL consumer schema with `?schema=` alone; hosts are names whose labels
+/// start with a letter, with single hyphens, or dotted IPv4 addresses).
 pub fn endpoint_pattern() -> String {
     let label = "[A-Za-z]([A-Za-z0-9]|-[A-Za-z0-9]){0,20}";
     let octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])";
@@ -315,7 +315,12 @@ pub fn endpoint_pattern() -> String {
     let nats = format!("[Nn][Aa][Tt][Ss]://{server}/{name}");
     let amqp = format!("[Aa][Mm][Qq][Pp]://{server}/{name}");
     let kafka = format!("[Kk][Aa][Ff][Kk][Aa]://{server}(,{server}){{0,2}}/{name}");
-    format!("^(pull:|{http}|{nats}|{amqp}|{kafka})$")
+    // A schema name: lower case, not `pg_*` (written without look-ahead).
+    let schema = "(([a-oq-z_]|p[a-fh-z0-9_]|pg[a-z0-9])[a-z0-9_]{0,40}|p|pg)";
+    let postgres = format!(
+        "[Pp][Oo][Ss][Tt][Gg][Rr][Ee][Ss]([Qq][Ll])?://[A-Za-z0-9_-]{{1,30}}@{server}/[A-Za-z0-9_-]{{1,30}}\\?schema={schema}"
+    );
+    format!("^(pull:|{http}|{nats}|{amqp}|{kafka}|{postgres})$")
 }
 
 /// Every integer schema states its range: where its declaration gave no `minimum` or `maximum`,
@@ -624,10 +629,21 @@ mod tests {
             "nats://nats-1:4222/orders.events",
             "amqp://rabbit/orders",
             "kafka://k1:9093,k2/orders.v1",
+            "postgres://app@db2:5432/shop?schema=shipping_inbox",
+            "postgresql://app@127.0.0.1/shop?schema=p",
         ] {
             assert!(pattern.is_match(endpoint), "{endpoint}");
         }
-        for endpoint in ["/data/inbox.db", "sqlite:/x.db", "http://h/v1/runs", "ftp://h/x", "pull:x"] {
+        for endpoint in [
+            "/data/inbox.db",
+            "sqlite:/x.db",
+            "http://h/v1/runs",
+            "ftp://h/x",
+            "pull:x",
+            "postgres://app@h/d?schema=pg_x",
+            "postgres://app:pw@h/d?schema=s",
+            "postgres://h/d?schema=s",
+        ] {
             assert!(!pattern.is_match(endpoint), "{endpoint}");
         }
     }
