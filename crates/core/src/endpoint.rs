@@ -207,8 +207,10 @@ fn host_port(endpoint: &str, url: &url::Url, default_port: u16) -> Result<String
 }
 
 /// The parameters a `postgres://` endpoint may carry besides `schema`: the driver's, and none of
-/// them a secret (`password` is refused like a password in the URL's authority).
-const POSTGRES_PARAMETERS: [&str; 5] = ["sslmode", "sslrootcert", "connect_timeout", "application_name", "options"];
+/// them a secret (`password` is refused like a password in the URL's authority; `sslkey` names a
+/// file of the delivering machine, never holds the key).
+const POSTGRES_PARAMETERS: [&str; 7] =
+    ["sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "application_name", "options"];
 
 fn parse_url(endpoint: &str) -> Result<url::Url> {
     url::Url::parse(endpoint).map_err(|e| invalid(endpoint, format!("not a URL: {e}")))

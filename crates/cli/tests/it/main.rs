@@ -3,6 +3,7 @@
 //! (`cargo test --workspace --all-features`) and say so when it is missing.
 
 mod pg_cluster;
+mod pg_tls;
 mod server_fixture;
 mod server_support;
 mod support;

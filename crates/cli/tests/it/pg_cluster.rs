@@ -132,6 +132,11 @@ impl Cluster {
         self.running = false;
     }
 
+    /// The port it listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// A connection string to its `postgres` database.
     pub fn conn(&self) -> String {
         format!("host=127.0.0.1 port={} user=postgres dbname=postgres connect_timeout=5", self.port)
