@@ -110,8 +110,8 @@ impl Producer {
     /// on the producer's own server.
     pub fn endpoints(&self, ctx: &Context) -> Endpoints {
         match self {
-            Producer::Sqlite(_) => OwnEndpoints::Sqlite(SqliteEndpoints::new(ctx.durability)).into(),
-            Producer::Postgres(_, pg) => OwnEndpoints::Postgres(PgEndpoints::new(&pg.conn)).into(),
+            Producer::Sqlite(_) => Endpoints::files(ctx.durability),
+            Producer::Postgres(_, pg) => Endpoints::schemas(&pg.conn),
         }
     }
 
@@ -142,8 +142,9 @@ impl Producer {
                 else {
                     return Err(wrong("a postgres:// endpoint is postgres://user@host:port/database?schema=S"));
                 };
+                let password = pgpassword();
                 let location = PostgresLocation {
-                    conn: postgres_endpoint_conn(&conn)?,
+                    conn: tidemark_store_postgres::endpoint_with_password(&conn, password.as_deref())?,
                     schema,
                     masked: tidemark_core::endpoint::mask(&endpoint),
                 };
@@ -320,70 +321,43 @@ impl tidemark_core::store::ProducerStore for Producer {
     }
 }
 
-/// The relay's endpoints: the consumer stores of the producer's backend (files, or consumer
-/// schemas named by schema on the producer's server), and `postgres://` endpoints (a consumer
-/// schema on any server, for a producer of either backend).
+/// The relay's endpoints: consumer files for a producer file, and consumer schemas (by name on
+/// a producer schema's own server, or `postgres://` endpoints on any, for either backend).
 pub struct Endpoints {
-    own: OwnEndpoints,
-    postgres: std::collections::HashMap<String, PgConsumer>,
-}
-
-/// The consumer stores a producer of each backend names by path or schema.
-pub enum OwnEndpoints {
-    /// Consumer files.
-    Sqlite(SqliteEndpoints),
-    /// Consumer schemas on the producer's server.
-    Postgres(PgEndpoints),
-}
-
-impl From<OwnEndpoints> for Endpoints {
-    fn from(own: OwnEndpoints) -> Self {
-        Endpoints { own, postgres: Default::default() }
-    }
-}
-
-/// The driver's connection string of a `postgres://` endpoint for the commands (`subscribe`'s
-/// check, `relay`), run by the operator: the environment's `PGPASSWORD` as its password when set.
-/// (`tidemark serve` connects only to the users and servers its `relay.postgres` lists.)
-pub fn postgres_endpoint_conn(conn: &str) -> Result<String> {
-    let password = std::env::var("PGPASSWORD").ok();
-    let mut url = url::Url::parse(conn).map_err(|e| Error::Invariant(format!("a parsed endpoint's URL: {e}")))?;
-    if let Some(password) = password {
-        url.set_password(Some(&password)).map_err(|()| Error::Invariant("a URL with a host".into()))?;
-    }
-    Ok(url.to_string())
+    files: Option<SqliteEndpoints>,
+    schemas: PgEndpoints,
 }
 
 impl Endpoints {
-    /// The consumer schema a `postgres://` endpoint names, opened on first use (never created)
-    /// and reopened when the server closed its connection.
-    fn postgres(&mut self, endpoint: &str, schema: &str, conn: &str) -> Result<&mut PgConsumer> {
-        if let Some(open) = self.postgres.get_mut(endpoint) {
-            open.reconnect_if_closed()?;
+    /// A producer file's: consumer files, and `postgres://` endpoints.
+    pub fn files(durability: Durability) -> Endpoints {
+        Endpoints {
+            files: Some(SqliteEndpoints::new(durability)),
+            schemas: PgEndpoints::remote().with_password(pgpassword()),
         }
-        if !self.postgres.contains_key(endpoint) {
-            let consumer = PgConsumer::open(&postgres_endpoint_conn(conn)?, schema)?;
-            self.postgres.insert(endpoint.to_string(), consumer);
-        }
-        Ok(self.postgres.get_mut(endpoint).expect("just inserted"))
     }
+
+    /// A producer schema's on the server `conn` names: its schemas, and `postgres://` endpoints.
+    pub fn schemas(conn: &str) -> Endpoints {
+        Endpoints { files: None, schemas: PgEndpoints::new(conn).with_password(pgpassword()) }
+    }
+}
+
+/// The password of `postgres://` endpoints for the commands (`subscribe`'s check, `relay`), run
+/// by the operator: the environment's `PGPASSWORD`, when set. (`tidemark serve` connects only as
+/// the users and servers its `relay.postgres` lists, with their passwords.)
+fn pgpassword() -> Option<String> {
+    std::env::var("PGPASSWORD").ok()
 }
 
 impl tidemark_core::store::Endpoints for Endpoints {
     fn deliver(&mut self, endpoint: &str, items: &[(&str, &Envelope)], now_ms: i64) -> Result<Vec<ReceiveOutcome>> {
-        if let Ok(tidemark_core::endpoint::Endpoint::Postgres { schema, conn, .. }) =
-            tidemark_core::endpoint::Endpoint::parse(endpoint)
-        {
-            let delivered = self.postgres(endpoint, &schema, &conn)?.receive_batch(items, now_ms);
-            if delivered.is_err() {
-                // A broken connection is not kept; the next attempt connects again.
-                self.postgres.remove(endpoint);
+        let kind = tidemark_core::endpoint::kind_of(endpoint);
+        match &mut self.files {
+            Some(files) if !matches!(kind, Ok(tidemark_core::endpoint::EndpointKind::Postgres)) => {
+                files.deliver(endpoint, items, now_ms)
             }
-            return delivered;
-        }
-        match &mut self.own {
-            OwnEndpoints::Sqlite(e) => e.deliver(endpoint, items, now_ms),
-            OwnEndpoints::Postgres(e) => e.deliver(endpoint, items, now_ms),
+            _ => self.schemas.deliver(endpoint, items, now_ms),
         }
     }
 }

@@ -40,7 +40,7 @@ mod workflow;
 pub use apply::{ApplyTransaction, CommitHook, COMMIT_REFUSED, PREPARED_STATEMENTS_MAX};
 pub use consumer::{register_projection_table, PgConsumer};
 pub use control::PgControl;
-pub use endpoints::PgEndpoints;
+pub use endpoints::{with_password as endpoint_with_password, PgEndpoints};
 pub use listen::{wake_channel, DueRunListener};
 pub use migrations::{apply_migrations, validate_migrations, Migration};
 pub use producer::{advance_committed_in, advance_in, committed, Committed, PgProducer, ProducerTransaction};

@@ -200,8 +200,8 @@ pub fn connect(endpoint: &str, config: &TransportConfig) -> Result<Arc<dyn Trans
         Endpoint::Nats { server, subject_prefix } => Ok(Arc::new(NatsTransport::new(&server, &subject_prefix, config))),
         Endpoint::Amqp { server, exchange } => Ok(Arc::new(AmqpTransport::new(&server, &exchange, config)?)),
         Endpoint::Kafka { bootstrap, topic } => Ok(Arc::new(KafkaTransport::new(&bootstrap, &topic, config))),
-        Endpoint::Postgres { server, user, schema, conn } => {
-            Ok(Arc::new(PostgresTransport::new(&server, &user, &schema, &conn, config)?))
+        Endpoint::Postgres { server, user, .. } => {
+            Ok(Arc::new(PostgresTransport::new(endpoint, &server, &user, config)?))
         }
         Endpoint::Pull => Err(Error::invalid(
             codes::INVALID_ENDPOINT,

@@ -23,7 +23,7 @@ use tidemark_core::{Envelope, Error, Result};
 use tidemark_engine::{relay_once, relay_until_idle, RelayOptions, RelayReport};
 use tidemark_store_sqlite::Durability;
 
-use crate::stores::{schema_url, Consumer, Endpoints, OwnEndpoints, Producer, ReservationSnapshot};
+use crate::stores::{schema_url, Consumer, Endpoints, Producer, ReservationSnapshot};
 
 /// Rows read per table when capturing a state (scenarios hold a few dozen).
 const STATE_ROWS_MAX: usize = 10_000;
@@ -243,10 +243,8 @@ impl Sc {
             labels.add_path(&canonical);
         }
         let endpoints = match &place {
-            Place::Files => OwnEndpoints::Sqlite(tidemark_store_sqlite::SqliteEndpoints::new(durability)).into(),
-            Place::Postgres { conn, .. } => {
-                OwnEndpoints::Postgres(tidemark_store_postgres::PgEndpoints::new(conn)).into()
-            }
+            Place::Files => Endpoints::files(durability),
+            Place::Postgres { conn, .. } => Endpoints::schemas(conn),
         };
         Sc {
             dir: dir.to_path_buf(),
