@@ -208,9 +208,10 @@ fn host_port(endpoint: &str, url: &url::Url, default_port: u16) -> Result<String
 
 /// The parameters a `postgres://` endpoint may carry besides `schema`: the driver's, and none of
 /// them a secret (`password` is refused like a password in the URL's authority; `sslkey` names a
-/// file of the delivering machine, never holds the key).
-const POSTGRES_PARAMETERS: [&str; 7] =
-    ["sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "application_name", "options"];
+/// file of the delivering machine, never holds the key). Not `options`: a subscriber must not set
+/// the relay's session (`-c role=...`) beyond what the configured user is.
+const POSTGRES_PARAMETERS: [&str; 6] =
+    ["sslmode", "sslrootcert", "sslcert", "sslkey", "connect_timeout", "application_name"];
 
 fn parse_url(endpoint: &str) -> Result<url::Url> {
     url::Url::parse(endpoint).map_err(|e| invalid(endpoint, format!("not a URL: {e}")))
@@ -499,6 +500,7 @@ mod tests {
             "postgres://u@h/d?schema=s#f",
             "postgres://u@/d?schema=s",
             "postgres://u@h/d/e?schema=s",
+            "postgres://u@h/d?schema=s&options=-c%20role%3Dother",
         ] {
             assert_eq!(code(bad), codes::INVALID_ENDPOINT, "{bad:?}");
         }
