@@ -14,6 +14,12 @@
 //! `completed`, one `reserve` and one `ship` effect per order and none twice, one successful
 //! charge per idempotency key in the server's payment log, stock taken == runs. The child is
 //! stopped with SIGTERM at the end (killed if it does not stop in time).
+//!
+//! With `--store postgres://...?schema=P` the served tenant lives in schemas of that server
+//! (the service's prefix `P_serve_<r>`, its control schema holding the bench's token), the
+//! watcher reads the tenant's workflow schema, the in-process run is `bench --workflows
+//! --store`'s throughput run on schemas `P_in_process_<r>`, and every schema and tenant role the
+//! bench made is dropped at the end; PostgreSQL's own CPU is reported beside the server's.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
@@ -54,6 +60,8 @@ pub struct Params {
     pub clients: usize,
     pub in_flight: usize,
     pub repeat: u64,
+    /// `--store`: the PostgreSQL server and schema prefix, or `None` for SQLite files.
+    pub store: Option<tidemark_core::location::PostgresLocation>,
 }
 
 /// How to start the server: `tidemark serve --config FILE`, or (in tests) another program that
@@ -449,28 +457,117 @@ async fn set_stock(target: &Target, quantity: u64) -> Result<()> {
     Ok(())
 }
 
-fn config_toml(data: &Path, durability: Durability, in_flight: usize) -> String {
-    // TOML basic strings: escape backslashes and quotes of the path.
-    let data = data.display().to_string().replace('\\', "\\\\").replace('"', "\\\"");
+fn config_toml(data: &Path, durability: Durability, in_flight: usize, store: Option<&str>) -> String {
+    // TOML basic strings: escape backslashes and quotes.
+    let quoted = |text: &str| format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""));
+    // On PostgreSQL the server's own durability applies (`durability` is the files').
+    let storage = match store {
+        Some(url) => format!("store = {}\n", quoted(url)),
+        None => format!("durability = \"{}\"\n", durability_word(durability)),
+    };
     format!(
-        "data_dir = \"{data}\"\nlisten = \"127.0.0.1:0\"\ndurability = \"{}\"\n\n\
+        "data_dir = {}\nlisten = \"127.0.0.1:0\"\n{storage}\n\
          [auth]\nrate_per_second = 1000000\nburst = 10000000\n\n\
          [workers]\nconcurrency = {in_flight}\n",
-        durability_word(durability)
+        quoted(&data.display().to_string())
     )
+}
+
+/// Where the served tenant's workflow database is: a file of its folder, or a schema.
+enum Served {
+    Files,
+    Postgres(tidemark_server::Postgres),
+}
+
+impl Served {
+    /// `(finished, last_finished_at_ms)` of the tenant's runs, on a reader kept between polls.
+    fn finished_runs(&self, reader: &mut Reader) -> Result<(u64, Option<i64>)> {
+        match (self, reader) {
+            (Served::Files, Reader::Sqlite(conn)) => SqliteWorkflows::finished_runs(conn),
+            (Served::Postgres(backend), Reader::Postgres(client)) => {
+                let schema = backend.schema(TENANT, tidemark_server::Database::Workflows);
+                let row = client
+                    .query_one(
+                        &format!(
+                            "SELECT count(*), max(finished_at_ms) FROM \"{schema}\".runs WHERE finished_at_ms IS NOT NULL"
+                        ),
+                        &[],
+                    )
+                    .map_err(Error::from)?;
+                Ok((row.get::<_, i64>(0) as u64, row.get(1)))
+            }
+            _ => Err(Error::Invariant("a reader of another backend".into())),
+        }
+    }
+
+    fn reader(&self, tenant_dir: &Path) -> Result<Reader> {
+        Ok(match self {
+            Served::Files => Reader::Sqlite(open_reader(&tenant_dir.join("workflows.db"))?),
+            Served::Postgres(backend) => Reader::Postgres(tidemark_store_postgres::connect(backend.conn())?),
+        })
+    }
+
+    /// Drop every schema and tenant role the service made (its prefix's).
+    fn drop_made(&self) -> Result<()> {
+        let Served::Postgres(backend) = self else { return Ok(()) };
+        let mut client = tidemark_store_postgres::connect(backend.conn())?;
+        let like = format!("{}_", backend.prefix());
+        let names = |client: &mut postgres::Client, sql: &str| -> Result<Vec<String>> {
+            let rows = client.query(sql, &[&like]).map_err(Error::from)?;
+            Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect())
+        };
+        for schema in names(&mut client, "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")? {
+            client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE")).map_err(Error::from)?;
+        }
+        for role in names(&mut client, "SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)")? {
+            client.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).map_err(Error::from)?;
+        }
+        Ok(())
+    }
+}
+
+enum Reader {
+    Sqlite(rusqlite::Connection),
+    Postgres(postgres::Client),
+}
+
+/// The tenant's workflow tables' end state: runs by status, order effects by kind, stock left,
+/// orders with an effect twice.
+type WorkflowState = (BTreeMap<String, u64>, BTreeMap<String, u64>, i64, u64);
+
+/// See [`WorkflowState`].
+fn workflow_state(served: &Served, tenant_dir: &Path) -> Result<WorkflowState> {
+    match served {
+        Served::Files => {
+            let conn = open_reader(&tenant_dir.join("workflows.db"))?;
+            Ok((
+                stats::run_counts(&conn)?,
+                order_sql::order_effect_counts(&conn)?,
+                order_sql::stock(&conn, SKU)?.unwrap_or(0),
+                order_sql::orders_with_duplicate_effects(&conn)?,
+            ))
+        }
+        Served::Postgres(backend) => {
+            use tidemark_builtins::order::postgres as order_pg;
+            let schema = backend.schema(TENANT, tidemark_server::Database::Workflows);
+            let mut client = tidemark_store_postgres::connect(backend.conn())?;
+            Ok((
+                tidemark_store_postgres::stats::run_counts(&mut client, &schema)?,
+                order_pg::order_effect_counts(&mut client, &schema)?,
+                order_pg::stock(&mut client, &schema, SKU)?.unwrap_or(0),
+                order_pg::orders_with_duplicate_effects(&mut client, &schema)?,
+            ))
+        }
+    }
 }
 
 /// The end state of the server's files after `runs` order sagas that should all have completed,
 /// the stock having been `runs` (read-only; the server has stopped).
-fn check_files(tenant_dir: &Path, runs: u64) -> Result<Value> {
-    let conn = open_reader(&tenant_dir.join("workflows.db"))?;
-    let counts = stats::run_counts(&conn)?;
-    let effects = order_sql::order_effect_counts(&conn)?;
+fn check_files(served: &Served, tenant_dir: &Path, runs: u64) -> Result<Value> {
+    let (counts, effects, stock_left, duplicates) = workflow_state(served, tenant_dir)?;
     let effects_of = |kind: &str| effects.get(kind).copied().unwrap_or(0);
     let other_effects: u64 =
         effects.iter().filter(|(kind, _)| !matches!(kind.as_str(), "reserve" | "ship")).map(|(_, n)| n).sum();
-    let stock_left = order_sql::stock(&conn, SKU)?.unwrap_or(0);
-    let duplicates = order_sql::orders_with_duplicate_effects(&conn)?;
     let payments = rusqlite::Connection::open_with_flags(
         tenant_dir.join("payments.db"),
         rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -512,21 +609,61 @@ fn check_files(tenant_dir: &Path, runs: u64) -> Result<Value> {
 }
 
 /// One run against a fresh server.
-fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
+fn serve_once(dir: &Path, name: &str, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
     let data = dir.join("data");
     std::fs::create_dir_all(&data).map_err(|e| Error::io(format!("{}: {e}", data.display())))?;
     let config = dir.join("serve.toml");
-    std::fs::write(&config, config_toml(&data, durability, p.in_flight))
+    // On PostgreSQL: the service's prefix `<P>_<name>`, fresh (its schemas dropped at the end).
+    let store = match &p.store {
+        Some(location) => {
+            let prefix = format!("{}_{}", location.schema, name);
+            let url = crate::stores::schema_url(&location.conn, &prefix);
+            let backend = tidemark_server::Postgres::from_url(&url)?;
+            let served = Served::Postgres(backend);
+            served.drop_made()?;
+            Some((url, served))
+        }
+        None => None,
+    };
+    let (store_url, served) = match store {
+        Some((url, served)) => (Some(url), served),
+        None => (None, Served::Files),
+    };
+    std::fs::write(&config, config_toml(&data, durability, p.in_flight, store_url.as_deref()))
         .map_err(|e| Error::io(format!("{}: {e}", config.display())))?;
     // A token of the bench's tenant, as `tidemark token create` makes one (the request path
     // verifies it like any other).
     let token = TokenText::from_random(rand::random(), rand::random());
     {
-        let mut control = SqliteControl::open(&data.join(tidemark_server::CONTROL_FILE), true, durability)?;
+        let mut control: Box<dyn ControlStore> = match &served {
+            Served::Files => {
+                Box::new(SqliteControl::open(&data.join(tidemark_server::CONTROL_FILE), true, durability)?)
+            }
+            Served::Postgres(backend) => {
+                Box::new(tidemark_store_postgres::PgControl::open(backend.conn(), &backend.control_schema(), true)?)
+            }
+        };
         control.create_token(&token, TENANT, Scope::Admin, "bench --serve", tidemark_engine::now_ms())?;
     }
-    let server = Server::start(command, &config, &dir.join("server.log"))?;
-    let tenant_dir = tidemark_server::tenant::dir_of(&data, TENANT);
+    let result = serve_on(dir, &data, &config, &served, &token, p, command);
+    let dropped = served.drop_made();
+    let result = result?;
+    dropped?;
+    Ok(result)
+}
+
+/// One run against the server of `config`, its tenant's stores in `served`.
+fn serve_on(
+    dir: &Path,
+    data: &Path,
+    config: &Path,
+    served: &Served,
+    token: &TokenText,
+    p: &Params,
+    command: &ServerCommand,
+) -> Result<Value> {
+    let server = Server::start(command, config, &dir.join("server.log"))?;
+    let tenant_dir = tidemark_server::tenant::dir_of(data, TENANT);
     let target = Arc::new(Target {
         addr: server.addr.clone(),
         authorization: format!("Bearer {}", token.text()),
@@ -539,9 +676,10 @@ fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCo
         .build()
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
     runtime.block_on(set_stock(&target, p.runs))?;
-    let reader = open_reader(&tenant_dir.join("workflows.db"))?;
+    let mut reader = served.reader(&tenant_dir)?;
 
     let server_cpu_start = process_threads_ns(server.pid());
+    let database_cpu_start = p.store.as_ref().and_then(|_| super::postgres::server_cpu_seconds());
     let own_cpu_start = process_cpu_seconds();
     let t0_ms = tidemark_engine::now_ms();
     let t0 = Instant::now();
@@ -559,7 +697,7 @@ fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCo
     // Every run's end, as its commit records it.
     let mut polls = 0_u64;
     let (seen_all, last_finished_ms) = loop {
-        let (finished, last) = SqliteWorkflows::finished_runs(&reader)?;
+        let (finished, last) = served.finished_runs(&mut reader)?;
         polls += 1;
         if finished >= load.started {
             break (t0.elapsed(), last);
@@ -570,10 +708,16 @@ fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCo
         std::thread::sleep(POLL);
     };
     let server_cpu_end = process_threads_ns(server.pid());
+    let database_cpu = p
+        .store
+        .as_ref()
+        .and_then(|_| super::postgres::server_cpu_seconds())
+        .zip(database_cpu_start)
+        .map(|(end, start)| end - start);
     drop(reader);
     drop(runtime);
     let stopped = server.stop()?;
-    let check = check_files(&tenant_dir, p.runs)?;
+    let check = check_files(served, &tenant_dir, p.runs)?;
 
     let end_to_end_s = last_finished_ms.map_or(seen_all.as_secs_f64(), |ms| (ms - t0_ms).max(1) as f64 / 1_000.0);
     let start_s = start_phase.as_secs_f64();
@@ -626,6 +770,12 @@ fn serve_once(dir: &Path, durability: Durability, p: &Params, command: &ServerCo
             "watcher_polls": polls,
         },
         "server_cpu": cpu_json(&server_cpu_start, &server_cpu_end, window, p.runs),
+        "postgres_cpu": database_cpu.map(|cpu| json!({
+            "seconds": round3(cpu),
+            "share_of_a_core": round3(cpu / window.max(1e-9)),
+            "ms_per_saga": round3(cpu * 1_000.0 / p.runs.max(1) as f64),
+            "what": "every PostgreSQL server process's user + system CPU over the same window (/proc)",
+        })),
         "load_generator_cpu_seconds": own_cpu_load.map(round3),
         "stop": stopped,
         "check": check,
@@ -646,25 +796,36 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
         process_sagas: 0,
         pgbench_seconds: 0,
     };
-    let place = workflows::SqlitePlace { dir: dir.to_path_buf(), durability };
+    let files = workflows::SqlitePlace { dir: dir.to_path_buf(), durability };
+    let schemas = p.store.as_ref().map(super::postgres::PgPlace::new).transpose()?;
+    // Every schema of the in-process runs is dropped when this goes, however the bench ends.
+    let _cleanup = schemas.clone().map(super::postgres::Cleanup);
+    let database = match &p.store {
+        Some(location) => Some(super::postgres::server_settings(&location.conn)?),
+        None => None,
+    };
     let mut serve_runs = Vec::new();
     let mut in_process_runs = Vec::new();
     let (mut e2e, mut starts, mut p50s, mut in_process) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut all_passed = true;
     // Interleaved, so that a slow moment of a shared machine hits both kinds.
     for r in 0..p.repeat {
-        let run = serve_once(&dir.join(format!("serve-{r}")), durability, p, command)?;
+        let run = serve_once(&dir.join(format!("serve-{r}")), &format!("serve_{r}"), durability, p, command)?;
         all_passed &= run["check"]["passed"] == json!(true);
         e2e.push(run["end_to_end"]["sagas_per_s"].as_f64().unwrap_or(0.0));
         starts.push(run["starts"]["starts_per_s"].as_f64().unwrap_or(0.0));
         p50s.push(run["starts"]["latency_ms"]["p50"].as_f64().unwrap_or(0.0));
         serve_runs.push(run);
-        let run = workflows::throughput::<tidemark_store_sqlite::SqliteWorkflows>(
-            &place,
-            &format!("in-process-{r}"),
-            &in_process_params,
-            Duration::ZERO,
-        )?;
+        let name = format!("in-process-{r}");
+        let run = match &schemas {
+            None => workflows::throughput::<SqliteWorkflows>(&files, &name, &in_process_params, Duration::ZERO)?,
+            Some(place) => workflows::throughput::<tidemark_store_postgres::PgWorkflows>(
+                place,
+                &name,
+                &in_process_params,
+                Duration::ZERO,
+            )?,
+        };
         all_passed &= run["check"]["passed"] == json!(true);
         in_process.push(run["sagas_per_s"].as_f64().unwrap_or(0.0));
         in_process_runs.push(run);
@@ -674,7 +835,8 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
     Ok(json!({
         "outcome": "bench",
         "kind": "serve",
-        "durability": durability_word(durability),
+        "durability": if p.store.is_some() { json!("the server's") } else { json!(durability_word(durability)) },
+        "store": p.store.as_ref().map(|location| json!({"url": location.masked, "server": database})),
         "params": {
             "runs": p.runs,
             "clients": p.clients,
@@ -729,4 +891,21 @@ pub fn quick(p: &mut Params) {
     p.clients = 8;
     p.in_flight = 50;
     p.repeat = 1;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_configuration_names_the_store_or_the_files_durability() {
+        let files = config_toml(Path::new("/d/a\"b"), Durability::Full, 64, None);
+        assert!(files.contains("data_dir = \"/d/a\\\"b\"") && files.contains("durability = \"full\""), "{files}");
+        let postgres = config_toml(Path::new("/d"), Durability::Full, 64, Some("postgres://u@h/db?schema=p_serve_0"));
+        assert!(
+            postgres.contains("store = \"postgres://u@h/db?schema=p_serve_0\"") && !postgres.contains("durability")
+        );
+        let parsed = tidemark_server::Config::parse_toml(&postgres).expect("a valid configuration");
+        assert_eq!(parsed.workers.concurrency, 64);
+    }
 }
