@@ -1307,7 +1307,7 @@ mod tests {
 
     #[test]
     fn the_quick_serve_bench_completes_every_run_exactly_once_and_stops_its_server() {
-        quick_serve_bench(&[]);
+        quick_serve_bench(&[]).unwrap();
     }
 
     /// The same on PostgreSQL: the served tenant and the in-process run in schemas of the test
@@ -1322,7 +1322,13 @@ mod tests {
             return;
         };
         let prefix = format!("labserve{}", std::process::id());
-        let out = quick_serve_bench(&["--store", &crate::stores::schema_url(&base, &prefix)]);
+        let store = crate::stores::schema_url(&base, &prefix);
+        // A schema under the service's prefix exists: refused, nothing served, nothing dropped.
+        client.batch_execute(&format!("CREATE SCHEMA {prefix}_serve_0_taken")).unwrap();
+        let refused = quick_serve_bench(&["--store", &store]).unwrap_err();
+        assert_eq!(refused.code(), tidemark_core::codes::ALREADY_EXISTS, "{refused}");
+        client.batch_execute(&format!("DROP SCHEMA {prefix}_serve_0_taken")).unwrap();
+        let out = quick_serve_bench(&["--store", &store]).unwrap();
         assert!(out["serve"]["runs"][0]["postgres_cpu"]["seconds"].is_number(), "{out:#}");
         let left: i64 = client
             .query_one(
@@ -1335,7 +1341,7 @@ mod tests {
         assert_eq!(left, 0, "schemas or roles left behind");
     }
 
-    fn quick_serve_bench(extra: &[&str]) -> Value {
+    fn quick_serve_bench(extra: &[&str]) -> Result<Value> {
         use clap::Parser;
         #[derive(Parser)]
         struct Command {
@@ -1355,7 +1361,7 @@ mod tests {
             config_env: Some(SERVE_CHILD_CONFIG.into()),
         };
         let ctx = Context { durability: Durability::Full, fixed_now_ms: None };
-        let out = run_serve(&ctx, &args, &server).unwrap();
+        let out = run_serve(&ctx, &args, &server)?;
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
         let served = &out["serve"]["runs"][0];
         assert_eq!(served["check"]["completed"], json!(200), "{out:#}");
@@ -1370,7 +1376,7 @@ mod tests {
             assert!(out["summary"]["ratios_to_in_process"][key].as_f64().is_some_and(|r| r > 0.0), "{key}: {out:#}");
         }
         assert!(served["starts"]["latency_ms"]["p50"].as_f64().is_some_and(|ms| ms > 0.0), "{out:#}");
-        out
+        Ok(out)
     }
 
     #[test]

@@ -507,19 +507,43 @@ impl Served {
         })
     }
 
-    /// Drop every schema and tenant role the service made (its prefix's).
-    fn drop_made(&self) -> Result<()> {
-        let Served::Postgres(backend) = self else { return Ok(()) };
-        let mut client = tidemark_store_postgres::connect(backend.conn())?;
-        let like = format!("{}_", backend.prefix());
-        let names = |client: &mut postgres::Client, sql: &str| -> Result<Vec<String>> {
+    /// The schemas and roles under the service's prefix (`(schemas, roles)`).
+    fn made(client: &mut postgres::Client, prefix: &str) -> Result<(Vec<String>, Vec<String>)> {
+        let like = format!("{prefix}_");
+        let mut names = |sql: &str| -> Result<Vec<String>> {
             let rows = client.query(sql, &[&like]).map_err(Error::from)?;
             Ok(rows.iter().map(|r| r.get::<_, String>(0)).collect())
         };
-        for schema in names(&mut client, "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")? {
+        Ok((
+            names("SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)")?,
+            names("SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)")?,
+        ))
+    }
+
+    /// `already_exists` when a schema or role under the service's prefix exists: the bench
+    /// serves from fresh ones only, and drops them at the end.
+    fn check_fresh(&self) -> Result<()> {
+        let Served::Postgres(backend) = self else { return Ok(()) };
+        let mut client = tidemark_store_postgres::connect(backend.conn())?;
+        let (schemas, roles) = Self::made(&mut client, backend.prefix())?;
+        if let Some(name) = schemas.first().or(roles.first()) {
+            return Err(Error::invalid(
+                tidemark_core::codes::ALREADY_EXISTS,
+                format!("{name} exists; the bench serves from fresh schemas (pick another ?schema= prefix)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Drop every schema and tenant role the service made (its prefix's, fresh at the start).
+    fn drop_made(&self) -> Result<()> {
+        let Served::Postgres(backend) = self else { return Ok(()) };
+        let mut client = tidemark_store_postgres::connect(backend.conn())?;
+        let (schemas, roles) = Self::made(&mut client, backend.prefix())?;
+        for schema in schemas {
             client.batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE")).map_err(Error::from)?;
         }
-        for role in names(&mut client, "SELECT rolname::text FROM pg_roles WHERE starts_with(rolname, $1)")? {
+        for role in roles {
             client.batch_execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\"")).map_err(Error::from)?;
         }
         Ok(())
@@ -620,7 +644,7 @@ fn serve_once(dir: &Path, name: &str, durability: Durability, p: &Params, comman
             let url = crate::stores::schema_url(&location.conn, &prefix);
             let backend = tidemark_server::Postgres::from_url(&url)?;
             let served = Served::Postgres(backend);
-            served.drop_made()?;
+            served.check_fresh()?;
             Some((url, served))
         }
         None => None,
