@@ -37,7 +37,7 @@ pub struct ScheduleBody {
     /// The input of every run (checked against the workflow now; at most 256 KiB of JSON).
     pub input: Value,
     /// A cron expression (5 fields, or 6 with seconds first, or `@hourly`-style aliases; at most
-    /// 200 bytes). Exactly one of `cron` and `interval_ms`.
+    /// 200 bytes; no empty list element). Exactly one of `cron` and `interval_ms`.
     #[schema(min_length = 1, max_length = 200)]
     pub cron: Option<String>,
     /// A fixed interval in ms, counted from the schedule's creation (1,000..=31,622,400,000).
