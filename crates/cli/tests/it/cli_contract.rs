@@ -796,8 +796,9 @@ fn a_closed_stdout_is_not_a_panic_and_keeps_the_exit_code() {
     assert!(db.exists(), "the command did its work");
 }
 
-/// PostgreSQL stores: the SQLite-only durability switch, a subscription across backends or to
-/// another server, and a server that does not answer are typed errors, and nothing is written
+/// PostgreSQL stores: the SQLite-only durability switch, a PostgreSQL producer's subscription of
+/// a file, a `postgres://` endpoint with a password or without a user, and a server that does not
+/// answer are typed errors, and nothing is written
 /// (neither store's snapshot changes, no schema or file appears). Skipped, saying why, without a
 /// server.
 #[test]
@@ -833,9 +834,12 @@ fn postgres_stores_refuse_what_has_no_postgres_equivalent_and_change_nothing() {
     ] {
         assert_rejected(&s, &args, "invalid_argument");
     }
-    // Subscriptions stay on the producer's backend and server.
-    let other_server = format!("{c}&application_name=elsewhere");
-    for (producer, endpoint) in [(p, side), (side, c), (p, other_server.as_str())] {
+    // A PostgreSQL producer delivers to no file; a consumer schema on another server (or any, for
+    // a producer file) is a `postgres://` endpoint (crash.rs tests them), which never carries a
+    // password and always names its user.
+    let with_password = format!("{c}&application_name=elsewhere").replacen("postgres@", "postgres:secret@", 1);
+    let without_user = format!("{c}&application_name=elsewhere").replacen("postgres@", "", 1);
+    for (producer, endpoint) in [(p, side), (side, with_password.as_str()), (p, without_user.as_str())] {
         assert_rejected(
             &s,
             &["subscribe", "--producer", producer, "--consumer-id", "moved", "--endpoint", endpoint],
