@@ -22,6 +22,9 @@ const ENV_NOT_CONFIG: &[&str] = &["clock_offset_file", "crash_at", "faultfs", "s
 /// Largest request body the server accepts at all (the configured limit is at most this).
 pub const BODY_BYTES_CEILING: usize = 4 * 1024 * 1024;
 
+/// Longest `log.level` filter.
+pub const LOG_LEVEL_BYTES_MAX: usize = 1024;
+
 /// The whole configuration of `tidemark serve`, one section per TOML table (docs/serve.md,
 /// "Configuration"). Unknown keys are refused.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -544,8 +547,7 @@ impl Config {
         if !matches!(self.log.format.as_str(), "json" | "text") {
             return Err(config_error(format!("log.format must be \"json\" or \"text\", got {:?}", self.log.format)));
         }
-        tracing_subscriber::EnvFilter::try_new(&self.log.level)
-            .map_err(|e| config_error(format!("log.level {:?}: {e}", self.log.level)))?;
+        self.log_filter()?;
         self.otlp_endpoint()?;
         for (i, source) in self.sources.iter().enumerate() {
             validate_tenant_id(&source.tenant).map_err(|e| config_error(format!("sources[{i}].tenant: {e}")))?;
@@ -554,6 +556,21 @@ impl Config {
             source.spec().map_err(|e| config_error(format!("sources[{i}]: {e}")))?;
         }
         Ok(())
+    }
+
+    /// The `log.level` filter, parsed (`invalid_config` when it is longer than
+    /// [`LOG_LEVEL_BYTES_MAX`] or not a `tracing` filter). Each comma-separated directive is
+    /// trimmed first, so `info, tidemark=debug` means what it says: `tracing-subscriber` parses
+    /// a directive with leading spaces against the untrimmed text (tokio-rs/tracing#2452), which
+    /// misreads its target (` tidemar`) or, before a character of more than one byte, panics.
+    pub fn log_filter(&self) -> Result<tracing_subscriber::EnvFilter> {
+        let level = &self.log.level;
+        if level.len() > LOG_LEVEL_BYTES_MAX {
+            return Err(config_error(format!("log.level is longer than {LOG_LEVEL_BYTES_MAX} bytes")));
+        }
+        let directives: Vec<&str> = level.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
+        tracing_subscriber::EnvFilter::try_new(directives.join(","))
+            .map_err(|e| config_error(format!("log.level {level:?}: {e}")))
     }
 
     /// The `listen` address, parsed (`invalid_config` when it is not `host:port`).
@@ -674,6 +691,24 @@ mod tests {
         assert_eq!(config.listen, "127.0.0.1:9000");
         assert_eq!(config.relay.batch, 10);
         assert_eq!(config.workers, WorkersConfig::default());
+    }
+
+    /// `log.level` directives are trimmed before `tracing-subscriber` parses them: spaces after a
+    /// comma used to misread the next directive's target, and before a character of more than one
+    /// byte panicked (found by the `config` fuzz target; its input is a corpus seed,
+    /// `fuzz/corpus/config/log-level-space-before-multibyte.toml`).
+    #[test]
+    fn log_level_directives_are_trimmed_and_bounded() {
+        let config = load_text("[log]\nlevel = \"warn, tidemark_server=debug ,\"\n").unwrap();
+        let filter = config.log_filter().unwrap().to_string();
+        assert!(filter.contains("tidemark_server=debug") && filter.contains("warn"), "{filter}");
+        assert!(!filter.contains(' '), "{filter}");
+        let fuzzed = "[log]\nlevel = \"dti, emQ.5QQ\u{ff}==A======Q\u{ff}=====2==Q\u{ff}====999999,fo\"\n";
+        let error = load_text(fuzzed).unwrap_err();
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(error.to_string().contains("log.level"), "{error}");
+        let error = load_text(&format!("[log]\nlevel = \"{}\"\n", "a,".repeat(LOG_LEVEL_BYTES_MAX))).unwrap_err();
+        assert!(error.to_string().contains("longer than"), "{error}");
     }
 
     #[test]

@@ -281,8 +281,7 @@ pub fn init_logging(config: &Config) -> Result<LogGuard> {
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::Layer;
 
-    let filter = tracing_subscriber::EnvFilter::try_new(&config.log.level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = config.log_filter().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let stderr = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     let stderr: Box<dyn Layer<tracing_subscriber::Registry> + Send + Sync> =
         if config.log.format == "json" { Box::new(stderr.json()) } else { Box::new(stderr) };
