@@ -2281,6 +2281,48 @@ fn workflow_queries_use_their_indexes() {
     assert!(due.contains("schedules_due"), "{due}");
 }
 
+/// A claim reads the journals and unconsumed events of the runs it leased with one index probe
+/// per run even where the tables grew after their statistics were taken (here: never analyzed,
+/// as in a new schema's first minute under load). `journal WHERE run_id = ANY($1)` was planned
+/// there as a sequential scan of the whole journal, every row compared with every run id.
+#[test]
+fn a_claims_reads_probe_their_indexes_on_tables_without_statistics() {
+    let d = db!("wf_explain_fresh");
+    let mut client = d.db.client();
+    let s = format!("\"{}\"", d.schema);
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, status, wake_at_ms, created_at_ms,
+                                   updated_at_ms)
+               SELECT 'r' || g, 'order_saga', 1, '{{}}', 'h', 'pending', g, g, g FROM generate_series(1, 20000) g;
+             INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, updated_at_ms)
+               SELECT 'r' || g, s, 'step', 'external', 'completed', 1, g
+               FROM generate_series(1, 20000) g, generate_series(0, 4) s;
+             INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms)
+               SELECT 'r' || g, 'e' || s, 'n', '{{}}', g FROM generate_series(1, 20000) g, generate_series(0, 1) s;"
+        ))
+        .unwrap();
+    // A claim's worth of run ids (the worker claims up to a quarter of its 1,000 slots at once).
+    let ids = (1..=250).map(|i| format!("'r{}'", i * 37)).collect::<Vec<_>>().join(", ");
+    for template in [crate::workflow::rows::JOURNALS_SQL, crate::workflow::rows::UNCONSUMED_EVENTS_SQL] {
+        let statement = crate::schema::sql(&d.schema, template);
+        let rows =
+            client.query(&format!("EXPLAIN {}", statement.replace("$1", &format!("ARRAY[{ids}]"))), &[]).unwrap();
+        let plan = rows.iter().map(|r| r.get::<_, String>(0)).collect::<Vec<_>>().join("\n");
+        println!("---- {}\n{plan}", template.lines().next().unwrap_or(""));
+        assert!(!plan.contains("Seq Scan on journal") && !plan.contains("Seq Scan on run_events"), "{plan}");
+        assert!(plan.contains("journal_pkey") || plan.contains("run_events_pkey"), "{plan}");
+    }
+    let journals = crate::workflow::rows::journals(
+        &mut client,
+        &mut crate::schema::Statements::new(&d.schema),
+        &["r37".to_string(), "r74".to_string(), "none".to_string()],
+    )
+    .unwrap();
+    assert_eq!(journals.len(), 2);
+    assert_eq!(journals["r74"].iter().map(|e| e.seq).collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+}
+
 /// A schema of the previous version (2: workflows without deadlines or `continued`) with a run in
 /// it is migrated forward on open: the run stays as it was (no deadline), and the new status and
 /// column take writes.

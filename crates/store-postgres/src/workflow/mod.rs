@@ -53,7 +53,7 @@ pub(crate) mod commit;
 mod import;
 pub(crate) mod operator;
 pub(crate) mod queues;
-mod rows;
+pub(crate) mod rows;
 pub(crate) mod schedules;
 
 use std::cell::{RefCell, RefMut};
