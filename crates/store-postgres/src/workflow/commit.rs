@@ -44,14 +44,17 @@ pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token,
  ORDER BY run_id
  FOR UPDATE";
 
-const SET_STATUS_SQL: &str = "UPDATE {s}.runs SET status = $3, waiting_for = NULL, updated_at_ms = $4
- WHERE run_id = $1 AND lease_token = $2";
 const RELEASE_SQL: &str = "UPDATE {s}.runs SET lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
      updated_at_ms = $3
  WHERE run_id = $1 AND lease_token = $2";
 /// Touch the runs the batch wrote for (a write whose token matched sets `updated_at_ms`, as
-/// SQLite's fence does), in one statement at the end.
-const TOUCH_SQL: &str = "UPDATE {s}.runs SET updated_at_ms = $2 WHERE run_id = ANY($1) AND updated_at_ms <> $2";
+/// SQLite's fence does) and write the status changes the batch made (`$3`, null for none: the
+/// status, with `waiting_for` cleared), in one statement at the end, one row each: `$1` the run
+/// ids, `$2` now.
+const TOUCH_SQL: &str = "UPDATE {s}.runs r SET updated_at_ms = $2, status = coalesce(u.status, r.status),
+     waiting_for = CASE WHEN u.status IS NULL THEN r.waiting_for END
+ FROM unnest($1::text[], $3::text[]) AS u(run_id, status)
+ WHERE r.run_id = u.run_id AND (r.updated_at_ms <> $2 OR u.status IS NOT NULL)";
 /// The entry at `$2` (if any) and the run's next free position, in one statement.
 const POSITION_SQL: &str = "SELECT j.name, j.kind, j.status, j.attempts,
         (SELECT coalesce(max(seq) + 1, 0) FROM {s}.journal WHERE run_id = $1)
@@ -201,6 +204,14 @@ struct RunState {
     stale: bool,
     /// A write with the run's token was applied: `updated_at_ms` is touched at the end.
     touched: bool,
+    /// A status change (`JournalOp::SetStatus`, a run starting to execute or to compensate) not
+    /// written yet: it goes with the touch at the end ([`TOUCH_SQL`]), one statement for the whole
+    /// batch instead of one per run, unless a later write of the run (a finish, a suspension)
+    /// writes the status itself. Until then the row shows the status the claim read (an active
+    /// one either way: what other runs' writes in the batch check of it, `status IN (active)`,
+    /// holds; a message or a child's end that finds it `waiting` moves its `wake_at_ms` to now,
+    /// which its own suspension or end later rewrites).
+    status: Option<RunStatus>,
 }
 
 pub(super) fn commit(
@@ -255,7 +266,7 @@ pub(super) fn commit(
                 let next: i32 = col(&row, 2)?;
                 let next_seq =
                     Some(u32::try_from(next).map_err(|_| Error::Invariant(format!("next position {next}")))?);
-                let state = RunState { token: col(&row, 1)?, next_seq, stale: false, touched: false };
+                let state = RunState { token: col(&row, 1)?, next_seq, stale: false, touched: false, status: None };
                 runs.insert(run_id, state);
             }
         }
@@ -266,11 +277,12 @@ pub(super) fn commit(
         results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
     pending.write(&mut apply.client_mut(), st)?;
-    let touched: Vec<&str> = runs.iter().filter(|(_, s)| s.touched).map(|(id, _)| id.as_str()).collect();
+    let (touched, statuses): (Vec<&str>, Vec<Option<&str>>) =
+        runs.iter().filter(|(_, s)| s.touched).map(|(id, s)| (id.as_str(), s.status.map(RunStatus::as_str))).unzip();
     if !touched.is_empty() {
         let mut c = apply.client_mut();
         let touch = st.get(&mut *c, TOUCH_SQL)?;
-        c.execute(&touch, &[&touched, &now_ms]).db()?;
+        c.execute(&touch, &[&touched, &now_ms, &statuses]).db()?;
     }
     crash::hit("workflow.commit.before_commit");
     open.commit()?;
@@ -317,10 +329,8 @@ fn apply_write(
     let token = lease_token.as_str();
     match op {
         JournalOp::SetStatus { status } => {
-            let mut c = apply.client_mut();
-            let statement = st.get(&mut *c, SET_STATUS_SQL)?;
-            let changed = c.execute(&statement, &[&run, &token, &status.as_str(), &now_ms]).db()?;
-            ensure_invariant!(changed == 1, "run {run}: its locked row took no status change");
+            // Written with the touch at the end (the row is locked and its token checked above).
+            state.status = Some(status);
             Ok(WriteResult::Done)
         }
         JournalOp::Finish { status, result: _, error } => {
@@ -329,6 +339,7 @@ fn apply_write(
             // The run's family learns of its end in the same statement.
             finish(&mut c, st, run, token, status.run_status(), text.as_deref(), error.as_deref(), now_ms)?;
             state.token = None;
+            state.status = None;
             Ok(WriteResult::Done)
         }
         JournalOp::ContinueAsNew { request } => {
@@ -343,6 +354,7 @@ fn apply_write(
                     let text = json_text(&result);
                     finish(&mut c, st, run, token, RunStatus::Continued, Some(&text), None, now_ms)?;
                     state.token = None;
+                    state.status = None;
                     Ok(WriteResult::TxResult(Ok(result)))
                 }
                 Some(StartOutcome::Existing { .. } | StartOutcome::Conflict { .. }) => Ok(WriteResult::TxResult(Err(
@@ -586,6 +598,7 @@ fn apply_write(
                 c.execute(&suspend, &[&run, &status.run_status().as_str(), &wake_at_ms, &waiting_for, &now_ms]).db()?;
             ensure_invariant!(changed == 1, "run {run}: its locked row did not suspend");
             state.token = None;
+            state.status = None;
             Ok(WriteResult::Done)
         }
     }
