@@ -35,7 +35,7 @@ type Write = JournalWrite<ApplyTransaction>;
 /// position (one backward probe of the journal's primary key), so that a write at a new
 /// position needs no read of its own.
 pub(crate) const LOCK_BATCH_SQL: &str = "SELECT run_id, lease_token,
-        (SELECT coalesce(max(j.seq) + 1, 0) FROM {s}.journal j WHERE j.run_id = r.run_id)
+        (SELECT coalesce(max(j.seq) + 1, 0) FROM {s}.journal j WHERE j.run_id = r.run_id), parent_run_id
  FROM {s}.runs r
  WHERE run_id = ANY($1::text[]
      || ARRAY(SELECT parent_run_id FROM {s}.runs WHERE run_id = ANY($2) AND parent_run_id IS NOT NULL)
@@ -157,6 +157,16 @@ macro_rules! family_told {
     };
 }
 
+/// Finish many runs that have no family (no parent, no active child: nobody to tell) under their
+/// lease tokens, releasing their leases, in one statement: `$1` run ids, `$3` their tokens, `$4`
+/// statuses, `$5` results, `$6` errors, `$2` now. A run with family finishes with
+/// [`FINISH_SQL`].
+const FINISH_ALONE_SQL: &str = "UPDATE {s}.runs r SET status = u.status, result = u.result, error = u.error,
+     finished_at_ms = $2, updated_at_ms = $2, waiting_for = NULL, lease_owner = NULL, lease_token = NULL,
+     lease_expires_at_ms = NULL
+ FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::text[]) AS u(run_id, token, status, result, error)
+ WHERE r.run_id = u.run_id AND r.lease_token = u.token";
+
 /// A run that has ended (`$1`, by an operator) tells its family ([`family_told!`]).
 pub(crate) const RUN_ENDED_SQL: &str = concat!(
     "WITH ended AS (
@@ -212,6 +222,50 @@ struct RunState {
     /// holds; a message or a child's end that finds it `waiting` moves its `wake_at_ms` to now,
     /// which its own suspension or end later rewrites).
     status: Option<RunStatus>,
+    /// The run has a parent or a child (locked with the batch, or started by it): its end tells
+    /// them ([`FINISH_SQL`]).
+    family: bool,
+    /// The run's finish, when it has no family: written with the batch's other such finishes in
+    /// one statement ([`FINISH_ALONE_SQL`]) at the end, or before a write that reads other runs'
+    /// rows (a message, a child's start or end, a continuation, a finish with family), so that
+    /// every write sees the ended runs ended.
+    finish: Option<LoneFinish>,
+}
+
+/// A run's finish not written yet ([`RunState::finish`]).
+struct LoneFinish {
+    token: String,
+    status: RunStatus,
+    result: Option<String>,
+    error: Option<String>,
+}
+
+/// Write the batch's pending finishes of runs without family ([`FINISH_ALONE_SQL`]).
+fn write_lone_finishes(
+    apply: &ApplyTransaction,
+    st: &mut Statements,
+    runs: &mut HashMap<String, RunState>,
+    now_ms: i64,
+) -> Result<()> {
+    let (mut ids, mut tokens, mut statuses, mut results, mut errors) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (run_id, state) in runs.iter_mut() {
+        if let Some(LoneFinish { token, status, result, error }) = state.finish.take() {
+            ids.push(run_id.as_str());
+            tokens.push(token);
+            statuses.push(status.as_str());
+            results.push(result);
+            errors.push(error);
+        }
+    }
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let mut c = apply.client_mut();
+    let statement = st.get(&mut *c, FINISH_ALONE_SQL)?;
+    let finished = c.execute(&statement, &[&ids, &now_ms, &tokens, &statuses, &results, &errors]).db()?;
+    ensure_invariant!(finished as usize == ids.len(), "{} locked runs finished {finished} rows", ids.len());
+    Ok(())
 }
 
 pub(super) fn commit(
@@ -260,14 +314,32 @@ pub(super) fn commit(
     {
         let mut c = apply.client_mut();
         let lock = st.get(&mut *c, LOCK_BATCH_SQL)?;
+        // Runs named as the parent of a locked run (a run with an active child is in the lock
+        // set only if that child is locked with it).
+        let mut parents: BTreeSet<String> = BTreeSet::new();
         for row in c.query(&lock, &[&locked, &finishing]).db()? {
             let run_id: String = col(&row, 0)?;
+            let parent: Option<String> = col(&row, 3)?;
             if run_ids.binary_search(&run_id.as_str()).is_ok() {
                 let next: i32 = col(&row, 2)?;
                 let next_seq =
                     Some(u32::try_from(next).map_err(|_| Error::Invariant(format!("next position {next}")))?);
-                let state = RunState { token: col(&row, 1)?, next_seq, stale: false, touched: false, status: None };
+                let state = RunState {
+                    token: col(&row, 1)?,
+                    next_seq,
+                    stale: false,
+                    touched: false,
+                    status: None,
+                    family: parent.is_some(),
+                    finish: None,
+                };
                 runs.insert(run_id, state);
+            }
+            parents.extend(parent);
+        }
+        for parent in &parents {
+            if let Some(state) = runs.get_mut(parent) {
+                state.family = true;
             }
         }
     }
@@ -277,6 +349,7 @@ pub(super) fn commit(
         results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
     pending.write(&mut apply.client_mut(), st)?;
+    write_lone_finishes(apply, st, &mut runs, now_ms)?;
     let (touched, statuses): (Vec<&str>, Vec<Option<&str>>) =
         runs.iter().filter(|(_, s)| s.touched).map(|(id, s)| (id.as_str(), s.status.map(RunStatus::as_str))).unzip();
     if !touched.is_empty() {
@@ -302,6 +375,17 @@ fn apply_write(
     now_ms: i64,
 ) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
+    let reads_other_runs = match &op {
+        JournalOp::Finish { .. } => runs.get(&run_id).is_some_and(|state| state.family),
+        JournalOp::ContinueAsNew { .. }
+        | JournalOp::StartChild { .. }
+        | JournalOp::ChildEnded { .. }
+        | JournalOp::Send { .. } => true,
+        _ => false,
+    };
+    if reads_other_runs {
+        write_lone_finishes(apply, st, runs, now_ms)?;
+    }
     let Some(state) = runs.get_mut(&run_id) else {
         // No such run (or purged): nobody holds it.
         return Ok(WriteResult::Fenced);
@@ -334,10 +418,16 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::Finish { status, result: _, error } => {
-            let mut c = apply.client_mut();
             let error = error.as_deref().map(clip_error);
-            // The run's family learns of its end in the same statement.
-            finish(&mut c, st, run, token, status.run_status(), text.as_deref(), error.as_deref(), now_ms)?;
+            if state.family {
+                // The run's family learns of its end in the same statement.
+                let mut c = apply.client_mut();
+                finish(&mut c, st, run, token, status.run_status(), text.as_deref(), error.as_deref(), now_ms)?;
+            } else {
+                let finish =
+                    LoneFinish { token: lease_token.clone(), status: status.run_status(), result: text, error };
+                state.finish = Some(finish);
+            }
             state.token = None;
             state.status = None;
             Ok(WriteResult::Done)
@@ -423,6 +513,8 @@ fn apply_write(
                 .zip(lease_token.as_deref())
                 .map(|(claim, token)| (claim.worker_id.as_str(), token, now_ms + claim.lease_ms));
             let row = super::ChildRow { parent_run_id: run, parent_seq: seq, lease };
+            // Its end now tells this child ([`FINISH_SQL`]).
+            state.family = true;
             let outcome = super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?;
             let mut created = false;
             let conflict = match outcome.into_iter().next() {
