@@ -562,14 +562,19 @@ impl Config {
     /// [`LOG_LEVEL_BYTES_MAX`] or not a `tracing` filter). Each comma-separated directive is
     /// trimmed first, so `info, tidemark=debug` means what it says: `tracing-subscriber` parses
     /// a directive with leading spaces against the untrimmed text (tokio-rs/tracing#2452), which
-    /// misreads its target (` tidemar`) or, before a character of more than one byte, panics.
+    /// misreads its target (` tidemar`) or, before a character of more than one byte, panics. A
+    /// span field's value in a directive (`[request{route=/v1/runs}]=debug`) matches literally,
+    /// not as a regular expression: a value compiled as one could take gigabytes (`(=pppppp....`
+    /// took more than 2 GiB in the `config` fuzz target).
     pub fn log_filter(&self) -> Result<tracing_subscriber::EnvFilter> {
         let level = &self.log.level;
         if level.len() > LOG_LEVEL_BYTES_MAX {
             return Err(config_error(format!("log.level is longer than {LOG_LEVEL_BYTES_MAX} bytes")));
         }
         let directives: Vec<&str> = level.split(',').map(str::trim).filter(|d| !d.is_empty()).collect();
-        tracing_subscriber::EnvFilter::try_new(directives.join(","))
+        tracing_subscriber::EnvFilter::builder()
+            .with_regex(false)
+            .parse(directives.join(","))
             .map_err(|e| config_error(format!("log.level {level:?}: {e}")))
     }
 
@@ -709,6 +714,11 @@ mod tests {
         assert!(error.to_string().contains("log.level"), "{error}");
         let error = load_text(&format!("[log]\nlevel = \"{}\"\n", "a,".repeat(LOG_LEVEL_BYTES_MAX))).unwrap_err();
         assert!(error.to_string().contains("longer than"), "{error}");
+        // A field value is a literal, not a regular expression (compiled, this one took more than
+        // 2 GiB: `fuzz/corpus/config/log-level-field-regex.toml`).
+        let field = format!("[request{{route={}}}]=debug", "(p".repeat(200));
+        let filter = load_text(&format!("[log]\nlevel = \"{field}\"\n")).unwrap().log_filter().unwrap();
+        assert!(filter.to_string().contains("route"), "{filter}");
     }
 
     #[test]
