@@ -128,6 +128,11 @@ pub struct BenchArgs {
     /// (0 skips them).
     #[arg(long, default_value_t = 20_000)]
     process_sagas: u64,
+    /// --workflows: SKUs the orders are spread over (order i reserves `widget-<i mod N>`); 1,
+    /// the default, is the one SKU `widget`, whose stock row every reservation locks until its
+    /// transaction commits (on PostgreSQL, two workers' group commits take turns on it).
+    #[arg(long, default_value_t = 1)]
+    skus: u64,
     /// Measure the order saga over HTTP: a `tidemark serve` child process loaded by --clients
     /// clients of this process, then the same saga in process (the --workflows throughput run),
     /// with the ratios of the two. Uses --runs, --clients, --in-flight, --repeat, --dir, --quick
@@ -737,6 +742,7 @@ fn run_workflows(ctx: &Context, args: &BenchArgs, dir: &Path) -> Result<Value> {
         probe_commits: args.probe_commits,
         process_sagas: args.process_sagas,
         pgbench_seconds: args.pgbench_seconds,
+        skus: args.skus,
     };
     if args.quick {
         workflows::quick(&mut params);
@@ -757,6 +763,7 @@ fn run_workflows(ctx: &Context, args: &BenchArgs, dir: &Path) -> Result<Value> {
     check_range("--probe-commits", params.probe_commits, 1, 1_000_000)?;
     check_range("--process-sagas", params.process_sagas, 0, 10_000_000)?;
     check_range("--pgbench-seconds", params.pgbench_seconds, 0, 600)?;
+    check_range("--skus", params.skus, 1, 1_000_000)?;
     match store_location(args)? {
         Some(location) => postgres::run_workflows(&location, dir, &params),
         None => workflows::run(dir, ctx.durability, &params),
@@ -1175,6 +1182,7 @@ mod tests {
             hold_transaction: false,
             pgbench_seconds: 0,
             process_sagas: 0,
+            skus: 1,
         };
         let out = run(&ctx, args).unwrap();
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
@@ -1250,6 +1258,7 @@ mod tests {
             hold_transaction: false,
             pgbench_seconds: 0,
             process_sagas: 0,
+            skus: 1,
         };
         assert!(run(&ctx, args(4)).unwrap_err().is_invalid_input());
         assert!(run(&ctx, args(0)).unwrap_err().is_invalid_input());

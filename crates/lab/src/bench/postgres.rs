@@ -266,7 +266,7 @@ fn worker_processes(place: &PgPlace, dir: &Path, p: &Params, processes: usize) -
     let name = format!("processes-{processes}");
     let payments_db = dir.join(format!("payments-{processes}.db"));
     let payments = Arc::new(FakePayments::open(&payments_db)?);
-    let world = World::<PgWorkflows>::with_payments(place, &name, p.process_sagas as i64, payments)?;
+    let world = World::<PgWorkflows>::with_payments(place, &name, p.process_sagas as i64, p.skus, payments)?;
     let ids: Vec<String> = (0..p.process_sagas).map(|i| format!("order-{i:08}")).collect();
     world.start_all(&ids)?;
     let program = std::env::current_exe().map_err(|e| Error::io(format!("cannot find this program's path: {e}")))?;

@@ -818,6 +818,7 @@ pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerComma
         repeat: 1,
         probe_commits: 1,
         process_sagas: 0,
+        skus: 1,
         pgbench_seconds: 0,
     };
     let files = workflows::SqlitePlace { dir: dir.to_path_buf(), durability };

@@ -48,6 +48,16 @@ use super::postgres::PgPlace;
 use super::{durability_word, failed, median, round1, round3, PROBE_TIME_MAX};
 
 pub(super) const SKU: &str = "widget";
+
+/// The SKU order `i` of a run reserves when the orders are spread over `skus` SKUs: [`SKU`]
+/// when there is one, else `widget-<i mod skus>`.
+fn sku_of(i: u64, skus: u64) -> String {
+    if skus <= 1 {
+        SKU.to_string()
+    } else {
+        format!("{SKU}-{}", i % skus)
+    }
+}
 /// Uncounted sagas before the latency samples (page cache, statement cache, WAL).
 const LATENCY_WARMUP: u64 = 10;
 /// Bound of every wait of the bench.
@@ -68,6 +78,9 @@ pub struct Params {
     pub process_sagas: u64,
     /// PostgreSQL only: seconds of each pgbench ceiling run (0 skips them).
     pub pgbench_seconds: u64,
+    /// SKUs the orders are spread over (1: every order reserves [`SKU`], one row every
+    /// reservation locks until its commit).
+    pub skus: u64,
 }
 
 /// A workflow store the bench measures: how a fresh one is made at a place, the order tables
@@ -83,12 +96,12 @@ pub(super) trait BenchStore: WorkflowStore<Target = Self::Tx> + QueueStore + Sen
     fn create(place: &Self::Place, name: &str) -> Result<Self>;
     /// Another connection to the store `name` at `place`.
     fn reopen(place: &Self::Place, name: &str) -> Result<Self>;
-    /// Install the order tables with `stock` units of [`SKU`].
-    fn install_orders(&mut self, stock: i64) -> Result<()>;
+    /// Install the order tables with `stock` units of each of `skus`.
+    fn install_orders(&mut self, skus: &[String], stock: i64) -> Result<()>;
     fn run_counts(&mut self) -> Result<BTreeMap<String, u64>>;
     fn order_effect_counts(&mut self) -> Result<BTreeMap<String, u64>>;
     fn orders_with_duplicate_effects(&mut self) -> Result<u64>;
-    fn stock(&mut self) -> Result<Option<i64>>;
+    fn stock(&mut self, sku: &str) -> Result<Option<i64>>;
     fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)>;
     fn recovered_and_completed_runs(&mut self) -> Result<(u64, u64)>;
     /// CPU seconds of the database server's processes so far, when they can be read (`None`
@@ -117,10 +130,13 @@ impl BenchStore for SqliteWorkflows {
         SqliteWorkflows::init_with(&place.dir.join(name).join("wf.db"), place.durability)
     }
 
-    fn install_orders(&mut self, stock: i64) -> Result<()> {
+    fn install_orders(&mut self, skus: &[String], stock: i64) -> Result<()> {
         let conn = self.connection();
         order_sql::install(conn)?;
-        order_sql::set_stock(conn, SKU, stock)
+        // One transaction for every SKU's stock (one commit, not one per SKU).
+        let tx = conn.unchecked_transaction()?;
+        skus.iter().try_for_each(|sku| order_sql::set_stock(&tx, sku, stock))?;
+        Ok(tx.commit()?)
     }
 
     fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
@@ -135,8 +151,8 @@ impl BenchStore for SqliteWorkflows {
         order_sql::orders_with_duplicate_effects(self.connection())
     }
 
-    fn stock(&mut self) -> Result<Option<i64>> {
-        order_sql::stock(self.connection(), SKU)
+    fn stock(&mut self, sku: &str) -> Result<Option<i64>> {
+        order_sql::stock(self.connection(), sku)
     }
 
     fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)> {
@@ -165,10 +181,13 @@ impl BenchStore for PgWorkflows {
         PgWorkflows::open(&place.conn, &place.schema_of(name))
     }
 
-    fn install_orders(&mut self, stock: i64) -> Result<()> {
+    fn install_orders(&mut self, skus: &[String], stock: i64) -> Result<()> {
         let schema = self.schema().to_string();
         order_pg::install(self.client(), &schema)?;
-        order_pg::set_stock(self.client(), &schema, SKU, stock)
+        // One transaction for every SKU's stock (one commit, not one per SKU).
+        let mut tx = self.client().transaction().map_err(Error::from)?;
+        skus.iter().try_for_each(|sku| order_pg::set_stock(&mut tx, &schema, sku, stock))?;
+        tx.commit().map_err(Error::from)
     }
 
     fn run_counts(&mut self) -> Result<BTreeMap<String, u64>> {
@@ -185,9 +204,9 @@ impl BenchStore for PgWorkflows {
         order_pg::orders_with_duplicate_effects(self.client(), &schema)
     }
 
-    fn stock(&mut self) -> Result<Option<i64>> {
+    fn stock(&mut self, sku: &str) -> Result<Option<i64>> {
         let schema = self.schema().to_string();
-        order_pg::stock(self.client(), &schema, SKU)
+        order_pg::stock(self.client(), &schema, sku)
     }
 
     fn leases_held_by(&mut self, owner: &str) -> Result<(u64, Option<i64>, Option<i64>)> {
@@ -211,12 +230,8 @@ fn runtime() -> Result<Runtime> {
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))
 }
 
-fn input(order_id: &str) -> Value {
-    json!({"order_id": order_id, "sku": SKU, "quantity": 1, "amount": 100})
-}
-
-fn request(run_id: &str) -> StartRequest {
-    StartRequest::new(run_id, ORDER_SAGA, ORDER_SAGA_VERSION, input(run_id))
+fn input(order_id: &str, sku: &str) -> Value {
+    json!({"order_id": order_id, "sku": sku, "quantity": 1, "amount": 100})
 }
 
 /// A fresh workflow store with the order tables and `stock` units of the SKU, behind a writer,
@@ -228,11 +243,13 @@ pub(super) struct World<S: BenchStore> {
     pub(super) writer: Writer<S>,
     payments: Arc<FakePayments>,
     stock: i64,
+    /// How many SKUs the orders are spread over ([`sku_of`]).
+    skus: u64,
 }
 
 impl<S: BenchStore> World<S> {
-    pub(super) fn new(place: &S::Place, name: &str, stock: i64) -> Result<World<S>> {
-        Self::with_payments(place, name, stock, Arc::new(FakePayments::in_memory()?))
+    pub(super) fn new(place: &S::Place, name: &str, stock: i64, skus: u64) -> Result<World<S>> {
+        Self::with_payments(place, name, stock, skus, Arc::new(FakePayments::in_memory()?))
     }
 
     /// A world whose payment service is `payments` (a call log in a file that worker processes
@@ -241,12 +258,24 @@ impl<S: BenchStore> World<S> {
         place: &S::Place,
         name: &str,
         stock: i64,
+        skus: u64,
         payments: Arc<FakePayments>,
     ) -> Result<World<S>> {
         let (at, named) = (place.clone(), name.to_string());
         let writer = Writer::spawn(move || S::create(&at, &named))?;
-        writer.call_blocking(move |store, _| store.install_orders(stock))?;
-        Ok(World { place: place.clone(), name: name.to_string(), writer, payments, stock })
+        let all: Vec<String> = (0..skus.max(1)).map(|i| sku_of(i, skus)).collect();
+        writer.call_blocking(move |store, _| store.install_orders(&all, stock))?;
+        Ok(World { place: place.clone(), name: name.to_string(), writer, payments, stock, skus })
+    }
+
+    /// The input of the `i`-th order of a run, `order_id`.
+    fn input(&self, i: u64, order_id: &str) -> Value {
+        input(order_id, &sku_of(i, self.skus))
+    }
+
+    /// The start of the `i`-th order saga of a run, `run_id` (its order id too).
+    fn request(&self, i: u64, run_id: &str) -> StartRequest {
+        StartRequest::new(run_id, ORDER_SAGA, ORDER_SAGA_VERSION, self.input(i, run_id))
     }
 
     /// Another writer (its own connection) on the same store.
@@ -258,8 +287,10 @@ impl<S: BenchStore> World<S> {
     /// Start `ids` (one transaction per `START_BATCH_MAX`); every one must be new.
     pub(super) fn start_all(&self, ids: &[String]) -> Result<u64> {
         let mut transactions = 0;
-        for chunk in ids.chunks(START_BATCH_MAX) {
-            let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id)).collect();
+        for (c, chunk) in ids.chunks(START_BATCH_MAX).enumerate() {
+            let first = (c * START_BATCH_MAX) as u64;
+            let requests: Vec<StartRequest> =
+                chunk.iter().enumerate().map(|(k, id)| self.request(first + k as u64, id)).collect();
             let outcomes = self.writer.call_blocking(move |store, now| store.start_runs(&requests, now))?;
             transactions += 1;
             if let Some(other) = outcomes.iter().find(|o| !matches!(o, StartOutcome::Started { .. })) {
@@ -278,7 +309,12 @@ impl<S: BenchStore> World<S> {
     /// children) should have completed too.
     fn check_with_parents(&self, sagas: u64, parents: u64) -> Result<Value> {
         let stock = self.stock;
+        let skus: Vec<String> = (0..self.skus.max(1)).map(|i| sku_of(i, self.skus)).collect();
         let db = self.writer.call_blocking(move |store, _| {
+            let mut left = 0;
+            for sku in &skus {
+                left += store.stock(sku)?.unwrap_or(0);
+            }
             let runs = store.run_counts()?;
             let effects = store.order_effect_counts()?;
             let effects_of = |kind: &str| effects.get(kind).copied().unwrap_or(0);
@@ -291,7 +327,7 @@ impl<S: BenchStore> World<S> {
                 "ship_effects": effects_of("ship"),
                 "other_effects": other_effects,
                 "orders_with_duplicate_effects": store.orders_with_duplicate_effects()?,
-                "stock_taken": stock - store.stock()?.unwrap_or(0),
+                "stock_taken": stock * skus.len() as i64 - left,
             }))
         })?;
         let calls = self.payments.calls()?;
@@ -490,7 +526,7 @@ pub(super) fn throughput<S: BenchStore>(
     p: &Params,
     charge_latency: Duration,
 ) -> Result<Value> {
-    let world = World::<S>::new(place, name, p.sagas as i64)?;
+    let world = World::<S>::new(place, name, p.sagas as i64, p.skus)?;
     let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
     let t = Instant::now();
     let start_transactions = world.start_all(&ids)?;
@@ -572,10 +608,12 @@ async fn fan_out<S: BenchStore>(
 pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let parents = (p.sagas / CHILDREN_PER_PARENT).max(1);
     let sagas = parents * CHILDREN_PER_PARENT;
-    let world = World::<S>::new(place, "children", sagas as i64)?;
+    let world = World::<S>::new(place, "children", sagas as i64, p.skus)?;
     let requests: Vec<StartRequest> = (0..parents)
         .map(|i| {
-            let orders: Vec<Value> = (0..CHILDREN_PER_PARENT).map(|j| input(&format!("order-{i:06}-{j:02}"))).collect();
+            let orders: Vec<Value> = (0..CHILDREN_PER_PARENT)
+                .map(|j| world.input(i * CHILDREN_PER_PARENT + j, &format!("order-{i:06}-{j:02}")))
+                .collect();
             StartRequest::new(&format!("parent-{i:06}"), "fan_out", 1, json!(orders))
         })
         .collect();
@@ -625,13 +663,18 @@ pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Va
 /// The same order sagas as [`throughput`], each started through a queue whose concurrency limit
 /// is the worker's (so the limit never binds): what admission costs.
 pub(super) fn queued<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
-    let world = World::<S>::new(place, "queued", p.sagas as i64)?;
+    let world = World::<S>::new(place, "queued", p.sagas as i64, p.skus)?;
     let limit = u32::try_from(p.in_flight).unwrap_or(u32::MAX);
     let spec = tidemark_core::queue::QueueSpec::new("bench").concurrency(limit);
     world.writer.call_blocking(move |store, now| store.put_queue(&spec, now))?;
     let ids: Vec<String> = (0..p.sagas).map(|i| format!("order-{i:08}")).collect();
-    for chunk in ids.chunks(START_BATCH_MAX) {
-        let requests: Vec<StartRequest> = chunk.iter().map(|id| request(id).in_queue("bench", 0, None)).collect();
+    for (c, chunk) in ids.chunks(START_BATCH_MAX).enumerate() {
+        let first = (c * START_BATCH_MAX) as u64;
+        let requests: Vec<StartRequest> = chunk
+            .iter()
+            .enumerate()
+            .map(|(k, id)| world.request(first + k as u64, id).in_queue("bench", 0, None))
+            .collect();
         world.writer.call_blocking(move |store, now| store.start_runs(&requests, now))?;
     }
     let options = WorkerOptions { concurrency: p.in_flight, poll_interval_ms: 10, ..WorkerOptions::new("bench") };
@@ -681,7 +724,7 @@ async fn finished_run(finished: &mut mpsc::UnboundedReceiver<FinishedRun>, run_i
 /// One saga at a time: `Worker::start` to the worker's report that the run finished.
 fn latency<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let total = LATENCY_WARMUP + p.latency_sagas;
-    let world = World::<S>::new(place, "latency", total as i64)?;
+    let world = World::<S>::new(place, "latency", total as i64, p.skus)?;
     // A long poll interval: the saga must not depend on polling to start.
     let options = WorkerOptions { poll_interval_ms: 1_000, ..WorkerOptions::new("bench-latency") };
     let worker = Arc::new(Worker::new(world.writer.clone(), workflows(real_saga(&world.payments))?, options)?);
@@ -705,7 +748,7 @@ fn latency<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
             }
             let run_id = format!("order-{i:08}");
             let t = Instant::now();
-            let outcome = worker.start(vec![request(&run_id)]).await?;
+            let outcome = worker.start(vec![world.request(i, &run_id)]).await?;
             if outcome != [StartOutcome::Started { run_id: run_id.clone() }] {
                 return Err(failed(format!("start of {run_id}: {outcome:?}")));
             }
@@ -753,7 +796,7 @@ fn latency<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
 /// takes them over once the leases expire.
 fn resumption<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Value> {
     let n = p.resume_sagas;
-    let world = World::<S>::new(place, "resumption", n as i64)?;
+    let world = World::<S>::new(place, "resumption", n as i64, p.skus)?;
     let ids: Vec<String> = (0..n).map(|i| format!("order-{i:08}")).collect();
     world.start_all(&ids)?;
     let poll_ms = 10;
@@ -915,6 +958,7 @@ pub(super) fn run_on<S: BenchStore>(place: &S::Place, p: &Params) -> Result<(Val
             "resume_sagas": p.resume_sagas,
             "lease_ms": p.lease_ms,
             "repeat": p.repeat,
+            "skus": p.skus,
             "available_parallelism": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             "load_average_at_start": load_average(),
         },
@@ -983,4 +1027,5 @@ pub fn quick(p: &mut Params) {
     p.probe_commits = 20;
     p.process_sagas = 200;
     p.pgbench_seconds = 1;
+    p.skus = 1;
 }
