@@ -1457,6 +1457,7 @@ mod tests {
         assert_eq!(out["check"]["passed"], json!(true), "{out:#}");
         let black_hole = &out["black_hole"];
         assert_eq!(black_hole["healthy_beside_the_black_hole"]["applied_seqs"], json!(400), "{out:#}");
+        assert_eq!(black_hole["healthy_alone_again"]["applied_seqs"], json!(400), "{out:#}");
         assert!(black_hole["black_hole"]["connections_accepted"].as_u64().is_some_and(|n| n >= 1), "{out:#}");
         let lane = &black_hole["black_hole"]["subscription"]["lane"];
         assert_eq!(lane["delivered"], json!(0), "nothing is ever delivered to a black hole: {out:#}");
