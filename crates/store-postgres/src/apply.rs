@@ -2,7 +2,7 @@
 //! and a transactional workflow step's body during a journal commit, both get an
 //! [`ApplyTransaction`] (the store's own connection, inside the transaction the store opened).
 
-use std::cell::{RefCell, RefMut};
+use std::cell::{Cell, RefCell, RefMut};
 use std::collections::HashMap;
 
 use postgres::types::ToSql;
@@ -34,6 +34,13 @@ pub struct ApplyTransaction {
     prepared: RefCell<HashMap<String, Statement>>,
     /// Asked before each of the store's write transactions commits (see [`CommitHook`]).
     commit_hook: RefCell<Option<CommitHook>>,
+    /// A statement of the user's code failed since [`ApplyTransaction::begin_user_code`] (the
+    /// transaction may be aborted, whatever the code returned).
+    user_statement_failed: Cell<bool>,
+    /// A savepoint whose release the store has not sent yet ([`ApplyTransaction::defer_release`]):
+    /// sent before the store's next statement ([`ApplyTransaction::client`]), or with the next
+    /// savepoint's start in one round trip.
+    release_pending: Cell<Option<&'static str>>,
 }
 
 /// Asked just before each write transaction of a store commits, as SQLite's commit hook is:
@@ -56,7 +63,48 @@ impl ApplyTransaction {
             schema: schema.to_string(),
             prepared: Default::default(),
             commit_hook: RefCell::new(None),
+            user_statement_failed: Cell::new(false),
+            release_pending: Cell::new(None),
         }
+    }
+
+    /// The user's code is about to run: forget earlier statement failures.
+    pub(crate) fn begin_user_code(&self) {
+        self.user_statement_failed.set(false);
+    }
+
+    /// Whether a statement the user's code ran since [`ApplyTransaction::begin_user_code`] failed.
+    pub(crate) fn user_statement_failed(&self) -> bool {
+        self.user_statement_failed.get()
+    }
+
+    /// Release savepoint `name` later: before the store's next statement, or together with the
+    /// next savepoint's start ([`ApplyTransaction::take_release`]). Only for a savepoint whose
+    /// user code ran no failing statement: what the release would check then is that the code
+    /// did not end the transaction, and nothing of the store runs before that check.
+    pub(crate) fn defer_release(&self, name: &'static str) {
+        self.release_pending.set(Some(name));
+    }
+
+    /// The savepoint whose release is pending, taken: the caller sends the release itself.
+    pub(crate) fn take_release(&self) -> Option<&'static str> {
+        self.release_pending.take()
+    }
+
+    /// The connection for the store's next statements, after the pending release (if any) was
+    /// sent: a release that fails means the user's code ended the transaction, and the store's
+    /// call fails before anything else of it runs.
+    pub(crate) fn client(&self) -> Result<RefMut<'_, Client>> {
+        let mut client = self.client.borrow_mut();
+        if let Some(name) = self.release_pending.take() {
+            client.batch_execute(&format!("RELEASE SAVEPOINT {name}")).map_err(|error| {
+                Error::store(format!(
+                    "the transaction ended inside the body of the user's code that ran in savepoint {name}: {}",
+                    Error::from(error)
+                ))
+            })?;
+        }
+        Ok(client)
     }
 
     pub(crate) fn set_commit_hook(&mut self, hook: Option<CommitHook>) {
@@ -119,7 +167,11 @@ impl ApplyTransaction {
         &self,
         f: impl FnOnce(&mut Client) -> Result<R, postgres::Error>,
     ) -> Result<R, postgres::Error> {
-        f(&mut self.client.borrow_mut())
+        let result = f(&mut self.client.borrow_mut());
+        if result.is_err() {
+            self.user_statement_failed.set(true);
+        }
+        result
     }
 
     /// Run one statement and return the number of rows it changed.
@@ -184,6 +236,7 @@ pub(crate) struct OpenTransaction<'a> {
 
 impl<'a> OpenTransaction<'a> {
     pub(crate) fn begin(apply: &'a ApplyTransaction) -> Result<Self> {
+        apply.release_pending.set(None);
         apply.batch_execute("BEGIN").db()?;
         Ok(OpenTransaction { apply, open: true })
     }
@@ -193,8 +246,15 @@ impl<'a> OpenTransaction<'a> {
         if ApplyTransaction::commit_refused(&self.apply.commit_hook) {
             return Err(Error::store(COMMIT_REFUSED));
         }
+        // A savepoint still to release goes with the commit, in the same round trip: if the
+        // user's code ended the transaction, the release fails and the commit is not sent.
+        let statements = match self.apply.release_pending.take() {
+            Some(name) => format!("RELEASE SAVEPOINT {name}; COMMIT"),
+            None => "COMMIT".to_string(),
+        };
+        self.apply.with(|c| c.batch_execute(&statements)).db()?;
         self.open = false;
-        self.apply.batch_execute("COMMIT").db()
+        Ok(())
     }
 }
 
@@ -218,6 +278,7 @@ impl Drop for OpenTransaction<'_> {
             // A borrow still held here would mean a panic inside the store's own statement code;
             // the session is then dropped with the store. A failed rollback leaves the session
             // broken, which the next call reports.
+            self.apply.release_pending.set(None);
             if let Ok(mut client) = self.apply.client.try_borrow_mut() {
                 let _ = client.batch_execute("ROLLBACK");
             }

@@ -940,6 +940,24 @@ fn a_body_that_ends_the_transaction_refuses_the_batch() {
     assert_eq!(err.code(), codes::STORE, "{err}");
     assert!(err.to_string().contains("ended inside the body"), "{err}");
     assert_eq!(detail(&d.store, "r1"), before);
+    // The body ends it before another step of the batch: the release that travels with the
+    // next step's savepoint fails, and nothing of the batch is written (a body's release waits
+    // for the next round trip of the batch, and no statement of the store runs before it).
+    let t2 = started_and_claimed(&mut d.store, "r2", 1_012);
+    let before2 = detail(&d.store, "r2");
+    let rolling_back: TxBody<ApplyTransaction> = Box::new(|tx| {
+        tx.batch_execute("ROLLBACK").unwrap();
+        Ok(json!(1))
+    });
+    let writes = vec![
+        write("r1", &t, tx_step(0, 1, rolling_back, None)),
+        write("r2", &t2, tx_step(0, 1, insert_order("o-2", false), None)),
+    ];
+    let err = d.store.commit(writes, 1_015).unwrap_err();
+    assert_eq!(err.code(), codes::STORE, "{err}");
+    assert!(err.to_string().contains("ended inside the body"), "{err}");
+    assert_eq!((detail(&d.store, "r1"), detail(&d.store, "r2")), (before, before2));
+    assert_eq!(orders(&mut d.store), 0);
     let result = commit_one(&mut d.store, "r1", &t, tx_step(0, 1, insert_order("o-1", false), None), 1_020);
     assert!(matches!(result, WriteResult::TxResult(Ok(_))));
     assert_eq!(orders(&mut d.store), 1);

@@ -261,7 +261,7 @@ fn write_lone_finishes(
     if ids.is_empty() {
         return Ok(());
     }
-    let mut c = apply.client_mut();
+    let mut c = apply.client()?;
     let statement = st.get(&mut *c, FINISH_ALONE_SQL)?;
     let finished = c.execute(&statement, &[&ids, &now_ms, &tokens, &statuses, &results, &errors]).db()?;
     ensure_invariant!(finished as usize == ids.len(), "{} locked runs finished {finished} rows", ids.len());
@@ -312,7 +312,7 @@ pub(super) fn commit(
     let open = OpenTransaction::begin(apply)?;
     let mut runs: HashMap<String, RunState> = HashMap::new();
     {
-        let mut c = apply.client_mut();
+        let mut c = apply.client()?;
         let lock = st.get(&mut *c, LOCK_BATCH_SQL)?;
         // Runs named as the parent of a locked run (a run with an active child is in the lock
         // set only if that child is locked with it).
@@ -348,12 +348,12 @@ pub(super) fn commit(
     for (write, text) in writes.into_iter().zip(texts) {
         results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
     }
-    pending.write(&mut apply.client_mut(), st)?;
+    pending.write(&mut *apply.client()?, st)?;
     write_lone_finishes(apply, st, &mut runs, now_ms)?;
     let (touched, statuses): (Vec<&str>, Vec<Option<&str>>) =
         runs.iter().filter(|(_, s)| s.touched).map(|(id, s)| (id.as_str(), s.status.map(RunStatus::as_str))).unzip();
     if !touched.is_empty() {
-        let mut c = apply.client_mut();
+        let mut c = apply.client()?;
         let touch = st.get(&mut *c, TOUCH_SQL)?;
         c.execute(&touch, &[&touched, &now_ms, &statuses]).db()?;
     }
@@ -391,7 +391,7 @@ fn apply_write(
         return Ok(WriteResult::Fenced);
     };
     if state.stale {
-        let mut c = apply.client_mut();
+        let mut c = apply.client()?;
         let row = c
             .query_opt(
                 &crate::schema::sql(apply.schema(), "SELECT lease_token FROM {s}.runs WHERE run_id = $1"),
@@ -421,7 +421,7 @@ fn apply_write(
             let error = error.as_deref().map(clip_error);
             if state.family {
                 // The run's family learns of its end in the same statement.
-                let mut c = apply.client_mut();
+                let mut c = apply.client()?;
                 finish(&mut c, st, run, token, status.run_status(), text.as_deref(), error.as_deref(), now_ms)?;
             } else {
                 let finish =
@@ -433,7 +433,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::ContinueAsNew { request } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let outcome = super::start_in(&mut *c, st, std::slice::from_ref(&*request), now_ms)?;
             match outcome.into_iter().next() {
                 Some(StartOutcome::Started { .. }) => {
@@ -454,7 +454,7 @@ fn apply_write(
             }
         }
         JournalOp::Release => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let statement = st.get(&mut *c, RELEASE_SQL)?;
             let changed = c.execute(&statement, &[&run, &token, &now_ms]).db()?;
             ensure_invariant!(changed == 1, "run {run}: its locked row was not released");
@@ -462,7 +462,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::StepAttempt { seq, name, kind, attempt, result, retry_at_ms } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let (existing, next) =
                 position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
             check_attempt(run, seq, attempt, existing)?;
@@ -477,14 +477,28 @@ fn apply_write(
         }
         JournalOp::TxStep { seq, name, kind, attempt, body, retry_at_ms } => {
             let existing = {
-                let mut c = apply.client_mut();
+                // A new position this batch established reads nothing ([`position`]): the
+                // release of the previous step's savepoint, if it is pending, then travels with
+                // this step's savepoint in one round trip.
+                let release = if state.next_seq == Some(seq) { apply.take_release() } else { None };
+                let mut c = apply.client()?;
                 let (existing, _) =
                     position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Retrying, state.next_seq)?;
                 check_attempt(run, seq, attempt, existing)?;
-                c.batch_execute("SAVEPOINT wf_tx_step").db()?;
+                match release {
+                    Some(previous) => c.batch_execute(&format!("RELEASE SAVEPOINT {previous}; SAVEPOINT {TX_STEP}")),
+                    None => c.batch_execute(&format!("SAVEPOINT {TX_STEP}")),
+                }
+                .map_err(|error| {
+                    Error::store(format!(
+                        "the journal's transaction ended inside the body of the transactional step before step {name} of run {run}: {}",
+                        Error::from(error)
+                    ))
+                })?;
                 existing
             };
             // The body gets the connection with no borrow of the store's held.
+            apply.begin_user_code();
             let outcome = body(apply);
             state.stale = true;
             let outcome = match outcome {
@@ -494,15 +508,18 @@ fn apply_write(
                 },
                 Err(failure) => Err(failure),
             };
-            let mut c = apply.client_mut();
-            let outcome = end_savepoint(&mut c, run, &name, outcome)?;
+            // A new position's attempt is recorded with the batch's others (no statement now), so
+            // the release of a body that ran no failing statement can wait ([`end_savepoint`]).
+            let may_defer = existing.is_none() && !apply.user_statement_failed();
+            let outcome = end_savepoint(apply, run, &name, outcome, may_defer)?;
+            let mut c = apply.client()?;
             let recorded = outcome.as_ref().map(|(_, text)| text.as_str());
             let step = Step { run_id: run, seq, name: &name, kind, attempt, new: existing.is_none() };
             record_attempt(&mut c, st, pending, &step, recorded, retry_at_ms, now_ms)?;
             Ok(WriteResult::TxResult(outcome.map(|(output, _)| output)))
         }
         JournalOp::StartChild { seq, name, request, wake_at_ms, claim } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let (existing, next) =
                 position(&mut c, st, pending, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
@@ -577,7 +594,7 @@ fn apply_write(
             }
         }
         JournalOp::ChildEnded { seq, end } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let event_id = child_event(seq);
             let event = rows::event(&mut *c, st, run, &event_id)?;
             let held = event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end);
@@ -599,7 +616,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::Publish { seq, key, value: _ } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let (existing, next) =
                 position(&mut c, st, pending, run, seq, &key, StepKind::Publish, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: published already");
@@ -612,7 +629,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::Send { seq, to, topic, payload } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let (existing, next) =
                 position(&mut c, st, pending, run, seq, &topic, StepKind::Send, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: sent already");
@@ -636,7 +653,7 @@ fn apply_write(
             Ok(WriteResult::TxResult(delivered))
         }
         JournalOp::TimerStarted { seq, name, kind, wake_at_ms, event_name } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let (_, next) = position(&mut c, st, pending, run, seq, &name, kind, StepStatus::Waiting, state.next_seq)?;
             let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
             c.execute(&timer, &[&run, &seq_param(seq), &name, &kind.as_str(), &wake_at_ms, &event_name, &now_ms])
@@ -645,7 +662,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::TimerFinished { seq, event_id, output } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             pending.write(&mut c, st)?;
             let Some(entry) = rows::journal_at(&mut *c, st, run, seq)? else {
                 return Err(Error::Invariant(format!("run {run}: no timer at step {seq} to finish")));
@@ -684,7 +701,7 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::Suspend { status, wake_at_ms, waiting_for } => {
-            let mut c = apply.client_mut();
+            let mut c = apply.client()?;
             let suspend = st.get(&mut *c, SUSPEND_SQL)?;
             let changed =
                 c.execute(&suspend, &[&run, &status.run_status().as_str(), &wake_at_ms, &waiting_for, &now_ms]).db()?;
@@ -715,17 +732,33 @@ fn finish(
     Ok(())
 }
 
+/// The savepoint of a transactional step's body.
+const TX_STEP: &str = "wf_tx_step";
+
 /// End a transactional step's savepoint: kept when the body succeeded, rolled back when it
 /// failed. A body whose own statement failed leaves the transaction aborted even if it returned
 /// `Ok`: its writes cannot commit, so they are rolled back and the attempt counts as failed. A
 /// body that ended the transaction (`COMMIT` or `ROLLBACK` on the connection it was handed)
 /// leaves nothing this batch could commit together: the whole batch is refused.
+///
+/// With `may_defer` (the body ran no failing statement, and recording its attempt sends
+/// nothing), a kept savepoint's release is not sent now: it goes with the next step's savepoint
+/// or the commit, or before the store's next statement ([`ApplyTransaction::client`]), and
+/// whichever carries it still refuses the batch if the body ended the transaction, before any
+/// other statement of the batch runs.
 fn end_savepoint(
-    c: &mut Client,
+    apply: &ApplyTransaction,
     run_id: &str,
     name: &str,
     outcome: std::result::Result<(Value, String), StepFailure>,
+    may_defer: bool,
 ) -> Result<std::result::Result<(Value, String), StepFailure>> {
+    if may_defer && outcome.is_ok() {
+        apply.defer_release(TX_STEP);
+        return Ok(outcome);
+    }
+    let mut c = apply.client()?;
+    let c = &mut *c;
     let ended = |error: postgres::Error| {
         Error::store(format!(
             "the journal's transaction ended inside the body of step {name} of run {run_id}: {}",
@@ -733,7 +766,7 @@ fn end_savepoint(
         ))
     };
     let outcome = match outcome {
-        Ok(done) => match c.batch_execute("RELEASE SAVEPOINT wf_tx_step") {
+        Ok(done) => match c.batch_execute(&format!("RELEASE SAVEPOINT {TX_STEP}")) {
             Ok(()) => return Ok(Ok(done)),
             Err(error) if error.code() == Some(&SqlState::IN_FAILED_SQL_TRANSACTION) => Err(StepFailure::retryable(
                 format!("a statement of the step failed (the step returned success anyway): {}", Error::from(error)),
@@ -742,7 +775,7 @@ fn end_savepoint(
         },
         Err(failure) => Err(failure),
     };
-    c.batch_execute("ROLLBACK TO SAVEPOINT wf_tx_step; RELEASE SAVEPOINT wf_tx_step").map_err(ended)?;
+    c.batch_execute(&format!("ROLLBACK TO SAVEPOINT {TX_STEP}; RELEASE SAVEPOINT {TX_STEP}")).map_err(ended)?;
     Ok(outcome)
 }
 
