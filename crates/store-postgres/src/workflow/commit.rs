@@ -91,9 +91,18 @@ const TIMER_STARTED_SQL: &str = "INSERT INTO {s}.journal (run_id, seq, name, kin
      updated_at_ms = excluded.updated_at_ms";
 const TIMER_FINISHED_SQL: &str =
     "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4 WHERE run_id = $1 AND seq = $2";
-/// A child step's end, settled only while the entry is that step waiting.
-const CHILD_ENDED_SQL: &str = "UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4
- WHERE run_id = $1 AND seq = $2 AND status = 'waiting' AND kind = 'child'";
+/// A child step's end, settled only while the entry is that step waiting, and the child's end
+/// event (`$5`) consumed by it in the same statement. Answers the entries settled and the
+/// events consumed: (1, 1), or (0, 0) when the entry was not that step waiting (nothing written).
+const CHILD_ENDED_SQL: &str = "WITH settled AS (
+     UPDATE {s}.journal SET status = 'completed', output = $3, updated_at_ms = $4
+     WHERE run_id = $1 AND seq = $2 AND status = 'waiting' AND kind = 'child'
+     RETURNING 1),
+ consumed AS (
+     UPDATE {s}.run_events SET consumed_by_seq = $2
+     WHERE run_id = $1 AND event_id = $5 AND consumed_by_seq IS NULL AND EXISTS (SELECT 1 FROM settled)
+     RETURNING 1)
+ SELECT (SELECT count(*) FROM settled), (SELECT count(*) FROM consumed)";
 const CONSUME_EVENT_SQL: &str = "UPDATE {s}.run_events SET consumed_by_seq = $3 WHERE run_id = $1 AND event_id = $2";
 /// Release the lease and wait. Due now (`$5`) instead of at `$3` when a cancel was requested (the
 /// row's own flag, as this transaction left it: a parent's end earlier in the batch may have set
@@ -598,11 +607,15 @@ fn apply_write(
             let event_id = child_event(seq);
             let event = rows::event(&mut *c, st, run, &event_id)?;
             let held = event.is_some_and(|e| e.consumed_by_seq.is_none() && e.payload == end);
-            // The entry is settled only while it is the child step waiting (one statement).
+            // The entry is settled only while it is the child step waiting, and the event
+            // consumed with it (one statement).
             let settled = held && {
                 let settle = st.get(&mut *c, CHILD_ENDED_SQL)?;
                 let text = text.unwrap_or_else(|| json_text(&end));
-                c.execute(&settle, &[&run, &seq_param(seq), &text, &now_ms]).db()? == 1
+                let row = c.query_one(&settle, &[&run, &seq_param(seq), &text, &now_ms, &event_id]).db()?;
+                let counts: (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
+                ensure_invariant!(counts.0 == counts.1, "run {run} step {seq}: settled and consumed {counts:?}");
+                counts.0 == 1
             };
             if !settled {
                 // The parent went on with an end the store does not hold: it replays instead.
@@ -611,8 +624,6 @@ fn apply_write(
                 state.token = None;
                 return Ok(WriteResult::Fenced);
             }
-            let consume = st.get(&mut *c, CONSUME_EVENT_SQL)?;
-            c.execute(&consume, &[&run, &event_id, &seq_param(seq)]).db()?;
             Ok(WriteResult::Done)
         }
         JournalOp::Publish { seq, key, value: _ } => {
