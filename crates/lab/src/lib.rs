@@ -11,6 +11,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+mod brokers;
 pub mod chaos;
 pub mod demo;
 pub mod experiment;

@@ -21,6 +21,11 @@ const WORKERS_SEED: u64 = 5;
 /// A seed whose 5 partitions fail the link in every way: a flap, answers lost twice, a black
 /// hole, a cut.
 const PARTITION_SEED: u64 = 1;
+/// A seed whose 7 faults of the kinds partition and remote-kill are partitions of every mode and
+/// at least one kill of the remote server.
+const BROKER_SEED: u64 = 8;
+/// A seed whose 4 faults of the kinds sigkill and remote-kill kill a server and the remote one.
+const REMOTE_KILL_SEED: u64 = 8;
 
 fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
     run(&[
@@ -636,12 +641,147 @@ fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice(
     assert_eq!(violations(&checked.json, "not_applied"), 2, "{}", checked.stdout);
 }
 
+/// The machine's broker at `host:port` (from `env`, else `default`), or `None` after saying why
+/// the test is skipped.
+fn broker_answering(env: &str, default: &str) -> Option<String> {
+    let server = std::env::var(env).unwrap_or_else(|_| default.to_string());
+    let answers = std::net::ToSocketAddrs::to_socket_addrs(server.as_str())
+        .ok()
+        .and_then(|mut a| a.next())
+        .is_some_and(|addr| std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_secs(2)).is_ok());
+    if !answers {
+        crate::support::skip(&format!("no broker answers at {server} (set {env}; .ci/run starts it)"));
+    }
+    answers.then_some(server)
+}
+
+/// Partitions of every mode and kills of the remote server ([`BROKER_SEED`]) with the remote
+/// consumer reached through `broker`: the servers' relays publish through the proxy, the remote
+/// server consumes from the broker. The servers run on SQLite files, then (when PostgreSQL
+/// answers) on PostgreSQL schemas; the remote server is on SQLite in both.
+fn broker_partitions(broker: &str) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    broker_partitions_on(broker, &dir.path().join("files"), None);
+    if let Some(_postgres) = crate::workflow_cli::on_postgres() {
+        let _schemas = crate::server_support::DropServedSchemas;
+        let out = dir.path().join("schemas");
+        let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
+        broker_partitions_on(broker, &out, Some(&store));
+    }
+}
+
+fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
+    let seed = BROKER_SEED.to_string();
+    let store_args = store.map(|url| vec!["--store", url]).unwrap_or_default();
+    let r = run(&[
+        &[
+            "chaos",
+            "--seed",
+            &seed,
+            "--duration-s",
+            "14",
+            "--faults",
+            "7",
+            "--kinds",
+            "partition,remote-kill",
+            "--broker",
+            broker,
+            "--processes",
+            "2",
+            "--clients",
+            "4",
+            "--out",
+            path_str(out),
+        ],
+        &store_args[..],
+    ]
+    .concat());
+    println!("tidemark chaos --kinds partition --broker {broker} (store {store:?}): {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    assert_eq!(report["faults"]["link"]["broker"]["url"], broker, "{report:#}");
+    assert!(report["reproduce"].as_str().unwrap().ends_with(&format!(" --broker {broker}")), "{report:#}");
+    let modes: std::collections::BTreeSet<&str> =
+        report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
+    assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
+    assert!(report["faults"]["remote_kill"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
+    // Every outbox event reached the remote inbox through the broker (the checker read it).
+    assert!(report["check"]["outbox_events"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["partition_recovery_ms"]["observed"].as_u64().unwrap() > 0, "{report:#}");
+}
+
+/// Partitions between the servers' relays and NATS JetStream (cut, black hole, lost PubAcks,
+/// flap) and kills of the remote server consuming the stream into its inbox (what it had pulled
+/// and not acked is delivered again after `ack_wait_ms`): nothing lost, nothing applied twice,
+/// every flow in order at the remote inbox, the relays caught up by themselves.
+#[test]
+fn chaos_partitions_between_the_relays_and_nats_lose_nothing_and_deliver_nothing_twice() {
+    if let Some(server) = broker_answering("TIDEMARK_TEST_NATS", "127.0.0.1:4222") {
+        broker_partitions(&format!("nats://{server}"));
+    }
+}
+
+/// The same with RabbitMQ between them (lost publisher confirms: the queue holds a second copy,
+/// which the remote inbox answers `duplicate`; a killed source's unacked deliveries go back to the
+/// queue).
+#[test]
+fn chaos_partitions_between_the_relays_and_rabbitmq_lose_nothing_and_deliver_nothing_twice() {
+    if let Some(server) = broker_answering("TIDEMARK_TEST_AMQP", "127.0.0.1:5672") {
+        broker_partitions(&format!("amqp://{server}"));
+    }
+}
+
+/// Kills of the remote consumer's server (over HTTP) among kills of the servers: batches it
+/// committed before it died are sent again and answered `duplicate`; nothing lost or doubled.
+#[test]
+fn chaos_kills_of_the_remote_server_lose_nothing_and_deliver_nothing_twice() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &REMOTE_KILL_SEED.to_string(),
+        "--duration-s",
+        "10",
+        "--faults",
+        "4",
+        "--kinds",
+        "sigkill,remote-kill",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds sigkill,remote-kill: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let kills = (report["faults"]["sigkill"].as_u64().unwrap(), report["faults"]["remote_kill"].as_u64().unwrap());
+    assert!(kills.0 > 0 && kills.1 > 0, "{report:#}");
+    assert!(report["partition_recovery_ms"]["observed"].as_u64().unwrap() > 0, "{report:#}");
+}
+
 #[test]
 fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 15] = [
+    let cases: [&[&str]; 18] = [
+        &["chaos", "--seed", "1", "--broker", "nats://127.0.0.1:4222", "--out", out_str],
+        &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "http://127.0.0.1:1", "--out", out_str],
+        &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "amqp://rabbit", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "9", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,clock-jump", "--out", out_str],
         &["chaos", "--seed", "1", "--workers", "1", "--kinds", "sigkill,power-loss", "--out", out_str],

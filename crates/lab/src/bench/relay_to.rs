@@ -92,22 +92,11 @@ impl Names {
     }
 }
 
-/// Run `f` with a channel on the RabbitMQ broker at `server` (as `guest`).
-fn with_amqp<T>(
-    runtime: &tokio::runtime::Runtime,
-    server: &str,
-    f: impl AsyncFnOnce(&lapin::Channel) -> std::result::Result<T, lapin::Error>,
-) -> Result<T> {
-    runtime.block_on(async {
-        let uri = format!("amqp://guest:guest@{server}/%2f");
-        let connection = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default())
-            .await
-            .map_err(|e| Error::io(format!("cannot connect to RabbitMQ at {server}: {e}")))?;
-        let channel = connection.create_channel().await.map_err(|e| Error::io(format!("RabbitMQ channel: {e}")))?;
-        let out = f(&channel).await.map_err(|e| Error::io(format!("RabbitMQ at {server}: {e}")));
-        let _ = connection.close(200, "bench done".into()).await;
-        out
-    })
+impl Names {
+    /// RabbitMQ: the relay's exchange and shipping's queue, the raw run's exchange and queue.
+    fn routes(&self) -> [(String, String); 2] {
+        [(self.exchange.clone(), self.queue.clone()), (self.raw_exchange.clone(), self.raw_queue.clone())]
+    }
 }
 
 /// Create what the run needs on the broker: the stream (NATS), or two topic exchanges, each bound
@@ -115,47 +104,13 @@ fn with_amqp<T>(
 /// the raw run's, which only fills).
 fn create_broker_names(runtime: &tokio::runtime::Runtime, p: &Params, names: &Names) -> Result<()> {
     match p.kind.as_str() {
-        "nats" => runtime.block_on(async {
-            let client = async_nats::connect(p.nats.as_str())
-                .await
-                .map_err(|e| Error::io(format!("cannot connect to NATS at {}: {e}", p.nats)))?;
-            async_nats::jetstream::new(client)
-                .create_stream(async_nats::jetstream::stream::Config {
-                    name: names.stream.clone(),
-                    subjects: vec![format!("{}.>", names.prefix), format!("{}raw.>", names.prefix)],
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| Error::io(format!("cannot create the stream {}: {e}", names.stream)))?;
-            Ok(())
-        }),
-        "rabbitmq" => {
-            let pairs =
-                [(names.exchange.clone(), names.queue.clone()), (names.raw_exchange.clone(), names.raw_queue.clone())];
-            with_amqp(runtime, &p.amqp, async move |channel| {
-                use lapin::types::{AMQPValue, FieldTable, LongString};
-                for (exchange, queue) in &pairs {
-                    let durable = lapin::options::ExchangeDeclareOptions { durable: true, ..Default::default() };
-                    let kind = lapin::ExchangeKind::Topic;
-                    channel.exchange_declare(exchange.as_str().into(), kind, durable, FieldTable::default()).await?;
-                    let mut arguments = FieldTable::default();
-                    arguments.insert("x-queue-type".into(), AMQPValue::LongString(LongString::from("quorum")));
-                    let options = lapin::options::QueueDeclareOptions { durable: true, ..Default::default() };
-                    channel.queue_declare(queue.as_str().into(), options, arguments).await?;
-                    let bind = lapin::options::QueueBindOptions::default();
-                    channel
-                        .queue_bind(
-                            queue.as_str().into(),
-                            exchange.as_str().into(),
-                            "#".into(),
-                            bind,
-                            FieldTable::default(),
-                        )
-                        .await?;
-                }
-                Ok(())
-            })
-        }
+        "nats" => crate::brokers::create_stream(
+            runtime,
+            &p.nats,
+            &names.stream,
+            vec![format!("{}.>", names.prefix), format!("{}raw.>", names.prefix)],
+        ),
+        "rabbitmq" => crate::brokers::declare_routes(runtime, &p.amqp, &names.routes()),
         _ => Ok(()),
     }
 }
@@ -163,25 +118,8 @@ fn create_broker_names(runtime: &tokio::runtime::Runtime, p: &Params, names: &Na
 /// Delete what [`create_broker_names`] created (best effort: the run's answer does not depend on it).
 fn delete_broker_names(runtime: &tokio::runtime::Runtime, p: &Params, names: &Names) {
     match p.kind.as_str() {
-        "nats" => {
-            let _ = runtime.block_on(async {
-                let client = async_nats::connect(p.nats.as_str()).await.ok()?;
-                async_nats::jetstream::new(client).delete_stream(&names.stream).await.ok()
-            });
-        }
-        "rabbitmq" => {
-            let queues = [names.queue.clone(), names.raw_queue.clone()];
-            let exchanges = [names.exchange.clone(), names.raw_exchange.clone()];
-            let _ = with_amqp(runtime, &p.amqp, async move |channel| {
-                for queue in &queues {
-                    channel.queue_delete(queue.as_str().into(), Default::default()).await?;
-                }
-                for exchange in &exchanges {
-                    channel.exchange_delete(exchange.as_str().into(), Default::default()).await?;
-                }
-                Ok(())
-            });
-        }
+        "nats" => crate::brokers::delete_stream(runtime, &p.nats, &names.stream),
+        "rabbitmq" => crate::brokers::delete_routes(runtime, &p.amqp, &names.routes()),
         _ => {}
     }
 }

@@ -42,7 +42,8 @@ pub(crate) const SHIPPING_CONSUMER: &str = "shipping";
 /// The consumer declared with the `record` handler (the inbox only).
 pub(crate) const AUDIT_CONSUMER: &str = "audit";
 /// The consumer on the remote server (its own data folder) that the servers' relays deliver to
-/// over HTTP through the harness's proxy, when the run partitions the network.
+/// over HTTP through the harness's proxy, or through a broker behind it (`--broker`), when the
+/// run partitions the network.
 pub(crate) const REMOTE_CONSUMER: &str = "remote";
 /// The bearer token the relays send the remote server (which runs without auth, as the servers
 /// do; the relay still needs one configured for the origin).
@@ -91,6 +92,11 @@ const RETRY_PAUSE: Duration = Duration::from_millis(20);
 const HEAL_WAIT: Duration = Duration::from_secs(10);
 /// How often the harness reads the files while it waits for convergence.
 const CONVERGE_POLL: Duration = Duration::from_millis(250);
+/// The remote server's JetStream source's `ack_wait_ms`: what a killed remote server had fetched
+/// and not acked is delivered again this soon (the default is 30 s).
+const SOURCE_ACK_WAIT_MS: u64 = 2_000;
+/// The longest `--broker` URL.
+const BROKER_URL_MAX: usize = 256;
 
 /// The arguments of `tidemark chaos` (a run) and `tidemark chaos check` (the checker alone).
 #[derive(Args)]
@@ -124,7 +130,8 @@ struct RunArgs {
     /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
     /// answers or flaps), `io-error` (the disk full, or failing writes or fsyncs, for a moment;
     /// a failpoints build), `db-crash` (the PostgreSQL server of `--store` stopped at once and
-    /// started again; needs `--db-data`).
+    /// started again; needs `--db-data`), `remote-kill` (the remote consumer's server killed
+    /// with SIGKILL and started again).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -166,6 +173,13 @@ struct RunArgs {
     /// restarted without the shim.
     #[arg(long)]
     db_preload: Option<PathBuf>,
+    /// With `--kinds partition` or `remote-kill`: reach the remote consumer through this broker
+    /// instead of over HTTP, `nats://host:port` (JetStream) or `amqp://host:port` (RabbitMQ, as
+    /// guest). The harness creates a stream (or a topic exchange bound to a quorum queue) of the run's own;
+    /// the servers' relays publish to it through the partitioned link, and the remote server
+    /// consumes it into its inbox (`[[sources]]`). Deleted when the run ends.
+    #[arg(long)]
+    broker: Option<String>,
 }
 
 #[derive(Args)]
@@ -218,9 +232,10 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
 }
 
 impl Settings {
-    /// Does the run partition the network (a remote consumer behind the proxy)?
-    fn partitions(&self) -> bool {
-        self.kinds.contains(&FaultKind::Partition)
+    /// Does the run have a remote consumer behind the proxy (it partitions the link or kills
+    /// the remote server)?
+    fn has_remote(&self) -> bool {
+        [FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| self.kinds.contains(k))
     }
 }
 
@@ -491,6 +506,57 @@ struct Settings {
     out: PathBuf,
     store: Option<PostgresStore>,
     database: Option<Database>,
+    broker: Option<Broker>,
+}
+
+/// The broker a partitioned remote consumer is reached through (`--broker`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Broker {
+    kind: BrokerKind,
+    /// `host:port`.
+    server: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BrokerKind {
+    Nats,
+    Amqp,
+}
+
+impl Broker {
+    /// `nats://host:port` or `amqp://host:port` (a trailing `/` allowed; no user, path or query).
+    fn parse(url: &str) -> Result<Broker> {
+        let refuse = |why: &str| {
+            invalid(format!(
+                "--broker {url:?}: {why}; give nats://host:port (JetStream) or amqp://host:port (RabbitMQ)"
+            ))
+        };
+        if url.len() > BROKER_URL_MAX {
+            return Err(refuse(&format!("longer than {BROKER_URL_MAX} bytes")));
+        }
+        let (kind, rest) = match (url.strip_prefix("nats://"), url.strip_prefix("amqp://")) {
+            (Some(rest), _) => (BrokerKind::Nats, rest),
+            (_, Some(rest)) => (BrokerKind::Amqp, rest),
+            _ => return Err(refuse("not a nats:// or amqp:// URL")),
+        };
+        let server = rest.strip_suffix('/').unwrap_or(rest);
+        let port = server.rsplit_once(':').filter(|(host, _)| !host.is_empty()).map(|(_, port)| port.parse::<u16>());
+        if server.contains(['/', '@', '?', '#', ' ']) || !matches!(port, Some(Ok(p)) if p > 0) {
+            return Err(refuse("the broker is host:port, nothing else"));
+        }
+        Ok(Broker { kind, server: server.to_string() })
+    }
+
+    fn scheme(&self) -> &'static str {
+        match self.kind {
+            BrokerKind::Nats => "nats",
+            BrokerKind::Amqp => "amqp",
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("{}://{}", self.scheme(), self.server)
+    }
 }
 
 fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
@@ -578,6 +644,12 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         (false, Some(_)) => return Err(invalid("--db-preload is for --kinds power-loss with --store postgres://...")),
         _ => {}
     }
+    let broker = args.broker.as_deref().map(Broker::parse).transpose()?;
+    if broker.is_some() && ![FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| kinds.contains(k)) {
+        return Err(invalid(
+            "--broker is the broker the remote consumer is reached through: add partition or remote-kill to --kinds",
+        ));
+    }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
     }
@@ -608,6 +680,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         out,
         store,
         database,
+        broker,
     })
 }
 
@@ -653,7 +726,7 @@ impl Serve {
             exe: exe.to_path_buf(),
             data: out.join("data"),
             log: out.join("logs").join(format!("serve-{index}.log")),
-            config: settings.partitions().then(|| out.join("serve.toml")),
+            config: settings.has_remote().then(|| out.join("serve.toml")),
             store: settings.store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
             // The servers' own files on the fault VFS (with --store, a power loss is the database's).
@@ -670,15 +743,16 @@ impl Serve {
         }
     }
 
-    /// The remote consumer's server: its own data folder and log, no faults of its own.
-    fn remote(exe: &Path, settings: &Settings) -> Serve {
+    /// The remote consumer's server: its own data folder, log and configuration (a source, when
+    /// it consumes from a broker), no faults of its own.
+    fn remote(exe: &Path, settings: &Settings, config: Option<PathBuf>) -> Serve {
         let out = &settings.out;
         Serve {
             index: settings.processes,
             exe: exe.to_path_buf(),
             data: out.join("remote"),
             log: out.join("logs").join("remote.log"),
-            config: None,
+            config,
             store: None,
             durability: settings.durability.clone(),
             faultfs: None,
@@ -977,6 +1051,15 @@ impl Recovery {
         }
     }
 
+    /// After a heal or the remote server's restart: when delivery resumed, or that it did not
+    /// within the harness's wait.
+    fn delivery_resumed(&mut self, resumed: Option<f64>) {
+        match resumed {
+            Some(ms) => self.delivery_resumed_ms.push(ms),
+            None => self.delivery_not_resumed += 1,
+        }
+    }
+
     fn acknowledged(&mut self, process: usize) {
         if let Some((_, back_at)) = self.waiting.remove(&process) {
             self.measured_ms.push(back_at.elapsed().as_secs_f64() * 1_000.0);
@@ -1154,10 +1237,24 @@ fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
         (format!("{base}/v1/stock/{SKU}"), json!({"quantity": STOCK})),
     ];
     if let Some(remote) = remote {
-        let endpoint = format!("http://{}/v1/consumers/{REMOTE_CONSUMER}/inbox", remote.proxy.addr());
+        let endpoint = match &remote.route {
+            Some(route) => route.endpoint(remote.proxy.addr()),
+            None => format!("http://{}/v1/consumers/{REMOTE_CONSUMER}/inbox", remote.proxy.addr()),
+        };
         requests.push((format!("{base}/v1/subscriptions/{REMOTE_CONSUMER}"), json!({"endpoint": endpoint})));
     }
     put_all(&requests)
+}
+
+/// Open the tenant on `server`: a tenant opens (and its loops start) with its first request.
+fn open_tenant(server: &Serve) -> Result<()> {
+    let http = reqwest::blocking::Client::builder()
+        .timeout(REQUEST_TIMEOUT)
+        .build()
+        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
+    let url = format!("{}/v1/runs?limit=1", server.base());
+    http.get(&url).send().map_err(|e| Error::io(format!("GET {url}: {e}")))?;
+    Ok(())
 }
 
 /// PUT each body to its URL, in order; any answer but 2xx is an error.
@@ -1177,17 +1274,96 @@ fn put_all(requests: &[(String, Value)]) -> Result<()> {
     Ok(())
 }
 
+/// What a run made on its broker (`--broker`): where the relays publish and the remote server
+/// consumes from, deleted when the run ends.
+struct BrokerRoute {
+    broker: Broker,
+    runtime: tokio::runtime::Runtime,
+    /// NATS: the relays' subject prefix; RabbitMQ: the exchange they publish to.
+    publish_to: String,
+    /// NATS: the stream capturing `<prefix>.>`; RabbitMQ: the quorum queue bound to the exchange.
+    consume_from: String,
+}
+
+impl BrokerRoute {
+    fn create(broker: &Broker) -> Result<BrokerRoute> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(io("cannot start the async runtime"))?;
+        let prefix = format!("tmkchaos{}", uuid::Uuid::new_v4().simple());
+        let (publish_to, consume_from) = match broker.kind {
+            BrokerKind::Nats => {
+                let stream = prefix.to_uppercase();
+                crate::brokers::create_stream(&runtime, &broker.server, &stream, vec![format!("{prefix}.>")])?;
+                (prefix, stream)
+            }
+            BrokerKind::Amqp => {
+                let route = (format!("{prefix}.relay"), format!("{prefix}.remote"));
+                crate::brokers::declare_routes(&runtime, &broker.server, std::slice::from_ref(&route))?;
+                route
+            }
+        };
+        Ok(BrokerRoute { broker: broker.clone(), runtime, publish_to, consume_from })
+    }
+
+    /// The endpoint the servers subscribe the remote consumer at: the broker through `proxy`.
+    fn endpoint(&self, proxy: &str) -> String {
+        format!("{}://{proxy}/{}", self.broker.scheme(), self.publish_to)
+    }
+
+    /// The remote server's configuration: a source from the broker (straight, not through the
+    /// proxy) into its consumer's inbox.
+    fn remote_config(&self) -> String {
+        let (scheme, server) = (self.broker.scheme(), &self.broker.server);
+        let mut config = format!("[[sources]]\ntenant = \"{TENANT}\"\nconsumer = \"{REMOTE_CONSUMER}\"\n");
+        match self.broker.kind {
+            BrokerKind::Nats => config.push_str(&format!(
+                "from = \"{scheme}://{server}/{}\"\nstream = \"{}\"\nack_wait_ms = {SOURCE_ACK_WAIT_MS}\n",
+                self.publish_to, self.consume_from
+            )),
+            BrokerKind::Amqp => config.push_str(&format!("from = \"{scheme}://{server}/{}\"\n", self.consume_from)),
+        }
+        config
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "url": self.broker.url(),
+            "publish_to": self.publish_to,
+            "consume_from": self.consume_from,
+        })
+    }
+}
+
+impl Drop for BrokerRoute {
+    fn drop(&mut self) {
+        match self.broker.kind {
+            BrokerKind::Nats => crate::brokers::delete_stream(&self.runtime, &self.broker.server, &self.consume_from),
+            BrokerKind::Amqp => crate::brokers::delete_routes(
+                &self.runtime,
+                &self.broker.server,
+                &[(self.publish_to.clone(), self.consume_from.clone())],
+            ),
+        }
+    }
+}
+
 /// The remote consumer's server and the link to it, when the run partitions the network.
 struct Remote {
     server: Serve,
     proxy: Proxy,
+    /// With `--broker`: the broker's names; the proxy stands between the relays and the broker.
+    route: Option<BrokerRoute>,
 }
 
 impl Remote {
     /// Start the proxy, write the servers' configuration (the relay's token for the proxy's
     /// origin, short backoffs so that delivery resumes soon after a partition heals), start the
-    /// remote server behind the proxy and declare its consumer.
+    /// remote server behind the proxy and declare its consumer. With a broker, the proxy leads
+    /// to the broker instead, and the remote server consumes from it.
     fn start(exe: &Path, settings: &Settings) -> Result<Remote> {
+        let route = settings.broker.as_ref().map(BrokerRoute::create).transpose()?;
         let proxy = Proxy::start()?;
         let config = format!(
             "[relay]\nattempt_timeout_ms = {}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n\
@@ -1196,12 +1372,20 @@ impl Remote {
             proxy.addr()
         );
         std::fs::write(settings.out.join("serve.toml"), config).map_err(io("cannot write serve.toml"))?;
-        let mut server = Serve::remote(exe, settings);
+        let remote_config = match &route {
+            Some(route) => {
+                let path = settings.out.join("remote.toml");
+                std::fs::write(&path, route.remote_config()).map_err(io("cannot write remote.toml"))?;
+                Some(path)
+            }
+            None => None,
+        };
+        let mut server = Serve::remote(exe, settings, remote_config);
         server.start()?;
-        proxy.set_target(&server.addr);
+        proxy.set_target(route.as_ref().map_or(&server.addr, |route| &route.broker.server));
         let consumer = format!("{}/v1/consumers/{REMOTE_CONSUMER}", server.base());
         put_all(&[(consumer, json!({"handler": "record"}))])?;
-        Ok(Remote { server, proxy })
+        Ok(Remote { server, proxy, route })
     }
 
     fn data(&self) -> TenantData {
@@ -1233,6 +1417,20 @@ impl Remote {
             std::thread::sleep(Duration::from_millis(10));
         }
         None
+    }
+
+    /// Kill the remote server, start it again on its address after `hold_ms`, open its tenant
+    /// (its loops, a broker source among them, start with the tenant's first request) and measure
+    /// how long delivery takes to resume.
+    fn kill(&mut self, hold_ms: u64) -> Result<Option<f64>> {
+        self.server.sigkill();
+        std::thread::sleep(Duration::from_millis(hold_ms));
+        self.server.start()?;
+        let inbox = self.inbox();
+        let before = Self::last_record(inbox.as_ref());
+        let restarted = Instant::now();
+        open_tenant(&self.server)?;
+        Ok(self.delivery_resumed_ms(inbox.as_ref(), restarted, before))
     }
 
     /// Fail the link as `mode` says for `hold_ms`, then heal it, and measure how long delivery
@@ -1302,7 +1500,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         }
         _ => None,
     };
-    let mut remote = if settings.partitions() { Some(Remote::start(&exe, &settings)?) } else { None };
+    let mut remote = if settings.has_remote() { Some(Remote::start(&exe, &settings)?) } else { None };
     let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings)).collect();
     servers[0].start()?;
     setup(&servers[0].base(), remote.as_ref())?;
@@ -1363,7 +1561,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers, &mut workers, remote.as_ref(), settings.database.as_ref(), fault, &shared) {
+        match inject(&mut servers, &mut workers, remote.as_mut(), settings.database.as_ref(), fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -1413,13 +1611,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     for server in &mut servers {
         server.start()?;
     }
-    // A tenant opens (and its loops start) with its first request.
-    let poke = reqwest::blocking::Client::builder()
-        .timeout(REQUEST_TIMEOUT)
-        .build()
-        .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
     for server in &servers {
-        let _ = poke.get(format!("{}/v1/runs?limit=1", server.base())).send();
+        let _ = open_tenant(server);
     }
     let mut converged = false;
     while restarted.elapsed() < settings.converge_timeout {
@@ -1433,8 +1626,13 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     for server in &mut servers {
         server.terminate()?;
     }
-    let link =
-        remote.as_ref().map(|r| json!({"connections": r.proxy.connections(), "answers_lost": r.proxy.answers_lost()}));
+    let link = remote.as_ref().map(|r| {
+        json!({
+            "connections": r.proxy.connections(),
+            "answers_lost": r.proxy.answers_lost(),
+            "broker": r.route.as_ref().map(BrokerRoute::json),
+        })
+    });
     if let Some(remote) = remote.as_mut() {
         remote.server.terminate()?;
     }
@@ -1475,6 +1673,11 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
                     .and_then(|db| db.layer.as_ref())
                     .map(|layer| format!(" --db-preload {}", layer.preload.display()))
                     .unwrap_or_default()
+                + &settings
+                    .broker
+                    .as_ref()
+                    .map(|broker| format!(" --broker {}", broker.url()))
+                    .unwrap_or_default()
         ),
         "durability": settings.durability,
         "store": settings.store.as_ref().map(|store| store.masked.clone()),
@@ -1493,6 +1696,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "partition": by_kind(FaultKind::Partition),
             "io_error": by_kind(FaultKind::IoError),
             "db_crash": by_kind(FaultKind::DbCrash),
+            "remote_kill": by_kind(FaultKind::RemoteKill),
             "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
@@ -1521,7 +1725,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "max": percentile(measured, 1.0),
         },
         "partition_recovery_ms": {
-            "definition": "from a partition's heal to the first record the remote inbox did not hold at the heal",
+            "definition": "from a partition's heal (or the remote server's restart) to the first record the remote inbox did not hold then",
             "observed": resumed.len(),
             "unobserved": recovery.delivery_not_resumed,
             "median": percentile(&resumed, 0.5),
@@ -1539,7 +1743,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
 fn inject(
     servers: &mut [Serve],
     workers: &mut [WorkerProcess],
-    remote: Option<&Remote>,
+    remote: Option<&mut Remote>,
     database: Option<&Database>,
     fault: &Fault,
     shared: &Shared,
@@ -1565,7 +1769,8 @@ fn inject(
             | FaultKind::ClockJump
             | FaultKind::Partition
             | FaultKind::IoError
-            | FaultKind::DbCrash => {
+            | FaultKind::DbCrash
+            | FaultKind::RemoteKill => {
                 return Err(Error::Invariant(format!("a {:?} fault on a worker process", fault.kind)));
             }
         }
@@ -1607,11 +1812,13 @@ fn inject(
             let remote = remote.ok_or_else(|| invalid("a partition needs the remote consumer (--kinds partition)"))?;
             let mode = fault.partition.ok_or_else(|| Error::Invariant("a partition fault without a mode".into()))?;
             let resumed = remote.partition(mode, fault.hold_ms, shared.seed, fault.index);
-            let mut recovery = shared.recovery.lock().unwrap_or_else(|p| p.into_inner());
-            match resumed {
-                Some(ms) => recovery.delivery_resumed_ms.push(ms),
-                None => recovery.delivery_not_resumed += 1,
-            }
+            shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).delivery_resumed(resumed);
+        }
+        FaultKind::RemoteKill => {
+            let remote =
+                remote.ok_or_else(|| invalid("a remote kill needs the remote consumer (--kinds remote-kill)"))?;
+            let resumed = remote.kill(fault.hold_ms)?;
+            shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).delivery_resumed(resumed);
         }
         FaultKind::DbCrash => {
             let database = database.ok_or_else(|| invalid("a database crash needs --db-data"))?;
@@ -1648,7 +1855,7 @@ fn inject(
         }
         // The processes never stopped: nothing of theirs to recover (the relays catch up, which
         // the convergence wait and the checker see).
-        FaultKind::Partition | FaultKind::IoError => {}
+        FaultKind::Partition | FaultKind::IoError | FaultKind::RemoteKill => {}
         _ => recovery.back(fault.process, fault.index),
     }
     let back_ms = shared.started.elapsed().as_millis() as u64;
@@ -1707,5 +1914,36 @@ mod tests {
         assert_eq!(io_error_control(IoErrorMode::EioWrite), faultfs::EIO_WRITE);
         assert_eq!(io_error_control(IoErrorMode::EioFsync), faultfs::EIO_FSYNC);
         assert_eq!(faultfs_env(), faultfs::ENV);
+    }
+}
+
+#[cfg(test)]
+mod broker_tests {
+    use super::*;
+
+    #[test]
+    fn a_broker_is_a_scheme_and_host_port_and_nothing_else() {
+        let nats = Broker::parse("nats://127.0.0.1:4222").unwrap();
+        assert_eq!((nats.kind, nats.server.as_str()), (BrokerKind::Nats, "127.0.0.1:4222"));
+        assert_eq!(nats.url(), "nats://127.0.0.1:4222");
+        let amqp = Broker::parse("amqp://rabbit:5672/").unwrap();
+        assert_eq!((amqp.kind, amqp.server.as_str()), (BrokerKind::Amqp, "rabbit:5672"));
+        let long = format!("nats://{}:4222", "h".repeat(BROKER_URL_MAX));
+        for bad in [
+            "http://127.0.0.1:4222",
+            "kafka://k:9092",
+            "nats://",
+            "nats://host",
+            "nats://:4222",
+            "nats://host:0",
+            "nats://host:99999",
+            "nats://host:4222/prefix",
+            "amqp://guest:guest@host:5672",
+            "amqp://host:5672?x=1",
+            long.as_str(),
+        ] {
+            let error = Broker::parse(bad).expect_err(bad);
+            assert_eq!(error.code(), codes::INVALID_ARGUMENT, "{bad}");
+        }
     }
 }

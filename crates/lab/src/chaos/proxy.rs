@@ -1,8 +1,13 @@
 //! The link a partition fails: a TCP proxy on loopback between the servers' relays and the
-//! remote consumer's server, switched at run time between passing traffic, cutting it, swallowing
-//! it (a black hole) and passing requests while losing the answers (one way). Every switch closes
-//! the connections that were open, so a pooled HTTP connection never outlives the mode it was
-//! opened under. Plain threads and blocking sockets; every loop ends when the proxy is dropped.
+//! remote consumer's server (or the broker they publish to), switched at run time between passing
+//! traffic, cutting it, swallowing it (a black hole) and passing requests while losing the answers
+//! (one way). Every switch closes the connections that were open, so a pooled connection never
+//! outlives the mode it was opened under, except a switch from passing to losing answers: the
+//! connections open then stay, their requests still pass, and the first answer read on one is
+//! thrown away with the connection (a long-lived broker connection publishes, the broker stores,
+//! the acknowledgement never arrives; a connection opened while answers are lost loses the
+//! broker's greeting and is closed at once). Plain threads and blocking sockets; every loop ends
+//! when the proxy is dropped.
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -98,10 +103,12 @@ impl Proxy {
         *self.state.target.lock().unwrap_or_else(|p| p.into_inner()) = Some(target.to_string());
     }
 
-    /// Switch the link; every open connection is closed.
+    /// Switch the link; every open connection is closed, except from [`Link::Pass`] to
+    /// [`Link::LoseAnswers`] (the open connections lose their next answer and close then).
     pub fn set(&self, link: Link) {
         let mut now = self.state.link.lock().unwrap_or_else(|p| p.into_inner());
-        *now = (link, now.1 + 1);
+        let keep = now.0 == Link::Pass && link == Link::LoseAnswers;
+        *now = (link, if keep { now.1 } else { now.1 + 1 });
     }
 
     /// Connections accepted so far.
@@ -109,8 +116,7 @@ impl Proxy {
         self.state.connections.load(Ordering::Relaxed)
     }
 
-    /// Answers of the remote server thrown away (bytes read back while losing answers, in
-    /// reads).
+    /// Answers of the remote server or broker thrown away (each with its connection).
     pub fn answers_lost(&self) -> u64 {
         self.state.answers_lost.load(Ordering::Relaxed)
     }
@@ -149,25 +155,25 @@ fn serve(client: TcpStream, state: &State) {
             let Ok(server) = TcpStream::connect(&target) else { return };
             let _ = server.set_read_timeout(Some(POLL));
             let (Ok(client_out), Ok(server_in)) = (client.try_clone(), server.try_clone()) else { return };
-            let lose = link == Link::LoseAnswers;
             std::thread::scope(|scope| {
                 scope.spawn(|| pump(client, server_in, state, epoch, false));
-                pump(server, client_out, state, epoch, lose);
+                pump(server, client_out, state, epoch, true);
             });
         }
     }
 }
 
-/// Copy `from` to `to` while the connection lives (or swallow it, counting, when `lose`); then
-/// close both ways.
-fn pump(mut from: TcpStream, mut to: TcpStream, state: &State, epoch: u64, lose: bool) {
+/// Copy `from` to `to` while the connection lives; then close both ways. On the `answers` side,
+/// an answer read while the link loses answers is thrown away (counted) and the connection
+/// closed: the rest of a byte stream cannot be passed on once a piece of it is gone.
+fn pump(mut from: TcpStream, mut to: TcpStream, state: &State, epoch: u64, answers: bool) {
     let mut buffer = [0_u8; 16 * 1024];
     while state.alive(epoch) {
         match from.read(&mut buffer) {
             Ok(0) => break,
-            Ok(n) if lose => {
-                let _ = n;
+            Ok(_) if answers && state.now().0 == Link::LoseAnswers => {
                 state.answers_lost.fetch_add(1, Ordering::Relaxed);
+                break;
             }
             Ok(n) => {
                 if to.write_all(&buffer[..n]).is_err() {

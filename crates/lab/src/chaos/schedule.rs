@@ -30,6 +30,9 @@ const IO_ERROR_MS_RANGE: (u64, u64) = (200, 2_000);
 const DB_CRASH_PERCENT: u32 = 25;
 /// Shortest and longest time the database server stays down after a crash, in ms.
 const DB_CRASH_MS_RANGE: (u64, u64) = (500, 3_000);
+/// Percent of the faults that are a SIGKILL of the remote consumer's server, when those are
+/// among the kinds asked for beside others (drawn instead of a signal or a partition).
+const REMOTE_KILL_PERCENT: u32 = 25;
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -69,6 +72,11 @@ pub enum FaultKind {
     /// database). Needs `--store` and `--db-data`.
     #[value(name = "db-crash")]
     DbCrash,
+    /// SIGKILL of the remote consumer's server (the one the relays deliver to, over HTTP or
+    /// through `--broker`), then a restart on the same address after `hold_ms`; the servers stay
+    /// up. `process` is 0 (the remote server).
+    #[value(name = "remote-kill")]
+    RemoteKill,
 }
 
 /// How an I/O error fails the disk (the fault VFS: `tidemark_store_sqlite::faultfs`).
@@ -172,7 +180,13 @@ pub fn schedule(
             // instead of a signal, each drawn only when asked for (so other schedules stay the
             // ones earlier builds made), and every fault when no kind before it was asked for.
             let alone = |before: &[FaultKind]| signals == 0 && !before.iter().any(|k| has(*k));
-            let earlier = [FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::Partition, FaultKind::IoError];
+            let earlier = [
+                FaultKind::PowerLoss,
+                FaultKind::ClockJump,
+                FaultKind::Partition,
+                FaultKind::IoError,
+                FaultKind::DbCrash,
+            ];
             for (n, (with, percent)) in [
                 (FaultKind::Partition, PARTITION_PERCENT),
                 (FaultKind::IoError, IO_ERROR_PERCENT),
@@ -189,11 +203,28 @@ pub fn schedule(
                     }
                 }
             }
-            if matches!(kind, FaultKind::PowerLoss | FaultKind::Partition | FaultKind::IoError | FaultKind::DbCrash) {
+            // A kill of the remote server, drawn instead of a signal or a partition (it needs the
+            // remote server, which partitions bring), or every fault when it is the only kind.
+            if has(FaultKind::RemoteKill) {
+                let instead = alone(&earlier)
+                    || (matches!(kind, FaultKind::Sigkill | FaultKind::Sigstop | FaultKind::Partition)
+                        && rng.gen_range(0..100) < REMOTE_KILL_PERCENT);
+                if instead {
+                    kind = FaultKind::RemoteKill;
+                }
+            }
+            if matches!(
+                kind,
+                FaultKind::PowerLoss
+                    | FaultKind::Partition
+                    | FaultKind::IoError
+                    | FaultKind::DbCrash
+                    | FaultKind::RemoteKill
+            ) {
                 process = 0;
             }
             let hold_ms = match kind {
-                FaultKind::Sigkill | FaultKind::PowerLoss => {
+                FaultKind::Sigkill | FaultKind::PowerLoss | FaultKind::RemoteKill => {
                     rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1)
                 }
                 FaultKind::Sigstop | FaultKind::ClockJump => {
@@ -342,6 +373,39 @@ mod tests {
             .map(|f| f.kind)
             .collect();
         assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
+    }
+
+    #[test]
+    fn remote_kills_join_the_other_kinds_and_leave_other_schedules_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::Partition, FaultKind::RemoteKill];
+        let mixed = schedule(15, 80, &with, 3, 60_000, 1_000);
+        let kills: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::RemoteKill).collect();
+        assert!(!kills.is_empty() && kills.len() < mixed.len(), "{mixed:?}");
+        assert!(kills.iter().all(|f| f.process == 0 && (50..=1_500).contains(&f.hold_ms) && f.partition.is_none()));
+        assert!(mixed.iter().any(|f| f.kind == FaultKind::Partition), "{mixed:?}");
+        let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
+        assert_eq!(due(&mixed), due(&schedule(15, 80, &SIGNALS, 3, 60_000, 1_000)));
+        // Beside partitions alone, a kill takes a partition's place now and then.
+        let two = schedule(15, 40, &[FaultKind::Partition, FaultKind::RemoteKill], 2, 60_000, 1_000);
+        let count = |kind: FaultKind| two.iter().filter(|f| f.kind == kind).count();
+        assert!(count(FaultKind::RemoteKill) > 0 && count(FaultKind::Partition) > 0, "{two:?}");
+        let only = schedule(15, 10, &[FaultKind::RemoteKill], 3, 60_000, 1_000);
+        assert!(only.iter().all(|f| f.kind == FaultKind::RemoteKill));
+        // The schedule of the CI's partition seed is the one earlier builds made.
+        let partitions: Vec<(Option<PartitionMode>, u64)> = schedule(1, 5, &[FaultKind::Partition], 2, 12_000, 1_000)
+            .iter()
+            .map(|f| (f.partition, f.hold_ms))
+            .collect();
+        assert_eq!(
+            partitions,
+            [
+                (Some(PartitionMode::Flap), 2_115),
+                (Some(PartitionMode::LoseAnswers), 1_158),
+                (Some(PartitionMode::LoseAnswers), 1_678),
+                (Some(PartitionMode::BlackHole), 1_298),
+                (Some(PartitionMode::Cut), 572),
+            ]
+        );
     }
 
     #[test]
