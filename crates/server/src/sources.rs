@@ -130,8 +130,10 @@ async fn source_loop<B: Backend>(state: AppState, tenant: Arc<Tenant<B>>, config
             Err(error) => {
                 errors += 1;
                 failures_in_a_row = failures_in_a_row.saturating_add(1);
-                // Closing a Kafka consumer waits for it to leave its group: off the async threads.
-                if let Some(failed) = source.take() {
+                // A source that may pull again is kept (a Kafka member keeps its place in the
+                // group through a broker's outage); any other is connected anew. Closing a Kafka
+                // consumer waits for it to leave its group: off the async threads.
+                if let Some(failed) = source.take_if(|failed| !failed.usable()) {
                     tokio::task::spawn_blocking(move || drop(failed));
                 }
                 tracing::error!(tenant = %tenant.id, consumer = %config.consumer, from = %config.from,

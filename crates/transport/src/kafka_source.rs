@@ -18,8 +18,12 @@
 //! member after a rebalance) reads from the last committed offset, and the inbox answers
 //! `duplicate` for what it had stored. Because librdkafka's fetch position has moved past
 //! records that were not committed, **a source whose pull failed (or was dropped before it
-//! finished) is unusable**: every later pull is an error, and the caller connects anew, so that
-//! the new member starts from the committed offsets instead of skipping what was not stored.
+//! finished) after it took a record is unusable**: every later pull is an error, and the caller
+//! connects anew, so that the new member starts from the committed offsets instead of skipping
+//! what was not stored. A consumer error before any record (the broker down or unreachable)
+//! leaves the source usable: librdkafka reconnects by itself, and the member keeps its place in
+//! the group (or, past the session timeout, rejoins by itself and reads from the committed
+//! offsets).
 //!
 //! A group's partitions are split among its members; a rebalance moves a partition to another
 //! member, which starts from the last committed offset. When partitions are revoked while a pull
@@ -219,36 +223,63 @@ impl KafkaSource {
     }
 
     /// One pull into `inbox` for `consumer_id` (see the module documentation), waiting at most
-    /// `wait` for a first record. An error reading, storing or committing is an `Err`; what was
+    /// `wait` for a first record. An error storing or committing a batch is an `Err`; what was
     /// stored stays stored, nothing of the batch is committed, and the source is unusable from
-    /// then on: connect anew.
+    /// then on ([`KafkaSource::usable`] is false): connect anew. Consumer errors (a broker down,
+    /// a transport failure: librdkafka reports each as an event of its own and goes on
+    /// reconnecting by itself) take no record and move no position: the pull reads past them,
+    /// and one that saw only errors within `wait` is an `Err`, but the source stays usable, so
+    /// that a broker's outage does not cost the group a member leaving and joining again.
     pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
-        if self.unusable.swap(true, Ordering::SeqCst) {
+        if !self.usable() {
             return Err(Error::io(format!(
                 "this Kafka consumer of {} failed or was interrupted in an earlier pull, so its position is past \
                  offsets it never committed: connect anew",
                 self.topic
             )));
         }
-        let report = self.pull_once(inbox, consumer_id, wait).await?;
+        // Consumer errors are events of their own in the queue, one per failed connection
+        // attempt while a broker is down: read past them to the first record, so that those
+        // queued during an outage never stand before the records that follow it. A pull that saw
+        // errors and no record fails with the last one.
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut error = None;
+        let first = loop {
+            match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
+                Err(_nothing_within_wait) => {
+                    return match error {
+                        Some(error) => Err(Error::io(format!("Kafka read of {}: {error}", self.topic))),
+                        None => Ok(SourceReport::default()),
+                    }
+                }
+                Ok(Err(failed)) => error = Some(failed),
+                Ok(Ok(first)) => break first.detach(),
+            }
+        };
+        self.unusable.store(true, Ordering::SeqCst);
+        let report = self.store_batch(first, inbox, consumer_id).await?;
         self.unusable.store(false, Ordering::SeqCst);
         Ok(report)
     }
 
-    async fn pull_once(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
+    /// False once a pull failed (or was dropped) after it took a record: its position may be
+    /// past offsets it never committed.
+    pub fn usable(&self) -> bool {
+        !self.unusable.load(Ordering::SeqCst)
+    }
+
+    /// Store `first` and what librdkafka already holds after it, up to the batch, then commit.
+    async fn store_batch(&self, first: OwnedMessage, inbox: &dyn Inbox, consumer_id: &str) -> Result<SourceReport> {
         let mut report = SourceReport::default();
-        let read_error = |e: rdkafka::error::KafkaError| Error::io(format!("Kafka read of {}: {e}", self.topic));
         let mut records: Vec<OwnedMessage> = Vec::with_capacity(self.batch);
-        match tokio::time::timeout(wait, self.consumer.recv()).await {
-            Err(_nothing_within_wait) => return Ok(report),
-            Ok(received) => records.push(received.map_err(read_error)?.detach()),
-        }
+        records.push(first);
         // Then what librdkafka already holds (a zero timeout polls once): the batch never waits
-        // for more.
+        // for more. A consumer error ends the batch: it is an event of its own, no record is
+        // behind it, and what was taken before it is stored and committed as usual.
         while records.len() < self.batch {
             match tokio::time::timeout(Duration::ZERO, self.consumer.recv()).await {
-                Err(_none_ready) => break,
-                Ok(received) => records.push(received.map_err(read_error)?.detach()),
+                Ok(Ok(received)) => records.push(received.detach()),
+                Err(_) | Ok(Err(_)) => break,
             }
         }
         report.fetched = records.len() as u64;

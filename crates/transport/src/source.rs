@@ -175,12 +175,22 @@ impl Source {
 
     /// One pull into `inbox` for `consumer_id`, waiting at most `wait` (see [`NatsSource::pull`],
     /// [`crate::KafkaSource::pull`] and [`crate::AmqpSource::pull`]). After an `Err`, drop the
-    /// source and connect anew.
+    /// source and connect anew unless [`Source::usable`] says it can pull again.
     pub async fn pull(&self, inbox: &dyn Inbox, consumer_id: &str, wait: Duration) -> Result<SourceReport> {
         match self {
             Source::Nats(source) => source.pull(inbox, consumer_id, wait).await,
             Source::Kafka(source) => source.pull(inbox, consumer_id, wait).await,
             Source::Amqp(source) => source.pull(inbox, consumer_id, wait).await,
+        }
+    }
+
+    /// After a failed pull: true when this source may pull again (a Kafka member whose error
+    /// took no record, [`crate::KafkaSource::usable`]); false when it must be dropped and
+    /// connected anew (every NATS and RabbitMQ source after an error).
+    pub fn usable(&self) -> bool {
+        match self {
+            Source::Kafka(source) => source.usable(),
+            Source::Nats(_) | Source::Amqp(_) => false,
         }
     }
 

@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 use clap::{Args, Subcommand};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use rdkafka::mocking::MockCluster;
+use rdkafka::producer::DefaultProducerContext;
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
@@ -177,7 +179,9 @@ struct RunArgs {
     /// instead of over HTTP, `nats://host:port` (JetStream) or `amqp://host:port` (RabbitMQ, as
     /// guest). The harness creates a stream (or a topic exchange bound to a quorum queue) of the run's own;
     /// the servers' relays publish to it through the partitioned link, and the remote server
-    /// consumes it into its inbox (`[[sources]]`). Deleted when the run ends.
+    /// consumes it into its inbox (`[[sources]]`). Deleted when the run ends. `kafka-mock`:
+    /// rdkafka's mock cluster inside the harness process (one broker, a topic of 16 partitions),
+    /// partitioned by the mock's own faults instead of the proxy (docs/reliability.md).
     #[arg(long)]
     broker: Option<String>,
 }
@@ -521,18 +525,42 @@ struct Broker {
 enum BrokerKind {
     Nats,
     Amqp,
+    /// rdkafka's mock cluster, inside the harness process (no Kafka broker runs here).
+    KafkaMock,
 }
+
+/// The remote source's messages per pull (the most a source takes): one source keeps up with
+/// the relays of every server (with the default 100, one inbox commit per 100 events, it fell
+/// behind them).
+const SOURCE_BATCH: usize = 1_000;
+/// `--broker` for rdkafka's mock cluster.
+const KAFKA_MOCK: &str = "kafka-mock";
+/// Kafka: the partitions of the run's topic. The mock broker keeps 5 MiB of each partition's log
+/// in memory and trims the oldest records past that, as retention would: the remote source
+/// must never lag by more than this many times 5 MiB, or the broker drops what it has not read
+/// (its log says `Offset out of range`, and the checker finds the events `not_applied`).
+const KAFKA_PARTITIONS: i32 = 16;
+/// Kafka: the remote source's group session timeout (the mock broker's least): a killed remote
+/// server's member holds its partitions this long.
+const SOURCE_SESSION_TIMEOUT_MS: u64 = 6_000;
+/// Kafka: how late the mock broker answers while a black hole or lost answers last (it stores
+/// each produce at once): longer than the relays' attempt timeout, so the relay gives the
+/// attempt up and publishes again.
+const KAFKA_LATE_ANSWER: Duration = Duration::from_millis(2 * CLIENT_REQUEST_TIMEOUT.as_millis() as u64);
 
 impl Broker {
     /// `nats://host:port` or `amqp://host:port` (a trailing `/` allowed; no user, path or query).
     fn parse(url: &str) -> Result<Broker> {
         let refuse = |why: &str| {
             invalid(format!(
-                "--broker {url:?}: {why}; give nats://host:port (JetStream) or amqp://host:port (RabbitMQ)"
+                "--broker {url:?}: {why}; give nats://host:port (JetStream), amqp://host:port (RabbitMQ) or {KAFKA_MOCK}"
             ))
         };
         if url.len() > BROKER_URL_MAX {
             return Err(refuse(&format!("longer than {BROKER_URL_MAX} bytes")));
+        }
+        if url == KAFKA_MOCK {
+            return Ok(Broker { kind: BrokerKind::KafkaMock, server: String::new() });
         }
         let (kind, rest) = match (url.strip_prefix("nats://"), url.strip_prefix("amqp://")) {
             (Some(rest), _) => (BrokerKind::Nats, rest),
@@ -551,11 +579,15 @@ impl Broker {
         match self.kind {
             BrokerKind::Nats => "nats",
             BrokerKind::Amqp => "amqp",
+            BrokerKind::KafkaMock => "kafka",
         }
     }
 
     fn url(&self) -> String {
-        format!("{}://{}", self.scheme(), self.server)
+        match self.kind {
+            BrokerKind::KafkaMock => KAFKA_MOCK.to_string(),
+            _ => format!("{}://{}", self.scheme(), self.server),
+        }
     }
 }
 
@@ -1283,6 +1315,8 @@ struct BrokerRoute {
     publish_to: String,
     /// NATS: the stream capturing `<prefix>.>`; RabbitMQ: the quorum queue bound to the exchange.
     consume_from: String,
+    /// Kafka: the mock cluster (it lives as long as the route) and its bootstrap address.
+    kafka: Option<(MockCluster<'static, DefaultProducerContext>, String)>,
 }
 
 impl BrokerRoute {
@@ -1292,6 +1326,7 @@ impl BrokerRoute {
             .build()
             .map_err(io("cannot start the async runtime"))?;
         let prefix = format!("tmkchaos{}", uuid::Uuid::new_v4().simple());
+        let mut kafka = None;
         let (publish_to, consume_from) = match broker.kind {
             BrokerKind::Nats => {
                 let stream = prefix.to_uppercase();
@@ -1303,26 +1338,66 @@ impl BrokerRoute {
                 crate::brokers::declare_routes(&runtime, &broker.server, std::slice::from_ref(&route))?;
                 route
             }
+            BrokerKind::KafkaMock => {
+                let cluster =
+                    MockCluster::new(1).map_err(|e| Error::io(format!("cannot start the mock cluster: {e}")))?;
+                cluster
+                    .create_topic(&prefix, KAFKA_PARTITIONS, 1)
+                    .map_err(|e| Error::io(format!("cannot create the topic {prefix}: {e}")))?;
+                let bootstrap = cluster.bootstrap_servers();
+                kafka = Some((cluster, bootstrap));
+                (prefix.clone(), prefix)
+            }
         };
-        Ok(BrokerRoute { broker: broker.clone(), runtime, publish_to, consume_from })
+        Ok(BrokerRoute { broker: broker.clone(), runtime, publish_to, consume_from, kafka })
     }
 
-    /// The endpoint the servers subscribe the remote consumer at: the broker through `proxy`.
+    /// The broker's `host:port` (the mock cluster's bootstrap address for Kafka).
+    fn server(&self) -> &str {
+        self.kafka.as_ref().map_or(&self.broker.server, |(_, bootstrap)| bootstrap)
+    }
+
+    /// The endpoint the servers subscribe the remote consumer at: the broker through `proxy`
+    /// (Kafka: the mock broker itself, whose faults are its own, [`BrokerRoute::set_link`]).
     fn endpoint(&self, proxy: &str) -> String {
-        format!("{}://{proxy}/{}", self.broker.scheme(), self.publish_to)
+        let server = if self.kafka.is_some() { self.server() } else { proxy };
+        format!("{}://{server}/{}", self.broker.scheme(), self.publish_to)
     }
 
-    /// The remote server's configuration: a source from the broker (straight, not through the
-    /// proxy) into its consumer's inbox.
-    fn remote_config(&self) -> String {
-        let (scheme, server) = (self.broker.scheme(), &self.broker.server);
-        let mut config = format!("[[sources]]\ntenant = \"{TENANT}\"\nconsumer = \"{REMOTE_CONSUMER}\"\n");
+    /// Kafka: fail the link at the mock broker (a clients' proxy cannot stand before a Kafka
+    /// broker, whose metadata sends them to its own address): a cut takes it down (its
+    /// connections closed, new ones refused); a black hole or lost answers make it answer
+    /// [`KAFKA_LATE_ANSWER`] late (it stores a produce at once). `false` when the route is not
+    /// Kafka (the proxy fails the link).
+    fn set_link(&self, link: Link) -> bool {
+        let Some((cluster, _)) = &self.kafka else { return false };
+        let result = match link {
+            Link::Pass => cluster.broker_up(1).and_then(|()| cluster.broker_round_trip_time(1, Duration::ZERO)),
+            Link::Cut => cluster.broker_down(1),
+            Link::BlackHole | Link::LoseAnswers => cluster.broker_round_trip_time(1, KAFKA_LATE_ANSWER),
+        };
+        if let Err(e) = result {
+            eprintln!("tidemark chaos: the mock cluster refused {link:?}: {e}");
+        }
+        true
+    }
+
+    /// The remote server's configuration: a source from the broker at `server` (its own proxy
+    /// before the broker, or the mock Kafka broker itself) into its consumer's inbox.
+    fn remote_config(&self, server: &str) -> String {
+        let scheme = self.broker.scheme();
+        let mut config =
+            format!("[[sources]]\ntenant = \"{TENANT}\"\nconsumer = \"{REMOTE_CONSUMER}\"\nbatch = {SOURCE_BATCH}\n");
         match self.broker.kind {
             BrokerKind::Nats => config.push_str(&format!(
                 "from = \"{scheme}://{server}/{}\"\nstream = \"{}\"\nack_wait_ms = {SOURCE_ACK_WAIT_MS}\n",
                 self.publish_to, self.consume_from
             )),
             BrokerKind::Amqp => config.push_str(&format!("from = \"{scheme}://{server}/{}\"\n", self.consume_from)),
+            BrokerKind::KafkaMock => config.push_str(&format!(
+                "from = \"{scheme}://{server}/{}\"\nsession_timeout_ms = {SOURCE_SESSION_TIMEOUT_MS}\n",
+                self.consume_from
+            )),
         }
         config
     }
@@ -1330,6 +1405,7 @@ impl BrokerRoute {
     fn json(&self) -> Value {
         json!({
             "url": self.broker.url(),
+            "server": self.server(),
             "publish_to": self.publish_to,
             "consume_from": self.consume_from,
         })
@@ -1345,6 +1421,8 @@ impl Drop for BrokerRoute {
                 &self.broker.server,
                 &[(self.publish_to.clone(), self.consume_from.clone())],
             ),
+            // The mock cluster goes with the route.
+            BrokerKind::KafkaMock => {}
         }
     }
 }
@@ -1355,16 +1433,42 @@ struct Remote {
     proxy: Proxy,
     /// With `--broker`: the broker's names; the proxy stands between the relays and the broker.
     route: Option<BrokerRoute>,
+    /// With `--broker nats://` or `amqp://`: the proxy between the broker and the remote server's
+    /// source.
+    source_proxy: Option<Proxy>,
+    /// Partitions of a broker's links by the side they failed, as [`Side`] numbers them.
+    sides: [u64; 3],
 }
+
+/// Which of a broker's links a partition fails: the relays' (publishing), the remote source's
+/// (consuming), or both (the broker cut off from everyone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Relays = 0,
+    Source = 1,
+    Both = 2,
+}
+
+/// Mixes a fault's index into the seed of its side's draw (apart from the flap's rhythm).
+const SIDE_MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl Remote {
     /// Start the proxy, write the servers' configuration (the relay's token for the proxy's
     /// origin, short backoffs so that delivery resumes soon after a partition heals), start the
     /// remote server behind the proxy and declare its consumer. With a broker, the proxy leads
-    /// to the broker instead, and the remote server consumes from it.
+    /// to the broker instead, and the remote server consumes from it through a second proxy
+    /// (NATS, RabbitMQ) or straight (the mock Kafka broker, which fails itself).
     fn start(exe: &Path, settings: &Settings) -> Result<Remote> {
         let route = settings.broker.as_ref().map(BrokerRoute::create).transpose()?;
         let proxy = Proxy::start()?;
+        let source_proxy = match &route {
+            Some(route) if route.kafka.is_none() => {
+                let source_proxy = Proxy::start()?;
+                source_proxy.set_target(route.server());
+                Some(source_proxy)
+            }
+            _ => None,
+        };
         let config = format!(
             "[relay]\nattempt_timeout_ms = {}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n\
              [relay.tokens]\n\"http://{}\" = \"{REMOTE_TOKEN}\"\n",
@@ -1375,17 +1479,18 @@ impl Remote {
         let remote_config = match &route {
             Some(route) => {
                 let path = settings.out.join("remote.toml");
-                std::fs::write(&path, route.remote_config()).map_err(io("cannot write remote.toml"))?;
+                let server = source_proxy.as_ref().map_or(route.server(), Proxy::addr);
+                std::fs::write(&path, route.remote_config(server)).map_err(io("cannot write remote.toml"))?;
                 Some(path)
             }
             None => None,
         };
         let mut server = Serve::remote(exe, settings, remote_config);
         server.start()?;
-        proxy.set_target(route.as_ref().map_or(&server.addr, |route| &route.broker.server));
+        proxy.set_target(route.as_ref().map_or(&server.addr, |route| route.server()));
         let consumer = format!("{}/v1/consumers/{REMOTE_CONSUMER}", server.base());
         put_all(&[(consumer, json!({"handler": "record"}))])?;
-        Ok(Remote { server, proxy, route })
+        Ok(Remote { server, proxy, route, source_proxy, sides: [0; 3] })
     }
 
     fn data(&self) -> TenantData {
@@ -1433,9 +1538,31 @@ impl Remote {
         Ok(self.delivery_resumed_ms(inbox.as_ref(), restarted, before))
     }
 
+    /// Set the link on `side`: at its proxies, or at the mock broker for Kafka (every side).
+    fn set_link(&self, link: Link, side: Side) {
+        if self.route.as_ref().is_some_and(|route| route.set_link(link)) {
+            return;
+        }
+        if side != Side::Source {
+            self.proxy.set(link);
+        }
+        if let Some(source_proxy) = self.source_proxy.as_ref().filter(|_| side != Side::Relays) {
+            source_proxy.set(link);
+        }
+    }
+
     /// Fail the link as `mode` says for `hold_ms`, then heal it, and measure how long delivery
     /// takes to resume. A flap's rhythm comes from the run's seed and the fault's index.
-    fn partition(&self, mode: PartitionMode, hold_ms: u64, seed: u64, index: usize) -> Option<f64> {
+    /// With a source proxy, the side is drawn from the seed and the index: a third each.
+    fn partition(&mut self, mode: PartitionMode, hold_ms: u64, seed: u64, index: usize) -> Option<f64> {
+        let side = match self.source_proxy {
+            Some(_) => {
+                let draw = StdRng::seed_from_u64(seed ^ (index as u64).wrapping_mul(SIDE_MIX)).gen_range(0..3);
+                [Side::Relays, Side::Source, Side::Both][draw]
+            }
+            None => Side::Relays,
+        };
+        self.sides[side as usize] += 1;
         let link = match mode {
             PartitionMode::Cut | PartitionMode::Flap => Link::Cut,
             PartitionMode::BlackHole => Link::BlackHole,
@@ -1446,17 +1573,17 @@ impl Remote {
             let mut rng = StdRng::seed_from_u64(seed ^ (index as u64).wrapping_mul(0x2545_f491_4f6c_dd1d));
             let mut up = false;
             while let Some(left) = until.checked_duration_since(Instant::now()) {
-                self.proxy.set(if up { Link::Pass } else { link });
+                self.set_link(if up { Link::Pass } else { link }, side);
                 up = !up;
                 std::thread::sleep(Duration::from_millis(rng.gen_range(100..=400)).min(left));
             }
         } else {
-            self.proxy.set(link);
+            self.set_link(link, side);
             std::thread::sleep(until.saturating_duration_since(Instant::now()));
         }
         let inbox = self.inbox();
         let before = Self::last_record(inbox.as_ref());
-        self.proxy.set(Link::Pass);
+        self.set_link(Link::Pass, side);
         self.delivery_resumed_ms(inbox.as_ref(), Instant::now(), before)
     }
 }
@@ -1627,10 +1754,16 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         server.terminate()?;
     }
     let link = remote.as_ref().map(|r| {
+        let source = r.source_proxy.as_ref();
         json!({
-            "connections": r.proxy.connections(),
-            "answers_lost": r.proxy.answers_lost(),
+            "connections": r.proxy.connections() + source.map_or(0, Proxy::connections),
+            "answers_lost": r.proxy.answers_lost() + source.map_or(0, Proxy::answers_lost),
             "broker": r.route.as_ref().map(BrokerRoute::json),
+            "source": source.map(|proxy| json!({
+                "connections": proxy.connections(),
+                "answers_lost": proxy.answers_lost(),
+            })),
+            "sides": source.map(|_| json!({"relays": r.sides[0], "source": r.sides[1], "both": r.sides[2]})),
         })
     });
     if let Some(remote) = remote.as_mut() {
@@ -1928,10 +2061,13 @@ mod broker_tests {
         assert_eq!(nats.url(), "nats://127.0.0.1:4222");
         let amqp = Broker::parse("amqp://rabbit:5672/").unwrap();
         assert_eq!((amqp.kind, amqp.server.as_str()), (BrokerKind::Amqp, "rabbit:5672"));
+        let kafka = Broker::parse(KAFKA_MOCK).unwrap();
+        assert_eq!((kafka.kind, kafka.url().as_str()), (BrokerKind::KafkaMock, KAFKA_MOCK));
         let long = format!("nats://{}:4222", "h".repeat(BROKER_URL_MAX));
         for bad in [
             "http://127.0.0.1:4222",
             "kafka://k:9092",
+            "kafka-mock/",
             "nats://",
             "nats://host",
             "nats://:4222",
