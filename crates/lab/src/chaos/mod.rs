@@ -816,6 +816,7 @@ impl Serve {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
         let mut command = Command::new(&self.exe);
+        die_with_the_harness(&mut command);
         match &self.faultfs {
             Some(state) => command.env(faultfs_env(), state),
             None => command.env_remove(faultfs_env()),
@@ -894,6 +895,29 @@ impl Serve {
 
     fn terminate(&mut self) -> Result<()> {
         self.process.terminate()
+    }
+}
+
+/// The harness's servers and workers die with it: a harness killed by a signal (or by a test's
+/// timeout) leaves no `tidemark serve` behind on its ports and files. Linux sends the signal when
+/// the thread that started the child ends; every child is started on the harness's main thread,
+/// which lives until the run's end.
+fn die_with_the_harness(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let harness = std::process::id() as libc::pid_t;
+    // SAFETY: between fork and exec the closure calls only async-signal-safe functions (prctl,
+    // getppid) and allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The harness may have died between the fork and the prctl.
+            if libc::getppid() != harness {
+                return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+            }
+            Ok(())
+        });
     }
 }
 
@@ -1006,6 +1030,7 @@ impl WorkerProcess {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
         let mut command = Command::new(&self.exe);
+        die_with_the_harness(&mut command);
         command.args(["--durability", &self.durability, "worker", "--db"]);
         match &self.store {
             Some(store) => command.arg(store),
