@@ -48,6 +48,15 @@ const MESSAGE_TIMEOUT_MS_MIN: u128 = 100;
 /// How long librdkafka waits for more records before it sends a request (its default): a batch's
 /// records are all queued at once, so they share requests anyway.
 const LINGER_MS: u32 = 5;
+/// The longest wait between two attempts to reconnect to a broker, in ms (librdkafka's default
+/// is 10 s). librdkafka doubles the wait after each failed attempt and starts again from
+/// `reconnect.backoff.ms` (100 ms) only once no attempt was made for this long, so a broker that
+/// fails again and again within 10 s (a flapping network, a rolling restart) left a producer, and
+/// a group member's coordinator connection, up to 10 s behind a broker that was back: a member
+/// that reconnects that late has missed its session timeout and must rejoin the group (found by
+/// `tidemark chaos --broker kafka-mock`). One second keeps the reconnects of one client per
+/// process cheap for the broker.
+pub(crate) const RECONNECT_BACKOFF_MAX_MS: u64 = 1_000;
 
 /// An idempotent producer to one `kafka://servers/<topic>` endpoint, created on first use.
 pub struct KafkaTransport {
@@ -106,6 +115,7 @@ impl KafkaTransport {
             .set("partitioner", "murmur2_random")
             .set("allow.auto.create.topics", "false")
             .set("linger.ms", LINGER_MS.to_string())
+            .set("reconnect.backoff.max.ms", RECONNECT_BACKOFF_MAX_MS.to_string())
             .set("message.timeout.ms", message_ms.to_string())
             .set("socket.connection.setup.timeout.ms", setup_ms.to_string())
             .set("topic.metadata.propagation.max.ms", self.connect_timeout.as_millis().to_string());

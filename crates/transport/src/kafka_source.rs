@@ -51,6 +51,7 @@ use tidemark_core::error::codes;
 use tidemark_core::store::ReceiveOutcome;
 use tidemark_core::{Envelope, Error, Result};
 
+use crate::kafka::RECONNECT_BACKOFF_MAX_MS;
 use crate::source::{Inbox, SourceReport};
 
 /// The longest consumer group id accepted (Kafka's own limit on names, as for topics).
@@ -69,6 +70,14 @@ const MAX_POLL_INTERVAL_MS: u64 = 300_000;
 const HEARTBEAT_INTERVAL_MS_MAX: u64 = 3_000;
 /// librdkafka refuses a `socket.connection.setup.timeout.ms` below one second.
 const CONNECTION_SETUP_TIMEOUT_MS_MIN: u128 = 1_000;
+/// How long a request to a broker may go unanswered before librdkafka gives it up and closes
+/// the connection, in ms (its default is a minute). A connection the network black-holed, or a
+/// broker that lost a request, otherwise stalls the member's fetches or its coordinator's
+/// heartbeats and commits for a whole minute, far past its session timeout (found by
+/// `tidemark chaos --broker kafka-mock`). A fetch waits at most `fetch.wait.max.ms` (500 ms) at
+/// the broker, and a JoinGroup has its own, longer timeout, so 10 s only ever ends a request
+/// that is lost.
+const SOCKET_TIMEOUT_MS: u64 = 10_000;
 
 /// Where to consume from: a Kafka topic and the consumer group reading it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, serde::Deserialize)]
@@ -179,6 +188,8 @@ impl KafkaSource {
             .set("session.timeout.ms", session_ms.to_string())
             .set("heartbeat.interval.ms", HEARTBEAT_INTERVAL_MS_MAX.min(session_ms / 3).to_string())
             .set("max.poll.interval.ms", MAX_POLL_INTERVAL_MS.max(session_ms).to_string())
+            .set("reconnect.backoff.max.ms", RECONNECT_BACKOFF_MAX_MS.to_string())
+            .set("socket.timeout.ms", SOCKET_TIMEOUT_MS.to_string())
             .set(
                 "socket.connection.setup.timeout.ms",
                 connect_timeout.as_millis().max(CONNECTION_SETUP_TIMEOUT_MS_MIN).to_string(),
