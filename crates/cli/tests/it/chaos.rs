@@ -658,7 +658,8 @@ fn broker_answering(env: &str, default: &str) -> Option<String> {
 /// Partitions of every mode and kills of the remote server ([`BROKER_SEED`]) with the remote
 /// consumer reached through `broker`: the servers' relays publish through the proxy, the remote
 /// server consumes from the broker. The servers run on SQLite files, then (when PostgreSQL
-/// answers) on PostgreSQL schemas; the remote server is on SQLite in both.
+/// answers) on PostgreSQL schemas, where the remote server is too (its own schemas, under the
+/// prefix `<prefix>_r`).
 fn broker_partitions(broker: &str) {
     let dir = tempfile::tempdir().expect("tempdir");
     broker_partitions_on(broker, &dir.path().join("files"), None);
@@ -705,6 +706,15 @@ fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
         (Some(0), Some(0))
     );
     assert_eq!(report["faults"]["link"]["broker"]["url"], broker, "{report:#}");
+    // The remote server is on the servers' backend: its inbox, which the checker read, too.
+    match store {
+        Some(url) => {
+            let prefix = url.rsplit_once("schema=").unwrap().1;
+            let remote = report["remote_store"].as_str().unwrap_or_default();
+            assert!(remote.ends_with(&format!("schema={prefix}_r")), "{report:#}");
+        }
+        None => assert!(report["remote_store"].is_null(), "{report:#}"),
+    }
     assert!(report["reproduce"].as_str().unwrap().ends_with(&format!(" --broker {broker}")), "{report:#}");
     let modes: std::collections::BTreeSet<&str> =
         report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
@@ -795,7 +805,7 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 18] = [
+    let cases: [&[&str]; 19] = [
         &["chaos", "--seed", "1", "--broker", "nats://127.0.0.1:4222", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "http://127.0.0.1:1", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "amqp://rabbit", "--out", out_str],
@@ -812,6 +822,18 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
         &["chaos", "--seed", "1", "--store", "sqlite:x.db", "--out", out_str],
         &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=Bad-Prefix", "--out", out_str],
         &["chaos", "--seed", "1", "--store", "postgres://u@h/d?schema=ok", "--kinds", "power-loss", "--out", out_str],
+        // A prefix of 24 bytes leaves no room for the remote server's `<prefix>_r` (at most 24).
+        &[
+            "chaos",
+            "--seed",
+            "1",
+            "--store",
+            "postgres://u@h/d?schema=abcdefghijklmnopqrstuvwx",
+            "--kinds",
+            "partition",
+            "--out",
+            out_str,
+        ],
         &["chaos", "--seed", "1", "--kinds", "db-crash", "--out", out_str],
         &["chaos", "--seed", "1", "--db-data", "/tmp", "--out", out_str],
     ];

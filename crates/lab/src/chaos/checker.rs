@@ -244,6 +244,29 @@ impl TenantData {
     }
 }
 
+/// The remote inbox open for reading, on either backend: the harness polls its last record to
+/// time delivery after a heal.
+pub(crate) struct InboxReader(Db);
+
+impl TenantData {
+    /// The tenant's inbox open for reading (`None` while it cannot be opened yet).
+    pub(crate) fn inbox_reader(&self) -> Option<InboxReader> {
+        self.inbox.open().ok().map(InboxReader)
+    }
+}
+
+impl InboxReader {
+    /// The inbox's last record (its rowid on SQLite, its identity `record` on PostgreSQL; 0 while
+    /// it holds none or cannot be read).
+    pub(crate) fn last_record(&mut self) -> i64 {
+        let query = match self.0 {
+            Db::Sqlite(_) => "SELECT coalesce(max(rowid), 0) FROM inbox",
+            Db::Postgres(_) => "SELECT coalesce(max(record), 0) FROM inbox",
+        };
+        self.0.int(query, &[]).unwrap_or(0)
+    }
+}
+
 /// A value of a row the checker reads.
 #[derive(Debug, Clone)]
 enum Cell {

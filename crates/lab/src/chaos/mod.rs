@@ -220,9 +220,13 @@ pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
 fn check_only(args: &CheckArgs) -> Result<Value> {
     let ledger = checker::read_ledger(&args.out.join("ledger.jsonl"))?;
     // A run that partitioned the network has the remote server's folder beside its own.
-    let remote = args.out.join("remote");
-    let remote = remote.is_dir().then(|| TenantData::new(&remote, TENANT));
+    // With --store, its schemas are under the prefix `<prefix>_r`, as the run made them.
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
+    let remote = args.out.join("remote");
+    let remote = match remote.is_dir() {
+        true => Some(tenant_data(&remote, store.as_ref().map(PostgresStore::remote).transpose()?.as_ref())),
+        false => None,
+    };
     let data = tenant_data(&args.out.join("data"), store.as_ref());
     let report = checker::check(&data, TENANT, &ledger, remote.as_ref())?;
     let check = report.to_json(args.seed);
@@ -235,15 +239,22 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
     }))
 }
 
+/// Does a run of these kinds have a remote consumer behind the proxy (it partitions the link or
+/// kills the remote server)?
+fn has_remote(kinds: &[FaultKind]) -> bool {
+    [FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| kinds.contains(k))
+}
+
 impl Settings {
     /// Does the run have a remote consumer behind the proxy (it partitions the link or kills
     /// the remote server)?
     fn has_remote(&self) -> bool {
-        [FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| self.kinds.contains(k))
+        has_remote(&self.kinds)
     }
 }
 
 /// The PostgreSQL server and schema prefix a run serves on (`--store`).
+#[derive(Clone)]
 struct PostgresStore {
     backend: tidemark_server::Postgres,
     /// The URL as given (the servers' `--store`).
@@ -264,6 +275,23 @@ impl PostgresStore {
         };
         let backend = tidemark_server::Postgres::from_url(url).map_err(|e| invalid(format!("--store: {e}")))?;
         Ok(PostgresStore { backend, url: url.to_string(), masked })
+    }
+
+    /// The remote consumer's server's store: the same server, the schema prefix `<prefix>_r`, so
+    /// that its schemas (`<prefix>_r_chaos_<hash>_p|i|w`) are the run's too (dropped with
+    /// `<prefix>_*`) and never the servers' (`invalid_argument` when the longer prefix is too long).
+    fn remote(&self) -> Result<PostgresStore> {
+        let mut url = url::Url::parse(&self.url).map_err(|e| invalid(format!("--store: {e}")))?;
+        let pairs: Vec<(String, String)> = url
+            .query_pairs()
+            .map(|(key, value)| {
+                let value = if key == "schema" { format!("{value}_r") } else { value.into_owned() };
+                (key.into_owned(), value)
+            })
+            .collect();
+        url.query_pairs_mut().clear().extend_pairs(pairs);
+        PostgresStore::parse(url.as_str())
+            .map_err(|e| invalid(format!("the remote server's store (the --store prefix and _r): {e}")))
     }
 
     /// The `--store` URL of one of the tenant's schemas (what a worker process opens).
@@ -509,6 +537,9 @@ struct Settings {
     converge_timeout: Duration,
     out: PathBuf,
     store: Option<PostgresStore>,
+    /// With `--store` and a remote server: its store, the same server under the prefix
+    /// `<prefix>_r` ([`PostgresStore::remote`]).
+    remote_store: Option<PostgresStore>,
     database: Option<Database>,
     broker: Option<Broker>,
 }
@@ -647,7 +678,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         if let Some(kind) = [FaultKind::ClockJump, FaultKind::IoError].iter().find(|k| kinds.contains(k)) {
             return Err(invalid(format!(
                 "--kinds {kind:?} acts on the servers' SQLite files or clock files; with --store postgres://... \
-                 combine sigkill, sigstop, partition, db-crash and power-loss"
+                 combine sigkill, sigstop, partition, remote-kill, db-crash and power-loss"
             )));
         }
         if durability != "full" {
@@ -685,6 +716,10 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
     }
+    let remote_store = match &store {
+        Some(store) if has_remote(&kinds) => Some(store.remote()?),
+        _ => None,
+    };
     let out = args.out.unwrap_or_else(|| PathBuf::from(format!("tidemark-chaos-{seed}")));
     if out.exists() && std::fs::read_dir(&out).map_err(io("cannot read --out"))?.next().is_some() {
         return Err(Error::invalid(
@@ -711,6 +746,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
         out,
         store,
+        remote_store,
         database,
         broker,
     })
@@ -785,7 +821,7 @@ impl Serve {
             data: out.join("remote"),
             log: out.join("logs").join("remote.log"),
             config,
-            store: None,
+            store: settings.remote_store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
             faultfs: None,
             seed: settings.seed,
@@ -1458,6 +1494,8 @@ struct Remote {
     proxy: Proxy,
     /// With `--broker`: the broker's names; the proxy stands between the relays and the broker.
     route: Option<BrokerRoute>,
+    /// With `--store`: the remote server's schemas, under the prefix `<prefix>_r`.
+    store: Option<PostgresStore>,
     /// With `--broker nats://` or `amqp://`: the proxy between the broker and the remote server's
     /// source.
     source_proxy: Option<Proxy>,
@@ -1515,33 +1553,35 @@ impl Remote {
         proxy.set_target(route.as_ref().map_or(&server.addr, |route| route.server()));
         let consumer = format!("{}/v1/consumers/{REMOTE_CONSUMER}", server.base());
         put_all(&[(consumer, json!({"handler": "record"}))])?;
-        Ok(Remote { server, proxy, route, source_proxy, sides: [0; 3] })
+        Ok(Remote { server, proxy, route, source_proxy, sides: [0; 3], store: settings.remote_store.clone() })
     }
 
     fn data(&self) -> TenantData {
-        TenantData::new(&self.server.data, TENANT)
+        tenant_data(&self.server.data, self.store.as_ref())
     }
 
     /// The remote inbox, read-only (`None` while it cannot be opened).
-    fn inbox(&self) -> Option<rusqlite::Connection> {
-        let path = self.server.data.join("tenants").join(TENANT).join("inbox.db");
-        let conn = rusqlite::Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).ok()?;
-        conn.busy_timeout(Duration::from_secs(1)).ok()?;
-        Some(conn)
+    fn inbox(&self) -> Option<checker::InboxReader> {
+        self.data().inbox_reader()
     }
 
     /// The last record the remote inbox holds (0 while it has none or cannot be read).
-    fn last_record(inbox: Option<&rusqlite::Connection>) -> i64 {
-        inbox.and_then(|c| c.query_row("SELECT coalesce(max(rowid), 0) FROM inbox", [], |r| r.get(0)).ok()).unwrap_or(0)
+    fn last_record(inbox: Option<&mut checker::InboxReader>) -> i64 {
+        inbox.map_or(0, checker::InboxReader::last_record)
     }
 
     /// After a heal: the time until the remote inbox holds a record it did not hold at the heal,
     /// in ms (polled every 10 ms on one read-only connection, at most [`HEAL_WAIT`]); `None` when
     /// nothing new arrived by then (nothing was waiting to be delivered, or delivery had not
     /// resumed).
-    fn delivery_resumed_ms(&self, inbox: Option<&rusqlite::Connection>, healed: Instant, before: i64) -> Option<f64> {
+    fn delivery_resumed_ms(
+        &self,
+        mut inbox: Option<checker::InboxReader>,
+        healed: Instant,
+        before: i64,
+    ) -> Option<f64> {
         while healed.elapsed() < HEAL_WAIT {
-            if Self::last_record(inbox) > before {
+            if Self::last_record(inbox.as_mut()) > before {
                 return Some(healed.elapsed().as_secs_f64() * 1_000.0);
             }
             std::thread::sleep(Duration::from_millis(10));
@@ -1556,11 +1596,11 @@ impl Remote {
         self.server.sigkill();
         std::thread::sleep(Duration::from_millis(hold_ms));
         self.server.start()?;
-        let inbox = self.inbox();
-        let before = Self::last_record(inbox.as_ref());
+        let mut inbox = self.inbox();
+        let before = Self::last_record(inbox.as_mut());
         let restarted = Instant::now();
         open_tenant(&self.server)?;
-        Ok(self.delivery_resumed_ms(inbox.as_ref(), restarted, before))
+        Ok(self.delivery_resumed_ms(inbox, restarted, before))
     }
 
     /// Set the link on `side`: at its proxies, or at the mock broker for Kafka (every side).
@@ -1606,10 +1646,10 @@ impl Remote {
             self.set_link(link, side);
             std::thread::sleep(until.saturating_duration_since(Instant::now()));
         }
-        let inbox = self.inbox();
-        let before = Self::last_record(inbox.as_ref());
+        let mut inbox = self.inbox();
+        let before = Self::last_record(inbox.as_mut());
         self.set_link(Link::Pass, side);
-        self.delivery_resumed_ms(inbox.as_ref(), Instant::now(), before)
+        self.delivery_resumed_ms(inbox, Instant::now(), before)
     }
 }
 
@@ -1839,6 +1879,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         ),
         "durability": settings.durability,
         "store": settings.store.as_ref().map(|store| store.masked.clone()),
+        "remote_store": settings.remote_store.as_ref().map(|store| store.masked.clone()),
         "processes": settings.processes,
         "workers": settings.workers,
         "worker_claims": worker_claims,
