@@ -546,16 +546,11 @@ struct Settings {
 
 /// The broker a partitioned remote consumer is reached through (`--broker`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Broker {
-    kind: BrokerKind,
-    /// `host:port`.
-    server: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum BrokerKind {
-    Nats,
-    Amqp,
+enum Broker {
+    /// NATS JetStream at `host:port`.
+    Nats(String),
+    /// RabbitMQ at `host:port`.
+    Amqp(String),
     /// rdkafka's mock cluster, inside the harness process (no Kafka broker runs here).
     KafkaMock,
 }
@@ -591,33 +586,34 @@ impl Broker {
             return Err(refuse(&format!("longer than {BROKER_URL_MAX} bytes")));
         }
         if url == KAFKA_MOCK {
-            return Ok(Broker { kind: BrokerKind::KafkaMock, server: String::new() });
+            return Ok(Broker::KafkaMock);
         }
-        let (kind, rest) = match (url.strip_prefix("nats://"), url.strip_prefix("amqp://")) {
-            (Some(rest), _) => (BrokerKind::Nats, rest),
-            (_, Some(rest)) => (BrokerKind::Amqp, rest),
-            _ => return Err(refuse("not a nats:// or amqp:// URL")),
-        };
+        let (broker, rest): (fn(String) -> Broker, &str) =
+            match (url.strip_prefix("nats://"), url.strip_prefix("amqp://")) {
+                (Some(rest), _) => (Broker::Nats, rest),
+                (_, Some(rest)) => (Broker::Amqp, rest),
+                _ => return Err(refuse("not a nats:// or amqp:// URL")),
+            };
         let server = rest.strip_suffix('/').unwrap_or(rest);
         let port = server.rsplit_once(':').filter(|(host, _)| !host.is_empty()).map(|(_, port)| port.parse::<u16>());
         if server.contains(['/', '@', '?', '#', ' ']) || !matches!(port, Some(Ok(p)) if p > 0) {
             return Err(refuse("the broker is host:port, nothing else"));
         }
-        Ok(Broker { kind, server: server.to_string() })
+        Ok(broker(server.to_string()))
     }
 
     fn scheme(&self) -> &'static str {
-        match self.kind {
-            BrokerKind::Nats => "nats",
-            BrokerKind::Amqp => "amqp",
-            BrokerKind::KafkaMock => "kafka",
+        match self {
+            Broker::Nats(_) => "nats",
+            Broker::Amqp(_) => "amqp",
+            Broker::KafkaMock => "kafka",
         }
     }
 
     fn url(&self) -> String {
-        match self.kind {
-            BrokerKind::KafkaMock => KAFKA_MOCK.to_string(),
-            _ => format!("{}://{}", self.scheme(), self.server),
+        match self {
+            Broker::Nats(server) | Broker::Amqp(server) => format!("{}://{server}", self.scheme()),
+            Broker::KafkaMock => KAFKA_MOCK.to_string(),
         }
     }
 }
@@ -1376,8 +1372,10 @@ struct BrokerRoute {
     publish_to: String,
     /// NATS: the stream capturing `<prefix>.>`; RabbitMQ: the quorum queue bound to the exchange.
     consume_from: String,
-    /// Kafka: the mock cluster (it lives as long as the route) and its bootstrap address.
-    kafka: Option<(MockCluster<'static, DefaultProducerContext>, String)>,
+    /// The broker's `host:port` (the mock cluster's bootstrap address for Kafka).
+    server: String,
+    /// Kafka: the mock cluster, which lives as long as the route.
+    mock: Option<MockCluster<'static, DefaultProducerContext>>,
 }
 
 impl BrokerRoute {
@@ -1387,41 +1385,46 @@ impl BrokerRoute {
             .build()
             .map_err(io("cannot start the async runtime"))?;
         let prefix = format!("tmkchaos{}", uuid::Uuid::new_v4().simple());
-        let mut kafka = None;
-        let (publish_to, consume_from) = match broker.kind {
-            BrokerKind::Nats => {
+        let mut mock = None;
+        let (publish_to, consume_from, server) = match broker {
+            Broker::Nats(server) => {
                 let stream = prefix.to_uppercase();
-                crate::brokers::create_stream(&runtime, &broker.server, &stream, vec![format!("{prefix}.>")])?;
-                (prefix, stream)
+                crate::brokers::create_stream(&runtime, server, &stream, vec![format!("{prefix}.>")])?;
+                (prefix, stream, server.clone())
             }
-            BrokerKind::Amqp => {
-                let route = (format!("{prefix}.relay"), format!("{prefix}.remote"));
-                crate::brokers::declare_routes(&runtime, &broker.server, std::slice::from_ref(&route))?;
-                route
+            Broker::Amqp(server) => {
+                let (exchange, queue) = (format!("{prefix}.relay"), format!("{prefix}.remote"));
+                crate::brokers::declare_routes(&runtime, server, &[(exchange.clone(), queue.clone())])?;
+                (exchange, queue, server.clone())
             }
-            BrokerKind::KafkaMock => {
+            Broker::KafkaMock => {
                 let cluster =
                     MockCluster::new(1).map_err(|e| Error::io(format!("cannot start the mock cluster: {e}")))?;
                 cluster
                     .create_topic(&prefix, KAFKA_PARTITIONS, 1)
                     .map_err(|e| Error::io(format!("cannot create the topic {prefix}: {e}")))?;
                 let bootstrap = cluster.bootstrap_servers();
-                kafka = Some((cluster, bootstrap));
-                (prefix.clone(), prefix)
+                mock = Some(cluster);
+                (prefix.clone(), prefix, bootstrap)
             }
         };
-        Ok(BrokerRoute { broker: broker.clone(), runtime, publish_to, consume_from, kafka })
+        Ok(BrokerRoute { broker: broker.clone(), runtime, publish_to, consume_from, server, mock })
     }
 
     /// The broker's `host:port` (the mock cluster's bootstrap address for Kafka).
     fn server(&self) -> &str {
-        self.kafka.as_ref().map_or(&self.broker.server, |(_, bootstrap)| bootstrap)
+        &self.server
+    }
+
+    /// Does the broker fail itself (the mock Kafka cluster), rather than through the proxies?
+    fn fails_itself(&self) -> bool {
+        self.mock.is_some()
     }
 
     /// The endpoint the servers subscribe the remote consumer at: the broker through `proxy`
     /// (Kafka: the mock broker itself, whose faults are its own, [`BrokerRoute::set_link`]).
     fn endpoint(&self, proxy: &str) -> String {
-        let server = if self.kafka.is_some() { self.server() } else { proxy };
+        let server = if self.fails_itself() { self.server() } else { proxy };
         format!("{}://{server}/{}", self.broker.scheme(), self.publish_to)
     }
 
@@ -1431,7 +1434,7 @@ impl BrokerRoute {
     /// [`KAFKA_LATE_ANSWER`] late (it stores a produce at once). `false` when the route is not
     /// Kafka (the proxy fails the link).
     fn set_link(&self, link: Link) -> bool {
-        let Some((cluster, _)) = &self.kafka else { return false };
+        let Some(cluster) = &self.mock else { return false };
         let result = match link {
             Link::Pass => cluster.broker_up(1).and_then(|()| cluster.broker_round_trip_time(1, Duration::ZERO)),
             Link::Cut => cluster.broker_down(1),
@@ -1449,13 +1452,13 @@ impl BrokerRoute {
         let scheme = self.broker.scheme();
         let mut config =
             format!("[[sources]]\ntenant = \"{TENANT}\"\nconsumer = \"{REMOTE_CONSUMER}\"\nbatch = {SOURCE_BATCH}\n");
-        match self.broker.kind {
-            BrokerKind::Nats => config.push_str(&format!(
+        match self.broker {
+            Broker::Nats(_) => config.push_str(&format!(
                 "from = \"{scheme}://{server}/{}\"\nstream = \"{}\"\nack_wait_ms = {SOURCE_ACK_WAIT_MS}\n",
                 self.publish_to, self.consume_from
             )),
-            BrokerKind::Amqp => config.push_str(&format!("from = \"{scheme}://{server}/{}\"\n", self.consume_from)),
-            BrokerKind::KafkaMock => config.push_str(&format!(
+            Broker::Amqp(_) => config.push_str(&format!("from = \"{scheme}://{server}/{}\"\n", self.consume_from)),
+            Broker::KafkaMock => config.push_str(&format!(
                 "from = \"{scheme}://{server}/{}\"\nsession_timeout_ms = {SOURCE_SESSION_TIMEOUT_MS}\n",
                 self.consume_from
             )),
@@ -1475,15 +1478,15 @@ impl BrokerRoute {
 
 impl Drop for BrokerRoute {
     fn drop(&mut self) {
-        match self.broker.kind {
-            BrokerKind::Nats => crate::brokers::delete_stream(&self.runtime, &self.broker.server, &self.consume_from),
-            BrokerKind::Amqp => crate::brokers::delete_routes(
+        match &self.broker {
+            Broker::Nats(server) => crate::brokers::delete_stream(&self.runtime, server, &self.consume_from),
+            Broker::Amqp(server) => crate::brokers::delete_routes(
                 &self.runtime,
-                &self.broker.server,
+                server,
                 &[(self.publish_to.clone(), self.consume_from.clone())],
             ),
             // The mock cluster goes with the route.
-            BrokerKind::KafkaMock => {}
+            Broker::KafkaMock => {}
         }
     }
 }
@@ -1525,7 +1528,7 @@ impl Remote {
         let route = settings.broker.as_ref().map(BrokerRoute::create).transpose()?;
         let proxy = Proxy::start()?;
         let source_proxy = match &route {
-            Some(route) if route.kafka.is_none() => {
+            Some(route) if !route.fails_itself() => {
                 let source_proxy = Proxy::start()?;
                 source_proxy.set_target(route.server());
                 Some(source_proxy)
@@ -2007,16 +2010,21 @@ fn inject(
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             std::fs::remove_file(&control).map_err(io("cannot end an I/O error"))?;
         }
-        FaultKind::Partition => {
-            let remote = remote.ok_or_else(|| invalid("a partition needs the remote consumer (--kinds partition)"))?;
-            let mode = fault.partition.ok_or_else(|| Error::Invariant("a partition fault without a mode".into()))?;
-            let resumed = remote.partition(mode, fault.hold_ms, shared.seed, fault.index);
-            shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).delivery_resumed(resumed);
-        }
-        FaultKind::RemoteKill => {
-            let remote =
-                remote.ok_or_else(|| invalid("a remote kill needs the remote consumer (--kinds remote-kill)"))?;
-            let resumed = remote.kill(fault.hold_ms)?;
+        FaultKind::Partition | FaultKind::RemoteKill => {
+            let remote = remote
+                .ok_or_else(|| invalid("partitions and remote kills need the remote consumer (--kinds partition)"))?;
+            let resumed = match fault.partition {
+                Some(mode) if fault.kind == FaultKind::Partition => {
+                    remote.partition(mode, fault.hold_ms, shared.seed, fault.index)
+                }
+                None if fault.kind == FaultKind::RemoteKill => remote.kill(fault.hold_ms)?,
+                _ => {
+                    return Err(Error::Invariant(format!(
+                        "a {:?} fault with the partition mode {:?}",
+                        fault.kind, fault.partition
+                    )))
+                }
+            };
             shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).delivery_resumed(resumed);
         }
         FaultKind::DbCrash => {
@@ -2123,12 +2131,12 @@ mod broker_tests {
     #[test]
     fn a_broker_is_a_scheme_and_host_port_and_nothing_else() {
         let nats = Broker::parse("nats://127.0.0.1:4222").unwrap();
-        assert_eq!((nats.kind, nats.server.as_str()), (BrokerKind::Nats, "127.0.0.1:4222"));
+        assert_eq!(nats, Broker::Nats("127.0.0.1:4222".into()));
         assert_eq!(nats.url(), "nats://127.0.0.1:4222");
         let amqp = Broker::parse("amqp://rabbit:5672/").unwrap();
-        assert_eq!((amqp.kind, amqp.server.as_str()), (BrokerKind::Amqp, "rabbit:5672"));
+        assert_eq!(amqp, Broker::Amqp("rabbit:5672".into()));
         let kafka = Broker::parse(KAFKA_MOCK).unwrap();
-        assert_eq!((kafka.kind, kafka.url().as_str()), (BrokerKind::KafkaMock, KAFKA_MOCK));
+        assert_eq!((&kafka, kafka.url().as_str()), (&Broker::KafkaMock, KAFKA_MOCK));
         let long = format!("nats://{}:4222", "h".repeat(BROKER_URL_MAX));
         for bad in [
             "http://127.0.0.1:4222",
