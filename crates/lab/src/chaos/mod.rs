@@ -223,9 +223,10 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
     // With --store, its schemas are under the prefix `<prefix>_r`, as the run made them.
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
     let remote = args.out.join("remote");
-    let remote = match remote.is_dir() {
-        true => Some(tenant_data(&remote, store.as_ref().map(PostgresStore::remote).transpose()?.as_ref())),
-        false => None,
+    let remote = if remote.is_dir() {
+        Some(tenant_data(&remote, store.as_ref().map(PostgresStore::remote).transpose()?.as_ref()))
+    } else {
+        None
     };
     let data = tenant_data(&args.out.join("data"), store.as_ref());
     let report = checker::check(&data, TENANT, &ledger, remote.as_ref())?;
@@ -243,14 +244,6 @@ fn check_only(args: &CheckArgs) -> Result<Value> {
 /// kills the remote server)?
 fn has_remote(kinds: &[FaultKind]) -> bool {
     [FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| kinds.contains(k))
-}
-
-impl Settings {
-    /// Does the run have a remote consumer behind the proxy (it partitions the link or kills
-    /// the remote server)?
-    fn has_remote(&self) -> bool {
-        has_remote(&self.kinds)
-    }
 }
 
 /// The PostgreSQL server and schema prefix a run serves on (`--store`).
@@ -281,16 +274,8 @@ impl PostgresStore {
     /// that its schemas (`<prefix>_r_chaos_<hash>_p|i|w`) are the run's too (dropped with
     /// `<prefix>_*`) and never the servers' (`invalid_argument` when the longer prefix is too long).
     fn remote(&self) -> Result<PostgresStore> {
-        let mut url = url::Url::parse(&self.url).map_err(|e| invalid(format!("--store: {e}")))?;
-        let pairs: Vec<(String, String)> = url
-            .query_pairs()
-            .map(|(key, value)| {
-                let value = if key == "schema" { format!("{value}_r") } else { value.into_owned() };
-                (key.into_owned(), value)
-            })
-            .collect();
-        url.query_pairs_mut().clear().extend_pairs(pairs);
-        PostgresStore::parse(url.as_str())
+        let url = crate::stores::schema_url(self.backend.conn(), &format!("{}_r", self.backend.prefix()));
+        PostgresStore::parse(&url)
             .map_err(|e| invalid(format!("the remote server's store (the --store prefix and _r): {e}")))
     }
 
@@ -790,7 +775,7 @@ impl Serve {
             exe: exe.to_path_buf(),
             data: out.join("data"),
             log: out.join("logs").join(format!("serve-{index}.log")),
-            config: settings.has_remote().then(|| out.join("serve.toml")),
+            config: has_remote(&settings.kinds).then(|| out.join("serve.toml")),
             store: settings.store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
             // The servers' own files on the fault VFS (with --store, a power loss is the database's).
@@ -1695,7 +1680,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         }
         _ => None,
     };
-    let mut remote = if settings.has_remote() { Some(Remote::start(&exe, &settings)?) } else { None };
+    let mut remote = if has_remote(&settings.kinds) { Some(Remote::start(&exe, &settings)?) } else { None };
     let mut servers: Vec<Serve> = (0..settings.processes).map(|i| Serve::new(i, &exe, &settings)).collect();
     servers[0].start()?;
     setup(&servers[0].base(), remote.as_ref())?;
