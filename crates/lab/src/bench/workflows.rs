@@ -488,19 +488,32 @@ pub(super) fn named_cpu_seconds(comm: &str) -> Option<f64> {
     total
 }
 
-/// On-CPU nanoseconds of this process's threads named `name` (Linux `/proc/self/task`).
-fn threads_on_cpu_ns(name: &str) -> Option<u64> {
-    let mut total = None;
+/// On-CPU nanoseconds of each of this process's threads named `name`, by thread id (Linux
+/// `/proc/self/task`).
+fn threads_on_cpu_ns(name: &str) -> Option<std::collections::HashMap<String, u64>> {
+    let mut by_thread = std::collections::HashMap::new();
     for task in std::fs::read_dir("/proc/self/task").ok()? {
         let path = task.ok()?.path();
         let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
         if comm.trim_end() == name {
-            let stat = std::fs::read_to_string(path.join("schedstat")).ok()?;
-            let ns: u64 = stat.split_whitespace().next()?.parse().ok()?;
-            total = Some(total.unwrap_or(0) + ns);
+            let Ok(stat) = std::fs::read_to_string(path.join("schedstat")) else { continue };
+            let Some(ns) = stat.split_whitespace().next().and_then(|n| n.parse().ok()) else { continue };
+            by_thread.insert(path.file_name()?.to_string_lossy().into_owned(), ns);
         }
     }
-    total
+    Some(by_thread)
+}
+
+/// On-CPU nanoseconds spent since `start` by the threads named `name` that are still alive: a
+/// thread that ended in between (another world's writer, in a test run in parallel) is left
+/// out, a thread started in between counts whole. `None` when nothing was found.
+fn threads_on_cpu_ns_since(name: &str, start: &Option<std::collections::HashMap<String, u64>>) -> Option<u64> {
+    let end = threads_on_cpu_ns(name)?;
+    let start = start.as_ref()?;
+    if end.is_empty() {
+        return None;
+    }
+    Some(end.iter().map(|(tid, ns)| ns.saturating_sub(start.get(tid).copied().unwrap_or(0))).sum())
 }
 
 pub(super) fn load_average() -> Option<String> {
@@ -548,7 +561,7 @@ pub(super) fn throughput<S: BenchStore>(
     let elapsed = t.elapsed();
     let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
     let server_cpu = S::server_cpu_seconds(place).zip(server_cpu).map(|(end, start)| end - start);
-    let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
+    let writer_cpu = threads_on_cpu_ns_since("tidemark-writer", &writer_cpu);
     let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, p.sagas);
     drop(worker);
     drop(rt);
@@ -633,7 +646,7 @@ pub(super) fn children<S: BenchStore>(place: &S::Place, p: &Params) -> Result<Va
     let report = rt.block_on(worker.run_until_idle())?;
     let seconds = t.elapsed().as_secs_f64();
     let cpu = process_cpu_seconds().zip(cpu).map(|(end, start)| end - start);
-    let writer_cpu = threads_on_cpu_ns("tidemark-writer").zip(writer_cpu).map(|(end, start)| end - start);
+    let writer_cpu = threads_on_cpu_ns_since("tidemark-writer", &writer_cpu);
     let writer = WriterCounts::of(&world.writer).json_since(counts, &world.writer, sagas);
     drop(worker);
     drop(rt);
