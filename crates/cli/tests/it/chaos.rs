@@ -187,6 +187,66 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
 }
 
 #[test]
+fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_broken_chain() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = chaos(&out, 7, 3, 0);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert!(r.json["operations"]["batches"].as_u64().unwrap() > 0, "{}", r.stdout);
+    assert_eq!(r.json["check"]["batches_by_status"]["completed"], r.json["operations"]["batches"], "{}", r.stdout);
+
+    let tenant = out.join("data").join("tenants").join("chaos");
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let one = |sql: &str| -> String { workflows.query_row(sql, [], |row| row.get(0)).expect(sql) };
+    // A chain of two runs (a batch of more than two orders, two per run), and a one-run batch.
+    let continued = one("SELECT run_id FROM runs WHERE workflow = 'order_batch' AND status = 'continued' LIMIT 1");
+    let whole = one(
+        "SELECT run_id FROM runs WHERE workflow = 'order_batch' AND status = 'completed' AND run_id NOT LIKE '%.c%' LIMIT 1",
+    );
+    // A child of the one-run batch started twice: a copy of its row under another id.
+    let child = one(&format!("SELECT run_id FROM runs WHERE parent_run_id = '{whole}' LIMIT 1"));
+    workflows
+        .execute_batch(&format!(
+            "CREATE TEMP TABLE copy AS SELECT * FROM runs WHERE run_id = '{child}';
+             UPDATE copy SET run_id = run_id || '0';
+             INSERT INTO runs SELECT * FROM copy;"
+        ))
+        .expect("copy a child");
+    // The one-run batch reports its first order's end wrongly.
+    let result = one(&format!("SELECT result FROM runs WHERE run_id = '{whole}'"));
+    let mut ends: Value = serde_json::from_str(&result).unwrap();
+    let first = &mut ends["orders"][0]["status"];
+    *first = if first == "completed" { "not_completed".into() } else { "completed".into() };
+    workflows
+        .execute("UPDATE runs SET result = ?1 WHERE run_id = ?2", (ends.to_string(), &whole))
+        .expect("rewrite a batch's result");
+    // The two-run chain's first run names a continuation that does not exist.
+    workflows
+        .execute("UPDATE runs SET result = '{\"continued_as\": \"nowhere\"}' WHERE run_id = ?1", [&continued])
+        .expect("break a chain");
+    drop(workflows);
+    // And the ledger holds a batch the database never saw.
+    let ledger = out.join("ledger.jsonl");
+    let mut text = std::fs::read_to_string(&ledger).expect("ledger");
+    text.push_str(
+        r#"{"kind":"batch","run_id":"never-batch","per_run":null,"orders":[{"order_id":"never-batch-o1","fail":null,"expect":"completed","quantity":1}],"process":0,"at_ms":3}"#,
+    );
+    text.push('\n');
+    std::fs::write(&ledger, text).expect("ledger");
+
+    let bad = check(&out);
+    assert_eq!(bad.code, 1, "{}", bad.stdout);
+    let listed = bad.json["check"]["first_violations"].to_string();
+    assert_eq!(violations(&bad.json, "applied_twice"), 1, "{listed}");
+    assert_eq!(violations(&bad.json, "unexpected_end"), 1, "{listed}");
+    assert_eq!(violations(&bad.json, "lost"), 2, "{listed}");
+    assert!(listed.contains(&format!("ran as 2 children: [\\\"{child}\\\", \\\"{child}0\\\"]")), "{listed}");
+    assert!(listed.contains(&format!("batch {whole} reports its orders' ends")), "{listed}");
+    assert!(listed.contains(&format!("batch {continued}: run {continued} continued")), "{listed}");
+    assert!(listed.contains("batch never-batch acknowledged by process 0 is not in the database"), "{listed}");
+}
+
+#[test]
 fn chaos_power_losses_with_durability_full_lose_nothing_acknowledged() {
     if !crate::support::failpoints_enabled() {
         crate::support::skip("power losses need --features failpoints (the fault VFS)");

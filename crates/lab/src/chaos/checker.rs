@@ -28,6 +28,8 @@ const LEDGER_ENTRIES_MAX: usize = 10_000_000;
 const TABLE_ROWS_MAX: usize = 20_000_000;
 /// Violations the report lists (it counts them all).
 const VIOLATIONS_LISTED_MAX: usize = 50;
+/// Most runs of a batch's chain the checker follows (a chain is one run per `per_run` orders).
+const CHAIN_RUNS_MAX: usize = 1_000;
 
 /// One operation a server acknowledged (2xx) to the harness: a line of the ledger.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +67,34 @@ pub enum Acknowledged {
         /// When, in ms after the workload started.
         at_ms: u64,
     },
+    /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for an `order_batch`: its
+    /// orders run as child `order_saga`s, at most `per_run` of them in one run of its chain (the
+    /// rest continued as a new run).
+    Batch {
+        /// The chain's first run id.
+        run_id: String,
+        /// Orders per run of the chain (`None`: all of them in one run).
+        per_run: Option<usize>,
+        /// The orders, in the batch's order.
+        orders: Vec<BatchOrder>,
+        /// The process (0-based) that answered.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
+}
+
+/// One order of an acknowledged `order_batch`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BatchOrder {
+    /// The order id (its effects' and payments' key; the child's run id is derived).
+    pub order_id: String,
+    /// The step the order's input makes fail for good, if any.
+    pub fail: Option<String>,
+    /// How its child run must end: `completed` or `compensated`.
+    pub expect: String,
+    /// The quantity the order reserves.
+    pub quantity: i64,
 }
 
 /// Every kind of violation the checker counts. The first group are the losses and doubles the
@@ -103,11 +133,15 @@ pub struct CheckReport {
     pub advances: u64,
     /// Acknowledged run starts in the ledger.
     pub starts: u64,
+    /// Acknowledged batch starts in the ledger.
+    pub batches: u64,
     /// Events in the producer's outbox (acknowledged or not: an advance whose answer was lost
     /// in a crash may have committed).
     pub outbox_events: u64,
-    /// The ledger's runs by final status.
+    /// The ledger's orders (started alone or as a batch's children) by their run's final status.
     pub runs_by_status: BTreeMap<String, u64>,
+    /// The ledger's batches by the final status of their chain's last run.
+    pub batches_by_status: BTreeMap<String, u64>,
     /// Runs parked with a reason (allowed: an operator decides).
     pub parked: u64,
     /// Takeovers of runs whose holder's lease expired (the sum of `runs.recoveries`): evidence
@@ -143,9 +177,10 @@ impl CheckReport {
             "violations": self.total(),
             "by_kind": self.counts,
             "first_violations": listed,
-            "ledger": {"advances": self.advances, "starts": self.starts},
+            "ledger": {"advances": self.advances, "starts": self.starts, "batches": self.batches},
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
+            "batches_by_status": self.batches_by_status,
             "runs_parked": self.parked,
             "run_recoveries": self.run_recoveries,
         })
@@ -656,72 +691,109 @@ fn expected_effects(status: &str) -> Option<&'static [&'static str]> {
 /// The statuses of a run that has not ended.
 const ACTIVE: &str = "('pending', 'running', 'sleeping', 'waiting', 'compensating')";
 
-/// Returns the acknowledged runs that ended as they must.
+/// A run as the checker reads it.
+struct RunRow {
+    status: String,
+    error: Option<String>,
+    lease_owner: Option<String>,
+    result: Option<String>,
+}
+
+impl RunRow {
+    fn active(&self) -> bool {
+        matches!(self.status.as_str(), "pending" | "running" | "sleeping" | "waiting" | "compensating")
+    }
+}
+
+/// What the ledger says an order must do, whether it was started alone (its run id is its order
+/// id) or as a child of a batch.
+struct Order<'a> {
+    order_id: &'a str,
+    expect: &'a str,
+    quantity: i64,
+}
+
+/// The orders of the ledger (each alone or in its batch) with the step their input makes fail.
+fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = (&str, Option<&str>)> {
+    ledger.iter().flat_map(|entry| -> Vec<(&str, Option<&str>)> {
+        match entry {
+            Acknowledged::Start { run_id, fail, .. } => vec![(run_id.as_str(), fail.as_deref())],
+            Acknowledged::Batch { orders, .. } => {
+                orders.iter().map(|o| (o.order_id.as_str(), o.fail.as_deref())).collect()
+            }
+            Acknowledged::Advance { .. } => Vec::new(),
+        }
+    })
+}
+
+/// What [`check_runs`] reads once and its checks share.
+struct Runs {
+    runs: HashMap<String, RunRow>,
+    /// Each run's children: (order id of the child's input, child run id).
+    children: HashMap<String, Vec<(String, String)>>,
+    /// Each order's effects in order: (kind, quantity).
+    effects_of: HashMap<String, Vec<(String, i64)>>,
+    /// Runs reported unfinished or leased (each counted once against the database's count).
+    reported: HashSet<String>,
+    /// The orders whose run ended as it must (their payments are final).
+    ended: HashSet<String>,
+}
+
+/// Returns the acknowledged orders whose run ended as it must.
 fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
-    let mut ended = HashSet::new();
     // One pass over the runs and one over the effects (`order_effects` has no index on the
     // order: a query per run would scan the table once per run).
-    let mut runs: HashMap<String, (String, Option<String>, Option<String>)> = HashMap::new();
-    for r in workflows.rows("SELECT run_id, status, error, lease_owner FROM runs", &[])? {
-        runs.insert(r.text(0)?, (r.text(1)?, r.opt_text(2)?, r.opt_text(3)?));
+    let mut runs = HashMap::new();
+    for r in workflows.rows("SELECT run_id, status, error, lease_owner, result FROM runs", &[])? {
+        let run =
+            RunRow { status: r.text(1)?, error: r.opt_text(2)?, lease_owner: r.opt_text(3)?, result: r.opt_text(4)? };
+        runs.insert(r.text(0)?, run);
+    }
+    let mut children: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    for r in workflows.rows("SELECT parent_run_id, run_id, input FROM runs WHERE parent_run_id IS NOT NULL", &[])? {
+        let (parent, child, input) = (r.text(0)?, r.text(1)?, r.text(2)?);
+        let order_id =
+            serde_json::from_str::<Value>(&input).ok().and_then(|v| v["order_id"].as_str().map(str::to_string));
+        match order_id {
+            Some(order_id) => children.entry(parent).or_default().push((order_id, child)),
+            None => report.violation("unknown_effect", format!("child run {child} of {parent} has no order id")),
+        }
     }
     let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
     for r in workflows.rows("SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", &[])? {
         effects_of.entry(r.text(0)?).or_default().push((r.text(1)?, r.int(2)?));
     }
+    let mut read = Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashSet::new() };
     for entry in ledger {
-        let Acknowledged::Start { run_id, expect, process, quantity, .. } = entry else { continue };
-        report.starts += 1;
-        let Some((status, error, lease_owner)) = runs.get(run_id) else {
-            report.violation("lost", format!("run {run_id} acknowledged by process {process} is not in the database"));
-            continue;
-        };
-        *report.runs_by_status.entry(status.clone()).or_default() += 1;
-        let effects: &[(String, i64)] = effects_of.get(run_id).map(Vec::as_slice).unwrap_or_default();
-        let kinds: Vec<&str> = effects.iter().map(|(k, _)| k.as_str()).collect();
-        for kind in ["reserve", "ship", "release"] {
-            let n = kinds.iter().filter(|k| **k == kind).count();
-            if n > 1 {
-                report.violation("applied_twice", format!("run {run_id}: {n} {kind} effects"));
+        match entry {
+            Acknowledged::Start { run_id, expect, process, quantity, .. } => {
+                report.starts += 1;
+                let order = Order { order_id: run_id, expect, quantity: *quantity };
+                if read.runs.contains_key(run_id) {
+                    check_order(report, &mut read, &order, run_id, &format!("run {run_id}"));
+                } else {
+                    report.violation(
+                        "lost",
+                        format!("run {run_id} acknowledged by process {process} is not in the database"),
+                    );
+                }
             }
-        }
-        if effects.iter().any(|(_, q)| q != quantity) {
-            report.violation("wrong_effects", format!("run {run_id} reserved {quantity}; its effects are {effects:?}"));
-        }
-        if lease_owner.is_some() {
-            report.violation("run_leased", format!("run {run_id} ({status}) is still leased by {lease_owner:?}"));
-        }
-        match status.as_str() {
-            "pending" | "running" | "sleeping" | "waiting" | "compensating" => {
-                report.violation("run_unfinished", format!("run {run_id} is {status}"));
-                continue;
+            Acknowledged::Batch { run_id, orders, process, .. } => {
+                report.batches += 1;
+                check_batch(report, &mut read, run_id, orders, *process);
             }
-            "parked" if error.is_some() => {
-                report.parked += 1;
-                continue;
-            }
-            _ => {}
-        }
-        if status != expect {
-            report
-                .violation("unexpected_end", format!("run {run_id} ended {status} ({error:?}); it must end {expect}"));
-        } else if expected_effects(status).is_some_and(|want| kinds != want) {
-            report.violation("wrong_effects", format!("run {run_id} ended {status} with the effects {kinds:?}"));
-        } else {
-            ended.insert(run_id.clone());
+            Acknowledged::Advance { .. } => {}
         }
     }
     // Every run, not only the acknowledged ones (a start whose answer was lost may have run).
     let unfinished = workflows
         .int(&format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE} OR lease_owner IS NOT NULL"), &[])?;
-    let acknowledged_unfinished = report.counts.get("run_unfinished").copied().unwrap_or(0)
-        + report.counts.get("run_leased").copied().unwrap_or(0);
-    if unfinished as u64 > acknowledged_unfinished {
+    if unfinished as u64 > read.reported.len() as u64 {
         report.violation(
             "run_unfinished",
             format!(
                 "{} runs that were not acknowledged are unfinished or leased",
-                unfinished as u64 - acknowledged_unfinished
+                unfinished as u64 - read.reported.len() as u64
             ),
         );
     }
@@ -736,10 +808,162 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
         Some(row) => Some(row.int(0)?),
         None => None,
     };
-    if report.starts > 0 && stock != Some(STOCK - taken) {
+    if report.starts + report.batches > 0 && stock != Some(STOCK - taken) {
         report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
     }
-    Ok(ended)
+    Ok(read.ended)
+}
+
+/// One order's run (`run_id`, in the database): its effects once each, of its quantity, and its
+/// end the one the ledger expects, with the effects that end leaves. `label` names it in messages.
+fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id: &str, label: &str) {
+    let run = &read.runs[run_id];
+    *report.runs_by_status.entry(run.status.clone()).or_default() += 1;
+    let effects: &[(String, i64)] = read.effects_of.get(order.order_id).map(Vec::as_slice).unwrap_or_default();
+    let kinds: Vec<&str> = effects.iter().map(|(k, _)| k.as_str()).collect();
+    for kind in ["reserve", "ship", "release"] {
+        let n = kinds.iter().filter(|k| **k == kind).count();
+        if n > 1 {
+            report.violation("applied_twice", format!("{label}: {n} {kind} effects"));
+        }
+    }
+    if effects.iter().any(|(_, q)| *q != order.quantity) {
+        report.violation("wrong_effects", format!("{label} reserved {}; its effects are {effects:?}", order.quantity));
+    }
+    let (status, error) = (&run.status, &run.error);
+    if let Some(owner) = &run.lease_owner {
+        report.violation("run_leased", format!("{label} ({status}) is still leased by {owner:?}"));
+        read.reported.insert(run_id.to_string());
+    }
+    if run.active() {
+        report.violation("run_unfinished", format!("{label} is {status}"));
+        read.reported.insert(run_id.to_string());
+        return;
+    }
+    if status == "parked" && error.is_some() {
+        report.parked += 1;
+        return;
+    }
+    if status != order.expect {
+        report.violation("unexpected_end", format!("{label} ended {status} ({error:?}); it must end {}", order.expect));
+    } else if expected_effects(status).is_some_and(|want| kinds != want) {
+        report.violation("wrong_effects", format!("{label} ended {status} with the effects {kinds:?}"));
+    } else {
+        read.ended.insert(order.order_id.to_string());
+    }
+}
+
+/// An acknowledged batch: its chain of runs (each `continued` one names the next) ends
+/// `completed`, each of its orders ran as exactly one child of the chain (checked as an order),
+/// no other order did, and the chain's last run reports each order's end.
+fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: &[BatchOrder], process: usize) {
+    if !read.runs.contains_key(run_id) {
+        report.violation("lost", format!("batch {run_id} acknowledged by process {process} is not in the database"));
+        return;
+    }
+    let mut chain = vec![run_id.to_string()];
+    loop {
+        let last = &read.runs[chain.last().expect("a chain has a run")];
+        if last.status != "continued" {
+            break;
+        }
+        let next = last
+            .result
+            .as_deref()
+            .and_then(|r| serde_json::from_str::<Value>(r).ok())
+            .and_then(|v| v["continued_as"].as_str().map(str::to_string));
+        match next {
+            Some(next) if read.runs.contains_key(&next) && chain.len() < CHAIN_RUNS_MAX => chain.push(next),
+            _ => {
+                report.violation(
+                    "lost",
+                    format!(
+                        "batch {run_id}: run {} continued with the result {:?}, and no run (of at most {CHAIN_RUNS_MAX}) follows",
+                        chain.last().expect("a chain has a run"),
+                        last.result
+                    ),
+                );
+                return;
+            }
+        }
+    }
+    let last_id = chain.last().expect("a chain has a run").clone();
+    let last = &read.runs[&last_id];
+    *report.batches_by_status.entry(last.status.clone()).or_default() += 1;
+    if let Some(owner) = &last.lease_owner {
+        report.violation("run_leased", format!("batch {run_id}'s run {last_id} is still leased by {owner:?}"));
+        read.reported.insert(last_id.clone());
+    }
+    let finished = match last.status.as_str() {
+        _ if last.active() => {
+            report.violation("run_unfinished", format!("batch {run_id}'s run {last_id} is {}", last.status));
+            read.reported.insert(last_id.clone());
+            false
+        }
+        "parked" if last.error.is_some() => {
+            report.parked += 1;
+            false
+        }
+        "completed" => true,
+        other => {
+            report.violation(
+                "unexpected_end",
+                format!("batch {run_id} ended {other} ({:?}) at run {last_id}; it must end completed", last.error),
+            );
+            false
+        }
+    };
+    let reported_ends = if finished { last.result.clone() } else { None };
+    // The children of every run of the chain, by order id.
+    let mut ran: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for id in &chain {
+        for (order_id, child) in read.children.get(id).map(Vec::as_slice).unwrap_or_default() {
+            ran.entry(order_id.clone()).or_default().push(child.clone());
+        }
+    }
+    ran.values_mut().for_each(|children| children.sort());
+    for order in orders {
+        let label = format!("order {} of batch {run_id}", order.order_id);
+        let as_order = Order { order_id: &order.order_id, expect: &order.expect, quantity: order.quantity };
+        match ran.get(&order.order_id).map(Vec::as_slice).unwrap_or_default() {
+            [] if finished => {
+                report.violation("lost", format!("{label} never ran: the batch completed without a child for it"))
+            }
+            [] => {}
+            [child] => check_order(report, read, &as_order, child, &format!("{label} (run {child})")),
+            many => report.violation("applied_twice", format!("{label} ran as {} children: {many:?}", many.len())),
+        }
+    }
+    for order_id in ran.keys() {
+        if !orders.iter().any(|o| &o.order_id == order_id) {
+            report.violation("unknown_effect", format!("batch {run_id} ran order {order_id}, which it was not given"));
+        }
+    }
+    // The chain's last run reports every order's end, in the batch's order.
+    if let Some(result) = reported_ends {
+        let got: Vec<(String, String)> = serde_json::from_str::<Value>(&result)
+            .ok()
+            .and_then(|v| v["orders"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .map(|o| {
+                (o["order_id"].as_str().unwrap_or("?").to_string(), o["status"].as_str().unwrap_or("?").to_string())
+            })
+            .collect();
+        let want: Vec<(String, String)> = orders
+            .iter()
+            .map(|o| {
+                let status = if o.expect == "completed" { "completed" } else { "not_completed" };
+                (o.order_id.clone(), status.to_string())
+            })
+            .collect();
+        if got != want {
+            report.violation(
+                "unexpected_end",
+                format!("batch {run_id} reports its orders' ends as {got:?}; they must be {want:?}"),
+            );
+        }
+    }
 }
 
 fn check_payments(
@@ -758,21 +982,20 @@ fn check_payments(
     )? {
         by_order.insert(r.text(0)?, (r.int(1)?, r.int(2)?));
     }
-    for entry in ledger {
-        let Acknowledged::Start { run_id, fail, .. } = entry else { continue };
-        let (charged, refunded) = by_order.get(run_id).copied().unwrap_or((0, 0));
+    for (order_id, fail) in ledger_orders(ledger) {
+        let (charged, refunded) = by_order.get(order_id).copied().unwrap_or((0, 0));
         if charged > 1 || refunded > 1 {
             report.violation(
                 "applied_twice",
-                format!("run {run_id}: charged {charged} times, refunded {refunded} times"),
+                format!("order {order_id}: charged {charged} times, refunded {refunded} times"),
             );
             continue;
         }
         // Only the payments of a run that ended as it must are final (the others are reported).
-        if !ended.contains(run_id) {
+        if !ended.contains(order_id) {
             continue;
         }
-        let want = match fail.as_deref() {
+        let want = match fail {
             None => (1, 0),
             Some("charge_payment") => (0, 0),
             Some(_) => (1, 1),
@@ -780,7 +1003,7 @@ fn check_payments(
         if (charged, refunded) != want {
             report.violation(
                 "wrong_effects",
-                format!("run {run_id} (fail {fail:?}): charged {charged}, refunded {refunded}; expected {want:?}"),
+                format!("order {order_id} (fail {fail:?}): charged {charged}, refunded {refunded}; expected {want:?}"),
             );
         }
     }

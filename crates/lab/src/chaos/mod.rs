@@ -28,10 +28,12 @@ use rand::{Rng, SeedableRng};
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use serde_json::{json, Value};
+use tidemark_builtins::order::ORDER_SAGA;
+use tidemark_builtins::workflows::ORDER_BATCH;
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 
-use checker::{Acknowledged, TenantData};
+use checker::{Acknowledged, BatchOrder, TenantData};
 use proxy::{Link, Proxy};
 use schedule::{Fault, FaultKind, IoErrorMode, PartitionMode};
 
@@ -1157,6 +1159,7 @@ struct ClientStats {
     connection_errors: u64,
     advances: u64,
     starts: u64,
+    batches: u64,
     unexpected: u64,
     last_unexpected: Option<String>,
 }
@@ -1188,30 +1191,27 @@ async fn client(
         let (path, body, pending): (String, Value, Acknowledge) = if start {
             runs += 1;
             let run_id = format!("c{}-r{index}-{runs}", shared.seed);
-            let quantity = rng.gen_range(1..=3_i64);
-            let mut input = json!({"order_id": run_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity});
-            let fail = match rng.gen_range(0..100) {
-                0..=9 => Some("charge_payment"),
-                10..=19 => Some("ship_order"),
-                20..=34 => {
-                    input["flaky_attempts"] = json!(1);
-                    None
+            // One start in four is a batch of 2..=4 orders run as children, half of the batches
+            // of three or four two orders per run (continued as new once).
+            let entry = if rng.gen_range(0..4) == 0 {
+                let count = rng.gen_range(2..=4);
+                let orders: Vec<(Value, BatchOrder)> =
+                    (1..=count).map(|i| order(&mut rng, format!("{run_id}-o{i}"))).collect();
+                let per_run = (count > 2 && rng.gen_bool(0.5)).then_some(2);
+                let (inputs, orders): (Vec<Value>, Vec<BatchOrder>) = orders.into_iter().unzip();
+                let mut input = json!({"orders": inputs});
+                if let Some(n) = per_run {
+                    input["per_run"] = json!(n);
                 }
-                _ => None,
+                let body = json!({"workflow": ORDER_BATCH, "run_id": run_id, "input": input});
+                (body, Acknowledged::Batch { run_id, per_run, orders, process, at_ms: 0 })
+            } else {
+                let (input, order) = order(&mut rng, run_id.clone());
+                let body = json!({"workflow": ORDER_SAGA, "run_id": run_id, "input": input});
+                let BatchOrder { fail, expect, quantity, .. } = order;
+                (body, Acknowledged::Start { run_id, fail, expect, quantity, process, at_ms: 0 })
             };
-            if let Some(step) = fail {
-                input["fail"] = json!(step);
-            }
-            let body = json!({"workflow": "order_saga", "run_id": run_id, "input": input});
-            let expect = if fail.is_some() { "compensated" } else { "completed" };
-            let entry = Acknowledged::Start {
-                run_id,
-                fail: fail.map(str::to_string),
-                expect: expect.into(),
-                quantity,
-                process,
-                at_ms: 0,
-            };
+            let (body, entry) = entry;
             ("/v1/runs".into(), body, Box::new(move |_: &Value, at_ms: u64| Some(with_time(entry.clone(), at_ms))))
         } else {
             let owned = flow.get_or_insert_with(|| {
@@ -1266,6 +1266,7 @@ async fn client(
                 shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
                 match &entry {
                     Acknowledged::Start { .. } => stats.starts += 1,
+                    Acknowledged::Batch { .. } => stats.batches += 1,
                     Acknowledged::Advance { .. } => {
                         stats.advances += 1;
                         if let Some(owned) = flow.as_mut() {
@@ -1297,9 +1298,31 @@ async fn client(
 }
 
 fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
-    let (Acknowledged::Start { at_ms, .. } | Acknowledged::Advance { at_ms, .. }) = &mut entry;
+    let (Acknowledged::Start { at_ms, .. } | Acknowledged::Batch { at_ms, .. } | Acknowledged::Advance { at_ms, .. }) =
+        &mut entry;
     *at_ms = at;
     entry
+}
+
+/// An `order_saga` input of the chaos SKU with its id, 1..=3 units, and what it must do: 10% fail
+/// `charge_payment` and 10% `ship_order` for good (both compensate), 15% fail one attempt.
+fn order(rng: &mut StdRng, order_id: String) -> (Value, BatchOrder) {
+    let quantity = rng.gen_range(1..=3_i64);
+    let mut input = json!({"order_id": order_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity});
+    let fail = match rng.gen_range(0..100) {
+        0..=9 => Some("charge_payment"),
+        10..=19 => Some("ship_order"),
+        20..=34 => {
+            input["flaky_attempts"] = json!(1);
+            None
+        }
+        _ => None,
+    };
+    if let Some(step) = fail {
+        input["fail"] = json!(step);
+    }
+    let expect = if fail.is_some() { "compensated" } else { "completed" };
+    (input, BatchOrder { order_id, fail: fail.map(str::to_string), expect: expect.into(), quantity })
 }
 
 /// Declare the two consumers and set the stock, through process 0 (blocking HTTP); with a
@@ -1764,6 +1787,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         stats.connection_errors += one.connection_errors;
         stats.advances += one.advances;
         stats.starts += one.starts;
+        stats.batches += one.batches;
         stats.unexpected += one.unexpected;
         if one.last_unexpected.is_some() {
             stats.last_unexpected = one.last_unexpected;
@@ -1892,9 +1916,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         },
         "operations": {
             "requests": stats.requests,
-            "acknowledged": stats.advances + stats.starts,
+            "acknowledged": stats.advances + stats.starts + stats.batches,
             "advances": stats.advances,
             "starts": stats.starts,
+            "batches": stats.batches,
             "ledger_entries": written,
             "lost": report.counts["lost"],
             "applied_twice": report.counts["applied_twice"],
