@@ -743,21 +743,26 @@ struct Runs {
 fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
     // One pass over the runs and one over the effects (`order_effects` has no index on the
     // order: a query per run would scan the table once per run).
-    let mut runs = HashMap::new();
-    for r in workflows.rows("SELECT run_id, status, error, lease_owner, result FROM runs", &[])? {
+    // One statement, so that the runs and the children are one snapshot (the servers may still
+    // be writing: the checker runs while it waits for convergence).
+    let (mut runs, mut children) = (HashMap::new(), HashMap::<String, Vec<(String, String)>>::new());
+    for r in workflows.rows(
+        "SELECT run_id, status, error, lease_owner, result, parent_run_id,
+                CASE WHEN parent_run_id IS NULL THEN NULL ELSE input END FROM runs",
+        &[],
+    )? {
+        let run_id = r.text(0)?;
+        if let (Some(parent), Some(input)) = (r.opt_text(5)?, r.opt_text(6)?) {
+            let order_id =
+                serde_json::from_str::<Value>(&input).ok().and_then(|v| v["order_id"].as_str().map(str::to_string));
+            match order_id {
+                Some(order_id) => children.entry(parent).or_default().push((order_id, run_id.clone())),
+                None => report.violation("unknown_effect", format!("child run {run_id} of {parent} has no order id")),
+            }
+        }
         let run =
             RunRow { status: r.text(1)?, error: r.opt_text(2)?, lease_owner: r.opt_text(3)?, result: r.opt_text(4)? };
-        runs.insert(r.text(0)?, run);
-    }
-    let mut children: HashMap<String, Vec<(String, String)>> = HashMap::new();
-    for r in workflows.rows("SELECT parent_run_id, run_id, input FROM runs WHERE parent_run_id IS NOT NULL", &[])? {
-        let (parent, child, input) = (r.text(0)?, r.text(1)?, r.text(2)?);
-        let order_id =
-            serde_json::from_str::<Value>(&input).ok().and_then(|v| v["order_id"].as_str().map(str::to_string));
-        match order_id {
-            Some(order_id) => children.entry(parent).or_default().push((order_id, child)),
-            None => report.violation("unknown_effect", format!("child run {child} of {parent} has no order id")),
-        }
+        runs.insert(run_id, run);
     }
     let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
     for r in workflows.rows("SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", &[])? {

@@ -1305,7 +1305,8 @@ fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
 }
 
 /// An `order_saga` input of the chaos SKU with its id, 1..=3 units, and what it must do: 10% fail
-/// `charge_payment` and 10% `ship_order` for good (both compensate), 15% fail one attempt.
+/// `charge_payment` and 10% `ship_order` for good (both compensate), 15% fail one attempt, 10%
+/// sleep on a durable timer of 100..=1,500 ms between the charge and the shipment.
 fn order(rng: &mut StdRng, order_id: String) -> (Value, BatchOrder) {
     let quantity = rng.gen_range(1..=3_i64);
     let mut input = json!({"order_id": order_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity});
@@ -1314,6 +1315,10 @@ fn order(rng: &mut StdRng, order_id: String) -> (Value, BatchOrder) {
         10..=19 => Some("ship_order"),
         20..=34 => {
             input["flaky_attempts"] = json!(1);
+            None
+        }
+        35..=44 => {
+            input["ship_after_ms"] = json!(rng.gen_range(100..=1_500_u64));
             None
         }
         _ => None,
