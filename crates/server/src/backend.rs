@@ -359,6 +359,35 @@ pub struct PgStatsReader {
     client: Option<postgres::Client>,
 }
 
+impl Drop for PgStatsReader {
+    /// `postgres::Client`'s own drop closes the connection by blocking on a runtime of its own,
+    /// which panics on a thread that drives a tokio runtime, and the tenant holding this reader
+    /// is dropped on one when the service stops (`tidemark serve` on PostgreSQL exited 101 after
+    /// SIGTERM, found by the chaos harness). There the client is closed on a thread of its own
+    /// (not waited for: the connection's end is a `Terminate` message, and at worst the server
+    /// sees the socket close with the process).
+    fn drop(&mut self) {
+        /// Forgets (leaks until the process ends) a client still in it when dropped: what happens
+        /// here if the closing thread cannot start and the closure is dropped on this thread.
+        struct Unclosed(Option<postgres::Client>);
+        impl Drop for Unclosed {
+            fn drop(&mut self) {
+                std::mem::forget(self.0.take());
+            }
+        }
+        let Some(client) = self.client.take() else { return };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return drop(client);
+        }
+        let mut unclosed = Unclosed(Some(client));
+        let closing =
+            std::thread::Builder::new().name("tidemark-pg-stats-close".into()).spawn(move || drop(unclosed.0.take()));
+        if let Err(e) = closing {
+            tracing::warn!(error = %e, "cannot start a thread to close the stats connection; left to the process's end");
+        }
+    }
+}
+
 impl Backend for Postgres {
     type Tx = tidemark_store_postgres::ApplyTransaction;
     type Producer = tidemark_store_postgres::PgProducer;

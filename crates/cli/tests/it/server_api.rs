@@ -531,6 +531,11 @@ fn revoked_tokens_are_refused_and_sigterm_stops_cleanly() {
         assert_eq!(status, 200);
         let (status, _) = server.call("GET", "/readyz", None, None);
         assert_eq!(status, 200);
+        // The tenant's counts, read through a connection of their own on PostgreSQL: the stop
+        // closes it too (it used to panic, exit code 101, when dropped on the runtime's thread).
+        let (status, metrics) = server.text("/metrics");
+        assert_eq!(status, 200);
+        assert!(metrics.contains("tenant=\"acme\""), "{metrics}");
         let (code, stderr) = server.terminate();
         assert_eq!(code, 0, "{stderr}");
     });

@@ -912,8 +912,10 @@ impl Serve {
         self.process.sigcont()
     }
 
-    fn terminate(&mut self) -> Result<()> {
-        self.process.terminate()
+    /// A graceful stop; returns what was wrong with it, naming the server and its log.
+    fn terminate(&mut self) -> Result<Option<String>> {
+        let unclean = self.process.terminate()?;
+        Ok(unclean.map(|why| format!("server {}: {why} (log {})", self.index, self.log.display())))
     }
 }
 
@@ -979,25 +981,27 @@ impl Proc {
     }
 
     /// A graceful stop (SIGCONT first if paused), bounded; killed when it takes too long.
-    fn terminate(&mut self) -> Result<()> {
+    /// Returns what was wrong with the stop, if anything: an exit status other than 0 (a panic
+    /// on the way out is 101), or no exit within [`STOP_TIMEOUT`].
+    fn terminate(&mut self) -> Result<Option<String>> {
         if self.stopped {
             self.sigcont()?;
         }
         if self.signal("-TERM").is_err() {
             self.sigkill();
-            return Ok(());
+            return Ok(None);
         }
-        let Some(mut child) = self.child.take() else { return Ok(()) };
+        let Some(mut child) = self.child.take() else { return Ok(None) };
         let began = Instant::now();
         while began.elapsed() < STOP_TIMEOUT {
-            if child.try_wait().map_err(io("cannot wait for a process"))?.is_some() {
-                return Ok(());
+            if let Some(status) = child.try_wait().map_err(io("cannot wait for a process"))? {
+                return Ok((!status.success()).then(|| format!("{status} after SIGTERM")));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = child.kill();
         let _ = child.wait();
-        Ok(())
+        Ok(Some(format!("no exit within {} s of SIGTERM (killed)", STOP_TIMEOUT.as_secs())))
     }
 }
 
@@ -1806,12 +1810,17 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
 
     // A clean restart of every server (the worker processes stop for good), then a bounded
     // wait for the relay, the drains and the workers to finish by themselves.
+    // A process that does not exit cleanly on SIGTERM (a panic on the way out, a hang) is a
+    // finding of the run, as a violation is.
+    let mut unclean_stops = Vec::new();
     for worker in &mut workers {
-        worker.process.terminate()?;
+        if let Some(why) = worker.process.terminate()? {
+            unclean_stops.push(format!("worker {}: {why} (log {})", worker.index, worker.log.display()));
+        }
     }
     let worker_claims: u64 = workers.iter().map(WorkerProcess::claimed).sum();
     for server in &mut servers {
-        server.terminate()?;
+        unclean_stops.extend(server.terminate()?);
     }
     let ledger_entries = checker::read_ledger(&ledger_path)?;
     let files = tenant_data(&settings.out.join("data"), settings.store.as_ref());
@@ -1833,7 +1842,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     }
     let convergence_ms = restarted.elapsed().as_millis() as u64;
     for server in &mut servers {
-        server.terminate()?;
+        unclean_stops.extend(server.terminate()?);
     }
     let link = remote.as_ref().map(|r| {
         let source = r.source_proxy.as_ref();
@@ -1849,7 +1858,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         })
     });
     if let Some(remote) = remote.as_mut() {
-        remote.server.terminate()?;
+        unclean_stops.extend(remote.server.terminate()?.map(|why| format!("remote {why}")));
     }
     let report = checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?;
 
@@ -1867,7 +1876,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         .collect();
     let writes_lost: u64 = injected.iter().filter_map(|f| f["power_loss"]["writes_lost"].as_u64()).sum();
     let writes_torn: u64 = injected.iter().filter_map(|f| f["power_loss"]["writes_torn"].as_u64()).sum();
-    let passed = report.total() == 0 && converged;
+    let passed = report.total() == 0 && converged && unclean_stops.is_empty();
     let mut check = report.to_json(Some(settings.seed));
     check["passed"] = json!(passed);
     check["converged"] = json!(converged);
@@ -1950,6 +1959,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "max": percentile(&resumed, 1.0),
         },
         "convergence_ms": convergence_ms,
+        "unclean_stops": unclean_stops,
         "out": settings.out,
         "check": check,
     }))
