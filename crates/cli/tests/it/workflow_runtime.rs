@@ -1169,6 +1169,48 @@ fn a_failed_heartbeat_stops_the_runs_in_flight() {
     assert_eq!((total.recovered, calls.load(Ordering::SeqCst)), (1, 2), "{total:?}");
 }
 
+/// The writer's urgent lane (the heartbeats'): a call on it runs as soon as the writer thread
+/// is free, before the calls and journal writes queued ahead of it, which then run in their
+/// order.
+#[test]
+fn an_urgent_call_runs_before_the_backlog_queued_ahead_of_it() {
+    let (env, rt) = (Env::new(), runtime());
+    let order = Arc::new(Mutex::new(Vec::<String>::new()));
+    // Hold the writer thread until the backlog is queued.
+    let (open, gate) = mpsc::channel::<()>();
+    let held = env.writer.call(move |_, _| {
+        gate.recv_timeout(SIGNAL_WAIT).expect("the gate opens");
+        Ok(())
+    });
+    let mut backlog = Vec::new();
+    for i in 0..50 {
+        let order = order.clone();
+        backlog.push(env.writer.call(move |_, _| {
+            order.lock().unwrap().push(format!("call {i}"));
+            Ok(())
+        }));
+    }
+    let order_urgent = order.clone();
+    let urgent = env.writer.call_urgent(move |store: &mut Store, now| {
+        // A real store call on the lane, as a heartbeat is one.
+        let leases = store.heartbeat("nobody", &[("no-run".into(), "no-token".into())], 1_000, now)?;
+        order_urgent.lock().unwrap().push("urgent".into());
+        Ok(leases)
+    });
+    open.send(()).unwrap();
+    rt.block_on(async {
+        held.await.unwrap();
+        assert_eq!(urgent.await.unwrap(), vec![LeaseState::Lost]);
+        for call in backlog {
+            call.await.unwrap();
+        }
+    });
+    let order = order.lock().unwrap().clone();
+    let mut want = vec!["urgent".to_string()];
+    want.extend((0..50).map(|i| format!("call {i}")));
+    assert_eq!(order, want);
+}
+
 /// What a [`WorkerObserver`] was told, in order.
 #[derive(Default)]
 struct Recorder {

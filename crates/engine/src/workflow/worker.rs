@@ -865,7 +865,10 @@ where
             ids.iter().map(|id| (in_flight[id].run_id.clone(), in_flight[id].lease_token.clone())).collect();
         let count = leases.len();
         let (worker_id, lease_ms) = (self.options.worker_id.clone(), self.options.lease_ms);
-        let answer = self.writer.call(move |store, now| store.heartbeat(&worker_id, &leases, lease_ms, now)).await;
+        // On the urgent lane: a heartbeat must not wait behind a backlog of writes, or the leases
+        // it extends expire while their runs are alive.
+        let answer =
+            self.writer.call_urgent(move |store, now| store.heartbeat(&worker_id, &leases, lease_ms, now)).await;
         report.heartbeats += 1;
         match answer {
             Ok(states) if states.len() == count => {

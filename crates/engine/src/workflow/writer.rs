@@ -30,6 +30,8 @@ enum Message<S: WorkflowStore> {
     /// A call that runs before the journal writes queued ahead of it are committed (they are
     /// committed right after it).
     CallAhead(Call<S>),
+    /// Wakes an idle thread for a call on the urgent lane (the call itself is there).
+    Urgent,
 }
 
 /// Counters of the writer thread (for tests and metrics).
@@ -47,6 +49,8 @@ pub struct WriterStats {
 
 struct Shared<S: WorkflowStore> {
     sender: mpsc::UnboundedSender<Message<S>>,
+    /// The urgent lane: calls run before anything still queued on `sender` ([`Writer::call_urgent`]).
+    urgent: mpsc::UnboundedSender<Call<S>>,
     clock: Clock,
     stats: Arc<WriterStats>,
 }
@@ -57,7 +61,8 @@ struct Shared<S: WorkflowStore> {
 /// Journal writes ([`Writer::write`]) queued while the thread is busy are committed together in
 /// one `commit` call, up to `COMMIT_BATCH_MAX` per transaction. Calls ([`Writer::call`]) run
 /// between batches, in queue order; [`Writer::call_ahead`] runs before the writes queued ahead
-/// of it are committed.
+/// of it are committed; [`Writer::call_urgent`] runs before everything still queued (the
+/// heartbeats of leases, which must not wait behind a backlog of writes and calls).
 pub struct Writer<S: WorkflowStore> {
     shared: Arc<Shared<S>>,
 }
@@ -97,6 +102,7 @@ where
         F: FnOnce() -> Result<S> + Send + 'static,
     {
         let (sender, receiver) = mpsc::unbounded_channel();
+        let (urgent, urgent_receiver) = mpsc::unbounded_channel();
         let (opened_tx, opened_rx) = std::sync::mpsc::channel();
         let stats = Arc::new(WriterStats::default());
         let (thread_clock, thread_stats) = (clock.clone(), stats.clone());
@@ -105,7 +111,7 @@ where
             .spawn(move || match factory() {
                 Ok(store) => {
                     let _ = opened_tx.send(Ok(()));
-                    writer_loop(store, receiver, thread_clock, thread_stats);
+                    writer_loop(store, receiver, urgent_receiver, thread_clock, thread_stats);
                 }
                 Err(error) => {
                     let _ = opened_tx.send(Err(error));
@@ -113,7 +119,7 @@ where
             })
             .map_err(|e| Error::io(format!("cannot start the writer thread: {e}")))?;
         opened_rx.recv().map_err(|_| Error::Invariant("the writer thread died while opening the store".into()))??;
-        Ok(Writer { shared: Arc::new(Shared { sender, clock, stats }) })
+        Ok(Writer { shared: Arc::new(Shared { sender, urgent, clock, stats }) })
     }
 
     /// Now, in ms since the Unix epoch, from the writer's clock (the one every journal write is
@@ -193,6 +199,30 @@ where
         self.shared.sender.send(Message::CallAhead(Box::new(f))).map_err(|_| gone())
     }
 
+    /// [`Writer::call`] on the urgent lane: `f` runs as soon as the writer thread finishes what it
+    /// is doing (a call, or one batch's commit), before every write and call still queued, and
+    /// without committing the writes it went ahead of first. For work that depends on nothing
+    /// queued and must not wait behind a backlog: the worker's lease heartbeats (a heartbeat that
+    /// waited behind seconds of queued writes let leases expire and runs be taken over while their
+    /// holder was alive, found on PostgreSQL under load; docs/reliability.md, run M).
+    pub fn call_urgent<R, F>(&self, f: F) -> impl Future<Output = Result<R>> + Send + 'static
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut S, i64) -> Result<R> + Send + 'static,
+    {
+        let (reply, answer) = oneshot::channel();
+        let call: Call<S> = Box::new(move |store, now| {
+            let _ = reply.send(f(store, now));
+        });
+        let sent = self.shared.urgent.send(call).is_ok() && self.shared.sender.send(Message::Urgent).is_ok();
+        async move {
+            if !sent {
+                return Err(gone());
+            }
+            answer.await.map_err(|_| gone())?
+        }
+    }
+
     /// [`Writer::call`] from synchronous code (not from inside an async task).
     pub fn call_blocking<R, F>(&self, f: F) -> Result<R>
     where
@@ -223,6 +253,7 @@ fn gone() -> Error {
 fn writer_loop<S: WorkflowStore>(
     mut store: S,
     mut receiver: mpsc::UnboundedReceiver<Message<S>>,
+    mut urgent: mpsc::UnboundedReceiver<Call<S>>,
     clock: Clock,
     stats: Arc<WriterStats>,
 ) {
@@ -234,6 +265,12 @@ fn writer_loop<S: WorkflowStore>(
         let _ = store.reconnect_if_closed();
         let mut next = Some(first);
         while let Some(message) = next.take() {
+            // The urgent lane first, at every message: ahead of this one and of all queued.
+            while let Ok(call) = urgent.try_recv() {
+                stats.calls.fetch_add(1, Ordering::Relaxed);
+                let now = clock();
+                let _ = catch_unwind(AssertUnwindSafe(|| call(&mut store, now)));
+            }
             match message {
                 Message::Write(write, reply) => {
                     writes.push(write);
@@ -278,6 +315,7 @@ fn writer_loop<S: WorkflowStore>(
                     // The writes it went ahead of wait no longer than this call.
                     flush(&mut store, &mut writes, &mut replies, &clock, &stats);
                 }
+                Message::Urgent => {}
             }
             next = receiver.try_recv().ok();
         }
