@@ -884,6 +884,15 @@ pub fn validate_write<T: ?Sized>(write: &JournalWrite<T>, ids_checked: bool, now
                 return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
             }
         }
+        JournalOp::FinishChild { status: FinishStatus::Parked | FinishStatus::Continued, .. } => {
+            return Err(invalid_argument("a child that parks or continues ends by Finish or ContinueAsNew"));
+        }
+        JournalOp::FinishChild { result, parent_lease_token, .. } => {
+            validate_id("parent_lease_token", parent_lease_token)?;
+            if let Some(result) = result {
+                return json_within("run result", result, STEP_OUTPUT_BYTES_MAX).map(Some);
+            }
+        }
         JournalOp::Release => {}
     }
     Ok(None)
@@ -1391,6 +1400,25 @@ pub enum JournalOp<T: ?Sized> {
         /// Why the run failed, was parked or cancelled.
         error: Option<String>,
     },
+    /// Finish a child run whose parent waits for it in memory on the same worker, holding the
+    /// lease `parent_lease_token` (the child was leased there as it started): as
+    /// [`JournalOp::Finish`] with a status its parent learns of (completed, compensated, failed
+    /// or cancelled), except that while the parent still holds that lease, the child's end
+    /// (`{"run_id", "status", "result", "error"}`) settles the parent's `child` entry in the same
+    /// transaction instead of being sent as the end event, so the parent goes on with no
+    /// [`JournalOp::ChildEnded`] of its own. Answered [`WriteResult::ParentSettled`] then, and
+    /// [`WriteResult::Done`] when the parent no longer holds that lease (it was told by the end
+    /// event, as after `Finish`).
+    FinishChild {
+        /// How the run ended (not parked, not continued).
+        status: FinishStatus,
+        /// The workflow's output (for `completed`).
+        result: Option<Value>,
+        /// Why the run failed or was cancelled.
+        error: Option<String>,
+        /// The parent's lease token as the parent waiting in memory holds it.
+        parent_lease_token: String,
+    },
     /// End the run `continued` and start its continuation `request` (run id
     /// [`continuation_run_id`]`(run)`) in the same transaction: the continuation takes over the
     /// run's parent (its end is what the parent learns), and the run's children still running
@@ -1419,6 +1447,9 @@ pub enum WriteResult {
     /// A [`JournalOp::StartChild`] with a `claim` started its child and leased it to the
     /// claiming worker: the child as claimed (no journal, no events), boxed.
     Claimed(Box<ClaimedRun>),
+    /// A [`JournalOp::FinishChild`] finished the child and settled its parent's entry with the
+    /// child's end (no end event was sent).
+    ParentSettled,
 }
 
 /// Who a child is leased to in the transaction that starts it ([`JournalOp::StartChild`]).

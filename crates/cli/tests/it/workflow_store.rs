@@ -246,6 +246,85 @@ fn a_child_leased_as_it_starts_is_claimed_by_nobody_else_and_its_end_is_taken_by
     assert!(detail(&d.store, "p").journal.len() == 2 && d.store.run("p.2").unwrap().is_none());
 }
 
+fn finish_child(status: FinishStatus, result: Option<Value>, parent_lease_token: &str) -> JournalOp<Connection> {
+    JournalOp::FinishChild { status, result, error: None, parent_lease_token: parent_lease_token.into() }
+}
+
+#[test]
+fn a_child_ending_for_its_parent_waiting_in_memory_settles_the_parents_entry_only_under_that_lease() {
+    let mut d = db();
+    let lease = ChildLease { worker_id: "w1".into(), lease_ms: 10_000 };
+    let t = started_and_claimed(&mut d.store, "p", 1_000);
+    let results =
+        d.store.commit(vec![write("p", &t, start_child("p", 0, json!({"x": 21}), Some(lease.clone())))], 1_010);
+    let WriteResult::Claimed(child) = &results.unwrap()[0] else { panic!("a leased child") };
+    let c = child.lease_token.clone();
+    // The child has a child of its own still running: its end cancels it as any end does.
+    let results = d.store.commit(vec![write("p.0", &c, start_child("p.0", 0, json!({"x": 1}), None))], 1_020);
+    assert_eq!(results.unwrap(), [WriteResult::TxResult(Ok(json!(null)))]);
+    let before = detail(&d.store, "p").run;
+    // Bad input is refused before anything is written.
+    let parked = JournalOp::FinishChild {
+        status: FinishStatus::Parked,
+        result: None,
+        error: Some("stuck".into()),
+        parent_lease_token: t.clone(),
+    };
+    assert_eq!(code(d.store.commit(vec![write("p.0", &c, parked)], 1_030).unwrap_err()), codes::INVALID_ARGUMENT);
+    let bad_token = finish_child(FinishStatus::Completed, None, "not a token");
+    assert_eq!(code(d.store.commit(vec![write("p.0", &c, bad_token)], 1_030).unwrap_err()), codes::INVALID_ID);
+    assert_eq!(detail(&d.store, "p.0").run.status, RunStatus::Pending);
+    // Under the parent's lease: the entry is settled with the end, no event is sent, the parent's
+    // row is as it was (it keeps its lease and goes on), and the child's own child is cancelled.
+    let end = finish_child(FinishStatus::Completed, Some(json!({"y": 42})), &t);
+    assert_eq!(commit_one(&mut d.store, "p.0", &c, end, 2_100), WriteResult::ParentSettled);
+    let payload = json!({"run_id": "p.0", "status": "completed", "result": {"y": 42}, "error": null});
+    let parent = detail(&d.store, "p");
+    assert_eq!((parent.journal[0].status, parent.journal[0].output.clone()), (StepStatus::Completed, Some(payload)));
+    assert!(parent.events.is_empty(), "{:?}", parent.events);
+    assert_eq!(parent.run, before, "the parent's row is untouched");
+    assert_eq!(detail(&d.store, "p.0").run.status, RunStatus::Completed);
+    assert!(detail(&d.store, "p.0.0").run.cancel_requested);
+    // Fenced by the child's own token: nothing happens twice.
+    let again = finish_child(FinishStatus::Failed, None, &t);
+    assert_eq!(commit_one(&mut d.store, "p.0", &c, again, 2_150), WriteResult::Fenced);
+    let step = JournalOp::Finish { status: FinishStatus::Completed, result: Some(json!(42)), error: None };
+    assert_eq!(commit_one(&mut d.store, "p", &t, step, 2_200), WriteResult::Done);
+    // A parent whose lease is gone (here: it suspended first, in an earlier batch) is told by
+    // the end event and woken, as after any finish; its entry waits for it.
+    let tq = started_and_claimed(&mut d.store, "q", 3_000);
+    let results =
+        d.store.commit(vec![write("q", &tq, start_child("q", 0, json!({"x": 5}), Some(lease.clone())))], 3_005);
+    let WriteResult::Claimed(child) = &results.unwrap()[0] else { panic!("a leased child") };
+    let suspend = JournalOp::Suspend {
+        status: SuspendStatus::Waiting,
+        wake_at_ms: 90_000,
+        waiting_for: Some(tidemark_core::workflow::child_event(0)),
+    };
+    assert_eq!(commit_one(&mut d.store, "q", &tq, suspend, 3_010), WriteResult::Done);
+    let end = finish_child(FinishStatus::Completed, Some(json!(10)), &tq);
+    assert_eq!(commit_one(&mut d.store, "q.0", &child.lease_token, end, 3_100), WriteResult::Done);
+    let q = detail(&d.store, "q");
+    assert_eq!((q.journal[0].status, q.run.wake_at_ms), (StepStatus::Waiting, 3_100));
+    assert_eq!((q.events.len(), q.events[0].payload["result"].clone()), (1, json!(10)));
+    // In one batch, the parent's suspension first and then its child's end: the same.
+    let tr = started_and_claimed(&mut d.store, "r", 4_000);
+    let results = d.store.commit(vec![write("r", &tr, start_child("r", 0, json!({"x": 6}), Some(lease)))], 4_005);
+    let WriteResult::Claimed(child) = &results.unwrap()[0] else { panic!("a leased child") };
+    let suspend = JournalOp::Suspend {
+        status: SuspendStatus::Waiting,
+        wake_at_ms: 90_000,
+        waiting_for: Some(tidemark_core::workflow::child_event(0)),
+    };
+    let batch = vec![
+        write("r", &tr, suspend),
+        write("r.0", &child.lease_token, finish_child(FinishStatus::Completed, Some(json!(12)), &tr)),
+    ];
+    assert_eq!(d.store.commit(batch, 4_100).unwrap(), [WriteResult::Done, WriteResult::Done]);
+    let r = detail(&d.store, "r");
+    assert_eq!((r.journal[0].status, r.run.wake_at_ms, r.events.len()), (StepStatus::Waiting, 4_100, 1));
+}
+
 #[test]
 fn start_is_idempotent_per_run_id_and_detects_conflicts() {
     let mut d = db();

@@ -97,6 +97,8 @@ struct RunState<T: ?Sized> {
     /// The run's end as its parent's end event carries it, once a finish that tells the parent
     /// was written.
     ended: Option<Value>,
+    /// That finish settled the entry of the parent waiting for it in memory (no end event).
+    settled_parent: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -215,6 +217,7 @@ where
             continuation: None,
             refused: None,
             ended: None,
+            settled_parent: false,
         };
         let RunRecord { deadline_ms, key, queue, priority, .. } = &claimed.run;
         WorkflowContext {
@@ -564,7 +567,7 @@ where
         seq: u32,
         child: ClaimedRun,
     ) -> Result<Option<Value>, WorkflowError> {
-        let left = match local.run(&self.inner.run_id, child) {
+        let left = match local.run(&self.inner.run_id, &self.inner.lease_token, child) {
             Ok(left) => left.await.unwrap_or(ChildLeft::Elsewhere),
             Err(child) => {
                 // The loop has stopped: the child's lease goes back (or expires) and it is
@@ -576,11 +579,14 @@ where
                 return Ok(None);
             }
         };
-        // (Its end, when it ended here, is journaled with this run's next write: a crash before
-        // that write replays the entry from the end event the child's last transaction left.)
+        // Its end, when it ended here, settled this run's entry in the child's last transaction;
+        // when this run's lease had changed by then, the end came as its end event, and is
+        // journaled with this run's next write (which the changed lease fences).
         match left {
-            ChildLeft::Ended(end) => {
-                self.lock().pending.push(JournalOp::ChildEnded { seq, end: end.clone() });
+            ChildLeft::Ended { end, settled } => {
+                if !settled {
+                    self.lock().pending.push(JournalOp::ChildEnded { seq, end: end.clone() });
+                }
                 Ok(Some(end))
             }
             // Cancelled while it waited (a heartbeat brings the request, not its reason): it
@@ -593,6 +599,11 @@ where
     /// ended it completed, compensated, failed or cancelled.
     pub(crate) fn end_for_parent(&self) -> Option<Value> {
         self.lock().ended.clone()
+    }
+
+    /// That last write settled the entry of the parent waiting for this run in memory.
+    pub(crate) fn settled_parent(&self) -> bool {
+        self.lock().settled_parent
     }
 
     /// A child's end as journaled: its output when it completed, else this step's failure.
@@ -1091,8 +1102,14 @@ where
         }
     }
 
-    /// Write what the execution ended in: a suspension, a finish, or a release.
-    pub(crate) async fn conclude(&self, result: Result<Value, WorkflowError>) -> RunOutcome {
+    /// Write what the execution ended in: a suspension, a finish, or a release. A child whose
+    /// parent waits for it in memory with the lease `parent_token` ends with
+    /// [`JournalOp::FinishChild`], which settles the parent's entry while that lease holds.
+    pub(crate) async fn conclude(
+        &self,
+        result: Result<Value, WorkflowError>,
+        parent_token: Option<&str>,
+    ) -> RunOutcome {
         let op = {
             let state = self.lock();
             if state.lost {
@@ -1143,8 +1160,24 @@ where
                 }
             }
         };
+        let op = match op {
+            JournalOp::Finish { status, result, error }
+                if !matches!(status, FinishStatus::Parked | FinishStatus::Continued) && parent_token.is_some() =>
+            {
+                let parent_lease_token = parent_token.unwrap_or_default().to_string();
+                JournalOp::FinishChild { status, result, error, parent_lease_token }
+            }
+            // A child of this run that ended on this worker may have settled one of its entries
+            // while it stopped waiting (another branch suspended it): it stays due.
+            JournalOp::Suspend { status, wake_at_ms, waiting_for }
+                if self.inner.children.as_ref().is_some_and(|c| c.may_have_settled_unheard(&self.inner.run_id)) =>
+            {
+                JournalOp::Suspend { status, wake_at_ms: wake_at_ms.min(self.now_ms()), waiting_for }
+            }
+            op => op,
+        };
         let outcome = match &op {
-            JournalOp::Finish { status, .. } => RunOutcome::Finished(*status),
+            JournalOp::Finish { status, .. } | JournalOp::FinishChild { status, .. } => RunOutcome::Finished(*status),
             JournalOp::Suspend { status, .. } => RunOutcome::Suspended(*status),
             JournalOp::ContinueAsNew { .. } => RunOutcome::Finished(FinishStatus::Continued),
             _ => RunOutcome::Released,
@@ -1165,8 +1198,10 @@ where
                     Err(error) => RunOutcome::Error(error.to_string()),
                 }
             }
-            Ok(_) => {
-                self.lock().ended = end;
+            Ok(result) => {
+                let mut state = self.lock();
+                state.ended = end;
+                state.settled_parent = result == WriteResult::ParentSettled;
                 outcome
             }
             Err(error) => RunOutcome::Error(error.to_string()),
@@ -1178,7 +1213,7 @@ where
     /// operator) or a continued one (its continuation's end is the one the parent learns).
     fn end_event(&self, op: &JournalOp<S::Target>) -> Option<Value> {
         match op {
-            JournalOp::Finish { status, result, error }
+            JournalOp::Finish { status, result, error } | JournalOp::FinishChild { status, result, error, .. }
                 if !matches!(status, FinishStatus::Parked | FinishStatus::Continued) =>
             {
                 Some(json!({

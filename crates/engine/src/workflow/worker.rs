@@ -294,9 +294,10 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// How a child's execution on this worker ended, as its parent waiting in memory learns it.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum ChildLeft {
-    /// It ended (completed, compensated, failed or cancelled), and its end event for the parent,
-    /// with this payload, is committed.
-    Ended(serde_json::Value),
+    /// It ended (completed, compensated, failed or cancelled) with this end, committed: its last
+    /// transaction `settled` the parent's entry with it (`JournalOp::FinishChild`; the parent
+    /// writes nothing for it), or else sent the parent its end event.
+    Ended { end: serde_json::Value, settled: bool },
     /// It left this worker without such an end (suspended, released, lost, parked, continued
     /// as new), or the parent's cancellation was requested meanwhile: the parent suspends and
     /// waits in the store, as for a child running anywhere else.
@@ -305,21 +306,41 @@ pub(crate) enum ChildLeft {
 
 struct ChildWaiter {
     parent: String,
+    /// The parent's lease token as it waits (a child's end settles its entry only under it).
+    parent_token: String,
     reply: oneshot::Sender<ChildLeft>,
+}
+
+/// What a parent's children are doing with its entries while they end: how many took the
+/// parent's waiter and are writing their end (which may settle the parent's entry), and whether
+/// one may have settled it while nobody heard (the parent stopped waiting before the answer).
+#[derive(Default)]
+struct Concluding {
+    in_flight: usize,
+    unheard: bool,
+}
+
+#[derive(Default)]
+struct Family {
+    /// Keyed by the child's run id.
+    waiters: HashMap<String, ChildWaiter>,
+    /// Keyed by the parent's run id.
+    concluding: HashMap<String, Concluding>,
 }
 
 /// Children that runs of a running loop started and had leased to this worker in the starting
 /// transaction ([`JournalOp::StartChild`] with a claim), and the parents waiting for them in
 /// memory. A child takes its waiting parent's slot (the parent runs nothing until the child
 /// leaves), so a parent and its child never wait for a slot of their own: no claim of the child,
-/// no poll wait, and no suspension, claim and journal replay of the parent per child. Every
-/// write stays the store's: a crash anywhere leaves the runs as a suspended parent would
-/// (`docs/workflows.md`, "Child workflows").
+/// no poll wait, and no suspension, claim and journal replay of the parent per child. A child's
+/// end settles its waiting parent's entry in its own last transaction
+/// ([`JournalOp::FinishChild`]), so the parent writes nothing for it. Every write stays the
+/// store's: a crash anywhere leaves the runs as a suspended parent would (`docs/workflows.md`,
+/// "Child workflows").
 pub(crate) struct LocalChildren {
     lease: ChildLease,
     handoff: mpsc::UnboundedSender<ClaimedRun>,
-    /// Keyed by the child's run id.
-    waiters: Mutex<HashMap<String, ChildWaiter>>,
+    family: Mutex<Family>,
 }
 
 impl LocalChildren {
@@ -328,43 +349,124 @@ impl LocalChildren {
         self.lease.clone()
     }
 
-    /// Run `child` (leased to this worker) in its parent's slot and tell the parent how it
-    /// left; the child back when the loop has stopped (its lease is the caller's to release).
+    /// Run `child` (leased to this worker) in its parent's slot and tell the parent (holding
+    /// `parent_token`) how it left; the child back when the loop has stopped (its lease is the
+    /// caller's to release).
     pub(crate) fn run(
         &self,
         parent: &str,
+        parent_token: &str,
         child: ClaimedRun,
     ) -> std::result::Result<oneshot::Receiver<ChildLeft>, Box<ClaimedRun>> {
         let (reply, answer) = oneshot::channel();
         let run_id = child.run.run_id.clone();
-        lock(&self.waiters).insert(run_id.clone(), ChildWaiter { parent: parent.to_string(), reply });
+        let waiter = ChildWaiter { parent: parent.to_string(), parent_token: parent_token.to_string(), reply };
+        lock(&self.family).waiters.insert(run_id.clone(), waiter);
         match self.handoff.send(child) {
             Ok(()) => Ok(answer),
             Err(mpsc::error::SendError(child)) => {
-                lock(&self.waiters).remove(&run_id);
+                lock(&self.family).waiters.remove(&run_id);
                 Err(Box::new(child))
             }
         }
     }
 
+    /// Child `run_id` is about to write how its execution ended: its waiting parent, if it still
+    /// waits, is told by the returned waiter (and by nobody else) once that write is answered.
+    pub(crate) fn take(self: &Arc<Self>, run_id: &str) -> Option<TakenWaiter> {
+        let mut family = lock(&self.family);
+        let waiter = family.waiters.remove(run_id)?;
+        family.concluding.entry(waiter.parent.clone()).or_default().in_flight += 1;
+        Some(TakenWaiter {
+            children: self.clone(),
+            parent: waiter.parent,
+            parent_token: waiter.parent_token,
+            reply: Some(waiter.reply),
+        })
+    }
+
     /// Run `run_id` left this worker: its waiting parent (if it still waits) learns how.
     pub(crate) fn left(&self, run_id: &str, how: ChildLeft) {
-        if let Some(waiter) = lock(&self.waiters).remove(run_id) {
+        if let Some(waiter) = lock(&self.family).waiters.remove(run_id) {
             let _ = waiter.reply.send(how);
+        }
+    }
+
+    /// Run `parent` is about to suspend: it stops waiting in memory for its children (they will
+    /// tell it by their end events), and the answer says whether one of them may have settled
+    /// one of its entries unheard (its end is being written, or was written after the parent
+    /// stopped listening): the parent must then stay due, or it could sleep on an entry the
+    /// store has settled. (The child's settle holds only under the lease this suspension
+    /// releases, so a settle after it cannot happen.)
+    pub(crate) fn may_have_settled_unheard(&self, parent: &str) -> bool {
+        let mut family = lock(&self.family);
+        for (_, waiter) in family.waiters.extract_if(|_, waiter| waiter.parent == parent) {
+            let _ = waiter.reply.send(ChildLeft::Elsewhere);
+        }
+        let Some(concluding) = family.concluding.get_mut(parent) else { return false };
+        let unheard = concluding.in_flight > 0 || concluding.unheard;
+        concluding.unheard = false;
+        if concluding.in_flight == 0 {
+            family.concluding.remove(parent);
+        }
+        unheard
+    }
+
+    fn concluded(&self, parent: &str, unheard: bool) {
+        let mut family = lock(&self.family);
+        if let Some(concluding) = family.concluding.get_mut(parent) {
+            concluding.in_flight = concluding.in_flight.saturating_sub(1);
+            concluding.unheard |= unheard;
+            if concluding.in_flight == 0 && !concluding.unheard {
+                family.concluding.remove(parent);
+            }
         }
     }
 
     /// The loop stops: every parent still waiting stops waiting in memory.
     fn abandon_all(&self) {
-        for (_, waiter) in lock(&self.waiters).drain() {
+        for (_, waiter) in lock(&self.family).waiters.drain() {
             let _ = waiter.reply.send(ChildLeft::Elsewhere);
         }
     }
 
     /// Run `parent`'s cancellation was requested: it stops waiting in memory for its children.
     fn interrupt(&self, parent: &str) {
-        for (_, waiter) in lock(&self.waiters).extract_if(|_, waiter| waiter.parent == parent) {
+        for (_, waiter) in lock(&self.family).waiters.extract_if(|_, waiter| waiter.parent == parent) {
             let _ = waiter.reply.send(ChildLeft::Elsewhere);
+        }
+    }
+}
+
+/// A child's waiting parent, taken by the child's last write ([`LocalChildren::take`]). Dropped
+/// untold (the execution aborted or its write failed, so whether its end committed is not
+/// known), it tells the parent `Elsewhere` and counts as a settle nobody heard.
+pub(crate) struct TakenWaiter {
+    children: Arc<LocalChildren>,
+    parent: String,
+    parent_token: String,
+    reply: Option<oneshot::Sender<ChildLeft>>,
+}
+
+impl TakenWaiter {
+    /// The lease token the parent waits with.
+    pub(crate) fn parent_token(&self) -> &str {
+        &self.parent_token
+    }
+
+    /// Tell the parent how the child left, once the child's last write was answered.
+    pub(crate) fn tell(mut self, how: ChildLeft) {
+        let settled = matches!(how, ChildLeft::Ended { settled: true, .. });
+        let heard = self.reply.take().is_some_and(|reply| reply.send(how).is_ok());
+        self.children.concluded(&self.parent, settled && !heard);
+    }
+}
+
+impl Drop for TakenWaiter {
+    fn drop(&mut self) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(ChildLeft::Elsewhere);
+            self.children.concluded(&self.parent, true);
         }
     }
 }
@@ -581,8 +683,7 @@ where
         let mut children = local.as_ref().map(|_| {
             let (handoff, receiver) = mpsc::unbounded_channel();
             let lease = ChildLease { worker_id: self.options.worker_id.clone(), lease_ms: self.options.lease_ms };
-            *lock(&self.children) =
-                Some(Arc::new(LocalChildren { lease, handoff, waiters: Mutex::new(HashMap::new()) }));
+            *lock(&self.children) = Some(Arc::new(LocalChildren { lease, handoff, family: Mutex::default() }));
             receiver
         });
         // Claims are batched: while the last claim filled every slot it asked for (a backlog),
@@ -1016,10 +1117,15 @@ where
     let result = (registered.function)(ctx.clone(), input).await;
     // No step of this run runs after this point, so a heartbeat need not abort it any more.
     concluding.store(true, Ordering::SeqCst);
-    let outcome = ctx.conclude(result).await;
-    // A parent waiting for it on this worker goes on with its end at once.
-    if let (Some(children), Some(end)) = (&family, ctx.end_for_parent()) {
-        children.left(&claimed.run.run_id, ChildLeft::Ended(end));
+    // A parent waiting for it on this worker is told by its last write, which settles the
+    // parent's entry with its end when it ends, and goes on at once.
+    let waiter = family.as_ref().and_then(|children| children.take(&claimed.run.run_id));
+    let outcome = ctx.conclude(result, waiter.as_ref().map(TakenWaiter::parent_token)).await;
+    if let Some(waiter) = waiter.filter(|_| !matches!(outcome, RunOutcome::Error(_))) {
+        waiter.tell(match ctx.end_for_parent() {
+            Some(end) => ChildLeft::Ended { end, settled: ctx.settled_parent() },
+            None => ChildLeft::Elsewhere,
+        });
     }
     // Its end woke its parent, or started its continuation: due now.
     if matches!(outcome, RunOutcome::Finished(status) if has_parent || status == FinishStatus::Continued) {
@@ -1029,4 +1135,81 @@ where
         observer.run_finished(&claimed.run, *status, writer.now_ms().saturating_sub(claimed.run.created_at_ms));
     }
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+    use tidemark_core::workflow::RunRecord;
+
+    use super::*;
+
+    fn children() -> (Arc<LocalChildren>, mpsc::UnboundedReceiver<ClaimedRun>) {
+        let (handoff, handed) = mpsc::unbounded_channel();
+        let lease = ChildLease { worker_id: "w1".into(), lease_ms: 10_000 };
+        (Arc::new(LocalChildren { lease, handoff, family: Mutex::default() }), handed)
+    }
+
+    fn child(parent: &str, run_id: &str) -> ClaimedRun {
+        let request = StartRequest::new(run_id, "double", 1, json!({}));
+        let run = RunRecord::started_child(&request, parent, "w1", 11_000, 1_000);
+        ClaimedRun {
+            run,
+            lease_token: format!("{run_id}-token"),
+            journal: Vec::new(),
+            events: Vec::new(),
+            recovered: false,
+        }
+    }
+
+    fn ended(settled: bool) -> ChildLeft {
+        ChildLeft::Ended { end: json!({"run_id": "c", "status": "completed"}), settled }
+    }
+
+    #[test]
+    fn a_parent_suspending_stays_due_when_a_child_may_have_settled_its_entry_unheard() {
+        let (children, _handed) = children();
+        // Heard: the parent waiting in memory goes on with the end; nothing keeps it due.
+        let mut answer = children.run("p", "t", child("p", "p.0")).unwrap();
+        let waiter = children.take("p.0").expect("the parent waits");
+        assert_eq!(waiter.parent_token(), "t");
+        waiter.tell(ended(true));
+        assert_eq!(answer.try_recv(), Ok(ended(true)));
+        assert!(!children.may_have_settled_unheard("p"));
+        // The child's last write is in flight: a suspension now stays due (it may settle).
+        let mut answer = children.run("p", "t", child("p", "p.1")).unwrap();
+        let waiter = children.take("p.1").expect("the parent waits");
+        assert!(children.may_have_settled_unheard("p"));
+        waiter.tell(ended(true));
+        assert_eq!(answer.try_recv(), Ok(ended(true)));
+        // The parent stopped listening before the settle was answered: once, then forgotten.
+        let answer = children.run("p", "t", child("p", "p.2")).unwrap();
+        let waiter = children.take("p.2").expect("the parent waits");
+        drop(answer);
+        waiter.tell(ended(true));
+        assert!(children.may_have_settled_unheard("p"));
+        assert!(!children.may_have_settled_unheard("p"));
+        // An end that came as the event settled nothing.
+        let answer = children.run("p", "t", child("p", "p.3")).unwrap();
+        let waiter = children.take("p.3").expect("the parent waits");
+        drop(answer);
+        waiter.tell(ended(false));
+        assert!(!children.may_have_settled_unheard("p"));
+        // A taken waiter dropped untold (the child's execution aborted during its last write, or
+        // the write failed): the parent hears `Elsewhere`, and the end may have committed.
+        let mut answer = children.run("p", "t", child("p", "p.4")).unwrap();
+        drop(children.take("p.4").expect("the parent waits"));
+        assert_eq!(answer.try_recv(), Ok(ChildLeft::Elsewhere));
+        assert!(children.may_have_settled_unheard("p"));
+        // Suspending stops the parent's waits for children not ending yet: they are told
+        // `Elsewhere`, and no later end can take the waiter (it tells the parent by its event).
+        let mut answer = children.run("p", "t", child("p", "p.5")).unwrap();
+        let other = children.run("q", "u", child("q", "q.0")).unwrap();
+        let other_waiter = children.take("q.0").expect("q waits");
+        assert!(!children.may_have_settled_unheard("p"), "q's child is q's");
+        assert_eq!(answer.try_recv(), Ok(ChildLeft::Elsewhere));
+        assert!(children.take("p.5").is_none());
+        assert!(children.may_have_settled_unheard("q"));
+        drop((other, other_waiter));
+    }
 }

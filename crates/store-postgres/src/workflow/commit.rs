@@ -146,23 +146,34 @@ const CHILD_OF_SQL: &str =
 /// operator's lock), so a parent's `Suspend` and this notification wait for each other.
 macro_rules! family_told {
     () => {
-        " notify AS (
+        family_told!("ended")
+    };
+    // `$told`: the CTE of the run whose parent learns of its end by the event (`ended`, or
+    // none of it when its end settled the parent's entry, `FINISH_CHILD_SQL`).
+    ($told:literal) => {
+        concat!(
+            " notify AS (
      INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)
      SELECT c.parent_run_id, 'child/' || c.parent_seq, 'child/' || c.parent_seq,
             json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json,
                               'error', c.error)::text,
             $2, NULL
-     FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id
+     FROM ",
+            $told,
+            " c JOIN {s}.runs p ON p.run_id = c.parent_run_id
      WHERE c.status <> 'continued' AND p.status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')
      ON CONFLICT (run_id, event_id) DO NOTHING),
  wake AS (
      UPDATE {s}.runs SET wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
-     WHERE run_id = (SELECT parent_run_id FROM ended WHERE status <> 'continued') AND status = 'waiting'),
+     WHERE run_id = (SELECT parent_run_id FROM ",
+            $told,
+            " WHERE status <> 'continued') AND status = 'waiting'),
  cancel AS (
      UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
          wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
      WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
        AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating'))"
+        )
     };
 }
 
@@ -197,6 +208,31 @@ const FINISH_SQL: &str = concat!(
  ended AS (SELECT * FROM finished WHERE status <> 'parked'),",
     family_told!(),
     " SELECT count(*) FROM finished"
+);
+
+/// Finish child run `$1` as [`FINISH_SQL`] does, and when its parent still holds the lease `$7`
+/// it waits with in memory (`JournalOp::FinishChild`), settle the parent's `child` entry with
+/// the child's end instead of sending the end event (the parent's row was locked with the batch,
+/// so its lease cannot change under this statement). Answers how many runs it finished and how
+/// many entries it settled.
+const FINISH_CHILD_SQL: &str = concat!(
+    "WITH finished AS (
+     UPDATE {s}.runs SET status = $4, result = $5, error = $6, finished_at_ms = $2, updated_at_ms = $2,
+         waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+     WHERE run_id = $1 AND lease_token = $3
+     RETURNING run_id, status, result, error, parent_run_id, parent_seq),
+ ended AS (SELECT * FROM finished WHERE status <> 'parked'),
+ settled AS (
+     UPDATE {s}.journal j SET status = 'completed', updated_at_ms = $2,
+         output = json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json,
+                                    'error', c.error)::text
+     FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id AND p.lease_token = $7
+     WHERE c.status <> 'continued' AND j.run_id = c.parent_run_id AND j.seq = c.parent_seq
+       AND j.status = 'waiting' AND j.kind = 'child'
+     RETURNING j.run_id),
+ told AS (SELECT * FROM ended WHERE NOT EXISTS (SELECT 1 FROM settled)),",
+    family_told!("told"),
+    " SELECT (SELECT count(*) FROM finished), (SELECT count(*) FROM settled)"
 );
 
 /// A child run that was there already (same workflow and input) and has ended tells its new
@@ -313,7 +349,9 @@ pub(super) fn commit(
         .collect();
     let finishing: Vec<&str> = writes
         .iter()
-        .filter(|w| matches!(w.op, JournalOp::Finish { .. } | JournalOp::ContinueAsNew { .. }))
+        .filter(|w| {
+            matches!(w.op, JournalOp::Finish { .. } | JournalOp::FinishChild { .. } | JournalOp::ContinueAsNew { .. })
+        })
         .map(|w| w.run_id.as_str())
         .collect::<BTreeSet<_>>()
         .into_iter()
@@ -387,6 +425,7 @@ fn apply_write(
     let reads_other_runs = match &op {
         JournalOp::Finish { .. } => runs.get(&run_id).is_some_and(|state| state.family),
         JournalOp::ContinueAsNew { .. }
+        | JournalOp::FinishChild { .. }
         | JournalOp::StartChild { .. }
         | JournalOp::ChildEnded { .. }
         | JournalOp::Send { .. } => true,
@@ -440,6 +479,20 @@ fn apply_write(
             state.token = None;
             state.status = None;
             Ok(WriteResult::Done)
+        }
+        JournalOp::FinishChild { status, result: _, error, parent_lease_token } => {
+            let error = error.as_deref().map(clip_error);
+            let mut c = apply.client()?;
+            let statement = st.get(&mut *c, FINISH_CHILD_SQL)?;
+            let (status, result, error) = (status.run_status().as_str(), text.as_deref(), error.as_deref());
+            let row = c
+                .query_one(&statement, &[&run, &now_ms, &token, &status, &result, &error, &parent_lease_token])
+                .db()?;
+            let (finished, settled): (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
+            ensure_invariant!(finished == 1, "run {run}: its locked row did not finish");
+            state.token = None;
+            state.status = None;
+            Ok(if settled == 1 { WriteResult::ParentSettled } else { WriteResult::Done })
         }
         JournalOp::ContinueAsNew { request } => {
             let mut c = apply.client()?;

@@ -39,6 +39,7 @@ enum Sql {
     ChildOf,
     Continuation,
     NotifyParent,
+    SettleParent,
     WakeParent,
     CancelChildren,
     Savepoint,
@@ -130,6 +131,19 @@ impl Sql {
                  WHERE run_id = ?1"
             }
             Sql::NotifyParent => NOTIFY_PARENT_SQL,
+            // A child's end settles the entry of its parent waiting in memory, while the parent
+            // holds the lease it waits with (`JournalOp::FinishChild`). Parameters: the child's
+            // run id (finished just before, in the same transaction), the parent's token, now.
+            Sql::SettleParent => {
+                "UPDATE journal SET status = 'completed', updated_at_ms = ?3,
+                     output = (SELECT json_object('run_id', c.run_id, 'status', c.status, 'result', json(c.result),
+                                                  'error', c.error)
+                               FROM runs c WHERE c.run_id = ?1)
+                 WHERE (run_id, seq) = (SELECT c.parent_run_id, c.parent_seq FROM runs c
+                                        JOIN runs p ON p.run_id = c.parent_run_id AND p.lease_token = ?2
+                                        WHERE c.run_id = ?1)
+                   AND status = 'waiting' AND kind = 'child'"
+            }
             Sql::WakeParent => WAKE_PARENT_SQL,
             Sql::CancelChildren => CANCEL_CHILDREN_SQL,
             Sql::Savepoint => "SAVEPOINT wf_tx_step",
@@ -263,7 +277,10 @@ fn apply(
 ) -> Result<WriteResult> {
     let JournalWrite { run_id: run, lease_token, op } = write;
     let known = last.take().filter(|f| f.run_id == run && f.token == lease_token);
-    if matches!(op, JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release) {
+    if matches!(
+        op,
+        JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::FinishChild { .. } | JournalOp::Release
+    ) {
         let (result, after) = apply_to_run(sql, &run, &lease_token, op, text, now_ms)?;
         // A status change leaves the journal as it is: what was known of it still holds.
         *last = after.then(|| LeaseSeen {
@@ -529,7 +546,7 @@ fn apply(
                 .db()?;
             WriteResult::Done
         }
-        JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::Release => {
+        JournalOp::SetStatus { .. } | JournalOp::Finish { .. } | JournalOp::FinishChild { .. } | JournalOp::Release => {
             unreachable!("applied by apply_to_run")
         }
     };
@@ -577,6 +594,34 @@ fn apply_to_run(
                 }
             }
             changed
+        }
+        JournalOp::FinishChild { status, result: _, error, parent_lease_token } => {
+            let changed = sql
+                .get(Sql::Finish)?
+                .execute(params![
+                    run_id,
+                    token,
+                    status.run_status().as_str(),
+                    text,
+                    error.as_deref().map(clip_error),
+                    now_ms
+                ])
+                .db()?;
+            if changed == 0 {
+                return Ok((WriteResult::Fenced, false));
+            }
+            // The parent waiting in memory has its entry settled, or (its lease gone) learns of
+            // the end by the event as after any finish.
+            let settled = sql.get(Sql::SettleParent)?.execute(params![run_id, parent_lease_token, now_ms]).db()? == 1;
+            let family: &[Sql] = if settled {
+                &[Sql::CancelChildren]
+            } else {
+                &[Sql::NotifyParent, Sql::WakeParent, Sql::CancelChildren]
+            };
+            for family in family {
+                sql.get(*family)?.execute(params![run_id, now_ms]).db()?;
+            }
+            return Ok((if settled { WriteResult::ParentSettled } else { WriteResult::Done }, false));
         }
         JournalOp::Release => sql.get(Sql::Release)?.execute(params![run_id, token, now_ms]).db()?,
         _ => return Err(Error::Invariant("apply_to_run takes only run-row writes".into())),
