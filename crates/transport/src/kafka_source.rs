@@ -17,8 +17,10 @@
 //! committed: the next member to own those partitions (this process after a restart, or another
 //! member after a rebalance) reads from the last committed offset, and the inbox answers
 //! `duplicate` for what it had stored. Because librdkafka's fetch position has moved past
-//! records that were not committed, **a source whose pull failed (or was dropped before it
-//! finished) after it took a record is unusable**: every later pull is an error, and the caller
+//! records that were not committed, **a pull whose batch failed rewinds**: each partition of the
+//! batch still assigned is sought back to the batch's first record there, and the same member
+//! reads them again (answered `duplicate`). A pull dropped before it finished, or one whose
+//! rewind failed, leaves the source **unusable**: every later pull is an error, and the caller
 //! connects anew, so that the new member starts from the committed offsets instead of skipping
 //! what was not stored. A consumer error before any record (the broker down or unreachable)
 //! leaves the source usable: librdkafka reconnects by itself, and the member keeps its place in
@@ -235,7 +237,8 @@ impl KafkaSource {
 
     /// One pull into `inbox` for `consumer_id` (see the module documentation), waiting at most
     /// `wait` for a first record. An error storing or committing a batch is an `Err`; what was
-    /// stored stays stored, nothing of the batch is committed, and the source is unusable from
+    /// stored stays stored, nothing of the batch is committed, and the batch is rewound so that
+    /// the next pull reads it again; when the rewind fails too, the source is unusable from
     /// then on ([`KafkaSource::usable`] is false): connect anew. Consumer errors (a broker down,
     /// a transport failure: librdkafka reports each as an event of its own and goes on
     /// reconnecting by itself) take no record and move no position: the pull reads past them,
@@ -267,21 +270,32 @@ impl KafkaSource {
                 Ok(Ok(first)) => break first.detach(),
             }
         };
+        // Unusable until the batch is committed or rewound: a pull dropped in between leaves
+        // the position past records it never committed.
         self.unusable.store(true, Ordering::SeqCst);
-        let report = self.store_batch(first, inbox, consumer_id).await?;
-        self.unusable.store(false, Ordering::SeqCst);
-        Ok(report)
+        let records = self.take_batch(first).await;
+        match self.store_batch(&records, inbox, consumer_id).await {
+            Ok(report) => {
+                self.unusable.store(false, Ordering::SeqCst);
+                Ok(report)
+            }
+            Err(error) => {
+                if self.rewind(&records).await {
+                    self.unusable.store(false, Ordering::SeqCst);
+                }
+                Err(error)
+            }
+        }
     }
 
-    /// False once a pull failed (or was dropped) after it took a record: its position may be
-    /// past offsets it never committed.
+    /// False once a pull was dropped after it took a record, or failed and could not rewind:
+    /// its position may be past offsets it never committed.
     pub fn usable(&self) -> bool {
         !self.unusable.load(Ordering::SeqCst)
     }
 
-    /// Store `first` and what librdkafka already holds after it, up to the batch, then commit.
-    async fn store_batch(&self, first: OwnedMessage, inbox: &dyn Inbox, consumer_id: &str) -> Result<SourceReport> {
-        let mut report = SourceReport::default();
+    /// `first` and what librdkafka already holds after it, up to the batch.
+    async fn take_batch(&self, first: OwnedMessage) -> Vec<OwnedMessage> {
         let mut records: Vec<OwnedMessage> = Vec::with_capacity(self.batch);
         records.push(first);
         // Then what librdkafka already holds (a zero timeout polls once): the batch never waits
@@ -293,12 +307,50 @@ impl KafkaSource {
                 Err(_) | Ok(Err(_)) => break,
             }
         }
-        report.fetched = records.len() as u64;
+        records
+    }
+
+    /// After a batch failed (its inbox call or its offset commit): set the fetch position of
+    /// each of its partitions back to the batch's first record there, so that the member reads
+    /// them again (the inbox answers `duplicate` for what it stored) instead of past them. A
+    /// partition no longer assigned needs nothing: its next owner, this member included, starts
+    /// from the committed offset. True when every partition still assigned was rewound; false
+    /// leaves the source unusable.
+    async fn rewind(&self, records: &[OwnedMessage]) -> bool {
+        let mut firsts: std::collections::BTreeMap<i32, i64> = std::collections::BTreeMap::new();
+        for record in records {
+            let first = firsts.entry(record.partition()).or_insert(record.offset());
+            *first = (*first).min(record.offset());
+        }
+        let (consumer, topic, timeout) = (self.consumer.clone(), self.topic.clone(), self.query_timeout);
+        blocking(move || {
+            for (partition, first) in firsts {
+                if let Err(error) = consumer.seek(&topic, partition, Offset::Offset(first), timeout) {
+                    let assignment = consumer.assignment().map_err(|e| Error::io(e.to_string()))?;
+                    if assignment.find_partition(&topic, partition).is_some() {
+                        return Err(Error::io(format!("seek of {topic}[{partition}] to {first}: {error}")));
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+        .is_ok()
+    }
+
+    /// Store `records` in the inbox, then commit past them.
+    async fn store_batch(
+        &self,
+        records: &[OwnedMessage],
+        inbox: &dyn Inbox,
+        consumer_id: &str,
+    ) -> Result<SourceReport> {
+        let mut report = SourceReport { fetched: records.len() as u64, ..SourceReport::default() };
 
         // The offset to commit per partition: one past the last record of the batch.
         let mut next_offsets: std::collections::BTreeMap<i32, i64> = std::collections::BTreeMap::new();
         let mut envelopes = Vec::with_capacity(records.len());
-        for record in &records {
+        for record in records {
             let (partition, offset) = (record.partition(), record.offset());
             // Records of a partition arrive in offset order; a batch never holds one twice (a
             // rebalance, which could rewind a partition, ends the batch), but the largest wins.
