@@ -327,9 +327,19 @@ pub(super) fn start_rows_in(
             .query_row([&request.run_id], |r| Ok((r.get(0)?, r.get(1)?, run_status_at(r, 2)?)))
             .optional()
             .db()?;
+        // A removed run's receipt keeps its id taken while it lives; one read, and a delete
+        // only when an expired one is there (no statement for the receipt a new id never had).
+        let mut expired_receipt = false;
         let earlier = match existing {
             Some(existing) => Some(existing),
-            None => rows::live_receipt(tx, &request.run_id, now_ms)?,
+            None => match rows::receipt(tx, &request.run_id)? {
+                Some(receipt) if receipt.live(now_ms) => Some((receipt.workflow, receipt.input_hash, receipt.status)),
+                Some(_) => {
+                    expired_receipt = true;
+                    None
+                }
+                None => None,
+            },
         };
         if let Some((workflow, input_hash, status)) = earlier {
             outcomes.push(if workflow == request.workflow && input_hash == hash {
@@ -350,7 +360,9 @@ pub(super) fn start_rows_in(
             queues::check_enqueue(tx, enqueue)?;
         }
         // An expired receipt no longer counts: the id may be used again.
-        tx.prepare_cached("DELETE FROM run_receipts WHERE run_id = ?1").db()?.execute([&request.run_id]).db()?;
+        if expired_receipt {
+            tx.prepare_cached("DELETE FROM run_receipts WHERE run_id = ?1").db()?.execute([&request.run_id]).db()?;
+        }
         let enqueue = request.queue.as_ref();
         tx.prepare_cached(
             "INSERT INTO runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms,

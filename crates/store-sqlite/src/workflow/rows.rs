@@ -214,13 +214,38 @@ pub(super) fn live_receipt(
     run_id: &str,
     now_ms: i64,
 ) -> Result<Option<(String, String, RunStatus)>> {
-    conn.prepare_cached(
-        "SELECT workflow, input_hash, status FROM run_receipts WHERE run_id = ?1 AND expires_at_ms > ?2",
-    )
-    .db()?
-    .query_row(params![run_id, now_ms], |r| Ok((r.get(0)?, r.get(1)?, run_status_at(r, 2)?)))
-    .optional()
-    .db()
+    Ok(receipt(conn, run_id)?.filter(|r| r.live(now_ms)).map(|r| (r.workflow, r.input_hash, r.status)))
+}
+
+/// The receipt a run left when it was removed (its workflow, input hash and end), which keeps
+/// its id taken until `expires_at_ms`.
+pub(super) struct Receipt {
+    pub workflow: String,
+    pub input_hash: String,
+    pub status: RunStatus,
+    pub expires_at_ms: i64,
+}
+
+impl Receipt {
+    pub fn live(&self, now_ms: i64) -> bool {
+        self.expires_at_ms > now_ms
+    }
+}
+
+/// The receipt of `run_id`, live or expired.
+pub(super) fn receipt(conn: &Connection, run_id: &str) -> Result<Option<Receipt>> {
+    conn.prepare_cached("SELECT workflow, input_hash, status, expires_at_ms FROM run_receipts WHERE run_id = ?1")
+        .db()?
+        .query_row([run_id], |r| {
+            Ok(Receipt {
+                workflow: r.get(0)?,
+                input_hash: r.get(1)?,
+                status: run_status_at(r, 2)?,
+                expires_at_ms: r.get(3)?,
+            })
+        })
+        .optional()
+        .db()
 }
 
 /// Canonical JSON text of a value (serde_json writes object keys in sorted order). The same
