@@ -445,11 +445,13 @@ fn outcome_of(request: &StartRequest, hash: &str, found: &Found) -> StartOutcome
     }
 }
 
-/// Runs (and live receipts of purged runs) under the ids `$1`, in one statement, so one snapshot:
-/// a purge commits the run's deletion and its receipt together, and this sees one or the other.
+/// Runs (and receipts of purged runs: 1 live, 2 expired) under the ids `$1`, in one statement,
+/// so one snapshot: a purge commits the run's deletion and its receipt together, and this sees
+/// one or the other.
 const STARTS_FOUND_SQL: &str = "SELECT run_id, workflow, input_hash, status, 0 FROM {s}.runs WHERE run_id = ANY($1)
  UNION ALL
- SELECT run_id, workflow, input_hash, status, 1 FROM {s}.run_receipts WHERE run_id = ANY($1) AND expires_at_ms > $2";
+ SELECT run_id, workflow, input_hash, status, CASE WHEN expires_at_ms > $2 THEN 1 ELSE 2 END
+ FROM {s}.run_receipts WHERE run_id = ANY($1)";
 
 /// New runs, in run id order (two batches that share ids wait for each other in one order).
 /// A run id another transaction inserted meanwhile, or a queue's deduplication id another
@@ -499,9 +501,16 @@ pub(super) fn start_rows_in(
     let ids: Vec<String> = requests.iter().map(|r| r.run_id.clone()).collect::<BTreeSet<_>>().into_iter().collect();
     let found_sql = st.get(c, STARTS_FOUND_SQL)?;
     let mut found: HashMap<String, Found> = HashMap::new();
+    let mut expired: BTreeSet<String> = BTreeSet::new();
     for row in c.query(&found_sql, &[&ids, &now_ms]).db()? {
         let run_id: String = col(&row, 0)?;
-        let from_receipt = col::<i32>(&row, 4)? == 1;
+        let source = col::<i32>(&row, 4)?;
+        if source == 2 {
+            // An expired receipt no longer counts: the id may be used again.
+            expired.insert(run_id);
+            continue;
+        }
+        let from_receipt = source == 1;
         // A run is what counts; a receipt only stands in for a purged one.
         if from_receipt && found.contains_key(&run_id) {
             continue;
@@ -527,9 +536,12 @@ pub(super) fn start_rows_in(
     let new_ids: Vec<String> = new.keys().map(|id| id.to_string()).collect();
     let chosen: Vec<&StartRequest> = new.values().map(|index| &requests[*index]).collect();
     queues::check_enqueues(c, st, &chosen)?;
-    // An expired receipt no longer counts: the id may be used again.
-    let forget = st.get(c, "DELETE FROM {s}.run_receipts WHERE run_id = ANY($1)")?;
-    c.execute(&forget, &[&new_ids]).db()?;
+    // Expired receipts of the new ids are deleted (a statement only when there is one).
+    let forget_ids: Vec<&String> = new_ids.iter().filter(|id| expired.contains(*id)).collect();
+    if !forget_ids.is_empty() {
+        let forget = st.get(c, "DELETE FROM {s}.run_receipts WHERE run_id = ANY($1)")?;
+        c.execute(&forget, &[&forget_ids]).db()?;
+    }
     let workflows: Vec<&str> = chosen.iter().map(|r| r.workflow.as_str()).collect();
     let versions: Vec<i64> = chosen.iter().map(|r| i64::from(r.version)).collect();
     let inputs: Vec<String> = chosen.iter().map(|r| rows::json_text(&r.input)).collect();
