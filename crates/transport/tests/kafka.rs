@@ -160,13 +160,19 @@ async fn records_carry_the_flow_key_and_headers_and_each_flow_stays_in_one_parti
 struct FileInbox {
     consumer: Mutex<SqliteConsumer>,
     die_after_commit: AtomicBool,
+    /// A receive that never answers (a pull waiting on it is dropped by its caller).
+    hang: AtomicBool,
 }
 
 impl FileInbox {
     fn new(dir: &tempfile::TempDir) -> FileInbox {
         let consumer = SqliteConsumer::init(&dir.path().join("inbox.db"), RetentionPolicy { horizon_ms: 86_400_000 })
             .expect("a consumer database");
-        FileInbox { consumer: Mutex::new(consumer), die_after_commit: AtomicBool::new(false) }
+        FileInbox {
+            consumer: Mutex::new(consumer),
+            die_after_commit: AtomicBool::new(false),
+            hang: AtomicBool::new(false),
+        }
     }
 
     fn stored(&self) -> usize {
@@ -202,6 +208,9 @@ impl Inbox for FileInbox {
         events: Vec<Envelope>,
     ) -> Pin<Box<dyn Future<Output = Result<Vec<ReceiveOutcome>>> + Send + 'a>> {
         Box::pin(async move {
+            if self.hang.load(Ordering::SeqCst) {
+                return std::future::pending().await;
+            }
             let items: Vec<(&str, &Envelope)> = events.iter().map(|e| (consumer_id, e)).collect();
             let outcomes = self.consumer.lock().unwrap().receive_batch(&items, now_ms())?;
             if self.die_after_commit.load(Ordering::SeqCst) {
@@ -347,6 +356,44 @@ async fn a_member_whose_batch_failed_reads_it_again_itself() {
     assert_eq!(inbox.stored(), sent.len());
     let (applied, _) = inbox.drain();
     assert_eq!(applied.len(), sent.len(), "every event applied once");
+}
+
+/// A pull dropped while its batch was in the inbox call (its caller gave up on it) can neither
+/// commit nor rewind: the source refuses every later pull, and a new member reads the batch.
+#[tokio::test]
+async fn a_member_whose_pull_was_dropped_mid_batch_is_not_pulled_from_again() {
+    let cluster = cluster(1, "orders", 1);
+    let bootstrap = cluster.bootstrap_servers();
+    let transport = connect(&format!("kafka://{bootstrap}/orders"), &TransportConfig::default()).unwrap();
+    let sent = items(3, 2);
+    transport.deliver(&sent).await.expect("produced");
+    let dir = tempfile::tempdir().unwrap();
+    let inbox = FileInbox::new(&dir);
+    let config = source_config(&bootstrap, "orders", "ledger");
+    let source = KafkaSource::connect(&config, Duration::from_secs(5)).await.expect("connected");
+    inbox.hang.store(true, Ordering::SeqCst);
+    let mut dropped = false;
+    for _ in 0..PULLS_MAX {
+        match tokio::time::timeout(PULL_WAIT * 4, source.pull(&inbox, "audit", PULL_WAIT)).await {
+            Ok(report) => assert_eq!(report.expect("a pull").fetched, 0, "a batch reached the inbox"),
+            Err(_gave_up) => {
+                dropped = true;
+                break;
+            }
+        }
+    }
+    assert!(dropped, "a batch reached the hanging inbox");
+    assert!(!source.usable());
+    inbox.hang.store(false, Ordering::SeqCst);
+    let refused = source.pull(&inbox, "audit", PULL_WAIT).await.expect_err("not pulled from again");
+    assert!(refused.to_string().contains("connect anew"), "{refused}");
+    assert_eq!(inbox.stored(), 0);
+    drop(source);
+
+    let again = KafkaSource::connect(&config, Duration::from_secs(5)).await.expect("connected again");
+    let total = consume_until_caught_up(&again, &inbox).await;
+    assert_eq!(total.accepted, sent.len() as u64, "{total:?}");
+    assert_eq!(inbox.stored(), sent.len());
 }
 
 /// A broker down and up again: the member keeps its place (a pull that meets only consumer
