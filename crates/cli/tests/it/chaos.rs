@@ -98,6 +98,9 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         // Batches of child workflows ran too, and every one of them completed.
         assert!(report["operations"]["batches"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        // Batches told their waiters (`ctx.send`), and the waiters went on.
+        assert!(report["operations"]["waiters"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        assert!(report["check"]["waiters_by_outcome"]["approved"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         assert_eq!(report["check"]["batches_by_status"]["completed"], report["operations"]["batches"]);
         assert_eq!(report["operations"]["ledger_entries"], report["operations"]["acknowledged"]);
         // The schedule is the seed's: a second derivation prints the same one.
@@ -227,13 +230,39 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     workflows
         .execute("UPDATE runs SET result = '{\"continued_as\": \"nowhere\"}' WHERE run_id = ?1", [&continued])
         .expect("break a chain");
+    // Two waiters that their batches told: the first one's message was never received, and the
+    // second one's batch is made to look never started (its run renamed, its ledger line gone),
+    // so that its approval is a charge and a shipment no message allowed.
+    let waiter = |n: usize| {
+        one(&format!(
+            "SELECT run_id FROM runs WHERE workflow = 'sleepy_order' AND status = 'completed' ORDER BY run_id LIMIT 1 OFFSET {n}"
+        ))
+    };
+    let (unheard, untold) = (waiter(0), waiter(1));
+    let cleared = workflows
+        .execute("UPDATE run_events SET consumed_by_seq = NULL WHERE run_id = ?1 AND name = 'batch_done'", [&unheard])
+        .expect("unreceive a message");
+    assert_eq!(cleared, 1, "waiter {unheard} received one message");
+    let untold_batch = untold.strip_suffix("-w").expect("a waiter's id is its batch's and -w").to_string();
+    workflows
+        .execute_batch(&format!(
+            "PRAGMA foreign_keys = OFF; UPDATE runs SET run_id = run_id || 'x' WHERE run_id = '{untold_batch}'"
+        ))
+        .expect("rename a batch");
     drop(workflows);
-    // And the ledger holds a batch the database never saw.
+    // And the ledger holds a batch and a waiter the database never saw.
     let ledger = out.join("ledger.jsonl");
-    let mut text = std::fs::read_to_string(&ledger).expect("ledger");
+    let text = std::fs::read_to_string(&ledger).expect("ledger");
+    let mut text: String = text
+        .lines()
+        .filter(|line| !line.contains(&format!(r#""run_id":"{untold_batch}""#)))
+        .map(|line| format!("{line}\n"))
+        .collect();
     text.push_str(
         r#"{"kind":"batch","run_id":"never-batch","per_run":null,"orders":[{"order_id":"never-batch-o1","fail":null,"expect":"completed","quantity":1}],"process":0,"at_ms":3}"#,
     );
+    text.push('\n');
+    text.push_str(r#"{"kind":"waiter","run_id":"never-w","quantity":1,"process":1,"at_ms":4}"#);
     text.push('\n');
     std::fs::write(&ledger, text).expect("ledger");
 
@@ -242,11 +271,15 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     let listed = bad.json["check"]["first_violations"].to_string();
     assert_eq!(violations(&bad.json, "applied_twice"), 1, "{listed}");
     assert_eq!(violations(&bad.json, "unexpected_end"), 1, "{listed}");
-    assert_eq!(violations(&bad.json, "lost"), 2, "{listed}");
+    assert_eq!(violations(&bad.json, "lost"), 4, "{listed}");
+    assert_eq!(violations(&bad.json, "wrong_effects"), 1, "{listed}");
     assert!(listed.contains(&format!("ran as 2 children: [\\\"{child}\\\", \\\"{child}0\\\"]")), "{listed}");
     assert!(listed.contains(&format!("batch {whole} reports its orders' ends")), "{listed}");
     assert!(listed.contains(&format!("batch {continued}: run {continued} continued")), "{listed}");
     assert!(listed.contains("batch never-batch acknowledged by process 0 is not in the database"), "{listed}");
+    assert!(listed.contains("waiter never-w acknowledged by process 1 is not in the database"), "{listed}");
+    assert!(listed.contains(&format!("waiter {unheard} (told: true")), "{listed}");
+    assert!(listed.contains(&format!("waiter {untold} ended completed with the effects")), "{listed}");
 }
 
 #[test]

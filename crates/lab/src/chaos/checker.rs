@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
 
 use super::{invalid, AUDIT_CONSUMER, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK};
+use tidemark_builtins::workflows::BATCH_DONE;
 
 /// Longest ledger line the checker reads (a line is under 300 bytes).
 const LEDGER_LINE_BYTES_MAX: usize = 64 * 1024;
@@ -77,6 +78,22 @@ pub enum Acknowledged {
         per_run: Option<usize>,
         /// The orders, in the batch's order.
         orders: Vec<BatchOrder>,
+        /// The waiter the chain's last run tells when the batch is done (`ctx.send`), if any.
+        #[serde(default)]
+        notify: Option<String>,
+        /// The process (0-based) that answered.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
+    /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for a `sleepy_order` that waits
+    /// for a batch's `batch_done` message: approved (charged and shipped) when the batch named it
+    /// and completed, unapproved (released) when no batch named it and the wait timed out.
+    Waiter {
+        /// The run id (also the order id); the batch that tells it is `<run id less "-w">`.
+        run_id: String,
+        /// The quantity the order reserves.
+        quantity: i64,
         /// The process (0-based) that answered.
         process: usize,
         /// When, in ms after the workload started.
@@ -135,6 +152,11 @@ pub struct CheckReport {
     pub starts: u64,
     /// Acknowledged batch starts in the ledger.
     pub batches: u64,
+    /// Acknowledged waiters (runs waiting for a batch's message) in the ledger.
+    pub waiters: u64,
+    /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
+    /// (their batch was never started: the wait timed out).
+    pub waiters_by_outcome: BTreeMap<&'static str, u64>,
     /// Events in the producer's outbox (acknowledged or not: an advance whose answer was lost
     /// in a crash may have committed).
     pub outbox_events: u64,
@@ -177,7 +199,13 @@ impl CheckReport {
             "violations": self.total(),
             "by_kind": self.counts,
             "first_violations": listed,
-            "ledger": {"advances": self.advances, "starts": self.starts, "batches": self.batches},
+            "ledger": {
+                "advances": self.advances,
+                "starts": self.starts,
+                "batches": self.batches,
+                "waiters": self.waiters,
+            },
+            "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
             "batches_by_status": self.batches_by_status,
@@ -706,21 +734,36 @@ impl RunRow {
 }
 
 /// What the ledger says an order must do, whether it was started alone (its run id is its order
-/// id) or as a child of a batch.
+/// id), as a child of a batch, or as a batch's waiter.
 struct Order<'a> {
     order_id: &'a str,
     expect: &'a str,
     quantity: i64,
+    /// The effects its end must leave when they are not the end's own ([`expected_effects`]):
+    /// a waiter that completed unapproved released its reservation.
+    effects: Option<&'static [&'static str]>,
+    /// The payment calls (charged, refunded) it leaves once it ended as it must.
+    payments: (i64, i64),
 }
 
-/// The orders of the ledger (each alone or in its batch) with the step their input makes fail.
-fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = (&str, Option<&str>)> {
-    ledger.iter().flat_map(|entry| -> Vec<(&str, Option<&str>)> {
+impl<'a> Order<'a> {
+    /// An `order_saga` that fails `fail` for good (if any), expected to end `expect`.
+    fn saga(order_id: &'a str, fail: Option<&str>, expect: &'a str, quantity: i64) -> Order<'a> {
+        let payments = match fail {
+            None => (1, 0),
+            Some("charge_payment") => (0, 0),
+            Some(_) => (1, 1),
+        };
+        Order { order_id, expect, quantity, effects: None, payments }
+    }
+}
+
+/// The order ids of the ledger (each alone, in its batch, or a waiter): their payment calls.
+fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = &str> {
+    ledger.iter().flat_map(|entry| -> Vec<&str> {
         match entry {
-            Acknowledged::Start { run_id, fail, .. } => vec![(run_id.as_str(), fail.as_deref())],
-            Acknowledged::Batch { orders, .. } => {
-                orders.iter().map(|o| (o.order_id.as_str(), o.fail.as_deref())).collect()
-            }
+            Acknowledged::Start { run_id, .. } | Acknowledged::Waiter { run_id, .. } => vec![run_id.as_str()],
+            Acknowledged::Batch { orders, .. } => orders.iter().map(|o| o.order_id.as_str()).collect(),
             Acknowledged::Advance { .. } => Vec::new(),
         }
     })
@@ -735,12 +778,19 @@ struct Runs {
     effects_of: HashMap<String, Vec<(String, i64)>>,
     /// Runs reported unfinished or leased (each counted once against the database's count).
     reported: HashSet<String>,
-    /// The orders whose run ended as it must (their payments are final).
-    ended: HashSet<String>,
+    /// The orders whose run ended as it must, with the payment calls (charged, refunded) that
+    /// end leaves (final once it ended).
+    ended: HashMap<String, (i64, i64)>,
+    /// The ledger's batches that name a waiter, by the waiter's run id: the batch's run id.
+    notified_by: HashMap<String, String>,
 }
 
-/// Returns the acknowledged orders whose run ended as it must.
-fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<HashSet<String>> {
+/// Returns the acknowledged orders whose run ended as it must, with the payment calls they leave.
+fn check_runs(
+    report: &mut CheckReport,
+    workflows: &mut Db,
+    ledger: &[Acknowledged],
+) -> Result<HashMap<String, (i64, i64)>> {
     // One pass over the runs and one over the effects (`order_effects` has no index on the
     // order: a query per run would scan the table once per run).
     // One statement, so that the runs and the children are one snapshot (the servers may still
@@ -768,12 +818,19 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     for r in workflows.rows("SELECT order_id, kind, quantity FROM order_effects ORDER BY effect_id", &[])? {
         effects_of.entry(r.text(0)?).or_default().push((r.text(1)?, r.int(2)?));
     }
-    let mut read = Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashSet::new() };
+    let notified_by = ledger
+        .iter()
+        .filter_map(|entry| match entry {
+            Acknowledged::Batch { run_id, notify: Some(waiter), .. } => Some((waiter.clone(), run_id.clone())),
+            _ => None,
+        })
+        .collect();
+    let mut read = Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by };
     for entry in ledger {
         match entry {
-            Acknowledged::Start { run_id, expect, process, quantity, .. } => {
+            Acknowledged::Start { run_id, fail, expect, process, quantity, .. } => {
                 report.starts += 1;
-                let order = Order { order_id: run_id, expect, quantity: *quantity };
+                let order = Order::saga(run_id, fail.as_deref(), expect, *quantity);
                 if read.runs.contains_key(run_id) {
                     check_order(report, &mut read, &order, run_id, &format!("run {run_id}"));
                 } else {
@@ -786,6 +843,10 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
             Acknowledged::Batch { run_id, orders, process, .. } => {
                 report.batches += 1;
                 check_batch(report, &mut read, run_id, orders, *process);
+            }
+            Acknowledged::Waiter { run_id, quantity, process, .. } => {
+                report.waiters += 1;
+                check_waiter(report, workflows, &mut read, run_id, *quantity, *process)?;
             }
             Acknowledged::Advance { .. } => {}
         }
@@ -851,10 +912,10 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
     }
     if status != order.expect {
         report.violation("unexpected_end", format!("{label} ended {status} ({error:?}); it must end {}", order.expect));
-    } else if expected_effects(status).is_some_and(|want| kinds != want) {
+    } else if order.effects.or_else(|| expected_effects(status)).is_some_and(|want| kinds != want) {
         report.violation("wrong_effects", format!("{label} ended {status} with the effects {kinds:?}"));
     } else {
-        read.ended.insert(order.order_id.to_string());
+        read.ended.insert(order.order_id.to_string(), order.payments);
     }
 }
 
@@ -866,32 +927,10 @@ fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: 
         report.violation("lost", format!("batch {run_id} acknowledged by process {process} is not in the database"));
         return;
     }
-    let mut chain = vec![run_id.to_string()];
-    loop {
-        let last = &read.runs[chain.last().expect("a chain has a run")];
-        if last.status != "continued" {
-            break;
-        }
-        let next = last
-            .result
-            .as_deref()
-            .and_then(|r| serde_json::from_str::<Value>(r).ok())
-            .and_then(|v| v["continued_as"].as_str().map(str::to_string));
-        match next {
-            Some(next) if read.runs.contains_key(&next) && chain.len() < CHAIN_RUNS_MAX => chain.push(next),
-            _ => {
-                report.violation(
-                    "lost",
-                    format!(
-                        "batch {run_id}: run {} continued with the result {:?}, and no run (of at most {CHAIN_RUNS_MAX}) follows",
-                        chain.last().expect("a chain has a run"),
-                        last.result
-                    ),
-                );
-                return;
-            }
-        }
-    }
+    let chain = match chain(read, run_id) {
+        Ok(chain) => chain,
+        Err(broken) => return report.violation("lost", format!("batch {run_id}: {broken}")),
+    };
     let last_id = chain.last().expect("a chain has a run").clone();
     let last = &read.runs[&last_id];
     *report.batches_by_status.entry(last.status.clone()).or_default() += 1;
@@ -929,7 +968,7 @@ fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: 
     ran.values_mut().for_each(|children| children.sort());
     for order in orders {
         let label = format!("order {} of batch {run_id}", order.order_id);
-        let as_order = Order { order_id: &order.order_id, expect: &order.expect, quantity: order.quantity };
+        let as_order = Order::saga(&order.order_id, order.fail.as_deref(), &order.expect, order.quantity);
         match ran.get(&order.order_id).map(Vec::as_slice).unwrap_or_default() {
             [] if finished => {
                 report.violation("lost", format!("{label} never ran: the batch completed without a child for it"))
@@ -971,11 +1010,105 @@ fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: 
     }
 }
 
+/// The chain of runs that starts at `run_id` (in the database): each `continued` run names the
+/// next in its result. Err: how the chain breaks.
+fn chain(read: &Runs, run_id: &str) -> std::result::Result<Vec<String>, String> {
+    let mut chain = vec![run_id.to_string()];
+    loop {
+        let last = &read.runs[chain.last().expect("a chain has a run")];
+        if last.status != "continued" {
+            return Ok(chain);
+        }
+        let next = last
+            .result
+            .as_deref()
+            .and_then(|r| serde_json::from_str::<Value>(r).ok())
+            .and_then(|v| v["continued_as"].as_str().map(str::to_string));
+        match next {
+            Some(next) if read.runs.contains_key(&next) && chain.len() < CHAIN_RUNS_MAX => chain.push(next),
+            _ => {
+                return Err(format!(
+                    "run {} continued with the result {:?}, and no run (of at most {CHAIN_RUNS_MAX}) follows",
+                    chain.last().expect("a chain has a run"),
+                    last.result
+                ))
+            }
+        }
+    }
+}
+
+/// An acknowledged waiter (`run_id`, a `sleepy_order` waiting for `batch_done`): told by its
+/// batch (`run_id` less `-w`, acknowledged or only in the database), it must complete approved,
+/// charged and shipped, with the one message received; never told (no such batch), it must
+/// complete unapproved with its reservation released and nothing charged. A batch that has not
+/// completed (still running, or its end reported as its own violation) says nothing yet.
+fn check_waiter(
+    report: &mut CheckReport,
+    workflows: &mut Db,
+    read: &mut Runs,
+    run_id: &str,
+    quantity: i64,
+    process: usize,
+) -> Result<()> {
+    if !read.runs.contains_key(run_id) {
+        report.violation("lost", format!("waiter {run_id} acknowledged by process {process} is not in the database"));
+        return Ok(());
+    }
+    let batch = match read.notified_by.get(run_id) {
+        Some(batch) => Some(batch.clone()),
+        None => run_id.strip_suffix("-w").filter(|b| read.runs.contains_key(*b)).map(str::to_string),
+    };
+    let told = match &batch {
+        None => false,
+        Some(batch) if !read.runs.contains_key(batch) => return Ok(()), // lost, reported with the batch
+        Some(batch) => match chain(read, batch) {
+            Ok(chain) if read.runs[chain.last().expect("a chain has a run")].status == "completed" => true,
+            _ => {
+                // Not completed: the waiter's own state is still checked for what holds anyway.
+                let run = &read.runs[run_id];
+                if run.active() {
+                    report.violation("run_unfinished", format!("waiter {run_id} of batch {batch} is {}", run.status));
+                    read.reported.insert(run_id.to_string());
+                }
+                return Ok(());
+            }
+        },
+    };
+    let messages = workflows.int(
+        "SELECT count(*) FROM run_events WHERE run_id = $1 AND name = $2 AND consumed_by_seq IS NOT NULL",
+        &[run_id, BATCH_DONE],
+    )?;
+    let label = format!("waiter {run_id}");
+    let order = if told {
+        Order { order_id: run_id, expect: "completed", quantity, effects: None, payments: (1, 0) }
+    } else {
+        Order {
+            order_id: run_id,
+            expect: "completed",
+            quantity,
+            effects: Some(&["reserve", "release"]),
+            payments: (0, 0),
+        }
+    };
+    check_order(report, read, &order, run_id, &label);
+    if read.ended.contains_key(run_id) {
+        *report.waiters_by_outcome.entry(if told { "approved" } else { "never_told" }).or_default() += 1;
+        if messages != i64::from(told) {
+            let batch = batch.unwrap_or_default();
+            report.violation(
+                if messages > 1 { "applied_twice" } else { "lost" },
+                format!("{label} (told: {told}, by batch {batch:?}) received {messages} batch_done messages"),
+            );
+        }
+    }
+    Ok(())
+}
+
 fn check_payments(
     report: &mut CheckReport,
     payments: &mut Db,
     ledger: &[Acknowledged],
-    ended: &HashSet<String>,
+    ended: &HashMap<String, (i64, i64)>,
 ) -> Result<()> {
     // One pass, grouped (the log's only index is on the idempotency key).
     let mut by_order: HashMap<String, (i64, i64)> = HashMap::new();
@@ -987,7 +1120,7 @@ fn check_payments(
     )? {
         by_order.insert(r.text(0)?, (r.int(1)?, r.int(2)?));
     }
-    for (order_id, fail) in ledger_orders(ledger) {
+    for order_id in ledger_orders(ledger) {
         let (charged, refunded) = by_order.get(order_id).copied().unwrap_or((0, 0));
         if charged > 1 || refunded > 1 {
             report.violation(
@@ -997,18 +1130,11 @@ fn check_payments(
             continue;
         }
         // Only the payments of a run that ended as it must are final (the others are reported).
-        if !ended.contains(order_id) {
-            continue;
-        }
-        let want = match fail {
-            None => (1, 0),
-            Some("charge_payment") => (0, 0),
-            Some(_) => (1, 1),
-        };
+        let Some(want) = ended.get(order_id).copied() else { continue };
         if (charged, refunded) != want {
             report.violation(
                 "wrong_effects",
-                format!("order {order_id} (fail {fail:?}): charged {charged}, refunded {refunded}; expected {want:?}"),
+                format!("order {order_id}: charged {charged}, refunded {refunded}; its end leaves {want:?}"),
             );
         }
     }

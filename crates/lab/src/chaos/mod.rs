@@ -29,7 +29,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use serde_json::{json, Value};
 use tidemark_builtins::order::ORDER_SAGA;
-use tidemark_builtins::workflows::ORDER_BATCH;
+use tidemark_builtins::workflows::{BATCH_DONE, ORDER_BATCH, SLEEPY_ORDER};
 use tidemark_core::error::codes;
 use tidemark_core::{Error, Result};
 
@@ -56,6 +56,15 @@ const REMOTE_TOKEN: &str = "chaos-remote";
 pub(crate) const SKU: &str = "chaos-sku";
 /// Its stock, set before the workload (never runs out).
 pub(crate) const STOCK: i64 = 1_000_000_000;
+/// How long a batch's waiter waits for its `batch_done` message: far longer than a batch takes
+/// under the harness's faults, short enough that a waiter whose batch was never started (its
+/// start unanswered) ends within the convergence wait.
+pub(crate) const WAITER_TIMEOUT_MS: u64 = 60_000;
+/// Most sends of a start that must be answered (a batch's waiter, and its batch): with the
+/// 1 s request timeout and the pause between sends, about 40 s.
+const START_SENDS_MAX: usize = 40;
+/// The pause before a start is sent again.
+const START_RESEND_PAUSE: Duration = Duration::from_millis(100);
 /// The servers' worker lease (`workers.lease_ms`): a pause is longer than this.
 const LEASE_MS: u64 = 1_000;
 /// The servers' fixed step retry delay (`workers.retry_delay_ms`), so that retries after a crash
@@ -1155,6 +1164,13 @@ struct Shared {
     recovery: Mutex<Recovery>,
 }
 
+impl Shared {
+    /// Milliseconds since the workload started.
+    fn at_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+}
+
 /// What one client did.
 #[derive(Default)]
 struct ClientStats {
@@ -1164,6 +1180,7 @@ struct ClientStats {
     advances: u64,
     starts: u64,
     batches: u64,
+    waiters: u64,
     unexpected: u64,
     last_unexpected: Option<String>,
 }
@@ -1207,8 +1224,25 @@ async fn client(
                 if let Some(n) = per_run {
                     input["per_run"] = json!(n);
                 }
+                // Half of the batches tell a waiting run when they are done (`ctx.send`): the
+                // waiter is started first, and named only once its start is acknowledged. Both
+                // starts are sent again until answered (the same run id: `existing` if the
+                // first committed), since a waiter that no batch tells waits out its timeout.
+                if rng.gen_bool(0.5) {
+                    let waiter = format!("{run_id}-w");
+                    let (body, entry) = waiter_start(&mut rng, waiter.clone());
+                    let start = Start { http: &http, shared: &shared, ledger: &ledger };
+                    if start.until_answered(&mut stats, process, &body, entry).await {
+                        input["notify"] = json!(waiter);
+                        let body = json!({"workflow": ORDER_BATCH, "run_id": run_id, "input": input});
+                        let notify = Some(waiter);
+                        let entry = Acknowledged::Batch { run_id, per_run, orders, notify, process, at_ms: 0 };
+                        start.until_answered(&mut stats, process, &body, entry).await;
+                        continue;
+                    }
+                }
                 let body = json!({"workflow": ORDER_BATCH, "run_id": run_id, "input": input});
-                (body, Acknowledged::Batch { run_id, per_run, orders, process, at_ms: 0 })
+                (body, Acknowledged::Batch { run_id, per_run, orders, notify: None, process, at_ms: 0 })
             } else {
                 let (input, order) = order(&mut rng, run_id.clone());
                 let body = json!({"workflow": ORDER_SAGA, "run_id": run_id, "input": input});
@@ -1245,32 +1279,20 @@ async fn client(
             };
             (format!("/v1/flows/{}/advance", owned.flow_id), body, Box::new(accept))
         };
-        let sent = http.post(format!("{}{path}", shared.bases[process])).json(&body).send().await;
-        let answered = match sent {
-            Ok(response) => {
-                let status = response.status().as_u16();
-                response.text().await.ok().map(|text| (status, text))
-            }
-            Err(_) => None,
-        };
-        let Some((status, text)) = answered else {
+        let Some((status, answer)) = post(&http, &shared, &mut stats, process, &path, &body).await else {
             // No answer: whether it committed is unknown, so the flow is given up.
-            stats.connection_errors += 1;
             flow = None;
             tokio::time::sleep(RETRY_PAUSE).await;
             continue;
         };
-        stats.requests += 1;
-        *stats.by_status.entry(status).or_default() += 1;
-        let answer: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-        let at_ms = shared.started.elapsed().as_millis() as u64;
-        let acknowledged = if (200..300).contains(&status) { pending(&answer, at_ms) } else { None };
+        let acknowledged = if (200..300).contains(&status) { pending(&answer, shared.at_ms()) } else { None };
         match acknowledged {
             Some(entry) => {
                 shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
                 match &entry {
                     Acknowledged::Start { .. } => stats.starts += 1,
                     Acknowledged::Batch { .. } => stats.batches += 1,
+                    Acknowledged::Waiter { .. } => stats.waiters += 1,
                     Acknowledged::Advance { .. } => {
                         stats.advances += 1;
                         if let Some(owned) = flow.as_mut() {
@@ -1285,12 +1307,7 @@ async fn client(
                 let _ = ledger.send(entry);
             }
             None => {
-                // A 5xx (a busy or stopping server) may have committed; a 4xx is unexpected.
-                if status < 500 {
-                    stats.unexpected += 1;
-                    stats.last_unexpected =
-                        Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
-                }
+                // A 5xx (a busy or stopping server) may have committed.
                 if !start {
                     flow = None;
                 }
@@ -1301,11 +1318,101 @@ async fn client(
     stats
 }
 
+/// POST `body` to `path` of `process`, counting the request in `stats`: the status and the
+/// answer's JSON (`Null` when it is not JSON), or `None` when no answer came (a connection
+/// error). A 4xx is counted as unexpected (the workload sends only valid requests).
+async fn post(
+    http: &reqwest::Client,
+    shared: &Shared,
+    stats: &mut ClientStats,
+    process: usize,
+    path: &str,
+    body: &Value,
+) -> Option<(u16, Value)> {
+    let sent = http.post(format!("{}{path}", shared.bases[process])).json(body).send().await;
+    let answered = match sent {
+        Ok(response) => {
+            let status = response.status().as_u16();
+            response.text().await.ok().map(|text| (status, text))
+        }
+        Err(_) => None,
+    };
+    let Some((status, text)) = answered else {
+        stats.connection_errors += 1;
+        return None;
+    };
+    stats.requests += 1;
+    *stats.by_status.entry(status).or_default() += 1;
+    if (400..500).contains(&status) {
+        stats.unexpected += 1;
+        stats.last_unexpected = Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
+    }
+    Some((status, serde_json::from_str(&text).unwrap_or(Value::Null)))
+}
+
+/// A start a client sends again until a server answers it.
+struct Start<'a> {
+    http: &'a reqwest::Client,
+    shared: &'a Shared,
+    ledger: &'a tokio::sync::mpsc::UnboundedSender<Acknowledged>,
+}
+
+impl Start<'_> {
+    /// POST the start `body` to `/v1/runs` of `process`, then of the next processes in turn,
+    /// until one answers 2xx (`entry` goes to the ledger, stamped with that process and time:
+    /// true) or 4xx (false), at most [`START_SENDS_MAX`] times (false). Sent again after no
+    /// answer or a 5xx, the same run id is `existing` if a first send committed.
+    async fn until_answered(&self, stats: &mut ClientStats, process: usize, body: &Value, entry: Acknowledged) -> bool {
+        for send in 0..START_SENDS_MAX {
+            let process = (process + send) % self.shared.bases.len();
+            match post(self.http, self.shared, stats, process, "/v1/runs", body).await {
+                Some((status, _)) if (200..300).contains(&status) => {
+                    self.shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
+                    let mut entry = with_time(entry, self.shared.at_ms());
+                    match &mut entry {
+                        Acknowledged::Waiter { process: p, .. } => {
+                            stats.waiters += 1;
+                            *p = process;
+                        }
+                        Acknowledged::Batch { process: p, .. } => {
+                            stats.batches += 1;
+                            *p = process;
+                        }
+                        Acknowledged::Start { process: p, .. } | Acknowledged::Advance { process: p, .. } => {
+                            *p = process
+                        }
+                    }
+                    let _ = self.ledger.send(entry);
+                    return true;
+                }
+                Some((status, _)) if status < 500 => return false,
+                _ => tokio::time::sleep(START_RESEND_PAUSE).await,
+            }
+        }
+        false
+    }
+}
+
 fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
-    let (Acknowledged::Start { at_ms, .. } | Acknowledged::Batch { at_ms, .. } | Acknowledged::Advance { at_ms, .. }) =
-        &mut entry;
+    let (Acknowledged::Start { at_ms, .. }
+    | Acknowledged::Batch { at_ms, .. }
+    | Acknowledged::Waiter { at_ms, .. }
+    | Acknowledged::Advance { at_ms, .. }) = &mut entry;
     *at_ms = at;
     entry
+}
+
+/// A `sleepy_order` of the chaos SKU (1..=3 units) that waits for its batch's `batch_done`
+/// message (at most [`WAITER_TIMEOUT_MS`]) before it charges and ships; without the message it
+/// releases its reservation and completes unapproved.
+fn waiter_start(rng: &mut StdRng, run_id: String) -> (Value, Acknowledged) {
+    let quantity = rng.gen_range(1..=3_i64);
+    let input = json!({
+        "order_id": run_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity,
+        "approval": BATCH_DONE, "approval_timeout_ms": WAITER_TIMEOUT_MS,
+    });
+    let body = json!({"workflow": SLEEPY_ORDER, "run_id": run_id, "input": input});
+    (body, Acknowledged::Waiter { run_id, quantity, process: 0, at_ms: 0 })
 }
 
 /// An `order_saga` input of the chaos SKU with its id, 1..=3 units, and what it must do: 10% fail
@@ -1797,6 +1904,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         stats.advances += one.advances;
         stats.starts += one.starts;
         stats.batches += one.batches;
+        stats.waiters += one.waiters;
         stats.unexpected += one.unexpected;
         if one.last_unexpected.is_some() {
             stats.last_unexpected = one.last_unexpected;
@@ -1930,10 +2038,11 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         },
         "operations": {
             "requests": stats.requests,
-            "acknowledged": stats.advances + stats.starts + stats.batches,
+            "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters,
             "advances": stats.advances,
             "starts": stats.starts,
             "batches": stats.batches,
+            "waiters": stats.waiters,
             "ledger_entries": written,
             "lost": report.counts["lost"],
             "applied_twice": report.counts["applied_twice"],
