@@ -1501,6 +1501,36 @@ fn a_child_id_taken_by_another_run_fails_the_step_for_good_and_an_equal_one_is_a
 }
 
 #[test]
+fn a_child_id_under_an_expired_receipt_is_started_and_under_a_live_one_is_answered_by_the_receipt() {
+    let mut d = db!("wf_child_receipt");
+    // Receipts of purged runs under the ids p.0 (expired at 1,005) and q.0 (live until 9,000,
+    // of another workflow), written as a purge writes them.
+    d.scalar(
+        "WITH r AS (INSERT INTO {s}.run_receipts (run_id, workflow, input_hash, status, finished_at_ms, expires_at_ms)
+         VALUES ('p.0', 'double', 'h', 'completed', 1, 1005), ('q.0', 'refund', 'h', 'completed', 1, 9000)
+         RETURNING 1) SELECT count(*) FROM r",
+    );
+    // p.0's is forgotten and the child started in the one statement, with its parent's entry.
+    let t = started_and_claimed(&mut d.store, "p", 1_000);
+    let results = d.store.commit(vec![write("p", &t, start_child("p", 0, "double", json!({"x": 1})))], 1_010).unwrap();
+    assert_eq!(results, [WriteResult::TxResult(Ok(json!(null)))]);
+    assert_eq!(detail(&d.store, "p.0").run.parent_run_id.as_deref(), Some("p"));
+    assert_eq!(detail(&d.store, "p").journal[0].status, StepStatus::Waiting);
+    assert_eq!(d.scalar("SELECT count(*) FROM {s}.run_receipts WHERE run_id = 'p.0'"), 0);
+    // q.0's still stands for a run of another workflow: the child step fails for good, and
+    // nothing is started.
+    let t = started_and_claimed(&mut d.store, "q", 1_020);
+    let results = d.store.commit(vec![write("q", &t, start_child("q", 0, "double", json!({"x": 1})))], 1_030).unwrap();
+    assert!(
+        matches!(&results[0], WriteResult::TxResult(Err(f)) if !f.retryable && f.message.contains("taken")),
+        "{results:?}"
+    );
+    assert_eq!(d.scalar("SELECT count(*) FROM {s}.runs WHERE run_id = 'q.0'"), 0);
+    assert_eq!(d.scalar("SELECT count(*) FROM {s}.run_receipts WHERE run_id = 'q.0'"), 1);
+    assert_eq!(detail(&d.store, "q").journal[0].status, StepStatus::Failed);
+}
+
+#[test]
 fn a_child_leased_as_it_starts_is_claimed_by_nobody_else_and_its_end_is_taken_by_the_waiting_parent() {
     let mut d = db!("wf_child_leased");
     let t = started_and_claimed(&mut d.store, "p", 1_000);

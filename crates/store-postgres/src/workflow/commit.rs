@@ -594,9 +594,15 @@ fn apply_write(
             let row = super::ChildRow { parent_run_id: run, parent_seq: seq, lease };
             // Its end now tells this child ([`FINISH_SQL`]).
             state.family = true;
-            let outcome = super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?;
-            let mut created = false;
+            // A new child in one round trip; a taken id (or a queue) by the general path.
+            let event = child_event(seq);
+            let mut created = super::start_child_in(&mut *c, st, &request, now_ms, &row, &name, wake_at_ms, &event)?;
+            let outcome = match created {
+                true => vec![StartOutcome::Started { run_id: request.run_id.clone() }],
+                false => super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?,
+            };
             let conflict = match outcome.into_iter().next() {
+                Some(StartOutcome::Started { .. }) if created => None,
                 Some(StartOutcome::Started { .. }) => {
                     created = true;
                     None
@@ -614,19 +620,13 @@ fn apply_write(
                 None => return Err(Error::Invariant("a start answered nothing".into())),
             };
             let result = match conflict {
+                // The one statement wrote the parent's entry with the child.
+                None if created => Ok(Value::Null),
                 None => {
                     let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
                     c.execute(
                         &timer,
-                        &[
-                            &run,
-                            &seq_param(seq),
-                            &name,
-                            &StepKind::Child.as_str(),
-                            &wake_at_ms,
-                            &child_event(seq),
-                            &now_ms,
-                        ],
+                        &[&run, &seq_param(seq), &name, &StepKind::Child.as_str(), &wake_at_ms, &event, &now_ms],
                     )
                     .db()?;
                     Ok(Value::Null)

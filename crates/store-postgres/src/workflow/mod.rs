@@ -466,6 +466,79 @@ const STARTS_INSERT_SQL: &str = "INSERT INTO {s}.runs (run_id, workflow, version
       AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id, deadline_ms)
  ON CONFLICT DO NOTHING RETURNING run_id";
 
+/// A child's start in one statement, for a child without a queue: its run (with its parent and
+/// lease, as [`STARTS_INSERT_SQL`] writes them) unless the id holds a run or a live receipt, an
+/// expired receipt of the id forgotten, and, only when the run was inserted, the parent's
+/// `child` entry waiting for the child's end event (`$17`), as the timer statement writes it.
+/// Answers (runs inserted, entries written): (1, 1) when the child was created; (0, 0) when the
+/// id was taken (by a run, a live receipt, or a concurrent start that committed first: the
+/// insert waited for it), and the caller then answers the start by the general path.
+const CHILD_START_SQL: &str = "WITH forgotten AS (
+     DELETE FROM {s}.run_receipts WHERE run_id = $1 AND expires_at_ms <= $8),
+ child AS (
+     INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms, created_at_ms,
+         updated_at_ms, deadline_ms, parent_run_id, parent_seq, lease_owner, lease_token, lease_expires_at_ms)
+     SELECT $1, $2, $3, $4, $5, $6, 'pending', $7, $8, $8, $9, $10, $11, $12, $13, $14
+     WHERE NOT EXISTS (SELECT 1 FROM {s}.run_receipts WHERE run_id = $1 AND expires_at_ms > $8)
+     ON CONFLICT DO NOTHING RETURNING run_id),
+ entry AS (
+     INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, wake_at_ms, event_name, updated_at_ms)
+     SELECT $10, $11, $15, 'child', 'waiting', 0, $16, $17, $8 FROM child
+     RETURNING 1)
+ SELECT (SELECT count(*) FROM child), (SELECT count(*) FROM entry)";
+
+/// A child's start in one round trip ([`CHILD_START_SQL`]): true when it created the child run
+/// and its parent's waiting `child` entry (`name`, waking at `wake_at_ms`, on `event`); false,
+/// with nothing written, when the id was taken or the child joins a queue (whose admission
+/// checks run on the general path, [`start_rows_in`]).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn start_child_in(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    request: &StartRequest,
+    now_ms: i64,
+    child: &ChildRow<'_>,
+    name: &str,
+    wake_at_ms: i64,
+    event: &str,
+) -> Result<bool> {
+    if request.queue.is_some() {
+        return Ok(false);
+    }
+    let statement = st.get(c, CHILD_START_SQL)?;
+    let (owner, token, expires) = match child.lease {
+        Some((owner, token, expires)) => (Some(owner), Some(token), Some(expires)),
+        None => (None, None, None),
+    };
+    let row = c
+        .query_one(
+            &statement,
+            &[
+                &request.run_id,
+                &request.workflow,
+                &i64::from(request.version),
+                &rows::json_text(&request.input),
+                &request.input_hash(),
+                &request.key,
+                &request.start_at_ms.unwrap_or(now_ms),
+                &now_ms,
+                &request.deadline_ms,
+                &child.parent_run_id,
+                &seq_param(child.parent_seq),
+                &owner,
+                &token,
+                &expires,
+                &name,
+                &wake_at_ms,
+                &event,
+            ],
+        )
+        .db()?;
+    let written: (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
+    ensure_invariant!(written == (0, 0) || written == (1, 1), "a child's start wrote {written:?}");
+    Ok(written == (1, 1))
+}
+
 /// What a child's start writes into its row at once (no update after the insert): its parent,
 /// and, when it is leased to the starting worker, the lease (owner, token, expiry).
 pub(super) struct ChildRow<'a> {
