@@ -98,6 +98,8 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         assert!(report["operations"]["starts"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         // Batches of child workflows ran too, and every one of them completed.
         assert!(report["operations"]["batches"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        // Order sagas went through the queue.
+        assert!(report["check"]["ledger"]["queued"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         // Batches told their waiters (`ctx.send`), and the waiters went on.
         assert!(report["operations"]["waiters"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         assert!(report["check"]["waiters_by_outcome"]["approved"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
@@ -185,11 +187,25 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
         .expect("double a charge");
     assert_eq!(charged, 1);
     drop(payments);
+    // And a run started through the queue that completed with no admission written.
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let queued: String = workflows
+        .query_row(
+            "SELECT run_id FROM runs WHERE queue = 'chaos-q' AND status = 'completed' ORDER BY run_id LIMIT 1",
+            [],
+            |row| row.get(0),
+        )
+        .expect("a queued run completed");
+    workflows.execute("UPDATE runs SET admitted_at_ms = NULL WHERE run_id = ?1", [&queued]).expect("unadmit a run");
+    drop(workflows);
     let twice = check(&out);
     assert_eq!(twice.code, 1, "{}", twice.stdout);
     // The doubled row is also out of order (its seq repeats).
     assert_eq!(violations(&twice.json, "applied_twice"), 2, "{}", twice.stdout);
     assert!(violations(&twice.json, "out_of_order") >= 1, "{}", twice.stdout);
+    assert_eq!(violations(&twice.json, "unexpected_end"), 1, "{}", twice.stdout);
+    let listed = twice.json["check"]["first_violations"].to_string();
+    assert!(listed.contains(&format!("run {queued} ended completed without its queue admitting it")), "{listed}");
 }
 
 #[test]

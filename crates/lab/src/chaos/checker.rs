@@ -63,6 +63,9 @@ pub enum Acknowledged {
         expect: String,
         /// The quantity the order reserves.
         quantity: i64,
+        /// The queue it was started through, if any: it must have been admitted before it ended.
+        #[serde(default)]
+        queue: Option<String>,
         /// The process (0-based) that answered.
         process: usize,
         /// When, in ms after the workload started.
@@ -154,6 +157,8 @@ pub struct CheckReport {
     pub batches: u64,
     /// Acknowledged waiters (runs waiting for a batch's message) in the ledger.
     pub waiters: u64,
+    /// Acknowledged starts through the queue (counted in `starts` too).
+    pub queued: u64,
     /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
     /// (their batch was never started: the wait timed out).
     pub waiters_by_outcome: BTreeMap<&'static str, u64>,
@@ -204,6 +209,7 @@ impl CheckReport {
                 "starts": self.starts,
                 "batches": self.batches,
                 "waiters": self.waiters,
+                "queued": self.queued,
             },
             "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
@@ -725,6 +731,9 @@ struct RunRow {
     error: Option<String>,
     lease_owner: Option<String>,
     result: Option<String>,
+    /// The queue it was started through, and whether a claim admitted it.
+    queue: Option<String>,
+    admitted: bool,
 }
 
 impl RunRow {
@@ -798,7 +807,8 @@ fn check_runs(
     let (mut runs, mut children) = (HashMap::new(), HashMap::<String, Vec<(String, String)>>::new());
     for r in workflows.rows(
         "SELECT run_id, status, error, lease_owner, result, parent_run_id,
-                CASE WHEN parent_run_id IS NULL THEN NULL ELSE input END FROM runs",
+                CASE WHEN parent_run_id IS NULL THEN NULL ELSE input END, queue,
+                CASE WHEN admitted_at_ms IS NULL THEN 0 ELSE 1 END FROM runs",
         &[],
     )? {
         let run_id = r.text(0)?;
@@ -810,8 +820,14 @@ fn check_runs(
                 None => report.violation("unknown_effect", format!("child run {run_id} of {parent} has no order id")),
             }
         }
-        let run =
-            RunRow { status: r.text(1)?, error: r.opt_text(2)?, lease_owner: r.opt_text(3)?, result: r.opt_text(4)? };
+        let run = RunRow {
+            status: r.text(1)?,
+            error: r.opt_text(2)?,
+            lease_owner: r.opt_text(3)?,
+            result: r.opt_text(4)?,
+            queue: r.opt_text(7)?,
+            admitted: r.int(8)? == 1,
+        };
         runs.insert(run_id, run);
     }
     let mut effects_of: HashMap<String, Vec<(String, i64)>> = HashMap::new();
@@ -828,10 +844,14 @@ fn check_runs(
     let mut read = Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by };
     for entry in ledger {
         match entry {
-            Acknowledged::Start { run_id, fail, expect, process, quantity, .. } => {
+            Acknowledged::Start { run_id, fail, expect, process, quantity, queue, .. } => {
                 report.starts += 1;
                 let order = Order::saga(run_id, fail.as_deref(), expect, *quantity);
-                if read.runs.contains_key(run_id) {
+                if let Some(run) = read.runs.get(run_id) {
+                    if let Some(queue) = queue {
+                        report.queued += 1;
+                        check_admission(report, run_id, run, queue);
+                    }
                     check_order(report, &mut read, &order, run_id, &format!("run {run_id}"));
                 } else {
                     report.violation(
@@ -878,6 +898,19 @@ fn check_runs(
         report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
     }
     Ok(read.ended)
+}
+
+/// A run started through `queue`: its row names the queue, and once it has ended a claim had
+/// admitted it (a run never admitted never ran; one that ended unadmitted went around its queue).
+fn check_admission(report: &mut CheckReport, run_id: &str, run: &RunRow, queue: &str) {
+    if run.queue.as_deref() != Some(queue) {
+        report.violation(
+            "unexpected_end",
+            format!("run {run_id} was started through queue {queue}; its row names {:?}", run.queue),
+        );
+    } else if !run.active() && run.status != "cancelled" && !run.admitted {
+        report.violation("unexpected_end", format!("run {run_id} ended {} without its queue admitting it", run.status));
+    }
 }
 
 /// One order's run (`run_id`, in the database): its effects once each, of its quantity, and its

@@ -56,6 +56,13 @@ const REMOTE_TOKEN: &str = "chaos-remote";
 pub(crate) const SKU: &str = "chaos-sku";
 /// Its stock, set before the workload (never runs out).
 pub(crate) const STOCK: i64 = 1_000_000_000;
+/// The queue a quarter of the order sagas go through (`POST /v1/runs` with `"queue"`).
+pub(crate) const QUEUE: &str = "chaos-q";
+/// Its concurrency limit across every process and worker.
+const QUEUE_CONCURRENCY_MAX: u32 = 8;
+/// Its rate limit, admissions per second (above the workload's queued starts: it is exercised,
+/// and a backlog it built would drain only at this rate during the convergence wait).
+const QUEUE_RATE_LIMIT: u32 = 500;
 /// How long a batch's waiter waits for its `batch_done` message: far longer than a batch takes
 /// under the harness's faults, short enough that a waiter whose batch was never started (its
 /// start unanswered) ends within the convergence wait.
@@ -1245,9 +1252,14 @@ async fn client(
                 (body, Acknowledged::Batch { run_id, per_run, orders, notify: None, process, at_ms: 0 })
             } else {
                 let (input, order) = order(&mut rng, run_id.clone());
-                let body = json!({"workflow": ORDER_SAGA, "run_id": run_id, "input": input});
+                let mut body = json!({"workflow": ORDER_SAGA, "run_id": run_id, "input": input});
+                // One order saga in four goes through the queue, at a priority of 0..=2.
+                let queue = (rng.gen_range(0..4) == 0).then(|| QUEUE.to_string());
+                if queue.is_some() {
+                    body["queue"] = json!({"queue": QUEUE, "priority": rng.gen_range(0..3)});
+                }
                 let BatchOrder { fail, expect, quantity, .. } = order;
-                (body, Acknowledged::Start { run_id, fail, expect, quantity, process, at_ms: 0 })
+                (body, Acknowledged::Start { run_id, fail, expect, quantity, queue, process, at_ms: 0 })
             };
             let (body, entry) = entry;
             ("/v1/runs".into(), body, Box::new(move |_: &Value, at_ms: u64| Some(with_time(entry.clone(), at_ms))))
@@ -1448,6 +1460,10 @@ fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
         (format!("{base}/v1/consumers/{SHIPPING_CONSUMER}"), json!({"handler": "reservation"})),
         (format!("{base}/v1/consumers/{AUDIT_CONSUMER}"), json!({"handler": "record"})),
         (format!("{base}/v1/stock/{SKU}"), json!({"quantity": STOCK})),
+        (
+            format!("{base}/v1/queues/{QUEUE}"),
+            json!({"concurrency_max": QUEUE_CONCURRENCY_MAX, "rate": {"limit": QUEUE_RATE_LIMIT, "period_ms": 1_000}}),
+        ),
     ];
     if let Some(remote) = remote {
         let endpoint = match &remote.route {
