@@ -792,6 +792,8 @@ struct Runs {
     ended: HashMap<String, (i64, i64)>,
     /// The ledger's batches that name a waiter, by the waiter's run id: the batch's run id.
     notified_by: HashMap<String, String>,
+    /// The `batch_done` messages each run received (consumed), by run id.
+    batch_done: HashMap<String, i64>,
 }
 
 /// Returns the acknowledged orders whose run ended as it must, with the payment calls they leave.
@@ -841,7 +843,15 @@ fn check_runs(
             _ => None,
         })
         .collect();
-    let mut read = Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by };
+    let mut batch_done = HashMap::new();
+    for r in workflows.rows(
+        "SELECT run_id, count(*) FROM run_events WHERE name = $1 AND consumed_by_seq IS NOT NULL GROUP BY run_id",
+        &[BATCH_DONE],
+    )? {
+        batch_done.insert(r.text(0)?, r.int(1)?);
+    }
+    let mut read =
+        Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by, batch_done };
     for entry in ledger {
         match entry {
             Acknowledged::Start { run_id, fail, expect, process, quantity, queue, .. } => {
@@ -866,7 +876,7 @@ fn check_runs(
             }
             Acknowledged::Waiter { run_id, quantity, process, .. } => {
                 report.waiters += 1;
-                check_waiter(report, workflows, &mut read, run_id, *quantity, *process)?;
+                check_waiter(report, &mut read, run_id, *quantity, *process);
             }
             Acknowledged::Advance { .. } => {}
         }
@@ -1075,17 +1085,10 @@ fn chain(read: &Runs, run_id: &str) -> std::result::Result<Vec<String>, String> 
 /// charged and shipped, with the one message received; never told (no such batch), it must
 /// complete unapproved with its reservation released and nothing charged. A batch that has not
 /// completed (still running, or its end reported as its own violation) says nothing yet.
-fn check_waiter(
-    report: &mut CheckReport,
-    workflows: &mut Db,
-    read: &mut Runs,
-    run_id: &str,
-    quantity: i64,
-    process: usize,
-) -> Result<()> {
+fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantity: i64, process: usize) {
     if !read.runs.contains_key(run_id) {
         report.violation("lost", format!("waiter {run_id} acknowledged by process {process} is not in the database"));
-        return Ok(());
+        return;
     }
     let batch = match read.notified_by.get(run_id) {
         Some(batch) => Some(batch.clone()),
@@ -1093,7 +1096,7 @@ fn check_waiter(
     };
     let told = match &batch {
         None => false,
-        Some(batch) if !read.runs.contains_key(batch) => return Ok(()), // lost, reported with the batch
+        Some(batch) if !read.runs.contains_key(batch) => return, // lost, reported with the batch
         Some(batch) => match chain(read, batch) {
             Ok(chain) if read.runs[chain.last().expect("a chain has a run")].status == "completed" => true,
             _ => {
@@ -1103,14 +1106,11 @@ fn check_waiter(
                     report.violation("run_unfinished", format!("waiter {run_id} of batch {batch} is {}", run.status));
                     read.reported.insert(run_id.to_string());
                 }
-                return Ok(());
+                return;
             }
         },
     };
-    let messages = workflows.int(
-        "SELECT count(*) FROM run_events WHERE run_id = $1 AND name = $2 AND consumed_by_seq IS NOT NULL",
-        &[run_id, BATCH_DONE],
-    )?;
+    let messages = read.batch_done.get(run_id).copied().unwrap_or(0);
     let label = format!("waiter {run_id}");
     let order = if told {
         Order { order_id: run_id, expect: "completed", quantity, effects: None, payments: (1, 0) }
@@ -1134,7 +1134,6 @@ fn check_waiter(
             );
         }
     }
-    Ok(())
 }
 
 fn check_payments(

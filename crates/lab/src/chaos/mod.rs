@@ -1319,7 +1319,13 @@ async fn client(
                 let _ = ledger.send(entry);
             }
             None => {
-                // A 5xx (a busy or stopping server) may have committed.
+                // A 5xx (a busy or stopping server) may have committed; a 4xx was counted as
+                // unexpected by `post`, and so is a 2xx that acknowledges nothing.
+                if (200..300).contains(&status) {
+                    stats.unexpected += 1;
+                    let text: String = answer.to_string().chars().take(300).collect();
+                    stats.last_unexpected = Some(format!("{status} {path}: {text}"));
+                }
                 if !start {
                     flow = None;
                 }
