@@ -10,6 +10,7 @@ use std::sync::{Arc, Barrier};
 
 use serde_json::{json, Value};
 use tidemark_core::error::codes;
+use tidemark_core::queue::{Enqueue, QueueSpec, QueueStore};
 use tidemark_core::workflow::{
     child_event, child_run_id, continuation_run_id, ChildLease, ClaimRequest, ClaimedRun, FinishStatus, JournalOp,
     JournalWrite, LeaseState, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind,
@@ -1501,7 +1502,7 @@ fn a_child_id_taken_by_another_run_fails_the_step_for_good_and_an_equal_one_is_a
 }
 
 #[test]
-fn a_child_id_under_an_expired_receipt_is_started_and_under_a_live_one_is_answered_by_the_receipt() {
+fn a_child_id_under_an_expired_receipt_is_started_under_a_live_one_is_answered_and_a_queued_child_is_journaled() {
     let mut d = db!("wf_child_receipt");
     // Receipts of purged runs under the ids p.0 (expired at 1,005) and q.0 (live until 9,000,
     // of another workflow), written as a purge writes them.
@@ -1528,6 +1529,27 @@ fn a_child_id_under_an_expired_receipt_is_started_and_under_a_live_one_is_answer
     assert_eq!(d.scalar("SELECT count(*) FROM {s}.runs WHERE run_id = 'q.0'"), 0);
     assert_eq!(d.scalar("SELECT count(*) FROM {s}.run_receipts WHERE run_id = 'q.0'"), 1);
     assert_eq!(detail(&d.store, "q").journal[0].status, StepStatus::Failed);
+    // A child that joins a queue goes the general way (the queue's checks): started, queued,
+    // and its parent's entry written waiting as the one statement writes it.
+    d.store.put_queue(&QueueSpec::new("kids"), 1_040).unwrap();
+    let t = started_and_claimed(&mut d.store, "r", 1_050);
+    let JournalOp::StartChild { mut request, seq, name, wake_at_ms, claim } =
+        start_child("r", 0, "double", json!({"x": 2}))
+    else {
+        unreachable!()
+    };
+    request.queue = Some(Enqueue { queue: "kids".into(), priority: 0, dedup_id: None });
+    let op = JournalOp::StartChild { seq, name, request, wake_at_ms, claim };
+    let results = d.store.commit(vec![write("r", &t, op)], 1_060).unwrap();
+    assert_eq!(results, [WriteResult::TxResult(Ok(json!(null)))]);
+    let child = detail(&d.store, "r.0").run;
+    assert_eq!((child.parent_run_id.as_deref(), child.queue.as_deref()), (Some("r"), Some("kids")));
+    let parent = detail(&d.store, "r");
+    assert_eq!(parent.journal.len(), 1, "{:?}", parent.journal);
+    assert_eq!(
+        (parent.journal[0].status, parent.journal[0].kind, parent.journal[0].wake_at_ms),
+        (StepStatus::Waiting, StepKind::Child, Some(50_000))
+    );
 }
 
 #[test]

@@ -596,32 +596,32 @@ fn apply_write(
             state.family = true;
             // A new child in one round trip; a taken id (or a queue) by the general path.
             let event = child_event(seq);
-            let mut created = super::start_child_in(&mut *c, st, &request, now_ms, &row, &name, wake_at_ms, &event)?;
-            let outcome = match created {
-                true => vec![StartOutcome::Started { run_id: request.run_id.clone() }],
-                false => super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?,
-            };
-            let conflict = match outcome.into_iter().next() {
-                Some(StartOutcome::Started { .. }) if created => None,
-                Some(StartOutcome::Started { .. }) => {
-                    created = true;
-                    None
+            let one_statement = super::start_child_in(&mut *c, st, &request, now_ms, &row, &name, wake_at_ms, &event)?;
+            let (created, conflict) = if one_statement {
+                (true, None)
+            } else {
+                match super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?
+                    .into_iter()
+                    .next()
+                {
+                    Some(StartOutcome::Started { .. }) => (true, None),
+                    Some(StartOutcome::Existing { .. }) => {
+                        // A run of that id (same workflow and input) was there already: adopted;
+                        // if it has ended, the parent learns of it now (the event keeps the parent
+                        // due).
+                        let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
+                        c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
+                        let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
+                        c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
+                        (false, None)
+                    }
+                    Some(StartOutcome::Conflict { reason, .. }) => (false, Some(reason)),
+                    None => return Err(Error::Invariant("a start answered nothing".into())),
                 }
-                Some(StartOutcome::Existing { .. }) => {
-                    // A run of that id (same workflow and input) was there already: adopted; if it
-                    // has ended, the parent learns of it now (the event keeps the parent due).
-                    let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
-                    c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
-                    let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
-                    c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
-                    None
-                }
-                Some(StartOutcome::Conflict { reason, .. }) => Some(reason),
-                None => return Err(Error::Invariant("a start answered nothing".into())),
             };
             let result = match conflict {
                 // The one statement wrote the parent's entry with the child.
-                None if created => Ok(Value::Null),
+                None if one_statement => Ok(Value::Null),
                 None => {
                     let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
                     c.execute(
