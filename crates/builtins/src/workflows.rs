@@ -59,7 +59,9 @@ pub fn versions() -> Vec<WorkflowVersion> {
         .collect()
 }
 
-/// `sleepy_order`'s input: an order (the order saga's fields) and its extra knobs.
+/// `sleepy_order`'s input: an order (the order saga's fields, with `order_id` optional: the run
+/// id when absent, so that a schedule, whose input is the same at every tick, places one order per
+/// tick) and its extra knobs.
 #[derive(Debug, Clone, Deserialize)]
 struct SleepyInput {
     #[serde(flatten)]
@@ -132,9 +134,18 @@ fn order_of(input: &Value) -> std::result::Result<OrderInput, StepFailure> {
     OrderInput::from_data(&SagaData { input: input.clone(), outputs: Map::new() })
 }
 
-fn sleepy_of(input: &Value) -> std::result::Result<SleepyInput, String> {
+/// The order id `sleepy_order` checks an input without one against before a run id exists (any
+/// valid identifier: a run id is one).
+const RUN_ID_STANDIN: &str = "run-id";
+
+/// `sleepy_order`'s input, with `run_id` as the order id when the input names none.
+fn sleepy_of(input: &Value, run_id: &str) -> std::result::Result<SleepyInput, String> {
+    let mut input = input.clone();
+    if let Some(fields) = input.as_object_mut() {
+        fields.entry("order_id").or_insert_with(|| Value::String(run_id.to_string()));
+    }
     let sleepy: SleepyInput = serde_json::from_value(input.clone()).map_err(|e| format!("invalid input: {e}"))?;
-    order_of(input).map_err(|f| f.message)?;
+    order_of(&input).map_err(|f| f.message)?;
     if let Some(name) = &sleepy.approval {
         validate_id("approval", name).map_err(|e| e.to_string())?;
     }
@@ -160,7 +171,7 @@ pub fn validate_input(workflow: &str, input: &Value) -> Result<()> {
             }
             Ok(())
         }
-        SLEEPY_ORDER => sleepy_of(input).map(drop).map_err(invalid_input),
+        SLEEPY_ORDER => sleepy_of(input, RUN_ID_STANDIN).map(drop).map_err(invalid_input),
         ORDER_BATCH => batch_of(input).map(drop).map_err(invalid_input),
         other => Err(Error::invalid(
             workflow_codes::UNKNOWN_WORKFLOW,
@@ -276,7 +287,8 @@ async fn order_batch<S: WorkflowStore + 'static>(
 
 /// `sleepy_order`: `reserve_inventory` (transactional) -> `hold` (external, lasts until
 /// `hold_until_ms`) -> optional wait for the `approval` event -> `charge_payment` (external)
-/// -> optional durable sleep (`ship_after_ms`) -> `ship_order` (transactional).
+/// -> optional durable sleep (`ship_after_ms`) -> `ship_order` (transactional). The order is
+/// the run id when the input names no `order_id`.
 ///
 /// A plain workflow, not a saga: a step that fails for good fails the run (`failed`), and its
 /// reservation stays for an operator to `retry`, `skip` or `abandon`. A rejected or timed-out
@@ -290,7 +302,7 @@ where
     S: WorkflowStore + 'static,
     S::Target: OrderTx + 'static,
 {
-    let sleepy = sleepy_of(&input).map_err(WorkflowError::Failed)?;
+    let sleepy = sleepy_of(&input, ctx.run_id()).map_err(WorkflowError::Failed)?;
     let order = sleepy.order.clone();
 
     let o = order.clone();

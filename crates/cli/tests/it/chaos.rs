@@ -103,6 +103,8 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         // Batches told their waiters (`ctx.send`), and the waiters went on.
         assert!(report["operations"]["waiters"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         assert!(report["check"]["waiters_by_outcome"]["approved"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        // The schedule ticked, each tick an order of its own.
+        assert!(report["check"]["ticks"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         assert_eq!(report["check"]["batches_by_status"]["completed"], report["operations"]["batches"]);
         assert_eq!(report["operations"]["ledger_entries"], report["operations"]["acknowledged"]);
         // The schedule is the seed's: a second derivation prints the same one.
@@ -206,6 +208,31 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
     assert_eq!(violations(&twice.json, "unexpected_end"), 1, "{}", twice.stdout);
     let listed = twice.json["check"]["first_violations"].to_string();
     assert!(listed.contains(&format!("run {queued} ended completed without its queue admitting it")), "{listed}");
+
+    // A schedule's tick moved 1 ms off its grid: its own tick started no run, and the moved run
+    // is no tick (nor is it an order with effects: they are the original id's).
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let tick: String = workflows
+        .query_row("SELECT run_id FROM runs WHERE run_id LIKE 'chaos-tick:%' ORDER BY run_id LIMIT 1", [], |row| {
+            row.get(0)
+        })
+        .expect("the schedule ticked");
+    let at: i64 = tick.strip_prefix("chaos-tick:").unwrap().parse().unwrap();
+    workflows
+        .execute_batch(&format!(
+            "PRAGMA foreign_keys = OFF; UPDATE runs SET run_id = 'chaos-tick:{}' WHERE run_id = '{tick}'",
+            at + 1
+        ))
+        .expect("move a tick");
+    drop(workflows);
+    let moved = check(&out);
+    assert_eq!(moved.code, 1, "{}", moved.stdout);
+    let listed = moved.json["check"]["first_violations"].to_string();
+    assert_eq!(violations(&moved.json, "lost"), 3, "the two of the ledger and the tick: {listed}");
+    assert_eq!(violations(&moved.json, "unknown_effect"), 1, "{listed}");
+    assert_eq!(violations(&moved.json, "wrong_effects"), 1, "{listed}");
+    assert!(listed.contains(&format!("tick {at} (and 0 more)")), "{listed}");
+    assert!(listed.contains(&format!("run chaos-tick:{} is no tick", at + 1)), "{listed}");
 }
 
 #[test]
@@ -251,7 +278,7 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     // so that its approval is a charge and a shipment no message allowed.
     let waiter = |n: usize| {
         one(&format!(
-            "SELECT run_id FROM runs WHERE workflow = 'sleepy_order' AND status = 'completed' ORDER BY run_id LIMIT 1 OFFSET {n}"
+            "SELECT run_id FROM runs WHERE workflow = 'sleepy_order' AND run_id LIKE '%-w' AND status = 'completed' ORDER BY run_id LIMIT 1 OFFSET {n}"
         ))
     };
     let (unheard, untold) = (waiter(0), waiter(1));

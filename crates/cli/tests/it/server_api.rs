@@ -226,8 +226,9 @@ fn a_chain_is_awaited_through_its_first_run_and_a_timeout_cancels_a_run() {
     });
 }
 
-/// Schedules over HTTP: created, ticked by the tenant's loop into runs `<id>:<tick ms>`, paused
-/// (no more ticks), listed on the dashboard, deleted; bad schedules are typed errors that write
+/// Schedules over HTTP: created, ticked by the tenant's loop into runs `<id>:<tick ms>` (each a
+/// `sleepy_order` of its own: the input names no order, so the run id is the order), paused (no
+/// more ticks), listed on the dashboard, deleted; bad schedules are typed errors that write
 /// nothing.
 #[test]
 fn a_schedule_ticks_into_runs_until_paused() {
@@ -237,8 +238,10 @@ fn a_schedule_ticks_into_runs_until_paused() {
         let admin = token(&data, "acme", "admin");
         let server = Server::start(&data, &[], &[]);
         let t = Some(admin.as_str());
+        let (status, _) = server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 100})));
+        assert_eq!(status, 200);
         let body = json!({"workflow": "sleepy_order", "interval_ms": 1000, "catch_up": "skip",
-        "input": {"order_id": "beat", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "never"}});
+        "input": {"sku": "sku-1", "quantity": 1, "amount": 100, "approval": "never"}});
         let (status, created) = server.call("PUT", "/v1/schedules/beat", t, Some(&body));
         assert_eq!(status, 200, "{created}");
         assert_eq!(
@@ -249,14 +252,20 @@ fn a_schedule_ticks_into_runs_until_paused() {
         assert_eq!(created["timing"]["interval_ms"], 1000, "{created}");
         assert!(created["next_tick_at_ms"].as_i64().unwrap() > created["created_at_ms"].as_i64().unwrap());
 
-        // The schedule loop starts a run per tick (bounded wait).
+        // The schedule loop starts a run per tick (bounded wait); each reserves an order of its
+        // own and waits for its approval (one order for every tick would fail the second run:
+        // "already has a reservation").
         let runs = server.wait_for(WAIT, |s| {
-            let (_, page) = s.call("GET", "/v1/runs?workflow=sleepy_order", t, None);
+            let (_, page) = s.call("GET", "/v1/runs?workflow=sleepy_order&status=waiting", t, None);
             let ids: Vec<String> =
                 page["runs"].as_array().unwrap().iter().map(|r| r["run_id"].as_str().unwrap().to_string()).collect();
             (ids.len() >= 2).then_some(ids)
         });
         assert!(runs.iter().all(|id| id.starts_with("beat:")), "{runs:?}");
+        let (_, failed) = server.call("GET", "/v1/runs?workflow=sleepy_order&status=failed", t, None);
+        assert_eq!(failed["runs"].as_array().map(Vec::len), Some(0), "{failed}");
+        let (_, shown) = server.call("GET", &format!("/v1/runs/{}", runs[0]), t, None);
+        assert_eq!(shown["run"]["input"]["order_id"], serde_json::Value::Null, "the input is the schedule's: {shown}");
         let (status, paused) = server.call("POST", "/v1/schedules/beat/pause", t, None);
         assert_eq!((status, paused["paused"].as_bool()), (200, Some(true)), "{paused}");
         let (_, page) = server.call("GET", "/v1/runs?workflow=sleepy_order", t, None);

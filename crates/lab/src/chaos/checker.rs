@@ -18,7 +18,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
 
-use super::{invalid, AUDIT_CONSUMER, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK};
+use super::{
+    invalid, AUDIT_CONSUMER, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK, TICKS, TICK_INTERVAL_MS, TICK_QUANTITY,
+};
 use tidemark_builtins::workflows::BATCH_DONE;
 
 /// Longest ledger line the checker reads (a line is under 300 bytes).
@@ -159,13 +161,16 @@ pub struct CheckReport {
     pub waiters: u64,
     /// Acknowledged starts through the queue (counted in `starts` too).
     pub queued: u64,
+    /// The runs the schedule's ticks started (each checked as an order of its own).
+    pub ticks: u64,
     /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
     /// (their batch was never started: the wait timed out).
     pub waiters_by_outcome: BTreeMap<&'static str, u64>,
     /// Events in the producer's outbox (acknowledged or not: an advance whose answer was lost
     /// in a crash may have committed).
     pub outbox_events: u64,
-    /// The ledger's orders (started alone or as a batch's children) by their run's final status.
+    /// The orders (the ledger's, started alone, as a batch's children or as waiters, and the
+    /// schedule's ticks) by their run's final status.
     pub runs_by_status: BTreeMap<String, u64>,
     /// The ledger's batches by the final status of their chain's last run.
     pub batches_by_status: BTreeMap<String, u64>,
@@ -211,6 +216,7 @@ impl CheckReport {
                 "waiters": self.waiters,
                 "queued": self.queued,
             },
+            "ticks": self.ticks,
             "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
@@ -356,6 +362,13 @@ impl Row {
         match self.cell(i)? {
             Cell::Int(v) => Ok(*v),
             other => Err(Error::store(format!("checker query: column {i} is {other:?}, not an integer"))),
+        }
+    }
+
+    fn opt_int(&self, i: usize) -> Result<Option<i64>> {
+        match self.cell(i)? {
+            Cell::Null => Ok(None),
+            _ => self.int(i).map(Some),
         }
     }
 
@@ -532,10 +545,11 @@ pub fn check(
         None => None,
     };
     check_events(&mut report, &mut producer, &mut inbox, remote_inbox.as_mut(), tenant, ledger)?;
-    let ended = check_runs(&mut report, &mut workflows, ledger)?;
+    let (ended, ticks) = check_runs(&mut report, &mut workflows, ledger)?;
     // The payments file appears with the first charge: no orders, no file.
     if data.payments.is_file() {
-        check_payments(&mut report, &mut Db::Sqlite(read_only(&data.payments)?), ledger, &ended)?;
+        let orders = ledger_orders(ledger).chain(ticks.iter().map(String::as_str));
+        check_payments(&mut report, &mut Db::Sqlite(read_only(&data.payments)?), orders, &ended)?;
     }
     Ok(report)
 }
@@ -778,6 +792,10 @@ fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = &str> {
     })
 }
 
+/// The orders whose run ended as it must, with the payment calls (charged, refunded) that end
+/// leaves.
+type Ended = HashMap<String, (i64, i64)>;
+
 /// What [`check_runs`] reads once and its checks share.
 struct Runs {
     runs: HashMap<String, RunRow>,
@@ -787,21 +805,24 @@ struct Runs {
     effects_of: HashMap<String, Vec<(String, i64)>>,
     /// Runs reported unfinished or leased (each counted once against the database's count).
     reported: HashSet<String>,
-    /// The orders whose run ended as it must, with the payment calls (charged, refunded) that
-    /// end leaves (final once it ended).
-    ended: HashMap<String, (i64, i64)>,
+    /// The orders whose run ended as it must (final once it ended).
+    ended: Ended,
     /// The ledger's batches that name a waiter, by the waiter's run id: the batch's run id.
     notified_by: HashMap<String, String>,
     /// The `batch_done` messages each run received (consumed), by run id.
     batch_done: HashMap<String, i64>,
 }
 
-/// Returns the acknowledged orders whose run ended as it must, with the payment calls they leave.
-fn check_runs(
-    report: &mut CheckReport,
-    workflows: &mut Db,
-    ledger: &[Acknowledged],
-) -> Result<HashMap<String, (i64, i64)>> {
+/// Returns the orders whose run ended as it must, with the payment calls they leave, and the
+/// schedule's tick runs (each an order).
+fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<(Ended, Vec<String>)> {
+    // The schedule before the runs: a tick fired between the two reads (the harness pauses the
+    // schedule before it waits for convergence) can only add a run past what the row says.
+    let schedule = workflows.row(
+        "SELECT created_at_ms, next_tick_at_ms, ticks_started, ticks_skipped, CASE WHEN paused THEN 1 ELSE 0 END
+         FROM schedules WHERE schedule_id = $1",
+        &[TICKS],
+    )?;
     // One pass over the runs and one over the effects (`order_effects` has no index on the
     // order: a query per run would scan the table once per run).
     // One statement, so that the runs and the children are one snapshot (the servers may still
@@ -881,6 +902,19 @@ fn check_runs(
             Acknowledged::Advance { .. } => {}
         }
     }
+    let ticks = match schedule {
+        Some(row) => {
+            let schedule = TickSchedule {
+                created_at_ms: row.int(0)?,
+                next_tick_at_ms: row.opt_int(1)?,
+                ticks_started: row.int(2)?,
+                ticks_skipped: row.int(3)?,
+                paused: row.int(4)? == 1,
+            };
+            check_ticks(report, &mut read, &schedule)
+        }
+        None => Vec::new(),
+    };
     // Every run, not only the acknowledged ones (a start whose answer was lost may have run).
     let unfinished = workflows
         .int(&format!("SELECT count(*) FROM runs WHERE status IN {ACTIVE} OR lease_owner IS NOT NULL"), &[])?;
@@ -907,7 +941,82 @@ fn check_runs(
     if report.starts + report.batches > 0 && stock != Some(STOCK - taken) {
         report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
     }
-    Ok(read.ended)
+    Ok((read.ended, ticks))
+}
+
+/// The chaos schedule's row ([`TICKS`], every [`TICK_INTERVAL_MS`], catch-up `all`).
+struct TickSchedule {
+    created_at_ms: i64,
+    next_tick_at_ms: Option<i64>,
+    ticks_started: i64,
+    ticks_skipped: i64,
+    paused: bool,
+}
+
+/// The schedule's ticks: every tick before its next one (`created + k * interval`, k >= 1)
+/// started exactly one run `<schedule>:<tick>` whatever the faults (its catch-up policy is
+/// `all`: a tick missed while every process was down starts late, never not at all), no run
+/// stands for a tick that is not one, and each run is an order of its own (the input names none:
+/// the run id is the order) that must complete, reserved, charged once and shipped. Returns the
+/// tick runs' ids.
+fn check_ticks(report: &mut CheckReport, read: &mut Runs, schedule: &TickSchedule) -> Vec<String> {
+    let prefix = format!("{TICKS}:");
+    let mut ticks: Vec<(i64, String)> = read
+        .runs
+        .keys()
+        .filter_map(|id| id.strip_prefix(&prefix).map(|tick| (tick.parse().unwrap_or(i64::MIN), id.clone())))
+        .collect();
+    ticks.sort();
+    report.ticks = ticks.len() as u64;
+    let next = schedule.next_tick_at_ms.unwrap_or(i64::MAX);
+    let on_grid = |tick: i64| {
+        tick > schedule.created_at_ms && (tick - schedule.created_at_ms) % TICK_INTERVAL_MS == 0 && tick < next
+    };
+    for (tick, run_id) in &ticks {
+        if !on_grid(*tick) {
+            report.violation(
+                "unknown_effect",
+                format!(
+                    "run {run_id} is no tick of schedule {TICKS} (created at {}, every {TICK_INTERVAL_MS} ms, next tick {next})",
+                    schedule.created_at_ms
+                ),
+            );
+        }
+    }
+    let started: HashSet<i64> = ticks.iter().map(|(tick, _)| *tick).collect();
+    let mut missing = (1..)
+        .map(|k| schedule.created_at_ms + k * TICK_INTERVAL_MS)
+        .take_while(|tick| *tick < next)
+        .filter(|tick| !started.contains(tick));
+    if let Some(first) = missing.next() {
+        report.violation(
+            "lost",
+            format!(
+                "schedule {TICKS}: tick {first} (and {} more) before its next tick {next} started no run",
+                missing.count()
+            ),
+        );
+    }
+    if schedule.ticks_started != ticks.len() as i64 || schedule.ticks_skipped != 0 {
+        report.violation(
+            if schedule.ticks_started > ticks.len() as i64 { "lost" } else { "unknown_effect" },
+            format!(
+                "schedule {TICKS} counts {} ticks started and {} skipped; {} runs are its ticks",
+                schedule.ticks_started,
+                schedule.ticks_skipped,
+                ticks.len()
+            ),
+        );
+    }
+    if !schedule.paused {
+        report.violation("unexpected_end", format!("schedule {TICKS} is not paused (the harness paused it)"));
+    }
+    for (_, run_id) in &ticks {
+        let order =
+            Order { order_id: run_id, expect: "completed", quantity: TICK_QUANTITY, effects: None, payments: (1, 0) };
+        check_order(report, read, &order, run_id, &format!("tick {run_id}"));
+    }
+    ticks.into_iter().map(|(_, id)| id).collect()
 }
 
 /// A run started through `queue`: its row names the queue, and once it has ended a claim had
@@ -1136,11 +1245,13 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
     }
 }
 
-fn check_payments(
+/// The payment calls of `orders` (the ledger's and the ticks'): each charged and refunded at most
+/// once, and as its end leaves them once it ended as it must.
+fn check_payments<'a>(
     report: &mut CheckReport,
     payments: &mut Db,
-    ledger: &[Acknowledged],
-    ended: &HashMap<String, (i64, i64)>,
+    orders: impl Iterator<Item = &'a str>,
+    ended: &Ended,
 ) -> Result<()> {
     // One pass, grouped (the log's only index is on the idempotency key).
     let mut by_order: HashMap<String, (i64, i64)> = HashMap::new();
@@ -1152,7 +1263,7 @@ fn check_payments(
     )? {
         by_order.insert(r.text(0)?, (r.int(1)?, r.int(2)?));
     }
-    for order_id in ledger_orders(ledger) {
+    for order_id in orders {
         let (charged, refunded) = by_order.get(order_id).copied().unwrap_or((0, 0));
         if charged > 1 || refunded > 1 {
             report.violation(

@@ -63,6 +63,14 @@ const QUEUE_CONCURRENCY_MAX: u32 = 8;
 /// Its rate limit, admissions per second (above the workload's queued starts: it is exercised,
 /// and a backlog it built would drain only at this rate during the convergence wait).
 const QUEUE_RATE_LIMIT: u32 = 500;
+/// The schedule declared at setup: every [`TICK_INTERVAL_MS`] it starts a `sleepy_order` of
+/// [`TICK_QUANTITY`] units whose order is its run id (`<schedule>:<tick>`), catching up every
+/// missed tick; the harness pauses it before it waits for convergence.
+pub(crate) const TICKS: &str = "chaos-tick";
+/// Its interval (the least a schedule takes).
+pub(crate) const TICK_INTERVAL_MS: i64 = 1_000;
+/// The units each tick's order takes.
+pub(crate) const TICK_QUANTITY: i64 = 1;
 /// How long a batch's waiter waits for its `batch_done` message: far longer than a batch takes
 /// under the harness's faults, short enough that a waiter whose batch was never started (its
 /// start unanswered) ends within the convergence wait.
@@ -1238,7 +1246,7 @@ async fn client(
                 if rng.gen_bool(0.5) {
                     let waiter = format!("{run_id}-w");
                     let (body, entry) = waiter_start(&mut rng, waiter.clone());
-                    let start = Start { http: &http, shared: &shared, ledger: &ledger };
+                    let start = StartSender { http: &http, shared: &shared, ledger: &ledger };
                     if start.until_answered(&mut stats, process, &body, entry).await {
                         input["notify"] = json!(waiter);
                         let body = json!({"workflow": ORDER_BATCH, "run_id": run_id, "input": input});
@@ -1369,13 +1377,13 @@ async fn post(
 }
 
 /// A start a client sends again until a server answers it.
-struct Start<'a> {
+struct StartSender<'a> {
     http: &'a reqwest::Client,
     shared: &'a Shared,
     ledger: &'a tokio::sync::mpsc::UnboundedSender<Acknowledged>,
 }
 
-impl Start<'_> {
+impl StartSender<'_> {
     /// POST the start `body` to `/v1/runs` of `process`, then of the next processes in turn,
     /// until one answers 2xx (`entry` goes to the ledger, stamped with that process and time:
     /// true) or 4xx (false), at most [`START_SENDS_MAX`] times (false). Sent again after no
@@ -1459,8 +1467,8 @@ fn order(rng: &mut StdRng, order_id: String) -> (Value, BatchOrder) {
     (input, BatchOrder { order_id, fail: fail.map(str::to_string), expect: expect.into(), quantity })
 }
 
-/// Declare the two consumers and set the stock, through process 0 (blocking HTTP); with a
-/// remote consumer, subscribe it at the proxy's address.
+/// Declare the two consumers, set the stock, declare the queue and the schedule, through process 0
+/// (blocking HTTP); with a remote consumer, subscribe it at the proxy's address.
 fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
     let mut requests = vec![
         (format!("{base}/v1/consumers/{SHIPPING_CONSUMER}"), json!({"handler": "reservation"})),
@@ -1470,6 +1478,11 @@ fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
             format!("{base}/v1/queues/{QUEUE}"),
             json!({"concurrency_max": QUEUE_CONCURRENCY_MAX, "rate": {"limit": QUEUE_RATE_LIMIT, "period_ms": 1_000}}),
         ),
+        (
+            format!("{base}/v1/schedules/{TICKS}"),
+            json!({"workflow": SLEEPY_ORDER, "interval_ms": TICK_INTERVAL_MS, "catch_up": "all",
+                   "input": {"sku": SKU, "quantity": TICK_QUANTITY, "amount": 100 * TICK_QUANTITY}}),
+        ),
     ];
     if let Some(remote) = remote {
         let endpoint = match &remote.route {
@@ -1478,7 +1491,7 @@ fn setup(base: &str, remote: Option<&Remote>) -> Result<()> {
         };
         requests.push((format!("{base}/v1/subscriptions/{REMOTE_CONSUMER}"), json!({"endpoint": endpoint})));
     }
-    put_all(&requests)
+    send_all(reqwest::Method::PUT, &requests)
 }
 
 /// Open the tenant on `server`: a tenant opens (and its loops start) with its first request.
@@ -1492,18 +1505,22 @@ fn open_tenant(server: &Serve) -> Result<()> {
     Ok(())
 }
 
-/// PUT each body to its URL, in order; any answer but 2xx is an error.
-fn put_all(requests: &[(String, Value)]) -> Result<()> {
+/// Send each body to its URL with `method`, in order; any answer but 2xx is an error.
+fn send_all(method: reqwest::Method, requests: &[(String, Value)]) -> Result<()> {
     let http = reqwest::blocking::Client::builder()
         .timeout(REQUEST_TIMEOUT)
         .build()
         .map_err(|e| Error::io(format!("cannot build the HTTP client: {e}")))?;
     for (url, body) in requests {
-        let response = http.put(url).json(body).send().map_err(|e| Error::io(format!("PUT {url}: {e}")))?;
+        let response = http
+            .request(method.clone(), url)
+            .json(body)
+            .send()
+            .map_err(|e| Error::io(format!("{method} {url}: {e}")))?;
         let status = response.status();
         if !status.is_success() {
             let text = response.text().unwrap_or_default();
-            return Err(Error::io(format!("PUT {url} answered {status}: {text}")));
+            return Err(Error::io(format!("{method} {url} answered {status}: {text}")));
         }
     }
     Ok(())
@@ -1701,7 +1718,7 @@ impl Remote {
         server.start()?;
         proxy.set_target(route.as_ref().map_or(&server.addr, |route| route.server()));
         let consumer = format!("{}/v1/consumers/{REMOTE_CONSUMER}", server.base());
-        put_all(&[(consumer, json!({"handler": "record"}))])?;
+        send_all(reqwest::Method::PUT, &[(consumer, json!({"handler": "record"}))])?;
         Ok(Remote { server, proxy, route, source_proxy, sides: [0; 3], store: settings.remote_store.clone() })
     }
 
@@ -1962,6 +1979,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     for server in &servers {
         let _ = open_tenant(server);
     }
+    // No tick after this one: the ticks started so far must complete for convergence.
+    send_all(reqwest::Method::POST, &[(format!("{}/v1/schedules/{TICKS}/pause", servers[0].base()), json!({}))])?;
     let mut converged = false;
     while restarted.elapsed() < settings.converge_timeout {
         if checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?.converged() {
