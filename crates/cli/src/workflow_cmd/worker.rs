@@ -97,6 +97,20 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             ));
         }
     }
+    // The runtime and the signal handlers before the store opens (a PostgreSQL connection and its
+    // migrations can take a while): a SIGINT or SIGTERM meanwhile stops the worker gracefully as
+    // soon as it is ready, before it claims anything, instead of killing it by the signal's
+    // default action.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
+    let signals = {
+        let _entered = runtime.enter();
+        Signals::install()?
+    };
+    let process = Process { runtime, signals };
     let location = location(ctx, &args.db)?;
     if let StoreLocation::Sqlite(path) = &location {
         ensure_exists(path)?;
@@ -113,7 +127,8 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             let writer = Writer::spawn_with_clock(move || SqliteWorkflows::open_with(&path, durability), clock)?;
             writer.call_blocking(|store, _| order_sql::install(store.connection()))?;
             let left = |store: &mut SqliteWorkflows| tidemark_store_sqlite::stats::active_runs(store.connection());
-            work(writer, payments, &retry, &options, &args, left, |_| Ok(None))?
+            let workflows = builtin::workflows(payments, &retry)?;
+            work(process, writer, workflows, &options, &args, left, |_| Ok(None))?
         }
         StoreLocation::Postgres(pg) => {
             let (conn, schema) = (pg.conn.clone(), pg.schema.clone());
@@ -125,7 +140,8 @@ pub fn run(ctx: &Context, args: WorkerArgs) -> Result<Value> {
             // Starts and events from other processes wake this worker at once (LISTEN/NOTIFY, a
             // hint: its polls still find every due run).
             let listen = move |wake: Waker| DueRunListener::spawn(&pg.conn, &pg.schema, wake).map(Some);
-            work(writer, payments, &retry, &options, &args, PgWorkflows::active_runs, listen)?
+            let workflows = builtin::workflows(payments, &retry)?;
+            work(process, writer, workflows, &options, &args, PgWorkflows::active_runs, listen)?
         }
     };
     out["files"] = json!({"db": args.db, "payments_db": payments_db});
@@ -138,11 +154,55 @@ type Waker = Box<dyn Fn() + Send + 'static>;
 /// Runs still active, by status, and the earliest time one of them is due.
 type ActiveRuns = (std::collections::BTreeMap<String, u64>, Option<i64>);
 
+/// The worker's async runtime and its signal handlers, set up before the store opens.
+struct Process {
+    runtime: tokio::runtime::Runtime,
+    signals: Signals,
+}
+
+/// SIGINT and SIGTERM, caught from the moment they are installed (elsewhere: Ctrl-C).
+struct Signals {
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Install the handlers (inside a runtime's context).
+    fn install() -> Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let install = |kind| signal(kind).map_err(|e| Error::io(format!("cannot install a signal handler: {e}")));
+            Ok(Signals { interrupt: install(SignalKind::interrupt())?, terminate: install(SignalKind::terminate())? })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// Resolves at the first signal (one that came before this call included).
+    async fn received(self) {
+        #[cfg(unix)]
+        {
+            let Signals { mut interrupt, mut terminate } = self;
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
 /// The worker loop on a store behind `writer`; `left` reads what is still active at the end.
 fn work<S>(
+    process: Process,
     writer: Writer<S>,
-    payments: Arc<dyn Payments>,
-    retry: &tidemark_core::workflow::RetryPolicy,
+    workflows: tidemark_engine::workflow::Workflows<S>,
     options: &WorkerOptions,
     args: &WorkerArgs,
     left: fn(&mut S) -> Result<ActiveRuns>,
@@ -152,14 +212,10 @@ where
     S: WorkflowStore + ScheduleStore + Send + 'static,
     S::Target: OrderTx + 'static,
 {
-    let workflows = builtin::workflows::<S>(payments, retry)?;
     let worker = Worker::new(writer.clone(), workflows, options.clone())?;
     let listener = listen(Box::new(worker.waker()))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
+    let Process { runtime, signals } = process;
+    let mut signals = Some(signals);
 
     let stopped_by = Arc::new(Mutex::new("idle"));
     let (ticks_started, tick_errors) = (AtomicU64::new(0), AtomicU64::new(0));
@@ -168,7 +224,7 @@ where
             // A signal stops the worker gracefully here too: the round in progress stops its
             // runs and releases their leases, and no other round starts.
             let (signalled, mut signal) = tokio::sync::watch::channel(false);
-            let stop = shutdown(None, stopped_by.clone())?;
+            let stop = shutdown(signals.take().expect("one stop"), None, stopped_by.clone());
             tokio::spawn(async move {
                 stop.await;
                 let _ = signalled.send(true);
@@ -197,7 +253,8 @@ where
                 }
             }
         }
-        let stop = shutdown(args.max_seconds.map(Duration::from_secs), stopped_by.clone())?;
+        let stop =
+            shutdown(signals.take().expect("one stop"), args.max_seconds.map(Duration::from_secs), stopped_by.clone());
         // A long-running worker also ticks the database's schedules, as `tidemark serve` does.
         let ticking = async {
             loop {
@@ -231,41 +288,19 @@ where
     Ok(out)
 }
 
-/// Resolves on SIGINT, SIGTERM or after `max`. The signal handlers are installed here, before
-/// the worker claims anything, so a signal at any point stops it gracefully.
-fn shutdown(
-    max: Option<Duration>,
-    stopped_by: Arc<Mutex<&'static str>>,
-) -> Result<impl std::future::Future<Output = ()>> {
-    #[cfg(unix)]
-    let signals = {
-        use tokio::signal::unix::{signal, SignalKind};
-        let install = |kind| signal(kind).map_err(|e| Error::io(format!("cannot install a signal handler: {e}")));
-        (install(SignalKind::interrupt())?, install(SignalKind::terminate())?)
+/// Resolves on SIGINT, SIGTERM (installed before the store opened, so a signal at any point
+/// stops the worker gracefully) or after `max`.
+async fn shutdown(signals: Signals, max: Option<Duration>, stopped_by: Arc<Mutex<&'static str>>) {
+    let signal = signals.received();
+    let deadline = async move {
+        match max {
+            Some(max) => tokio::time::sleep(max).await,
+            None => std::future::pending().await,
+        }
     };
-    Ok(async move {
-        #[cfg(unix)]
-        let signal = async move {
-            let (mut interrupt, mut terminate) = signals;
-            tokio::select! {
-                _ = interrupt.recv() => {}
-                _ = terminate.recv() => {}
-            }
-        };
-        #[cfg(not(unix))]
-        let signal = async {
-            let _ = tokio::signal::ctrl_c().await;
-        };
-        let deadline = async move {
-            match max {
-                Some(max) => tokio::time::sleep(max).await,
-                None => std::future::pending().await,
-            }
-        };
-        let why = tokio::select! {
-            _ = signal => "signal",
-            _ = deadline => "max_seconds",
-        };
-        *stopped_by.lock().unwrap_or_else(|p| p.into_inner()) = why;
-    })
+    let why = tokio::select! {
+        _ = signal => "signal",
+        _ = deadline => "max_seconds",
+    };
+    *stopped_by.lock().unwrap_or_else(|p| p.into_inner()) = why;
 }

@@ -555,6 +555,21 @@ struct Settings {
     broker: Option<Broker>,
 }
 
+impl Settings {
+    /// The fault VFS's state folder, when the processes' own files are on it (power losses and
+    /// I/O errors of SQLite: with --store, a power loss is the database's).
+    fn faultfs(&self) -> Option<PathBuf> {
+        (self.store.is_none() && [FaultKind::PowerLoss, FaultKind::IoError].iter().any(|k| self.kinds.contains(k)))
+            .then(|| self.out.join("faultfs"))
+    }
+
+    /// The clock offset file of the process `name` (`serve-0`, `worker-1`), when the run jumps
+    /// clocks.
+    fn clock_file(&self, name: &str) -> Option<PathBuf> {
+        self.kinds.contains(&FaultKind::ClockJump).then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
+    }
+}
+
 /// The broker a partitioned remote consumer is reached through (`--broker`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Broker {
@@ -665,16 +680,6 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
-        ));
-    }
-    // With --store a power loss is the database machine's, which the workers ride out as the
-    // servers do (they reconnect); SQLite's is the servers' own files, which workers are not on.
-    let sqlite_power_loss = kinds.contains(&FaultKind::PowerLoss) && args.store.is_none();
-    if args.workers > 0
-        && (sqlite_power_loss || [FaultKind::ClockJump, FaultKind::IoError].iter().any(|k| kinds.contains(k)))
-    {
-        return Err(invalid(
-            "--workers runs worker processes outside the fault VFS and the clock offset files: combine them with sigkill, sigstop, partition, db-crash and (with --store) power-loss only",
         ));
     }
     if !["full", "normal"].contains(&durability) {
@@ -804,15 +809,9 @@ impl Serve {
             config: has_remote(&settings.kinds).then(|| out.join("serve.toml")),
             store: settings.store.as_ref().map(|store| store.url.clone()),
             durability: settings.durability.clone(),
-            // The servers' own files on the fault VFS (with --store, a power loss is the database's).
-            faultfs: (settings.store.is_none()
-                && [FaultKind::PowerLoss, FaultKind::IoError].iter().any(|k| settings.kinds.contains(k)))
-            .then(|| out.join("faultfs")),
+            faultfs: settings.faultfs(),
             seed: settings.seed,
-            clock_file: settings
-                .kinds
-                .contains(&FaultKind::ClockJump)
-                .then(|| out.join("clocks").join(format!("serve-{index}.offset_ms"))),
+            clock_file: settings.clock_file(&format!("serve-{index}")),
             addr: "127.0.0.1:0".into(),
             process: Proc::default(),
         }
@@ -1048,10 +1047,30 @@ struct WorkerProcess {
     store: Option<String>,
     log: PathBuf,
     durability: String,
+    /// The fault VFS's state folder and its clock offset file, as the servers'.
+    faultfs: Option<PathBuf>,
+    clock_file: Option<PathBuf>,
     process: Proc,
+    /// When its current process was started.
+    started: Option<Instant>,
 }
 
+/// How long after its start a worker process is given before the harness's SIGTERM: a signal
+/// that arrives before the process has installed its handlers (in its first milliseconds, while
+/// it loads) kills it by the signal's default action, which the harness would count as an
+/// unclean stop. `tidemark worker` installs them before it opens its store.
+const WORKER_SIGNAL_READY: Duration = Duration::from_millis(500);
+
 impl WorkerProcess {
+    /// SIGTERM (once the process had [`WORKER_SIGNAL_READY`] to install its handlers), as
+    /// [`Proc::terminate`].
+    fn terminate(&mut self) -> Result<Option<String>> {
+        if let Some(wait) = self.started.and_then(|at| WORKER_SIGNAL_READY.checked_sub(at.elapsed())) {
+            std::thread::sleep(wait);
+        }
+        self.process.terminate()
+    }
+
     fn reports_path(&self) -> PathBuf {
         self.log.with_extension("reports.json")
     }
@@ -1078,6 +1097,14 @@ impl WorkerProcess {
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
         let mut command = Command::new(&self.exe);
         die_with_the_harness(&mut command);
+        match &self.faultfs {
+            Some(state) => command.env(faultfs_env(), state),
+            None => command.env_remove(faultfs_env()),
+        };
+        match &self.clock_file {
+            Some(file) => command.env(clock_env(), file),
+            None => command.env_remove(clock_env()),
+        };
         command.args(["--durability", &self.durability, "worker", "--db"]);
         match &self.store {
             Some(store) => command.arg(store),
@@ -1091,14 +1118,13 @@ impl WorkerProcess {
             .args(["--retry-delay-ms", &RETRY_DELAY_MS.to_string(), "--max-attempts", &MAX_ATTEMPTS.to_string()])
             .args(["--max-seconds", &DURATION_S_MAX.to_string()])
             .env_remove("TIDEMARK_CRASH_AT")
-            .env_remove(faultfs_env())
-            .env_remove(clock_env())
             .stdin(Stdio::null())
             .stdout(Stdio::from(self.reports()?))
             .stderr(Stdio::from(log))
             .spawn()
             .map_err(io("cannot start tidemark worker"))?;
         self.process = Proc { child: Some(child), stopped: false };
+        self.started = Some(Instant::now());
         Ok(())
     }
 }
@@ -1124,14 +1150,13 @@ fn clock_env() -> &'static str {
     tidemark_core::clock::OFFSET_FILE_ENV
 }
 
-impl Serve {
-    /// Step the process's wall clock by `offset_ms` from the system clock (0: back to it). The
-    /// process reads the file again within `OFFSET_REREAD_MS`.
-    fn set_clock_offset(&self, offset_ms: i64) -> Result<()> {
-        let file = self.clock_file.as_ref().ok_or_else(|| invalid("a clock jump needs --kinds clock-jump"))?;
-        std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create clocks/"))?;
-        std::fs::write(file, offset_ms.to_string()).map_err(io("cannot write a clock offset"))
-    }
+/// Step a process's wall clock by `offset_ms` from the system clock (0: back to it), in its
+/// clock offset file (`None`: the run jumps no clocks). The process reads the file again within
+/// `OFFSET_REREAD_MS`.
+fn set_clock_offset(clock_file: Option<&PathBuf>, offset_ms: i64) -> Result<()> {
+    let file = clock_file.ok_or_else(|| invalid("a clock jump needs --kinds clock-jump"))?;
+    std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create clocks/"))?;
+    std::fs::write(file, offset_ms.to_string()).map_err(io("cannot write a clock offset"))
 }
 
 /// Faults whose process is back and has not acknowledged an operation yet, and the recovery
@@ -1873,7 +1898,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             store: settings.store.as_ref().map(|store| store.schema_url(tidemark_server::Database::Workflows)),
             log: settings.out.join("logs").join(format!("worker-{index}.log")),
             durability: settings.durability.clone(),
+            faultfs: settings.faultfs(),
+            clock_file: settings.clock_file(&format!("worker-{index}")),
             process: Proc::default(),
+            started: None,
         })
         .collect();
     for worker in &mut workers {
@@ -1961,7 +1989,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     // finding of the run, as a violation is.
     let mut unclean_stops = Vec::new();
     for worker in &mut workers {
-        if let Some(why) = worker.process.terminate()? {
+        if let Some(why) = worker.terminate()? {
             unclean_stops.push(format!("worker {}: {why} (log {})", worker.index, worker.log.display()));
         }
     }
@@ -2140,10 +2168,13 @@ fn inject(
                 std::thread::sleep(Duration::from_millis(fault.hold_ms));
                 worker.process.sigcont()?;
             }
-            // Validated away: power losses and clock jumps come with no worker processes, and a
-            // partition is the link's (process 0).
+            FaultKind::ClockJump => {
+                set_clock_offset(worker.clock_file.as_ref(), fault.jump_ms)?;
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                set_clock_offset(worker.clock_file.as_ref(), 0)?;
+            }
+            // The machine's, the disk's, the link's or the remote's: process 0 (a server).
             FaultKind::PowerLoss
-            | FaultKind::ClockJump
             | FaultKind::Partition
             | FaultKind::IoError
             | FaultKind::DbCrash
@@ -2171,10 +2202,10 @@ fn inject(
             server.sigcont()?;
         }
         FaultKind::ClockJump => {
-            let server = &servers[fault.process];
-            server.set_clock_offset(fault.jump_ms)?;
+            let clock = servers[fault.process].clock_file.as_ref();
+            set_clock_offset(clock, fault.jump_ms)?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
-            server.set_clock_offset(0)?;
+            set_clock_offset(clock, 0)?;
         }
         FaultKind::IoError => {
             let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("an I/O error needs the fault VFS"))?;
@@ -2217,14 +2248,21 @@ fn inject(
                 std::thread::sleep(Duration::from_millis(fault.hold_ms));
                 database.start()?;
             }
+            // The machine's: every process on it (servers and workers) dies at once.
             None => {
                 for server in servers.iter_mut() {
                     server.sigkill();
+                }
+                for worker in workers.iter_mut() {
+                    worker.process.sigkill();
                 }
                 lost = power_loss(servers, fault)?;
                 std::thread::sleep(Duration::from_millis(fault.hold_ms));
                 for server in servers.iter_mut() {
                     server.start()?;
+                }
+                for worker in workers.iter_mut() {
+                    worker.start()?;
                 }
             }
         },
