@@ -857,16 +857,7 @@ impl Serve {
     fn try_start(&mut self) -> Result<()> {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let mut command = Command::new(&self.exe);
-        die_with_the_harness(&mut command);
-        match &self.faultfs {
-            Some(state) => command.env(faultfs_env(), state),
-            None => command.env_remove(faultfs_env()),
-        };
-        match &self.clock_file {
-            Some(file) => command.env(clock_env(), file),
-            None => command.env_remove(clock_env()),
-        };
+        let mut command = process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref());
         command.arg("serve");
         if let Some(config) = &self.config {
             command.arg("--config").arg(config);
@@ -946,6 +937,23 @@ impl Serve {
 /// timeout) leaves no `tidemark serve` behind on its ports and files. Linux sends the signal when
 /// the thread that started the child ends; every child is started on the harness's main thread,
 /// which lives until the run's end.
+/// A command for a tidemark process of the run: it dies with the harness, and runs on the fault
+/// VFS (`faultfs`, its state folder) and reads its wall-clock offset from `clock_file` when the
+/// run has them (their variables removed otherwise).
+fn process_command(exe: &Path, faultfs: Option<&Path>, clock_file: Option<&Path>) -> Command {
+    let mut command = Command::new(exe);
+    die_with_the_harness(&mut command);
+    match faultfs {
+        Some(state) => command.env(faultfs_env(), state),
+        None => command.env_remove(faultfs_env()),
+    };
+    match clock_file {
+        Some(file) => command.env(clock_env(), file),
+        None => command.env_remove(clock_env()),
+    };
+    command
+}
+
 fn die_with_the_harness(command: &mut Command) {
     use std::os::unix::process::CommandExt;
     let harness = std::process::id() as libc::pid_t;
@@ -1095,16 +1103,7 @@ impl WorkerProcess {
         let tenant = self.data.join("tenants").join(TENANT);
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let mut command = Command::new(&self.exe);
-        die_with_the_harness(&mut command);
-        match &self.faultfs {
-            Some(state) => command.env(faultfs_env(), state),
-            None => command.env_remove(faultfs_env()),
-        };
-        match &self.clock_file {
-            Some(file) => command.env(clock_env(), file),
-            None => command.env_remove(clock_env()),
-        };
+        let mut command = process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref());
         command.args(["--durability", &self.durability, "worker", "--db"]);
         match &self.store {
             Some(store) => command.arg(store),
