@@ -147,6 +147,8 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
     let clean = check(&out);
     assert_eq!(clean.code, 0, "{}", clean.stdout);
     assert_eq!(clean.json["check"]["passed"], true, "{}", clean.stdout);
+    let peak = clean.json["check"]["queue_peak"].as_u64().expect("a queue peak on SQLite");
+    assert!((1..=8).contains(&peak), "queue runs held at most its 8 slots: {}", clean.stdout);
 
     // An acknowledged advance the store does not hold is lost.
     let ledger = out.join("ledger.jsonl");
@@ -237,6 +239,28 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
     assert_eq!(violations(&moved.json, "wrong_effects"), 1, "{listed}");
     assert!(listed.contains(&format!("tick {at} (and 0 more)")), "{listed}");
     assert!(listed.contains(&format!("run chaos-tick:{} is no tick", at + 1)), "{listed}");
+
+    // Nine runs that were not queued made the queue's, each with a last journal entry after
+    // every other: their spans overlap at the end, one over the queue's limit of 8.
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let changed = workflows
+        .execute_batch(
+            "CREATE TEMP TABLE nine AS SELECT run_id FROM runs
+               WHERE workflow = 'order_saga' AND queue IS NULL AND parent_run_id IS NULL AND status = 'completed'
+               ORDER BY run_id LIMIT 9;
+             UPDATE runs SET queue = 'chaos-q', admitted_at_ms = created_at_ms WHERE run_id IN (SELECT run_id FROM nine);
+             INSERT INTO journal (run_id, seq, name, kind, status, attempts, updated_at_ms)
+               SELECT run_id, 900, 'late', 'external', 'completed', 1, 0 FROM nine;",
+        )
+        .and_then(|()| workflows.query_row("SELECT count(*) FROM temp.nine", [], |row| row.get::<_, i64>(0)));
+    assert_eq!(changed.expect("queue nine runs"), 9);
+    drop(workflows);
+    let over = check(&out);
+    assert_eq!(over.code, 1, "{}", over.stdout);
+    let listed = over.json["check"]["first_violations"].to_string();
+    assert_eq!(violations(&over.json, "queue_over_limit"), 1, "{listed}");
+    assert!(over.json["check"]["queue_peak"].as_u64().unwrap() >= 9, "{}", over.stdout);
+    assert!(listed.contains("queue chaos-q (concurrency_max 8) held"), "{listed}");
 }
 
 #[test]

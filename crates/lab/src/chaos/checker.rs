@@ -19,7 +19,8 @@ use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
 
 use super::{
-    invalid, AUDIT_CONSUMER, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK, TICKS, TICK_INTERVAL_MS, TICK_QUANTITY,
+    invalid, AUDIT_CONSUMER, QUEUE, QUEUE_CONCURRENCY_MAX, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK, TICKS,
+    TICK_INTERVAL_MS, TICK_QUANTITY,
 };
 use tidemark_builtins::workflows::BATCH_DONE;
 
@@ -122,7 +123,7 @@ pub struct BatchOrder {
 /// Every kind of violation the checker counts. The first group are the losses and doubles the
 /// harness exists to catch; the second group also holds while the system is still converging
 /// (the harness waits for them to reach 0 before it checks).
-pub const VIOLATION_KINDS: [&str; 14] = [
+pub const VIOLATION_KINDS: [&str; 15] = [
     "lost",
     "applied_twice",
     "out_of_order",
@@ -131,6 +132,7 @@ pub const VIOLATION_KINDS: [&str; 14] = [
     "wrong_effects",
     "stock_mismatch",
     "unknown_effect",
+    "queue_over_limit",
     // Convergence: what the relay, drains and workers finish by themselves.
     "not_applied",
     "relay_behind",
@@ -163,6 +165,9 @@ pub struct CheckReport {
     pub queued: u64,
     /// The runs the schedule's ticks started (each checked as an order of its own).
     pub ticks: u64,
+    /// The most runs of the queue admitted and unfinished at once, as the journal's commit order
+    /// proves it (SQLite only: `None` on PostgreSQL).
+    pub queue_peak: Option<u64>,
     /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
     /// (their batch was never started: the wait timed out).
     pub waiters_by_outcome: BTreeMap<&'static str, u64>,
@@ -217,6 +222,7 @@ impl CheckReport {
                 "queued": self.queued,
             },
             "ticks": self.ticks,
+            "queue_peak": self.queue_peak,
             "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
@@ -902,6 +908,7 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
             Acknowledged::Advance { .. } => {}
         }
     }
+    check_queue_limit(report, workflows)?;
     let ticks = match schedule {
         Some(row) => {
             let schedule = TickSchedule {
@@ -942,6 +949,55 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
         report.violation("stock_mismatch", format!("{SKU}: stock {stock:?}, reservations hold {taken} of {STOCK}"));
     }
     Ok((read.ended, ticks))
+}
+
+/// The queue's concurrency limit, where the database proves an overrun: on SQLite, the journal's
+/// rowids are handed out in commit order (one writer at a time; entries are inserted, never
+/// renumbered, during a run), and a run of the queue was admitted and unfinished at least from
+/// the commit of its first journal entry to the commit of its last (its admission commits before
+/// its first step, its end with or after its last). More than [`QUEUE_CONCURRENCY_MAX`] of those
+/// spans over one rowid is an overrun: at that entry's commit, more runs than the limit held a
+/// slot. A stricter reading (admission and end times) would need a commit-ordered record of
+/// them: `admitted_at_ms` and `finished_at_ms` are each process's clock before it waited for the
+/// write lock. PostgreSQL's journal has no such order: not checked there.
+fn check_queue_limit(report: &mut CheckReport, workflows: &mut Db) -> Result<()> {
+    if !matches!(workflows, Db::Sqlite(_)) {
+        return Ok(());
+    }
+    // (rowid, +1 at a run's first entry, -1 at its last); a run's span is [first, last].
+    let mut ends: Vec<(i64, i64)> = Vec::new();
+    for r in workflows.rows(
+        "SELECT min(j.rowid), max(j.rowid) FROM journal j JOIN runs r ON r.run_id = j.run_id
+         WHERE r.queue = $1 GROUP BY j.run_id",
+        &[QUEUE],
+    )? {
+        ends.push((r.int(0)?, 1));
+        ends.push((r.int(1)?, -1));
+    }
+    // At one rowid, a span that starts there counts before one that ends there (a run whose
+    // only entry is that one holds its slot at it).
+    ends.sort_by_key(|(rowid, delta)| (*rowid, -*delta));
+    let (mut open, mut peak, mut over_at) = (0_i64, 0_i64, None);
+    for (rowid, delta) in ends {
+        open += delta;
+        if open > peak {
+            peak = open;
+            if peak > i64::from(QUEUE_CONCURRENCY_MAX) && over_at.is_none() {
+                over_at = Some(rowid);
+            }
+        }
+    }
+    report.queue_peak = Some(peak as u64);
+    if let Some(rowid) = over_at {
+        report.violation(
+            "queue_over_limit",
+            format!(
+                "queue {QUEUE} (concurrency_max {QUEUE_CONCURRENCY_MAX}) held {peak} admitted, unfinished runs at once \
+                 (first over the limit at journal rowid {rowid})"
+            ),
+        );
+    }
+    Ok(())
 }
 
 /// The chaos schedule's row ([`TICKS`], every [`TICK_INTERVAL_MS`], catch-up `all`).

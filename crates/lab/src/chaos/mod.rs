@@ -59,7 +59,7 @@ pub(crate) const STOCK: i64 = 1_000_000_000;
 /// The queue a quarter of the order sagas go through (`POST /v1/runs` with `"queue"`).
 pub(crate) const QUEUE: &str = "chaos-q";
 /// Its concurrency limit across every process and worker.
-const QUEUE_CONCURRENCY_MAX: u32 = 8;
+pub(crate) const QUEUE_CONCURRENCY_MAX: u32 = 8;
 /// Its rate limit, admissions per second (above the workload's queued starts: it is exercised,
 /// and a backlog it built would drain only at this rate during the convergence wait).
 const QUEUE_RATE_LIMIT: u32 = 500;
