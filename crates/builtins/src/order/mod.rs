@@ -221,7 +221,12 @@ struct PendingCall {
     success: &'static str,
 }
 
-type CallAnswer = std::result::Result<(), StepFailure>;
+/// A call's outcome as recorded (`charged`, `refunded`, `duplicate`, `nothing_to_refund`), or
+/// the failure it answers.
+type CallAnswer = std::result::Result<&'static str, StepFailure>;
+
+/// The outcome of a refund of an order that was never charged: it refunds nothing.
+const NOTHING_TO_REFUND: &str = "nothing_to_refund";
 
 enum Reply {
     Blocking(mpsc::SyncSender<CallAnswer>),
@@ -311,6 +316,14 @@ impl FakePayments {
     }
 }
 
+/// A refund's output: what was refunded, or that the order was never charged.
+fn refund_output(key: &str, order: &OrderInput, charge: &Value, outcome: &str) -> Value {
+    if outcome == NOTHING_TO_REFUND {
+        return json!({"refunded": false, "reason": "the order was never charged"});
+    }
+    json!({"refund_id": format!("rf-{key}"), "charge_id": charge.get("charge_id"), "amount": order.amount})
+}
+
 fn payments_gone() -> StepFailure {
     StepFailure::retryable("the fake payment service's log stopped")
 }
@@ -329,6 +342,10 @@ fn decide_and_record(conn: &rusqlite::Connection, call: &PendingCall) -> CallAns
         "declined"
     } else if calls < i64::from(call.flaky_attempts) {
         "unavailable"
+    } else if call.op == "refund" && !sql::order_charged(conn, &call.order_id).map_err(db_failure)? {
+        // A refund compensating a charge that never happened (a cancel stopped the saga at its
+        // charge): nothing to give back.
+        NOTHING_TO_REFUND
     } else {
         call.success
     };
@@ -343,7 +360,7 @@ fn decide_and_record(conn: &rusqlite::Connection, call: &PendingCall) -> CallAns
     match outcome {
         "declined" => Err(StepFailure::permanent(format!("{} declined", call.op))),
         "unavailable" => Err(StepFailure::retryable(format!("payment service unavailable (call {})", calls + 1))),
-        _ => Ok(()),
+        done => Ok(done),
     }
 }
 
@@ -399,8 +416,8 @@ impl Payments for FakePayments {
     }
 
     fn refund(&self, key: &str, order: &OrderInput, charge: &Value) -> std::result::Result<Value, StepFailure> {
-        self.call(Self::pending(key, "refund", order, order.fails("refund_payment"), "refunded"))?;
-        Ok(json!({"refund_id": format!("rf-{key}"), "charge_id": charge.get("charge_id"), "amount": order.amount}))
+        let outcome = self.call(Self::pending(key, "refund", order, order.fails("refund_payment"), "refunded"))?;
+        Ok(refund_output(key, order, charge, outcome))
     }
 
     fn charge_async(self: Arc<Self>, key: String, order: OrderInput) -> PaymentFuture {
@@ -414,8 +431,8 @@ impl Payments for FakePayments {
     fn refund_async(self: Arc<Self>, key: String, order: OrderInput, charge: Value) -> PaymentFuture {
         let answer = self.call_async(Self::pending(&key, "refund", &order, order.fails("refund_payment"), "refunded"));
         Box::pin(async move {
-            answer.await?;
-            Ok(json!({"refund_id": format!("rf-{key}"), "charge_id": charge.get("charge_id"), "amount": order.amount}))
+            let outcome = answer.await?;
+            Ok(refund_output(&key, &order, &charge, outcome))
         })
     }
 }

@@ -204,7 +204,8 @@ fn create_payment_calls(conn: Connection) -> Result<Connection> {
              amount          INTEGER NOT NULL,
              outcome         TEXT NOT NULL
          );
-         CREATE INDEX IF NOT EXISTS payment_calls_key ON payment_calls (idempotency_key);",
+         CREATE INDEX IF NOT EXISTS payment_calls_key ON payment_calls (idempotency_key);
+         CREATE INDEX IF NOT EXISTS payment_calls_order ON payment_calls (order_id);",
     )?;
     Ok(conn)
 }
@@ -234,6 +235,14 @@ pub fn payment_history(conn: &Connection, key: &str) -> Result<(i64, bool)> {
     )?
     .query_row([key], |r| Ok((r.get(0)?, r.get::<_, i64>(1)? != 0)))
     .map_err(Error::from)
+}
+
+/// Whether the fake payment service ever charged `order_id` (a refund of an order it never
+/// charged refunds nothing).
+pub fn order_charged(conn: &Connection, order_id: &str) -> Result<bool> {
+    conn.prepare_cached("SELECT EXISTS (SELECT 1 FROM payment_calls WHERE order_id = ?1 AND outcome = 'charged')")?
+        .query_row([order_id], |r| r.get::<_, bool>(0))
+        .map_err(Error::from)
 }
 
 /// Append `call` to the fake payment service's log.

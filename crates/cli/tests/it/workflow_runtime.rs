@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tidemark_builtins::order::tables as order_sql;
-use tidemark_builtins::order::{order_saga, FakePayments, ORDER_SAGA, ORDER_SAGA_VERSION};
+use tidemark_builtins::order::{order_saga, FakePayments, OrderInput, Payments, ORDER_SAGA, ORDER_SAGA_VERSION};
 use tidemark_core::workflow::{
     Backoff, ClaimRequest, ClaimedRun, FinishStatus, JournalOp, JournalWrite, LeaseState, PurgeReport, RetryPolicy,
     RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus,
@@ -656,6 +656,74 @@ fn cancelling_a_sleeping_saga_compensates_then_ends_cancelled() {
     let ops: Vec<(String, String)> = env.payment_calls().into_iter().map(|(op, _, outcome)| (op, outcome)).collect();
     assert_eq!(ops, [("charge".into(), "charged".into()), ("refund".into(), "refunded".into())]);
     assert_eq!(report.cancelled, 1, "{report:?}");
+}
+
+/// An order saga whose first charge attempt failed (the payment service unavailable) and whose
+/// next attempt is a minute away, cancelled there: `charged` says whether the payment service
+/// charged the order meanwhile without the journal knowing (a worker that charged and died
+/// before its journal write). Returns the run's detail and the payment calls (op, outcome).
+fn cancel_at_the_charge(charged: bool) -> (RunDetail, Vec<(String, String)>, Env) {
+    let (env, rt) = (Env::new(), runtime());
+    let mut workflows = Workflows::new();
+    let minute = RetryPolicy {
+        max_attempts: 3,
+        backoff: Backoff::Schedule { delays_ms: vec![60_000] },
+        attempt_timeout_ms: 30_000,
+        jitter: false,
+    };
+    order_saga::<Store>(env.payments.clone())
+        .compensation_policy(fast_retry(5))
+        .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: minute })
+        .expect("register the order saga");
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    let input = order_input("o-cut", json!({"flaky_attempts": 1}));
+    env.start_new("cut", ORDER_SAGA, 1, input.clone());
+    drive(&rt, &w, &env, &["cut"], |run| run.status == RunStatus::Pending);
+    let before = env.detail("cut");
+    assert_eq!(names(&before), ["reserve_inventory", "charge_payment"]);
+    assert_eq!(before.journal[1].status, StepStatus::Retrying, "{:?}", before.journal);
+    if charged {
+        // The second attempt, as a worker that died before its journal write made it.
+        let order: OrderInput = serde_json::from_value(input).unwrap();
+        env.payments.charge("cut:1:charge_payment", &order).expect("charged");
+    }
+    env.cancel("cut", "customer changed their mind");
+    settle(&rt, &w, &env, &["cut"]);
+    let calls = env.payment_calls().into_iter().map(|(op, _, outcome)| (op, outcome)).collect();
+    (env.detail("cut"), calls, env)
+}
+
+/// A cancel that stops a saga at its charge compensates the charge too, since it may have run:
+/// charged without the journal knowing, it is refunded; never charged, the refund gives nothing
+/// back. Either way the reservation is released and the run ends `cancelled`.
+#[test]
+fn a_cancel_at_an_external_step_compensates_it_whether_or_not_it_ran() {
+    let pair = |op: &str, outcome: &str| (op.to_string(), outcome.to_string());
+    for charged in [true, false] {
+        let (d, calls, env) = cancel_at_the_charge(charged);
+        assert_eq!(d.run.status, RunStatus::Cancelled, "{:?}", d.run.error);
+        assert_eq!(
+            names(&d),
+            ["reserve_inventory", "charge_payment", "compensate:charge_payment", "compensate:reserve_inventory"]
+        );
+        assert_eq!(env.effects(), ["reserve:o-cut", "release:o-cut"]);
+        assert_eq!(env.stock(), 10);
+        // (The input's flaky_attempts fail the first call of every key, the refund's too.)
+        let refund = if charged {
+            vec![
+                pair("charge", "unavailable"),
+                pair("charge", "charged"),
+                pair("refund", "unavailable"),
+                pair("refund", "refunded"),
+            ]
+        } else {
+            vec![pair("charge", "unavailable"), pair("refund", "unavailable"), pair("refund", "nothing_to_refund")]
+        };
+        assert_eq!(calls, refund, "charged meanwhile: {charged}");
+        if !charged {
+            assert_eq!(d.journal[2].output, Some(json!({"refunded": false, "reason": "the order was never charged"})));
+        }
+    }
 }
 
 /// A cancelled saga whose compensation ran out of attempts parks; an operator's retry resumes

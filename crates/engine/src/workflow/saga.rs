@@ -75,6 +75,12 @@ enum Element<T: ?Sized> {
 /// each journaled as its own step `compensate:<step>` retried with the compensation policy
 /// (default `RetryPolicy::until_success(10_000)`). All compensated: the run ends `compensated`
 /// (`cancelled` after a cancel request). A compensation out of attempts parks the run.
+///
+/// A cancel request (or a passed deadline) that stops the saga at an external step compensates
+/// that step first, then the completed ones: the step may have run already, its success being
+/// journaled with the run's next write, which a crash can lose. An external step's compensation
+/// must therefore do nothing when its step did nothing (as Temporal advises for a compensation
+/// registered before its activity).
 /// Success: the run's result is the object of step outputs by name.
 pub struct Saga<S: WorkflowStore> {
     name: String,
@@ -234,6 +240,10 @@ where
     let mut data = Arc::new(SagaData { input, outputs: Map::new() });
     let mut completed: Vec<usize> = Vec::new();
     let mut failure = None;
+    // The external step a cancel stopped the saga at, if any: it may have run already (its
+    // success is journaled with the run's next write, which a crash can lose), so it is
+    // compensated too.
+    let mut interrupted: Option<usize> = None;
     for (index, element) in saga.elements.iter().enumerate() {
         let result = match element {
             Element::Step { name, action, policy, .. } => {
@@ -254,6 +264,11 @@ where
         match result {
             Ok(()) => {}
             Err(error @ (WorkflowError::StepFailed { .. } | WorkflowError::Cancelled)) => {
+                if matches!(error, WorkflowError::Cancelled)
+                    && matches!(element, Element::Step { action: SagaAction::External(_), .. })
+                {
+                    interrupted = Some(index);
+                }
                 failure = Some(error);
                 break;
             }
@@ -264,9 +279,9 @@ where
         let data = Arc::try_unwrap(data).unwrap_or_else(|shared| SagaData::clone(&shared));
         return Ok(Value::Object(data.outputs));
     };
-    let to_compensate: Vec<(&String, &SagaAction<S::Target>)> = completed
+    let to_compensate: Vec<(&String, &SagaAction<S::Target>)> = interrupted
         .iter()
-        .rev()
+        .chain(completed.iter().rev())
         .filter_map(|i| match &saga.elements[*i] {
             Element::Step { name, compensation: Some(c), .. } => Some((name, c)),
             _ => None,
