@@ -110,7 +110,14 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         // The schedule ticked, each tick an order of its own.
         assert!(report["check"]["ticks"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         assert_eq!(report["check"]["batches_by_status"]["completed"], report["operations"]["batches"]);
-        assert_eq!(report["operations"]["ledger_entries"], report["operations"]["acknowledged"]);
+        // Clients cancelled some of their starts.
+        assert!(report["operations"]["cancels"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        let ops = &report["operations"];
+        assert_eq!(
+            ops["ledger_entries"].as_u64().unwrap(),
+            ops["acknowledged"].as_u64().unwrap() + ops["cancels_unanswered"].as_u64().unwrap(),
+            "every acknowledged operation and every cancel that may have committed is in the ledger: {report:#}"
+        );
         // The schedule is the seed's: a second derivation prints the same one.
         let schedule: Value =
             serde_json::from_str(&std::fs::read_to_string(out.join("schedule.json")).expect("schedule")).unwrap();
@@ -261,6 +268,38 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
     assert_eq!(violations(&over.json, "queue_over_limit"), 1, "{listed}");
     assert!(over.json["check"]["queue_peak"].as_u64().unwrap() >= 9, "{}", over.stdout);
     assert!(listed.contains("queue chaos-q (concurrency_max 8) held"), "{listed}");
+
+    // Two completed runs made to look cancelled: one a client cancelled (the ledger says so: a
+    // cancel may end it cancelled, but not with its shipment left), one no client cancelled.
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let pick = |n: usize| -> String {
+        workflows
+            .query_row(
+                &format!(
+                    "SELECT run_id FROM runs WHERE workflow = 'order_saga' AND queue IS NULL AND parent_run_id IS NULL
+                     AND status = 'completed' ORDER BY run_id DESC LIMIT 1 OFFSET {n}"
+                ),
+                [],
+                |row| row.get(0),
+            )
+            .expect("a completed order")
+    };
+    let (told, untold) = (pick(0), pick(1));
+    workflows
+        .execute("UPDATE runs SET status = 'cancelled' WHERE run_id IN (?1, ?2)", [&told, &untold])
+        .expect("cancel two runs");
+    drop(workflows);
+    let mut text = std::fs::read_to_string(&ledger).expect("ledger");
+    text.push_str(&format!(r#"{{"kind":"cancel","run_id":"{told}","status":200,"process":0,"at_ms":5}}"#));
+    text.push('\n');
+    std::fs::write(&ledger, text).expect("ledger");
+    let cancelled = check(&out);
+    assert_eq!(cancelled.code, 1, "{}", cancelled.stdout);
+    let listed = cancelled.json["check"]["first_violations"].to_string();
+    let more = |kind: &str| violations(&cancelled.json, kind) - violations(&over.json, kind);
+    assert_eq!((more("wrong_effects"), more("unexpected_end")), (1, 1), "{listed}");
+    assert!(listed.contains(&format!("run {told} ended cancelled with the effects")), "{listed}");
+    assert!(listed.contains(&format!("run {untold} ended cancelled")), "{listed}");
 }
 
 #[test]

@@ -92,6 +92,21 @@ pub enum Acknowledged {
         /// When, in ms after the workload started.
         at_ms: u64,
     },
+    /// `POST /v1/runs/{run}/cancel` of an acknowledged start, answered 200 `cancel_requested`
+    /// (`status` 200) or not answered at all (`None`: it may have committed); a 409 (the run had
+    /// ended) is not written. The run may then end `cancelled` instead of as its input says (a
+    /// request: a run past its last step boundary still ends as it would), with everything it
+    /// did undone.
+    Cancel {
+        /// The cancelled run (an `order_saga` started alone).
+        run_id: String,
+        /// The answer's status, if one came.
+        status: Option<u16>,
+        /// The process (0-based) it was sent to.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
     /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for a `sleepy_order` that waits
     /// for a batch's `batch_done` message: approved (charged and shipped) when the batch named it
     /// and completed, unapproved (released) when no batch named it and the wait timed out.
@@ -161,6 +176,10 @@ pub struct CheckReport {
     pub batches: u64,
     /// Acknowledged waiters (runs waiting for a batch's message) in the ledger.
     pub waiters: u64,
+    /// Cancels sent to acknowledged starts (answered 200 or not answered) in the ledger.
+    pub cancels: u64,
+    /// The runs a cancel ended `cancelled`, everything they did undone.
+    pub cancelled: u64,
     /// Acknowledged starts through the queue (counted in `starts` too).
     pub queued: u64,
     /// The runs the schedule's ticks started (each checked as an order of its own).
@@ -220,8 +239,10 @@ impl CheckReport {
                 "batches": self.batches,
                 "waiters": self.waiters,
                 "queued": self.queued,
+                "cancels": self.cancels,
             },
             "ticks": self.ticks,
+            "cancelled": self.cancelled,
             "queue_peak": self.queue_peak,
             "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
@@ -773,6 +794,9 @@ struct Order<'a> {
     effects: Option<&'static [&'static str]>,
     /// The payment calls (charged, refunded) it leaves once it ended as it must.
     payments: (i64, i64),
+    /// A cancel was sent to it: it may end `cancelled` instead, with no effect left (none, or
+    /// `reserve, release`) and every charge refunded.
+    cancel_sent: bool,
 }
 
 impl<'a> Order<'a> {
@@ -783,7 +807,7 @@ impl<'a> Order<'a> {
             Some("charge_payment") => (0, 0),
             Some(_) => (1, 1),
         };
-        Order { order_id, expect, quantity, effects: None, payments }
+        Order { order_id, expect, quantity, effects: None, payments, cancel_sent: false }
     }
 }
 
@@ -793,14 +817,22 @@ fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = &str> {
         match entry {
             Acknowledged::Start { run_id, .. } | Acknowledged::Waiter { run_id, .. } => vec![run_id.as_str()],
             Acknowledged::Batch { orders, .. } => orders.iter().map(|o| o.order_id.as_str()).collect(),
-            Acknowledged::Advance { .. } => Vec::new(),
+            Acknowledged::Advance { .. } | Acknowledged::Cancel { .. } => Vec::new(),
         }
     })
 }
 
-/// The orders whose run ended as it must, with the payment calls (charged, refunded) that end
-/// leaves.
-type Ended = HashMap<String, (i64, i64)>;
+/// The payment calls an order's end leaves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Paid {
+    /// Exactly so many (charged, refunded).
+    Exactly(i64, i64),
+    /// A cancelled order: every charge refunded (none, or one of each).
+    Undone,
+}
+
+/// The orders whose run ended as it must, with the payment calls that end leaves.
+type Ended = HashMap<String, Paid>;
 
 /// What [`check_runs`] reads once and its checks share.
 struct Runs {
@@ -879,11 +911,19 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     }
     let mut read =
         Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by, batch_done };
+    let cancels: HashSet<&str> = ledger
+        .iter()
+        .filter_map(|entry| match entry {
+            Acknowledged::Cancel { run_id, .. } => Some(run_id.as_str()),
+            _ => None,
+        })
+        .collect();
     for entry in ledger {
         match entry {
             Acknowledged::Start { run_id, fail, expect, process, quantity, queue, .. } => {
                 report.starts += 1;
-                let order = Order::saga(run_id, fail.as_deref(), expect, *quantity);
+                let mut order = Order::saga(run_id, fail.as_deref(), expect, *quantity);
+                order.cancel_sent = cancels.contains(run_id.as_str());
                 if let Some(run) = read.runs.get(run_id) {
                     if let Some(queue) = queue {
                         report.queued += 1;
@@ -905,6 +945,7 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
                 report.waiters += 1;
                 check_waiter(report, &mut read, run_id, *quantity, *process);
             }
+            Acknowledged::Cancel { .. } => report.cancels += 1,
             Acknowledged::Advance { .. } => {}
         }
     }
@@ -1068,8 +1109,14 @@ fn check_ticks(report: &mut CheckReport, read: &mut Runs, schedule: &TickSchedul
         report.violation("unexpected_end", format!("schedule {TICKS} is not paused (the harness paused it)"));
     }
     for (_, run_id) in &ticks {
-        let order =
-            Order { order_id: run_id, expect: "completed", quantity: TICK_QUANTITY, effects: None, payments: (1, 0) };
+        let order = Order {
+            order_id: run_id,
+            expect: "completed",
+            quantity: TICK_QUANTITY,
+            effects: None,
+            payments: (1, 0),
+            cancel_sent: false,
+        };
         check_order(report, read, &order, run_id, &format!("tick {run_id}"));
     }
     ticks.into_iter().map(|(_, id)| id).collect()
@@ -1118,12 +1165,21 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
         report.parked += 1;
         return;
     }
-    if status != order.expect {
+    if order.cancel_sent && status == "cancelled" {
+        report.cancelled += 1;
+        // Cancelled before its reservation, or with it released.
+        if kinds.is_empty() || kinds == ["reserve", "release"] {
+            read.ended.insert(order.order_id.to_string(), Paid::Undone);
+        } else {
+            report.violation("wrong_effects", format!("{label} ended cancelled with the effects {kinds:?}"));
+        }
+    } else if status != order.expect {
         report.violation("unexpected_end", format!("{label} ended {status} ({error:?}); it must end {}", order.expect));
     } else if order.effects.or_else(|| expected_effects(status)).is_some_and(|want| kinds != want) {
         report.violation("wrong_effects", format!("{label} ended {status} with the effects {kinds:?}"));
     } else {
-        read.ended.insert(order.order_id.to_string(), order.payments);
+        let (charged, refunded) = order.payments;
+        read.ended.insert(order.order_id.to_string(), Paid::Exactly(charged, refunded));
     }
 }
 
@@ -1278,7 +1334,7 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
     let messages = read.batch_done.get(run_id).copied().unwrap_or(0);
     let label = format!("waiter {run_id}");
     let order = if told {
-        Order { order_id: run_id, expect: "completed", quantity, effects: None, payments: (1, 0) }
+        Order { order_id: run_id, expect: "completed", quantity, effects: None, payments: (1, 0), cancel_sent: false }
     } else {
         Order {
             order_id: run_id,
@@ -1286,6 +1342,7 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
             quantity,
             effects: Some(&["reserve", "release"]),
             payments: (0, 0),
+            cancel_sent: false,
         }
     };
     check_order(report, read, &order, run_id, &label);
@@ -1329,11 +1386,19 @@ fn check_payments<'a>(
             continue;
         }
         // Only the payments of a run that ended as it must are final (the others are reported).
-        let Some(want) = ended.get(order_id).copied() else { continue };
-        if (charged, refunded) != want {
+        let Some(paid) = ended.get(order_id).copied() else { continue };
+        let right = match paid {
+            Paid::Exactly(c, r) => (charged, refunded) == (c, r),
+            Paid::Undone => charged == refunded,
+        };
+        if !right {
+            let want = match paid {
+                Paid::Exactly(c, r) => format!("({c}, {r})"),
+                Paid::Undone => "every charge refunded".to_string(),
+            };
             report.violation(
                 "wrong_effects",
-                format!("order {order_id}: charged {charged}, refunded {refunded}; its end leaves {want:?}"),
+                format!("order {order_id}: charged {charged}, refunded {refunded}; its end leaves {want}"),
             );
         }
     }

@@ -78,6 +78,8 @@ pub(crate) const WAITER_TIMEOUT_MS: u64 = 60_000;
 /// Most sends of a start that must be answered (a batch's waiter, and its batch): with the
 /// 1 s request timeout and the pause between sends, about 40 s.
 const START_SENDS_MAX: usize = 40;
+/// The longest pause between a start's acknowledgement and its cancel (one start alone in eight).
+const CANCEL_DELAY_MS_MAX: u64 = 300;
 /// The pause before a start is sent again.
 const START_RESEND_PAUSE: Duration = Duration::from_millis(100);
 /// The servers' worker lease (`workers.lease_ms`): a pause is longer than this.
@@ -1220,6 +1222,9 @@ struct ClientStats {
     starts: u64,
     batches: u64,
     waiters: u64,
+    /// Cancels answered 2xx, and those not answered (or answered 5xx: they may have committed).
+    cancels: u64,
+    cancels_unanswered: u64,
     unexpected: u64,
     last_unexpected: Option<String>,
 }
@@ -1323,7 +1328,7 @@ async fn client(
             };
             (format!("/v1/flows/{}/advance", owned.flow_id), body, Box::new(accept))
         };
-        let Some((status, answer)) = post(&http, &shared, &mut stats, process, &path, &body).await else {
+        let Some((status, answer)) = post(&http, &shared, &mut stats, process, &path, &body, &[]).await else {
             // No answer: whether it committed is unknown, so the flow is given up.
             flow = None;
             tokio::time::sleep(RETRY_PAUSE).await;
@@ -1333,10 +1338,16 @@ async fn client(
         match acknowledged {
             Some(entry) => {
                 shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
+                // One start alone in eight is cancelled a moment later (the run is often in its
+                // first steps or asleep on its timer then).
+                let cancel = match &entry {
+                    Acknowledged::Start { run_id, .. } if rng.gen_range(0..8) == 0 => Some(run_id.clone()),
+                    _ => None,
+                };
                 match &entry {
                     Acknowledged::Start { .. } => stats.starts += 1,
                     Acknowledged::Batch { .. } => stats.batches += 1,
-                    Acknowledged::Waiter { .. } => stats.waiters += 1,
+                    Acknowledged::Waiter { .. } | Acknowledged::Cancel { .. } => {}
                     Acknowledged::Advance { .. } => {
                         stats.advances += 1;
                         if let Some(owned) = flow.as_mut() {
@@ -1349,6 +1360,23 @@ async fn client(
                 }
                 // The writer lives until every client is done.
                 let _ = ledger.send(entry);
+                if let Some(run_id) = cancel {
+                    tokio::time::sleep(Duration::from_millis(rng.gen_range(0..=CANCEL_DELAY_MS_MAX))).await;
+                    let process = rng.gen_range(0..shared.bases.len());
+                    let path = format!("/v1/runs/{run_id}/cancel");
+                    let body = json!({"reason": "chaos: cancelled by its client"});
+                    // A 409 (the run had ended) cancels nothing: not written. A 2xx is
+                    // acknowledged; no answer or a 5xx may have committed: written too.
+                    let status = post(&http, &shared, &mut stats, process, &path, &body, &[409]).await.map(|(s, _)| s);
+                    match status {
+                        Some(409) => {}
+                        Some(200..=299) => stats.cancels += 1,
+                        _ => stats.cancels_unanswered += 1,
+                    }
+                    if status != Some(409) {
+                        let _ = ledger.send(Acknowledged::Cancel { run_id, status, process, at_ms: shared.at_ms() });
+                    }
+                }
             }
             None => {
                 // A 5xx (a busy or stopping server) may have committed; a 4xx was counted as
@@ -1370,7 +1398,8 @@ async fn client(
 
 /// POST `body` to `path` of `process`, counting the request in `stats`: the status and the
 /// answer's JSON (`Null` when it is not JSON), or `None` when no answer came (a connection
-/// error). A 4xx is counted as unexpected (the workload sends only valid requests).
+/// error). A 4xx is counted as unexpected (the workload sends only valid requests) unless
+/// `expected` lists it.
 async fn post(
     http: &reqwest::Client,
     shared: &Shared,
@@ -1378,6 +1407,7 @@ async fn post(
     process: usize,
     path: &str,
     body: &Value,
+    expected: &[u16],
 ) -> Option<(u16, Value)> {
     let sent = http.post(format!("{}{path}", shared.bases[process])).json(body).send().await;
     let answered = match sent {
@@ -1393,7 +1423,7 @@ async fn post(
     };
     stats.requests += 1;
     *stats.by_status.entry(status).or_default() += 1;
-    if (400..500).contains(&status) {
+    if (400..500).contains(&status) && !expected.contains(&status) {
         stats.unexpected += 1;
         stats.last_unexpected = Some(format!("{status} {path}: {}", text.chars().take(300).collect::<String>()));
     }
@@ -1415,7 +1445,7 @@ impl StartSender<'_> {
     async fn until_answered(&self, stats: &mut ClientStats, process: usize, body: &Value, entry: Acknowledged) -> bool {
         for send in 0..START_SENDS_MAX {
             let process = (process + send) % self.shared.bases.len();
-            match post(self.http, self.shared, stats, process, "/v1/runs", body).await {
+            match post(self.http, self.shared, stats, process, "/v1/runs", body, &[]).await {
                 Some((status, _)) if (200..300).contains(&status) => {
                     self.shared.recovery.lock().unwrap_or_else(|p| p.into_inner()).acknowledged(process);
                     let mut entry = with_time(entry, self.shared.at_ms());
@@ -1428,9 +1458,9 @@ impl StartSender<'_> {
                             stats.batches += 1;
                             *p = process;
                         }
-                        Acknowledged::Start { process: p, .. } | Acknowledged::Advance { process: p, .. } => {
-                            *p = process
-                        }
+                        Acknowledged::Start { process: p, .. }
+                        | Acknowledged::Advance { process: p, .. }
+                        | Acknowledged::Cancel { process: p, .. } => *p = process,
                     }
                     let _ = self.ledger.send(entry);
                     return true;
@@ -1447,7 +1477,8 @@ fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
     let (Acknowledged::Start { at_ms, .. }
     | Acknowledged::Batch { at_ms, .. }
     | Acknowledged::Waiter { at_ms, .. }
-    | Acknowledged::Advance { at_ms, .. }) = &mut entry;
+    | Acknowledged::Advance { at_ms, .. }
+    | Acknowledged::Cancel { at_ms, .. }) = &mut entry;
     *at_ms = at;
     entry
 }
@@ -1971,6 +2002,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         stats.starts += one.starts;
         stats.batches += one.batches;
         stats.waiters += one.waiters;
+        stats.cancels += one.cancels;
+        stats.cancels_unanswered += one.cancels_unanswered;
         stats.unexpected += one.unexpected;
         if one.last_unexpected.is_some() {
             stats.last_unexpected = one.last_unexpected;
@@ -2106,11 +2139,13 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         },
         "operations": {
             "requests": stats.requests,
-            "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters,
+            "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters + stats.cancels,
             "advances": stats.advances,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
+            "cancels": stats.cancels,
+            "cancels_unanswered": stats.cancels_unanswered,
             "ledger_entries": written,
             "lost": report.counts["lost"],
             "applied_twice": report.counts["applied_twice"],
