@@ -461,3 +461,77 @@ fn runs_message_each_other_and_publish_values_on_postgres() {
         rt.block_on(RunHandle::new(worker, "ping").get_event("progress", Duration::from_secs(5))).unwrap();
     assert_eq!(published, Some(json!({"step": "sent"})));
 }
+
+/// A cancel that stops a saga at its external step compensates that step too on PostgreSQL: the
+/// charge's first attempt fails (its retry a minute away), the payment service charges on a
+/// second attempt that no journal write recorded (a worker that died before it), the run is
+/// cancelled, and the refund runs before the reservation's release.
+#[test]
+fn a_cancel_at_an_external_step_compensates_it_on_postgres() {
+    let env = Env::new(test_db!("rt_cancel_cut"));
+    let rt = runtime();
+    let payments = Arc::new(Payments::default());
+    let attempts = Arc::new(Mutex::new(0_u32));
+    let (charge, refund, tries) = (payments.clone(), payments.clone(), attempts.clone());
+    let minute = RetryPolicy {
+        max_attempts: 3,
+        backoff: Backoff::Schedule { delays_ms: vec![60_000] },
+        attempt_timeout_ms: 30_000,
+        jitter: false,
+    };
+    let mut workflows = Workflows::new();
+    Saga::new("pg_cut", 1)
+        .step(
+            "reserve",
+            SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
+                let (id, amount) = order_of(data)?;
+                let insert =
+                    format!("INSERT INTO \"{}\".orders (id, amount, state) VALUES ($1, $2, 'reserved')", tx.schema());
+                tx.execute(&insert, &[&id, &amount])?;
+                Ok(json!({"reserved": id}))
+            }),
+            Some(SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
+                let (id, _) = order_of(data)?;
+                let release = format!("UPDATE \"{}\".orders SET state = 'released' WHERE id = $1", tx.schema());
+                tx.execute(&release, &[&id])?;
+                Ok(json!({"released": id}))
+            })),
+        )
+        .step(
+            "charge",
+            SagaAction::external(move |key, data| {
+                let (payments, tries) = (charge.clone(), tries.clone());
+                async move {
+                    *tries.lock().unwrap() += 1;
+                    if *tries.lock().unwrap() == 1 {
+                        return Err(StepFailure::retryable("the payment service is unavailable"));
+                    }
+                    payments.charge(&key, order_of(&data)?.1)
+                }
+            }),
+            Some(SagaAction::external(move |key, _data| {
+                let payments = refund.clone();
+                async move { payments.refund(&key) }
+            })),
+        )
+        .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: minute })
+        .unwrap();
+    let worker = Arc::new(Worker::new(env.writer.clone(), workflows, worker_options("w1", 8)).unwrap());
+    env.start("cut", "pg_cut", json!({"order_id": "o-cut", "amount": 300}));
+    rt.block_on(worker.run_until_idle()).unwrap();
+    let before = env.detail("cut");
+    assert_eq!(before.run.status, RunStatus::Pending, "{:?}", before.run.error);
+    assert_eq!(before.journal[1].status, StepStatus::Retrying, "{:?}", before.journal);
+    // The second attempt, charged by a worker that died before its journal write.
+    payments.charge("cut:1:charge", 300).unwrap();
+    env.writer.call_blocking(|store, now| store.cancel("cut", "customer changed their mind", now)).unwrap();
+    drive(&rt, &[worker], &env, &["cut"]);
+    let d = env.detail("cut");
+    assert_eq!(d.run.status, RunStatus::Cancelled, "{:?}", d.run.error);
+    let names: Vec<&str> = d.journal.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(names, ["reserve", "charge", "compensate:charge", "compensate:reserve"]);
+    let calls: Vec<String> = payments.calls.lock().unwrap().iter().map(|(op, _)| op.clone()).collect();
+    assert_eq!(calls, ["charge", "refund"], "the lost charge was refunded");
+    let state: String = env.rows("SELECT state FROM {s}.orders WHERE id = 'o-cut'")[0].get(0);
+    assert_eq!(state, "released");
+}
