@@ -81,6 +81,7 @@ enum Element<T: ?Sized> {
 /// journaled with the run's next write, which a crash can lose. An external step's compensation
 /// must therefore do nothing when its step did nothing (as Temporal advises for a compensation
 /// registered before its activity).
+///
 /// Success: the run's result is the object of step outputs by name.
 pub struct Saga<S: WorkflowStore> {
     name: String,

@@ -1365,15 +1365,22 @@ async fn client(
                     let process = rng.gen_range(0..shared.bases.len());
                     let path = format!("/v1/runs/{run_id}/cancel");
                     let body = json!({"reason": "chaos: cancelled by its client"});
-                    // A 409 (the run had ended) cancels nothing: not written. A 2xx is
-                    // acknowledged; no answer or a 5xx may have committed: written too.
+                    // A 2xx is acknowledged; no answer or a 5xx may have committed: both
+                    // written. A 409 (the run had ended) cancels nothing, nor does another 4xx
+                    // (counted as unexpected by `post`): not written.
                     let status = post(&http, &shared, &mut stats, process, &path, &body, &[409]).await.map(|(s, _)| s);
-                    match status {
-                        Some(409) => {}
-                        Some(200..=299) => stats.cancels += 1,
-                        _ => stats.cancels_unanswered += 1,
-                    }
-                    if status != Some(409) {
+                    let write = match status {
+                        Some(200..=299) => {
+                            stats.cancels += 1;
+                            true
+                        }
+                        Some(400..=499) => false,
+                        _ => {
+                            stats.cancels_unanswered += 1;
+                            true
+                        }
+                    };
+                    if write {
                         let _ = ledger.send(Acknowledged::Cancel { run_id, status, process, at_ms: shared.at_ms() });
                     }
                 }
