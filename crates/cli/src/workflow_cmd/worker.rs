@@ -215,7 +215,6 @@ where
     let worker = Worker::new(writer.clone(), workflows, options.clone())?;
     let listener = listen(Box::new(worker.waker()))?;
     let Process { runtime, signals } = process;
-    let mut signals = Some(signals);
 
     let stopped_by = Arc::new(Mutex::new("idle"));
     let (ticks_started, tick_errors) = (AtomicU64::new(0), AtomicU64::new(0));
@@ -224,7 +223,7 @@ where
             // A signal stops the worker gracefully here too: the round in progress stops its
             // runs and releases their leases, and no other round starts.
             let (signalled, mut signal) = tokio::sync::watch::channel(false);
-            let stop = shutdown(signals.take().expect("one stop"), None, stopped_by.clone());
+            let stop = shutdown(signals, None, stopped_by.clone());
             tokio::spawn(async move {
                 stop.await;
                 let _ = signalled.send(true);
@@ -253,8 +252,7 @@ where
                 }
             }
         }
-        let stop =
-            shutdown(signals.take().expect("one stop"), args.max_seconds.map(Duration::from_secs), stopped_by.clone());
+        let stop = shutdown(signals, args.max_seconds.map(Duration::from_secs), stopped_by.clone());
         // A long-running worker also ticks the database's schedules, as `tidemark serve` does.
         let ticking = async {
             loop {

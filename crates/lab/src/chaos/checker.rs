@@ -856,11 +856,7 @@ struct Runs {
 fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledged]) -> Result<(Ended, Vec<String>)> {
     // The schedule before the runs: a tick fired between the two reads (the harness pauses the
     // schedule before it waits for convergence) can only add a run past what the row says.
-    let schedule = workflows.row(
-        "SELECT created_at_ms, next_tick_at_ms, ticks_started, ticks_skipped, CASE WHEN paused THEN 1 ELSE 0 END
-         FROM schedules WHERE schedule_id = $1",
-        &[TICKS],
-    )?;
+    let schedule = TickSchedule::read(workflows)?;
     // One pass over the runs and one over the effects (`order_effects` has no index on the
     // order: a query per run would scan the table once per run).
     // One statement, so that the runs and the children are one snapshot (the servers may still
@@ -951,16 +947,7 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     }
     check_queue_limit(report, workflows)?;
     let ticks = match schedule {
-        Some(row) => {
-            let schedule = TickSchedule {
-                created_at_ms: row.int(0)?,
-                next_tick_at_ms: row.opt_int(1)?,
-                ticks_started: row.int(2)?,
-                ticks_skipped: row.int(3)?,
-                paused: row.int(4)? == 1,
-            };
-            check_ticks(report, &mut read, &schedule)
-        }
+        Some(schedule) => check_ticks(report, &mut read, &schedule),
         None => Vec::new(),
     };
     // Every run, not only the acknowledged ones (a start whose answer was lost may have run).
@@ -1048,6 +1035,25 @@ struct TickSchedule {
     ticks_started: i64,
     ticks_skipped: i64,
     paused: bool,
+}
+
+impl TickSchedule {
+    /// The row, if the schedule exists.
+    fn read(workflows: &mut Db) -> Result<Option<TickSchedule>> {
+        let row = workflows.row(
+            "SELECT created_at_ms, next_tick_at_ms, ticks_started, ticks_skipped, CASE WHEN paused THEN 1 ELSE 0 END
+             FROM schedules WHERE schedule_id = $1",
+            &[TICKS],
+        )?;
+        let Some(row) = row else { return Ok(None) };
+        Ok(Some(TickSchedule {
+            created_at_ms: row.int(0)?,
+            next_tick_at_ms: row.opt_int(1)?,
+            ticks_started: row.int(2)?,
+            ticks_skipped: row.int(3)?,
+            paused: row.int(4)? == 1,
+        }))
+    }
 }
 
 /// The schedule's ticks: every tick before its next one (`created + k * interval`, k >= 1)
