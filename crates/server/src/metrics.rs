@@ -600,6 +600,7 @@ mod tests {
             workflow: "order_saga",
             step: "charge_payment",
             attempt: 1,
+            began: std::time::Instant::now(),
             took: Duration::from_millis(3),
             end,
         };

@@ -503,10 +503,9 @@ impl WorkerObserver for AttemptRecorder {
         let mut log = lock(&self.log);
         if log.live {
             let process = log.process;
-            let now = Instant::now();
             log.events.push(Event::Attempt {
                 process,
-                began: now.checked_sub(attempt.took).unwrap_or(now),
+                began: attempt.began,
                 run_id: attempt.run_id.to_string(),
                 step: attempt.step.to_string(),
                 attempt: attempt.attempt,

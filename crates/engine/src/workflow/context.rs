@@ -951,7 +951,7 @@ where
         if let Some(observer) = &self.inner.observer {
             let took = began.elapsed();
             let (run_id, workflow) = (self.inner.run_id.as_str(), self.inner.workflow.as_str());
-            observer.step_attempted(&StepAttempt { run_id, workflow, step, attempt, took, end });
+            observer.step_attempted(&StepAttempt { run_id, workflow, step, attempt, began, took, end });
         }
     }
 

@@ -39,6 +39,8 @@ pub struct StepAttempt<'a> {
     pub step: &'a str,
     /// 1 for the first attempt.
     pub attempt: u32,
+    /// When the attempt began (`took` before it ended).
+    pub began: std::time::Instant,
     /// An external step: the call (bounded by its attempt timeout). A transactional step: its
     /// write, body and commit.
     pub took: Duration,
