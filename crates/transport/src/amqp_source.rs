@@ -115,6 +115,9 @@ pub struct AmqpSource {
     server: String,
     queue: String,
     batch: usize,
+    /// How long an ack, reject or nack may take to be handed to the connection (the transport's
+    /// connect timeout): past it the link is taken for dead and the pull fails.
+    settle_timeout: Duration,
     /// Set when a pull starts and cleared when it finished well: a pull that failed or was dropped
     /// leaves it set (see the module documentation).
     unusable: AtomicBool,
@@ -166,6 +169,7 @@ impl AmqpSource {
             server,
             queue,
             batch: config.batch,
+            settle_timeout: transport.connect_timeout,
             unusable: AtomicBool::new(false),
         })
     }
@@ -288,11 +292,30 @@ impl AmqpSource {
         }
     }
 
+    /// Answer `delivery`, within [`AmqpSource::settle_timeout`]: an answer lapin never hands to
+    /// its connection (one that broke while the answer waited) fails the pull instead of holding
+    /// the source forever (seen in the chaos harness: a partition's flap left a source that
+    /// pulled nothing until its server was killed).
     async fn settle(&self, delivery: &Delivery, settle: Settle) -> Result<()> {
-        let (what, answered) = match settle {
-            Settle::Ack => ("ack", delivery.acker.ack(BasicAckOptions { multiple: false }).await),
-            Settle::Reject => ("reject", delivery.acker.reject(BasicRejectOptions { requeue: false }).await),
-            Settle::Requeue => ("nack", delivery.acker.nack(BasicNackOptions { multiple: false, requeue: true }).await),
+        let what = match settle {
+            Settle::Ack => "ack",
+            Settle::Reject => "reject",
+            Settle::Requeue => "nack",
+        };
+        let answer = async {
+            match settle {
+                Settle::Ack => delivery.acker.ack(BasicAckOptions { multiple: false }).await,
+                Settle::Reject => delivery.acker.reject(BasicRejectOptions { requeue: false }).await,
+                Settle::Requeue => delivery.acker.nack(BasicNackOptions { multiple: false, requeue: true }).await,
+            }
+        };
+        let Ok(answered) = tokio::time::timeout(self.settle_timeout, answer).await else {
+            return Err(Error::io(format!(
+                "RabbitMQ {what} of {}: not handed to the connection within {} ms (the broker returns the delivery \
+                 to the queue when the connection closes)",
+                self.name(delivery),
+                self.settle_timeout.as_millis()
+            )));
         };
         match answered {
             Ok(true) => Ok(()),
