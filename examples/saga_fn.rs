@@ -62,9 +62,12 @@ async fn book_trip(ctx: Context, trip: Trip) -> Result<Booked, WorkflowError> {
         .await;
     match payment {
         Ok(payment) => Ok(Booked { flight, hotel, payment }),
-        Err(WorkflowError::StepFailed { step, message }) => {
+        Err(WorkflowError::StepFailed { step, message, .. }) => {
             // Undo what completed, newest first. Each compensation is journaled: a crash in the
-            // middle resumes here without undoing anything twice.
+            // middle resumes here without undoing anything twice. (Had the charge failed with
+            // `out_of_attempts: true`, an attempt may have charged the card and timed out before
+            // it answered: a payment that can be refunded is refunded then too, under the charge's
+            // key, a refund of nothing doing nothing, as the order saga does.)
             ctx.begin_compensation().await?;
             let t = id.clone();
             ctx.tx_compensation("cancel_hotel", None, move |tx: &Connection| cancel(tx, &t, "hotel")).await?;

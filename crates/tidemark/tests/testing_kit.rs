@@ -51,7 +51,7 @@ fn order_saga(payments: FakePayments) -> Workflow {
                 .await;
             let charge = match charged {
                 Ok(charge) => charge,
-                Err(WorkflowError::StepFailed { step, message }) => {
+                Err(WorkflowError::StepFailed { step, message, .. }) => {
                     ctx.begin_compensation().await?;
                     let id = order.order_id.clone();
                     ctx.tx_compensation("release", None, move |tx: &Connection| {

@@ -91,7 +91,7 @@ fn feature_workflows(seen: Seen) -> Workflows<Store> {
     workflows
         .register("calls_failing", 1, fast_options(), |ctx, _input: Value| async move {
             match ctx.child::<_, Value>("failing", &json!({})).await {
-                Err(WorkflowError::StepFailed { step, message }) => Ok(json!({"step": step, "message": message})),
+                Err(WorkflowError::StepFailed { step, message, .. }) => Ok(json!({"step": step, "message": message})),
                 other => Ok(json!({"unexpected": format!("{other:?}")})),
             }
         })

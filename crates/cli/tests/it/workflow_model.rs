@@ -10,7 +10,8 @@
 //! transaction never commits; a worker killed at a random moment). A new worker (another id)
 //! takes the runs over once the leases have expired. A pure model says what each run must end
 //! as: `completed` with its outputs, `failed`, `compensated` with exactly the compensations of
-//! the completed steps in reverse order, `parked` (a compensation out of attempts), or
+//! the completed steps in reverse order (after the failed step's own when it was an external
+//! step out of attempts), `parked` (a compensation out of attempts), or
 //! `continued` (and what its continuation must end as); which children and continuations exist,
 //! with their own journals, and nothing else. The real
 //! SQLite store must agree: status, journal (names, kinds, statuses, attempts, in order), the
@@ -156,6 +157,9 @@ type Opener<S> = Arc<dyn Fn() -> tidemark_core::Result<S> + Send + Sync>;
 
 /// Attempts of a forward step, and of a compensation.
 const STEP_ATTEMPTS: u32 = 3;
+/// The patch point of the saga rule that compensates an external step that failed at its last
+/// attempt (docs/workflows.md, "Sagas").
+const SAGA_OUT_OF_ATTEMPTS_PATCH: &str = "saga-compensates-out-of-attempts";
 const COMPENSATION_ATTEMPTS: u32 = 3;
 /// Short leases, so that a crashed worker's runs are taken over quickly; heartbeats often, so
 /// that a live worker keeps its leases through a long scheduling stall.
@@ -447,6 +451,8 @@ fn expect_with_children(
     let mut outputs = Map::new();
     let mut completed = Vec::new();
     let mut failed = None;
+    // A saga's external step that failed at its last attempt, compensated first.
+    let mut out_of_attempts = None;
     for (i, elem) in spec.elems.iter().enumerate() {
         match elem {
             Elem::Child { steps } => {
@@ -474,6 +480,9 @@ fn expect_with_children(
                 let (attempts, ok) = attempts_of(action, STEP_ATTEMPTS);
                 journal.push((name.clone(), kind, status_of(ok), attempts));
                 if !ok {
+                    if !action.tx && attempts == STEP_ATTEMPTS {
+                        out_of_attempts = Some(i);
+                    }
                     failed = Some(name);
                     break;
                 }
@@ -492,6 +501,11 @@ fn expect_with_children(
     let error = Some(format!("step {failed} failed"));
     if !spec.saga {
         return Expected { status: RunStatus::Failed, journal, result: None, error };
+    }
+    let undone = |i: &usize| matches!(&spec.elems[*i], Elem::Step { undo: Some(_), .. });
+    if let Some(i) = out_of_attempts.filter(undone) {
+        journal.push((format!("patch:{SAGA_OUT_OF_ATTEMPTS_PATCH}"), StepKind::Value, StepStatus::Completed, 1));
+        completed.push(i);
     }
     for i in completed.into_iter().rev() {
         let Elem::Step { undo: Some(undo), .. } = &spec.elems[i] else { continue };

@@ -726,6 +726,84 @@ fn a_cancel_at_an_external_step_compensates_it_whether_or_not_it_ran() {
     }
 }
 
+/// The payment service behind a link that loses the charge's answers: each charge is made (or,
+/// with `applies: false`, never reaches the service) and its caller hears a timeout every time;
+/// refunds pass.
+struct ChargeAnswersLost {
+    service: Arc<FakePayments>,
+    applies: bool,
+}
+
+impl Payments for ChargeAnswersLost {
+    fn charge(&self, key: &str, order: &OrderInput) -> Result<Value, StepFailure> {
+        if self.applies {
+            self.service.charge(key, order)?;
+        }
+        Err(StepFailure::retryable("the payment service did not answer within the attempt timeout"))
+    }
+
+    fn refund(&self, key: &str, order: &OrderInput, charge: &Value) -> Result<Value, StepFailure> {
+        self.service.refund(key, order, charge)
+    }
+}
+
+/// A saga whose external step failed at its last attempt compensates that step too, since an
+/// attempt may have applied without its answer coming back: charged, the order is refunded;
+/// never charged, the refund gives nothing back. A card declined at the first of two attempts
+/// (the service's own answer) is not compensated.
+#[test]
+fn an_external_step_out_of_attempts_is_compensated_whether_or_not_it_applied() {
+    let pair = |op: &str, outcome: &str| (op.to_string(), outcome.to_string());
+    for applies in [true, false] {
+        let (env, rt) = (Env::new(), runtime());
+        let mut workflows = Workflows::new();
+        let payments = Arc::new(ChargeAnswersLost { service: env.payments.clone(), applies });
+        order_saga::<Store>(payments)
+            .compensation_policy(fast_retry(5))
+            .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: fast_retry(2) })
+            .expect("register the order saga");
+        let w = worker(&env.writer, workflows, worker_options("w1"));
+        env.start_new("lost", ORDER_SAGA, 1, order_input("o-lost", json!({})));
+        settle(&rt, &w, &env, &["lost"]);
+        let d = env.detail("lost");
+        assert_eq!(d.run.status, RunStatus::Compensated, "{:?}", d.run.error);
+        assert_eq!(
+            names(&d),
+            [
+                "reserve_inventory",
+                "charge_payment",
+                "patch:saga-compensates-out-of-attempts",
+                "compensate:charge_payment",
+                "compensate:reserve_inventory"
+            ]
+        );
+        assert_eq!(d.journal[1].attempts, 2);
+        assert_eq!(env.effects(), ["reserve:o-lost", "release:o-lost"]);
+        assert_eq!(env.stock(), 10);
+        let calls: Vec<(String, String)> =
+            env.payment_calls().into_iter().map(|(op, _, outcome)| (op, outcome)).collect();
+        let expected = if applies {
+            vec![pair("charge", "charged"), pair("charge", "duplicate"), pair("refund", "refunded")]
+        } else {
+            vec![pair("refund", "nothing_to_refund")]
+        };
+        assert_eq!(calls, expected, "the charge applied: {applies}");
+    }
+    // Declined at the first of two attempts: only the reservation is compensated.
+    let (env, rt) = (Env::new(), runtime());
+    let mut workflows = Workflows::new();
+    order_saga::<Store>(env.payments.clone())
+        .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: fast_retry(2) })
+        .expect("register the order saga");
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    env.start_new("declined", ORDER_SAGA, 1, order_input("o-declined", json!({"fail": "charge_payment"})));
+    settle(&rt, &w, &env, &["declined"]);
+    let d = env.detail("declined");
+    assert_eq!(d.run.status, RunStatus::Compensated, "{:?}", d.run.error);
+    assert_eq!(names(&d), ["reserve_inventory", "charge_payment", "compensate:reserve_inventory"]);
+    assert_eq!(d.journal[1].attempts, 1);
+}
+
 /// A cancelled saga whose compensation ran out of attempts parks; an operator's retry resumes
 /// the compensation and the run still ends `cancelled` (the retry does not withdraw the cancel
 /// request: the journal after the cancel holds compensations, and the replay must see them so).

@@ -430,7 +430,7 @@ where
                 StepStatus::Completed | StepStatus::Skipped => {
                     return self.child_output(workflow, entry.output.unwrap_or(Value::Null))
                 }
-                StepStatus::Failed => return Err(self.recorded_failure(&entry)),
+                StepStatus::Failed => return Err(self.recorded_failure(&entry, None)),
                 StepStatus::Waiting => seq,
                 StepStatus::Retrying => {
                     return Err(self.park(format!("child {workflow} at position {seq} is journaled as retrying")))
@@ -471,7 +471,11 @@ where
                         seq
                     }
                     WriteResult::TxResult(Err(failure)) => {
-                        return Err(WorkflowError::StepFailed { step: workflow.to_string(), message: failure.message })
+                        return Err(WorkflowError::StepFailed {
+                            step: workflow.to_string(),
+                            message: failure.message,
+                            out_of_attempts: false,
+                        })
                     }
                     other => {
                         let error = Error::Invariant(format!("a child start was answered {other:?}"));
@@ -527,7 +531,7 @@ where
         let seq = match self.begin(topic, StepKind::Send)? {
             Slot::Journaled(_, entry) => {
                 return match entry.status {
-                    StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                    StepStatus::Failed => Err(self.recorded_failure(&entry, None)),
                     _ => Ok(()),
                 }
             }
@@ -539,9 +543,11 @@ where
                 self.inner.due.notify_one();
                 Ok(())
             }
-            WriteResult::TxResult(Err(failure)) => {
-                Err(WorkflowError::StepFailed { step: topic.to_string(), message: failure.message })
-            }
+            WriteResult::TxResult(Err(failure)) => Err(WorkflowError::StepFailed {
+                step: topic.to_string(),
+                message: failure.message,
+                out_of_attempts: false,
+            }),
             other => {
                 let error = Error::Invariant(format!("a send was answered {other:?}"));
                 self.lock().store_error = Some(error.clone());
@@ -618,6 +624,7 @@ where
                 Err(WorkflowError::StepFailed {
                     step: workflow.to_string(),
                     message: format!("child run {run_id} ended {status}: {error}"),
+                    out_of_attempts: false,
                 })
             }
         }
@@ -758,7 +765,7 @@ where
         match self.begin(SLEEP_STEP, StepKind::Sleep)? {
             Slot::Journaled(seq, entry) => match entry.status {
                 StepStatus::Completed | StepStatus::Skipped => Ok(()),
-                StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                StepStatus::Failed => Err(self.recorded_failure(&entry, None)),
                 StepStatus::Waiting => {
                     let wake_at = entry.wake_at_ms.unwrap_or(now);
                     if now >= wake_at {
@@ -801,7 +808,7 @@ where
                 StepStatus::Completed | StepStatus::Skipped => {
                     return Ok(decode_wait_output(entry.output.unwrap_or(Value::Null)))
                 }
-                StepStatus::Failed => return Err(self.recorded_failure(&entry)),
+                StepStatus::Failed => return Err(self.recorded_failure(&entry, None)),
                 StepStatus::Waiting => (seq, entry.wake_at_ms.unwrap_or(now)),
                 StepStatus::Retrying => {
                     return Err(self.park(format!("wait at position {seq} is journaled as retrying")))
@@ -854,7 +861,7 @@ where
         Fut: Future<Output = Result<T, StepFailure>>,
     {
         let policy = self.policy(policy)?;
-        let (seq, attempt) = self.prepare_attempt(kind, name)?;
+        let (seq, attempt) = self.prepare_attempt(kind, name, &policy)?;
         let attempt = match attempt {
             Attempt::Replayed(value) => return self.decode(name, value),
             Attempt::Run(attempt) => attempt,
@@ -893,7 +900,7 @@ where
         });
         match result {
             Ok((value, _)) => Ok(value),
-            Err(failure) => Err(self.after_failure(name, failure, retry_at_ms)),
+            Err(failure) => Err(self.after_failure(name, failure, retry_at_ms, attempt, &policy)),
         }
     }
 
@@ -909,7 +916,7 @@ where
         F: FnOnce(&S::Target) -> Result<T, StepFailure> + Send + 'static,
     {
         let policy = self.policy(policy)?;
-        let (seq, attempt) = self.prepare_attempt(kind, name)?;
+        let (seq, attempt) = self.prepare_attempt(kind, name, &policy)?;
         let attempt = match attempt {
             Attempt::Replayed(value) => return self.decode(name, value),
             Attempt::Run(attempt) => attempt,
@@ -937,7 +944,7 @@ where
                 let retrying = failure.retryable && retry_at_ms.is_some();
                 let end = if retrying { StepAttemptEnd::Retrying } else { StepAttemptEnd::Failed };
                 self.tell_attempt(name, attempt, began, end);
-                Err(self.after_failure(name, failure, retry_at_ms))
+                Err(self.after_failure(name, failure, retry_at_ms, attempt, &policy))
             }
             other => {
                 let error = Error::Invariant(format!("a transactional step was answered {other:?}"));
@@ -963,14 +970,19 @@ where
 
     /// Take the next position for a step that can be retried: replay it when settled, else
     /// observe cancellation and any backoff still running, and number the attempt.
-    fn prepare_attempt(&self, kind: StepKind, name: &str) -> Result<(u32, Attempt), WorkflowError> {
+    fn prepare_attempt(
+        &self,
+        kind: StepKind,
+        name: &str,
+        policy: &RetryPolicy,
+    ) -> Result<(u32, Attempt), WorkflowError> {
         match self.begin(name, kind)? {
             Slot::New(seq) => Ok((seq, Attempt::Run(1))),
             Slot::Journaled(seq, entry) => match entry.status {
                 StepStatus::Completed | StepStatus::Skipped => {
                     Ok((seq, Attempt::Replayed(entry.output.unwrap_or(Value::Null))))
                 }
-                StepStatus::Failed => Err(self.recorded_failure(&entry)),
+                StepStatus::Failed => Err(self.recorded_failure(&entry, Some(policy.max_attempts))),
                 StepStatus::Retrying => {
                     if let Some(at) = entry.next_attempt_at_ms {
                         if at > self.now_ms() {
@@ -1037,15 +1049,34 @@ where
             .then(|| self.now_ms().saturating_add(policy.delay_ms(attempt, rand::random::<f64>())))
     }
 
-    fn after_failure(&self, name: &str, failure: StepFailure, retry_at_ms: Option<i64>) -> WorkflowError {
+    /// What a failed attempt number `attempt` of step `name` makes of the run: a suspension
+    /// until the retry is due, or the step's failure for good.
+    fn after_failure(
+        &self,
+        name: &str,
+        failure: StepFailure,
+        retry_at_ms: Option<i64>,
+        attempt: u32,
+        policy: &RetryPolicy,
+    ) -> WorkflowError {
         match retry_at_ms {
             Some(at) if failure.retryable => self.suspend(SuspendStatus::Pending, at, None),
-            _ => WorkflowError::StepFailed { step: name.to_string(), message: failure.message },
+            _ => WorkflowError::StepFailed {
+                step: name.to_string(),
+                message: failure.message,
+                out_of_attempts: attempt >= policy.max_attempts,
+            },
         }
     }
 
-    fn recorded_failure(&self, entry: &JournalEntry) -> WorkflowError {
-        WorkflowError::StepFailed { step: entry.name.clone(), message: entry.error.clone().unwrap_or_default() }
+    /// The failure journaled in `entry`, as the execution that journaled it returned it:
+    /// `max_attempts` is the step's policy's (none for what is not a retried step).
+    fn recorded_failure(&self, entry: &JournalEntry, max_attempts: Option<u32>) -> WorkflowError {
+        WorkflowError::StepFailed {
+            step: entry.name.clone(),
+            message: entry.error.clone().unwrap_or_default(),
+            out_of_attempts: max_attempts.is_some_and(|max| entry.attempts >= max),
+        }
     }
 
     fn decode<T: DeserializeOwned>(&self, name: &str, output: Value) -> Result<T, WorkflowError> {
@@ -1141,7 +1172,7 @@ where
                             Err(failure) => finish(FinishStatus::Failed, None, Some(failure.message)),
                         },
                     },
-                    Err(WorkflowError::StepFailed { step, message }) => {
+                    Err(WorkflowError::StepFailed { step, message, .. }) => {
                         finish(FinishStatus::Failed, None, Some(format!("step {step} failed: {message}")))
                     }
                     Err(WorkflowError::Failed(message)) => finish(FinishStatus::Failed, None, Some(message)),

@@ -81,6 +81,13 @@ pub enum WorkflowError {
         step: String,
         /// The step's last error.
         message: String,
+        /// The step failed at its last allowed attempt (its policy's `max_attempts`): out of
+        /// attempts after retryable failures (a timeout, an unreachable service), or failed for
+        /// good at that attempt. An external step's effect may then have happened without its
+        /// caller seeing it, so a saga compensates the step itself too. False for a permanent
+        /// failure at an earlier attempt (the service's own answer) and for what is not a
+        /// retried step (a child's failure, a refused message).
+        out_of_attempts: bool,
     },
     /// The workflow itself decided to fail: the run ends `failed` with this message.
     Failed(String),
@@ -146,7 +153,7 @@ impl WorkflowError {
 impl fmt::Display for WorkflowError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WorkflowError::StepFailed { step, message } => write!(f, "step {step} failed: {message}"),
+            WorkflowError::StepFailed { step, message, .. } => write!(f, "step {step} failed: {message}"),
             WorkflowError::Failed(message) => write!(f, "workflow failed: {message}"),
             WorkflowError::Cancelled => f.write_str("cancelled"),
             WorkflowError::Suspended(_) => f.write_str("suspended (propagate with `?`)"),

@@ -189,6 +189,10 @@ where
     }
 }
 
+/// The patch point of the rule that compensates an external step that failed at its last
+/// attempt (journaled as `patch:saga-compensates-out-of-attempts`, only by sagas that reach it).
+const COMPENSATE_OUT_OF_ATTEMPTS: &str = "saga-compensates-out-of-attempts";
+
 fn compensation_name(step: &str) -> String {
     format!("compensate:{step}")
 }
@@ -241,9 +245,11 @@ where
     let mut data = Arc::new(SagaData { input, outputs: Map::new() });
     let mut completed: Vec<usize> = Vec::new();
     let mut failure = None;
-    // The external step a cancel stopped the saga at, if any: it may have run already (its
-    // success is journaled with the run's next write, which a crash can lose), so it is
-    // compensated too.
+    // The external step whose outcome the saga cannot know, if any, compensated too (external
+    // compensations no-op for a step that did nothing): the one a cancel stopped the saga at (it
+    // may have run already: its success is journaled with the run's next write, which a crash
+    // can lose), and one that failed at its last attempt (that attempt, or an earlier one, may
+    // have taken effect and timed out before its answer came back).
     let mut interrupted: Option<usize> = None;
     for (index, element) in saga.elements.iter().enumerate() {
         let result = match element {
@@ -265,10 +271,19 @@ where
         match result {
             Ok(()) => {}
             Err(error @ (WorkflowError::StepFailed { .. } | WorkflowError::Cancelled)) => {
-                if matches!(error, WorkflowError::Cancelled)
-                    && matches!(element, Element::Step { action: SagaAction::External(_), .. })
-                {
-                    interrupted = Some(index);
+                if let Element::Step { action: SagaAction::External(_), compensation, .. } = element {
+                    let unknown = match &error {
+                        WorkflowError::Cancelled => true,
+                        // Sagas whose journal went past this point before the rule existed
+                        // replay without it.
+                        WorkflowError::StepFailed { out_of_attempts: true, .. } if compensation.is_some() => {
+                            ctx.patched(COMPENSATE_OUT_OF_ATTEMPTS)?
+                        }
+                        _ => false,
+                    };
+                    if unknown {
+                        interrupted = Some(index);
+                    }
                 }
                 failure = Some(error);
                 break;
@@ -297,7 +312,7 @@ where
             Ok(output) => {
                 Arc::make_mut(&mut data).outputs.insert(step, output);
             }
-            Err(WorkflowError::StepFailed { step, message }) => {
+            Err(WorkflowError::StepFailed { step, message, .. }) => {
                 return Err(WorkflowError::Parked(format!(
                     "compensation {step} failed for good: {message} (after: {failure})"
                 )))

@@ -77,11 +77,11 @@ fn order_of(data: &SagaData) -> Result<(String, i64), StepFailure> {
     Ok((id, data.input["amount"].as_i64().unwrap_or(0)))
 }
 
-/// The saga: reserve (a row in the user's `orders` table, transactional; compensated by marking
-/// it released), charge (external, with the idempotency key), ship (transactional).
-fn order_saga(payments: Arc<Payments>) -> Saga<Store> {
-    let (charge, refund) = (payments.clone(), payments);
-    Saga::new("pg_order", 1)
+/// A saga named `name`: reserve (a row in the user's `orders` table, transactional; compensated
+/// by marking it released), then `charge` (external, with the idempotency key; compensated by a
+/// refund through `payments`).
+fn reserve_then_charge(name: &str, charge: SagaAction<ApplyTransaction>, payments: Arc<Payments>) -> Saga<Store> {
+    Saga::new(name, 1)
         .step(
             "reserve",
             SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
@@ -100,25 +100,32 @@ fn order_saga(payments: Arc<Payments>) -> Saga<Store> {
         )
         .step(
             "charge",
-            SagaAction::external(move |key, data| {
-                let payments = charge.clone();
-                async move { payments.charge(&key, order_of(&data)?.1) }
-            }),
+            charge,
             Some(SagaAction::external(move |key, _data| {
-                let payments = refund.clone();
+                let payments = payments.clone();
                 async move { payments.refund(&key) }
             })),
         )
-        .step(
-            "ship",
-            SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
-                let (id, _) = order_of(data)?;
-                let ship = format!("UPDATE \"{}\".orders SET state = 'shipped' WHERE id = $1", tx.schema());
-                tx.execute(&ship, &[&id])?;
-                Ok(json!({"shipped": id}))
-            }),
-            None,
-        )
+}
+
+/// The saga: [`reserve_then_charge`] with the charge answered by `payments`, then ship
+/// (transactional).
+fn order_saga(payments: Arc<Payments>) -> Saga<Store> {
+    let charge = payments.clone();
+    let charge = SagaAction::external(move |key, data| {
+        let payments = charge.clone();
+        async move { payments.charge(&key, order_of(&data)?.1) }
+    });
+    reserve_then_charge("pg_order", charge, payments).step(
+        "ship",
+        SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
+            let (id, _) = order_of(data)?;
+            let ship = format!("UPDATE \"{}\".orders SET state = 'shipped' WHERE id = $1", tx.schema());
+            tx.execute(&ship, &[&id])?;
+            Ok(json!({"shipped": id}))
+        }),
+        None,
+    )
 }
 
 /// What each execution of `checkout` saw: (run id, now, uuid).
@@ -462,6 +469,51 @@ fn runs_message_each_other_and_publish_values_on_postgres() {
     assert_eq!(published, Some(json!({"step": "sent"})));
 }
 
+/// A saga whose external step failed at its last attempt compensates that step too on
+/// PostgreSQL: each attempt charges and times out before answering (its answer lost), the second
+/// is the last, and the refund runs before the reservation's release.
+#[test]
+fn an_external_step_out_of_attempts_is_compensated_on_postgres() {
+    let env = Env::new(test_db!("rt_out_of_attempts"));
+    let rt = runtime();
+    let payments = Arc::new(Payments::default());
+    let charging = payments.clone();
+    let charge = SagaAction::external(move |key, data| {
+        let payments = charging.clone();
+        async move {
+            payments.charge(&key, order_of(&data)?.1)?;
+            // The answer never comes back within the attempt timeout.
+            tidemark_engine::workflow::tokio::time::sleep(Duration::from_secs(60)).await;
+            Ok(json!({"charged": "too late"}))
+        }
+    });
+    let policy = RetryPolicy {
+        max_attempts: 2,
+        backoff: Backoff::Schedule { delays_ms: vec![20] },
+        attempt_timeout_ms: 100,
+        jitter: false,
+    };
+    let mut workflows = Workflows::new();
+    reserve_then_charge("pg_lost", charge, payments.clone())
+        .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: policy })
+        .unwrap();
+    let worker = Arc::new(Worker::new(env.writer.clone(), workflows, worker_options("w1", 8)).unwrap());
+    env.start("lost", "pg_lost", json!({"order_id": "o-lost", "amount": 300}));
+    drive(&rt, &[worker], &env, &["lost"]);
+    let d = env.detail("lost");
+    assert_eq!(d.run.status, RunStatus::Compensated, "{:?}", d.run.error);
+    let names: Vec<&str> = d.journal.iter().map(|e| e.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["reserve", "charge", "patch:saga-compensates-out-of-attempts", "compensate:charge", "compensate:reserve"]
+    );
+    assert!(d.journal[1].error.as_deref().unwrap_or_default().contains("timed out"), "{:?}", d.journal[1]);
+    let calls: Vec<String> = payments.calls.lock().unwrap().iter().map(|(op, _)| op.clone()).collect();
+    assert_eq!(calls, ["charge", "charge", "refund"], "the charge whose answer was lost was refunded");
+    let state: String = env.rows("SELECT state FROM {s}.orders WHERE id = 'o-lost'")[0].get(0);
+    assert_eq!(state, "released");
+}
+
 /// A cancel that stops a saga at its external step compensates that step too on PostgreSQL: the
 /// charge's first attempt fails (its retry a minute away), the payment service charges on a
 /// second attempt that no journal write recorded (a worker that died before it), the run is
@@ -479,41 +531,18 @@ fn a_cancel_at_an_external_step_compensates_it_on_postgres() {
         attempt_timeout_ms: 30_000,
         jitter: false,
     };
+    let charge = SagaAction::external(move |key, data| {
+        let (payments, tries) = (charge.clone(), tries.clone());
+        async move {
+            *tries.lock().unwrap() += 1;
+            if *tries.lock().unwrap() == 1 {
+                return Err(StepFailure::retryable("the payment service is unavailable"));
+            }
+            payments.charge(&key, order_of(&data)?.1)
+        }
+    });
     let mut workflows = Workflows::new();
-    Saga::new("pg_cut", 1)
-        .step(
-            "reserve",
-            SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
-                let (id, amount) = order_of(data)?;
-                let insert =
-                    format!("INSERT INTO \"{}\".orders (id, amount, state) VALUES ($1, $2, 'reserved')", tx.schema());
-                tx.execute(&insert, &[&id, &amount])?;
-                Ok(json!({"reserved": id}))
-            }),
-            Some(SagaAction::tx(|tx: &ApplyTransaction, data: &SagaData| {
-                let (id, _) = order_of(data)?;
-                let release = format!("UPDATE \"{}\".orders SET state = 'released' WHERE id = $1", tx.schema());
-                tx.execute(&release, &[&id])?;
-                Ok(json!({"released": id}))
-            })),
-        )
-        .step(
-            "charge",
-            SagaAction::external(move |key, data| {
-                let (payments, tries) = (charge.clone(), tries.clone());
-                async move {
-                    *tries.lock().unwrap() += 1;
-                    if *tries.lock().unwrap() == 1 {
-                        return Err(StepFailure::retryable("the payment service is unavailable"));
-                    }
-                    payments.charge(&key, order_of(&data)?.1)
-                }
-            }),
-            Some(SagaAction::external(move |key, _data| {
-                let payments = refund.clone();
-                async move { payments.refund(&key) }
-            })),
-        )
+    reserve_then_charge("pg_cut", charge, refund)
         .register(&mut workflows, WorkflowOptions { concurrency_max: None, retry: minute })
         .unwrap();
     let worker = Arc::new(Worker::new(env.writer.clone(), workflows, worker_options("w1", 8)).unwrap());
