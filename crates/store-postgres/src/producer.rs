@@ -896,10 +896,10 @@ impl ProducerStore for PgProducer {
         let fresh = sql(
             &schema,
             &format!(
-                "SELECT {EVENT_COLUMNS}, $3::text, 0, $4::text, o.created_at_ms, o.position FROM {{s}}.outbox o
-                 WHERE o.position > $1 AND o.created_at_ms <= $2
-                   AND NOT EXISTS (SELECT 1 FROM {{s}}.deliveries d WHERE d.position = o.position AND d.consumer_id = $3)
-                 ORDER BY o.position LIMIT $5"
+                "SELECT {EVENT_COLUMNS}, $2::text, 0, $3::text, o.created_at_ms, o.position FROM {{s}}.outbox o
+                 WHERE o.position > $1
+                   AND NOT EXISTS (SELECT 1 FROM {{s}}.deliveries d WHERE d.position = o.position AND d.consumer_id = $2)
+                 ORDER BY o.position LIMIT $4"
             ),
         );
         let fresh = tx.prepare(&fresh).db()?;
@@ -909,7 +909,7 @@ impl ProducerStore for PgProducer {
             if consumers.is_some_and(|list| !list.contains(&consumer_id)) {
                 continue;
             }
-            let rows = tx.query(&fresh, &[&delivered_position, &now_ms, &consumer_id, &endpoint, &limit_rows]).db()?;
+            let rows = tx.query(&fresh, &[&delivered_position, &consumer_id, &endpoint, &limit_rows]).db()?;
             for row in &rows {
                 candidates.push(map(row)?);
             }

@@ -491,22 +491,25 @@ fn due_keys(
     };
     // Without any exception row the fresh scan need not look for one.
     let exception_filter = if any_exceptions {
-        "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?3)"
+        "NOT EXISTS (SELECT 1 FROM deliveries d WHERE d.position = o.position AND d.consumer_id = ?2)"
     } else {
-        "?3 IS NOT NULL"
+        "?2 IS NOT NULL"
     };
+    // A committed event is due at once, whatever its `created_at_ms` says: an event stamped by a
+    // writer whose clock runs ahead of the relay's (another machine, an NTP step) is not held
+    // back until the relay's clock catches up.
     let mut fresh = read
         .prepare_cached(&format!(
             "SELECT o.position, o.flow_id FROM outbox o
-             WHERE o.position > ?1 AND o.created_at_ms <= ?2 AND {exception_filter}
-             ORDER BY o.position LIMIT ?4"
+             WHERE o.position > ?1 AND {exception_filter}
+             ORDER BY o.position LIMIT ?3"
         ))
         .db()?;
     for (consumer_id, endpoint, delivered_position) in
         cursors.iter().filter(|(c, _, _)| consumers.is_none_or(|list| list.contains(c)))
     {
         let rows = fresh
-            .query_map(params![delivered_position, now_ms, consumer_id, limit as i64], |r| {
+            .query_map(params![delivered_position, consumer_id, limit as i64], |r| {
                 Ok(DueKey {
                     position: r.get(0)?,
                     consumer_id: consumer_id.clone(),

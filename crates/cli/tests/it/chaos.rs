@@ -446,28 +446,26 @@ fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {
     let producer = dir.path().join("p.db");
     let clock = dir.path().join("clock.offset_ms");
     std::fs::write(&clock, "86400000").unwrap();
-    crate::support::ok(&["init", "--producer", path_str(&producer), "--source", "shop"]);
+    let consumer = dir.path().join("c.db");
+    let (p, c) = (path_str(&producer), path_str(&consumer));
+    crate::support::ok(&["init", "--producer", p, "--source", "shop", "--consumer-db", c]);
+    crate::support::ok(&["subscribe", "--producer", p, "--consumer-id", "audit", "--endpoint", c]);
     let before = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     let env = [("TIDEMARK_CLOCK_OFFSET_FILE", path_str(&clock))];
-    let args = [
-        "advance",
-        "--producer",
-        path_str(&producer),
-        "--flow",
-        "f",
-        "--expected-seq",
-        "0",
-        "--to",
-        "reserved",
-        "--quantity",
-        "1",
-    ];
+    let args =
+        ["advance", "--producer", p, "--flow", "f", "--expected-seq", "0", "--to", "reserved", "--quantity", "1"];
     let r = crate::support::run_with(&args, &env, None);
     assert_eq!(r.code, 0, "{}", r.stdout);
     let after = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     let conn = rusqlite::Connection::open(&producer).unwrap();
     let stamped: i64 = conn.query_row("SELECT created_at_ms FROM outbox", [], |r| r.get(0)).unwrap();
     assert!((before + 86_400_000..=after + 86_400_000).contains(&stamped), "{before} {stamped} {after}");
+    // A relay on the true clock delivers it at once: an event is not held back until the
+    // relay's clock reaches the writer's.
+    let relayed = crate::support::ok(&["relay", "--producer", p, "--until-idle"]);
+    assert_eq!(relayed["attempted"], 1, "{relayed}");
+    let accepted = crate::support::ok(&["outbox", "list", "--producer", p, "--status", "accepted"]);
+    assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(1), "{accepted}");
 }
 
 #[test]

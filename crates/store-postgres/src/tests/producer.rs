@@ -89,6 +89,19 @@ fn a_verdict_is_recorded_at_the_position_it_was_handed_out_for() {
     assert!(producer.due_deliveries(10, 10, None, None).unwrap().is_empty());
 }
 
+/// An event stamped by a writer whose clock runs a day ahead of the relay's is due at once.
+#[test]
+fn an_event_stamped_ahead_of_the_relays_clock_is_due_at_once() {
+    let db = test_db!("ahead");
+    let mut producer = PgProducer::init(&db.conn, &db.schema("p"), "shop").unwrap();
+    producer.subscribe(&Subscription { consumer_id: "audit".into(), endpoint: "a".into() }, true, 0).unwrap();
+    let (relay_now, writer_now) = (1_000, 1_000 + 86_400_000);
+    producer.advance_batch(&ReservationMachine, &[reserve("a")], writer_now).unwrap();
+    let due = producer.due_deliveries(relay_now, 10, None, None).unwrap();
+    assert_eq!(due.iter().map(|d| d.position).collect::<Vec<_>>(), [1]);
+    assert_eq!(due[0].envelope.created_at_ms, writer_now);
+}
+
 /// Failures back off, quarantine, and an operator requeues or dismisses; `redeliver` hands a
 /// subscriber everything again; a subscriber added later without `from_start` gets only new events.
 #[test]
