@@ -583,8 +583,9 @@ fn chaos_worker_processes_ride_out_power_losses_and_clock_jumps_of_their_own() {
 /// The same workload and faults with the servers and worker processes on PostgreSQL (`--store`):
 /// two `tidemark serve` processes and two `tidemark worker` processes share the tenant's schemas,
 /// are killed and paused, and the checker, reading the schemas with SQL of its own, finds every
-/// acknowledged operation once. Then its teeth on PostgreSQL: an acknowledged advance deleted
-/// from the outbox is `lost`, a doubled order effect is `applied_twice`.
+/// acknowledged operation once, and the queue within its limit in every sample. Then its teeth
+/// on PostgreSQL: an acknowledged advance deleted from the outbox is `lost`, a doubled order
+/// effect is `applied_twice`, a sample over the queue's limit is `queue_over_limit`.
 #[test]
 fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
@@ -602,6 +603,10 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     let clean = check_on(&out);
     assert_eq!(clean.code, 0, "{}", clean.stdout);
     assert_eq!(clean.json["check"]["passed"], true, "{}", clean.stdout);
+    // The queue's limit, as the harness's samples of the schema saw it.
+    assert!(clean.json["check"]["queue_samples"].as_u64().unwrap() > 0, "{}", clean.stdout);
+    let peak = clean.json["check"]["queue_peak"].as_u64().expect("a queue peak from the samples");
+    assert!((1..=8).contains(&peak), "{}", clean.stdout);
     // A second run on the same prefix would mix its data with this one's: refused.
     let again = run(&["chaos", "--seed", "1", "--store", &store, "--out", path_str(&dir.path().join("again"))]);
     assert_eq!(again.json["error"]["code"], "already_exists", "{}", again.stdout);
@@ -638,10 +643,18 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
         )
         .expect("double an order effect");
     assert_eq!(doubled, 1);
+    // And a sample over the queue's limit.
+    let samples_file = out.join("data").join("queue_samples.json");
+    let mut samples: Value = serde_json::from_str(&std::fs::read_to_string(&samples_file).expect("samples")).unwrap();
+    samples["over"] = serde_json::json!([[1_200, 9]]);
+    samples["peak"] = serde_json::json!(9);
+    std::fs::write(&samples_file, samples.to_string()).unwrap();
     let broken = check_on(&out);
     assert_eq!(broken.code, 1, "{}", broken.stdout);
     assert!(violations(&broken.json, "lost") >= 1, "{}", broken.stdout);
     assert!(violations(&broken.json, "applied_twice") >= 1, "{}", broken.stdout);
+    assert_eq!(violations(&broken.json, "queue_over_limit"), 1, "{}", broken.stdout);
+    assert_eq!(broken.json["check"]["queue_peak"], 9, "{}", broken.stdout);
     let listed = broken.json["check"]["first_violations"].to_string();
     assert!(listed.contains(advance["flow_id"].as_str().unwrap()), "{listed}");
 }

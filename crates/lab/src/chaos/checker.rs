@@ -184,9 +184,12 @@ pub struct CheckReport {
     pub queued: u64,
     /// The runs the schedule's ticks started (each checked as an order of its own).
     pub ticks: u64,
-    /// The most runs of the queue admitted and unfinished at once, as the journal's commit order
-    /// proves it (SQLite only: `None` on PostgreSQL).
+    /// The most runs of the queue admitted and unfinished at once: as the journal's commit order
+    /// proves it on SQLite, as the harness's samples saw it on PostgreSQL ([`QueueSamples`];
+    /// `None` without samples).
     pub queue_peak: Option<u64>,
+    /// On PostgreSQL, the samples behind `queue_peak`.
+    pub queue_samples: Option<u64>,
     /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
     /// (their batch was never started: the wait timed out).
     pub waiters_by_outcome: BTreeMap<&'static str, u64>,
@@ -244,6 +247,7 @@ impl CheckReport {
             "ticks": self.ticks,
             "cancelled": self.cancelled,
             "queue_peak": self.queue_peak,
+            "queue_samples": self.queue_samples,
             "waiters_by_outcome": self.waiters_by_outcome,
             "outbox_events": self.outbox_events,
             "runs_by_status": self.runs_by_status,
@@ -317,6 +321,9 @@ pub struct TenantData {
     pub(crate) inbox: Store,
     workflows: Store,
     payments: PathBuf,
+    /// On PostgreSQL: where the harness writes what it sampled of the queue during the run
+    /// ([`QueueSampler`]), in the data folder.
+    queue_samples: Option<PathBuf>,
 }
 
 impl TenantData {
@@ -328,6 +335,7 @@ impl TenantData {
             inbox: Store::File(dir.join("inbox.db")),
             workflows: Store::File(dir.join("workflows.db")),
             payments: dir.join("payments.db"),
+            queue_samples: None,
         }
     }
 
@@ -342,7 +350,90 @@ impl TenantData {
             inbox: schema(Database::Inbox),
             workflows: schema(Database::Workflows),
             payments: data.join("tenants").join(tenant).join("payments.db"),
+            queue_samples: Some(data.join(QUEUE_SAMPLES_FILE)),
         }
+    }
+}
+
+/// The file, in the data folder, of a PostgreSQL run's queue samples.
+const QUEUE_SAMPLES_FILE: &str = "queue_samples.json";
+/// The samples over the queue's limit a samples file keeps (the first ones).
+const QUEUE_SAMPLES_OVER_KEPT: usize = 10;
+
+/// The queue's admitted, unfinished runs: what its concurrency limit counts.
+const QUEUE_IN_PROGRESS_SQL: &str = "SELECT count(*) FROM runs WHERE queue = $1 AND admitted_at_ms IS NOT NULL
+   AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating')";
+
+/// What the harness saw of the queue on PostgreSQL, where no commit order of the journal proves
+/// the limit after the fact ([`check_queue_limit`]): every statement reads one snapshot, and an
+/// admission commits under the queue's lock after counting, so no snapshot may hold more
+/// admitted, unfinished runs of the queue than its `concurrency_max`. The harness counts them
+/// every [`QUEUE_SAMPLE_EVERY`] from the workload's start to the end of convergence (reconnecting
+/// after a database crash); a sample over the limit is a violation. A sampled check: an overrun
+/// shorter than the gap between samples can pass unseen.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(crate) struct QueueSamples {
+    /// Counts taken.
+    pub samples: u64,
+    /// The highest count.
+    pub peak: u64,
+    /// The first counts over the limit: (ms since the sampling began, count).
+    pub over: Vec<(u64, u64)>,
+}
+
+/// How often the harness counts the queue's runs on PostgreSQL.
+pub(crate) const QUEUE_SAMPLE_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Counts the queue's admitted, unfinished runs of a tenant on PostgreSQL (see [`QueueSamples`]).
+pub(crate) struct QueueSampler {
+    store: Store,
+    file: PathBuf,
+    db: Option<Db>,
+    started: std::time::Instant,
+    samples: QueueSamples,
+}
+
+impl TenantData {
+    /// A sampler of the tenant's queue, on PostgreSQL (`None` on SQLite, whose journal proves the
+    /// limit by itself).
+    pub(crate) fn queue_sampler(&self) -> Option<QueueSampler> {
+        let file = self.queue_samples.clone()?;
+        Some(QueueSampler {
+            store: self.workflows.clone(),
+            file,
+            db: None,
+            started: std::time::Instant::now(),
+            samples: QueueSamples::default(),
+        })
+    }
+}
+
+impl QueueSampler {
+    /// Count once (a connection that failed is opened anew at the next count).
+    pub(crate) fn sample(&mut self) {
+        if self.db.is_none() {
+            self.db = self.store.open().ok();
+        }
+        let Some(db) = self.db.as_mut() else { return };
+        match db.int(QUEUE_IN_PROGRESS_SQL, &[QUEUE]) {
+            Ok(count) => {
+                let count = count.max(0) as u64;
+                self.samples.samples += 1;
+                self.samples.peak = self.samples.peak.max(count);
+                if count > u64::from(QUEUE_CONCURRENCY_MAX) && self.samples.over.len() < QUEUE_SAMPLES_OVER_KEPT {
+                    self.samples.over.push((self.started.elapsed().as_millis() as u64, count));
+                }
+            }
+            Err(_) => self.db = None,
+        }
+    }
+
+    /// Write what was counted where the checker reads it.
+    pub(crate) fn finish(self) -> Result<QueueSamples> {
+        let text = serde_json::to_string(&self.samples).map_err(|e| Error::io(e.to_string()))?;
+        std::fs::write(&self.file, text)
+            .map_err(|e| Error::io(format!("cannot write {}: {e}", self.file.display())))?;
+        Ok(self.samples)
     }
 }
 
@@ -573,6 +664,7 @@ pub fn check(
     };
     check_events(&mut report, &mut producer, &mut inbox, remote_inbox.as_mut(), tenant, ledger)?;
     let (ended, ticks) = check_runs(&mut report, &mut workflows, ledger)?;
+    check_queue_limit(&mut report, &mut workflows, data.queue_samples.as_deref())?;
     // The payments file appears with the first charge: no orders, no file.
     if data.payments.is_file() {
         let orders = ledger_orders(ledger).chain(ticks.iter().map(String::as_str));
@@ -945,7 +1037,6 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
             Acknowledged::Advance { .. } => {}
         }
     }
-    check_queue_limit(report, workflows)?;
     let ticks = match schedule {
         Some(schedule) => check_ticks(report, &mut read, &schedule),
         None => Vec::new(),
@@ -988,9 +1079,9 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
 /// slot. A stricter reading (admission and end times) would need a commit-ordered record of
 /// them: `admitted_at_ms` and `finished_at_ms` are each process's clock before it waited for the
 /// write lock. PostgreSQL's journal has no such order: not checked there.
-fn check_queue_limit(report: &mut CheckReport, workflows: &mut Db) -> Result<()> {
+fn check_queue_limit(report: &mut CheckReport, workflows: &mut Db, samples: Option<&Path>) -> Result<()> {
     if !matches!(workflows, Db::Sqlite(_)) {
-        return Ok(());
+        return check_queue_samples(report, samples);
     }
     // (rowid, +1 at a run's first entry, -1 at its last); a run's span is [first, last].
     let mut ends: Vec<(i64, i64)> = Vec::new();
@@ -1022,6 +1113,30 @@ fn check_queue_limit(report: &mut CheckReport, workflows: &mut Db) -> Result<()>
             format!(
                 "queue {QUEUE} (concurrency_max {QUEUE_CONCURRENCY_MAX}) held {peak} admitted, unfinished runs at once \
                  (first over the limit at journal rowid {rowid})"
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// On PostgreSQL: the queue's limit as the harness's samples saw it ([`QueueSamples`]; not
+/// checked when the run wrote none).
+fn check_queue_samples(report: &mut CheckReport, file: Option<&Path>) -> Result<()> {
+    let Some(file) = file.filter(|f| f.is_file()) else { return Ok(()) };
+    let text = std::fs::read_to_string(file).map_err(|e| Error::io(format!("cannot read {}: {e}", file.display())))?;
+    let samples: QueueSamples = serde_json::from_str(&text).map_err(|e| {
+        Error::invalid(tidemark_core::error::codes::INVALID_ARGUMENT, format!("{}: {e}", file.display()))
+    })?;
+    report.queue_peak = Some(samples.peak);
+    report.queue_samples = Some(samples.samples);
+    if let Some((at_ms, count)) = samples.over.first() {
+        report.violation(
+            "queue_over_limit",
+            format!(
+                "queue {QUEUE} (concurrency_max {QUEUE_CONCURRENCY_MAX}) held {count} admitted, unfinished runs in one \
+                 snapshot, {at_ms} ms into the sampling ({} of {} samples over the limit kept)",
+                samples.over.len(),
+                samples.samples
             ),
         );
     }

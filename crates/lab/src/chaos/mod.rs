@@ -1944,6 +1944,19 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     for worker in &mut workers {
         worker.start()?;
     }
+    // On PostgreSQL, the queue's limit is sampled until convergence ends (checker::QueueSamples).
+    let sampling = Arc::new(AtomicBool::new(true));
+    let sampler =
+        tenant_data(&settings.out.join("data"), settings.store.as_ref()).queue_sampler().map(|mut sampler| {
+            let sampling = sampling.clone();
+            std::thread::spawn(move || {
+                while sampling.load(Ordering::Relaxed) {
+                    sampler.sample();
+                    std::thread::sleep(checker::QUEUE_SAMPLE_EVERY);
+                }
+                sampler
+            })
+        });
 
     let ledger_path = settings.out.join("ledger.jsonl");
     let ledger = std::fs::OpenOptions::new()
@@ -2057,6 +2070,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         std::thread::sleep(CONVERGE_POLL);
     }
     let convergence_ms = restarted.elapsed().as_millis() as u64;
+    sampling.store(false, Ordering::Relaxed);
+    if let Some(sampler) = sampler {
+        sampler.join().map_err(|_| Error::Invariant("the queue sampler panicked".into()))?.finish()?;
+    }
     for server in &mut servers {
         unclean_stops.extend(server.terminate()?);
     }
