@@ -73,7 +73,9 @@ pub(crate) const TICK_INTERVAL_MS: i64 = 1_000;
 pub(crate) const TICK_QUANTITY: i64 = 1;
 /// How long a batch's waiter waits for its `batch_done` message: far longer than a batch takes
 /// under the harness's faults, short enough that a waiter whose batch was never started (its
-/// start unanswered) ends within the convergence wait.
+/// start unanswered) ends within the convergence wait. Not far enough for a long run on
+/// PostgreSQL on two cores, whose backlog grows until batches take longer (docs/reliability.md,
+/// after run N): the checker then reports the waiters that gave up and their batches.
 pub(crate) const WAITER_TIMEOUT_MS: u64 = 60_000;
 /// Most sends of a start that must be answered (a batch's waiter, and its batch): with the
 /// 1 s request timeout and the pause between sends, about 40 s.
