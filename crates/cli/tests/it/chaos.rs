@@ -390,6 +390,25 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     assert!(listed.contains("waiter never-w acknowledged by process 1 is not in the database"), "{listed}");
     assert!(listed.contains(&format!("waiter {unheard} (told: true")), "{listed}");
     assert!(listed.contains(&format!("waiter {untold} ended completed with the effects")), "{listed}");
+
+    // The unheard message stamped at its wait's deadline: the waiter gave up (the message came
+    // too late) and must then have ended as one never told, which its shipment contradicts.
+    let tenant = out.join("data").join("tenants").join("chaos");
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let late = workflows
+        .execute(
+            "UPDATE run_events SET received_at_ms = (SELECT wake_at_ms FROM journal j
+               WHERE j.run_id = run_events.run_id AND j.kind = 'wait' AND j.name = 'batch_done')
+             WHERE run_id = ?1 AND name = 'batch_done'",
+            [&unheard],
+        )
+        .expect("make a message late");
+    assert_eq!(late, 1);
+    drop(workflows);
+    let gave_up = check(&out);
+    let listed = gave_up.json["check"]["first_violations"].to_string();
+    assert_eq!((violations(&gave_up.json, "lost"), violations(&gave_up.json, "wrong_effects")), (3, 2), "{listed}");
+    assert!(listed.contains(&format!("waiter {unheard} ended completed with the effects")), "{listed}");
 }
 
 #[test]

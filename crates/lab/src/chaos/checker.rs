@@ -941,6 +941,9 @@ struct Runs {
     notified_by: HashMap<String, String>,
     /// The `batch_done` messages each run received (consumed), by run id.
     batch_done: HashMap<String, i64>,
+    /// The `batch_done` messages each run holds unconsumed that arrived at or after the deadline
+    /// of its wait for them (its wait had timed out), by run id.
+    batch_done_late: HashMap<String, i64>,
 }
 
 /// Returns the orders whose run ended as it must, with the payment calls they leave, and the
@@ -997,8 +1000,26 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     )? {
         batch_done.insert(r.text(0)?, r.int(1)?);
     }
-    let mut read =
-        Runs { runs, children, effects_of, reported: HashSet::new(), ended: HashMap::new(), notified_by, batch_done };
+    let mut batch_done_late = HashMap::new();
+    for r in workflows.rows(
+        "SELECT e.run_id, count(*) FROM run_events e
+         JOIN journal j ON j.run_id = e.run_id AND j.kind = 'wait' AND j.name = $1
+         WHERE e.name = $1 AND e.consumed_by_seq IS NULL AND e.received_at_ms >= j.wake_at_ms
+         GROUP BY e.run_id",
+        &[BATCH_DONE],
+    )? {
+        batch_done_late.insert(r.text(0)?, r.int(1)?);
+    }
+    let mut read = Runs {
+        runs,
+        children,
+        effects_of,
+        reported: HashSet::new(),
+        ended: HashMap::new(),
+        notified_by,
+        batch_done,
+        batch_done_late,
+    };
     let cancels: HashSet<&str> = ledger
         .iter()
         .filter_map(|entry| match entry {
@@ -1025,9 +1046,9 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
                     );
                 }
             }
-            Acknowledged::Batch { run_id, orders, process, .. } => {
+            Acknowledged::Batch { run_id, orders, notify, process, .. } => {
                 report.batches += 1;
-                check_batch(report, &mut read, run_id, orders, *process);
+                check_batch(report, &mut read, run_id, orders, notify.as_deref(), *process);
             }
             Acknowledged::Waiter { run_id, quantity, process, .. } => {
                 report.waiters += 1;
@@ -1307,7 +1328,28 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
 /// An acknowledged batch: its chain of runs (each `continued` one names the next) ends
 /// `completed`, each of its orders ran as exactly one child of the chain (checked as an order),
 /// no other order did, and the chain's last run reports each order's end.
-fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: &[BatchOrder], process: usize) {
+/// Did run `batch`'s chain end `failed` on its `batch_done` send to `waiter` because the waiter
+/// had completed (its wait timed out first: a send to an ended run fails its step, as
+/// docs/workflows.md says)? The waiter itself is checked as one that gave up ([`check_waiter`]).
+fn failed_sending_to_a_completed_waiter(read: &Runs, batch: &str, waiter: &str) -> bool {
+    let Ok(chain) = chain(read, batch) else { return false };
+    let last = &read.runs[chain.last().expect("a chain has a run")];
+    let refused = format!(
+        "step {BATCH_DONE} failed: cannot send to run \"{waiter}\": run \"{waiter}\" is completed; it takes no more events"
+    );
+    last.status == "failed"
+        && last.error.as_deref() == Some(refused.as_str())
+        && read.runs.get(waiter).is_some_and(|w| w.status == "completed")
+}
+
+fn check_batch(
+    report: &mut CheckReport,
+    read: &mut Runs,
+    run_id: &str,
+    orders: &[BatchOrder],
+    notify: Option<&str>,
+    process: usize,
+) {
     if !read.runs.contains_key(run_id) {
         report.violation("lost", format!("batch {run_id} acknowledged by process {process} is not in the database"));
         return;
@@ -1334,6 +1376,9 @@ fn check_batch(report: &mut CheckReport, read: &mut Runs, run_id: &str, orders: 
             false
         }
         "completed" => true,
+        // Its orders all ran before the send (the batch's last step): checked as a completed
+        // batch's, without the result the failed run does not have.
+        "failed" if notify.is_some_and(|waiter| failed_sending_to_a_completed_waiter(read, run_id, waiter)) => true,
         other => {
             report.violation(
                 "unexpected_end",
@@ -1425,8 +1470,11 @@ fn chain(read: &Runs, run_id: &str) -> std::result::Result<Vec<String>, String> 
 /// An acknowledged waiter (`run_id`, a `sleepy_order` waiting for `batch_done`): told by its
 /// batch (`run_id` less `-w`, acknowledged or only in the database), it must complete approved,
 /// charged and shipped, with the one message received; never told (no such batch), it must
-/// complete unapproved with its reservation released and nothing charged. A batch that has not
-/// completed (still running, or its end reported as its own violation) says nothing yet.
+/// complete unapproved with its reservation released and nothing charged. One that gave up (its
+/// 60 s wait timed out before its batch's message came: the message arrived at or after the
+/// wait's deadline and lies unconsumed, or the batch's send failed because the waiter had
+/// completed) must end as one never told. A batch that has not completed otherwise (still
+/// running, or its end reported as its own violation) says nothing yet.
 fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantity: i64, process: usize) {
     if !read.runs.contains_key(run_id) {
         report.violation("lost", format!("waiter {run_id} acknowledged by process {process} is not in the database"));
@@ -1436,11 +1484,22 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
         Some(batch) => Some(batch.clone()),
         None => run_id.strip_suffix("-w").filter(|b| read.runs.contains_key(*b)).map(str::to_string),
     };
-    let told = match &batch {
-        None => false,
+    let late = read.batch_done_late.get(run_id).copied().unwrap_or(0);
+    // Told (approved), or not: its batch never started, or it gave up (its wait timed out before
+    // its batch's message came: the message arrived after the wait's deadline and lies
+    // unconsumed, or the batch's send failed because the waiter had completed).
+    let (told, outcome) = match &batch {
+        None => (false, "never_told"),
         Some(batch) if !read.runs.contains_key(batch) => return, // lost, reported with the batch
+        Some(batch) if failed_sending_to_a_completed_waiter(read, batch, run_id) => (false, "gave_up"),
         Some(batch) => match chain(read, batch) {
-            Ok(chain) if read.runs[chain.last().expect("a chain has a run")].status == "completed" => true,
+            Ok(chain) if read.runs[chain.last().expect("a chain has a run")].status == "completed" => {
+                if late == 1 && read.batch_done.get(run_id).copied().unwrap_or(0) == 0 {
+                    (false, "gave_up")
+                } else {
+                    (true, "approved")
+                }
+            }
             _ => {
                 // Not completed: the waiter's own state is still checked for what holds anyway.
                 let run = &read.runs[run_id];
@@ -1468,7 +1527,7 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
     };
     check_order(report, read, &order, run_id, &label);
     if read.ended.contains_key(run_id) {
-        *report.waiters_by_outcome.entry(if told { "approved" } else { "never_told" }).or_default() += 1;
+        *report.waiters_by_outcome.entry(outcome).or_default() += 1;
         if messages != i64::from(told) {
             let batch = batch.unwrap_or_default();
             report.violation(
