@@ -190,8 +190,9 @@ pub struct CheckReport {
     pub queue_peak: Option<u64>,
     /// On PostgreSQL, the samples behind `queue_peak`.
     pub queue_samples: Option<u64>,
-    /// The waiters that ended as they must: `approved` (told by their batch) or `never_told`
-    /// (their batch was never started: the wait timed out).
+    /// The waiters that ended as they must: `approved` (told by their batch), `never_told`
+    /// (their batch was never started: the wait timed out) or `gave_up` (the wait timed out
+    /// before their batch's message came).
     pub waiters_by_outcome: BTreeMap<&'static str, u64>,
     /// Events in the producer's outbox (acknowledged or not: an advance whose answer was lost
     /// in a crash may have committed).
