@@ -1326,9 +1326,6 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
     }
 }
 
-/// An acknowledged batch: its chain of runs (each `continued` one names the next) ends
-/// `completed`, each of its orders ran as exactly one child of the chain (checked as an order),
-/// no other order did, and the chain's last run reports each order's end.
 /// Did run `batch`'s chain end `failed` on its `batch_done` send to `waiter` because the waiter
 /// had completed (its wait timed out first: a send to an ended run fails its step, as
 /// docs/workflows.md says)? The waiter itself is checked as one that gave up ([`check_waiter`]).
@@ -1343,6 +1340,10 @@ fn failed_sending_to_a_completed_waiter(read: &Runs, batch: &str, waiter: &str) 
         && read.runs.get(waiter).is_some_and(|w| w.status == "completed")
 }
 
+/// An acknowledged batch: its chain of runs (each `continued` one names the next) ends
+/// `completed` (or `failed` on its send to a waiter that had given up, with every order run),
+/// each of its orders ran as exactly one child of the chain (checked as an order), no other
+/// order did, and the chain's last run reports each order's end.
 fn check_batch(
     report: &mut CheckReport,
     read: &mut Runs,
