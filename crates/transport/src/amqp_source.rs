@@ -297,11 +297,7 @@ impl AmqpSource {
     /// the source forever (seen in the chaos harness: a partition's flap left a source that
     /// pulled nothing until its server was killed).
     async fn settle(&self, delivery: &Delivery, settle: Settle) -> Result<()> {
-        let what = match settle {
-            Settle::Ack => "ack",
-            Settle::Reject => "reject",
-            Settle::Requeue => "nack",
-        };
+        let what = settle.verb();
         let answer = async {
             match settle {
                 Settle::Ack => delivery.acker.ack(BasicAckOptions { multiple: false }).await,
@@ -351,4 +347,15 @@ enum Settle {
     Reject,
     /// Not stored this time: back to the queue, delivered again.
     Requeue,
+}
+
+impl Settle {
+    /// The AMQP method that answers so, as errors name it.
+    fn verb(self) -> &'static str {
+        match self {
+            Settle::Ack => "ack",
+            Settle::Reject => "reject",
+            Settle::Requeue => "nack",
+        }
+    }
 }

@@ -250,7 +250,7 @@ where
     // may have run already: its success is journaled with the run's next write, which a crash
     // can lose), and one that failed at its last attempt (that attempt, or an earlier one, may
     // have taken effect and timed out before its answer came back).
-    let mut interrupted: Option<usize> = None;
+    let mut outcome_unknown: Option<usize> = None;
     for (index, element) in saga.elements.iter().enumerate() {
         let result = match element {
             Element::Step { name, action, policy, .. } => {
@@ -282,7 +282,7 @@ where
                         _ => false,
                     };
                     if unknown {
-                        interrupted = Some(index);
+                        outcome_unknown = Some(index);
                     }
                 }
                 failure = Some(error);
@@ -295,7 +295,7 @@ where
         let data = Arc::try_unwrap(data).unwrap_or_else(|shared| SagaData::clone(&shared));
         return Ok(Value::Object(data.outputs));
     };
-    let to_compensate: Vec<(&String, &SagaAction<S::Target>)> = interrupted
+    let to_compensate: Vec<(&String, &SagaAction<S::Target>)> = outcome_unknown
         .iter()
         .chain(completed.iter().rev())
         .filter_map(|i| match &saga.elements[*i] {

@@ -1486,6 +1486,7 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
         Some(batch) => Some(batch.clone()),
         None => run_id.strip_suffix("-w").filter(|b| read.runs.contains_key(*b)).map(str::to_string),
     };
+    let messages = read.batch_done.get(run_id).copied().unwrap_or(0);
     let late = read.batch_done_late.get(run_id).copied().unwrap_or(0);
     // Told (approved), or not: its batch never started, or it gave up (its wait timed out before
     // its batch's message came: the message arrived after the wait's deadline and lies
@@ -1496,7 +1497,7 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
         Some(batch) if failed_sending_to_a_completed_waiter(read, batch, run_id) => (false, "gave_up"),
         Some(batch) => match chain(read, batch) {
             Ok(chain) if read.runs[chain.last().expect("a chain has a run")].status == "completed" => {
-                if late == 1 && read.batch_done.get(run_id).copied().unwrap_or(0) == 0 {
+                if late == 1 && messages == 0 {
                     (false, "gave_up")
                 } else {
                     (true, "approved")
@@ -1513,7 +1514,6 @@ fn check_waiter(report: &mut CheckReport, read: &mut Runs, run_id: &str, quantit
             }
         },
     };
-    let messages = read.batch_done.get(run_id).copied().unwrap_or(0);
     let label = format!("waiter {run_id}");
     let order = if told {
         Order { order_id: run_id, expect: "completed", quantity, effects: None, payments: (1, 0), cancel_sent: false }
