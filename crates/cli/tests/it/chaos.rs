@@ -112,11 +112,15 @@ fn chaos_ci_seeds_lose_nothing_and_apply_nothing_twice() {
         assert_eq!(report["check"]["batches_by_status"]["completed"], report["operations"]["batches"]);
         // Clients cancelled some of their starts.
         assert!(report["operations"]["cancels"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
+        // Operators retried, skipped, forked or abandoned the orders that failed for them.
+        assert!(report["operations"]["controls"].as_u64().unwrap() > 0, "seed {seed}: {report:#}");
         let ops = &report["operations"];
         assert_eq!(
             ops["ledger_entries"].as_u64().unwrap(),
-            ops["acknowledged"].as_u64().unwrap() + ops["cancels_unanswered"].as_u64().unwrap(),
-            "every acknowledged operation and every cancel that may have committed is in the ledger: {report:#}"
+            ops["acknowledged"].as_u64().unwrap()
+                + ops["cancels_unanswered"].as_u64().unwrap()
+                + ops["controls_unanswered"].as_u64().unwrap(),
+            "every acknowledged operation and every cancel or control that may have committed is in the ledger: {report:#}"
         );
         // The schedule is the seed's: a second derivation prints the same one.
         let schedule: Value =
@@ -409,6 +413,90 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     let listed = gave_up.json["check"]["first_violations"].to_string();
     assert_eq!((violations(&gave_up.json, "lost"), violations(&gave_up.json, "wrong_effects")), (3, 2), "{listed}");
     assert!(listed.contains(&format!("waiter {unheard} ended completed with the effects")), "{listed}");
+}
+
+#[test]
+fn chaos_checker_holds_operated_orders_to_their_operators_controls() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = chaos(&out, 7, 3, 0);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    assert_eq!(r.json["check"]["passed"], true, "{}", r.stdout);
+    let ledger = out.join("ledger.jsonl");
+    let text = std::fs::read_to_string(&ledger).expect("ledger");
+    let entries: Vec<Value> = text.lines().map(|line| serde_json::from_str(line).expect("a ledger line")).collect();
+    // The first control of each kind that committed.
+    let control = |action: &str| -> Value {
+        entries
+            .iter()
+            .find(|e| e["kind"] == "control" && e["action"] == action && e["answered"] == true)
+            .unwrap_or_else(|| panic!("no {action} in the ledger: {}", r.stdout))
+            .clone()
+    };
+    let (retried, skipped, abandoned, forked) =
+        (control("retry"), control("skip"), control("abandon"), control("fork"));
+    let id = |e: &Value| e["run_id"].as_str().unwrap().to_string();
+    // As the controls left them: a retry and a skip completed, an abandon cancelled, a fork's
+    // run failed (and the fork exists).
+    let tenant = out.join("data").join("tenants").join("chaos");
+    let workflows = rusqlite::Connection::open(tenant.join("workflows.db")).expect("workflows.db");
+    let status = |run: &str| -> String {
+        workflows.query_row("SELECT status FROM runs WHERE run_id = ?1", [run], |row| row.get(0)).expect(run)
+    };
+    assert_eq!(status(&id(&retried)), "completed");
+    assert_eq!(status(&id(&skipped)), "completed");
+    assert_eq!(status(&id(&abandoned)), "cancelled");
+    assert_eq!(status(&id(&forked)), "failed");
+    let fork = forked["new_run_id"].as_str().unwrap();
+    assert!(["failed", "completed"].contains(&status(fork).as_str()), "fork {fork}: {}", status(fork));
+
+    // The retried run made to look failed still; the abandoned one compensated (a release,
+    // which an abandon never runs); the forked order reserved a second time (the fork reused its
+    // journal's reservation, so a second one is the fork's step run again).
+    workflows.execute("UPDATE runs SET status = 'failed' WHERE run_id = ?1", [id(&retried)]).expect("unretry a run");
+    for (order, kind) in [(id(&abandoned), "release"), (id(&forked), "reserve")] {
+        let added = workflows
+            .execute(
+                "INSERT INTO order_effects (order_id, kind, sku, quantity)
+                 SELECT order_id, ?2, sku, quantity FROM order_effects WHERE order_id = ?1 AND kind = 'reserve'",
+                [&order, kind],
+            )
+            .expect("add an effect");
+        assert_eq!(added, 1, "{order} reserved once");
+    }
+    drop(workflows);
+    // The skipped order charged after all.
+    let payments = rusqlite::Connection::open(tenant.join("payments.db")).expect("payments.db");
+    payments
+        .execute(
+            "INSERT INTO payment_calls (idempotency_key, op, order_id, amount, outcome)
+             SELECT idempotency_key, op, order_id, amount, 'charged' FROM payment_calls WHERE order_id = ?1 LIMIT 1",
+            [id(&skipped)],
+        )
+        .expect("charge a skipped order");
+    drop(payments);
+    // And an operated order the database never saw.
+    let mut text = text;
+    text.push_str(r#"{"kind":"operated","run_id":"never-op","quantity":1,"process":1,"at_ms":6}"#);
+    text.push('\n');
+    std::fs::write(&ledger, text).expect("ledger");
+
+    let bad = check(&out);
+    assert_eq!(bad.code, 1, "{}", bad.stdout);
+    let listed = bad.json["check"]["first_violations"].to_string();
+    let counts: Vec<u64> =
+        ["lost", "unexpected_end", "wrong_effects", "applied_twice"].iter().map(|k| violations(&bad.json, k)).collect();
+    // The doubled reservation is also an end with the wrong effects.
+    assert_eq!(counts, [1, 1, 3, 1], "{listed}");
+    assert!(listed.contains("operated run never-op acknowledged by process 1 is not in the database"), "{listed}");
+    assert!(listed.contains(&format!("operated run {} ended failed", id(&retried))), "{listed}");
+    assert!(listed.contains("given retry (committed) it must end one of [\\\"completed\\\"]"), "{listed}");
+    assert!(listed.contains(&format!("operated run {} ended cancelled with the effects", id(&abandoned))), "{listed}");
+    assert!(listed.contains(&format!("fork {fork} of operated run {}: 2 reserve effects", id(&forked))), "{listed}");
+    assert!(
+        listed.contains(&format!("order {}: charged 1, refunded 0; its end leaves (0, 0)", id(&skipped))),
+        "{listed}"
+    );
 }
 
 #[test]

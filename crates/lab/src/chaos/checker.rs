@@ -107,6 +107,43 @@ pub enum Acknowledged {
         /// When, in ms after the workload started.
         at_ms: u64,
     },
+    /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for an operated order: a
+    /// `sleepy_order` whose charge fails (retryably) more often than its attempts allow, so that
+    /// it ends `failed` with its reservation held unless an operator [`Acknowledged::Control`]s
+    /// it (or a crash between a failed call and its journal write left it an attempt short, and
+    /// it completed by itself).
+    Operated {
+        /// The run id (also the order id).
+        run_id: String,
+        /// The quantity the order reserves.
+        quantity: i64,
+        /// The process (0-based) that answered.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
+    /// An operator control of an operated order: `retry`, `skip` (its failed charge, with an
+    /// output of the operator's) or `fork` (to `new_run_id`, from its failed charge), each sent
+    /// once the run had failed, or `abandon`, sent while it ran. Written when a server answered
+    /// it 2xx, when a retry, skip or fork was answered 409 after a send that got no answer
+    /// (only an operator takes a failed run elsewhere: that send committed), and when it may have
+    /// committed (`answered` false: no send got an answer, or an abandon got 409 after one that
+    /// did not).
+    Control {
+        /// The operated run.
+        run_id: String,
+        /// `retry`, `skip`, `fork` or `abandon`.
+        action: String,
+        /// The fork's run id.
+        #[serde(default)]
+        new_run_id: Option<String>,
+        /// True when it is known to have committed.
+        answered: bool,
+        /// The process (0-based) that answered (or the last one it was sent to).
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
     /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for a `sleepy_order` that waits
     /// for a batch's `batch_done` message: approved (charged and shipped) when the batch named it
     /// and completed, unapproved (released) when no batch named it and the wait timed out.
@@ -180,6 +217,10 @@ pub struct CheckReport {
     pub cancels: u64,
     /// The runs a cancel ended `cancelled`, everything they did undone.
     pub cancelled: u64,
+    /// Acknowledged operated orders (counted in `starts` too).
+    pub operated: u64,
+    /// The operator controls of operated orders in the ledger (committed or maybe), by action.
+    pub controls: BTreeMap<String, u64>,
     /// Acknowledged starts through the queue (counted in `starts` too).
     pub queued: u64,
     /// The runs the schedule's ticks started (each checked as an order of its own).
@@ -244,6 +285,8 @@ impl CheckReport {
                 "waiters": self.waiters,
                 "queued": self.queued,
                 "cancels": self.cancels,
+                "operated": self.operated,
+                "controls": self.controls,
             },
             "ticks": self.ticks,
             "cancelled": self.cancelled,
@@ -908,9 +951,11 @@ impl<'a> Order<'a> {
 fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = &str> {
     ledger.iter().flat_map(|entry| -> Vec<&str> {
         match entry {
-            Acknowledged::Start { run_id, .. } | Acknowledged::Waiter { run_id, .. } => vec![run_id.as_str()],
+            Acknowledged::Start { run_id, .. }
+            | Acknowledged::Waiter { run_id, .. }
+            | Acknowledged::Operated { run_id, .. } => vec![run_id.as_str()],
             Acknowledged::Batch { orders, .. } => orders.iter().map(|o| o.order_id.as_str()).collect(),
-            Acknowledged::Advance { .. } | Acknowledged::Cancel { .. } => Vec::new(),
+            Acknowledged::Advance { .. } | Acknowledged::Cancel { .. } | Acknowledged::Control { .. } => Vec::new(),
         }
     })
 }
@@ -922,6 +967,8 @@ enum Paid {
     Exactly(i64, i64),
     /// A cancelled order: every charge refunded (none, or one of each).
     Undone,
+    /// An abandoned order: charged at most once (as every order), nothing refunded.
+    NotRefunded,
 }
 
 /// The orders whose run ended as it must, with the payment calls that end leaves.
@@ -1028,6 +1075,16 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
             _ => None,
         })
         .collect();
+    let controls: HashMap<&str, Control> = ledger
+        .iter()
+        .filter_map(|entry| match entry {
+            Acknowledged::Control { run_id, action, new_run_id, answered, .. } => Some((
+                run_id.as_str(),
+                Control { action: action.as_str(), new_run_id: new_run_id.as_deref(), answered: *answered },
+            )),
+            _ => None,
+        })
+        .collect();
     for entry in ledger {
         match entry {
             Acknowledged::Start { run_id, fail, expect, process, quantity, queue, .. } => {
@@ -1055,8 +1112,12 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
                 report.waiters += 1;
                 check_waiter(report, &mut read, run_id, *quantity, *process);
             }
+            Acknowledged::Operated { run_id, quantity, process, .. } => {
+                report.starts += 1;
+                check_operated(report, &mut read, run_id, *quantity, controls.get(run_id.as_str()), *process);
+            }
             Acknowledged::Cancel { .. } => report.cancels += 1,
-            Acknowledged::Advance { .. } => {}
+            Acknowledged::Advance { .. } | Acknowledged::Control { .. } => {}
         }
     }
     let ticks = match schedule {
@@ -1278,21 +1339,30 @@ fn check_admission(report: &mut CheckReport, run_id: &str, run: &RunRow, queue: 
     }
 }
 
-/// One order's run (`run_id`, in the database): its effects once each, of its quantity, and its
-/// end the one the ledger expects, with the effects that end leaves. `label` names it in messages.
-fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id: &str, label: &str) {
+/// What every order's run (`run_id`, in the database) is held to whatever its end: its effects
+/// (those of `order_id`) once each and of its `quantity`, no lease left on it, and an end. Returns
+/// the run's status and its order's effect kinds once it ended (not once it is parked with a
+/// reason: an operator decides). `label` names it in messages.
+fn ended_order(
+    report: &mut CheckReport,
+    read: &mut Runs,
+    order_id: &str,
+    quantity: i64,
+    run_id: &str,
+    label: &str,
+) -> Option<(String, Vec<String>)> {
     let run = &read.runs[run_id];
     *report.runs_by_status.entry(run.status.clone()).or_default() += 1;
-    let effects: &[(String, i64)] = read.effects_of.get(order.order_id).map(Vec::as_slice).unwrap_or_default();
-    let kinds: Vec<&str> = effects.iter().map(|(k, _)| k.as_str()).collect();
+    let effects: &[(String, i64)] = read.effects_of.get(order_id).map(Vec::as_slice).unwrap_or_default();
+    let kinds: Vec<String> = effects.iter().map(|(k, _)| k.clone()).collect();
     for kind in ["reserve", "ship", "release"] {
-        let n = kinds.iter().filter(|k| **k == kind).count();
+        let n = kinds.iter().filter(|k| *k == kind).count();
         if n > 1 {
             report.violation("applied_twice", format!("{label}: {n} {kind} effects"));
         }
     }
-    if effects.iter().any(|(_, q)| *q != order.quantity) {
-        report.violation("wrong_effects", format!("{label} reserved {}; its effects are {effects:?}", order.quantity));
+    if effects.iter().any(|(_, q)| *q != quantity) {
+        report.violation("wrong_effects", format!("{label} reserved {quantity}; its effects are {effects:?}"));
     }
     let (status, error) = (&run.status, &run.error);
     if let Some(owner) = &run.lease_owner {
@@ -1302,12 +1372,22 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
     if run.active() {
         report.violation("run_unfinished", format!("{label} is {status}"));
         read.reported.insert(run_id.to_string());
-        return;
+        return None;
     }
     if status == "parked" && error.is_some() {
         report.parked += 1;
-        return;
+        return None;
     }
+    Some((status.clone(), kinds))
+}
+
+/// One order's run (`run_id`, in the database): as every order's ([`ended_order`]), and its end
+/// the one the ledger expects, with the effects that end leaves. `label` names it in messages.
+fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id: &str, label: &str) {
+    let Some((status, kinds)) = ended_order(report, read, order.order_id, order.quantity, run_id, label) else {
+        return;
+    };
+    let error = &read.runs[run_id].error;
     if order.cancel_sent && status == "cancelled" {
         report.cancelled += 1;
         // Cancelled before its reservation, or with it released.
@@ -1318,11 +1398,133 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
         }
     } else if status != order.expect {
         report.violation("unexpected_end", format!("{label} ended {status} ({error:?}); it must end {}", order.expect));
-    } else if order.effects.or_else(|| expected_effects(status)).is_some_and(|want| kinds != want) {
+    } else if order.effects.or_else(|| expected_effects(&status)).is_some_and(|want| kinds != want) {
         report.violation("wrong_effects", format!("{label} ended {status} with the effects {kinds:?}"));
     } else {
         let (charged, refunded) = order.payments;
         read.ended.insert(order.order_id.to_string(), Paid::Exactly(charged, refunded));
+    }
+}
+
+/// An operator's control of an operated order, as the ledger has it.
+struct Control<'a> {
+    action: &'a str,
+    new_run_id: Option<&'a str>,
+    /// Known to have committed (else it may have).
+    answered: bool,
+}
+
+/// An acknowledged operated order ([`Acknowledged::Operated`]): its run ends as the control it
+/// was given (if any) leaves it, with the effects and payment calls of that end. Its charge
+/// fails more often than its attempts allow, so with no control it fails with its reservation
+/// held and nothing charged, or (a kill between a failed call and its journal write spares it an
+/// attempt) completes, charged once. A retry completes it, charged once; a skip completes it
+/// uncharged (a failed run made no call that charged, and a skipped step makes none); an
+/// abandon ends it `cancelled` as far as it had come, nothing undone; a fork leaves it failed,
+/// and the fork (same order, its journal up to the charge reused, its reservation not made
+/// again) fails or completes as the operated run would have by itself. A control that may not
+/// have committed allows the end without it too.
+fn check_operated(
+    report: &mut CheckReport,
+    read: &mut Runs,
+    run_id: &str,
+    quantity: i64,
+    control: Option<&Control>,
+    process: usize,
+) {
+    report.operated += 1;
+    if let Some(control) = control {
+        *report.controls.entry(control.action.to_string()).or_default() += 1;
+    }
+    if !read.runs.contains_key(run_id) {
+        report.violation(
+            "lost",
+            format!("operated run {run_id} acknowledged by process {process} is not in the database"),
+        );
+        return;
+    }
+    let label = format!("operated run {run_id}");
+    let fork = control.and_then(|c| c.new_run_id.map(|id| (id, c.answered)));
+    // With a fork, the order's end is the fork's (the operated run stays failed).
+    let ended_as = match fork {
+        Some((fork_id, _)) if read.runs.contains_key(fork_id) => {
+            // The order's effects are checked once, with the fork's end.
+            let original = &read.runs[run_id];
+            *report.runs_by_status.entry(original.status.clone()).or_default() += 1;
+            if original.status != "failed" || original.lease_owner.is_some() {
+                let (status, error, owner) = (&original.status, &original.error, &original.lease_owner);
+                return report.violation(
+                    "unexpected_end",
+                    format!(
+                        "{label} is {status} ({error:?}, leased by {owner:?}); forked once it failed, it must stay \
+                         failed and unleased"
+                    ),
+                );
+            }
+            let fork_label = format!("fork {fork_id} of {label}");
+            let Some(end) = ended_order(report, read, run_id, quantity, fork_id, &fork_label) else { return };
+            (fork_label, fork_id.to_string(), end)
+        }
+        Some((fork_id, true)) => {
+            return report.violation("lost", format!("fork {fork_id} of {label} is not in the database"));
+        }
+        _ => {
+            let Some(end) = ended_order(report, read, run_id, quantity, run_id, &label) else { return };
+            (label, run_id.to_string(), end)
+        }
+    };
+    let (label, ended_id, (status, kinds)) = ended_as;
+    let action = control.map(|c| c.action);
+    let certain = control.is_some_and(|c| c.answered);
+    let kinds: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    // The ends allowed: (status, effect kinds, payment calls).
+    let allowed: Vec<(&str, &[&str], Paid)> = match (action, certain) {
+        (Some("retry"), true) => vec![("completed", &["reserve", "ship"], Paid::Exactly(1, 0))],
+        (Some("skip"), true) => vec![("completed", &["reserve", "ship"], Paid::Exactly(0, 0))],
+        (Some("skip"), false) => {
+            vec![
+                ("completed", &["reserve", "ship"], Paid::Exactly(0, 0)),
+                ("failed", &["reserve"], Paid::Exactly(0, 0)),
+            ]
+        }
+        (Some("abandon"), true) => vec![
+            ("cancelled", &[], Paid::Exactly(0, 0)),
+            ("cancelled", &["reserve"], Paid::NotRefunded),
+            ("cancelled", &["reserve", "ship"], Paid::Exactly(1, 0)),
+        ],
+        (Some("abandon"), false) => vec![
+            ("cancelled", &[], Paid::Exactly(0, 0)),
+            ("cancelled", &["reserve"], Paid::NotRefunded),
+            ("cancelled", &["reserve", "ship"], Paid::Exactly(1, 0)),
+            ("failed", &["reserve"], Paid::Exactly(0, 0)),
+            ("completed", &["reserve", "ship"], Paid::Exactly(1, 0)),
+        ],
+        // No control, a retry that may not have committed, a fork (the fork's end), or one
+        // that never started (the operated run's own).
+        _ => vec![
+            ("failed", &["reserve"], Paid::Exactly(0, 0)),
+            ("completed", &["reserve", "ship"], Paid::Exactly(1, 0)),
+        ],
+    };
+    let fitting = allowed.iter().find(|(s, want, _)| *s == status && kinds == *want);
+    match fitting {
+        Some((_, _, paid)) => {
+            read.ended.insert(run_id.to_string(), *paid);
+        }
+        None if allowed.iter().any(|(s, _, _)| *s == status) => {
+            report.violation("wrong_effects", format!("{label} ended {status} with the effects {kinds:?}"));
+        }
+        None => {
+            let error = &read.runs[&ended_id].error;
+            let ends: Vec<&str> = allowed.iter().map(|(s, _, _)| *s).collect();
+            let given = action.map_or("no control".to_string(), |a| {
+                format!("{a} ({})", if certain { "committed" } else { "may have committed" })
+            });
+            report.violation(
+                "unexpected_end",
+                format!("{label} ended {status} ({error:?}); given {given} it must end one of {ends:?}"),
+            );
+        }
     }
 }
 
@@ -1572,11 +1774,13 @@ fn check_payments<'a>(
         let right = match paid {
             Paid::Exactly(c, r) => (charged, refunded) == (c, r),
             Paid::Undone => charged == refunded,
+            Paid::NotRefunded => refunded == 0,
         };
         if !right {
             let want = match paid {
                 Paid::Exactly(c, r) => format!("({c}, {r})"),
                 Paid::Undone => "every charge refunded".to_string(),
+                Paid::NotRefunded => "nothing refunded".to_string(),
             };
             report.violation(
                 "wrong_effects",

@@ -82,6 +82,20 @@ pub(crate) const WAITER_TIMEOUT_MS: u64 = 60_000;
 const START_SENDS_MAX: usize = 40;
 /// The longest pause between a start's acknowledgement and its cancel (one start alone in eight).
 const CANCEL_DELAY_MS_MAX: u64 = 300;
+/// One start alone in this many is an operated order ([`operated_start`]), which an operator
+/// task retries, skips, forks or abandons ([`operator`]).
+const OPERATED_ONE_IN: u32 = 10;
+/// An operated order's charge fails (retryably) this many times: more than its attempts, so its
+/// run fails unless an operator steps in (a retry's fresh attempts then charge it).
+const OPERATED_FLAKY_ATTEMPTS: u32 = MAX_ATTEMPTS + 2;
+/// The step of `sleepy_order` an operated order fails at, and an operator retries, skips or
+/// forks from.
+const OPERATED_STEP: &str = "charge_payment";
+/// The longest pause between an operated order's acknowledgement and its abandon (the run is
+/// usually still trying its charge then).
+const ABANDON_DELAY_MS_MAX: u64 = 600;
+/// How often an operator reads an operated run while it waits for the run to fail.
+const OPERATOR_POLL: Duration = Duration::from_millis(200);
 /// The pause before a start is sent again.
 const START_RESEND_PAUSE: Duration = Duration::from_millis(100);
 /// The servers' worker lease (`workers.lease_ms`): a pause is longer than this.
@@ -1227,8 +1241,34 @@ struct ClientStats {
     /// Cancels answered 2xx, and those not answered (or answered 5xx: they may have committed).
     cancels: u64,
     cancels_unanswered: u64,
+    /// Operator controls known to have committed, and those that may have.
+    controls: u64,
+    controls_unanswered: u64,
     unexpected: u64,
     last_unexpected: Option<String>,
+}
+
+impl ClientStats {
+    /// Add what another client (or an operator task) did.
+    fn merge(&mut self, one: ClientStats) {
+        self.requests += one.requests;
+        for (status, n) in one.by_status {
+            *self.by_status.entry(status).or_default() += n;
+        }
+        self.connection_errors += one.connection_errors;
+        self.advances += one.advances;
+        self.starts += one.starts;
+        self.batches += one.batches;
+        self.waiters += one.waiters;
+        self.cancels += one.cancels;
+        self.cancels_unanswered += one.cancels_unanswered;
+        self.controls += one.controls;
+        self.controls_unanswered += one.controls_unanswered;
+        self.unexpected += one.unexpected;
+        if one.last_unexpected.is_some() {
+            self.last_unexpected = one.last_unexpected;
+        }
+    }
 }
 
 /// A reservation flow a client owns: it always knows the expected seq.
@@ -1251,6 +1291,7 @@ async fn client(
     let mut stats = ClientStats::default();
     let (mut runs, mut flows) = (0_u64, 0_u64);
     let mut flow: Option<OwnedFlow> = None;
+    let mut operators = Vec::new();
     while !shared.stop.load(Ordering::Relaxed) {
         let process = rng.gen_range(0..shared.bases.len());
         let start = rng.gen_range(0..3) == 0;
@@ -1289,6 +1330,8 @@ async fn client(
                 }
                 let body = json!({"workflow": ORDER_BATCH, "run_id": run_id, "input": input});
                 (body, Acknowledged::Batch { run_id, per_run, orders, notify: None, process, at_ms: 0 })
+            } else if rng.gen_range(0..OPERATED_ONE_IN) == 0 {
+                operated_start(&mut rng, run_id, process)
             } else {
                 let (input, order) = order(&mut rng, run_id.clone());
                 let mut body = json!({"workflow": ORDER_SAGA, "run_id": run_id, "input": input});
@@ -1346,10 +1389,15 @@ async fn client(
                     Acknowledged::Start { run_id, .. } if rng.gen_range(0..8) == 0 => Some(run_id.clone()),
                     _ => None,
                 };
+                if let Acknowledged::Operated { run_id, .. } = &entry {
+                    let operator = Operator { http: http.clone(), shared: shared.clone(), ledger: ledger.clone() };
+                    let rng = StdRng::seed_from_u64(rng.gen());
+                    operators.push(tokio::spawn(operator.operate(run_id.clone(), rng)));
+                }
                 match &entry {
-                    Acknowledged::Start { .. } => stats.starts += 1,
+                    Acknowledged::Start { .. } | Acknowledged::Operated { .. } => stats.starts += 1,
                     Acknowledged::Batch { .. } => stats.batches += 1,
-                    Acknowledged::Waiter { .. } | Acknowledged::Cancel { .. } => {}
+                    Acknowledged::Waiter { .. } | Acknowledged::Cancel { .. } | Acknowledged::Control { .. } => {}
                     Acknowledged::Advance { .. } => {
                         stats.advances += 1;
                         if let Some(owned) = flow.as_mut() {
@@ -1402,7 +1450,119 @@ async fn client(
             }
         }
     }
+    // An operator that waits for its run to fail gives up once the workload stops; one that
+    // is sending its control sends it until a server answers.
+    for operator in operators {
+        match operator.await {
+            Ok(one) => stats.merge(one),
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
+    }
     stats
+}
+
+/// An operator of operated orders: what one needs to read a run, send it a control and write
+/// the control to the ledger.
+struct Operator {
+    http: reqwest::Client,
+    shared: Arc<Shared>,
+    ledger: tokio::sync::mpsc::UnboundedSender<Acknowledged>,
+}
+
+impl Operator {
+    /// Control the operated order `run_id` as an operator would, chosen from `rng`: retry (7 in
+    /// 20), skip its charge (6 in 20) or fork it from its charge (3 in 20) once it failed, or
+    /// abandon it (4 in 20) a moment after its start, while it runs. Nothing is sent when the
+    /// run ends otherwise first (a crash spared it an attempt and it completed) or the workload
+    /// stops before it failed.
+    async fn operate(self, run_id: String, mut rng: StdRng) -> ClientStats {
+        let mut stats = ClientStats::default();
+        let action = match rng.gen_range(0..20) {
+            0..=6 => "retry",
+            7..=12 => "skip",
+            13..=15 => "fork",
+            _ => "abandon",
+        };
+        let process = rng.gen_range(0..self.shared.bases.len());
+        let reason = format!("chaos: {action} by its operator");
+        let (body, new_run_id) = if action == "abandon" {
+            tokio::time::sleep(Duration::from_millis(rng.gen_range(0..=ABANDON_DELAY_MS_MAX))).await;
+            (json!({"reason": reason}), None)
+        } else {
+            let Some(step) = self.failed_step(&mut stats, process, &run_id).await else { return stats };
+            match action {
+                "retry" => (json!({"reason": reason}), None),
+                "skip" => (json!({"step": step, "output": {"charged_by": "chaos operator"}, "reason": reason}), None),
+                _ => {
+                    let fork = format!("{run_id}-k");
+                    (json!({"from_step": step, "new_run_id": fork}), Some(fork))
+                }
+            }
+        };
+        let path = format!("/v1/runs/{run_id}/{action}");
+        // Some(true): committed; Some(false): refused; None: unknown.
+        let (mut committed, mut unanswered, mut last) = (None, false, process);
+        for send in 0..START_SENDS_MAX {
+            last = (process + send) % self.shared.bases.len();
+            match post(&self.http, &self.shared, &mut stats, last, &path, &body, &[409]).await {
+                Some((status, _)) if (200..300).contains(&status) => committed = Some(true),
+                // After a send that got no answer, a 409 says that send committed (only an
+                // operator takes a failed run elsewhere, and this one's fork id is its own);
+                // an abandon's 409 may also be a run that ended by itself meanwhile.
+                Some((409, _)) if unanswered => committed = (action != "abandon").then_some(true),
+                // A run already ended (an abandon's), or an unexpected 4xx (counted by `post`).
+                Some((400..=499, _)) => committed = Some(false),
+                _ => {
+                    unanswered = true;
+                    tokio::time::sleep(START_RESEND_PAUSE).await;
+                    continue;
+                }
+            }
+            break;
+        }
+        match committed {
+            Some(false) => return stats,
+            Some(true) => stats.controls += 1,
+            None => stats.controls_unanswered += 1,
+        }
+        let answered = committed.is_some();
+        let at_ms = self.shared.at_ms();
+        let entry = Acknowledged::Control { run_id, action: action.into(), new_run_id, answered, process: last, at_ms };
+        // The writer lives until every client is done, and a client until its operators are.
+        let _ = self.ledger.send(entry);
+        stats
+    }
+
+    /// Read run `run_id` (from `process`, then the next ones in turn) until it failed: the
+    /// journal position of its failed [`OPERATED_STEP`]. `None` when it ended otherwise or the
+    /// workload stopped first.
+    async fn failed_step(&self, stats: &mut ClientStats, mut process: usize, run_id: &str) -> Option<u64> {
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            let url = format!("{}/v1/runs/{run_id}", self.shared.bases[process]);
+            let answer = match self.http.get(&url).send().await {
+                Ok(response) if response.status().is_success() => response.json::<Value>().await.ok(),
+                _ => None,
+            };
+            stats.requests += 1;
+            let Some(detail) = answer else {
+                process = (process + 1) % self.shared.bases.len();
+                tokio::time::sleep(OPERATOR_POLL).await;
+                continue;
+            };
+            match detail["run"]["status"].as_str() {
+                Some("failed") => {
+                    let journal = detail["journal"].as_array()?;
+                    let failed = journal.iter().find(|e| e["name"] == OPERATED_STEP && e["status"] == "failed")?;
+                    return failed["seq"].as_u64();
+                }
+                Some("pending" | "running" | "sleeping" | "waiting" | "compensating") => {
+                    tokio::time::sleep(OPERATOR_POLL).await
+                }
+                _ => return None,
+            }
+        }
+        None
+    }
 }
 
 /// POST `body` to `path` of `process`, counting the request in `stats`: the status and the
@@ -1469,7 +1629,9 @@ impl StartSender<'_> {
                         }
                         Acknowledged::Start { process: p, .. }
                         | Acknowledged::Advance { process: p, .. }
-                        | Acknowledged::Cancel { process: p, .. } => *p = process,
+                        | Acknowledged::Cancel { process: p, .. }
+                        | Acknowledged::Operated { process: p, .. }
+                        | Acknowledged::Control { process: p, .. } => *p = process,
                     }
                     let _ = self.ledger.send(entry);
                     return true;
@@ -1487,7 +1649,9 @@ fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
     | Acknowledged::Batch { at_ms, .. }
     | Acknowledged::Waiter { at_ms, .. }
     | Acknowledged::Advance { at_ms, .. }
-    | Acknowledged::Cancel { at_ms, .. }) = &mut entry;
+    | Acknowledged::Cancel { at_ms, .. }
+    | Acknowledged::Operated { at_ms, .. }
+    | Acknowledged::Control { at_ms, .. }) = &mut entry;
     *at_ms = at;
     entry
 }
@@ -1503,6 +1667,19 @@ fn waiter_start(rng: &mut StdRng, run_id: String) -> (Value, Acknowledged) {
     });
     let body = json!({"workflow": SLEEPY_ORDER, "run_id": run_id, "input": input});
     (body, Acknowledged::Waiter { run_id, quantity, process: 0, at_ms: 0 })
+}
+
+/// An operated order: a `sleepy_order` of the chaos SKU (1..=3 units) whose charge fails
+/// retryably [`OPERATED_FLAKY_ATTEMPTS`] times, more than its attempts: it fails with its
+/// reservation held, for an operator to decide ([`Operator::operate`]).
+fn operated_start(rng: &mut StdRng, run_id: String, process: usize) -> (Value, Acknowledged) {
+    let quantity = rng.gen_range(1..=3_i64);
+    let input = json!({
+        "order_id": run_id, "sku": SKU, "quantity": quantity, "amount": 100 * quantity,
+        "flaky_attempts": OPERATED_FLAKY_ATTEMPTS,
+    });
+    let body = json!({"workflow": SLEEPY_ORDER, "run_id": run_id, "input": input});
+    (body, Acknowledged::Operated { run_id, quantity, process, at_ms: 0 })
 }
 
 /// An `order_saga` input of the chaos SKU with its id, 1..=3 units, and what it must do: 10% fail
@@ -2015,21 +2192,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     let mut stats = ClientStats::default();
     for task in tasks {
         let one = runtime.block_on(task).map_err(|e| Error::Invariant(format!("a chaos client panicked: {e}")))?;
-        stats.requests += one.requests;
-        for (status, n) in one.by_status {
-            *stats.by_status.entry(status).or_default() += n;
-        }
-        stats.connection_errors += one.connection_errors;
-        stats.advances += one.advances;
-        stats.starts += one.starts;
-        stats.batches += one.batches;
-        stats.waiters += one.waiters;
-        stats.cancels += one.cancels;
-        stats.cancels_unanswered += one.cancels_unanswered;
-        stats.unexpected += one.unexpected;
-        if one.last_unexpected.is_some() {
-            stats.last_unexpected = one.last_unexpected;
-        }
+        stats.merge(one);
     }
     let written =
         runtime.block_on(writer).map_err(|e| Error::Invariant(format!("the ledger writer panicked: {e}")))??;
@@ -2165,13 +2328,15 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         },
         "operations": {
             "requests": stats.requests,
-            "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters + stats.cancels,
+            "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters + stats.cancels + stats.controls,
             "advances": stats.advances,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
             "cancels": stats.cancels,
             "cancels_unanswered": stats.cancels_unanswered,
+            "controls": stats.controls,
+            "controls_unanswered": stats.controls_unanswered,
             "ledger_entries": written,
             "lost": report.counts["lost"],
             "applied_twice": report.counts["applied_twice"],
