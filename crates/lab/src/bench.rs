@@ -29,6 +29,7 @@ use tidemark_store_sqlite::{probe, Durability, SqliteEndpoints, SqliteProducer};
 use crate::pipeline::Pipeline;
 use crate::Context;
 
+mod hostile;
 mod pg_pipeline;
 mod postgres;
 mod relay_to;
@@ -173,6 +174,21 @@ pub struct BenchArgs {
     /// endpoint that accepts connections and never answers, against the first one's rate alone.
     #[arg(long, requires = "relay_to")]
     black_hole: bool,
+    /// Measure what slow clients cost the others: a `tidemark serve` child's latency to measured
+    /// clients and to new connections, quiet and then under --slow-clients connections that never
+    /// finish their request head, with the shipped limits and with a per-address limit. Uses
+    /// --slow-clients, --slow-addresses, --hostile-seconds, --dir, --quick and --durability.
+    #[arg(long, conflicts_with_all = ["workflows", "serve", "relay_to"])]
+    hostile: bool,
+    /// --hostile: slow connections (0..=20,000).
+    #[arg(long, default_value_t = 2_000)]
+    slow_clients: usize,
+    /// --hostile: the loopback addresses they come from, 127.0.0.2 upwards (1..=60,000).
+    #[arg(long, default_value_t = 200)]
+    slow_addresses: usize,
+    /// --hostile: seconds of each phase (1..=3,600).
+    #[arg(long, default_value_t = 20)]
+    hostile_seconds: u64,
 }
 
 /// How many operations share one transaction in each stage.
@@ -825,6 +841,23 @@ pub fn run_serve(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Re
     Ok(out)
 }
 
+/// `--hostile`, with the server started by `command`.
+pub fn run_hostile(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Result<Value> {
+    let mut params =
+        hostile::Params { slow: args.slow_clients, addresses: args.slow_addresses, phase_s: args.hostile_seconds };
+    if args.quick {
+        hostile::quick(&mut params);
+    }
+    check_range("--slow-clients", params.slow as u64, 0, 20_000)?;
+    check_range("--slow-addresses", params.addresses as u64, 1, 60_000)?;
+    check_range("--hostile-seconds", params.phase_s, 1, 3_600)?;
+    let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
+    let dir = bench_dir(args, temp.path())?;
+    let mut out = hostile::run(&dir, ctx.durability, &params, command)?;
+    out["params"]["files_kept"] = json!(args.dir.is_some());
+    Ok(out)
+}
+
 /// `--relay-to`, with the servers started by `command`.
 pub fn run_relay_to(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Result<Value> {
     let mut params = relay_to::Params {
@@ -857,6 +890,9 @@ pub fn run_relay_to(ctx: &Context, args: &BenchArgs, command: &ServerCommand) ->
 pub fn run(ctx: &Context, mut args: BenchArgs) -> Result<Value> {
     if args.serve {
         return run_serve(ctx, &args, &ServerCommand::this_binary()?);
+    }
+    if args.hostile {
+        return run_hostile(ctx, &args, &ServerCommand::this_binary()?);
     }
     if args.relay_to.is_some() {
         return run_relay_to(ctx, &args, &ServerCommand::this_binary()?);
@@ -1178,6 +1214,10 @@ mod tests {
             nats: String::new(),
             amqp: String::new(),
             black_hole: false,
+            hostile: false,
+            slow_clients: 2_000,
+            slow_addresses: 200,
+            hostile_seconds: 20,
             store: None,
             hold_transaction: false,
             pgbench_seconds: 0,
@@ -1254,6 +1294,10 @@ mod tests {
             nats: String::new(),
             amqp: String::new(),
             black_hole: false,
+            hostile: false,
+            slow_clients: 2_000,
+            slow_addresses: 200,
+            hostile_seconds: 20,
             store: None,
             hold_transaction: false,
             pgbench_seconds: 0,

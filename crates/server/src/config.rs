@@ -153,10 +153,17 @@ pub struct LimitsConfig {
     /// Largest request head (request line and headers), in bytes (8,192..=1,048,576): a larger
     /// one is answered 431 and the connection closed.
     pub header_bytes_max: usize,
-    /// Open client connections at most (1..=100,000): once that many are open, new ones wait in
-    /// the listen backlog until one closes (a connection idle past `header_read_timeout_ms`
-    /// closes by itself).
+    /// Open client connections at most (1..=100,000): once that many are open, a new one waits
+    /// until one closes (a connection idle past `header_read_timeout_ms` closes by itself, and
+    /// sooner while a new one waits: `busy_header_timeout_ms`).
     pub connections_max: usize,
+    /// While every connection slot is taken and a new connection waits for one: how long a
+    /// connection may go without a request being served and without writing, in ms (100..=600,000;
+    /// the shorter of it and `header_read_timeout_ms` applies), before it is closed to make room.
+    /// A connection whose request is being served is never closed for it. So slow clients, from
+    /// however many addresses, hold a new client back about this long, not a header timeout per
+    /// slow client ahead of it.
+    pub busy_header_timeout_ms: u64,
     /// Open connections from one client address at most (0..=100,000; 0, the default: no bound
     /// but `connections_max`): a connection past it is answered 429 `rate_limited` and closed at
     /// once, so one address cannot take every slot. Behind a reverse proxy every client has the
@@ -319,6 +326,7 @@ impl Default for LimitsConfig {
             header_read_timeout_ms: 10_000,
             header_bytes_max: 64 * 1024,
             connections_max: 1_024,
+            busy_header_timeout_ms: 1_000,
             connections_per_address_max: 0,
         }
     }
@@ -457,6 +465,7 @@ impl Config {
         range("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms as i128, 100, 600_000)?;
         range("limits.header_bytes_max", self.limits.header_bytes_max as i128, 8_192, 1_048_576)?;
         range("limits.connections_max", self.limits.connections_max as i128, 1, 100_000)?;
+        range("limits.busy_header_timeout_ms", self.limits.busy_header_timeout_ms as i128, 100, 600_000)?;
         range("limits.connections_per_address_max", self.limits.connections_per_address_max as i128, 0, 100_000)?;
         range("limits.page_size_max", self.limits.page_size_max as i128, 1, PAGE_SIZE_MAX as i128)?;
         range("limits.group_commit_max", self.limits.group_commit_max as i128, 1, 10_000)?;
@@ -867,6 +876,17 @@ mod tests {
         let error = load_text("[limits]\nconnections_per_address_max = 100001\n").unwrap_err();
         assert!(error.to_string().contains("limits.connections_per_address_max"), "{error}");
         assert!(load_text("[limits]\nconnections_per_address_max = -1\n").is_err());
+    }
+
+    #[test]
+    fn the_busy_header_timeout_is_a_second_by_default_and_bounded() {
+        assert_eq!(load_text("").unwrap().limits.busy_header_timeout_ms, 1_000);
+        assert_eq!(load_text("[limits]\nbusy_header_timeout_ms = 100\n").unwrap().limits.busy_header_timeout_ms, 100);
+        for bad in ["99", "600001"] {
+            let error = load_text(&format!("[limits]\nbusy_header_timeout_ms = {bad}\n")).unwrap_err();
+            assert_eq!(error.code(), codes::INVALID_CONFIG);
+            assert!(error.to_string().contains("limits.busy_header_timeout_ms"), "{error}");
+        }
     }
 
     #[test]

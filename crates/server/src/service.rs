@@ -235,12 +235,13 @@ async fn serve_connections(
     let permits = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.connections_max));
     let per_address =
         (limits.connections_per_address_max > 0).then(|| AddressSlots::new(limits.connections_per_address_max));
+    // True while an accepted connection waits for a slot: every connection then closes once it
+    // has gone `busy_header_timeout_ms` without a request being served and without writing.
+    let (busy, busy_seen) = tokio::sync::watch::channel(false);
+    let idle_limit = Duration::from_millis(limits.header_read_timeout_ms);
+    let busy_limit = Duration::from_millis(limits.busy_header_timeout_ms.min(limits.header_read_timeout_ms));
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let permit = tokio::select! {
-            () = &mut shutdown => break,
-            permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
-        };
         let (stream, peer) = tokio::select! {
             () = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
@@ -265,16 +266,30 @@ async fn serve_connections(
                 }
             },
         };
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // Every slot taken: the idle ones make room (see `Activity::idle_while_busy`).
+                busy.send_replace(true);
+                let permit = tokio::select! {
+                    () = &mut shutdown => break,
+                    permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+                };
+                busy.send_replace(false);
+                permit
+            }
+        };
         let _ = stream.set_nodelay(true);
         let (io, activity) = IdleWatch::new(stream);
-        let service = TowerToHyperService::new(app.clone());
+        let service = TowerToHyperService::new(Served { inner: app.clone(), activity: activity.clone() });
         let connection = graceful.watch(builder.serve_connection_with_upgrades(TokioIo::new(io), service).into_owned());
-        let idle_limit = Duration::from_millis(limits.header_read_timeout_ms);
+        let busy_seen = busy_seen.clone();
         tokio::spawn(async move {
             // A connection's end (the client went away, a timeout, a protocol error) is its own.
             tokio::select! {
                 _ = connection => {}
                 () = activity.idle_for(idle_limit) => {}
+                () = activity.idle_while_busy(busy_seen, busy_limit) => {}
             }
             drop((permit, address_slot));
         });
@@ -352,11 +367,56 @@ struct IdleWatch {
     activity: std::sync::Arc<Activity>,
 }
 
-/// When a connection last read and wrote, in ms after it opened.
+/// When a connection last read and wrote, in ms after it opened, and how many of its requests
+/// the service is handling.
 struct Activity {
     opened: std::time::Instant,
     read_ms: std::sync::atomic::AtomicU64,
     written_ms: std::sync::atomic::AtomicU64,
+    in_service: std::sync::atomic::AtomicUsize,
+}
+
+/// The application as one connection's service: it counts the connection's requests being
+/// handled (from the call to the response's head), which a busy server never closes.
+#[derive(Clone)]
+struct Served {
+    inner: axum::Router,
+    activity: std::sync::Arc<Activity>,
+}
+
+/// One request of a connection being handled; counted while it lives.
+struct InService(std::sync::Arc<Activity>);
+
+impl Drop for InService {
+    fn drop(&mut self) {
+        self.0.in_service.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl<B> tower::Service<axum::http::Request<B>> for Served
+where
+    B: axum::body::HttpBody<Data = axum::body::Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+{
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future =
+        std::pin::Pin<Box<dyn Future<Output = Result<axum::response::Response, std::convert::Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        tower::Service::<axum::http::Request<B>>::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, request: axum::http::Request<B>) -> Self::Future {
+        self.activity.in_service.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let counted = InService(self.activity.clone());
+        let answer = tower::Service::call(&mut self.inner, request);
+        Box::pin(async move {
+            let answer = answer.await;
+            drop(counted);
+            answer
+        })
+    }
 }
 
 impl IdleWatch {
@@ -365,6 +425,7 @@ impl IdleWatch {
             opened: std::time::Instant::now(),
             read_ms: std::sync::atomic::AtomicU64::new(0),
             written_ms: std::sync::atomic::AtomicU64::new(0),
+            in_service: std::sync::atomic::AtomicUsize::new(0),
         });
         (IdleWatch { stream, activity: activity.clone() }, activity)
     }
@@ -388,6 +449,29 @@ impl Activity {
                 Some(since) => limit_ms - self.now_ms().saturating_sub(since),
                 None => limit_ms,
             };
+            tokio::time::sleep(Duration::from_millis(wait_ms.max(1))).await;
+        }
+    }
+}
+
+impl Activity {
+    /// Resolves once the server is busy (`busy` true: a new connection waits for a slot) and
+    /// this connection has gone `limit` without a request being served and without writing
+    /// (since it opened, or since its last write: a client trickling a head, or a kept-alive
+    /// one between requests). Never while the server is not busy.
+    async fn idle_while_busy(&self, mut busy: tokio::sync::watch::Receiver<bool>, limit: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let limit_ms = limit.as_millis() as u64;
+        loop {
+            if busy.wait_for(|busy| *busy).await.is_err() {
+                // The accept loop ended: the graceful shutdown closes what is left.
+                return std::future::pending().await;
+            }
+            let quiet_ms = self.now_ms().saturating_sub(self.written_ms.load(Relaxed));
+            if self.in_service.load(Relaxed) == 0 && quiet_ms >= limit_ms {
+                return;
+            }
+            let wait_ms = if quiet_ms < limit_ms { limit_ms - quiet_ms } else { limit_ms };
             tokio::time::sleep(Duration::from_millis(wait_ms.max(1))).await;
         }
     }

@@ -1,7 +1,8 @@
 //! Hostile clients against a real `tidemark serve` over real TCP: a client that trickles its
 //! headers (or sends nothing) is closed after `limits.header_read_timeout_ms`, a request head
 //! over `limits.header_bytes_max` is answered 431, and past `limits.connections_max` open
-//! connections a new one waits until a slot frees, and past `limits.connections_per_address_max`
+//! connections a new one waits until a slot frees (a busy server closes a connection idle for
+//! `limits.busy_header_timeout_ms` to free one, never one being served), and past `limits.connections_per_address_max`
 //! a connection from that address is answered 429 and closed; meanwhile other clients are served.
 //! Every wait here is a bounded loop; no assertion is about how fast anything is.
 
@@ -94,6 +95,8 @@ fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
             ("TIDEMARK_AUTH__MODE", "none"),
             ("TIDEMARK_LIMITS__CONNECTIONS_MAX", "2"),
             ("TIDEMARK_LIMITS__HEADER_READ_TIMEOUT_MS", "60000"),
+            // A busy server's own closing of idle connections is the next test's.
+            ("TIDEMARK_LIMITS__BUSY_HEADER_TIMEOUT_MS", "60000"),
         ],
     );
     // Two idle connections take both slots (accepted: the server reads from them).
@@ -116,6 +119,54 @@ fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(held);
+}
+
+#[test]
+fn a_busy_server_closes_an_idle_connection_for_a_new_one_and_never_one_being_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        &dir.path().join("data"),
+        &[],
+        &[
+            ("TIDEMARK_AUTH__MODE", "none"),
+            ("TIDEMARK_LIMITS__CONNECTIONS_MAX", "2"),
+            ("TIDEMARK_LIMITS__HEADER_READ_TIMEOUT_MS", "60000"),
+            ("TIDEMARK_LIMITS__BUSY_HEADER_TIMEOUT_MS", "300"),
+        ],
+    );
+    // A run due in an hour, whose result a long poll waits for (its request in service).
+    let start = serde_json::json!({
+        "workflow": "order_saga", "run_id": "later", "start_at_ms": tidemark_engine::now_ms() + 3_600_000,
+        "input": {"order_id": "later", "sku": "widget", "quantity": 1, "amount": 100},
+    });
+    let (status, answer) = server.call("POST", "/v1/runs", None, Some(&start));
+    assert_eq!(status, 201, "{answer}");
+    let mut polling = connect(&server);
+    polling
+        .write_all(b"GET /v1/runs/later/result?wait_ms=3000 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    // An idle connection takes the other slot.
+    let mut idle = connect(&server);
+    std::thread::sleep(Duration::from_millis(200));
+    // A new client: the busy server closes the idle connection to serve it...
+    let mut third = connect(&server);
+    third.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    third.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
+    let mut answer = Vec::new();
+    let _ = third.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    idle.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
+    let mut nothing = Vec::new();
+    let closed = idle.read_to_end(&mut nothing);
+    assert!(closed.is_ok() && nothing.is_empty(), "the idle connection was closed, sent nothing: {closed:?}");
+    // ...and never the long poll, whose request was being served: it gets its answer (202, the
+    // run has not ended).
+    polling.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
+    let mut answer = Vec::new();
+    let _ = polling.read_to_end(&mut answer);
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
 }
 
 /// A connection from `local` (a loopback address of its own, so that the server sees another
@@ -212,5 +263,46 @@ fn past_the_per_address_limit_a_connection_is_answered_429_and_other_addresses_a
         assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
         assert!(began.elapsed() < CLOSE_WAIT, "the address's slots were not given back");
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `tidemark bench --hostile --quick`: two servers (the shipped limits, and a per-address limit
+/// of 4), each measured quiet and under 40 slow clients from 4 addresses. Every measured request
+/// and every probe is answered; the shipped limits hold all 40 slow connections, the per-address
+/// limit refuses (429) those past 4 per address and so holds fewer sockets. Counts only: the
+/// latencies are the benchmark's report, not asserted.
+#[test]
+fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the_excess() {
+    let r = crate::support::run(&["bench", "--hostile", "--quick"]);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["check"]["passed"], true, "{report:#}");
+    let [shipped, per_address] = [&report["runs"][0], &report["runs"][1]];
+    assert_eq!(shipped["server"], "shipped_limits");
+    assert_eq!(per_address["server"], "per_address_limit");
+    assert_eq!(per_address["limits"]["connections_per_address_max"], 4);
+    for run in [shipped, per_address] {
+        for phase in ["quiet", "slow"] {
+            let measured = &run[phase]["measured_clients"];
+            assert!(measured["requests"].as_u64().unwrap() > 0, "{phase}: {run:#}");
+            assert_eq!(measured["errors"], 0, "{phase}: {run:#}");
+            let probes = &run[phase]["probes"];
+            assert!(probes["sent"].as_u64().unwrap() > 0, "{phase}: {run:#}");
+            assert_eq!(probes["unanswered"], 0, "{phase}: {run:#}");
+        }
+        assert_eq!(run["stop"]["exit_code"], 0, "{run:#}");
+    }
+    let slow = |run: &serde_json::Value, field: &str| run["slow"]["slow_clients"][field].as_u64().unwrap();
+    assert_eq!(slow(shipped, "refused_429_in_phase"), 0, "{shipped:#}");
+    assert_eq!(slow(shipped, "open_at_least"), 40, "{shipped:#}");
+    assert!(slow(per_address, "refused_429_in_phase") > 0, "{per_address:#}");
+    let sockets = |run: &serde_json::Value| run["slow"]["server"]["sockets_max"].as_u64().unwrap();
+    assert!(sockets(per_address) < sockets(shipped), "{report:#}");
+
+    // Out of range: a typed error, nothing started.
+    for args in [["--slow-clients", "20001"], ["--slow-addresses", "0"], ["--hostile-seconds", "0"]] {
+        let bad = crate::support::run(&["bench", "--hostile", args[0], args[1]]);
+        assert_eq!(bad.code, 2, "{args:?}: {}\n{}", bad.stdout, bad.stderr);
+        assert_eq!(bad.json["error"]["code"], "invalid_argument", "{args:?}: {}", bad.stdout);
     }
 }

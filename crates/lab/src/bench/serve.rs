@@ -265,7 +265,7 @@ fn cpu_json(
     Value::Object(threads)
 }
 
-fn percentile_ms(sorted_us: &[u32], q: f64) -> f64 {
+pub(super) fn percentile_ms(sorted_us: &[u32], q: f64) -> f64 {
     if sorted_us.is_empty() {
         return 0.0;
     }
@@ -316,7 +316,7 @@ struct Target {
 /// two cores as the server can afford (a general-purpose client costs several times the CPU per
 /// request, taken from the server it measures). Answers must carry a `Content-Length` (the
 /// server's JSON answers do). `tokio::net` is enabled by the server crate this one depends on.
-struct Connection {
+pub(super) struct Connection {
     stream: tokio::net::TcpStream,
     buffer: Vec<u8>,
 }
@@ -326,8 +326,20 @@ fn bad_answer(message: &str) -> std::io::Error {
 }
 
 impl Connection {
-    async fn open(addr: &str) -> std::io::Result<Connection> {
-        let stream = tokio::net::TcpStream::connect(addr).await?;
+    pub(super) async fn open(addr: &str) -> std::io::Result<Connection> {
+        Connection::over(tokio::net::TcpStream::connect(addr).await?)
+    }
+
+    /// A connection to `addr` (`ip:port`) from the local address `from`.
+    pub(super) async fn open_from(addr: &str, from: std::net::IpAddr) -> std::io::Result<Connection> {
+        let to: std::net::SocketAddr =
+            addr.parse().map_err(|_| bad_answer(&format!("{addr:?} is no ip:port address")))?;
+        let socket = if from.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        socket.bind(std::net::SocketAddr::new(from, 0))?;
+        Connection::over(socket.connect(to).await?)
+    }
+
+    fn over(stream: tokio::net::TcpStream) -> std::io::Result<Connection> {
         stream.set_nodelay(true)?;
         Ok(Connection { stream, buffer: Vec::with_capacity(4096) })
     }
@@ -363,7 +375,7 @@ impl Connection {
 
     /// Send one request (`head`: the request line and headers, each ending in CRLF) and read
     /// its answer: `(status, body)`.
-    async fn request(&mut self, head: &str, body: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
+    pub(super) async fn request(&mut self, head: &str, body: &[u8]) -> std::io::Result<(u16, Vec<u8>)> {
         let mut request = Vec::with_capacity(head.len() + body.len() + 32);
         request.extend_from_slice(head.as_bytes());
         request.extend_from_slice(format!("Content-Length: {}\r\n\r\n", body.len()).as_bytes());
@@ -457,7 +469,7 @@ async fn set_stock(target: &Target, quantity: u64) -> Result<()> {
     Ok(())
 }
 
-fn config_toml(data: &Path, durability: Durability, in_flight: usize, store: Option<&str>) -> String {
+pub(super) fn config_toml(data: &Path, durability: Durability, in_flight: usize, store: Option<&str>) -> String {
     // TOML basic strings: escape backslashes and quotes.
     let quoted = |text: &str| format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""));
     // On PostgreSQL the server's own durability applies (`durability` is the files').
