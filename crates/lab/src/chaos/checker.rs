@@ -39,18 +39,24 @@ const CHAIN_RUNS_MAX: usize = 1_000;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Acknowledged {
-    /// `POST /v1/flows/{flow}/advance` answered 200 `committed`.
+    /// `POST /v1/flows/{flow}/advance` answered 200 `committed`, or (`stream`) `POST
+    /// /v1/streams/{flow}/events` of the event such an advance commits (`reservation.<state>`,
+    /// `{"amount": quantity}`), checked the same way.
     Advance {
-        /// The reservation flow.
+        /// The reservation flow (or stream).
         flow_id: String,
         /// The seq the server answered.
         seq: i64,
         /// The event id the server answered.
         event_id: String,
-        /// The state the flow moved to (`reserved`, `confirmed`, `released`).
+        /// The state the flow moved to (`reserved`, `confirmed`, `released`), or the state of
+        /// the event appended.
         state: String,
         /// The reservation's quantity.
         quantity: i64,
+        /// An append to an event stream, not an advance.
+        #[serde(default)]
+        stream: bool,
         /// The process (0-based) that answered.
         process: usize,
         /// When, in ms after the workload started.
@@ -207,6 +213,8 @@ pub struct CheckReport {
     pub listed: Vec<String>,
     /// Acknowledged advances in the ledger.
     pub advances: u64,
+    /// Of the advances, the appends to event streams.
+    pub appends: u64,
     /// Acknowledged run starts in the ledger.
     pub starts: u64,
     /// Acknowledged batch starts in the ledger.
@@ -280,6 +288,7 @@ impl CheckReport {
             "first_violations": listed,
             "ledger": {
                 "advances": self.advances,
+                "appends": self.appends,
                 "starts": self.starts,
                 "batches": self.batches,
                 "waiters": self.waiters,
@@ -735,8 +744,9 @@ fn check_events(
     let by_key: HashMap<(&str, i64), (i64, &str)> =
         outbox.iter().map(|(p, f, s, e)| ((f.as_str(), *s), (*p, e.as_str()))).collect();
     for entry in ledger {
-        if let Acknowledged::Advance { flow_id, seq, event_id, process, .. } = entry {
+        if let Acknowledged::Advance { flow_id, seq, event_id, process, stream, .. } = entry {
             report.advances += 1;
+            report.appends += u64::from(*stream);
             match by_key.get(&(flow_id.as_str(), *seq)) {
                 Some((_, found)) if *found == event_id.as_str() => {}
                 Some((_, found)) => report.violation(

@@ -38,6 +38,7 @@ use proxy::{Link, Proxy};
 use schedule::{Fault, FaultKind, IoErrorMode, PartitionMode};
 
 use crate::loadtest::{write_ledger, FLOW_STATES};
+use tidemark_core::reservation::event_type_for;
 
 /// The tenant every request acts in (`auth.mode = "none"`, `auth.dev_tenant`).
 pub const TENANT: &str = "chaos";
@@ -94,6 +95,12 @@ const OPERATED_STEP: &str = "charge_payment";
 /// The longest pause between an operated order's acknowledgement and its abandon (the run is
 /// usually still trying its charge then).
 const ABANDON_DELAY_MS_MAX: u64 = 600;
+/// The controls of a client's operated orders in turn (retry 7, skip 6, fork 3, abandon 4 in
+/// 20), client `i` starting at `5 i`: the first operated orders of four clients get the four.
+const OPERATOR_TURNS: [&str; 20] = [
+    "retry", "skip", "fork", "abandon", "retry", "skip", "retry", "abandon", "skip", "retry", "fork", "skip", "retry",
+    "abandon", "skip", "abandon", "fork", "retry", "skip", "retry",
+];
 /// How often an operator reads an operated run while it waits for the run to fail.
 const OPERATOR_POLL: Duration = Duration::from_millis(200);
 /// The pause before a start is sent again.
@@ -1241,6 +1248,8 @@ struct ClientStats {
     /// Cancels answered 2xx, and those not answered (or answered 5xx: they may have committed).
     cancels: u64,
     cancels_unanswered: u64,
+    /// Of the advances, the appends to event streams.
+    appends: u64,
     /// Operator controls known to have committed, and those that may have.
     controls: u64,
     controls_unanswered: u64,
@@ -1257,6 +1266,7 @@ impl ClientStats {
         }
         self.connection_errors += one.connection_errors;
         self.advances += one.advances;
+        self.appends += one.appends;
         self.starts += one.starts;
         self.batches += one.batches;
         self.waiters += one.waiters;
@@ -1271,11 +1281,13 @@ impl ClientStats {
     }
 }
 
-/// A reservation flow a client owns: it always knows the expected seq.
+/// A reservation flow a client owns: it always knows the expected seq. One in four is an event
+/// stream instead, whose appends carry the same reservation events.
 struct OwnedFlow {
     flow_id: String,
     seq: i64,
     quantity: i64,
+    stream: bool,
 }
 
 /// Turns a 2xx answer (and its time, ms after the start) into what it acknowledged, if it did.
@@ -1348,15 +1360,29 @@ async fn client(
         } else {
             let owned = flow.get_or_insert_with(|| {
                 flows += 1;
+                let stream = rng.gen_range(0..4) == 0;
                 OwnedFlow {
-                    flow_id: format!("c{}-f{index}-{flows}", shared.seed),
+                    flow_id: format!("c{}-{}{index}-{flows}", shared.seed, if stream { "s" } else { "f" }),
                     seq: 0,
                     quantity: rng.gen_range(1..=5),
+                    stream,
                 }
             });
             let state = FLOW_STATES[owned.seq as usize];
-            let body = json!({"expected_seq": owned.seq, "to": state, "quantity": owned.quantity});
-            let (flow_id, quantity) = (owned.flow_id.clone(), owned.quantity);
+            let (flow_id, quantity, stream) = (owned.flow_id.clone(), owned.quantity, owned.stream);
+            let (path, body) = if stream {
+                // The event an advance to `state` commits, appended to a plain stream: half of
+                // the appends name the seq they follow, the others go at whatever seq is next
+                // (the answer says which; the client alone writes the stream).
+                let mut body = json!({"event_type": event_type_for(state), "payload": {"amount": quantity}});
+                if rng.gen_bool(0.5) {
+                    body["expected_seq"] = json!(owned.seq);
+                }
+                (format!("/v1/streams/{flow_id}/events"), body)
+            } else {
+                let body = json!({"expected_seq": owned.seq, "to": state, "quantity": quantity});
+                (format!("/v1/flows/{flow_id}/advance"), body)
+            };
             let accept = move |answer: &Value, at_ms: u64| -> Option<Acknowledged> {
                 if answer["outcome"] != "committed" || answer["flow_id"] != flow_id.as_str() {
                     return None;
@@ -1367,11 +1393,12 @@ async fn client(
                     event_id: answer["event_id"].as_str()?.to_string(),
                     state: state.into(),
                     quantity,
+                    stream,
                     process,
                     at_ms,
                 })
             };
-            (format!("/v1/flows/{}/advance", owned.flow_id), body, Box::new(accept))
+            (path, body, Box::new(accept))
         };
         let Some((status, answer)) = post(&http, &shared, &mut stats, process, &path, &body, &[]).await else {
             // No answer: whether it committed is unknown, so the flow is given up.
@@ -1391,15 +1418,17 @@ async fn client(
                 };
                 if let Acknowledged::Operated { run_id, .. } = &entry {
                     let operator = Operator { http: http.clone(), shared: shared.clone(), ledger: ledger.clone() };
+                    let action = OPERATOR_TURNS[(index * 5 + operators.len()) % OPERATOR_TURNS.len()];
                     let rng = StdRng::seed_from_u64(rng.gen());
-                    operators.push(tokio::spawn(operator.operate(run_id.clone(), rng)));
+                    operators.push(tokio::spawn(operator.operate(run_id.clone(), action, rng)));
                 }
                 match &entry {
                     Acknowledged::Start { .. } | Acknowledged::Operated { .. } => stats.starts += 1,
                     Acknowledged::Batch { .. } => stats.batches += 1,
                     Acknowledged::Waiter { .. } | Acknowledged::Cancel { .. } | Acknowledged::Control { .. } => {}
-                    Acknowledged::Advance { .. } => {
+                    Acknowledged::Advance { stream, .. } => {
                         stats.advances += 1;
+                        stats.appends += u64::from(*stream);
                         if let Some(owned) = flow.as_mut() {
                             owned.seq += 1;
                             if owned.seq as usize == FLOW_STATES.len() {
@@ -1470,19 +1499,13 @@ struct Operator {
 }
 
 impl Operator {
-    /// Control the operated order `run_id` as an operator would, chosen from `rng`: retry (7 in
-    /// 20), skip its charge (6 in 20) or fork it from its charge (3 in 20) once it failed, or
-    /// abandon it (4 in 20) a moment after its start, while it runs. Nothing is sent when the
-    /// run ends otherwise first (a crash spared it an attempt and it completed) or the workload
-    /// stops before it failed.
-    async fn operate(self, run_id: String, mut rng: StdRng) -> ClientStats {
+    /// Control the operated order `run_id` as an operator would: `retry`, `skip` its charge or
+    /// `fork` it from its charge once it failed, or `abandon` it a moment after its start, while
+    /// it runs (the process and the moment from `rng`). Nothing is sent when the run ends
+    /// otherwise first (a crash spared it an attempt and it completed) or the workload stops
+    /// before it failed.
+    async fn operate(self, run_id: String, action: &'static str, mut rng: StdRng) -> ClientStats {
         let mut stats = ClientStats::default();
-        let action = match rng.gen_range(0..20) {
-            0..=6 => "retry",
-            7..=12 => "skip",
-            13..=15 => "fork",
-            _ => "abandon",
-        };
         let process = rng.gen_range(0..self.shared.bases.len());
         let reason = format!("chaos: {action} by its operator");
         let (body, new_run_id) = if action == "abandon" {
@@ -2330,6 +2353,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "requests": stats.requests,
             "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters + stats.cancels + stats.controls,
             "advances": stats.advances,
+            "appends": stats.appends,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
