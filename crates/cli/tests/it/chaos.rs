@@ -418,7 +418,7 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
 }
 
 #[test]
-fn chaos_checker_holds_operated_orders_to_their_operators_controls() {
+fn chaos_checker_holds_operated_orders_to_their_operators_controls_and_poison_events_to_their_skips() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let r = chaos(&out, 7, 3, 0);
@@ -499,6 +499,36 @@ fn chaos_checker_holds_operated_orders_to_their_operators_controls() {
         listed.contains(&format!("order {}: charged 1, refunded 0; its end leaves (0, 0)", id(&skipped))),
         "{listed}"
     );
+
+    // Two poison events `shipping` skipped: one made blocked again (not skipped yet: the
+    // system has not converged), one made applied (its handler cannot decode one).
+    assert!(bad.json["check"]["poison_skipped"].as_u64().unwrap() >= 2, "{}", bad.stdout);
+    let inbox = rusqlite::Connection::open(tenant.join("inbox.db")).expect("inbox.db");
+    let poison: Vec<String> = inbox
+        .prepare(
+            "SELECT event_id FROM inbox WHERE consumer_id = 'shipping' AND status = 'skipped'
+             AND flow_id LIKE 'c7-p%' ORDER BY event_id LIMIT 2",
+        )
+        .unwrap()
+        .query_map([], |row| row.get(0))
+        .unwrap()
+        .collect::<rusqlite::Result<_>>()
+        .unwrap();
+    assert_eq!(poison.len(), 2, "{}", bad.stdout);
+    for (event_id, status) in poison.iter().zip(["blocked", "applied"]) {
+        inbox
+            .execute(
+                "UPDATE inbox SET status = ?2 WHERE consumer_id = 'shipping' AND event_id = ?1",
+                [event_id, status],
+            )
+            .expect("change a poison record");
+    }
+    drop(inbox);
+    let worse = check(&out);
+    let more = |kind: &str| violations(&worse.json, kind) - violations(&bad.json, kind);
+    let listed = worse.json["check"]["first_violations"].to_string();
+    assert_eq!((more("not_applied"), more("inbox_open"), more("unknown_effect")), (1, 1, 1), "{listed}");
+    assert!(listed.contains("shipping applied the poison event"), "{listed}");
 }
 
 #[test]

@@ -19,8 +19,8 @@ use serde_json::{json, Value};
 use tidemark_core::{Error, Result};
 
 use super::{
-    invalid, AUDIT_CONSUMER, QUEUE, QUEUE_CONCURRENCY_MAX, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU, STOCK, TICKS,
-    TICK_INTERVAL_MS, TICK_QUANTITY,
+    invalid, AUDIT_CONSUMER, POISON_EVENT_TYPE, QUEUE, QUEUE_CONCURRENCY_MAX, REMOTE_CONSUMER, SHIPPING_CONSUMER, SKU,
+    STOCK, TICKS, TICK_INTERVAL_MS, TICK_QUANTITY,
 };
 use tidemark_builtins::workflows::BATCH_DONE;
 
@@ -215,6 +215,8 @@ pub struct CheckReport {
     pub advances: u64,
     /// Of the advances, the appends to event streams.
     pub appends: u64,
+    /// Poison events (in the outbox, acknowledged or not) that `shipping` skipped.
+    pub poison_skipped: u64,
     /// Acknowledged run starts in the ledger.
     pub starts: u64,
     /// Acknowledged batch starts in the ledger.
@@ -298,6 +300,7 @@ impl CheckReport {
                 "controls": self.controls,
             },
             "ticks": self.ticks,
+            "poison_skipped": self.poison_skipped,
             "cancelled": self.cancelled,
             "queue_peak": self.queue_peak,
             "queue_samples": self.queue_samples,
@@ -741,6 +744,13 @@ fn check_events(
         .map(|r| Ok((r.int(0)?, r.text(1)?, r.int(2)?, r.text(3)?)))
         .collect::<Result<_>>()?;
     report.outbox_events = outbox.len() as u64;
+    // The poison events ([`POISON_EVENT_TYPE`]): `shipping` must have skipped them (blocked
+    // first: its handler cannot decode them), every other consumer applied them.
+    let poison: HashSet<String> = producer
+        .rows("SELECT event_id FROM outbox WHERE event_type = $1", &[POISON_EVENT_TYPE])?
+        .iter()
+        .map(|r| r.text(0))
+        .collect::<Result<_>>()?;
     let by_key: HashMap<(&str, i64), (i64, &str)> =
         outbox.iter().map(|(p, f, s, e)| ((f.as_str(), *s), (*p, e.as_str()))).collect();
     for entry in ledger {
@@ -808,11 +818,17 @@ fn check_events(
         let records: HashMap<(&str, i64), (&str, &str)> =
             records.iter().map(|(f, s, e, st)| ((f.as_str(), *s), (e.as_str(), st.as_str()))).collect();
         for (_, flow, seq, event_id) in &outbox {
+            let skips = consumer == SHIPPING_CONSUMER && poison.contains(event_id);
             match records.get(&(flow.as_str(), *seq)) {
                 None => report.violation("not_applied", format!("{consumer} has no inbox record of {flow}#{seq}")),
                 Some((found, _)) if *found != event_id.as_str() => report.violation(
                     "lost",
                     format!("{consumer}'s inbox holds event {found} at {flow}#{seq}; the outbox holds {event_id}"),
+                ),
+                Some((_, "skipped")) if skips => report.poison_skipped += 1,
+                Some((_, "applied")) if skips => report.violation(
+                    "unknown_effect",
+                    format!("{consumer} applied the poison event {flow}#{seq}, which its handler cannot decode"),
                 ),
                 Some((_, "applied")) => {}
                 Some((_, status)) => {
@@ -877,6 +893,7 @@ fn check_events(
     }
     for (_, flow, seq, event_id) in &outbox {
         match applied.get(event_id.as_str()).copied().unwrap_or(0) {
+            0 if poison.contains(event_id) => {}
             0 => report.violation("not_applied", format!("{SHIPPING_CONSUMER} never applied {flow}#{seq}")),
             1 => {}
             n => report.violation("applied_twice", format!("{SHIPPING_CONSUMER} applied {flow}#{seq} {n} times")),

@@ -83,6 +83,14 @@ pub(crate) const WAITER_TIMEOUT_MS: u64 = 60_000;
 const START_SENDS_MAX: usize = 40;
 /// The longest pause between a start's acknowledgement and its cancel (one start alone in eight).
 const CANCEL_DELAY_MS_MAX: u64 = 300;
+/// The event type of a poison event: a one-event stream the `reservation` handler cannot
+/// decode, so `shipping` blocks it (the `record` handler of `audit` applies it), until the
+/// harness's inbox operator skips it ([`skip_poison`]).
+pub(crate) const POISON_EVENT_TYPE: &str = "chaos.poison";
+/// One new flow of a client in this many is a poison stream.
+const POISON_ONE_IN: u32 = 12;
+/// How often the inbox operator looks for blocked poison records during the workload.
+const SKIP_POLL: Duration = Duration::from_millis(300);
 /// One start alone in this many is an operated order ([`operated_start`]), which an operator
 /// task retries, skips, forks or abandons ([`operator`]).
 const OPERATED_ONE_IN: u32 = 10;
@@ -1250,6 +1258,9 @@ struct ClientStats {
     cancels_unanswered: u64,
     /// Of the advances, the appends to event streams.
     appends: u64,
+    /// Blocked poison records the inbox operator skipped (during the workload, and during the
+    /// wait for convergence).
+    poison_skipped: u64,
     /// Operator controls known to have committed, and those that may have.
     controls: u64,
     controls_unanswered: u64,
@@ -1267,6 +1278,7 @@ impl ClientStats {
         self.connection_errors += one.connection_errors;
         self.advances += one.advances;
         self.appends += one.appends;
+        self.poison_skipped += one.poison_skipped;
         self.starts += one.starts;
         self.batches += one.batches;
         self.waiters += one.waiters;
@@ -1282,12 +1294,14 @@ impl ClientStats {
 }
 
 /// A reservation flow a client owns: it always knows the expected seq. One in four is an event
-/// stream instead, whose appends carry the same reservation events.
+/// stream instead, whose appends carry the same reservation events; one in [`POISON_ONE_IN`] a
+/// stream of one poison event.
 struct OwnedFlow {
     flow_id: String,
     seq: i64,
     quantity: i64,
     stream: bool,
+    poison: bool,
 }
 
 /// Turns a 2xx answer (and its time, ms after the start) into what it acknowledged, if it did.
@@ -1360,17 +1374,30 @@ async fn client(
         } else {
             let owned = flow.get_or_insert_with(|| {
                 flows += 1;
-                let stream = rng.gen_range(0..4) == 0;
+                let poison = rng.gen_range(0..POISON_ONE_IN) == 0;
+                let stream = poison || rng.gen_range(0..4) == 0;
+                let kind = if poison {
+                    "p"
+                } else if stream {
+                    "s"
+                } else {
+                    "f"
+                };
                 OwnedFlow {
-                    flow_id: format!("c{}-{}{index}-{flows}", shared.seed, if stream { "s" } else { "f" }),
+                    flow_id: format!("c{}-{kind}{index}-{flows}", shared.seed),
                     seq: 0,
                     quantity: rng.gen_range(1..=5),
                     stream,
+                    poison,
                 }
             });
-            let state = FLOW_STATES[owned.seq as usize];
-            let (flow_id, quantity, stream) = (owned.flow_id.clone(), owned.quantity, owned.stream);
-            let (path, body) = if stream {
+            let state = if owned.poison { "poison" } else { FLOW_STATES[owned.seq as usize] };
+            let (flow_id, stream) = (owned.flow_id.clone(), owned.stream);
+            let quantity = if owned.poison { 0 } else { owned.quantity };
+            let (path, body) = if owned.poison {
+                let body = json!({"event_type": POISON_EVENT_TYPE, "payload": {"note": "chaos"}, "expected_seq": 0});
+                (format!("/v1/streams/{flow_id}/events"), body)
+            } else if stream {
                 // The event an advance to `state` commits, appended to a plain stream: half of
                 // the appends name the seq they follow, the others go at whatever seq is next
                 // (the answer says which; the client alone writes the stream).
@@ -1431,7 +1458,7 @@ async fn client(
                         stats.appends += u64::from(*stream);
                         if let Some(owned) = flow.as_mut() {
                             owned.seq += 1;
-                            if owned.seq as usize == FLOW_STATES.len() {
+                            if owned.poison || owned.seq as usize == FLOW_STATES.len() {
                                 flow = None;
                             }
                         }
@@ -1585,6 +1612,46 @@ impl Operator {
             }
         }
         None
+    }
+}
+
+/// The harness as an inbox operator, until the workload stops: every [`SKIP_POLL`], one pass of
+/// [`skip_poison`] through a random process.
+async fn inbox_operator(http: reqwest::Client, shared: Arc<Shared>, mut rng: StdRng) -> ClientStats {
+    let mut stats = ClientStats::default();
+    while !shared.stop.load(Ordering::Relaxed) {
+        let process = rng.gen_range(0..shared.bases.len());
+        skip_poison(&http, &shared, &mut stats, process).await;
+        tokio::time::sleep(SKIP_POLL).await;
+    }
+    stats
+}
+
+/// One pass of the inbox operator through `process`: skip every record of `shipping` that is
+/// blocked and a poison event (`POST /v1/consumers/shipping/inbox/{event}/skip`; a 409, a
+/// record skipped by another pass meanwhile, is expected). Records blocked for any other reason
+/// are left for the checker to find.
+async fn skip_poison(http: &reqwest::Client, shared: &Shared, stats: &mut ClientStats, process: usize) {
+    let url = format!("{}/v1/consumers/{SHIPPING_CONSUMER}/inbox?status=blocked&limit=1000", shared.bases[process]);
+    let page = match http.get(&url).send().await {
+        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
+        Err(_) => {
+            stats.connection_errors += 1;
+            return;
+        }
+    };
+    stats.requests += 1;
+    let body = json!({"reason": "chaos: the reservation handler cannot decode a poison event"});
+    for record in page["records"].as_array().into_iter().flatten() {
+        let envelope = &record["envelope"];
+        let Some(event_id) = envelope["event_id"].as_str().filter(|_| envelope["event_type"] == POISON_EVENT_TYPE)
+        else {
+            continue;
+        };
+        let path = format!("/v1/consumers/{SHIPPING_CONSUMER}/inbox/{event_id}/skip");
+        if let Some((200, _)) = post(http, shared, stats, process, &path, &body, &[409]).await {
+            stats.poison_skipped += 1;
+        }
     }
 }
 
@@ -2190,6 +2257,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         tasks.push(runtime.spawn(client(index, http.clone(), shared.clone(), sender.clone(), rng)));
     }
     drop(sender);
+    let skipper_rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_sub(1));
+    tasks.push(runtime.spawn(inbox_operator(http.clone(), shared.clone(), skipper_rng)));
 
     // The faults, one after the other, on this thread.
     let mut injected: Vec<Value> = Vec::with_capacity(faults.len());
@@ -2251,6 +2320,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     send_all(reqwest::Method::POST, &[(format!("{}/v1/schedules/{TICKS}/pause", servers[0].base()), json!({}))])?;
     let mut converged = false;
     while restarted.elapsed() < settings.converge_timeout {
+        // The inbox operator goes on skipping what is left of the poison events.
+        runtime.block_on(skip_poison(&http, &shared, &mut stats, 0));
         if checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?.converged() {
             converged = true;
             break;
@@ -2354,6 +2425,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "acknowledged": stats.advances + stats.starts + stats.batches + stats.waiters + stats.cancels + stats.controls,
             "advances": stats.advances,
             "appends": stats.appends,
+            "poison_skipped": stats.poison_skipped,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
