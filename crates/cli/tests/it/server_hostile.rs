@@ -85,20 +85,33 @@ fn an_oversized_request_head_is_answered_431() {
     assert!(healthy(&server));
 }
 
-#[test]
-fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        &dir.path().join("data"),
+/// A server of two connection slots, a header timeout of a minute and the busy timeout given.
+fn two_slots(data: &std::path::Path, busy_header_timeout_ms: &str) -> Server {
+    Server::start(
+        data,
         &[],
         &[
             ("TIDEMARK_AUTH__MODE", "none"),
             ("TIDEMARK_LIMITS__CONNECTIONS_MAX", "2"),
             ("TIDEMARK_LIMITS__HEADER_READ_TIMEOUT_MS", "60000"),
-            // A busy server's own closing of idle connections is the next test's.
-            ("TIDEMARK_LIMITS__BUSY_HEADER_TIMEOUT_MS", "60000"),
+            ("TIDEMARK_LIMITS__BUSY_HEADER_TIMEOUT_MS", busy_header_timeout_ms),
         ],
-    );
+    )
+}
+
+/// Everything the server sends on `stream` until it closes it (bounded by `CLOSE_WAIT`).
+fn answer_of(stream: &mut TcpStream) -> String {
+    stream.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+#[test]
+fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
+    let dir = tempfile::tempdir().unwrap();
+    // A busy server's own closing of idle connections is the next test's.
+    let server = two_slots(&dir.path().join("data"), "60000");
     // Two idle connections take both slots (accepted: the server reads from them).
     let mut held: Vec<TcpStream> = (0..2).map(|_| connect(&server)).collect();
     std::thread::sleep(Duration::from_millis(300));
@@ -113,10 +126,7 @@ fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
     );
     // ...and is, once one of them closes.
     drop(held.pop());
-    third.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    let mut answer = Vec::new();
-    let _ = third.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = answer_of(&mut third);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     drop(held);
 }
@@ -124,16 +134,7 @@ fn past_the_connection_limit_a_new_connection_waits_until_a_slot_frees() {
 #[test]
 fn a_busy_server_closes_an_idle_connection_for_a_new_one_and_never_one_being_served() {
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(
-        &dir.path().join("data"),
-        &[],
-        &[
-            ("TIDEMARK_AUTH__MODE", "none"),
-            ("TIDEMARK_LIMITS__CONNECTIONS_MAX", "2"),
-            ("TIDEMARK_LIMITS__HEADER_READ_TIMEOUT_MS", "60000"),
-            ("TIDEMARK_LIMITS__BUSY_HEADER_TIMEOUT_MS", "300"),
-        ],
-    );
+    let server = two_slots(&dir.path().join("data"), "300");
     // A run due in an hour, whose result a long poll waits for (its request in service).
     let start = serde_json::json!({
         "workflow": "order_saga", "run_id": "later", "start_at_ms": tidemark_engine::now_ms() + 3_600_000,
@@ -151,10 +152,7 @@ fn a_busy_server_closes_an_idle_connection_for_a_new_one_and_never_one_being_ser
     // A new client: the busy server closes the idle connection to serve it...
     let mut third = connect(&server);
     third.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    third.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
-    let mut answer = Vec::new();
-    let _ = third.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = answer_of(&mut third);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     idle.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
     let mut nothing = Vec::new();
@@ -162,10 +160,7 @@ fn a_busy_server_closes_an_idle_connection_for_a_new_one_and_never_one_being_ser
     assert!(closed.is_ok() && nothing.is_empty(), "the idle connection was closed, sent nothing: {closed:?}");
     // ...and never the long poll, whose request was being served: it gets its answer (202, the
     // run has not ended).
-    polling.set_read_timeout(Some(CLOSE_WAIT)).unwrap();
-    let mut answer = Vec::new();
-    let _ = polling.read_to_end(&mut answer);
-    let answer = String::from_utf8_lossy(&answer);
+    let answer = answer_of(&mut polling);
     assert!(answer.starts_with("HTTP/1.1 202"), "{answer}");
 }
 
