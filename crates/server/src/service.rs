@@ -452,9 +452,7 @@ impl Activity {
             tokio::time::sleep(Duration::from_millis(wait_ms.max(1))).await;
         }
     }
-}
 
-impl Activity {
     /// Resolves once the server is busy (`busy` true: a new connection waits for a slot) and
     /// this connection has gone `limit` without a request being served and without writing
     /// (since it opened, or since its last write: a client trickling a head, or a kept-alive
