@@ -121,9 +121,12 @@ impl<B: Backend> Service<B> {
     /// Serve HTTP on `addr` and run every loop until SIGINT or SIGTERM, then shut down
     /// gracefully. Answers the shutdown report.
     pub async fn serve(self, addr: &str) -> Result<Value> {
-        let listener = tokio::net::TcpListener::bind(addr)
+        let resolved = tokio::net::lookup_host(addr)
             .await
-            .map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
+            .map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?
+            .next()
+            .ok_or_else(|| Error::io(format!("cannot listen on {addr}: it resolves to no address")))?;
+        let listener = listen(resolved)?;
         let signals = crate::shutdown_signals()?;
         self.serve_on(listener, signals).await
     }
@@ -187,9 +190,7 @@ impl<B: Backend> Service<B> {
             // Every known tenant's loops run from the start, not from its first request.
             self.start().await?;
             let signals = crate::shutdown_signals()?;
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .map_err(|e| Error::io(format!("cannot listen on {addr}: {e}")))?;
+            let listener = listen(addr)?;
             let bound = listener.local_addr().map_err(|e| Error::io(e.to_string()))?;
             println!("{}", json!({"outcome": "listening", "addr": bound.to_string(), "data_dir": config.data_dir}));
             let mut report = self.serve_on(listener, signals).await?;
@@ -298,6 +299,21 @@ async fn serve_connections(
     if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
         tracing::warn!(grace_ms = grace.as_millis() as u64, "connections still open after the grace period");
     }
+}
+
+/// Connections the kernel holds for the accept loop (capped by `net.core.somaxconn`): more than
+/// tokio's default of 1,024, so that a new client finds room behind slow ones that hold every
+/// slot and reconnect at once, instead of having its SYN dropped and sent again seconds later.
+const LISTEN_BACKLOG: u32 = 4_096;
+
+/// A listener on `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, as tokio's `bind` sets it).
+fn listen(addr: std::net::SocketAddr) -> Result<tokio::net::TcpListener> {
+    let failed = |e: std::io::Error| Error::io(format!("cannot listen on {addr}: {e}"));
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }
+        .map_err(failed)?;
+    socket.set_reuseaddr(true).map_err(failed)?;
+    socket.bind(addr).map_err(failed)?;
+    socket.listen(LISTEN_BACKLOG).map_err(failed)
 }
 
 /// The answer to a connection past `limits.connections_per_address_max` (then closed).
