@@ -92,7 +92,7 @@ const POISON_ONE_IN: u32 = 12;
 /// How often the inbox operator looks for blocked poison records during the workload.
 const SKIP_POLL: Duration = Duration::from_millis(300);
 /// One start alone in this many is an operated order ([`operated_start`]), which an operator
-/// task retries, skips, forks or abandons ([`operator`]).
+/// task retries, skips, forks or abandons ([`Operator::operate`]).
 const OPERATED_ONE_IN: u32 = 10;
 /// An operated order's charge fails (retryably) this many times: more than its attempts, so its
 /// run fails unless an operator steps in (a retry's fresh attempts then charge it).
