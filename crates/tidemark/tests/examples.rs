@@ -79,6 +79,11 @@ struct ServiceProcess {
 
 impl ServiceProcess {
     fn start(name: &str, args: &[String], logs: &std::path::Path) -> ServiceProcess {
+        Self::try_start(name, args, logs).unwrap_or_else(|failure| panic!("{failure}"))
+    }
+
+    /// Starts the example `name`; `Err` says why it did not come to listen (with its log).
+    fn try_start(name: &str, args: &[String], logs: &std::path::Path) -> Result<ServiceProcess, String> {
         let path = example(name);
         assert!(path.exists(), "{} is not built: cargo test builds every example of this package", path.display());
         let stderr = logs.join(format!("{name}.stderr"));
@@ -100,9 +105,11 @@ impl ServiceProcess {
         let line = receiver.recv_timeout(TWO_SERVICES_WAIT).unwrap_or_default();
         let mut process = ServiceProcess { child, base: String::new(), stderr };
         let listening: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        assert_eq!(listening["outcome"], "listening", "{name} did not start: {line:?}\n{}", process.log());
+        if listening["outcome"] != "listening" {
+            return Err(format!("{name} did not start: {line:?}\n{}", process.log()));
+        }
         process.base = format!("http://{}", listening["addr"].as_str().expect("addr"));
-        process
+        Ok(process)
     }
 
     fn log(&self) -> String {
@@ -175,26 +182,40 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a free port").port()
 }
 
+/// How many times the pair is started afresh when orders' port, free when chosen, was taken by
+/// another socket of a test running beside this one before orders bound it.
+const PORT_TRIES: usize = 5;
+
 /// Place two orders with `orders`; each saga's command reaches `shipping` over HTTP and its
 /// reply comes back (over HTTP, or through the JetStream stream `replies` = (subject prefix
 /// URL, stream)); then every command and reply is handed over again, and nothing happens twice.
 fn two_services_story(replies: Option<(String, String)>) {
     let dir = tempfile::tempdir().expect("a temporary folder");
-    let orders_listen = format!("127.0.0.1:{}", free_port());
     let strings = |args: &[&str]| args.iter().map(|a| a.to_string()).collect::<Vec<_>>();
-    let data = |name: &str| dir.path().join(name).display().to_string();
-
-    let mut args = strings(&["--data", &data("shipping"), "--listen", "127.0.0.1:0"]);
-    args.extend(strings(&["--orders", &format!("http://{orders_listen}")]));
-    if let Some((from, _)) = &replies {
-        args.extend(strings(&["--replies-to", from]));
-    }
-    let shipping = ServiceProcess::start("two-services-shipping", &args, dir.path());
-    let mut args = strings(&["--data", &data("orders"), "--listen", &orders_listen, "--shipping", &shipping.base]);
-    if let Some((from, stream)) = &replies {
-        args.extend(strings(&["--replies-from", from, "--replies-stream", stream]));
-    }
-    let orders = ServiceProcess::start("two-services-orders", &args, dir.path());
+    let start_pair = |attempt: usize| {
+        // Each attempt has its own data folders: a pair that did not come up leaves nothing behind.
+        let data = |name: &str| dir.path().join(format!("{name}-{attempt}")).display().to_string();
+        let orders_listen = format!("127.0.0.1:{}", free_port());
+        let mut args = strings(&["--data", &data("shipping"), "--listen", "127.0.0.1:0"]);
+        args.extend(strings(&["--orders", &format!("http://{orders_listen}")]));
+        if let Some((from, _)) = &replies {
+            args.extend(strings(&["--replies-to", from]));
+        }
+        let shipping = ServiceProcess::start("two-services-shipping", &args, dir.path());
+        let mut args = strings(&["--data", &data("orders"), "--listen", &orders_listen, "--shipping", &shipping.base]);
+        if let Some((from, stream)) = &replies {
+            args.extend(strings(&["--replies-from", from, "--replies-stream", stream]));
+        }
+        ServiceProcess::try_start("two-services-orders", &args, dir.path()).map(|orders| (shipping, orders))
+    };
+    let mut failures = Vec::new();
+    let (shipping, orders) = loop {
+        match start_pair(failures.len()) {
+            Ok(pair) => break pair,
+            Err(failure) if failure.contains("AddrInUse") && failures.len() + 1 < PORT_TRIES => failures.push(failure),
+            Err(failure) => panic!("{failure}\n(earlier tries: {failures:?})"),
+        }
+    };
     let _logs = LogsOnPanic([&shipping, &orders]);
 
     let placed = [("order-1", "widget", 2), ("order-2", "gadget", 1)];
