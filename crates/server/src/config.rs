@@ -144,6 +144,12 @@ pub struct LimitsConfig {
     pub body_bytes_max: usize,
     /// Largest page a list endpoint returns (`limit` above it is 400 `limit_exceeded`).
     pub page_size_max: usize,
+    /// The JSON of one page's items at most, in bytes (16,384..=268,435,456; default 1 MiB): a
+    /// page stops before the item that would take it past this (its first item always goes,
+    /// however large), says so with `truncated: true`, and its cursor continues after its last
+    /// item. So an answer held in memory for a client that reads it slowly stays this small,
+    /// whatever the payloads, inputs and results in it.
+    pub page_bytes_max: usize,
     /// Requests in one group commit of advances or receives.
     pub group_commit_max: usize,
     /// How long a client may take to send a request's headers, in ms (100..=600,000): a
@@ -322,6 +328,7 @@ impl Default for LimitsConfig {
         LimitsConfig {
             body_bytes_max: 256 * 1024,
             page_size_max: PAGE_SIZE_MAX,
+            page_bytes_max: 1024 * 1024,
             group_commit_max: 1_000,
             header_read_timeout_ms: 10_000,
             header_bytes_max: 64 * 1024,
@@ -468,6 +475,7 @@ impl Config {
         range("limits.busy_header_timeout_ms", self.limits.busy_header_timeout_ms as i128, 100, 600_000)?;
         range("limits.connections_per_address_max", self.limits.connections_per_address_max as i128, 0, 100_000)?;
         range("limits.page_size_max", self.limits.page_size_max as i128, 1, PAGE_SIZE_MAX as i128)?;
+        range("limits.page_bytes_max", self.limits.page_bytes_max as i128, 16_384, 268_435_456)?;
         range("limits.group_commit_max", self.limits.group_commit_max as i128, 1, 10_000)?;
         range("relay.interval_ms", self.relay.interval_ms.into(), 1, 3_600_000)?;
         range("relay.batch", self.relay.batch as i128, 1, RELAY_BATCH_EVENTS_MAX as i128)?;
@@ -876,6 +884,17 @@ mod tests {
         let error = load_text("[limits]\nconnections_per_address_max = 100001\n").unwrap_err();
         assert!(error.to_string().contains("limits.connections_per_address_max"), "{error}");
         assert!(load_text("[limits]\nconnections_per_address_max = -1\n").is_err());
+    }
+
+    #[test]
+    fn a_page_holds_a_mebibyte_by_default_and_its_bound_is_bounded() {
+        assert_eq!(load_text("").unwrap().limits.page_bytes_max, 1024 * 1024);
+        assert_eq!(load_text("[limits]\npage_bytes_max = 16384\n").unwrap().limits.page_bytes_max, 16_384);
+        for bad in ["16383", "268435457"] {
+            let error = load_text(&format!("[limits]\npage_bytes_max = {bad}\n")).unwrap_err();
+            assert_eq!(error.code(), codes::INVALID_CONFIG);
+            assert!(error.to_string().contains("limits.page_bytes_max"), "{error}");
+        }
     }
 
     #[test]

@@ -476,6 +476,105 @@ fn bad_requests_get_stable_codes_and_write_nothing() {
 }
 
 /// An envelope for `POST /v1/consumers/{id}/inbox` whose payload holds the number `number`.
+/// `limits.page_bytes_max` bounds the JSON of a page's items (so an answer held for a client
+/// that reads it slowly stays small): inbox records, runs and a pull consumer's feed stop before
+/// the item that would pass it, say `truncated`, and their cursors read on to every item once;
+/// an item larger than the bound alone is a page of its own.
+#[test]
+fn pages_stop_at_their_byte_bound_and_their_cursors_read_on_to_every_item() {
+    served_on_both_backends(|| {
+        const BOUND: usize = 16_384;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let config = write_config(dir.path(), &format!("[limits]\npage_bytes_max = {BOUND}\n"));
+        let server = Server::start(&data, &["--config", &config], &[]);
+        let t = Some(admin.as_str());
+        // 6,000 bytes of text in each item: two fit in the bound, three do not.
+        let text = |i: usize| format!("{i}{}", "x".repeat(6_000));
+        let items_bytes =
+            |items: &Value| items.as_array().unwrap().iter().map(|i| i.to_string().len() + 1).sum::<usize>();
+
+        // Inbox records.
+        server.call("PUT", "/v1/consumers/log", t, Some(&json!({"handler": "record"})));
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+        let events: Vec<Value> = (0..5)
+            .map(|i| {
+                json!({"event_id": format!("e{i}"), "source": "src", "generation": "g1", "flow_id": format!("f{i}"),
+                    "seq": 1, "event_type": "note.added", "schema_version": 1, "payload": {"text": text(i)},
+                    "created_at_ms": now})
+            })
+            .collect();
+        let (status, body) = server.call("POST", "/v1/consumers/log/inbox/batch", t, Some(&json!({"events": events})));
+        assert_eq!(status, 200, "{body}");
+        let (status, page) = server.call("GET", "/v1/consumers/log/inbox?limit=100", t, None);
+        assert_eq!(status, 200, "{page}");
+        assert_eq!((page["records"].as_array().map(Vec::len), &page["truncated"]), (Some(2), &json!(true)), "{page}");
+        assert!(items_bytes(&page["records"]) <= BOUND);
+        let (_, page) = server.call("GET", "/v1/consumers/log/inbox?limit=2", t, None);
+        assert_eq!((page["records"].as_array().map(Vec::len), &page["truncated"]), (Some(2), &json!(false)));
+
+        // Runs (due in an hour, so that none runs meanwhile): read page by page, each once.
+        let later = now + 3_600_000;
+        let mut started = Vec::new();
+        for i in 0..5 {
+            let run_id = format!("r{i}");
+            let input = json!({"order_id": run_id, "sku": "sku-1", "quantity": 1, "amount": 500, "note": text(i)});
+            let body = json!({"workflow": "order_saga", "run_id": run_id, "input": input, "start_at_ms": later});
+            let (status, answer) = server.call("POST", "/v1/runs", t, Some(&body));
+            assert_eq!(status, 201, "{answer}");
+            started.push(run_id);
+        }
+        // An input larger than the bound: a page of its own.
+        let big = json!({"order_id": "r5", "sku": "sku-1", "quantity": 1, "amount": 500, "note": "y".repeat(BOUND)});
+        let body = json!({"workflow": "order_saga", "run_id": "r5", "input": big, "start_at_ms": later});
+        assert_eq!(server.call("POST", "/v1/runs", t, Some(&body)).0, 201);
+        started.push("r5".into());
+        let (mut read, mut sizes, mut after) = (Vec::new(), Vec::new(), None::<String>);
+        for _ in 0..10 {
+            let path = match &after {
+                Some(cursor) => format!("/v1/runs?limit=100&after={cursor}"),
+                None => "/v1/runs?limit=100".into(),
+            };
+            let (status, page) = server.call("GET", &path, t, None);
+            assert_eq!(status, 200, "{page}");
+            let runs = page["runs"].as_array().unwrap();
+            read.extend(runs.iter().map(|r| r["run_id"].as_str().unwrap().to_string()));
+            sizes.push(runs.len());
+            assert_eq!(page["truncated"], page["next_after"].is_string(), "every page but the last was cut: {page}");
+            match page["next_after"].as_str() {
+                Some(cursor) => after = Some(cursor.into()),
+                None => break,
+            }
+        }
+        assert_eq!(read, started, "every run once, in order");
+        assert_eq!(sizes, [2, 2, 1, 1], "two a page, then the one left before the big one, then the big one alone");
+
+        // A pull consumer's feed: each page continues after the last position of the one before.
+        let (status, body) = server.call("PUT", "/v1/subscriptions/search", t, Some(&json!({"endpoint": "pull:"})));
+        assert_eq!(status, 200, "{body}");
+        for i in 0..5 {
+            let body = json!({"event_type": "noted", "payload": {"text": text(i)}});
+            assert_eq!(server.call("POST", &format!("/v1/streams/s{i}/events"), t, Some(&body)).0, 200);
+        }
+        let (mut positions, mut after) = (Vec::new(), 0);
+        for _ in 0..10 {
+            let (status, page) =
+                server.call("GET", &format!("/v1/outbox/feed/search?after={after}&limit=100"), t, None);
+            assert_eq!(status, 200, "{page}");
+            let events = page["events"].as_array().unwrap();
+            if events.is_empty() {
+                break;
+            }
+            assert_eq!(page["truncated"], events.len() == 2 && positions.len() < 4, "{page}");
+            assert!(items_bytes(&page["events"]) <= BOUND);
+            positions.extend(events.iter().map(|e| e["position"].as_i64().unwrap()));
+            after = page["next_after"].as_i64().unwrap();
+        }
+        assert_eq!(positions, [1, 2, 3, 4, 5]);
+    });
+}
+
 fn envelope_with(number: &[u8]) -> Vec<u8> {
     let head = br#"{"event_id":"e-num","source":"partner","generation":"g1","flow_id":"f-num","seq":1,"event_type":"note.added","schema_version":1,"created_at_ms":1,"payload":{"n":"#;
     [&head[..], number, &b"}}"[..]].concat()

@@ -19,7 +19,7 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
+use super::{fit_page, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::registry::Database;
 use crate::AnyCaller;
 use crate::{now_ms, AppState};
@@ -180,6 +180,9 @@ pub struct CursorsPage {
 #[serde(deny_unknown_fields)]
 pub struct RecordsPage {
     pub records: Vec<InboxEntry>,
+    /// True when the page stopped before `limit` items at `limits.page_bytes_max` (the JSON of
+    /// its items), so more may follow.
+    pub truncated: bool,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -397,17 +400,18 @@ async fn records(
     Path(consumer_id): Path<String>,
     Query(query): Query<RecordsQuery>,
 ) -> ApiResult {
-    let records = inbox_records(&state, &caller, consumer_id, query).await?;
-    Ok(typed(StatusCode::OK, RecordsPage { records }))
+    let (records, truncated) = inbox_records(&state, &caller, consumer_id, query).await?;
+    Ok(typed(StatusCode::OK, RecordsPage { records, truncated }))
 }
 
-/// A consumer's inbox records, by status (shared with the dashboard).
+/// A consumer's inbox records, by status, and whether `limits.page_bytes_max` cut the page
+/// (shared with the dashboard).
 pub(crate) async fn inbox_records(
     state: &AppState,
     caller: &AnyCaller,
     consumer_id: String,
     query: RecordsQuery,
-) -> Result<Vec<InboxEntry>, ApiError> {
+) -> Result<(Vec<InboxEntry>, bool), ApiError> {
     crate::on_tenant!(&caller.tenant, tenant => {
         caller.require(Scope::Read)?;
         let (_, database) = consumer(state, caller, &consumer_id)?;
@@ -419,7 +423,9 @@ pub(crate) async fn inbox_records(
             })
             .transpose()?;
         let limit = page_size(state, query.limit)?;
-        Ok(tenant.inbox_of(database)?.call(move |t| t.store.inbox(&consumer_id, status, limit)).await?)
+        let mut records = tenant.inbox_of(database)?.call(move |t| t.store.inbox(&consumer_id, status, limit)).await?;
+        let truncated = fit_page(state, &mut records);
+        Ok((records, truncated))
     })
 }
 

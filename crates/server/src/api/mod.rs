@@ -227,6 +227,37 @@ pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiErr
     Ok(limit)
 }
 
+/// Cut `items` to the longest prefix whose JSON fits in `limits.page_bytes_max` (the first item
+/// always stays, however large); true when it cut some. Each item is measured by serializing it
+/// into a counter, not a buffer.
+pub fn fit_page<T: Serialize>(state: &AppState, items: &mut Vec<T>) -> bool {
+    /// Counts the bytes written to it.
+    struct Counter(usize);
+    impl std::io::Write for Counter {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let budget = state.config.limits.page_bytes_max;
+    let mut counter = Counter(0);
+    let fits = items
+        .iter()
+        .position(|item| {
+            // An item that cannot be serialized fails the whole answer later, with its own error.
+            let _ = serde_json::to_writer(&mut counter, item);
+            counter.0 += 1; // the comma between items
+            counter.0 > budget
+        })
+        .map_or(items.len(), |cut| cut.max(1));
+    let cut = fits < items.len();
+    items.truncate(fits);
+    cut
+}
+
 /// Every route with its OpenAPI description, in one router.
 pub fn documented_routes() -> OpenApiRouter<AppState> {
     OpenApiRouter::with_openapi(openapi::base())

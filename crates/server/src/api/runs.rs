@@ -18,7 +18,7 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
+use super::{fit_page, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
@@ -167,6 +167,9 @@ pub struct RunsPage {
     pub runs: Vec<RunRecord>,
     /// The `after` of the next page; null on the last page.
     pub next_after: Option<String>,
+    /// True when the page stopped before `limit` items at `limits.page_bytes_max` (the JSON of
+    /// its items), so more may follow.
+    pub truncated: bool,
 }
 
 /// Runs, oldest first, filtered, a page at a time.
@@ -179,16 +182,11 @@ pub struct RunsPage {
     security(("bearer" = ["read"]))
 )]
 async fn list(State(state): State<AppState>, caller: AnyCaller, Query(query): Query<ListQuery>) -> ApiResult {
-    let (runs, next_after) = list_runs(&state, &caller, query).await?;
-    Ok(typed(StatusCode::OK, RunsPage { runs, next_after }))
+    Ok(typed(StatusCode::OK, list_runs(&state, &caller, query).await?))
 }
 
 /// A page of runs and the `next_after` of the next page (shared with the dashboard).
-pub(crate) async fn list_runs(
-    state: &AppState,
-    caller: &AnyCaller,
-    query: ListQuery,
-) -> Result<(Vec<RunRecord>, Option<String>), ApiError> {
+pub(crate) async fn list_runs(state: &AppState, caller: &AnyCaller, query: ListQuery) -> Result<RunsPage, ApiError> {
     crate::on_tenant!(&caller.tenant, tenant => {
         caller.require(Scope::Read)?;
         let status = query
@@ -215,9 +213,11 @@ pub(crate) async fn list_runs(
             created_before_ms: query.created_before_ms,
             after,
         };
-        let runs = tenant.writer.call(move |store, _| store.list_runs(&filter, limit)).await?;
-        let next_after = RunFilter::next_page(&runs, limit);
-        Ok((runs, next_after))
+        let mut runs = tenant.writer.call(move |store, _| store.list_runs(&filter, limit)).await?;
+        // A page cut at `limits.page_bytes_max` continues after its last run.
+        let truncated = fit_page(state, &mut runs);
+        let next_after = RunFilter::next_page(&runs, if truncated { runs.len() } else { limit });
+        Ok(RunsPage { runs, next_after, truncated })
     })
 }
 

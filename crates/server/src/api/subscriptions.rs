@@ -17,7 +17,7 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{page_size, typed, ApiResult, ErrorBody, Json, Path, Query};
+use super::{fit_page, page_size, typed, ApiResult, ErrorBody, Json, Path, Query};
 use crate::lanes::LaneStatus;
 use crate::AnyCaller;
 use crate::{now_ms, AppState};
@@ -269,6 +269,9 @@ pub struct FeedPage {
     /// The last position of this page (pass it as `after` to read on before committing), or
     /// null when the page is empty.
     pub next_after: Option<i64>,
+    /// True when the page stopped before `limit` items at `limits.page_bytes_max` (the JSON of
+    /// its items), so more may follow.
+    pub truncated: bool,
 }
 
 /// A pull consumer's next events, in commit order: every event not yet committed by it. Read,
@@ -317,8 +320,10 @@ async fn feed(
                     .collect::<Vec<_>>())
             })
             .await?;
+        let mut events = events;
+        let truncated = fit_page(&state, &mut events);
         let next_after = events.last().map(|e| e.position);
-        Ok(typed(StatusCode::OK, FeedPage { events, next_after }))
+        Ok(typed(StatusCode::OK, FeedPage { events, next_after, truncated }))
     })
 }
 

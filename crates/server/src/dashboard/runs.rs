@@ -82,7 +82,7 @@ pub async fn list(State(state): State<AppState>, Ui(caller): Ui, Query(form): Qu
             limit: Some(RUNS_PAGE_ROWS.min(state.config.limits.page_size_max)),
             after: given(&form.after),
         };
-        let (runs, next_after) = api::list_runs(&state, &caller, query).await?;
+        let api::RunsPage { runs, next_after, .. } = api::list_runs(&state, &caller, query).await?;
         let filters = [
             ("status", given(&form.status)),
             ("workflow", given(&form.workflow)),
@@ -405,13 +405,13 @@ pub async fn dead_letters(State(state): State<AppState>, Ui(caller): Ui, Query(q
                 limit: rows,
                 after: None,
             };
-            runs.extend(api::list_runs(&state, &caller, query).await?.0);
+            runs.extend(api::list_runs(&state, &caller, query).await?.runs);
         }
         let tenant_id = tenant.id.clone();
         let mut blocked = Vec::new();
         for consumer in state.consumers(&tenant_id)? {
             let query = RecordsQuery { status: Some("blocked".into()), limit: rows };
-            blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?);
+            blocked.extend(crate::api::inbox::inbox_records(&state, &caller, consumer.consumer_id, query).await?.0);
         }
         let can_operate = caller.scope.allows(Scope::Operate);
         let body = html! {
