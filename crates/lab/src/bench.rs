@@ -174,18 +174,24 @@ pub struct BenchArgs {
     /// endpoint that accepts connections and never answers, against the first one's rate alone.
     #[arg(long, requires = "relay_to")]
     black_hole: bool,
-    /// Measure what slow clients cost the others: a `tidemark serve` child's latency to measured
-    /// clients and to new connections, quiet and then under --slow-clients connections that never
-    /// finish their request head, with the shipped limits and with a per-address limit. Uses
-    /// --slow-clients, --slow-addresses, --hostile-seconds, --dir, --quick and --durability.
+    /// Measure what hostile clients cost the others: a `tidemark serve` child's latency to
+    /// measured clients and to new connections, quiet and then under --slow-clients connections
+    /// that never finish their request head, with the shipped limits and with a per-address
+    /// limit; and (shipped limits) under --flood-clients sending complete requests as fast as they
+    /// are answered, with guessed tokens and with another tenant's. Uses --slow-clients,
+    /// --slow-addresses, --flood-clients, --hostile-seconds, --dir, --quick and --durability.
     #[arg(long, conflicts_with_all = ["workflows", "serve", "relay_to"])]
     hostile: bool,
     /// --hostile: slow connections (0..=20,000).
     #[arg(long, default_value_t = 2_000)]
     slow_clients: usize,
-    /// --hostile: the loopback addresses they come from, 127.0.0.2 upwards (1..=60,000).
+    /// --hostile: the loopback addresses they (and the flood clients) come from, 127.0.0.2
+    /// upwards (1..=60,000).
     #[arg(long, default_value_t = 200)]
     slow_addresses: usize,
+    /// --hostile: closed-loop clients of the token-guessing and noisy-neighbor phases (1..=10,000).
+    #[arg(long, default_value_t = 64)]
+    flood_clients: usize,
     /// --hostile: seconds of each phase (1..=3,600).
     #[arg(long, default_value_t = 20)]
     hostile_seconds: u64,
@@ -843,13 +849,18 @@ pub fn run_serve(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Re
 
 /// `--hostile`, with the server started by `command`.
 pub fn run_hostile(ctx: &Context, args: &BenchArgs, command: &ServerCommand) -> Result<Value> {
-    let mut params =
-        hostile::Params { slow: args.slow_clients, addresses: args.slow_addresses, phase_s: args.hostile_seconds };
+    let mut params = hostile::Params {
+        slow: args.slow_clients,
+        addresses: args.slow_addresses,
+        flood: args.flood_clients,
+        phase_s: args.hostile_seconds,
+    };
     if args.quick {
         hostile::quick(&mut params);
     }
     check_range("--slow-clients", params.slow as u64, 0, 20_000)?;
     check_range("--slow-addresses", params.addresses as u64, 1, 60_000)?;
+    check_range("--flood-clients", params.flood as u64, 1, 10_000)?;
     check_range("--hostile-seconds", params.phase_s, 1, 3_600)?;
     let temp = tempfile::tempdir().map_err(|e| Error::io(e.to_string()))?;
     let dir = bench_dir(args, temp.path())?;
@@ -1217,6 +1228,7 @@ mod tests {
             hostile: false,
             slow_clients: 2_000,
             slow_addresses: 200,
+            flood_clients: 64,
             hostile_seconds: 20,
             store: None,
             hold_transaction: false,
@@ -1297,6 +1309,7 @@ mod tests {
             hostile: false,
             slow_clients: 2_000,
             slow_addresses: 200,
+            flood_clients: 64,
             hostile_seconds: 20,
             store: None,
             hold_transaction: false,

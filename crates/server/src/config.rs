@@ -134,6 +134,12 @@ pub struct AuthConfig {
     pub rate_per_second: u32,
     /// The most requests one token may make at once before the rate applies (the bucket's size).
     pub burst: u32,
+    /// How long a refusal, 401 `unauthenticated` or 429 `rate_limited`, is held before it is sent,
+    /// in ms (0..=10,000; default 100). A client sends its next request on that connection only
+    /// after the answer, so a token guesser or a client over its rate is answered at most about
+    /// ten times a second per connection instead of as fast as the server can refuse, and takes
+    /// that much less of the time the server shares among connections.
+    pub refusal_delay_ms: u64,
 }
 
 /// `[limits]`: bounds of what one request may ask for.
@@ -319,7 +325,13 @@ impl Default for Config {
 
 impl Default for AuthConfig {
     fn default() -> Self {
-        AuthConfig { mode: "tokens".into(), dev_tenant: "dev".into(), rate_per_second: 1_000, burst: 2_000 }
+        AuthConfig {
+            mode: "tokens".into(),
+            dev_tenant: "dev".into(),
+            rate_per_second: 1_000,
+            burst: 2_000,
+            refusal_delay_ms: 100,
+        }
     }
 }
 
@@ -468,6 +480,7 @@ impl Config {
         validate_tenant_id(&self.auth.dev_tenant).map_err(|e| config_error(format!("auth.dev_tenant: {e}")))?;
         range("auth.rate_per_second", self.auth.rate_per_second.into(), 1, 1_000_000)?;
         range("auth.burst", self.auth.burst.into(), 1, 10_000_000)?;
+        range("auth.refusal_delay_ms", self.auth.refusal_delay_ms.into(), 0, 10_000)?;
         range("limits.body_bytes_max", self.limits.body_bytes_max as i128, 1024, BODY_BYTES_CEILING as i128)?;
         range("limits.header_read_timeout_ms", self.limits.header_read_timeout_ms as i128, 100, 600_000)?;
         range("limits.header_bytes_max", self.limits.header_bytes_max as i128, 8_192, 1_048_576)?;
@@ -884,6 +897,15 @@ mod tests {
         let error = load_text("[limits]\nconnections_per_address_max = 100001\n").unwrap_err();
         assert!(error.to_string().contains("limits.connections_per_address_max"), "{error}");
         assert!(load_text("[limits]\nconnections_per_address_max = -1\n").is_err());
+    }
+
+    #[test]
+    fn a_refusal_is_held_a_tenth_of_a_second_by_default_and_at_most_ten() {
+        assert_eq!(load_text("").unwrap().auth.refusal_delay_ms, 100);
+        assert_eq!(load_text("[auth]\nrefusal_delay_ms = 0\n").unwrap().auth.refusal_delay_ms, 0);
+        let error = load_text("[auth]\nrefusal_delay_ms = 10001\n").unwrap_err();
+        assert_eq!(error.code(), codes::INVALID_CONFIG);
+        assert!(error.to_string().contains("auth.refusal_delay_ms"), "{error}");
     }
 
     #[test]

@@ -261,23 +261,75 @@ fn past_the_per_address_limit_a_connection_is_answered_429_and_other_addresses_a
     }
 }
 
-/// `tidemark bench --hostile --quick`: two servers (the shipped limits, and a per-address limit
-/// of 4), each measured quiet and under 40 slow clients from 4 addresses. Every measured request
-/// and every probe is answered; the shipped limits hold all 40 slow connections, the per-address
-/// limit refuses (429) those past 4 per address and so holds fewer sockets. Counts only: the
-/// latencies are the benchmark's report, not asserted.
+/// A refusal is held `auth.refusal_delay_ms` before it is sent (a token guesser gets about ten
+/// answers a second per connection), while other clients are served meanwhile: a wrong token's
+/// 401 and an over-rate token's 429 each take at least the delay (a lower bound the server sets,
+/// not a measurement), and a valid request sent after a held refusal is answered before it.
+#[test]
+fn refusals_are_held_for_the_refusal_delay_while_others_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let good = crate::server_support::token(&data, "acme", "read");
+    let config = crate::server_api::write_config(
+        dir.path(),
+        "[auth]\nrefusal_delay_ms = 1500\nrate_per_second = 1\nburst = 1\n",
+    );
+    let server = Server::start(&data, &["--config", &config], &[]);
+    let held = |token: String| {
+        let base = server.base.clone();
+        std::thread::spawn(move || {
+            let began = Instant::now();
+            let answer = reqwest::blocking::Client::new()
+                .get(format!("{base}/v1/runs"))
+                .bearer_auth(token)
+                .timeout(CLOSE_WAIT)
+                .send()
+                .expect("an answer");
+            (answer.status().as_u16(), began.elapsed(), Instant::now())
+        })
+    };
+    let guess = held("tmk_0123456789abcdef_not-a-token".into());
+    std::thread::sleep(Duration::from_millis(100));
+    let (status, _) = server.call("GET", "/v1/runs", Some(&good), None);
+    let served_at = Instant::now();
+    assert_eq!(status, 200, "a valid token is served while the guess is held");
+    // The bucket (1 a second, a burst of 1) is spent by the request above: the next one, sent
+    // at once, is refused.
+    let over_rate = held(good);
+    let (status, took, answered_at) = guess.join().unwrap();
+    assert_eq!(status, 401);
+    assert!(took >= Duration::from_millis(1500), "the 401 was held the refusal delay: {took:?}");
+    assert!(served_at < answered_at, "the valid request was answered first");
+    let (status, took, _) = over_rate.join().unwrap();
+    assert_eq!(status, 429);
+    assert!(took >= Duration::from_millis(1500), "the 429 was held the refusal delay: {took:?}");
+}
+
+/// `tidemark bench --hostile --quick`: three servers (the shipped limits, a per-address limit of
+/// 4, the shipped per-token rate limit), the first two measured quiet and under 40 slow clients
+/// from 4 addresses, the first also under 8 clients flooding it with guessed tokens (every answer
+/// 401) and with another tenant's (every answer 200), the third under that neighbor's flood with
+/// its rate limit (answered 429 past its bucket). Every measured request and every probe is answered; the shipped limits hold all
+/// 40 slow connections, the per-address limit refuses (429) those past 4 per address and so
+/// holds fewer sockets. Counts only: the latencies are the benchmark's report, not asserted.
 #[test]
 fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the_excess() {
     let r = crate::support::run(&["bench", "--hostile", "--quick"]);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let report = &r.json;
     assert_eq!(report["check"]["passed"], true, "{report:#}");
-    let [shipped, per_address] = [&report["runs"][0], &report["runs"][1]];
+    let [shipped, per_address, rate_limited] = [&report["runs"][0], &report["runs"][1], &report["runs"][2]];
     assert_eq!(shipped["server"], "shipped_limits");
     assert_eq!(per_address["server"], "per_address_limit");
     assert_eq!(per_address["limits"]["connections_per_address_max"], 4);
-    for run in [shipped, per_address] {
-        for phase in ["quiet", "slow"] {
+    assert_eq!(rate_limited["server"], "shipped_rate_limit");
+    let plans = [
+        (shipped, &["quiet", "slow", "guessing", "neighbor"][..]),
+        (per_address, &["quiet", "slow"]),
+        (rate_limited, &["quiet", "neighbor"]),
+    ];
+    for (run, phases) in plans {
+        for phase in phases {
             let measured = &run[phase]["measured_clients"];
             assert!(measured["requests"].as_u64().unwrap() > 0, "{phase}: {run:#}");
             assert_eq!(measured["errors"], 0, "{phase}: {run:#}");
@@ -287,6 +339,17 @@ fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the
         }
         assert_eq!(run["stop"]["exit_code"], 0, "{run:#}");
     }
+    assert!(per_address["guessing"].is_null(), "{per_address:#}");
+    let flood = |phase: &str, status: &str| shipped[phase]["flood"]["answered_in_phase"][status].as_u64().unwrap();
+    assert!(flood("guessing", "401") > 0, "{shipped:#}");
+    assert_eq!((flood("guessing", "200"), flood("guessing", "other")), (0, 0), "{shipped:#}");
+    assert!(flood("neighbor", "200") > 0, "{shipped:#}");
+    assert_eq!((flood("neighbor", "401"), flood("neighbor", "other")), (0, 0), "{shipped:#}");
+    // With the shipped rate limit the neighbor is refused past its bucket; the measured clients,
+    // paced under their own token's rate, never are (their errors are 0 above).
+    let limited = |status: &str| rate_limited["neighbor"]["flood"]["answered_in_phase"][status].as_u64().unwrap();
+    assert!(limited("429") > 0, "{rate_limited:#}");
+    assert_eq!(rate_limited["limits"]["auth_rate_per_second"], 1_000, "{rate_limited:#}");
     let slow = |run: &serde_json::Value, field: &str| run["slow"]["slow_clients"][field].as_u64().unwrap();
     assert_eq!(slow(shipped, "refused_429_in_phase"), 0, "{shipped:#}");
     assert_eq!(slow(shipped, "open_at_least"), 40, "{shipped:#}");
@@ -295,7 +358,9 @@ fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the
     assert!(sockets(per_address) < sockets(shipped), "{report:#}");
 
     // Out of range: a typed error, nothing started.
-    for args in [["--slow-clients", "20001"], ["--slow-addresses", "0"], ["--hostile-seconds", "0"]] {
+    for args in
+        [["--slow-clients", "20001"], ["--slow-addresses", "0"], ["--flood-clients", "0"], ["--hostile-seconds", "0"]]
+    {
         let bad = crate::support::run(&["bench", "--hostile", args[0], args[1]]);
         assert_eq!(bad.code, 2, "{args:?}: {}\n{}", bad.stdout, bad.stderr);
         assert_eq!(bad.json["error"]["code"], "invalid_argument", "{args:?}: {}", bad.stdout);

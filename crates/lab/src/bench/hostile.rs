@@ -1,26 +1,37 @@
-//! `tidemark bench --hostile`: what slow clients cost the others.
+//! `tidemark bench --hostile`: what slow and flooding clients cost the others.
 //!
 //! A real `tidemark serve` runs as a child process (its own data folder, a token of the bench's
-//! tenant), twice: with the limits it ships with (`limits.connections_max` 1,024,
-//! `limits.header_read_timeout_ms` 10 s, no per-address limit), and with
-//! `limits.connections_per_address_max` set. Against each, after a warm-up of [`WARM_UP_S`] not
-//! counted, in two phases of `--hostile-seconds`:
-//! - **quiet**: the measured clients alone: [`VICTIMS`] closed-loop clients, each on a keep-alive
-//!   connection opened before the slow clients connect and busy from then on (counted once the
-//!   phase starts), `GET /v1/runs?limit=10` of the bench's tenant, and a
+//! tenant and one of a neighbor tenant), three times ([`PLANS`]): with the limits it ships with
+//! (`limits.connections_max` 1,024, `limits.header_read_timeout_ms` 10 s, no per-address limit)
+//! but the per-token rate limit out of the way (`auth.rate_per_second` 1,000,000, as every
+//! serving bench, so that closed-loop measured clients are never refused); with
+//! `limits.connections_per_address_max` set; and with the shipped rate limit (1,000 a second, a
+//! burst of 2,000) and measured clients paced under it ([`PACE`]). Against each, after a warm-up
+//! of [`WARM_UP_S`] not counted, phases of `--hostile-seconds`:
+//! - **quiet**: the measured clients alone: [`VICTIMS`] clients, each on a keep-alive
+//!   connection opened before the loaded phase's clients connect and busy from then on (counted
+//!   once the phase starts), `GET /v1/runs?limit=10` of the bench's tenant, and a
 //!   **probe** every [`PROBE_EVERY`]: a new connection (from an address of its own), one request, the time from
 //!   its connect to its answer (a new client's wait for a slot included);
-//! - **slow**: the same, while `--slow-clients` connections from `--slow-addresses` loopback
-//!   addresses (127.0.0.2 upwards) send a request head one byte a second and never finish it. A
-//!   connection the server closes (its header timeout) connects again at once; one answered 429
-//!   (the per-address limit) connects again after [`REFUSED_PAUSE`].
+//! - **slow** (the first two servers): the same, while `--slow-clients` connections from
+//!   `--slow-addresses` loopback addresses (127.0.0.2 upwards) send a request head one byte a
+//!   second and never finish it. A connection the server closes (its header timeout) connects
+//!   again at once; one answered 429 (the per-address limit) connects again after
+//!   [`REFUSED_PAUSE`];
+//! - **guessing** (the first server) and **neighbor** (the first and the third): the same, while
+//!   `--flood-clients` closed-loop clients from `--slow-addresses` addresses (on a thread of
+//!   their own) send complete requests as fast as they are answered, each on a keep-alive
+//!   connection (opened again when the server closes it): with a new well-formed token of no
+//!   tenant each time (a token guesser: every answer 401, held `auth.refusal_delay_ms`), or with
+//!   the neighbor tenant's valid token (served every request on the first server, the worst
+//!   case; answered 429 past its bucket on the third).
 //!
 //! Measured per phase: the measured clients' latency (p50, p99, max), the probes' (and how many
 //! got no answer within [`PROBE_TIMEOUT`]), the slow connections the server closed or refused,
-//! and the server's open sockets, resident memory (sampled) and CPU time. The ratios that matter
-//! are the slow phase's over the quiet one's, measured minutes apart on the same server. No
-//! threshold: the check is that every measured request was answered 200 and the server stopped
-//! cleanly.
+//! the flood's answers by status, and the server's open sockets, resident memory (sampled) and
+//! CPU time. The ratios that matter are each loaded phase's over the quiet one's, measured
+//! minutes apart on the same server. No threshold: the check is that every measured request was
+//! answered 200 and the server stopped cleanly.
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::Path;
@@ -33,7 +44,7 @@ use tidemark_core::tenancy::{ControlStore, Scope, TokenText};
 use tidemark_core::{Error, Result};
 use tidemark_store_sqlite::{Durability, SqliteControl};
 
-use super::serve::{config_toml, percentile_ms, Connection, Server, ServerCommand};
+use super::serve::{config_toml, percentile_ms, Connection, Server, ServerCommand, UNLIMITED_AUTH};
 use super::workflows::pid_cpu_seconds;
 use super::{failed, round1, round3};
 
@@ -65,14 +76,21 @@ const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 const WARM_UP_S: u64 = 2;
 /// The per-address limit of the second server.
 const PER_ADDRESS_MAX: usize = 4;
+/// The tenant of the noisy neighbor's token.
+const NEIGHBOR: &str = "neighbor";
+/// The pause between a measured client's requests against the shipped rate limit: four clients
+/// at under 200 a second each stay under their token's 1,000 a second.
+const PACE: Duration = Duration::from_millis(5);
 
 /// What `--hostile` measures.
 #[derive(Debug, Clone)]
 pub struct Params {
     /// Slow connections held open in the slow phase.
     pub slow: usize,
-    /// Loopback addresses they come from.
+    /// Loopback addresses they (and the flood clients) come from.
     pub addresses: usize,
+    /// Closed-loop clients of the guessing and neighbor phases.
+    pub flood: usize,
     /// Seconds of each phase.
     pub phase_s: u64,
 }
@@ -81,6 +99,7 @@ pub struct Params {
 pub fn quick(p: &mut Params) {
     p.slow = 40;
     p.addresses = 4;
+    p.flood = 8;
     p.phase_s = 2;
 }
 
@@ -103,6 +122,41 @@ struct SlowCounts {
     closed_by_server: AtomicU64,
     refused_429: AtomicU64,
     open: AtomicU64,
+}
+
+/// What the flood clients were answered, counted across their tasks.
+#[derive(Default)]
+struct FloodCounts {
+    ok_200: AtomicU64,
+    unauthenticated_401: AtomicU64,
+    rate_limited_429: AtomicU64,
+    other: AtomicU64,
+    reconnects: AtomicU64,
+}
+
+impl FloodCounts {
+    /// 200s, 401s, 429s, other answers, reconnects.
+    fn snapshot(&self) -> [u64; 5] {
+        [&self.ok_200, &self.unauthenticated_401, &self.rate_limited_429, &self.other, &self.reconnects]
+            .map(|c| c.load(Ordering::Relaxed))
+    }
+}
+
+/// What loads the server besides the measured clients in a phase.
+enum Load {
+    Quiet,
+    /// `clients` slow clients from `addresses` addresses.
+    Slow {
+        clients: usize,
+        addresses: usize,
+    },
+    /// `clients` flood clients from `addresses` addresses, each request with a token of no
+    /// tenant (`neighbor` None) or with this head's valid token of another tenant.
+    Flood {
+        clients: usize,
+        addresses: usize,
+        neighbor: Option<Arc<String>>,
+    },
 }
 
 /// The server process's open sockets and resident memory, sampled.
@@ -190,14 +244,62 @@ async fn slow_client(server: SocketAddr, from: Ipv4Addr, counts: Arc<SlowCounts>
     }
 }
 
+/// One flood client: from `from`, complete requests on a keep-alive connection, each sent as soon
+/// as the one before is answered, until `stop`: with `head` (a valid token), or a new well-formed
+/// token of no tenant each time. Opens a new connection when the server closes its own.
+async fn flood_client(
+    server: String,
+    from: Ipv4Addr,
+    head: Option<Arc<String>>,
+    counts: Arc<FloodCounts>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut connection = None;
+    while !stop.load(Ordering::Relaxed) {
+        let Some(open) = connection.as_mut() else {
+            match tokio::time::timeout(CONNECT_TIMEOUT, Connection::open_from(&server, from.into())).await {
+                Ok(Ok(opened)) => connection = Some(opened),
+                _ => tokio::time::sleep(REFUSED_PAUSE).await,
+            }
+            continue;
+        };
+        let guess;
+        let head = match &head {
+            Some(head) => head.as_str(),
+            None => {
+                let token = TokenText::from_random(rand::random(), rand::random());
+                guess = format!(
+                    "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {server}\r\nAuthorization: Bearer {}\r\n",
+                    token.text()
+                );
+                &guess
+            }
+        };
+        let counter = match tokio::time::timeout(REQUEST_TIMEOUT, open.request(head, b"")).await {
+            Ok(Ok((200, _))) => &counts.ok_200,
+            Ok(Ok((401, _))) => &counts.unauthenticated_401,
+            Ok(Ok((429, _))) => &counts.rate_limited_429,
+            Ok(Ok(_)) => &counts.other,
+            _ => {
+                connection = None;
+                &counts.reconnects
+            }
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// When a phase's measured requests start being counted, and when the measured clients stop.
 type PhaseTimes = Arc<std::sync::OnceLock<(Instant, Instant)>>;
 
 /// A measured client: requests on its keep-alive connection (opened before the slow clients)
 /// until the phase ends, those sent once it started counted.
-async fn victim(mut connection: Connection, head: Arc<String>, times: PhaseTimes) -> Measured {
+async fn victim(mut connection: Connection, head: Arc<String>, pace: Option<Duration>, times: PhaseTimes) -> Measured {
     let mut measured = Measured::default();
     while times.get().is_none_or(|(_, until)| Instant::now() < *until) {
+        if let Some(pause) = pace {
+            tokio::time::sleep(pause).await;
+        }
         let t = Instant::now();
         let counted = times.get().is_some_and(|(from, _)| t >= *from);
         match tokio::time::timeout(REQUEST_TIMEOUT, connection.request(&head, b"")).await {
@@ -247,22 +349,59 @@ fn latency_json(sorted_us: &mut [u32]) -> Value {
     })
 }
 
-/// One phase against `server`: the measured clients and the probes for `seconds`, with
-/// `slow` slow clients from `addresses` addresses connected first (none in the quiet phase).
+/// One phase against `server`: the measured clients and the probes for `seconds`, with the
+/// slow or flood clients of `load` started first.
 fn phase(
     runtime: &tokio::runtime::Runtime,
     server: &Server,
     head: &Arc<String>,
-    slow: usize,
-    addresses: usize,
+    pace: Option<Duration>,
+    load: &Load,
     seconds: u64,
 ) -> Result<(Value, Measured)> {
+    let (slow, addresses) = match load {
+        Load::Slow { clients, addresses } => (*clients, *addresses),
+        _ => (0, 1),
+    };
     let server_addr: SocketAddr =
         server.addr.parse().map_err(|e| failed(format!("the server's address {:?}: {e}", server.addr)))?;
     let pid = server.pid();
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(SlowCounts::default());
-    runtime.block_on(async {
+    let flood_counts = Arc::new(FloodCounts::default());
+    // The flood clients on a thread and a runtime of their own, so that the measured clients'
+    // requests never wait behind theirs in this process, only in the server.
+    let flood_thread = match load {
+        Load::Flood { clients, addresses, neighbor } => {
+            let (clients, addresses, neighbor) = (*clients, *addresses, neighbor.clone());
+            let (addr, counts, stop) = (server.addr.clone(), flood_counts.clone(), stop.clone());
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| Error::io(format!("cannot start the flood's runtime: {e}")))?;
+            Some(std::thread::spawn(move || {
+                runtime.block_on(async {
+                    let tasks: Vec<_> = (0..clients)
+                        .map(|i| {
+                            let from = slow_address(i, addresses);
+                            tokio::spawn(flood_client(
+                                addr.clone(),
+                                from,
+                                neighbor.clone(),
+                                counts.clone(),
+                                stop.clone(),
+                            ))
+                        })
+                        .collect();
+                    for task in tasks {
+                        let _ = task.await;
+                    }
+                })
+            }))
+        }
+        _ => None,
+    };
+    let measured = runtime.block_on(async {
         // The measured clients' connections first: they hold their slots as clients already
         // served do.
         // They send requests from now on (a busy server closes a connection that has nothing
@@ -273,14 +412,15 @@ fn phase(
             let connection = Connection::open(&server.addr)
                 .await
                 .map_err(|e| Error::io(format!("cannot reach the server at {}: {e}", server.addr)))?;
-            victims.push(tokio::spawn(victim(connection, head.clone(), times.clone())));
+            victims.push(tokio::spawn(victim(connection, head.clone(), pace, times.clone())));
         }
         let slow_tasks: Vec<_> = (0..slow)
             .map(|i| tokio::spawn(slow_client(server_addr, slow_address(i, addresses), counts.clone(), stop.clone())))
             .collect();
-        if slow > 0 {
+        if !matches!(load, Load::Quiet) {
             tokio::time::sleep(SLOW_SETTLE).await;
         }
+        let flood_before: [u64; 5] = flood_counts.snapshot();
         let mut footprint = Footprint::default();
         sample_footprint(pid, &mut footprint);
         let cpu_before = pid_cpu_seconds(&pid.to_string()).unwrap_or(0.0);
@@ -317,6 +457,8 @@ fn phase(
         let cpu = pid_cpu_seconds(&pid.to_string()).unwrap_or(0.0) - cpu_before;
         let closed = counts.closed_by_server.load(Ordering::Relaxed) - closed_before;
         let refused = counts.refused_429.load(Ordering::Relaxed) - refused_before;
+        let flood_after = flood_counts.snapshot();
+        let flooded: Vec<u64> = flood_after.iter().zip(flood_before).map(|(after, before)| after - before).collect();
         // The probes sent before the end are awaited (each bounded by its timeout).
         for task in probes {
             measured.probes += 1;
@@ -354,6 +496,19 @@ fn phase(
                 "refused_429_in_phase": refused,
                 "connect_errors": counts.connect_errors.load(Ordering::Relaxed),
             },
+            "flood": match load {
+                Load::Flood { clients, addresses, neighbor } => json!({
+                    "clients": clients,
+                    "addresses": addresses,
+                    "token": if neighbor.is_some() { "another tenant's" } else { "a new guess each request" },
+                    "answered_in_phase": {
+                        "200": flooded[0], "401": flooded[1], "429": flooded[2], "other": flooded[3],
+                    },
+                    "answered_per_second": round1((flooded[0] + flooded[1] + flooded[2] + flooded[3]) as f64 / wall.max(1e-9)),
+                    "reconnects_in_phase": flooded[4],
+                }),
+                _ => Value::Null,
+            },
             "server": {
                 "cpu_seconds": round3(cpu),
                 "sockets_max": footprint.sockets_max,
@@ -361,7 +516,13 @@ fn phase(
             },
         });
         Ok((out, measured))
-    })
+    });
+    // Told to stop (or the phase failed: stop it here), the flood's clients end within a request.
+    stop.store(true, Ordering::Relaxed);
+    if let Some(thread) = flood_thread {
+        thread.join().map_err(|_| Error::Invariant("the flood's thread panicked".into()))?;
+    }
+    measured
 }
 
 /// The server's configuration: the shipped limits, or `connections_per_address_max` set.
@@ -373,92 +534,153 @@ fn limits_toml(per_address_max: usize) -> String {
     }
 }
 
-/// Both phases against a fresh server of `name` with `per_address_max` (0: off).
-fn against(
-    dir: &Path,
-    name: &str,
+/// A loaded phase of a server's plan.
+#[derive(Clone, Copy, PartialEq)]
+enum Phase {
+    Slow,
+    Guessing,
+    Neighbor,
+}
+
+/// One server the bench starts, and what it measures against it.
+struct Plan {
+    name: &'static str,
+    /// `limits.connections_per_address_max` (0: off).
     per_address_max: usize,
-    durability: Durability,
-    p: &Params,
-    command: &ServerCommand,
-) -> Result<Value> {
+    /// The shipped per-token rate limit (`auth.rate_per_second` 1,000, `auth.burst` 2,000)
+    /// instead of the bench's 1,000,000 a second.
+    shipped_rate_limit: bool,
+    /// A pause between a measured client's requests (keeping the four under the shipped rate
+    /// limit of their token), or none (closed loop).
+    pace: Option<Duration>,
+    /// The loaded phases after the quiet one.
+    phases: &'static [Phase],
+}
+
+/// The servers: the shipped limits (the bench's rate limit out of the way) under slow clients
+/// and floods, the per-address limit under slow clients, and the shipped rate limit under a
+/// neighbor's flood with paced measured clients.
+const PLANS: [Plan; 3] = [
+    Plan {
+        name: "shipped_limits",
+        per_address_max: 0,
+        shipped_rate_limit: false,
+        pace: None,
+        phases: &[Phase::Slow, Phase::Guessing, Phase::Neighbor],
+    },
+    Plan {
+        name: "per_address_limit",
+        per_address_max: PER_ADDRESS_MAX,
+        shipped_rate_limit: false,
+        pace: None,
+        phases: &[Phase::Slow],
+    },
+    Plan {
+        name: "shipped_rate_limit",
+        per_address_max: 0,
+        shipped_rate_limit: true,
+        pace: Some(PACE),
+        phases: &[Phase::Neighbor],
+    },
+];
+
+/// The quiet phase and `plan`'s loaded phases against a fresh server.
+fn against(dir: &Path, plan: &Plan, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
+    let name = plan.name;
     let dir = dir.join(name);
     let data = dir.join("data");
     std::fs::create_dir_all(&data).map_err(|e| Error::io(format!("{}: {e}", data.display())))?;
     let config = dir.join("serve.toml");
-    let toml = config_toml(&data, durability, 8, None) + &limits_toml(per_address_max);
+    let mut toml = config_toml(&data, durability, 8, None) + &limits_toml(plan.per_address_max);
+    if plan.shipped_rate_limit {
+        toml = toml.replace(UNLIMITED_AUTH, "");
+    }
     std::fs::write(&config, toml).map_err(|e| Error::io(format!("{}: {e}", config.display())))?;
     let token = TokenText::from_random(rand::random(), rand::random());
-    SqliteControl::open(&data.join(tidemark_server::CONTROL_FILE), true, durability)?.create_token(
-        &token,
-        TENANT,
-        Scope::Read,
-        "bench --hostile",
-        tidemark_engine::now_ms(),
-    )?;
+    let neighbor_token = TokenText::from_random(rand::random(), rand::random());
+    let mut control = SqliteControl::open(&data.join(tidemark_server::CONTROL_FILE), true, durability)?;
+    for (token, tenant) in [(&token, TENANT), (&neighbor_token, NEIGHBOR)] {
+        control.create_token(token, tenant, Scope::Read, "bench --hostile", tidemark_engine::now_ms())?;
+    }
+    drop(control);
     let server = Server::start(command, &config, &dir.join("server.log"))?;
     let head = Arc::new(format!(
         "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n",
         server.addr,
         token.text()
     ));
+    let neighbor_head = Arc::new(format!(
+        "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n",
+        server.addr,
+        neighbor_token.text()
+    ));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| Error::io(format!("cannot start the async runtime: {e}")))?;
-    phase(&runtime, &server, &head, 0, 1, WARM_UP_S)?;
-    let (quiet, quiet_measured) = phase(&runtime, &server, &head, 0, 1, p.phase_s)?;
-    let (slow, slow_measured) = phase(&runtime, &server, &head, p.slow, p.addresses, p.phase_s)?;
+    let loads = plan.phases.iter().map(|phase| match phase {
+        Phase::Slow => ("slow", Load::Slow { clients: p.slow, addresses: p.addresses }),
+        Phase::Guessing => ("guessing", Load::Flood { clients: p.flood, addresses: p.addresses, neighbor: None }),
+        Phase::Neighbor => {
+            let neighbor = Some(neighbor_head.clone());
+            ("neighbor", Load::Flood { clients: p.flood, addresses: p.addresses, neighbor })
+        }
+    });
+    let pace = plan.pace;
+    phase(&runtime, &server, &head, pace, &Load::Quiet, WARM_UP_S)?;
+    let (quiet, quiet_measured) = phase(&runtime, &server, &head, pace, &Load::Quiet, p.phase_s)?;
+    let mut out = json!({"server": name, "quiet": quiet});
+    let mut passed = quiet_measured.errors == 0 && !quiet_measured.latencies_us.is_empty();
+    let ratio = |loaded: &[u32], quiet: &[u32], q: f64| {
+        let (mut l, mut q0) = (loaded.to_vec(), quiet.to_vec());
+        l.sort_unstable();
+        q0.sort_unstable();
+        round3(percentile_ms(&l, q) / percentile_ms(&q0, q).max(1e-6))
+    };
+    for (name, load) in loads {
+        let (report, measured) = phase(&runtime, &server, &head, pace, &load, p.phase_s)?;
+        passed &= measured.errors == 0 && !measured.latencies_us.is_empty();
+        out[name] = report;
+        out[format!("{name}_over_quiet")] = json!({
+            "measured_p50": ratio(&measured.latencies_us, &quiet_measured.latencies_us, 0.50),
+            "measured_p99": ratio(&measured.latencies_us, &quiet_measured.latencies_us, 0.99),
+            "probe_p50": ratio(&measured.probe_latencies_us, &quiet_measured.probe_latencies_us, 0.50),
+            "probe_p99": ratio(&measured.probe_latencies_us, &quiet_measured.probe_latencies_us, 0.99),
+        });
+    }
     drop(runtime);
     let stopped = server.stop()?;
-    let ratio = |slow: &[u32], quiet: &[u32], q: f64| {
-        let (mut s, mut q0) = (slow.to_vec(), quiet.to_vec());
-        s.sort_unstable();
-        q0.sort_unstable();
-        round3(percentile_ms(&s, q) / percentile_ms(&q0, q).max(1e-6))
-    };
-    let shipped = tidemark_server::config::LimitsConfig::default();
-    let passed = quiet_measured.errors == 0
-        && slow_measured.errors == 0
-        && !quiet_measured.latencies_us.is_empty()
-        && !slow_measured.latencies_us.is_empty()
-        && stopped["exit_code"] == 0;
-    Ok(json!({
-        "server": name,
-        "limits": {
-            "connections_max": shipped.connections_max,
-            "header_read_timeout_ms": shipped.header_read_timeout_ms,
-            "connections_per_address_max": per_address_max,
-        },
-        "quiet": quiet,
-        "slow": slow,
-        "slow_over_quiet": {
-            "measured_p50": ratio(&slow_measured.latencies_us, &quiet_measured.latencies_us, 0.50),
-            "measured_p99": ratio(&slow_measured.latencies_us, &quiet_measured.latencies_us, 0.99),
-            "probe_p50": ratio(&slow_measured.probe_latencies_us, &quiet_measured.probe_latencies_us, 0.50),
-            "probe_p99": ratio(&slow_measured.probe_latencies_us, &quiet_measured.probe_latencies_us, 0.99),
-        },
-        "stop": stopped,
-        "passed": passed,
-    }))
+    let shipped = tidemark_server::config::Config::default();
+    out["limits"] = json!({
+        "connections_max": shipped.limits.connections_max,
+        "header_read_timeout_ms": shipped.limits.header_read_timeout_ms,
+        "connections_per_address_max": plan.per_address_max,
+        "auth_rate_per_second": if plan.shipped_rate_limit { json!(shipped.auth.rate_per_second) } else { json!(1_000_000) },
+        "auth_burst": if plan.shipped_rate_limit { json!(shipped.auth.burst) } else { json!(10_000_000) },
+        "auth_refusal_delay_ms": shipped.auth.refusal_delay_ms,
+    });
+    out["measured_clients_pause_ms"] = json!(pace.map(|d| d.as_millis() as u64));
+    out["passed"] = json!(passed && stopped["exit_code"] == 0);
+    out["stop"] = stopped;
+    Ok(out)
 }
 
 /// Measure both servers (see the module's documentation).
 pub fn run(dir: &Path, durability: Durability, p: &Params, command: &ServerCommand) -> Result<Value> {
-    let shipped = against(dir, "shipped_limits", 0, durability, p, command)?;
-    let per_address = against(dir, "per_address_limit", PER_ADDRESS_MAX, durability, p, command)?;
-    let passed = shipped["passed"] == true && per_address["passed"] == true;
+    let runs = PLANS.iter().map(|plan| against(dir, plan, durability, p, command)).collect::<Result<Vec<_>>>()?;
+    let passed = runs.iter().all(|run| run["passed"] == true);
     Ok(json!({
         "bench": "hostile",
         "params": {
             "slow_clients": p.slow,
             "slow_addresses": p.addresses,
+            "flood_clients": p.flood,
             "phase_seconds": p.phase_s,
             "measured_clients": VICTIMS,
             "probe_every_ms": PROBE_EVERY.as_millis() as u64,
             "request": "GET /v1/runs?limit=10",
         },
-        "runs": [shipped, per_address],
+        "runs": runs,
         "check": {"passed": passed},
     }))
 }

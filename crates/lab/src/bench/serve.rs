@@ -469,6 +469,9 @@ async fn set_stock(target: &Target, quantity: u64) -> Result<()> {
     Ok(())
 }
 
+/// The per-token rate limit of a serving bench's server: out of the way of its clients.
+pub(super) const UNLIMITED_AUTH: &str = "[auth]\nrate_per_second = 1000000\nburst = 10000000\n";
+
 pub(super) fn config_toml(data: &Path, durability: Durability, in_flight: usize, store: Option<&str>) -> String {
     // TOML basic strings: escape backslashes and quotes.
     let quoted = |text: &str| format!("\"{}\"", text.replace('\\', "\\\\").replace('"', "\\\""));
@@ -478,8 +481,7 @@ pub(super) fn config_toml(data: &Path, durability: Durability, in_flight: usize,
         None => format!("durability = \"{}\"\n", durability_word(durability)),
     };
     format!(
-        "data_dir = {}\nlisten = \"127.0.0.1:0\"\n{storage}\n\
-         [auth]\nrate_per_second = 1000000\nburst = 10000000\n\n\
+        "data_dir = {}\nlisten = \"127.0.0.1:0\"\n{storage}\n{UNLIMITED_AUTH}\n\
          [workers]\nconcurrency = {in_flight}\n",
         quoted(&data.display().to_string())
     )

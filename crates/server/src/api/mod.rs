@@ -288,8 +288,21 @@ pub fn router(state: AppState, extra: Vec<OpenApiRouter<AppState>>) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_max))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), hold_refusals))
         .layer(axum::middleware::from_fn_with_state(state.clone(), count_requests))
         .with_state(state)
+}
+
+/// Hold a 401 or 429 answer `auth.refusal_delay_ms` before it is sent: a client that guesses
+/// tokens or exceeds its rate on a connection is refused about ten times a second there, not as
+/// fast as the server can refuse (which took its time from every other connection).
+async fn hold_refusals(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let delay = state.config.auth.refusal_delay_ms;
+    if delay > 0 && matches!(response.status(), StatusCode::UNAUTHORIZED | StatusCode::TOO_MANY_REQUESTS) {
+        tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+    }
+    response
 }
 
 async fn count_requests(State(state): State<AppState>, request: Request, next: Next) -> Response {
