@@ -64,7 +64,7 @@ impl Cluster {
             };
             std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).expect("chown the cluster folder");
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = crate::support::unused_port();
         let cluster = Cluster { dir, bin, port, run_as, running: false };
         let data = cluster.data();
         let out = cluster

@@ -412,7 +412,7 @@ fn nats_with_orders_stream(dir: &Path) -> Option<(Nats, u16)> {
         println!("skipped: {NATS_BIN} is not installed (apt-get install nats-server)");
         return None;
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = crate::support::unused_port();
     let nats = Nats::start(&dir.join("nats"), port);
     with_jetstream(port, async |js| {
         js.create_stream(async_nats::jetstream::stream::Config {
@@ -611,7 +611,7 @@ fn tidemark_consume_stores_a_stream_in_an_inbox_file_once_and_terminates_what_it
 fn consume_a_stream_into_an_inbox() {
     use crate::support::{ok, run, Setup};
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = crate::support::unused_port();
     let _nats = Nats::start(&dir.path().join("nats"), port);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
     let envelope = |id: &str, seq: i64, text: &str| {

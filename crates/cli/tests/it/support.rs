@@ -14,6 +14,24 @@ pub fn failpoints_enabled() -> bool {
     cfg!(feature = "failpoints")
 }
 
+/// A loopback port that is free now, for a server process the test starts on a port it must
+/// know first (a NATS server, a PostgreSQL cluster). Chosen below Linux's ephemeral range
+/// (32,768 up), which `bind(0)` and outgoing connections take their ports from, so that no other
+/// test's socket takes it between this check and the server's bind; each call of this process
+/// moves on to the next port.
+pub fn unused_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 20_000;
+    const PORTS: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let start = std::process::id().wrapping_mul(7_919) % PORTS;
+    (0..PORTS)
+        .map(|_| FIRST + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % PORTS)
+        .map(|port| port as u16)
+        .find(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
+        .expect("a free port below the ephemeral range")
+}
+
 /// Print why a test is skipped (visible with `--nocapture` and in CI logs).
 pub fn skip(reason: &str) {
     eprintln!("SKIPPED: {reason}");
