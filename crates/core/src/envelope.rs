@@ -234,8 +234,9 @@ pub fn validate_schema_version(version: u32) -> Result<()> {
     Ok(())
 }
 
-/// Counts the bytes written to it (the payload's canonical size, without building it).
-struct ByteCount(usize);
+/// Counts the bytes written to it: a value's JSON size without building the JSON (a payload's
+/// canonical size here; a page's items in the server).
+pub struct ByteCount(pub usize);
 
 impl std::io::Write for ByteCount {
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {

@@ -309,9 +309,10 @@ fn refusals_are_held_for_the_refusal_delay_while_others_are_served() {
 /// 4, the shipped per-token rate limit), the first two measured quiet and under 40 slow clients
 /// from 4 addresses, the first also under 8 clients flooding it with guessed tokens (every answer
 /// 401) and with another tenant's (every answer 200), the third under that neighbor's flood with
-/// its rate limit (answered 429 past its bucket). Every measured request and every probe is answered; the shipped limits hold all
-/// 40 slow connections, the per-address limit refuses (429) those past 4 per address and so
-/// holds fewer sockets. Counts only: the latencies are the benchmark's report, not asserted.
+/// its rate limit (served at most its bucket and rate). Every measured request and every probe
+/// is answered; the shipped limits hold all 40 slow connections, the per-address limit refuses
+/// (429) those past 4 per address and so holds fewer sockets. Counts only: the latencies are the
+/// benchmark's report, not asserted.
 #[test]
 fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the_excess() {
     let r = crate::support::run(&["bench", "--hostile", "--quick"]);
@@ -345,11 +346,14 @@ fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the
     assert_eq!((flood("guessing", "200"), flood("guessing", "other")), (0, 0), "{shipped:#}");
     assert!(flood("neighbor", "200") > 0, "{shipped:#}");
     assert_eq!((flood("neighbor", "401"), flood("neighbor", "other")), (0, 0), "{shipped:#}");
-    // With the shipped rate limit the neighbor is refused past its bucket; the measured clients,
-    // paced under their own token's rate, never are (their errors are 0 above).
+    // With the shipped rate limit (1,000 a second, a burst of 2,000) the neighbor is served at
+    // most its bucket and its rate over the phase (a second more for the counts' edges), and
+    // refused past it (how many 429s depends on how fast this machine lets it send); the
+    // measured clients, paced under their own token's rate, are never refused (errors 0 above).
     let limited = |status: &str| rate_limited["neighbor"]["flood"]["answered_in_phase"][status].as_u64().unwrap();
-    assert!(limited("429") > 0, "{rate_limited:#}");
-    assert_eq!(rate_limited["limits"]["auth_rate_per_second"], 1_000, "{rate_limited:#}");
+    let seconds = rate_limited["neighbor"]["seconds"].as_f64().unwrap();
+    assert!(limited("200") as f64 <= 2_000.0 + 1_000.0 * (seconds + 1.0), "{rate_limited:#}");
+    assert_eq!((limited("401"), limited("other")), (0, 0), "{rate_limited:#}");
     let slow = |run: &serde_json::Value, field: &str| run["slow"]["slow_clients"][field].as_u64().unwrap();
     assert_eq!(slow(shipped, "refused_429_in_phase"), 0, "{shipped:#}");
     assert_eq!(slow(shipped, "open_at_least"), 40, "{shipped:#}");

@@ -231,19 +231,8 @@ pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiErr
 /// always stays, however large); true when it cut some. Each item is measured by serializing it
 /// into a counter, not a buffer.
 pub fn fit_page<T: Serialize>(state: &AppState, items: &mut Vec<T>) -> bool {
-    /// Counts the bytes written to it.
-    struct Counter(usize);
-    impl std::io::Write for Counter {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
     let budget = state.config.limits.page_bytes_max;
-    let mut counter = Counter(0);
+    let mut counter = tidemark_core::envelope::ByteCount(0);
     let fits = items
         .iter()
         .position(|item| {
