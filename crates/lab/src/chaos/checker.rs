@@ -1448,8 +1448,8 @@ struct Control<'a> {
 /// attempt) completes, charged once. A retry completes it, charged once; a skip completes it
 /// uncharged (a failed run made no call that charged, and a skipped step makes none); an
 /// abandon ends it `cancelled` as far as it had come, nothing undone; a fork leaves it failed,
-/// and the fork (same order, its journal up to the charge reused, its reservation not made
-/// again) fails or completes as the operated run would have by itself. A control that may not
+/// and the fork (same order, its journal up to the step it was forked from reused, the hold or
+/// the charge: its reservation not made again) fails or completes as the operated run would have by itself. A control that may not
 /// have committed allows the end without it too.
 fn check_operated(
     report: &mut CheckReport,

@@ -100,6 +100,9 @@ const OPERATED_FLAKY_ATTEMPTS: u32 = MAX_ATTEMPTS + 2;
 /// The step of `sleepy_order` an operated order fails at, and an operator retries, skips or
 /// forks from.
 const OPERATED_STEP: &str = "charge_payment";
+/// The earliest journal position an operator forks an operated order from: the step after its
+/// reservation (`hold`), so that the fork reuses the reservation's entry wherever it starts.
+const FORK_FROM_FIRST: u64 = 1;
 /// The longest pause between an operated order's acknowledgement and its abandon (the run is
 /// usually still trying its charge then).
 const ABANDON_DELAY_MS_MAX: u64 = 600;
@@ -1527,7 +1530,8 @@ struct Operator {
 
 impl Operator {
     /// Control the operated order `run_id` as an operator would: `retry`, `skip` its charge or
-    /// `fork` it from its charge once it failed, or `abandon` it a moment after its start, while
+    /// `fork` it (from its charge or from the hold before it, at random) once it failed, or
+    /// `abandon` it a moment after its start, while
     /// it runs (the process and the moment from `rng`). Nothing is sent when the run ends
     /// otherwise first (a crash spared it an attempt and it completed) or the workload stops
     /// before it failed.
@@ -1544,8 +1548,11 @@ impl Operator {
                 "retry" => (json!({"reason": reason}), None),
                 "skip" => (json!({"step": step, "output": {"charged_by": "chaos operator"}, "reason": reason}), None),
                 _ => {
+                    // From the failed charge or from an earlier step after the reservation (the
+                    // hold, run again): either way the fork reuses the reservation's entry.
+                    let from = rng.gen_range(FORK_FROM_FIRST.min(step)..=step);
                     let fork = format!("{run_id}-k");
-                    (json!({"from_step": step, "new_run_id": fork}), Some(fork))
+                    (json!({"from_step": from, "new_run_id": fork}), Some(fork))
                 }
             }
         };
