@@ -1050,6 +1050,9 @@ fn broker_partitions(broker: &str) {
     }
 }
 
+/// How long the clients of a broker partition run send requests (`--duration-s`).
+const BROKER_WORKLOAD_MS: u64 = 14_000;
+
 fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
     let seed = BROKER_SEED.to_string();
     let store_args = store.map(|url| vec!["--store", url]).unwrap_or_default();
@@ -1059,7 +1062,7 @@ fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
             "--seed",
             &seed,
             "--duration-s",
-            "14",
+            &(BROKER_WORKLOAD_MS / 1_000).to_string(),
             "--faults",
             "7",
             "--kinds",
@@ -1099,9 +1102,21 @@ fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
         report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
     assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
     assert!(report["faults"]["remote_kill"].as_u64().unwrap() > 0, "{report:#}");
+    // Faults run one after the other: on a loaded machine a partition may begin only after the
+    // clients stopped (at 14 s), when little crosses the link.
+    let during_the_workload =
+        |mode: &str| {
+            report["faults"]["schedule"].as_array().unwrap().iter().any(|f| {
+                f["partition"] == mode && f["began_ms"].as_u64().is_some_and(|began| began < BROKER_WORKLOAD_MS)
+            })
+        };
+    if broker != "kafka-mock" && !during_the_workload("lose_answers") {
+        println!("note: the lose_answers partition began after the clients stopped; its losses are not required");
+    }
     if broker != "kafka-mock" {
         // The proxies threw answers away (the mock Kafka broker answers late instead, at itself).
-        assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
+        let lost = report["faults"]["link"]["answers_lost"].as_u64().unwrap();
+        assert!(lost > 0 || !during_the_workload("lose_answers"), "no answer was lost: {report:#}");
         // Every partition failed the relays' link, the source's, or both.
         let sides = &report["faults"]["link"]["sides"];
         let failed: u64 = ["relays", "source", "both"].iter().map(|side| sides[side].as_u64().unwrap()).sum();
