@@ -244,6 +244,11 @@ async fn slow_client(server: SocketAddr, from: Ipv4Addr, counts: Arc<SlowCounts>
     }
 }
 
+/// The head of every request the bench sends (`GET /v1/runs?limit=10`) with `token`.
+fn request_head(server: &str, token: &TokenText) -> String {
+    format!("GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {server}\r\nAuthorization: Bearer {}\r\n", token.text())
+}
+
 /// One flood client: from `from`, complete requests on a keep-alive connection, each sent as soon
 /// as the one before is answered, until `stop`: with `head` (a valid token), or a new well-formed
 /// token of no tenant each time. Opens a new connection when the server closes its own.
@@ -267,11 +272,7 @@ async fn flood_client(
         let head = match &head {
             Some(head) => head.as_str(),
             None => {
-                let token = TokenText::from_random(rand::random(), rand::random());
-                guess = format!(
-                    "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {server}\r\nAuthorization: Bearer {}\r\n",
-                    token.text()
-                );
+                guess = request_head(&server, &TokenText::from_random(rand::random(), rand::random()));
                 &guess
             }
         };
@@ -604,16 +605,8 @@ fn against(dir: &Path, plan: &Plan, durability: Durability, p: &Params, command:
     }
     drop(control);
     let server = Server::start(command, &config, &dir.join("server.log"))?;
-    let head = Arc::new(format!(
-        "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n",
-        server.addr,
-        token.text()
-    ));
-    let neighbor_head = Arc::new(format!(
-        "GET /v1/runs?limit=10 HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n",
-        server.addr,
-        neighbor_token.text()
-    ));
+    let head = Arc::new(request_head(&server.addr, &token));
+    let neighbor_head = Arc::new(request_head(&server.addr, &neighbor_token));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
