@@ -14,6 +14,7 @@ use serde_json::{json, Map, Value};
 use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit, validate_reason};
 use tidemark_core::limits::PAGE_SIZE_MAX;
+use tidemark_core::workflow::RunDetail;
 use tidemark_core::{Error, Result};
 
 use crate::queue_cmd::QueueCommand;
@@ -285,6 +286,21 @@ fn queue(remote: &Remote, command: QueueCommand) -> Result<Value> {
     }
 }
 
+/// A run's whole detail from its pages (`next_after_seq` read on until the last page): the form
+/// the file mode prints and the test kit's `ReplayCheck` replays. At most one page per journal
+/// position, each starting right after the one before (`RunDetail::append_page` checks it).
+fn whole_detail(remote: &Remote, path: &str) -> Result<RunDetail> {
+    let page = |query: &[(&str, String)]| -> Result<RunDetail> {
+        serde_json::from_value(remote.send(Method::GET, path, query, None)?)
+            .map_err(|e| Error::io(format!("the server's answer to GET {path} is not a run's detail: {e}")))
+    };
+    let mut detail = page(&[])?;
+    while let Some(after) = detail.next_after_seq {
+        detail.append_page(page(&[("after_seq", after.to_string())])?)?;
+    }
+    Ok(detail)
+}
+
 fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
     let reason_route = |run_id: &str, action: &str, reason: String| -> Result<Value> {
         let run = segment("run_id", run_id)?;
@@ -342,7 +358,9 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
         }
         WorkflowCommand::Show { run_id, .. } => {
             let run = segment("run_id", &run_id)?;
-            Ok(with_outcome(remote.send(Method::GET, &format!("/v1/runs/{run}"), &[], None)?, "found"))
+            let detail = whole_detail(remote, &format!("/v1/runs/{run}"))?;
+            let answer = serde_json::to_value(detail).map_err(|e| Error::io(format!("cannot print the run: {e}")))?;
+            Ok(with_outcome(answer, "found"))
         }
         WorkflowCommand::Result { run_id, wait_ms, .. } => {
             let run = segment("run_id", &run_id)?;

@@ -724,6 +724,14 @@ fn invalid_argument(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
 
+/// The arguments of [`WorkflowStore::run_page`]: a run id, a position below [`RUN_STEPS_MAX`]
+/// and a limit of 1..=[`RUN_STEPS_MAX`] entries.
+pub fn validate_run_page(run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<()> {
+    validate_id("run_id", run_id)?;
+    after_seq.map(validate_seq).transpose()?;
+    crate::id::validate_limit("journal page size", limit, RUN_STEPS_MAX as usize)
+}
+
 /// A journal position within [`RUN_STEPS_MAX`] (`limit_exceeded` beyond it).
 pub fn validate_seq(seq: u32) -> Result<()> {
     if seq >= RUN_STEPS_MAX {
@@ -1071,9 +1079,78 @@ pub struct RunDetail {
     pub attempts: Vec<AttemptRecord>,
     /// The events sent to it.
     pub events: Vec<RunEvent>,
+    /// Set on a page of the detail that does not end the journal
+    /// ([`WorkflowStore::run_page`], `GET /v1/runs/{run_id}?after_seq=`): the last position this
+    /// page holds, where the next page starts after. Absent (null) on the last page and on a
+    /// whole detail.
+    #[serde(default)]
+    pub next_after_seq: Option<u32>,
 }
 
 impl RunDetail {
+    /// Keep the first `keep` journal entries and what belongs to them: the attempts of their
+    /// positions and the events they consumed. When that cuts entries off, the events no wait
+    /// consumed go too (they belong to the page that ends the journal) and
+    /// [`RunDetail::next_after_seq`] becomes the last kept position.
+    pub fn keep_entries(&mut self, keep: usize) {
+        if keep >= self.journal.len() {
+            return;
+        }
+        self.journal.truncate(keep);
+        let last = self.journal.last().map(|entry| entry.seq);
+        let kept = |seq: u32| last.is_some_and(|last| seq <= last);
+        self.attempts.retain(|attempt| kept(attempt.seq));
+        self.events.retain(|event| event.consumed_by_seq.is_some_and(kept));
+        self.next_after_seq = last;
+    }
+
+    /// `invalid_argument` when this is a page of the detail that entries follow
+    /// ([`RunDetail::next_after_seq`] set), not the whole of it.
+    pub fn ensure_whole(&self) -> Result<()> {
+        match self.next_after_seq {
+            None => Ok(()),
+            Some(after) => Err(Error::invalid(
+                codes::INVALID_ARGUMENT,
+                format!(
+                    "the detail of run {:?} is one page, cut after position {after}: add the pages after it \
+                     (`tidemark workflow show --server ...` reads them all)",
+                    self.run.run_id
+                ),
+            )),
+        }
+    }
+
+    /// Add the next page of the same run's detail (read with `after_seq` set to this one's
+    /// [`RunDetail::next_after_seq`]) to this one: its journal, attempts and events follow, its
+    /// run record (the later read) replaces this one's, and its `next_after_seq` is the whole's.
+    /// `invalid_argument` when `page` is of another run or does not start right after this one.
+    pub fn append_page(&mut self, page: RunDetail) -> Result<()> {
+        let invalid = |message: String| Error::invalid(codes::INVALID_ARGUMENT, message);
+        if page.run.run_id != self.run.run_id {
+            return Err(invalid(format!(
+                "a page of run {:?} cannot follow one of run {:?}",
+                page.run.run_id, self.run.run_id
+            )));
+        }
+        let Some(after) = self.next_after_seq else {
+            return Err(invalid(format!("the detail of run {:?} is already whole", self.run.run_id)));
+        };
+        let first = page.journal.first().map(|entry| entry.seq);
+        if first != after.checked_add(1) {
+            return Err(invalid(format!(
+                "the page of run {:?} after position {after} starts at position {}",
+                self.run.run_id,
+                first.map_or("none".to_string(), |seq| seq.to_string())
+            )));
+        }
+        self.run = page.run;
+        self.journal.extend(page.journal);
+        self.attempts.extend(page.attempts);
+        self.events.extend(page.events);
+        self.next_after_seq = page.next_after_seq;
+        Ok(())
+    }
+
     /// Check a recorded run before a store imports it (`import_run` of either store, for the
     /// test kit's replay of production journals): its start as a start is checked, journal
     /// positions 0, 1, 2, ... below [`RUN_STEPS_MAX`], identifiers, outputs and payloads within
@@ -1081,6 +1158,7 @@ impl RunDetail {
     pub fn validate_import(&self) -> Result<()> {
         let run = &self.run;
         StartRequest::new(&run.run_id, &run.workflow, run.version, run.input.clone()).validate()?;
+        self.ensure_whole()?;
         let invalid = |message: String| Error::invalid(codes::INVALID_ARGUMENT, message);
         for (position, entry) in self.journal.iter().enumerate() {
             if entry.seq as usize != position || entry.seq >= RUN_STEPS_MAX {
@@ -1592,7 +1670,16 @@ pub trait WorkflowStore {
     fn send_event(&mut self, run_id: &str, event_id: &str, name: &str, payload: &Value, now_ms: i64) -> Result<bool>;
     /// The run with its journal, attempts and events, read in one read transaction, or `None` for
     /// an unknown run id.
-    fn run(&self, run_id: &str) -> Result<Option<RunDetail>>;
+    fn run(&self, run_id: &str) -> Result<Option<RunDetail>> {
+        self.run_page(run_id, None, RUN_STEPS_MAX as usize)
+    }
+    /// One page of [`WorkflowStore::run`], read in one read transaction: the run's record, at most
+    /// `limit` journal entries after position `after_seq` (from the start when `None`), the
+    /// attempts of their positions and the events they consumed, and, on the page that ends the
+    /// journal, the events no wait consumed yet. [`RunDetail::next_after_seq`] is set when
+    /// entries follow. `limit` 1..=[`RUN_STEPS_MAX`] and `after_seq` below it (else
+    /// `limit_exceeded`); `None` for an unknown run id.
+    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>>;
     /// The value run `run_id` last published under `key` (`ctx.set_event`), or `None`.
     fn published(&self, run_id: &str, key: &str) -> Result<Option<PublishedValue>>;
     /// Runs that match `filter`, by (creation time, run id), at most `limit` (1..=1,000, else

@@ -80,7 +80,9 @@ impl Server {
         // checkout is (a library it cannot read is ignored by the loader, with only a warning).
         let shim = root.join("libtidemark_faultfs_preload.so");
         std::fs::copy(shim_library(), &shim).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        // The server listens on no TCP address (`listen_addresses = ''`): the port only names
+        // its socket file in this test's own folder, so a fixed one cannot collide.
+        let port = 5499;
         let server = Server { _dir: dir, bin, data, state, shim, socket, port, as_postgres };
         if as_postgres {
             let status = Command::new("chown").args(["-R", "postgres:postgres"]).arg(&root).status().unwrap();

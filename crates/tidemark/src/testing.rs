@@ -13,7 +13,7 @@
 //!   the kit can tell a legitimate at-least-once retry (same key) from an effect called with two
 //!   keys, or called again after its step had committed.
 //! - [`ReplayCheck`]: runs recorded elsewhere (the JSON of `GET /v1/runs/{id}` or `tidemark
-//!   workflow show --json`) replayed against the code you register, running no step.
+//!   workflow show`) replayed against the code you register, running no step.
 //! - [`Report`]: the [`Finding`]s, each of a [`FindingKind`]; [`Report::assert_ok`] panics with a
 //!   readable report when one is a problem.
 //!
@@ -119,7 +119,7 @@ pub const SEED_DEFAULT: u64 = 0x7D3A_5EED;
 /// The run id of the run a [`CrashTest`] starts unless [`CrashTest::run_id`] gives another.
 pub const RUN_ID_DEFAULT: &str = "kit-run";
 /// The error code of a recorded run that does not parse as a run's JSON
-/// (`GET /v1/runs/{id}`, `tidemark workflow show --json`).
+/// (`GET /v1/runs/{id}`, `tidemark workflow show`).
 pub const INVALID_RECORDING: &str = "invalid_recording";
 
 /// The poll interval of the kit's workers: the longest there is, so that a worker claims only
@@ -1787,9 +1787,11 @@ fn effects_beyond_crashes(reference: &Outcome, outcome: &Outcome, run_id: &str) 
 // Replaying recorded journals.
 // ---------------------------------------------------------------------------------------------
 
-/// Parse recorded runs: the JSON of one run as `GET /v1/runs/{id}` or `tidemark workflow show
-/// --json` gives it (fields the run's JSON does not have, like the CLI's `outcome`, are
-/// ignored), or an array of them. Anything else is `invalid_recording`.
+/// Parse recorded runs: the JSON of one run as `tidemark workflow show` gives it (fields
+/// the run's JSON does not have, like the CLI's `outcome`, are ignored), or an array of them.
+/// The pages of one run's detail as `GET /v1/runs/{id}` serves them (`next_after_seq`) are
+/// joined when they follow one another in the array; a run whose last page is missing, and
+/// anything else, is `invalid_recording`.
 pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
     let value: Value = serde_json::from_str(json)
         .map_err(|e| Error::invalid(INVALID_RECORDING, format!("a recorded run is not JSON: {e}")))?;
@@ -1797,18 +1799,26 @@ pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
         Value::Array(items) => items,
         single => vec![single],
     };
-    items
-        .into_iter()
-        .enumerate()
-        .map(|(index, item)| {
-            serde_json::from_value::<RunDetail>(item).map_err(|e| {
-                Error::invalid(
-                    INVALID_RECORDING,
-                    format!("recorded run {index} is not a run's JSON (run, journal, attempts, events): {e}"),
-                )
-            })
-        })
-        .collect()
+    let mut runs: Vec<RunDetail> = Vec::new();
+    for (index, item) in items.into_iter().enumerate() {
+        let detail = serde_json::from_value::<RunDetail>(item).map_err(|e| {
+            Error::invalid(
+                INVALID_RECORDING,
+                format!("recorded run {index} is not a run's JSON (run, journal, attempts, events): {e}"),
+            )
+        })?;
+        // A page that follows a page of the same run (`next_after_seq`) is that run's next page.
+        match runs.last_mut() {
+            Some(before) if before.next_after_seq.is_some() && before.run.run_id == detail.run.run_id => {
+                before.append_page(detail).map_err(|e| Error::invalid(INVALID_RECORDING, e.to_string()))?;
+            }
+            _ => runs.push(detail),
+        }
+    }
+    for detail in &runs {
+        detail.ensure_whole().map_err(|e| Error::invalid(INVALID_RECORDING, e.to_string()))?;
+    }
+    Ok(runs)
 }
 
 /// Runs recorded elsewhere (production), replayed against the code registered here before it

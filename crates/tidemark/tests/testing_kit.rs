@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tidemark::prelude::*;
 use tidemark::testing::{parse_recorded, CrashTest, Effects, FindingKind, ReplayCheck, Report, INVALID_RECORDING};
-use tidemark::workflow::StepStatus;
+use tidemark::workflow::{RunDetail, StepStatus};
 
 mod kit_shared;
 use kit_shared::{
@@ -354,11 +354,43 @@ fn recorded_journals_round_trip_as_json() {
     let (finished, _) = recordings();
     let parsed = parse_recorded(&finished).unwrap();
     assert_eq!(serde_json::to_string(&parsed[0]).unwrap(), finished);
-    // `tidemark workflow show --json` adds its outcome beside the run's fields; arrays hold many.
+    // `tidemark workflow show` adds its outcome beside the run's fields; arrays hold many.
     let mut shown: Value = serde_json::from_str(&finished).unwrap();
     shown["outcome"] = json!("found");
     let both = format!("[{shown}, {finished}]");
     assert_eq!(parse_recorded(&both).unwrap().len(), 2);
+}
+
+/// The page of `whole` that `GET /v1/runs/{id}?after_seq=&limit=` serves.
+fn page_of(whole: &RunDetail, after_seq: Option<u32>, limit: usize) -> RunDetail {
+    let from = after_seq.map_or(0, |seq| seq + 1);
+    let mut page = whole.clone();
+    page.journal.retain(|entry| entry.seq >= from);
+    page.attempts.retain(|attempt| attempt.seq >= from);
+    page.events.retain(|event| event.consumed_by_seq.is_none_or(|seq| seq >= from));
+    page.keep_entries(limit);
+    page
+}
+
+#[test]
+fn a_recording_in_pages_is_joined_and_one_without_its_last_page_is_refused() {
+    let (finished, _) = recordings();
+    let whole = parse_recorded(&finished).unwrap().remove(0);
+    assert_eq!(whole.journal.len(), 3, "{finished}");
+    let first = page_of(&whole, None, 1);
+    let (second, last) = (page_of(&whole, Some(0), 1), page_of(&whole, Some(1), 5));
+    assert_eq!((first.next_after_seq, second.next_after_seq, last.next_after_seq), (Some(0), Some(1), None));
+    assert!(first.attempts.iter().all(|a| a.seq == 0) && !first.attempts.is_empty());
+    let pages = serde_json::to_string(&[&first, &second, &last]).unwrap();
+    assert_eq!(parse_recorded(&pages).unwrap(), [whole], "the pages join into the whole");
+    replay(reserve_then_charge, &[&pages]).assert_ok();
+
+    let without_last = serde_json::to_string(&[&first, &second]).unwrap();
+    let out_of_order = serde_json::to_string(&[&first, &last, &second]).unwrap();
+    for json in [without_last, out_of_order, serde_json::to_string(&first).unwrap()] {
+        let error = parse_recorded(&json).unwrap_err();
+        assert_eq!(error.code(), INVALID_RECORDING, "{error}");
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::server_support::{control, served_on_both_backends, tenant_store, token, Server};
-use crate::support::ok;
+use crate::support::{ok, run_with};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -572,6 +572,104 @@ fn pages_stop_at_their_byte_bound_and_their_cursors_read_on_to_every_item() {
             after = page["next_after"].as_i64().unwrap();
         }
         assert_eq!(positions, [1, 2, 3, 4, 5]);
+    });
+}
+
+/// A run's detail is paged by journal position: a page holds at most `limit` entries and stops
+/// before the position that would take it past `limits.page_bytes_max` (an entry with its
+/// attempts and the events it consumed; the first always stays), `next_after_seq` reads on, and
+/// the events no wait consumed come on the last page. The pages join into the whole detail a
+/// server with room for it serves in one answer, and `tidemark workflow show --server` joins them.
+#[test]
+fn a_run_detail_is_read_in_pages_that_join_into_the_whole() {
+    served_on_both_backends(|| {
+        const BOUND: usize = 16_384;
+        let dir = tempfile::tempdir().unwrap();
+        let data = dir.path().join("data");
+        let admin = token(&data, "acme", "admin");
+        let config = write_config(dir.path(), &format!("[limits]\npage_bytes_max = {BOUND}\n"));
+        let mut server = Server::start(&data, &["--config", &config], &[]);
+        let t = Some(admin.as_str());
+        assert_eq!(server.call("PUT", "/v1/stock/sku-1", t, Some(&json!({"quantity": 10}))).0, 200);
+        // The run's record alone passes the bound (its input), so every page holds one position:
+        // reserve_inventory, hold, the wait for `approve`, charge_payment, ship_order.
+        let input = json!({"order_id": "paged", "sku": "sku-1", "quantity": 1, "amount": 100, "approval": "approve",
+            "note": "y".repeat(BOUND)});
+        let start = json!({"workflow": "sleepy_order", "run_id": "paged", "input": input});
+        assert_eq!(server.call("POST", "/v1/runs", t, Some(&start)).0, 201);
+        let spare = json!({"event_id": "spare", "name": "unasked", "payload": {"n": 1}});
+        assert_eq!(server.call("POST", "/v1/runs/paged/events", t, Some(&spare)).0, 200);
+        let approve = json!({"event_id": "yes", "name": "approve", "payload": {"approved": true}});
+        assert_eq!(server.call("POST", "/v1/runs/paged/events", t, Some(&approve)).0, 200);
+        let done = server.wait_for(WAIT, |s| {
+            let (status, body) = s.call("GET", "/v1/runs/paged/result?wait_ms=5000", t, None);
+            (status == 200).then_some(body)
+        });
+        assert_eq!(done["status"], "completed", "{done}");
+
+        let (mut pages, mut after) = (Vec::new(), None::<u64>);
+        for _ in 0..10 {
+            let path = match after {
+                Some(seq) => format!("/v1/runs/paged?limit=3&after_seq={seq}"),
+                None => "/v1/runs/paged?limit=3".into(),
+            };
+            let (status, page) = server.call("GET", &path, t, None);
+            assert_eq!(status, 200, "{page}");
+            let seqs: Vec<u64> =
+                page["journal"].as_array().unwrap().iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+            assert_eq!(seqs, [pages.len() as u64], "one position a page, in order: {page}");
+            assert!(page["attempts"].as_array().unwrap().iter().all(|a| a["seq"] == seqs[0]), "{page}");
+            after = page["next_after_seq"].as_u64();
+            pages.push(page);
+            if after.is_none() {
+                break;
+            }
+        }
+        assert_eq!(pages.len(), 5, "five positions: {pages:?}");
+        let events_of = |page: &Value| -> Vec<String> {
+            page["events"].as_array().unwrap().iter().map(|e| e["event_id"].as_str().unwrap().to_string()).collect()
+        };
+        let events: Vec<Vec<String>> = pages.iter().map(events_of).collect();
+        assert_eq!(events, [vec![], vec![], vec!["yes".to_string()], vec![], vec!["spare".to_string()]]);
+        let (status, page) = server.text_with("/ui/runs/paged?after_seq=1", t);
+        assert_eq!(status, 200);
+        assert!(page.contains("Steps 2 to 2") && page.contains("/ui/runs/paged?after_seq=2"), "{page}");
+        // Out of range: refused, as every page size is.
+        for query in ["after_seq=10000", "limit=0", "limit=1001", "after_seq=-1"] {
+            let (status, body) = server.call("GET", &format!("/v1/runs/paged?{query}"), t, None);
+            assert_eq!(status, 400, "{query}: {body}");
+        }
+        let shown = run_with(
+            &["--server", &server.base, "--token", &admin, "workflow", "show", "--run-id", "paged"],
+            &[],
+            None,
+        );
+        assert_eq!(shown.code, 0, "{}\n{}", shown.stdout, shown.stderr);
+        server.terminate();
+
+        // The same run served whole (the default bound), and in pages of two positions.
+        let server = Server::start(&data, &[], &[]);
+        let (_, whole) = server.call("GET", "/v1/runs/paged", t, None);
+        assert_eq!(whole["next_after_seq"], Value::Null, "{whole}");
+        let joined = |field: &str| -> Vec<Value> {
+            let mut items: Vec<Value> = pages.iter().flat_map(|p| p[field].as_array().unwrap().clone()).collect();
+            items.sort_by_key(|item| item.to_string());
+            items
+        };
+        let sorted = |items: &Value| -> Vec<Value> {
+            let mut items = items.as_array().unwrap().clone();
+            items.sort_by_key(|item| item.to_string());
+            items
+        };
+        for field in ["journal", "attempts", "events"] {
+            assert_eq!(joined(field), sorted(&whole[field]), "{field}: the pages join into the whole");
+            assert_eq!(sorted(&shown.json[field]), sorted(&whole[field]), "{field}: the CLI joins the pages");
+        }
+        assert_eq!(whole["run"], pages[4]["run"]);
+        let (_, two) = server.call("GET", "/v1/runs/paged?limit=2&after_seq=1", t, None);
+        let seqs: Vec<u64> = two["journal"].as_array().unwrap().iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+        assert_eq!((seqs, two["next_after_seq"].as_u64()), (vec![2, 3], Some(3)), "{two}");
+        assert_eq!(events_of(&two), ["yes"], "{two}");
     });
 }
 

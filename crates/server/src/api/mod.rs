@@ -227,19 +227,26 @@ pub fn page_size(state: &AppState, limit: Option<usize>) -> Result<usize, ApiErr
     Ok(limit)
 }
 
+/// The length of `item`'s JSON, counted without building it. An item that cannot be serialized
+/// counts what was written before the failure; it fails the whole answer later, with its own
+/// error.
+pub fn json_len<T: Serialize + ?Sized>(item: &T) -> usize {
+    let mut counter = tidemark_core::envelope::ByteCount(0);
+    let _ = serde_json::to_writer(&mut counter, item);
+    counter.0
+}
+
 /// Cut `items` to the longest prefix whose JSON fits in `limits.page_bytes_max` (the first item
 /// always stays, however large); true when it cut some. Each item is measured by serializing it
 /// into a counter, not a buffer.
 pub fn fit_page<T: Serialize>(state: &AppState, items: &mut Vec<T>) -> bool {
     let budget = state.config.limits.page_bytes_max;
-    let mut counter = tidemark_core::envelope::ByteCount(0);
+    let mut used = 0;
     let fits = items
         .iter()
         .position(|item| {
-            // An item that cannot be serialized fails the whole answer later, with its own error.
-            let _ = serde_json::to_writer(&mut counter, item);
-            counter.0 += 1; // the comma between items
-            counter.0 > budget
+            used += json_len(item) + 1; // the comma between items
+            used > budget
         })
         .map_or(items.len(), |cut| cut.max(1));
     let cut = fits < items.len();

@@ -2,6 +2,8 @@
 //! list and filter runs a page at a time, the operator controls (cancel, retry, abandon, fork,
 //! skip), and send an event to a run.
 
+use std::collections::HashMap;
+
 use axum::extract::State;
 use axum::http::StatusCode;
 use serde::{Deserialize, Serialize};
@@ -18,7 +20,7 @@ use utoipa::{IntoParams, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use super::{fit_page, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
+use super::{fit_page, json_len, page_size, typed, ApiError, ApiResult, ErrorBody, Json, Path, Query};
 use crate::AnyCaller;
 use crate::{now_ms, AppState};
 
@@ -221,32 +223,90 @@ pub(crate) async fn list_runs(state: &AppState, caller: &AnyCaller, query: ListQ
     })
 }
 
-/// One run with its journal, every attempt with its error, and its events.
+#[derive(Debug, Default, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub struct DetailQuery {
+    /// Read the journal after this position (the `next_after_seq` of the page before); from
+    /// the start when absent.
+    #[param(minimum = 0, maximum = 9999)]
+    #[serde(default, deserialize_with = "super::query_integer")]
+    pub after_seq: Option<u32>,
+    /// At most this many journal entries (1..=`limits.page_size_max`, default 100).
+    #[param(minimum = 1, maximum = 1000)]
+    #[serde(default, deserialize_with = "super::query_integer")]
+    pub limit: Option<usize>,
+}
+
+/// One run with its journal, every attempt with its error, and its events, a page of journal
+/// positions at a time: at most `limit` entries after `after_seq`, cut before the position that
+/// would take the answer past `limits.page_bytes_max` (an entry with its attempts and the events
+/// it consumed; the first always stays), and `next_after_seq` set when positions follow. The
+/// events no wait consumed yet come on the page that ends the journal.
 #[utoipa::path(
     get,
     path = "/v1/runs/{run_id}",
     tag = "runs",
-    params(("run_id" = String, Path, description = "The run")),
+    params(("run_id" = String, Path, description = "The run"), DetailQuery),
     responses(
         (status = 200, body = RunDetail),
+        (status = 400, description = "`limit_exceeded`: `after_seq` or `limit` out of range", body = ErrorBody),
         (status = 404, description = "`not_found`: no such run", body = ErrorBody),
     ),
     security(("bearer" = ["read"]))
 )]
-async fn show(caller: AnyCaller, Path(run_id): Path<String>) -> ApiResult {
-    let detail = run_detail(&caller, run_id).await?;
+async fn show(
+    State(state): State<AppState>,
+    caller: AnyCaller,
+    Path(run_id): Path<String>,
+    Query(query): Query<DetailQuery>,
+) -> ApiResult {
+    let detail = run_detail(&state, &caller, run_id, &query).await?;
     Ok(typed::<RunDetail>(StatusCode::OK, detail))
 }
 
-/// A run with its journal, attempts and events (shared with the dashboard).
-pub(crate) async fn run_detail(caller: &AnyCaller, run_id: String) -> Result<RunDetail, ApiError> {
+/// A page of a run's detail (shared with the dashboard).
+pub(crate) async fn run_detail(
+    state: &AppState,
+    caller: &AnyCaller,
+    run_id: String,
+    query: &DetailQuery,
+) -> Result<RunDetail, ApiError> {
     crate::on_tenant!(&caller.tenant, tenant => {
         caller.require(Scope::Read)?;
-        validate_id("run_id", &run_id)?;
+        let limit = page_size(state, query.limit)?;
+        let after_seq = query.after_seq;
+        tidemark_core::workflow::validate_run_page(&run_id, after_seq, limit)?;
         let id = run_id.clone();
-        let detail = tenant.writer.call(move |store, _| store.run(&id)).await?;
-        Ok(detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?)
+        let detail = tenant.writer.call(move |store, _| store.run_page(&id, after_seq, limit)).await?;
+        let mut detail = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
+        fit_detail(state.config.limits.page_bytes_max, &mut detail);
+        Ok(detail)
     })
+}
+
+/// Cut a page of a run's detail to the positions whose JSON (the entry, its attempts, the events
+/// it consumed, counted after the run's record) fits in `budget` bytes; the first position always
+/// stays. The events no wait consumed go only with the journal's last position (and are not cut).
+fn fit_detail(budget: usize, detail: &mut RunDetail) {
+    // Each item with the comma after it.
+    let mut used = json_len(&detail.run) + 1;
+    let mut extra: HashMap<u32, usize> = HashMap::new();
+    for attempt in &detail.attempts {
+        *extra.entry(attempt.seq).or_default() += json_len(attempt) + 1;
+    }
+    for event in &detail.events {
+        if let Some(seq) = event.consumed_by_seq {
+            *extra.entry(seq).or_default() += json_len(event) + 1;
+        }
+    }
+    let cut = detail.journal.iter().position(|entry| {
+        used += json_len(entry) + 1 + extra.get(&entry.seq).copied().unwrap_or(0);
+        used > budget
+    });
+    if let Some(cut) = cut {
+        detail.keep_entries(cut.max(1));
+    }
 }
 
 /// The longest `wait_ms` of `GET /v1/runs/{run_id}/result`: one minute.

@@ -154,8 +154,21 @@ pub struct DoneQuery {
     pub done: Option<String>,
 }
 
-pub async fn show(Ui(caller): Ui, Path(run_id): Path<String>, Query(q): Query<DoneQuery>) -> UiResult {
-    let detail = api::run_detail(&caller, run_id).await?;
+/// A run's page: the banner of the action just done, and where its journal page starts.
+#[derive(Debug, Default, Deserialize)]
+pub struct RunQuery {
+    pub done: Option<String>,
+    pub after_seq: Option<u32>,
+}
+
+pub async fn show(
+    State(state): State<AppState>,
+    Ui(caller): Ui,
+    Path(run_id): Path<String>,
+    Query(q): Query<RunQuery>,
+) -> UiResult {
+    let query = api::DetailQuery { after_seq: q.after_seq, limit: None };
+    let detail = api::run_detail(&state, &caller, run_id, &query).await?;
     let body = timeline(&caller, &detail, q.done.as_deref());
     Ok(page(&format!("Run {}", detail.run.run_id), Some(&Viewer::from(&caller)), body).into_response())
 }
@@ -188,6 +201,9 @@ fn timeline(caller: &AnyCaller, detail: &RunDetail, done: Option<&str>) -> Marku
     let can_operate = caller.scope.allows(Scope::Operate);
     let base = format!("/ui/runs/{}", run.run_id);
     let open_steps: Vec<&JournalEntry> = detail.journal.iter().filter(|e| !e.status.is_settled()).collect();
+    // The position after this page's last (the journal's length on its last page).
+    let end_of_page = detail.journal.last().map_or(0, |entry| entry.seq + 1);
+    let first_of_page = detail.journal.first().map_or(0, |entry| entry.seq);
     html! {
         (done_banner(done))
         div.run-head {
@@ -246,7 +262,7 @@ fn timeline(caller: &AnyCaller, detail: &RunDetail, done: Option<&str>) -> Marku
                         }
                     }
                     form method="post" action=(format!("{base}/fork")) {
-                        label { "from step " input type="number" name="from_step" min="0" value=(detail.journal.len()) required; }
+                        label { "from step " input type="number" name="from_step" min="0" value=(end_of_page) required; }
                         input type="text" name="new_run_id" value=(format!("{}-fork", run.run_id)) required aria-label="new run id";
                         button type="submit" { "Fork" }
                     }
@@ -269,6 +285,15 @@ fn timeline(caller: &AnyCaller, detail: &RunDetail, done: Option<&str>) -> Marku
             h2 { "Timeline" }
             @if detail.journal.is_empty() {
                 p.muted { "No step journaled yet." }
+            }
+            @if first_of_page > 0 || detail.next_after_seq.is_some() {
+                p.pager {
+                    "Steps " (first_of_page) " to " (end_of_page.saturating_sub(1)) ". "
+                    @if first_of_page > 0 { a href=(base) { "First steps" } " " }
+                    @if let Some(after) = detail.next_after_seq {
+                        a href=(format!("{base}?after_seq={after}")) { "Next steps" }
+                    }
+                }
             }
             ol.timeline {
                 @for entry in &detail.journal {

@@ -1,5 +1,5 @@
 //! Importing a run recorded elsewhere (its [`RunDetail`], as `GET /v1/runs/{id}` and `tidemark
-//! workflow show --json` give it), so that new code can replay its journal on a throwaway schema
+//! workflow show` give it), so that new code can replay its journal on a throwaway schema
 //! (`tidemark::testing`), as SQLite's `SqliteWorkflows::import_run` does on a throwaway file.
 //! Nothing of the engine calls it; it is one transaction, like every write.
 

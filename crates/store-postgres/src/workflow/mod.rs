@@ -67,9 +67,10 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PublishedValue, PurgeReport, RunDetail,
-    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion,
-    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
+    validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PublishedValue,
+    PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns,
+    WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -953,8 +954,8 @@ impl WorkflowStore for PgWorkflows {
         Ok(added)
     }
 
-    fn run(&self, run_id: &str) -> Result<Option<RunDetail>> {
-        validate_id("run_id", run_id)?;
+    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>> {
+        validate_run_page(run_id, after_seq, limit)?;
         let (mut client, mut st) = self.reader();
         let mut tx = client
             .build_transaction()
@@ -966,11 +967,18 @@ impl WorkflowStore for PgWorkflows {
             tx.commit().db()?;
             return Ok(None);
         };
+        // Positions are below RUN_STEPS_MAX (validated), so they fit the columns' integer.
+        let after = after_seq.map_or(-1, |seq| seq as i32);
+        let mut journal = rows::journal_page(&mut tx, &mut st, run_id, after, limit + 1)?;
+        let next_after_seq = (journal.len() > limit).then(|| journal[limit - 1].seq);
+        journal.truncate(limit);
+        let last = journal.last().map_or(after, |entry| entry.seq as i32);
         let detail = RunDetail {
             run,
-            journal: rows::journal(&mut tx, &mut st, run_id)?,
-            attempts: rows::attempts(&mut tx, &mut st, run_id)?,
-            events: rows::events(&mut tx, &mut st, run_id, false)?,
+            journal,
+            attempts: rows::attempts(&mut tx, &mut st, run_id, after, last)?,
+            events: rows::page_events(&mut tx, &mut st, run_id, (after, last), next_after_seq.is_none())?,
+            next_after_seq,
         };
         tx.commit().db()?;
         Ok(Some(detail))

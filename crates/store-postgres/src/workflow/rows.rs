@@ -23,14 +23,16 @@ const RUN_SQL: &str = "SELECT run_id, workflow, version, input, key, status, res
 const RUN_LOCKED_SQL: &str = "SELECT run_id, workflow, version, input, key, status, result, error, wake_at_ms,
      waiting_for, cancel_requested, forked_from, lease_owner, lease_expires_at_ms, recoveries, created_at_ms,
      updated_at_ms, parent_run_id, queue, priority, admitted_at_ms, deadline_ms FROM {s}.runs WHERE run_id = $1 FOR UPDATE";
-const JOURNAL_SQL: &str = "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
-     event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 ORDER BY seq";
+const JOURNAL_PAGE_SQL: &str =
+    "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
+     event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
 const JOURNAL_AT_SQL: &str = "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
      event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 AND seq = $2";
-const ATTEMPTS_SQL: &str =
-    "SELECT seq, attempt, ok, error, finished_at_ms FROM {s}.step_attempts WHERE run_id = $1 ORDER BY seq, attempt";
-const EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
-     WHERE run_id = $1 AND (NOT $2 OR consumed_by_seq IS NULL) ORDER BY received_at_ms, event_id";
+const ATTEMPTS_SQL: &str = "SELECT seq, attempt, ok, error, finished_at_ms FROM {s}.step_attempts
+     WHERE run_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq, attempt";
+const PAGE_EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
+     WHERE run_id = $1 AND (consumed_by_seq > $2 AND consumed_by_seq <= $3 OR $4 AND consumed_by_seq IS NULL)
+     ORDER BY received_at_ms, event_id";
 const EVENT_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND event_id = $2";
 /// The journals of many runs at once (a claim's): one probe of `journal_pkey` per run, whatever
@@ -171,9 +173,16 @@ pub(super) fn locked_run(c: &mut impl GenericClient, st: &mut Statements, run_id
         .ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))
 }
 
-pub(super) fn journal(c: &mut impl GenericClient, st: &mut Statements, run_id: &str) -> Result<Vec<JournalEntry>> {
-    let statement = st.get(c, JOURNAL_SQL)?;
-    c.query(&statement, &[&run_id]).db()?.iter().map(|r| journal_entry(r, 0)).collect()
+/// At most `limit` journal entries of the run after position `after` (-1: from the start).
+pub(super) fn journal_page(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    run_id: &str,
+    after: i32,
+    limit: usize,
+) -> Result<Vec<JournalEntry>> {
+    let statement = st.get(c, JOURNAL_PAGE_SQL)?;
+    c.query(&statement, &[&run_id, &after, &(limit as i64)]).db()?.iter().map(|r| journal_entry(r, 0)).collect()
 }
 
 pub(super) fn journal_at(
@@ -210,9 +219,16 @@ pub(super) fn next_seq(c: &mut impl GenericClient, st: &mut Statements, run_id: 
     Ok(i64::from(next))
 }
 
-pub(super) fn attempts(c: &mut impl GenericClient, st: &mut Statements, run_id: &str) -> Result<Vec<AttemptRecord>> {
+/// The attempts of the run's positions in `after + 1..=last`, by position and attempt.
+pub(super) fn attempts(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    run_id: &str,
+    after: i32,
+    last: i32,
+) -> Result<Vec<AttemptRecord>> {
     let statement = st.get(c, ATTEMPTS_SQL)?;
-    c.query(&statement, &[&run_id])
+    c.query(&statement, &[&run_id, &after, &last])
         .db()?
         .iter()
         .map(|r| {
@@ -227,15 +243,17 @@ pub(super) fn attempts(c: &mut impl GenericClient, st: &mut Statements, run_id: 
         .collect()
 }
 
-/// Events of a run in arrival order; `unconsumed_only` keeps those no wait consumed yet.
-pub(super) fn events(
+/// The run's events consumed by its positions in `after + 1..=last`, and with `unconsumed` those
+/// no wait consumed yet, in arrival order.
+pub(super) fn page_events(
     c: &mut impl GenericClient,
     st: &mut Statements,
     run_id: &str,
-    unconsumed_only: bool,
+    (after, last): (i32, i32),
+    unconsumed: bool,
 ) -> Result<Vec<RunEvent>> {
-    let statement = st.get(c, EVENTS_SQL)?;
-    c.query(&statement, &[&run_id, &unconsumed_only]).db()?.iter().map(|r| run_event(r, 0)).collect()
+    let statement = st.get(c, PAGE_EVENTS_SQL)?;
+    c.query(&statement, &[&run_id, &after, &last, &unconsumed]).db()?.iter().map(|r| run_event(r, 0)).collect()
 }
 
 /// The unconsumed events of `run_ids`, by run.

@@ -1,5 +1,5 @@
 //! Importing a run recorded elsewhere (its [`RunDetail`], as `GET /v1/runs/{id}` and `tidemark
-//! workflow show --json` give it), so that new code can replay its journal on a throwaway file
+//! workflow show` give it), so that new code can replay its journal on a throwaway file
 //! (`tidemark::testing`). Nothing of the engine calls it; it is one transaction, like every write.
 
 use rusqlite::{params, TransactionBehavior};

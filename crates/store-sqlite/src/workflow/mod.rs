@@ -49,9 +49,9 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    validate_json_size, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PurgeReport, RunDetail, RunFilter,
-    RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult,
-    CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
+    validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PurgeReport, RunDetail,
+    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion,
+    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
 
@@ -611,17 +611,23 @@ impl WorkflowStore for SqliteWorkflows {
         Ok(added)
     }
 
-    fn run(&self, run_id: &str) -> Result<Option<RunDetail>> {
-        validate_id("run_id", run_id)?;
+    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>> {
+        validate_run_page(run_id, after_seq, limit)?;
         let tx = self.conn.unchecked_transaction().db()?;
         let Some(run) = rows::load_run(&tx, run_id)? else {
             return Ok(None);
         };
+        let after = after_seq.map_or(-1, i64::from);
+        let mut journal = rows::journal_page(&tx, run_id, after, limit + 1)?;
+        let next_after_seq = (journal.len() > limit).then(|| journal[limit - 1].seq);
+        journal.truncate(limit);
+        let last = journal.last().map_or(after, |entry| i64::from(entry.seq));
         let detail = RunDetail {
             run,
-            journal: rows::journal(&tx, run_id)?,
-            attempts: rows::attempts(&tx, run_id)?,
-            events: rows::events(&tx, run_id, false)?,
+            journal,
+            attempts: rows::attempts(&tx, run_id, after, last)?,
+            events: rows::page_events(&tx, run_id, after, last, next_after_seq.is_none())?,
+            next_after_seq,
         };
         tx.finish().db()?;
         Ok(Some(detail))

@@ -125,8 +125,15 @@ pub(super) fn existing_run(conn: &Connection, run_id: &str) -> Result<RunRecord>
     load_run(conn, run_id)?.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))
 }
 
-pub(super) fn journal(conn: &Connection, run_id: &str) -> Result<Vec<JournalEntry>> {
-    journal_with(&mut journal_statement(conn)?, run_id)
+/// At most `limit` journal entries of the run after position `after` (-1: from the start).
+pub(super) fn journal_page(conn: &Connection, run_id: &str, after: i64, limit: usize) -> Result<Vec<JournalEntry>> {
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {JOURNAL_COLUMNS} FROM journal WHERE run_id = ?1 AND seq > ?2 ORDER BY seq LIMIT ?3"
+        ))
+        .db()?;
+    let rows = stmt.query_map(params![run_id, after, limit as i64], journal_entry).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
 /// The statement of [`journal_with`] (to run it for many runs).
@@ -156,14 +163,16 @@ pub(super) fn next_seq(conn: &Connection, run_id: &str) -> Result<i64> {
         .db()
 }
 
-pub(super) fn attempts(conn: &Connection, run_id: &str) -> Result<Vec<AttemptRecord>> {
+/// The attempts of the run's positions in `after + 1..=last`, by position and attempt.
+pub(super) fn attempts(conn: &Connection, run_id: &str, after: i64, last: i64) -> Result<Vec<AttemptRecord>> {
     let mut stmt = conn
         .prepare_cached(
-            "SELECT seq, attempt, ok, error, finished_at_ms FROM step_attempts WHERE run_id = ?1 ORDER BY seq, attempt",
+            "SELECT seq, attempt, ok, error, finished_at_ms FROM step_attempts
+             WHERE run_id = ?1 AND seq > ?2 AND seq <= ?3 ORDER BY seq, attempt",
         )
         .db()?;
     let rows = stmt
-        .query_map([run_id], |r| {
+        .query_map(params![run_id, after, last], |r| {
             Ok(AttemptRecord {
                 seq: r.get(0)?,
                 attempt: r.get(1)?,
@@ -176,9 +185,24 @@ pub(super) fn attempts(conn: &Connection, run_id: &str) -> Result<Vec<AttemptRec
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
-/// Events of a run in arrival order; `unconsumed_only` keeps those no wait consumed yet.
-pub(super) fn events(conn: &Connection, run_id: &str, unconsumed_only: bool) -> Result<Vec<RunEvent>> {
-    events_with(&mut events_statement(conn)?, run_id, unconsumed_only)
+/// The run's events consumed by its positions in `after + 1..=last`, and with `unconsumed` those
+/// no wait consumed yet, in arrival order.
+pub(super) fn page_events(
+    conn: &Connection,
+    run_id: &str,
+    after: i64,
+    last: i64,
+    unconsumed: bool,
+) -> Result<Vec<RunEvent>> {
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {EVENT_COLUMNS} FROM run_events
+             WHERE run_id = ?1 AND (consumed_by_seq > ?2 AND consumed_by_seq <= ?3 OR ?4 AND consumed_by_seq IS NULL)
+             ORDER BY received_at_ms, event_id"
+        ))
+        .db()?;
+    let rows = stmt.query_map(params![run_id, after, last, unconsumed], run_event).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
 /// The statement of [`events_with`] (to run it for many runs).
