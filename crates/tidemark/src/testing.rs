@@ -12,8 +12,8 @@
 //! - [`Effects`]: what your fake external services call with (effect, idempotency key), so that
 //!   the kit can tell a legitimate at-least-once retry (same key) from an effect called with two
 //!   keys, or called again after its step had committed.
-//! - [`ReplayCheck`]: runs recorded elsewhere (the JSON of `GET /v1/runs/{id}` or `tidemark
-//!   workflow show`) replayed against the code you register, running no step.
+//! - [`ReplayCheck`]: runs recorded elsewhere (the JSON of `tidemark workflow show`, or the
+//!   pages of `GET /v1/runs/{id}` in order) replayed against the code you register, running no step.
 //! - [`Report`]: the [`Finding`]s, each of a [`FindingKind`]; [`Report::assert_ok`] panics with a
 //!   readable report when one is a problem.
 //!
@@ -119,7 +119,7 @@ pub const SEED_DEFAULT: u64 = 0x7D3A_5EED;
 /// The run id of the run a [`CrashTest`] starts unless [`CrashTest::run_id`] gives another.
 pub const RUN_ID_DEFAULT: &str = "kit-run";
 /// The error code of a recorded run that does not parse as a run's JSON
-/// (`GET /v1/runs/{id}`, `tidemark workflow show`).
+/// (`tidemark workflow show`, the pages of `GET /v1/runs/{id}`).
 pub const INVALID_RECORDING: &str = "invalid_recording";
 
 /// The poll interval of the kit's workers: the longest there is, so that a worker claims only
@@ -1850,7 +1850,7 @@ pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
 ///     ctx.step("reserve", None, |_| async { Ok(()) }).await
 /// }
 /// # fn main() -> tidemark::Result<()> {
-/// // A journal recorded by v1 (from production: `GET /v1/runs/{id}`).
+/// // A journal recorded by v1 (from production: `tidemark workflow show --server ...`).
 /// let recorded = CrashTest::new(tidemark::workflow("order", 1, v1)).every_boundary(false).random_schedules(0).run()?;
 /// let json = serde_json::to_string(&recorded.runs[0]).unwrap();
 /// let report = ReplayCheck::new().workflow(tidemark::workflow("order", 1, v2)).recorded_json(&json).run()?;
