@@ -1007,6 +1007,12 @@ fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice(
         report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["partition"].as_str()).collect();
     assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
     assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
+    // The cuts quarantined deliveries (three attempts each), and the outbox operator requeued
+    // them or redelivered from them: the check above holds after both.
+    let operations = &report["operations"];
+    assert!(operations["quarantines_requeued"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(operations["quarantines_redelivered"].as_u64().unwrap() > 0, "{report:#}");
+    assert_eq!(operations["unexpected_answers"], 0, "{report:#}");
     // Delivery resumed after the heals (measured, not bounded: the figure is in the report).
     assert!(report["partition_recovery_ms"]["observed"].as_u64().unwrap() > 0, "{report:#}");
     // The checker reads the remote inbox: a record taken out of it is reported.

@@ -91,6 +91,16 @@ pub(crate) const POISON_EVENT_TYPE: &str = "chaos.poison";
 const POISON_ONE_IN: u32 = 12;
 /// How often the inbox operator looks for blocked poison records during the workload.
 const SKIP_POLL: Duration = Duration::from_millis(300);
+/// The relays' attempts of one delivery (`relay.max_attempts`) in a run with a remote consumer:
+/// few, so that a partition's failed deliveries are quarantined (a cut fails each attempt at
+/// once) and the outbox operator must resolve them ([`requeue_quarantined`]).
+const RELAY_MAX_ATTEMPTS: u32 = 3;
+/// How often the outbox operator looks for quarantined deliveries during the workload.
+const QUARANTINE_POLL: Duration = Duration::from_millis(300);
+/// One pass of the outbox operator in this many redelivers a subscriber's events from its first
+/// quarantined one on (`POST /v1/outbox/redeliver/{consumer}`: the consumer answers `duplicate`
+/// for what it holds); the others requeue each quarantined delivery (`resolve`, `requeue`).
+const REDELIVER_ONE_IN: u32 = 4;
 /// One start alone in this many is an operated order ([`operated_start`]), which an operator
 /// task retries, skips, forks or abandons ([`Operator::operate`]).
 const OPERATED_ONE_IN: u32 = 10;
@@ -1264,6 +1274,10 @@ struct ClientStats {
     /// Blocked poison records the inbox operator skipped (during the workload, and during the
     /// wait for convergence).
     poison_skipped: u64,
+    /// Quarantined deliveries the outbox operator requeued, and its redeliveries from a
+    /// subscriber's first quarantined event (during the workload and the wait for convergence).
+    quarantines_requeued: u64,
+    quarantines_redelivered: u64,
     /// Operator controls known to have committed, and those that may have.
     controls: u64,
     controls_unanswered: u64,
@@ -1282,6 +1296,8 @@ impl ClientStats {
         self.advances += one.advances;
         self.appends += one.appends;
         self.poison_skipped += one.poison_skipped;
+        self.quarantines_requeued += one.quarantines_requeued;
+        self.quarantines_redelivered += one.quarantines_redelivered;
         self.starts += one.starts;
         self.batches += one.batches;
         self.waiters += one.waiters;
@@ -1662,6 +1678,69 @@ async fn skip_poison(http: &reqwest::Client, shared: &Shared, stats: &mut Client
     }
 }
 
+/// The harness as an outbox operator, until the workload stops: every [`QUARANTINE_POLL`], one
+/// pass of [`requeue_quarantined`] through a random process.
+async fn outbox_operator(http: reqwest::Client, shared: Arc<Shared>, mut rng: StdRng) -> ClientStats {
+    let mut stats = ClientStats::default();
+    while !shared.stop.load(Ordering::Relaxed) {
+        let process = rng.gen_range(0..shared.bases.len());
+        requeue_quarantined(&http, &shared, &mut stats, process, &mut rng).await;
+        tokio::time::sleep(QUARANTINE_POLL).await;
+    }
+    stats
+}
+
+/// One pass of the outbox operator through `process`, over the quarantined deliveries of each
+/// subscriber: the first, and then one pass in [`REDELIVER_ONE_IN`], redelivers from the subscriber's first
+/// quarantined event on (`POST /v1/outbox/redeliver/{consumer}`: every event after it too,
+/// most of them accepted already), the others requeue each one
+/// (`POST /v1/outbox/{event}/{consumer}/resolve`, `requeue`; a 409, resolved or accepted
+/// meanwhile, is expected). Nothing is told to the checker: the deliveries must end accepted,
+/// each event applied once and in order, whatever the operator did.
+async fn requeue_quarantined(
+    http: &reqwest::Client,
+    shared: &Shared,
+    stats: &mut ClientStats,
+    process: usize,
+    rng: &mut StdRng,
+) {
+    let url = format!("{}/v1/outbox?status=quarantined&limit=1000", shared.bases[process]);
+    let page = match http.get(&url).send().await {
+        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
+        Err(_) => {
+            stats.connection_errors += 1;
+            return;
+        }
+    };
+    stats.requests += 1;
+    // Each subscriber's quarantined events, in outbox order (the order of the list).
+    let mut quarantined: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for delivery in page["deliveries"].as_array().into_iter().flatten() {
+        if let (Some(consumer), Some(event_id)) = (delivery["consumer_id"].as_str(), delivery["event_id"].as_str()) {
+            quarantined.entry(consumer.to_string()).or_default().push(event_id.to_string());
+        }
+    }
+    for (consumer, events) in quarantined {
+        // The first quarantine a task meets is redelivered, so that every run with one
+        // exercises both decisions.
+        if stats.quarantines_redelivered == 0 || rng.gen_range(0..REDELIVER_ONE_IN) == 0 {
+            let body = json!({"from_event": events[0]});
+            let path = format!("/v1/outbox/redeliver/{consumer}");
+            if let Some((200, _)) = post(http, shared, stats, process, &path, &body, &[]).await {
+                stats.quarantines_redelivered += 1;
+            }
+            continue;
+        }
+        let body = json!({"action": "requeue", "reason": "chaos: the consumer is reachable again"});
+        for event_id in events {
+            let path = format!("/v1/outbox/{event_id}/{consumer}/resolve");
+            if let Some((200, _)) = post(http, shared, stats, process, &path, &body, &[409]).await {
+                stats.quarantines_requeued += 1;
+            }
+        }
+    }
+}
+
 /// POST `body` to `path` of `process`, counting the request in `stats`: the status and the
 /// answer's JSON (`Null` when it is not JSON), or `None` when no answer came (a connection
 /// error). A 4xx is counted as unexpected (the workload sends only valid requests) unless
@@ -2021,7 +2100,8 @@ const SIDE_MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl Remote {
     /// Start the proxy, write the servers' configuration (the relay's token for the proxy's
-    /// origin, short backoffs so that delivery resumes soon after a partition heals), start the
+    /// origin, short backoffs so that delivery resumes soon after a partition heals, and
+    /// [`RELAY_MAX_ATTEMPTS`] so that a partition quarantines deliveries), start the
     /// remote server behind the proxy and declare its consumer. With a broker, the proxy leads
     /// to the broker instead, and the remote server consumes from it through a second proxy
     /// (NATS, RabbitMQ) or straight (the mock Kafka broker, which fails itself).
@@ -2037,7 +2117,7 @@ impl Remote {
             _ => None,
         };
         let config = format!(
-            "[relay]\nattempt_timeout_ms = {}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = 1000\n\
+            "[relay]\nattempt_timeout_ms = {}\nbackoff_base_ms = 50\nbackoff_max_ms = 500\nmax_attempts = {RELAY_MAX_ATTEMPTS}\n\
              [relay.tokens]\n\"http://{}\" = \"{REMOTE_TOKEN}\"\n",
             CLIENT_REQUEST_TIMEOUT.as_millis(),
             proxy.addr()
@@ -2266,6 +2346,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     drop(sender);
     let skipper_rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_sub(1));
     tasks.push(runtime.spawn(inbox_operator(http.clone(), shared.clone(), skipper_rng)));
+    let mut requeuer_rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_sub(2));
+    if remote.is_some() {
+        tasks.push(runtime.spawn(outbox_operator(http.clone(), shared.clone(), requeuer_rng.clone())));
+    }
 
     // The faults, one after the other, on this thread.
     let mut injected: Vec<Value> = Vec::with_capacity(faults.len());
@@ -2327,8 +2411,12 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     send_all(reqwest::Method::POST, &[(format!("{}/v1/schedules/{TICKS}/pause", servers[0].base()), json!({}))])?;
     let mut converged = false;
     while restarted.elapsed() < settings.converge_timeout {
-        // The inbox operator goes on skipping what is left of the poison events.
+        // The inbox operator goes on skipping what is left of the poison events, and the outbox
+        // operator resolving what is quarantined.
         runtime.block_on(skip_poison(&http, &shared, &mut stats, 0));
+        if remote.is_some() {
+            runtime.block_on(requeue_quarantined(&http, &shared, &mut stats, 0, &mut requeuer_rng));
+        }
         if checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?.converged() {
             converged = true;
             break;
@@ -2433,6 +2521,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "advances": stats.advances,
             "appends": stats.appends,
             "poison_skipped": stats.poison_skipped,
+            "quarantines_requeued": stats.quarantines_requeued,
+            "quarantines_redelivered": stats.quarantines_redelivered,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
