@@ -451,6 +451,18 @@ fn chaos_checker_holds_operated_orders_to_their_operators_controls_and_poison_ev
     assert_eq!(status(&id(&forked)), "failed");
     let fork = forked["new_run_id"].as_str().unwrap();
     assert!(["failed", "completed"].contains(&status(fork).as_str()), "fork {fork}: {}", status(fork));
+    // A fork from the reservation (position 0) reserved the order again: refused by the order's
+    // reservation row, so the fork failed at once.
+    let from_reservation = entries
+        .iter()
+        .find(|e| e["kind"] == "control" && e["action"] == "fork" && e["answered"] == true && e["from_step"] == 0)
+        .unwrap_or_else(|| panic!("no fork from the reservation in the ledger: {}", r.stdout));
+    let again = from_reservation["new_run_id"].as_str().unwrap();
+    let (end, error): (String, String) = workflows
+        .query_row("SELECT status, error FROM runs WHERE run_id = ?1", [again], |row| Ok((row.get(0)?, row.get(1)?)))
+        .expect(again);
+    assert_eq!(end, "failed", "fork {again}: {error}");
+    assert!(error.contains("already has a reservation"), "fork {again}: {error}");
 
     // The retried run made to look failed still; the abandoned one compensated (a release,
     // which an abandon never runs); the forked order reserved a second time (the fork reused its

@@ -143,6 +143,9 @@ pub enum Acknowledged {
         /// The fork's run id.
         #[serde(default)]
         new_run_id: Option<String>,
+        /// The journal position the fork starts from (0: the reservation, made again).
+        #[serde(default)]
+        from_step: Option<u64>,
         /// True when it is known to have committed.
         answered: bool,
         /// The process (0-based) that answered (or the last one it was sent to).
@@ -1105,9 +1108,14 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     let controls: HashMap<&str, Control> = ledger
         .iter()
         .filter_map(|entry| match entry {
-            Acknowledged::Control { run_id, action, new_run_id, answered, .. } => Some((
+            Acknowledged::Control { run_id, action, new_run_id, from_step, answered, .. } => Some((
                 run_id.as_str(),
-                Control { action: action.as_str(), new_run_id: new_run_id.as_deref(), answered: *answered },
+                Control {
+                    action: action.as_str(),
+                    new_run_id: new_run_id.as_deref(),
+                    from_step: *from_step,
+                    answered: *answered,
+                },
             )),
             _ => None,
         })
@@ -1437,6 +1445,7 @@ fn check_order(report: &mut CheckReport, read: &mut Runs, order: &Order, run_id:
 struct Control<'a> {
     action: &'a str,
     new_run_id: Option<&'a str>,
+    from_step: Option<u64>,
     /// Known to have committed (else it may have).
     answered: bool,
 }
@@ -1448,9 +1457,11 @@ struct Control<'a> {
 /// attempt) completes, charged once. A retry completes it, charged once; a skip completes it
 /// uncharged (a failed run made no call that charged, and a skipped step makes none); an
 /// abandon ends it `cancelled` as far as it had come, nothing undone; a fork leaves it failed,
-/// and the fork (same order, its journal up to the step it was forked from reused, the hold or
-/// the charge: its reservation not made again) fails or completes as the operated run would have by itself. A control that may not
-/// have committed allows the end without it too.
+/// and the fork (same order, its journal up to the step it was forked from reused) fails or
+/// completes as the operated run would have by itself when forked from the hold or the charge
+/// (the reservation's entry reused), and fails on its reservation when forked from it (the
+/// order's reservation row refuses a second one). A control that may not have committed allows
+/// the end without it too.
 fn check_operated(
     report: &mut CheckReport,
     read: &mut Runs,
@@ -1504,8 +1515,21 @@ fn check_operated(
     let action = control.map(|c| c.action);
     let certain = control.is_some_and(|c| c.answered);
     let kinds: Vec<&str> = kinds.iter().map(String::as_str).collect();
+    // A fork from the reservation (position 0) reserves the order again: the order's
+    // reservation row refuses it for good, and the fork fails at once, nothing done twice.
+    let forked_from_reservation = ended_id != run_id && control.and_then(|c| c.from_step) == Some(0);
+    if forked_from_reservation && status == "failed" {
+        let error = read.runs[&ended_id].error.as_deref().unwrap_or_default();
+        if !error.contains("already has a reservation") {
+            report.violation(
+                "unexpected_end",
+                format!("{label}, forked from its reservation, failed otherwise than on it: {error:?}"),
+            );
+        }
+    }
     // The ends allowed: (status, effect kinds, payment calls).
     let allowed: Vec<(&str, &[&str], Paid)> = match (action, certain) {
+        _ if forked_from_reservation => vec![("failed", &["reserve"], Paid::Exactly(0, 0))],
         (Some("retry"), true) => vec![("completed", &["reserve", "ship"], Paid::Exactly(1, 0))],
         (Some("skip"), true) => vec![("completed", &["reserve", "ship"], Paid::Exactly(0, 0))],
         (Some("skip"), false) => {

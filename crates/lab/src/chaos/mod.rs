@@ -110,9 +110,6 @@ const OPERATED_FLAKY_ATTEMPTS: u32 = MAX_ATTEMPTS + 2;
 /// The step of `sleepy_order` an operated order fails at, and an operator retries, skips or
 /// forks from.
 const OPERATED_STEP: &str = "charge_payment";
-/// The earliest journal position an operator forks an operated order from: the step after its
-/// reservation (`hold`), so that the fork reuses the reservation's entry wherever it starts.
-const FORK_FROM_FIRST: u64 = 1;
 /// The longest pause between an operated order's acknowledgement and its abandon (the run is
 /// usually still trying its charge then).
 const ABANDON_DELAY_MS_MAX: u64 = 600;
@@ -1546,7 +1543,7 @@ struct Operator {
 
 impl Operator {
     /// Control the operated order `run_id` as an operator would: `retry`, `skip` its charge or
-    /// `fork` it (from its charge or from the hold before it, at random) once it failed, or
+    /// `fork` it (from its charge, the hold or the reservation, at random) once it failed, or
     /// `abandon` it a moment after its start, while
     /// it runs (the process and the moment from `rng`). Nothing is sent when the run ends
     /// otherwise first (a crash spared it an attempt and it completed) or the workload stops
@@ -1564,11 +1561,12 @@ impl Operator {
                 "retry" => (json!({"reason": reason}), None),
                 "skip" => (json!({"step": step, "output": {"charged_by": "chaos operator"}, "reason": reason}), None),
                 _ => {
-                    // From the failed charge or from an earlier step after the reservation (the
-                    // hold, run again): either way the fork reuses the reservation's entry.
-                    let from = rng.gen_range(FORK_FROM_FIRST.min(step)..=step);
+                    // From the failed charge, from the hold before it (run again), or from the
+                    // reservation (position 0: the fork reserves the same order again, which
+                    // the order's reservation row refuses, so the fork fails at once).
+                    let from = rng.gen_range(0..=step);
                     let fork = format!("{run_id}-k");
-                    (json!({"from_step": from, "new_run_id": fork}), Some(fork))
+                    (json!({"from_step": from, "new_run_id": fork}), Some((fork, from)))
                 }
             }
         };
@@ -1600,7 +1598,9 @@ impl Operator {
         }
         let answered = committed.is_some();
         let at_ms = self.shared.at_ms();
-        let entry = Acknowledged::Control { run_id, action: action.into(), new_run_id, answered, process: last, at_ms };
+        let (new_run_id, from_step) = new_run_id.unzip();
+        let entry =
+            Acknowledged::Control { run_id, action: action.into(), new_run_id, from_step, answered, process: last, at_ms };
         // The writer lives until every client is done, and a client until its operators are.
         let _ = self.ledger.send(entry);
         stats
