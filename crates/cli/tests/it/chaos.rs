@@ -644,6 +644,74 @@ fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
     assert!(jumps.iter().any(|j| *j > 0) && jumps.iter().any(|j| *j < 0), "the seed jumps both ways: {jumps:?}");
 }
 
+/// Clock jumps of up to an hour (3,600 leases; seed 47: 53 and 17 minutes forward, 47 back):
+/// nothing lost, nothing applied twice. What a process whose clock was ahead scheduled (a timer,
+/// a retry, a due time) comes late by its lead; the checker counts such runs late, not
+/// unfinished, and only those: a run due within the workload's longest timer is unfinished.
+#[test]
+fn chaos_clock_jumps_of_an_hour_lose_nothing_and_apply_nothing_twice() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("clock jumps need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        "47",
+        "--duration-s",
+        "8",
+        "--faults",
+        "3",
+        "--kinds",
+        "clock-jump",
+        "--clock-jump-leases-max",
+        "3600",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--converge-timeout-s",
+        "60",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds clock-jump --clock-jump-leases-max 3600: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let jumps: Vec<i64> =
+        report["faults"]["schedule"].as_array().unwrap().iter().map(|f| f["jump_ms"].as_i64().unwrap()).collect();
+    assert!(jumps.iter().any(|j| *j > 600_000) && jumps.iter().any(|j| *j < -600_000), "{jumps:?}");
+    let late = report["check"]["runs_late_by_clock_ahead"].as_u64().unwrap();
+    assert!(late > 0, "a jump forward delayed no run: {report:#}");
+
+    // Two completed orders put back to sleep: one due in 30 s (a timer the true clock could have
+    // set: unfinished), one due in two hours (only a clock ahead sets that: late).
+    let workflows = out.join("data").join("tenants").join("chaos").join("workflows.db");
+    let conn = rusqlite::Connection::open(&workflows).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let slept = conn
+        .execute(
+            "UPDATE runs SET status = 'sleeping', finished_at_ms = NULL, wake_at_ms = ?1 + CASE WHEN run_id = (SELECT min(run_id) FROM runs
+               WHERE status = 'completed' AND workflow = 'order_saga' AND parent_run_id IS NULL) THEN 30000 ELSE 7200000 END
+             WHERE run_id IN (SELECT run_id FROM runs WHERE status = 'completed' AND workflow = 'order_saga'
+               AND parent_run_id IS NULL ORDER BY run_id LIMIT 2)",
+            [now],
+        )
+        .unwrap();
+    assert_eq!(slept, 2);
+    drop(conn);
+    let checked = check(&out);
+    assert_eq!(violations(&checked.json, "run_unfinished"), 1, "{}", checked.stdout);
+    assert_eq!(checked.json["check"]["runs_late_by_clock_ahead"], late + 1, "{}", checked.stdout);
+}
+
 /// The disk under the servers full, then failing fsyncs, then failing writes, each for a moment
 /// (the fault VFS's control files) while the workload runs: requests answer typed errors (507
 /// `storage_full`, 500 `store`), nothing acknowledged is lost, nothing applied twice, and the
@@ -1246,6 +1314,8 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
         ],
         &["chaos", "--seed", "1", "--kinds", "db-crash", "--out", out_str],
         &["chaos", "--seed", "1", "--db-data", "/tmp", "--out", out_str],
+        &["chaos", "--seed", "1", "--clock-jump-leases-max", "0", "--out", out_str],
+        &["chaos", "--seed", "1", "--clock-jump-leases-max", "86401", "--out", out_str],
     ];
     for args in cases {
         let r = run(args);

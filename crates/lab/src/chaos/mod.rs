@@ -216,6 +216,11 @@ struct RunArgs {
     /// clock jumps).
     #[arg(long, default_value_t = 0)]
     workers: usize,
+    /// The largest clock jump of `--kinds clock-jump`, in leases of the servers' 1 s lease
+    /// (1..=86400; default 5): each jump steps one lease to this many, forward or back, for the
+    /// lease plus 0.2-1.5 s. Larger ones set a process's clock hours off.
+    #[arg(long, default_value_t = schedule::CLOCK_JUMP_LEASES_MAX)]
+    clock_jump_leases_max: u64,
     /// Seconds to wait for convergence after the clean restart (1..=3600).
     #[arg(long, default_value_t = 120)]
     converge_timeout_s: u64,
@@ -589,6 +594,8 @@ struct Settings {
     clients: usize,
     workers: usize,
     converge_timeout: Duration,
+    /// The largest clock jump, in leases.
+    clock_jump_leases_max: u64,
     out: PathBuf,
     store: Option<PostgresStore>,
     /// With `--store` and a remote server: its store, the same server under the prefix
@@ -768,6 +775,9 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--broker is the broker the remote consumer is reached through: add partition or remote-kill to --kinds",
         ));
     }
+    if !(1..=schedule::CLOCK_JUMP_LEASES_LIMIT).contains(&args.clock_jump_leases_max) {
+        return Err(invalid(format!("--clock-jump-leases-max must be 1..={}", schedule::CLOCK_JUMP_LEASES_LIMIT)));
+    }
     if !(1..=CONVERGE_TIMEOUT_S_MAX).contains(&args.converge_timeout_s) {
         return Err(invalid(format!("--converge-timeout-s must be 1..={CONVERGE_TIMEOUT_S_MAX}")));
     }
@@ -799,6 +809,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         clients: args.clients,
         workers: args.workers,
         converge_timeout: Duration::from_secs(args.converge_timeout_s),
+        clock_jump_leases_max: args.clock_jump_leases_max,
         out,
         store,
         remote_store,
@@ -1599,8 +1610,15 @@ impl Operator {
         let answered = committed.is_some();
         let at_ms = self.shared.at_ms();
         let (new_run_id, from_step) = new_run_id.unzip();
-        let entry =
-            Acknowledged::Control { run_id, action: action.into(), new_run_id, from_step, answered, process: last, at_ms };
+        let entry = Acknowledged::Control {
+            run_id,
+            action: action.into(),
+            new_run_id,
+            from_step,
+            answered,
+            process: last,
+            at_ms,
+        };
         // The writer lives until every client is done, and a client until its operators are.
         let _ = self.ledger.send(entry);
         stats
@@ -2257,7 +2275,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         // Worker processes are faulted too: processes `processes..` of the schedule.
         settings.processes + settings.workers,
         settings.duration_ms,
-        LEASE_MS,
+        (LEASE_MS, settings.clock_jump_leases_max),
     );
     let schedule_json = serde_json::to_string_pretty(&faults).map_err(|e| Error::io(e.to_string()))?;
     std::fs::write(settings.out.join("schedule.json"), &schedule_json).map_err(io("cannot write schedule.json"))?;
@@ -2475,7 +2493,12 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "tidemark chaos --seed {} --duration-s {} --faults {} --kinds {} --durability {} --processes {} --clients {}{}{}",
             settings.seed, settings.duration_ms / 1_000, settings.faults, kinds.join(","), settings.durability,
             settings.processes, settings.clients,
-            if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() },
+            if settings.workers > 0 { format!(" --workers {}", settings.workers) } else { String::new() }
+                + &if settings.clock_jump_leases_max != schedule::CLOCK_JUMP_LEASES_MAX {
+                    format!(" --clock-jump-leases-max {}", settings.clock_jump_leases_max)
+                } else {
+                    String::new()
+                },
             settings.store.as_ref().map(|store| format!(" --store '{}'", store.masked)).unwrap_or_default()
                 + &settings.database.as_ref().map(|db| format!(" --db-data {}", db.data.display())).unwrap_or_default()
                 + &settings
