@@ -1285,7 +1285,7 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 17] = [
+    let cases: [&[&str]; 19] = [
         &["chaos", "--seed", "1", "--broker", "nats://127.0.0.1:4222", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "http://127.0.0.1:1", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "amqp://rabbit", "--out", out_str],
