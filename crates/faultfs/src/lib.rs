@@ -37,7 +37,9 @@ use serde::Serialize;
 /// The environment variable that puts a process on the layer: the state folder's path.
 pub const ENV: &str = "TIDEMARK_FAULTFS";
 /// The control files of the state folder. While `full` exists, a write that would grow a file
-/// fails as on a full disk (overwrites in place still succeed).
+/// fails as on a full disk (overwrites in place still succeed). Each control also has a form for
+/// one process only, `<name>.<pid>` ([`process_control`]): the fault of a file system that fails
+/// one machine's writes while another machine's still reach the same files.
 pub const FULL: &str = "full";
 /// While `eio-write` exists, every write of a tracked file fails with an I/O error.
 pub const EIO_WRITE: &str = "eio-write";
@@ -113,9 +115,15 @@ fn header(path: &Path) -> Vec<u8> {
     header
 }
 
-/// Whether the control file `name` exists in `state` (the fault it names is on).
+/// Whether the control file `name` exists in `state`, for every process or for this one (the
+/// fault it names is on here).
 pub fn control(state: &Path, name: &str) -> bool {
-    state.join(name).exists()
+    state.join(name).exists() || state.join(process_control(name, std::process::id())).exists()
+}
+
+/// The file name of control `name` for process `pid` only.
+pub fn process_control(name: &str, pid: u32) -> String {
+    format!("{name}.{pid}")
 }
 
 /// A handle on one tracked file's undo log. Each process (or connection) that changes the file

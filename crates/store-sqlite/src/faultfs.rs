@@ -31,8 +31,8 @@ use std::sync::OnceLock;
 
 use rusqlite::ffi;
 use tidemark_core::{Error, Result};
+pub use tidemark_faultfs::{process_control, PowerLossReport, Writeback, EIO_FSYNC, EIO_WRITE, ENV, FULL};
 use tidemark_faultfs::{Change, UndoLog};
-pub use tidemark_faultfs::{PowerLossReport, Writeback, EIO_FSYNC, EIO_WRITE, ENV, FULL};
 
 /// The VFS's registered name.
 const VFS_NAME: &CStr = c"tidemark-faultfs";

@@ -6,7 +6,7 @@
 
 use std::path::Path;
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::support::{path_str, run, Run};
 
@@ -713,7 +713,8 @@ fn chaos_clock_jumps_of_an_hour_lose_nothing_and_apply_nothing_twice() {
 }
 
 /// The disk under the servers full, then failing fsyncs, then failing writes, each for a moment
-/// (the fault VFS's control files) while the workload runs: requests answer typed errors (507
+/// (the fault VFS's control files), every second time for one server's files only, while the
+/// workload runs: requests answer typed errors (507
 /// `storage_full`, 500 `store`), nothing acknowledged is lost, nothing applied twice, and the
 /// servers go on by themselves when the disk works again.
 #[test]
@@ -736,6 +737,10 @@ fn chaos_io_errors_under_load_lose_nothing_and_the_servers_go_on_by_themselves()
     let modes: std::collections::BTreeSet<&str> =
         report["faults"]["schedule"].as_array().unwrap().iter().filter_map(|f| f["io_error"].as_str()).collect();
     assert_eq!(modes, ["eio_fsync", "eio_write", "full"].into(), "{report:#}");
+    // Every second fault failed one server's files only, the other server writing them meanwhile.
+    let scopes: Vec<Value> =
+        report["faults"]["schedule"].as_array().unwrap().iter().map(|f| f["io_error_process"].clone()).collect();
+    assert_eq!(scopes, [Value::Null, json!(0), Value::Null, json!(1)], "{report:#}");
     let statuses = &report["operations"]["by_status"];
     assert!(statuses["507"].as_u64().unwrap_or(0) > 0, "no storage_full answer during the full disk: {report:#}");
     assert_eq!(report["operations"]["unexpected_answers"], 0, "a 4xx during the I/O errors: {report:#}");

@@ -972,6 +972,11 @@ impl Serve {
         self.process.sigkill();
     }
 
+    /// The running process's id.
+    fn pid(&self) -> Option<u32> {
+        self.process.child.as_ref().map(Child::id)
+    }
+
     fn sigstop(&mut self) -> Result<()> {
         self.process.sigstop()
     }
@@ -1190,6 +1195,11 @@ fn io_error_control(mode: IoErrorMode) -> &'static str {
         IoErrorMode::EioWrite => "eio-write",
         IoErrorMode::EioFsync => "eio-fsync",
     }
+}
+
+/// The fault VFS's control file of an I/O error mode for process `pid` only.
+fn io_error_process_control(mode: IoErrorMode, pid: u32) -> String {
+    format!("{}.{pid}", io_error_control(mode))
 }
 
 /// The fault VFS's environment variable (named here also in builds without it, so that a
@@ -2596,6 +2606,8 @@ fn inject(
 ) -> Result<Value> {
     let began_ms = shared.started.elapsed().as_millis() as u64;
     let mut lost = Value::Null;
+    // An I/O error of one server's files only: that server (else the whole disk's).
+    let mut io_error_process = None;
     // A fault on a worker process (the schedule numbers them after the servers).
     if let Some(worker) = fault.process.checked_sub(servers.len()).and_then(|i| workers.get_mut(i)) {
         match fault.kind {
@@ -2651,7 +2663,16 @@ fn inject(
         FaultKind::IoError => {
             let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("an I/O error needs the fault VFS"))?;
             let mode = fault.io_error.ok_or_else(|| Error::Invariant("an I/O error fault without a mode".into()))?;
-            let control = state.join(io_error_control(mode));
+            // Every second I/O error fails one server's files only (its own control file), the
+            // others writing the same files meanwhile: a server in turn.
+            let control = if fault.index % 2 == 1 {
+                let server = (fault.index / 2) % servers.len();
+                let pid = servers[server].pid().ok_or_else(|| Error::Invariant(format!("server {server} is down")))?;
+                io_error_process = Some(server);
+                state.join(io_error_process_control(mode, pid))
+            } else {
+                state.join(io_error_control(mode))
+            };
             std::fs::create_dir_all(state).map_err(io("cannot create the fault VFS's folder"))?;
             std::fs::write(&control, b"").map_err(io("cannot start an I/O error"))?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
@@ -2723,7 +2744,8 @@ fn inject(
     Ok(json!({
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
-        "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error, "power_loss": lost,
+        "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error,
+        "io_error_process": io_error_process, "power_loss": lost,
     }))
 }
 
@@ -2775,6 +2797,7 @@ mod tests {
         assert_eq!(io_error_control(IoErrorMode::EioWrite), faultfs::EIO_WRITE);
         assert_eq!(io_error_control(IoErrorMode::EioFsync), faultfs::EIO_FSYNC);
         assert_eq!(faultfs_env(), faultfs::ENV);
+        assert_eq!(io_error_process_control(IoErrorMode::Full, 42), faultfs::process_control(faultfs::FULL, 42));
     }
 }
 
