@@ -1683,15 +1683,8 @@ async fn inbox_operator(http: reqwest::Client, shared: Arc<Shared>, mut rng: Std
 /// record skipped by another pass meanwhile, is expected). Records blocked for any other reason
 /// are left for the checker to find.
 async fn skip_poison(http: &reqwest::Client, shared: &Shared, stats: &mut ClientStats, process: usize) {
-    let url = format!("{}/v1/consumers/{SHIPPING_CONSUMER}/inbox?status=blocked&limit=1000", shared.bases[process]);
-    let page = match http.get(&url).send().await {
-        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
-        Err(_) => {
-            stats.connection_errors += 1;
-            return;
-        }
-    };
-    stats.requests += 1;
+    let path = format!("/v1/consumers/{SHIPPING_CONSUMER}/inbox?status=blocked&limit=1000");
+    let Some(page) = get(http, shared, stats, process, &path).await else { return };
     let body = json!({"reason": "chaos: the reservation handler cannot decode a poison event"});
     for record in page["records"].as_array().into_iter().flatten() {
         let envelope = &record["envelope"];
@@ -1732,15 +1725,9 @@ async fn requeue_quarantined(
     process: usize,
     rng: &mut StdRng,
 ) {
-    let url = format!("{}/v1/outbox?status=quarantined&limit=1000", shared.bases[process]);
-    let page = match http.get(&url).send().await {
-        Ok(response) => response.json::<Value>().await.unwrap_or(Value::Null),
-        Err(_) => {
-            stats.connection_errors += 1;
-            return;
-        }
+    let Some(page) = get(http, shared, stats, process, "/v1/outbox?status=quarantined&limit=1000").await else {
+        return;
     };
-    stats.requests += 1;
     // Each subscriber's quarantined events, in outbox order (the order of the list).
     let mut quarantined: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for delivery in page["deliveries"].as_array().into_iter().flatten() {
@@ -1765,6 +1752,27 @@ async fn requeue_quarantined(
             if let Some((200, _)) = post(http, shared, stats, process, &path, &body, &[409]).await {
                 stats.quarantines_requeued += 1;
             }
+        }
+    }
+}
+
+/// GET `path` of `process`, counting the request in `stats`: the answer's JSON (`Null` when it is
+/// not JSON), or `None` when no answer came (a connection error).
+async fn get(
+    http: &reqwest::Client,
+    shared: &Shared,
+    stats: &mut ClientStats,
+    process: usize,
+    path: &str,
+) -> Option<Value> {
+    match http.get(format!("{}{path}", shared.bases[process])).send().await {
+        Ok(response) => {
+            stats.requests += 1;
+            Some(response.json::<Value>().await.unwrap_or(Value::Null))
+        }
+        Err(_) => {
+            stats.connection_errors += 1;
+            None
         }
     }
 }
