@@ -1355,6 +1355,8 @@ async fn client(
     let (mut runs, mut flows) = (0_u64, 0_u64);
     let mut flow: Option<OwnedFlow> = None;
     let mut operators = Vec::new();
+    // The client's forks so far: its first starts from the reservation.
+    let mut forks = 0;
     while !shared.stop.load(Ordering::Relaxed) {
         let process = rng.gen_range(0..shared.bases.len());
         let start = rng.gen_range(0..3) == 0;
@@ -1484,7 +1486,9 @@ async fn client(
                     let operator = Operator { http: http.clone(), shared: shared.clone(), ledger: ledger.clone() };
                     let action = OPERATOR_TURNS[(index * 5 + operators.len()) % OPERATOR_TURNS.len()];
                     let rng = StdRng::seed_from_u64(rng.gen());
-                    operators.push(tokio::spawn(operator.operate(run_id.clone(), action, rng)));
+                    let from_reservation = action == "fork" && forks == 0;
+                    forks += usize::from(action == "fork");
+                    operators.push(tokio::spawn(operator.operate(run_id.clone(), action, from_reservation, rng)));
                 }
                 match &entry {
                     Acknowledged::Start { .. } | Acknowledged::Operated { .. } => stats.starts += 1,
@@ -1564,12 +1568,19 @@ struct Operator {
 
 impl Operator {
     /// Control the operated order `run_id` as an operator would: `retry`, `skip` its charge or
-    /// `fork` it (from its charge, the hold or the reservation, at random) once it failed, or
+    /// `fork` it (from the reservation when `from_reservation`, a client's first fork; else from
+    /// its charge, the hold or the reservation, at random) once it failed, or
     /// `abandon` it a moment after its start, while
     /// it runs (the process and the moment from `rng`). Nothing is sent when the run ends
     /// otherwise first (a crash spared it an attempt and it completed) or the workload stops
     /// before it failed.
-    async fn operate(self, run_id: String, action: &'static str, mut rng: StdRng) -> ClientStats {
+    async fn operate(
+        self,
+        run_id: String,
+        action: &'static str,
+        from_reservation: bool,
+        mut rng: StdRng,
+    ) -> ClientStats {
         let mut stats = ClientStats::default();
         let process = rng.gen_range(0..self.shared.bases.len());
         let reason = format!("chaos: {action} by its operator");
@@ -1585,7 +1596,7 @@ impl Operator {
                     // From the failed charge, from the hold before it (run again), or from the
                     // reservation (position 0: the fork reserves the same order again, which
                     // the order's reservation row refuses, so the fork fails at once).
-                    let from = rng.gen_range(0..=step);
+                    let from = if from_reservation { 0 } else { rng.gen_range(0..=step) };
                     let fork = format!("{run_id}-k");
                     (json!({"from_step": from, "new_run_id": fork}), Some((fork, from)))
                 }
