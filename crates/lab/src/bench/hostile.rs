@@ -55,8 +55,16 @@ const VICTIMS: usize = 4;
 /// How often a probe (a new connection and one request) is sent.
 const PROBE_EVERY: Duration = Duration::from_millis(250);
 /// The address probes connect from: none of the slow clients' (127.0.0.2 upwards), nor the
-/// measured clients' (127.0.0.1), so that a per-address limit counts a probe alone.
+/// measured clients' ([`victims_address`]), so that a per-address limit counts a probe alone.
 const PROBE_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 255, 0, 1);
+
+/// The address the measured clients of a server's phase `index` (0: the warm-up) connect from:
+/// one of their own per phase (127.0.1.1 upwards), so that a per-address limit never counts the
+/// previous phase's connections, which the server may not have seen closed yet when the next
+/// phase's open (a loaded machine's race: the new ones were refused 429 and closed).
+fn victims_address(index: usize) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 1, 1 + (index % 250) as u8)
+}
 /// How long a probe waits for its answer (connect included) before it counts as unanswered.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a measured request may take before it counts as an error.
@@ -356,7 +364,7 @@ fn phase(
     runtime: &tokio::runtime::Runtime,
     server: &Server,
     head: &Arc<String>,
-    pace: Option<Duration>,
+    (pace, victims_from): (Option<Duration>, Ipv4Addr),
     load: &Load,
     seconds: u64,
 ) -> Result<(Value, Measured)> {
@@ -410,7 +418,7 @@ fn phase(
         let times = PhaseTimes::default();
         let mut victims = Vec::with_capacity(VICTIMS);
         for _ in 0..VICTIMS {
-            let connection = Connection::open(&server.addr)
+            let connection = Connection::open_from(&server.addr, victims_from.into())
                 .await
                 .map_err(|e| Error::io(format!("cannot reach the server at {}: {e}", server.addr)))?;
             victims.push(tokio::spawn(victim(connection, head.clone(), pace, times.clone())));
@@ -620,8 +628,8 @@ fn against(dir: &Path, plan: &Plan, durability: Durability, p: &Params, command:
         }
     });
     let pace = plan.pace;
-    phase(&runtime, &server, &head, pace, &Load::Quiet, WARM_UP_S)?;
-    let (quiet, quiet_measured) = phase(&runtime, &server, &head, pace, &Load::Quiet, p.phase_s)?;
+    phase(&runtime, &server, &head, (pace, victims_address(0)), &Load::Quiet, WARM_UP_S)?;
+    let (quiet, quiet_measured) = phase(&runtime, &server, &head, (pace, victims_address(1)), &Load::Quiet, p.phase_s)?;
     let mut out = json!({"server": name, "quiet": quiet});
     let mut passed = quiet_measured.errors == 0 && !quiet_measured.latencies_us.is_empty();
     let ratio = |loaded: &[u32], quiet: &[u32], q: f64| {
@@ -630,8 +638,9 @@ fn against(dir: &Path, plan: &Plan, durability: Durability, p: &Params, command:
         q0.sort_unstable();
         round3(percentile_ms(&l, q) / percentile_ms(&q0, q).max(1e-6))
     };
-    for (name, load) in loads {
-        let (report, measured) = phase(&runtime, &server, &head, pace, &load, p.phase_s)?;
+    for (index, (name, load)) in loads.enumerate() {
+        let from = victims_address(2 + index);
+        let (report, measured) = phase(&runtime, &server, &head, (pace, from), &load, p.phase_s)?;
         passed &= measured.errors == 0 && !measured.latencies_us.is_empty();
         out[name] = report;
         out[format!("{name}_over_quiet")] = json!({
