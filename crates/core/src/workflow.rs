@@ -732,6 +732,15 @@ pub fn validate_run_page(run_id: &str, after_seq: Option<u32>, limit: usize) -> 
     crate::id::validate_limit("journal page size", limit, RUN_STEPS_MAX as usize)
 }
 
+/// Cut the entries a [`WorkflowStore::run_page`] read (at most `limit + 1`, in position order,
+/// so that one past the page says entries follow) to the page's `limit`: its
+/// [`RunDetail::next_after_seq`], set when entries follow.
+pub fn cut_journal_page(journal: &mut Vec<JournalEntry>, limit: usize) -> Option<u32> {
+    let next_after_seq = (journal.len() > limit).then(|| journal[limit - 1].seq);
+    journal.truncate(limit);
+    next_after_seq
+}
+
 /// A journal position within [`RUN_STEPS_MAX`] (`limit_exceeded` beyond it).
 pub fn validate_seq(seq: u32) -> Result<()> {
     if seq >= RUN_STEPS_MAX {

@@ -269,13 +269,16 @@ pub fn schedule(
 mod tests {
     use super::*;
 
+    /// The harness's lease and the default clock jumps.
+    const CLOCKS: (u64, u64) = (1_000, CLOCK_JUMP_LEASES_MAX);
+
     const SIGNALS: [FaultKind; 2] = [FaultKind::Sigkill, FaultKind::Sigstop];
 
     #[test]
     fn a_seed_gives_the_same_schedule_every_time_and_another_seed_another() {
-        let first = schedule(7, 20, &SIGNALS, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX));
-        assert_eq!(first, schedule(7, 20, &SIGNALS, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX)));
-        assert_ne!(first, schedule(8, 20, &SIGNALS, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX)));
+        let first = schedule(7, 20, &SIGNALS, 3, 30_000, CLOCKS);
+        assert_eq!(first, schedule(7, 20, &SIGNALS, 3, 30_000, CLOCKS));
+        assert_ne!(first, schedule(8, 20, &SIGNALS, 3, 30_000, CLOCKS));
         assert_eq!(first.len(), 20);
         assert!(first.windows(2).all(|w| w[0].at_ms <= w[1].at_ms));
         for fault in &first {
@@ -293,45 +296,44 @@ mod tests {
     #[test]
     fn power_losses_join_the_signals_at_the_same_times_and_hit_every_process() {
         let all = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::PowerLoss];
-        let mixed = schedule(7, 40, &all, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX));
-        assert_eq!(mixed, schedule(7, 40, &all, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX)));
-        let signals_only = schedule(7, 40, &SIGNALS, 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(7, 40, &all, 3, 30_000, CLOCKS);
+        assert_eq!(mixed, schedule(7, 40, &all, 3, 30_000, CLOCKS));
+        let signals_only = schedule(7, 40, &SIGNALS, 3, 30_000, CLOCKS);
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
         assert_eq!(due(&mixed), due(&signals_only), "the due times do not depend on the kinds");
         assert!(mixed.iter().any(|f| f.kind == FaultKind::PowerLoss));
         assert!(mixed.iter().any(|f| f.kind != FaultKind::PowerLoss));
         assert!(mixed.iter().filter(|f| f.kind == FaultKind::PowerLoss).all(|f| f.process == 0));
-        let power_only = schedule(7, 10, &[FaultKind::PowerLoss], 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let power_only = schedule(7, 10, &[FaultKind::PowerLoss], 3, 30_000, CLOCKS);
         assert!(power_only.iter().all(|f| f.kind == FaultKind::PowerLoss && f.process == 0));
-        let kills_only = schedule(7, 10, &[FaultKind::Sigkill], 3, 30_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let kills_only = schedule(7, 10, &[FaultKind::Sigkill], 3, 30_000, CLOCKS);
         assert!(kills_only.iter().all(|f| f.kind == FaultKind::Sigkill));
     }
 
     #[test]
     fn clock_jumps_step_one_to_five_leases_either_way_and_leave_other_schedules_alone() {
         let with_jumps = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::ClockJump];
-        let mixed = schedule(9, 60, &with_jumps, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(9, 60, &with_jumps, 3, 60_000, CLOCKS);
         let jumps: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::ClockJump).collect();
         assert!(!jumps.is_empty() && jumps.len() < mixed.len(), "{mixed:?}");
         assert!(jumps.iter().all(|f| (1_000..=5_000).contains(&f.jump_ms.abs()) && f.hold_ms > 1_000), "{jumps:?}");
         assert!(jumps.iter().any(|f| f.jump_ms > 0) && jumps.iter().any(|f| f.jump_ms < 0), "{jumps:?}");
         assert!(mixed.iter().filter(|f| f.kind != FaultKind::ClockJump).all(|f| f.jump_ms == 0));
-        let only = schedule(9, 10, &[FaultKind::ClockJump], 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let only = schedule(9, 10, &[FaultKind::ClockJump], 3, 60_000, CLOCKS);
         assert!(only.iter().all(|f| f.kind == FaultKind::ClockJump));
         // Power-loss schedules are the ones builds before clock jumps made (seed 13 of the CI
         // test: a power loss, a kill, a power loss).
-        let kinds: Vec<FaultKind> =
-            schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, (1_000, CLOCK_JUMP_LEASES_MAX))
-                .iter()
-                .map(|f| f.kind)
-                .collect();
+        let kinds: Vec<FaultKind> = schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, CLOCKS)
+            .iter()
+            .map(|f| f.kind)
+            .collect();
         assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
     }
 
     #[test]
     fn partitions_join_the_other_kinds_in_every_mode_and_leave_other_schedules_alone() {
         let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::Partition];
-        let mixed = schedule(11, 80, &with, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(11, 80, &with, 3, 60_000, CLOCKS);
         let cuts: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::Partition).collect();
         assert!(!cuts.is_empty() && cuts.len() < mixed.len(), "{mixed:?}");
         assert!(cuts.iter().all(|f| f.process == 0 && (300..=3_000).contains(&f.hold_ms)), "{cuts:?}");
@@ -339,16 +341,16 @@ mod tests {
             assert!(cuts.iter().any(|f| f.partition == Some(mode)), "no {mode:?} in {cuts:?}");
         }
         assert!(mixed.iter().filter(|f| f.kind != FaultKind::Partition).all(|f| f.partition.is_none()));
-        let only = schedule(11, 10, &[FaultKind::Partition], 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let only = schedule(11, 10, &[FaultKind::Partition], 3, 60_000, CLOCKS);
         assert!(only.iter().all(|f| f.kind == FaultKind::Partition));
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
-        assert_eq!(due(&mixed), due(&schedule(11, 80, &SIGNALS, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX))));
+        assert_eq!(due(&mixed), due(&schedule(11, 80, &SIGNALS, 3, 60_000, CLOCKS)));
     }
 
     #[test]
     fn io_errors_join_the_other_kinds_in_every_mode_and_leave_other_schedules_alone() {
         let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::IoError];
-        let mixed = schedule(12, 80, &with, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(12, 80, &with, 3, 60_000, CLOCKS);
         let errors: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::IoError).collect();
         assert!(!errors.is_empty() && errors.len() < mixed.len(), "{mixed:?}");
         assert!(errors.iter().all(|f| f.process == 0 && (200..=2_000).contains(&f.hold_ms)), "{errors:?}");
@@ -356,54 +358,51 @@ mod tests {
             assert!(errors.iter().any(|f| f.io_error == Some(mode)), "no {mode:?} in {errors:?}");
         }
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
-        assert_eq!(due(&mixed), due(&schedule(12, 80, &SIGNALS, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX))));
-        let only = schedule(12, 10, &[FaultKind::IoError], 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        assert_eq!(due(&mixed), due(&schedule(12, 80, &SIGNALS, 3, 60_000, CLOCKS)));
+        let only = schedule(12, 10, &[FaultKind::IoError], 3, 60_000, CLOCKS);
         assert!(only.iter().all(|f| f.kind == FaultKind::IoError && f.io_error.is_some()));
     }
 
     #[test]
     fn database_crashes_join_the_other_kinds_and_leave_other_schedules_alone() {
         let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::DbCrash];
-        let mixed = schedule(14, 80, &with, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(14, 80, &with, 3, 60_000, CLOCKS);
         let crashes: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::DbCrash).collect();
         assert!(!crashes.is_empty() && crashes.len() < mixed.len(), "{mixed:?}");
         assert!(crashes.iter().all(|f| f.process == 0 && (500..=3_000).contains(&f.hold_ms)), "{crashes:?}");
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
-        assert_eq!(due(&mixed), due(&schedule(14, 80, &SIGNALS, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX))));
-        let only = schedule(14, 10, &[FaultKind::DbCrash], 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        assert_eq!(due(&mixed), due(&schedule(14, 80, &SIGNALS, 3, 60_000, CLOCKS)));
+        let only = schedule(14, 10, &[FaultKind::DbCrash], 3, 60_000, CLOCKS);
         assert!(only.iter().all(|f| f.kind == FaultKind::DbCrash));
         // The schedules without database crashes are the ones earlier builds made.
-        let kinds: Vec<FaultKind> =
-            schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, (1_000, CLOCK_JUMP_LEASES_MAX))
-                .iter()
-                .map(|f| f.kind)
-                .collect();
+        let kinds: Vec<FaultKind> = schedule(13, 3, &[FaultKind::Sigkill, FaultKind::PowerLoss], 2, 8_000, CLOCKS)
+            .iter()
+            .map(|f| f.kind)
+            .collect();
         assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
     }
 
     #[test]
     fn remote_kills_join_the_other_kinds_and_leave_other_schedules_alone() {
         let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::Partition, FaultKind::RemoteKill];
-        let mixed = schedule(15, 80, &with, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let mixed = schedule(15, 80, &with, 3, 60_000, CLOCKS);
         let kills: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::RemoteKill).collect();
         assert!(!kills.is_empty() && kills.len() < mixed.len(), "{mixed:?}");
         assert!(kills.iter().all(|f| f.process == 0 && (50..=1_500).contains(&f.hold_ms) && f.partition.is_none()));
         assert!(mixed.iter().any(|f| f.kind == FaultKind::Partition), "{mixed:?}");
         let due = |s: &[Fault]| s.iter().map(|f| f.at_ms).collect::<Vec<_>>();
-        assert_eq!(due(&mixed), due(&schedule(15, 80, &SIGNALS, 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX))));
+        assert_eq!(due(&mixed), due(&schedule(15, 80, &SIGNALS, 3, 60_000, CLOCKS)));
         // Beside partitions alone, a kill takes a partition's place now and then.
-        let two =
-            schedule(15, 40, &[FaultKind::Partition, FaultKind::RemoteKill], 2, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let two = schedule(15, 40, &[FaultKind::Partition, FaultKind::RemoteKill], 2, 60_000, CLOCKS);
         let count = |kind: FaultKind| two.iter().filter(|f| f.kind == kind).count();
         assert!(count(FaultKind::RemoteKill) > 0 && count(FaultKind::Partition) > 0, "{two:?}");
-        let only = schedule(15, 10, &[FaultKind::RemoteKill], 3, 60_000, (1_000, CLOCK_JUMP_LEASES_MAX));
+        let only = schedule(15, 10, &[FaultKind::RemoteKill], 3, 60_000, CLOCKS);
         assert!(only.iter().all(|f| f.kind == FaultKind::RemoteKill));
         // The schedule of the CI's partition seed is the one earlier builds made.
-        let partitions: Vec<(Option<PartitionMode>, u64)> =
-            schedule(1, 5, &[FaultKind::Partition], 2, 12_000, (1_000, CLOCK_JUMP_LEASES_MAX))
-                .iter()
-                .map(|f| (f.partition, f.hold_ms))
-                .collect();
+        let partitions: Vec<(Option<PartitionMode>, u64)> = schedule(1, 5, &[FaultKind::Partition], 2, 12_000, CLOCKS)
+            .iter()
+            .map(|f| (f.partition, f.hold_ms))
+            .collect();
         assert_eq!(
             partitions,
             [
@@ -418,6 +417,6 @@ mod tests {
 
     #[test]
     fn no_faults_is_an_empty_schedule() {
-        assert!(schedule(1, 0, &SIGNALS, 2, 1_000, (1_000, CLOCK_JUMP_LEASES_MAX)).is_empty());
+        assert!(schedule(1, 0, &SIGNALS, 2, 1_000, CLOCKS).is_empty());
     }
 }

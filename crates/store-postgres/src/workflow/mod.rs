@@ -67,10 +67,10 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PublishedValue,
-    PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns,
-    WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
-    WORKFLOW_INPUT_BYTES_MAX,
+    cut_journal_page, validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState,
+    PublishedValue, PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest,
+    UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX,
+    LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -970,8 +970,7 @@ impl WorkflowStore for PgWorkflows {
         // Positions are below RUN_STEPS_MAX (validated), so they fit the columns' integer.
         let after = after_seq.map_or(-1, |seq| seq as i32);
         let mut journal = rows::journal_page(&mut tx, &mut st, run_id, after, limit + 1)?;
-        let next_after_seq = (journal.len() > limit).then(|| journal[limit - 1].seq);
-        journal.truncate(limit);
+        let next_after_seq = cut_journal_page(&mut journal, limit);
         let last = journal.last().map_or(after, |entry| entry.seq as i32);
         let detail = RunDetail {
             run,

@@ -49,9 +49,10 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState, PurgeReport, RunDetail,
-    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore, WorkflowVersion,
-    WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
+    cut_journal_page, validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState,
+    PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns,
+    WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
 
@@ -619,8 +620,7 @@ impl WorkflowStore for SqliteWorkflows {
         };
         let after = after_seq.map_or(-1, i64::from);
         let mut journal = rows::journal_page(&tx, run_id, after, limit + 1)?;
-        let next_after_seq = (journal.len() > limit).then(|| journal[limit - 1].seq);
-        journal.truncate(limit);
+        let next_after_seq = cut_journal_page(&mut journal, limit);
         let last = journal.last().map_or(after, |entry| i64::from(entry.seq));
         let detail = RunDetail {
             run,
