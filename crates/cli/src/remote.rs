@@ -286,17 +286,25 @@ fn queue(remote: &Remote, command: QueueCommand) -> Result<Value> {
     }
 }
 
-/// A run's whole detail from its pages (`next_after_seq` read on until the last page): the form
-/// the file mode prints and the test kit's `ReplayCheck` replays. At most one page per journal
-/// position, each starting right after the one before (`RunDetail::append_page` checks it).
+/// A run's whole detail from its pages (`next_after_seq` and `next_events_after` read on until
+/// the last page): the form the file mode prints and the test kit's `ReplayCheck` replays. Each
+/// page starts right after the one before (`RunDetail::append_page` checks it); the pages of
+/// unconsumed events each hold at least one.
 fn whole_detail(remote: &Remote, path: &str) -> Result<RunDetail> {
     let page = |query: &[(&str, String)]| -> Result<RunDetail> {
         serde_json::from_value(remote.send(Method::GET, path, query, None)?)
             .map_err(|e| Error::io(format!("the server's answer to GET {path} is not a run's detail: {e}")))
     };
     let mut detail = page(&[])?;
-    while let Some(after) = detail.next_after_seq {
-        detail.append_page(page(&[("after_seq", after.to_string())])?)?;
+    while detail.is_cut() {
+        let mut query = Vec::new();
+        if let Some(after) = detail.next_after_seq {
+            query.push(("after_seq", after.to_string()));
+        }
+        if let Some(cursor) = &detail.next_events_after {
+            query.push(("events_after", cursor.clone()));
+        }
+        detail.append_page(page(&query)?)?;
     }
     Ok(detail)
 }

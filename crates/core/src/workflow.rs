@@ -724,13 +724,78 @@ fn invalid_argument(message: impl Into<String>) -> Error {
     Error::invalid(codes::INVALID_ARGUMENT, message)
 }
 
-/// The arguments of [`WorkflowStore::run_page`]: a run id, a position below [`RUN_STEPS_MAX`]
-/// and a limit of 1..=[`RUN_STEPS_MAX`] entries.
-pub fn validate_run_page(run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<()> {
-    validate_id("run_id", run_id)?;
-    after_seq.map(validate_seq).transpose()?;
-    crate::id::validate_limit("journal page size", limit, RUN_STEPS_MAX as usize)
+/// Where a page of a run's detail starts and how much it holds ([`WorkflowStore::run_page`],
+/// `GET /v1/runs/{run_id}?after_seq=&events_after=&limit=`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DetailPage {
+    /// The journal after this position (the [`RunDetail::next_after_seq`] of the page before);
+    /// from the start when `None`.
+    pub after_seq: Option<u32>,
+    /// The events no wait consumed yet after this one, by (received_at_ms, event_id) (the
+    /// [`RunDetail::next_events_after`] of the page before); from the first when `None`.
+    pub events_after: Option<(i64, String)>,
+    /// At most this many journal entries, and at most this many unconsumed events
+    /// (1..=[`RUN_STEPS_MAX`]).
+    pub limit: usize,
 }
+
+impl DetailPage {
+    /// The first page of `limit` entries.
+    pub fn first(limit: usize) -> DetailPage {
+        DetailPage { after_seq: None, events_after: None, limit }
+    }
+
+    /// The page that follows `detail` (a page of `limit`), or `None` when `detail` is the last.
+    pub fn after(detail: &RunDetail, limit: usize) -> Option<DetailPage> {
+        if detail.next_after_seq.is_none() && detail.next_events_after.is_none() {
+            return None;
+        }
+        let events_after = detail.next_events_after.as_deref().map(parse_event_cursor);
+        // The cursor was written by `event_cursor`: it always parses.
+        Some(DetailPage { after_seq: detail.next_after_seq, events_after: events_after.and_then(Result::ok), limit })
+    }
+
+    /// The arguments checked: a run id, a position below [`RUN_STEPS_MAX`], an event id in the
+    /// cursor, and a limit of 1..=[`RUN_STEPS_MAX`].
+    pub fn validate(&self, run_id: &str) -> Result<()> {
+        validate_id("run_id", run_id)?;
+        self.after_seq.map(validate_seq).transpose()?;
+        if let Some((_, event_id)) = &self.events_after {
+            validate_id("event_id of the cursor", event_id)?;
+        }
+        crate::id::validate_limit("journal page size", self.limit, RUN_STEPS_MAX as usize)
+    }
+}
+
+/// The cursor of the unconsumed events after `event` (`<received_at_ms>:<event_id>`).
+pub fn event_cursor(event: &RunEvent) -> String {
+    format!("{}:{}", event.received_at_ms, event.event_id)
+}
+
+/// Parse a cursor made by [`event_cursor`]: exactly the strings [`PAGE_CURSOR_PATTERN`] matches
+/// (`invalid_argument` otherwise, or `invalid_id` for the event id).
+pub fn parse_event_cursor(text: &str) -> Result<(i64, String)> {
+    parse_cursor(text, "the unconsumed events of a run's detail (<received_at_ms>:<event_id>)", "event_id")
+}
+
+/// A `<ms>:<id>` cursor of the listing `what`, its id named `id_name`.
+fn parse_cursor(text: &str, what: &str, id_name: &str) -> Result<(i64, String)> {
+    let bad = || Error::invalid(codes::INVALID_ARGUMENT, format!("{text:?} is not a page cursor given by {what}"));
+    let (ms, id) = text.split_once(':').ok_or_else(bad)?;
+    // An optional `-` and 1..=18 digits (any i64 of at most 18 digits: ±31 million years of
+    // ms), nothing else (`i64::from_str` would also take a `+`).
+    let digits = ms.strip_prefix('-').unwrap_or(ms);
+    if digits.is_empty() || digits.len() > 18 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let ms: i64 = ms.parse().map_err(|_| bad())?;
+    validate_id(&format!("{id_name} of the cursor"), id)?;
+    Ok((ms, id.to_string()))
+}
+
+/// The attempts of one journal position a run's detail shows: the last 100 (by attempt
+/// number); the entry's `attempts` and the attempt numbers say how many there were.
+pub const DETAIL_ATTEMPTS_MAX: u32 = 100;
 
 /// Cut the entries a [`WorkflowStore::run_page`] read (at most `limit + 1`, in position order,
 /// so that one past the page says entries follow) to the page's `limit`: its
@@ -1084,16 +1149,22 @@ pub struct RunDetail {
     pub run: RunRecord,
     /// Its journal, by position.
     pub journal: Vec<JournalEntry>,
-    /// Every attempt of every step, by position and attempt.
+    /// The attempts of its steps, by position and attempt: of each position the last
+    /// [`DETAIL_ATTEMPTS_MAX`] (100).
     pub attempts: Vec<AttemptRecord>,
-    /// The events sent to it.
+    /// The events sent to it, in arrival order (received_at_ms, then event_id).
     pub events: Vec<RunEvent>,
-    /// Set on a page of the detail that does not end the journal
-    /// ([`WorkflowStore::run_page`], `GET /v1/runs/{run_id}?after_seq=`): the last position this
-    /// page holds, where the next page starts after. Absent (null) on the last page and on a
-    /// whole detail.
+    /// Set on a page of the detail that more pages follow ([`WorkflowStore::run_page`],
+    /// `GET /v1/runs/{run_id}?after_seq=`): the last position this page (or the ones before it)
+    /// holds, where the next page starts after. Absent (null) on the last page, on a whole
+    /// detail, and on a page whose journal is empty.
     #[serde(default)]
     pub next_after_seq: Option<u32>,
+    /// Set on the page that ends the journal when more events no wait consumed follow than the
+    /// page holds: the cursor (`<received_at_ms>:<event_id>`) the next page's `events_after`
+    /// takes, with `after_seq` = [`RunDetail::next_after_seq`]. Absent (null) otherwise.
+    #[serde(default)]
+    pub next_events_after: Option<String>,
 }
 
 impl RunDetail {
@@ -1111,28 +1182,83 @@ impl RunDetail {
         self.attempts.retain(|attempt| kept(attempt.seq));
         self.events.retain(|event| event.consumed_by_seq.is_some_and(kept));
         self.next_after_seq = last;
+        self.next_events_after = None;
     }
 
-    /// `invalid_argument` when this is a page of the detail that entries follow
-    /// ([`RunDetail::next_after_seq`] set), not the whole of it.
-    pub fn ensure_whole(&self) -> Result<()> {
-        match self.next_after_seq {
-            None => Ok(()),
-            Some(after) => Err(Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!(
-                    "the detail of run {:?} is one page, cut after position {after}: add the pages after it \
-                     (`tidemark workflow show --server ...` reads them all)",
-                    self.run.run_id
-                ),
-            )),
+    /// Add the events no wait consumed yet that a [`WorkflowStore::run_page`] read for `page`
+    /// (at most `page.limit + 1`, in arrival order, after `page.events_after`), cut to the
+    /// page's limit: when one is cut, the cursors say where the next page starts.
+    pub fn add_unconsumed(&mut self, mut unconsumed: Vec<RunEvent>, page: &DetailPage) {
+        if unconsumed.len() > page.limit {
+            unconsumed.truncate(page.limit);
+            self.next_after_seq = self.journal.last().map(|entry| entry.seq).or(page.after_seq);
+            self.next_events_after = unconsumed.last().map(event_cursor);
         }
+        self.events.extend(unconsumed);
+        self.sort_events();
     }
 
-    /// Add the next page of the same run's detail (read with `after_seq` set to this one's
-    /// [`RunDetail::next_after_seq`]) to this one: its journal, attempts and events follow, its
-    /// run record (the later read) replaces this one's, and its `next_after_seq` is the whole's.
-    /// `invalid_argument` when `page` is of another run or does not start right after this one.
+    /// The events in arrival order (received_at_ms, then event_id), as the stores read them.
+    fn sort_events(&mut self) {
+        self.events.sort_by(|a, b| (a.received_at_ms, &a.event_id).cmp(&(b.received_at_ms, &b.event_id)));
+    }
+
+    /// Keep the first `keep` of the page's events no wait consumed yet (this page, read for
+    /// `page`, ends the journal): when that cuts events off, [`RunDetail::next_events_after`]
+    /// becomes the cursor of the last kept one (or the page's own when none is kept) and
+    /// [`RunDetail::next_after_seq`] the last position read.
+    pub fn keep_unconsumed(&mut self, keep: usize, page: &DetailPage) {
+        let mut seen = 0;
+        let mut last_kept = None;
+        self.events.retain(|event| {
+            if event.consumed_by_seq.is_some() {
+                return true;
+            }
+            seen += 1;
+            if seen <= keep {
+                last_kept = Some(event_cursor(event));
+            }
+            seen <= keep
+        });
+        if seen <= keep {
+            return;
+        }
+        self.next_after_seq = self.journal.last().map(|entry| entry.seq).or(page.after_seq);
+        self.next_events_after = last_kept.or_else(|| page.events_after.as_ref().map(|(ms, id)| format!("{ms}:{id}")));
+    }
+
+    /// Whether pages follow this one ([`RunDetail::next_after_seq`] or
+    /// [`RunDetail::next_events_after`] set).
+    pub fn is_cut(&self) -> bool {
+        self.next_after_seq.is_some() || self.next_events_after.is_some()
+    }
+
+    /// `invalid_argument` when this is a page of the detail that more pages follow, not the
+    /// whole of it.
+    pub fn ensure_whole(&self) -> Result<()> {
+        if !self.is_cut() {
+            return Ok(());
+        }
+        let cut = match (self.next_after_seq, &self.next_events_after) {
+            (Some(after), None) => format!("cut after position {after}"),
+            (_, Some(cursor)) => format!("cut after the unconsumed event {cursor}"),
+            (None, None) => unreachable!("is_cut"),
+        };
+        Err(Error::invalid(
+            codes::INVALID_ARGUMENT,
+            format!(
+                "the detail of run {:?} is one page, {cut}: add the pages after it \
+                 (`tidemark workflow show --server ...` reads them all)",
+                self.run.run_id
+            ),
+        ))
+    }
+
+    /// Add the next page of the same run's detail (read with [`DetailPage::after`] this one) to
+    /// this one: its journal, attempts and events follow (an event this one held unconsumed and
+    /// the page holds, consumed since, is the page's), its run record (the later read) replaces
+    /// this one's, and its cursors are the whole's. `invalid_argument` when `page` is of another
+    /// run or its journal (when not empty) does not start right after this one's.
     pub fn append_page(&mut self, page: RunDetail) -> Result<()> {
         let invalid = |message: String| Error::invalid(codes::INVALID_ARGUMENT, message);
         if page.run.run_id != self.run.run_id {
@@ -1141,22 +1267,29 @@ impl RunDetail {
                 page.run.run_id, self.run.run_id
             )));
         }
-        let Some(after) = self.next_after_seq else {
+        if !self.is_cut() {
             return Err(invalid(format!("the detail of run {:?} is already whole", self.run.run_id)));
-        };
+        }
+        let expected = self.next_after_seq.map_or(0, |after| after + 1);
         let first = page.journal.first().map(|entry| entry.seq);
-        if first != after.checked_add(1) {
+        // A page with no entry holds unconsumed events that the page before had no room for.
+        if first.is_some_and(|first| first != expected) {
             return Err(invalid(format!(
-                "the page of run {:?} after position {after} starts at position {}",
+                "the page of run {:?} after position {} starts at position {}",
                 self.run.run_id,
+                self.next_after_seq.map_or("none".to_string(), |seq| seq.to_string()),
                 first.map_or("none".to_string(), |seq| seq.to_string())
             )));
         }
+        let held: std::collections::HashSet<&str> = page.events.iter().map(|event| event.event_id.as_str()).collect();
+        self.events.retain(|event| !held.contains(event.event_id.as_str()));
         self.run = page.run;
         self.journal.extend(page.journal);
         self.attempts.extend(page.attempts);
         self.events.extend(page.events);
+        self.sort_events();
         self.next_after_seq = page.next_after_seq;
+        self.next_events_after = page.next_events_after;
         Ok(())
     }
 
@@ -1576,22 +1709,7 @@ impl RunFilter {
     /// [`PAGE_CURSOR_PATTERN`] matches (`invalid_argument` otherwise, or `invalid_id` for the run
     /// id).
     pub fn parse_page(text: &str) -> Result<(i64, String)> {
-        let bad = || {
-            Error::invalid(
-                codes::INVALID_ARGUMENT,
-                format!("{text:?} is not a page cursor given by a run listing (<created_at_ms>:<run_id>)"),
-            )
-        };
-        let (created, run_id) = text.split_once(':').ok_or_else(bad)?;
-        // An optional `-` and 1..=18 digits (any i64 of at most 18 digits: ±31 million years of
-        // ms), nothing else (`i64::from_str` would also take a `+`).
-        let digits = created.strip_prefix('-').unwrap_or(created);
-        if digits.is_empty() || digits.len() > 18 || !digits.bytes().all(|b| b.is_ascii_digit()) {
-            return Err(bad());
-        }
-        let created: i64 = created.parse().map_err(|_| bad())?;
-        validate_id("run_id of the cursor", run_id)?;
-        Ok((created, run_id.to_string()))
+        parse_cursor(text, "a run listing (<created_at_ms>:<run_id>)", "run_id")
     }
 }
 
@@ -1680,15 +1798,29 @@ pub trait WorkflowStore {
     /// The run with its journal, attempts and events, read in one read transaction, or `None` for
     /// an unknown run id.
     fn run(&self, run_id: &str) -> Result<Option<RunDetail>> {
-        self.run_page(run_id, None, RUN_STEPS_MAX as usize)
+        let limit = RUN_STEPS_MAX as usize;
+        let Some(mut detail) = self.run_page(run_id, &DetailPage::first(limit))? else {
+            return Ok(None);
+        };
+        // More than RUN_STEPS_MAX unconsumed events: read on (the run's record is the last read).
+        while let Some(page) = DetailPage::after(&detail, limit) {
+            match self.run_page(run_id, &page)? {
+                Some(next) => detail.append_page(next)?,
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(detail))
     }
     /// One page of [`WorkflowStore::run`], read in one read transaction: the run's record, at most
-    /// `limit` journal entries after position `after_seq` (from the start when `None`), the
-    /// attempts of their positions and the events they consumed, and, on the page that ends the
-    /// journal, the events no wait consumed yet. [`RunDetail::next_after_seq`] is set when
-    /// entries follow. `limit` 1..=[`RUN_STEPS_MAX`] and `after_seq` below it (else
-    /// `limit_exceeded`); `None` for an unknown run id.
-    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>>;
+    /// `page.limit` journal entries after position `page.after_seq` (from the start when `None`),
+    /// the last [`DETAIL_ATTEMPTS_MAX`] attempts of each of their positions and the events they
+    /// consumed, and, on the page that ends the journal, at most `page.limit` events no wait
+    /// consumed yet after `page.events_after` ([`RunDetail::add_unconsumed`]).
+    /// [`RunDetail::next_after_seq`] is set when entries follow, and with
+    /// [`RunDetail::next_events_after`] when unconsumed events do. Arguments as
+    /// [`DetailPage::validate`] checks them (else `limit_exceeded`, `invalid_id`); `None` for an
+    /// unknown run id.
+    fn run_page(&self, run_id: &str, page: &DetailPage) -> Result<Option<RunDetail>>;
     /// The value run `run_id` last published under `key` (`ctx.set_event`), or `None`.
     fn published(&self, run_id: &str, key: &str) -> Result<Option<PublishedValue>>;
     /// Runs that match `filter`, by (creation time, run id), at most `limit` (1..=1,000, else

@@ -1789,8 +1789,8 @@ fn effects_beyond_crashes(reference: &Outcome, outcome: &Outcome, run_id: &str) 
 
 /// Parse recorded runs: the JSON of one run as `tidemark workflow show` gives it (fields
 /// the run's JSON does not have, like the CLI's `outcome`, are ignored), or an array of them.
-/// The pages of one run's detail as `GET /v1/runs/{id}` serves them (`next_after_seq`) are
-/// joined when they follow one another in the array; a run whose last page is missing, and
+/// The pages of one run's detail as `GET /v1/runs/{id}` serves them (`next_after_seq`,
+/// `next_events_after`) are joined when they follow one another in the array; a run whose last page is missing, and
 /// anything else, is `invalid_recording`.
 pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
     let value: Value = serde_json::from_str(json)
@@ -1807,9 +1807,9 @@ pub fn parse_recorded(json: &str) -> Result<Vec<RunDetail>> {
                 format!("recorded run {index} is not a run's JSON (run, journal, attempts, events): {e}"),
             )
         })?;
-        // A page that follows a page of the same run (`next_after_seq`) is that run's next page.
+        // A page that follows a cut page of the same run is that run's next page.
         match runs.last_mut() {
-            Some(before) if before.next_after_seq.is_some() && before.run.run_id == detail.run.run_id => {
+            Some(before) if before.is_cut() && before.run.run_id == detail.run.run_id => {
                 before.append_page(detail).map_err(|e| Error::invalid(INVALID_RECORDING, e.to_string()))?;
             }
             _ => runs.push(detail),

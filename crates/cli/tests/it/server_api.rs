@@ -597,8 +597,13 @@ fn a_run_detail_is_read_in_pages_that_join_into_the_whole() {
             "note": "y".repeat(BOUND)});
         let start = json!({"workflow": "sleepy_order", "run_id": "paged", "input": input});
         assert_eq!(server.call("POST", "/v1/runs", t, Some(&start)).0, 201);
-        let spare = json!({"event_id": "spare", "name": "unasked", "payload": {"n": 1}});
-        assert_eq!(server.call("POST", "/v1/runs/paged/events", t, Some(&spare)).0, 200);
+        // Three events no wait asks for: they stay unconsumed, and come a page each after the
+        // journal (the run's record alone passes the bound; a page with no entry holds one).
+        for n in 0..3 {
+            let spare =
+                json!({"event_id": format!("spare{n}"), "name": "unasked", "payload": {"pad": "z".repeat(6_000)}});
+            assert_eq!(server.call("POST", "/v1/runs/paged/events", t, Some(&spare)).0, 200);
+        }
         let approve = json!({"event_id": "yes", "name": "approve", "payload": {"approved": true}});
         assert_eq!(server.call("POST", "/v1/runs/paged/events", t, Some(&approve)).0, 200);
         let done = server.wait_for(WAIT, |s| {
@@ -607,35 +612,47 @@ fn a_run_detail_is_read_in_pages_that_join_into_the_whole() {
         });
         assert_eq!(done["status"], "completed", "{done}");
 
-        let (mut pages, mut after) = (Vec::new(), None::<u64>);
-        for _ in 0..10 {
-            let path = match after {
-                Some(seq) => format!("/v1/runs/paged?limit=3&after_seq={seq}"),
-                None => "/v1/runs/paged?limit=3".into(),
-            };
-            let (status, page) = server.call("GET", &path, t, None);
+        let (mut pages, mut next) = (Vec::new(), String::new());
+        for _ in 0..12 {
+            let (status, page) = server.call("GET", &format!("/v1/runs/paged?limit=3{next}"), t, None);
             assert_eq!(status, 200, "{page}");
-            let seqs: Vec<u64> =
-                page["journal"].as_array().unwrap().iter().map(|e| e["seq"].as_u64().unwrap()).collect();
-            assert_eq!(seqs, [pages.len() as u64], "one position a page, in order: {page}");
-            assert!(page["attempts"].as_array().unwrap().iter().all(|a| a["seq"] == seqs[0]), "{page}");
-            after = page["next_after_seq"].as_u64();
+            next.clear();
+            if let Some(seq) = page["next_after_seq"].as_u64() {
+                next += &format!("&after_seq={seq}");
+            }
+            if let Some(cursor) = page["next_events_after"].as_str() {
+                next += &format!("&events_after={cursor}");
+            }
             pages.push(page);
-            if after.is_none() {
+            if next.is_empty() {
                 break;
             }
         }
-        assert_eq!(pages.len(), 5, "five positions: {pages:?}");
+        let seqs_of = |page: &Value| -> Vec<u64> {
+            page["journal"].as_array().unwrap().iter().map(|e| e["seq"].as_u64().unwrap()).collect()
+        };
+        let seqs: Vec<Vec<u64>> = pages.iter().map(seqs_of).collect();
+        let none = Vec::<u64>::new;
+        assert_eq!(seqs, [vec![0], vec![1], vec![2], vec![3], vec![4], none(), none(), none()], "{pages:?}");
+        for page in &pages {
+            assert!(page["attempts"].as_array().unwrap().iter().all(|a| seqs_of(page) == [a["seq"].as_u64().unwrap()]));
+        }
         let events_of = |page: &Value| -> Vec<String> {
             page["events"].as_array().unwrap().iter().map(|e| e["event_id"].as_str().unwrap().to_string()).collect()
         };
         let events: Vec<Vec<String>> = pages.iter().map(events_of).collect();
-        assert_eq!(events, [vec![], vec![], vec!["yes".to_string()], vec![], vec!["spare".to_string()]]);
+        let one = |id: &str| vec![id.to_string()];
+        assert_eq!(events, [vec![], vec![], one("yes"), vec![], vec![], one("spare0"), one("spare1"), one("spare2")]);
         let (status, page) = server.text_with("/ui/runs/paged?after_seq=1", t);
         assert_eq!(status, 200);
         assert!(page.contains("Steps 2 to 2") && page.contains("/ui/runs/paged?after_seq=2"), "{page}");
-        // Out of range: refused, as every page size is.
-        for query in ["after_seq=10000", "limit=0", "limit=1001", "after_seq=-1"] {
+        let (status, page) = server.text_with("/ui/runs/paged?after_seq=4", t);
+        assert_eq!(status, 200);
+        assert!(page.contains("More events") && page.contains("after_seq=4&amp;events_after="), "{page}");
+        // Out of range: refused, as every page size is; a cursor no page gave too.
+        for query in
+            ["after_seq=10000", "limit=0", "limit=1001", "after_seq=-1", "events_after=x", "events_after=1:a%20b"]
+        {
             let (status, body) = server.call("GET", &format!("/v1/runs/paged?{query}"), t, None);
             assert_eq!(status, 400, "{query}: {body}");
         }
@@ -665,7 +682,7 @@ fn a_run_detail_is_read_in_pages_that_join_into_the_whole() {
             assert_eq!(joined(field), sorted(&whole[field]), "{field}: the pages join into the whole");
             assert_eq!(sorted(&shown.json[field]), sorted(&whole[field]), "{field}: the CLI joins the pages");
         }
-        assert_eq!(whole["run"], pages[4]["run"]);
+        assert_eq!(whole["run"], pages[7]["run"]);
         let (_, two) = server.call("GET", "/v1/runs/paged?limit=2&after_seq=1", t, None);
         let seqs: Vec<u64> = two["journal"].as_array().unwrap().iter().map(|e| e["seq"].as_u64().unwrap()).collect();
         assert_eq!((seqs, two["next_after_seq"].as_u64()), (vec![2, 3], Some(3)), "{two}");

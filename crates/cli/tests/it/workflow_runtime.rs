@@ -1228,8 +1228,12 @@ impl WorkflowStore for FailingHeartbeats {
     fn send_event(&mut self, run_id: &str, id: &str, name: &str, p: &Value, now: i64) -> tidemark_core::Result<bool> {
         self.inner.send_event(run_id, id, name, p, now)
     }
-    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> tidemark_core::Result<Option<RunDetail>> {
-        self.inner.run_page(run_id, after_seq, limit)
+    fn run_page(
+        &self,
+        run_id: &str,
+        page: &tidemark_core::workflow::DetailPage,
+    ) -> tidemark_core::Result<Option<RunDetail>> {
+        self.inner.run_page(run_id, page)
     }
     fn published(
         &self,

@@ -377,7 +377,7 @@ mod tests {
     use serde_json::{json, Value};
     use tidemark_core::envelope::{traceparent_pattern, validate_traceparent};
     use tidemark_core::reservation::ReservationMachine;
-    use tidemark_core::workflow::{start_at_ms_max, RunFilter, PAGE_CURSOR_PATTERN};
+    use tidemark_core::workflow::{parse_event_cursor, start_at_ms_max, RunFilter, PAGE_CURSOR_PATTERN};
 
     use super::{endpoint_pattern, finish, Document};
     use crate::api::subscriptions::{CommitBody, SubscribeBody};
@@ -462,6 +462,8 @@ mod tests {
         let doc = document();
         let schema = parameter_schema(&doc, "get", "/v1/runs", "after");
         assert_eq!(schema["pattern"], PAGE_CURSOR_PATTERN, "{schema}");
+        let schema = parameter_schema(&doc, "get", "/v1/runs/{run_id}", "events_after");
+        assert_eq!(schema["pattern"], PAGE_CURSOR_PATTERN, "{schema}");
     }
 
     fn cursor_strings() -> impl Strategy<Value = String> {
@@ -486,6 +488,7 @@ mod tests {
         fn a_page_cursor_is_accepted_exactly_when_the_pattern_matches(text in cursor_strings()) {
             let pattern = regex::Regex::new(PAGE_CURSOR_PATTERN).unwrap();
             prop_assert_eq!(pattern.is_match(&text), RunFilter::parse_page(&text).is_ok(), "{:?}", text);
+            prop_assert_eq!(pattern.is_match(&text), parse_event_cursor(&text).is_ok(), "{:?}", text);
         }
 
         /// schemathesis sent an envelope with `"traceparent": ""`: the document states the

@@ -12,8 +12,9 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_reason};
 use tidemark_core::tenancy::Scope;
 use tidemark_core::workflow::{
-    deadline_after, validate_json_size, validate_starts, workflow_codes, RunDetail, RunFilter, RunRecord, RunStatus,
-    StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX, WORKFLOW_INPUT_BYTES_MAX,
+    deadline_after, parse_event_cursor, validate_json_size, validate_starts, workflow_codes, DetailPage, RunDetail,
+    RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, WorkflowStore, RUN_STEPS_MAX, STEP_OUTPUT_BYTES_MAX,
+    WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::Error;
 use utoipa::{IntoParams, ToSchema};
@@ -232,17 +233,26 @@ pub struct DetailQuery {
     #[param(minimum = 0, maximum = 9999)]
     #[serde(default, deserialize_with = "super::query_integer")]
     pub after_seq: Option<u32>,
-    /// At most this many journal entries (1..=`limits.page_size_max`, default 100).
+    /// Read the events no wait consumed yet after this one (the `next_events_after` of the page
+    /// before, given with its `next_after_seq`): `<received_at_ms>:<event_id>`.
+    #[param(pattern = "^-?[0-9]{1,18}:[A-Za-z0-9_.:-]{1,100}$")]
+    pub events_after: Option<String>,
+    /// At most this many journal entries, and at most this many unconsumed events
+    /// (1..=`limits.page_size_max`, default 100).
     #[param(minimum = 1, maximum = 1000)]
     #[serde(default, deserialize_with = "super::query_integer")]
     pub limit: Option<usize>,
 }
 
-/// One run with its journal, every attempt with its error, and its events, a page of journal
-/// positions at a time: at most `limit` entries after `after_seq`, cut before the position that
-/// would take the answer past `limits.page_bytes_max` (an entry with its attempts and the events
-/// it consumed; the first always stays), and `next_after_seq` set when positions follow. The
-/// events no wait consumed yet come on the page that ends the journal.
+/// One run with its journal, the attempts of its steps with their errors (the last 100 of each
+/// position), and its events, a page of journal positions at a time: at most `limit` entries
+/// after `after_seq`, cut before the position that would take the answer past
+/// `limits.page_bytes_max` (an entry with its attempts and the events it consumed; the first
+/// always stays), and `next_after_seq` set when positions follow. The events no wait consumed
+/// yet come on the page that ends the journal, at most `limit` of them and as many as fit the
+/// same bound (on a page with no entry, the first always goes); when more follow,
+/// `next_events_after` is set, and the next page is read with `after_seq=<next_after_seq>`
+/// (absent when null) and `events_after=<next_events_after>`.
 #[utoipa::path(
     get,
     path = "/v1/runs/{run_id}",
@@ -250,7 +260,7 @@ pub struct DetailQuery {
     params(("run_id" = String, Path, description = "The run"), DetailQuery),
     responses(
         (status = 200, body = RunDetail),
-        (status = 400, description = "`limit_exceeded`: `after_seq` or `limit` out of range", body = ErrorBody),
+        (status = 400, description = "`limit_exceeded`: `after_seq` or `limit` out of range; `invalid_argument`, `invalid_id`: an `events_after` that is not a cursor a page gave", body = ErrorBody),
         (status = 404, description = "`not_found`: no such run", body = ErrorBody),
     ),
     security(("bearer" = ["read"]))
@@ -275,20 +285,23 @@ pub(crate) async fn run_detail(
     crate::on_tenant!(&caller.tenant, tenant => {
         caller.require(Scope::Read)?;
         let limit = page_size(state, query.limit)?;
-        let after_seq = query.after_seq;
-        tidemark_core::workflow::validate_run_page(&run_id, after_seq, limit)?;
+        let events_after = query.events_after.as_deref().map(parse_event_cursor).transpose()?;
+        let page = DetailPage { after_seq: query.after_seq, events_after, limit };
+        page.validate(&run_id)?;
         let id = run_id.clone();
-        let detail = tenant.writer.call(move |store, _| store.run_page(&id, after_seq, limit)).await?;
+        let read = page.clone();
+        let detail = tenant.writer.call(move |store, _| store.run_page(&id, &read)).await?;
         let mut detail = detail.ok_or_else(|| Error::not_found(format!("no run {run_id:?}")))?;
-        fit_detail(state.config.limits.page_bytes_max, &mut detail);
+        fit_detail(state.config.limits.page_bytes_max, &mut detail, &page);
         Ok(detail)
     })
 }
 
 /// Cut a page of a run's detail to the positions whose JSON (the entry, its attempts, the events
 /// it consumed, counted after the run's record) fits in `budget` bytes; the first position always
-/// stays. The events no wait consumed go only with the journal's last position (and are not cut).
-fn fit_detail(budget: usize, detail: &mut RunDetail) {
+/// stays. The events no wait consumed (only on the page that ends the journal) follow in what is
+/// left of the budget; on a page with no entry, the first always stays.
+fn fit_detail(budget: usize, detail: &mut RunDetail, page: &DetailPage) {
     // Each item with the comma after it.
     let mut used = json_len(&detail.run) + 1;
     let mut extra: HashMap<u32, usize> = HashMap::new();
@@ -306,7 +319,20 @@ fn fit_detail(budget: usize, detail: &mut RunDetail) {
     });
     if let Some(cut) = cut {
         detail.keep_entries(cut.max(1));
+        // The bound is spent (or the first position passed it alone): no unconsumed event goes.
+        detail.keep_unconsumed(0, page);
+        return;
     }
+    let unconsumed = detail.events.iter().filter(|event| event.consumed_by_seq.is_none());
+    let fit = unconsumed
+        .map(|event| {
+            used += json_len(event) + 1;
+            used
+        })
+        .take_while(|used| *used <= budget)
+        .count();
+    let least = usize::from(detail.journal.is_empty());
+    detail.keep_unconsumed(fit.max(least), page);
 }
 
 /// The longest `wait_ms` of `GET /v1/runs/{run_id}/result`: one minute.

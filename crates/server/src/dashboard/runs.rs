@@ -159,6 +159,7 @@ pub struct DoneQuery {
 pub struct RunQuery {
     pub done: Option<String>,
     pub after_seq: Option<u32>,
+    pub events_after: Option<String>,
 }
 
 pub async fn show(
@@ -167,7 +168,7 @@ pub async fn show(
     Path(run_id): Path<String>,
     Query(q): Query<RunQuery>,
 ) -> UiResult {
-    let query = api::DetailQuery { after_seq: q.after_seq, limit: None };
+    let query = api::DetailQuery { after_seq: q.after_seq, events_after: q.events_after, limit: None };
     let detail = api::run_detail(&state, &caller, run_id, &query).await?;
     let body = timeline(&caller, &detail, q.done.as_deref());
     Ok(page(&format!("Run {}", detail.run.run_id), Some(&Viewer::from(&caller)), body).into_response())
@@ -286,11 +287,20 @@ fn timeline(caller: &AnyCaller, detail: &RunDetail, done: Option<&str>) -> Marku
             @if detail.journal.is_empty() {
                 p.muted { "No step journaled yet." }
             }
-            @if first_of_page > 0 || detail.next_after_seq.is_some() {
+            @if first_of_page > 0 || detail.is_cut() {
                 p.pager {
-                    "Steps " (first_of_page) " to " (end_of_page.saturating_sub(1)) ". "
+                    @if detail.journal.is_empty() {
+                        "More events sent to the run. "
+                    } @else {
+                        "Steps " (first_of_page) " to " (end_of_page.saturating_sub(1)) ". "
+                    }
                     @if first_of_page > 0 { a href=(base) { "First steps" } " " }
-                    @if let Some(after) = detail.next_after_seq {
+                    @if let Some(cursor) = &detail.next_events_after {
+                        a href=(format!("{base}{}", query_string(&[
+                            ("after_seq", detail.next_after_seq.map(|seq| seq.to_string())),
+                            ("events_after", Some(cursor.clone())),
+                        ]))) { "More events" }
+                    } @else if let Some(after) = detail.next_after_seq {
                         a href=(format!("{base}?after_seq={after}")) { "Next steps" }
                     }
                 }

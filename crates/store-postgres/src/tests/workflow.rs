@@ -12,10 +12,10 @@ use serde_json::{json, Value};
 use tidemark_core::error::codes;
 use tidemark_core::queue::{Enqueue, QueueSpec, QueueStore};
 use tidemark_core::workflow::{
-    child_event, child_run_id, continuation_run_id, ChildLease, ClaimRequest, ClaimedRun, FinishStatus, JournalOp,
-    JournalWrite, LeaseState, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure, StepKind,
-    StepStatus, SuspendStatus, TxBody, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX,
-    RUN_STEPS_MAX,
+    child_event, child_run_id, continuation_run_id, ChildLease, ClaimRequest, ClaimedRun, DetailPage, FinishStatus,
+    JournalOp, JournalWrite, LeaseState, RunDetail, RunFilter, RunStatus, StartOutcome, StartRequest, StepFailure,
+    StepKind, StepStatus, SuspendStatus, TxBody, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX,
+    DETAIL_ATTEMPTS_MAX, ERROR_BYTES_MAX, RUN_STEPS_MAX,
 };
 use tidemark_core::Error;
 
@@ -660,6 +660,53 @@ fn step_attempts_retry_then_complete_with_every_attempt_recorded() {
     let attempts: Vec<(u32, bool, Option<&str>)> =
         detail.attempts.iter().map(|a| (a.attempt, a.ok, a.error.as_deref())).collect();
     assert_eq!(attempts, [(1, false, Some("timeout")), (2, true, None)]);
+}
+
+/// A detail shows the last `DETAIL_ATTEMPTS_MAX` attempts of a position; the events no wait
+/// consumed come a page of `limit` at a time after the journal's last page.
+#[test]
+fn a_detail_page_holds_a_positions_last_attempts_and_unconsumed_events_a_page_at_a_time() {
+    let mut d = db!("wf_detail_page");
+    let t = started_and_claimed(&mut d.store, "r1", 1_000);
+    let tries = DETAIL_ATTEMPTS_MAX + 20;
+    for attempt in 1..=tries {
+        let fail = step_err(0, "charge", attempt, StepFailure::retryable(format!("try {attempt}")), Some(9_000));
+        assert_eq!(commit_one(&mut d.store, "r1", &t, fail, 1_000 + i64::from(attempt)), WriteResult::Done);
+    }
+    let ok = step_ok(0, "charge", tries + 1, json!({"paid": 1}));
+    assert_eq!(commit_one(&mut d.store, "r1", &t, ok, 2_000), WriteResult::Done);
+    for n in 0..5 {
+        assert!(d.store.send_event("r1", &format!("e{n}"), "unasked", &json!({"n": n}), 3_000 + n).unwrap());
+    }
+    let whole = detail(&d.store, "r1");
+    assert_eq!(whole.journal[0].attempts, tries + 1);
+    let numbers: Vec<u32> = whole.attempts.iter().map(|a| a.attempt).collect();
+    assert_eq!(numbers, (tries + 2 - DETAIL_ATTEMPTS_MAX..=tries + 1).collect::<Vec<_>>(), "the last 100");
+    assert_eq!(whole.events.len(), 5);
+    assert!(!whole.is_cut());
+
+    // Pages of two: the journal's only position and two events, then two, then one.
+    let mut page = d.store.run_page("r1", &DetailPage::first(2)).unwrap().unwrap();
+    let ids = |detail: &RunDetail| detail.events.iter().map(|e| e.event_id.clone()).collect::<Vec<_>>();
+    assert_eq!((page.journal.len(), ids(&page)), (1, vec!["e0".to_string(), "e1".into()]));
+    assert_eq!((page.next_after_seq, page.next_events_after.as_deref()), (Some(0), Some("3001:e1")));
+    let mut joined = page.clone();
+    let mut pages = 1;
+    while let Some(next) = DetailPage::after(&page, 2) {
+        page = d.store.run_page("r1", &next).unwrap().unwrap();
+        assert!(page.journal.is_empty() && !page.events.is_empty(), "{page:?}");
+        joined.append_page(page.clone()).unwrap();
+        pages += 1;
+    }
+    assert_eq!((pages, ids(&page)), (3, vec!["e4".to_string()]));
+    assert_eq!(joined, whole, "the pages join into the whole");
+    // A cursor past every event: the last page, with no event.
+    let past = DetailPage { after_seq: Some(0), events_after: Some((3_004, "e4".into())), limit: 2 };
+    let last = d.store.run_page("r1", &past).unwrap().unwrap();
+    assert!(last.events.is_empty() && !last.is_cut());
+    // A cursor's event id is checked like any id.
+    let bad = DetailPage { after_seq: None, events_after: Some((1, "a b".into())), limit: 2 };
+    assert_eq!(code(d.store.run_page("r1", &bad).unwrap_err()), codes::INVALID_ID);
 }
 
 #[test]

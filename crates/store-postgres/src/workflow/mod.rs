@@ -67,7 +67,7 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    cut_journal_page, validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState,
+    cut_journal_page, validate_json_size, ClaimRequest, ClaimedRun, DetailPage, JournalWrite, LeaseState,
     PublishedValue, PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest,
     UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX,
     LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
@@ -954,8 +954,8 @@ impl WorkflowStore for PgWorkflows {
         Ok(added)
     }
 
-    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>> {
-        validate_run_page(run_id, after_seq, limit)?;
+    fn run_page(&self, run_id: &str, page: &DetailPage) -> Result<Option<RunDetail>> {
+        page.validate(run_id)?;
         let (mut client, mut st) = self.reader();
         let mut tx = client
             .build_transaction()
@@ -968,17 +968,22 @@ impl WorkflowStore for PgWorkflows {
             return Ok(None);
         };
         // Positions are below RUN_STEPS_MAX (validated), so they fit the columns' integer.
-        let after = after_seq.map_or(-1, |seq| seq as i32);
-        let mut journal = rows::journal_page(&mut tx, &mut st, run_id, after, limit + 1)?;
-        let next_after_seq = cut_journal_page(&mut journal, limit);
+        let after = page.after_seq.map_or(-1, |seq| seq as i32);
+        let mut journal = rows::journal_page(&mut tx, &mut st, run_id, after, page.limit + 1)?;
+        let next_after_seq = cut_journal_page(&mut journal, page.limit);
         let last = journal.last().map_or(after, |entry| entry.seq as i32);
-        let detail = RunDetail {
+        let mut detail = RunDetail {
             run,
             journal,
             attempts: rows::attempts(&mut tx, &mut st, run_id, after, last)?,
-            events: rows::page_events(&mut tx, &mut st, run_id, (after, last), next_after_seq.is_none())?,
+            events: rows::consumed_events(&mut tx, &mut st, run_id, after, last)?,
             next_after_seq,
+            next_events_after: None,
         };
+        if next_after_seq.is_none() {
+            let after = page.events_after.as_ref();
+            detail.add_unconsumed(rows::unconsumed_page(&mut tx, &mut st, run_id, after, page.limit + 1)?, page);
+        }
         tx.commit().db()?;
         Ok(Some(detail))
     }

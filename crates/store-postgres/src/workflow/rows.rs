@@ -5,7 +5,9 @@ use std::collections::HashMap;
 
 use postgres::{GenericClient, Row};
 use serde_json::Value;
-use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus};
+use tidemark_core::workflow::{
+    AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus, DETAIL_ATTEMPTS_MAX,
+};
 use tidemark_core::{Error, Result};
 
 use crate::schema::Statements;
@@ -28,11 +30,18 @@ const JOURNAL_PAGE_SQL: &str =
      event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 AND seq > $2 ORDER BY seq LIMIT $3";
 const JOURNAL_AT_SQL: &str = "SELECT seq, name, kind, status, output, error, attempts, next_attempt_at_ms, wake_at_ms,
      event_name, reason, updated_at_ms FROM {s}.journal WHERE run_id = $1 AND seq = $2";
-const ATTEMPTS_SQL: &str = "SELECT seq, attempt, ok, error, finished_at_ms FROM {s}.step_attempts
-     WHERE run_id = $1 AND seq > $2 AND seq <= $3 ORDER BY seq, attempt";
-const PAGE_EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
-     WHERE run_id = $1 AND (consumed_by_seq > $2 AND consumed_by_seq <= $3 OR $4 AND consumed_by_seq IS NULL)
-     ORDER BY received_at_ms, event_id";
+/// The last `$4` attempts (by number) of each journal position in `$2 + 1..=$3`: the primary key
+/// finds each position's highest and reads only those after it less the bound.
+const ATTEMPTS_SQL: &str = "SELECT a.seq, a.attempt, a.ok, a.error, a.finished_at_ms FROM {s}.journal j
+     JOIN {s}.step_attempts a ON a.run_id = j.run_id AND a.seq = j.seq
+      AND a.attempt > (SELECT max(m.attempt) FROM {s}.step_attempts m WHERE m.run_id = j.run_id AND m.seq = j.seq) - $4
+     WHERE j.run_id = $1 AND j.seq > $2 AND j.seq <= $3 ORDER BY a.seq, a.attempt";
+const CONSUMED_EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
+     WHERE run_id = $1 AND consumed_by_seq > $2 AND consumed_by_seq <= $3 ORDER BY received_at_ms, event_id";
+const UNCONSUMED_PAGE_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
+     WHERE run_id = $1 AND consumed_by_seq IS NULL
+       AND ($2::bigint IS NULL OR (received_at_ms, event_id) > ($2::bigint, $3::text))
+     ORDER BY received_at_ms, event_id LIMIT $4";
 const EVENT_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND event_id = $2";
 /// The journals of many runs at once (a claim's): one probe of `journal_pkey` per run, whatever
@@ -219,7 +228,8 @@ pub(super) fn next_seq(c: &mut impl GenericClient, st: &mut Statements, run_id: 
     Ok(i64::from(next))
 }
 
-/// The attempts of the run's positions in `after + 1..=last`, by position and attempt.
+/// The attempts of the run's journal positions in `after + 1..=last`, by position and attempt:
+/// of each position the last [`DETAIL_ATTEMPTS_MAX`].
 pub(super) fn attempts(
     c: &mut impl GenericClient,
     st: &mut Statements,
@@ -228,7 +238,7 @@ pub(super) fn attempts(
     last: i32,
 ) -> Result<Vec<AttemptRecord>> {
     let statement = st.get(c, ATTEMPTS_SQL)?;
-    c.query(&statement, &[&run_id, &after, &last])
+    c.query(&statement, &[&run_id, &after, &last, &(DETAIL_ATTEMPTS_MAX as i32)])
         .db()?
         .iter()
         .map(|r| {
@@ -243,17 +253,30 @@ pub(super) fn attempts(
         .collect()
 }
 
-/// The run's events consumed by its positions in `after + 1..=last`, and with `unconsumed` those
-/// no wait consumed yet, in arrival order.
-pub(super) fn page_events(
+/// The run's events consumed by its positions in `after + 1..=last`, in arrival order.
+pub(super) fn consumed_events(
     c: &mut impl GenericClient,
     st: &mut Statements,
     run_id: &str,
-    (after, last): (i32, i32),
-    unconsumed: bool,
+    after: i32,
+    last: i32,
 ) -> Result<Vec<RunEvent>> {
-    let statement = st.get(c, PAGE_EVENTS_SQL)?;
-    c.query(&statement, &[&run_id, &after, &last, &unconsumed]).db()?.iter().map(|r| run_event(r, 0)).collect()
+    let statement = st.get(c, CONSUMED_EVENTS_SQL)?;
+    c.query(&statement, &[&run_id, &after, &last]).db()?.iter().map(|r| run_event(r, 0)).collect()
+}
+
+/// At most `limit` of the run's events no wait consumed yet, in arrival order, after `after`
+/// (received_at_ms, event_id).
+pub(super) fn unconsumed_page(
+    c: &mut impl GenericClient,
+    st: &mut Statements,
+    run_id: &str,
+    after: Option<&(i64, String)>,
+    limit: usize,
+) -> Result<Vec<RunEvent>> {
+    let statement = st.get(c, UNCONSUMED_PAGE_SQL)?;
+    let (ms, id) = after.map(|(ms, id)| (*ms, id.as_str())).unzip();
+    c.query(&statement, &[&run_id, &ms, &id, &(limit as i64)]).db()?.iter().map(|r| run_event(r, 0)).collect()
 }
 
 /// The unconsumed events of `run_ids`, by run.

@@ -49,9 +49,9 @@ use tidemark_core::error::codes;
 use tidemark_core::id::{validate_id, validate_limit};
 use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
-    cut_journal_page, validate_json_size, validate_run_page, ClaimRequest, ClaimedRun, JournalWrite, LeaseState,
-    PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns,
-    WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    cut_journal_page, validate_json_size, ClaimRequest, ClaimedRun, DetailPage, JournalWrite, LeaseState, PurgeReport,
+    RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore,
+    WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
     WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
@@ -612,23 +612,30 @@ impl WorkflowStore for SqliteWorkflows {
         Ok(added)
     }
 
-    fn run_page(&self, run_id: &str, after_seq: Option<u32>, limit: usize) -> Result<Option<RunDetail>> {
-        validate_run_page(run_id, after_seq, limit)?;
+    fn run_page(&self, run_id: &str, page: &DetailPage) -> Result<Option<RunDetail>> {
+        page.validate(run_id)?;
         let tx = self.conn.unchecked_transaction().db()?;
         let Some(run) = rows::load_run(&tx, run_id)? else {
             return Ok(None);
         };
-        let after = after_seq.map_or(-1, i64::from);
-        let mut journal = rows::journal_page(&tx, run_id, after, limit + 1)?;
-        let next_after_seq = cut_journal_page(&mut journal, limit);
+        let after = page.after_seq.map_or(-1, i64::from);
+        let mut journal = rows::journal_page(&tx, run_id, after, page.limit + 1)?;
+        let next_after_seq = cut_journal_page(&mut journal, page.limit);
         let last = journal.last().map_or(after, |entry| i64::from(entry.seq));
-        let detail = RunDetail {
+        let mut detail = RunDetail {
             run,
             journal,
             attempts: rows::attempts(&tx, run_id, after, last)?,
-            events: rows::page_events(&tx, run_id, after, last, next_after_seq.is_none())?,
+            events: rows::consumed_events(&tx, run_id, after, last)?,
             next_after_seq,
+            next_events_after: None,
         };
+        if next_after_seq.is_none() {
+            detail.add_unconsumed(
+                rows::unconsumed_events(&tx, run_id, page.events_after.as_ref(), page.limit + 1)?,
+                page,
+            );
+        }
         tx.finish().db()?;
         Ok(Some(detail))
     }

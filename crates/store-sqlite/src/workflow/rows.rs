@@ -3,7 +3,9 @@
 use rusqlite::types::Type;
 use rusqlite::{params, CachedStatement, Connection, OptionalExtension, Row};
 use serde_json::Value;
-use tidemark_core::workflow::{AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus};
+use tidemark_core::workflow::{
+    AttemptRecord, JournalEntry, RunEvent, RunRecord, RunStatus, StepKind, StepStatus, DETAIL_ATTEMPTS_MAX,
+};
 use tidemark_core::{Error, Result};
 
 use crate::SqlResult;
@@ -163,16 +165,20 @@ pub(super) fn next_seq(conn: &Connection, run_id: &str) -> Result<i64> {
         .db()
 }
 
-/// The attempts of the run's positions in `after + 1..=last`, by position and attempt.
+/// The attempts of the run's journal positions in `after + 1..=last`, by position and attempt:
+/// of each position the last [`DETAIL_ATTEMPTS_MAX`] by attempt number (the primary key finds
+/// each position's highest and reads only those after it less the bound).
 pub(super) fn attempts(conn: &Connection, run_id: &str, after: i64, last: i64) -> Result<Vec<AttemptRecord>> {
     let mut stmt = conn
         .prepare_cached(
-            "SELECT seq, attempt, ok, error, finished_at_ms FROM step_attempts
-             WHERE run_id = ?1 AND seq > ?2 AND seq <= ?3 ORDER BY seq, attempt",
+            "SELECT a.seq, a.attempt, a.ok, a.error, a.finished_at_ms FROM journal j
+             JOIN step_attempts a ON a.run_id = j.run_id AND a.seq = j.seq
+              AND a.attempt > (SELECT max(m.attempt) FROM step_attempts m WHERE m.run_id = j.run_id AND m.seq = j.seq) - ?4
+             WHERE j.run_id = ?1 AND j.seq > ?2 AND j.seq <= ?3 ORDER BY a.seq, a.attempt",
         )
         .db()?;
     let rows = stmt
-        .query_map(params![run_id, after, last], |r| {
+        .query_map(params![run_id, after, last, DETAIL_ATTEMPTS_MAX], |r| {
             Ok(AttemptRecord {
                 seq: r.get(0)?,
                 attempt: r.get(1)?,
@@ -185,23 +191,36 @@ pub(super) fn attempts(conn: &Connection, run_id: &str, after: i64, last: i64) -
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
-/// The run's events consumed by its positions in `after + 1..=last`, and with `unconsumed` those
-/// no wait consumed yet, in arrival order.
-pub(super) fn page_events(
+/// The run's events consumed by its positions in `after + 1..=last`, in arrival order.
+pub(super) fn consumed_events(conn: &Connection, run_id: &str, after: i64, last: i64) -> Result<Vec<RunEvent>> {
+    let mut stmt = conn
+        .prepare_cached(&format!(
+            "SELECT {EVENT_COLUMNS} FROM run_events
+             WHERE run_id = ?1 AND consumed_by_seq > ?2 AND consumed_by_seq <= ?3
+             ORDER BY received_at_ms, event_id"
+        ))
+        .db()?;
+    let rows = stmt.query_map(params![run_id, after, last], run_event).db()?;
+    rows.collect::<rusqlite::Result<Vec<_>>>().db()
+}
+
+/// At most `limit` of the run's events no wait consumed yet, in arrival order, after `after`
+/// (received_at_ms, event_id).
+pub(super) fn unconsumed_events(
     conn: &Connection,
     run_id: &str,
-    after: i64,
-    last: i64,
-    unconsumed: bool,
+    after: Option<&(i64, String)>,
+    limit: usize,
 ) -> Result<Vec<RunEvent>> {
     let mut stmt = conn
         .prepare_cached(&format!(
             "SELECT {EVENT_COLUMNS} FROM run_events
-             WHERE run_id = ?1 AND (consumed_by_seq > ?2 AND consumed_by_seq <= ?3 OR ?4 AND consumed_by_seq IS NULL)
-             ORDER BY received_at_ms, event_id"
+             WHERE run_id = ?1 AND consumed_by_seq IS NULL AND (?2 IS NULL OR (received_at_ms, event_id) > (?2, ?3))
+             ORDER BY received_at_ms, event_id LIMIT ?4"
         ))
         .db()?;
-    let rows = stmt.query_map(params![run_id, after, last, unconsumed], run_event).db()?;
+    let (ms, id) = after.map(|(ms, id)| (*ms, id.as_str())).unzip();
+    let rows = stmt.query_map(params![run_id, ms, id, limit as i64], run_event).db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
