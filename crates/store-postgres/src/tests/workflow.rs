@@ -1726,6 +1726,83 @@ fn a_child_ending_for_its_parent_waiting_in_memory_settles_the_parents_entry_onl
     assert_eq!((r.journal[0].status, r.run.wake_at_ms, r.events.len()), (StepStatus::Waiting, 4_100, 1));
 }
 
+/// The token of the child a leased `StartChild` answered.
+fn claimed_child(results: tidemark_core::Result<Vec<WriteResult>>) -> Vec<String> {
+    results
+        .unwrap()
+        .into_iter()
+        .map(|result| match result {
+            WriteResult::Claimed(child) => child.lease_token,
+            other => panic!("a leased child, not {other:?}"),
+        })
+        .collect()
+}
+
+/// Children's ends in one batch are written together (one statement for the siblings and the
+/// others), but a run's end never in the same statement as its parent's: the batch answers and
+/// writes what the same writes one batch each would.
+#[test]
+fn children_ending_in_one_batch_settle_what_they_would_one_by_one() {
+    let mut d = db!("wf_child_ends");
+    let lease = ChildLease { worker_id: "w1".into(), lease_ms: 10_000 };
+    let end = |n: i64, parent_token: &str| finish_child(FinishStatus::Completed, Some(json!(n)), parent_token);
+    // s waits in memory for two children; s.0 waits in memory for its own child s.0.0.
+    let ts = started_and_claimed(&mut d.store, "s", 1_000);
+    let batch = vec![
+        write("s", &ts, leased_child("s", 0, json!({"x": 1}), &lease)),
+        write("s", &ts, leased_child("s", 1, json!({"x": 2}), &lease)),
+    ];
+    let [c0, c1] = <[String; 2]>::try_from(claimed_child(d.store.commit(batch, 1_010))).unwrap();
+    let [c00] = <[String; 1]>::try_from(claimed_child(
+        d.store.commit(vec![write("s.0", &c0, leased_child("s.0", 0, json!({"x": 3}), &lease))], 1_020),
+    ))
+    .unwrap();
+    // v's child ends after v suspended: told by the end event, as one by one.
+    let tv = started_and_claimed(&mut d.store, "v", 1_000);
+    let [cv] = <[String; 1]>::try_from(claimed_child(
+        d.store.commit(vec![write("v", &tv, leased_child("v", 0, json!({"x": 4}), &lease))], 1_030),
+    ))
+    .unwrap();
+    assert_eq!(commit_one(&mut d.store, "v", &tv, wait_for_child(0), 1_040), WriteResult::Done);
+
+    let batch = vec![
+        write("s.0.0", &c00, end(3, &c0)),
+        write("s.0", &c0, end(1, &ts)),
+        write("v.0", &cv, end(4, &tv)),
+        write("s.1", &c1, end(2, &ts)),
+    ];
+    let results = d.store.commit(batch, 2_000).unwrap();
+    let settled = WriteResult::ParentSettled;
+    assert_eq!(results, [settled.clone(), settled.clone(), WriteResult::Done, settled.clone()]);
+    let s = detail(&d.store, "s");
+    let outputs: Vec<Value> = s.journal.iter().map(|e| e.output.clone().unwrap()["result"].clone()).collect();
+    assert_eq!((outputs, s.events.len()), (vec![json!(1), json!(2)], 0), "{s:?}");
+    assert_eq!(detail(&d.store, "s.0").journal[0].output.clone().unwrap()["result"], json!(3));
+    let v = detail(&d.store, "v");
+    assert_eq!((v.journal[0].status, v.run.wake_at_ms, v.events.len()), (StepStatus::Waiting, 2_000, 1));
+    for run in ["s.0.0", "s.0", "s.1", "v.0"] {
+        assert_eq!(detail(&d.store, run).run.status, RunStatus::Completed, "{run}");
+    }
+
+    // The other way round: a child's end after its parent's in the same batch finds the parent
+    // ended (nothing settled, nobody told), and the parent's end has asked it to cancel.
+    let tu = started_and_claimed(&mut d.store, "u", 3_000);
+    let [cu0] = <[String; 1]>::try_from(claimed_child(
+        d.store.commit(vec![write("u", &tu, leased_child("u", 0, json!({"x": 5}), &lease))], 3_010),
+    ))
+    .unwrap();
+    let [cu00] = <[String; 1]>::try_from(claimed_child(
+        d.store.commit(vec![write("u.0", &cu0, leased_child("u.0", 0, json!({"x": 6}), &lease))], 3_020),
+    ))
+    .unwrap();
+    let batch = vec![write("u.0", &cu0, end(5, &tu)), write("u.0.0", &cu00, end(6, &cu0))];
+    assert_eq!(d.store.commit(batch, 3_100).unwrap(), [settled, WriteResult::Done]);
+    let (u0, u00) = (detail(&d.store, "u.0"), detail(&d.store, "u.0.0"));
+    assert_eq!((u0.journal[0].status, u0.events.len()), (StepStatus::Waiting, 0), "{u0:?}");
+    assert_eq!((u00.run.status, u00.run.cancel_requested), (RunStatus::Completed, true), "{u00:?}");
+    assert_eq!(detail(&d.store, "u").journal[0].output.clone().unwrap()["result"], json!(5));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Messages: published values and messages between runs
 

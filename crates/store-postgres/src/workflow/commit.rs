@@ -148,8 +148,8 @@ macro_rules! family_told {
     () => {
         family_told!("ended")
     };
-    // `$told`: the CTE of the run whose parent learns of its end by the event (`ended`, or
-    // none of it when its end settled the parent's entry, `FINISH_CHILD_SQL`).
+    // `$told`: the CTE of the runs whose parents learn of their end by the event (`ended`, or
+    // those whose end did not settle the parent's entry, `FINISH_CHILDREN_SQL`).
     ($told:literal) => {
         concat!(
             " notify AS (
@@ -165,13 +165,13 @@ macro_rules! family_told {
      ON CONFLICT (run_id, event_id) DO NOTHING),
  wake AS (
      UPDATE {s}.runs SET wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
-     WHERE run_id = (SELECT parent_run_id FROM ",
+     WHERE run_id IN (SELECT parent_run_id FROM ",
             $told,
             " WHERE status <> 'continued') AND status = 'waiting'),
  cancel AS (
      UPDATE {s}.runs SET cancel_requested = true, error = 'cancel requested: its parent run ended',
          wake_at_ms = least(wake_at_ms, $2), updated_at_ms = $2
-     WHERE parent_run_id = (SELECT run_id FROM ended) AND NOT cancel_requested
+     WHERE parent_run_id IN (SELECT run_id FROM ended) AND NOT cancel_requested
        AND status IN ('pending', 'running', 'sleeping', 'waiting', 'compensating'))"
         )
     };
@@ -210,29 +210,34 @@ const FINISH_SQL: &str = concat!(
     " SELECT count(*) FROM finished"
 );
 
-/// Finish child run `$1` as [`FINISH_SQL`] does, and when its parent still holds the lease `$7`
-/// it waits with in memory (`JournalOp::FinishChild`), settle the parent's `child` entry with
-/// the child's end instead of sending the end event (the parent's row was locked with the batch,
-/// so its lease cannot change under this statement). Answers how many runs it finished and how
-/// many entries it settled.
-const FINISH_CHILD_SQL: &str = concat!(
+/// Finish child runs as [`FINISH_SQL`] does, many in one statement (`$1` run ids, `$3` their
+/// tokens, `$4` statuses, `$5` results, `$6` errors, `$7` the lease token each one's parent
+/// waits with in memory, `JournalOp::FinishChild`; `$2` now), and for each whose parent still
+/// holds that lease, settle the parent's `child` entry with the child's end instead of sending
+/// the end event (the parents' rows were locked with the batch, so their leases cannot change
+/// under this statement). No run of the statement is another's parent
+/// ([`ChildFinish`]): each row is updated once. Answers how many runs it finished and the
+/// children whose parent's entry it settled.
+const FINISH_CHILDREN_SQL: &str = concat!(
     "WITH finished AS (
-     UPDATE {s}.runs SET status = $4, result = $5, error = $6, finished_at_ms = $2, updated_at_ms = $2,
-         waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
-     WHERE run_id = $1 AND lease_token = $3
-     RETURNING run_id, status, result, error, parent_run_id, parent_seq),
+     UPDATE {s}.runs r SET status = u.status, result = u.result, error = u.error, finished_at_ms = $2,
+         updated_at_ms = $2, waiting_for = NULL, lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL
+     FROM unnest($1::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[])
+          AS u(run_id, token, status, result, error, parent_token)
+     WHERE r.run_id = u.run_id AND r.lease_token = u.token
+     RETURNING r.run_id, r.status, r.result, r.error, r.parent_run_id, r.parent_seq, u.parent_token),
  ended AS (SELECT * FROM finished WHERE status <> 'parked'),
  settled AS (
      UPDATE {s}.journal j SET status = 'completed', updated_at_ms = $2,
          output = json_build_object('run_id', c.run_id, 'status', c.status, 'result', c.result::json,
                                     'error', c.error)::text
-     FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id AND p.lease_token = $7
+     FROM ended c JOIN {s}.runs p ON p.run_id = c.parent_run_id AND p.lease_token = c.parent_token
      WHERE c.status <> 'continued' AND j.run_id = c.parent_run_id AND j.seq = c.parent_seq
        AND j.status = 'waiting' AND j.kind = 'child'
-     RETURNING j.run_id),
- told AS (SELECT * FROM ended WHERE NOT EXISTS (SELECT 1 FROM settled)),",
+     RETURNING c.run_id),
+ told AS (SELECT * FROM ended WHERE run_id NOT IN (SELECT run_id FROM settled)),",
     family_told!("told"),
-    " SELECT (SELECT count(*) FROM finished), (SELECT count(*) FROM settled)"
+    " SELECT (SELECT count(*) FROM finished), ARRAY(SELECT run_id FROM settled)"
 );
 
 /// A child run that was there already (same workflow and input) and has ended tells its new
@@ -275,6 +280,10 @@ struct RunState {
     /// rows (a message, a child's start or end, a continuation, a finish with family), so that
     /// every write sees the ended runs ended.
     finish: Option<LoneFinish>,
+    /// The run's parent, as the batch's lock read it.
+    parent: Option<String>,
+    /// The run's end for its parent waiting in memory, not written yet ([`ChildEnds`]).
+    finish_child: Option<ChildFinish>,
 }
 
 /// A run's finish not written yet ([`RunState::finish`]).
@@ -283,6 +292,106 @@ struct LoneFinish {
     status: RunStatus,
     result: Option<String>,
     error: Option<String>,
+}
+
+/// A child's end for its parent waiting in memory (`JournalOp::FinishChild`) not written yet
+/// ([`RunState::finish_child`], [`ChildEnds`]).
+struct ChildFinish {
+    token: String,
+    status: RunStatus,
+    result: Option<String>,
+    error: Option<String>,
+    parent_token: String,
+}
+
+/// The batch's children's ends for parents waiting in memory not written yet: written together
+/// in one statement ([`FINISH_CHILDREN_SQL`]) at the end of the batch, or first when a write
+/// comes that must see them written: a write that reads other runs' rows (a message, a child's
+/// start, a continuation, a finish with family), a write of one of their parents, or a child's
+/// end whose parent's end is among them (so that no row is updated twice in one statement: a run
+/// and its parent never end in the same one). Siblings' ends go together (each settles its own
+/// entry of the parent). Each write is answered `Done` at once and `ParentSettled` at the end of
+/// the batch when its statement settled the parent's entry.
+#[derive(Default)]
+struct ChildEnds {
+    /// The children whose end is not written yet, with the index of each one's write.
+    children: HashMap<String, usize>,
+    /// Their parents.
+    parents: BTreeSet<String>,
+    /// The writes whose end settled the parent's entry.
+    settled: Vec<usize>,
+}
+
+impl ChildEnds {
+    /// Whether the ends not written yet must be written before `write` applies.
+    fn written_before(&self, write: &Write, runs: &HashMap<String, RunState>) -> bool {
+        if self.children.is_empty() {
+            return false;
+        }
+        let run = write.run_id.as_str();
+        if self.parents.contains(run) {
+            return true;
+        }
+        match &write.op {
+            JournalOp::FinishChild { .. } => {
+                runs.get(run).and_then(|state| state.parent.as_deref()).is_some_and(|p| self.children.contains_key(p))
+            }
+            op => reads_other_runs(op, runs.get(run)),
+        }
+    }
+
+    /// Write the ends not written yet, in one statement.
+    fn write(
+        &mut self,
+        apply: &ApplyTransaction,
+        st: &mut Statements,
+        runs: &mut HashMap<String, RunState>,
+        now_ms: i64,
+    ) -> Result<()> {
+        if self.children.is_empty() {
+            return Ok(());
+        }
+        let (mut ids, mut tokens, mut statuses, mut results, mut errors, mut parent_tokens) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for run_id in self.children.keys() {
+            let finish = runs.get_mut(run_id).and_then(|state| state.finish_child.take());
+            let Some(ChildFinish { token, status, result, error, parent_token }) = finish else {
+                return Err(Error::Invariant(format!("run {run_id}: a child's end to write is not there")));
+            };
+            ids.push(run_id.as_str());
+            tokens.push(token);
+            statuses.push(status.as_str());
+            results.push(result);
+            errors.push(error);
+            parent_tokens.push(parent_token);
+        }
+        let mut c = apply.client()?;
+        let statement = st.get(&mut *c, FINISH_CHILDREN_SQL)?;
+        let row =
+            c.query_one(&statement, &[&ids, &now_ms, &tokens, &statuses, &results, &errors, &parent_tokens]).db()?;
+        let (finished, settled): (i64, Vec<String>) = (col(&row, 0)?, col(&row, 1)?);
+        ensure_invariant!(finished as usize == ids.len(), "{} locked children finished {finished} rows", ids.len());
+        for child in settled {
+            let index = self.children.get(&child).copied();
+            self.settled.extend(index);
+        }
+        self.children.clear();
+        self.parents.clear();
+        Ok(())
+    }
+}
+
+/// Whether `op`, a write of a run in `state`, reads other runs' rows: they must show the ends
+/// written before it.
+fn reads_other_runs(op: &JournalOp<ApplyTransaction>, state: Option<&RunState>) -> bool {
+    match op {
+        JournalOp::Finish { .. } => state.is_some_and(|state| state.family),
+        JournalOp::ContinueAsNew { .. }
+        | JournalOp::StartChild { .. }
+        | JournalOp::ChildEnded { .. }
+        | JournalOp::Send { .. } => true,
+        _ => false,
+    }
 }
 
 /// Write the batch's pending finishes of runs without family ([`FINISH_ALONE_SQL`]).
@@ -379,6 +488,8 @@ pub(super) fn commit(
                     status: None,
                     family: parent.is_some(),
                     finish: None,
+                    parent: parent.clone(),
+                    finish_child: None,
                 };
                 runs.insert(run_id, state);
             }
@@ -391,9 +502,23 @@ pub(super) fn commit(
         }
     }
     let mut pending = NewEntries { now_ms, ..NewEntries::default() };
+    let mut child_ends = ChildEnds::default();
     let mut results = Vec::with_capacity(writes.len());
-    for (write, text) in writes.into_iter().zip(texts) {
+    for (index, (write, text)) in writes.into_iter().zip(texts).enumerate() {
+        if child_ends.written_before(&write, &runs) {
+            child_ends.write(apply, st, &mut runs, now_ms)?;
+        }
+        let child = matches!(write.op, JournalOp::FinishChild { .. }).then(|| write.run_id.clone());
         results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
+        // A child's end the fence let through waits in its run's state.
+        if let Some(state) = child.as_ref().and_then(|run| runs.get(run)).filter(|s| s.finish_child.is_some()) {
+            child_ends.parents.extend(state.parent.clone());
+            child_ends.children.insert(child.expect("a child's end"), index);
+        }
+    }
+    child_ends.write(apply, st, &mut runs, now_ms)?;
+    for &index in &child_ends.settled {
+        results[index] = WriteResult::ParentSettled;
     }
     pending.write(&mut *apply.client()?, st)?;
     write_lone_finishes(apply, st, &mut runs, now_ms)?;
@@ -422,16 +547,8 @@ fn apply_write(
     now_ms: i64,
 ) -> Result<WriteResult> {
     let JournalWrite { run_id, lease_token, op } = write;
-    let reads_other_runs = match &op {
-        JournalOp::Finish { .. } => runs.get(&run_id).is_some_and(|state| state.family),
-        JournalOp::ContinueAsNew { .. }
-        | JournalOp::FinishChild { .. }
-        | JournalOp::StartChild { .. }
-        | JournalOp::ChildEnded { .. }
-        | JournalOp::Send { .. } => true,
-        _ => false,
-    };
-    if reads_other_runs {
+    // (A child's end reads its parent and its own children: never a run that finishes alone.)
+    if reads_other_runs(&op, runs.get(&run_id)) {
         write_lone_finishes(apply, st, runs, now_ms)?;
     }
     let Some(state) = runs.get_mut(&run_id) else {
@@ -481,18 +598,15 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::FinishChild { status, result: _, error, parent_lease_token } => {
+            // Written with the batch's other children's ends ([`ChildEnds`]), which answers
+            // `ParentSettled` for it when it settled its parent's entry.
             let error = error.as_deref().map(clip_error);
-            let mut c = apply.client()?;
-            let statement = st.get(&mut *c, FINISH_CHILD_SQL)?;
-            let (status, result, error) = (status.run_status().as_str(), text.as_deref(), error.as_deref());
-            let row = c
-                .query_one(&statement, &[&run, &now_ms, &token, &status, &result, &error, &parent_lease_token])
-                .db()?;
-            let (finished, settled): (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
-            ensure_invariant!(finished == 1, "run {run}: its locked row did not finish");
+            let (status, parent_token) = (status.run_status(), parent_lease_token);
+            state.finish_child =
+                Some(ChildFinish { token: lease_token.clone(), status, result: text, error, parent_token });
             state.token = None;
             state.status = None;
-            Ok(if settled == 1 { WriteResult::ParentSettled } else { WriteResult::Done })
+            Ok(WriteResult::Done)
         }
         JournalOp::ContinueAsNew { request } => {
             let mut c = apply.client()?;
