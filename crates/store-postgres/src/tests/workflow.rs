@@ -1599,6 +1599,48 @@ fn a_child_id_under_an_expired_receipt_is_started_under_a_live_one_is_answered_a
     );
 }
 
+/// New children's starts in one batch are one statement; a start whose id is taken is answered
+/// the general way when the batch writes them, and a later write of its parent sees it written.
+#[test]
+fn children_started_in_one_batch_answer_what_they_would_one_by_one() {
+    let mut d = db!("wf_child_starts");
+    // Under b.0, an ended run of the same workflow and input (adopted); under c.0, one of another
+    // input (a conflict).
+    start(&mut d.store, &[StartRequest::new("b.0", "double", 1, json!({"x": 2}))], 900);
+    start(&mut d.store, &[StartRequest::new("c.0", "double", 1, json!({"x": 9}))], 900);
+    let doubles = claim_request("w0", vec![version("double", 1, None)], 10);
+    let claimed = d.store.claim(&doubles, 900).unwrap();
+    let token = claimed.iter().find(|c| c.run.run_id == "b.0").unwrap().lease_token.clone();
+    let end = finish(FinishStatus::Completed, Some(json!(4)), None);
+    assert_eq!(commit_one(&mut d.store, "b.0", &token, end, 950), WriteResult::Done);
+    let lease = ChildLease { worker_id: "w1".into(), lease_ms: 10_000 };
+    let (ta, tb, tc) = (
+        started_and_claimed(&mut d.store, "a", 1_000),
+        started_and_claimed(&mut d.store, "b", 1_000),
+        started_and_claimed(&mut d.store, "c", 1_000),
+    );
+    let batch = vec![
+        write("a", &ta, leased_child("a", 0, json!({"x": 1}), &lease)),
+        write("b", &tb, start_child("b", 0, "double", json!({"x": 2}))),
+        write("c", &tc, start_child("c", 0, "double", json!({"x": 3}))),
+        write("b", &tb, wait_for_child(0)),
+    ];
+    let results = d.store.commit(batch, 2_000).unwrap();
+    assert!(matches!(&results[0], WriteResult::Claimed(child) if child.run.run_id == "a.0"), "{results:?}");
+    assert_eq!(results[1..2], [WriteResult::TxResult(Ok(json!(null)))]);
+    assert!(matches!(&results[2], WriteResult::TxResult(Err(f)) if !f.retryable && f.message.contains("taken")));
+    assert_eq!(results[3], WriteResult::Done);
+    let a0 = detail(&d.store, "a.0").run;
+    assert_eq!((a0.parent_run_id.as_deref(), a0.lease_owner.as_deref()), (Some("a"), Some("w1")));
+    assert_eq!(detail(&d.store, "a").journal[0].status, StepStatus::Waiting);
+    // b adopted its ended child, was told at once, and its suspension saw it: due now.
+    let b = detail(&d.store, "b");
+    assert_eq!((b.journal[0].status, b.run.status, b.run.wake_at_ms), (StepStatus::Waiting, RunStatus::Waiting, 2_000));
+    assert_eq!((b.events.len(), detail(&d.store, "b.0").run.parent_run_id.as_deref()), (1, Some("b")));
+    assert_eq!(detail(&d.store, "c").journal[0].status, StepStatus::Failed);
+    assert_eq!(detail(&d.store, "c.0").run.parent_run_id, None);
+}
+
 #[test]
 fn a_child_leased_as_it_starts_is_claimed_by_nobody_else_and_its_end_is_taken_by_the_waiting_parent() {
     let mut d = db!("wf_child_leased");

@@ -12,7 +12,8 @@ use tidemark_core::crash;
 use tidemark_core::error::codes;
 use tidemark_core::workflow::{
     child_event, json_within, message_event_id, validate_write, ClaimedRun, JournalOp, JournalWrite, RunRecord,
-    RunStatus, StartOutcome, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX, STEP_OUTPUT_BYTES_MAX,
+    RunStatus, StartOutcome, StartRequest, StepFailure, StepKind, StepStatus, WriteResult, COMMIT_BATCH_MAX,
+    STEP_OUTPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -282,7 +283,7 @@ struct RunState {
     finish: Option<LoneFinish>,
     /// The run's parent, as the batch's lock read it.
     parent: Option<String>,
-    /// The run's end for its parent waiting in memory, not written yet ([`ChildEnds`]).
+    /// The run's end for its parent waiting in memory, not written yet ([`FamilyWrites`]).
     finish_child: Option<ChildFinish>,
 }
 
@@ -295,7 +296,7 @@ struct LoneFinish {
 }
 
 /// A child's end for its parent waiting in memory (`JournalOp::FinishChild`) not written yet
-/// ([`RunState::finish_child`], [`ChildEnds`]).
+/// ([`RunState::finish_child`], [`FamilyWrites`]).
 struct ChildFinish {
     token: String,
     status: RunStatus,
@@ -304,56 +305,174 @@ struct ChildFinish {
     parent_token: String,
 }
 
-/// The batch's children's ends for parents waiting in memory not written yet: written together
-/// in one statement ([`FINISH_CHILDREN_SQL`]) at the end of the batch, or first when a write
-/// comes that must see them written: a write that reads other runs' rows (a message, a child's
-/// start, a continuation, a finish with family), a write of one of their parents, or a child's
-/// end whose parent's end is among them (so that no row is updated twice in one statement: a run
-/// and its parent never end in the same one). Siblings' ends go together (each settles its own
-/// entry of the parent). Each write is answered `Done` at once and `ParentSettled` at the end of
-/// the batch when its statement settled the parent's entry.
-#[derive(Default)]
-struct ChildEnds {
-    /// The children whose end is not written yet, with the index of each one's write.
-    children: HashMap<String, usize>,
-    /// Their parents.
-    parents: BTreeSet<String>,
-    /// The writes whose end settled the parent's entry.
-    settled: Vec<usize>,
+/// A new child's start not written yet ([`FamilyWrites`]): a child that joins no queue.
+struct ChildStart {
+    /// The index of its write in the batch.
+    index: usize,
+    parent: String,
+    seq: u32,
+    name: String,
+    request: Box<StartRequest>,
+    wake_at_ms: i64,
+    /// Leased to the starting worker: owner, token, expiry.
+    lease: Option<(String, String, i64)>,
 }
 
-impl ChildEnds {
-    /// Whether the ends not written yet must be written before `write` applies.
+impl ChildStart {
+    fn row(&self) -> super::ChildRow<'_> {
+        let lease = self.lease.as_ref().map(|(owner, token, expires)| (owner.as_str(), token.as_str(), *expires));
+        super::ChildRow { parent_run_id: &self.parent, parent_seq: self.seq, lease }
+    }
+}
+
+/// The batch's writes between parents and children not written yet: new children's starts
+/// (`JournalOp::StartChild`) and children's ends for parents waiting in memory
+/// (`JournalOp::FinishChild`, [`RunState::finish_child`]). Each kind is written in one statement
+/// for the whole batch (`CHILD_STARTS_SQL`, [`FINISH_CHILDREN_SQL`]) at its end, or first when a
+/// write comes that must see them:
+/// - a write that reads other runs' rows (a message, a continuation, a finish with family, a
+///   queued child's start), or any write of a run they involve (a starting parent, an ending
+///   child or its parent);
+/// - a child's end whose run or parent a start involves, or that is the parent of an end held,
+///   or whose parent's end is held (a run and its parent never end in one statement: no row is
+///   updated twice);
+/// - a start whose parent already starts one held (its position read must see it), or whose
+///   parent or child an end involves.
+///
+/// So the starts and the ends held touch distinct runs, and writing either kind first gives what
+/// the writes one at a time give. A write is answered at once as if it were written; when a start
+/// finds its child's id taken (then started the general way, [`start_child_general`]) or an end
+/// settles its parent's entry, the answer is replaced at the end of the batch.
+#[derive(Default)]
+struct FamilyWrites {
+    /// The index of the write being applied.
+    index: usize,
+    starts: Vec<ChildStart>,
+    /// The starts' parents; the starts' parents and children.
+    start_parents: BTreeSet<String>,
+    start_runs: BTreeSet<String>,
+    /// The children whose end is held, with the index of each one's write, and their parents.
+    ends: HashMap<String, usize>,
+    end_parents: BTreeSet<String>,
+    /// Answers replaced at the end of the batch (by write index).
+    answers: Vec<(usize, WriteResult)>,
+}
+
+impl FamilyWrites {
+    fn is_empty(&self) -> bool {
+        self.starts.is_empty() && self.ends.is_empty()
+    }
+
+    /// Whether a held end involves `run` (as the child or its parent).
+    fn ending(&self, run: &str) -> bool {
+        self.ends.contains_key(run) || self.end_parents.contains(run)
+    }
+
+    /// Whether what is held must be written before `write` applies.
     fn written_before(&self, write: &Write, runs: &HashMap<String, RunState>) -> bool {
-        if self.children.is_empty() {
+        if self.is_empty() {
             return false;
         }
         let run = write.run_id.as_str();
-        if self.parents.contains(run) {
-            return true;
-        }
         match &write.op {
             JournalOp::FinishChild { .. } => {
-                runs.get(run).and_then(|state| state.parent.as_deref()).is_some_and(|p| self.children.contains_key(p))
+                let parent = runs.get(run).and_then(|state| state.parent.as_deref());
+                self.end_parents.contains(run)
+                    || self.start_runs.contains(run)
+                    || parent.is_some_and(|p| self.ends.contains_key(p) || self.start_runs.contains(p))
             }
-            op => reads_other_runs(op, runs.get(run)),
+            JournalOp::StartChild { request, .. } if request.queue.is_none() => {
+                self.start_parents.contains(run) || self.ending(run) || self.ending(&request.run_id)
+            }
+            op => reads_other_runs(op, runs.get(run)) || self.start_runs.contains(run) || self.ending(run),
         }
     }
 
-    /// Write the ends not written yet, in one statement.
+    /// Hold a child's end, answered `Done` for now.
+    fn hold_end(&mut self, child: &str, parent: Option<&str>) {
+        self.ends.insert(child.to_string(), self.index);
+        self.end_parents.extend(parent.map(str::to_string));
+    }
+
+    /// Hold a new child's start, answered as started for now.
+    fn hold_start(&mut self, start: ChildStart) {
+        self.start_parents.insert(start.parent.clone());
+        self.start_runs.insert(start.parent.clone());
+        self.start_runs.insert(start.request.run_id.clone());
+        self.starts.push(start);
+    }
+
+    /// Write what is held: the starts in one statement (and a start whose child's id was taken
+    /// the general way), then the ends in one statement.
     fn write(
+        &mut self,
+        apply: &ApplyTransaction,
+        st: &mut Statements,
+        runs: &mut HashMap<String, RunState>,
+        pending: &mut NewEntries,
+        now_ms: i64,
+    ) -> Result<()> {
+        self.write_starts(apply, st, runs, pending, now_ms)?;
+        self.write_ends(apply, st, runs, now_ms)?;
+        self.start_parents.clear();
+        self.start_runs.clear();
+        self.end_parents.clear();
+        Ok(())
+    }
+
+    fn write_starts(
+        &mut self,
+        apply: &ApplyTransaction,
+        st: &mut Statements,
+        runs: &mut HashMap<String, RunState>,
+        pending: &mut NewEntries,
+        now_ms: i64,
+    ) -> Result<()> {
+        if self.starts.is_empty() {
+            return Ok(());
+        }
+        let starts = std::mem::take(&mut self.starts);
+        let events: Vec<String> = starts.iter().map(|start| child_event(start.seq)).collect();
+        let children: Vec<super::NewChild<'_>> = starts
+            .iter()
+            .zip(&events)
+            .map(|(start, event)| super::NewChild {
+                request: &start.request,
+                row: start.row(),
+                name: &start.name,
+                wake_at_ms: start.wake_at_ms,
+                event,
+            })
+            .collect();
+        let created = super::start_children_in(&mut *apply.client()?, st, &children, now_ms)?;
+        let taken: Vec<&ChildStart> = starts.iter().filter(|start| !created.contains(&start.request.run_id)).collect();
+        if !taken.is_empty() {
+            // What the general path reads of the id's run shows the batch's ended runs ended.
+            write_lone_finishes(apply, st, runs, now_ms)?;
+        }
+        for start in taken {
+            let mut c = apply.client()?;
+            let row = start.row();
+            let (created, result) =
+                start_child_general(&mut c, st, pending, &start.name, &start.request, start.wake_at_ms, &row, now_ms)?;
+            self.answers.push((start.index, child_answer(created, &row, &start.request, now_ms, result)));
+        }
+        Ok(())
+    }
+
+    fn write_ends(
         &mut self,
         apply: &ApplyTransaction,
         st: &mut Statements,
         runs: &mut HashMap<String, RunState>,
         now_ms: i64,
     ) -> Result<()> {
-        if self.children.is_empty() {
+        if self.ends.is_empty() {
             return Ok(());
         }
         let (mut ids, mut tokens, mut statuses, mut results, mut errors, mut parent_tokens) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for run_id in self.children.keys() {
+        for run_id in self.ends.keys() {
             let finish = runs.get_mut(run_id).and_then(|state| state.finish_child.take());
             let Some(ChildFinish { token, status, result, error, parent_token }) = finish else {
                 return Err(Error::Invariant(format!("run {run_id}: a child's end to write is not there")));
@@ -372,12 +491,82 @@ impl ChildEnds {
         let (finished, settled): (i64, Vec<String>) = (col(&row, 0)?, col(&row, 1)?);
         ensure_invariant!(finished as usize == ids.len(), "{} locked children finished {finished} rows", ids.len());
         for child in settled {
-            let index = self.children.get(&child).copied();
-            self.settled.extend(index);
+            if let Some(&index) = self.ends.get(&child) {
+                self.answers.push((index, WriteResult::ParentSettled));
+            }
         }
-        self.children.clear();
-        self.parents.clear();
+        self.ends.clear();
         Ok(())
+    }
+}
+
+/// A child's start the general way ([`super::start_rows_in`]): a queued child, or one whose id
+/// the one-statement start found taken. A run of that id with the same workflow and input is
+/// adopted (and tells its new parent now if it has ended); another is a permanent failure of the
+/// parent's step. Answers whether it created the child, and the step's result.
+#[allow(clippy::too_many_arguments)]
+fn start_child_general(
+    c: &mut Client,
+    st: &mut Statements,
+    pending: &mut NewEntries,
+    name: &str,
+    request: &StartRequest,
+    wake_at_ms: i64,
+    row: &super::ChildRow<'_>,
+    now_ms: i64,
+) -> Result<(bool, std::result::Result<Value, StepFailure>)> {
+    let (run, seq) = (row.parent_run_id, row.parent_seq);
+    let (created, conflict) =
+        match super::start_rows_in(&mut *c, st, std::slice::from_ref(request), now_ms, Some(row))?.into_iter().next() {
+            Some(StartOutcome::Started { .. }) => (true, None),
+            Some(StartOutcome::Existing { .. }) => {
+                // A run of that id (same workflow and input) was there already: adopted; if it
+                // has ended, the parent learns of it now (the event keeps the parent due).
+                let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
+                c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
+                let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
+                c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
+                (false, None)
+            }
+            Some(StartOutcome::Conflict { reason, .. }) => (false, Some(reason)),
+            None => return Err(Error::Invariant("a start answered nothing".into())),
+        };
+    let result = match conflict {
+        None => {
+            let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
+            let event = child_event(seq);
+            let kind = StepKind::Child.as_str();
+            c.execute(&timer, &[&run, &seq_param(seq), &name, &kind, &wake_at_ms, &event, &now_ms]).db()?;
+            Ok(Value::Null)
+        }
+        Some(reason) => {
+            let failure = StepFailure::permanent(format!("the child run id is taken: {reason}"));
+            let step = Step { run_id: run, seq, name, kind: StepKind::Child, attempt: 1, new: true };
+            record_attempt(c, st, pending, &step, Err(&failure), None, now_ms)?;
+            Err(failure)
+        }
+    };
+    Ok((created, result))
+}
+
+/// A child's start answered: the claimed child when it was created leased to the starting
+/// worker (built from the request, [`RunRecord::started_child`]), else the step's result.
+fn child_answer(
+    created: bool,
+    row: &super::ChildRow<'_>,
+    request: &StartRequest,
+    now_ms: i64,
+    result: std::result::Result<Value, StepFailure>,
+) -> WriteResult {
+    match row.lease.filter(|_| created) {
+        Some((owner, token, expires)) => WriteResult::Claimed(Box::new(ClaimedRun {
+            run: RunRecord::started_child(request, row.parent_run_id, owner, expires, now_ms),
+            lease_token: token.to_string(),
+            journal: Vec::new(),
+            events: Vec::new(),
+            recovered: false,
+        })),
+        None => WriteResult::TxResult(result),
     }
 }
 
@@ -392,6 +581,13 @@ fn reads_other_runs(op: &JournalOp<ApplyTransaction>, state: Option<&RunState>) 
         | JournalOp::Send { .. } => true,
         _ => false,
     }
+}
+
+/// What the batch holds to write later: new journal positions ([`NewEntries`]) and the writes
+/// between parents and children ([`FamilyWrites`]).
+struct Held {
+    entries: NewEntries,
+    family: FamilyWrites,
 }
 
 /// Write the batch's pending finishes of runs without family ([`FINISH_ALONE_SQL`]).
@@ -501,25 +697,20 @@ pub(super) fn commit(
             }
         }
     }
-    let mut pending = NewEntries { now_ms, ..NewEntries::default() };
-    let mut child_ends = ChildEnds::default();
+    let mut held = Held { entries: NewEntries { now_ms, ..NewEntries::default() }, family: FamilyWrites::default() };
     let mut results = Vec::with_capacity(writes.len());
     for (index, (write, text)) in writes.into_iter().zip(texts).enumerate() {
-        if child_ends.written_before(&write, &runs) {
-            child_ends.write(apply, st, &mut runs, now_ms)?;
+        if held.family.written_before(&write, &runs) {
+            held.family.write(apply, st, &mut runs, &mut held.entries, now_ms)?;
         }
-        let child = matches!(write.op, JournalOp::FinishChild { .. }).then(|| write.run_id.clone());
-        results.push(apply_write(apply, st, &mut runs, &mut pending, write, text, now_ms)?);
-        // A child's end the fence let through waits in its run's state.
-        if let Some(state) = child.as_ref().and_then(|run| runs.get(run)).filter(|s| s.finish_child.is_some()) {
-            child_ends.parents.extend(state.parent.clone());
-            child_ends.children.insert(child.expect("a child's end"), index);
-        }
+        held.family.index = index;
+        results.push(apply_write(apply, st, &mut runs, &mut held, write, text, now_ms)?);
     }
-    child_ends.write(apply, st, &mut runs, now_ms)?;
-    for &index in &child_ends.settled {
-        results[index] = WriteResult::ParentSettled;
+    held.family.write(apply, st, &mut runs, &mut held.entries, now_ms)?;
+    for (index, answer) in held.family.answers.drain(..) {
+        results[index] = answer;
     }
+    let mut pending = held.entries;
     pending.write(&mut *apply.client()?, st)?;
     write_lone_finishes(apply, st, &mut runs, now_ms)?;
     let (touched, statuses): (Vec<&str>, Vec<Option<&str>>) =
@@ -541,14 +732,17 @@ fn apply_write(
     apply: &ApplyTransaction,
     st: &mut Statements,
     runs: &mut HashMap<String, RunState>,
-    pending: &mut NewEntries,
+    held: &mut Held,
     write: Write,
     text: Option<String>,
     now_ms: i64,
 ) -> Result<WriteResult> {
+    let Held { entries: pending, family } = held;
     let JournalWrite { run_id, lease_token, op } = write;
-    // (A child's end reads its parent and its own children: never a run that finishes alone.)
-    if reads_other_runs(&op, runs.get(&run_id)) {
+    // (A child's end reads its parent and its own children: never a run that finishes alone. A
+    // new child's start is held, [`FamilyWrites`], which writes them first if its id is taken.)
+    let held_start = matches!(&op, JournalOp::StartChild { request, .. } if request.queue.is_none());
+    if reads_other_runs(&op, runs.get(&run_id)) && !held_start {
         write_lone_finishes(apply, st, runs, now_ms)?;
     }
     let Some(state) = runs.get_mut(&run_id) else {
@@ -598,12 +792,13 @@ fn apply_write(
             Ok(WriteResult::Done)
         }
         JournalOp::FinishChild { status, result: _, error, parent_lease_token } => {
-            // Written with the batch's other children's ends ([`ChildEnds`]), which answers
+            // Written with the batch's other children's ends ([`FamilyWrites`]), which answers
             // `ParentSettled` for it when it settled its parent's entry.
             let error = error.as_deref().map(clip_error);
             let (status, parent_token) = (status.run_status(), parent_lease_token);
             state.finish_child =
                 Some(ChildFinish { token: lease_token.clone(), status, result: text, error, parent_token });
+            family.hold_end(run, state.parent.as_deref());
             state.token = None;
             state.status = None;
             Ok(WriteResult::Done)
@@ -699,75 +894,25 @@ fn apply_write(
             let (existing, next) =
                 position(&mut c, st, pending, run, seq, &name, StepKind::Child, StepStatus::Waiting, state.next_seq)?;
             ensure_invariant!(existing.is_none(), "run {run} step {seq}: its child was started already");
-            // A child this write creates has its parent, and its lease when asked, in its row.
-            let lease_token = claim.as_ref().map(|_| super::new_token());
-            let lease = claim
-                .as_ref()
-                .zip(lease_token.as_deref())
-                .map(|(claim, token)| (claim.worker_id.as_str(), token, now_ms + claim.lease_ms));
-            let row = super::ChildRow { parent_run_id: run, parent_seq: seq, lease };
+            state.next_seq = Some(next);
             // Its end now tells this child ([`FINISH_SQL`]).
             state.family = true;
-            // A new child in one round trip; a taken id (or a queue) by the general path.
-            let event = child_event(seq);
-            let one_statement = super::start_child_in(&mut *c, st, &request, now_ms, &row, &name, wake_at_ms, &event)?;
-            let (created, conflict) = if one_statement {
-                (true, None)
-            } else {
-                match super::start_rows_in(&mut *c, st, std::slice::from_ref(&*request), now_ms, Some(&row))?
-                    .into_iter()
-                    .next()
-                {
-                    Some(StartOutcome::Started { .. }) => (true, None),
-                    Some(StartOutcome::Existing { .. }) => {
-                        // A run of that id (same workflow and input) was there already: adopted;
-                        // if it has ended, the parent learns of it now (the event keeps the parent
-                        // due).
-                        let child_of = st.get(&mut *c, CHILD_OF_SQL)?;
-                        c.execute(&child_of, &[&request.run_id, &run, &seq_param(seq)]).db()?;
-                        let notify = st.get(&mut *c, NOTIFY_ADOPTED_SQL)?;
-                        c.execute(&notify, &[&request.run_id, &now_ms]).db()?;
-                        (false, None)
-                    }
-                    Some(StartOutcome::Conflict { reason, .. }) => (false, Some(reason)),
-                    None => return Err(Error::Invariant("a start answered nothing".into())),
-                }
-            };
-            let result = match conflict {
-                // The one statement wrote the parent's entry with the child.
-                None if one_statement => Ok(Value::Null),
-                None => {
-                    let timer = st.get(&mut *c, TIMER_STARTED_SQL)?;
-                    c.execute(
-                        &timer,
-                        &[&run, &seq_param(seq), &name, &StepKind::Child.as_str(), &wake_at_ms, &event, &now_ms],
-                    )
-                    .db()?;
-                    Ok(Value::Null)
-                }
-                Some(reason) => {
-                    let failure = StepFailure::permanent(format!("the child run id is taken: {reason}"));
-                    let step = Step { run_id: run, seq, name: &name, kind: StepKind::Child, attempt: 1, new: true };
-                    record_attempt(&mut c, st, pending, &step, Err(&failure), None, now_ms)?;
-                    Err(failure)
-                }
-            };
-            state.next_seq = Some(next);
-            match lease.filter(|_| created).map(|(owner, _, expires)| (owner.to_string(), expires)) {
-                Some((owner, expires)) => {
-                    let child = RunRecord::started_child(&request, run, &owner, expires, now_ms);
-                    let lease_token = lease_token.expect("a lease has its token");
-                    let claimed = ClaimedRun {
-                        run: child,
-                        lease_token,
-                        journal: Vec::new(),
-                        events: Vec::new(),
-                        recovered: false,
-                    };
-                    Ok(WriteResult::Claimed(Box::new(claimed)))
-                }
-                None => Ok(WriteResult::TxResult(result)),
+            // A child this write creates has its parent, and its lease when asked, in its row.
+            let lease = claim.map(|claim| (claim.worker_id, super::new_token(), now_ms + claim.lease_ms));
+            if request.queue.is_none() {
+                // Started with the batch's other new children ([`FamilyWrites`]), which answers
+                // otherwise if its id turns out taken.
+                let index = family.index;
+                let start = ChildStart { index, parent: run_id.clone(), seq, name, request, wake_at_ms, lease };
+                let answer = child_answer(true, &start.row(), &start.request, now_ms, Ok(Value::Null));
+                family.hold_start(start);
+                return Ok(answer);
             }
+            let lease = lease.as_ref().map(|(owner, token, expires)| (owner.as_str(), token.as_str(), *expires));
+            let row = super::ChildRow { parent_run_id: run, parent_seq: seq, lease };
+            let (created, result) =
+                start_child_general(&mut c, st, pending, &name, &request, wake_at_ms, &row, now_ms)?;
+            Ok(child_answer(created, &row, &request, now_ms, result))
         }
         JournalOp::ChildEnded { seq, end } => {
             let mut c = apply.client()?;

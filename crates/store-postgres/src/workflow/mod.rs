@@ -467,77 +467,104 @@ const STARTS_INSERT_SQL: &str = "INSERT INTO {s}.runs (run_id, workflow, version
       AS n(run_id, workflow, version, input, input_hash, key, wake_at_ms, queue, priority, dedup_id, deadline_ms)
  ON CONFLICT DO NOTHING RETURNING run_id";
 
-/// A child's start in one statement, for a child without a queue: its run (with its parent and
-/// lease, as [`STARTS_INSERT_SQL`] writes them) unless the id holds a run or a live receipt, an
-/// expired receipt of the id forgotten, and, only when the run was inserted, the parent's
-/// `child` entry waiting for the child's end event (`$17`), as the timer statement writes it.
-/// Answers (runs inserted, entries written): (1, 1) when the child was created; (0, 0) when the
-/// id was taken (by a run, a live receipt, or a concurrent start that committed first: the
-/// insert waited for it), and the caller then answers the start by the general path.
-const CHILD_START_SQL: &str = "WITH forgotten AS (
-     DELETE FROM {s}.run_receipts WHERE run_id = $1 AND expires_at_ms <= $8),
+/// New children's starts in one statement, for children without a queue (a batch's,
+/// [`start_children_in`]; `$8` now, every other parameter an array of one element per child):
+/// each child's run (with its parent and lease, as [`STARTS_INSERT_SQL`] writes them) unless the
+/// id holds a run or a live receipt, an expired receipt of the id forgotten, and, only for the
+/// runs inserted, the parent's `child` entry waiting for the child's end event (`$17`), as the
+/// timer statement writes it. Answers the ids inserted and the entries written (as many); a
+/// child not inserted had its id taken (by a run, a live receipt, or a concurrent start that
+/// committed first: the insert waited for it) and has nothing written: the caller answers its
+/// start by the general path.
+const CHILD_STARTS_SQL: &str = "WITH u AS (
+     SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::text[], $5::text[], $6::text[], $7::bigint[],
+                          $9::bigint[], $10::text[], $11::integer[], $12::text[], $13::text[], $14::bigint[],
+                          $15::text[], $16::bigint[], $17::text[])
+         AS u(run_id, workflow, version, input, input_hash, key, wake_at_ms, deadline_ms, parent_run_id, parent_seq,
+              lease_owner, lease_token, lease_expires_at_ms, name, entry_wake_at_ms, event_name)),
+ forgotten AS (
+     DELETE FROM {s}.run_receipts r USING u WHERE r.run_id = u.run_id AND r.expires_at_ms <= $8),
  child AS (
      INSERT INTO {s}.runs (run_id, workflow, version, input, input_hash, key, status, wake_at_ms, created_at_ms,
          updated_at_ms, deadline_ms, parent_run_id, parent_seq, lease_owner, lease_token, lease_expires_at_ms)
-     SELECT $1, $2, $3, $4, $5, $6, 'pending', $7, $8, $8, $9, $10, $11, $12, $13, $14
-     WHERE NOT EXISTS (SELECT 1 FROM {s}.run_receipts WHERE run_id = $1 AND expires_at_ms > $8)
+     SELECT u.run_id, u.workflow, u.version, u.input, u.input_hash, u.key, 'pending', u.wake_at_ms, $8, $8,
+            u.deadline_ms, u.parent_run_id, u.parent_seq, u.lease_owner, u.lease_token, u.lease_expires_at_ms
+     FROM u WHERE NOT EXISTS (SELECT 1 FROM {s}.run_receipts r WHERE r.run_id = u.run_id AND r.expires_at_ms > $8)
+     ORDER BY u.run_id
      ON CONFLICT DO NOTHING RETURNING run_id),
  entry AS (
      INSERT INTO {s}.journal (run_id, seq, name, kind, status, attempts, wake_at_ms, event_name, updated_at_ms)
-     SELECT $10, $11, $15, 'child', 'waiting', 0, $16, $17, $8 FROM child
+     SELECT u.parent_run_id, u.parent_seq, u.name, 'child', 'waiting', 0, u.entry_wake_at_ms, u.event_name, $8
+     FROM u JOIN child c ON c.run_id = u.run_id
      RETURNING 1)
- SELECT (SELECT count(*) FROM child), (SELECT count(*) FROM entry)";
+ SELECT ARRAY(SELECT run_id FROM child), (SELECT count(*) FROM entry)";
 
-/// A child's start in one round trip ([`CHILD_START_SQL`]): true when it created the child run
-/// and its parent's waiting `child` entry (`name`, waking at `wake_at_ms`, on `event`); false,
-/// with nothing written, when the id was taken or the child joins a queue (whose admission
-/// checks run on the general path, [`start_rows_in`]).
-#[allow(clippy::too_many_arguments)]
-pub(super) fn start_child_in(
+/// A new child to start ([`start_children_in`]): the request, the row it gets
+/// ([`ChildRow`]), and its parent's waiting entry (the step's name, when it wakes, the event).
+pub(super) struct NewChild<'a> {
+    pub request: &'a StartRequest,
+    pub row: ChildRow<'a>,
+    pub name: &'a str,
+    pub wake_at_ms: i64,
+    pub event: &'a str,
+}
+
+/// Many children's starts in one round trip ([`CHILD_STARTS_SQL`]): the ids of the children it
+/// created, each with its parent's waiting `child` entry; a child whose id was taken is not
+/// among them and has nothing written (its start goes the general path, [`start_rows_in`]).
+/// None may join a queue.
+pub(super) fn start_children_in(
     c: &mut impl GenericClient,
     st: &mut Statements,
-    request: &StartRequest,
+    children: &[NewChild<'_>],
     now_ms: i64,
-    child: &ChildRow<'_>,
-    name: &str,
-    wake_at_ms: i64,
-    event: &str,
-) -> Result<bool> {
-    if request.queue.is_some() {
-        return Ok(false);
-    }
-    let statement = st.get(c, CHILD_START_SQL)?;
-    let (owner, token, expires) = match child.lease {
-        Some((owner, token, expires)) => (Some(owner), Some(token), Some(expires)),
-        None => (None, None, None),
-    };
+) -> Result<BTreeSet<String>> {
+    ensure_invariant!(children.iter().all(|child| child.request.queue.is_none()), "a queued child in a batch start");
+    let requests = || children.iter().map(|child| child.request);
+    let ids: Vec<&str> = requests().map(|r| r.run_id.as_str()).collect();
+    let workflows: Vec<&str> = requests().map(|r| r.workflow.as_str()).collect();
+    let versions: Vec<i64> = requests().map(|r| i64::from(r.version)).collect();
+    let inputs: Vec<String> = requests().map(|r| rows::json_text(&r.input)).collect();
+    let hashes: Vec<String> = requests().map(StartRequest::input_hash).collect();
+    let keys: Vec<Option<&str>> = requests().map(|r| r.key.as_deref()).collect();
+    let wakes: Vec<i64> = requests().map(|r| r.start_at_ms.unwrap_or(now_ms)).collect();
+    let deadlines: Vec<Option<i64>> = requests().map(|r| r.deadline_ms).collect();
+    let parents: Vec<&str> = children.iter().map(|child| child.row.parent_run_id).collect();
+    let seqs: Vec<i32> = children.iter().map(|child| seq_param(child.row.parent_seq)).collect();
+    let owners: Vec<Option<&str>> = children.iter().map(|child| child.row.lease.map(|l| l.0)).collect();
+    let tokens: Vec<Option<&str>> = children.iter().map(|child| child.row.lease.map(|l| l.1)).collect();
+    let expiries: Vec<Option<i64>> = children.iter().map(|child| child.row.lease.map(|l| l.2)).collect();
+    let names: Vec<&str> = children.iter().map(|child| child.name).collect();
+    let entry_wakes: Vec<i64> = children.iter().map(|child| child.wake_at_ms).collect();
+    let events: Vec<&str> = children.iter().map(|child| child.event).collect();
+    let statement = st.get(c, CHILD_STARTS_SQL)?;
     let row = c
         .query_one(
             &statement,
             &[
-                &request.run_id,
-                &request.workflow,
-                &i64::from(request.version),
-                &rows::json_text(&request.input),
-                &request.input_hash(),
-                &request.key,
-                &request.start_at_ms.unwrap_or(now_ms),
+                &ids,
+                &workflows,
+                &versions,
+                &inputs,
+                &hashes,
+                &keys,
+                &wakes,
                 &now_ms,
-                &request.deadline_ms,
-                &child.parent_run_id,
-                &seq_param(child.parent_seq),
-                &owner,
-                &token,
-                &expires,
-                &name,
-                &wake_at_ms,
-                &event,
+                &deadlines,
+                &parents,
+                &seqs,
+                &owners,
+                &tokens,
+                &expiries,
+                &names,
+                &entry_wakes,
+                &events,
             ],
         )
         .db()?;
-    let written: (i64, i64) = (col(&row, 0)?, col(&row, 1)?);
-    ensure_invariant!(written == (0, 0) || written == (1, 1), "a child's start wrote {written:?}");
-    Ok(written == (1, 1))
+    let (created, entries): (Vec<String>, i64) = (col(&row, 0)?, col(&row, 1)?);
+    ensure_invariant!(entries as usize == created.len(), "{} children started with {entries} entries", created.len());
+    Ok(created.into_iter().collect())
 }
 
 /// What a child's start writes into its row at once (no update after the insert): its parent,
