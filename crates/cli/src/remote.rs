@@ -6,6 +6,7 @@
 //! `outcome` word the file mode prints). An error answer keeps its stable code: a 4xx exits 2,
 //! a 5xx or an unreachable server exits 1. Which flag goes to which route: docs/cli.md.
 
+use std::io::Read;
 use std::time::Duration;
 
 use reqwest::blocking::Client;
@@ -24,8 +25,9 @@ use crate::{ActionArg, Command, InboxCommand, OutboxCommand};
 
 /// How long one request may take, connecting included.
 pub const REQUEST_TIMEOUT_MS: u64 = 60_000;
-/// Largest answer body read from the server.
-pub const ANSWER_BYTES_MAX: u64 = 64 * 1024 * 1024;
+/// Largest answer body read from the server: a page at the largest `limits.page_bytes_max` a
+/// server takes (256 MiB), with room for its first item, which always goes.
+pub const ANSWER_BYTES_MAX: u64 = 320 * 1024 * 1024;
 
 pub struct Remote {
     base: String,
@@ -68,13 +70,7 @@ impl Remote {
         }
         let response = request.send().map_err(|e| Error::io(format!("cannot reach {url}: {e}")))?;
         let status = response.status();
-        let mut bytes = Vec::new();
-        use std::io::Read;
-        response
-            .take(ANSWER_BYTES_MAX)
-            .read_to_end(&mut bytes)
-            .map_err(|e| Error::io(format!("cannot read the answer of {url}: {e}")))?;
-        let answer: Option<Value> = serde_json::from_slice(&bytes).ok();
+        let (bytes, answer) = read_answer(response, ANSWER_BYTES_MAX, status.is_success(), &url)?;
         let error = answer.as_ref().and_then(|a| a.get("error")).and_then(Value::as_object);
         match (status.as_u16(), error) {
             (200..=299, None) => Ok(answer.unwrap_or(Value::Null)),
@@ -309,6 +305,30 @@ fn whole_detail(remote: &Remote, path: &str) -> Result<RunDetail> {
     Ok(detail)
 }
 
+/// An answer's body, at most `max` bytes (`io` past it: never a cut answer read as another), and
+/// its JSON. A success whose body is not empty must be JSON (`io` otherwise); an error's body
+/// may be anything (its text goes into the error).
+fn read_answer(body: impl std::io::Read, max: u64, success: bool, url: &str) -> Result<(Vec<u8>, Option<Value>)> {
+    let mut bytes = Vec::new();
+    body.take(max + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Error::io(format!("cannot read the answer of {url}: {e}")))?;
+    if bytes.len() as u64 > max {
+        return Err(Error::io(format!(
+            "the answer of {url} passed {max} bytes: ask for smaller pages (a lower `limit`, or the server's \
+             limits.page_bytes_max)"
+        )));
+    }
+    let answer = match serde_json::from_slice(&bytes) {
+        Ok(answer) => Some(answer),
+        Err(e) if success && !bytes.is_empty() => {
+            return Err(Error::io(format!("the answer of {url} is not JSON: {e}")));
+        }
+        Err(_) => None,
+    };
+    Ok((bytes, answer))
+}
+
 fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
     let reason_route = |run_id: &str, action: &str, reason: String| -> Result<Value> {
         let run = segment("run_id", run_id)?;
@@ -411,5 +431,24 @@ fn workflow(remote: &Remote, command: WorkflowCommand) -> Result<Value> {
         WorkflowCommand::Unclaimable { .. } => Err(no_route("workflow unclaimable")),
         WorkflowCommand::Orders { .. } => Err(no_route("workflow orders")),
         WorkflowCommand::Payments { .. } => Err(no_route("workflow payments")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_answer_is_read_whole_or_refused() {
+        let url = "http://h/v1/x";
+        let (_, answer) = read_answer(&br#"{"a": 1}"#[..], 8, true, url).unwrap();
+        assert_eq!(answer, Some(json!({"a": 1})));
+        // One byte past the bound: refused, not cut and read as something else.
+        let error = read_answer(&br#"{"a": 12}"#[..], 8, true, url).unwrap_err();
+        assert_eq!(error.code(), codes::IO, "{error}");
+        // A success must be JSON; an empty one is null; an error's body may be text.
+        assert_eq!(read_answer(&b"<html>"[..], 64, true, url).unwrap_err().code(), codes::IO);
+        assert_eq!(read_answer(&b""[..], 64, true, url).unwrap().1, None);
+        assert_eq!(read_answer(&b"Bad Gateway"[..], 64, false, url).unwrap().1, None);
     }
 }
