@@ -357,20 +357,31 @@ struct Nats {
 const NATS_BIN: &str = "/usr/sbin/nats-server";
 
 impl Nats {
+    /// Start it and wait (bounded) until it is this server that answers on the port: a NATS
+    /// server greets a connection with `INFO`, and the child must still run (a server that
+    /// could not take the port exits, and something else may answer there). Its log goes to
+    /// `nats.log` beside the store folder, printed when it does not come up.
     fn start(store: &Path, port: u16) -> Nats {
+        let log_path = store.with_extension("log");
+        let log = std::fs::File::create(&log_path).expect("nats-server's log file");
         let child = std::process::Command::new(NATS_BIN)
             .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd", store.to_str().unwrap()])
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(log)
             .spawn()
             .expect("spawn nats-server");
-        let nats = Nats { child: Some(child), port, store: store.to_path_buf() };
+        let mut nats = Nats { child: Some(child), port, store: store.to_path_buf() };
         let started = std::time::Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(started.elapsed() < WAIT, "nats-server did not listen on {port}");
+        loop {
+            let exited = nats.child.as_mut().and_then(|child| child.try_wait().ok().flatten());
+            let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
+            assert!(exited.is_none(), "nats-server on {port} exited ({exited:?}):\n{}", log());
+            if greets(port) {
+                return nats;
+            }
+            assert!(started.elapsed() < WAIT, "nats-server did not answer on {port}:\n{}", log());
             std::thread::sleep(Duration::from_millis(20));
         }
-        nats
     }
 
     fn kill9(&mut self) {
@@ -382,6 +393,15 @@ impl Nats {
     fn restart(&mut self) {
         *self = Nats::start(&self.store.clone(), self.port);
     }
+}
+
+/// Whether a NATS server answers on `port` (its `INFO` greeting, within a second).
+fn greets(port: u16) -> bool {
+    use std::io::Read;
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else { return false };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    let mut greeting = [0u8; 4];
+    stream.read_exact(&mut greeting).is_ok() && &greeting == b"INFO"
 }
 
 impl Drop for Nats {
