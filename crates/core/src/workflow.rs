@@ -747,7 +747,7 @@ impl DetailPage {
 
     /// The page that follows `detail` (a page of `limit`), or `None` when `detail` is the last.
     pub fn after(detail: &RunDetail, limit: usize) -> Option<DetailPage> {
-        if detail.next_after_seq.is_none() && detail.next_events_after.is_none() {
+        if !detail.is_cut() {
             return None;
         }
         let events_after = detail.next_events_after.as_deref().map(parse_event_cursor);
@@ -1157,7 +1157,7 @@ pub struct RunDetail {
     /// Set on a page of the detail that more pages follow ([`WorkflowStore::run_page`],
     /// `GET /v1/runs/{run_id}?after_seq=`): the last position this page (or the ones before it)
     /// holds, where the next page starts after. Absent (null) on the last page, on a whole
-    /// detail, and on a page whose journal is empty.
+    /// detail, and while the run's journal is empty.
     #[serde(default)]
     pub next_after_seq: Option<u32>,
     /// Set on the page that ends the journal when more events no wait consumed follow than the

@@ -217,7 +217,7 @@ const FINISH_SQL: &str = concat!(
 /// holds that lease, settle the parent's `child` entry with the child's end instead of sending
 /// the end event (the parents' rows were locked with the batch, so their leases cannot change
 /// under this statement). No run of the statement is another's parent
-/// ([`ChildFinish`]): each row is updated once. Answers how many runs it finished and the
+/// ([`FamilyWrites`]): each row is updated once. Answers how many runs it finished and the
 /// children whose parent's entry it settled.
 const FINISH_CHILDREN_SQL: &str = concat!(
     "WITH finished AS (
