@@ -498,8 +498,19 @@ impl Database {
 
     /// Start it again (crash recovery; on the layer with `--db-preload`) and wait until it
     /// accepts connections (bounded).
+    ///
+    /// On the layer each file the server holds open costs up to three descriptors (its own, its
+    /// undo log's and the shim's reader of its old bytes), and a server started through
+    /// `runuser` gets the session's soft limit of 1,024: at PostgreSQL's default of 1,000 files
+    /// the shim's opens failed (`EMFILE`, answered `EIO`) in the end-of-recovery checkpoint of a
+    /// long run, which then could not start. So the server keeps at most
+    /// [`LAYER_FILES_PER_PROCESS`] files open there.
     fn start(&self) -> Result<()> {
-        self.pg_ctl_on(&["start", "-w", "-t", "60"], true)
+        let files = format!("-c max_files_per_process={LAYER_FILES_PER_PROCESS}");
+        match self.layer {
+            Some(_) => self.pg_ctl_on(&["start", "-w", "-t", "60", "-o", &files], true),
+            None => self.pg_ctl_on(&["start", "-w", "-t", "60"], true),
+        }
     }
 
     /// Restart the server on the fault layer (before the run), and check that the shim is loaded:
@@ -544,6 +555,10 @@ impl Database {
             .map_err(|e| Error::io(format!("power loss in {}: {e}", layer.state.display())))
     }
 }
+
+/// The files a PostgreSQL server on the fault layer keeps open at most (`max_files_per_process`,
+/// 1,000 by default): three descriptors each fit a limit of 1,024 ([`Database::start`]).
+const LAYER_FILES_PER_PROCESS: u32 = 300;
 
 impl DbLayer {
     /// `$TMPDIR/tidemark-chaos-db-faultfs-<seed>-<pid>`, owned by the data folder's owner.
