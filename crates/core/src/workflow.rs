@@ -746,13 +746,14 @@ impl DetailPage {
     }
 
     /// The page that follows `detail` (a page of `limit`), or `None` when `detail` is the last.
-    pub fn after(detail: &RunDetail, limit: usize) -> Option<DetailPage> {
+    /// `invalid_argument` when its [`RunDetail::next_events_after`] is not a cursor
+    /// [`event_cursor`] wrote (a detail read from elsewhere): never the first page again.
+    pub fn after(detail: &RunDetail, limit: usize) -> Result<Option<DetailPage>> {
         if !detail.is_cut() {
-            return None;
+            return Ok(None);
         }
-        let events_after = detail.next_events_after.as_deref().map(parse_event_cursor);
-        // The cursor was written by `event_cursor`: it always parses.
-        Some(DetailPage { after_seq: detail.next_after_seq, events_after: events_after.and_then(Result::ok), limit })
+        let events_after = detail.next_events_after.as_deref().map(parse_event_cursor).transpose()?;
+        Ok(Some(DetailPage { after_seq: detail.next_after_seq, events_after, limit }))
     }
 
     /// The arguments checked: a run id, a position below [`RUN_STEPS_MAX`], an event id in the
@@ -769,7 +770,12 @@ impl DetailPage {
 
 /// The cursor of the unconsumed events after `event` (`<received_at_ms>:<event_id>`).
 pub fn event_cursor(event: &RunEvent) -> String {
-    format!("{}:{}", event.received_at_ms, event.event_id)
+    event_cursor_at(event.received_at_ms, &event.event_id)
+}
+
+/// The cursor of the unconsumed events after the one received at `received_at_ms` as `event_id`.
+fn event_cursor_at(received_at_ms: i64, event_id: &str) -> String {
+    format!("{received_at_ms}:{event_id}")
 }
 
 /// Parse a cursor made by [`event_cursor`]: exactly the strings [`PAGE_CURSOR_PATTERN`] matches
@@ -1224,7 +1230,8 @@ impl RunDetail {
             return;
         }
         self.next_after_seq = self.journal.last().map(|entry| entry.seq).or(page.after_seq);
-        self.next_events_after = last_kept.or_else(|| page.events_after.as_ref().map(|(ms, id)| format!("{ms}:{id}")));
+        self.next_events_after =
+            last_kept.or_else(|| page.events_after.as_ref().map(|(ms, id)| event_cursor_at(*ms, id)));
     }
 
     /// Whether pages follow this one ([`RunDetail::next_after_seq`] or
@@ -1258,7 +1265,8 @@ impl RunDetail {
     /// this one: its journal, attempts and events follow (an event this one held unconsumed and
     /// the page holds, consumed since, is the page's), its run record (the later read) replaces
     /// this one's, and its cursors are the whole's. `invalid_argument` when `page` is of another
-    /// run or its journal (when not empty) does not start right after this one's.
+    /// run, its journal (when not empty) does not start right after this one's, or it is cut
+    /// where this one is (a reader would ask for it again without end).
     pub fn append_page(&mut self, page: RunDetail) -> Result<()> {
         let invalid = |message: String| Error::invalid(codes::INVALID_ARGUMENT, message);
         if page.run.run_id != self.run.run_id {
@@ -1279,6 +1287,18 @@ impl RunDetail {
                 self.run.run_id,
                 self.next_after_seq.map_or("none".to_string(), |seq| seq.to_string()),
                 first.map_or("none".to_string(), |seq| seq.to_string())
+            )));
+        }
+        // A page cut where this one was would be asked for again, without end.
+        if page.is_cut()
+            && (page.next_after_seq, &page.next_events_after) == (self.next_after_seq, &self.next_events_after)
+        {
+            return Err(invalid(format!(
+                "the page of run {:?} ends where it starts (after position {}, events after {}): it moves \
+                 the detail on by nothing",
+                self.run.run_id,
+                self.next_after_seq.map_or("none".to_string(), |seq| seq.to_string()),
+                self.next_events_after.as_deref().unwrap_or("none")
             )));
         }
         let held: std::collections::HashSet<&str> = page.events.iter().map(|event| event.event_id.as_str()).collect();
@@ -1803,7 +1823,7 @@ pub trait WorkflowStore {
             return Ok(None);
         };
         // More than RUN_STEPS_MAX unconsumed events: read on (the run's record is the last read).
-        while let Some(page) = DetailPage::after(&detail, limit) {
+        while let Some(page) = DetailPage::after(&detail, limit)? {
             match self.run_page(run_id, &page)? {
                 Some(next) => detail.append_page(next)?,
                 None => return Ok(None),
@@ -1943,6 +1963,45 @@ mod tests {
         for text in ["1:bad id", "1:"] {
             assert_eq!(RunFilter::parse_page(text).unwrap_err().code(), codes::INVALID_ID, "{text:?}");
         }
+    }
+
+    #[test]
+    fn detail_pages_follow_only_cursors_that_move_on() {
+        let event = |id: &str, ms: i64| RunEvent {
+            event_id: id.into(),
+            name: "paid".into(),
+            payload: serde_json::json!({}),
+            received_at_ms: ms,
+            consumed_by_seq: None,
+        };
+        let record = RunRecord::started_child(&StartRequest::new("r", "w", 1, serde_json::json!({})), "p", "w1", 9, 5);
+        let page = |events: Vec<RunEvent>, next: Option<&str>| RunDetail {
+            run: record.clone(),
+            journal: Vec::new(),
+            attempts: Vec::new(),
+            events,
+            next_after_seq: None,
+            next_events_after: next.map(str::to_string),
+        };
+        let mut first = page(vec![event("e1", 7)], Some("7:e1"));
+        let next = DetailPage::after(&first, 1).unwrap().unwrap();
+        assert_eq!(next.events_after, Some((7, "e1".to_string())));
+        // A page that leaves the cursors where they were is refused, and nothing is added.
+        let again = first.append_page(page(vec![], Some("7:e1"))).unwrap_err();
+        assert_eq!(again.code(), codes::INVALID_ARGUMENT, "{again}");
+        assert_eq!(first.events.len(), 1);
+        first.append_page(page(vec![event("e2", 8)], Some("8:e2"))).unwrap();
+        first.append_page(page(vec![event("e3", 9)], None)).unwrap();
+        assert_eq!(first.events.iter().map(|e| e.event_id.as_str()).collect::<Vec<_>>(), ["e1", "e2", "e3"]);
+        assert_eq!(DetailPage::after(&first, 1).unwrap(), None);
+        // A cursor that is not one `event_cursor` wrote is an error, never the first page again.
+        let bad = page(vec![], Some("7"));
+        assert_eq!(DetailPage::after(&bad, 1).unwrap_err().code(), codes::INVALID_ARGUMENT);
+        // A page cut with no event kept goes on from its own cursor.
+        let mut kept = page(vec![event("e4", 10)], None);
+        let from = DetailPage { after_seq: None, events_after: Some((9, "e3".into())), limit: 1 };
+        kept.keep_unconsumed(0, &from);
+        assert_eq!(kept.next_events_after.as_deref(), Some("9:e3"));
     }
 
     #[test]

@@ -355,6 +355,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE {s}.outbox ADD COLUMN traceparent text;
     ALTER TABLE {s}.inbox ADD COLUMN traceparent text;
     "#,
+    // v5: a run's events no wait consumed yet, in arrival order (SQLite's v12), without reading
+    // the ones consumed: a claim's replay, a suspend's check, the pages of a run's detail.
+    r#"
+    CREATE INDEX run_events_unconsumed ON {s}.run_events (run_id, received_at_ms, event_id)
+        WHERE consumed_by_seq IS NULL;
+    "#,
 ];
 
 /// The schema version this build writes.

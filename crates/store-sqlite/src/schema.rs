@@ -572,6 +572,13 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE outbox ADD COLUMN traceparent TEXT;
     ALTER TABLE inbox ADD COLUMN traceparent TEXT;
     "#,
+    // v12: a run's events no wait consumed yet, in arrival order, without reading the ones
+    // consumed (a claim's replay, a wait's check, the pages of a run's detail): a run that was
+    // sent many events no longer reads them all at each of those.
+    r#"
+    CREATE INDEX run_events_unconsumed ON run_events (run_id, received_at_ms, event_id)
+        WHERE consumed_by_seq IS NULL;
+    "#,
 ];
 
 /// The schema version this build writes.

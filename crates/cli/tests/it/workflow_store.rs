@@ -667,7 +667,7 @@ fn a_detail_page_holds_a_positions_last_attempts_and_unconsumed_events_a_page_at
     assert_eq!((page.next_after_seq, page.next_events_after.as_deref()), (Some(0), Some("3001:e1")));
     let mut joined = page.clone();
     let mut pages = 1;
-    while let Some(next) = DetailPage::after(&page, 2) {
+    while let Some(next) = DetailPage::after(&page, 2).unwrap() {
         page = d.store.run_page("r1", &next).unwrap().unwrap();
         assert!(page.journal.is_empty() && !page.events.is_empty(), "{page:?}");
         joined.append_page(page.clone()).unwrap();

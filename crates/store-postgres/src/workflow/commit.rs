@@ -110,7 +110,7 @@ const CONSUME_EVENT_SQL: &str = "UPDATE {s}.run_events SET consumed_by_seq = $3 
 /// it) or an unconsumed event the run waits for (`$4`), or any child's end (a parent may await
 /// several at once), is already there: read by this statement, after the run's lock was granted,
 /// so an event sent meanwhile is either seen here or wakes the suspended run itself.
-const SUSPEND_SQL: &str = "UPDATE {s}.runs SET status = $2, waiting_for = $4,
+pub(crate) const SUSPEND_SQL: &str = "UPDATE {s}.runs SET status = $2, waiting_for = $4,
      lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL,
      wake_at_ms = CASE WHEN cancel_requested OR ($4::text IS NOT NULL AND EXISTS (
              SELECT 1 FROM {s}.run_events WHERE run_id = $1 AND (name = $4 OR name LIKE 'child/%')

@@ -38,7 +38,8 @@ const ATTEMPTS_SQL: &str = "SELECT a.seq, a.attempt, a.ok, a.error, a.finished_a
      WHERE j.run_id = $1 AND j.seq > $2 AND j.seq <= $3 ORDER BY a.seq, a.attempt";
 const CONSUMED_EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND consumed_by_seq > $2 AND consumed_by_seq <= $3 ORDER BY received_at_ms, event_id";
-const UNCONSUMED_PAGE_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
+pub(crate) const UNCONSUMED_PAGE_SQL: &str =
+    "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND consumed_by_seq IS NULL
        AND ($2::bigint IS NULL OR (received_at_ms, event_id) > ($2::bigint, $3::text))
      ORDER BY received_at_ms, event_id LIMIT $4";

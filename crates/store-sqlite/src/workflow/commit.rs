@@ -15,6 +15,11 @@ use super::clip_error;
 use super::rows::{self, json_text};
 use crate::SqlResult;
 
+/// Whether an event the run would wait for is there unconsumed: the event named, or the end of
+/// any child (a parent may await several at once). Through `run_events_unconsumed`.
+pub(super) const EVENT_WAITING_SQL: &str = "SELECT count(*) FROM run_events
+     WHERE run_id = ?1 AND consumed_by_seq IS NULL AND (name = ?2 OR name LIKE 'child/%')";
+
 /// The statements of a commit. Each is taken from the connection's statement cache once per
 /// batch and kept until the batch ends: `prepare_cached` trims, copies and hashes the SQL text
 /// twice on every call, which costs about as much as some of these statements themselves.
@@ -111,11 +116,7 @@ impl Sql {
                  WHERE run_id = ?1 AND seq = ?2 AND status = 'waiting' AND kind = 'child'"
             }
             Sql::ConsumeEvent => "UPDATE run_events SET consumed_by_seq = ?3 WHERE run_id = ?1 AND event_id = ?2",
-            // The event waited for, or the end of any child (a parent may await several at once).
-            Sql::EventWaiting => {
-                "SELECT count(*) FROM run_events WHERE run_id = ?1 AND (name = ?2 OR name LIKE 'child/%')
-                     AND consumed_by_seq IS NULL"
-            }
+            Sql::EventWaiting => EVENT_WAITING_SQL,
             Sql::Suspend => {
                 "UPDATE runs SET status = ?2, wake_at_ms = ?3, waiting_for = ?4,
                      lease_owner = NULL, lease_token = NULL, lease_expires_at_ms = NULL

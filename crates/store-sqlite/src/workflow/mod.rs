@@ -481,7 +481,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
         .db()?;
     let mut admit = tx.prepare_cached("UPDATE runs SET admitted_at_ms = ?2 WHERE run_id = ?1").db()?;
     let mut journal = rows::journal_statement(tx)?;
-    let mut events = rows::events_statement(tx)?;
+    let mut events = rows::unconsumed_statement(tx)?;
     for candidate in candidates {
         if claimed.len() == request.limit {
             break;
@@ -509,7 +509,7 @@ fn claim_in(tx: &Connection, request: &ClaimRequest, now_ms: i64) -> Result<Vec<
         run.recoveries += u32::from(had_lease);
         run.updated_at_ms = now_ms;
         let journal = rows::journal_with(&mut journal, &run.run_id)?;
-        let events = rows::events_with(&mut events, &run.run_id, true)?;
+        let events = rows::unconsumed_with(&mut events, &run.run_id)?;
         claimed.push(ClaimedRun { run, lease_token: token, journal, events, recovered: had_lease });
     }
     Ok(claimed)
@@ -767,5 +767,8 @@ mod tests {
         assert_uses(&plan(conn, &queues::in_progress_sql()), "INDEX runs_queue_in_progress");
         assert_uses(&plan(conn, queues::ADMITTED_SINCE_SQL), "INDEX runs_queue_admitted");
         assert_uses(&plan(conn, &queues::waiting_sql()), "INDEX runs_queue_waiting");
+        for unconsumed in [rows::UNCONSUMED_SQL, rows::UNCONSUMED_PAGE_SQL, commit::EVENT_WAITING_SQL] {
+            assert_uses(&plan(conn, unconsumed), "INDEX run_events_unconsumed");
+        }
     }
 }

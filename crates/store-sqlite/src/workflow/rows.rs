@@ -204,6 +204,17 @@ pub(super) fn consumed_events(conn: &Connection, run_id: &str, after: i64, last:
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
+/// The page of [`unconsumed_events`]: through `run_events_unconsumed`, never the events consumed.
+pub(super) const UNCONSUMED_PAGE_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq
+     FROM run_events
+     WHERE run_id = ?1 AND consumed_by_seq IS NULL AND (?2 IS NULL OR (received_at_ms, event_id) > (?2, ?3))
+     ORDER BY received_at_ms, event_id LIMIT ?4";
+
+/// All of a run's events no wait consumed yet, in arrival order (a claim's): through
+/// `run_events_unconsumed`, never the events consumed.
+pub(super) const UNCONSUMED_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq
+     FROM run_events WHERE run_id = ?1 AND consumed_by_seq IS NULL ORDER BY received_at_ms, event_id";
+
 /// At most `limit` of the run's events no wait consumed yet, in arrival order, after `after`
 /// (received_at_ms, event_id).
 pub(super) fn unconsumed_events(
@@ -212,34 +223,20 @@ pub(super) fn unconsumed_events(
     after: Option<&(i64, String)>,
     limit: usize,
 ) -> Result<Vec<RunEvent>> {
-    let mut stmt = conn
-        .prepare_cached(&format!(
-            "SELECT {EVENT_COLUMNS} FROM run_events
-             WHERE run_id = ?1 AND consumed_by_seq IS NULL AND (?2 IS NULL OR (received_at_ms, event_id) > (?2, ?3))
-             ORDER BY received_at_ms, event_id LIMIT ?4"
-        ))
-        .db()?;
+    let mut stmt = conn.prepare_cached(UNCONSUMED_PAGE_SQL).db()?;
     let (ms, id) = after.map(|(ms, id)| (*ms, id.as_str())).unzip();
     let rows = stmt.query_map(params![run_id, ms, id, limit as i64], run_event).db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
-/// The statement of [`events_with`] (to run it for many runs).
-pub(super) fn events_statement(conn: &Connection) -> Result<CachedStatement<'_>> {
-    conn.prepare_cached(&format!(
-        "SELECT {EVENT_COLUMNS} FROM run_events WHERE run_id = ?1 AND (?2 = 0 OR consumed_by_seq IS NULL)
-         ORDER BY received_at_ms, event_id"
-    ))
-    .db()
+/// The statement of [`unconsumed_with`] (to run it for many runs).
+pub(super) fn unconsumed_statement(conn: &Connection) -> Result<CachedStatement<'_>> {
+    conn.prepare_cached(UNCONSUMED_SQL).db()
 }
 
-/// [`events`] with [`events_statement`].
-pub(super) fn events_with(
-    stmt: &mut CachedStatement<'_>,
-    run_id: &str,
-    unconsumed_only: bool,
-) -> Result<Vec<RunEvent>> {
-    let rows = stmt.query_map(params![run_id, unconsumed_only], run_event).db()?;
+/// All of the run's events no wait consumed yet, in arrival order, with [`unconsumed_statement`].
+pub(super) fn unconsumed_with(stmt: &mut CachedStatement<'_>, run_id: &str) -> Result<Vec<RunEvent>> {
+    let rows = stmt.query_map(params![run_id], run_event).db()?;
     rows.collect::<rusqlite::Result<Vec<_>>>().db()
 }
 
