@@ -1052,6 +1052,77 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
     refused(&["--kinds", "power-loss", "--db-data", path_str(&data)]);
     refused(&["--kinds", "db-crash", "--db-data", path_str(&data), "--db-preload", path_str(&shim)]);
     refused(&["--kinds", "power-loss", "--db-data", path_str(&data), "--db-preload", "/nonexistent/shim.so"]);
+    refused(&["--kinds", "io-error", "--db-data", path_str(&data)]);
+    refused(&["--kinds", "io-error"]);
+}
+
+/// A seed whose 3 I/O errors are one of each mode: the disk full, failing writes, failing
+/// fsyncs.
+const DB_IO_ERROR_SEED: u64 = 28;
+
+/// I/O errors of the database machine's disk under load (`--kinds io-error` with `--store`: the
+/// fault shim's `full`, `eio-write` and `eio-fsync` under the server, [`DB_IO_ERROR_SEED`]):
+/// requests fail meanwhile and are not acknowledged (a failed WAL write or fsync makes
+/// PostgreSQL PANIC; the harness starts it again when its own restart failed), and afterwards
+/// every acknowledged operation is there once and the servers and the worker go on by themselves.
+#[test]
+fn chaos_database_io_errors_lose_nothing_acknowledged() {
+    let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
+    cluster.start();
+    let shim = std::env::current_exe().unwrap().parent().unwrap().join("libtidemark_faultfs_preload.so");
+    assert!(shim.exists(), "cargo builds the fault shim beside the tests: {}", shim.display());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let store_url = cluster.url("chaosio");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &DB_IO_ERROR_SEED.to_string(),
+        "--duration-s",
+        "12",
+        "--faults",
+        "3",
+        "--kinds",
+        "io-error",
+        "--processes",
+        "2",
+        "--workers",
+        "1",
+        "--clients",
+        "4",
+        "--store",
+        &store_url,
+        "--db-data",
+        path_str(&cluster.data()),
+        "--db-preload",
+        path_str(&shim),
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds io-error --db-preload: {}", r.json);
+    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["faults"]["io_error"], 3, "{report:#}");
+    assert_eq!(
+        (report["operations"]["lost"].as_u64(), report["operations"]["applied_twice"].as_u64()),
+        (Some(0), Some(0))
+    );
+    let errors: Vec<&Value> =
+        report["faults"]["schedule"].as_array().unwrap().iter().filter(|f| f["kind"] == "io_error").collect();
+    let modes: std::collections::BTreeSet<&str> = errors.iter().map(|f| f["io_error"].as_str().unwrap()).collect();
+    assert_eq!(modes, ["eio_fsync", "eio_write", "full"].into(), "{report:#}");
+    // Each was the database's disk (the harness says whether it had to start the server again).
+    assert!(errors.iter().all(|f| f["io_error_database_restarted"].is_boolean()), "{report:#}");
+    // Requests failed while the disk did, and were not acknowledged.
+    let failed: u64 = report["operations"]["by_status"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(status, _)| status.starts_with('5'))
+        .map(|(_, n)| n.as_u64().unwrap())
+        .sum();
+    assert!(failed > 0, "no request failed during the I/O errors: {report:#}");
 }
 
 /// Partitions between the servers' relays and a remote consumer's server (another `tidemark
@@ -1093,18 +1164,67 @@ fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice(
     assert_eq!(modes, ["black_hole", "cut", "flap", "lose_answers"].into(), "{report:#}");
     assert!(report["faults"]["link"]["answers_lost"].as_u64().unwrap() > 0, "no answer was lost: {report:#}");
     // The cuts quarantined deliveries (three attempts each), and the outbox operator requeued
-    // them or redelivered from them: the check above holds after both.
+    // them, redelivered from them or dismissed them: the check above holds after all three.
     let operations = &report["operations"];
     assert!(operations["quarantines_requeued"].as_u64().unwrap() > 0, "{report:#}");
     assert!(operations["quarantines_redelivered"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(operations["quarantines_dismissed"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["check"]["ledger"]["dismissals"].as_u64().unwrap() > 0, "{report:#}");
     assert_eq!(operations["unexpected_answers"], 0, "{report:#}");
     // Delivery resumed after the heals (measured, not bounded: the figure is in the report).
     assert!(report["partition_recovery_ms"]["observed"].as_u64().unwrap() > 0, "{report:#}");
-    // The checker reads the remote inbox: a record taken out of it is reported.
+    // A delivery still dismissed at the end (a later redelivery may have sent the event again)
+    // is one the ledger holds: without the ledger's dismissals, it is reported (`lost`), and so
+    // are its flow's events the remote inbox then never got.
+    let producer = out.join("data").join("tenants").join("chaos").join("producer.db");
+    let dismissed: i64 = rusqlite::Connection::open(&producer)
+        .unwrap()
+        .query_row("SELECT count(*) FROM deliveries WHERE status = 'dismissed'", [], |r| r.get(0))
+        .unwrap();
+    println!("deliveries still dismissed: {dismissed}");
+    if dismissed > 0 {
+        let ledger_path = out.join("ledger.jsonl");
+        let ledger = std::fs::read_to_string(&ledger_path).unwrap();
+        let without: String = ledger
+            .lines()
+            .filter(|line| !line.contains(r#""kind":"dismiss""#))
+            .map(|line| format!("{line}\n"))
+            .collect();
+        assert!(without.len() < ledger.len(), "the ledger holds no dismissal");
+        std::fs::write(&ledger_path, without).unwrap();
+        let checked = check(&out);
+        assert_eq!(checked.json["outcome"], "violations", "{}", checked.stdout);
+        assert_eq!(violations(&checked.json, "lost"), dismissed as u64, "{}", checked.stdout);
+        std::fs::write(&ledger_path, ledger).unwrap();
+    }
+    // The checker reads the remote inbox: a record taken out of it is reported (two records of
+    // flows with no dismissal, whose events the remote inbox must all hold).
+    let producer = rusqlite::Connection::open(&producer).unwrap();
+    let dismissed_flows: std::collections::HashSet<String> = std::fs::read_to_string(out.join("ledger.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str::<Value>(line).unwrap())
+        .filter(|entry| entry["kind"] == "dismiss")
+        .map(|entry| {
+            let event_id = entry["event_id"].as_str().unwrap().to_string();
+            producer.query_row("SELECT flow_id FROM outbox WHERE event_id = ?1", [event_id], |r| r.get(0)).unwrap()
+        })
+        .collect();
     let inbox = out.join("remote").join("tenants").join("chaos").join("inbox.db");
     let conn = rusqlite::Connection::open(&inbox).unwrap();
-    let removed = conn.execute("DELETE FROM inbox WHERE rowid IN (SELECT rowid FROM inbox LIMIT 2)", []).unwrap();
-    assert_eq!(removed, 2);
+    let records: Vec<(i64, String)> = conn
+        .prepare("SELECT rowid, flow_id FROM inbox ORDER BY rowid")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let taken: Vec<i64> =
+        records.iter().filter(|(_, flow)| !dismissed_flows.contains(flow)).map(|(rowid, _)| *rowid).take(2).collect();
+    assert_eq!(taken.len(), 2);
+    for rowid in taken {
+        assert_eq!(conn.execute("DELETE FROM inbox WHERE rowid = ?1", [rowid]).unwrap(), 1);
+    }
     drop(conn);
     let checked = check(&out);
     assert_eq!(checked.json["outcome"], "violations", "{}", checked.stdout);

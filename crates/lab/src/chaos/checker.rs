@@ -153,6 +153,22 @@ pub enum Acknowledged {
         /// When, in ms after the workload started.
         at_ms: u64,
     },
+    /// `POST /v1/outbox/{event}/{consumer}/resolve` with `dismiss` of a quarantined delivery,
+    /// answered 200 (`answered`) or not answered at all (or 5xx: it may have committed). That
+    /// consumer may then never hold the event, nor the flow's events after it (they wait behind
+    /// the gap); a later redelivery may still bring them.
+    Dismiss {
+        /// The dismissed event.
+        event_id: String,
+        /// The subscriber it was dismissed for.
+        consumer_id: String,
+        /// True when it is known to have committed.
+        answered: bool,
+        /// The process (0-based) it was sent to.
+        process: usize,
+        /// When, in ms after the workload started.
+        at_ms: u64,
+    },
     /// `POST /v1/runs` answered 201 `started` (or 200 `existing`) for a `sleepy_order` that waits
     /// for a batch's `batch_done` message: approved (charged and shipped) when the batch named it
     /// and completed, unapproved (released) when no batch named it and the wait timed out.
@@ -234,6 +250,11 @@ pub struct CheckReport {
     pub operated: u64,
     /// The operator controls of operated orders in the ledger (committed or maybe), by action.
     pub controls: BTreeMap<String, u64>,
+    /// The outbox operator's dismissals in the ledger (committed or maybe).
+    pub dismissals: u64,
+    /// (Subscriber, flow) pairs whose events from a dismissed one on the subscriber need not
+    /// hold ([`Acknowledged::Dismiss`]).
+    pub flows_dismissed: u64,
     /// Acknowledged starts through the queue (counted in `starts` too).
     pub queued: u64,
     /// The runs the schedule's ticks started (each checked as an order of its own).
@@ -303,7 +324,9 @@ impl CheckReport {
                 "cancels": self.cancels,
                 "operated": self.operated,
                 "controls": self.controls,
+                "dismissals": self.dismissals,
             },
+            "flows_dismissed": self.flows_dismissed,
             "ticks": self.ticks,
             "poison_skipped": self.poison_skipped,
             "cancelled": self.cancelled,
@@ -794,13 +817,49 @@ fn check_events(
         }
     }
 
-    // Deliveries: every (event, subscriber) accepted.
+    // The outbox operator's dismissals: that subscriber may never hold the event, nor its flow's
+    // later events (they wait behind the gap; a later redelivery may still bring them), so from
+    // the lowest seq dismissed on, the flow's events at that subscriber need not be there. Nothing
+    // else is relaxed: what it holds must be the outbox's events, applied once and in order.
+    let key_of: HashMap<&str, (&str, i64)> = outbox.iter().map(|(_, f, s, e)| (e.as_str(), (f.as_str(), *s))).collect();
+    let mut asked: HashSet<(&str, &str)> = HashSet::new();
+    let mut dismissed_from: HashMap<(&str, &str), i64> = HashMap::new();
+    for entry in ledger {
+        if let Acknowledged::Dismiss { event_id, consumer_id, .. } = entry {
+            report.dismissals += 1;
+            asked.insert((event_id.as_str(), consumer_id.as_str()));
+            match key_of.get(event_id.as_str()) {
+                Some((flow, seq)) => {
+                    let from = dismissed_from.entry((consumer_id.as_str(), flow)).or_insert(*seq);
+                    *from = (*from).min(*seq);
+                }
+                None => report.violation(
+                    "lost",
+                    format!("the operator dismissed event {event_id} for {consumer_id}: the outbox does not hold it"),
+                ),
+            }
+        }
+    }
+    report.flows_dismissed = dismissed_from.len() as u64;
+    let spared =
+        |consumer: &str, flow: &str, seq: i64| dismissed_from.get(&(consumer, flow)).is_some_and(|from| seq >= *from);
+
+    // Deliveries: every (event, subscriber) accepted, or dismissed by the operator.
     for r in producer.rows(
-        "SELECT position, consumer_id, status FROM deliveries WHERE status <> 'accepted' ORDER BY position LIMIT 1000",
+        "SELECT d.position, d.consumer_id, d.status, o.event_id FROM deliveries d JOIN outbox o ON o.position = d.position
+         WHERE d.status <> 'accepted' ORDER BY d.position",
         &[],
     )? {
-        let (position, consumer, status) = (r.int(0)?, r.text(1)?, r.text(2)?);
-        report.violation("relay_behind", format!("delivery of outbox position {position} to {consumer} is {status}"));
+        let (position, consumer, status, event_id) = (r.int(0)?, r.text(1)?, r.text(2)?, r.text(3)?);
+        match status.as_str() {
+            "dismissed" if asked.contains(&(event_id.as_str(), consumer.as_str())) => {}
+            "dismissed" => report.violation(
+                "lost",
+                format!("delivery of outbox position {position} (event {event_id}) to {consumer} is dismissed: no operator asked"),
+            ),
+            _ => report
+                .violation("relay_behind", format!("delivery of outbox position {position} to {consumer} is {status}")),
+        }
     }
 
     let mut consumers = vec![(SHIPPING_CONSUMER, false), (AUDIT_CONSUMER, false)];
@@ -825,7 +884,9 @@ fn check_events(
             records.iter().map(|(f, s, e, st)| ((f.as_str(), *s), (e.as_str(), st.as_str()))).collect();
         for (_, flow, seq, event_id) in &outbox {
             let skips = consumer == SHIPPING_CONSUMER && poison.contains(event_id);
+            let spared = spared(consumer, flow, *seq);
             match records.get(&(flow.as_str(), *seq)) {
+                None if spared => {}
                 None => report.violation("not_applied", format!("{consumer} has no inbox record of {flow}#{seq}")),
                 Some((found, _)) if *found != event_id.as_str() => report.violation(
                     "lost",
@@ -837,15 +898,20 @@ fn check_events(
                     format!("{consumer} applied the poison event {flow}#{seq}, which its handler cannot decode"),
                 ),
                 Some((_, "applied")) => {}
+                Some((_, _)) if spared => {}
                 Some((_, status)) => {
                     report.violation("not_applied", format!("{consumer}'s record of {flow}#{seq} is {status}"))
                 }
             }
         }
-        let open = db.int(
-            "SELECT count(*) FROM inbox WHERE consumer_id = $1 AND (status = 'pending' OR status = 'blocked')",
+        let mut open = 0;
+        for r in db.rows(
+            "SELECT source, flow_id, seq FROM inbox WHERE consumer_id = $1 AND (status = 'pending' OR status = 'blocked')",
             &[consumer],
-        )?;
+        )? {
+            let (source, flow, seq) = (r.text(0)?, r.text(1)?, r.int(2)?);
+            open += u64::from(source != tenant || !spared(consumer, &flow, seq));
+        }
         if open > 0 {
             report.violation("inbox_open", format!("{consumer} has {open} pending or blocked inbox records"));
         }
@@ -860,7 +926,9 @@ fn check_events(
             .collect::<Result<_>>()?;
         for (flow, last_seq) in &flows {
             let cursor = cursors.get(flow).copied().unwrap_or(0);
-            if cursor != *last_seq {
+            // Behind a dismissed event, a cursor stops right before it (or later, when the
+            // subscriber held it after all).
+            if cursor != *last_seq && !spared(consumer, flow, cursor + 1) {
                 report.violation(
                     "cursor_behind",
                     format!("{consumer}'s cursor of {flow} is at {cursor}; the flow is at {last_seq}"),
@@ -899,7 +967,7 @@ fn check_events(
     }
     for (_, flow, seq, event_id) in &outbox {
         match applied.get(event_id.as_str()).copied().unwrap_or(0) {
-            0 if poison.contains(event_id) => {}
+            0 if poison.contains(event_id) || spared(SHIPPING_CONSUMER, flow, *seq) => {}
             0 => report.violation("not_applied", format!("{SHIPPING_CONSUMER} never applied {flow}#{seq}")),
             1 => {}
             n => report.violation("applied_twice", format!("{SHIPPING_CONSUMER} applied {flow}#{seq} {n} times")),
@@ -992,7 +1060,10 @@ fn ledger_orders(ledger: &[Acknowledged]) -> impl Iterator<Item = &str> {
             | Acknowledged::Waiter { run_id, .. }
             | Acknowledged::Operated { run_id, .. } => vec![run_id.as_str()],
             Acknowledged::Batch { orders, .. } => orders.iter().map(|o| o.order_id.as_str()).collect(),
-            Acknowledged::Advance { .. } | Acknowledged::Cancel { .. } | Acknowledged::Control { .. } => Vec::new(),
+            Acknowledged::Advance { .. }
+            | Acknowledged::Cancel { .. }
+            | Acknowledged::Control { .. }
+            | Acknowledged::Dismiss { .. } => Vec::new(),
         }
     })
 }
@@ -1200,7 +1271,7 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
                 check_operated(report, &mut read, run_id, *quantity, controls.get(run_id.as_str()), *process);
             }
             Acknowledged::Cancel { .. } => report.cancels += 1,
-            Acknowledged::Advance { .. } | Acknowledged::Control { .. } => {}
+            Acknowledged::Advance { .. } | Acknowledged::Control { .. } | Acknowledged::Dismiss { .. } => {}
         }
     }
     let ticks = match schedule {

@@ -101,6 +101,11 @@ const QUARANTINE_POLL: Duration = Duration::from_millis(300);
 /// quarantined one on (`POST /v1/outbox/redeliver/{consumer}`: the consumer answers `duplicate`
 /// for what it holds); the others requeue each quarantined delivery (`resolve`, `requeue`).
 const REDELIVER_ONE_IN: u32 = 4;
+/// Of the other passes over a subscriber with quarantined deliveries, one in this many dismisses
+/// its first quarantined event instead of requeuing it (the first such pass after a
+/// redelivery always does, so that a run with a few quarantines exercises all three decisions):
+/// the operator gives the event up for that subscriber, and the ledger says so.
+const DISMISS_ONE_IN: u32 = 8;
 /// One start alone in this many is an operated order ([`operated_start`]), which an operator
 /// task retries, skips, forks or abandons ([`Operator::operate`]).
 const OPERATED_ONE_IN: u32 = 10;
@@ -200,7 +205,7 @@ struct RunArgs {
     /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature),
     /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
     /// answers or flaps), `io-error` (the disk full, or failing writes or fsyncs, for a moment;
-    /// a failpoints build), `db-crash` (the PostgreSQL server of `--store` stopped at once and
+    /// a failpoints build; with `--store`, the database machine's disk, through `--db-preload`), `db-crash` (the PostgreSQL server of `--store` stopped at once and
     /// started again; needs `--db-data`), `remote-kill` (the remote consumer's server killed
     /// with SIGKILL and started again).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
@@ -230,9 +235,9 @@ struct RunArgs {
     out: Option<PathBuf>,
     /// Serve on PostgreSQL: `postgres://user@host:port/db?schema=<prefix>` (the servers'
     /// `--store`; the prefix must hold no schema yet, and the run leaves its schemas for `chaos
-    /// check`). Faults: sigkill, sigstop and partition (clock jumps and I/O errors act on SQLite
-    /// files); with `--db-data`, also `db-crash`, and with `--db-preload` too, `power-loss` (the
-    /// database machine's).
+    /// check`). Faults: sigkill, sigstop and partition (clock jumps act on the servers' clock
+    /// files); with `--db-data`, also `db-crash`, and with `--db-preload` too, `power-loss` and
+    /// `io-error` (the database machine's).
     #[arg(long)]
     store: Option<String>,
     /// The data folder of the PostgreSQL server `--store` names, for `--kinds db-crash`: the
@@ -241,12 +246,14 @@ struct RunArgs {
     #[arg(long)]
     db_data: Option<PathBuf>,
     /// The fault shim (`libtidemark_faultfs_preload.so`, built by `cargo build -p
-    /// tidemark-faultfs-preload`), for `--kinds power-loss` with `--store`: the harness restarts
+    /// tidemark-faultfs-preload`), for `--kinds power-loss` or `io-error` with `--store`: the harness restarts
     /// the server of `--db-data` with it preloaded, so that its data folder is on the fault layer
     /// (docs/reliability.md, "PostgreSQL on the layer"), and a power loss is then the database
     /// machine's: the server stopped at once, what it had not made durable thrown away, the
-    /// server started again; the tidemark processes stay up. At the end of the run the server is
-    /// restarted without the shim.
+    /// server started again; the tidemark processes stay up. An I/O error is then the database
+    /// disk's (the shim's `full`, `eio-write` or `eio-fsync` for the fault's length; the server
+    /// started again afterwards if it stopped). At the end of the run the server is restarted
+    /// without the shim.
     #[arg(long)]
     db_preload: Option<PathBuf>,
     /// With `--kinds partition` or `remote-kill`: reach the remote consumer through this broker
@@ -389,6 +396,8 @@ struct Database {
     log: PathBuf,
     /// The fault layer the server runs on, with `--db-preload`.
     layer: Option<DbLayer>,
+    /// The server's connection string (`--store`'s), to wait for it to answer.
+    conn: String,
 }
 
 /// The fault layer under the database server (`--db-preload`): a folder of the harness's, owned
@@ -446,7 +455,8 @@ impl Database {
         };
         let log = out.join("logs").join("postgres.log");
         let layer = preload.map(|preload| DbLayer::create(preload, seed, &owner)).transpose()?;
-        Ok(Database { data: canonical(data), pg_ctl, run_as, log, layer })
+        let conn = store.backend.conn().to_string();
+        Ok(Database { data: canonical(data), pg_ctl, run_as, log, layer, conn })
     }
 
     fn pg_ctl(&self, args: &[&str]) -> Result<()> {
@@ -545,6 +555,45 @@ impl Database {
         }
     }
 
+    /// An I/O error of the database machine's disk for `hold`: the layer's control file of `mode`
+    /// there meanwhile (every process of the server fails alike). A failed write or fsync of the
+    /// WAL makes PostgreSQL PANIC, and its own restart fails while the fault lasts: afterwards
+    /// the server is started again when it is down, and waited for until it answers (bounded).
+    /// Answers whether the harness had to start it.
+    fn io_error(&self, mode: IoErrorMode, hold: Duration) -> Result<bool> {
+        let layer =
+            self.layer.as_ref().ok_or_else(|| Error::Invariant("a database I/O error without the layer".into()))?;
+        let control = layer.state.join(io_error_control(mode));
+        std::fs::write(&control, b"").map_err(io("cannot start an I/O error"))?;
+        std::thread::sleep(hold);
+        std::fs::remove_file(&control).map_err(io("cannot end an I/O error"))?;
+        let deadline = Instant::now() + DB_BACK_WAIT;
+        while Instant::now() < deadline {
+            if !self.running()? {
+                self.start()?;
+                return Ok(true);
+            }
+            // Up (or recovering by itself after a PANIC): done once it answers.
+            if postgres::Client::connect(&self.conn, postgres::NoTls).is_ok() {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Err(Error::io(format!(
+            "the database did not answer {} s after an I/O error (see {})",
+            DB_BACK_WAIT.as_secs(),
+            self.log.display()
+        )))
+    }
+
+    /// Whether the server runs (`pg_ctl status`: 0 when it does, 3 when it does not).
+    fn running(&self) -> Result<bool> {
+        match self.pg_ctl(&["status"]) {
+            Ok(()) => Ok(true),
+            Err(_) => Ok(false),
+        }
+    }
+
     /// The database machine's power loss: the server stopped at once, then what its files had not
     /// made durable thrown away (the server is started again by the caller).
     fn power_loss(&self, writeback: tidemark_faultfs::Writeback) -> Result<tidemark_faultfs::PowerLossReport> {
@@ -555,6 +604,10 @@ impl Database {
             .map_err(|e| Error::io(format!("power loss in {}: {e}", layer.state.display())))
     }
 }
+
+/// Longest wait for the database server to answer after an I/O error of its disk (its crash
+/// recovery included).
+const DB_BACK_WAIT: Duration = Duration::from_secs(120);
 
 /// The files a PostgreSQL server on the fault layer keeps open at most (`max_files_per_process`,
 /// 1,000 by default): three descriptors each fit a limit of 1,024 ([`Database::start`]).
@@ -737,7 +790,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds power-loss needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
     }
-    if kinds.contains(&FaultKind::IoError) && !cfg!(feature = "failpoints") {
+    if kinds.contains(&FaultKind::IoError) && args.store.is_none() && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds io-error needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
@@ -752,11 +805,11 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     }
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
     if store.is_some() {
-        if let Some(kind) = [FaultKind::ClockJump, FaultKind::IoError].iter().find(|k| kinds.contains(k)) {
-            return Err(invalid(format!(
-                "--kinds {kind:?} acts on the servers' SQLite files or clock files; with --store postgres://... \
-                 combine sigkill, sigstop, partition, remote-kill, db-crash and power-loss"
-            )));
+        if kinds.contains(&FaultKind::ClockJump) {
+            return Err(invalid(
+                "--kinds clock-jump acts on the servers' clock files; with --store postgres://... \
+                 combine sigkill, sigstop, partition, remote-kill, db-crash, power-loss and io-error",
+            ));
         }
         if durability != "full" {
             return Err(invalid(
@@ -764,24 +817,30 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             ));
         }
     }
-    let database_power_loss = store.is_some() && kinds.contains(&FaultKind::PowerLoss);
+    // With --store, power losses and I/O errors are the database machine's (its disk).
+    let database_power_loss =
+        store.is_some() && [FaultKind::PowerLoss, FaultKind::IoError].iter().any(|k| kinds.contains(k));
     match (kinds.contains(&FaultKind::DbCrash) || database_power_loss, &store, &args.db_data) {
         (true, Some(_), Some(_)) | (false, _, None) => {}
         (true, _, _) => return Err(invalid(
             "--kinds db-crash crashes the PostgreSQL server of --store: give --store postgres://... and --db-data DIR",
         )),
         (false, _, Some(_)) => {
-            return Err(invalid("--db-data is the database --kinds db-crash (or power-loss with --store) faults"))
+            return Err(invalid(
+                "--db-data is the database --kinds db-crash (or power-loss or io-error with --store) faults",
+            ))
         }
     }
     match (database_power_loss, &args.db_preload) {
         (true, None) => {
             return Err(invalid(
-                "--kinds power-loss with --store is the database machine's: give --db-data DIR and --db-preload LIB \
-                 (the fault shim, cargo build -p tidemark-faultfs-preload)",
+                "--kinds power-loss or io-error with --store is the database machine's: give --db-data DIR and \
+                 --db-preload LIB (the fault shim, cargo build -p tidemark-faultfs-preload)",
             ))
         }
-        (false, Some(_)) => return Err(invalid("--db-preload is for --kinds power-loss with --store postgres://...")),
+        (false, Some(_)) => {
+            return Err(invalid("--db-preload is for --kinds power-loss or io-error with --store postgres://..."))
+        }
         _ => {}
     }
     let broker = args.broker.as_deref().map(Broker::parse).transpose()?;
@@ -1311,6 +1370,8 @@ struct ClientStats {
     /// subscriber's first quarantined event (during the workload and the wait for convergence).
     quarantines_requeued: u64,
     quarantines_redelivered: u64,
+    /// Quarantined deliveries the outbox operator dismissed (answered 200), during the workload.
+    quarantines_dismissed: u64,
     /// Operator controls known to have committed, and those that may have.
     controls: u64,
     controls_unanswered: u64,
@@ -1331,6 +1392,7 @@ impl ClientStats {
         self.poison_skipped += one.poison_skipped;
         self.quarantines_requeued += one.quarantines_requeued;
         self.quarantines_redelivered += one.quarantines_redelivered;
+        self.quarantines_dismissed += one.quarantines_dismissed;
         self.starts += one.starts;
         self.batches += one.batches;
         self.waiters += one.waiters;
@@ -1508,7 +1570,10 @@ async fn client(
                 match &entry {
                     Acknowledged::Start { .. } | Acknowledged::Operated { .. } => stats.starts += 1,
                     Acknowledged::Batch { .. } => stats.batches += 1,
-                    Acknowledged::Waiter { .. } | Acknowledged::Cancel { .. } | Acknowledged::Control { .. } => {}
+                    Acknowledged::Waiter { .. }
+                    | Acknowledged::Cancel { .. }
+                    | Acknowledged::Control { .. }
+                    | Acknowledged::Dismiss { .. } => {}
                     Acknowledged::Advance { stream, .. } => {
                         stats.advances += 1;
                         stats.appends += u64::from(*stream);
@@ -1726,12 +1791,17 @@ async fn skip_poison(http: &reqwest::Client, shared: &Shared, stats: &mut Client
 }
 
 /// The harness as an outbox operator, until the workload stops: every [`QUARANTINE_POLL`], one
-/// pass of [`requeue_quarantined`] through a random process.
-async fn outbox_operator(http: reqwest::Client, shared: Arc<Shared>, mut rng: StdRng) -> ClientStats {
+/// pass of [`requeue_quarantined`] through a random process, its dismissals written to `ledger`.
+async fn outbox_operator(
+    http: reqwest::Client,
+    shared: Arc<Shared>,
+    ledger: tokio::sync::mpsc::UnboundedSender<Acknowledged>,
+    mut rng: StdRng,
+) -> ClientStats {
     let mut stats = ClientStats::default();
     while !shared.stop.load(Ordering::Relaxed) {
         let process = rng.gen_range(0..shared.bases.len());
-        requeue_quarantined(&http, &shared, &mut stats, process, &mut rng).await;
+        requeue_quarantined(&http, &shared, &mut stats, process, &mut rng, Some(&ledger)).await;
         tokio::time::sleep(QUARANTINE_POLL).await;
     }
     stats
@@ -1742,14 +1812,18 @@ async fn outbox_operator(http: reqwest::Client, shared: Arc<Shared>, mut rng: St
 /// quarantined event on (`POST /v1/outbox/redeliver/{consumer}`: every event after it too,
 /// most of them accepted already), the others requeue each one
 /// (`POST /v1/outbox/{event}/{consumer}/resolve`, `requeue`; a 409, resolved or accepted
-/// meanwhile, is expected). Nothing is told to the checker: the deliveries must end accepted,
-/// each event applied once and in order, whatever the operator did.
+/// meanwhile, is expected), except that with a `ledger` (during the workload) one such pass in
+/// [`DISMISS_ONE_IN`] dismisses the first one instead (`dismiss`), written to the ledger when
+/// answered 200 or not answered. What else the operator did is not told to the checker: the
+/// deliveries must end accepted (or dismissed as the ledger says), each event applied once and
+/// in order, whatever the operator did.
 async fn requeue_quarantined(
     http: &reqwest::Client,
     shared: &Shared,
     stats: &mut ClientStats,
     process: usize,
     rng: &mut StdRng,
+    ledger: Option<&tokio::sync::mpsc::UnboundedSender<Acknowledged>>,
 ) {
     let Some(page) = get(http, shared, stats, process, "/v1/outbox?status=quarantined&limit=1000").await else {
         return;
@@ -1771,6 +1845,28 @@ async fn requeue_quarantined(
                 stats.quarantines_redelivered += 1;
             }
             continue;
+        }
+        let mut events = events.as_slice();
+        if let Some(ledger) =
+            ledger.filter(|_| stats.quarantines_dismissed == 0 || rng.gen_range(0..DISMISS_ONE_IN) == 0)
+        {
+            let body = json!({"action": "dismiss", "reason": "chaos: the operator gives this event up"});
+            let path = format!("/v1/outbox/{}/{consumer}/resolve", events[0]);
+            let answer = post(http, shared, stats, process, &path, &body, &[409]).await;
+            let answered = match answer {
+                Some((200, _)) => Some(true),
+                None => Some(false),
+                Some((status, _)) if status >= 500 => Some(false),
+                Some(_) => None,
+            };
+            if let Some(answered) = answered {
+                stats.quarantines_dismissed += u64::from(answered);
+                let event_id = events[0].clone();
+                let consumer_id = consumer.clone();
+                let at_ms = shared.at_ms();
+                let _ = ledger.send(Acknowledged::Dismiss { event_id, consumer_id, answered, process, at_ms });
+            }
+            events = &events[1..];
         }
         let body = json!({"action": "requeue", "reason": "chaos: the consumer is reachable again"});
         for event_id in events {
@@ -1869,7 +1965,8 @@ impl StartSender<'_> {
                         | Acknowledged::Advance { process: p, .. }
                         | Acknowledged::Cancel { process: p, .. }
                         | Acknowledged::Operated { process: p, .. }
-                        | Acknowledged::Control { process: p, .. } => *p = process,
+                        | Acknowledged::Control { process: p, .. }
+                        | Acknowledged::Dismiss { process: p, .. } => *p = process,
                     }
                     let _ = self.ledger.send(entry);
                     return true;
@@ -1889,7 +1986,8 @@ fn with_time(mut entry: Acknowledged, at: u64) -> Acknowledged {
     | Acknowledged::Advance { at_ms, .. }
     | Acknowledged::Cancel { at_ms, .. }
     | Acknowledged::Operated { at_ms, .. }
-    | Acknowledged::Control { at_ms, .. }) = &mut entry;
+    | Acknowledged::Control { at_ms, .. }
+    | Acknowledged::Dismiss { at_ms, .. }) = &mut entry;
     *at_ms = at;
     entry
 }
@@ -2405,13 +2503,13 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         let rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_add(index as u64));
         tasks.push(runtime.spawn(client(index, http.clone(), shared.clone(), sender.clone(), rng)));
     }
-    drop(sender);
     let skipper_rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_sub(1));
     tasks.push(runtime.spawn(inbox_operator(http.clone(), shared.clone(), skipper_rng)));
     let mut requeuer_rng = StdRng::seed_from_u64(settings.seed.wrapping_mul(1_000_003).wrapping_sub(2));
     if remote.is_some() {
-        tasks.push(runtime.spawn(outbox_operator(http.clone(), shared.clone(), requeuer_rng.clone())));
+        tasks.push(runtime.spawn(outbox_operator(http.clone(), shared.clone(), sender.clone(), requeuer_rng.clone())));
     }
+    drop(sender);
 
     // The faults, one after the other, on this thread.
     let mut injected: Vec<Value> = Vec::with_capacity(faults.len());
@@ -2477,7 +2575,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         // operator resolving what is quarantined.
         runtime.block_on(skip_poison(&http, &shared, &mut stats, 0));
         if remote.is_some() {
-            runtime.block_on(requeue_quarantined(&http, &shared, &mut stats, 0, &mut requeuer_rng));
+            runtime.block_on(requeue_quarantined(&http, &shared, &mut stats, 0, &mut requeuer_rng, None));
         }
         if checker::check(&files, TENANT, &ledger_entries, remote_files.as_ref())?.converged() {
             converged = true;
@@ -2590,6 +2688,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "poison_skipped": stats.poison_skipped,
             "quarantines_requeued": stats.quarantines_requeued,
             "quarantines_redelivered": stats.quarantines_redelivered,
+            "quarantines_dismissed": stats.quarantines_dismissed,
             "starts": stats.starts,
             "batches": stats.batches,
             "waiters": stats.waiters,
@@ -2640,6 +2739,8 @@ fn inject(
 ) -> Result<Value> {
     let began_ms = shared.started.elapsed().as_millis() as u64;
     let mut lost = Value::Null;
+    // The database's I/O error: whether the harness had to start the server again after it.
+    let mut io_error_database: Option<bool> = None;
     // An I/O error of one server's files only: that server (else the whole disk's).
     let mut io_error_process = None;
     // A fault on a worker process (the schedule numbers them after the servers).
@@ -2693,6 +2794,12 @@ fn inject(
             set_clock_offset(clock, fault.jump_ms)?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             set_clock_offset(clock, 0)?;
+        }
+        FaultKind::IoError if database.is_some_and(|db| db.layer.is_some()) => {
+            // The database machine's disk: the tidemark processes stay up and reconnect.
+            let database = database.expect("matched");
+            let mode = fault.io_error.ok_or_else(|| Error::Invariant("an I/O error fault without a mode".into()))?;
+            io_error_database = Some(database.io_error(mode, Duration::from_millis(fault.hold_ms))?);
         }
         FaultKind::IoError => {
             let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("an I/O error needs the fault VFS"))?;
@@ -2779,7 +2886,7 @@ fn inject(
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
         "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error,
-        "io_error_process": io_error_process, "power_loss": lost,
+        "io_error_process": io_error_process, "io_error_database_restarted": io_error_database, "power_loss": lost,
     }))
 }
 
