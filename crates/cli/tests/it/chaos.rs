@@ -586,6 +586,71 @@ fn chaos_power_losses_with_durability_normal_lose_acknowledged_operations_and_th
     assert!(violations(report, "lost") > 0, "{report:#}");
 }
 
+/// A seed whose 3 faults (of `sigkill,power-loss`) are two SIGKILLs and, last, a power loss.
+const SHRINK_SEED: u64 = 8;
+
+/// `chaos shrink` finds the fault that fails a run: with `durability = normal` (as the test above)
+/// the power loss loses acknowledged operations and the SIGKILLs lose nothing, so of the seed's
+/// three faults the power loss alone is left, and its `reproduce` line runs it alone
+/// (`--faults-only 2`). A failing run waits out its convergence timeout (what it lost never
+/// comes), hence 15 s instead of the other tests' 30.
+#[test]
+fn chaos_shrink_finds_the_fault_that_fails_a_run() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("power losses need --features failpoints (the fault VFS)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("shrink");
+    let r = run(&[
+        "chaos",
+        "shrink",
+        "--seed",
+        &SHRINK_SEED.to_string(),
+        "--duration-s",
+        "8",
+        "--faults",
+        "3",
+        "--kinds",
+        "sigkill,power-loss",
+        "--durability",
+        "normal",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--converge-timeout-s",
+        "15",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos shrink: {}", r.json);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "shrunk", "{report:#}");
+    assert_eq!(report["faults"], serde_json::json!([2]), "{report:#}");
+    assert_eq!(report["schedule"][0]["kind"], "power_loss", "{report:#}");
+    assert!(report["check"]["by_kind"]["lost"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["reproduce"].as_str().unwrap().ends_with(" --faults-only 2"), "{report:#}");
+    // The whole schedule failed first; the SIGKILLs alone passed.
+    let trials = report["trials"].as_array().unwrap();
+    assert_eq!(trials[0]["faults"], serde_json::json!([0, 1, 2]), "{report:#}");
+    assert_eq!(trials[0]["outcome"], "violations", "{report:#}");
+    let kills = trials.iter().find(|t| t["faults"] == serde_json::json!([0, 1])).expect("the SIGKILLs alone were run");
+    assert_eq!(kills["outcome"], "passed", "{report:#}");
+    assert_eq!(report["attempts"].as_u64().unwrap() as usize, trials.len());
+    assert_eq!(report["exhausted"], false, "{report:#}");
+    // Each run had a folder of its own, with the faults it ran.
+    for (index, trial) in trials.iter().enumerate() {
+        let schedule: Value = serde_json::from_str(
+            &std::fs::read_to_string(out.join(format!("run-{index}")).join("schedule.json")).unwrap(),
+        )
+        .unwrap();
+        let indices: Vec<u64> = schedule.as_array().unwrap().iter().map(|f| f["index"].as_u64().unwrap()).collect();
+        assert_eq!(serde_json::json!(indices), trial["faults"], "{report:#}");
+    }
+}
+
 /// The clock jumps' mechanism: a process adds the offset its file holds to the system clock.
 #[test]
 fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {
@@ -1410,7 +1475,7 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let out_str = path_str(&out);
-    let cases: [&[&str]; 19] = [
+    let cases: [&[&str]; 24] = [
         &["chaos", "--seed", "1", "--broker", "nats://127.0.0.1:4222", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "http://127.0.0.1:1", "--out", out_str],
         &["chaos", "--seed", "1", "--kinds", "partition", "--broker", "amqp://rabbit", "--out", out_str],
@@ -1441,6 +1506,11 @@ fn chaos_bad_input_is_a_typed_error_and_starts_nothing() {
         &["chaos", "--seed", "1", "--db-data", "/tmp", "--out", out_str],
         &["chaos", "--seed", "1", "--clock-jump-leases-max", "0", "--out", out_str],
         &["chaos", "--seed", "1", "--clock-jump-leases-max", "86401", "--out", out_str],
+        &["chaos", "--seed", "1", "--faults", "3", "--faults-only", "3", "--out", out_str],
+        &["chaos", "--seed", "1", "--faults", "3", "--faults-only", "1,1", "--out", out_str],
+        &["chaos", "shrink", "--seed", "1", "--attempts-max", "0", "--out", out_str],
+        &["chaos", "shrink", "--seed", "1"],
+        &["chaos", "shrink", "--out", out_str],
     ];
     for args in cases {
         let r = run(args);

@@ -14,7 +14,7 @@ pub mod checker;
 mod proxy;
 pub mod schedule;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -188,9 +188,22 @@ pub struct ChaosArgs {
 enum ChaosCommand {
     /// Run the independent checker on the folder of a run (its data and ledger).
     Check(CheckArgs),
+    /// Run a seed's schedule, and when it fails, look for a smallest subset of its faults that
+    /// still fails (delta debugging: runs of `--faults-only` subsets, each in a folder of its
+    /// own under `--out`).
+    Shrink(ShrinkArgs),
 }
 
 #[derive(Args)]
+struct ShrinkArgs {
+    /// The runs a shrink makes at most, the first (the whole schedule) included (1..=200).
+    #[arg(long, default_value_t = 30)]
+    attempts_max: usize,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Args, Clone)]
 struct RunArgs {
     /// The seed of the fault schedule and of the clients' choices (0..=2^64-1).
     #[arg(long)]
@@ -201,6 +214,11 @@ struct RunArgs {
     /// Faults to inject (0..=10000).
     #[arg(long, default_value_t = 4)]
     faults: usize,
+    /// Inject only these faults of the seed's schedule: their indices (0-based, as
+    /// schedule.json numbers them), comma-separated, each below `--faults`. Each keeps its due
+    /// time and what was drawn for it; the others are left out. What `chaos shrink` reports.
+    #[arg(long, value_delimiter = ',')]
+    faults_only: Option<Vec<usize>>,
     /// The kinds of fault to draw from, comma-separated: `sigkill`, `sigstop`, `power-loss`,
     /// `clock-jump` (power losses and clock jumps need a build with the `failpoints` feature),
     /// `partition` (a remote consumer's server behind a TCP proxy that cuts, black-holes, loses
@@ -294,8 +312,124 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
     match args.command {
         Some(ChaosCommand::Check(check_args)) => check_only(&check_args),
+        Some(ChaosCommand::Shrink(shrink_args)) => shrink(shrink_args, durability),
         None => chaos(args.run, durability),
     }
+}
+
+/// Most runs of one shrink.
+const SHRINK_ATTEMPTS_MAX: usize = 200;
+
+/// `tidemark chaos shrink`: the seed's schedule (or its `--faults-only` part) run once; when it
+/// fails, subsets of its faults are run (Zeller's ddmin: halves, then complements, then finer
+/// parts) and the smallest that failed is kept, until no part of it fails alone or
+/// `--attempts-max` runs were made. A run is a failure when its check did not pass (violations,
+/// no convergence, an unclean stop); an error of the harness stops the shrink. Runs are not
+/// exactly repeatable (the faults' times are the seed's, the processes' interleavings are not):
+/// a subset that failed once is kept even if another run of it would pass, and the answer's
+/// `reproduce` is the command of the smallest failing run, to run again.
+fn shrink(args: ShrinkArgs, durability: &str) -> Result<Value> {
+    if !(1..=SHRINK_ATTEMPTS_MAX).contains(&args.attempts_max) {
+        return Err(invalid(format!("--attempts-max must be 1..={SHRINK_ATTEMPTS_MAX}, got {}", args.attempts_max)));
+    }
+    let base = args.run;
+    let out = base.out.clone().ok_or_else(|| invalid("chaos shrink needs --out DIR (a folder per run goes in it)"))?;
+    if out.read_dir().is_ok_and(|mut entries| entries.next().is_some()) {
+        return Err(Error::invalid(codes::ALREADY_EXISTS, format!("--out {} is not empty", out.display())));
+    }
+    let store = base.store.as_deref().map(PostgresStore::parse).transpose()?;
+    let mut trials: Vec<Value> = Vec::new();
+    let mut smallest: Option<Value> = None;
+    // Run `faults` (indices of the seed's schedule): whether it failed.
+    let mut attempt = |faults: &[usize], trials: &mut Vec<Value>| -> Result<bool> {
+        let index = trials.len();
+        let mut args = base.clone();
+        args.out = Some(out.join(format!("run-{index}")));
+        args.faults_only = Some(faults.to_vec());
+        // On PostgreSQL each run needs a schema prefix of its own.
+        if let Some(store) = &store {
+            args.store =
+                Some(crate::stores::schema_url(store.backend.conn(), &format!("{}_s{index}", store.backend.prefix())));
+        }
+        let report = chaos(args, durability)?;
+        let failed = report["check"]["passed"] == false;
+        trials.push(json!({"faults": faults, "outcome": report["outcome"], "out": report["out"]}));
+        if failed && smallest.as_ref().is_none_or(|s| s["faults"].as_array().map_or(0, Vec::len) > faults.len()) {
+            smallest = Some(json!({
+                "faults": faults, "reproduce": report["reproduce"], "check": report["check"],
+                "schedule": report["faults"]["schedule"],
+            }));
+        }
+        Ok(failed)
+    };
+    let all: Vec<usize> = match &base.faults_only {
+        Some(only) => only.clone(),
+        None => (0..base.faults).collect(),
+    };
+    if !attempt(&all, &mut trials)? {
+        return Ok(json!({
+            "outcome": "passed",
+            "seed": base.seed,
+            "faults": all,
+            "trials": trials,
+            "check": {"passed": true},
+        }));
+    }
+    let budget = args.attempts_max - trials.len();
+    let (_, exhausted) = ddmin(all, budget, |candidate| attempt(candidate, &mut trials))?;
+    let smallest = smallest.ok_or_else(|| Error::Invariant("a failed run was not kept".into()))?;
+    Ok(json!({
+        "outcome": "shrunk",
+        "seed": base.seed,
+        "faults": smallest["faults"],
+        "schedule": smallest["schedule"],
+        "reproduce": smallest["reproduce"],
+        "exhausted": exhausted,
+        "attempts": trials.len(),
+        "trials": trials,
+        "check": smallest["check"],
+    }))
+}
+
+/// Zeller's ddmin over `failing` (a set that `fails`): each part alone, then (with more than
+/// two parts) everything but each part, then twice as many parts, until no part of the
+/// smallest failing set found fails alone. At most `budget` calls of `fails`; answers that set
+/// and whether the budget ran out first.
+fn ddmin(
+    failing: Vec<usize>,
+    budget: usize,
+    mut fails: impl FnMut(&[usize]) -> Result<bool>,
+) -> Result<(Vec<usize>, bool)> {
+    let mut current = failing;
+    let mut parts = 2;
+    let mut calls = 0;
+    while current.len() >= 2 {
+        let size = current.len().div_ceil(parts);
+        let chunks: Vec<Vec<usize>> = current.chunks(size).map(<[usize]>::to_vec).collect();
+        let complements: Vec<Vec<usize>> = (0..chunks.len())
+            .map(|skip| chunks.iter().enumerate().filter(|(i, _)| *i != skip).flat_map(|(_, c)| c.clone()).collect())
+            .collect();
+        let mut reduced = None;
+        for candidate in chunks.iter().chain(complements.iter().filter(|_| chunks.len() > 2)) {
+            if calls == budget {
+                return Ok((current, true));
+            }
+            calls += 1;
+            if fails(candidate)? {
+                reduced = Some(candidate.clone());
+                break;
+            }
+        }
+        match reduced {
+            Some(smaller) => {
+                parts = if chunks.contains(&smaller) { 2 } else { (parts - 1).max(2) };
+                current = smaller;
+            }
+            None if parts >= current.len() => break,
+            None => parts = (parts * 2).min(current.len()),
+        }
+    }
+    Ok((current, false))
 }
 
 fn check_only(args: &CheckArgs) -> Result<Value> {
@@ -656,6 +790,8 @@ struct Settings {
     seed: u64,
     duration_ms: u64,
     faults: usize,
+    /// `--faults-only`: the schedule's faults injected (all when `None`).
+    faults_only: Option<BTreeSet<usize>>,
     kinds: Vec<FaultKind>,
     durability: String,
     processes: usize,
@@ -770,6 +906,19 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if args.faults > FAULTS_MAX {
         return Err(invalid(format!("--faults must be 0..={FAULTS_MAX}, got {}", args.faults)));
     }
+    let faults_only = match &args.faults_only {
+        None => None,
+        Some(indices) => {
+            let set: BTreeSet<usize> = indices.iter().copied().collect();
+            if set.len() != indices.len() || set.iter().any(|index| *index >= args.faults) {
+                return Err(invalid(format!(
+                    "--faults-only takes distinct fault indices below --faults ({}), got {indices:?}",
+                    args.faults
+                )));
+            }
+            Some(set)
+        }
+    };
     if !(1..=DURATION_S_MAX).contains(&args.duration_s) {
         return Err(invalid(format!("--duration-s must be 1..={DURATION_S_MAX}, got {}", args.duration_s)));
     }
@@ -877,6 +1026,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         seed,
         duration_ms: args.duration_s * 1_000,
         faults: args.faults,
+        faults_only,
         kinds,
         durability: durability.to_string(),
         processes: args.processes,
@@ -2419,6 +2569,10 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         settings.duration_ms,
         (LEASE_MS, settings.clock_jump_leases_max),
     );
+    let faults: Vec<schedule::Fault> = faults
+        .into_iter()
+        .filter(|fault| settings.faults_only.as_ref().is_none_or(|only| only.contains(&fault.index)))
+        .collect();
     let schedule_json = serde_json::to_string_pretty(&faults).map_err(|e| Error::io(e.to_string()))?;
     std::fs::write(settings.out.join("schedule.json"), &schedule_json).map_err(io("cannot write schedule.json"))?;
     eprintln!(
@@ -2653,6 +2807,14 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
                     .broker
                     .as_ref()
                     .map(|broker| format!(" --broker {}", broker.url()))
+                    .unwrap_or_default()
+                + &settings
+                    .faults_only
+                    .as_ref()
+                    .map(|only| {
+                        let indices: Vec<String> = only.iter().map(usize::to_string).collect();
+                        format!(" --faults-only {}", indices.join(","))
+                    })
                     .unwrap_or_default()
         ),
         "durability": settings.durability,
@@ -2930,6 +3092,34 @@ fn power_loss(_servers: &[Serve], _fault: &Fault) -> Result<Value> {
 #[cfg(all(test, feature = "failpoints"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ddmin_finds_a_smallest_failing_set_within_its_budget() {
+        // Fails when both 3 and 7 are in: ddmin ends at exactly those two.
+        let mut calls = Vec::new();
+        let needs_both = |set: &[usize]| set.contains(&3) && set.contains(&7);
+        let (found, exhausted) = ddmin((0..10).collect(), 100, |set| {
+            calls.push(set.to_vec());
+            Ok(needs_both(set))
+        })
+        .unwrap();
+        assert_eq!((found, exhausted), (vec![3, 7], false));
+        assert!(calls.iter().all(|set| !set.is_empty() && set.len() < 10), "{calls:?}");
+        // One culprit among 16: halves all the way down, at most two calls a level.
+        let mut count = 0;
+        let (found, _) = ddmin((0..16).collect(), 100, |set| {
+            count += 1;
+            Ok(set.contains(&11))
+        })
+        .unwrap();
+        assert_eq!(found, vec![11]);
+        assert!(count <= 2 * 4, "{count} calls");
+        // A set that fails only whole stays whole; a budget stops the search where it is.
+        assert_eq!(ddmin(vec![1, 2, 3], 100, |set| Ok(set.len() == 3)).unwrap(), (vec![1, 2, 3], false));
+        let (found, exhausted) = ddmin((0..10).collect(), 1, |set| Ok(needs_both(set))).unwrap();
+        assert_eq!((found.len(), exhausted), (10, true));
+        assert!(ddmin(vec![4, 5], 10, |_| Err(Error::io("the harness failed"))).is_err());
+    }
 
     #[test]
     fn the_io_error_control_files_are_the_fault_vfs_s() {
