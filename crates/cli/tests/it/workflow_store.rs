@@ -1041,6 +1041,37 @@ fn send_event_refuses_unknown_finished_runs_and_bad_input() {
     assert!(before.events.is_empty());
 }
 
+/// A run holds at most RUN_EVENTS_HELD_MAX events no wait consumed: the next send is
+/// `limit_exceeded` and writes nothing; a send of one it holds is still the idempotent no-op;
+/// once a wait consumed one, it takes one more.
+#[test]
+fn a_run_holds_at_most_its_bound_of_events_no_wait_consumed() {
+    use tidemark_core::workflow::RUN_EVENTS_HELD_MAX;
+    let mut d = db();
+    started_and_claimed(&mut d.store, "r1", 1_000);
+    // All but one of the bound, written straight (a send each would be a commit each).
+    d.store
+        .connection()
+        .execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO run_events (run_id, event_id, name, payload, received_at_ms)
+             SELECT 'r1', 'e' || i, 'paid', '{}', 1000 + i FROM n",
+            [RUN_EVENTS_HELD_MAX as i64 - 1],
+        )
+        .unwrap();
+    assert!(d.store.send_event("r1", "last", "paid", &json!(1), 20_000).unwrap());
+    let refused = d.store.send_event("r1", "over", "paid", &json!(1), 20_001).unwrap_err();
+    assert_eq!(code(refused), codes::LIMIT_EXCEEDED);
+    assert!(!d.store.send_event("r1", "last", "paid", &json!(1), 20_002).unwrap(), "held already: a no-op");
+    let held = |d: &mut Db| -> i64 {
+        d.store.connection().query_row("SELECT count(*) FROM run_events WHERE run_id = 'r1'", [], |r| r.get(0)).unwrap()
+    };
+    assert_eq!(held(&mut d), RUN_EVENTS_HELD_MAX as i64);
+    d.store.connection().execute("UPDATE run_events SET consumed_by_seq = 0 WHERE event_id = 'e1'", []).unwrap();
+    assert!(d.store.send_event("r1", "over", "paid", &json!(1), 20_003).unwrap());
+    assert_eq!(held(&mut d), RUN_EVENTS_HELD_MAX as i64 + 1);
+}
+
 #[test]
 fn an_inbox_handler_can_send_an_event_inside_its_own_transaction() {
     let mut d = db();

@@ -594,6 +594,7 @@ mod tests {
             ("post", "/v1/consumers/{consumer_id}/inbox/batch", &["invalid_envelope", "inexact_number"]),
             ("put", "/v1/consumers/{consumer_id}", &["unknown_handler"]),
             ("get", "/v1/runs", &["limit_exceeded", "invalid_argument"]),
+            ("post", "/v1/runs/{run_id}/events", &["limit_exceeded"]),
         ] {
             let invalid = operation(&doc, method, path)["responses"]["400"]["description"].as_str().unwrap();
             for code in codes {

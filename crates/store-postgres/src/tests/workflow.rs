@@ -1256,6 +1256,37 @@ fn send_event_refuses_unknown_finished_runs_and_bad_input() {
     assert!(before.events.is_empty());
 }
 
+/// A run holds at most RUN_EVENTS_HELD_MAX events no wait consumed: the next send is
+/// `limit_exceeded` and writes nothing; a send of one it holds is still the idempotent no-op;
+/// once a wait consumed one, it takes one more.
+#[test]
+fn a_run_holds_at_most_its_bound_of_events_no_wait_consumed() {
+    use tidemark_core::workflow::RUN_EVENTS_HELD_MAX;
+    let mut d = db!("wf_events_held");
+    started_and_claimed(&mut d.store, "r1", 1_000);
+    let s = format!("\"{}\"", d.schema);
+    let mut client = d.db.client();
+    // All but one of the bound, written straight (a send each would be a commit each).
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms)
+             SELECT 'r1', 'e' || g, 'paid', '{{}}', 1000 + g FROM generate_series(1, {}) g",
+            RUN_EVENTS_HELD_MAX - 1
+        ))
+        .unwrap();
+    assert!(d.store.send_event("r1", "last", "paid", &json!(1), 20_000).unwrap());
+    let refused = d.store.send_event("r1", "over", "paid", &json!(1), 20_001).unwrap_err();
+    assert_eq!(code(refused), codes::LIMIT_EXCEEDED);
+    assert!(!d.store.send_event("r1", "last", "paid", &json!(1), 20_002).unwrap(), "held already: a no-op");
+    let held = |client: &mut postgres::Client| -> i64 {
+        client.query_one(&format!("SELECT count(*) FROM {s}.run_events WHERE run_id = 'r1'"), &[]).unwrap().get(0)
+    };
+    assert_eq!(held(&mut client), RUN_EVENTS_HELD_MAX as i64);
+    client.batch_execute(&format!("UPDATE {s}.run_events SET consumed_by_seq = 0 WHERE event_id = 'e1'")).unwrap();
+    assert!(d.store.send_event("r1", "over", "paid", &json!(1), 20_003).unwrap());
+    assert_eq!(held(&mut client), RUN_EVENTS_HELD_MAX as i64 + 1);
+}
+
 /// An inbox handler on a consumer of the same database sends the event inside its apply
 /// transaction: a refused apply leaves no event, an applied one wakes the run with it.
 #[test]
@@ -2599,6 +2630,9 @@ fn workflow_queries_use_their_indexes() {
     let page = plan(&mut client, crate::workflow::rows::UNCONSUMED_PAGE_SQL, "'r7', 500, 'e500', 11");
     assert!(page.contains("run_events_unconsumed"), "{page}");
     no_seq_scan(&page, "run_events");
+    let held = plan(&mut client, crate::workflow::rows::EVENTS_HELD_SQL, "'r7', 10000");
+    assert!(held.contains("run_events_unconsumed"), "{held}");
+    no_seq_scan(&held, "run_events");
     let suspend = plan(&mut client, crate::workflow::commit::SUSPEND_SQL, "'r7', 'waiting', 9, 'paid', 5");
     assert!(suspend.contains("run_events_unconsumed"), "{suspend}");
     no_seq_scan(&suspend, "run_events");

@@ -70,7 +70,7 @@ use tidemark_core::workflow::{
     cut_journal_page, validate_json_size, ClaimRequest, ClaimedRun, DetailPage, JournalWrite, LeaseState,
     PublishedValue, PurgeReport, RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest,
     UnclaimableRuns, WorkflowStore, WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX,
-    LEASE_MS_MIN, WORKFLOW_INPUT_BYTES_MAX,
+    LEASE_MS_MIN, RUN_EVENTS_HELD_MAX, WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{ensure_invariant, Error, Result};
 
@@ -327,6 +327,10 @@ fn send_event_validated(
             format!("run {run_id:?} is {}; it takes no more events", run.status.as_str()),
         ));
     }
+    // The run is locked: no other send counts meanwhile.
+    let count = st.get(c, rows::EVENTS_HELD_SQL)?;
+    let held: i64 = c.query_one(&count, &[&run_id, &(RUN_EVENTS_HELD_MAX as i64)]).db()?.get(0);
+    tidemark_core::workflow::events_held_check(run_id, held as usize)?;
     let insert = st.get(
         c,
         "INSERT INTO {s}.run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)

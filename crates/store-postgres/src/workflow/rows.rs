@@ -38,6 +38,10 @@ const ATTEMPTS_SQL: &str = "SELECT a.seq, a.attempt, a.ok, a.error, a.finished_a
      WHERE j.run_id = $1 AND j.seq > $2 AND j.seq <= $3 ORDER BY a.seq, a.attempt";
 const CONSUMED_EVENTS_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND consumed_by_seq > $2 AND consumed_by_seq <= $3 ORDER BY received_at_ms, event_id";
+/// How many events no wait consumed yet a run holds, counted up to `$2`
+/// ([`tidemark_core::workflow::RUN_EVENTS_HELD_MAX`]): through `run_events_unconsumed`.
+pub(crate) const EVENTS_HELD_SQL: &str =
+    "SELECT count(*) FROM (SELECT 1 FROM {s}.run_events WHERE run_id = $1 AND consumed_by_seq IS NULL LIMIT $2) h";
 pub(crate) const UNCONSUMED_PAGE_SQL: &str =
     "SELECT event_id, name, payload, received_at_ms, consumed_by_seq FROM {s}.run_events
      WHERE run_id = $1 AND consumed_by_seq IS NULL

@@ -51,7 +51,7 @@ use tidemark_core::limits::PAGE_SIZE_MAX;
 use tidemark_core::workflow::{
     cut_journal_page, validate_json_size, ClaimRequest, ClaimedRun, DetailPage, JournalWrite, LeaseState, PurgeReport,
     RunDetail, RunFilter, RunRecord, RunStatus, StartOutcome, StartRequest, UnclaimableRuns, WorkflowStore,
-    WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN,
+    WorkflowVersion, WriteResult, CLAIM_BATCH_MAX, ERROR_BYTES_MAX, LEASE_MS_MAX, LEASE_MS_MIN, RUN_EVENTS_HELD_MAX,
     WORKFLOW_INPUT_BYTES_MAX,
 };
 use tidemark_core::{Error, Result};
@@ -208,6 +208,12 @@ fn send_event_validated(
             format!("run {run_id:?} is {}; it takes no more events", run.status.as_str()),
         ));
     }
+    let held: i64 = tx
+        .prepare_cached(rows::EVENTS_HELD_SQL)
+        .db()?
+        .query_row(params![run_id, RUN_EVENTS_HELD_MAX as i64], |r| r.get(0))
+        .db()?;
+    tidemark_core::workflow::events_held_check(run_id, held as usize)?;
     tx.prepare_cached(
         "INSERT INTO run_events (run_id, event_id, name, payload, received_at_ms, consumed_by_seq)
          VALUES (?1, ?2, ?3, ?4, ?5, NULL)",
@@ -770,5 +776,9 @@ mod tests {
         for unconsumed in [rows::UNCONSUMED_SQL, rows::UNCONSUMED_PAGE_SQL, commit::EVENT_WAITING_SQL] {
             assert_uses(&plan(conn, unconsumed), "INDEX run_events_unconsumed");
         }
+        // The count reads its bounded subquery (a scan of the subquery's rows, not of a table).
+        let held = plan(conn, rows::EVENTS_HELD_SQL);
+        assert!(held.contains("SEARCH run_events USING INDEX run_events_unconsumed"), "{held}");
+        assert!(!held.contains("SCAN run_events") && !held.contains("TEMP B-TREE"), "{held}");
     }
 }

@@ -210,6 +210,11 @@ pub(super) const UNCONSUMED_PAGE_SQL: &str = "SELECT event_id, name, payload, re
      WHERE run_id = ?1 AND consumed_by_seq IS NULL AND (?2 IS NULL OR (received_at_ms, event_id) > (?2, ?3))
      ORDER BY received_at_ms, event_id LIMIT ?4";
 
+/// How many events no wait consumed yet a run holds, counted up to `?2`
+/// ([`tidemark_core::workflow::RUN_EVENTS_HELD_MAX`]): through `run_events_unconsumed`.
+pub(super) const EVENTS_HELD_SQL: &str =
+    "SELECT count(*) FROM (SELECT 1 FROM run_events WHERE run_id = ?1 AND consumed_by_seq IS NULL LIMIT ?2)";
+
 /// All of a run's events no wait consumed yet, in arrival order (a claim's): through
 /// `run_events_unconsumed`, never the events consumed.
 pub(super) const UNCONSUMED_SQL: &str = "SELECT event_id, name, payload, received_at_ms, consumed_by_seq
