@@ -191,7 +191,7 @@ enum ChaosCommand {
     /// Run a seed's schedule, and when it fails, look for a smallest subset of its faults that
     /// still fails (delta debugging: runs of `--faults-only` subsets, each in a folder of its
     /// own under `--out`).
-    Shrink(ShrinkArgs),
+    Shrink(Box<ShrinkArgs>),
 }
 
 #[derive(Args)]
@@ -283,6 +283,14 @@ struct RunArgs {
     /// partitioned by the mock's own faults instead of the proxy (docs/reliability.md).
     #[arg(long)]
     broker: Option<String>,
+    /// A folder on a small file system of its own (a tmpfs or a loop mount; at most 4 GiB
+    /// free): the servers' data folder goes there (`OUT/data` is a link to
+    /// `DIR/tidemark-chaos-<seed>-<pid>-<n>`, left there for `chaos check`), and the `full` I/O
+    /// errors fill that file system for real, with a ballast file of all its free space beside
+    /// the data folder for the fault's length, instead of the fault VFS's control file. Not with
+    /// `--store`.
+    #[arg(long)]
+    disk: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -312,7 +320,7 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
     match args.command {
         Some(ChaosCommand::Check(check_args)) => check_only(&check_args),
-        Some(ChaosCommand::Shrink(shrink_args)) => shrink(shrink_args, durability),
+        Some(ChaosCommand::Shrink(shrink_args)) => shrink(*shrink_args, durability),
         None => chaos(args.run, durability),
     }
 }
@@ -807,6 +815,8 @@ struct Settings {
     remote_store: Option<PostgresStore>,
     database: Option<Database>,
     broker: Option<Broker>,
+    /// `--disk`: the small file system the data folder is on, which a `full` fills for real.
+    disk: Option<PathBuf>,
 }
 
 impl Settings {
@@ -993,6 +1003,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         _ => {}
     }
     let broker = args.broker.as_deref().map(Broker::parse).transpose()?;
+    let disk = args.disk.as_deref().map(|disk| check_disk(disk, args.store.is_some())).transpose()?;
     if broker.is_some() && ![FaultKind::Partition, FaultKind::RemoteKill].iter().any(|k| kinds.contains(k)) {
         return Err(invalid(
             "--broker is the broker the remote consumer is reached through: add partition or remote-kill to --kinds",
@@ -1039,7 +1050,73 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         remote_store,
         database,
         broker,
+        disk,
     })
+}
+
+/// Longest free space of a `--disk` (a full fault writes all of it).
+const DISK_FREE_MAX: u64 = 4 << 30;
+
+/// A `--disk`: a folder, not with `--store`, on a file system with at most [`DISK_FREE_MAX`]
+/// free (`invalid_argument` otherwise); canonical.
+fn check_disk(disk: &Path, on_postgres: bool) -> Result<PathBuf> {
+    if on_postgres {
+        return Err(invalid(
+            "--disk holds the servers' data folder: not with --store (whose disk full is --db-preload's)",
+        ));
+    }
+    let disk = std::fs::canonicalize(disk)
+        .ok()
+        .filter(|d| d.is_dir())
+        .ok_or_else(|| invalid(format!("--disk {} is not a folder", disk.display())))?;
+    let free = free_bytes(&disk)?;
+    if free > DISK_FREE_MAX {
+        return Err(invalid(format!(
+            "--disk {} has {free} bytes free: a full disk fills all of it, so give a small file system of its own \
+             (at most {DISK_FREE_MAX} bytes free, e.g. mount -t tmpfs -o size=256m tmpfs DIR)",
+            disk.display()
+        )));
+    }
+    Ok(disk)
+}
+
+/// The bytes free to an unprivileged writer on the file system of `path` (`statvfs`).
+fn free_bytes(path: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let name = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| invalid("a path with a NUL byte"))?;
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `name` is a NUL-terminated path and `stat` a statvfs the call fills.
+    if unsafe { libc::statvfs(name.as_ptr(), &mut stat) } != 0 {
+        return Err(Error::io(format!("statvfs {}: {}", path.display(), std::io::Error::last_os_error())));
+    }
+    Ok(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
+/// Fill the file system of `disk` for `hold`: a ballast file written with zeros until `ENOSPC`
+/// (in 1 MiB, then 4 KiB pieces), held, then removed. Answers the bytes it took.
+fn fill_disk(disk: &Path, hold: Duration) -> Result<u64> {
+    use std::io::Write;
+    let ballast = disk.join(format!("tidemark-chaos-ballast-{}", std::process::id()));
+    let mut file = std::fs::File::create(&ballast).map_err(io("cannot create the ballast file"))?;
+    let mut taken = 0_u64;
+    for piece in [1 << 20, 4 << 10] {
+        let zeros = vec![0_u8; piece];
+        loop {
+            match file.write(&zeros) {
+                Ok(0) => break,
+                Ok(n) => taken += n as u64,
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+                Err(e) => {
+                    let _ = std::fs::remove_file(&ballast);
+                    return Err(Error::io(format!("cannot fill {}: {e}", disk.display())));
+                }
+            }
+        }
+    }
+    std::thread::sleep(hold);
+    drop(file);
+    std::fs::remove_file(&ballast).map_err(io("cannot remove the ballast file"))?;
+    Ok(taken)
 }
 
 /// Restarts the database without the fault layer when the run ends, however it ends.
@@ -2560,6 +2637,24 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     let settings = validate(args, durability)?;
     let exe = std::env::current_exe().map_err(io("cannot find the tidemark binary"))?;
     std::fs::create_dir_all(settings.out.join("logs")).map_err(io("cannot create --out"))?;
+    if let Some(disk) = &settings.disk {
+        // A folder of this run's own (a shrink makes several runs in one process).
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let run = RUNS.fetch_add(1, Ordering::Relaxed);
+        let data = disk.join(format!("tidemark-chaos-{}-{}-{run}", settings.seed, std::process::id()));
+        std::fs::create_dir_all(&data).map_err(io("cannot create the data folder on --disk"))?;
+        std::os::unix::fs::symlink(&data, settings.out.join("data")).map_err(io("cannot link OUT/data to --disk"))?;
+        // The workload's payment service stands for another service, on a machine of its own:
+        // its log stays off the disk that fills (a link to `OUT/payments/payments.db`, which
+        // SQLite follows, its journal files beside the target).
+        let tenant = data.join("tenants").join(TENANT);
+        let payments = settings.out.join("payments");
+        for folder in [&tenant, &payments] {
+            std::fs::create_dir_all(folder).map_err(io("cannot create the tenant's folder on --disk"))?;
+        }
+        std::os::unix::fs::symlink(payments.join("payments.db"), tenant.join("payments.db"))
+            .map_err(io("cannot link the payment log off --disk"))?;
+    }
     let faults = schedule::schedule(
         settings.seed,
         settings.faults,
@@ -2673,7 +2768,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
         if let Some(wait) = due.checked_sub(shared.started.elapsed()) {
             std::thread::sleep(wait);
         }
-        match inject(&mut servers, &mut workers, remote.as_mut(), settings.database.as_ref(), fault, &shared) {
+        let disks = (settings.database.as_ref(), settings.disk.as_deref());
+        match inject(&mut servers, &mut workers, remote.as_mut(), disks, fault, &shared) {
             Ok(done) => injected.push(done),
             Err(e) => {
                 fault_error = Some(e);
@@ -2808,6 +2904,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
                     .as_ref()
                     .map(|broker| format!(" --broker {}", broker.url()))
                     .unwrap_or_default()
+                + &settings.disk.as_ref().map(|disk| format!(" --disk {}", disk.display())).unwrap_or_default()
                 + &settings
                     .faults_only
                     .as_ref()
@@ -2895,7 +2992,7 @@ fn inject(
     servers: &mut [Serve],
     workers: &mut [WorkerProcess],
     remote: Option<&mut Remote>,
-    database: Option<&Database>,
+    (database, disk): (Option<&Database>, Option<&Path>),
     fault: &Fault,
     shared: &Shared,
 ) -> Result<Value> {
@@ -2903,6 +3000,8 @@ fn inject(
     let mut lost = Value::Null;
     // The database's I/O error: whether the harness had to start the server again after it.
     let mut io_error_database: Option<bool> = None;
+    // A full `--disk`: the bytes its ballast took.
+    let mut disk_filled_bytes: Option<u64> = None;
     // An I/O error of one server's files only: that server (else the whole disk's).
     let mut io_error_process = None;
     // A fault on a worker process (the schedule numbers them after the servers).
@@ -2962,6 +3061,10 @@ fn inject(
             let database = database.expect("matched");
             let mode = fault.io_error.ok_or_else(|| Error::Invariant("an I/O error fault without a mode".into()))?;
             io_error_database = Some(database.io_error(mode, Duration::from_millis(fault.hold_ms))?);
+        }
+        FaultKind::IoError if disk.is_some() && fault.io_error == Some(IoErrorMode::Full) => {
+            // The real file system under the data folder, for every process alike.
+            disk_filled_bytes = Some(fill_disk(disk.expect("matched"), Duration::from_millis(fault.hold_ms))?);
         }
         FaultKind::IoError => {
             let state = servers[0].faultfs.as_ref().ok_or_else(|| invalid("an I/O error needs the fault VFS"))?;
@@ -3048,7 +3151,8 @@ fn inject(
         "index": fault.index, "kind": fault.kind, "process": fault.process,
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
         "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error,
-        "io_error_process": io_error_process, "io_error_database_restarted": io_error_database, "power_loss": lost,
+        "io_error_process": io_error_process, "io_error_database_restarted": io_error_database,
+        "disk_filled_bytes": disk_filled_bytes, "power_loss": lost,
     }))
 }
 
