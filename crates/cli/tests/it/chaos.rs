@@ -764,17 +764,64 @@ fn chaos_clock_jumps_of_an_hour_lose_nothing_and_apply_nothing_twice() {
     let slept = conn
         .execute(
             "UPDATE runs SET status = 'sleeping', finished_at_ms = NULL, wake_at_ms = ?1 + CASE WHEN run_id = (SELECT min(run_id) FROM runs
-               WHERE status = 'completed' AND workflow = 'order_saga' AND parent_run_id IS NULL) THEN 30000 ELSE 7200000 END
+               WHERE status = 'completed' AND workflow = 'order_saga' AND parent_run_id IS NULL AND queue IS NULL)
+               THEN 30000 ELSE 7200000 END
              WHERE run_id IN (SELECT run_id FROM runs WHERE status = 'completed' AND workflow = 'order_saga'
-               AND parent_run_id IS NULL ORDER BY run_id LIMIT 2)",
+               AND parent_run_id IS NULL AND queue IS NULL ORDER BY run_id LIMIT 2)",
             [now],
         )
         .unwrap();
     assert_eq!(slept, 2);
-    drop(conn);
     let checked = check(&out);
     assert_eq!(violations(&checked.json, "run_unfinished"), 1, "{}", checked.stdout);
     assert_eq!(checked.json["check"]["runs_late_by_clock_ahead"], late + 1, "{}", checked.stdout);
+
+    // The queue's every slot (8) held by an admitted run due in two hours, and one more of its
+    // runs waiting for admission: that one waits behind them, late as they are. With a slot free
+    // (7 held), it is unfinished.
+    let queued = |limit: u32| {
+        format!(
+            "SELECT run_id FROM runs WHERE status = 'completed' AND queue IS NOT NULL AND parent_run_id IS NULL
+             ORDER BY run_id LIMIT {limit}"
+        )
+    };
+    let held = conn
+        .execute(
+            &format!(
+                "UPDATE runs SET status = 'sleeping', finished_at_ms = NULL, wake_at_ms = ?1 + 7200000
+                 WHERE run_id IN ({})",
+                queued(8)
+            ),
+            [now],
+        )
+        .unwrap();
+    assert_eq!(held, 8);
+    let waiting = conn
+        .execute(
+            &format!(
+                "UPDATE runs SET status = 'pending', finished_at_ms = NULL, admitted_at_ms = NULL, wake_at_ms = ?1
+                 WHERE run_id IN ({})",
+                queued(1)
+            ),
+            [now],
+        )
+        .unwrap();
+    assert_eq!(waiting, 1);
+    let checked = check(&out);
+    assert_eq!(violations(&checked.json, "run_unfinished"), 1, "{}", checked.stdout);
+    assert_eq!(checked.json["check"]["runs_late_by_clock_ahead"], late + 1 + 8 + 1, "{}", checked.stdout);
+    let freed = conn
+        .execute(
+            "UPDATE runs SET status = 'completed', finished_at_ms = ?1 WHERE run_id = (SELECT min(run_id) FROM runs
+               WHERE status = 'sleeping' AND queue IS NOT NULL AND admitted_at_ms IS NOT NULL AND wake_at_ms > ?1 + 3600000)",
+            [now],
+        )
+        .unwrap();
+    assert_eq!(freed, 1);
+    drop(conn);
+    let checked = check(&out);
+    assert_eq!(violations(&checked.json, "run_unfinished"), 2, "{}", checked.stdout);
+    assert_eq!(checked.json["check"]["runs_late_by_clock_ahead"], late + 1 + 7, "{}", checked.stdout);
 }
 
 /// The disk under the servers full, then failing fsyncs, then failing writes, each for a moment

@@ -1166,6 +1166,27 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
         }
         runs.insert(run_id, run);
     }
+    // A queue whose every slot is held by a run late by a clock ahead admits nothing until one
+    // of them ends: the runs waiting for admission there are as late (the long run of clock
+    // jumps of up to an hour, session 49, left 164 of them pending behind 8 such runs).
+    let mut ahead_in_queue: HashMap<&str, u32> = HashMap::new();
+    for run_id in &ahead {
+        if let Some(queue) = runs.get(run_id).filter(|run| run.admitted).and_then(|run| run.queue.as_deref()) {
+            *ahead_in_queue.entry(queue).or_default() += 1;
+        }
+    }
+    let blocked: Vec<String> = runs
+        .iter()
+        .filter(|(_, run)| run.active() && !run.admitted)
+        .filter(|(_, run)| {
+            run.queue
+                .as_deref()
+                .and_then(|queue| ahead_in_queue.get(queue))
+                .is_some_and(|n| *n >= QUEUE_CONCURRENCY_MAX)
+        })
+        .map(|(run_id, _)| run_id.clone())
+        .collect();
+    ahead.extend(blocked);
     // A run late by a clock ahead, and the active ancestors that wait for it.
     for run_id in ahead {
         let mut next = Some(run_id);
