@@ -977,20 +977,23 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
         }
     }
     // With --store, power losses and I/O errors are the database machine's (its disk).
-    let database_power_loss =
+    let database_disk_faults =
         store.is_some() && [FaultKind::PowerLoss, FaultKind::IoError].iter().any(|k| kinds.contains(k));
-    match (kinds.contains(&FaultKind::DbCrash) || database_power_loss, &store, &args.db_data) {
+    match (kinds.contains(&FaultKind::DbCrash) || database_disk_faults, &store, &args.db_data) {
         (true, Some(_), Some(_)) | (false, _, None) => {}
-        (true, _, _) => return Err(invalid(
-            "--kinds db-crash crashes the PostgreSQL server of --store: give --store postgres://... and --db-data DIR",
-        )),
+        (true, _, _) => {
+            return Err(invalid(
+                "--kinds db-crash (and power-loss or io-error with --store) act on the PostgreSQL server of --store: \
+             give --store postgres://... and --db-data DIR",
+            ))
+        }
         (false, _, Some(_)) => {
             return Err(invalid(
                 "--db-data is the database --kinds db-crash (or power-loss or io-error with --store) faults",
             ))
         }
     }
-    match (database_power_loss, &args.db_preload) {
+    match (database_disk_faults, &args.db_preload) {
         (true, None) => {
             return Err(invalid(
                 "--kinds power-loss or io-error with --store is the database machine's: give --db-data DIR and \
