@@ -1192,30 +1192,27 @@ fn chaos_database_crashes_under_load_lose_nothing_and_the_servers_reconnect_by_t
     }
 }
 
-/// The database machine loses power under the HTTP workload (`--kinds power-loss` with `--store`
-/// and `--db-preload`: the server of a cluster of the test's own runs on the fault layer, and each
-/// power loss stops it at once, throws away what it had not made durable, a prefix or reordered
-/// and torn writes, and starts it again): every acknowledged operation is there once, and the
-/// servers and the worker process reconnected by themselves.
-#[test]
-fn chaos_database_power_losses_lose_nothing_acknowledged() {
-    let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
-    cluster.start();
+/// The fault shim cargo builds beside the tests.
+fn fault_shim() -> std::path::PathBuf {
     let shim = std::env::current_exe().unwrap().parent().unwrap().join("libtidemark_faultfs_preload.so");
     assert!(shim.exists(), "cargo builds the fault shim beside the tests: {}", shim.display());
-    let dir = tempfile::tempdir().expect("tempdir");
-    let out = dir.path().join("run");
-    let store_url = cluster.url("chaosloss");
-    let r = run(&[
+    shim
+}
+
+/// A run of `seed` with the database machine's faults of `kinds` (3 in 12 s; 2 servers, a worker
+/// process, 4 clients) on `cluster`, its server on the fault shim, the schemas under `prefix`.
+fn database_chaos(cluster: &crate::pg_cluster::Cluster, out: &Path, seed: u64, kinds: &str, prefix: &str) -> Run {
+    let (shim, store_url, seed) = (fault_shim(), cluster.url(prefix), seed.to_string());
+    run(&[
         "chaos",
         "--seed",
-        "21",
+        &seed,
         "--duration-s",
         "12",
         "--faults",
         "3",
         "--kinds",
-        "power-loss",
+        kinds,
         "--processes",
         "2",
         "--workers",
@@ -1229,8 +1226,23 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
         "--db-preload",
         path_str(&shim),
         "--out",
-        path_str(&out),
-    ]);
+        path_str(out),
+    ])
+}
+
+/// The database machine loses power under the HTTP workload (`--kinds power-loss` with `--store`
+/// and `--db-preload`: the server of a cluster of the test's own runs on the fault layer, and each
+/// power loss stops it at once, throws away what it had not made durable, a prefix or reordered
+/// and torn writes, and starts it again): every acknowledged operation is there once, and the
+/// servers and the worker process reconnected by themselves.
+#[test]
+fn chaos_database_power_losses_lose_nothing_acknowledged() {
+    let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
+    cluster.start();
+    let shim = fault_shim();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = database_chaos(&cluster, &out, 21, "power-loss", "chaosloss");
     println!("tidemark chaos --kinds power-loss --db-preload: {}", r.json);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let report = &r.json;
@@ -1287,36 +1299,9 @@ const DB_IO_ERROR_SEED: u64 = 28;
 fn chaos_database_io_errors_lose_nothing_acknowledged() {
     let Some(mut cluster) = crate::pg_cluster::Cluster::create() else { return };
     cluster.start();
-    let shim = std::env::current_exe().unwrap().parent().unwrap().join("libtidemark_faultfs_preload.so");
-    assert!(shim.exists(), "cargo builds the fault shim beside the tests: {}", shim.display());
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
-    let store_url = cluster.url("chaosio");
-    let r = run(&[
-        "chaos",
-        "--seed",
-        &DB_IO_ERROR_SEED.to_string(),
-        "--duration-s",
-        "12",
-        "--faults",
-        "3",
-        "--kinds",
-        "io-error",
-        "--processes",
-        "2",
-        "--workers",
-        "1",
-        "--clients",
-        "4",
-        "--store",
-        &store_url,
-        "--db-data",
-        path_str(&cluster.data()),
-        "--db-preload",
-        path_str(&shim),
-        "--out",
-        path_str(&out),
-    ]);
+    let r = database_chaos(&cluster, &out, DB_IO_ERROR_SEED, "io-error", "chaosio");
     println!("tidemark chaos --kinds io-error --db-preload: {}", r.json);
     assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
     let report = &r.json;
