@@ -772,6 +772,19 @@ fn chaos_clock_jumps_of_an_hour_lose_nothing_and_apply_nothing_twice() {
         )
         .unwrap();
     assert_eq!(slept, 2);
+    // And one due in 30 s but last written an hour from now: only a clock an hour ahead writes
+    // that, so its short timer is as late (a last read before it is due must not call it
+    // unfinished).
+    let ahead = conn
+        .execute(
+            "UPDATE runs SET status = 'sleeping', finished_at_ms = NULL, wake_at_ms = ?1 + 30000, updated_at_ms = ?1 + 3600000
+             WHERE run_id = (SELECT min(run_id) FROM runs WHERE status = 'completed' AND workflow = 'order_saga'
+               AND parent_run_id IS NULL AND queue IS NULL)",
+            [now],
+        )
+        .unwrap();
+    assert_eq!(ahead, 1);
+    let late = late + 1;
     let checked = check(&out);
     assert_eq!(violations(&checked.json, "run_unfinished"), 1, "{}", checked.stdout);
     assert_eq!(checked.json["check"]["runs_late_by_clock_ahead"], late + 1, "{}", checked.stdout);

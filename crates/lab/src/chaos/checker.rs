@@ -1131,10 +1131,12 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
     // The checker's own clock, the true one.
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
     let (mut ahead, mut parent_of) = (Vec::new(), HashMap::<String, String>::new());
+    // Active unleased runs not (yet) known to be ahead: (run id, wake, last written).
+    let mut not_due = Vec::new();
     for r in workflows.rows(
         "SELECT run_id, status, error, lease_owner, result, parent_run_id,
                 CASE WHEN parent_run_id IS NULL THEN NULL ELSE input END, queue,
-                CASE WHEN admitted_at_ms IS NULL THEN 0 ELSE 1 END, wake_at_ms FROM runs",
+                CASE WHEN admitted_at_ms IS NULL THEN 0 ELSE 1 END, wake_at_ms, updated_at_ms FROM runs",
         &[],
     )? {
         let run_id = r.text(0)?;
@@ -1156,16 +1158,31 @@ fn check_runs(report: &mut CheckReport, workflows: &mut Db, ledger: &[Acknowledg
             ahead: false,
         };
         // Due later than any timer the workload sets on the true clock (its longest, a waiter's
-        // wait, counts from a moment before this read): set by a clock ahead.
-        let written_ahead = r.opt_int(9)?.is_some_and(|wake| wake > now + super::WAITER_TIMEOUT_MS as i64);
-        if written_ahead && run.active() && run.lease_owner.is_none() {
-            ahead.push(run_id.clone());
+        // wait, counts from a moment before this read), or not due yet and last written at a
+        // time still to come (every process reads one machine's clock, so only a clock ahead
+        // writes that: its wake is as far off as its lead, and a last read before it is due
+        // would otherwise call it unfinished): set by a clock ahead.
+        if let Some(wake) = r.opt_int(9)?.filter(|_| run.active() && run.lease_owner.is_none()) {
+            let updated = r.int(10)?;
+            match wake > now + super::WAITER_TIMEOUT_MS as i64 {
+                true => ahead.push(run_id.clone()),
+                false => not_due.push((run_id.clone(), wake, updated)),
+            }
         }
         if let Some(parent) = r.opt_text(5)? {
             parent_of.insert(run_id.clone(), parent);
         }
         runs.insert(run_id, run);
     }
+    // Taken after the read: a row written before it has a time at most this one.
+    let read_at =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+    ahead.extend(
+        not_due
+            .into_iter()
+            .filter(|(_, wake, updated)| *wake > read_at && *updated > read_at)
+            .map(|(run_id, _, _)| run_id),
+    );
     // A queue whose every slot is held by a run late by a clock ahead admits nothing until one
     // of them ends: the runs waiting for admission there are as late (the long run of clock
     // jumps of up to an hour, session 49, left 164 of them pending behind 8 such runs).
