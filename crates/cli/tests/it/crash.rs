@@ -644,7 +644,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
     let conn = rusqlite::Connection::open(path).expect("open the consumer file");
     let version: String =
         conn.query_row("SELECT value FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).expect("version");
-    assert_eq!(version, "11", "this downgrade is written for schema v11 -> v4");
+    assert_eq!(version, "12", "this downgrade is written for schema v12 -> v4");
     conn.execute_batch(
         "BEGIN IMMEDIATE;
          CREATE TABLE inbox_v4 (
@@ -681,6 +681,7 @@ fn downgrade_consumer_file_to_v4(path: &Path) {
          INSERT INTO cursors_v4 SELECT * FROM cursors;
          DROP TABLE cursors;
          ALTER TABLE cursors_v4 RENAME TO cursors;
+         DROP INDEX run_events_unconsumed;
          DROP INDEX runs_children;
          DROP INDEX runs_queue_waiting;
          DROP INDEX runs_queue_admitted;
@@ -742,7 +743,7 @@ fn migrate_before_commit(point: &str) {
         receipt["generation"] = Value::Null;
     }
     assert_eq!(consumer_snapshot(&s), expected, "the migration changed what the file holds");
-    assert_eq!(consumer_file_layout(&s.consumer), ("11".to_string(), "flow_id".to_string()));
+    assert_eq!(consumer_file_layout(&s.consumer), ("12".to_string(), "flow_id".to_string()));
     // Replays of the pruned, the applied and the pending events are all recognised.
     replay_all(&s, "audit");
     replay_all(&s, "search");
