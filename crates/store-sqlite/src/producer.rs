@@ -18,8 +18,10 @@
 //! moves only inside the relay's recording write transaction, over outbox rows read in that
 //! transaction, and only across positions that were accepted in this batch or have an exception
 //! row. The cursor lives in the same file as the outbox, so a restored backup brings both back
-//! together, and because allocation starts above every cursor, a position a cursor passed is
-//! never handed out again (not even after prune deleted the newest events). PostgreSQL allocates
+//! together, and because allocation starts above every cursor and above the newest event prune
+//! deleted, a position is never handed out again (prune may delete the newest events, accepted
+//! ahead of every cursor, and a position reused there would make `redeliver` count its gap as
+//! held: the model check found that). PostgreSQL allocates
 //! sequence values before commit and commits out of order; its backend must make position order
 //! commit order (allocate from a per-producer counter row updated in the advancing transaction,
 //! whose row lock is held until commit) or move cursors only below the oldest transaction still
@@ -309,13 +311,15 @@ pub fn advance_in(
 }
 
 /// The largest outbox position ever handed out, as far as this file can tell: the largest
-/// position of an outbox row or of a subscriber's cursor. The next event gets this + 1. Read in
-/// the write transaction that inserts the event (see the module documentation for why this makes
-/// positions commit-ordered and never reused below a cursor).
+/// position of an outbox row, of a subscriber's cursor or of an event prune deleted (meta key
+/// `outbox.pruned_position`). The next event gets this + 1. Read in the write transaction that
+/// inserts the event (see the module documentation for why this makes positions commit-ordered
+/// and never reused).
 pub(crate) fn last_position(tx: &Connection) -> Result<i64> {
     tx.prepare_cached(
         "SELECT max(COALESCE((SELECT max(position) FROM outbox), 0),
-                    COALESCE((SELECT max(delivered_position) FROM subscriptions), 0))",
+                    COALESCE((SELECT max(delivered_position) FROM subscriptions), 0),
+                    COALESCE((SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'outbox.pruned_position'), 0))",
     )
     .db()?
     .query_row([], |r| r.get(0))
@@ -1259,6 +1263,17 @@ impl ProducerStore for SqliteProducer {
             tx.prepare_cached("DELETE FROM deliveries WHERE position = ?1").db()?.execute([position]).db()?;
             let deleted = tx.prepare_cached("DELETE FROM outbox WHERE position = ?1").db()?.execute([position]).db()?;
             ensure_invariant!(deleted == 1, "pruning outbox position {position} deleted {deleted} rows");
+        }
+        // The newest event pruned may lie above every cursor (accepted ahead of the cursor, or
+        // dismissed): remember its position, so the next advance does not hand it out again.
+        if let Some(&(pruned_max, _)) = positions.last() {
+            tx.prepare_cached(
+                "INSERT INTO meta (key, value) VALUES ('outbox.pruned_position', ?1)
+                 ON CONFLICT (key) DO UPDATE SET value = max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
+            )
+            .db()?
+            .execute([pruned_max.to_string()])
+            .db()?;
         }
         crash::hit("prune.before_commit");
         tx.commit().db()?;
