@@ -68,7 +68,7 @@ fn the_workflow_bench_on_postgres_completes_every_saga_exactly_once_and_drops_it
         "--pgbench-seconds",
         "1",
     ]);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let out = &r.json;
     assert!(passed(out), "{out:#}");
     let throughput = &out["throughput"]["runs"][0];
@@ -120,7 +120,7 @@ fn the_pipeline_bench_on_postgres_applies_every_event_exactly_once() {
         "--pgbench-seconds",
         "1",
     ]);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let out = &r.json;
     assert!(passed(out), "{out:#}");
     for kind in ["group_commit", "pipelined"] {

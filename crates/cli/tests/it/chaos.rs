@@ -145,7 +145,7 @@ fn chaos_schedule_is_derived_from_the_seed_alone() {
     // Two short runs of one seed write the same schedule (the faults' due times included).
     for out in [&a, &b] {
         let r = chaos(out, 42, 1, 2);
-        assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+        r.assert_exit(0);
     }
     let read = |out: &Path| std::fs::read_to_string(out.join("schedule.json")).expect("schedule");
     assert_eq!(read(&a), read(&b));
@@ -156,7 +156,7 @@ fn chaos_checker_reports_a_lost_operation_a_doubled_effect_and_a_doubled_charge(
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let r = chaos(&out, 7, 3, 0);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let clean = check(&out);
     assert_eq!(clean.code, 0, "{}", clean.stdout);
     assert_eq!(clean.json["check"]["passed"], true, "{}", clean.stdout);
@@ -313,7 +313,7 @@ fn chaos_checker_reports_a_batch_order_run_twice_a_wrong_batch_result_and_a_brok
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let r = chaos(&out, 7, 3, 0);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     assert!(r.json["operations"]["batches"].as_u64().unwrap() > 0, "{}", r.stdout);
     assert_eq!(r.json["check"]["batches_by_status"]["completed"], r.json["operations"]["batches"], "{}", r.stdout);
 
@@ -422,7 +422,7 @@ fn chaos_checker_holds_operated_orders_to_their_operators_controls_and_poison_ev
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let r = chaos(&out, 7, 3, 0);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     assert_eq!(r.json["check"]["passed"], true, "{}", r.stdout);
     let ledger = out.join("ledger.jsonl");
     let text = std::fs::read_to_string(&ledger).expect("ledger");
@@ -553,7 +553,7 @@ fn chaos_power_losses_with_durability_full_lose_nothing_acknowledged() {
     let out = dir.path().join("run");
     let r = power_chaos(&out, 13, "sigkill,power-loss", "full", 3);
     println!("tidemark chaos --kinds sigkill,power-loss: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(report["operations"]["lost"], 0, "{report:#}");
@@ -694,7 +694,7 @@ fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
     let out = dir.path().join("run");
     let r = power_chaos(&out, CLOCK_SEED, "sigkill,clock-jump", "full", 4);
     println!("tidemark chaos --kinds sigkill,clock-jump: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(report["operations"]["lost"], 0, "{report:#}");
@@ -743,7 +743,7 @@ fn chaos_clock_jumps_of_an_hour_lose_nothing_and_apply_nothing_twice() {
         path_str(&out),
     ]);
     println!("tidemark chaos --kinds clock-jump --clock-jump-leases-max 3600: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -860,7 +860,7 @@ fn chaos_io_errors_under_load_lose_nothing_and_the_servers_go_on_by_themselves()
     let out = dir.path().join("run");
     let r = power_chaos(&out, IO_ERROR_SEED, "io-error", "full", 4);
     println!("tidemark chaos --kinds io-error: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -951,7 +951,7 @@ fn chaos_a_real_full_file_system_answers_storage_full_and_loses_nothing() {
         path_str(&out),
     ]);
     println!("tidemark chaos --kinds io-error --disk: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -1001,7 +1001,7 @@ fn workers_chaos(out: &Path, seed: u64, kinds: Option<&str>, store: Option<&str>
     }
     let r = run(&args);
     println!("tidemark chaos --workers 2 (store {store:?}): {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -1163,7 +1163,7 @@ fn chaos_database_crashes_under_load_lose_nothing_and_the_servers_reconnect_by_t
         path_str(&out),
     ]);
     println!("tidemark chaos --kinds db-crash: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(report["faults"]["db_crash"], 2, "{report:#}");
@@ -1265,7 +1265,7 @@ fn chaos_database_power_losses_lose_nothing_acknowledged() {
     let out = dir.path().join("run");
     let r = database_chaos(&cluster, &out, 21, "power-loss", "chaosloss");
     println!("tidemark chaos --kinds power-loss --db-preload: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(report["faults"]["power_loss"], 3, "{report:#}");
@@ -1324,7 +1324,7 @@ fn chaos_database_io_errors_lose_nothing_acknowledged() {
     let out = dir.path().join("run");
     let r = database_chaos(&cluster, &out, DB_IO_ERROR_SEED, "io-error", "chaosio");
     println!("tidemark chaos --kinds io-error --db-preload: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(report["faults"]["io_error"], 3, "{report:#}");
@@ -1376,7 +1376,7 @@ fn chaos_partitions_of_a_remote_consumer_lose_nothing_and_deliver_nothing_twice(
         path_str(&out),
     ]);
     println!("tidemark chaos --kinds partition: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -1515,7 +1515,7 @@ fn broker_partitions_on(broker: &str, out: &Path, store: Option<&str>) {
     ]
     .concat());
     println!("tidemark chaos --kinds partition --broker {broker} (store {store:?}): {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(
@@ -1617,7 +1617,7 @@ fn chaos_kills_of_the_remote_server_lose_nothing_and_deliver_nothing_twice() {
         path_str(&out),
     ]);
     println!("tidemark chaos --kinds sigkill,remote-kill: {}", r.json);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["outcome"], "passed", "{report:#}");
     assert_eq!(

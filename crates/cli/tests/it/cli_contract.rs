@@ -756,7 +756,7 @@ fn scenario_receive_from_stdin_accepts_then_answers_duplicate() {
     assert!(array(&consumer_snapshot(&s), "inbox").is_empty());
 
     let r = run_with(&receive, &[], Some(&bytes));
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     assert_eq!((&r.json["outcome"], &r.json["event_id"]), (&json!("accepted"), &event_id), "{}", r.stdout);
     let after_accept = consumer_snapshot(&s);
     let inbox = array(&after_accept, "inbox");
@@ -765,7 +765,7 @@ fn scenario_receive_from_stdin_accepts_then_answers_duplicate() {
 
     for args in [receive.to_vec(), [&receive[..], &["--file", "-"]].concat()] {
         let r = run_with(&args, &[], Some(&bytes));
-        assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+        r.assert_exit(0);
         assert_eq!((&r.json["outcome"], &r.json["event_id"]), (&json!("duplicate"), &event_id), "{}", r.stdout);
         assert_eq!(consumer_snapshot(&s), after_accept, "a duplicate changed the consumer");
     }

@@ -81,7 +81,7 @@ fn output_writes_the_full_results_of_the_chosen_scenarios() {
     let dir = tempfile::tempdir().expect("tempdir");
     let output = dir.path().join("one.json");
     let r = run(&["experiment", "--scenario", "duplicate_delivery", "--output", path_str(&output)]);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     assert!(r.json.get("check").is_none(), "no check without --check");
     let full: Value = serde_json::from_str(&std::fs::read_to_string(&output).expect("written")).expect("JSON");
     let scenario = &full["scenarios"][0];

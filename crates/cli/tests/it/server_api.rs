@@ -661,7 +661,7 @@ fn a_run_detail_is_read_in_pages_that_join_into_the_whole() {
             &[],
             None,
         );
-        assert_eq!(shown.code, 0, "{}\n{}", shown.stdout, shown.stderr);
+        shown.assert_exit(0);
         server.terminate();
 
         // The same run served whole (the default bound), and in pages of two positions.

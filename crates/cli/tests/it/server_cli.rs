@@ -16,7 +16,7 @@ fn remote(server: &Server, token: &str, args: &[&str]) -> Run {
 }
 
 fn answered(r: Run) -> Value {
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     r.json
 }
 
@@ -192,7 +192,7 @@ fn subcommands_talk_to_a_running_server() {
 fn long_commands_print_plain_progress_lines_when_stderr_is_not_a_terminal() {
     let dir = tempfile::tempdir().unwrap();
     let run = run_with(&["experiment", "--scenario", "duplicate_delivery"], &[], None);
-    assert_eq!(run.code, 0, "{}\n{}", run.stdout, run.stderr);
+    run.assert_exit(0);
     assert!(run.stderr.contains("tidemark experiment: 1/1 after"), "{}", run.stderr);
     assert!(run.stderr.contains("done: 1 scenarios"), "{}", run.stderr);
     // stdout is still one JSON document.

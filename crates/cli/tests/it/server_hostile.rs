@@ -320,7 +320,7 @@ fn refusals_are_held_for_the_refusal_delay_while_others_are_served() {
 #[test]
 fn the_hostile_bench_measures_both_servers_and_the_per_address_limit_refuses_the_excess() {
     let r = crate::support::run(&["bench", "--hostile", "--quick"]);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let report = &r.json;
     assert_eq!(report["check"]["passed"], true, "{report:#}");
     let [shipped, per_address, rate_limited] = [&report["runs"][0], &report["runs"][1], &report["runs"][2]];

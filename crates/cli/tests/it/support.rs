@@ -44,6 +44,40 @@ pub struct Run {
     pub stderr: String,
 }
 
+impl Run {
+    /// Require exit `code`. The panic message ends with a few short lines (the exit code, the
+    /// outcome and error, a report's violations by kind and its first violations) after the whole
+    /// stdout and stderr: a CI log cut in the middle keeps a failure's last lines.
+    pub fn assert_exit(&self, code: i32) {
+        if self.code == code {
+            return;
+        }
+        let json = &self.json;
+        let check = if json["check"].is_object() { &json["check"] } else { json };
+        let by_kind: serde_json::Map<String, Value> = check["by_kind"]
+            .as_object()
+            .map(|kinds| {
+                kinds.iter().filter(|(_, n)| n.as_u64() != Some(0)).map(|(k, n)| (k.clone(), n.clone())).collect()
+            })
+            .unwrap_or_default();
+        let first: Vec<String> = check["first_violations"]
+            .as_array()
+            .map(|list| list.iter().take(5).map(|v| v.to_string().chars().take(400).collect()).collect())
+            .unwrap_or_default();
+        panic!(
+            "{}\n{}\n--- exit {} (expected {code}); outcome {}; code {}; message {}\n--- violations by kind {}\n--- first violations:\n{}",
+            self.stdout,
+            self.stderr,
+            self.code,
+            json["outcome"],
+            json["code"],
+            json["message"].to_string().chars().take(400).collect::<String>(),
+            Value::Object(by_kind),
+            first.join("\n"),
+        );
+    }
+}
+
 fn finish(output: Output) -> Run {
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();

@@ -980,7 +980,7 @@ fn the_demo_narrates_the_facts_of_its_own_run() {
     let dir = tempfile::tempdir().unwrap();
     let kept = dir.path().join("demo");
     let r = run(&["demo", "--dir", path_str(&kept)]);
-    assert_eq!(r.code, 0, "{}\n{}", r.stdout, r.stderr);
+    r.assert_exit(0);
     let text = r.stdout.as_str();
     assert_eq!(r.json, Value::Null, "the narration is not JSON:\n{text}");
     for line in text.lines().filter(|l| !l.starts_with("The files are kept in")) {
