@@ -17,7 +17,7 @@ use tidemark_core::tenancy::validate_tenant_id;
 use tidemark_core::{Error, Result};
 
 /// Environment variables that start with `TIDEMARK_` but are not configuration.
-const ENV_NOT_CONFIG: &[&str] = &["clock_offset_file", "crash_at", "faultfs", "server", "token"];
+const ENV_NOT_CONFIG: &[&str] = &["clock_offset_file", "crash_at", "crash_file", "faultfs", "server", "token"];
 
 /// Largest request body the server accepts at all (the configured limit is at most this).
 pub const BODY_BYTES_CEILING: usize = 4 * 1024 * 1024;

@@ -684,6 +684,45 @@ fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {
     assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(1), "{accepted}");
 }
 
+/// The crash points' mechanism in a running process: it exits (code 73) at the first crash
+/// point it reaches whose name its crash file holds, and not at one the file does not name.
+#[test]
+fn a_process_stops_at_the_crash_point_its_crash_file_names() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("crash points need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let producer = dir.path().join("p.db");
+    let crash = dir.path().join("crash.point");
+    let p = path_str(&producer);
+    crate::support::ok(&["init", "--producer", p, "--source", "shop"]);
+    let env = [("TIDEMARK_CRASH_FILE", path_str(&crash))];
+    // Each a new flow's first event.
+    let advance = |flow: &str| {
+        let args =
+            ["advance", "--producer", p, "--flow", flow, "--expected-seq", "0", "--to", "reserved", "--quantity", "1"];
+        let r = crate::support::run_with(&args, &env, None);
+        assert!(r.code != 0 || r.json["outcome"] == "committed", "{}", r.stdout);
+        r
+    };
+    // No file, then a point this command does not reach: it goes on.
+    advance("f0").assert_exit(0);
+    std::fs::write(&crash, "relay.after_producer_commit").unwrap();
+    advance("f1").assert_exit(0);
+    // Its own point: it stops right after the commit, so the event is there and no answer came.
+    std::fs::write(&crash, "advance.after_commit\n").unwrap();
+    let stopped = advance("f2");
+    assert_eq!(stopped.code, 73, "{}\n{}", stopped.stdout, stopped.stderr);
+    assert!(stopped.stderr.contains("crash point advance.after_commit reached"), "{}", stopped.stderr);
+    let conn = rusqlite::Connection::open(&producer).unwrap();
+    let events: i64 = conn.query_row("SELECT count(*) FROM outbox", [], |r| r.get(0)).unwrap();
+    assert_eq!(events, 3);
+    // Disarmed (an empty file): the next advance answers.
+    std::fs::write(&crash, "").unwrap();
+    advance("f3").assert_exit(0);
+}
+
 #[test]
 fn chaos_clock_jumps_forward_and_back_lose_nothing_and_apply_nothing_twice() {
     if !crate::support::failpoints_enabled() {
@@ -1120,6 +1159,47 @@ fn chaos_on_postgres_loses_nothing_and_applies_nothing_twice() {
     assert_eq!(broken.json["check"]["queue_peak"], 9, "{}", broken.stdout);
     let listed = broken.json["check"]["first_violations"].to_string();
     assert!(listed.contains(advance["flow_id"].as_str().unwrap()), "{listed}");
+}
+
+/// A seed whose 6 crash points (`--kinds crash-point`, 2 servers and 2 worker processes) stop a
+/// server's relay lane before and after it records the verdicts of a batch the consumer had
+/// committed, a server's drain before its commit, and a worker process twice right after a
+/// journal commit; each one reached (seed 5, on both backends).
+const CRASH_POINT_SEED: u64 = 5;
+
+/// Crash points inside the running servers and workers (`--kinds crash-point`): each fault arms
+/// one commit boundary in a process's crash file, the process exits there by itself (code 73)
+/// at the next one it reaches under the workload, and starts again; nothing acknowledged is lost,
+/// nothing applied twice. On SQLite files, then on PostgreSQL.
+#[test]
+fn chaos_crash_points_inside_servers_and_workers_lose_nothing_and_apply_nothing_twice() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("crash points need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    fn reached(report: &Value) -> Vec<(bool, &str)> {
+        let schedule = report["faults"]["schedule"].as_array().unwrap();
+        assert!(schedule.iter().all(|f| f["kind"] == "crash_point"), "{report:#}");
+        let reached: Vec<(bool, &str)> = schedule
+            .iter()
+            .filter(|f| f["crash_point"]["reached"] == true)
+            .map(|f| (f["worker"] == true, f["crash_point"]["point"].as_str().unwrap()))
+            .collect();
+        assert_eq!(report["faults"]["crash_points_reached"].as_u64(), Some(reached.len() as u64), "{report:#}");
+        reached
+    }
+    let sqlite = workers_chaos(&dir.path().join("sqlite"), CRASH_POINT_SEED, Some("crash-point"), None);
+    let points = reached(&sqlite);
+    assert!(points.len() >= 4, "{sqlite:#}");
+    assert!(points.contains(&(false, "relay.after_producer_commit")), "{points:?}");
+    assert!(points.iter().any(|(worker, point)| *worker && point.starts_with("workflow.")), "{points:?}");
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let out = dir.path().join("postgres");
+    let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
+    let postgres = workers_chaos(&out, CRASH_POINT_SEED, Some("crash-point"), Some(&store));
+    assert!(reached(&postgres).len() >= 4, "{postgres:#}");
 }
 
 /// A seed whose 5 faults on 2 servers and a worker process are two crashes of the database

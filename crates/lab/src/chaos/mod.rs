@@ -152,6 +152,9 @@ const CONVERGE_TIMEOUT_S_MAX: u64 = 3_600;
 const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// Attempts to restart a server on its address (the port may still be held for a moment).
 const START_ATTEMPTS_MAX: u32 = 20;
+/// How long an armed crash point may take to be reached before the process is killed instead
+/// (a point the process does not pass while the fault waits: a worker with no run to claim).
+const CRASH_POINT_WAIT: Duration = Duration::from_secs(3);
 /// How long a server may take to stop after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client's request timeout: shorter than a pause, so that clients whose request went to a
@@ -832,6 +835,12 @@ impl Settings {
     fn clock_file(&self, name: &str) -> Option<PathBuf> {
         self.kinds.contains(&FaultKind::ClockJump).then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
     }
+
+    /// The crash file of the process `name` (`tidemark_core::crash`), when the run arms crash
+    /// points.
+    fn crash_file(&self, name: &str) -> Option<PathBuf> {
+        self.kinds.contains(&FaultKind::CrashPoint).then(|| self.out.join("crash").join(format!("{name}.point")))
+    }
 }
 
 /// The broker a partitioned remote consumer is reached through (`--broker`).
@@ -957,6 +966,11 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
+        ));
+    }
+    if kinds.contains(&FaultKind::CrashPoint) && !cfg!(feature = "failpoints") {
+        return Err(invalid(
+            "--kinds crash-point needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the processes read the crash point to stop at from a file",
         ));
     }
     if !["full", "normal"].contains(&durability) {
@@ -1147,6 +1161,8 @@ struct Serve {
     seed: u64,
     /// The file its wall-clock offset is read from, when the run jumps clocks.
     clock_file: Option<PathBuf>,
+    /// The file it reads the crash point to stop at from, when the run arms crash points.
+    crash_file: Option<PathBuf>,
     /// Its configuration file (the relay's settings and token for the remote consumer), when
     /// the run partitions the network.
     config: Option<PathBuf>,
@@ -1170,6 +1186,7 @@ impl Serve {
             faultfs: settings.faultfs(),
             seed: settings.seed,
             clock_file: settings.clock_file(&format!("serve-{index}")),
+            crash_file: settings.crash_file(&format!("serve-{index}")),
             addr: "127.0.0.1:0".into(),
             process: Proc::default(),
         }
@@ -1190,6 +1207,7 @@ impl Serve {
             faultfs: None,
             seed: settings.seed,
             clock_file: None,
+            crash_file: None,
             addr: "127.0.0.1:0".into(),
             process: Proc::default(),
         }
@@ -1215,7 +1233,8 @@ impl Serve {
     fn try_start(&mut self) -> Result<()> {
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let mut command = process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref());
+        let mut command =
+            process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref(), self.crash_file.as_deref());
         command.arg("serve");
         if let Some(config) = &self.config {
             command.arg("--config").arg(config);
@@ -1301,9 +1320,14 @@ impl Serve {
 /// the thread that started the child ends; every child is started on the harness's main thread,
 /// which lives until the run's end.
 /// A command for a tidemark process of the run: it dies with the harness, and runs on the fault
-/// VFS (`faultfs`, its state folder) and reads its wall-clock offset from `clock_file` when the
-/// run has them (their variables removed otherwise).
-fn process_command(exe: &Path, faultfs: Option<&Path>, clock_file: Option<&Path>) -> Command {
+/// VFS (`faultfs`, its state folder), reads its wall-clock offset from `clock_file` and the crash
+/// point to stop at from `crash_file` when the run has them (their variables removed otherwise).
+fn process_command(
+    exe: &Path,
+    faultfs: Option<&Path>,
+    clock_file: Option<&Path>,
+    crash_file: Option<&Path>,
+) -> Command {
     let mut command = Command::new(exe);
     die_with_the_harness(&mut command);
     match faultfs {
@@ -1313,6 +1337,10 @@ fn process_command(exe: &Path, faultfs: Option<&Path>, clock_file: Option<&Path>
     match clock_file {
         Some(file) => command.env(clock_env(), file),
         None => command.env_remove(clock_env()),
+    };
+    match crash_file {
+        Some(file) => command.env(tidemark_core::crash::CRASH_FILE_ENV, file),
+        None => command.env_remove(tidemark_core::crash::CRASH_FILE_ENV),
     };
     command
 }
@@ -1360,6 +1388,35 @@ impl Proc {
             let _ = child.wait();
         }
         self.stopped = false;
+    }
+
+    /// Arm crash point `point` in the process's crash file and wait (at most
+    /// [`CRASH_POINT_WAIT`]) until the process exits there; killed when it reaches none in that
+    /// time. The file is emptied either way, before the process is started again. Returns the
+    /// fault's record: the point, whether it was reached, the exit code.
+    fn stop_at_crash_point(&mut self, crash_file: Option<&PathBuf>, point: &str) -> Result<Value> {
+        let file = crash_file.ok_or_else(|| invalid("a crash point needs --kinds crash-point"))?;
+        std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create crash/"))?;
+        std::fs::write(file, point).map_err(io("cannot arm a crash point"))?;
+        let deadline = Instant::now() + CRASH_POINT_WAIT;
+        let mut status = None;
+        while let Some(child) = self.child.as_mut() {
+            status = child.try_wait().map_err(io("cannot wait for a process"))?;
+            if status.is_some() || Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::fs::write(file, b"").map_err(io("cannot disarm a crash point"))?;
+        let reached = status.and_then(|s| s.code()) == Some(tidemark_core::crash::exit_code(point));
+        match status {
+            Some(_) => {
+                self.child = None;
+                self.stopped = false;
+            }
+            None => self.sigkill(),
+        }
+        Ok(json!({"point": point, "reached": reached, "exit_code": status.and_then(|s| s.code())}))
     }
 
     fn sigstop(&mut self) -> Result<()> {
@@ -1418,9 +1475,10 @@ struct WorkerProcess {
     store: Option<String>,
     log: PathBuf,
     durability: String,
-    /// The fault VFS's state folder and its clock offset file, as the servers'.
+    /// The fault VFS's state folder, its clock offset file and its crash file, as the servers'.
     faultfs: Option<PathBuf>,
     clock_file: Option<PathBuf>,
+    crash_file: Option<PathBuf>,
     process: Proc,
     /// When its current process was started.
     started: Option<Instant>,
@@ -1466,7 +1524,8 @@ impl WorkerProcess {
         let tenant = self.data.join("tenants").join(TENANT);
         let log =
             std::fs::OpenOptions::new().create(true).append(true).open(&self.log).map_err(io("cannot open a log"))?;
-        let mut command = process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref());
+        let mut command =
+            process_command(&self.exe, self.faultfs.as_deref(), self.clock_file.as_deref(), self.crash_file.as_deref());
         command.args(["--durability", &self.durability, "worker", "--db"]);
         match &self.store {
             Some(store) => command.arg(store),
@@ -2705,6 +2764,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             durability: settings.durability.clone(),
             faultfs: settings.faultfs(),
             clock_file: settings.clock_file(&format!("worker-{index}")),
+            crash_file: settings.crash_file(&format!("worker-{index}")),
             process: Proc::default(),
             started: None,
         })
@@ -2936,6 +2996,8 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "io_error": by_kind(FaultKind::IoError),
             "db_crash": by_kind(FaultKind::DbCrash),
             "remote_kill": by_kind(FaultKind::RemoteKill),
+            "crash_point": by_kind(FaultKind::CrashPoint),
+            "crash_points_reached": injected.iter().filter(|f| f["crash_point"]["reached"] == true).count(),
             "on_workers": faults.iter().take(injected.len()).filter(|f| f.process >= settings.processes).count(),
             "link": link,
             "unsynced_writes_lost": writes_lost,
@@ -3007,6 +3069,8 @@ fn inject(
     let mut disk_filled_bytes: Option<u64> = None;
     // An I/O error of one server's files only: that server (else the whole disk's).
     let mut io_error_process = None;
+    // A crash point's record: the point, whether the process reached it, its exit code.
+    let mut crash_point = Value::Null;
     // A fault on a worker process (the schedule numbers them after the servers).
     if let Some(worker) = fault.process.checked_sub(servers.len()).and_then(|i| workers.get_mut(i)) {
         match fault.kind {
@@ -3025,6 +3089,14 @@ fn inject(
                 std::thread::sleep(Duration::from_millis(fault.hold_ms));
                 set_clock_offset(worker.clock_file.as_ref(), 0)?;
             }
+            FaultKind::CrashPoint => {
+                let point = fault
+                    .point_on(true)
+                    .ok_or_else(|| Error::Invariant("a crash point fault without a point".into()))?;
+                crash_point = worker.process.stop_at_crash_point(worker.crash_file.as_ref(), point)?;
+                std::thread::sleep(Duration::from_millis(fault.hold_ms));
+                worker.start()?;
+            }
             // The machine's, the disk's, the link's or the remote's: process 0 (a server).
             FaultKind::PowerLoss
             | FaultKind::Partition
@@ -3038,6 +3110,7 @@ fn inject(
         return Ok(json!({
             "index": fault.index, "kind": fault.kind, "process": fault.process, "worker": true,
             "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
+            "crash_point": crash_point,
         }));
     }
     match fault.kind {
@@ -3052,6 +3125,14 @@ fn inject(
             server.sigstop()?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             server.sigcont()?;
+        }
+        FaultKind::CrashPoint => {
+            let point =
+                fault.point_on(false).ok_or_else(|| Error::Invariant("a crash point fault without a point".into()))?;
+            let server = &mut servers[fault.process];
+            crash_point = server.process.stop_at_crash_point(server.crash_file.as_ref(), point)?;
+            std::thread::sleep(Duration::from_millis(fault.hold_ms));
+            server.start()?;
         }
         FaultKind::ClockJump => {
             let clock = servers[fault.process].clock_file.as_ref();
@@ -3155,7 +3236,7 @@ fn inject(
         "due_ms": fault.at_ms, "began_ms": began_ms, "back_ms": back_ms, "hold_ms": fault.hold_ms,
         "jump_ms": fault.jump_ms, "partition": fault.partition, "io_error": fault.io_error,
         "io_error_process": io_error_process, "io_error_database_restarted": io_error_database,
-        "disk_filled_bytes": disk_filled_bytes, "power_loss": lost,
+        "disk_filled_bytes": disk_filled_bytes, "power_loss": lost, "crash_point": crash_point,
     }))
 }
 

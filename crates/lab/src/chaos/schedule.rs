@@ -36,6 +36,31 @@ const DB_CRASH_MS_RANGE: (u64, u64) = (500, 3_000);
 /// Percent of the faults that are a SIGKILL of the remote consumer's server, when those are
 /// among the kinds asked for beside others (drawn instead of a signal or a partition).
 const REMOTE_KILL_PERCENT: u32 = 25;
+/// Percent of the SIGKILLs that are a crash point instead, when crash points are among the kinds
+/// asked for beside others.
+const CRASH_POINT_PERCENT: u32 = 50;
+/// The crash points a crash-point fault arms, in this order: the first three are the ones a
+/// worker process reaches (its runs' claims and journal commits; a worker's child starts are
+/// journal commits too), the rest only a server (its HTTP starts and advances, relay lanes and
+/// local consumers' drains). On a worker, the fault's point is the one at its index modulo
+/// three ([`Fault::point_on`]). A run of `--kinds crash-point` (seed 2, 30 faults) reached
+/// every one of them.
+pub const SERVER_CRASH_POINTS: [&str; 12] = [
+    "workflow.claim.after_commit",
+    "workflow.commit.before_commit",
+    "workflow.commit.after_commit",
+    "workflow.start.before_commit",
+    "advance.before_commit",
+    "advance.after_commit",
+    "relay.after_consumer_commit",
+    "relay.before_producer_commit",
+    "relay.after_producer_commit",
+    "apply.after_handler",
+    "apply.before_commit",
+    "apply.after_commit",
+];
+/// How many of [`SERVER_CRASH_POINTS`] (its first ones) a worker process reaches.
+const WORKER_CRASH_POINTS: usize = 3;
 /// Shortest and longest pause between a SIGKILL and the restart of the process.
 const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// A pause lasts the worker lease plus this much (so the paused process's leases expire and its
@@ -80,6 +105,13 @@ pub enum FaultKind {
     /// up. `process` is 0 (the remote server).
     #[value(name = "remote-kill")]
     RemoteKill,
+    /// The process exits by itself at the next commit boundary it reaches of the one named by
+    /// `crash_point` (its crash file: `tidemark_core::crash`), killed there if it reaches none
+    /// within a bound, then restarts after `hold_ms`: a SIGKILL at the exact moment between a
+    /// commit and its answer (or before the commit), which a signal at a random moment rarely
+    /// hits. Needs a failpoints build.
+    #[value(name = "crash-point")]
+    CrashPoint,
 }
 
 /// How an I/O error fails the disk (the fault VFS: `tidemark_store_sqlite::faultfs`).
@@ -131,6 +163,20 @@ pub struct Fault {
     pub partition: Option<PartitionMode>,
     /// An I/O error's way of failing the disk; `None` for the other kinds.
     pub io_error: Option<IoErrorMode>,
+    /// A crash point fault's point on a server (one of [`SERVER_CRASH_POINTS`]); `None` for the
+    /// other kinds.
+    pub crash_point: Option<&'static str>,
+}
+
+impl Fault {
+    /// The crash point this fault arms on its process: [`Fault::crash_point`] on a server, the
+    /// worker's point at the same index modulo three on a worker process (which reaches only
+    /// its runs' claims and journal commits).
+    pub fn point_on(&self, worker: bool) -> Option<&'static str> {
+        let point = self.crash_point?;
+        let index = SERVER_CRASH_POINTS.iter().position(|p| *p == point)?;
+        Some(if worker { SERVER_CRASH_POINTS[index % WORKER_CRASH_POINTS] } else { point })
+    }
 }
 
 /// The schedule of `faults` faults of the given `kinds` (at least one) on `processes` processes
@@ -217,6 +263,17 @@ pub fn schedule(
                     kind = FaultKind::RemoteKill;
                 }
             }
+            // A crash point instead of a SIGKILL half the time, drawn only when asked for (so
+            // other schedules stay the ones earlier builds made), and every fault when it is the
+            // only kind.
+            if has(FaultKind::CrashPoint) {
+                let only = kinds.iter().all(|k| *k == FaultKind::CrashPoint);
+                if only || (kind == FaultKind::Sigkill && rng.gen_range(0..100) < CRASH_POINT_PERCENT) {
+                    kind = FaultKind::CrashPoint;
+                }
+            }
+            let crash_point = (kind == FaultKind::CrashPoint)
+                .then(|| SERVER_CRASH_POINTS[rng.gen_range(0..SERVER_CRASH_POINTS.len())]);
             if matches!(
                 kind,
                 FaultKind::PowerLoss
@@ -228,7 +285,7 @@ pub fn schedule(
                 process = 0;
             }
             let hold_ms = match kind {
-                FaultKind::Sigkill | FaultKind::PowerLoss | FaultKind::RemoteKill => {
+                FaultKind::Sigkill | FaultKind::PowerLoss | FaultKind::RemoteKill | FaultKind::CrashPoint => {
                     rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1)
                 }
                 FaultKind::Sigstop | FaultKind::ClockJump => {
@@ -260,7 +317,7 @@ pub fn schedule(
                 }
                 _ => 0,
             };
-            Fault { index, at_ms, kind, process, hold_ms, jump_ms, partition, io_error }
+            Fault { index, at_ms, kind, process, hold_ms, jump_ms, partition, io_error, crash_point }
         })
         .collect()
 }
@@ -328,6 +385,30 @@ mod tests {
             .map(|f| f.kind)
             .collect();
         assert_eq!(kinds, [FaultKind::PowerLoss, FaultKind::Sigkill, FaultKind::PowerLoss]);
+    }
+
+    #[test]
+    fn crash_points_replace_half_the_sigkills_and_leave_other_schedules_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::Sigstop, FaultKind::CrashPoint];
+        let mixed = schedule(5, 80, &with, 3, 60_000, CLOCKS);
+        let points: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::CrashPoint).collect();
+        let kills = mixed.iter().filter(|f| f.kind == FaultKind::Sigkill).count();
+        assert!(!points.is_empty() && kills > 0, "{mixed:?}");
+        assert!(points.iter().all(|f| f.crash_point.is_some() && f.hold_ms <= 1_500), "{points:?}");
+        assert!(mixed.iter().filter(|f| f.kind != FaultKind::CrashPoint).all(|f| f.crash_point.is_none()));
+        // Every point is drawn, and the faults come at the times the seed gives without them.
+        let many = schedule(5, 400, &with, 3, 600_000, CLOCKS);
+        for point in SERVER_CRASH_POINTS {
+            assert!(many.iter().any(|f| f.crash_point == Some(point)), "{point} never drawn");
+        }
+        let signals = schedule(5, 80, &SIGNALS, 3, 60_000, CLOCKS);
+        assert!(signals.iter().zip(&mixed).all(|(a, b)| a.at_ms == b.at_ms));
+        let only = schedule(5, 10, &[FaultKind::CrashPoint], 3, 60_000, CLOCKS);
+        assert!(only.iter().all(|f| f.kind == FaultKind::CrashPoint));
+        // On a worker process the point is one of its journal's.
+        let fault = points.iter().find(|f| !f.crash_point.unwrap().starts_with("workflow.")).expect("a server's point");
+        assert!(SERVER_CRASH_POINTS[..WORKER_CRASH_POINTS].contains(&fault.point_on(true).unwrap()), "{fault:?}");
+        assert_eq!(fault.point_on(false), fault.crash_point);
     }
 
     #[test]
