@@ -651,6 +651,83 @@ fn chaos_shrink_finds_the_fault_that_fails_a_run() {
     }
 }
 
+/// `chaos fuzz`: runs drawn from the fuzz's seed (each its own seed, kinds, processes, workers,
+/// clients and faults), each replayable alone by its `reproduce` command. With `--durability
+/// normal` and power losses the first run loses acknowledged operations (as documented): the
+/// fuzz stops there and shrinks that run. Bad input is refused before anything runs.
+#[test]
+fn chaos_fuzz_runs_beyond_one_seed_stops_at_the_first_failure_and_shrinks_it() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("the fuzz's power losses need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("passing");
+    let args = ["--runs", "2", "--duration-s", "3", "--faults-max", "2", "--converge-timeout-s", "30"];
+    let r = run(&[&["chaos", "fuzz", "--seed", "1", "--out", path_str(&out)][..], &args[..]].concat());
+    println!("tidemark chaos fuzz: {}", r.json);
+    r.assert_exit(0);
+    let runs = r.json["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2, "{}", r.json);
+    for (index, one) in runs.iter().enumerate() {
+        assert_eq!(one["outcome"], "passed", "{}", r.json);
+        assert!(one["reproduce"].as_str().unwrap().starts_with("tidemark chaos --seed "), "{}", r.json);
+        assert!(out.join(format!("run-{index}")).join("schedule.json").is_file());
+    }
+
+    let out = dir.path().join("failing");
+    let r = run(&[
+        "--durability",
+        "normal",
+        "chaos",
+        "fuzz",
+        "--seed",
+        "1",
+        "--runs",
+        "4",
+        "--kinds",
+        "power-loss",
+        "--duration-s",
+        "6",
+        "--faults-max",
+        "3",
+        "--shrink-attempts-max",
+        "4",
+        "--converge-timeout-s",
+        "30",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark --durability normal chaos fuzz --kinds power-loss: {}", r.json);
+    r.assert_exit(1);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "violations", "{report:#}");
+    let failed = report["failed"].as_u64().unwrap() as usize;
+    assert_eq!(report["runs"].as_array().unwrap().len(), failed + 1, "it stops at the first failure: {report:#}");
+    assert!(report["check"]["by_kind"]["lost"].as_u64().unwrap() > 0, "{report:#}");
+    assert!(report["reproduce"].as_str().unwrap().contains("--kinds power-loss --durability normal"), "{report:#}");
+    let shrunk = &report["shrunk"];
+    assert_eq!(shrunk["outcome"], "shrunk", "{report:#}");
+    let faults = shrunk["faults"].as_array().unwrap();
+    let injected = report["runs"][failed]["faults"].as_u64().unwrap() as usize;
+    assert!(!faults.is_empty() && faults.len() <= injected, "{report:#}");
+    assert!(out.join("shrink").join("run-0").join("schedule.json").is_file());
+
+    for bad in [
+        vec!["chaos", "fuzz", "--seed", "1", "--runs", "0"],
+        vec!["chaos", "fuzz", "--seed", "1", "--runs", "1001"],
+        vec!["chaos", "fuzz", "--seed", "1", "--faults-max", "0"],
+        vec!["chaos", "fuzz", "--seed", "1", "--kinds", "db-crash"],
+        vec!["chaos", "fuzz", "--seed", "1", "--shrink-attempts-max", "201"],
+    ] {
+        let bad_out = dir.path().join("bad");
+        let r = run(&[&bad[..], &["--out", path_str(&bad_out)][..]].concat());
+        assert_eq!(r.code, 2, "{bad:?}: {}", r.stdout);
+        assert_eq!(r.json["error"]["code"], "invalid_argument", "{bad:?}: {}", r.stdout);
+        assert!(!bad_out.exists(), "{bad:?} created its folder");
+    }
+}
+
 /// The clock jumps' mechanism: a process adds the offset its file holds to the system clock.
 #[test]
 fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {

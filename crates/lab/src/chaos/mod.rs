@@ -11,6 +11,7 @@
 //! checker reads the schemas. See docs/reliability.md, "Chaos harness".
 
 pub mod checker;
+mod fuzz;
 mod proxy;
 pub mod schedule;
 
@@ -195,6 +196,10 @@ enum ChaosCommand {
     /// still fails (delta debugging: runs of `--faults-only` subsets, each in a folder of its
     /// own under `--out`).
     Shrink(Box<ShrinkArgs>),
+    /// Runs beyond one seed: from its own seed, each run draws its seed, a subset of the kinds
+    /// of fault, the processes, worker processes, clients and faults; the fuzz stops at the first
+    /// run that fails and shrinks it.
+    Fuzz(Box<fuzz::FuzzArgs>),
 }
 
 #[derive(Args)]
@@ -228,7 +233,8 @@ struct RunArgs {
     /// answers or flaps), `io-error` (the disk full, or failing writes or fsyncs, for a moment;
     /// a failpoints build; with `--store`, the database machine's disk, through `--db-preload`), `db-crash` (the PostgreSQL server of `--store` stopped at once and
     /// started again; needs `--db-data`), `remote-kill` (the remote consumer's server killed
-    /// with SIGKILL and started again).
+    /// with SIGKILL and started again), `crash-point` (instead of half the SIGKILLs, a process
+    /// stops by itself at a commit boundary drawn from the seed; a failpoints build).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "sigkill,sigstop")]
     kinds: Vec<FaultKind>,
     /// `tidemark serve` processes on the one data folder (2..=16).
@@ -324,6 +330,7 @@ pub fn run(args: ChaosArgs, durability: &str) -> Result<Value> {
     match args.command {
         Some(ChaosCommand::Check(check_args)) => check_only(&check_args),
         Some(ChaosCommand::Shrink(shrink_args)) => shrink(*shrink_args, durability),
+        Some(ChaosCommand::Fuzz(fuzz_args)) => fuzz::fuzz(*fuzz_args, durability),
         None => chaos(args.run, durability),
     }
 }
