@@ -328,3 +328,66 @@ fn a_write_a_store_would_refuse_fails_its_run_and_nothing_else() {
     assert_eq!(report.claimed, 3, "each run claimed once: {report:?}");
     assert_eq!(report.errors, 0, "{report:?}");
 }
+
+/// A `ctx.send` to a run that holds its most events no wait consumed
+/// ([`tidemark_core::workflow::RUN_EVENTS_HELD_MAX`]) waits: nothing journaled, the sender
+/// pending, sending again after its retry delay, until the receiver took some; then the send
+/// is journaled once and the receiver holds the message once.
+#[test]
+fn a_send_to_a_full_run_waits_until_the_receiver_takes_some() {
+    use tidemark_core::workflow::RUN_EVENTS_HELD_MAX;
+    let mut workflows = long_lived_workflows();
+    workflows
+        .register("note_sender", 1, fast_options(), |ctx, _input: Value| async move {
+            ctx.send("full", "note", &json!("hello")).await?;
+            Ok(json!("sent"))
+        })
+        .unwrap();
+    let (env, rt) = (Env::new(), runtime());
+    let w = worker(&env.writer, workflows, worker_options("w1"));
+    env.start_new("full", "waits", 1, json!({}));
+    drive(&rt, &w, &env, &["full"], |run| run.status == RunStatus::Waiting);
+    env.writer
+        .call_blocking(|store, _| {
+            store
+                .connection()
+                .execute(
+                    "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+                     INSERT INTO run_events (run_id, event_id, name, payload, received_at_ms)
+                     SELECT 'full', 'e' || i, 'other', '{}', 1000 + i FROM n",
+                    [RUN_EVENTS_HELD_MAX as i64],
+                )
+                .map_err(|e| tidemark_core::Error::store(e.to_string()))
+        })
+        .expect("fill the receiver");
+    env.start_new("sender", "note_sender", 1, json!({}));
+    let mut claimed = 0;
+    for _ in 0..200 {
+        claimed += rt.block_on(w.run_until_idle()).expect("worker").claimed;
+        if claimed >= 3 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(claimed >= 3, "the sender tried again after its delay: claimed {claimed} times");
+    let sender = env.detail("sender");
+    assert_eq!(sender.run.status, RunStatus::Pending, "{:?}", sender.run);
+    assert!(sender.journal.is_empty(), "nothing journaled while the receiver is full: {:?}", sender.journal);
+    assert!(env.detail("full").events.iter().all(|e| e.name == "other"));
+    // The receiver takes one (as a wait would): the next try sends.
+    env.writer
+        .call_blocking(|store, _| {
+            store
+                .connection()
+                .execute("UPDATE run_events SET consumed_by_seq = 0 WHERE run_id = 'full' AND event_id = 'e1'", [])
+                .map_err(|e| tidemark_core::Error::store(e.to_string()))
+        })
+        .expect("consume one");
+    settle(&rt, &w, &env, &["sender"]);
+    let sender = env.detail("sender");
+    assert_eq!(sender.run.status, RunStatus::Completed, "{:?}", sender.run);
+    assert_eq!(sender.journal.len(), 1);
+    assert_eq!(sender.journal[0].kind, StepKind::Send);
+    let notes = env.detail("full").events.iter().filter(|e| e.name == "note").count();
+    assert_eq!(notes, 1);
+}

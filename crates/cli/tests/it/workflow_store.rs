@@ -1067,9 +1067,21 @@ fn a_run_holds_at_most_its_bound_of_events_no_wait_consumed() {
         d.store.connection().query_row("SELECT count(*) FROM run_events WHERE run_id = 'r1'", [], |r| r.get(0)).unwrap()
     };
     assert_eq!(held(&mut d), RUN_EVENTS_HELD_MAX as i64);
+    // Another run's `ctx.send` to it: retryable, and nothing journaled (the sender waits and
+    // sends again).
+    let sender = started_and_claimed(&mut d.store, "r2", 20_000);
+    let send = || JournalOp::Send { seq: 0, to: "r1".into(), topic: "paid".into(), payload: json!(2) };
+    let answer = commit_one(&mut d.store, "r2", &sender, send(), 20_004);
+    assert!(matches!(&answer, WriteResult::TxResult(Err(f)) if f.retryable && f.message.contains("r1")), "{answer:?}");
+    assert!(detail(&d.store, "r2").journal.is_empty());
+    assert_eq!(held(&mut d), RUN_EVENTS_HELD_MAX as i64);
     d.store.connection().execute("UPDATE run_events SET consumed_by_seq = 0 WHERE event_id = 'e1'", []).unwrap();
     assert!(d.store.send_event("r1", "over", "paid", &json!(1), 20_003).unwrap());
     assert_eq!(held(&mut d), RUN_EVENTS_HELD_MAX as i64 + 1);
+    d.store.connection().execute("UPDATE run_events SET consumed_by_seq = 0 WHERE event_id = 'e2'", []).unwrap();
+    let answer = commit_one(&mut d.store, "r2", &sender, send(), 20_005);
+    assert!(matches!(answer, WriteResult::TxResult(Ok(_))), "{answer:?}");
+    assert_eq!(detail(&d.store, "r2").journal.len(), 1);
 }
 
 #[test]

@@ -524,7 +524,10 @@ where
     /// [`Self::recv`]`(topic, ...)` or [`Self::wait_for_event`]). Journaled (kind `send`, step name =
     /// the topic) in the same transaction as the event: exactly once, whatever crashes. A run
     /// `to` that does not exist or has ended is this step's failure
-    /// ([`WorkflowError::StepFailed`]).
+    /// ([`WorkflowError::StepFailed`]). A run `to` that holds its most events no wait consumed
+    /// yet ([`tidemark_core::workflow::RUN_EVENTS_HELD_MAX`]) makes this run wait (suspended,
+    /// its lease released, nothing journaled) for the first delay of the worker's retry policy
+    /// and send again, until `to` takes it or ends: propagate the suspension with `?`.
     pub async fn send<T: Serialize>(&self, to: &str, topic: &str, payload: &T) -> Result<(), WorkflowError> {
         let payload = serde_json::to_value(payload)
             .map_err(|e| WorkflowError::Failed(format!("the message {topic} does not serialise: {e}")))?;
@@ -542,6 +545,13 @@ where
             WriteResult::TxResult(Ok(_)) => {
                 self.inner.due.notify_one();
                 Ok(())
+            }
+            // The receiver holds its most events no wait consumed (`RUN_EVENTS_HELD_MAX`): the
+            // store journaled nothing, and this run waits the first delay of its retry policy
+            // and sends again (back-pressure, as long as the receiver is active).
+            WriteResult::TxResult(Err(failure)) if failure.retryable => {
+                let at = self.now_ms().saturating_add(self.inner.retry.delay_ms(1, rand::random::<f64>()));
+                Err(self.suspend(SuspendStatus::Pending, at, None))
             }
             WriteResult::TxResult(Err(failure)) => Err(WorkflowError::StepFailed {
                 step: topic.to_string(),

@@ -1282,9 +1282,21 @@ fn a_run_holds_at_most_its_bound_of_events_no_wait_consumed() {
         client.query_one(&format!("SELECT count(*) FROM {s}.run_events WHERE run_id = 'r1'"), &[]).unwrap().get(0)
     };
     assert_eq!(held(&mut client), RUN_EVENTS_HELD_MAX as i64);
+    // Another run's `ctx.send` to it: retryable, and nothing journaled (the sender waits and
+    // sends again).
+    let sender = started_and_claimed(&mut d.store, "r2", 20_000);
+    let send = || JournalOp::Send { seq: 0, to: "r1".into(), topic: "paid".into(), payload: json!(2) };
+    let answer = d.store.commit(vec![write("r2", &sender, send())], 20_004).unwrap().remove(0);
+    assert!(matches!(&answer, WriteResult::TxResult(Err(f)) if f.retryable && f.message.contains("r1")), "{answer:?}");
+    assert!(detail(&d.store, "r2").journal.is_empty());
+    assert_eq!(held(&mut client), RUN_EVENTS_HELD_MAX as i64);
     client.batch_execute(&format!("UPDATE {s}.run_events SET consumed_by_seq = 0 WHERE event_id = 'e1'")).unwrap();
     assert!(d.store.send_event("r1", "over", "paid", &json!(1), 20_003).unwrap());
     assert_eq!(held(&mut client), RUN_EVENTS_HELD_MAX as i64 + 1);
+    client.batch_execute(&format!("UPDATE {s}.run_events SET consumed_by_seq = 0 WHERE event_id = 'e2'")).unwrap();
+    let answer = d.store.commit(vec![write("r2", &sender, send())], 20_005).unwrap().remove(0);
+    assert!(matches!(answer, WriteResult::TxResult(Ok(_))), "{answer:?}");
+    assert_eq!(detail(&d.store, "r2").journal.len(), 1);
 }
 
 /// An inbox handler on a consumer of the same database sends the event inside its apply

@@ -960,6 +960,13 @@ fn apply_write(
             // The receiver was locked with the batch; an unknown or ended receiver fails the step.
             let delivered = match super::send_event_locked(&mut *c, st, &to, &event_id, &topic, &payload, now_ms) {
                 Ok(_) => Ok(serde_json::json!({"to": to, "event_id": event_id})),
+                // A receiver holding its most events waits for its waits to consume some: the
+                // send is not journaled, and the sender tries again after a delay.
+                Err(Error::Invalid { code: codes::LIMIT_EXCEEDED, message }) => {
+                    return Ok(WriteResult::TxResult(Err(StepFailure::retryable(format!(
+                        "cannot send to run {to:?} yet: {message}"
+                    )))));
+                }
                 Err(Error::Invalid { message, .. }) => {
                     Err(StepFailure::permanent(format!("cannot send to run {to:?}: {message}")))
                 }
