@@ -761,6 +761,86 @@ fn a_process_reads_its_wall_clock_offset_from_its_offset_file() {
     assert_eq!(accepted["deliveries"].as_array().map(Vec::len), Some(1), "{accepted}");
 }
 
+/// A seed whose 4 faults with `--kinds sigkill,clock-jump-kill --clock-jump-leases-max 3600`
+/// start with a server's clock 16 minutes ahead, the server killed halfway through it (runs it
+/// had leased keep leases 16 minutes long), then three SIGKILLs.
+const CLOCK_KILL_SEED: u64 = 3;
+
+/// Kills of a process while its clock is ahead (`--kinds clock-jump-kill`): the leases it wrote
+/// with that clock outlive it by the lead, held by no one; nothing is lost or applied twice, and
+/// the checker counts such runs late, not leased or unfinished. Its teeth: one of them leased
+/// for a second only (a lease the true clock could have written, of a process gone) is
+/// `run_leased`.
+#[test]
+fn chaos_kills_while_a_clock_is_ahead_lose_nothing_and_their_leases_are_late_not_held() {
+    if !crate::support::failpoints_enabled() {
+        crate::support::skip("clock jumps need --features failpoints");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("run");
+    let r = run(&[
+        "chaos",
+        "--seed",
+        &CLOCK_KILL_SEED.to_string(),
+        "--duration-s",
+        "8",
+        "--faults",
+        "4",
+        "--kinds",
+        "sigkill,clock-jump-kill",
+        "--clock-jump-leases-max",
+        "3600",
+        "--processes",
+        "2",
+        "--clients",
+        "4",
+        "--converge-timeout-s",
+        "30",
+        "--out",
+        path_str(&out),
+    ]);
+    println!("tidemark chaos --kinds sigkill,clock-jump-kill: {}", r.json);
+    r.assert_exit(0);
+    let report = &r.json;
+    assert_eq!(report["outcome"], "passed", "{report:#}");
+    assert_eq!(report["operations"]["lost"], 0, "{report:#}");
+    assert_eq!(report["operations"]["applied_twice"], 0, "{report:#}");
+    let killed_ahead = report["faults"]["schedule"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["kind"] == "clock_jump_kill" && f["jump_ms"].as_i64().unwrap() > 600_000)
+        .count();
+    assert!(killed_ahead >= 1, "{report:#}");
+    assert!(report["check"]["runs_late_by_clock_ahead"].as_u64().unwrap() > 0, "{report:#}");
+    let workflows = out.join("data").join("tenants").join("chaos").join("workflows.db");
+    let conn = rusqlite::Connection::open(&workflows).unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let leased_ahead: i64 = conn
+        .query_row(
+            "SELECT count(*) FROM runs WHERE lease_owner IS NOT NULL AND lease_expires_at_ms > ?1 + 600000",
+            [now],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(leased_ahead > 0, "no run kept a lease written ahead: {report:#}");
+    let shortened = conn
+        .execute(
+            "UPDATE runs SET lease_expires_at_ms = ?1 + 1000 WHERE run_id = (SELECT min(run_id) FROM runs
+               WHERE lease_owner IS NOT NULL AND lease_expires_at_ms > ?1 + 600000)",
+            [now],
+        )
+        .unwrap();
+    assert_eq!(shortened, 1);
+    let checked = check(&out);
+    assert!(
+        violations(&checked.json, "run_leased") + violations(&checked.json, "run_unfinished") >= 1,
+        "{}",
+        checked.stdout
+    );
+}
+
 /// The crash points' mechanism in a running process: it exits (code 73) at the first crash
 /// point it reaches whose name its crash file holds, and not at one the file does not name.
 #[test]

@@ -45,7 +45,7 @@ pub(super) struct FuzzArgs {
     /// The kinds each run draws a subset from (at least one each run). Default: every kind
     /// that needs no further option: `sigkill`, `sigstop`, `partition` and `remote-kill`, and
     /// in a failpoints build `crash-point`, and without `--store` also `power-loss`,
-    /// `clock-jump` and `io-error`. `db-crash` (it needs `--db-data`) is refused.
+    /// `clock-jump`, `io-error` and `clock-jump-kill`. `db-crash` (it needs `--db-data`) is refused.
     #[arg(long, value_enum, value_delimiter = ',')]
     kinds: Option<Vec<FaultKind>>,
     /// The runs the shrink of a failing run makes at most (0..=200; 0: no shrink).
@@ -70,7 +70,7 @@ fn default_kinds(on_postgres: bool) -> Vec<FaultKind> {
     if cfg!(feature = "failpoints") {
         kinds.push(FaultKind::CrashPoint);
         if !on_postgres {
-            kinds.extend([FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError]);
+            kinds.extend([FaultKind::PowerLoss, FaultKind::ClockJump, FaultKind::IoError, FaultKind::ClockJumpKill]);
         }
     }
     kinds

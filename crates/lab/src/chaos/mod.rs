@@ -156,6 +156,9 @@ const START_ATTEMPTS_MAX: u32 = 20;
 /// How long an armed crash point may take to be reached before the process is killed instead
 /// (a point the process does not pass while the fault waits: a worker with no run to claim).
 const CRASH_POINT_WAIT: Duration = Duration::from_secs(3);
+/// How long a process killed during a clock jump stays down before it restarts (its clock still
+/// off).
+const CLOCK_JUMP_KILL_DOWN: Duration = Duration::from_millis(200);
 /// How long a server may take to stop after SIGTERM before it is killed.
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// A client's request timeout: shorter than a pause, so that clients whose request went to a
@@ -840,7 +843,10 @@ impl Settings {
     /// The clock offset file of the process `name` (`serve-0`, `worker-1`), when the run jumps
     /// clocks.
     fn clock_file(&self, name: &str) -> Option<PathBuf> {
-        self.kinds.contains(&FaultKind::ClockJump).then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
+        [FaultKind::ClockJump, FaultKind::ClockJumpKill]
+            .iter()
+            .any(|k| self.kinds.contains(k))
+            .then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
     }
 
     /// The crash file of the process `name` (`tidemark_core::crash`), when the run arms crash
@@ -970,9 +976,11 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds io-error needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
     }
-    if kinds.contains(&FaultKind::ClockJump) && !cfg!(feature = "failpoints") {
+    if [FaultKind::ClockJump, FaultKind::ClockJumpKill].iter().any(|k| kinds.contains(k))
+        && !cfg!(feature = "failpoints")
+    {
         return Err(invalid(
-            "--kinds clock-jump needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
+            "--kinds clock-jump and clock-jump-kill need a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
         ));
     }
     if kinds.contains(&FaultKind::CrashPoint) && !cfg!(feature = "failpoints") {
@@ -985,9 +993,9 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     }
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
     if store.is_some() {
-        if kinds.contains(&FaultKind::ClockJump) {
+        if [FaultKind::ClockJump, FaultKind::ClockJumpKill].iter().any(|k| kinds.contains(k)) {
             return Err(invalid(
-                "--kinds clock-jump acts on the servers' clock files; with --store postgres://... \
+                "--kinds clock-jump (and clock-jump-kill) acts on the servers' clock files; with --store postgres://... \
                  combine sigkill, sigstop, partition, remote-kill, db-crash, power-loss and io-error",
             ));
         }
@@ -1590,6 +1598,13 @@ fn set_clock_offset(clock_file: Option<&PathBuf>, offset_ms: i64) -> Result<()> 
     let file = clock_file.ok_or_else(|| invalid("a clock jump needs --kinds clock-jump"))?;
     std::fs::create_dir_all(file.parent().unwrap_or(Path::new("."))).map_err(io("cannot create clocks/"))?;
     std::fs::write(file, offset_ms.to_string()).map_err(io("cannot write a clock offset"))
+}
+
+/// A kill during a clock jump of `hold_ms`: the time from the jump to the kill (half the hold)
+/// and from the restart to the end of the jump (what is left after the process was down).
+fn kill_within_jump(hold_ms: u64) -> (Duration, Duration) {
+    let before = Duration::from_millis(hold_ms / 2);
+    (before, Duration::from_millis(hold_ms).saturating_sub(before + CLOCK_JUMP_KILL_DOWN))
 }
 
 /// Faults whose process is back and has not acknowledged an operation yet, and the recovery
@@ -2999,6 +3014,7 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
             "sigstop": by_kind(FaultKind::Sigstop),
             "power_loss": by_kind(FaultKind::PowerLoss),
             "clock_jump": by_kind(FaultKind::ClockJump),
+            "clock_jump_kill": by_kind(FaultKind::ClockJumpKill),
             "partition": by_kind(FaultKind::Partition),
             "io_error": by_kind(FaultKind::IoError),
             "db_crash": by_kind(FaultKind::DbCrash),
@@ -3096,6 +3112,16 @@ fn inject(
                 std::thread::sleep(Duration::from_millis(fault.hold_ms));
                 set_clock_offset(worker.clock_file.as_ref(), 0)?;
             }
+            FaultKind::ClockJumpKill => {
+                set_clock_offset(worker.clock_file.as_ref(), fault.jump_ms)?;
+                let (before, after) = kill_within_jump(fault.hold_ms);
+                std::thread::sleep(before);
+                worker.process.sigkill();
+                std::thread::sleep(CLOCK_JUMP_KILL_DOWN);
+                worker.start()?;
+                std::thread::sleep(after);
+                set_clock_offset(worker.clock_file.as_ref(), 0)?;
+            }
             FaultKind::CrashPoint => {
                 let point = fault
                     .point_on(true)
@@ -3146,6 +3172,17 @@ fn inject(
             set_clock_offset(clock, fault.jump_ms)?;
             std::thread::sleep(Duration::from_millis(fault.hold_ms));
             set_clock_offset(clock, 0)?;
+        }
+        FaultKind::ClockJumpKill => {
+            let server = &mut servers[fault.process];
+            set_clock_offset(server.clock_file.as_ref(), fault.jump_ms)?;
+            let (before, after) = kill_within_jump(fault.hold_ms);
+            std::thread::sleep(before);
+            server.sigkill();
+            std::thread::sleep(CLOCK_JUMP_KILL_DOWN);
+            server.start()?;
+            std::thread::sleep(after);
+            set_clock_offset(server.clock_file.as_ref(), 0)?;
         }
         FaultKind::IoError if database.is_some_and(|db| db.layer.is_some()) => {
             // The database machine's disk: the tidemark processes stay up and reconnect.

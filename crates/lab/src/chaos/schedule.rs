@@ -112,6 +112,12 @@ pub enum FaultKind {
     /// hits. Needs a failpoints build.
     #[value(name = "crash-point")]
     CrashPoint,
+    /// A clock jump (as `clock-jump`) during which its process is killed with SIGKILL, halfway
+    /// through the hold, and restarted with its clock still off: what it leased or scheduled
+    /// with that clock stays so, its leases held by no one until they expire by it. Beside
+    /// `clock-jump`, half the jumps; alone, every fault. Needs a failpoints build.
+    #[value(name = "clock-jump-kill")]
+    ClockJumpKill,
 }
 
 /// How an I/O error fails the disk (the fault VFS: `tidemark_store_sqlite::faultfs`).
@@ -217,7 +223,7 @@ pub fn schedule(
             }
             // Without signals a fault is a power loss or a clock jump; with them, also a clock
             // jump one time in four (each draw only when clock jumps are asked for).
-            if has(FaultKind::ClockJump) {
+            if has(FaultKind::ClockJump) || has(FaultKind::ClockJumpKill) {
                 let jump_instead = match signals {
                     0 => has(FaultKind::PowerLoss) && rng.gen_range(0..100) < 50,
                     _ => kind != FaultKind::PowerLoss && rng.gen_range(0..100) < CLOCK_JUMP_PERCENT,
@@ -263,6 +269,14 @@ pub fn schedule(
                     kind = FaultKind::RemoteKill;
                 }
             }
+            // A kill during a clock jump: every jump when only those are asked for, else half
+            // of them (drawn only when asked for).
+            if kind == FaultKind::ClockJump
+                && has(FaultKind::ClockJumpKill)
+                && (!has(FaultKind::ClockJump) || rng.gen_range(0..100) < 50)
+            {
+                kind = FaultKind::ClockJumpKill;
+            }
             // A crash point instead of a SIGKILL half the time, drawn only when asked for (so
             // other schedules stay the ones earlier builds made), and every fault when it is the
             // only kind.
@@ -288,7 +302,7 @@ pub fn schedule(
                 FaultKind::Sigkill | FaultKind::PowerLoss | FaultKind::RemoteKill | FaultKind::CrashPoint => {
                     rng.gen_range(RESTART_DELAY_MS_RANGE.0..=RESTART_DELAY_MS_RANGE.1)
                 }
-                FaultKind::Sigstop | FaultKind::ClockJump => {
+                FaultKind::Sigstop | FaultKind::ClockJump | FaultKind::ClockJumpKill => {
                     lease_ms + rng.gen_range(PAUSE_PAST_LEASE_MS_RANGE.0..=PAUSE_PAST_LEASE_MS_RANGE.1)
                 }
                 FaultKind::Partition => rng.gen_range(PARTITION_MS_RANGE.0..=PARTITION_MS_RANGE.1),
@@ -307,7 +321,7 @@ pub fn schedule(
                 _ => PartitionMode::Flap,
             });
             let jump_ms = match kind {
-                FaultKind::ClockJump => {
+                FaultKind::ClockJump | FaultKind::ClockJumpKill => {
                     let size = rng.gen_range(lease_ms..=lease_ms * jump_leases_max) as i64;
                     if rng.gen_range(0..2) == 0 {
                         size
@@ -409,6 +423,21 @@ mod tests {
         let fault = points.iter().find(|f| !f.crash_point.unwrap().starts_with("workflow.")).expect("a server's point");
         assert!(SERVER_CRASH_POINTS[..WORKER_CRASH_POINTS].contains(&fault.point_on(true).unwrap()), "{fault:?}");
         assert_eq!(fault.point_on(false), fault.crash_point);
+    }
+
+    #[test]
+    fn kills_during_clock_jumps_take_half_the_jumps_or_every_fault_alone() {
+        let with = [FaultKind::Sigkill, FaultKind::ClockJump, FaultKind::ClockJumpKill];
+        let mixed = schedule(9, 120, &with, 3, 60_000, CLOCKS);
+        let killed: Vec<&Fault> = mixed.iter().filter(|f| f.kind == FaultKind::ClockJumpKill).collect();
+        assert!(!killed.is_empty(), "{mixed:?}");
+        assert!(mixed.iter().any(|f| f.kind == FaultKind::ClockJump), "{mixed:?}");
+        assert!(killed.iter().all(|f| (1_000..=5_000).contains(&f.jump_ms.abs()) && f.hold_ms > 1_000), "{killed:?}");
+        let only = schedule(9, 10, &[FaultKind::ClockJumpKill], 3, 60_000, CLOCKS);
+        assert!(only.iter().all(|f| f.kind == FaultKind::ClockJumpKill && f.jump_ms != 0), "{only:?}");
+        let beside_kills = schedule(9, 40, &[FaultKind::Sigkill, FaultKind::ClockJumpKill], 3, 60_000, CLOCKS);
+        assert!(beside_kills.iter().any(|f| f.kind == FaultKind::ClockJumpKill), "{beside_kills:?}");
+        assert!(beside_kills.iter().all(|f| f.kind != FaultKind::ClockJump), "{beside_kills:?}");
     }
 
     #[test]
