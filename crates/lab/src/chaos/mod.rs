@@ -1431,7 +1431,11 @@ impl Proc {
             }
             None => self.sigkill(),
         }
-        Ok(json!({"point": point, "reached": reached, "exit_code": status.and_then(|s| s.code())}))
+        use std::os::unix::process::ExitStatusExt;
+        Ok(json!({
+            "point": point, "reached": reached, "exited": status.is_some(),
+            "exit_code": status.and_then(|s| s.code()), "signal": status.and_then(|s| s.signal()),
+        }))
     }
 
     fn sigstop(&mut self) -> Result<()> {
@@ -2883,6 +2887,17 @@ fn chaos(args: RunArgs, durability: &str) -> Result<Value> {
     // A process that does not exit cleanly on SIGTERM (a panic on the way out, a hang) is a
     // finding of the run, as a violation is.
     let mut unclean_stops = Vec::new();
+    // A process armed with a crash point that ended by itself otherwise (a panic's 101, a
+    // signal) died of something else than the fault.
+    for fault in &injected {
+        let armed = &fault["crash_point"];
+        if armed["exited"] == true && armed["reached"] == false {
+            unclean_stops.push(format!(
+                "process {} ended (exit code {}, signal {}) while armed with crash point {} (fault {})",
+                fault["process"], armed["exit_code"], armed["signal"], armed["point"], fault["index"]
+            ));
+        }
+    }
     for worker in &mut workers {
         if let Some(why) = worker.terminate()? {
             unclean_stops.push(format!("worker {}: {why} (log {})", worker.index, worker.log.display()));
