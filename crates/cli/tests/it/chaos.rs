@@ -726,6 +726,20 @@ fn chaos_fuzz_runs_beyond_one_seed_stops_at_the_first_failure_and_shrinks_it() {
         assert_eq!(r.json["error"]["code"], "invalid_argument", "{bad:?}: {}", r.stdout);
         assert!(!bad_out.exists(), "{bad:?} created its folder");
     }
+
+    // On PostgreSQL: each run under a schema prefix of its own.
+    let Some(_postgres) = crate::workflow_cli::on_postgres() else { return };
+    let _schemas = crate::server_support::DropServedSchemas;
+    let out = dir.path().join("postgres");
+    let store = crate::server_support::store_of(&out).expect("on PostgreSQL");
+    let r = run(&[
+        &["chaos", "fuzz", "--seed", "7", "--runs", "1", "--store", &store, "--out", path_str(&out)][..],
+        &args[2..],
+    ]
+    .concat());
+    println!("tidemark chaos fuzz --store: {}", r.json);
+    r.assert_exit(0);
+    assert!(r.json["runs"][0]["reproduce"].as_str().unwrap().ends_with("_f0'"), "{}", r.json);
 }
 
 /// The clock jumps' mechanism: a process adds the offset its file holds to the system clock.
