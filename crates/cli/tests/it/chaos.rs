@@ -52,14 +52,21 @@ fn chaos(out: &Path, seed: u64, duration_s: u32, faults: u32) -> Run {
 /// A run whose faults are power losses (and, with `sigkill`, kills), on servers of the given
 /// durability.
 fn power_chaos(out: &Path, seed: u64, kinds: &str, durability: &str, faults: u32) -> Run {
-    run(&[
+    power_chaos_with(out, seed, kinds, durability, faults, &[])
+}
+
+/// [`power_chaos`] with more options.
+fn power_chaos_with(out: &Path, seed: u64, kinds: &str, durability: &str, faults: u32, more: &[&str]) -> Run {
+    let seed = seed.to_string();
+    let faults = faults.to_string();
+    let args = [
         "chaos",
         "--seed",
-        &seed.to_string(),
+        &seed,
         "--duration-s",
         "8",
         "--faults",
-        &faults.to_string(),
+        &faults,
         "--kinds",
         kinds,
         "--durability",
@@ -72,7 +79,8 @@ fn power_chaos(out: &Path, seed: u64, kinds: &str, durability: &str, faults: u32
         "30",
         "--out",
         path_str(out),
-    ])
+    ];
+    run(&[&args[..], more].concat())
 }
 
 fn check(out: &Path) -> Run {
@@ -793,27 +801,8 @@ fn chaos_kills_while_a_clock_is_ahead_lose_nothing_and_their_leases_are_late_not
     }
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
-    let r = run(&[
-        "chaos",
-        "--seed",
-        &CLOCK_KILL_SEED.to_string(),
-        "--duration-s",
-        "8",
-        "--faults",
-        "4",
-        "--kinds",
-        "sigkill,clock-jump-kill",
-        "--clock-jump-leases-max",
-        "3600",
-        "--processes",
-        "2",
-        "--clients",
-        "4",
-        "--converge-timeout-s",
-        "30",
-        "--out",
-        path_str(&out),
-    ]);
+    let leases = ["--clock-jump-leases-max", "3600"];
+    let r = power_chaos_with(&out, CLOCK_KILL_SEED, "sigkill,clock-jump-kill", "full", 4, &leases);
     println!("tidemark chaos --kinds sigkill,clock-jump-kill: {}", r.json);
     r.assert_exit(0);
     let report = &r.json;
