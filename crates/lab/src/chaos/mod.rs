@@ -247,8 +247,8 @@ struct RunArgs {
     #[arg(long, default_value_t = 8)]
     clients: usize,
     /// `tidemark worker` processes on the tenant's workflow database beside the servers
-    /// (0..=8), sharing their runs; SIGKILLs and SIGSTOPs hit them too (not with power losses or
-    /// clock jumps).
+    /// (0..=8), sharing their runs; the faults of a process (SIGKILL, SIGSTOP, clock jumps,
+    /// crash points) hit them too, and a power loss of the machine kills them with the servers.
     #[arg(long, default_value_t = 0)]
     workers: usize,
     /// The largest clock jump of `--kinds clock-jump`, in leases of the servers' 1 s lease
