@@ -80,6 +80,10 @@ pub mod codes {
     pub const FORBIDDEN: &str = "forbidden";
     /// The token sent more requests than its rate allows (HTTP 429).
     pub const RATE_LIMITED: &str = "rate_limited";
+    /// The run holds its most events no wait consumed yet
+    /// ([`crate::workflow::RUN_EVENTS_HELD_MAX`]): nothing was written; send again once its
+    /// waits consumed some (HTTP 429).
+    pub const RUN_EVENTS_FULL: &str = "run_events_full";
     /// A configuration file or value is wrong; the message names the key.
     pub const INVALID_CONFIG: &str = "invalid_config";
     /// The server is shutting down or not ready (HTTP 503).

@@ -43,20 +43,20 @@ pub const STEP_OUTPUT_BYTES_MAX: usize = 256 * 1024;
 /// Steps (journal entries) of one run. A run that needs more should continue as a new run.
 pub const RUN_STEPS_MAX: u32 = 10_000;
 /// Events sent to one run that no wait consumed yet, at most: a send past it (an outsider's,
-/// an inbox handler's or another run's `ctx.send`) is refused, `limit_exceeded`, and changes
+/// an inbox handler's or another run's `ctx.send`) is refused, `run_events_full`, and changes
 /// nothing ([`events_held_check`]); the run takes more once its waits consume some. (The
 /// events a wait consumed are bounded by the journal: a wait consumes one.) The store's own
 /// events, a child's end for its parent, are never refused.
 pub const RUN_EVENTS_HELD_MAX: usize = 10_000;
 
-/// `limit_exceeded` when run `run_id` holds `held` events no wait consumed yet, at least
+/// `run_events_full` when run `run_id` holds `held` events no wait consumed yet, at least
 /// [`RUN_EVENTS_HELD_MAX`] (a store counts at most that many).
 pub fn events_held_check(run_id: &str, held: usize) -> Result<()> {
     if held < RUN_EVENTS_HELD_MAX {
         return Ok(());
     }
     Err(Error::invalid(
-        codes::LIMIT_EXCEEDED,
+        codes::RUN_EVENTS_FULL,
         format!(
             "run {run_id:?} holds {RUN_EVENTS_HELD_MAX} events no wait consumed yet, the most a run holds: \
              send again once it consumed some"

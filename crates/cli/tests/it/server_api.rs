@@ -1119,3 +1119,43 @@ fn a_service_on_postgres_connects_over_tls_when_its_url_asks() {
     assert!(connections >= 4, "the service's connections: {connections}");
     assert_eq!(encrypted, connections, "every connection of the service is encrypted");
 }
+
+/// A run holding its most events no wait consumed yet answers the next send 429
+/// `run_events_full` (a client may send it again later) and keeps nothing of it; a duplicate of
+/// an event it holds is still `duplicate`.
+#[test]
+fn a_send_to_a_full_run_is_429_run_events_full_and_writes_nothing() {
+    use tidemark_core::workflow::RUN_EVENTS_HELD_MAX;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let admin = token(&data, "acme", "admin");
+    let server = Server::start(&data, &[], &[]);
+    let t = Some(admin.as_str());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let mut body = order("r1", 1);
+    body["start_at_ms"] = json!(now + 3_600_000);
+    let (status, answer) = server.call("POST", "/v1/runs", t, Some(&body));
+    assert_eq!(status, 201, "{answer}");
+    let workflows = rusqlite::Connection::open(data.join("tenants").join("acme").join("workflows.db")).unwrap();
+    workflows.busy_timeout(Duration::from_secs(10)).unwrap();
+    workflows
+        .execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < ?1)
+             INSERT INTO run_events (run_id, event_id, name, payload, received_at_ms)
+             SELECT 'r1', 'e' || i, 'approval', '{}', ?2 + i FROM n",
+            [RUN_EVENTS_HELD_MAX as i64, now],
+        )
+        .unwrap();
+    let held = || -> i64 { workflows.query_row("SELECT count(*) FROM run_events", [], |r| r.get(0)).unwrap() };
+    let event = |id: &str| json!({"name": "approval", "event_id": id, "payload": {}});
+    let (status, answer) = server.call("POST", "/v1/runs/r1/events", t, Some(&event("over")));
+    assert_eq!((status, answer["error"]["code"].as_str()), (429, Some("run_events_full")), "{answer}");
+    assert_eq!(held(), RUN_EVENTS_HELD_MAX as i64);
+    let (status, answer) = server.call("POST", "/v1/runs/r1/events", t, Some(&event("e1")));
+    assert_eq!((status, answer["outcome"].as_str()), (200, Some("duplicate")), "{answer}");
+    // One consumed (as a wait would): the next send is kept.
+    workflows.execute("UPDATE run_events SET consumed_by_seq = 0 WHERE event_id = 'e1'", []).unwrap();
+    let (status, answer) = server.call("POST", "/v1/runs/r1/events", t, Some(&event("over")));
+    assert_eq!((status, answer["outcome"].as_str()), (200, Some("sent")), "{answer}");
+    assert_eq!(held(), RUN_EVENTS_HELD_MAX as i64 + 1);
+}

@@ -1061,7 +1061,7 @@ fn a_run_holds_at_most_its_bound_of_events_no_wait_consumed() {
         .unwrap();
     assert!(d.store.send_event("r1", "last", "paid", &json!(1), 20_000).unwrap());
     let refused = d.store.send_event("r1", "over", "paid", &json!(1), 20_001).unwrap_err();
-    assert_eq!(code(refused), codes::LIMIT_EXCEEDED);
+    assert_eq!(code(refused), codes::RUN_EVENTS_FULL);
     assert!(!d.store.send_event("r1", "last", "paid", &json!(1), 20_002).unwrap(), "held already: a no-op");
     let held = |d: &mut Db| -> i64 {
         d.store.connection().query_row("SELECT count(*) FROM run_events WHERE run_id = 'r1'", [], |r| r.get(0)).unwrap()

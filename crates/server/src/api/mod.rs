@@ -89,7 +89,7 @@ pub fn status_of(error: &Error) -> StatusCode {
         codes::NOT_FOUND => StatusCode::NOT_FOUND,
         codes::UNAUTHENTICATED => StatusCode::UNAUTHORIZED,
         codes::FORBIDDEN => StatusCode::FORBIDDEN,
-        codes::RATE_LIMITED => StatusCode::TOO_MANY_REQUESTS,
+        codes::RATE_LIMITED | codes::RUN_EVENTS_FULL => StatusCode::TOO_MANY_REQUESTS,
         codes::PAYLOAD_TOO_LARGE => StatusCode::PAYLOAD_TOO_LARGE,
         codes::UNAVAILABLE => StatusCode::SERVICE_UNAVAILABLE,
         codes::ALREADY_EXISTS

@@ -594,7 +594,6 @@ mod tests {
             ("post", "/v1/consumers/{consumer_id}/inbox/batch", &["invalid_envelope", "inexact_number"]),
             ("put", "/v1/consumers/{consumer_id}", &["unknown_handler"]),
             ("get", "/v1/runs", &["limit_exceeded", "invalid_argument"]),
-            ("post", "/v1/runs/{run_id}/events", &["limit_exceeded"]),
         ] {
             let invalid = operation(&doc, method, path)["responses"]["400"]["description"].as_str().unwrap();
             for code in codes {
@@ -603,6 +602,17 @@ mod tests {
             let schema = &operation(&doc, method, path)["responses"]["400"]["content"]["application/json"]["schema"];
             assert_eq!(schema["$ref"], "#/components/schemas/ErrorBody", "{method} {path}");
         }
+    }
+
+    /// A full run's refusal is its send's own 429, with its code beside the token's rate limit.
+    #[test]
+    fn a_full_run_is_a_documented_429_of_its_send() {
+        let doc = document();
+        let full = operation(&doc, "post", "/v1/runs/{run_id}/events")["responses"]["429"]["description"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert!(full.contains("`run_events_full`") && full.contains("`rate_limited`"), "{full}");
     }
 
     /// Strings of the pattern without its anchors (proptest generates from the rest; it matches

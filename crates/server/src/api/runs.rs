@@ -752,9 +752,9 @@ pub struct EventSent {
     request_body = EventBody,
     responses(
         (status = 200, description = "`sent` or `duplicate`", body = EventSent),
-        (status = 400, description = "`limit_exceeded`: the run holds 10,000 events no wait consumed yet, the most a run holds (a duplicate of one it holds is still `duplicate`); it takes more once its waits consumed some", body = ErrorBody),
         (status = 404, description = "`not_found`: no such run", body = ErrorBody),
         (status = 409, description = "`invalid_state_change`: the run is finished", body = ErrorBody),
+        (status = 429, description = "`run_events_full`: the run holds 10,000 events no wait consumed yet, the most a run holds, and nothing was written (a duplicate of one it holds is still `duplicate`); send again once its waits consumed some. Or `rate_limited`: too many requests for this token", body = ErrorBody),
     ),
     security(("bearer" = ["operate"]))
 )]

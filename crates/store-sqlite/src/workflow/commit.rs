@@ -442,7 +442,7 @@ fn apply(
                 Ok(_) => Ok(serde_json::json!({"to": to, "event_id": event_id})),
                 // A receiver holding its most events waits for its waits to consume some: the
                 // send is not journaled, and the sender tries again after a delay.
-                Err(Error::Invalid { code: codes::LIMIT_EXCEEDED, message }) => {
+                Err(Error::Invalid { code: codes::RUN_EVENTS_FULL, message }) => {
                     return Ok(WriteResult::TxResult(Err(StepFailure::retryable(format!(
                         "cannot send to run {to:?} yet: {message}"
                     )))));
