@@ -843,10 +843,7 @@ impl Settings {
     /// The clock offset file of the process `name` (`serve-0`, `worker-1`), when the run jumps
     /// clocks.
     fn clock_file(&self, name: &str) -> Option<PathBuf> {
-        [FaultKind::ClockJump, FaultKind::ClockJumpKill]
-            .iter()
-            .any(|k| self.kinds.contains(k))
-            .then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
+        schedule::jumps_clocks(&self.kinds).then(|| self.out.join("clocks").join(format!("{name}.offset_ms")))
     }
 
     /// The crash file of the process `name` (`tidemark_core::crash`), when the run arms crash
@@ -976,9 +973,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
             "--kinds io-error needs a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers must run on the fault VFS",
         ));
     }
-    if [FaultKind::ClockJump, FaultKind::ClockJumpKill].iter().any(|k| kinds.contains(k))
-        && !cfg!(feature = "failpoints")
-    {
+    if schedule::jumps_clocks(&kinds) && !cfg!(feature = "failpoints") {
         return Err(invalid(
             "--kinds clock-jump and clock-jump-kill need a build with the failpoints feature (cargo build --release -p tidemark-cli --features failpoints): the servers read their clock offset from a file",
         ));
@@ -993,7 +988,7 @@ fn validate(args: RunArgs, durability: &str) -> Result<Settings> {
     }
     let store = args.store.as_deref().map(PostgresStore::parse).transpose()?;
     if store.is_some() {
-        if [FaultKind::ClockJump, FaultKind::ClockJumpKill].iter().any(|k| kinds.contains(k)) {
+        if schedule::jumps_clocks(&kinds) {
             return Err(invalid(
                 "--kinds clock-jump (and clock-jump-kill) acts on the servers' clock files; with --store postgres://... \
                  combine sigkill, sigstop, partition, remote-kill, db-crash, power-loss and io-error",

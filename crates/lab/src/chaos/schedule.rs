@@ -67,6 +67,11 @@ const RESTART_DELAY_MS_RANGE: (u64, u64) = (50, 1_500);
 /// runs are taken over while it is stopped).
 const PAUSE_PAST_LEASE_MS_RANGE: (u64, u64) = (200, 1_500);
 
+/// Do these kinds step a process's wall clock (`clock-jump`, `clock-jump-kill`)?
+pub fn jumps_clocks(kinds: &[FaultKind]) -> bool {
+    kinds.iter().any(|k| matches!(k, FaultKind::ClockJump | FaultKind::ClockJumpKill))
+}
+
 /// What a fault does to its process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
