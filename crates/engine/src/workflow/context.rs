@@ -526,7 +526,7 @@ where
     /// `to` that does not exist or has ended is this step's failure
     /// ([`WorkflowError::StepFailed`]). A run `to` that holds its most events no wait consumed
     /// yet ([`tidemark_core::workflow::RUN_EVENTS_HELD_MAX`]) makes this run wait (suspended,
-    /// its lease released, nothing journaled) for the first delay of the worker's retry policy
+    /// its lease released, nothing journaled) for the first delay of its workflow's retry policy
     /// and send again, until `to` takes it or ends: propagate the suspension with `?`.
     pub async fn send<T: Serialize>(&self, to: &str, topic: &str, payload: &T) -> Result<(), WorkflowError> {
         let payload = serde_json::to_value(payload)
